@@ -1,0 +1,142 @@
+"""The Backend: a ``pyarrow.fs.FileSystem`` plus what pyarrow.fs does not say.
+
+pyarrow.fs gives one interface to every store; it does not say how a
+filesystem is built from a URI and options, nor what the store can promise.
+A :class:`Backend` adds both. The commit protocol, transfer planning and
+durability code test :class:`Capabilities` instead of concrete classes.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow.fs as pafs
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a store promises. Callers choose strategies from these flags.
+
+    Attributes:
+        atomic_rename: renaming a directory is atomic and fails if the target
+            exists and is not empty (POSIX ``rename``). Chooses the
+            rename-into-place commit; otherwise the marker-last commit.
+        needs_fsync: written data is durable only after ``fsync`` (local disks).
+            Object stores are durable once a PUT succeeds.
+        server_side_copy: ``copy_file`` runs inside the store, no bytes pass
+            through this process.
+        strong_listing: a listing right after a write shows that write.
+        directories: the store has real directories. Object stores do not;
+            there we never create directory-marker objects ourselves.
+        chunk_size: bytes per read/write call that transfers use by default.
+        concurrency: default number of files transferred at once.
+    """
+
+    atomic_rename: bool = False
+    needs_fsync: bool = False
+    server_side_copy: bool = False
+    strong_listing: bool = True
+    directories: bool = False
+    chunk_size: int = 8 * 1024 * 1024
+    concurrency: int = 8
+
+
+LOCAL_CAPABILITIES = Capabilities(
+    atomic_rename=True,
+    needs_fsync=True,
+    server_side_copy=True,
+    directories=True,
+    chunk_size=8 * 1024 * 1024,
+    concurrency=4,
+)
+MEMORY_CAPABILITIES = Capabilities(
+    server_side_copy=True, directories=True, chunk_size=8 * 1024 * 1024, concurrency=1
+)
+OBJECT_STORE_CAPABILITIES = Capabilities(chunk_size=64 * 1024 * 1024, concurrency=16)
+
+
+@dataclass(frozen=True, repr=False)
+class Backend:
+    """A filesystem and the facts needed to use it well.
+
+    Args:
+        filesystem: any ``pyarrow.fs.FileSystem`` (an fsspec filesystem is
+            wrapped with ``pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))``
+            by :func:`wrap_filesystem` before it gets here).
+        scheme: the URI scheme paths of this backend print with (``"s3"``).
+        capabilities: see :class:`Capabilities`.
+        name: a human name for messages (``"S3 (pyarrow)"``).
+        rebuild: a zero-argument callable that builds a fresh filesystem, used
+            once when credentials expire. Never printed.
+
+    The repr shows the scheme, name and filesystem type only: credentials
+    held by the filesystem or by ``rebuild`` never appear.
+    """
+
+    filesystem: pafs.FileSystem
+    scheme: str
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    name: str = ""
+    rebuild: Callable[[], pafs.FileSystem] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.filesystem, pafs.FileSystem):
+            raise TypeError(
+                f"Backend.filesystem must be a pyarrow.fs.FileSystem, got "
+                f"{type(self.filesystem).__name__}; wrap fsspec filesystems with "
+                "checkpoint_store.backends.wrap_filesystem()"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"Backend(scheme={self.scheme!r}, name={self.name or self.scheme!r}, "
+            f"filesystem={type(self.filesystem).__name__})"
+        )
+
+    def path_from_uri(self, uri: str) -> str:
+        """The filesystem path for ``uri`` (``s3://b/k`` -> ``b/k``).
+
+        Local-style backends (real directories) keep a leading ``/``.
+        """
+        rest = uri.split("://", 1)[1] if "://" in uri else uri
+        rest = rest.rstrip("/")
+        if self.capabilities.directories and not rest.startswith("/"):
+            rest = "/" + rest
+        return rest or "/"
+
+    def uri_for(self, path: str) -> str:
+        """The URI a user can paste back in for ``path`` of this filesystem."""
+        if self.scheme == "file":
+            return "file://" + path
+        return f"{self.scheme}://{path.lstrip('/')}"
+
+
+BackendFactory = Callable[[str, Mapping[str, Any]], Backend]
+
+
+def join(path: str, *parts: str) -> str:
+    """Join filesystem paths with ``/`` whatever the platform (never a URI)."""
+    return posixpath.join(path, *parts)
+
+
+def wrap_filesystem(filesystem: Any) -> pafs.FileSystem:
+    """Return ``filesystem`` as a ``pyarrow.fs.FileSystem``.
+
+    Raises:
+        TypeError: it is neither a pyarrow nor an fsspec filesystem.
+    """
+    if isinstance(filesystem, pafs.FileSystem):
+        return filesystem
+    try:
+        import fsspec
+    except ImportError:  # pragma: no cover - fsspec is a core dependency
+        fsspec = None
+    if fsspec is not None and isinstance(filesystem, fsspec.AbstractFileSystem):
+        return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem))
+    raise TypeError(
+        f"filesystem must be a pyarrow.fs.FileSystem or an fsspec AbstractFileSystem, "
+        f"got {type(filesystem).__name__}"
+    )

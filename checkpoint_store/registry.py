@@ -1,0 +1,357 @@
+"""Which backend serves which URI scheme.
+
+Two ways to add a backend. In code::
+
+    from checkpoint_store import register_backend
+    register_backend("myfs", "my_pkg.backend:make_backend")   # dotted path, imported lazily
+    register_backend("myfs", make_backend, clobber=True)      # or the callable itself
+
+Through packaging, in the plugin distribution's ``pyproject.toml``::
+
+    [project.entry-points."checkpoint_store.backends"]
+    myfs = "my_pkg.backend:make_backend"
+
+A factory is called as ``factory(uri, storage_options)`` and returns a
+:class:`~checkpoint_store.backends.Backend`.
+
+Precedence, highest first: :func:`register_backend` calls in this process,
+then entry points of other distributions, then the built-ins shipped in
+checkpoint-store itself (which are entry points too). Nothing is imported
+until a scheme is first used, so ``import checkpoint_store`` stays cheap and
+imports no cloud SDK.
+
+A scheme nobody registered but fsspec knows falls back to a generic fsspec
+backend, with a warning that it is untested. A known cloud scheme whose
+plugin is not installed raises :class:`BackendUnavailableError` naming the
+distribution to install. Anything else raises :class:`UnknownSchemeError`
+listing the registered schemes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from importlib.metadata import entry_points
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from checkpoint_store.backends.base import (
+    LOCAL_CAPABILITIES,
+    MEMORY_CAPABILITIES,
+    OBJECT_STORE_CAPABILITIES,
+    Backend,
+    Capabilities,
+    wrap_filesystem,
+)
+from checkpoint_store.errors import (
+    BackendUnavailableError,
+    InvalidConfigError,
+    UnknownSchemeError,
+)
+
+ENTRY_POINT_GROUP = "checkpoint_store.backends"
+_OWN_DISTRIBUTION = "checkpoint-store"
+
+# Used when checkpoint-store runs from a source tree that was never installed
+# (no entry-point metadata); an installed checkpoint-store declares the same.
+_BUILTINS: dict[str, str] = {
+    "file": "checkpoint_store.backends.local:local_backend",
+    "local": "checkpoint_store.backends.local:local_backend",
+    "memory": "checkpoint_store.backends.memory:memory_backend",
+}
+
+# Schemes with a plugin distribution of ours: what to install when missing.
+KNOWN_PLUGINS: dict[str, str] = {
+    "s3": "checkpoint-store-s3",
+    "s3a": "checkpoint-store-s3",
+    "az": "checkpoint-store-azure",
+    "abfs": "checkpoint-store-azure",
+    "abfss": "checkpoint-store-azure",
+    "gs": "checkpoint-store-gcs",
+    "gcs": "checkpoint-store-gcs",
+}
+
+_SCHEME_RE = re.compile(r"^[a-z][a-z0-9+.\-]*$")
+_URI_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
+_WINDOWS_DRIVE_RE = re.compile(r"^[A-Za-z]:[\\/]")
+
+Factory = Callable[[str, Mapping[str, Any]], Backend]
+
+_lock = threading.Lock()
+_code_registered: dict[str, Factory | str] = {}
+_entry_points: dict[str, tuple[str, str]] | None = None  # scheme -> (value, distribution)
+
+
+def _validate_scheme(scheme: str) -> str:
+    if not isinstance(scheme, str) or not _SCHEME_RE.match(scheme):
+        raise InvalidConfigError(
+            f"invalid scheme {scheme!r}: use lowercase letters, digits, '+', '-' or '.', "
+            "starting with a letter (like 's3' or 'myfs')"
+        )
+    return scheme
+
+
+def register_backend(scheme: str, factory: Factory | str, *, clobber: bool = False) -> None:
+    """Register ``factory`` for URIs starting with ``scheme://``.
+
+    Args:
+        scheme: lowercase URI scheme, e.g. ``"myfs"``.
+        factory: a callable ``(uri, storage_options) -> Backend`` or a dotted
+            path ``"package.module:function"`` imported on first use.
+        clobber: replace an existing code registration for ``scheme``.
+            Code registrations always take precedence over entry points.
+
+    Raises:
+        InvalidConfigError: the scheme is malformed, or already registered in
+            code and ``clobber`` is False.
+        TypeError: ``factory`` is neither callable nor a string.
+    """
+    _validate_scheme(scheme)
+    if not (callable(factory) or isinstance(factory, str)):
+        raise TypeError(f"factory must be callable or a dotted path, got {type(factory).__name__}")
+    with _lock:
+        if scheme in _code_registered and not clobber:
+            raise InvalidConfigError(
+                f"scheme {scheme!r} is already registered; pass clobber=True to replace it"
+            )
+        _code_registered[scheme] = factory
+
+
+def unregister_backend(scheme: str) -> None:
+    """Remove a code registration (entry points and built-ins stay)."""
+    with _lock:
+        _code_registered.pop(scheme, None)
+
+
+def _load_entry_points() -> dict[str, tuple[str, str]]:
+    global _entry_points
+    if _entry_points is None:
+        found: dict[str, tuple[str, str]] = {}
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            dist = ep.dist.name if ep.dist is not None else "?"
+            # Other distributions win over our own built-ins.
+            if ep.name in found and dist == _OWN_DISTRIBUTION:
+                continue
+            found[ep.name] = (ep.value, dist)
+        _entry_points = found
+    return _entry_points
+
+
+def available_backends() -> dict[str, str]:
+    """Registered schemes and where each comes from.
+
+    Returns:
+        ``{scheme: source}``, source being ``"code"`` for
+        :func:`register_backend`, else the distribution name that provides it.
+    """
+    result: dict[str, str] = {s: _OWN_DISTRIBUTION for s in _BUILTINS}
+    for scheme, (_, dist) in _load_entry_points().items():
+        result[scheme] = dist
+    for scheme in _code_registered:
+        result[scheme] = "code"
+    return dict(sorted(result.items()))
+
+
+def _import_dotted(value: str) -> Any:
+    module, _, attr = value.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split(".") if attr else []:
+        obj = getattr(obj, part)
+    return obj
+
+
+def _factory_for(scheme: str) -> tuple[Factory, str]:
+    """The factory for ``scheme`` and a label naming where it came from."""
+    if scheme in _code_registered:
+        entry = _code_registered[scheme]
+        label = f"code-registered backend {scheme!r}"
+        if isinstance(entry, str):
+            return _import_dotted(entry), f"{label} ({entry})"
+        return entry, label
+    eps = _load_entry_points()
+    if scheme in eps:
+        value, dist = eps[scheme]
+        return _import_dotted(value), f"plugin {value!r} from distribution {dist!r}"
+    if scheme in _BUILTINS:
+        return _import_dotted(_BUILTINS[scheme]), f"built-in backend {scheme!r}"
+    raise KeyError(scheme)
+
+
+def _call_factory(factory: Factory, label: str, uri: str, options: Mapping[str, Any]) -> Backend:
+    backend = factory(uri, options)
+    if not isinstance(backend, Backend):
+        raise TypeError(
+            f"{label} returned {type(backend).__name__}, not a checkpoint_store Backend"
+        )
+    return backend
+
+
+def _fsspec_fallback(scheme: str, uri: str, options: Mapping[str, Any]) -> Backend | None:
+    import fsspec
+
+    if scheme not in fsspec.available_protocols():
+        return None
+    warnings.warn(
+        f"no checkpoint-store backend is registered for {scheme!r}; using the generic "
+        "fsspec backend, which is untested for this store",
+        stacklevel=4,
+    )
+    try:
+        fs = fsspec.filesystem(scheme, **dict(options))
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"scheme {scheme!r} needs a package that is not installed: {exc}"
+        ) from None
+    return Backend(
+        wrap_filesystem(fs),
+        scheme=scheme,
+        capabilities=OBJECT_STORE_CAPABILITIES,
+        name=f"fsspec:{scheme}",
+    )
+
+
+def split_scheme(location: str) -> str | None:
+    """The lowercase scheme of ``location``, or None for a plain local path.
+
+    Raises:
+        InvalidConfigError: it has a scheme but not ``scheme://`` (``s3:/bucket``).
+    """
+    if _WINDOWS_DRIVE_RE.match(location) and os.name == "nt":
+        return None
+    m = _URI_SCHEME_RE.match(location)
+    if not m:
+        return None
+    if not location[m.end() :].startswith("//"):
+        raise InvalidConfigError(
+            f"malformed URI {location!r}: expected {m.group(1)}://..., "
+            "or use a path without a scheme for local storage"
+        )
+    return m.group(1).lower()
+
+
+def backend_for_scheme(
+    scheme: str, uri: str = "", storage_options: Mapping[str, Any] | None = None
+) -> Backend:
+    """Build the backend that serves ``scheme`` (see module docs for the rules).
+
+    Raises:
+        BackendUnavailableError: a known scheme whose plugin is not installed.
+        UnknownSchemeError: nobody knows the scheme.
+        TypeError: the factory returned something that is not a Backend.
+    """
+    options = dict(storage_options or {})
+    try:
+        factory, label = _factory_for(scheme)
+    except KeyError:
+        pass
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"the backend for {scheme!r} failed to import ({exc}); reinstall its plugin"
+        ) from None
+    else:
+        return _call_factory(factory, label, uri or f"{scheme}://", options)
+    if scheme in KNOWN_PLUGINS:
+        dist = KNOWN_PLUGINS[scheme]
+        raise BackendUnavailableError(
+            f"{scheme}:// needs the {dist} plugin: pip install {dist}"
+        )
+    fallback = _fsspec_fallback(scheme, uri, options)
+    if fallback is not None:
+        return fallback
+    known = ", ".join(sorted(available_backends()))
+    raise UnknownSchemeError(
+        f"unknown storage scheme {scheme!r} in {uri!r}. Registered schemes: {known}. "
+        "Install a plugin for it or call checkpoint_store.register_backend()"
+    )
+
+
+def backend_for_filesystem(filesystem: Any) -> Backend:
+    """A Backend for a filesystem instance the user passed in.
+
+    The instance is used as given for every I/O; only the capabilities are
+    inferred from its type (and for fsspec filesystems, their protocol).
+
+    Raises:
+        TypeError: not a pyarrow or fsspec filesystem.
+    """
+    fs = wrap_filesystem(filesystem)
+    return Backend(fs, **_describe(fs))
+
+
+def _describe(fs: pafs.FileSystem) -> dict[str, Any]:
+    if isinstance(fs, pafs.LocalFileSystem):
+        return {"scheme": "file", "capabilities": LOCAL_CAPABILITIES, "name": "local"}
+    if isinstance(fs, pafs.SubTreeFileSystem):
+        return _describe(fs.base_fs)
+    if isinstance(fs, pafs.PyFileSystem) and isinstance(fs.handler, pafs.FSSpecHandler):
+        inner = fs.handler.fs
+        proto = inner.protocol if isinstance(inner.protocol, str) else inner.protocol[0]
+        if proto == "memory":
+            return {"scheme": "memory", "capabilities": MEMORY_CAPABILITIES, "name": "memory"}
+        if proto in ("file", "local"):
+            caps = Capabilities(
+                atomic_rename=True, needs_fsync=True, directories=True, concurrency=4
+            )
+            return {"scheme": "file", "capabilities": caps, "name": "fsspec:local"}
+        return {
+            "scheme": proto,
+            "capabilities": OBJECT_STORE_CAPABILITIES,
+            "name": f"fsspec:{proto}",
+        }
+    scheme = {"s3": "s3", "gcs": "gs", "abfs": "abfs"}.get(fs.type_name, fs.type_name)
+    return {"scheme": scheme, "capabilities": OBJECT_STORE_CAPABILITIES, "name": fs.type_name}
+
+
+def resolve(
+    location: str | os.PathLike[str],
+    *,
+    filesystem: Any = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> tuple[Backend, str]:
+    """Resolve a user's location into ``(backend, path within its filesystem)``.
+
+    Args:
+        location: a local path (str or PathLike; ``~`` expanded, made
+            absolute) or a URI (``file://``, ``memory://``, ``s3://`` ...).
+            With ``filesystem``, a path inside that filesystem, used as given
+            apart from a trailing ``/``.
+        filesystem: a ``pyarrow.fs.FileSystem`` or fsspec filesystem instance;
+            all I/O then goes through it.
+        storage_options: passed to the backend factory (credentials,
+            endpoint ...). Not allowed together with ``filesystem``.
+
+    Raises:
+        InvalidConfigError: malformed URI or conflicting arguments.
+        UnknownSchemeError, BackendUnavailableError: see :func:`backend_for_scheme`.
+    """
+    if filesystem is not None:
+        if storage_options:
+            raise InvalidConfigError(
+                "pass either a filesystem instance or storage_options, not both"
+            )
+        path = os.fspath(location)
+        if not isinstance(path, str) or not path:
+            raise InvalidConfigError("storage path inside the given filesystem must be non-empty")
+        stripped = path.rstrip("/") or "/"
+        return backend_for_filesystem(filesystem), stripped
+    path = os.fspath(location)
+    if not isinstance(path, str):
+        raise InvalidConfigError(f"location must be a str or PathLike of str, got {path!r}")
+    if not path:
+        raise InvalidConfigError("location must be a non-empty path or URI")
+    scheme = split_scheme(path)
+    if scheme is None:
+        if storage_options:
+            raise InvalidConfigError("storage_options were given for a local path")
+        backend = backend_for_scheme("file", "file://", None)
+        return backend, os.path.abspath(os.path.expanduser(path))
+    backend = backend_for_scheme(scheme, path, storage_options)
+    fs_path = backend.path_from_uri(path)
+    if not fs_path.strip("/") and not backend.capabilities.directories:
+        raise InvalidConfigError(f"URI {path!r} names no bucket or container")
+    return backend, fs_path

@@ -1,0 +1,164 @@
+"""``report(metrics, checkpoint=...)`` and friends, the same in every loop.
+
+Usage::
+
+    from checkpoint_store import session, Checkpoint, CheckpointConfig
+
+    with session.start(storage_path="s3://bucket/runs", experiment_name="exp",
+                       trial_name="t0", checkpoint_config=CheckpointConfig(num_to_keep=3)):
+        start = session.get_checkpoint()      # None, or the newest committed one
+        for epoch in range(10):
+            ...
+            session.report({"loss": loss}, checkpoint=Checkpoint.from_directory(tmp))
+
+The active session is per thread (a tuning trial runs in its own thread),
+falling back to the one started first in the process, so helper threads of a
+training loop report into the same session.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from checkpoint_store.checkpoint import Checkpoint
+from checkpoint_store.errors import CheckpointStoreError
+from checkpoint_store.retention import CheckpointConfig
+from checkpoint_store.session._session import AUTO_FILLED, Session, SessionContext
+from checkpoint_store.storage import StorageContext
+
+__all__ = [
+    "AUTO_FILLED",
+    "Session",
+    "SessionContext",
+    "start",
+    "report",
+    "get_checkpoint",
+    "get_context",
+    "get_session",
+]
+
+_local = threading.local()
+_process_session: Session | None = None
+_state_lock = threading.Lock()
+
+
+class _ActiveSession:
+    """Context manager returned by :func:`start`; ends the session on exit."""
+
+    def __init__(self, session: Session, thread_only: bool):
+        self.session = session
+        self._thread_only = thread_only
+        _activate(session, thread_only)
+
+    def __enter__(self) -> Session:
+        return self.session
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
+
+    def end(self) -> None:
+        _deactivate(self.session)
+
+
+def _activate(session: Session, thread_only: bool) -> None:
+    global _process_session
+    if getattr(_local, "session", None) is not None:
+        raise CheckpointStoreError(
+            "a session is already active in this thread; end it before starting another"
+        )
+    _local.session = session
+    if not thread_only:
+        with _state_lock:
+            if _process_session is None:
+                _process_session = session
+
+
+def _deactivate(session: Session) -> None:
+    global _process_session
+    session.close()
+    if getattr(_local, "session", None) is session:
+        _local.session = None
+    with _state_lock:
+        if _process_session is session:
+            _process_session = None
+
+
+def start(
+    *,
+    storage_path: str | os.PathLike[str] = "~/checkpoint_store_results",
+    experiment_name: str = "default",
+    trial_name: str = "default",
+    checkpoint_config: CheckpointConfig | None = None,
+    storage_filesystem: Any = None,
+    storage_options: Mapping[str, Any] | None = None,
+    config: Mapping[str, Any] | None = None,
+    world_rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    _thread_only: bool = False,
+) -> _ActiveSession:
+    """Start a session; use as ``with session.start(...) as s:``.
+
+    Args:
+        storage_path: where experiments live (local path or URI); see
+            :class:`~checkpoint_store.StorageContext`.
+        experiment_name, trial_name: layout names, one path component each.
+        checkpoint_config: retention rules (default: keep all).
+        storage_filesystem: a pyarrow or fsspec filesystem used for all I/O.
+        storage_options: backend options for a URI ``storage_path``.
+        config: the trial's hyperparameters, written to ``params.json``.
+        world_rank, world_size, local_rank: default to the ``RANK``,
+            ``WORLD_SIZE``, ``LOCAL_RANK`` environment variables torchrun sets.
+
+    Raises:
+        InvalidConfigError: bad names, location or config; nothing is written.
+        CheckpointStoreError: a session is already active in this thread.
+    """
+    storage = StorageContext(
+        storage_path, experiment_name, trial_name,
+        storage_filesystem=storage_filesystem, storage_options=storage_options,
+    )
+    if getattr(_local, "session", None) is not None:
+        raise CheckpointStoreError(
+            "a session is already active in this thread; end it before starting another"
+        )
+    sess = Session(
+        storage, checkpoint_config, config=config,
+        world_rank=world_rank, world_size=world_size, local_rank=local_rank,
+    )
+    return _ActiveSession(sess, _thread_only)
+
+
+def get_session() -> Session:
+    """The active session of this thread (else of the process).
+
+    Raises:
+        CheckpointStoreError: no session is active.
+    """
+    s = getattr(_local, "session", None) or _process_session
+    if s is None:
+        raise CheckpointStoreError(
+            "no active session: wrap your loop in `with checkpoint_store.session.start(...):`"
+        )
+    return s
+
+
+def report(metrics: Mapping[str, Any], *, checkpoint: Checkpoint | None = None) -> dict[str, Any]:
+    """Report ``metrics`` (and optionally a checkpoint) to the active session.
+
+    Same role as Ray Train's ``ray.train.report``. See :meth:`Session.report`.
+    """
+    return get_session().report(metrics, checkpoint=checkpoint)
+
+
+def get_checkpoint() -> Checkpoint | None:
+    """The newest committed checkpoint of the active trial, for resuming."""
+    return get_session().get_checkpoint()
+
+
+def get_context() -> SessionContext:
+    """Names, ranks and storage of the active session."""
+    return get_session().get_context()
