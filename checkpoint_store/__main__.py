@@ -1,0 +1,3 @@
+from checkpoint_store.cli import main
+
+main()

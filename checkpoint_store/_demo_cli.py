@@ -1,0 +1,60 @@
+"""``checkpoint-store demo``: the digits run with retention, a table, and resume."""
+
+from __future__ import annotations
+
+import posixpath
+
+import click
+
+from checkpoint_store import CheckpointConfig, StorageContext, session
+from checkpoint_store.errors import CheckpointStoreError
+
+EXPERIMENT = "digits-demo"
+TRIAL = "mlp"
+
+
+def run_demo(*, storage: str, epochs: int, num_to_keep: int, lr: float, seed: int,
+             resume: bool, epoch_delay: float = 0.0) -> int:
+    """Run the demo; returns the process exit code."""
+    from checkpoint_store.demo import test_accuracy_of, train_digits
+
+    ctx = StorageContext(storage, EXPERIMENT, TRIAL)
+    if not resume and ctx.checkpoint_dirs():
+        click.echo(f"Starting fresh: removing the previous demo trial {ctx.uri(ctx.trial_path)}")
+        from checkpoint_store import _fsutil
+
+        _fsutil.delete_dir(ctx.filesystem, ctx.trial_path)
+    config = CheckpointConfig(
+        num_to_keep=num_to_keep,
+        checkpoint_score_attribute="val_accuracy",
+        checkpoint_score_order="max",
+    )
+    trial_config = {"lr": lr, "epochs": epochs, "seed": seed, "epoch_delay_s": epoch_delay,
+                    "verbose": True}
+    with session.start(
+        storage_path=storage, experiment_name=EXPERIMENT, trial_name=TRIAL,
+        checkpoint_config=config, config=trial_config,
+    ) as s:
+        if resume and s.get_checkpoint() is None:
+            click.echo("Nothing to resume from: starting at epoch 1")
+        train_digits(trial_config)
+        best = s.manager.best_checkpoints
+    if not best:
+        raise CheckpointStoreError("the run produced no checkpoint")
+    click.echo("")
+    click.echo(f"Kept checkpoints (best {num_to_keep} by val_accuracy, plus the latest):")
+    click.echo(f"{'index':>6}  {'epoch':>5}  {'val_accuracy':>12}  path")
+    for ckpt, metrics in sorted(best, key=lambda cm: cm[0].internal_metadata["index"]):
+        index = ckpt.internal_metadata["index"]
+        click.echo(
+            f"{index:>6}  {metrics['epoch']:>5}  {metrics['val_accuracy']:>12.4f}  {ckpt.uri}"
+        )
+    best_ckpt, best_metrics = best[0]
+    acc = test_accuracy_of(best_ckpt, seed)
+    click.echo("")
+    click.echo(
+        f"Best checkpoint: {posixpath.basename(best_ckpt.path)} (epoch {best_metrics['epoch']}, "
+        f"val_accuracy {best_metrics['val_accuracy']:.4f})"
+    )
+    click.echo(f"Test accuracy of the model loaded from it: {acc:.4f}")
+    return 0

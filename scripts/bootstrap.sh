@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Create .venv and install checkpoint-store with what the given extras need.
+# Idempotent: a stamp keyed on the dependency files skips work already done.
+# Usage: scripts/bootstrap.sh demo|test
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-test}"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+pip_install() {
+    .venv/bin/python -m pip install --disable-pip-version-check -q -c constraints.txt "$@" 2>&1 \
+        | { grep -v "^WARNING: Location" || true; }
+    return "${PIPESTATUS[0]}"
+}
+stamp_of() {
+    cat constraints.txt pyproject.toml scripts/bootstrap.sh \
+        $(ls backends/*/pyproject.toml tests/plugins/*/pyproject.toml tools/package.json 2>/dev/null) \
+        | sha256sum | cut -c1-16
+}
+stamp=".venv/.installed-$what-$(stamp_of)"
+if [ -f "$stamp" ]; then
+    exit 0
+fi
+case "$what" in
+    demo)
+        pip_install -e ".[demo]"
+        ;;
+    test)
+        args=(-e ".[test,demo,tune,docs,bench]")
+        for p in backends/*/pyproject.toml tests/plugins/*/pyproject.toml; do
+            [ -f "$p" ] && args+=(-e "$(dirname "$p")")
+        done
+        # The CPU build of torch lies on this machine's disk; a plain "torch"
+        # would pull a multi-GB CUDA build.
+        pip_install "${args[@]}" "torch==2.13.0"
+        if [ -f tools/package.json ]; then
+            (cd tools && npm install --no-audit --no-fund --loglevel=error >/dev/null)
+        fi
+        ;;
+    *)
+        echo "usage: scripts/bootstrap.sh demo|test" >&2
+        exit 2
+        ;;
+esac
+rm -f .venv/.installed-"$what"-*
+touch "$stamp"
