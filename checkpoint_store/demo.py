@@ -172,9 +172,14 @@ def train_digits(config: Mapping[str, Any] | None = None) -> None:
         val = accuracy(params, data.x_val, data.y_val)
         with tempfile.TemporaryDirectory(prefix="digits-ckpt-") as tmp:
             save_state(tmp, params, velocity, epoch, rng)
+            checkpoint = Checkpoint.from_directory(tmp)
+            checkpoint.set_metadata(
+                {"model": "mlp", "framework": "numpy", "hidden": int(cfg["hidden"]),
+                 "epoch": epoch}
+            )
             session.report(
                 {"epoch": epoch, "train_loss": loss, "val_accuracy": val},
-                checkpoint=Checkpoint.from_directory(tmp),
+                checkpoint=checkpoint,
             )
         if cfg["verbose"]:
             print(f"epoch {epoch:>3}  train_loss {loss:.4f}  val_accuracy {val:.4f}", flush=True)

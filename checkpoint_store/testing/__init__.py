@@ -1,0 +1,1 @@
+"""Test helpers shipped with checkpoint-store."""

@@ -1,0 +1,1 @@
+"""pytest plugin: server fixtures (filled in by the backends work)."""
