@@ -104,7 +104,8 @@ class Session:
         self.manager = CheckpointManager(self.checkpoint_config, storage)
         committed = storage.committed_checkpoints()
         self._latest: Checkpoint | None = committed[-1][0] if committed else None
-        self._next_index = storage.next_checkpoint_index()
+        # Numbering continues past every index the retention state remembers.
+        self._next_index = max(storage.next_checkpoint_index(), self.manager.next_index)
         self._start = time.time()
         self._last_report = self._start
 
@@ -164,13 +165,19 @@ class Session:
             )
             self._last_report = now
             if checkpoint is not None:
+                try:  # refuse a bad score before anything is uploaded
+                    self.manager.validate_metrics(row)
+                except CheckpointStoreError:
+                    self._iteration -= 1
+                    raise
                 index = self._next_index
                 from checkpoint_store._layout import checkpoint_dir_name
 
                 row["checkpoint_dir_name"] = checkpoint_dir_name(index)
                 persisted = self.storage.persist_checkpoint(
                     checkpoint, index,
-                    {"metrics": row, "world_size": self.world_size},
+                    {"metrics": row, "world_size": self.world_size,
+                     "run_id": self.manager.run_id},
                 )
                 self._next_index = index + 1
                 self._latest = persisted
@@ -180,3 +187,5 @@ class Session:
 
     def close(self) -> None:
         self._closed = True
+        # Releases the trial's retention lease (also when an exception ends the session).
+        self.manager.close()
