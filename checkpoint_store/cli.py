@@ -1,15 +1,1267 @@
-"""The ``checkpoint-store`` command line."""
+"""The ``checkpoint-store`` command line: inspect, copy, verify and prune checkpoints.
+
+Every location argument is a local path or any backend URI (``s3://``,
+``az://``, ``gs://``, ``memory://`` ...). Backend options (endpoint,
+credentials) come from ``-o/--storage-option KEY=VALUE`` or from the usual
+environment variables each backend reads (``AWS_*``, ``AZURE_STORAGE_*``,
+``GOOGLE_APPLICATION_CREDENTIALS``).
+
+Exit codes: 0 success, 1 failure (not found, corrupt, I/O), 2 usage error
+(bad arguments, unknown scheme, invalid configuration). Errors print as one
+line with a hint; ``--debug`` adds the traceback.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+import os
+import posixpath
 import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime, timezone
+from typing import Any
 
 import click
 
+from checkpoint_store import _fsutil
+from checkpoint_store._layout import (
+    INTERNAL_METADATA,
+    INTERNAL_PREFIX,
+    MANAGER_STATE,
+    PARAMS_FILE,
+    RESULT_FILE,
+    checkpoint_dir_name,
+    is_internal_file,
+    parse_checkpoint_dir_name,
+)
+from checkpoint_store.backends.base import Backend
+from checkpoint_store.errors import (
+    BackendUnavailableError,
+    CheckpointConflictError,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointStoreError,
+    InvalidConfigError,
+    UnknownSchemeError,
+)
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+_TRIAL_FILES = frozenset({RESULT_FILE, PARAMS_FILE, MANAGER_STATE})
+_STAGING_PREFIX = f"{INTERNAL_PREFIX}staging-"
+
+
+# -- errors -------------------------------------------------------------------------
+
+
+def _hint_for(exc: BaseException) -> str | None:
+    if isinstance(exc, UnknownSchemeError):
+        return "`checkpoint-store backends` lists the installed schemes"
+    if isinstance(exc, BackendUnavailableError):
+        return "install the plugin named above, then `checkpoint-store backends` to check"
+    if isinstance(exc, InvalidConfigError):
+        return "see `checkpoint-store COMMAND --help` for the expected arguments"
+    if isinstance(exc, CheckpointCorruptError):
+        return ("the data changed after the commit; copy the checkpoint again from a good "
+                "source or delete it")
+    if isinstance(exc, CheckpointNotFoundError):
+        return "`checkpoint-store ls` on the parent location shows what is there"
+    if isinstance(exc, CheckpointConflictError):
+        return "choose another destination, or delete the existing checkpoint first"
+    if isinstance(exc, PermissionError):
+        return ("check the credentials: --storage-option KEY=VALUE or the backend's "
+                "environment variables")
+    if isinstance(exc, (CheckpointStoreError, OSError)):
+        return "rerun with --debug for the full traceback"
+    return "this is likely a bug; rerun with --debug and report the traceback"
+
+
+def _exit_code_for(exc: BaseException) -> int:
+    return EXIT_USAGE if isinstance(exc, InvalidConfigError) else EXIT_FAILURE
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+class _Group(click.Group):
+    """Turns every error of a command into one line and an exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+        except Exception as exc:  # noqa: BLE001 - the one place errors become exit codes
+            if ctx.meta.get("cs.debug") or os.environ.get("CHECKPOINT_STORE_DEBUG"):
+                traceback.print_exc()
+            if isinstance(exc, CheckpointStoreError) or isinstance(exc, OSError):
+                msg = _one_line(str(exc) or type(exc).__name__)
+            else:
+                msg = _one_line(f"unexpected {type(exc).__name__}: {exc}")
+            hint = _hint_for(exc)
+            click.echo(f"error: {msg}" + (f" (hint: {hint})" if hint else ""), err=True)
+            ctx.exit(_exit_code_for(exc))
+
+
+# -- shared options -----------------------------------------------------------------
+
+
+def _set_meta(key: str) -> Callable[[click.Context, click.Parameter, Any], None]:
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+        if value:
+            ctx.meta[key] = True
+
+    return callback
+
+
+def _common(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--quiet`` and ``--debug``, accepted before or after the command name."""
+    f = click.option("-q", "--quiet", is_flag=True, expose_value=False,
+                     callback=_set_meta("cs.quiet"),
+                     help="No progress bars and no summary lines.")(f)
+    f = click.option("--debug", is_flag=True, expose_value=False,
+                     callback=_set_meta("cs.debug"),
+                     help="Print the full traceback on errors.")(f)
+    return f
+
+
+def _coerce_option(value: str) -> Any:
+    low = value.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    return value
+
+
+def parse_storage_options(items: Iterable[str]) -> dict[str, Any]:
+    """``["KEY=VALUE", ...]`` -> dict; ``true``/``false`` become booleans.
+
+    Raises:
+        click.BadParameter: an item without ``=`` or with an empty key.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(
+                f"{item!r} is not KEY=VALUE (e.g. -o endpoint_url=http://127.0.0.1:9000)"
+            )
+        out[key.strip()] = _coerce_option(value)
+    return out
+
+
+def _storage_option(*names: str, help_text: str | None = None) -> Callable[..., Any]:
+    names = names or ("-o", "--storage-option", "storage_options")
+    return click.option(
+        *names, multiple=True, metavar="KEY=VALUE",
+        callback=lambda ctx, p, v: parse_storage_options(v),
+        help=help_text or "Backend option for the location (endpoint, credentials ...); "
+        "repeatable. Environment variables of the backend apply too.",
+    )
+
+
+def _quiet() -> bool:
+    return bool(click.get_current_context().meta.get("cs.quiet"))
+
+
+def _echo_info(text: str) -> None:
+    if not _quiet():
+        click.echo(text)
+
+
+# -- locations ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Location:
+    backend: Backend
+    path: str
+
+    @property
+    def fs(self) -> Any:
+        return self.backend.filesystem
+
+    @property
+    def uri(self) -> str:
+        return self.backend.uri_for(self.path)
+
+    def child(self, *names: str) -> _Location:
+        return _Location(self.backend, posixpath.join(self.path, *names))
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path.rstrip("/"))
+
+
+def _is_local_location(text: str) -> bool:
+    from checkpoint_store.registry import split_scheme
+
+    return split_scheme(text) in (None, "file", "local")
+
+
+def _resolve(
+    text: str, options: Mapping[str, Any], *, options_if_remote: bool = False
+) -> _Location:
+    """Resolve a location; with ``options_if_remote`` options are dropped for local paths
+    (``cp`` shares one ``-o`` set between its two sides)."""
+    from checkpoint_store.registry import resolve
+
+    opts = dict(options)
+    if options_if_remote and _is_local_location(text):
+        opts = {}
+    backend, path = resolve(text, storage_options=opts or None)
+    return _Location(backend, path)
+
+
+def _entries(loc: _Location) -> list[tuple[str, bool]]:
+    """``(name, is_dir)`` of the direct children, sorted by name; ``[]`` when absent."""
+    out = []
+    for fi in _fsutil.list_dir(loc.fs, loc.path):
+        name = posixpath.basename(fi.path.rstrip("/"))
+        if name:
+            out.append((name, fi.type == _fsutil.pafs.FileType.Directory))
+    return sorted(out)
+
+
+def _looks_like_trial(entries: Iterable[tuple[str, bool]]) -> bool:
+    for name, is_dir in entries:
+        if name in _TRIAL_FILES or name.startswith(_STAGING_PREFIX):
+            return True
+        if is_dir and parse_checkpoint_dir_name(name) is not None:
+            return True
+    return False
+
+
+def _internal(loc: _Location) -> dict[str, Any] | None:
+    from checkpoint_store.transfer import read_internal_metadata
+
+    return read_internal_metadata(loc.fs, loc.path)
+
+
+def _kind(loc: _Location) -> str:
+    """What ``loc`` is: checkpoint, uncommitted, trial, experiment, root (or empty).
+
+    Raises:
+        CheckpointNotFoundError: nothing exists at ``loc``.
+    """
+    if _internal(loc) is not None:
+        return "checkpoint"
+    entries = _entries(loc)
+    if not entries:
+        fi = _fsutil.info(loc.fs, loc.path)
+        if fi.type == _fsutil.pafs.FileType.NotFound:
+            raise CheckpointNotFoundError(f"nothing exists at {loc.uri}")
+        if fi.type == _fsutil.pafs.FileType.File:
+            return "file"
+        return "uncommitted" if parse_checkpoint_dir_name(loc.name) is not None else "empty"
+    if _looks_like_trial(entries):
+        return "trial"
+    if parse_checkpoint_dir_name(loc.name) is not None:
+        return "uncommitted"
+    for name, is_dir in entries:
+        if is_dir and _looks_like_trial(_entries(loc.child(name))):
+            return "experiment"
+    return "root"
+
+
+def _trials_under(loc: _Location, kind: str) -> list[_Location]:
+    """Trial directories at or under ``loc`` (a trial, experiment or storage root)."""
+    if kind == "trial":
+        return [loc]
+    if kind == "experiment":
+        return [loc.child(n) for n, d in _entries(loc) if d and _looks_like_trial(
+            _entries(loc.child(n)))]
+    if kind in ("root", "empty"):
+        out: list[_Location] = []
+        for name, is_dir in _entries(loc):
+            if is_dir and not name.startswith("."):
+                out.extend(_trials_under(loc.child(name), "experiment"))
+        return out
+    return []
+
+
+def _committed(trial: _Location) -> list[tuple[_Location, dict[str, Any]]]:
+    """Committed checkpoints of a trial with their internal metadata, oldest first.
+
+    Same rule as ``StorageContext.committed_checkpoints``: a directory counts
+    only with a valid ``.internal_metadata.json``; order is the recorded index.
+    """
+    ctx = _storage_context(trial, strict=False)
+    if ctx is not None:
+        return [(_Location(trial.backend, c.path), meta) for c, meta in ctx.committed_checkpoints()]
+    out = []
+    for name, is_dir in _entries(trial):
+        if is_dir and parse_checkpoint_dir_name(name) is not None:
+            meta = _internal(trial.child(name))
+            if meta is not None:
+                out.append((trial.child(name), meta))
+    return sorted(out, key=lambda lm: lm[1]["index"])
+
+
+def _storage_context(trial: _Location, *, strict: bool = True) -> Any:
+    """A StorageContext for a trial path ``<storage>/<experiment>/<trial>``."""
+    from checkpoint_store.storage import StorageContext
+
+    parent, trial_name = posixpath.split(trial.path.rstrip("/"))
+    root, experiment = posixpath.split(parent)
+    try:
+        return StorageContext.from_backend(trial.backend, root, experiment, trial_name)
+    except InvalidConfigError:
+        if not strict:
+            return None
+        raise InvalidConfigError(
+            f"{trial.uri} is not a trial directory: a trial lives at "
+            "<storage>/<experiment>/<trial>"
+        ) from None
+
+
+def _require_trial(loc: _Location) -> None:
+    kind = _kind(loc)
+    if kind == "trial":
+        return
+    if kind == "empty":
+        raise CheckpointNotFoundError(f"{loc.uri} is empty: no checkpoints there")
+    raise InvalidConfigError(
+        f"{loc.uri} is a {kind}, not a trial directory (one holding checkpoint_NNNNNN/)"
+    )
+
+
+def _require_checkpoint(loc: _Location) -> dict[str, Any]:
+    meta = _internal(loc)
+    if meta is not None:
+        return meta
+    kind = _kind(loc)
+    if kind == "uncommitted":
+        raise CheckpointNotFoundError(
+            f"{loc.uri} is not a committed checkpoint (no valid {INTERNAL_METADATA}); it is "
+            "an interrupted write that `checkpoint-store gc` removes"
+        )
+    raise CheckpointNotFoundError(
+        f"{loc.uri} is a {kind}, not a checkpoint; pass a checkpoint_NNNNNN directory"
+    )
+
+
+# -- formatting ---------------------------------------------------------------------
+
+
+def _fmt_time(ts: Any) -> str:
+    if not isinstance(ts, (int, float)) or not math.isfinite(ts):
+        return "-"
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _fmt_size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}" if abs(v) < 1e6 else f"{v:.3f}"
+    if v is None:
+        return "-"
+    return str(v) if not isinstance(v, (dict, list)) else json.dumps(v, sort_keys=True)
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN and infinities become null: strict JSON for jq and friends."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _print_json(obj: Any) -> None:
+    click.echo(json.dumps(_json_safe(obj), indent=2, sort_keys=False, allow_nan=False))
+
+
+def _table(headers: list[str], rows: list[list[str]], right: Iterable[int] = ()) -> None:
+    right = set(right)
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        parts = [c.rjust(w) if i in right else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(cells, widths, strict=True))]
+        return "  ".join(parts).rstrip()
+
+    click.echo(line(headers))
+    for row in rows:
+        click.echo(line(row))
+
+
+def _manifest_size(meta: Mapping[str, Any]) -> int:
+    return sum(int(e.get("size", 0)) for e in meta.get("manifest", []))
+
+
+def _score_attribute(trial: _Location) -> tuple[str | None, str | None]:
+    """The score attribute and order recorded in the trial's retention state, if any."""
+    try:
+        raw = _fsutil.read_bytes(trial.fs, posixpath.join(trial.path, MANAGER_STATE))
+        config = json.loads(raw)["config"]
+        return config.get("checkpoint_score_attribute"), config.get("checkpoint_score_order")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None
+
+
+def _metric_value(metrics: Mapping[str, Any], attribute: str) -> Any:
+    from checkpoint_store.retention import lookup_metric
+
+    value = lookup_metric(metrics, attribute)
+    return None if value is not None and type(value) is object else value
+
+
+# -- the command group --------------------------------------------------------------
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"],
+                                           "max_content_width": 100})
+@click.version_option(package_name="checkpoint-store", prog_name="checkpoint-store")
+@_common
 def main() -> None:
-    """Save, keep and load ML training checkpoints on any storage."""
+    """Save, keep and load ML training checkpoints on any storage.
+
+    Inspect, copy, verify and prune checkpoints on a local disk, S3, Azure,
+    GCS, memory or any plugin's storage. Locations are paths or URIs; backend
+    options come from -o KEY=VALUE or the backend's environment variables.
+
+    \b
+    Examples:
+      checkpoint-store ls ./results
+      checkpoint-store ls s3://bucket/runs/exp/trial1
+      checkpoint-store best ./results/exp/trial1 --metric loss --mode min
+      checkpoint-store cp ./results/exp/trial1 s3://bucket/runs/exp/trial1
+      checkpoint-store verify s3://bucket/runs
+      checkpoint-store prune ./results/exp/trial1 --keep 3 --metric loss --mode min --dry-run
+
+    Exit codes: 0 success, 1 failure, 2 usage error.
+    """
+
+
+# -- ls -----------------------------------------------------------------------------
+
+
+def _ls_trial(trial: _Location, metric: str | None) -> dict[str, Any]:
+    if metric is None:
+        metric, _ = _score_attribute(trial)
+    rows = []
+    for ckpt, meta in _committed(trial):
+        metrics = meta.get("metrics") or {}
+        rows.append({
+            "index": meta["index"],
+            "name": ckpt.name,
+            "uri": ckpt.uri,
+            "created_at": meta.get("created_at"),
+            "size": _manifest_size(meta),
+            "files": len(meta.get("manifest", [])),
+            "score": _metric_value(metrics, metric) if metric else None,
+        })
+    committed_names = {r["name"] for r in rows}
+    uncommitted = [n for n, d in _entries(trial)
+                   if d and n not in committed_names
+                   and (parse_checkpoint_dir_name(n) is not None or n.startswith(_STAGING_PREFIX))]
+    return {"kind": "trial", "uri": trial.uri, "metric": metric, "checkpoints": rows,
+            "uncommitted": len(uncommitted)}
+
+
+def _ls_experiment(exp: _Location) -> dict[str, Any]:
+    rows = []
+    for trial in _trials_under(exp, "experiment"):
+        committed = _committed(trial)
+        rows.append({
+            "name": trial.name,
+            "uri": trial.uri,
+            "checkpoints": len(committed),
+            "latest_index": committed[-1][1]["index"] if committed else None,
+            "latest_created_at": committed[-1][1].get("created_at") if committed else None,
+            "size": sum(_manifest_size(m) for _, m in committed),
+        })
+    return {"kind": "experiment", "uri": exp.uri, "trials": rows}
+
+
+def _ls_root(root: _Location) -> dict[str, Any]:
+    rows = []
+    for name, is_dir in _entries(root):
+        if not is_dir or name.startswith("."):
+            continue
+        exp = root.child(name)
+        trials = _trials_under(exp, "experiment")
+        if trials:
+            rows.append({"name": name, "uri": exp.uri, "trials": len(trials)})
+    return {"kind": "root", "uri": root.uri, "experiments": rows}
+
+
+def _ls_checkpoint(loc: _Location, meta: Mapping[str, Any]) -> dict[str, Any]:
+    files = [dict(e) for e in meta.get("manifest", [])]
+    return {"kind": "checkpoint", "uri": loc.uri, "index": meta.get("index"),
+            "created_at": meta.get("created_at"), "size": _manifest_size(meta),
+            "files": files}
+
+
+@main.command("ls")
+@click.argument("uri")
+@_storage_option()
+@click.option("--metric", default=None, metavar="M",
+              help="Metric shown as SCORE for checkpoints (default: the trial's retention "
+                   "score attribute). Nested metrics use '/', e.g. eval/loss.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@_common
+def ls_cmd(uri: str, storage_options: dict[str, Any], metric: str | None, as_json: bool) -> None:
+    """List experiments, trials or checkpoints under URI.
+
+    What is listed depends on what URI is: a storage root lists its
+    experiments, an experiment its trials, a trial its committed checkpoints
+    (index, creation time in UTC, size, score), a checkpoint its files.
+    Uncommitted directories (interrupted writes) are never listed as
+    checkpoints; their count is reported on stderr.
+
+    \b
+    Examples:
+      checkpoint-store ls ./results
+      checkpoint-store ls ./results/exp/trial1 --metric val/accuracy
+      checkpoint-store ls s3://bucket/runs -o endpoint_url=http://127.0.0.1:9000
+      checkpoint-store ls az://container/runs/exp --json
+    """
+    loc = _resolve(uri, storage_options)
+    meta = _internal(loc)
+    kind = "checkpoint" if meta is not None else _kind(loc)
+    if kind == "checkpoint":
+        data = _ls_checkpoint(loc, meta or {})
+    elif kind == "trial":
+        data = _ls_trial(loc, metric)
+    elif kind == "experiment":
+        data = _ls_experiment(loc)
+    elif kind in ("root", "empty"):
+        data = _ls_root(loc)
+    elif kind == "uncommitted":
+        raise CheckpointNotFoundError(
+            f"{loc.uri} is an uncommitted checkpoint directory (an interrupted write); "
+            "`checkpoint-store gc` on its trial removes it"
+        )
+    else:
+        raise InvalidConfigError(f"{loc.uri} is a file, not a directory of checkpoints")
+    if as_json:
+        _print_json(data)
+        return
+    if kind == "checkpoint":
+        _table(["SIZE", "CRC32C", "FILE"],
+               [[_fmt_size(f["size"]), f.get("crc32c", "-"), f["path"]] for f in data["files"]],
+               right=[0])
+    elif kind == "trial":
+        score_header = f"SCORE ({data['metric']})" if data["metric"] else "SCORE"
+        _table(["INDEX", "CHECKPOINT", "CREATED (UTC)", "SIZE", score_header],
+               [[str(r["index"]), r["name"], _fmt_time(r["created_at"]), _fmt_size(r["size"]),
+                 _fmt_value(r["score"])] for r in data["checkpoints"]],
+               right=[0, 3])
+        if data["uncommitted"] and not _quiet():
+            click.echo(f"({data['uncommitted']} uncommitted directories not listed; "
+                       "`checkpoint-store gc` removes them)", err=True)
+    elif kind == "experiment":
+        _table(["TRIAL", "CHECKPOINTS", "LATEST", "LATEST CREATED (UTC)", "SIZE"],
+               [[r["name"], str(r["checkpoints"]), _fmt_value(r["latest_index"]),
+                 _fmt_time(r["latest_created_at"]), _fmt_size(r["size"])]
+                for r in data["trials"]], right=[1, 2, 4])
+    else:
+        _table(["EXPERIMENT", "TRIALS"],
+               [[r["name"], str(r["trials"])] for r in data["experiments"]], right=[1])
+
+
+# -- show ---------------------------------------------------------------------------
+
+
+@main.command("show")
+@click.argument("checkpoint")
+@_storage_option()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@_common
+def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) -> None:
+    """Show a checkpoint's user and internal metadata and a manifest summary.
+
+    \b
+    Examples:
+      checkpoint-store show ./results/exp/trial1/checkpoint_000004
+      checkpoint-store show s3://bucket/runs/exp/trial1/checkpoint_000004 --json
+    """
+    from checkpoint_store.checkpoint import Checkpoint
+
+    loc = _resolve(checkpoint, storage_options)
+    meta = _require_checkpoint(loc)
+    user = Checkpoint._from_backend(loc.backend, loc.path).get_metadata()
+    manifest = list(meta.get("manifest", []))
+    largest = sorted(manifest, key=lambda e: -int(e.get("size", 0)))[:5]
+    internal = {k: v for k, v in meta.items() if k != "manifest"}
+    summary = {"files": len(manifest), "bytes": _manifest_size(meta),
+               "largest": [{"path": e["path"], "size": e["size"]} for e in largest]}
+    if as_json:
+        _print_json({"uri": loc.uri, "internal_metadata": internal, "user_metadata": user,
+                     "manifest": summary})
+        return
+    click.echo(f"checkpoint      {loc.uri}")
+    click.echo(f"index           {meta.get('index')}")
+    click.echo(f"created (UTC)   {_fmt_time(meta.get('created_at'))}")
+    click.echo(f"format          {meta.get('format_version')}")
+    for key in sorted(internal):
+        if key not in ("index", "created_at", "format_version", "metrics"):
+            click.echo(f"{key:<15} {_fmt_value(internal[key])}")
+    click.echo(f"files           {summary['files']} ({_fmt_size(summary['bytes'])})")
+    for e in largest:
+        click.echo(f"  {_fmt_size(e['size']):>10}  {e['path']}")
+    click.echo("metrics")
+    for key, value in sorted((meta.get("metrics") or {}).items()):
+        click.echo(f"  {key}: {_fmt_value(value)}")
+    click.echo("user metadata")
+    if not user:
+        click.echo("  (none)")
+    for key, value in sorted(user.items()):
+        click.echo(f"  {key}: {_fmt_value(value)}")
+
+
+# -- best ---------------------------------------------------------------------------
+
+
+def _rank_key(score: float | None, index: int, mode: str) -> tuple[int, float, int]:
+    """Bigger is better; the manager's order: valid scores first, then the score in
+    ``mode``'s direction, then the newer index (ties go to the newer checkpoint)."""
+    if score is None:
+        return (0, 0.0, index)
+    return (1, score if mode == "max" else -score, index)
+
+
+def _score(metrics: Mapping[str, Any], metric: str) -> float | None:
+    from checkpoint_store.retention import score_of
+
+    return score_of(metrics, metric)
+
+
+def _resolve_metric(trial: _Location, metric: str | None, mode: str | None,
+                    required: bool) -> tuple[str | None, str]:
+    if metric is None:
+        recorded, recorded_mode = _score_attribute(trial)
+        metric = recorded
+        mode = mode or recorded_mode
+        if metric is None and required:
+            raise click.UsageError(
+                "--metric is required: this trial records no retention score attribute"
+            )
+    return metric, (mode or "max")
+
+
+@main.command("best")
+@click.argument("trial")
+@_storage_option()
+@click.option("--metric", default=None, metavar="M",
+              help="Metric to rank by; nested metrics use '/'. Default: the trial's "
+                   "retention score attribute.")
+@click.option("--mode", type=click.Choice(["min", "max"]), default=None,
+              help="min: lower is better; max: higher is better (default max, or the "
+                   "trial's recorded order).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@_common
+def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mode: str | None,
+             as_json: bool) -> None:
+    """Print the best checkpoint of TRIAL (its URI on the first line) and its metrics.
+
+    Ranking is the retention manager's: NaN or missing scores rank last, ties
+    go to the newer checkpoint.
+
+    \b
+    Examples:
+      checkpoint-store best ./results/exp/trial1 --metric loss --mode min
+      checkpoint-store best s3://bucket/runs/exp/trial1 --metric eval/accuracy --mode max
+      checkpoint-store download "$(checkpoint-store best ./results/exp/t1 --metric loss \\
+          --mode min | head -n1)" ./best
+    """
+    loc = _resolve(trial, storage_options)
+    _require_trial(loc)
+    metric, mode = _resolve_metric(loc, metric, mode, required=True)
+    assert metric is not None
+    committed = _committed(loc)
+    if not committed:
+        raise CheckpointNotFoundError(f"trial {loc.uri} has no committed checkpoint")
+    scored = [(ckpt, meta, _score(meta.get("metrics") or {}, metric)) for ckpt, meta in committed]
+    best_ckpt, best_meta, best_score = max(
+        scored, key=lambda t: _rank_key(t[2], t[1]["index"], mode))
+    if best_score is None:
+        click.echo(f"warning: no checkpoint of {loc.uri} has a numeric {metric!r}; "
+                   "picked the newest", err=True)
+    metrics = best_meta.get("metrics") or {}
+    if as_json:
+        _print_json({"uri": best_ckpt.uri, "index": best_meta["index"], "metric": metric,
+                     "mode": mode, "score": best_score, "metrics": metrics})
+        return
+    click.echo(best_ckpt.uri)
+    for key, value in sorted(metrics.items()):
+        click.echo(f"  {key}: {_fmt_value(value)}")
+
+
+# -- transfers ----------------------------------------------------------------------
+
+
+def _counting(loc: _Location, on_bytes: Callable[[int], None],
+              expected: Mapping[str, tuple[str, int, str]] | None = None,
+              track: Callable[[str], bool] | None = None) -> _Location:
+    from checkpoint_store._cli_progress import counting_filesystem
+
+    fs = counting_filesystem(loc.fs, on_bytes, expected, track)
+    return _Location(dataclasses.replace(loc.backend, filesystem=fs), loc.path)
+
+
+def _expected(loc: _Location, meta: Mapping[str, Any]) -> dict[str, tuple[str, int, str]]:
+    return {posixpath.join(loc.path, e["path"]): (e["path"], int(e["size"]), e["crc32c"])
+            for e in meta.get("manifest", [])}
+
+
+def _progress(description: str, total: int | None) -> Any:
+    from checkpoint_store._cli_progress import Progress
+
+    return Progress(description, total, enabled=not _quiet())
+
+
+@main.command("download")
+@click.argument("checkpoint")
+@click.argument("dest", type=click.Path(file_okay=False))
+@_storage_option()
+@click.option("--no-verify", is_flag=True,
+              help="Skip the size and CRC32C check of each file against the manifest.")
+@_common
+def download_cmd(checkpoint: str, dest: str, storage_options: dict[str, Any],
+                 no_verify: bool) -> None:
+    """Download CHECKPOINT's files into the local directory DEST, checking each file.
+
+    DEST is created if needed. Internal files (.internal_metadata.json) are
+    not copied; .user_metadata.json is.
+
+    \b
+    Examples:
+      checkpoint-store download s3://bucket/runs/exp/t1/checkpoint_000007 ./ckpt
+      checkpoint-store download az://c/runs/exp/t1/checkpoint_000007 ./ckpt -q
+    """
+    from checkpoint_store.checkpoint import Checkpoint
+
+    loc = _resolve(checkpoint, storage_options)
+    meta = _require_checkpoint(loc)
+    total = _manifest_size(meta)
+    tracked = set(_expected(loc, meta))
+    with _progress(f"download {loc.name}", total) as bar:
+        counted = _counting(loc, bar.advance, track=tracked.__contains__)
+        target = Checkpoint._from_backend(counted.backend, loc.path).to_directory(
+            dest, verify=not no_verify)
+    _echo_info(f"downloaded {len(tracked)} files ({_fmt_size(total)}) of {loc.uri} to {target}")
+
+
+def _checkpoint_meta_for(dest: _Location, base: Mapping[str, Any] | None,
+                         index: int) -> dict[str, Any]:
+    """Internal metadata fields for a checkpoint committed at ``dest`` by this tool."""
+    meta = {k: v for k, v in (base or {}).items() if k not in ("manifest", "format_version")}
+    trial_path = posixpath.dirname(dest.path.rstrip("/"))
+    meta["index"] = index
+    meta.setdefault("created_at", time.time())
+    meta.setdefault("metrics", {})
+    meta.setdefault("world_size", 1)
+    trial_name = posixpath.basename(trial_path)
+    experiment_name = posixpath.basename(posixpath.dirname(trial_path))
+    if trial_name:
+        meta["trial_name"] = trial_name
+    if experiment_name:
+        meta["experiment_name"] = experiment_name
+    return meta
+
+
+def _checkpoint_dest(dst: _Location, default_name: str | None) -> tuple[_Location, int]:
+    """``dst`` itself when named ``checkpoint_NNNNNN``, else a checkpoint inside the
+    trial directory ``dst`` (``default_name``, or the next free index)."""
+    index = parse_checkpoint_dir_name(dst.name)
+    if index is not None:
+        return dst, index
+    if default_name is not None:
+        parsed = parse_checkpoint_dir_name(default_name)
+        assert parsed is not None
+        return dst.child(default_name), parsed
+    dirs = [parse_checkpoint_dir_name(n) for n, d in _entries(dst)]
+    taken = [i for i in dirs if i is not None]
+    index = max(taken) + 1 if taken else 0
+    return dst.child(checkpoint_dir_name(index)), index
+
+
+@main.command("upload")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.argument("uri")
+@_storage_option()
+@click.option("--metrics", "metrics_json", default=None, metavar="JSON",
+              help='Metrics recorded with the checkpoint, e.g. \'{"loss": 0.12}\'.')
+@_common
+def upload_cmd(directory: str, uri: str, storage_options: dict[str, Any],
+               metrics_json: str | None) -> None:
+    """Upload a local DIRECTORY as a committed checkpoint at URI.
+
+    URI is either a checkpoint path (.../checkpoint_000012) or a trial
+    directory, where the next free index is used. The checkpoint is
+    committed the usual way (manifest with CRC32C, internal metadata last),
+    so readers never see a partial upload. Prints the checkpoint's URI.
+
+    \b
+    Examples:
+      checkpoint-store upload ./model_dir s3://bucket/runs/exp/trial1
+      checkpoint-store upload ./model_dir ./results/exp/t1/checkpoint_000003 \\
+          --metrics '{"loss": 0.12}'
+    """
+    from checkpoint_store import _json
+    from checkpoint_store.transfer import commit_checkpoint
+
+    metrics: dict[str, Any] = {}
+    if metrics_json is not None:
+        try:
+            metrics = _json.to_json_object(json.loads(metrics_json), "metrics")
+        except ValueError as exc:
+            raise click.BadParameter(f"not a JSON object: {exc}", param_hint="--metrics") from None
+    src = _resolve(os.path.abspath(directory), {})
+    dst, index = _checkpoint_dest(_resolve(uri, storage_options), None)
+    files = list(_fsutil.walk_files(src.fs, src.path))
+    total = sum(size for rel, size in files if not is_internal_file(rel))
+    meta = _checkpoint_meta_for(dst, {"metrics": metrics}, index)
+    with _progress(f"upload {dst.name}", total) as bar:
+        counted = _counting(src, bar.advance)
+        written = commit_checkpoint(counted.fs, src.path, dst.backend, dst.path, meta)
+    _echo_info(f"uploaded {len(written['manifest'])} files ({_fmt_size(total)}) as:")
+    click.echo(dst.uri)
+
+
+def _same_manifest(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    def key(m: Mapping[str, Any]) -> set[tuple[str, int, str]]:
+        return {(e["path"], int(e["size"]), e["crc32c"]) for e in m.get("manifest", [])}
+
+    return key(a) == key(b)
+
+
+def _copy_checkpoint(src: _Location, meta: Mapping[str, Any], dst: _Location, index: int,
+                     on_bytes: Callable[[int], None]) -> str:
+    """Copy one committed checkpoint; returns "copied" or "skipped" (identical there).
+
+    The source is checked against its manifest while it streams, so a corrupt
+    source fails before the destination is committed.
+    """
+    from checkpoint_store.transfer import commit_checkpoint
+
+    existing = _internal(dst)
+    if existing is not None:
+        if _same_manifest(existing, meta):
+            on_bytes(_manifest_size(meta))
+            return "skipped"
+        raise CheckpointConflictError(
+            f"{dst.uri} is already a committed checkpoint with different contents"
+        )
+    counted = _counting(src, on_bytes, expected=_expected(src, meta))
+    try:
+        commit_checkpoint(counted.fs, src.path, dst.backend, dst.path,
+                          _checkpoint_meta_for(dst, meta, index))
+    except CheckpointCorruptError as exc:
+        raise CheckpointCorruptError(
+            f"source {src.uri} is corrupt: {exc}; nothing was committed at {dst.uri}",
+            path=src.path, file=exc.file,
+        ) from None
+    return "copied"
+
+
+def _copy_trial_files(src: _Location, dst: _Location) -> None:
+    for name in sorted(_TRIAL_FILES):
+        path = posixpath.join(src.path, name)
+        try:
+            data = _fsutil.read_bytes(src.fs, path)
+        except (FileNotFoundError, OSError):
+            if _fsutil.exists(src.fs, path):
+                raise
+            continue
+        _fsutil.write_bytes(dst.fs, posixpath.join(dst.path, name), data,
+                            dst.backend.capabilities)
+
+
+@main.command("cp")
+@click.argument("src")
+@click.argument("dst")
+@_storage_option(help_text="Backend option for both SRC and DST when they are not local; "
+                           "repeatable.")
+@_storage_option("--src-option", "src_options",
+                 help_text="Backend option for SRC only (overrides -o); repeatable.")
+@_storage_option("--dst-option", "dst_options",
+                 help_text="Backend option for DST only (overrides -o); repeatable.")
+@_common
+def cp_cmd(src: str, dst: str, storage_options: dict[str, Any], src_options: dict[str, Any],
+           dst_options: dict[str, Any]) -> None:
+    """Copy checkpoints from SRC to DST, between any two backends.
+
+    \b
+    SRC may be:
+      a checkpoint   copied to DST if DST is named checkpoint_NNNNNN,
+                     else into the trial directory DST under its own name;
+      a trial        every committed checkpoint plus result.json, params.json
+                     and the retention state, into the trial directory DST;
+      an experiment  or a storage root: every trial under it, same layout.
+
+    Each file is checked against the source manifest while it streams and the
+    destination is committed only after all its files arrived. Checkpoints
+    already present with identical contents are skipped, so an interrupted
+    cp can be rerun. Uncommitted directories are not copied.
+
+    \b
+    Examples:
+      checkpoint-store cp ./results/exp/t1 s3://bucket/runs/exp/t1
+      checkpoint-store cp s3://bucket/runs/exp/t1/checkpoint_000004 ./restore/exp/t1
+      checkpoint-store cp s3://a/runs az://b/runs --src-option endpoint_url=http://...
+    """
+    s = _resolve(src, {**storage_options, **src_options}, options_if_remote=True)
+    d = _resolve(dst, {**storage_options, **dst_options}, options_if_remote=True)
+    meta = _internal(s)
+    kind = "checkpoint" if meta is not None else _kind(s)
+    jobs: list[tuple[_Location, dict[str, Any], _Location, int]] = []
+    trial_pairs: list[tuple[_Location, _Location]] = []
+    if kind == "checkpoint":
+        assert meta is not None
+        target, index = _checkpoint_dest(d, s.name)
+        jobs.append((s, meta, target, index))
+    elif kind in ("trial", "experiment", "root"):
+        for trial in _trials_under(s, kind):
+            rel = posixpath.relpath(trial.path, s.path)
+            dt = d if rel == "." else d.child(rel)
+            trial_pairs.append((trial, dt))
+            for ckpt, cmeta in _committed(trial):
+                jobs.append((ckpt, cmeta, dt.child(ckpt.name), int(cmeta["index"])))
+    elif kind == "uncommitted":
+        raise CheckpointNotFoundError(f"{s.uri} is not a committed checkpoint; nothing to copy")
+    else:
+        raise CheckpointNotFoundError(f"no checkpoints under {s.uri}")
+    if not jobs and not trial_pairs:
+        raise CheckpointNotFoundError(f"no checkpoints under {s.uri}")
+    total = sum(_manifest_size(m) for _, m, _, _ in jobs)
+    results: dict[str, int] = {"copied": 0, "skipped": 0}
+    copied_bytes = 0
+    with _progress(f"cp {s.name}", total) as bar:
+        for src_ckpt, cmeta, target, index in jobs:
+            outcome = _copy_checkpoint(src_ckpt, cmeta, target, index, bar.advance)
+            results[outcome] += 1
+            if outcome == "copied":
+                copied_bytes += _manifest_size(cmeta)
+    for trial, dt in trial_pairs:
+        _copy_trial_files(trial, dt)
+    _echo_info(f"copied {results['copied']} checkpoints ({_fmt_size(copied_bytes)}) to {d.uri}"
+               + (f", {results['skipped']} already there" if results["skipped"] else ""))
+
+
+# -- verify -------------------------------------------------------------------------
+
+
+def _verify_one(ckpt: _Location, meta: Mapping[str, Any], on_bytes: Callable[[int], None]) -> None:
+    """Read every manifest file of one checkpoint and check its size and CRC32C.
+
+    Raises:
+        CheckpointCorruptError: naming the first bad or missing file.
+    """
+    from checkpoint_store.checkpoint import Checkpoint
+
+    expected = _expected(ckpt, meta)
+    counted = _counting(ckpt, on_bytes, track=expected.__contains__)
+    checkpoint = Checkpoint._from_backend(counted.backend, ckpt.path)
+    verify = getattr(checkpoint, "verify", None)
+    if callable(verify):
+        verify()
+        return
+    reading = _counting(ckpt, on_bytes, expected=expected)
+    for full, (rel, _size, _crc) in sorted(expected.items()):
+        try:
+            stream = reading.fs.open_input_stream(full)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(
+                f"file {rel!r} listed in the manifest of {ckpt.uri} is missing",
+                path=ckpt.path, file=rel) from None
+        with stream:
+            while stream.read(8 * 1024 * 1024):
+                pass
+
+
+@main.command("verify")
+@click.argument("uri")
+@_storage_option()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@_common
+def verify_cmd(uri: str, storage_options: dict[str, Any], as_json: bool) -> None:
+    """Check the sizes and CRC32C checksums of one checkpoint, or of every checkpoint
+    under URI (a trial, an experiment or a storage root).
+
+    Exits 1 if any checkpoint is corrupt (each one is named with its first bad
+    file) or if there is no committed checkpoint under URI.
+
+    \b
+    Examples:
+      checkpoint-store verify ./results/exp/t1/checkpoint_000004
+      checkpoint-store verify s3://bucket/runs
+    """
+    loc = _resolve(uri, storage_options)
+    meta = _internal(loc)
+    if meta is not None:
+        targets = [(loc, meta)]
+    else:
+        kind = _kind(loc)
+        if kind == "uncommitted":
+            _require_checkpoint(loc)
+        targets = [c for t in _trials_under(loc, kind) for c in _committed(t)]
+    if not targets:
+        raise CheckpointNotFoundError(f"no committed checkpoint under {loc.uri}")
+    total = sum(_manifest_size(m) for _, m in targets)
+    report = []
+    with _progress(f"verify {loc.name}", total) as bar:
+        for ckpt, cmeta in targets:
+            try:
+                _verify_one(ckpt, cmeta, bar.advance)
+            except CheckpointCorruptError as exc:
+                report.append({"uri": ckpt.uri, "ok": False, "file": exc.file,
+                               "error": _one_line(str(exc))})
+            else:
+                report.append({"uri": ckpt.uri, "ok": True, "file": None, "error": None})
+    bad = [r for r in report if not r["ok"]]
+    if as_json:
+        _print_json({"uri": loc.uri, "checked": len(report), "corrupt": len(bad),
+                     "checkpoints": report})
+    else:
+        for r in report:
+            if r["ok"]:
+                if not _quiet():
+                    click.echo(f"OK       {r['uri']}")
+            else:
+                click.echo(f"CORRUPT  {r['uri']}: {r['error']}")
+        _echo_info(f"{len(report)} checkpoints checked, {len(bad)} corrupt")
+    if bad:
+        click.get_current_context().exit(EXIT_FAILURE)
+
+
+# -- prune --------------------------------------------------------------------------
+
+
+def _select(committed: list[tuple[_Location, dict[str, Any]]], keep: int, metric: str | None,
+            mode: str, keep_latest: bool) -> tuple[list[int], list[int]]:
+    """Positions (into ``committed``) kept and evicted, decided by
+    :func:`checkpoint_store.retention.select_kept`: the manager's exact semantics."""
+    from checkpoint_store.retention import CheckpointConfig, select_kept
+
+    config = CheckpointConfig(num_to_keep=keep, checkpoint_score_attribute=metric,
+                              checkpoint_score_order=mode, keep_latest=keep_latest)  # type: ignore[arg-type]
+    records = [(int(meta["index"]), ckpt.name, meta.get("metrics") or {})
+               for ckpt, meta in committed]
+    kept, evicted = select_kept(records, config)
+    position = {ckpt.name: i for i, (ckpt, _) in enumerate(committed)}
+    return [position[r.dir_name] for r in kept], [position[r.dir_name] for r in evicted]
+
+
+@main.command("prune")
+@click.argument("trial")
+@_storage_option()
+@click.option("--keep", type=click.IntRange(min=1), required=True, metavar="N",
+              help="How many best checkpoints to keep.")
+@click.option("--metric", default=None, metavar="M",
+              help="Metric to rank by; nested metrics use '/'. Without it (and without a "
+                   "recorded retention attribute) the N most recent are kept.")
+@click.option("--mode", type=click.Choice(["min", "max"]), default=None,
+              help="min: lower is better; max: higher is better (default max).")
+@click.option("--keep-latest/--no-keep-latest", default=True, show_default=True,
+              help="Also keep the newest checkpoint (resume needs it), as the manager does.")
+@click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@_common
+def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int, metric: str | None,
+              mode: str | None, keep_latest: bool, dry_run: bool, as_json: bool) -> None:
+    """Apply retention to TRIAL after the fact: keep the best N, delete the rest.
+
+    Same semantics as CheckpointManager (CheckpointConfig(num_to_keep=N,
+    checkpoint_score_attribute=M, checkpoint_score_order=MODE)): NaN or
+    missing scores rank last, ties go to the newer checkpoint, and the newest
+    checkpoint is kept besides the best N unless --no-keep-latest. Each
+    deletion removes the commit marker first, so an interrupted prune never
+    leaves a half-deleted checkpoint that still lists as committed. Do not
+    prune a trial that a running job is still writing.
+
+    \b
+    Examples:
+      checkpoint-store prune ./results/exp/t1 --keep 3 --metric loss --mode min --dry-run
+      checkpoint-store prune s3://bucket/runs/exp/t1 --keep 1 --metric acc --mode max
+    """
+    loc = _resolve(trial, storage_options)
+    _require_trial(loc)
+    metric, mode = _resolve_metric(loc, metric, mode, required=False)
+    committed = _committed(loc)
+    kept, evicted = _select(committed, keep, metric, mode, keep_latest)
+
+    def describe(i: int) -> dict[str, Any]:
+        ckpt, meta = committed[i]
+        metrics = meta.get("metrics") or {}
+        return {"name": ckpt.name, "uri": ckpt.uri, "index": meta["index"],
+                "score": _metric_value(metrics, metric) if metric else None}
+
+    ctx = _storage_context(loc)
+    deleted = []
+    if not dry_run:
+        for i in evicted:
+            ctx.delete_checkpoint(committed[i][0].name)
+            deleted.append(describe(i))
+    if as_json:
+        _print_json({"uri": loc.uri, "dry_run": dry_run, "metric": metric, "mode": mode,
+                     "kept": [describe(i) for i in kept],
+                     "evicted": [describe(i) for i in evicted],
+                     "deleted": deleted})
+        return
+    verb = "would delete" if dry_run else "deleted"
+    label = f" ({metric}=" if metric else ""
+    for i in evicted:
+        d = describe(i)
+        suffix = f"{label}{_fmt_value(d['score'])})" if metric else ""
+        click.echo(f"{verb}  {d['uri']}{suffix}")
+    for i in kept:
+        d = describe(i)
+        suffix = f"{label}{_fmt_value(d['score'])})" if metric else ""
+        pad = " " * (len(verb) - len("kept"))
+        _echo_info(f"kept{pad}  {d['uri']}{suffix}")
+    _echo_info(f"{len(evicted)} {verb}, {len(kept)} kept")
+
+
+# -- gc -----------------------------------------------------------------------------
+
+
+def _newest_mtime(loc: _Location) -> float | None:
+    newest = None
+    for fi in loc.fs.get_file_info(_fsutil.pafs.FileSelector(loc.path, allow_not_found=True,
+                                                             recursive=True)):
+        if fi.mtime is not None:
+            ts = fi.mtime.timestamp()
+            newest = ts if newest is None else max(newest, ts)
+    if newest is None:
+        fi = _fsutil.info(loc.fs, loc.path)
+        if fi.mtime is not None:
+            newest = fi.mtime.timestamp()
+    return newest
+
+
+def _scan(trial: _Location) -> tuple[list[str], list[str], list[str]]:
+    """``(committed, uncommitted ours, foreign)`` entry names of a trial directory."""
+    committed, ours, foreign = [], [], []
+    for name, is_dir in _entries(trial):
+        if name in _TRIAL_FILES:
+            continue
+        if is_dir and parse_checkpoint_dir_name(name) is not None:
+            (committed if _internal(trial.child(name)) is not None else ours).append(name)
+        elif name.startswith(_STAGING_PREFIX) or name.endswith(".cs_tmp"):
+            ours.append(name)
+        elif name.startswith(INTERNAL_PREFIX):
+            continue  # locks and leases of live writers: never garbage
+        else:
+            foreign.append(name)
+    return committed, ours, foreign
+
+
+@main.command("gc")
+@click.argument("trial")
+@_storage_option()
+@click.option("--min-age", type=click.FloatRange(min=0), default=3600.0, show_default=True,
+              metavar="SECONDS",
+              help="Only remove directories untouched for this long, so a checkpoint still "
+                   "being written by a running job is left alone.")
+@click.option("--dry-run", is_flag=True, help="Print what would be removed; remove nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@_common
+def gc_cmd(trial: str, storage_options: dict[str, Any], min_age: float, dry_run: bool,
+           as_json: bool) -> None:
+    """Remove uncommitted directories this tool left in TRIAL (interrupted writes).
+
+    Removes checkpoint_NNNNNN directories without a commit marker and
+    staging/temporary entries (names starting with .cs_). Anything else
+    that is not ours is reported as foreign and never deleted.
+
+    \b
+    Examples:
+      checkpoint-store gc ./results/exp/t1 --dry-run
+      checkpoint-store gc s3://bucket/runs/exp/t1 --min-age 0
+    """
+    loc = _resolve(trial, storage_options)
+    _require_trial(loc)
+    committed, ours, foreign = _scan(loc)
+    now = time.time()
+    removed, too_young = [], []
+    for name in ours:
+        child = loc.child(name)
+        mtime = _newest_mtime(child)
+        if mtime is not None and now - mtime < min_age:
+            too_young.append(name)
+            continue
+        if not dry_run:
+            _fsutil.delete_dir(loc.fs, child.path)
+        removed.append(name)
+    if as_json:
+        _print_json({"uri": loc.uri, "dry_run": dry_run, "committed": committed,
+                     "removed": removed, "skipped_recent": too_young, "foreign": foreign})
+        return
+    verb = "would remove" if dry_run else "removed"
+    for name in removed:
+        click.echo(f"{verb}  {loc.child(name).uri}")
+    for name in too_young:
+        _echo_info(f"skipped (modified less than {min_age:g}s ago)  {loc.child(name).uri}")
+    for name in foreign:
+        click.echo(f"foreign (not ours, left alone)  {loc.child(name).uri}")
+    _echo_info(f"{len(removed)} {verb}, {len(too_young)} too recent, {len(foreign)} foreign, "
+               f"{len(committed)} committed checkpoints untouched")
+
+
+# -- backends -----------------------------------------------------------------------
+
+
+@main.command("backends")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@_common
+def backends_cmd(as_json: bool) -> None:
+    """List the registered URI schemes and the distribution providing each.
+
+    Known cloud schemes whose plugin is not installed are listed with the
+    pip command that adds them.
+
+    \b
+    Examples:
+      checkpoint-store backends
+      checkpoint-store backends --json
+    """
+    from checkpoint_store.registry import KNOWN_PLUGINS, available_backends
+
+    rows = [{"scheme": s, "provided_by": src, "installed": True}
+            for s, src in available_backends().items()]
+    have = {r["scheme"] for r in rows}
+    for scheme, dist in sorted(KNOWN_PLUGINS.items()):
+        if scheme not in have:
+            rows.append({"scheme": scheme, "provided_by": dist, "installed": False})
+    if as_json:
+        _print_json(rows)
+        return
+    _table(["SCHEME", "PROVIDED BY", "STATUS"],
+           [[f"{r['scheme']}://", r["provided_by"],
+             "installed" if r["installed"] else f"not installed: pip install {r['provided_by']}"]
+            for r in rows])
+
+
+# -- demo ---------------------------------------------------------------------------
 
 
 @main.command()
@@ -22,6 +1274,7 @@ def main() -> None:
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint.")
 @click.option("--epoch-delay", default=0.0, type=click.FloatRange(min=0), hidden=True,
               help="Seconds to sleep after each epoch (to try killing a run mid-way).")
+@_common
 def demo(storage: str, epochs: int, num_to_keep: int, lr: float, seed: int, resume: bool,
          epoch_delay: float) -> None:
     """Train a digits classifier, keep the best checkpoints, resume after a crash.

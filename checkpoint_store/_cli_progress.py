@@ -1,0 +1,222 @@
+"""Byte counting and progress bars for the command line's transfers.
+
+The transfer layer copies through ``pyarrow.fs`` streams. To show bytes/s and
+an ETA without changing it, the CLI hands it a source filesystem wrapped in
+:class:`_CountingHandler`: every read of a tracked file is counted, and when
+the file's manifest entry is known, its CRC32C is checked at end of file, so
+a corrupt source fails the copy *before* anything is committed at the
+destination.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import google_crc32c
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from checkpoint_store.errors import CheckpointCorruptError
+
+
+class _CountingReader:
+    """A file-like reader that reports bytes read and checks the CRC32C at EOF."""
+
+    def __init__(
+        self,
+        inner: Any,
+        path: str,
+        on_bytes: Callable[[int], None] | None,
+        expected: tuple[str, int, str] | None,
+    ):
+        self._inner = inner
+        self._path = path
+        self._on_bytes = on_bytes
+        self._expected = expected  # (relative path, size, crc32c hex)
+        self._crc = 0
+        self._size = 0
+        self._checked = False
+        self.closed = False
+
+    def read(self, n: int | None = -1) -> bytes:
+        data = self._inner.read(n) if n is not None and n >= 0 else self._inner.read()
+        if data:
+            self._size += len(data)
+            if self._expected is not None:
+                self._crc = google_crc32c.extend(self._crc, data)
+            if self._on_bytes is not None:
+                self._on_bytes(len(data))
+        elif self._expected is not None and not self._checked:
+            self._checked = True
+            rel, size, crc = self._expected
+            got = f"{self._crc:08x}"
+            if self._size != size or got != crc:
+                raise CheckpointCorruptError(
+                    f"file {rel!r} does not match the checkpoint's manifest (size "
+                    f"{self._size} vs {size}, crc32c {got} vs {crc})",
+                    path=self._path, file=rel,
+                )
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._inner.close()
+
+
+class _CountingHandler(pafs.FileSystemHandler):
+    """Delegates everything to ``fs``; reads through :class:`_CountingReader`.
+
+    Args:
+        fs: the real filesystem.
+        on_bytes: called with the byte count of every read of a tracked file.
+        expected: ``{full path: (relative path, size, crc32c hex)}``; those files
+            are tracked and checked at EOF. ``None`` tracks every file, unchecked.
+    """
+
+    def __init__(
+        self,
+        fs: pafs.FileSystem,
+        on_bytes: Callable[[int], None] | None,
+        expected: Mapping[str, tuple[str, int, str]] | None = None,
+        track: Callable[[str], bool] | None = None,
+    ):
+        self.fs = fs
+        self.on_bytes = on_bytes
+        self.expected = dict(expected) if expected is not None else None
+        self.track = track
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _CountingHandler) and self.fs.equals(other.fs)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def get_type_name(self) -> str:
+        return f"counting+{self.fs.type_name}"
+
+    def normalize_path(self, path: str) -> str:
+        return self.fs.normalize_path(path)
+
+    def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
+        return self.fs.get_file_info(paths)
+
+    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
+        return self.fs.get_file_info(selector)
+
+    def create_dir(self, path: str, recursive: bool) -> None:
+        self.fs.create_dir(path, recursive=recursive)
+
+    def delete_dir(self, path: str) -> None:
+        self.fs.delete_dir(path)
+
+    def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
+        self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+
+    def delete_root_dir_contents(self) -> None:
+        self.fs.delete_dir_contents("/", accept_root_dir=True)
+
+    def delete_file(self, path: str) -> None:
+        self.fs.delete_file(path)
+
+    def move(self, src: str, dest: str) -> None:
+        self.fs.move(src, dest)
+
+    def copy_file(self, src: str, dest: str) -> None:
+        self.fs.copy_file(src, dest)
+
+    def open_input_stream(self, path: str) -> pa.NativeFile:
+        inner = self.fs.open_input_stream(path)
+        if self.expected is not None:
+            exp = self.expected.get(path)
+            counted = exp is not None
+        else:
+            exp = None
+            counted = self.track(path) if self.track is not None else True
+        if not counted:
+            return inner
+        return pa.PythonFile(_CountingReader(inner, path, self.on_bytes, exp), mode="r")
+
+    def open_input_file(self, path: str) -> pa.NativeFile:
+        return self.fs.open_input_file(path)
+
+    def open_output_stream(self, path: str, metadata: Any) -> pa.NativeFile:
+        return self.fs.open_output_stream(path, metadata=metadata)
+
+    def open_append_stream(self, path: str, metadata: Any) -> pa.NativeFile:
+        return self.fs.open_append_stream(path, metadata=metadata)
+
+
+def counting_filesystem(
+    fs: pafs.FileSystem,
+    on_bytes: Callable[[int], None] | None,
+    expected: Mapping[str, tuple[str, int, str]] | None = None,
+    track: Callable[[str], bool] | None = None,
+) -> pafs.FileSystem:
+    """``fs`` with counted (and, for ``expected`` files, checksum-checked) reads."""
+    return pafs.PyFileSystem(_CountingHandler(fs, on_bytes, expected, track))
+
+
+class Progress:
+    """A bytes progress bar (bytes/s, ETA) on stderr, or nothing.
+
+    Shown only when ``enabled`` and stdout is a terminal, so pipes, CI logs
+    and ``--quiet`` stay clean. ``advance`` is thread-safe (transfers run in
+    a thread pool).
+    """
+
+    def __init__(self, description: str, total: int | None, *, enabled: bool):
+        self._enabled = enabled and sys.stdout.isatty()
+        self._description = description
+        self._total = total
+        self._progress: Any = None
+        self._task: Any = None
+        self._lock = threading.Lock()
+        self.done = 0
+
+    def __enter__(self) -> Progress:
+        if self._enabled:
+            try:
+                from rich.console import Console
+                from rich.progress import (
+                    BarColumn,
+                    DownloadColumn,
+                    TextColumn,
+                    TimeRemainingColumn,
+                    TransferSpeedColumn,
+                )
+                from rich.progress import Progress as _RichProgress
+            except ImportError:  # rich is a dependency; a broken install just loses the bar
+                self._enabled = False
+                return self
+            self._progress = _RichProgress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(binary_units=True),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=False,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(self._description, total=self._total)
+        return self
+
+    def advance(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+        if self._progress is not None:
+            self._progress.advance(self._task, n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
