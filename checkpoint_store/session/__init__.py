@@ -26,11 +26,19 @@ from typing import Any
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import CheckpointStoreError
 from checkpoint_store.retention import CheckpointConfig
+from checkpoint_store.session._errors import (
+    CheckpointAbortedError,
+    RankTimeoutError,
+    TrialStopped,
+)
 from checkpoint_store.session._session import AUTO_FILLED, Session, SessionContext
 from checkpoint_store.storage import StorageContext
 
 __all__ = [
     "AUTO_FILLED",
+    "CheckpointAbortedError",
+    "RankTimeoutError",
+    "TrialStopped",
     "Session",
     "SessionContext",
     "start",
@@ -98,6 +106,8 @@ def start(
     world_rank: int | None = None,
     world_size: int | None = None,
     local_rank: int | None = None,
+    attempt_id: str | None = None,
+    sync_timeout_s: float = 1800.0,
     _thread_only: bool = False,
 ) -> _ActiveSession:
     """Start a session; use as ``with session.start(...) as s:``.
@@ -111,11 +121,23 @@ def start(
         storage_options: backend options for a URI ``storage_path``.
         config: the trial's hyperparameters, written to ``params.json``.
         world_rank, world_size, local_rank: default to the ``RANK``,
-            ``WORLD_SIZE``, ``LOCAL_RANK`` environment variables torchrun sets.
+            ``WORLD_SIZE``, ``LOCAL_RANK`` environment variables torchrun sets
+            (else 0, 1, 0).
+        attempt_id: with ``world_size > 1``, an id shared by every rank of this
+            launch and unique per launch (letters, digits, ``_.-``). Default:
+            broadcast by rank 0 when a torch.distributed process group is
+            initialised, else ``TORCHELASTIC_RUN_ID`` plus the restart count
+            (torchrun sets both). Ignored for a single rank.
+        sync_timeout_s: with ``world_size > 1``, the longest any rank waits for
+            the others (start and each checkpoint), in seconds; then
+            :class:`RankTimeoutError` lists the missing ranks.
 
     Raises:
-        InvalidConfigError: bad names, location or config; nothing is written.
+        InvalidConfigError: bad names, location, config or ranks, or several
+            ranks and no attempt id; nothing is written.
         CheckpointStoreError: a session is already active in this thread.
+        CheckpointConflictError: another live session holds the trial (rank 0).
+        RankTimeoutError: a rank > 0 waited ``sync_timeout_s`` for rank 0 to start.
     """
     storage = StorageContext(
         storage_path, experiment_name, trial_name,
@@ -128,6 +150,7 @@ def start(
     sess = Session(
         storage, checkpoint_config, config=config,
         world_rank=world_rank, world_size=world_size, local_rank=local_rank,
+        attempt_id=attempt_id, sync_timeout_s=sync_timeout_s,
     )
     return _ActiveSession(sess, _thread_only)
 

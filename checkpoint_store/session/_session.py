@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpoint_store import _json
+from checkpoint_store._layout import checkpoint_dir_name
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
+from checkpoint_store.session._multirank import Coordinator
 from checkpoint_store.storage import ResultLog, StorageContext
 
 AUTO_FILLED = (
@@ -58,7 +60,9 @@ def _int_from(value: int | None, env: str, default: int, what: str) -> int:
         try:
             value = int(raw)
         except ValueError:
-            raise InvalidConfigError(f"environment variable {env}={raw!r} is not an integer") from None
+            raise InvalidConfigError(
+                f"environment variable {env}={raw!r} is not an integer"
+            ) from None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidConfigError(f"{what} must be an int >= 0, got {value!r}")
     return value
@@ -67,6 +71,11 @@ def _int_from(value: int | None, env: str, default: int, what: str) -> int:
 class Session:
     """One training run's (or trial's) reporting state. Build it with
     :func:`checkpoint_store.session.start`.
+
+    With ``world_size > 1`` every rank has a Session on the same trial; rank 0
+    writes ``params.json``, ``result.json`` and the retention state and holds
+    the trial's lease, the other ranks only upload their checkpoint files
+    (see :mod:`checkpoint_store.session._multirank`).
 
     Thread-safety: one thread reports; ``report`` is serialised by a lock.
     """
@@ -80,6 +89,8 @@ class Session:
         world_rank: int | None = None,
         world_size: int | None = None,
         local_rank: int | None = None,
+        attempt_id: str | None = None,
+        sync_timeout_s: float = 1800.0,
     ):
         self.storage = storage
         self.checkpoint_config = checkpoint_config or CheckpointConfig()
@@ -93,25 +104,54 @@ class Session:
             )
         self._lock = threading.Lock()
         self._closed = False
+        # Set by a TrialRunner: called at the start and the end of report().
+        self._runner_hook: Any = None
+        self._coordinator: Coordinator | None = None
+        if self.world_size > 1:
+            self._coordinator = Coordinator(
+                storage, self.world_rank, self.world_size,
+                attempt_id=attempt_id, timeout_s=sync_timeout_s,
+            )
+        is_writer = self.world_rank == 0
         storage.ensure_trial_dir()
-        if self.config:
+        # Removing leftovers of crashed writers belongs here, on rank 0 only:
+        # with several ranks, no rank of this attempt writes before rank 0 has
+        # passed agree_start_index() below, so whatever is uncommitted now is
+        # an earlier attempt's. A rank > 0 must never clean (it would delete a
+        # staging directory rank 0 or another rank is filling).
+        if self.config and is_writer:
             storage.write_params(self.config)
         rows = storage.read_results()
         last = rows[-1] if rows else {}
         self._iteration = int(last.get("training_iteration", 0) or 0)
         self._time_offset = float(last.get("time_total_s", 0.0) or 0.0)
-        self._results = ResultLog(storage, rows)
-        self.manager = CheckpointManager(self.checkpoint_config, storage)
-        committed = storage.committed_checkpoints()
-        self._latest: Checkpoint | None = committed[-1][0] if committed else None
-        # Numbering continues past every index the retention state remembers.
-        self._next_index = max(storage.next_checkpoint_index(), self.manager.next_index)
+        self._results = ResultLog(storage, rows) if is_writer else None
+        # Only rank 0 keeps the retention state and the trial's lease.
+        self.manager = CheckpointManager(self.checkpoint_config, storage, read_only=not is_writer)
+        try:
+            committed = storage.committed_checkpoints()
+            self._latest: Checkpoint | None = committed[-1][0] if committed else None
+            if self._coordinator is None:
+                # Numbering continues past every index the retention state remembers.
+                self._next_index = max(storage.next_checkpoint_index(), self.manager.next_index)
+            else:
+                self._next_index = self._coordinator.agree_start_index(
+                    lambda: max(storage.next_checkpoint_index(), self.manager.next_index)
+                )
+        except BaseException:
+            self.manager.close()
+            raise
         self._start = time.time()
         self._last_report = self._start
 
     @property
     def trial_id(self) -> str:
         return f"{self.storage.experiment_name}/{self.storage.trial_name}"
+
+    @property
+    def attempt_id(self) -> str | None:
+        """The id shared by all ranks of this launch (None for one rank)."""
+        return self._coordinator.attempt_id if self._coordinator is not None else None
 
     def get_context(self) -> SessionContext:
         s = self.storage
@@ -132,38 +172,80 @@ class Session:
         earlier process), or None."""
         return self._latest
 
-    def report(self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None) -> dict[str, Any]:
+    def report(
+        self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None
+    ) -> dict[str, Any]:
         """Record ``metrics`` and, optionally, persist and commit ``checkpoint``.
 
+        Auto-filled keys (override anything reported under the same name):
+        ``training_iteration`` (1-based count of reports of this trial, across
+        restarts), ``timestamp`` (Unix seconds), ``time_total_s`` (seconds
+        since the trial first started, across restarts), ``time_this_iter_s``
+        (seconds since the previous report), ``trial_id``
+        (``"<experiment>/<trial>"``), ``checkpoint_dir_name``
+        (``"checkpoint_000003"`` or None).
+
+        With several ranks, every rank must call ``report`` the same number of
+        times; each rank's ``checkpoint`` files go into the same
+        ``checkpoint_<index>`` directory, committed by rank 0 once all ranks
+        uploaded. Rank 0's metrics are recorded and ranked. Without a
+        torch.distributed process group, pass a checkpoint on every rank or on
+        none (with one, ranks may pass None).
+
         Returns:
-            The result row as written to ``result.json`` (metrics plus the
-            auto-filled keys).
+            The result row (metrics plus the auto-filled keys); rank 0 writes
+            it to ``result.json``.
 
         Raises:
             MetadataError: ``metrics`` is not a dict of JSON-serialisable values
                 (the message names the key). Nothing is written.
             InvalidConfigError: ``checkpoint`` is not a Checkpoint, or its score
                 is not numeric.
+            CheckpointNotFoundError: the checkpoint's directory vanished before
+                or during the upload; nothing is committed for that index.
+            CheckpointConflictError: two ranks wrote the same file (names both).
+            CheckpointAbortedError: another rank failed; nothing is committed.
+            RankTimeoutError: some rank did not finish within ``sync_timeout_s``.
             CheckpointStoreError: the session has ended.
+            TrialStopped: the trial runner of this session was stopped or paused.
         """
+        hook = self._runner_hook
+        if hook is not None:
+            hook.before_report()
+        if self._coordinator is not None:
+            row, persisted = self._report_multirank(metrics, checkpoint)
+        else:
+            row, persisted = self._report_single(metrics, checkpoint)
+        if hook is not None:
+            hook.after_report(row, persisted)
+        return row
+
+    def _new_row(self, clean: Mapping[str, Any]) -> dict[str, Any]:
+        now = time.time()
+        self._iteration += 1
+        row = dict(clean)
+        row.update(
+            training_iteration=self._iteration,
+            timestamp=now,
+            time_total_s=self._time_offset + (now - self._start),
+            time_this_iter_s=now - self._last_report,
+            trial_id=self.trial_id,
+            checkpoint_dir_name=None,
+        )
+        self._last_report = now
+        return row
+
+    def _report_single(
+        self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None
+    ) -> tuple[dict[str, Any], Checkpoint | None]:
         clean = _json.to_json_object(metrics, "metrics")
         if checkpoint is not None:
             _require_checkpoint(checkpoint)
         with self._lock:
             if self._closed:
                 raise CheckpointStoreError("this session has ended; start a new one to report")
-            now = time.time()
-            self._iteration += 1
-            row = dict(clean)
-            row.update(
-                training_iteration=self._iteration,
-                timestamp=now,
-                time_total_s=self._time_offset + (now - self._start),
-                time_this_iter_s=now - self._last_report,
-                trial_id=self.trial_id,
-                checkpoint_dir_name=None,
-            )
-            self._last_report = now
+            row = self._new_row(clean)
+            persisted = None
             if checkpoint is not None:
                 try:  # refuse a bad score before anything is uploaded
                     self.manager.validate_metrics(row)
@@ -171,8 +253,6 @@ class Session:
                     self._iteration -= 1
                     raise
                 index = self._next_index
-                from checkpoint_store._layout import checkpoint_dir_name
-
                 row["checkpoint_dir_name"] = checkpoint_dir_name(index)
                 persisted = self.storage.persist_checkpoint(
                     checkpoint, index,
@@ -182,8 +262,54 @@ class Session:
                 self._next_index = index + 1
                 self._latest = persisted
                 self.manager.register(persisted, row)
+            assert self._results is not None
             self._results.append(row)
-            return row
+            return row, persisted
+
+    def _report_multirank(
+        self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None
+    ) -> tuple[dict[str, Any], Checkpoint | None]:
+        coord = self._coordinator
+        assert coord is not None
+        with self._lock:
+            if self._closed:
+                raise CheckpointStoreError("this session has ended; start a new one to report")
+            # An error found here must still take part in the rendezvous below,
+            # or the other ranks would wait for this one until the timeout.
+            error: BaseException | None = None
+            row: dict[str, Any] = {}
+            try:
+                clean = _json.to_json_object(metrics, "metrics")
+                if checkpoint is not None:
+                    _require_checkpoint(checkpoint)
+                row = self._new_row(clean)
+                if self.world_rank == 0 and checkpoint is not None:
+                    self.manager.validate_metrics(row)
+            except Exception as exc:
+                error = exc
+            persisted = None
+            if coord.any_checkpoint(checkpoint is not None):
+                index = self._next_index
+                # Every rank moves on, committed or not: a failed index is never reused.
+                self._next_index = index + 1
+                row["checkpoint_dir_name"] = checkpoint_dir_name(index)
+                internal = {
+                    "index": index,
+                    "experiment_name": self.storage.experiment_name,
+                    "trial_name": self.storage.trial_name,
+                    "created_at": time.time(),
+                    "metrics": row,
+                    "run_id": self.manager.run_id,
+                }
+                persisted = coord.commit(index, checkpoint, internal, error)
+                self._latest = persisted
+                if self.world_rank == 0:
+                    self.manager.register(persisted, row)
+            elif error is not None:
+                raise error
+            if self._results is not None:
+                self._results.append(row)
+            return row, persisted
 
     def close(self) -> None:
         self._closed = True

@@ -1,0 +1,568 @@
+"""Multi-rank checkpoints: every rank uploads its own files, rank 0 commits.
+
+One checkpoint index ``X`` of one launch attempt (its ranks share an
+attempt id ``R``) goes through four steps (docs/format.md, "Multi-rank"):
+
+1. Every rank copies its files into the shared target (``checkpoint_X/``
+   on object stores, the staging sibling ``.cs_staging-checkpoint_X-R`` on
+   local disks), then writes its marker ``.cs_rank-<rank>.json`` there:
+   success or the error, and the files it wrote with sizes and CRC32C.
+2. Rank 0 waits until every marker is there: one listing per poll, or one
+   listing after a torch.distributed barrier when a process group exists.
+   It reads each marker once, so a commit costs O(world_size) storage calls.
+3. Rank 0 commits (``.internal_metadata.json`` last, every rank's files in
+   the manifest) only if every rank succeeded and no two ranks wrote the same
+   file; otherwise it deletes the partial target and writes
+   ``<trial>/.cs_abort-checkpoint_X-R.json``.
+4. The other ranks learn the outcome from a broadcast, or by polling the
+   commit marker and the abort file.
+
+A failed index is never reused within an attempt, and a new attempt starts
+past every ``checkpoint_*`` directory already present, so a committed
+checkpoint never mixes files from two attempts. Rank 0 decides the first
+index of an attempt and
+shares it (broadcast, or ``<trial>/.cs_attempt-R.json``) before any rank writes.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from checkpoint_store import _fsutil, _json
+from checkpoint_store._layout import (
+    FORMAT_VERSION,
+    INTERNAL_METADATA,
+    INTERNAL_PREFIX,
+    USER_METADATA,
+    checkpoint_dir_name,
+    is_internal_file,
+)
+from checkpoint_store.backends.base import Backend
+from checkpoint_store.checkpoint import Checkpoint
+from checkpoint_store.errors import (
+    CheckpointConflictError,
+    CheckpointNotFoundError,
+    CheckpointStoreError,
+    InvalidConfigError,
+)
+from checkpoint_store.session._errors import CheckpointAbortedError, RankTimeoutError
+from checkpoint_store.storage import StorageContext
+from checkpoint_store.transfer import copy_tree, read_internal_metadata
+
+_ATTEMPT_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,96}$")
+_RANK_MARKER_RE = re.compile(r"^\.cs_rank-(\d+)\.json$")
+
+
+def rank_marker_name(rank: int) -> str:
+    return f"{INTERNAL_PREFIX}rank-{rank:06d}.json"
+
+
+def attempt_file_name(attempt_id: str) -> str:
+    return f"{INTERNAL_PREFIX}attempt-{attempt_id}.json"
+
+
+def abort_file_name(dir_name: str, attempt_id: str) -> str:
+    return f"{INTERNAL_PREFIX}abort-{dir_name}-{attempt_id}.json"
+
+
+def _target_dir(dest: Backend, dest_dir: str, attempt_id: str) -> str:
+    """Where every rank of launch attempt ``attempt_id`` uploads its files for ``dest_dir``.
+
+    With ``atomic_rename`` (local disks): a staging sibling shared by all ranks
+    of the attempt, ``.cs_staging-<name>-<attempt_id>``, renamed into place by
+    :func:`_finalize`; another attempt never shares it. Otherwise
+    ``dest_dir`` itself (the marker-last commit).
+    """
+    if dest.capabilities.atomic_rename:
+        parent, name = posixpath.split(dest_dir)
+        return posixpath.join(parent, f"{INTERNAL_PREFIX}staging-{name}-{attempt_id}")
+    return dest_dir
+
+
+def _finalize(
+    dest: Backend,
+    target: str,
+    dest_dir: str,
+    internal: dict[str, Any],
+    manifest: list[dict[str, Any]],
+    *,
+    fsync: bool = True,
+) -> dict[str, Any]:
+    """Commit files that several writers already uploaded into ``target``.
+
+    The caller (rank 0) has checked that every writer finished; ``manifest``
+    is the union of their files. Writes ``.internal_metadata.json`` last into
+    ``target``, then on ``atomic_rename`` stores renames ``target`` to
+    ``dest_dir`` (see :func:`_target_dir`).
+
+    Returns:
+        The internal metadata as written.
+
+    Raises:
+        CheckpointConflictError: ``dest_dir`` is already a committed checkpoint.
+    """
+    fs = dest.filesystem
+    caps = dest.capabilities
+    if read_internal_metadata(fs, dest_dir) is not None:
+        raise CheckpointConflictError(f"{dest.uri_for(dest_dir)} is already committed")
+    meta = dict(internal)
+    meta["format_version"] = FORMAT_VERSION
+    meta.setdefault("created_at", time.time())
+    meta["manifest"] = sorted(
+        (dict(e) for e in manifest if e["path"] != USER_METADATA), key=lambda e: e["path"]
+    )
+    _fsutil.write_bytes(
+        fs, posixpath.join(target, INTERNAL_METADATA), _json.dumps(meta), caps, fsync=fsync
+    )
+    if target != dest_dir:
+        if _fsutil.exists(fs, dest_dir):
+            # An uncommitted leftover with the final name (checked above).
+            _fsutil.delete_dir(fs, dest_dir)
+        fs.move(target, dest_dir)
+        if fsync and caps.needs_fsync:
+            parent_os = _fsutil.local_path(fs, posixpath.dirname(dest_dir))
+            if parent_os is not None:
+                _fsutil.fsync_dir(parent_os)
+    return meta
+
+
+class _Backoff:
+    """Sleeps 5 ms, doubling up to 0.5 s, until a deadline."""
+
+    def __init__(self, timeout_s: float):
+        self.deadline = time.monotonic() + timeout_s
+        self.delay = 0.005
+
+    def sleep(self) -> bool:
+        """Sleep once; False when the deadline has passed (nothing slept)."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(self.delay, left))
+        self.delay = min(self.delay * 2, 0.5)
+        return True
+
+
+def _torch_group(world_rank: int, world_size: int) -> Any:
+    """The gloo process group to synchronise on, or None without torch.distributed.
+
+    torch is never imported here: only a process that already imported it can
+    have a process group. A non-gloo default group (NCCL) gets a gloo
+    subgroup, because object collectives on NCCL need a CUDA device.
+    """
+    if "torch" not in sys.modules:
+        return None
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_world_size() != world_size or dist.get_rank() != world_rank:
+        raise InvalidConfigError(
+            f"session rank {world_rank}/{world_size} disagrees with the torch.distributed "
+            f"process group (rank {dist.get_rank()}/{dist.get_world_size()}); pass the "
+            "process group's rank and size, or none at all"
+        )
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo")
+
+
+def _env_attempt_id() -> str | None:
+    rdzv = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not rdzv:
+        return None
+    # The rendezvous id is the same for every restart of an elastic job; the
+    # restart count tells attempts apart.
+    raw = f"{rdzv}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", raw)[:96]
+
+
+class Coordinator:
+    """Rendezvous and commit for one rank of a multi-rank session.
+
+    Args:
+        storage: the trial's storage (every rank the same).
+        world_rank, world_size: this rank and the number of ranks (>= 2).
+        attempt_id: shared by every rank of one launch attempt, unique per
+            attempt. None: broadcast by rank 0 when a torch.distributed process
+            group exists, else ``TORCHELASTIC_RUN_ID`` plus the restart count.
+        timeout_s: how long any wait for other ranks may take, in seconds.
+
+    Raises:
+        InvalidConfigError: no attempt id can be found, or it is not made of
+            letters, digits, ``_``, ``.`` and ``-``.
+    """
+
+    def __init__(
+        self, storage: StorageContext, world_rank: int, world_size: int, *,
+        attempt_id: str | None, timeout_s: float,
+    ):
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise InvalidConfigError(f"sync_timeout_s must be a number > 0, got {timeout_s!r}")
+        self.storage = storage
+        self.rank = world_rank
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self._group = _torch_group(world_rank, world_size)
+        self.attempt_id = self._agree_attempt_id(attempt_id)
+
+    # -- collectives --------------------------------------------------------------
+
+    @property
+    def uses_torch(self) -> bool:
+        return self._group is not None
+
+    def _broadcast(self, value: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [value if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self._group)
+
+    def _agree_attempt_id(self, attempt_id: str | None) -> str:
+        if attempt_id is None and self._group is not None:
+            attempt_id = self._broadcast(uuid.uuid4().hex[:16])
+        if attempt_id is None:
+            attempt_id = _env_attempt_id()
+        if attempt_id is None:
+            raise InvalidConfigError(
+                f"a session with world_size={self.world_size} needs a attempt id shared by all "
+                "ranks of this launch and unique per launch: pass attempt_id=... to "
+                "session.start(), launch with torchrun, or call "
+                "torch.distributed.init_process_group() before session.start()"
+            )
+        if not isinstance(attempt_id, str) or not _ATTEMPT_ID_RE.match(attempt_id):
+            raise InvalidConfigError(
+                f"attempt_id {attempt_id!r} must be 1-96 letters, digits, '_', '.' or '-'"
+            )
+        return attempt_id
+
+    def agree_start_index(self, compute: Callable[[], int]) -> int:
+        """Rank 0 computes the attempt's first checkpoint index; every rank gets it.
+
+        Rank 0 first removes attempt and abort files of earlier attempts (no
+        rank of this attempt writes before it has the index).
+
+        Raises:
+            RankTimeoutError: a non-zero rank waited ``timeout_s`` for rank 0.
+        """
+        fs = self.storage.filesystem
+        caps = self.storage.backend.capabilities
+        trial = self.storage.trial_path
+        index = None
+        if self.rank == 0:
+            for fi in _fsutil.list_dir(fs, trial):
+                name = posixpath.basename(fi.path)
+                if fi.type == pafs.FileType.File and (
+                    name.startswith(f"{INTERNAL_PREFIX}attempt-")
+                    or name.startswith(f"{INTERNAL_PREFIX}abort-")
+                ):
+                    _fsutil.delete_file(fs, fi.path)
+            index = compute()
+        if self._group is not None:
+            return int(self._broadcast(index))
+        path = posixpath.join(trial, attempt_file_name(self.attempt_id))
+        if self.rank == 0:
+            body = {"attempt_id": self.attempt_id, "world_size": self.world_size,
+                    "start_index": index}
+            _fsutil.write_bytes(fs, path, _json.dumps(body), caps, fsync=self.storage.fsync)
+            return int(index)  # type: ignore[arg-type]
+        backoff = _Backoff(self.timeout_s)
+        while True:
+            try:
+                body = _json.loads(_fsutil.read_bytes(fs, path))
+            except (FileNotFoundError, ValueError):
+                body = None
+            except OSError:
+                if _fsutil.exists(fs, path):
+                    raise
+                body = None
+            if isinstance(body, dict) and body.get("attempt_id") == self.attempt_id:
+                if body.get("world_size") != self.world_size:
+                    raise InvalidConfigError(
+                        f"rank 0 of attempt {self.attempt_id} started with world_size "
+                        f"{body.get('world_size')}, this rank with {self.world_size}"
+                    )
+                return int(body["start_index"])
+            if not backoff.sleep():
+                raise RankTimeoutError(
+                    f"rank {self.rank} waited {self.timeout_s:g}s for rank 0 to start attempt "
+                    f"{self.attempt_id!r} in {self.storage.uri(trial)}; missing ranks: [0]. Start "
+                    "rank 0 with the same storage, experiment, trial and attempt_id",
+                    missing_ranks=[0],
+                )
+
+    def any_checkpoint(self, has_checkpoint: bool) -> bool:
+        """Whether any rank passes a checkpoint to this report().
+
+        With a process group the ranks ask each other, so ranks may pass None
+        while others pass a checkpoint. Storage alone cannot tell without a
+        round trip per report, so there every rank must pass a checkpoint to
+        the same report() (an empty directory is fine) or none must.
+        """
+        if self._group is None:
+            return has_checkpoint
+        import torch.distributed as dist
+
+        flags: list[Any] = [None] * self.world_size
+        dist.all_gather_object(flags, bool(has_checkpoint), group=self._group)
+        return any(flags)
+
+    # -- the commit ---------------------------------------------------------------------
+
+    def commit(
+        self,
+        index: int,
+        checkpoint: Checkpoint | None,
+        internal: dict[str, Any],
+        own_error: BaseException | None = None,
+    ) -> Checkpoint:
+        """Upload this rank's files for ``index``; rank 0 commits once all ranks are done.
+
+        Args:
+            index: the checkpoint index, the same on every rank.
+            checkpoint: this rank's files, or None to contribute none.
+            internal: internal metadata fields (rank 0's are written).
+            own_error: an error this rank already hit for this report; it is
+                published as a failure, so the index is aborted everywhere.
+
+        Returns:
+            The committed checkpoint (the same on every rank).
+
+        Raises:
+            CheckpointNotFoundError: this rank's source directory vanished
+                (the message names the path). Other ranks then raise
+                CheckpointAbortedError.
+            CheckpointConflictError: two ranks wrote the same relative path
+                (the message names both ranks).
+            RankTimeoutError: some rank did not finish within the timeout
+                (the message lists the missing ranks).
+        """
+        storage = self.storage
+        backend = storage.backend
+        fs = backend.filesystem
+        caps = backend.capabilities
+        final = storage.checkpoint_path(index)
+        dir_name = checkpoint_dir_name(index)
+        target = _target_dir(backend, final, self.attempt_id)
+        storage.ensure_trial_dir()
+
+        files: list[dict[str, Any]] = []
+        if own_error is None and checkpoint is not None:
+            try:
+                entries = copy_tree(
+                    checkpoint.filesystem, checkpoint.path, fs, target, caps,
+                    include=self._include, fsync=storage.fsync,
+                )
+                files = [e.to_json() for e in entries]
+            except Exception as exc:  # published to the other ranks, then re-raised
+                own_error = _upload_error(exc, checkpoint, self.rank)
+        marker = {
+            "rank": self.rank,
+            "attempt_id": self.attempt_id,
+            "index": index,
+            "ok": own_error is None,
+            "error": None if own_error is None else f"{type(own_error).__name__}: {own_error}",
+            "files": files,
+        }
+        try:
+            _fsutil.write_bytes(
+                fs, posixpath.join(target, rank_marker_name(self.rank)), _json.dumps(marker),
+                caps, fsync=storage.fsync,
+            )
+        except Exception as exc:
+            # Without a marker rank 0 reports this rank missing; keep the
+            # collectives below in step so no rank hangs.
+            own_error = own_error or exc
+
+        if self._group is not None:
+            self._barrier()
+        if self.rank == 0:
+            outcome, rank0_error = self._decide(index, dir_name, target, final, internal)
+            if self._group is not None:
+                self._broadcast(outcome)
+        else:
+            rank0_error = None
+            if self._group is not None:
+                outcome = self._broadcast(None)
+            else:
+                outcome = self._await_outcome(index, dir_name, final)
+        if own_error is not None:
+            raise own_error
+        if rank0_error is not None:
+            raise rank0_error
+        if not outcome["ok"]:
+            raise _error_from_outcome(outcome, index)
+        return Checkpoint._from_backend(backend, final)
+
+    def _include(self, rel: str) -> bool:
+        if is_internal_file(rel):
+            return False
+        # The user metadata is one file for the whole checkpoint: rank 0's.
+        return self.rank == 0 or rel != USER_METADATA
+
+    def _decide(
+        self, index: int, dir_name: str, target: str, final: str, internal: dict[str, Any]
+    ) -> tuple[dict[str, Any], BaseException | None]:
+        """Rank 0: wait for every marker, then commit or abort. Never raises;
+        returns the outcome for the other ranks and the error for rank 0."""
+        storage = self.storage
+        fs = storage.filesystem
+        try:
+            markers = self._collect_markers(index, dir_name, target)
+        except RankTimeoutError as exc:
+            return self._abort(dir_name, exc, "timeout", exc.missing_ranks, None), exc
+        except Exception as exc:
+            return self._abort(dir_name, exc, "error", [], None), exc
+        failed = {r: m for r, m in markers.items() if not m.get("ok")}
+        if failed:
+            detail = "; ".join(f"rank {r} failed: {m.get('error')}" for r, m in failed.items())
+            exc = CheckpointAbortedError(
+                f"{dir_name} of {storage.uri(storage.trial_path)} was not committed: {detail}",
+                index=index, failed_ranks=sorted(failed),
+            )
+            return self._abort(dir_name, exc, "aborted", sorted(failed), target), exc
+        owners: dict[str, int] = {}
+        manifest: list[dict[str, Any]] = []
+        for r in sorted(markers):
+            for entry in markers[r].get("files", []):
+                path = entry["path"]
+                if path in owners:
+                    exc = CheckpointConflictError(
+                        f"ranks {owners[path]} and {r} both wrote {path!r} into {dir_name}; "
+                        f"nothing was committed. Give each rank's files distinct names "
+                        f"(e.g. 'shard_{{rank}}.pt') or write shared files from one rank only"
+                    )
+                    return self._abort(dir_name, exc, "conflict", [owners[path], r], target), exc
+                owners[path] = r
+                manifest.append(entry)
+        try:
+            for r in markers:
+                _fsutil.delete_file(fs, posixpath.join(target, rank_marker_name(r)))
+            meta = dict(internal)
+            meta.setdefault("index", index)
+            meta["world_size"] = self.world_size
+            meta["attempt_id"] = self.attempt_id
+            meta["ranks"] = {str(r): sorted(e["path"] for e in m.get("files", []))
+                             for r, m in sorted(markers.items())}
+            _finalize(
+                storage.backend, target, final, meta, manifest, fsync=storage.fsync
+            )
+        except Exception as exc:
+            return self._abort(dir_name, exc, "error", [], None), exc
+        return {"ok": True}, None
+
+    def _collect_markers(self, index: int, dir_name: str, target: str) -> dict[int, dict]:
+        fs = self.storage.filesystem
+        backoff = _Backoff(self.timeout_s)
+        while True:
+            present = set()
+            for fi in _fsutil.list_dir(fs, target):
+                m = _RANK_MARKER_RE.match(posixpath.basename(fi.path))
+                if m and fi.type == pafs.FileType.File:
+                    present.add(int(m.group(1)))
+            missing = sorted(set(range(self.world_size)) - present)
+            if not missing:
+                break
+            if not backoff.sleep():
+                raise RankTimeoutError(
+                    f"{dir_name} was not committed: ranks {missing} of {self.world_size} did "
+                    f"not finish writing within {self.timeout_s:g}s (attempt {self.attempt_id!r}). "
+                    "Every rank must call report() the same number of times, and without "
+                    "torch.distributed pass a checkpoint on every rank or on none",
+                    missing_ranks=missing, index=index,
+                )
+        markers = {}
+        for r in range(self.world_size):
+            body = _json.loads(_fsutil.read_bytes(fs, posixpath.join(target, rank_marker_name(r))))
+            if not isinstance(body, dict) or body.get("attempt_id") != self.attempt_id:
+                other = body.get("attempt_id") if isinstance(body, dict) else "?"
+                raise CheckpointStoreError(
+                    f"rank marker {rank_marker_name(r)} in {self.storage.uri(target)} belongs "
+                    f"to another attempt ({other}); two launches share this trial and "
+                    "attempt id: give each launch its own attempt_id"
+                )
+            markers[r] = body
+        return markers
+
+    def _abort(
+        self, dir_name: str, exc: BaseException, kind: str, ranks: list[int], target: str | None
+    ) -> dict[str, Any]:
+        """Rank 0: drop what was uploaded (when every rank is done) and publish the abort."""
+        storage = self.storage
+        outcome = {"ok": False, "kind": kind, "ranks": ranks, "error": str(exc)}
+        if target is not None:
+            try:
+                _fsutil.delete_dir(storage.filesystem, target)
+            except OSError:
+                pass  # an uncommitted directory is ignored by readers; cleanup retries
+        if self._group is None:
+            _fsutil.write_bytes(
+                storage.filesystem,
+                posixpath.join(storage.trial_path, abort_file_name(dir_name, self.attempt_id)),
+                _json.dumps(outcome), storage.backend.capabilities, fsync=storage.fsync,
+            )
+        return outcome
+
+    def _await_outcome(self, index: int, dir_name: str, final: str) -> dict[str, Any]:
+        """Non-zero rank without a process group: poll the commit marker and the abort file."""
+        fs = self.storage.filesystem
+        meta_path = posixpath.join(final, INTERNAL_METADATA)
+        abort_path = posixpath.join(
+            self.storage.trial_path, abort_file_name(dir_name, self.attempt_id)
+        )
+        backoff = _Backoff(self.timeout_s)
+        while True:
+            meta_info, abort_info = fs.get_file_info([meta_path, abort_path])
+            if abort_info.type == pafs.FileType.File:
+                return _json.loads(_fsutil.read_bytes(fs, abort_path))
+            if meta_info.type == pafs.FileType.File:
+                return {"ok": True}
+            if not backoff.sleep():
+                return {
+                    "ok": False, "kind": "timeout", "ranks": [0],
+                    "error": (
+                        f"rank {self.rank} waited {self.timeout_s:g}s for rank 0 to commit "
+                        f"{dir_name} (attempt {self.attempt_id!r}); missing ranks: [0]"
+                    ),
+                }
+
+
+def _upload_error(exc: Exception, checkpoint: Checkpoint, rank: int) -> Exception:
+    """A clear error for a failed upload; a vanished source names the path."""
+    if isinstance(exc, FileNotFoundError):
+        missing = getattr(exc, "filename", None) or checkpoint.path
+        err = CheckpointNotFoundError(
+            f"rank {rank}: {missing} disappeared while uploading checkpoint "
+            f"{checkpoint.uri}; keep the checkpoint directory until report() returns ({exc})"
+        )
+        err.__cause__ = exc
+        return err
+    return exc
+
+
+def _error_from_outcome(outcome: dict[str, Any], index: int) -> Exception:
+    kind = outcome.get("kind")
+    ranks = list(outcome.get("ranks") or [])
+    message = str(outcome.get("error"))
+    if kind == "timeout":
+        return RankTimeoutError(message, missing_ranks=ranks, index=index)
+    if kind == "conflict":
+        return CheckpointConflictError(message)
+    return CheckpointAbortedError(message, index=index, failed_ranks=ranks)
