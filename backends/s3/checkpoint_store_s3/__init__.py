@@ -1,0 +1,251 @@
+"""Amazon S3 and S3-compatible stores (MinIO, Ceph, R2, moto) for checkpoint-store.
+
+Registered for ``s3://`` and ``s3a://`` through the ``checkpoint_store.backends``
+entry-point group. Two engines:
+
+* ``pyarrow`` (default): ``pyarrow.fs.S3FileSystem``, C++ and multi-threaded.
+* ``s3fs``: ``s3fs.S3FileSystem`` (``pip install checkpoint-store-s3[s3fs]``),
+  wrapped with ``pyarrow.fs.PyFileSystem(FSSpecHandler(...))``. Chosen by
+  ``storage_options={"engine": "s3fs"}``, and automatically (with a warning)
+  when the installed pyarrow was built without S3 support.
+
+Storage options (each falls back to the standard AWS variable shown):
+
+===================== =========================================== ===========================
+option                meaning                                     environment
+===================== =========================================== ===========================
+``engine``            ``"pyarrow"`` or ``"s3fs"``
+``endpoint_url``      ``http(s)://host:port`` of an S3-compatible  ``AWS_ENDPOINT_URL_S3``,
+                      store                                        ``AWS_ENDPOINT_URL``
+``region``            e.g. ``"eu-west-1"``                        ``AWS_REGION``,
+                                                                   ``AWS_DEFAULT_REGION``
+``access_key_id``     (alias ``key``)                             ``AWS_ACCESS_KEY_ID``
+``secret_access_key`` (alias ``secret``)                          ``AWS_SECRET_ACCESS_KEY``
+``session_token``     (alias ``token``)                           ``AWS_SESSION_TOKEN``
+``anonymous``         no credentials (public buckets)
+===================== =========================================== ===========================
+
+Any other option is passed to the engine's constructor unchanged
+(``pyarrow.fs.S3FileSystem`` or ``s3fs.S3FileSystem``). Credentials not given
+come from the engine's default AWS chain (variables, ``~/.aws``, instance
+role). They are never printed: ``repr(backend)`` names the engine only.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from checkpoint_store.backends.base import Backend, Capabilities
+from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
+
+__all__ = ["S3_CAPABILITIES", "s3_backend"]
+
+# Each ranged GET is a full request (and against some servers a re-read of the
+# object), so large chunks: 64 MiB reads were 30x faster than pyarrow's 1 MiB
+# default against moto. Eight files in flight keep at most 512 MiB buffered.
+S3_CAPABILITIES = Capabilities(
+    atomic_rename=False,
+    needs_fsync=False,
+    server_side_copy=True,
+    strong_listing=True,  # S3 is strongly consistent for list-after-write since 2020
+    directories=False,
+    chunk_size=64 * 1024 * 1024,
+    concurrency=8,
+)
+
+_ALIASES = {
+    "key": "access_key_id",
+    "access_key": "access_key_id",
+    "aws_access_key_id": "access_key_id",
+    "secret": "secret_access_key",
+    "secret_key": "secret_access_key",
+    "aws_secret_access_key": "secret_access_key",
+    "token": "session_token",
+    "aws_session_token": "session_token",
+    "endpoint": "endpoint_url",
+    "endpoint_override": "endpoint_url",
+    "region_name": "region",
+    "anon": "anonymous",
+}
+_SECRET_OPTIONS = ("secret_access_key", "session_token")
+_ENGINES = ("pyarrow", "s3fs")
+
+
+def _normalise(storage_options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split into (our options under canonical names, engine pass-through options)."""
+    ours: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    for key, value in storage_options.items():
+        canonical = _ALIASES.get(key, key)
+        if canonical in (
+            "engine", "endpoint_url", "region", "access_key_id", "secret_access_key",
+            "session_token", "anonymous",
+        ):
+            if canonical in ours and ours[canonical] != value:
+                raise InvalidConfigError(
+                    f"S3 storage option {canonical!r} was given twice (as {key!r} and an "
+                    "alias); pass it once"
+                )
+            ours[canonical] = value
+        else:
+            extra[key] = value
+    env = os.environ
+    ours.setdefault("endpoint_url", env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"))
+    ours.setdefault("region", env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"))
+    engine = ours.get("engine") or "pyarrow"
+    if engine not in _ENGINES:
+        raise InvalidConfigError(
+            f"unknown S3 engine {engine!r}: use one of {', '.join(_ENGINES)}"
+        )
+    if bool(ours.get("access_key_id")) != bool(ours.get("secret_access_key")):
+        raise InvalidConfigError(
+            "S3 credentials need both access_key_id and secret_access_key (or neither, "
+            "to use the AWS default chain: AWS_* variables, ~/.aws, instance role)"
+        )
+    return ours, extra
+
+
+def _split_endpoint(endpoint_url: str) -> tuple[str, str]:
+    """``http://h:p`` -> ``("http", "h:p")``; a bare ``h:p`` means https."""
+    parsed = urllib.parse.urlsplit(endpoint_url if "://" in endpoint_url else f"https://{endpoint_url}")
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise InvalidConfigError(
+            f"S3 endpoint_url {endpoint_url!r} is not http(s)://host[:port]"
+        )
+    return parsed.scheme, parsed.netloc
+
+
+def _pyarrow_s3_class() -> Any | None:
+    """``pyarrow.fs.S3FileSystem``, or None when this pyarrow was built without S3."""
+    try:
+        cls = pafs.S3FileSystem
+    except (ImportError, AttributeError):
+        return None
+    return cls
+
+
+def _build_pyarrow(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.FileSystem:
+    cls = _pyarrow_s3_class()
+    if cls is None:
+        raise BackendUnavailableError(
+            "this pyarrow was built without S3 support: install a pyarrow wheel from "
+            "PyPI, or use the s3fs engine: pip install 'checkpoint-store-s3[s3fs]' and "
+            "storage_options={'engine': 's3fs'}"
+        )
+    kwargs: dict[str, Any] = {}
+    if ours.get("endpoint_url"):
+        scheme, netloc = _split_endpoint(ours["endpoint_url"])
+        kwargs["endpoint_override"] = netloc
+        kwargs["scheme"] = scheme
+    if ours.get("region"):
+        kwargs["region"] = ours["region"]
+    elif ours.get("endpoint_url"):
+        # A custom endpoint has no region lookup; the SDK's fallback probes hosts.
+        kwargs["region"] = "us-east-1"
+    if ours.get("access_key_id"):
+        kwargs["access_key"] = ours["access_key_id"]
+        kwargs["secret_key"] = ours["secret_access_key"]
+        if ours.get("session_token"):
+            kwargs["session_token"] = ours["session_token"]
+    if ours.get("anonymous"):
+        kwargs["anonymous"] = True
+    kwargs.update(extra)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise InvalidConfigError(
+            f"pyarrow.fs.S3FileSystem rejected the storage options ({exc}); "
+            f"known options: {', '.join(sorted(set(_ALIASES.values()) | {'engine'}))}"
+        ) from None
+
+
+def _build_s3fs(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.FileSystem:
+    try:
+        import s3fs
+    except ImportError:
+        raise BackendUnavailableError(
+            "the s3fs engine needs s3fs: pip install 'checkpoint-store-s3[s3fs]'"
+        ) from None
+    kwargs: dict[str, Any] = {
+        # A listing must show what another process just wrote (retention, resume).
+        "use_listings_cache": False,
+        "skip_instance_cache": True,
+        # One ranged GET per transfer chunk, not many small ones.
+        "default_block_size": S3_CAPABILITIES.chunk_size,
+    }
+    if ours.get("endpoint_url"):
+        _split_endpoint(ours["endpoint_url"])
+        kwargs["endpoint_url"] = ours["endpoint_url"]
+    client_kwargs = dict(extra.get("client_kwargs") or {})
+    if ours.get("region"):
+        client_kwargs.setdefault("region_name", ours["region"])
+    if client_kwargs:
+        kwargs["client_kwargs"] = client_kwargs
+    if ours.get("access_key_id"):
+        kwargs["key"] = ours["access_key_id"]
+        kwargs["secret"] = ours["secret_access_key"]
+        if ours.get("session_token"):
+            kwargs["token"] = ours["session_token"]
+    if ours.get("anonymous"):
+        kwargs["anon"] = True
+    kwargs.update({k: v for k, v in extra.items() if k != "client_kwargs"})
+    try:
+        fs = s3fs.S3FileSystem(**kwargs)
+    except TypeError as exc:
+        raise InvalidConfigError(
+            f"s3fs.S3FileSystem rejected the storage options ({exc})"
+        ) from None
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+
+
+def s3_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:
+    """Factory for ``s3://bucket/key`` and ``s3a://bucket/key`` URIs.
+
+    Args:
+        uri: the URI being resolved; only its scheme is used here.
+        storage_options: see the module docstring.
+
+    Returns:
+        A :class:`~checkpoint_store.backends.Backend` with
+        :data:`S3_CAPABILITIES` (marker-last commit, no directory markers).
+
+    Raises:
+        InvalidConfigError: unknown engine, malformed endpoint, half credentials,
+            or options the engine rejects.
+        BackendUnavailableError: the engine's library is missing.
+    """
+    scheme = uri.split("://", 1)[0].lower() if "://" in uri else "s3"
+    ours, extra = _normalise(storage_options)
+    engine = ours.get("engine") or "pyarrow"
+    explicit_engine = "engine" in storage_options
+    if engine == "pyarrow" and _pyarrow_s3_class() is None and not explicit_engine:
+        try:
+            import s3fs  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            warnings.warn(
+                "this pyarrow was built without S3 support; using the s3fs engine",
+                stacklevel=3,
+            )
+            engine = "s3fs"
+    build: Callable[[], pafs.FileSystem]
+    if engine == "s3fs":
+        def build() -> pafs.FileSystem:
+            return _build_s3fs(ours, extra)
+    else:
+        def build() -> pafs.FileSystem:
+            return _build_pyarrow(ours, extra)
+    return Backend(
+        build(),
+        scheme=scheme,
+        capabilities=S3_CAPABILITIES,
+        name=f"S3 ({engine})",
+        rebuild=build,
+    )

@@ -1,0 +1,87 @@
+"""The server fixtures themselves: loopback only, fresh buckets, stopped at the end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pyarrow.fs as pafs
+
+from checkpoint_store import StorageContext
+from checkpoint_store.testing.servers import S3Server
+
+
+def _roundtrip(uri: str, options: dict) -> int:
+    """Write params.json through the backend; return its size read back."""
+    ctx = StorageContext(uri, "exp", "trial", storage_options=options)
+    ctx.write_params({"lr": 0.1})
+    raw = ctx.filesystem.open_input_stream(ctx.trial_path + "/params.json").read()
+    assert b"0.1" in raw
+    return len(raw)
+
+
+def test_s3_server_on_loopback_and_fresh_bucket(s3_server, s3_bucket, s3_location):
+    assert s3_server.endpoint_url.startswith("http://127.0.0.1:")
+    assert s3_location.uri == f"s3://{s3_bucket}/ckpt"
+    assert s3_server.list_keys(s3_bucket) == {}
+    size = _roundtrip(s3_location.uri, s3_location.storage_options)
+    assert s3_server.list_keys(s3_bucket) == {"ckpt/exp/trial/params.json": size}
+
+
+def test_each_test_gets_its_own_bucket(s3_bucket, s3_server):
+    # The previous test wrote into its bucket; this one is empty.
+    assert s3_server.list_keys(s3_bucket) == {}
+
+
+def test_s3_env_fixture_sets_standard_variables(s3_env, s3_bucket):
+    assert os.environ["AWS_ENDPOINT_URL"] == s3_env["AWS_ENDPOINT_URL"]
+    # No storage_options: everything comes from the AWS_* variables.
+    _roundtrip(f"s3://{s3_bucket}/from-env", {})
+
+
+def test_s3_env_reaches_a_child_process(s3_location, s3_bucket, s3_server):
+    code = textwrap.dedent(
+        f"""
+        from checkpoint_store import StorageContext
+        ctx = StorageContext("s3://{s3_bucket}/child", "e", "t")
+        ctx.write_params({{"from": "child"}})
+        """
+    )
+    env = {**os.environ, **s3_location.env}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    assert "child/e/t/params.json" in s3_server.list_keys(s3_bucket)
+
+
+def test_server_stops_and_frees_its_port():
+    server = S3Server.start()
+    port, proc = server.port, server.process
+    assert proc is not None and proc.poll() is None
+    server.stop()
+    assert proc.poll() is not None
+    # Nothing answers on the port any more.
+    fs = pafs.S3FileSystem(
+        endpoint_override=f"127.0.0.1:{port}", scheme="http", access_key="a", secret_key="b",
+        region="us-east-1", connect_timeout=0.5, request_timeout=0.5,
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1),
+    )
+    try:
+        fs.get_file_info("bucket/x")
+    except OSError:
+        pass
+    else:
+        raise AssertionError("the stopped server still answered")
+
+
+def test_azure_fixture(azure_server, azure_container, azure_location):
+    assert azure_server.endpoint_url.startswith("http://127.0.0.1:")
+    assert azure_location.uri == f"az://{azure_container}/ckpt"
+    size = _roundtrip(azure_location.uri, azure_location.storage_options)
+    assert azure_server.list_blobs(azure_container) == {"ckpt/exp/trial/params.json": size}
+
+
+def test_gcs_fixture(gcs_server, gcs_bucket, gcs_location):
+    assert gcs_server.endpoint_url.startswith("http://127.0.0.1:")
+    size = _roundtrip(gcs_location.uri, gcs_location.storage_options)
+    assert gcs_server.list_objects(gcs_bucket) == {"ckpt/exp/trial/params.json": size}
