@@ -37,6 +37,7 @@ __all__ = [
     "MetadataError",
     "StorageContext",
     "TransientBackendError",
+    "TrialRunner",
     "UnknownSchemeError",
     "available_backends",
     "register_backend",
@@ -49,4 +50,8 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module("checkpoint_store.session")
+    if name == "TrialRunner":  # imported on first use: the session layer is not free
+        from checkpoint_store.session._trial_runner import TrialRunner
+
+        return TrialRunner
     raise AttributeError(f"module 'checkpoint_store' has no attribute {name!r}")

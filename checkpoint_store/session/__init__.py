@@ -32,12 +32,14 @@ from checkpoint_store.session._errors import (
     TrialStopped,
 )
 from checkpoint_store.session._session import AUTO_FILLED, Session, SessionContext
+from checkpoint_store.session._trial_runner import TrialRunner
 from checkpoint_store.storage import StorageContext
 
 __all__ = [
     "AUTO_FILLED",
     "CheckpointAbortedError",
     "RankTimeoutError",
+    "TrialRunner",
     "TrialStopped",
     "Session",
     "SessionContext",

@@ -1,0 +1,395 @@
+"""The tuning side of the session: run one trial's function in a thread, result by result.
+
+A scheduler (Optuna, a successive-halving loop, a hand-written sweep) drives
+a :class:`TrialRunner` with ``step()`` and decides after each result whether
+to go on, ``pause()`` or ``stop()``. Same semantics as a Ray Tune function
+trainable run by its trial runner; the session inside is the one
+:func:`checkpoint_store.session.report` uses everywhere.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from checkpoint_store import _json
+from checkpoint_store.checkpoint import Checkpoint
+from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
+from checkpoint_store.retention import CheckpointConfig
+from checkpoint_store.session._errors import TrialStopped
+
+_IDLE, _RUNNING, _FINISHED, _STOPPED, _PAUSED = "idle", "running", "finished", "stopped", "paused"
+
+
+class TrialRunner:
+    """Runs ``train_fn(config)`` in a thread with its own session, one result per ``step()``.
+
+    Args:
+        train_fn: the function trainable. Called as ``train_fn(config)`` (or
+            ``train_fn()`` when it takes no argument) in a new thread, where
+            :func:`checkpoint_store.session.report` and ``get_checkpoint()``
+            reach this trial's session. If it returns a dict, or is a
+            generator yielding dicts, those are reported too.
+        config: the trial's hyperparameters (a JSON object), written to
+            ``params.json``.
+        storage_path, experiment_name, trial_name, storage_filesystem: where
+            the trial lives, as for :func:`checkpoint_store.session.start`.
+        checkpoint_config: retention rules for this trial's checkpoints (each
+            trial keeps its own top K under its own directory).
+        synchronous_result_reporting: True (default): ``report()`` inside
+            ``train_fn`` blocks until the *next* ``step()``, so the function
+            never runs ahead of the scheduler and can be stopped or paused
+            between two reports. False: ``report()`` returns as soon as
+            ``step()`` has taken its result.
+        storage_options: backend options for a URI ``storage_path``.
+        stop_timeout_s: how long ``stop()``/``pause()``/``reset()`` wait for
+            the thread to end, in seconds.
+
+    Raises:
+        InvalidConfigError: ``train_fn`` is not callable, or ``config`` is not
+            a JSON object. The thread starts at the first ``step()``.
+
+    Example::
+
+        runner = TrialRunner(train, {"lr": 0.1}, storage_path="s3://b/runs",
+                             experiment_name="sweep", trial_name="trial_0")
+        while (result := runner.step()) is not None:
+            if result["loss"] > 10:
+                runner.stop()
+    """
+
+    def __init__(
+        self,
+        train_fn: Callable[..., Any],
+        config: Mapping[str, Any] | None = None,
+        *,
+        storage_path: str | os.PathLike[str],
+        experiment_name: str,
+        trial_name: str,
+        checkpoint_config: CheckpointConfig | None = None,
+        storage_filesystem: Any = None,
+        synchronous_result_reporting: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
+        stop_timeout_s: float = 30.0,
+    ):
+        if not callable(train_fn):
+            raise InvalidConfigError(
+                f"train_fn must be callable, got {type(train_fn).__name__}"
+            )
+        self._train_fn = train_fn
+        self._config = _json.to_json_object(config or {}, "config")
+        self._storage_args = {
+            "storage_path": storage_path,
+            "experiment_name": experiment_name,
+            "trial_name": trial_name,
+            "checkpoint_config": checkpoint_config,
+            "storage_filesystem": storage_filesystem,
+            "storage_options": storage_options,
+        }
+        self._sync = bool(synchronous_result_reporting)
+        self._stop_timeout_s = float(stop_timeout_s)
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._session: Any = None
+        self._status = _IDLE
+        self._generation = 0
+        self._new_attempt()
+
+    def _new_attempt(self) -> None:
+        # Per-thread state; a generation number keeps a thread that outlived
+        # stop() from touching the state of the next one.
+        self._slot: dict[str, Any] | None = None
+        self._put = 0
+        self._taken = 0
+        self._released = 0
+        self._stop_requested = False
+        self._error: BaseException | None = None
+        self._thread_done = False
+
+    # -- introspection --------------------------------------------------------------
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The current config (a copy)."""
+        return dict(self._config)
+
+    @property
+    def trial_name(self) -> str:
+        return str(self._storage_args["trial_name"])
+
+    @property
+    def status(self) -> str:
+        """``"idle"`` (no step yet), ``"running"``, ``"finished"`` (returned or
+        raised), ``"stopped"`` or ``"paused"``."""
+        return self._status
+
+    @property
+    def session(self) -> Any:
+        """The :class:`~checkpoint_store.session.Session` of the latest thread,
+        or None before the first ``step()``. Its ``manager`` holds the trial's
+        kept checkpoints; it stays readable after the thread ended."""
+        return self._session
+
+    @property
+    def best_checkpoints(self) -> list[tuple[Checkpoint, dict[str, Any]]]:
+        """This trial's kept checkpoints with their metrics, best first ([] before any)."""
+        return self._session.manager.best_checkpoints if self._session is not None else []
+
+    @property
+    def latest_checkpoint(self) -> Checkpoint | None:
+        """The newest committed checkpoint of this trial, or None."""
+        return self._session.get_checkpoint() if self._session is not None else None
+
+    # -- the thread -------------------------------------------------------------------
+
+    def _start_thread(self) -> None:
+        with self._cv:
+            self._new_attempt()
+            self._generation += 1
+            self._status = _RUNNING
+            self._thread = threading.Thread(
+                target=self._run, args=(self._generation,),
+                name=f"cs-trial-{self.trial_name}", daemon=True,
+            )
+        self._thread.start()
+
+    def _run(self, generation: int) -> None:
+        from checkpoint_store import session as _session_mod
+
+        try:
+            active = _session_mod.start(
+                config=self._config, _thread_only=True, **self._storage_args
+            )
+            with active as sess:
+                self._session = sess
+                sess._runner_hook = _Hook(self, generation)
+                self._call_train_fn(_session_mod)
+        except TrialStopped:
+            pass
+        except BaseException as exc:  # re-raised by step() in the driver's thread
+            with self._cv:
+                if generation == self._generation:
+                    self._error = exc
+        finally:
+            with self._cv:
+                if generation == self._generation:
+                    self._thread_done = True
+                    self._cv.notify_all()
+
+    def _call_train_fn(self, session_mod: Any) -> None:
+        fn = self._train_fn
+        try:
+            takes_config = bool(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            takes_config = True
+        out = fn(dict(self._config)) if takes_config else fn()
+        if inspect.isgenerator(out):
+            try:
+                for item in out:
+                    if item is not None:
+                        session_mod.report(_as_metrics(item, "yielded"))
+            finally:
+                out.close()  # a stopped generator's finally blocks run now
+        elif out is not None:
+            session_mod.report(_as_metrics(out, "returned"))
+
+    # -- the handoff (called from the trial thread through _Hook) ------------------------
+
+    def _before_report(self, generation: int) -> None:
+        with self._cv:
+            if self._stop_requested or generation != self._generation:
+                raise TrialStopped()
+
+    def _after_report(self, generation: int, row: dict[str, Any], ckpt: Checkpoint | None) -> None:
+        result = dict(row)
+        result["checkpoint"] = ckpt
+        with self._cv:
+            if self._stop_requested or generation != self._generation:
+                raise TrialStopped()
+            self._slot = result
+            self._put += 1
+            n = self._put
+            self._cv.notify_all()
+            while True:
+                if generation != self._generation:
+                    raise TrialStopped()
+                if (self._released if self._sync else self._taken) >= n:
+                    return
+                if self._stop_requested:
+                    raise TrialStopped()
+                self._cv.wait()
+
+    # -- the driver's API --------------------------------------------------------------
+
+    def step(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """Run ``train_fn`` until its next ``report()`` and return that result.
+
+        The first call starts the thread (after a :meth:`pause`, a new thread
+        resumes from the latest checkpoint through ``get_checkpoint()``).
+
+        Args:
+            timeout: seconds to wait for the result; None waits forever.
+
+        Returns:
+            A flat dict: the reported metrics and the auto-filled keys
+            (``training_iteration``, ``timestamp``, ``time_total_s``,
+            ``time_this_iter_s``, ``trial_id``, ``checkpoint_dir_name``) at the
+            top level, plus ``checkpoint``: the committed
+            :class:`~checkpoint_store.Checkpoint` on storage, or None. None once
+            ``train_fn`` has returned or the trial was stopped, and on every
+            later call.
+
+        Raises:
+            BaseException: whatever ``train_fn`` raised, with its original type
+                and traceback (once; later calls return None).
+            TimeoutError: no result within ``timeout`` (the trial goes on).
+        """
+        with self._cv:
+            if self._status in (_IDLE, _PAUSED):
+                starting = True
+            elif self._status in (_FINISHED, _STOPPED):
+                return None
+            else:
+                starting = False
+        if starting:
+            self._start_thread()
+        with self._cv:
+            if self._sync and self._taken > self._released:
+                self._released = self._taken  # let the blocked report() return
+                self._cv.notify_all()
+            ok = self._cv.wait_for(
+                lambda: self._slot is not None or self._thread_done or self._stop_requested,
+                timeout,
+            )
+            if not ok:
+                raise TimeoutError(
+                    f"trial {self.trial_name!r} reported nothing within {timeout}s"
+                )
+            if self._slot is not None and not self._stop_requested:
+                result, self._slot = self._slot, None
+                self._taken += 1
+                self._cv.notify_all()
+                return result
+            if self._stop_requested:
+                return None
+            error, self._error = self._error, None
+            self._status = _FINISHED
+        if self._thread is not None:
+            self._thread.join(self._stop_timeout_s)
+        if error is not None:
+            raise error.with_traceback(error.__traceback__)
+        return None
+
+    def _end_thread(self, status: str, timeout: float | None) -> bool:
+        with self._cv:
+            if self._status != _RUNNING:
+                # Nothing runs. Before the first step (or while paused) the
+                # request decides what step() does; a finished or stopped
+                # trial stays so.
+                if self._status in (_IDLE, _PAUSED):
+                    self._status = status
+                return True
+            self._stop_requested = True
+            self._status = status
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is None:
+            return True
+        thread.join(self._stop_timeout_s if timeout is None else timeout)
+        return not thread.is_alive()
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """End the trial: the blocked (or next) ``report()`` raises
+        :class:`~checkpoint_store.session.TrialStopped` inside ``train_fn``, so
+        it unwinds and its ``finally`` blocks run; the thread is joined.
+
+        Idempotent; allowed before the first ``step()`` and after the end.
+        Nothing is deleted. ``step()`` returns None afterwards.
+
+        Args:
+            timeout: seconds to wait for the thread (default ``stop_timeout_s``).
+
+        Returns:
+            True when the thread has ended (or never ran); False if it is still
+            running after ``timeout`` (it is a daemon thread and stops at its
+            next report()).
+        """
+        return self._end_thread(_STOPPED, timeout)
+
+    def pause(self, timeout: float | None = None) -> bool:
+        """End the thread like :meth:`stop`, keeping every checkpoint.
+
+        The next ``step()`` on this runner, or a new runner for the same
+        trial, starts ``train_fn`` again and it resumes from the latest
+        checkpoint through ``get_checkpoint()``. Idempotent.
+
+        Returns:
+            As :meth:`stop`.
+        """
+        return self._end_thread(_PAUSED, timeout)
+
+    def reset(
+        self, new_config: Mapping[str, Any] | None, *, trial_name: str | None = None,
+        timeout: float | None = None,
+    ) -> bool:
+        """Reuse this runner for a new config (Ray's ``reset_config``).
+
+        The current thread is stopped; the next ``step()`` runs ``train_fn``
+        with ``new_config``. With ``trial_name`` the runner moves to that
+        trial's directory; without, it continues in the same trial (and
+        ``get_checkpoint()`` there returns that trial's latest checkpoint).
+
+        Returns:
+            True when reset; False if the old thread did not stop within the
+            timeout (nothing changed apart from the stop request).
+
+        Raises:
+            InvalidConfigError: ``new_config`` is not a JSON object.
+        """
+        clean = _json.to_json_object(new_config or {}, "config")
+        if not self._end_thread(_STOPPED, timeout):
+            return False
+        with self._cv:
+            self._config = clean
+            if trial_name is not None:
+                self._storage_args["trial_name"] = trial_name
+            self._status = _IDLE
+            self._generation += 1
+            self._new_attempt()
+            self._session = None
+        return True
+
+    def __enter__(self) -> TrialRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"TrialRunner(trial_name={self.trial_name!r}, status={self._status!r})"
+
+
+class _Hook:
+    """What a Session calls around each report() of a runner's thread."""
+
+    def __init__(self, runner: TrialRunner, generation: int):
+        self._runner = runner
+        self._generation = generation
+
+    def before_report(self) -> None:
+        self._runner._before_report(self._generation)
+
+    def after_report(self, row: dict[str, Any], checkpoint: Checkpoint | None) -> None:
+        self._runner._after_report(self._generation, row, checkpoint)
+
+
+def _as_metrics(value: Any, how: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise CheckpointStoreError(
+            f"train_fn {how} a {type(value).__name__}; return or yield a dict of metrics "
+            "(or None), or call checkpoint_store.session.report() yourself"
+        )
+    return value
