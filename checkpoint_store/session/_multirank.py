@@ -527,7 +527,10 @@ class Coordinator:
         abort_path = posixpath.join(
             self.storage.trial_path, abort_file_name(dir_name, self.attempt_id)
         )
-        backoff = _Backoff(self.timeout_s)
+        # Rank 0 waits up to timeout_s for the slowest rank and then publishes
+        # which ranks were missing; wait past that to report its verdict.
+        wait_s = 2 * self.timeout_s + 1.0
+        backoff = _Backoff(wait_s)
         while True:
             meta_info, abort_info = fs.get_file_info([meta_path, abort_path])
             if abort_info.type == pafs.FileType.File:
@@ -538,7 +541,7 @@ class Coordinator:
                 return {
                     "ok": False, "kind": "timeout", "ranks": [0],
                     "error": (
-                        f"rank {self.rank} waited {self.timeout_s:g}s for rank 0 to commit "
+                        f"rank {self.rank} waited {wait_s:g}s for rank 0 to commit "
                         f"{dir_name} (attempt {self.attempt_id!r}); missing ranks: [0]"
                     ),
                 }
