@@ -1,0 +1,186 @@
+"""Run a function trainable as an Optuna objective, with checkpoints kept per trial.
+
+Usage::
+
+    import optuna
+    from checkpoint_store import CheckpointConfig
+    from checkpoint_store.integrations.optuna import objective
+
+    study = optuna.create_study(direction="maximize",
+                                pruner=optuna.pruners.MedianPruner())
+    study.optimize(
+        objective(train_fn, lambda t: {"lr": t.suggest_float("lr", 1e-3, 1, log=True)},
+                  storage_path="s3://bucket/runs", experiment_name="lr-sweep",
+                  metric="val_accuracy", mode="max",
+                  checkpoint_config=CheckpointConfig(num_to_keep=2)),
+        n_trials=8, n_jobs=2,
+    )
+    best = study.best_trial.user_attrs["checkpoint_store.best_checkpoint"]
+
+``train_fn`` is the same function a training run uses: it calls
+``checkpoint_store.session.report(metrics, checkpoint=...)``. Each trial runs
+in a :class:`~checkpoint_store.TrialRunner` under
+``<storage_path>/<experiment_name>/trial_<number>/`` with its own top K.
+Each report becomes ``trial.report(metrics[metric], step=training_iteration)``;
+when the pruner says so, the trial is stopped through
+:meth:`TrialRunner.stop` (the function unwinds at its blocked ``report()``)
+and :class:`optuna.TrialPruned` is raised. Requires ``pip install
+checkpoint-store[tune]``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from checkpoint_store.errors import InvalidConfigError
+from checkpoint_store.retention import _NOT_FOUND, CheckpointConfig, lookup_metric
+
+__all__ = ["ATTR_BEST_CHECKPOINT", "ATTR_TRIAL_DIR", "objective"]
+
+#: ``trial.user_attrs`` key: URI of the trial's best kept checkpoint (or None).
+ATTR_BEST_CHECKPOINT = "checkpoint_store.best_checkpoint"
+#: ``trial.user_attrs`` key: URI of the trial's directory.
+ATTR_TRIAL_DIR = "checkpoint_store.trial_dir"
+
+
+def _import_optuna() -> Any:
+    try:
+        import optuna
+    except ImportError:
+        raise ImportError(
+            "checkpoint_store.integrations.optuna needs Optuna: pip install "
+            "'checkpoint-store[tune]'"
+        ) from None
+    return optuna
+
+
+def objective(
+    train_fn: Callable[..., Any],
+    config: Mapping[str, Any] | Callable[[Any], Mapping[str, Any]] | None = None,
+    *,
+    storage_path: str | os.PathLike[str],
+    experiment_name: str,
+    metric: str,
+    mode: Literal["max", "min"] = "max",
+    checkpoint_config: CheckpointConfig | None = None,
+    storage_filesystem: Any = None,
+    storage_options: Mapping[str, Any] | None = None,
+    trial_name: Callable[[Any], str] | None = None,
+    value: Literal["best", "last"] = "best",
+) -> Callable[[Any], float]:
+    """An Optuna objective ``f(trial) -> float`` that runs ``train_fn`` for one trial.
+
+    Args:
+        train_fn: function trainable (see :class:`~checkpoint_store.TrialRunner`).
+        config: the trial config: a callable ``trial -> dict`` that calls
+            ``trial.suggest_*``, or a fixed dict; the suggested values are
+            merged over a fixed dict's.
+        storage_path, experiment_name, storage_filesystem, storage_options:
+            where trials live.
+        metric: the reported metric Optuna optimises and prunes on (a literal
+            key or a ``/``-separated nested path).
+        mode: ``"max"`` or ``"min"``; match the study's direction.
+        checkpoint_config: retention per trial. Default: keep the best 2 by
+            ``metric`` in ``mode``. Without a score attribute, ``metric`` and
+            ``mode`` are filled in.
+        trial_name: ``trial -> name``; default ``trial_<number:05d>``.
+        value: what the objective returns: the best reported value of
+            ``metric`` (default; it matches the best kept checkpoint) or the
+            last one (as Ray Tune's Optuna searcher does).
+
+    Returns:
+        The objective. Each trial's ``user_attrs`` get
+        :data:`ATTR_TRIAL_DIR` and :data:`ATTR_BEST_CHECKPOINT` (URIs).
+
+    Raises:
+        InvalidConfigError: at once, for a bad ``mode`` or ``value``. From the
+            objective: whatever ``train_fn`` raised; a metric that was never
+            reported or is not a number (naming it); ``optuna.TrialPruned``.
+    """
+    optuna = _import_optuna()
+    if mode not in ("max", "min"):
+        raise InvalidConfigError(f"mode must be 'max' or 'min', got {mode!r}")
+    if value not in ("best", "last"):
+        raise InvalidConfigError(f"value must be 'best' or 'last', got {value!r}")
+    if not isinstance(metric, str) or not metric:
+        raise InvalidConfigError(f"metric must be a non-empty string, got {metric!r}")
+    if checkpoint_config is None:
+        checkpoint_config = CheckpointConfig(
+            num_to_keep=2, checkpoint_score_attribute=metric, checkpoint_score_order=mode
+        )
+    elif checkpoint_config.checkpoint_score_attribute is None:
+        checkpoint_config = CheckpointConfig(
+            num_to_keep=checkpoint_config.num_to_keep,
+            checkpoint_score_attribute=metric,
+            checkpoint_score_order=mode,
+            keep_latest=checkpoint_config.keep_latest,
+            missing_score=checkpoint_config.missing_score,
+        )
+
+    def run_trial(trial: Any) -> float:
+        from checkpoint_store.session._trial_runner import TrialRunner
+
+        if callable(config):
+            cfg = dict(config(trial))
+        else:
+            cfg = dict(config or {})
+        name = trial_name(trial) if trial_name is not None else f"trial_{trial.number:05d}"
+        runner = TrialRunner(
+            train_fn, cfg, storage_path=storage_path, experiment_name=experiment_name,
+            trial_name=name, checkpoint_config=checkpoint_config,
+            storage_filesystem=storage_filesystem, storage_options=storage_options,
+        )
+        values: list[float] = []
+        try:
+            while (result := runner.step()) is not None:
+                v = _metric_value(result, metric)
+                if v is None:
+                    continue
+                values.append(v)
+                trial.report(v, step=int(result["training_iteration"]))
+                if trial.should_prune():
+                    runner.stop()
+                    raise optuna.TrialPruned(
+                        f"pruned at training_iteration {result['training_iteration']} "
+                        f"({metric}={v})"
+                    )
+        finally:
+            runner.stop()
+            _record(trial, runner)
+        if not values:
+            raise InvalidConfigError(
+                f"trial {name!r} never reported a number for metric {metric!r}; report it "
+                "with checkpoint_store.session.report({...})"
+            )
+        if value == "last":
+            return values[-1]
+        return max(values) if mode == "max" else min(values)
+
+    return run_trial
+
+
+def _metric_value(result: Mapping[str, Any], metric: str) -> float | None:
+    v = lookup_metric(result, metric)
+    if v is None or v is _NOT_FOUND:
+        return None  # this report did not carry the metric
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InvalidConfigError(
+            f"metric {metric!r} has value {v!r} of type {type(v).__name__}; Optuna needs a number"
+        )
+    v = float(v)
+    return None if math.isnan(v) else v
+
+
+def _record(trial: Any, runner: Any) -> None:
+    sess = runner.session
+    if sess is None:
+        return
+    try:
+        trial.set_user_attr(ATTR_TRIAL_DIR, sess.get_context().trial_dir)
+        best = runner.best_checkpoints
+        trial.set_user_attr(ATTR_BEST_CHECKPOINT, best[0][0].uri if best else None)
+    except Exception:  # noqa: BLE001 - never hide the trial's own outcome
+        pass
