@@ -1,81 +1,129 @@
-"""Small helpers over ``pyarrow.fs.FileSystem`` used by every layer above backends."""
+"""Small helpers over ``pyarrow.fs.FileSystem`` used by every layer above backends.
+
+Each helper that touches storage retries transient errors (see
+:mod:`checkpoint_store._retry`); ``retry=None`` means the default policy
+from the environment. A missing path is an answer, not an error, wherever
+the docstring says so.
+"""
 
 from __future__ import annotations
 
 import os
 import posixpath
+import uuid
 from collections.abc import Iterator
 
 import pyarrow.fs as pafs
 
+from checkpoint_store import _retry
+from checkpoint_store._layout import INTERNAL_PREFIX
+from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Capabilities
 
 
-def info(fs: pafs.FileSystem, path: str) -> pafs.FileInfo:
-    return fs.get_file_info(path)
+def info(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> pafs.FileInfo:
+    return _retry.call(lambda: fs.get_file_info(path), policy=retry, what=f"stat {path}")
 
 
-def exists(fs: pafs.FileSystem, path: str) -> bool:
-    return info(fs, path).type != pafs.FileType.NotFound
+def exists(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> bool:
+    return info(fs, path, retry=retry).type != pafs.FileType.NotFound
 
 
-def is_dir(fs: pafs.FileSystem, path: str) -> bool:
-    return info(fs, path).type == pafs.FileType.Directory
+def is_dir(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> bool:
+    return info(fs, path, retry=retry).type == pafs.FileType.Directory
 
 
-def is_file(fs: pafs.FileSystem, path: str) -> bool:
-    return info(fs, path).type == pafs.FileType.File
+def is_file(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> bool:
+    return info(fs, path, retry=retry).type == pafs.FileType.File
 
 
-def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
-    with fs.open_input_stream(path) as f:
-        return f.read()
+def read_bytes(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> bytes:
+    """The whole file. Raises FileNotFoundError (not retried) when it is absent."""
+
+    def _read() -> bytes:
+        with fs.open_input_stream(path) as f:
+            return f.read()
+
+    return _retry.call(_read, policy=retry, what=f"read {path}")
 
 
-def list_dir(fs: pafs.FileSystem, path: str) -> list[pafs.FileInfo]:
+def list_dir(
+    fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None
+) -> list[pafs.FileInfo]:
     """Direct children of ``path``; an empty list when it does not exist."""
-    return fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=False))
+    sel = pafs.FileSelector(path, allow_not_found=True, recursive=False)
+    return _retry.call(lambda: fs.get_file_info(sel), policy=retry, what=f"list {path}")
 
 
-def walk_files(fs: pafs.FileSystem, root: str) -> Iterator[tuple[str, int]]:
-    """``(relative posix path, size in bytes)`` of every file under ``root``."""
+def list_tree(
+    fs: pafs.FileSystem, root: str, *, retry: RetryPolicy | None = None
+) -> list[pafs.FileInfo]:
+    """Every entry under ``root`` (one recursive listing: one request series on
+    object stores); empty when it does not exist."""
+    sel = pafs.FileSelector(root, allow_not_found=True, recursive=True)
+    return _retry.call(lambda: fs.get_file_info(sel), policy=retry, what=f"list {root}")
+
+
+def relative(root: str, path: str) -> str:
     prefix = root.rstrip("/") + "/"
-    for fi in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True, recursive=True)):
+    return path[len(prefix) :] if path.startswith(prefix) else path
+
+
+def walk_files(
+    fs: pafs.FileSystem, root: str, *, retry: RetryPolicy | None = None
+) -> Iterator[tuple[str, int]]:
+    """``(relative posix path, size in bytes)`` of every file under ``root``."""
+    for fi in list_tree(fs, root, retry=retry):
         if fi.type == pafs.FileType.File:
-            rel = fi.path[len(prefix) :] if fi.path.startswith(prefix) else fi.path
-            yield rel, fi.size
+            yield relative(root, fi.path), fi.size
 
 
-def ensure_dir(fs: pafs.FileSystem, path: str, caps: Capabilities) -> None:
+def ensure_dir(
+    fs: pafs.FileSystem, path: str, caps: Capabilities, *, retry: RetryPolicy | None = None
+) -> None:
     """Create ``path`` where the store has real directories; a no-op on object
     stores, where a directory marker would cost a request and a zero-byte object."""
     if caps.directories:
-        fs.create_dir(path, recursive=True)
+        _retry.call(lambda: fs.create_dir(path, recursive=True), policy=retry,
+                    what=f"create directory {path}")
 
 
-def delete_dir(fs: pafs.FileSystem, path: str) -> None:
+def delete_dir(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> None:
     """Delete ``path`` and everything under it; nothing happens if it is absent."""
-    try:
-        fi = info(fs, path)
-        if fi.type == pafs.FileType.NotFound:
+
+    def _delete() -> None:
+        try:
+            fi = fs.get_file_info(path)
+            if fi.type == pafs.FileType.NotFound:
+                return
+            if fi.type == pafs.FileType.File:
+                fs.delete_file(path)
+                return
+            fs.delete_dir(path)
+        except FileNotFoundError:
             return
-        if fi.type == pafs.FileType.File:
-            fs.delete_file(path)
-            return
-        fs.delete_dir(path)
-    except FileNotFoundError:
-        return
+
+    _retry.call(_delete, policy=retry, what=f"delete {path}")
 
 
-def delete_file(fs: pafs.FileSystem, path: str) -> None:
+def delete_file(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> None:
     """Delete one file; nothing happens if it is absent."""
-    try:
-        fs.delete_file(path)
-    except FileNotFoundError:
-        return
-    except OSError:
-        if exists(fs, path):
-            raise
+
+    def _delete() -> None:
+        try:
+            fs.delete_file(path)
+        except FileNotFoundError:
+            return
+        except OSError:
+            if fs.get_file_info(path).type != pafs.FileType.NotFound:
+                raise
+
+    _retry.call(_delete, policy=retry, what=f"delete {path}")
+
+
+def move(fs: pafs.FileSystem, src: str, dst: str, *, retry: RetryPolicy | None = None) -> None:
+    """Rename ``src`` to ``dst`` (atomic for directories on local disks)."""
+    _retry.call(lambda: fs.move(src, dst), policy=retry, what=f"rename {src} to {dst}")
 
 
 def local_path(fs: pafs.FileSystem, path: str) -> str | None:
@@ -88,7 +136,11 @@ def local_path(fs: pafs.FileSystem, path: str) -> str | None:
 
 
 def fsync_dir(path: str) -> None:
-    """fsync a directory so the entries created in it survive a machine crash."""
+    """fsync a directory so the entries created in it survive a machine crash.
+
+    Best effort: some filesystems refuse to open or fsync directories, and
+    there is nothing better to do on those.
+    """
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -102,18 +154,29 @@ def fsync_dir(path: str) -> None:
 
 
 def write_bytes(
-    fs: pafs.FileSystem, path: str, data: bytes, caps: Capabilities, *, fsync: bool = True
+    fs: pafs.FileSystem,
+    path: str,
+    data: bytes,
+    caps: Capabilities,
+    *,
+    fsync: bool = True,
+    retry: RetryPolicy | None = None,
 ) -> None:
     """Write ``data`` to ``path`` so that readers see the old or the new bytes, never a mix.
 
-    On a local disk: a temporary sibling, fsynced, renamed over ``path``, then
-    the directory fsynced. On object stores a single PUT already is atomic.
+    On a local disk: a temporary sibling named ``.cs_tmp-...`` (an internal
+    name, so listings and manifests ignore it), fsynced, renamed over
+    ``path``, then the directory fsynced. On object stores a single PUT
+    already is atomic; it is retried on transient errors.
     """
     parent = posixpath.dirname(path)
-    ensure_dir(fs, parent, caps)
+    ensure_dir(fs, parent, caps, retry=retry)
     osp = local_path(fs, path)
     if osp is not None:
-        tmp = f"{osp}.{os.getpid()}.{id(data):x}.cs_tmp"
+        base = os.path.basename(osp)
+        tmp = os.path.join(
+            os.path.dirname(osp), f"{INTERNAL_PREFIX}tmp-{base}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -130,5 +193,9 @@ def write_bytes(
         if fsync and caps.needs_fsync:
             fsync_dir(os.path.dirname(osp))
         return
-    with fs.open_output_stream(path) as out:
-        out.write(data)
+
+    def _put() -> None:
+        with fs.open_output_stream(path) as out:
+            out.write(data)
+
+    _retry.call(_put, policy=retry, what=f"write {path}")

@@ -9,22 +9,37 @@ files. Same surface as Ray Train's ``ray.train.Checkpoint``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import posixpath
 import shutil
 import tempfile
+import time
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import filelock
+import google_crc32c
 import pyarrow.fs as pafs
 
 from checkpoint_store import _fsutil, _json
-from checkpoint_store._layout import USER_METADATA
+from checkpoint_store._layout import INTERNAL_METADATA, INTERNAL_PREFIX, USER_METADATA
 from checkpoint_store.backends.base import Backend
-from checkpoint_store.errors import CheckpointNotFoundError, InvalidConfigError
+from checkpoint_store.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    InvalidConfigError,
+)
 from checkpoint_store.registry import resolve
-from checkpoint_store.transfer import download_tree, read_internal_metadata
+from checkpoint_store.transfer import (
+    download_tree,
+    inspect_checkpoint,
+    read_internal_metadata,
+    verify_files,
+)
+
+logger = logging.getLogger(__name__)
 
 
 class Checkpoint:
@@ -195,44 +210,134 @@ class Checkpoint:
 
     # -- data -----------------------------------------------------------------
 
+    def verify(self) -> None:
+        """Check every file against the manifest: presence, size and CRC32C.
+
+        Reads every byte once (in parallel, ``capabilities.concurrency`` files
+        at a time). Same role as Orbax's checkpoint validation, with the
+        checksum object stores compute natively.
+
+        Raises:
+            CheckpointNotFoundError: the directory does not exist, or is not a
+                committed checkpoint (no ``.internal_metadata.json``).
+            CheckpointCorruptError: a file is missing, has another size or
+                checksum, or the metadata is unreadable; ``.file`` names the
+                file (relative to the checkpoint) and the message says which.
+        """
+        insp = inspect_checkpoint(self.filesystem, self.path)
+        if insp.state == "missing":
+            raise CheckpointNotFoundError(f"checkpoint {self.uri} does not exist")
+        if insp.state == "absent":
+            raise CheckpointNotFoundError(
+                f"{self.uri} is not a committed checkpoint (no {INTERNAL_METADATA}); it may be "
+                "an interrupted upload, or a directory copied in by hand "
+                "(StorageContext.adopt() turns a complete one into a checkpoint)"
+            )
+        if insp.state == "invalid":
+            raise CheckpointCorruptError(
+                f"checkpoint {self.uri} is corrupt: {insp.reason}", path=self.path, file=insp.file
+            )
+        assert insp.meta is not None
+        caps = self._backend.capabilities
+        verify_files(self.filesystem, self.path, insp.meta["manifest"],
+                     chunk_size=caps.chunk_size, concurrency=max(caps.concurrency, 1))
+
     def to_directory(self, path: str | os.PathLike[str] | None = None, *, verify: bool = True) -> str:
         """Copy the user's files and ``.user_metadata.json`` into a local directory.
+
+        Safe to call from many processes with the same ``path``: a file lock
+        (``.<name>.cs_lock`` next to ``path``) lets exactly one download; the
+        others wait and return once the data is complete, which a completion
+        marker next to it (``.<name>.cs_download.json``) records. A
+        download that fails (or fails verification) leaves ``path`` as it
+        was: the files go to a staging sibling first and are moved in only
+        after every one of them arrived and verified.
 
         Args:
             path: target directory (created if needed); a new temporary
                 directory when None.
             verify: check each file's size and CRC32C against the manifest of
-                a committed checkpoint.
+                a committed checkpoint (default True; False skips the check,
+                not the download).
 
         Returns:
             The local directory path.
 
         Raises:
             CheckpointNotFoundError: the checkpoint directory does not exist.
-            CheckpointCorruptError: ``verify`` and a file fails its check.
+            CheckpointCorruptError: its metadata is invalid, an entry would
+                escape the target (``..``, absolute path, symlink), or
+                ``verify`` and a file fails its check; names the file.
         """
-        target = (
-            tempfile.mkdtemp(prefix="checkpoint-")
-            if path is None
-            else os.path.abspath(os.path.expanduser(os.fspath(path)))
-        )
-        if not _fsutil.is_dir(self.filesystem, self.path):
+        fs = self.filesystem
+        insp = inspect_checkpoint(fs, self.path)
+        if insp.state == "missing":
             raise CheckpointNotFoundError(f"checkpoint {self.uri} does not exist")
-        meta = read_internal_metadata(self.filesystem, self.path)
-        manifest = meta["manifest"] if meta else None
-        download_tree(
-            self.filesystem, self.path, self._backend.capabilities, target,
-            manifest=manifest, verify=verify,
-        )
+        if insp.state == "invalid":
+            raise CheckpointCorruptError(
+                f"checkpoint {self.uri} is corrupt: {insp.reason}", path=self.path, file=insp.file
+            )
+        manifest = insp.meta["manifest"] if insp.meta else None
+        caps = self._backend.capabilities
+        if path is None:
+            tmp = tempfile.mkdtemp(prefix="checkpoint-")
+            try:
+                download_tree(fs, self.path, caps, tmp, manifest=manifest, verify=verify)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            return tmp
+        target = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        parent, base = os.path.split(target)
+        os.makedirs(parent, exist_ok=True)
+        identity = self._download_identity(insp.meta)
+        # Beside the target, not in it: the user's directory holds only their files.
+        marker = os.path.join(parent, f".{base}{DOWNLOAD_MARKER_SUFFIX}")
+        with filelock.FileLock(os.path.join(parent, f".{base}.cs_lock")):
+            if (
+                identity is not None
+                and _read_download_marker(marker) == identity
+                and _sizes_match(target, insp.meta["manifest"])
+            ):
+                return target
+            staging = tempfile.mkdtemp(prefix=f"{INTERNAL_PREFIX}download-{base}-", dir=parent)
+            try:
+                written = download_tree(fs, self.path, caps, staging, manifest=manifest,
+                                        verify=verify)
+                # The old marker goes first and the new one last, so a crash in
+                # between never looks complete.
+                if os.path.lexists(marker):
+                    os.unlink(marker)
+                if not os.path.exists(target):
+                    os.rename(staging, target)
+                else:
+                    for rel in written:
+                        dst = os.path.join(target, rel)
+                        os.makedirs(os.path.dirname(dst), exist_ok=True)
+                        os.replace(os.path.join(staging, rel), dst)
+                if identity is not None:
+                    _write_download_marker(marker, identity)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+            logger.info("downloaded %s to %s (%d files)", self.uri, target, len(written))
         return target
+
+    def _download_identity(self, meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """What a completion marker must match: this checkpoint's URI and the
+        exact manifest (None for a directory that is not committed)."""
+        if meta is None:
+            return None
+        digest = google_crc32c.value(_json.dumps(meta["manifest"]))
+        return {"uri": self.uri, "index": meta.get("index"), "created_at": meta.get("created_at"),
+                "manifest_crc32c": f"{digest:08x}"}
 
     @contextlib.contextmanager
     def as_directory(self) -> Iterator[str]:
         """Yield a local directory holding the checkpoint's files.
 
         A local checkpoint yields its own directory: read it, never write to
-        it. A remote one is downloaded into a temporary directory that is
-        removed when the block exits, also when it raises.
+        it. A remote one is downloaded (and verified) into a temporary
+        directory that is removed when the block exits, also when it raises.
         """
         local = _fsutil.local_path(self.filesystem, self.path)
         if local is not None:
@@ -246,6 +351,35 @@ class Checkpoint:
             yield tmp
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+DOWNLOAD_MARKER_SUFFIX = ".cs_download.json"
+
+
+def _sizes_match(target: str, manifest: list[dict[str, Any]]) -> bool:
+    """Every manifest file present in ``target`` with its size (stat only)."""
+    for e in manifest:
+        try:
+            if os.stat(os.path.join(target, e["path"])).st_size != e["size"]:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _read_download_marker(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, "rb") as f:
+            body = _json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    return body.get("identity") if isinstance(body, dict) else None
+
+
+def _write_download_marker(path: str, identity: dict[str, Any]) -> None:
+    body = {"identity": identity, "pid": os.getpid(), "completed_at": time.time()}
+    with open(path, "wb") as f:
+        f.write(_json.dumps(body))
 
 
 def _require_checkpoint(value: Any) -> Checkpoint:

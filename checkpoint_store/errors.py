@@ -62,3 +62,16 @@ class CheckpointConflictError(CheckpointStoreError):
 
 class TransientBackendError(CheckpointStoreError, OSError):
     """A backend error worth retrying (connection reset, timeout, 5xx, throttling)."""
+
+
+class PermanentBackendError(CheckpointStoreError, OSError):
+    """A storage error that retrying will not fix (access denied, missing bucket,
+    expired credentials that could not be refreshed). Raised at once, never retried.
+
+    Attributes:
+        cause: the backend's original exception.
+    """
+
+    def __init__(self, message: str, *, cause: BaseException | None = None):
+        super().__init__(message)
+        self.cause = cause

@@ -18,19 +18,24 @@ Owns three things:
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import posixpath
+import re
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import filelock
 import google_crc32c
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil, _json
+from checkpoint_store import _fsutil, _json, _retry
 from checkpoint_store._layout import (
     FORMAT_VERSION,
     INTERNAL_METADATA,
@@ -38,12 +43,15 @@ from checkpoint_store._layout import (
     USER_METADATA,
     is_internal_file,
 )
+from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Backend, Capabilities
 from checkpoint_store.errors import (
     CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,47 +70,6 @@ def _crc_hex(value: int) -> str:
     return f"{value:08x}"
 
 
-def _copy_one(
-    src_fs: pafs.FileSystem,
-    src: str,
-    dst_fs: pafs.FileSystem,
-    dst: str,
-    *,
-    chunk_size: int,
-    fsync: bool,
-) -> tuple[int, str]:
-    """Copy one file, returning ``(size, crc32c hex)`` of the bytes that went through."""
-    crc = 0
-    size = 0
-    src_os = _fsutil.local_path(src_fs, src)
-    dst_os = _fsutil.local_path(dst_fs, dst)
-    reader = open(src_os, "rb", buffering=0) if src_os is not None else src_fs.open_input_stream(src)
-    try:
-        if dst_os is not None:
-            with open(dst_os, "wb", buffering=0) as out:
-                while True:
-                    buf = reader.read(chunk_size)
-                    if not buf:
-                        break
-                    crc = google_crc32c.extend(crc, buf)
-                    size += len(buf)
-                    out.write(buf)
-                if fsync:
-                    os.fsync(out.fileno())
-        else:
-            with dst_fs.open_output_stream(dst) as out:
-                while True:
-                    buf = reader.read(chunk_size)
-                    if not buf:
-                        break
-                    crc = google_crc32c.extend(crc, buf)
-                    size += len(buf)
-                    out.write(buf)
-    finally:
-        reader.close()
-    return size, _crc_hex(crc)
-
-
 def copy_tree(
     src_fs: pafs.FileSystem,
     src_root: str,
@@ -114,8 +81,16 @@ def copy_tree(
     fsync: bool = True,
     chunk_size: int | None = None,
     concurrency: int | None = None,
+    retry: RetryPolicy | None = None,
+    memory_limit: int | None = None,
 ) -> list[ManifestEntry]:
     """Copy every file under ``src_root`` for which ``include(relpath)`` holds.
+
+    ``chunk_size`` (bytes per request; default the destination's
+    ``Capabilities.chunk_size``), ``concurrency`` (threads; default its
+    ``Capabilities.concurrency``) and ``memory_limit`` (bytes buffered at
+    once; default 80 MiB) tune the transfer plan of
+    :mod:`checkpoint_store._plan`. CRC32Cs are computed on the bytes in flight.
 
     Returns:
         One :class:`ManifestEntry` per file copied, sorted by path.
@@ -125,34 +100,29 @@ def copy_tree(
         OSError: any I/O error of either filesystem (the partial copy is left
             for the caller's commit protocol to discard).
     """
-    if not _fsutil.is_dir(src_fs, src_root):
+    if not _fsutil.is_dir(src_fs, src_root, retry=retry):
         raise CheckpointNotFoundError(f"source directory {src_root!r} does not exist")
-    files = sorted((rel, size) for rel, size in _fsutil.walk_files(src_fs, src_root) if include(rel))
+    files = sorted((rel, size) for rel, size in _fsutil.walk_files(src_fs, src_root, retry=retry)
+                   if include(rel))
     do_fsync = fsync and dst_caps.needs_fsync
     chunk = chunk_size or dst_caps.chunk_size
-    _fsutil.ensure_dir(dst_fs, dst_root, dst_caps)
+    _fsutil.ensure_dir(dst_fs, dst_root, dst_caps, retry=retry)
     if dst_caps.directories:
         for d in sorted({posixpath.dirname(rel) for rel, _ in files} - {""}):
-            dst_fs.create_dir(posixpath.join(dst_root, d), recursive=True)
+            _fsutil.ensure_dir(dst_fs, posixpath.join(dst_root, d), dst_caps, retry=retry)
 
-    def one(item: tuple[str, int]) -> ManifestEntry:
-        rel, _ = item
-        size, crc = _copy_one(
-            src_fs,
-            posixpath.join(src_root, rel),
-            dst_fs,
-            posixpath.join(dst_root, rel),
-            chunk_size=chunk,
-            fsync=do_fsync,
-        )
-        return ManifestEntry(rel, size, crc)
+    # The fastest path for this pair of filesystems and these file sizes
+    # (checkpoint_store/_plan.py); each task (a file, a part of a large file,
+    # or a batch of small ones) is the unit of retry.
+    from checkpoint_store import _plan
 
-    workers = max(1, min(concurrency or dst_caps.concurrency, len(files)))
-    if workers == 1:
-        entries = [one(f) for f in files]
-    else:
-        with ThreadPoolExecutor(workers, thread_name_prefix="cs-transfer") as pool:
-            entries = list(pool.map(one, files))
+    results = _plan.run(
+        src_fs, src_root, dst_fs, dst_root, files,
+        chunk_size=chunk, concurrency=concurrency or dst_caps.concurrency, fsync=do_fsync,
+        memory_limit=memory_limit,
+        call=lambda fn, what: _retry.call(fn, policy=retry, what=what),
+    )
+    entries = [ManifestEntry(r.path, r.size, _crc_hex(r.crc32c)) for r in results]
     if do_fsync:
         root_os = _fsutil.local_path(dst_fs, dst_root)
         if root_os is not None:
@@ -165,31 +135,339 @@ def _is_checkpoint_data(rel: str) -> bool:
     return not is_internal_file(rel)
 
 
-def read_internal_metadata(fs: pafs.FileSystem, checkpoint_path: str) -> dict[str, Any] | None:
-    """The parsed ``.internal_metadata.json`` if ``checkpoint_path`` is a committed
-    checkpoint of a format we read, else None (absent, unparsable, other version)."""
+# -- validity -------------------------------------------------------------------
+
+_CRC_RE = re.compile(r"^[0-9a-f]{8}$")
+_CLAIM_PREFIX = f"{INTERNAL_PREFIX}claim-"
+DELETE_TOMBSTONE = f"{INTERNAL_PREFIX}deleting"
+
+
+def check_relpath(rel: str) -> str | None:
+    """Why ``rel`` is not a safe relative path inside a checkpoint, or None when it is.
+
+    Refused: empty, absolute (``/x``, ``C:``), backslashes, NUL, and any
+    empty, ``.`` or ``..`` component.
+    """
+    if not isinstance(rel, str) or not rel:
+        return "is empty"
+    if rel.startswith("/") or (len(rel) > 1 and rel[1] == ":"):
+        return "is absolute"
+    if "\\" in rel or "\x00" in rel:
+        return "contains a backslash or NUL"
+    if any(part in ("", ".", "..") for part in rel.split("/")):
+        return "has an empty, '.' or '..' component"
+    return None
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """What one listing (plus one read of the marker) says about a directory.
+
+    Attributes:
+        state: ``"committed"`` (valid marker matching the listing),
+            ``"absent"`` (no ``.internal_metadata.json``), ``"invalid"``
+            (a marker that does not parse, has another format version, or
+            whose manifest does not match the files listed), ``"missing"``
+            (nothing at all under the path).
+        meta: the parsed internal metadata when committed (else None; for
+            ``"invalid"`` the parsed JSON when it parsed).
+        reason: for ``"invalid"``, what is wrong (names the file).
+        file: for ``"invalid"``, the relative path at fault, if one.
+        files: ``{relative path: size}`` of every file listed, ours included.
+    """
+
+    state: str
+    meta: dict[str, Any] | None
+    reason: str | None = None
+    file: str | None = None
+    files: dict[str, int] | None = None
+
+
+def _validate_manifest(meta: Any) -> tuple[str, str | None] | None:
+    """``(reason, file)`` when ``meta`` is not internal metadata we can trust."""
+    if not isinstance(meta, dict):
+        return "is not a JSON object", None
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        return (
+            f"has format_version {version!r}; this checkpoint-store reads version "
+            f"{FORMAT_VERSION} (upgrade checkpoint-store for newer checkpoints)",
+            None,
+        )
+    if not isinstance(meta.get("index"), int) or isinstance(meta.get("index"), bool):
+        return "has no integer 'index'", None
+    manifest = meta.get("manifest")
+    if not isinstance(manifest, list):
+        return "has no 'manifest' list", None
+    seen = set()
+    for e in manifest:
+        if not isinstance(e, dict):
+            return "has a manifest entry that is not an object", None
+        rel, size, crc = e.get("path"), e.get("size"), e.get("crc32c")
+        why = check_relpath(rel)
+        if why is not None:
+            return f"lists an unsafe path {rel!r} (it {why}); refusing it", str(rel)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            return f"lists file {rel!r} with an invalid size {size!r}", rel
+        if not isinstance(crc, str) or not _CRC_RE.match(crc):
+            return f"lists file {rel!r} with an invalid crc32c {crc!r}", rel
+        if rel in seen:
+            return f"lists file {rel!r} twice", rel
+        seen.add(rel)
+    return None
+
+
+def inspect_checkpoint(
+    fs: pafs.FileSystem, checkpoint_path: str, *, retry: RetryPolicy | None = None
+) -> Inspection:
+    """Classify ``checkpoint_path`` with one recursive listing and, when a
+    marker is listed, one read of it.
+
+    A committed checkpoint's manifest must match the listing exactly: every
+    manifest file present with its size, and no user file that the manifest
+    does not list (``.user_metadata.json`` and our ``.cs_*`` files aside).
+    Checksums are not read here (see :func:`verify_files`): that would read
+    every byte on each listing.
+    """
+    entries = _fsutil.list_tree(fs, checkpoint_path, retry=retry)
+    files: dict[str, int] = {}
+    for fi in entries:
+        if fi.type == pafs.FileType.File:
+            files[_fsutil.relative(checkpoint_path, fi.path)] = fi.size
+    if not entries and not _fsutil.is_dir(fs, checkpoint_path, retry=retry):
+        return Inspection("missing", None, files=files)
+    if INTERNAL_METADATA not in files:
+        return Inspection("absent", None, files=files)
     try:
-        raw = _fsutil.read_bytes(fs, posixpath.join(checkpoint_path, INTERNAL_METADATA))
+        raw = _fsutil.read_bytes(fs, posixpath.join(checkpoint_path, INTERNAL_METADATA),
+                                 retry=retry)
+    except FileNotFoundError:  # deleted between the listing and the read
+        return Inspection("absent", None, files=files)
+    try:
         meta = _json.loads(raw)
-    except (FileNotFoundError, ValueError, UnicodeDecodeError):
-        return None
-    except OSError:
-        if not _fsutil.exists(fs, posixpath.join(checkpoint_path, INTERNAL_METADATA)):
+    except (ValueError, UnicodeDecodeError) as exc:
+        return Inspection("invalid", None, f"{INTERNAL_METADATA} is not valid JSON ({exc})",
+                          INTERNAL_METADATA, files)
+    bad = _validate_manifest(meta)
+    if bad is not None:
+        return Inspection("invalid", meta if isinstance(meta, dict) else None,
+                          f"{INTERNAL_METADATA} {bad[0]}", bad[1] or INTERNAL_METADATA, files)
+    listed = {rel: size for rel, size in files.items()
+              if _is_checkpoint_data(rel) and rel != USER_METADATA}
+    for e in meta["manifest"]:
+        rel = e["path"]
+        if rel not in listed:
+            return Inspection("invalid", meta, f"file {rel!r} listed in the manifest is missing",
+                              rel, files)
+        if listed[rel] != e["size"]:
+            return Inspection(
+                "invalid", meta,
+                f"file {rel!r} has {listed[rel]} bytes, the manifest says {e['size']}", rel, files,
+            )
+    extra = sorted(set(listed) - {e["path"] for e in meta["manifest"]})
+    if extra:
+        return Inspection("invalid", meta, f"file {extra[0]!r} is not in the manifest",
+                          extra[0], files)
+    return Inspection("committed", meta, files=files)
+
+
+def read_internal_metadata(
+    fs: pafs.FileSystem, checkpoint_path: str, *, retry: RetryPolicy | None = None
+) -> dict[str, Any] | None:
+    """The parsed ``.internal_metadata.json`` if ``checkpoint_path`` is a committed
+    checkpoint, else None.
+
+    Not committed: the marker is absent or unparsable, has another format
+    version, or its manifest does not match the files listed (a missing
+    file, a size that differs, a user file it does not list). Costs one
+    recursive listing plus one small read; checksums are checked by
+    :func:`verify_files` / ``Checkpoint.verify()``.
+    """
+    insp = inspect_checkpoint(fs, checkpoint_path, retry=retry)
+    return insp.meta if insp.state == "committed" else None
+
+
+def verify_files(
+    fs: pafs.FileSystem,
+    checkpoint_path: str,
+    manifest: Iterable[dict[str, Any]],
+    *,
+    chunk_size: int = 8 * 1024 * 1024,
+    concurrency: int = 4,
+    retry: RetryPolicy | None = None,
+) -> None:
+    """Read every manifest file and compare its size and CRC32C.
+
+    Raises:
+        CheckpointCorruptError: the first file (in manifest order) that is
+            missing or differs; ``.file`` names it.
+    """
+    entries = list(manifest)
+
+    def one(e: dict[str, Any]) -> tuple[int, str] | None:
+        path = posixpath.join(checkpoint_path, e["path"])
+
+        def _read() -> tuple[int, str]:
+            crc, size = 0, 0
+            with fs.open_input_stream(path) as f:
+                while True:
+                    buf = f.read(chunk_size)
+                    if not buf:
+                        break
+                    crc = google_crc32c.extend(crc, buf)
+                    size += len(buf)
+            return size, _crc_hex(crc)
+
+        try:
+            return _retry.call(_read, policy=retry, what=f"read {path}")
+        except FileNotFoundError:
             return None
-        raise
-    if (
-        not isinstance(meta, dict)
-        or meta.get("format_version") != FORMAT_VERSION
-        or not isinstance(meta.get("manifest"), list)
-        or not isinstance(meta.get("index"), int)
-    ):
-        return None
-    return meta
+
+    workers = max(1, min(concurrency, len(entries)))
+    if workers == 1:
+        results = [one(e) for e in entries]
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="cs-verify") as pool:
+            results = list(pool.map(one, entries))
+    for e, got in zip(entries, results):
+        rel = e["path"]
+        if got is None:
+            raise CheckpointCorruptError(
+                f"checkpoint {checkpoint_path!r} is missing file {rel!r} listed in its manifest",
+                path=checkpoint_path, file=rel,
+            )
+        if got != (e["size"], e["crc32c"]):
+            raise CheckpointCorruptError(
+                f"file {rel!r} of checkpoint {checkpoint_path!r} does not match its manifest "
+                f"(size {got[0]} vs {e['size']}, crc32c {got[1]} vs {e['crc32c']}); the "
+                "checkpoint is corrupt: resume from an earlier one",
+                path=checkpoint_path, file=rel,
+            )
 
 
-def new_writer_id() -> str:
-    """A unique id for one writer (process and attempt), used in staging names."""
-    return f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+def compute_manifest(
+    fs: pafs.FileSystem,
+    root: str,
+    relpaths: Iterable[str],
+    caps: Capabilities,
+    *,
+    retry: RetryPolicy | None = None,
+) -> list[dict[str, Any]]:
+    """Manifest entries (``{path, size, crc32c}``, sorted by path) for files
+    already in place under ``root``, reading each once.
+
+    Raises:
+        CheckpointCorruptError: a path is unsafe (``..``, absolute).
+        FileNotFoundError: a file vanished while being read.
+    """
+    rels = sorted(relpaths)
+    for rel in rels:
+        why = check_relpath(rel)
+        if why is not None:
+            raise CheckpointCorruptError(f"{rel!r} under {root!r} {why}", path=root, file=rel)
+
+    def one(rel: str) -> dict[str, Any]:
+        path = posixpath.join(root, rel)
+
+        def _read() -> dict[str, Any]:
+            crc, size = 0, 0
+            with fs.open_input_stream(path) as f:
+                while True:
+                    buf = f.read(caps.chunk_size)
+                    if not buf:
+                        break
+                    crc = google_crc32c.extend(crc, buf)
+                    size += len(buf)
+            return {"path": rel, "size": size, "crc32c": _crc_hex(crc)}
+
+        return _retry.call(_read, policy=retry, what=f"read {path}")
+
+    workers = max(1, min(caps.concurrency, len(rels)))
+    if workers == 1:
+        return [one(r) for r in rels]
+    with ThreadPoolExecutor(workers, thread_name_prefix="cs-manifest") as pool:
+        return list(pool.map(one, rels))
+
+
+# -- writers and runs -----------------------------------------------------------
+
+_RUN_SAFE = re.compile(r"[^A-Za-z0-9_]")
+RUN_ID_ENV = ("CHECKPOINT_STORE_RUN_ID", "TORCHELASTIC_RUN_ID")
+_PROCESS_RUN_ID = f"p{uuid.uuid4().hex[:12]}"
+
+
+def sanitize_run_id(run_id: str) -> str:
+    """``run_id`` with anything but letters, digits and ``_`` replaced by ``_``
+    (so names built from it split unambiguously on ``-`` and ``.``)."""
+    return _RUN_SAFE.sub("_", str(run_id))[:64] or "_"
+
+
+def default_run_id() -> tuple[str, bool]:
+    """``(run id, shared)``: the launcher's run id (``CHECKPOINT_STORE_RUN_ID``,
+    then torchrun's ``TORCHELASTIC_RUN_ID`` + restart count) with shared=True,
+    else one id for this process with shared=False."""
+    value = os.environ.get("CHECKPOINT_STORE_RUN_ID")
+    if value:
+        return sanitize_run_id(value), True
+    value = os.environ.get("TORCHELASTIC_RUN_ID")
+    if value and value.lower() != "none":
+        # Same rendezvous id on every restart of an elastic job; the restart
+        # count tells attempts apart, so a new attempt cleans the old one's leftovers.
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return sanitize_run_id(f"{value}_r{restart}"), True
+    return _PROCESS_RUN_ID, False
+
+
+def new_writer_id(run_id: str | None = None) -> str:
+    """A unique id for one writer: ``<run>.<pid>.<random>``. The run part lets
+    cleanup leave alone whatever another rank of the same run may be writing."""
+    run = sanitize_run_id(run_id) if run_id else default_run_id()[0]
+    return f"{run}.{os.getpid()}.{uuid.uuid4().hex[:10]}"
+
+
+def run_of_writer(writer: str) -> str:
+    """The run id part of a writer id (the whole string for ids without dots)."""
+    return writer.split(".", 1)[0]
+
+
+# -- commit -----------------------------------------------------------------------
+
+_thread_locks: dict[tuple[int, str], threading.Lock] = {}
+_thread_locks_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def _commit_lock(fs: pafs.FileSystem, parent: str) -> Iterator[None]:
+    """Serialise the check-then-rename of commits into ``parent``: across
+    threads always, across processes with a file lock when ``parent`` is on
+    the local disk."""
+    key = (id(fs), parent)
+    with _thread_locks_guard:
+        tlock = _thread_locks.setdefault(key, threading.Lock())
+    with tlock:
+        parent_os = _fsutil.local_path(fs, parent)
+        if parent_os is None:
+            yield
+            return
+        with filelock.FileLock(os.path.join(parent_os, f"{INTERNAL_PREFIX}commit.lock")):
+            yield
+
+
+def _is_ours(insp: Inspection) -> bool:
+    """An uncommitted directory this tool's writers left: empty, or holding one
+    of our ``.cs_*`` files (claims, rank markers, delete tombstones)."""
+    if insp.state not in ("absent", "missing"):
+        return False
+    files = insp.files or {}
+    return not files or any(rel.split("/")[-1].startswith(INTERNAL_PREFIX) for rel in files)
+
+
+def _conflict(dest: Backend, dest_dir: str, by_other: bool) -> CheckpointConflictError:
+    who = "by another writer" if by_other else "already"
+    return CheckpointConflictError(
+        f"{dest.uri_for(dest_dir)} was committed {who}; its contents were left untouched. "
+        "Report the checkpoint under the next index, or delete that one first."
+    )
 
 
 def commit_checkpoint(
@@ -201,8 +479,15 @@ def commit_checkpoint(
     *,
     fsync: bool = True,
     writer_id: str | None = None,
+    retry: RetryPolicy | None = None,
+    claim_timeout: float = 120.0,
 ) -> dict[str, Any]:
     """Upload ``src_dir`` as the committed checkpoint ``dest_dir``.
+
+    The protocol follows ``dest.capabilities.atomic_rename`` (docs/format.md,
+    "Commit protocol"): stage and rename where directories rename
+    atomically, else data first and ``.internal_metadata.json`` last behind a
+    claim that makes concurrent writers of the same directory take turns.
 
     Args:
         src_fs, src_dir: where the user's files are. Our internal files found
@@ -211,43 +496,169 @@ def commit_checkpoint(
         internal: fields of ``.internal_metadata.json`` (index, metrics, ...);
             ``format_version``, ``created_at`` and ``manifest`` are filled in.
         fsync: on local disks, fsync data and directories before the commit.
+        writer_id: this writer's id (default :func:`new_writer_id`).
+        retry: retry policy for every storage call (default from environment).
+        claim_timeout: seconds to wait for another writer of the same
+            directory (marker-last stores) before giving up; a claim older
+            than this is considered dead.
 
     Returns:
         The internal metadata as written.
 
     Raises:
-        CheckpointConflictError: ``dest_dir`` is already a committed checkpoint;
-            its contents are left untouched.
+        CheckpointConflictError: ``dest_dir`` is already committed (by an
+            earlier or a concurrent writer), or is a directory that is not ours
+            (copied in by hand: adopt or remove it); nothing of it was changed.
         CheckpointNotFoundError: ``src_dir`` does not exist.
+        TransientBackendError, PermanentBackendError: storage failed; nothing
+            was committed and earlier checkpoints are untouched.
     """
     fs = dest.filesystem
-    caps = dest.capabilities
-    if read_internal_metadata(fs, dest_dir) is not None:
-        raise CheckpointConflictError(f"{dest.uri_for(dest_dir)} is already committed")
+    first = inspect_checkpoint(fs, dest_dir, retry=retry)
+    if first.state == "committed":
+        raise _conflict(dest, dest_dir, by_other=False)
     writer_id = writer_id or new_writer_id()
-    if caps.atomic_rename:
-        parent, name = posixpath.split(dest_dir)
-        staging = posixpath.join(parent, f"{INTERNAL_PREFIX}staging-{name}-{writer_id}")
-        try:
-            meta = _write_contents(src_fs, src_dir, dest, staging, internal, fsync)
-            try:
-                fs.move(staging, dest_dir)
-            except OSError:
-                if read_internal_metadata(fs, dest_dir) is not None:
+    if dest.capabilities.atomic_rename:
+        return _commit_by_rename(src_fs, src_dir, dest, dest_dir, internal, fsync, writer_id,
+                                 retry)
+    if first.state == "invalid" or (first.state == "absent" and not _is_ours(first)):
+        raise CheckpointConflictError(
+            f"{dest.uri_for(dest_dir)} exists and is not a checkpoint of this tool "
+            f"({first.reason or 'no internal metadata'}); adopt it, move it away, or "
+            "commit under another index"
+        )
+    return _commit_marker_last(src_fs, src_dir, dest, dest_dir, internal, fsync, writer_id,
+                               retry, claim_timeout)
+
+
+def _commit_by_rename(
+    src_fs: pafs.FileSystem,
+    src_dir: str,
+    dest: Backend,
+    dest_dir: str,
+    internal: dict[str, Any],
+    fsync: bool,
+    writer_id: str,
+    retry: RetryPolicy | None,
+) -> dict[str, Any]:
+    fs, caps = dest.filesystem, dest.capabilities
+    parent, name = posixpath.split(dest_dir)
+    staging = posixpath.join(parent, f"{INTERNAL_PREFIX}staging-{name}-{writer_id}")
+    try:
+        meta = _write_contents(src_fs, src_dir, dest, staging, internal, fsync, retry=retry)
+        with _commit_lock(fs, parent):
+            now = inspect_checkpoint(fs, dest_dir, retry=retry)
+            if now.state == "committed":
+                raise _conflict(dest, dest_dir, by_other=True)
+            if now.state != "missing":
+                if not _is_ours(now):
                     raise CheckpointConflictError(
-                        f"{dest.uri_for(dest_dir)} was committed by another writer"
-                    ) from None
-                # An uncommitted leftover with the final name: replace it.
-                _fsutil.delete_dir(fs, dest_dir)
-                fs.move(staging, dest_dir)
+                        f"{dest.uri_for(dest_dir)} exists and is not a checkpoint of this "
+                        f"tool ({now.reason or 'no internal metadata'}); adopt it, move it "
+                        "away, or commit under another index"
+                    )
+                # Our own uncommitted leftover: rename it away (atomic), then drop it.
+                trash = posixpath.join(parent, f"{INTERNAL_PREFIX}deleting-{name}-{writer_id}")
+                _fsutil.move(fs, dest_dir, trash, retry=retry)
+                _fsutil.delete_dir(fs, trash, retry=retry)
+            _fsutil.move(fs, staging, dest_dir, retry=retry)
             if fsync and caps.needs_fsync:
                 parent_os = _fsutil.local_path(fs, parent)
                 if parent_os is not None:
                     _fsutil.fsync_dir(parent_os)
-            return meta
-        finally:
-            _fsutil.delete_dir(fs, staging)
-    return _write_contents(src_fs, src_dir, dest, dest_dir, internal, fsync)
+        return meta
+    except Exception:
+        _cleanup_quietly(lambda: _fsutil.delete_dir(fs, staging, retry=retry))
+        raise
+
+
+def _cleanup_quietly(fn: Callable[[], None]) -> None:
+    # Cleanup after a failure must not hide the failure; what it cannot
+    # remove, StorageContext.remove_uncommitted() removes later.
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("could not clean up after a failed commit: %s", exc)
+
+
+def _claims(fs: pafs.FileSystem, dest_dir: str, retry: RetryPolicy | None) -> list[str]:
+    names = [posixpath.basename(fi.path) for fi in _fsutil.list_dir(fs, dest_dir, retry=retry)]
+    return sorted(n for n in names if n.startswith(_CLAIM_PREFIX))
+
+
+def _claim_time(name: str) -> float:
+    try:
+        return int(name[len(_CLAIM_PREFIX):].split("-", 1)[0]) / 1e9
+    except ValueError:
+        return 0.0
+
+
+def _commit_marker_last(
+    src_fs: pafs.FileSystem,
+    src_dir: str,
+    dest: Backend,
+    dest_dir: str,
+    internal: dict[str, Any],
+    fsync: bool,
+    writer_id: str,
+    retry: RetryPolicy | None,
+    claim_timeout: float,
+) -> dict[str, Any]:
+    fs, caps = dest.filesystem, dest.capabilities
+    mine = f"{_CLAIM_PREFIX}{time.time_ns():020d}-{writer_id}"
+    claim_path = posixpath.join(dest_dir, mine)
+    # The claim goes first: a crash from here on leaves a directory that
+    # cleanup recognises as ours.
+    _fsutil.write_bytes(fs, claim_path, b"", caps, fsync=False, retry=retry)
+
+    def my_turn() -> None:
+        # Claims sort by creation time: the oldest live claim writes, the
+        # others wait for its marker and then report a conflict.
+        deadline = time.monotonic() + claim_timeout
+        delay = 0.01
+        while True:
+            live = [c for c in _claims(fs, dest_dir, retry)
+                    if c == mine or time.time() - _claim_time(c) < claim_timeout]
+            if not live or live[0] == mine:
+                return
+            if read_internal_metadata(fs, dest_dir, retry=retry) is not None:
+                raise _conflict(dest, dest_dir, by_other=True)
+            if time.monotonic() > deadline:
+                raise CheckpointConflictError(
+                    f"another writer ({live[0]}) has been committing {dest.uri_for(dest_dir)} "
+                    f"for more than {claim_timeout:.0f}s; retry later or commit another index"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def before_marker() -> None:
+        my_turn()
+        if _fsutil.exists(fs, posixpath.join(dest_dir, INTERNAL_METADATA), retry=retry):
+            raise _conflict(dest, dest_dir, by_other=True)
+
+    try:
+        my_turn()
+        # Our turn: data a dead writer left here would not match our manifest.
+        for rel in sorted(inspect_checkpoint(fs, dest_dir, retry=retry).files or {}):
+            if not rel.split("/")[-1].startswith(_CLAIM_PREFIX):
+                _fsutil.delete_file(fs, posixpath.join(dest_dir, rel), retry=retry)
+        meta = _write_contents(src_fs, src_dir, dest, dest_dir, internal, fsync, retry=retry,
+                               before_marker=before_marker)
+    except CheckpointConflictError:
+        _cleanup_quietly(lambda: _fsutil.delete_file(fs, claim_path, retry=retry))
+        raise
+    except Exception:
+        def _undo() -> None:
+            # Data first, claim last: until the claim goes, the leftovers stay
+            # recognisable as ours.
+            for rel in sorted(inspect_checkpoint(fs, dest_dir, retry=retry).files or {}):
+                if not rel.split("/")[-1].startswith(_CLAIM_PREFIX):
+                    _fsutil.delete_file(fs, posixpath.join(dest_dir, rel), retry=retry)
+            _fsutil.delete_file(fs, claim_path, retry=retry)
+        _cleanup_quietly(_undo)
+        raise
+    _cleanup_quietly(lambda: _fsutil.delete_file(fs, claim_path, retry=retry))
+    return meta
 
 
 def _write_contents(
@@ -257,23 +668,74 @@ def _write_contents(
     target: str,
     internal: dict[str, Any],
     fsync: bool,
+    *,
+    retry: RetryPolicy | None = None,
+    before_marker: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
+    """Copy the data files into ``target``, then write the marker last."""
     entries = copy_tree(
         src_fs, src_dir, dest.filesystem, target, dest.capabilities,
-        include=_is_checkpoint_data, fsync=fsync,
+        include=_is_checkpoint_data, fsync=fsync, retry=retry,
     )
     meta = dict(internal)
     meta["format_version"] = FORMAT_VERSION
     meta.setdefault("created_at", time.time())
     meta["manifest"] = [e.to_json() for e in entries if e.path != USER_METADATA]
+    if before_marker is not None:
+        before_marker()
     _fsutil.write_bytes(
         dest.filesystem,
         posixpath.join(target, INTERNAL_METADATA),
         _json.dumps(meta),
         dest.capabilities,
         fsync=fsync,
+        retry=retry,
     )
     return meta
+
+
+# -- delete -----------------------------------------------------------------------
+
+
+def delete_checkpoint_dir(
+    dest: Backend, path: str, *, writer_id: str | None = None, retry: RetryPolicy | None = None
+) -> None:
+    """Delete a checkpoint directory: the commit in reverse. Absent is fine.
+
+    Where directories rename atomically, the directory is first renamed to
+    ``.cs_deleting-<name>-<writer>`` (it stops being listed in one step),
+    then removed. Elsewhere a ``.cs_deleting`` tombstone is written, the
+    marker removed, then the rest: a delete cut short leaves a directory
+    that is not a checkpoint and that cleanup knows is ours.
+    """
+    fs = dest.filesystem
+    parent, name = posixpath.split(path.rstrip("/"))
+    if dest.capabilities.atomic_rename:
+        trash = posixpath.join(
+            parent, f"{INTERNAL_PREFIX}deleting-{name}-{writer_id or new_writer_id()}"
+        )
+        try:
+            _fsutil.move(fs, path, trash, retry=retry)
+        except FileNotFoundError:
+            return
+        except OSError:
+            if not _fsutil.exists(fs, path, retry=retry):
+                return
+            raise
+        _fsutil.delete_dir(fs, trash, retry=retry)
+        return
+    if not _fsutil.exists(fs, path, retry=retry) and not _fsutil.list_dir(fs, path, retry=retry):
+        return
+    _fsutil.write_bytes(fs, posixpath.join(path, DELETE_TOMBSTONE), b"", dest.capabilities,
+                        fsync=False, retry=retry)
+    _fsutil.delete_file(fs, posixpath.join(path, INTERNAL_METADATA), retry=retry)
+    for rel in sorted(inspect_checkpoint(fs, path, retry=retry).files or {}):
+        if rel != DELETE_TOMBSTONE:
+            _fsutil.delete_file(fs, posixpath.join(path, rel), retry=retry)
+    _fsutil.delete_dir(fs, path, retry=retry)
+
+
+# -- download ---------------------------------------------------------------------
 
 
 def download_tree(
@@ -284,21 +746,71 @@ def download_tree(
     *,
     manifest: Iterable[dict[str, Any]] | None,
     verify: bool = True,
-) -> None:
+    retry: RetryPolicy | None = None,
+) -> list[str]:
     """Copy a checkpoint's user files (and ``.user_metadata.json``) into ``local_dir``.
 
+    Files are only ever written under ``local_dir``: a source entry or a
+    manifest entry with ``..``, an absolute path, or a symlink leading out of
+    the checkpoint (local sources) or out of ``local_dir`` is refused before
+    any byte is copied.
+
+    Returns:
+        The relative paths written, sorted.
+
     Raises:
-        CheckpointCorruptError: ``verify`` and a file's size or CRC32C differs
-            from ``manifest``, or a manifest file is missing. Names the file.
+        CheckpointCorruptError: an unsafe entry (names it), or ``verify`` and a
+            file's size or CRC32C differs from ``manifest``, or a manifest file
+            is missing. Files already written are left for the caller to remove.
     """
+    manifest = list(manifest) if manifest is not None else None
+    for e in manifest or ():
+        why = check_relpath(e.get("path"))
+        if why is not None:
+            raise CheckpointCorruptError(
+                f"checkpoint {checkpoint_path!r} lists {e.get('path')!r}, which {why}; refusing "
+                "to download it", path=checkpoint_path, file=str(e.get("path")),
+            )
     local = pafs.LocalFileSystem()
     local_caps = Capabilities(directories=True, chunk_size=caps.chunk_size,
                               concurrency=caps.concurrency)
-    os.makedirs(local_dir, exist_ok=True)
-    got = copy_tree(fs, checkpoint_path, local, os.path.abspath(local_dir), local_caps,
-                    include=_is_checkpoint_data, fsync=False)
+    root = os.path.abspath(local_dir)
+    os.makedirs(root, exist_ok=True)
+    real_root = os.path.realpath(root)
+    src_os = _fsutil.local_path(fs, checkpoint_path)
+    real_src = os.path.realpath(src_os) if src_os is not None else None
+
+    def _inside(path: str, base: str) -> bool:
+        return path == base or path.startswith(base.rstrip(os.sep) + os.sep)
+
+    def include(rel: str) -> bool:
+        if not _is_checkpoint_data(rel):
+            return False
+        why = check_relpath(rel)
+        if why is not None:
+            raise CheckpointCorruptError(
+                f"checkpoint {checkpoint_path!r} holds an entry {rel!r}, which {why}; refusing "
+                "to download it", path=checkpoint_path, file=rel,
+            )
+        if real_src is not None and not _inside(
+            os.path.realpath(os.path.join(src_os, rel)), real_src
+        ):
+            raise CheckpointCorruptError(
+                f"{rel!r} in checkpoint {checkpoint_path!r} is a symlink pointing outside the "
+                "checkpoint; refusing to download it", path=checkpoint_path, file=rel,
+            )
+        if not _inside(os.path.realpath(os.path.dirname(os.path.join(root, rel))), real_root):
+            raise CheckpointCorruptError(
+                f"writing {rel!r} would leave the target directory {root!r} through a symlink "
+                "there; refusing", path=checkpoint_path, file=rel,
+            )
+        return True
+
+    got = copy_tree(fs, checkpoint_path, local, root, local_caps, include=include, fsync=False,
+                    retry=retry)
+    written = sorted(e.path for e in got)
     if not verify or manifest is None:
-        return
+        return written
     have = {e.path: e for e in got}
     for want in manifest:
         rel = want["path"]
@@ -311,6 +823,8 @@ def download_tree(
         if e.size != want["size"] or e.crc32c != want["crc32c"]:
             raise CheckpointCorruptError(
                 f"file {rel!r} of checkpoint {checkpoint_path!r} does not match its manifest "
-                f"(size {e.size} vs {want['size']}, crc32c {e.crc32c} vs {want['crc32c']})",
+                f"(size {e.size} vs {want['size']}, crc32c {e.crc32c} vs {want['crc32c']}); the "
+                "checkpoint is corrupt: resume from an earlier one",
                 path=checkpoint_path, file=rel,
             )
+    return written

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -129,8 +130,18 @@ class Session:
         # Only rank 0 keeps the retention state and the trial's lease.
         self.manager = CheckpointManager(self.checkpoint_config, storage, read_only=not is_writer)
         try:
+            if is_writer:
+                # After the lease (no other live run on this trial) and before any
+                # rank of this attempt writes: leftovers are earlier runs'.
+                try:
+                    storage.remove_uncommitted(self.attempt_id)
+                except Exception as exc:  # cleanup must never stop a run from starting
+                    logging.getLogger(__name__).warning("cleanup of %s failed: %s",
+                                                        storage.uri(storage.trial_path), exc)
             committed = storage.committed_checkpoints()
             self._latest: Checkpoint | None = committed[-1][0] if committed else None
+            # get_checkpoint() verifies these lazily, newest first (resume only).
+            self._resume_candidates = committed
             if self._coordinator is None:
                 # Numbering continues past every index the retention state remembers.
                 self._next_index = max(storage.next_checkpoint_index(), self.manager.next_index)
@@ -169,7 +180,15 @@ class Session:
 
     def get_checkpoint(self) -> Checkpoint | None:
         """The newest committed checkpoint of this trial (also one written by an
-        earlier process), or None."""
+        earlier process), or None.
+
+        A checkpoint found at session start is verified (sizes and CRC32C)
+        on the first call; one that fails is skipped with a warning naming
+        it, falling back to the newest one that verifies.
+        """
+        cands, self._resume_candidates = self._resume_candidates, None
+        if cands and self._latest is cands[-1][0]:
+            self._latest = self.storage.latest_verified_checkpoint(cands)
         return self._latest
 
     def report(

@@ -1,0 +1,245 @@
+"""Retries for backend calls: exponential backoff with jitter, typed give-ups.
+
+Every storage call made by the commit, listing, delete and download paths
+goes through :func:`call` (or :func:`call_fs`, which also rebuilds a
+filesystem whose credentials expired). Errors fall into three kinds:
+
+* transient (connection reset, timeouts, HTTP 5xx, throttling, and
+  :class:`~checkpoint_store.errors.TransientBackendError`): retried up to
+  ``RetryPolicy.attempts`` times in all, sleeping ``base_delay * 2**k``
+  (capped at ``max_delay``) with "equal jitter" between tries; when they run
+  out, :class:`~checkpoint_store.errors.TransientBackendError` is raised from
+  the last error;
+* expired credentials: the backend's ``rebuild`` factory is called once and
+  the call is tried again with the new filesystem;
+* everything else is permanent and surfaces at once. A missing path stays a
+  ``FileNotFoundError`` (callers treat "absent" as an answer); access denied
+  and other permanent storage errors become
+  :class:`~checkpoint_store.errors.PermanentBackendError`.
+
+The default policy comes from ``CHECKPOINT_STORE_RETRY_ATTEMPTS`` (default 3)
+and ``CHECKPOINT_STORE_RETRY_MAX_DELAY`` (seconds, default 5) so a launcher
+can tune it without code; :class:`~checkpoint_store.StorageContext` takes an
+explicit ``retry=RetryPolicy(...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from checkpoint_store.errors import (
+    CheckpointStoreError,
+    InvalidConfigError,
+    PermanentBackendError,
+    TransientBackendError,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pyarrow.fs as pafs
+
+    from checkpoint_store.backends.base import Backend
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ENV_ATTEMPTS = "CHECKPOINT_STORE_RETRY_ATTEMPTS"
+ENV_MAX_DELAY = "CHECKPOINT_STORE_RETRY_MAX_DELAY"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently a failing storage call is tried again.
+
+    Args:
+        attempts: tries per operation in all, including the first (>= 1;
+            default 3).
+        base_delay: seconds before the second try; doubled for each further
+            try (>= 0).
+        max_delay: upper bound in seconds of any single sleep (>= 0).
+
+    Raises:
+        InvalidConfigError: a value out of range.
+
+    Sleeps use "equal jitter": half the backoff plus a uniform random part of
+    the other half, so many writers hitting one throttled bucket spread out
+    (the scheme AWS's architecture blog recommends).
+    """
+
+    attempts: int = 3
+    base_delay: float = 0.05
+    max_delay: float = 5.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or (
+            self.attempts < 1
+        ):
+            raise InvalidConfigError(f"retry attempts must be an int >= 1, got {self.attempts!r}")
+        for name in ("base_delay", "max_delay"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise InvalidConfigError(f"retry {name} must be a number >= 0 seconds, got {v!r}")
+
+    def delay(self, retry_number: int, rng: random.Random | None = None) -> float:
+        """Seconds to sleep before retry ``retry_number`` (0 for the first retry)."""
+        cap = min(self.max_delay, self.base_delay * (2.0**retry_number))
+        r = (rng or random).random()
+        return cap / 2 + r * cap / 2
+
+    @classmethod
+    def from_env(cls) -> RetryPolicy:
+        """The default policy, overridable by the two environment variables.
+
+        Raises:
+            InvalidConfigError: a variable is set but not a valid number.
+        """
+        attempts_raw = os.environ.get(ENV_ATTEMPTS, "")
+        delay_raw = os.environ.get(ENV_MAX_DELAY, "")
+        if not attempts_raw and not delay_raw:
+            return _DEFAULT
+        try:
+            attempts = int(attempts_raw) if attempts_raw else _DEFAULT.attempts
+            max_delay = float(delay_raw) if delay_raw else _DEFAULT.max_delay
+        except ValueError:
+            raise InvalidConfigError(
+                f"{ENV_ATTEMPTS}={attempts_raw!r} / {ENV_MAX_DELAY}={delay_raw!r}: expected an "
+                "integer number of attempts and a number of seconds"
+            ) from None
+        return cls(attempts=attempts, max_delay=max_delay)
+
+
+_DEFAULT = RetryPolicy()
+
+# Substrings seen in messages of pyarrow's S3/GCS/Azure errors, botocore,
+# aiohttp and the Azure SDK for conditions worth retrying.
+_TRANSIENT_RE = re.compile(
+    r"(timed? ?out|timeout|connection (reset|aborted|refused|closed)|broken pipe|"
+    r"network_connection|temporar|try again|throttl|slow ?down|too many requests|"
+    r"\b(429|500|502|503|504)\b|internal ?(error|failure)|service ?unavailable|"
+    r"server ?busy|request ?timeout|unreachable|eof occurred|remote end closed)",
+    re.IGNORECASE,
+)
+_EXPIRED_RE = re.compile(
+    r"(expired ?token|token ?expired|request ?expired|credentials? (have|has)? ?expired|"
+    r"expiredtokenexception|authenticationexpired|invalid_grant)",
+    re.IGNORECASE,
+)
+_TRANSIENT_TYPE_NAMES = re.compile(r"(Timeout|Connection|Throttl|ServerDisconnected)")
+
+
+def classify(exc: BaseException) -> str:
+    """``"transient"``, ``"expired"`` or ``"permanent"`` for one exception."""
+    if isinstance(exc, TransientBackendError):
+        return "transient"
+    if isinstance(exc, (CheckpointStoreError, FileNotFoundError, ValueError, TypeError)):
+        return "permanent"
+    if not isinstance(exc, Exception):
+        return "permanent"  # KeyboardInterrupt, SystemExit, injected crashes
+    text = f"{type(exc).__name__}: {exc}"
+    if _EXPIRED_RE.search(text):
+        return "expired"
+    if isinstance(exc, (PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)):
+        return "permanent"
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return "transient"
+    if _TRANSIENT_TYPE_NAMES.search(type(exc).__name__) or _TRANSIENT_RE.search(str(exc)):
+        return "transient"
+    return "permanent"
+
+
+_rebuild_lock = threading.Lock()
+
+
+def _typed_permanent(exc: BaseException, what: str) -> BaseException:
+    if isinstance(exc, (CheckpointStoreError, FileNotFoundError)) or not isinstance(exc, OSError):
+        return exc
+    return PermanentBackendError(
+        f"{what} failed with an error retrying will not fix: {exc}. Check the path, "
+        "bucket and permissions (credentials, IAM policy, container access).",
+        cause=exc,
+    )
+
+
+def call(fn: Callable[[], T], *, policy: RetryPolicy | None = None, what: str = "storage call") -> T:
+    """Run ``fn()``, retrying transient errors per ``policy`` (default: from the environment).
+
+    Raises:
+        TransientBackendError: still failing after ``policy.attempts`` tries.
+        PermanentBackendError: a permanent OSError (access denied ...), at once.
+        FileNotFoundError: unchanged, at once.
+        Any non-OSError exception of ``fn``: unchanged, at once.
+    """
+    return _run(lambda _fs: fn(), None, policy, what)
+
+
+def call_fs(
+    backend: Backend,
+    fn: Callable[[pafs.FileSystem], T],
+    *,
+    policy: RetryPolicy | None = None,
+    what: str = "storage call",
+) -> T:
+    """Like :func:`call`, passing ``backend.filesystem`` to ``fn`` on each try.
+
+    An expired-credentials error rebuilds the filesystem once with
+    ``backend.rebuild()`` (the backend then holds the new filesystem, so
+    every holder of the backend sees it) and tries again. Without a rebuild
+    factory, or if the rebuilt one fails the same way, a
+    :class:`PermanentBackendError` asks for fresh credentials.
+    """
+    return _run(fn, backend, policy, what)
+
+
+def _run(
+    fn: Callable[[pafs.FileSystem], T] | Callable[[None], T],
+    backend: Backend | None,
+    policy: RetryPolicy | None,
+    what: str,
+) -> T:
+    policy = policy or RetryPolicy.from_env()
+    rebuilt = False
+    retry_number = 0
+    while True:
+        fs = backend.filesystem if backend is not None else None
+        try:
+            return fn(fs)  # type: ignore[arg-type]
+        except BaseException as exc:
+            kind = classify(exc)
+            if kind == "expired":
+                if backend is not None and backend.rebuild is not None and not rebuilt:
+                    rebuilt = True
+                    logger.warning("%s: credentials expired; rebuilding the filesystem", what)
+                    with _rebuild_lock:
+                        if backend.filesystem is fs:
+                            # Backend is frozen for users; the one field we swap is
+                            # the filesystem, so every holder sees fresh credentials.
+                            object.__setattr__(backend, "filesystem", backend.rebuild())
+                    continue
+                raise PermanentBackendError(
+                    f"{what} failed: the storage credentials have expired ({exc}). Refresh "
+                    "them (new session token, re-login) and try again.",
+                    cause=exc,
+                ) from exc
+            if kind == "permanent":
+                typed = _typed_permanent(exc, what)
+                if typed is exc:
+                    raise
+                raise typed from exc
+            if retry_number + 1 >= policy.attempts:
+                raise TransientBackendError(
+                    f"{what} still failing after {policy.attempts} attempts: {exc}. The "
+                    "storage looks unavailable or throttled; retry later or raise "
+                    f"RetryPolicy(attempts=...) / {ENV_ATTEMPTS}."
+                ) from exc
+            sleep = policy.delay(retry_number)
+            logger.debug("%s failed (%s); retry %d in %.3fs", what, exc, retry_number + 1, sleep)
+            retry_number += 1
+            time.sleep(sleep)
