@@ -609,7 +609,8 @@ def _commit_marker_last(
     claim_path = posixpath.join(dest_dir, mine)
     # The claim goes first: a crash from here on leaves a directory that
     # cleanup recognises as ours.
-    _fsutil.write_bytes(fs, claim_path, b"", caps, fsync=False, retry=retry)
+    # Never empty: some S3-compatible stores reject zero-byte objects.
+    _fsutil.write_bytes(fs, claim_path, writer_id.encode(), caps, fsync=False, retry=retry)
 
     def my_turn() -> None:
         # Claims sort by creation time: the oldest live claim writes, the
@@ -726,7 +727,8 @@ def delete_checkpoint_dir(
         return
     if not _fsutil.exists(fs, path, retry=retry) and not _fsutil.list_dir(fs, path, retry=retry):
         return
-    _fsutil.write_bytes(fs, posixpath.join(path, DELETE_TOMBSTONE), b"", dest.capabilities,
+    _fsutil.write_bytes(fs, posixpath.join(path, DELETE_TOMBSTONE), b"deleting\n",
+                        dest.capabilities,
                         fsync=False, retry=retry)
     _fsutil.delete_file(fs, posixpath.join(path, INTERNAL_METADATA), retry=retry)
     for rel in sorted(inspect_checkpoint(fs, path, retry=retry).files or {}):
