@@ -166,6 +166,11 @@ def counting_filesystem(
     return pafs.PyFileSystem(_CountingHandler(fs, on_bytes, expected, track))
 
 
+def _stdout_is_terminal() -> bool:
+    isatty = getattr(sys.stdout, "isatty", None)
+    return bool(isatty and isatty())
+
+
 class Progress:
     """A bytes progress bar (bytes/s, ETA) on stderr, or nothing.
 
@@ -175,7 +180,7 @@ class Progress:
     """
 
     def __init__(self, description: str, total: int | None, *, enabled: bool):
-        self._enabled = enabled and sys.stdout.isatty()
+        self._enabled = enabled and _stdout_is_terminal()
         self._description = description
         self._total = total
         self._progress: Any = None

@@ -227,10 +227,13 @@ def _resolve(
 def _entries(loc: _Location) -> list[tuple[str, bool]]:
     """``(name, is_dir)`` of the direct children, sorted by name; ``[]`` when absent."""
     out = []
+    prefix = loc.path.rstrip("/") + "/"
     for fi in _fsutil.list_dir(loc.fs, loc.path):
-        name = posixpath.basename(fi.path.rstrip("/"))
-        if name:
-            out.append((name, fi.type == _fsutil.pafs.FileType.Directory))
+        path = fi.path.rstrip("/")
+        rel = path[len(prefix):] if path.startswith(prefix) else posixpath.basename(path)
+        # Some fsspec stores answer a non-recursive listing with deeper entries too.
+        if rel and "/" not in rel:
+            out.append((rel, fi.type == _fsutil.pafs.FileType.Directory))
     return sorted(out)
 
 
@@ -249,14 +252,57 @@ def _internal(loc: _Location) -> dict[str, Any] | None:
     return read_internal_metadata(loc.fs, loc.path)
 
 
+@dataclasses.dataclass(frozen=True)
+class _State:
+    """What a would-be checkpoint directory is: ``committed``, ``invalid`` (a commit
+    marker whose manifest does not match the files: corrupt), ``absent`` (no
+    marker: an interrupted write) or ``missing``."""
+
+    state: str
+    meta: dict[str, Any] | None
+    reason: str | None = None
+    file: str | None = None
+
+
+def _inspect(loc: _Location) -> _State:
+    from checkpoint_store import transfer
+
+    inspect = getattr(transfer, "inspect_checkpoint", None)
+    if inspect is not None:
+        insp = inspect(loc.fs, loc.path)
+        return _State(insp.state, insp.meta, getattr(insp, "reason", None),
+                      getattr(insp, "file", None))
+    meta = transfer.read_internal_metadata(loc.fs, loc.path)
+    if meta is not None:
+        return _State("committed", meta)
+    if _fsutil.exists(loc.fs, posixpath.join(loc.path, INTERNAL_METADATA)):
+        return _State("invalid", None, f"{INTERNAL_METADATA} is unreadable", INTERNAL_METADATA)
+    return _State("absent" if _fsutil.exists(loc.fs, loc.path) else "missing", None)
+
+
+def _might_be_checkpoint(loc: _Location) -> bool:
+    # Cheap test first: inspecting lists the whole tree under loc.
+    return parse_checkpoint_dir_name(loc.name) is not None or _fsutil.exists(
+        loc.fs, posixpath.join(loc.path, INTERNAL_METADATA))
+
+
 def _kind(loc: _Location) -> str:
-    """What ``loc`` is: checkpoint, uncommitted, trial, experiment, root (or empty).
+    """What ``loc`` is: checkpoint, corrupt (a checkpoint failing its manifest),
+    uncommitted, trial, experiment, root, empty or file.
 
     Raises:
         CheckpointNotFoundError: nothing exists at ``loc``.
     """
-    if _internal(loc) is not None:
-        return "checkpoint"
+    if _might_be_checkpoint(loc):
+        st = _inspect(loc)
+        if st.state == "committed":
+            return "checkpoint"
+        if st.state == "invalid":
+            return "corrupt"
+        if st.state == "missing":
+            raise CheckpointNotFoundError(f"nothing exists at {loc.uri}")
+        if parse_checkpoint_dir_name(loc.name) is not None:
+            return "uncommitted"
     entries = _entries(loc)
     if not entries:
         fi = _fsutil.info(loc.fs, loc.path)
@@ -264,15 +310,35 @@ def _kind(loc: _Location) -> str:
             raise CheckpointNotFoundError(f"nothing exists at {loc.uri}")
         if fi.type == _fsutil.pafs.FileType.File:
             return "file"
-        return "uncommitted" if parse_checkpoint_dir_name(loc.name) is not None else "empty"
+        return "empty"
     if _looks_like_trial(entries):
         return "trial"
-    if parse_checkpoint_dir_name(loc.name) is not None:
-        return "uncommitted"
     for name, is_dir in entries:
         if is_dir and _looks_like_trial(_entries(loc.child(name))):
             return "experiment"
     return "root"
+
+
+def _not_committed(
+    trial: _Location, committed: Iterable[str]
+) -> tuple[list[tuple[str, _State]], list[str]]:
+    """Checkpoint directories of ``trial`` that are not committed:
+    ``([(name, state) of corrupt ones], [names of uncommitted ones])``."""
+    done = set(committed)
+    corrupt: list[tuple[str, _State]] = []
+    uncommitted: list[str] = []
+    for name, is_dir in _entries(trial):
+        if not is_dir or name in done:
+            continue
+        if parse_checkpoint_dir_name(name) is not None:
+            st = _inspect(trial.child(name))
+            if st.state == "invalid":
+                corrupt.append((name, st))
+            elif st.state != "committed":
+                uncommitted.append(name)
+        elif name.startswith(_STAGING_PREFIX):
+            uncommitted.append(name)
+    return corrupt, uncommitted
 
 
 def _trials_under(loc: _Location, kind: str) -> list[_Location]:
@@ -338,17 +404,27 @@ def _require_trial(loc: _Location) -> None:
 
 
 def _require_checkpoint(loc: _Location) -> dict[str, Any]:
-    meta = _internal(loc)
-    if meta is not None:
-        return meta
-    kind = _kind(loc)
-    if kind == "uncommitted":
+    """The internal metadata of the committed checkpoint at ``loc``.
+
+    Raises:
+        CheckpointCorruptError: a commit marker is there but the files do not match it.
+        CheckpointNotFoundError: anything else.
+    """
+    st = _inspect(loc)
+    if st.state == "committed" and st.meta is not None:
+        return st.meta
+    if st.state == "invalid":
+        raise CheckpointCorruptError(f"checkpoint {loc.uri} is corrupt: {st.reason}",
+                                     path=loc.path, file=st.file)
+    if st.state == "missing":
+        raise CheckpointNotFoundError(f"nothing exists at {loc.uri}")
+    if parse_checkpoint_dir_name(loc.name) is not None:
         raise CheckpointNotFoundError(
-            f"{loc.uri} is not a committed checkpoint (no valid {INTERNAL_METADATA}); it is "
+            f"{loc.uri} is not a committed checkpoint (no {INTERNAL_METADATA}); it is "
             "an interrupted write that `checkpoint-store gc` removes"
         )
     raise CheckpointNotFoundError(
-        f"{loc.uri} is a {kind}, not a checkpoint; pass a checkpoint_NNNNNN directory"
+        f"{loc.uri} is a {_kind(loc)}, not a checkpoint; pass a checkpoint_NNNNNN directory"
     )
 
 
@@ -477,12 +553,10 @@ def _ls_trial(trial: _Location, metric: str | None) -> dict[str, Any]:
             "files": len(meta.get("manifest", [])),
             "score": _metric_value(metrics, metric) if metric else None,
         })
-    committed_names = {r["name"] for r in rows}
-    uncommitted = [n for n, d in _entries(trial)
-                   if d and n not in committed_names
-                   and (parse_checkpoint_dir_name(n) is not None or n.startswith(_STAGING_PREFIX))]
+    corrupt, uncommitted = _not_committed(trial, (r["name"] for r in rows))
     return {"kind": "trial", "uri": trial.uri, "metric": metric, "checkpoints": rows,
-            "uncommitted": len(uncommitted)}
+            "uncommitted": len(uncommitted),
+            "corrupt": [{"name": n, "file": st.file, "reason": st.reason} for n, st in corrupt]}
 
 
 def _ls_experiment(exp: _Location) -> dict[str, Any]:
@@ -544,10 +618,9 @@ def ls_cmd(uri: str, storage_options: dict[str, Any], metric: str | None, as_jso
       checkpoint-store ls az://container/runs/exp --json
     """
     loc = _resolve(uri, storage_options)
-    meta = _internal(loc)
-    kind = "checkpoint" if meta is not None else _kind(loc)
-    if kind == "checkpoint":
-        data = _ls_checkpoint(loc, meta or {})
+    kind = _kind(loc)
+    if kind in ("checkpoint", "corrupt"):
+        data = _ls_checkpoint(loc, _require_checkpoint(loc))
     elif kind == "trial":
         data = _ls_trial(loc, metric)
     elif kind == "experiment":
@@ -577,6 +650,9 @@ def ls_cmd(uri: str, storage_options: dict[str, Any], metric: str | None, as_jso
         if data["uncommitted"] and not _quiet():
             click.echo(f"({data['uncommitted']} uncommitted directories not listed; "
                        "`checkpoint-store gc` removes them)", err=True)
+        for c in data["corrupt"]:
+            click.echo(f"(corrupt, not listed: {c['name']}: {c['reason']}; "
+                       "`checkpoint-store verify` checks the others)", err=True)
     elif kind == "experiment":
         _table(["TRIAL", "CHECKPOINTS", "LATEST", "LATEST CREATED (UTC)", "SIZE"],
                [[r["name"], str(r["checkpoints"]), _fmt_value(r["latest_index"]),
@@ -777,8 +853,6 @@ def _checkpoint_meta_for(dest: _Location, base: Mapping[str, Any] | None,
     trial_path = posixpath.dirname(dest.path.rstrip("/"))
     meta["index"] = index
     meta.setdefault("created_at", time.time())
-    meta.setdefault("metrics", {})
-    meta.setdefault("world_size", 1)
     trial_name = posixpath.basename(trial_path)
     experiment_name = posixpath.basename(posixpath.dirname(trial_path))
     if trial_name:
@@ -839,7 +913,7 @@ def upload_cmd(directory: str, uri: str, storage_options: dict[str, Any],
     dst, index = _checkpoint_dest(_resolve(uri, storage_options), None)
     files = list(_fsutil.walk_files(src.fs, src.path))
     total = sum(size for rel, size in files if not is_internal_file(rel))
-    meta = _checkpoint_meta_for(dst, {"metrics": metrics}, index)
+    meta = _checkpoint_meta_for(dst, {"metrics": metrics, "world_size": 1}, index)
     with _progress(f"upload {dst.name}", total) as bar:
         counted = _counting(src, bar.advance)
         written = commit_checkpoint(counted.fs, src.path, dst.backend, dst.path, meta)
@@ -1016,18 +1090,29 @@ def verify_cmd(uri: str, storage_options: dict[str, Any], as_json: bool) -> None
       checkpoint-store verify s3://bucket/runs
     """
     loc = _resolve(uri, storage_options)
-    meta = _internal(loc)
-    if meta is not None:
-        targets = [(loc, meta)]
+    kind = _kind(loc)
+    report: list[dict[str, Any]] = []
+    targets: list[tuple[_Location, dict[str, Any]]] = []
+    if kind == "checkpoint":
+        targets = [(loc, _require_checkpoint(loc))]
+    elif kind == "corrupt":
+        st = _inspect(loc)
+        report.append({"uri": loc.uri, "ok": False, "file": st.file,
+                       "error": f"checkpoint {loc.uri} is corrupt: {st.reason}"})
+    elif kind == "uncommitted":
+        _require_checkpoint(loc)
     else:
-        kind = _kind(loc)
-        if kind == "uncommitted":
-            _require_checkpoint(loc)
-        targets = [c for t in _trials_under(loc, kind) for c in _committed(t)]
-    if not targets:
+        for trial in _trials_under(loc, kind):
+            committed = _committed(trial)
+            targets.extend(committed)
+            corrupt, _ = _not_committed(trial, (c.name for c, _ in committed))
+            for name, st in corrupt:
+                report.append({"uri": trial.child(name).uri, "ok": False, "file": st.file,
+                               "error": f"checkpoint {trial.child(name).uri} is corrupt: "
+                                        f"{st.reason}"})
+    if not targets and not report:
         raise CheckpointNotFoundError(f"no committed checkpoint under {loc.uri}")
     total = sum(_manifest_size(m) for _, m in targets)
-    report = []
     with _progress(f"verify {loc.name}", total) as bar:
         for ckpt, cmeta in targets:
             try:
@@ -1158,21 +1243,30 @@ def _newest_mtime(loc: _Location) -> float | None:
     return newest
 
 
-def _scan(trial: _Location) -> tuple[list[str], list[str], list[str]]:
-    """``(committed, uncommitted ours, foreign)`` entry names of a trial directory."""
-    committed, ours, foreign = [], [], []
+def _scan(trial: _Location) -> tuple[list[str], list[str], list[str], list[str]]:
+    """``(committed, uncommitted ours, corrupt, foreign)`` entry names of a trial."""
+    committed: list[str] = []
+    ours: list[str] = []
+    corrupt: list[str] = []
+    foreign: list[str] = []
     for name, is_dir in _entries(trial):
         if name in _TRIAL_FILES:
             continue
         if is_dir and parse_checkpoint_dir_name(name) is not None:
-            (committed if _internal(trial.child(name)) is not None else ours).append(name)
+            state = _inspect(trial.child(name)).state
+            if state == "committed":
+                committed.append(name)
+            elif state == "invalid":
+                corrupt.append(name)  # our marker, files that no longer match it
+            else:
+                ours.append(name)
         elif name.startswith(_STAGING_PREFIX) or name.endswith(".cs_tmp"):
             ours.append(name)
         elif name.startswith(INTERNAL_PREFIX):
             continue  # locks and leases of live writers: never garbage
         else:
             foreign.append(name)
-    return committed, ours, foreign
+    return committed, ours, corrupt, foreign
 
 
 @main.command("gc")
@@ -1200,13 +1294,14 @@ def gc_cmd(trial: str, storage_options: dict[str, Any], min_age: float, dry_run:
     """
     loc = _resolve(trial, storage_options)
     _require_trial(loc)
-    committed, ours, foreign = _scan(loc)
+    committed, ours, corrupt, foreign = _scan(loc)
     now = time.time()
     removed, too_young = [], []
     for name in ours:
         child = loc.child(name)
         mtime = _newest_mtime(child)
-        if mtime is not None and now - mtime < min_age:
+        # An unknown age (stores without modification times) counts as recent.
+        if min_age > 0 and (mtime is None or now - mtime < min_age):
             too_young.append(name)
             continue
         if not dry_run:
@@ -1214,13 +1309,16 @@ def gc_cmd(trial: str, storage_options: dict[str, Any], min_age: float, dry_run:
         removed.append(name)
     if as_json:
         _print_json({"uri": loc.uri, "dry_run": dry_run, "committed": committed,
-                     "removed": removed, "skipped_recent": too_young, "foreign": foreign})
+                     "removed": removed, "skipped_recent": too_young, "corrupt": corrupt,
+                     "foreign": foreign})
         return
     verb = "would remove" if dry_run else "removed"
     for name in removed:
         click.echo(f"{verb}  {loc.child(name).uri}")
     for name in too_young:
         _echo_info(f"skipped (modified less than {min_age:g}s ago)  {loc.child(name).uri}")
+    for name in corrupt:
+        click.echo(f"corrupt (left alone; see `checkpoint-store verify`)  {loc.child(name).uri}")
     for name in foreign:
         click.echo(f"foreign (not ours, left alone)  {loc.child(name).uri}")
     _echo_info(f"{len(removed)} {verb}, {len(too_young)} too recent, {len(foreign)} foreign, "
@@ -1274,9 +1372,15 @@ def backends_cmd(as_json: bool) -> None:
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint.")
 @click.option("--epoch-delay", default=0.0, type=click.FloatRange(min=0), hidden=True,
               help="Seconds to sleep after each epoch (to try killing a run mid-way).")
+@click.option("--tune", is_flag=True,
+              help="Run an Optuna study over the learning rate instead (needs the tune extra).")
+@click.option("--trials", default=8, show_default=True, type=click.IntRange(1),
+              help="With --tune: number of trials.")
+@click.option("--parallel", default=2, show_default=True, type=click.IntRange(1),
+              help="With --tune: trials run at the same time.")
 @_common
 def demo(storage: str, epochs: int, num_to_keep: int, lr: float, seed: int, resume: bool,
-         epoch_delay: float) -> None:
+         epoch_delay: float, tune: bool, trials: int, parallel: int) -> None:
     """Train a digits classifier, keep the best checkpoints, resume after a crash.
 
     \b
@@ -1284,7 +1388,13 @@ def demo(storage: str, epochs: int, num_to_keep: int, lr: float, seed: int, resu
       checkpoint-store demo
       checkpoint-store demo --epochs 30 --resume
       checkpoint-store demo --storage memory://demo
+      checkpoint-store demo --tune --trials 8 --parallel 2
     """
+    if tune:
+        from checkpoint_store._demo_tune import run_tune
+
+        sys.exit(run_tune(storage=storage, trials=trials, parallel=parallel, epochs=epochs,
+                          num_to_keep=num_to_keep, seed=seed))
     from checkpoint_store._demo_cli import run_demo
 
     sys.exit(run_demo(storage=storage, epochs=epochs, num_to_keep=num_to_keep, lr=lr,

@@ -1,0 +1,32 @@
+"""Fixtures for the command-line tests: one trial layout on every backend.
+
+``store`` is parametrized over local disk, memory, S3 (moto) and Azure
+(Azurite); the servers come from the shipped pytest plugin
+(``checkpoint_store.testing``) and are started once per session.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from cli_helpers import Store
+
+
+@pytest.fixture(params=["local", "memory", "s3", "azure"])
+def store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
+    """A fresh storage root on each backend the CLI must serve."""
+    kind = request.param
+    if kind == "local":
+        return Store(str(tmp_path / "store"))
+    if kind == "memory":
+        return Store(f"memory://cli-{uuid.uuid4().hex[:10]}/store")
+    loc = request.getfixturevalue(f"{kind}_location")
+    return Store(loc.uri, dict(loc.storage_options))
+
+
+@pytest.fixture(params=["s3", "azure"])
+def remote_store(request: pytest.FixtureRequest) -> Store:
+    loc = request.getfixturevalue(f"{request.param}_location")
+    return Store(loc.uri, dict(loc.storage_options))
