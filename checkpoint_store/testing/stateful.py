@@ -1,0 +1,276 @@
+"""A hypothesis state machine that checks :class:`CheckpointManager` against a model.
+
+:class:`RetentionMachine` registers checkpoints with random scores (NaN,
+``±inf``, missing, ties), under random ``num_to_keep`` / ``keep_latest`` /
+order / attribute, and at random restarts the manager from storage (state
+kept, deleted or corrupted; a crash between a commit and its registration),
+while deletes randomly fail. After every step it compares the manager and the
+storage with :class:`RetentionModel`, a sorted list of every ``(index,
+score)`` ever reported. Each step is printed with ``note()`` so a failure
+replays as a readable story.
+
+Run it in pytest::
+
+    from hypothesis import settings
+    from checkpoint_store.testing.stateful import RetentionMachine
+
+    TestRetention = RetentionMachine.TestCase
+    TestRetention.settings = settings(max_examples=1000, deadline=None)
+
+To run it on another storage, subclass and override :meth:`RetentionMachine.make_storage`
+and :meth:`RetentionMachine.cleanup_storage` (fault injection then stays off
+unless your storage supports it through :attr:`RetentionMachine.fail_deletes`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import posixpath
+import tempfile
+import uuid
+import warnings
+from typing import Any
+
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from checkpoint_store import _fsutil
+from checkpoint_store._layout import MANAGER_STATE, checkpoint_dir_name
+from checkpoint_store.checkpoint import Checkpoint
+from checkpoint_store.retention import CheckpointConfig, CheckpointManager
+from checkpoint_store.storage import StorageContext
+from checkpoint_store.testing import strategies as cst
+
+__all__ = ["MemoryRetentionMachine", "RetentionMachine", "RetentionModel"]
+
+
+class RetentionModel:
+    """The reference: every reported ``(index, score)`` in a plain list, the kept
+    set recomputed from scratch by sorting. Written from docs/retention.md, not
+    from the manager's code.
+
+    Scores are floats or None (NaN or missing). Without a score attribute
+    the score is the index.
+    """
+
+    def __init__(self, config: CheckpointConfig):
+        self.config = config
+        self.reported: list[tuple[int, float | None]] = []
+
+    def add(self, index: int, score: float | None) -> None:
+        if self.config.checkpoint_score_attribute is None:
+            score = float(index)
+        self.reported = [r for r in self.reported if r[0] != index] + [(index, score)]
+
+    def _goodness(self, item: tuple[int, float | None]) -> tuple[int, float, int]:
+        index, score = item
+        if self.config.checkpoint_score_attribute is None:  # recency: order is ignored
+            return (1, float(index), index)
+        if score is None:
+            return (0, 0.0, index)
+        return (1, score if self.config.checkpoint_score_order == "max" else -score, index)
+
+    def kept(self) -> list[int]:
+        """Indices that must be kept, ascending."""
+        cfg = self.config
+        if not self.reported:
+            return []
+        if cfg.num_to_keep is None:
+            return sorted(i for i, _ in self.reported)
+        keep_missing = cfg.missing_score == "keep" and cfg.checkpoint_score_attribute
+        ranked = sorted(
+            (r for r in self.reported if not (keep_missing and r[1] is None)),
+            key=self._goodness, reverse=True,
+        )
+        keep = {i for i, _ in ranked[: cfg.num_to_keep]}
+        if keep_missing:
+            keep |= {i for i, s in self.reported if s is None}
+        if cfg.keep_latest:
+            keep.add(max(i for i, _ in self.reported))
+        return sorted(keep)
+
+    def best(self) -> int | None:
+        kept = set(self.kept())
+        items = [r for r in self.reported if r[0] in kept]
+        return max(items, key=self._goodness)[0] if items else None
+
+
+_SOURCE: str | None = None
+
+
+def _source_dir() -> str:
+    """One tiny local checkpoint directory, shared (read-only) by every run."""
+    global _SOURCE
+    if _SOURCE is None or not os.path.isdir(_SOURCE):
+        _SOURCE = tempfile.mkdtemp(prefix="cs-retention-src-")
+        with open(os.path.join(_SOURCE, "weights.bin"), "wb") as f:
+            f.write(b"\x00" * 16)
+    return _SOURCE
+
+
+def _metrics_for(attribute: str | None, score: Any, index: int) -> dict[str, Any]:
+    m: dict[str, Any] = {"step": index}
+    if attribute is None or score is None:
+        return m
+    if "/" in attribute:
+        head, tail = attribute.split("/", 1)
+        m[head] = {tail: score}
+    else:
+        m[attribute] = score
+    return m
+
+
+def _model_score(score: Any) -> float | None:
+    if score is None:
+        return None
+    value = float(score)
+    return None if math.isnan(value) else value
+
+
+class RetentionMachine(RuleBasedStateMachine):
+    """Drives a CheckpointManager and a :class:`RetentionModel` side by side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_deletes = False
+        self.storage: StorageContext | None = None
+        self.manager: CheckpointManager | None = None
+        self.model: RetentionModel | None = None
+        self.next_index = 0
+
+    # -- storage hooks (override to run on other storage) -------------------------------
+
+    def make_storage(self) -> StorageContext:
+        """A fresh, empty trial. Default: a local temporary directory (in
+        ``/dev/shm`` where it exists, without fsync: the machine checks logic,
+        not durability)."""
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        root = tempfile.mkdtemp(prefix="cs-retention-", dir=base)
+        return StorageContext(root, "exp", "trial", fsync=False)
+
+    def cleanup_storage(self, storage: StorageContext) -> None:
+        _fsutil.delete_dir(storage.filesystem, storage.storage_path)
+
+    def _inject_faults(self, storage: StorageContext) -> None:
+        """Make ``storage.delete_checkpoint`` raise while :attr:`fail_deletes`."""
+        real = storage.delete_checkpoint
+
+        def delete_checkpoint(dir_name: str) -> None:
+            if self.fail_deletes:
+                raise OSError(f"injected delete failure for {dir_name}")
+            real(dir_name)
+
+        storage.delete_checkpoint = delete_checkpoint  # type: ignore[method-assign]
+
+    # -- rules -----------------------------------------------------------------------------
+
+    @initialize(config=cst.checkpoint_configs())
+    def setup(self, config: CheckpointConfig) -> None:
+        note(f"config: {config}")
+        self.storage = self.make_storage()
+        self._inject_faults(self.storage)
+        self.model = RetentionModel(config)
+        self.manager = self._open(config)
+
+    def _open(self, config: CheckpointConfig) -> CheckpointManager:
+        assert self.storage is not None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return CheckpointManager(config, self.storage)
+
+    def _persist(self, score: Any) -> tuple[Checkpoint, dict[str, Any], int]:
+        assert self.storage is not None and self.manager is not None and self.model is not None
+        index = max(self.next_index, self.manager.next_index)
+        metrics = _metrics_for(self.model.config.checkpoint_score_attribute, score, index)
+        ckpt = self.storage.persist_checkpoint(
+            Checkpoint(_source_dir()), index, {"metrics": metrics, "run_id": self.manager.run_id}
+        )
+        self.next_index = index + 1
+        return ckpt, metrics, index
+
+    @rule(score=cst.scores())
+    def report(self, score: Any) -> None:
+        assert self.manager is not None and self.model is not None
+        ckpt, metrics, index = self._persist(score)
+        note(f"report index={index} score={score!r} (deletes failing: {self.fail_deletes})")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            self.manager.register(ckpt, metrics)  # must not raise, even if deletes fail
+        self.model.add(index, _model_score(score))
+
+    @rule(drop_state=st.sampled_from(["keep", "delete", "corrupt"]))
+    def restart(self, drop_state: str) -> None:
+        """A new manager (a new process) on the same storage."""
+        assert self.manager is not None and self.storage is not None and self.model is not None
+        note(f"restart (state file: {drop_state})")
+        self.manager.close()
+        state = posixpath.join(self.storage.trial_path, MANAGER_STATE)
+        if drop_state == "delete":
+            _fsutil.delete_file(self.storage.filesystem, state)
+        elif drop_state == "corrupt" and _fsutil.exists(self.storage.filesystem, state):
+            with self.storage.filesystem.open_output_stream(state) as f:
+                f.write(b'{"format_version": 1, "checkpoints": [')
+        self.manager = self._open(self.model.config)
+
+    @rule(score=cst.scores())
+    def crash_after_commit(self, score: Any) -> None:
+        """The process dies after a checkpoint is committed, before it is registered."""
+        assert self.manager is not None and self.model is not None
+        _, _, index = self._persist(score)
+        note(f"crash after committing index={index} score={score!r}; restart")
+        self.manager.close()
+        self.model.add(index, _model_score(score))
+        self.manager = self._open(self.model.config)
+
+    @rule(fail=st.booleans())
+    def set_delete_failures(self, fail: bool) -> None:
+        note(f"deletes {'fail' if fail else 'work'} from now on")
+        self.fail_deletes = fail
+
+    # -- invariants -------------------------------------------------------------------------
+
+    @invariant()
+    def kept_matches_model(self) -> None:
+        if self.manager is None or self.model is None:
+            return
+        want = [checkpoint_dir_name(i) for i in self.model.kept()]
+        assert self.manager.kept_dir_names == want, (self.manager.kept_dir_names, want)
+        best = self.model.best()
+        got_best = self.manager.best_checkpoint
+        if best is None:
+            assert got_best is None
+        else:
+            assert got_best is not None
+            assert posixpath.basename(got_best.path) == checkpoint_dir_name(best)
+        latest = self.manager.latest_checkpoint
+        if want:
+            assert latest is not None and posixpath.basename(latest.path) == want[-1]
+
+    @invariant()
+    def storage_matches(self) -> None:
+        """Every kept checkpoint is committed on storage; anything else committed
+        is an evicted one whose delete failed and is still pending."""
+        if self.manager is None or self.storage is None:
+            return
+        # Injected failures refuse the whole delete, so listing names is enough.
+        committed = {name for _, name in self.storage.checkpoint_dirs()}
+        kept = set(self.manager.kept_dir_names)
+        pending = set(self.manager.pending_deletes)
+        assert kept <= committed, ("kept but deleted", kept - committed)
+        assert committed <= kept | pending, ("leaked", committed - kept - pending)
+
+    def teardown(self) -> None:
+        if self.manager is not None:
+            self.manager.close()
+        if self.storage is not None:
+            self.fail_deletes = False
+            self.cleanup_storage(self.storage)
+
+
+class MemoryRetentionMachine(RetentionMachine):
+    """The same machine on ``memory://`` storage (fsspec memory behind pyarrow)."""
+
+    def make_storage(self) -> StorageContext:
+        return StorageContext(f"memory://cs-retention-{uuid.uuid4().hex}", "exp", "trial")
