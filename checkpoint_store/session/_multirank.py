@@ -470,7 +470,10 @@ class Coordinator:
 
     def _collect_markers(self, index: int, dir_name: str, target: str) -> dict[int, dict]:
         fs = self.storage.filesystem
-        backoff = _Backoff(self.timeout_s)
+        # After a barrier every rank has tried to write its marker: one missing
+        # now failed to write, so only a listing's lag is worth waiting for.
+        timeout_s = min(self.timeout_s, 10.0) if self._group is not None else self.timeout_s
+        backoff = _Backoff(timeout_s)
         while True:
             present = set()
             for fi in _fsutil.list_dir(fs, target):
@@ -483,7 +486,7 @@ class Coordinator:
             if not backoff.sleep():
                 raise RankTimeoutError(
                     f"{dir_name} was not committed: ranks {missing} of {self.world_size} did "
-                    f"not finish writing within {self.timeout_s:g}s (attempt {self.attempt_id!r}). "
+                    f"not finish writing within {timeout_s:g}s (attempt {self.attempt_id!r}). "
                     "Every rank must call report() the same number of times, and without "
                     "torch.distributed pass a checkpoint on every rank or on none",
                     missing_ranks=missing, index=index,
