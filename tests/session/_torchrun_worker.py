@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -32,36 +33,46 @@ def main() -> None:
     torch.manual_seed(0)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    cfg = CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="loss",
-                           checkpoint_score_order="min")
     # Ranks, world size and the attempt come from torchrun's variables and the process group.
     with session.start(storage_path=uri, storage_options=options, experiment_name="ddp",
-                       trial_name="t", checkpoint_config=cfg, sync_timeout_s=120) as s:
+                       trial_name="t", checkpoint_config=CheckpointConfig(),
+                       sync_timeout_s=120) as s:
         ctx = session.get_context()
         assert (ctx.world_rank, ctx.world_size) == (rank, world)
-        for step in range(2):
+        errors = []
+        for step in range(4):
             x = torch.full((8, 4), float(rank + 1))
             loss = ddp(x).pow(2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
             with tempfile.TemporaryDirectory(prefix=f"rank{rank}-") as tmp:
-                if step == 0:
+                ckpt = Checkpoint.from_directory(tmp)
+                if step in (0, 2, 3):
                     # Every rank writes its own shard.
-                    torch.save({"rank": rank, "weight": model.weight.detach().clone()},
+                    torch.save({"rank": rank, "step": step,
+                                "weight": model.weight.detach().clone()},
                                os.path.join(tmp, f"shard_{rank}.pt"))
-                    ckpt = Checkpoint.from_directory(tmp)
+                    if step == 2 and rank == 2:
+                        # Rank 2's files vanish before its upload: step 2 must
+                        # not be committed, on any rank.
+                        shutil.rmtree(tmp)
                 elif rank == 0:
                     # Only rank 0 saves; the others pass None (allowed with a process group).
                     with open(os.path.join(tmp, "rank0_only.txt"), "w") as f:
                         f.write("from rank 0")
-                    ckpt = Checkpoint.from_directory(tmp)
                 else:
                     ckpt = None
-                row = session.report({"loss": float(loss) + 10 * rank, "rank": rank},
-                                     checkpoint=ckpt)
+                try:
+                    row = session.report({"loss": float(loss) + 10 * rank, "rank": rank},
+                                         checkpoint=ckpt)
+                except Exception as exc:
+                    errors.append([step, type(exc).__name__, str(exc)])
+                finally:
+                    os.makedirs(tmp, exist_ok=True)  # TemporaryDirectory removes it
         latest = s.get_checkpoint()
-    summary = {"rank": rank, "row": row, "latest": latest.uri, "attempt_id": s.attempt_id}
+    summary = {"rank": rank, "row": row, "latest": latest.uri, "attempt_id": s.attempt_id,
+               "errors": errors}
     gathered = [None] * world
     dist.all_gather_object(gathered, summary)
     if rank == 0:
