@@ -1244,29 +1244,25 @@ def _newest_mtime(loc: _Location) -> float | None:
 
 
 def _scan(trial: _Location) -> tuple[list[str], list[str], list[str], list[str]]:
-    """``(committed, uncommitted ours, corrupt, foreign)`` entry names of a trial."""
-    committed: list[str] = []
-    ours: list[str] = []
-    corrupt: list[str] = []
-    foreign: list[str] = []
-    for name, is_dir in _entries(trial):
-        if name in _TRIAL_FILES:
-            continue
-        if is_dir and parse_checkpoint_dir_name(name) is not None:
-            state = _inspect(trial.child(name)).state
-            if state == "committed":
-                committed.append(name)
-            elif state == "invalid":
-                corrupt.append(name)  # our marker, files that no longer match it
-            else:
-                ours.append(name)
-        elif name.startswith(_STAGING_PREFIX) or name.endswith(".cs_tmp"):
-            ours.append(name)
-        elif name.startswith(INTERNAL_PREFIX):
-            continue  # locks and leases of live writers: never garbage
-        else:
+    """``(committed, uncommitted ours, active, foreign)`` entry names of a trial.
+
+    Directories are classified by :meth:`StorageContext.scan` (a partial upload
+    is ours only when it carries a trace of our writers); plain files that are
+    neither trial files nor ours are reported as foreign too.
+    """
+    ctx = _storage_context(trial)
+    found = ctx.scan()
+    entries = _entries(trial)
+    # Only direct children: some stores (adlfs) answer a shallow listing with deeper entries.
+    children = {name for name, is_dir in entries if is_dir}
+    active = [n for n in found.active if n in children]
+    ours = [n for n in found.uncommitted if n not in set(active) and n in children]
+    foreign = [n for n in found.foreign if n in children]
+    for name, is_dir in entries:
+        if not is_dir and name not in _TRIAL_FILES and not name.startswith(INTERNAL_PREFIX) \
+                and not name.endswith(".cs_tmp"):
             foreign.append(name)
-    return committed, ours, corrupt, foreign
+    return [n for n in found.committed if n in children], ours, active, sorted(foreign)
 
 
 @main.command("gc")
@@ -1281,11 +1277,13 @@ def _scan(trial: _Location) -> tuple[list[str], list[str], list[str], list[str]]
 @_common
 def gc_cmd(trial: str, storage_options: dict[str, Any], min_age: float, dry_run: bool,
            as_json: bool) -> None:
-    """Remove uncommitted directories this tool left in TRIAL (interrupted writes).
+    """Remove the uncommitted directories this tool's writers left in TRIAL.
 
-    Removes checkpoint_NNNNNN directories without a commit marker and
-    staging/temporary entries (names starting with .cs_). Anything else
-    that is not ours is reported as foreign and never deleted.
+    Removes staging directories, deletions cut short and partial uploads that
+    carry a trace of our writers (see docs/format.md). Anything else that is
+    not a committed checkpoint (a directory copied in by hand, a checkpoint
+    whose marker we cannot read) is reported as foreign and never deleted.
+    Committed checkpoints are never touched.
 
     \b
     Examples:
@@ -1294,7 +1292,7 @@ def gc_cmd(trial: str, storage_options: dict[str, Any], min_age: float, dry_run:
     """
     loc = _resolve(trial, storage_options)
     _require_trial(loc)
-    committed, ours, corrupt, foreign = _scan(loc)
+    committed, ours, active, foreign = _scan(loc)
     now = time.time()
     removed, too_young = [], []
     for name in ours:
@@ -1307,18 +1305,18 @@ def gc_cmd(trial: str, storage_options: dict[str, Any], min_age: float, dry_run:
         if not dry_run:
             _fsutil.delete_dir(loc.fs, child.path)
         removed.append(name)
+    too_young.extend(active)
     if as_json:
         _print_json({"uri": loc.uri, "dry_run": dry_run, "committed": committed,
-                     "removed": removed, "skipped_recent": too_young, "corrupt": corrupt,
+                     "removed": removed, "skipped_recent": sorted(too_young),
                      "foreign": foreign})
         return
     verb = "would remove" if dry_run else "removed"
     for name in removed:
         click.echo(f"{verb}  {loc.child(name).uri}")
-    for name in too_young:
-        _echo_info(f"skipped (modified less than {min_age:g}s ago)  {loc.child(name).uri}")
-    for name in corrupt:
-        click.echo(f"corrupt (left alone; see `checkpoint-store verify`)  {loc.child(name).uri}")
+    for name in sorted(too_young):
+        _echo_info(f"skipped (in use or modified less than {min_age:g}s ago)  "
+                   f"{loc.child(name).uri}")
     for name in foreign:
         click.echo(f"foreign (not ours, left alone)  {loc.child(name).uri}")
     _echo_info(f"{len(removed)} {verb}, {len(too_young)} too recent, {len(foreign)} foreign, "

@@ -13,6 +13,8 @@ from click.testing import CliRunner, Result
 from checkpoint_store import Checkpoint, StorageContext
 from checkpoint_store.cli import main
 
+STAGING = ".cs_staging-checkpoint_000009-4242-0123456789ab"
+
 
 @dataclass
 class Store:
@@ -58,6 +60,7 @@ def make_trial(
     experiment: str = "exp",
     trial: str = "t1",
     uncommitted: bool = False,
+    staging: bool = False,
     foreign: bool = False,
 ) -> StorageContext:
     """A trial with one committed checkpoint per loss (index = position), each with
@@ -74,7 +77,11 @@ def make_trial(
         ckpt.set_metadata({"epoch": i, "note": f"checkpoint {i}"})
         ctx.persist_checkpoint(ckpt, i, {"metrics": {"loss": loss, "epoch": i}})
     if uncommitted:
+        # A directory without a commit marker: not a checkpoint, whoever wrote it.
         put(ctx, posixpath.join(ctx.checkpoint_path(len(losses)), "model.bin"), b"half-written")
+    if staging:
+        # What a writer killed mid-upload leaves on a local disk (docs/format.md).
+        put(ctx, posixpath.join(ctx.trial_path, STAGING, "model.bin"), b"half-written")
     if foreign:
         put(ctx, posixpath.join(ctx.trial_path, "notes.txt"), b"someone else's file")
     return ctx

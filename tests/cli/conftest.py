@@ -30,3 +30,12 @@ def store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
 def remote_store(request: pytest.FixtureRequest) -> Store:
     loc = request.getfixturevalue(f"{request.param}_location")
     return Store(loc.uri, dict(loc.storage_options))
+
+
+@pytest.fixture(params=["local", "memory"])
+def near_store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
+    """Local disk and memory only: for edge cases whose backend-specific part the
+    ``store`` tests already cover on S3 and Azure."""
+    if request.param == "local":
+        return Store(str(tmp_path / "store"))
+    return Store(f"memory://cli-{uuid.uuid4().hex[:10]}/store")

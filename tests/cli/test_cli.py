@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from cli_helpers import (
+    STAGING,
     Store,
     committed_names,
     get,
@@ -19,7 +20,7 @@ from cli_helpers import (
     write_tree,
 )
 
-from checkpoint_store import Checkpoint
+from checkpoint_store import Checkpoint, _fsutil
 from checkpoint_store.cli import EXIT_FAILURE, EXIT_USAGE
 
 # -- ls -------------------------------------------------------------------------------
@@ -74,8 +75,8 @@ def test_ls_root_experiment_and_checkpoint(store: Store, tmp_path) -> None:
         ["exp", "2"], ["other", "1"]]
 
 
-def test_ls_missing_location_fails_with_one_line(store: Store) -> None:
-    res = invoke(["ls", store.join("nope", "nothing"), *store.opt_args()])
+def test_ls_missing_location_fails_with_one_line(near_store: Store) -> None:
+    res = invoke(["ls", near_store.join("nope", "nothing"), *near_store.opt_args()])
     assert res.exit_code == EXIT_FAILURE
     assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: ")
     assert "hint:" in res.stderr
@@ -98,9 +99,10 @@ def test_show_prints_user_and_internal_metadata(store: Store, tmp_path) -> None:
     assert "note: checkpoint 1" in text.stdout and "loss: 0.2" in text.stdout
 
 
-def test_show_refuses_an_uncommitted_directory(store: Store, tmp_path) -> None:
-    make_trial(store, tmp_path, [0.5], uncommitted=True)
-    res = invoke(["show", store.join("exp", "t1", "checkpoint_000001"), *store.opt_args()])
+def test_show_refuses_an_uncommitted_directory(near_store: Store, tmp_path) -> None:
+    make_trial(near_store, tmp_path, [0.5], uncommitted=True)
+    res = invoke(["show", near_store.join("exp", "t1", "checkpoint_000001"),
+                  *near_store.opt_args()])
     assert res.exit_code == EXIT_FAILURE
     assert "not a committed checkpoint" in res.stderr
 
@@ -120,9 +122,9 @@ def test_best_ranks_like_the_manager(store: Store, tmp_path) -> None:
     assert (data["index"], data["score"]) == (4, 0.9)
 
 
-def test_best_without_metric_is_a_usage_error(store: Store, tmp_path) -> None:
-    make_trial(store, tmp_path, [0.5])
-    res = invoke(["best", store.join("exp", "t1"), *store.opt_args()])
+def test_best_without_metric_is_a_usage_error(near_store: Store, tmp_path) -> None:
+    make_trial(near_store, tmp_path, [0.5])
+    res = invoke(["best", near_store.join("exp", "t1"), *near_store.opt_args()])
     assert res.exit_code == EXIT_USAGE
     assert "--metric" in res.output
 
@@ -155,17 +157,17 @@ def test_verify_flipped_byte_exits_nonzero_and_names_the_file(store: Store, tmp_
     assert bad[0]["uri"].endswith("checkpoint_000001")
 
 
-def test_verify_missing_file_is_corruption(store: Store, tmp_path) -> None:
-    ctx = make_trial(store, tmp_path, [0.5])
+def test_verify_missing_file_is_corruption(near_store: Store, tmp_path) -> None:
+    ctx = make_trial(near_store, tmp_path, [0.5])
     ctx.filesystem.delete_file(posixpath.join(ctx.checkpoint_path(0), "optim/state.bin"))
-    res = invoke(["verify", store.join("exp", "t1"), *store.opt_args()])
+    res = invoke(["verify", near_store.join("exp", "t1"), *near_store.opt_args()])
     assert res.exit_code == EXIT_FAILURE
     assert "optim/state.bin" in res.stdout
 
 
-def test_verify_of_nothing_fails(store: Store, tmp_path) -> None:
-    make_trial(store, tmp_path, [], uncommitted=True)
-    res = invoke(["verify", store.join("exp", "t1"), *store.opt_args()])
+def test_verify_of_nothing_fails(near_store: Store, tmp_path) -> None:
+    make_trial(near_store, tmp_path, [], uncommitted=True)
+    res = invoke(["verify", near_store.join("exp", "t1"), *near_store.opt_args()])
     assert res.exit_code == EXIT_FAILURE
     assert "no committed checkpoint" in res.stderr
 
@@ -194,9 +196,9 @@ def test_prune_dry_run_deletes_nothing_then_deletes_exactly_those(store: Store, 
     assert [n for _, n in ctx.checkpoint_dirs()] == ["checkpoint_000001", "checkpoint_000003"]
 
 
-def test_prune_no_keep_latest_keeps_exactly_n(store: Store, tmp_path) -> None:
-    ctx = make_trial(store, tmp_path, [0.5, 0.2, 0.4, 0.3])
-    res = invoke(["prune", store.join("exp", "t1"), *store.opt_args(), "--keep", "2",
+def test_prune_no_keep_latest_keeps_exactly_n(near_store: Store, tmp_path) -> None:
+    ctx = make_trial(near_store, tmp_path, [0.5, 0.2, 0.4, 0.3])
+    res = invoke(["prune", near_store.join("exp", "t1"), *near_store.opt_args(), "--keep", "2",
                   "--metric", "loss", "--mode", "min", "--no-keep-latest", "--json"])
     data = json.loads(res.stdout)
     assert [d["index"] for d in data["kept"]] == [1, 3]
@@ -224,21 +226,25 @@ def test_prune_on_an_experiment_is_a_usage_error(tmp_path) -> None:
 
 
 def test_gc_removes_uncommitted_and_reports_foreign(store: Store, tmp_path) -> None:
-    ctx = make_trial(store, tmp_path, [0.5, 0.2], uncommitted=True, foreign=True)
+    ctx = make_trial(store, tmp_path, [0.5, 0.2], uncommitted=True, staging=True, foreign=True)
     trial = store.join("exp", "t1")
 
     recent = json.loads(invoke(["gc", trial, *store.opt_args(), "--json"]).stdout)
-    assert recent["removed"] == [] and recent["skipped_recent"] == ["checkpoint_000002"]
+    assert recent["removed"] == [] and recent["skipped_recent"] == [STAGING]
 
     dry = json.loads(invoke(["gc", trial, *store.opt_args(), "--min-age", "0", "--dry-run",
                              "--json"]).stdout)
-    assert dry["removed"] == ["checkpoint_000002"]
-    assert [n for _, n in ctx.checkpoint_dirs()][-1] == "checkpoint_000002"
+    assert dry["removed"] == [STAGING]
+    # A checkpoint-named directory with no trace of our writers may be the user's.
+    assert dry["foreign"] == ["checkpoint_000002", "notes.txt"]
+    assert _fsutil.exists(ctx.filesystem, posixpath.join(ctx.trial_path, STAGING, "model.bin"))
 
     res = invoke(["gc", trial, *store.opt_args(), "--min-age", "0"])
     assert res.exit_code == 0, res.output
     assert "foreign" in res.stdout and "notes.txt" in res.stdout
-    assert [n for _, n in ctx.checkpoint_dirs()] == ["checkpoint_000000", "checkpoint_000001"]
+    assert not _fsutil.exists(ctx.filesystem, posixpath.join(ctx.trial_path, STAGING, "model.bin"))
+    assert [n for _, n in ctx.checkpoint_dirs()] == [
+        "checkpoint_000000", "checkpoint_000001", "checkpoint_000002"]
     assert committed_names(ctx) == ["checkpoint_000000", "checkpoint_000001"]
     assert get(ctx, posixpath.join(ctx.trial_path, "notes.txt")) == b"someone else's file"
 
