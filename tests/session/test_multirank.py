@@ -21,14 +21,22 @@ from checkpoint_store import (
 )
 from checkpoint_store.session import CheckpointAbortedError, RankTimeoutError
 
-STORES = ["local", "memory"]
+STORES = ["local", "memory", "s3"]
+
+
+_OPTIONS: dict[str, dict] = {}
 
 
 @pytest.fixture(params=STORES)
 def store(request, tmp_path):
     if request.param == "local":
         return str(tmp_path / "store")
+    if request.param == "s3":
+        loc = request.getfixturevalue("s3_location")
+        _OPTIONS[loc.uri] = loc.storage_options
+        return loc.uri
     return f"memory://mr-{uuid.uuid4().hex}"
+
 
 
 def _dir(tmp_path, name: str, files: dict[str, bytes]) -> Checkpoint:
@@ -43,11 +51,12 @@ def _dir(tmp_path, name: str, files: dict[str, bytes]) -> Checkpoint:
 def _start(store, rank, n, attempt="a1", **kw):
     kw.setdefault("sync_timeout_s", 20)
     return session.start(storage_path=store, experiment_name="e", trial_name="t",
-                         world_rank=rank, world_size=n, attempt_id=attempt, **kw)
+                         world_rank=rank, world_size=n, attempt_id=attempt,
+                         storage_options=_OPTIONS.get(store), **kw)
 
 
 def _ctx(store) -> StorageContext:
-    return StorageContext(store, "e", "t")
+    return StorageContext(store, "e", "t", storage_options=_OPTIONS.get(store))
 
 
 def _names(ctx: StorageContext, path: str) -> list[str]:
