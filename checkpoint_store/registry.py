@@ -16,7 +16,10 @@ A factory is called as ``factory(uri, storage_options)`` and returns a
 
 Precedence, highest first: :func:`register_backend` calls in this process,
 then entry points of other distributions, then the built-ins shipped in
-checkpoint-store itself (which are entry points too). Nothing is imported
+checkpoint-store itself (which are entry points too). Registering a scheme
+that is already known, by any of the three, needs ``clobber=True``; two other
+distributions claiming one scheme is a warning (the first by name wins).
+Nothing is imported
 until a scheme is first used, so ``import checkpoint_store`` stays cheap and
 imports no cloud SDK.
 
@@ -103,21 +106,31 @@ def register_backend(scheme: str, factory: Factory | str, *, clobber: bool = Fal
         scheme: lowercase URI scheme, e.g. ``"myfs"``.
         factory: a callable ``(uri, storage_options) -> Backend`` or a dotted
             path ``"package.module:function"`` imported on first use.
-        clobber: replace an existing code registration for ``scheme``.
-            Code registrations always take precedence over entry points.
+        clobber: replace a scheme that is already registered, in code, by a
+            plugin's entry point or built in. Without it, registering a known
+            scheme is an error. A code registration then takes precedence
+            over entry points and built-ins for the rest of the process.
 
     Raises:
-        InvalidConfigError: the scheme is malformed, or already registered in
-            code and ``clobber`` is False.
+        InvalidConfigError: the scheme or dotted path is malformed, or the
+            scheme is already registered and ``clobber`` is False.
         TypeError: ``factory`` is neither callable nor a string.
     """
     _validate_scheme(scheme)
-    if not (callable(factory) or isinstance(factory, str)):
+    if isinstance(factory, str):
+        if not re.match(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$", factory):
+            raise InvalidConfigError(
+                f"dotted path {factory!r} is not 'package.module:function'"
+            )
+    elif not callable(factory):
         raise TypeError(f"factory must be callable or a dotted path, got {type(factory).__name__}")
     with _lock:
-        if scheme in _code_registered and not clobber:
+        existing = available_backends().get(scheme)
+        if existing is not None and not clobber:
+            where = "in code" if existing == "code" else f"by {existing}"
             raise InvalidConfigError(
-                f"scheme {scheme!r} is already registered; pass clobber=True to replace it"
+                f"scheme {scheme!r} is already registered {where}; pass clobber=True to "
+                "replace it"
             )
         _code_registered[scheme] = factory
 
@@ -129,14 +142,35 @@ def unregister_backend(scheme: str) -> None:
 
 
 def _load_entry_points() -> dict[str, tuple[str, str]]:
+    """``{scheme: (dotted value, distribution)}`` from installed metadata (nothing imported).
+
+    Other distributions win over checkpoint-store's own built-ins. Two other
+    distributions claiming one scheme: the first by distribution name wins,
+    with a warning naming both.
+    """
     global _entry_points
     if _entry_points is None:
         found: dict[str, tuple[str, str]] = {}
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
+        eps = sorted(
+            entry_points(group=ENTRY_POINT_GROUP),
+            key=lambda ep: (ep.dist is not None and ep.dist.name != _OWN_DISTRIBUTION,
+                            ep.dist.name if ep.dist is not None else ""),
+            reverse=False,
+        )
+        for ep in eps:
             dist = ep.dist.name if ep.dist is not None else "?"
-            # Other distributions win over our own built-ins.
-            if ep.name in found and dist == _OWN_DISTRIBUTION:
-                continue
+            if ep.name in found:
+                prev_dist = found[ep.name][1]
+                if prev_dist == dist:
+                    continue
+                if prev_dist != _OWN_DISTRIBUTION:
+                    warnings.warn(
+                        f"both {prev_dist} and {dist} register the {ep.name!r} storage "
+                        f"scheme; using {prev_dist}. Uninstall one, or call "
+                        "checkpoint_store.register_backend(..., clobber=True)",
+                        stacklevel=3,
+                    )
+                    continue
             found[ep.name] = (ep.value, dist)
         _entry_points = found
     return _entry_points
@@ -176,7 +210,14 @@ def _factory_for(scheme: str) -> tuple[Factory, str]:
     eps = _load_entry_points()
     if scheme in eps:
         value, dist = eps[scheme]
-        return _import_dotted(value), f"plugin {value!r} from distribution {dist!r}"
+        label = f"plugin {value!r} from distribution {dist!r}"
+        try:
+            return _import_dotted(value), label
+        except (ImportError, AttributeError) as exc:
+            raise BackendUnavailableError(
+                f"the {label} for {scheme}:// failed to import ({type(exc).__name__}: {exc}); "
+                f"reinstall it: pip install --force-reinstall {dist}"
+            ) from None
     if scheme in _BUILTINS:
         return _import_dotted(_BUILTINS[scheme]), f"built-in backend {scheme!r}"
     raise KeyError(scheme)
@@ -194,7 +235,8 @@ def _call_factory(factory: Factory, label: str, uri: str, options: Mapping[str, 
 def _fsspec_fallback(scheme: str, uri: str, options: Mapping[str, Any]) -> Backend | None:
     import fsspec
 
-    if scheme not in fsspec.available_protocols():
+    # Both fsspec's table of known implementations and its runtime registrations.
+    if scheme not in fsspec.available_protocols() and scheme not in fsspec.registry:
         return None
     warnings.warn(
         f"no checkpoint-store backend is registered for {scheme!r}; using the generic "
@@ -249,9 +291,12 @@ def backend_for_scheme(
         factory, label = _factory_for(scheme)
     except KeyError:
         pass
-    except ImportError as exc:
+    except BackendUnavailableError:
+        raise
+    except (ImportError, AttributeError) as exc:
         raise BackendUnavailableError(
-            f"the backend for {scheme!r} failed to import ({exc}); reinstall its plugin"
+            f"the backend registered for {scheme}:// failed to import "
+            f"({type(exc).__name__}: {exc}); check the dotted path given to register_backend"
         ) from None
     else:
         return _call_factory(factory, label, uri or f"{scheme}://", options)

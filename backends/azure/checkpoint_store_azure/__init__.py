@@ -43,7 +43,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store.backends.base import Backend, Capabilities
+from checkpoint_store.backends.base import Backend, Capabilities, wrap_fsspec
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
 __all__ = ["AZURE_CAPABILITIES", "AzureBackend", "azure_backend"]
@@ -169,7 +169,7 @@ def _build_adlfs(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.File
             f"Azure credentials were rejected ({type(exc).__name__}); check the connection "
             "string, account name and key, or SAS token"
         ) from None
-    return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+    return wrap_fsspec(fs)
 
 
 def _build_pyarrow(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.FileSystem:

@@ -31,7 +31,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store.backends.base import Backend, Capabilities
+from checkpoint_store.backends.base import Backend, Capabilities, wrap_fsspec
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
 __all__ = ["GCS_CAPABILITIES", "gcs_backend"]
@@ -86,7 +86,7 @@ def _build(options: Mapping[str, Any]) -> pafs.FileSystem:
             "GCS credentials were rejected; check the token option (\"anon\", "
             "\"google_default\", or a service-account JSON path)"
         ) from None
-    return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+    return wrap_fsspec(fs)
 
 
 def gcs_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:

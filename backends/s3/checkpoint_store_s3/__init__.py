@@ -3,11 +3,16 @@
 Registered for ``s3://`` and ``s3a://`` through the ``checkpoint_store.backends``
 entry-point group. Two engines:
 
-* ``pyarrow`` (default): ``pyarrow.fs.S3FileSystem``, C++ and multi-threaded.
-* ``s3fs``: ``s3fs.S3FileSystem`` (``pip install checkpoint-store-s3[s3fs]``),
-  wrapped with ``pyarrow.fs.PyFileSystem(FSSpecHandler(...))``. Chosen by
+* ``pyarrow`` (default): ``pyarrow.fs.S3FileSystem``, C++ and multi-threaded,
+  for reads, writes and listings. Deletes go through s3fs, because pyarrow
+  writes an empty directory-marker object after every delete
+  (:class:`MarkerFreeS3Handler`).
+* ``s3fs``: ``s3fs.S3FileSystem`` for everything, wrapped with
+  ``pyarrow.fs.PyFileSystem(FSSpecHandler(...))``. Chosen by
   ``storage_options={"engine": "s3fs"}``, and automatically (with a warning)
   when the installed pyarrow was built without S3 support.
+
+Neither engine writes directory markers or any other zero-byte object.
 
 Storage options (each falls back to the standard AWS variable shown):
 
@@ -41,10 +46,10 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store.backends.base import Backend, Capabilities
+from checkpoint_store.backends.base import Backend, Capabilities, wrap_fsspec
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
-__all__ = ["S3_CAPABILITIES", "s3_backend"]
+__all__ = ["S3_CAPABILITIES", "MarkerFreeS3Handler", "s3_backend"]
 
 # Each ranged GET is a full request (and against some servers a re-read of the
 # object), so large chunks: 64 MiB reads were 30x faster than pyarrow's 1 MiB
@@ -130,13 +135,95 @@ def _pyarrow_s3_class() -> Any | None:
     return cls
 
 
+class MarkerFreeS3Handler(pafs.FileSystemHandler):
+    """pyarrow's S3 client for reads, writes and listings; s3fs for deletes.
+
+    After every delete, ``pyarrow.fs.S3FileSystem`` writes an empty ``parent/``
+    directory-marker object so that the parent keeps "existing" (Arrow's
+    ``EnsureParentExists``). That costs a request per delete, litters the
+    bucket with zero-byte objects, and fails outright on S3-compatible stores
+    that reject zero-byte objects. s3fs deletes just the keys, so deletes go
+    through it; everything else stays on pyarrow's C++ client.
+    """
+
+    def __init__(self, native: pafs.FileSystem, deleter: Any):
+        self.native = native
+        self.deleter = deleter
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, MarkerFreeS3Handler)
+            and self.native.equals(other.native)
+        )
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+    def get_type_name(self) -> str:
+        return "s3"
+
+    def normalize_path(self, path: str) -> str:
+        return self.native.normalize_path(path)
+
+    def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
+        return self.native.get_file_info(paths)
+
+    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
+        return self.native.get_file_info(selector)
+
+    def create_dir(self, path: str, recursive: bool) -> None:
+        self.native.create_dir(path, recursive=recursive)
+
+    def delete_dir(self, path: str) -> None:
+        if self.native.get_file_info(path).type == pafs.FileType.NotFound:
+            raise FileNotFoundError(path)
+        self.deleter.rm(path.rstrip("/"), recursive=True)
+
+    def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
+        infos = self.native.get_file_info(pafs.FileSelector(path, allow_not_found=missing_dir_ok))
+        keys = [fi.path for fi in infos]
+        if keys:
+            self.deleter.rm(keys, recursive=True)
+
+    def delete_root_dir_contents(self) -> None:
+        raise OSError("refusing to delete every bucket of an S3 account")
+
+    def delete_file(self, path: str) -> None:
+        if self.native.get_file_info(path).type != pafs.FileType.File:
+            raise FileNotFoundError(path)
+        self.deleter.rm_file(path)
+
+    def move(self, src: str, dest: str) -> None:
+        # A copy and a delete on S3; the delete must not leave a marker either.
+        info = self.native.get_file_info(src)
+        if info.type == pafs.FileType.File:
+            self.native.copy_file(src, dest)
+            self.delete_file(src)
+            return
+        self.native.move(src, dest)
+
+    def copy_file(self, src: str, dest: str) -> None:
+        self.native.copy_file(src, dest)
+
+    def open_input_stream(self, path: str) -> Any:
+        return self.native.open_input_stream(path)
+
+    def open_input_file(self, path: str) -> Any:
+        return self.native.open_input_file(path)
+
+    def open_output_stream(self, path: str, metadata: Any) -> Any:
+        return self.native.open_output_stream(path, metadata=metadata)
+
+    def open_append_stream(self, path: str, metadata: Any) -> Any:
+        return self.native.open_append_stream(path, metadata=metadata)
+
+
 def _build_pyarrow(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.FileSystem:
     cls = _pyarrow_s3_class()
     if cls is None:
         raise BackendUnavailableError(
             "this pyarrow was built without S3 support: install a pyarrow wheel from "
-            "PyPI, or use the s3fs engine: pip install 'checkpoint-store-s3[s3fs]' and "
-            "storage_options={'engine': 's3fs'}"
+            "PyPI, or use the s3fs engine: storage_options={'engine': 's3fs'}"
         )
     kwargs: dict[str, Any] = {}
     if ours.get("endpoint_url"):
@@ -157,20 +244,26 @@ def _build_pyarrow(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.Fi
         kwargs["anonymous"] = True
     kwargs.update(extra)
     try:
-        return cls(**kwargs)
+        native = cls(**kwargs)
     except TypeError as exc:
         raise InvalidConfigError(
             f"pyarrow.fs.S3FileSystem rejected the storage options ({exc}); "
             f"known options: {', '.join(sorted(set(_ALIASES.values()) | {'engine'}))}"
         ) from None
+    try:
+        deleter = _s3fs_instance(ours, {})
+    except BackendUnavailableError:
+        # Without s3fs, pyarrow deletes (and leaves its directory markers).
+        return native
+    return pafs.PyFileSystem(MarkerFreeS3Handler(native, deleter))
 
 
-def _build_s3fs(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.FileSystem:
+def _s3fs_instance(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
     try:
         import s3fs
     except ImportError:
         raise BackendUnavailableError(
-            "the s3fs engine needs s3fs: pip install 'checkpoint-store-s3[s3fs]'"
+            "the s3fs engine needs s3fs: pip install checkpoint-store-s3"
         ) from None
     kwargs: dict[str, Any] = {
         # A listing must show what another process just wrote (retention, resume).
@@ -201,7 +294,11 @@ def _build_s3fs(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.FileS
         raise InvalidConfigError(
             f"s3fs.S3FileSystem rejected the storage options ({exc})"
         ) from None
-    return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+    return fs
+
+
+def _build_s3fs(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.FileSystem:
+    return wrap_fsspec(_s3fs_instance(ours, extra))
 
 
 def s3_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:

@@ -39,3 +39,8 @@ def toy_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:
         capabilities=TOY_CAPABILITIES,
         name="toy",
     )
+
+
+def not_a_backend(uri: str, storage_options: Mapping[str, Any]) -> object:
+    """A broken factory (returns a plain filesystem): tests check the error names the plugin."""
+    return pafs.LocalFileSystem()

@@ -1,0 +1,403 @@
+"""BackendTests: the conformance suite every storage backend must pass.
+
+A plugin author subclasses :class:`BackendTests` in their own test suite and
+supplies one fixture, ``storage_location``: a fresh, empty place on their store
+as a :class:`~checkpoint_store.testing.StorageLocation` (a URI and storage
+options). The URI is resolved through the registry, so the suite also proves
+that the plugin's entry point is found. Optionally they supply
+``raw_objects``: a zero-argument callable listing what the store really holds
+(``{path inside the filesystem: size in bytes}``), read behind the backend's
+back, which enables the checks on zero-byte and directory-marker objects.
+
+The model is zarr's ``zarr.testing.store.StoreTests``::
+
+    import pytest
+    from checkpoint_store.testing import BackendTests, StorageLocation
+
+    class TestMyStore(BackendTests):
+        @pytest.fixture
+        def storage_location(self, my_server):
+            bucket = my_server.new_bucket()
+            return StorageLocation(f"myfs://{bucket}/run", {"endpoint": my_server.url})
+
+        @pytest.fixture
+        def raw_objects(self, my_server, storage_location):
+            return lambda: my_server.list_everything()
+
+What is checked: write/read/overwrite/list/delete through the filesystem;
+byte-identical directory round-trips (nested directories, empty and
+multi-MiB files, names with spaces, ``%``, ``#`` and non-ASCII letters);
+only committed checkpoints are visible; deletes are idempotent; missing
+paths raise not-found errors; URI joining and trailing slashes; secrets
+absent from ``repr``; and that each declared capability holds.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import random
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+import pytest
+
+from checkpoint_store import _fsutil
+from checkpoint_store._layout import INTERNAL_METADATA
+from checkpoint_store.backends.base import Backend, Capabilities
+from checkpoint_store.checkpoint import Checkpoint
+from checkpoint_store.errors import (
+    CheckpointConflictError,
+    CheckpointNotFoundError,
+)
+from checkpoint_store.registry import resolve
+from checkpoint_store.storage import StorageContext
+from checkpoint_store.testing.servers import StorageLocation
+
+__all__ = ["BackendTests", "SAMPLE_TREE", "make_tree", "read_tree"]
+
+_MiB = 1024 * 1024
+
+# Relative path -> size in bytes (contents are seeded pseudo-random bytes).
+SAMPLE_TREE: dict[str, int] = {
+    "model.bin": 3 * _MiB + 17,  # several transfer chunks on small-chunk backends
+    "empty.txt": 0,
+    "nested/deeper/optim.pt": 4096,
+    "nested/zero.bin": 0,
+    "with space/ünïcödé 名前.txt": 33,
+    "pct%41 #hash.txt": 5,
+}
+
+_SECRET_HINTS = ("secret", "key", "token", "password", "sas", "connection_string", "credential")
+
+
+def make_tree(root: str | os.PathLike[str], spec: Mapping[str, int] = SAMPLE_TREE,
+              seed: int = 0) -> dict[str, bytes]:
+    """Write ``spec`` (relative path -> size) under ``root``; return path -> bytes."""
+    rng = random.Random(seed)
+    out: dict[str, bytes] = {}
+    for rel, size in spec.items():
+        data = rng.randbytes(size)
+        path = Path(root, *rel.split("/"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        out[rel] = data
+    return out
+
+
+def read_tree(root: str | os.PathLike[str]) -> dict[str, bytes]:
+    """Every file under local ``root`` as relative posix path -> bytes."""
+    out: dict[str, bytes] = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            full = os.path.join(dirpath, name)
+            out[os.path.relpath(full, root).replace(os.sep, "/")] = Path(full).read_bytes()
+    return out
+
+
+def _secret_values(options: Mapping[str, Any]) -> list[str]:
+    found = []
+    for k, v in options.items():
+        if isinstance(v, str) and len(v) >= 6 and any(h in k.lower() for h in _SECRET_HINTS):
+            found.append(v)
+    return found
+
+
+class BackendTests:
+    """Base class of the backend conformance suite (see the module docstring).
+
+    Fixtures a subclass provides:
+        storage_location: a fresh, empty :class:`StorageLocation` per test (required).
+        raw_objects: ``() -> {path: size}`` listing the store behind the
+            backend's back, or None (the default) to skip those checks.
+    """
+
+    # -- fixtures ------------------------------------------------------------------
+
+    @pytest.fixture
+    def storage_location(self) -> StorageLocation:
+        raise NotImplementedError(
+            "subclasses of BackendTests must define a `storage_location` fixture"
+        )
+
+    @pytest.fixture
+    def raw_objects(self) -> Callable[[], Mapping[str, int]] | None:
+        return None
+
+    @pytest.fixture
+    def resolved(self, storage_location: StorageLocation) -> tuple[Backend, str]:
+        return resolve(storage_location.uri, storage_options=dict(storage_location.storage_options))
+
+    @pytest.fixture
+    def backend(self, resolved: tuple[Backend, str]) -> Backend:
+        return resolved[0]
+
+    @pytest.fixture
+    def root(self, resolved: tuple[Backend, str]) -> str:
+        return resolved[1]
+
+    @staticmethod
+    def _base_uri(loc: StorageLocation) -> str:
+        """The URI the store prints for ``loc`` (a plain local path becomes ``file://``)."""
+        if "://" in loc.uri:
+            return loc.uri.rstrip("/")
+        return "file://" + os.path.abspath(loc.uri).rstrip("/")
+
+    def _context(self, loc: StorageLocation, uri: str | None = None,
+                 trial: str = "trial") -> StorageContext:
+        return StorageContext(uri or loc.uri, "exp", trial,
+                              storage_options=dict(loc.storage_options))
+
+    # -- the backend object --------------------------------------------------------------
+
+    def test_factory_returns_a_backend(self, backend: Backend, root: str) -> None:
+        assert isinstance(backend, Backend)
+        assert isinstance(backend.filesystem, pafs.FileSystem)
+        assert isinstance(backend.capabilities, Capabilities)
+        assert backend.capabilities.chunk_size > 0
+        assert backend.capabilities.concurrency >= 1
+        assert root and not root.endswith("/")
+
+    def test_repr_hides_secrets(self, backend: Backend, storage_location: StorageLocation,
+                                tmp_path: Path) -> None:
+        secrets = _secret_values(storage_location.storage_options)
+        ctx = self._context(storage_location)
+        ckpt = ctx.persist_checkpoint(
+            Checkpoint.from_directory(self._src(tmp_path, {"a.txt": 3})), 0, {}
+        )
+        for text in (repr(backend), str(backend), repr(ctx), repr(ckpt), ckpt.uri,
+                     repr(storage_location)):
+            for secret in secrets:
+                assert secret not in text
+
+    # -- plain filesystem operations ---------------------------------------------------------
+
+    def test_write_read_overwrite(self, backend: Backend, root: str) -> None:
+        fs, caps = backend.filesystem, backend.capabilities
+        path = posixpath.join(root, "dir", "file.bin")
+        _fsutil.write_bytes(fs, path, b"first", caps)
+        assert _fsutil.read_bytes(fs, path) == b"first"
+        _fsutil.write_bytes(fs, path, b"second, longer", caps)
+        assert _fsutil.read_bytes(fs, path) == b"second, longer"
+        info = fs.get_file_info(path)
+        assert info.type == pafs.FileType.File
+        assert info.size == len(b"second, longer")
+
+    def test_listing(self, backend: Backend, root: str) -> None:
+        fs, caps = backend.filesystem, backend.capabilities
+        for rel in ("top/a.txt", "top/sub/b.txt", "top/sub/deeper/c.txt"):
+            _fsutil.write_bytes(fs, posixpath.join(root, rel), rel.encode(), caps)
+        top = posixpath.join(root, "top")
+        children = {
+            posixpath.basename(fi.path.rstrip("/")): fi.type for fi in _fsutil.list_dir(fs, top)
+        }
+        assert children == {"a.txt": pafs.FileType.File, "sub": pafs.FileType.Directory}
+        assert dict(_fsutil.walk_files(fs, top)) == {
+            "a.txt": len("top/a.txt"),
+            "sub/b.txt": len("top/sub/b.txt"),
+            "sub/deeper/c.txt": len("top/sub/deeper/c.txt"),
+        }
+        assert _fsutil.is_dir(fs, posixpath.join(top, "sub"))
+        assert _fsutil.list_dir(fs, posixpath.join(root, "absent")) == []
+
+    def test_not_found(self, backend: Backend, root: str,
+                       storage_location: StorageLocation) -> None:
+        fs = backend.filesystem
+        missing = posixpath.join(root, "nope", "missing.bin")
+        assert fs.get_file_info(missing).type == pafs.FileType.NotFound
+        with pytest.raises((FileNotFoundError, OSError)):
+            _fsutil.read_bytes(fs, missing)
+        ckpt = Checkpoint(storage_location.uri.rstrip("/") + "/checkpoint_000042",
+                          storage_options=dict(storage_location.storage_options))
+        assert not ckpt.is_committed
+        assert ckpt.internal_metadata == {}
+        with pytest.raises(CheckpointNotFoundError):
+            ckpt.to_directory()
+
+    def test_delete_is_idempotent(self, backend: Backend, root: str) -> None:
+        fs, caps = backend.filesystem, backend.capabilities
+        f = posixpath.join(root, "d", "x.bin")
+        _fsutil.write_bytes(fs, f, b"x", caps)
+        _fsutil.write_bytes(fs, posixpath.join(root, "d", "sub", "y.bin"), b"y", caps)
+        _fsutil.delete_file(fs, f)
+        _fsutil.delete_file(fs, f)
+        assert not _fsutil.exists(fs, f)
+        d = posixpath.join(root, "d")
+        _fsutil.delete_dir(fs, d)
+        _fsutil.delete_dir(fs, d)
+        assert dict(_fsutil.walk_files(fs, d)) == {}
+        _fsutil.delete_dir(fs, posixpath.join(root, "never-existed"))
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def _src(self, tmp_path: Path, spec: Mapping[str, int] = SAMPLE_TREE,
+             name: str = "src") -> str:
+        src = tmp_path / f"{name}-{uuid.uuid4().hex[:6]}"
+        make_tree(src, spec)
+        return str(src)
+
+    def test_directory_round_trip(self, storage_location: StorageLocation,
+                                  tmp_path: Path) -> None:
+        src = self._src(tmp_path)
+        expected = read_tree(src)
+        ctx = self._context(storage_location)
+        ckpt = ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {"metrics": {"x": 1}})
+        assert ckpt.is_committed
+        manifest = {e["path"]: e["size"] for e in ckpt.internal_metadata["manifest"]}
+        assert manifest == {rel: len(data) for rel, data in expected.items()}
+        out = ckpt.to_directory(str(tmp_path / "out"))
+        assert read_tree(out) == expected
+        # The same checkpoint again, from nothing but its URI and the options.
+        again = Checkpoint(ckpt.uri, storage_options=dict(storage_location.storage_options))
+        assert again.path == ckpt.path
+        assert read_tree(again.to_directory(str(tmp_path / "out2"))) == expected
+
+    def test_special_names_in_storage_path(self, storage_location: StorageLocation,
+                                           tmp_path: Path) -> None:
+        odd = storage_location.join("a dir", "100% #1 ünï 名")
+        ctx = self._context(odd)
+        ckpt = ctx.persist_checkpoint(
+            Checkpoint.from_directory(self._src(tmp_path, {"f g#%.txt": 10})), 0, {}
+        )
+        assert ckpt.uri == self._base_uri(odd) + "/exp/trial/checkpoint_000000"
+        again = Checkpoint(ckpt.uri, storage_options=dict(storage_location.storage_options))
+        assert read_tree(again.to_directory(str(tmp_path / "out"))) == read_tree(
+            ckpt.to_directory(str(tmp_path / "out-direct"))
+        )
+        assert [c.path for c, _ in self._context(odd).committed_checkpoints()] == [ckpt.path]
+
+    def test_trailing_slash_and_join(self, storage_location: StorageLocation) -> None:
+        plain = self._context(storage_location)
+        slashed = self._context(storage_location, uri=storage_location.uri + "/")
+        assert plain.trial_path == slashed.trial_path
+        uri = plain.uri(plain.trial_path)
+        assert uri == self._base_uri(storage_location) + "/exp/trial"
+        scheme, _, rest = uri.partition("://")
+        assert scheme and rest
+        assert "//" not in rest.lstrip("/")
+
+    def test_only_committed_checkpoints_are_visible(self, storage_location: StorageLocation,
+                                                    backend: Backend, tmp_path: Path) -> None:
+        ctx = self._context(storage_location)
+        src = self._src(tmp_path, {"w.bin": 100})
+        ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
+        # A writer that died before its commit marker: data files, no internal metadata.
+        torn = ctx.checkpoint_path(1)
+        _fsutil.write_bytes(backend.filesystem, posixpath.join(torn, "w.bin"), b"partial",
+                            backend.capabilities)
+        assert [i for i, _ in ctx.checkpoint_dirs()] == [0, 1]
+        committed = ctx.committed_checkpoints()
+        assert [meta["index"] for _, meta in committed] == [0]
+        assert not ctx.checkpoint("checkpoint_000001").is_committed
+        ckpt = ctx.persist_checkpoint(Checkpoint.from_directory(src), 2, {})
+        assert read_tree(ckpt.to_directory(str(tmp_path / "o"))) == read_tree(src)
+        assert [meta["index"] for _, meta in ctx.committed_checkpoints()] == [0, 2]
+
+    def test_commit_twice_conflicts(self, storage_location: StorageLocation,
+                                    tmp_path: Path) -> None:
+        ctx = self._context(storage_location)
+        first = self._src(tmp_path, {"a.bin": 10}, name="first")
+        ctx.persist_checkpoint(Checkpoint.from_directory(first), 3, {})
+        with pytest.raises(CheckpointConflictError):
+            ctx.persist_checkpoint(
+                Checkpoint.from_directory(self._src(tmp_path, {"b.bin": 20}, name="second")),
+                3, {},
+            )
+        out = ctx.checkpoint("checkpoint_000003").to_directory(str(tmp_path / "o"))
+        assert read_tree(out) == read_tree(first)
+
+    def test_delete_checkpoint(self, storage_location: StorageLocation,
+                               tmp_path: Path) -> None:
+        ctx = self._context(storage_location)
+        src = self._src(tmp_path, {"a.bin": 10, "d/b.bin": 5})
+        for i in range(2):
+            ctx.persist_checkpoint(Checkpoint.from_directory(src), i, {})
+        ctx.delete_checkpoint("checkpoint_000000")
+        ctx.delete_checkpoint("checkpoint_000000")
+        assert [meta["index"] for _, meta in ctx.committed_checkpoints()] == [1]
+        assert [i for i, _ in ctx.checkpoint_dirs()] == [1]
+
+    def test_session_keeps_best_and_resumes(self, storage_location: StorageLocation,
+                                            tmp_path: Path) -> None:
+        from checkpoint_store import CheckpointConfig, session
+
+        opts = dict(storage_location.storage_options)
+        cfg = CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="acc",
+                               checkpoint_score_order="max")
+        accs = [0.5, 0.9, 0.7]
+        with session.start(storage_path=storage_location.uri, storage_options=opts,
+                           experiment_name="exp", trial_name="t", checkpoint_config=cfg):
+            assert session.get_checkpoint() is None
+            for i, acc in enumerate(accs):
+                src = self._src(tmp_path, {"step.txt": i + 1}, name=f"s{i}")
+                session.report({"acc": acc}, checkpoint=Checkpoint.from_directory(src))
+        ctx = self._context(storage_location, trial="t")
+        kept = [meta["index"] for _, meta in ctx.committed_checkpoints()]
+        assert kept == [1, 2]  # the best (0.9) and the latest
+        assert [row["acc"] for row in ctx.read_results()] == accs
+        with session.start(storage_path=storage_location.uri, storage_options=opts,
+                           experiment_name="exp", trial_name="t", checkpoint_config=cfg):
+            resumed = session.get_checkpoint()
+            assert resumed is not None
+            assert resumed.internal_metadata["index"] == 2
+
+    # -- capabilities -------------------------------------------------------------------
+
+    def test_declared_capabilities_hold(self, backend: Backend, root: str) -> None:
+        fs, caps = backend.filesystem, backend.capabilities
+        a = posixpath.join(root, "cap", "a")
+        _fsutil.write_bytes(fs, posixpath.join(a, "f.bin"), b"payload", caps)
+        if caps.strong_listing:
+            names = [posixpath.basename(fi.path) for fi in _fsutil.list_dir(fs, a)]
+            assert names == ["f.bin"]
+        if caps.server_side_copy:
+            fs.copy_file(posixpath.join(a, "f.bin"), posixpath.join(a, "g.bin"))
+            assert _fsutil.read_bytes(fs, posixpath.join(a, "g.bin")) == b"payload"
+        if caps.atomic_rename:
+            b = posixpath.join(root, "cap", "b")
+            fs.move(a, b)
+            assert not _fsutil.exists(fs, a)
+            assert _fsutil.read_bytes(fs, posixpath.join(b, "f.bin")) == b"payload"
+            # Renaming onto a non-empty directory must fail, never merge or replace:
+            # that is what makes rename-into-place a safe commit.
+            c = posixpath.join(root, "cap", "c")
+            _fsutil.write_bytes(fs, posixpath.join(c, "other.bin"), b"other", caps)
+            with pytest.raises(OSError):
+                fs.move(b, c)
+            assert _fsutil.read_bytes(fs, posixpath.join(c, "other.bin")) == b"other"
+        if caps.directories:
+            d = posixpath.join(root, "cap", "empty-dir")
+            fs.create_dir(d, recursive=True)
+            assert _fsutil.is_dir(fs, d)
+
+    def test_no_zero_byte_or_marker_objects_of_ours(
+        self, storage_location: StorageLocation, backend: Backend,
+        raw_objects: Callable[[], Mapping[str, int]] | None, tmp_path: Path,
+    ) -> None:
+        if raw_objects is None or backend.capabilities.directories:
+            pytest.skip("needs raw_objects on a store without real directories")
+        from checkpoint_store import CheckpointConfig, session
+
+        spec = {"w.bin": 64, "empty-by-user.txt": 0}
+        cfg = CheckpointConfig(num_to_keep=1)
+        with session.start(storage_path=storage_location.uri,
+                           storage_options=dict(storage_location.storage_options),
+                           experiment_name="exp", trial_name="t", checkpoint_config=cfg,
+                           config={"lr": 0.1}):
+            for i in range(3):
+                src = self._src(tmp_path, spec, name=f"s{i}")
+                session.report({"i": i}, checkpoint=Checkpoint.from_directory(src))
+        objects = dict(raw_objects())
+        assert objects, "raw_objects() listed nothing after a session wrote checkpoints"
+        markers = [k for k in objects if k.endswith("/")]
+        assert markers == [], f"directory-marker objects: {markers}"
+        zero = sorted(k for k, size in objects.items() if size == 0)
+        assert all(k.endswith("/empty-by-user.txt") for k in zero), (
+            f"zero-byte objects not written by the user: {zero}"
+        )
+        ours = [k for k in objects if posixpath.basename(k) in (
+            INTERNAL_METADATA, "result.json", "params.json", ".checkpoint_manager.json")]
+        assert ours and all(objects[k] > 0 for k in ours)
