@@ -10,8 +10,10 @@ filesystem whose credentials expired). Errors fall into three kinds:
   (capped at ``max_delay``) with "equal jitter" between tries; when they run
   out, :class:`~checkpoint_store.errors.TransientBackendError` is raised from
   the last error;
-* expired credentials: the backend's ``rebuild`` factory is called once and
-  the call is tried again with the new filesystem;
+* expired credentials: :func:`call_fs` (one call) and :func:`with_rebuild`
+  (a whole operation, as ``StorageContext`` uses it) call the backend's
+  ``rebuild`` factory once and try again with the new filesystem; otherwise
+  :class:`~checkpoint_store.errors.CredentialsExpiredError`;
 * everything else is permanent and surfaces at once. A missing path stays a
   ``FileNotFoundError`` (callers treat "absent" as an answer); access denied
   and other permanent storage errors become
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from checkpoint_store.errors import (
     CheckpointStoreError,
+    CredentialsExpiredError,
     InvalidConfigError,
     PermanentBackendError,
     TransientBackendError,
@@ -198,6 +201,32 @@ def call_fs(
     return _run(fn, backend, policy, what)
 
 
+def with_rebuild(backend: Backend, fn: Callable[[], T], *, what: str = "storage call") -> T:
+    """Run ``fn()`` (a whole operation made of many storage calls); if it fails
+    with :class:`CredentialsExpiredError`, rebuild ``backend``'s filesystem
+    once with ``backend.rebuild()`` and run ``fn()`` again.
+
+    ``fn`` must read ``backend.filesystem`` afresh (not capture the old one)
+    and be safe to run twice (the commit protocol is).
+
+    Raises:
+        CredentialsExpiredError: no rebuild factory, or still expired after it.
+    """
+    try:
+        return fn()
+    except CredentialsExpiredError:
+        if backend.rebuild is None:
+            raise
+        old = backend.filesystem
+        logger.warning("%s: credentials expired; rebuilding the filesystem", what)
+        with _rebuild_lock:
+            if backend.filesystem is old:
+                # Backend is frozen for users; the one field we swap is the
+                # filesystem, so every holder of the backend sees fresh credentials.
+                object.__setattr__(backend, "filesystem", backend.rebuild())
+    return fn()
+
+
 def _run(
     fn: Callable[[pafs.FileSystem], T] | Callable[[None], T],
     backend: Backend | None,
@@ -223,7 +252,7 @@ def _run(
                             # the filesystem, so every holder sees fresh credentials.
                             object.__setattr__(backend, "filesystem", backend.rebuild())
                     continue
-                raise PermanentBackendError(
+                raise CredentialsExpiredError(
                     f"{what} failed: the storage credentials have expired ({exc}). Refresh "
                     "them (new session token, re-login) and try again.",
                     cause=exc,

@@ -311,6 +311,7 @@ class Checkpoint:
                 if not os.path.exists(target):
                     os.rename(staging, target)
                 else:
+                    _refuse_escapes(target, written, self.path)
                     for rel in written:
                         dst = os.path.join(target, rel)
                         os.makedirs(os.path.dirname(dst), exist_ok=True)
@@ -354,6 +355,20 @@ class Checkpoint:
 
 
 DOWNLOAD_MARKER_SUFFIX = ".cs_download.json"
+
+
+def _refuse_escapes(target: str, rels: list[str], checkpoint_path: str) -> None:
+    """Refuse before moving anything if a symlink already in ``target`` would
+    take one of ``rels`` outside it."""
+    real_root = os.path.realpath(target)
+    for rel in rels:
+        parent = os.path.realpath(os.path.dirname(os.path.join(target, rel)))
+        if parent != real_root and not parent.startswith(real_root + os.sep):
+            raise CheckpointCorruptError(
+                f"writing {rel!r} would leave the target directory {target!r} through a "
+                "symlink there; refusing (remove the symlink or choose another directory)",
+                path=checkpoint_path, file=rel,
+            )
 
 
 def _sizes_match(target: str, manifest: list[dict[str, Any]]) -> bool:

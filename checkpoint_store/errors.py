@@ -75,3 +75,8 @@ class PermanentBackendError(CheckpointStoreError, OSError):
     def __init__(self, message: str, *, cause: BaseException | None = None):
         super().__init__(message)
         self.cause = cause
+
+
+class CredentialsExpiredError(PermanentBackendError):
+    """The storage credentials expired and rebuilding the filesystem from its
+    backend factory (once) did not help. Refresh the credentials and retry."""

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint_store import _fsutil, _json
+from checkpoint_store import _fsutil, _json, _retry
 from checkpoint_store._layout import (
     FORMAT_VERSION,
     INTERNAL_METADATA,
@@ -241,10 +241,11 @@ class StorageContext:
             **internal,
         }
         self.ensure_trial_dir()
-        commit_checkpoint(
+        writer = new_writer_id(self.run_id)
+        _retry.with_rebuild(self.backend, lambda: commit_checkpoint(
             checkpoint.filesystem, checkpoint.path, self.backend, dest, meta, fsync=self.fsync,
-            writer_id=new_writer_id(self.run_id), retry=self.retry,
-        )
+            writer_id=writer, retry=self.retry,
+        ), what=f"commit {self.uri(dest)}")
         return Checkpoint._from_backend(self.backend, dest)
 
     def delete_checkpoint(self, dir_name: str) -> None:
@@ -256,10 +257,10 @@ class StorageContext:
         committed checkpoint, and what it leaves is recognisably ours.
         """
         validate_component(dir_name, "dir_name")
-        delete_checkpoint_dir(
+        _retry.with_rebuild(self.backend, lambda: delete_checkpoint_dir(
             self.backend, posixpath.join(self.trial_path, dir_name),
             writer_id=new_writer_id(self.run_id), retry=self.retry,
-        )
+        ), what=f"delete {dir_name}")
 
     # -- orphans ------------------------------------------------------------------
 
@@ -314,13 +315,14 @@ class StorageContext:
             if fi.type != _fsutil.pafs.FileType.Directory:
                 continue
             name = posixpath.basename(fi.path.rstrip("/"))
-            for prefix in (f"{INTERNAL_PREFIX}staging-", f"{INTERNAL_PREFIX}deleting-"):
-                if name.startswith(prefix):
-                    # <prefix><dir name>-<writer>; our dir names hold no '-'.
-                    writer = name[len(prefix):].split("-", 1)[-1]
-                    (result.active if self._writer_in(writer, runs) else result.uncommitted
-                     ).append(name)
-                    break
+            if name.startswith(f"{INTERNAL_PREFIX}deleting-"):
+                # Renamed away by a delete: nobody writes there any more.
+                result.uncommitted.append(name)
+            elif name.startswith(f"{INTERNAL_PREFIX}staging-"):
+                # .cs_staging-<dir name>-<writer>; our dir names hold no '-'.
+                writer = name[len(f"{INTERNAL_PREFIX}staging-"):].split("-", 1)[-1]
+                (result.active if self._writer_in(writer, runs) else result.uncommitted
+                 ).append(name)
             else:
                 if name.startswith(INTERNAL_PREFIX):
                     continue  # some other internal directory: not a checkpoint candidate

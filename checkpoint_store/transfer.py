@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import posixpath
+import random
 import re
 import threading
 import time
@@ -499,8 +500,7 @@ def commit_checkpoint(
         writer_id: this writer's id (default :func:`new_writer_id`).
         retry: retry policy for every storage call (default from environment).
         claim_timeout: seconds to wait for another writer of the same
-            directory (marker-last stores) before giving up; a claim older
-            than this is considered dead.
+            directory (marker-last stores) before giving up.
 
     Returns:
         The internal metadata as written.
@@ -586,6 +586,10 @@ def _claims(fs: pafs.FileSystem, dest_dir: str, retry: RetryPolicy | None) -> li
     return sorted(n for n in names if n.startswith(_CLAIM_PREFIX))
 
 
+#: A claim older than this (seconds) is a dead writer's: ignored by other writers.
+CLAIM_STALE_S = 3600.0
+
+
 def _claim_time(name: str) -> float:
     try:
         return int(name[len(_CLAIM_PREFIX):].split("-", 1)[0]) / 1e9
@@ -604,42 +608,55 @@ def _commit_marker_last(
     retry: RetryPolicy | None,
     claim_timeout: float,
 ) -> dict[str, Any]:
-    fs, caps = dest.filesystem, dest.capabilities
-    mine = f"{_CLAIM_PREFIX}{time.time_ns():020d}-{writer_id}"
-    claim_path = posixpath.join(dest_dir, mine)
-    # The claim goes first: a crash from here on leaves a directory that
-    # cleanup recognises as ours.
-    # Never empty: some S3-compatible stores reject zero-byte objects.
-    _fsutil.write_bytes(fs, claim_path, writer_id.encode(), caps, fsync=False, retry=retry)
+    """Marker-last commit behind a claim (mutual exclusion without conditional writes).
 
-    def my_turn() -> None:
-        # Claims sort by creation time: the oldest live claim writes, the
-        # others wait for its marker and then report a conflict.
-        deadline = time.monotonic() + claim_timeout
-        delay = 0.01
-        while True:
-            live = [c for c in _claims(fs, dest_dir, retry)
-                    if c == mine or time.time() - _claim_time(c) < claim_timeout]
-            if not live or live[0] == mine:
-                return
-            if read_internal_metadata(fs, dest_dir, retry=retry) is not None:
-                raise _conflict(dest, dest_dir, by_other=True)
-            if time.monotonic() > deadline:
-                raise CheckpointConflictError(
-                    f"another writer ({live[0]}) has been committing {dest.uri_for(dest_dir)} "
-                    f"for more than {claim_timeout:.0f}s; retry later or commit another index"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
+    Each writer PUTs its own claim object, then lists the directory, and
+    writes only if its claim is the only live one. With read-after-write
+    consistent listings (S3, GCS, Azure, memory) two writers can never both
+    see themselves alone: whoever lists second sees the other's claim. A
+    writer that is not alone withdraws its claim, backs off with jitter and
+    tries again, until the marker appears (conflict) or ``claim_timeout``.
+    Claims older than :data:`CLAIM_STALE_S` belong to dead writers and are
+    ignored.
+    """
+    fs, caps = dest.filesystem, dest.capabilities
+    marker = posixpath.join(dest_dir, INTERNAL_METADATA)
+    deadline = time.monotonic() + claim_timeout
+    rng = random.Random()
+    delay = 0.01
+    while True:
+        if _fsutil.exists(fs, marker, retry=retry):
+            raise _conflict(dest, dest_dir, by_other=True)
+        mine = f"{_CLAIM_PREFIX}{time.time_ns():020d}-{writer_id}"
+        claim_path = posixpath.join(dest_dir, mine)
+        # The claim goes first: a crash from here on leaves a directory that
+        # cleanup recognises as ours. Never empty: some S3-compatible stores
+        # reject zero-byte objects.
+        _fsutil.write_bytes(fs, claim_path, writer_id.encode(), caps, fsync=False, retry=retry)
+        # Our own claims from an attempt cut short (same writer id) do not count.
+        others = [c for c in _claims(fs, dest_dir, retry)
+                  if not c.endswith(f"-{writer_id}")
+                  and time.time() - _claim_time(c) < CLAIM_STALE_S]
+        if not others:
+            break
+        _fsutil.delete_file(fs, claim_path, retry=retry)
+        if time.monotonic() > deadline:
+            raise CheckpointConflictError(
+                f"another writer ({others[0]}) has been committing {dest.uri_for(dest_dir)} "
+                f"for more than {claim_timeout:.0f}s; retry later or commit another index"
+            )
+        time.sleep(delay * (0.5 + rng.random()))
+        delay = min(delay * 2, 0.5)
 
     def before_marker() -> None:
-        my_turn()
-        if _fsutil.exists(fs, posixpath.join(dest_dir, INTERNAL_METADATA), retry=retry):
+        if _fsutil.exists(fs, marker, retry=retry):
             raise _conflict(dest, dest_dir, by_other=True)
 
     try:
-        my_turn()
-        # Our turn: data a dead writer left here would not match our manifest.
+        # Alone now; the marker was absent before our claim, so no one can have
+        # committed since. Data a dead writer left would not match our manifest.
+        if _fsutil.exists(fs, marker, retry=retry):
+            raise _conflict(dest, dest_dir, by_other=True)
         for rel in sorted(inspect_checkpoint(fs, dest_dir, retry=retry).files or {}):
             if not rel.split("/")[-1].startswith(_CLAIM_PREFIX):
                 _fsutil.delete_file(fs, posixpath.join(dest_dir, rel), retry=retry)
@@ -658,7 +675,13 @@ def _commit_marker_last(
             _fsutil.delete_file(fs, claim_path, retry=retry)
         _cleanup_quietly(_undo)
         raise
-    _cleanup_quietly(lambda: _fsutil.delete_file(fs, claim_path, retry=retry))
+
+    def _release() -> None:
+        for c in _claims(fs, dest_dir, retry):
+            if c.endswith(f"-{writer_id}"):
+                _fsutil.delete_file(fs, posixpath.join(dest_dir, c), retry=retry)
+
+    _cleanup_quietly(_release)
     return meta
 
 

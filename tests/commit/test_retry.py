@@ -1,0 +1,103 @@
+"""Retry policy: backoff bounds, classification, typed give-ups."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from checkpoint_store._retry import RetryPolicy, call, classify
+from checkpoint_store.errors import (
+    InvalidConfigError,
+    PermanentBackendError,
+    TransientBackendError,
+)
+
+FAST = RetryPolicy(attempts=4, base_delay=0.0, max_delay=0.0)
+
+
+@pytest.mark.parametrize("exc,kind", [
+    (ConnectionResetError("reset"), "transient"),
+    (TimeoutError("timed out"), "transient"),
+    (OSError("AWS Error SLOW_DOWN during PutObject: 503 Slow Down"), "transient"),
+    (OSError("HTTP 500 InternalError"), "transient"),
+    (OSError("Server busy: 429 Too Many Requests"), "transient"),
+    (TransientBackendError("x"), "transient"),
+    (FileNotFoundError("nope"), "permanent"),
+    (PermissionError("AccessDenied"), "permanent"),
+    (OSError("AWS Error ACCESS_DENIED: 403 Forbidden"), "permanent"),
+    (OSError("[Errno 28] No space left on device"), "permanent"),
+    (OSError("ExpiredToken: the provided token has expired"), "expired"),
+    (ValueError("bad"), "permanent"),
+    (KeyboardInterrupt(), "permanent"),
+])
+def test_classify(exc, kind):
+    assert classify(exc) == kind
+
+
+def test_backoff_grows_and_is_capped():
+    p = RetryPolicy(attempts=10, base_delay=0.1, max_delay=1.0)
+    rng = random.Random(0)
+    delays = [p.delay(k, rng) for k in range(8)]
+    for k, d in enumerate(delays):
+        cap = min(1.0, 0.1 * 2**k)
+        assert cap / 2 <= d <= cap
+    assert max(delays) <= 1.0
+
+
+def test_transient_errors_are_retried_until_success():
+    calls = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionResetError("reset")
+        return "ok"
+
+    assert call(flaky, policy=FAST) == "ok"
+    assert len(calls) == 3
+
+
+def test_attempts_run_out_with_a_typed_error():
+    calls = []
+
+    def down() -> None:
+        calls.append(1)
+        raise OSError("503 Service Unavailable")
+
+    with pytest.raises(TransientBackendError, match="4 attempts") as err:
+        call(down, policy=FAST, what="upload x")
+    assert len(calls) == 4
+    assert isinstance(err.value.__cause__, OSError)
+
+
+@pytest.mark.parametrize("exc,typ", [
+    (PermissionError("AccessDenied"), PermanentBackendError),
+    (FileNotFoundError("gone"), FileNotFoundError),
+    (ValueError("bad"), ValueError),
+])
+def test_permanent_errors_surface_at_once(exc, typ):
+    calls = []
+
+    def fail() -> None:
+        calls.append(1)
+        raise exc
+
+    with pytest.raises(typ):
+        call(fail, policy=FAST)
+    assert len(calls) == 1
+
+
+def test_policy_validation_and_environment(monkeypatch):
+    with pytest.raises(InvalidConfigError):
+        RetryPolicy(attempts=0)
+    with pytest.raises(InvalidConfigError):
+        RetryPolicy(max_delay=-1)
+    assert RetryPolicy().attempts >= 3
+    monkeypatch.setenv("CHECKPOINT_STORE_RETRY_ATTEMPTS", "7")
+    monkeypatch.setenv("CHECKPOINT_STORE_RETRY_MAX_DELAY", "0.5")
+    p = RetryPolicy.from_env()
+    assert (p.attempts, p.max_delay) == (7, 0.5)
+    monkeypatch.setenv("CHECKPOINT_STORE_RETRY_ATTEMPTS", "many")
+    with pytest.raises(InvalidConfigError, match="CHECKPOINT_STORE_RETRY_ATTEMPTS"):
+        RetryPolicy.from_env()
