@@ -1,0 +1,188 @@
+"""One live manager per trial: the lease, its release, expiry and take-over."""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from _retention_helpers import committed_names, save
+
+from checkpoint_store import (
+    Checkpoint,
+    CheckpointConfig,
+    CheckpointConflictError,
+    CheckpointManager,
+    CheckpointStoreError,
+    StorageContext,
+    _fsutil,
+    session,
+)
+from checkpoint_store.retention import LEASE_FILE
+
+FAST = pytest.mark.parametrize("backend_name", ["local", "memory"])
+
+
+def _lease(storage: StorageContext) -> dict | None:
+    path = posixpath.join(storage.trial_path, LEASE_FILE)
+    if not _fsutil.exists(storage.filesystem, path):
+        return None
+    return json.loads(_fsutil.read_bytes(storage.filesystem, path))
+
+
+def _write_lease(storage: StorageContext, body: dict) -> None:
+    storage.ensure_trial_dir()
+    path = posixpath.join(storage.trial_path, LEASE_FILE)
+    with storage.filesystem.open_output_stream(path) as f:
+        f.write(json.dumps(body).encode())
+
+
+def test_second_live_manager_is_refused_with_a_clear_message(make_storage):
+    m = CheckpointManager(CheckpointConfig(2), make_storage())
+    with pytest.raises(CheckpointConflictError) as info:
+        CheckpointManager(CheckpointConfig(2), make_storage())
+    msg = str(info.value)
+    assert "another live checkpoint manager" in msg
+    assert f"pid {os.getpid()}" in msg
+    assert "read_only=True" in msg
+    m.close()
+    # Released: the next one gets it.
+    with CheckpointManager(CheckpointConfig(2), make_storage()) as m2:
+        assert not m2.read_only
+        assert _lease(make_storage())["holder"]
+    assert _lease(make_storage()) is None
+
+
+@FAST
+def test_read_only_manager_beside_a_live_one(make_storage, source_dir):
+    storage = make_storage()
+    m = CheckpointManager(CheckpointConfig(1, "score", "max"), storage)
+    for v in [0.9, 0.1]:
+        save(m, storage, source_dir, {"score": v})
+    ro = CheckpointManager(CheckpointConfig(1, "score", "max"), make_storage(), read_only=True)
+    assert ro.read_only
+    assert ro.kept_dir_names == m.kept_dir_names
+    ckpt = storage.persist_checkpoint(Checkpoint(source_dir), 5, {"run_id": m.run_id})
+    with pytest.raises(CheckpointStoreError, match="read-only"):
+        ro.register(ckpt, {"score": 1.0})
+    assert _lease(storage)["holder"]  # the live manager's lease is untouched
+    m.close()
+
+
+@FAST
+def test_session_ends_by_keyboard_interrupt_releases_the_lease(make_storage, source_dir):
+    storage = make_storage()
+    root = storage.storage_path if storage.backend.scheme == "file" else storage.uri(
+        storage.storage_path)
+    kw = dict(storage_path=root, experiment_name="exp", trial_name="t",
+              checkpoint_config=CheckpointConfig(1))
+    with pytest.raises(KeyboardInterrupt):
+        with session.start(**kw):
+            session.report({"x": 1}, checkpoint=Checkpoint.from_directory(source_dir))
+            assert _lease(storage) is not None
+            # A second session on the same trial (another thread) is refused.
+            errors: list[BaseException] = []
+
+            def other() -> None:
+                try:
+                    session.start(_thread_only=True, **kw).end()
+                except BaseException as exc:
+                    errors.append(exc)
+
+            t = threading.Thread(target=other)
+            t.start()
+            t.join()
+            assert len(errors) == 1 and isinstance(errors[0], CheckpointConflictError)
+            raise KeyboardInterrupt
+    assert _lease(storage) is None
+    with session.start(**kw) as s:
+        assert s.manager.kept_dir_names == ["checkpoint_000000"]
+        # The run id is recorded in the state and in each checkpoint.
+        row = session.report({"x": 2}, checkpoint=Checkpoint.from_directory(source_dir))
+        assert row["checkpoint_dir_name"] == "checkpoint_000001"
+        meta = s.manager.latest_checkpoint.internal_metadata
+        assert meta["run_id"] == s.manager.run_id
+    assert _lease(storage) is None
+
+
+def test_crashed_holder_on_this_host_is_taken_over_at_once(tmp_path):
+    root = str(tmp_path / "runs")
+    code = textwrap.dedent(f"""
+        import os
+        from checkpoint_store import CheckpointConfig, CheckpointManager, StorageContext
+        m = CheckpointManager(CheckpointConfig(1), StorageContext({root!r}, "exp", "t"))
+        os._exit(0)  # dies without releasing anything
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    storage = StorageContext(root, "exp", "t")
+    stale = _lease(storage)
+    assert stale is not None and stale["pid"] != os.getpid()
+    assert stale["expires_at"] > time.time()  # not expired, but its process is gone
+    with CheckpointManager(CheckpointConfig(1), storage) as m:
+        assert _lease(storage)["pid"] == os.getpid()
+        assert not m.read_only
+
+
+@FAST
+def test_crashed_holder_on_another_host_expires(make_storage):
+    storage = make_storage()
+    _write_lease(storage, {
+        "holder": "elsewhere", "host": "some-other-node", "pid": 1,
+        "trial": storage.uri(storage.trial_path), "expires_at": time.time() + 1.0,
+    })
+    with pytest.raises(CheckpointConflictError, match="some-other-node"):
+        CheckpointManager(CheckpointConfig(1), make_storage())
+    time.sleep(1.2)
+    with CheckpointManager(CheckpointConfig(1), make_storage()) as m:
+        assert not m.read_only
+
+
+@FAST
+def test_lease_is_renewed_while_the_manager_lives(make_storage):
+    m = CheckpointManager(CheckpointConfig(1), make_storage(), lease_ttl_s=0.3)
+    first = _lease(make_storage())["expires_at"]
+    time.sleep(1.0)
+    assert _lease(make_storage())["expires_at"] > first + 0.5
+    with pytest.raises(CheckpointConflictError):
+        CheckpointManager(CheckpointConfig(1), make_storage())
+    m.close()
+
+
+@FAST
+def test_lost_lease_makes_the_manager_read_only(make_storage, source_dir):
+    storage = make_storage()
+    m = CheckpointManager(CheckpointConfig(1, keep_latest=False), storage)
+    save(m, storage, source_dir, {})
+    state_before = _fsutil.read_bytes(storage.filesystem, m.state_path)
+    # Another process took the trial over (say, after this one hung past expiry).
+    _write_lease(storage, {"holder": "usurper", "host": "other", "pid": 1,
+                           "trial": storage.uri(storage.trial_path),
+                           "expires_at": time.time() + 60})
+    save(m, storage, source_dir, {})
+    assert m.read_only
+    assert committed_names(storage) == ["checkpoint_000000", "checkpoint_000001"]
+    # The state was written before the deletion was refused; nothing is deleted
+    # and nothing more is written from now on.
+    assert _fsutil.read_bytes(storage.filesystem, m.state_path) != state_before
+    frozen = _fsutil.read_bytes(storage.filesystem, m.state_path)
+    save(m, storage, source_dir, {})
+    assert committed_names(storage) == ["checkpoint_000000", "checkpoint_000001",
+                                        "checkpoint_000002"]
+    m.close()
+    assert _lease(storage)["holder"] == "usurper"  # not released: not ours
+    assert _fsutil.read_bytes(storage.filesystem, m.state_path) == frozen
+
+
+def test_bad_lease_ttl_is_refused(tmp_path):
+    from checkpoint_store import InvalidConfigError
+
+    storage = StorageContext(str(tmp_path), "exp", "t")
+    for bad in (0, -1, float("nan"), float("inf"), True, "60"):
+        with pytest.raises(InvalidConfigError, match="lease_ttl_s"):
+            CheckpointManager(CheckpointConfig(1), storage, lease_ttl_s=bad)
