@@ -288,3 +288,38 @@ def test_train_fn_without_arguments(tmp_path):
     r = _runner(tmp_path, train)
     assert r.step()["ok"] is True
     assert r.step() is None
+
+
+def test_successive_halving_pauses_losers_and_resumes_winners(tmp_path):
+    """A hand-written scheduler: two rungs, the better half goes on, the rest pause."""
+    def train(config):
+        start = session.get_checkpoint()
+        epoch = 0
+        if start is not None:
+            with start.as_directory() as d:
+                epoch = int(open(f"{d}/epoch.txt").read())
+        while True:
+            epoch += 1
+            d = tmp_path / "src" / f"{config['lr']}-{epoch}-{threading.get_ident()}"
+            d.mkdir(parents=True)
+            (d / "epoch.txt").write_text(str(epoch))
+            session.report({"score": config["lr"] * epoch, "epoch": epoch},
+                           checkpoint=Checkpoint.from_directory(d))
+
+    runners = {lr: _runner(tmp_path, train, {"lr": lr}, trial_name=f"lr{lr}")
+               for lr in (1, 2, 3, 4)}
+    scores = {lr: [r.step()["score"] for _ in range(2)][-1] for lr, r in runners.items()}
+    survivors = sorted(scores, key=scores.get)[2:]
+    for lr, r in runners.items():
+        if lr not in survivors:
+            assert r.pause() is True
+    for lr in survivors:
+        res = [runners[lr].step() for _ in range(2)]
+        assert [x["epoch"] for x in res] == [3, 4]  # resumed where rung 1 ended
+        assert [x["training_iteration"] for x in res] == [3, 4]
+    assert survivors == [3, 4]
+    # Paused trials kept their latest checkpoint; a later runner resumes it.
+    late = _runner(tmp_path, train, {"lr": 1}, trial_name="lr1")
+    assert late.step()["epoch"] == 3
+    for r in [*runners.values(), late]:
+        assert r.stop() is True
