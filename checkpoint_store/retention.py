@@ -101,6 +101,14 @@ class CheckpointConfig:
             below every number (with a warning), ``"keep"`` keeps it and never
             evicts it (it does not count towards K), ``"raise"`` refuses the
             report with :class:`InvalidConfigError`.
+        upload_mode: ``"sync"`` (default: ``report()`` returns once the
+            checkpoint is committed) or ``"async"`` (``report()`` stages a copy
+            and returns; the upload runs in the background, commits keep report
+            order; see :mod:`checkpoint_store._async`). Overridable per report.
+        max_pending_uploads: with ``"async"``, ``report()`` blocks while this
+            many uploads are still pending (default 1, as Orbax's async saves).
+        staging: with ``"async"``, how the checkpoint directory is staged:
+            ``"copy"`` (default), ``"hardlink"`` or ``"move"``.
 
     Raises:
         InvalidConfigError: at construction, for any invalid value (say
@@ -113,8 +121,16 @@ class CheckpointConfig:
     checkpoint_score_order: Literal["max", "min"] = "max"
     keep_latest: bool = True
     missing_score: Literal["worst", "keep", "raise"] = "worst"
+    upload_mode: Literal["sync", "async"] = "sync"
+    max_pending_uploads: int = 1
+    staging: Literal["copy", "hardlink", "move"] = "copy"
 
     def __post_init__(self) -> None:
+        from checkpoint_store import _async
+
+        _async.check_upload_mode(self.upload_mode)
+        _async.check_max_pending(self.max_pending_uploads)
+        _async.check_staging(self.staging)
         k = self.num_to_keep
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise InvalidConfigError(

@@ -48,6 +48,7 @@ __all__ = [
     "get_checkpoint",
     "get_context",
     "get_session",
+    "wait",
 ]
 
 _local = threading.local()
@@ -171,12 +172,27 @@ def get_session() -> Session:
     return s
 
 
-def report(metrics: Mapping[str, Any], *, checkpoint: Checkpoint | None = None) -> dict[str, Any]:
+def report(
+    metrics: Mapping[str, Any], *, checkpoint: Checkpoint | None = None,
+    upload_mode: str | None = None, staging: str | None = None,
+) -> dict[str, Any]:
     """Report ``metrics`` (and optionally a checkpoint) to the active session.
 
-    Same role as Ray Train's ``ray.train.report``. See :meth:`Session.report`.
+    Same role as Ray Train's ``ray.train.report``. See :meth:`Session.report`
+    (``upload_mode="async"`` returns before the upload; see :func:`wait`).
     """
-    return get_session().report(metrics, checkpoint=checkpoint)
+    if upload_mode is None and staging is None:
+        return get_session().report(metrics, checkpoint=checkpoint)
+    return get_session().report(metrics, checkpoint=checkpoint, upload_mode=upload_mode,
+                                staging=staging)
+
+
+def wait(timeout: float | None = None) -> None:
+    """Wait until the active session's background uploads are committed.
+
+    See :meth:`Session.wait`; raises the first background upload error.
+    """
+    get_session().wait(timeout)
 
 
 def get_checkpoint() -> Checkpoint | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpoint_store import _json
+from checkpoint_store._async import AsyncUploader
 from checkpoint_store._layout import checkpoint_dir_name
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
@@ -105,6 +106,8 @@ class Session:
             )
         self._lock = threading.Lock()
         self._closed = False
+        # Background uploads of upload_mode="async" (created on first use).
+        self._uploader: AsyncUploader | None = None
         # Set by a TrialRunner: called at the start and the end of report().
         self._runner_hook: Any = None
         self._coordinator: Coordinator | None = None
@@ -192,7 +195,8 @@ class Session:
         return self._latest
 
     def report(
-        self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None
+        self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None,
+        *, upload_mode: str | None = None, staging: str | None = None,
     ) -> dict[str, Any]:
         """Record ``metrics`` and, optionally, persist and commit ``checkpoint``.
 
@@ -210,6 +214,13 @@ class Session:
         uploaded. Rank 0's metrics are recorded and ranked. Without a
         torch.distributed process group, pass a checkpoint on every rank or on
         none (with one, ranks may pass None).
+
+        ``upload_mode`` (default ``checkpoint_config.upload_mode``):
+        ``"async"`` stages the checkpoint (``staging``: ``"copy"``,
+        ``"hardlink"`` or ``"move"``) and returns while it uploads in the
+        background; see :mod:`checkpoint_store._async` and :meth:`wait`. An
+        error of a background upload is raised by the next ``report()``,
+        :meth:`wait` or the end of the session. One rank only.
 
         Returns:
             The result row (metrics plus the auto-filled keys); rank 0 writes
@@ -231,7 +242,10 @@ class Session:
         hook = self._runner_hook
         if hook is not None:
             hook.before_report()
-        if self._coordinator is not None:
+        mode = upload_mode or self.checkpoint_config.upload_mode
+        if mode != "sync" or self._uploader is not None:
+            row, persisted = self._report_with_uploader(metrics, checkpoint, mode, staging)
+        elif self._coordinator is not None:
             row, persisted = self._report_multirank(metrics, checkpoint)
         else:
             row, persisted = self._report_single(metrics, checkpoint)
@@ -330,7 +344,52 @@ class Session:
                 self._results.append(row)
             return row, persisted
 
+    def _report_with_uploader(
+        self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None, mode: str,
+        staging: str | None,
+    ) -> tuple[dict[str, Any], Checkpoint | None]:
+        from checkpoint_store import _async
+
+        _async.check_upload_mode(mode)
+        if self._coordinator is not None:
+            raise InvalidConfigError(
+                "upload_mode='async' supports one rank only; use 'sync' with world_size > 1"
+            )
+        if self._uploader is None:
+            self._uploader = AsyncUploader(self.checkpoint_config.max_pending_uploads)
+        up = self._uploader
+        up.raise_error()
+        if checkpoint is None:
+            return self._report_single(metrics, None)
+        if mode == "sync":
+            # Commits keep report order: earlier background uploads go first.
+            up.wait()
+            up.raise_error()
+            return self._report_single(metrics, checkpoint)
+        return _async.report_async(self, up, metrics, checkpoint,
+                                   staging or self.checkpoint_config.staging)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every background upload (``upload_mode="async"``) is committed.
+
+        Raises:
+            TimeoutError: uploads are still pending after ``timeout`` seconds.
+            Exception: the first error of a background upload (that
+                checkpoint was not committed).
+        """
+        up = self._uploader
+        if up is None:
+            return
+        if not up.wait(timeout):
+            raise TimeoutError(f"{up.pending} checkpoint upload(s) still pending after {timeout} s")
+        up.raise_error()
+
     def close(self) -> None:
+        up = self._uploader
+        if up is not None and not self._closed:
+            up.wait()  # finish queued uploads before retention's lease is released
         self._closed = True
         # Releases the trial's retention lease (also when an exception ends the session).
         self.manager.close()
+        if up is not None:
+            up.raise_error()

@@ -1,0 +1,367 @@
+"""Asynchronous checkpoint uploads: stage locally, upload in the background.
+
+With ``upload_mode="async"`` (on :class:`~checkpoint_store.CheckpointConfig`
+or per ``report()``), ``report()`` does only what must happen before the
+training loop may touch its files again:
+
+1. raise the error of an earlier background upload, if one failed;
+2. wait while ``max_pending_uploads`` uploads are still pending
+   (backpressure: staging space and memory stay bounded);
+3. *stage* the checkpoint directory (:func:`stage`): a copy by default, so
+   the caller may delete or overwrite it (a ``TemporaryDirectory``) as soon
+   as ``report()`` returns; a move or hard links when the caller opts in;
+4. queue the upload and return.
+
+One background thread uploads and commits the queued checkpoints in report
+order, then registers each with retention, so an older checkpoint is deleted
+only after a newer one is committed. ``Session.wait()`` (and the end of the
+session) waits for every queued upload and raises the first error.
+
+The same contract as Orbax's ``AsyncCheckpointer`` (save returns after the
+copy to host; ``wait_until_finished``), and as Ray Train's checkpoint upload
+running outside ``train.report``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from checkpoint_store.errors import InvalidConfigError
+
+logger = logging.getLogger(__name__)
+
+UPLOAD_MODES = ("sync", "async")
+STAGING_MODES = ("copy", "hardlink", "move")
+#: Where staged copies go unless ``CHECKPOINT_STORE_STAGING_DIR`` says otherwise.
+ENV_STAGING_DIR = "CHECKPOINT_STORE_STAGING_DIR"
+
+
+def check_upload_mode(mode: Any) -> str:
+    """``mode`` if it is ``"sync"`` or ``"async"``.
+
+    Raises:
+        InvalidConfigError: any other value.
+    """
+    if mode not in UPLOAD_MODES:
+        raise InvalidConfigError(f"upload_mode must be 'sync' or 'async', got {mode!r}")
+    return str(mode)
+
+
+def check_staging(mode: Any) -> str:
+    """``mode`` if it is ``"copy"``, ``"hardlink"`` or ``"move"``.
+
+    Raises:
+        InvalidConfigError: any other value.
+    """
+    if mode not in STAGING_MODES:
+        raise InvalidConfigError(
+            f"staging must be one of {', '.join(repr(m) for m in STAGING_MODES)}, got {mode!r}"
+        )
+    return str(mode)
+
+
+def check_max_pending(n: Any) -> int:
+    """``n`` if it is an int >= 1.
+
+    Raises:
+        InvalidConfigError: any other value.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidConfigError(f"max_pending_uploads must be an int >= 1, got {n!r}")
+    return n
+
+
+def staging_root() -> str:
+    """The directory staged checkpoints go to (created on demand)."""
+    root = os.environ.get(ENV_STAGING_DIR) or os.path.join(
+        tempfile.gettempdir(), "checkpoint_store_staging"
+    )
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+# -- staging -------------------------------------------------------------------
+
+
+@dataclass
+class Staged:
+    """A staged checkpoint directory: ``path`` (local), removed by :meth:`cleanup`."""
+
+    path: str
+    owned: bool
+
+    def cleanup(self) -> None:
+        if self.owned:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def stage(src_dir: str, mode: str = "copy", *, root: str | None = None) -> Staged:
+    """Make a private copy of the local directory ``src_dir`` for a background upload.
+
+    Args:
+        src_dir: the checkpoint directory the training loop wrote.
+        mode: ``"copy"`` (default: the loop may change or delete ``src_dir``
+            right away), ``"hardlink"`` (no bytes copied; the loop may delete
+            ``src_dir`` or replace its files, but must not modify a file in
+            place), ``"move"`` (the files leave ``src_dir``, which is left
+            empty). Hard links and moves across filesystems fall back to a copy.
+        root: parent of the staged directory (default :func:`staging_root`).
+
+    Returns:
+        The staged directory; its ``cleanup()`` removes it.
+
+    Raises:
+        CheckpointNotFoundError: ``src_dir`` is not a directory.
+        OSError: the copy failed (the partial staging directory is removed).
+    """
+    from checkpoint_store.errors import CheckpointNotFoundError
+
+    check_staging(mode)
+    if not os.path.isdir(src_dir):
+        raise CheckpointNotFoundError(f"checkpoint directory {src_dir!r} does not exist")
+    dst = tempfile.mkdtemp(prefix="stage-", dir=root or staging_root())
+    try:
+        if mode == "move":
+            _move_contents(src_dir, dst)
+        elif mode == "hardlink":
+            _link_tree(src_dir, dst)
+        else:
+            _copy_tree(src_dir, dst)
+    except BaseException:
+        shutil.rmtree(dst, ignore_errors=True)
+        raise
+    return Staged(dst, owned=True)
+
+
+def _copy_tree(src: str, dst: str) -> None:
+    import pyarrow.fs as pafs
+
+    from checkpoint_store import _fsutil, _plan
+    from checkpoint_store.backends.base import LOCAL_CAPABILITIES
+
+    local = pafs.LocalFileSystem()
+    files = list(_fsutil.walk_files(local, src))
+    for d in sorted({os.path.dirname(rel) for rel, _ in files} - {""}):
+        os.makedirs(os.path.join(dst, d), exist_ok=True)
+    # The staged copy is a scratch copy: no fsync (the upload is what must be durable).
+    _plan.run(local, src, local, dst, files, chunk_size=LOCAL_CAPABILITIES.chunk_size,
+              concurrency=LOCAL_CAPABILITIES.concurrency, fsync=False)
+
+
+def _link_tree(src: str, dst: str) -> None:
+    for dirpath, _dirnames, filenames in os.walk(src):
+        rel = os.path.relpath(dirpath, src)
+        target = dst if rel == "." else os.path.join(dst, rel)
+        os.makedirs(target, exist_ok=True)
+        for name in filenames:
+            s, d = os.path.join(dirpath, name), os.path.join(target, name)
+            try:
+                os.link(s, d)
+            except OSError:  # another filesystem, or links not supported
+                shutil.copy2(s, d)
+
+
+def _move_contents(src: str, dst: str) -> None:
+    # The directory itself stays (empty): a TemporaryDirectory's cleanup
+    # would otherwise fail on it.
+    for name in os.listdir(src):
+        s, d = os.path.join(src, name), os.path.join(dst, name)
+        try:
+            os.rename(s, d)
+        except OSError:
+            shutil.move(s, d)
+
+
+# -- the background uploader --------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    run: Callable[[], Any]
+    cleanup: Callable[[], None]
+    what: str
+
+
+class AsyncUploader:
+    """Runs upload jobs one at a time, in submission order, on a background thread.
+
+    Args:
+        max_pending: jobs queued or running at once; :meth:`reserve` blocks
+            while this many are pending.
+
+    The worker thread is not a daemon (an interpreter exit waits for queued
+    uploads rather than dropping them) and ends whenever the queue is empty,
+    so an idle uploader never keeps a process alive.
+    """
+
+    def __init__(self, max_pending: int = 1):
+        self.max_pending = check_max_pending(max_pending)
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._pending = 0
+        self._errors: list[tuple[str, BaseException]] = []
+        self._worker: threading.Thread | None = None
+        #: Seconds :meth:`reserve` spent waiting, summed (for benchmarks and logs).
+        self.blocked_s = 0.0
+        self.committed = 0
+
+    @property
+    def pending(self) -> int:
+        """Uploads queued or running."""
+        with self._cond:
+            return self._pending
+
+    def raise_error(self) -> None:
+        """Raise the first error of a finished background upload, once.
+
+        Later errors of the same batch are logged, not raised.
+        """
+        with self._cond:
+            errors, self._errors = self._errors, []
+        if not errors:
+            return
+        what, exc = errors[0]
+        for other_what, other in errors[1:]:
+            logger.error("background upload of %s also failed: %r", other_what, other)
+        note = (f"raised by the background upload of {what} (upload_mode='async'); "
+                "that checkpoint was not committed")
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
+        raise exc
+
+    def reserve(self, max_pending: int | None = None) -> float:
+        """Wait until fewer than ``max_pending`` uploads are pending.
+
+        Returns:
+            Seconds spent waiting (0.0 when a slot was free).
+        """
+        limit = self.max_pending if max_pending is None else check_max_pending(max_pending)
+        with self._cond:
+            if self._pending < limit:
+                return 0.0
+            t0 = time.perf_counter()
+            while self._pending >= limit:
+                self._cond.wait()
+            waited = time.perf_counter() - t0
+            self.blocked_s += waited
+            return waited
+
+    def submit(self, run: Callable[[], Any], cleanup: Callable[[], None], what: str) -> None:
+        """Queue ``run`` (then ``cleanup``, whatever happens); never blocks."""
+        with self._cond:
+            self._queue.append(_Job(run, cleanup, what))
+            self._pending += 1
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._loop, name="checkpoint-store-upload", daemon=False
+                )
+                self._worker.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for every queued upload to finish (without raising their errors).
+
+        Returns:
+            True when none is pending, False on timeout.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._worker = None
+                    return
+                job = self._queue.popleft()
+            try:
+                job.run()
+                ok = True
+            except BaseException as exc:  # surfaced at the next report() / wait()
+                ok = False
+                logger.debug("background upload of %s failed", job.what, exc_info=True)
+                with self._cond:
+                    self._errors.append((job.what, exc))
+            finally:
+                try:
+                    job.cleanup()
+                except Exception as exc:  # a leftover staging dir is not worth a failure
+                    logger.warning("could not remove the staged copy of %s: %s", job.what, exc)
+            with self._cond:
+                self._pending -= 1
+                if ok:
+                    self.committed += 1
+                self._cond.notify_all()
+
+
+def report_async(
+    session: Any, uploader: AsyncUploader, metrics: Any, checkpoint: Any, staging: str
+) -> tuple[dict[str, Any], None]:
+    """The ``upload_mode="async"`` half of ``Session.report`` (one rank).
+
+    The result row is written at once, naming the checkpoint directory the
+    upload will commit; the row of a checkpoint whose upload fails names a
+    directory that is never committed (readers skip it), and the error is
+    raised by the next ``report()``.
+    """
+    from checkpoint_store import _json
+    from checkpoint_store._layout import checkpoint_dir_name
+    from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
+    from checkpoint_store.errors import CheckpointStoreError
+
+    check_staging(staging)
+    clean = _json.to_json_object(metrics, "metrics")
+    _require_checkpoint(checkpoint)
+    uploader.reserve()
+    uploader.raise_error()  # the upload waited for may just have failed
+    with session._lock:
+        if session._closed:
+            raise CheckpointStoreError("this session has ended; start a new one to report")
+        row = session._new_row(clean)
+        try:  # refuse a bad score before anything is staged
+            session.manager.validate_metrics(row)
+        except CheckpointStoreError:
+            session._iteration -= 1
+            raise
+        local = checkpoint.is_local
+        if local:
+            try:
+                staged = stage(checkpoint.path, staging)
+            except BaseException:
+                session._iteration -= 1
+                raise
+            source = Checkpoint.from_directory(staged.path)
+        else:  # already on storage: nothing the loop could delete under us
+            staged = Staged(checkpoint.path, owned=False)
+            source = checkpoint
+        index = session._next_index
+        session._next_index = index + 1
+        name = checkpoint_dir_name(index)
+        row["checkpoint_dir_name"] = name
+        internal = {"metrics": row, "world_size": session.world_size,
+                    "run_id": session.manager.run_id}
+
+        def upload() -> None:
+            persisted = session.storage.persist_checkpoint(source, index, internal)
+            session._latest = persisted
+            # Only now may retention delete an older checkpoint.
+            session.manager.register(persisted, row)
+
+        uploader.submit(upload, staged.cleanup, name)
+        if session._results is not None:
+            session._results.append(row)
+    return row, None
