@@ -180,7 +180,8 @@ def _torch_group(world_rank: int, world_size: int) -> Any:
 
 def _env_attempt_id() -> str | None:
     rdzv = os.environ.get("TORCHELASTIC_RUN_ID")
-    if not rdzv:
+    if not rdzv or rdzv.lower() == "none":
+        # torchrun's default --rdzv-id is "none" for every launch: not unique.
         return None
     # The rendezvous id is the same for every restart of an elastic job; the
     # restart count tells attempts apart.

@@ -132,6 +132,10 @@ def test_no_attempt_id_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     with pytest.raises(InvalidConfigError, match="attempt_id"):
         session.start(storage_path=str(tmp_path), world_rank=0, world_size=2)
+    # torchrun's default rendezvous id is the same for every launch.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    with pytest.raises(InvalidConfigError, match="attempt_id"):
+        session.start(storage_path=str(tmp_path), world_rank=0, world_size=2)
     with pytest.raises(InvalidConfigError, match="world_rank"):
         session.start(storage_path=str(tmp_path), world_rank=2, world_size=2, attempt_id="x")
 
