@@ -73,6 +73,45 @@ class _CountingReader:
             self._inner.close()
 
 
+class _CountingRandomReader:
+    """A seekable reader for ranged reads (``read_at``) that reports bytes read.
+
+    Ranged reads of one file may run in parallel and in any order, so no
+    checksum is computed here; ``cp`` compares the committed manifest instead.
+    """
+
+    def __init__(self, inner: Any, on_bytes: Callable[[int], None] | None):
+        self._inner = inner
+        self._on_bytes = on_bytes
+        self.closed = False
+
+    def read(self, n: int | None = -1) -> bytes:
+        data = self._inner.read(n) if n is not None and n >= 0 else self._inner.read()
+        if data and self._on_bytes is not None:
+            self._on_bytes(len(data))
+        return data
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._inner.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._inner.tell()
+
+    def size(self) -> int:
+        return self._inner.size()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._inner.close()
+
+
 class _CountingHandler(pafs.FileSystemHandler):
     """Delegates everything to ``fs``; reads through :class:`_CountingReader`.
 
@@ -147,7 +186,14 @@ class _CountingHandler(pafs.FileSystemHandler):
         return pa.PythonFile(_CountingReader(inner, path, self.on_bytes, exp), mode="r")
 
     def open_input_file(self, path: str) -> pa.NativeFile:
-        return self.fs.open_input_file(path)
+        inner = self.fs.open_input_file(path)
+        if self.expected is not None:
+            counted = path in self.expected
+        else:
+            counted = self.track(path) if self.track is not None else True
+        if not counted:
+            return inner
+        return pa.PythonFile(_CountingRandomReader(inner, self.on_bytes), mode="r")
 
     def open_output_stream(self, path: str, metadata: Any) -> pa.NativeFile:
         return self.fs.open_output_stream(path, metadata=metadata)
@@ -215,6 +261,11 @@ class Progress:
             self._progress.start()
             self._task = self._progress.add_task(self._description, total=self._total)
         return self
+
+    @property
+    def enabled(self) -> bool:
+        """True while a bar is drawn: only then are reads worth counting."""
+        return self._progress is not None
 
     def advance(self, n: int) -> None:
         with self._lock:

@@ -840,8 +840,9 @@ def download_cmd(checkpoint: str, dest: str, storage_options: dict[str, Any],
     total = _manifest_size(meta)
     tracked = set(_expected(loc, meta))
     with _progress(f"download {loc.name}", total) as bar:
-        counted = _counting(loc, bar.advance, track=tracked.__contains__)
-        target = Checkpoint._from_backend(counted.backend, loc.path).to_directory(
+        # Counting costs a copy per read: only when a bar shows the count.
+        src = _counting(loc, bar.advance, track=tracked.__contains__) if bar.enabled else loc
+        target = Checkpoint._from_backend(src.backend, loc.path).to_directory(
             dest, verify=not no_verify)
     _echo_info(f"downloaded {len(tracked)} files ({_fmt_size(total)}) of {loc.uri} to {target}")
 
@@ -915,8 +916,8 @@ def upload_cmd(directory: str, uri: str, storage_options: dict[str, Any],
     total = sum(size for rel, size in files if not is_internal_file(rel))
     meta = _checkpoint_meta_for(dst, {"metrics": metrics, "world_size": 1}, index)
     with _progress(f"upload {dst.name}", total) as bar:
-        counted = _counting(src, bar.advance)
-        written = commit_checkpoint(counted.fs, src.path, dst.backend, dst.path, meta)
+        source = _counting(src, bar.advance) if bar.enabled else src
+        written = commit_checkpoint(source.fs, src.path, dst.backend, dst.path, meta)
     _echo_info(f"uploaded {len(written['manifest'])} files ({_fmt_size(total)}) as:")
     click.echo(dst.uri)
 
@@ -947,14 +948,33 @@ def _copy_checkpoint(src: _Location, meta: Mapping[str, Any], dst: _Location, in
         )
     counted = _counting(src, on_bytes, expected=_expected(src, meta))
     try:
-        commit_checkpoint(counted.fs, src.path, dst.backend, dst.path,
-                          _checkpoint_meta_for(dst, meta, index))
+        written = commit_checkpoint(counted.fs, src.path, dst.backend, dst.path,
+                                    _checkpoint_meta_for(dst, meta, index))
     except CheckpointCorruptError as exc:
         raise CheckpointCorruptError(
             f"source {src.uri} is corrupt: {exc}; nothing was committed at {dst.uri}",
             path=src.path, file=exc.file,
         ) from None
+    # Ranged reads of large files are not checksummed while they stream; the
+    # manifest computed on the bytes that arrived must equal the source's.
+    if not _same_manifest(written, meta):
+        bad = _first_difference(meta, written)
+        _fsutil.delete_file(dst.fs, posixpath.join(dst.path, INTERNAL_METADATA))
+        _fsutil.delete_dir(dst.fs, dst.path)
+        raise CheckpointCorruptError(
+            f"source {src.uri} is corrupt: file {bad!r} does not match its manifest; "
+            f"the copy at {dst.uri} was removed", path=src.path, file=bad,
+        )
     return "copied"
+
+
+def _first_difference(want: Mapping[str, Any], got: Mapping[str, Any]) -> str | None:
+    have = {e["path"]: (int(e["size"]), e["crc32c"]) for e in got.get("manifest", [])}
+    for e in sorted(want.get("manifest", []), key=lambda e: e["path"]):
+        if have.get(e["path"]) != (int(e["size"]), e["crc32c"]):
+            return str(e["path"])
+    extra = sorted(set(have) - {e["path"] for e in want.get("manifest", [])})
+    return extra[0] if extra else None
 
 
 def _copy_trial_files(src: _Location, dst: _Location) -> None:
@@ -1044,7 +1064,8 @@ def cp_cmd(src: str, dst: str, storage_options: dict[str, Any], src_options: dic
 # -- verify -------------------------------------------------------------------------
 
 
-def _verify_one(ckpt: _Location, meta: Mapping[str, Any], on_bytes: Callable[[int], None]) -> None:
+def _verify_one(ckpt: _Location, meta: Mapping[str, Any], on_bytes: Callable[[int], None],
+                counting: bool = True) -> None:
     """Read every manifest file of one checkpoint and check its size and CRC32C.
 
     Raises:
@@ -1053,7 +1074,7 @@ def _verify_one(ckpt: _Location, meta: Mapping[str, Any], on_bytes: Callable[[in
     from checkpoint_store.checkpoint import Checkpoint
 
     expected = _expected(ckpt, meta)
-    counted = _counting(ckpt, on_bytes, track=expected.__contains__)
+    counted = _counting(ckpt, on_bytes, track=expected.__contains__) if counting else ckpt
     checkpoint = Checkpoint._from_backend(counted.backend, ckpt.path)
     verify = getattr(checkpoint, "verify", None)
     if callable(verify):
@@ -1116,7 +1137,7 @@ def verify_cmd(uri: str, storage_options: dict[str, Any], as_json: bool) -> None
     with _progress(f"verify {loc.name}", total) as bar:
         for ckpt, cmeta in targets:
             try:
-                _verify_one(ckpt, cmeta, bar.advance)
+                _verify_one(ckpt, cmeta, bar.advance, bar.enabled)
             except CheckpointCorruptError as exc:
                 report.append({"uri": ckpt.uri, "ok": False, "file": exc.file,
                                "error": _one_line(str(exc))})

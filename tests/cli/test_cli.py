@@ -476,3 +476,47 @@ def test_demo_command_runs(tmp_path) -> None:
     assert [c["index"] for c in json.loads(ls.stdout)["checkpoints"]] == [0, 1]
     assert Checkpoint(str(tmp_path / "demo" / "digits-demo" / "mlp" /
                           "checkpoint_000001")).is_committed
+
+
+def test_cp_corrupt_large_source_file_is_not_left_committed(tmp_path) -> None:
+    # Files larger than one chunk move as parallel ranged reads; the manifest computed
+    # on arrival is compared with the source's before cp reports success.
+    local = Store(str(tmp_path / "local"))
+    ctx = local.ctx()
+    src = write_tree(str(tmp_path / "big"), {"model.bin": os.urandom(9 * 1024 * 1024 + 17)})
+    ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {"metrics": {"loss": 1.0}})
+    path = posixpath.join(ctx.checkpoint_path(0), "model.bin")
+    with open(path, "r+b") as f:
+        f.seek(5 * 1024 * 1024)
+        byte = f.read(1)
+        f.seek(5 * 1024 * 1024)
+        f.write(bytes([byte[0] ^ 0x10]))
+    dst = Store(str(tmp_path / "dst"))
+    res = invoke(["cp", local.join("exp", "t1"), dst.join("exp", "t1")])
+    assert res.exit_code == EXIT_FAILURE
+    assert "model.bin" in res.stderr
+    assert committed_names(dst.ctx()) == []
+
+
+def test_download_progress_counts_ranged_reads(tmp_path, monkeypatch) -> None:
+    from checkpoint_store import _cli_progress
+
+    local = Store(str(tmp_path / "local"))
+    payload = os.urandom(9 * 1024 * 1024 + 5)
+    src = write_tree(str(tmp_path / "big"), {"model.bin": payload, "small.txt": b"x" * 10})
+    local.ctx().persist_checkpoint(Checkpoint.from_directory(src), 0, {"metrics": {}})
+    monkeypatch.setattr(_cli_progress, "_stdout_is_terminal", lambda: True)
+    counted: list[int] = []
+    real = _cli_progress.Progress
+
+    class Spy(real):  # type: ignore[misc, valid-type]
+        def advance(self, n: int) -> None:
+            counted.append(n)
+            super().advance(n)
+
+    monkeypatch.setattr(_cli_progress, "Progress", Spy)
+    dest = tmp_path / "out"
+    res = invoke(["download", local.join("exp", "t1", "checkpoint_000000"), str(dest)])
+    assert res.exit_code == 0, res.output
+    assert sum(counted) == len(payload) + 10
+    assert (dest / "model.bin").read_bytes() == payload
