@@ -53,6 +53,28 @@ class SessionContext:
     storage: StorageContext
     config: Mapping[str, Any]
 
+    # The accessors of Ray Train's TrainContext, so code written for it runs as is.
+    def get_world_rank(self) -> int:
+        return self.world_rank
+
+    def get_world_size(self) -> int:
+        return self.world_size
+
+    def get_local_rank(self) -> int:
+        return self.local_rank
+
+    def get_experiment_name(self) -> str:
+        return self.experiment_name
+
+    def get_trial_name(self) -> str:
+        return self.trial_name
+
+    def get_trial_id(self) -> str:
+        return self.trial_id
+
+    def get_trial_dir(self) -> str:
+        return self.trial_dir
+
 
 def _int_from(value: int | None, env: str, default: int, what: str) -> int:
     if value is None:

@@ -84,3 +84,13 @@ def test_report_without_session_says_how_to_start_one():
 
     with pytest.raises(CheckpointStoreError, match="session.start"):
         session.report({"x": 1})
+
+
+def test_context_has_ray_style_accessors(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with session.start(storage_path=str(tmp_path), experiment_name="e", trial_name="t"):
+        ctx = session.get_context()
+    assert (ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank()) == (0, 1, 0)
+    assert (ctx.get_experiment_name(), ctx.get_trial_name(), ctx.get_trial_id()) == (
+        "e", "t", "e/t")
+    assert ctx.get_trial_dir() == f"file://{tmp_path}/e/t"
