@@ -47,6 +47,15 @@ Example::
         env = {**os.environ, **s3_location.env}   # credentials for a child process
         subprocess.run([..., s3_location.uri], env=env, check=True)
 
+Property testing (needs ``hypothesis``): :mod:`checkpoint_store.testing.strategies`
+draws scores (NaN, ``±inf``, ties, missing), metrics (nested, unicode keys),
+path components and directory trees; :mod:`checkpoint_store.testing.stateful`
+holds ``RetentionMachine``, which checks ``CheckpointManager`` against a
+sorted-list model through random reports, restarts and failing deletes::
+
+    from checkpoint_store.testing.stateful import RetentionMachine
+    TestRetention = RetentionMachine.TestCase
+
 Conformance suite for backend plugins (the model is zarr's ``StoreTests``)::
 
     from checkpoint_store.testing import BackendTests, StorageLocation
