@@ -109,6 +109,9 @@ class _Group(click.Group):
             else:
                 msg = _one_line(f"unexpected {type(exc).__name__}: {exc}")
             hint = _hint_for(exc)
+            if (isinstance(exc, InvalidConfigError) and not isinstance(exc, UnknownSchemeError)
+                    and ctx.invoked_subcommand):
+                hint = f"`checkpoint-store {ctx.invoked_subcommand} --help` shows the usage"
             click.echo(f"error: {msg}" + (f" (hint: {hint})" if hint else ""), err=True)
             ctx.exit(_exit_code_for(exc))
 
@@ -392,6 +395,18 @@ def _storage_context(trial: _Location, *, strict: bool = True) -> Any:
         ) from None
 
 
+_KIND_LABELS = {
+    "checkpoint": "a checkpoint", "corrupt": "a corrupt checkpoint",
+    "uncommitted": "an uncommitted checkpoint directory", "trial": "a trial",
+    "experiment": "an experiment", "root": "a storage root (it holds experiments)",
+    "empty": "an empty directory", "file": "a file",
+}
+
+
+def _describe_kind(kind: str) -> str:
+    return _KIND_LABELS.get(kind, kind)
+
+
 def _require_trial(loc: _Location) -> None:
     kind = _kind(loc)
     if kind == "trial":
@@ -399,7 +414,8 @@ def _require_trial(loc: _Location) -> None:
     if kind == "empty":
         raise CheckpointNotFoundError(f"{loc.uri} is empty: no checkpoints there")
     raise InvalidConfigError(
-        f"{loc.uri} is a {kind}, not a trial directory (one holding checkpoint_NNNNNN/)"
+        f"{loc.uri} is {_describe_kind(kind)}, not a trial directory (one holding "
+        "checkpoint_NNNNNN/)"
     )
 
 
@@ -424,7 +440,8 @@ def _require_checkpoint(loc: _Location) -> dict[str, Any]:
             "an interrupted write that `checkpoint-store gc` removes"
         )
     raise CheckpointNotFoundError(
-        f"{loc.uri} is a {_kind(loc)}, not a checkpoint; pass a checkpoint_NNNNNN directory"
+        f"{loc.uri} is {_describe_kind(_kind(loc))}, not a checkpoint; pass a "
+        "checkpoint_NNNNNN directory"
     )
 
 
@@ -700,7 +717,7 @@ def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) ->
     for key in sorted(internal):
         if key not in ("index", "created_at", "format_version", "metrics"):
             click.echo(f"{key:<15} {_fmt_value(internal[key])}")
-    click.echo(f"files           {summary['files']} ({_fmt_size(summary['bytes'])})")
+    click.echo(f"files           {len(manifest)} ({_fmt_size(_manifest_size(meta))})")
     for e in largest:
         click.echo(f"  {_fmt_size(e['size']):>10}  {e['path']}")
     click.echo("metrics")
@@ -1363,8 +1380,8 @@ def backends_cmd(as_json: bool) -> None:
     """
     from checkpoint_store.registry import KNOWN_PLUGINS, available_backends
 
-    rows = [{"scheme": s, "provided_by": src, "installed": True}
-            for s, src in available_backends().items()]
+    rows: list[dict[str, Any]] = [{"scheme": s, "provided_by": src, "installed": True}
+                                  for s, src in available_backends().items()]
     have = {r["scheme"] for r in rows}
     for scheme, dist in sorted(KNOWN_PLUGINS.items()):
         if scheme not in have:
@@ -1373,7 +1390,7 @@ def backends_cmd(as_json: bool) -> None:
         _print_json(rows)
         return
     _table(["SCHEME", "PROVIDED BY", "STATUS"],
-           [[f"{r['scheme']}://", r["provided_by"],
+           [[f"{r['scheme']}://", str(r["provided_by"]),
              "installed" if r["installed"] else f"not installed: pip install {r['provided_by']}"]
             for r in rows])
 
