@@ -1,0 +1,349 @@
+"""Crash test harness: SIGKILL a saving process at random moments, then check storage.
+
+A child process runs a training-like loop (``session.start`` with retention
+on, then ``report(..., checkpoint=...)`` forever, resuming from
+``get_checkpoint()``); the parent kills it with ``SIGKILL`` after a random
+delay and, after every kill, checks the trial:
+
+* no partial checkpoint is visible: every checkpoint that lists as committed
+  verifies (sizes, CRC32C) and holds exactly the bytes of its own step (no
+  mix of two saves);
+* every checkpoint the child was told was committed and that retention did
+  not evict (or may not have evicted by the next save) still loads and
+  verifies, and nothing newer than the last acknowledged one was lost;
+* a new session's ``get_checkpoint()`` returns the newest committed one, and
+  its start leaves no uncommitted leftovers; nothing is ever classified as
+  foreign (all leftovers are recognisably ours).
+
+Usage (what ``tests/crash`` and ``scripts/soak.py`` do)::
+
+    from checkpoint_store.testing.crash import CrashConfig, CrashHarness
+
+    cfg = CrashConfig(storage_path=str(tmp_path / "store"), log_path=str(tmp_path / "acks"))
+    report = CrashHarness(cfg, seed=0).run(kills=100)
+    assert report.violations == [], report.summary()
+
+Children are forked from a helper process (the "zygote") that has already
+imported checkpoint-store, so a child starts in milliseconds, not the
+half-second an interpreter plus pyarrow take.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["CrashConfig", "CrashHarness", "CrashReport", "check_trial", "payload"]
+
+
+@dataclass(frozen=True)
+class CrashConfig:
+    """Where and how the child saves.
+
+    Args:
+        storage_path: local path or URI of the storage.
+        log_path: a local file where the child appends one JSON line per
+            acknowledged save (``report()`` returned).
+        storage_options: backend options (credentials, endpoint) for a URI.
+        experiment_name, trial_name: the trial the child writes.
+        num_to_keep: retention's ``num_to_keep`` (>= 1).
+        files: files per checkpoint; file sizes are ``file_size`` bytes.
+        file_size: bytes per file.
+        env: environment variables to set in the child (credentials, endpoints).
+    """
+
+    storage_path: str
+    log_path: str
+    storage_options: dict[str, Any] | None = None
+    experiment_name: str = "crash"
+    trial_name: str = "trial"
+    num_to_keep: int = 2
+    files: int = 3
+    file_size: int = 32 * 1024
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def payload(step: int, i: int, size: int) -> bytes:
+    """The bytes of file ``i`` of the checkpoint saved at ``step`` (deterministic)."""
+    seed = hashlib.blake2b(f"{step}/{i}".encode(), digest_size=32).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def _file_name(i: int) -> str:
+    return f"shard_{i}/data.bin" if i % 2 else f"data_{i}.bin"
+
+
+def _child_main(cfg_dict: dict[str, Any]) -> None:
+    """The child: resume, then save forever. Killed by the parent."""
+    os.environ.update(cfg_dict.get("env") or {})
+    from checkpoint_store import Checkpoint, CheckpointConfig, session
+
+    cfg = CrashConfig(**cfg_dict)
+    # Next to the log, so whoever owns the log's directory cleans up after kills.
+    scratch = tempfile.mkdtemp(prefix="cs-crash-child-",
+                               dir=os.path.dirname(os.path.abspath(cfg.log_path)))
+    warnings.simplefilter("ignore")
+    with session.start(
+        storage_path=cfg.storage_path, storage_options=cfg.storage_options,
+        experiment_name=cfg.experiment_name, trial_name=cfg.trial_name,
+        checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_to_keep),
+    ) as s:
+        latest = s.get_checkpoint()
+        step = int(latest.internal_metadata["metrics"]["step"]) + 1 if latest else 0
+        while True:
+            for i in range(cfg.files):
+                path = os.path.join(scratch, _file_name(i))
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(payload(step, i, cfg.file_size))
+            row = s.report({"step": step}, checkpoint=Checkpoint.from_directory(scratch))
+            ack = {"step": step, "dir": row["checkpoint_dir_name"],
+                   "kept": s.manager.kept_dir_names}
+            with open(cfg.log_path, "a") as log:
+                log.write(json.dumps(ack) + "\n")
+            step += 1
+
+
+def _last_ack(log_path: str) -> dict[str, Any] | None:
+    try:
+        with open(log_path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue  # torn by the kill
+    return None
+
+
+def check_trial(cfg: CrashConfig) -> tuple[list[str], int]:
+    """Check the trial after a kill; returns ``(violations, newest committed step)``.
+
+    Starts (and ends) a session on the trial, as the next run would: that
+    removes leftovers and must resume from the newest committed checkpoint.
+    """
+    import google_crc32c
+
+    from checkpoint_store import StorageContext, session
+    from checkpoint_store._layout import parse_checkpoint_dir_name
+    from checkpoint_store.errors import CheckpointStoreError
+
+    bad: list[str] = []
+    storage = StorageContext(cfg.storage_path, cfg.experiment_name, cfg.trial_name,
+                             storage_options=cfg.storage_options)
+    committed = storage.committed_checkpoints()
+    steps: dict[str, int] = {}
+    for ckpt, meta in committed:
+        name = ckpt.path.rstrip("/").rsplit("/", 1)[-1]
+        try:
+            ckpt.verify()
+        except CheckpointStoreError as exc:
+            bad.append(f"{name} lists as committed but does not verify: {exc}")
+            continue
+        step = int(meta["metrics"]["step"])
+        steps[name] = step
+        # verify() proved the bytes match the manifest; the manifest must hold
+        # this step's bytes (not another save's): compare checksums, no second read.
+        crcs = {e["path"]: e["crc32c"] for e in meta["manifest"]}
+        for i in range(cfg.files):
+            want = f"{google_crc32c.value(payload(step, i, cfg.file_size)):08x}"
+            if crcs.get(_file_name(i)) != want:
+                bad.append(f"{name} (step {step}): {_file_name(i)} holds other bytes")
+    ack = _last_ack(cfg.log_path)
+    newest_step = max(steps.values()) if steps else -1
+    if ack is not None:
+        if newest_step < ack["step"]:
+            bad.append(f"acknowledged step {ack['step']} ({ack['dir']}) was lost; newest "
+                       f"committed step is {newest_step}")
+        # Retention (keep the newest num_to_keep) may evict a checkpoint only once
+        # num_to_keep newer ones were committed; indices grow with time.
+        present = sorted(parse_checkpoint_dir_name(n) for n in steps)
+        for name in sorted(set(ack["kept"]) | {ack["dir"]}):
+            if name in steps:
+                continue
+            index = parse_checkpoint_dir_name(name)
+            newer = sum(1 for i in present if i > index)
+            if newer < cfg.num_to_keep:
+                bad.append(f"{name} was committed and kept by retention, and only {newer} newer "
+                           "checkpoint(s) exist, but it is gone or broken")
+    found = storage.scan()
+    if found.foreign:
+        bad.append(f"directories not recognisable as ours: {found.foreign}")
+    newest = max(committed, key=lambda cm: cm[1]["index"])[0] if committed else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with session.start(storage_path=cfg.storage_path, storage_options=cfg.storage_options,
+                           experiment_name=cfg.experiment_name,
+                           trial_name=cfg.trial_name) as s:
+            got = s.get_checkpoint()
+    if (got.path if got else None) != (newest.path if newest else None):
+        bad.append(f"get_checkpoint() returned {got} instead of the newest committed {newest}")
+    after = storage.scan()
+    if after.uncommitted:
+        bad.append(f"a session start left uncommitted directories: {after.uncommitted}")
+    return bad, newest_step
+
+
+@dataclass
+class CrashReport:
+    """What :meth:`CrashHarness.run` saw."""
+
+    kills: int = 0
+    saves_acknowledged: int = 0
+    newest_step: int = -1
+    violations: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        head = (f"{self.kills} kills, {self.saves_acknowledged} saves acknowledged, newest step "
+                f"{self.newest_step}, {len(self.violations)} violations in {self.seconds:.1f}s")
+        return "\n".join([head, *self.violations[:20]])
+
+
+class _Zygote:
+    """A process that has imported checkpoint-store and forks children on request.
+
+    ``python -m checkpoint_store.testing.crash zygote`` reads JSON commands on
+    stdin (``spawn`` with a config -> child pid; ``wait`` with a pid -> exit
+    code) and answers one JSON line each. Forking from it makes a child start
+    in milliseconds; the parent kills children by pid with SIGKILL.
+    """
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "checkpoint_store.testing.crash", "zygote"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        )
+
+    def ask(self, **cmd: Any) -> dict[str, Any]:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(json.dumps(cmd) + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the crash-harness zygote process died")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(10)
+            except Exception:  # noqa: BLE001
+                self._proc.kill()
+                self._proc.wait()
+
+
+def _zygote_main() -> None:
+    import sys
+
+    import checkpoint_store.session  # noqa: F401  (imported once, before forking)
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "spawn":
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    devnull = os.open(os.devnull, os.O_RDWR)
+                    os.dup2(devnull, 0)
+                    os.dup2(devnull, 1)  # never write into the command channel
+                    _child_main(cmd["config"])
+                    code = 0
+                except BaseException:  # noqa: BLE001
+                    import traceback
+
+                    traceback.print_exc()
+                finally:
+                    os._exit(code)
+            answer: dict[str, Any] = {"pid": pid}
+        elif cmd["op"] == "wait":
+            _, status = os.waitpid(cmd["pid"], 0)
+            answer = {"exitcode": os.waitstatus_to_exitcode(status)}
+        else:
+            answer = {"error": f"unknown op {cmd['op']!r}"}
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+
+
+class CrashHarness:
+    """Runs the child, kills it, checks, repeats.
+
+    Args:
+        config: see :class:`CrashConfig`.
+        seed: seeds the kill delays (the run is reproducible up to timing).
+        min_delay, max_delay: each child is killed after a uniform random
+            delay in this range (seconds) from its start; the range should
+            cover the session start and a few saves.
+    """
+
+    def __init__(self, config: CrashConfig, *, seed: int = 0, min_delay: float = 0.02,
+                 max_delay: float = 0.4):
+        if not 0 <= min_delay <= max_delay:
+            raise ValueError("need 0 <= min_delay <= max_delay")
+        self.config = config
+        self.rng = random.Random(seed)
+        self.min_delay, self.max_delay = min_delay, max_delay
+
+    def _acks(self) -> int:
+        try:
+            with open(self.config.log_path) as f:
+                return sum(1 for _ in f)
+        except FileNotFoundError:
+            return 0
+
+    def run(self, kills: int, *, stop_on_violation: bool = True) -> CrashReport:
+        """Kill the child ``kills`` times, checking after each kill."""
+        report = CrashReport()
+        t0 = time.monotonic()
+        cfg = asdict(self.config)
+        zygote = _Zygote()
+        try:
+            for _ in range(kills):
+                pid = zygote.ask(op="spawn", config=cfg)["pid"]
+                time.sleep(self.rng.uniform(self.min_delay, self.max_delay))
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                code = zygote.ask(op="wait", pid=pid)["exitcode"]
+                report.kills += 1
+                if code != -signal.SIGKILL:
+                    report.violations.append(
+                        f"kill {report.kills}: the child exited by itself (code {code}) "
+                        "before the kill; it must save until killed (its traceback is on stderr)"
+                    )
+                bad, newest = check_trial(self.config)
+                report.newest_step = newest
+                report.violations.extend(f"kill {report.kills}: {v}" for v in bad)
+                if report.violations and stop_on_violation:
+                    break
+        finally:
+            zygote.close()
+        report.saves_acknowledged = self._acks()
+        report.seconds = time.monotonic() - t0
+        return report
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["zygote"]:
+        _zygote_main()
+    else:
+        raise SystemExit("usage: python -m checkpoint_store.testing.crash zygote")

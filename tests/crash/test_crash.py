@@ -1,0 +1,69 @@
+"""The crash harness: SIGKILL a saving process at random moments, check after each kill.
+
+CI runs these (they are marked slow): 100 kills on local disk, 50 on S3 (moto).
+``scripts/soak.py`` runs many more.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from checkpoint_store.testing.crash import CrashConfig, CrashHarness, check_trial
+
+
+def _assert_clean(report, kills: int) -> None:
+    assert report.violations == [], report.summary()
+    assert report.kills == kills, report.summary()
+    # Kills landed while saving, not only before the first save.
+    assert report.saves_acknowledged >= kills // 2, report.summary()
+
+
+@pytest.mark.slow
+def test_hundred_kills_on_local_disk(tmp_path):
+    cfg = CrashConfig(storage_path=str(tmp_path / "store"), log_path=str(tmp_path / "acks.log"))
+    report = CrashHarness(cfg, seed=1, min_delay=0.02, max_delay=0.4).run(100)
+    print(report.summary())
+    _assert_clean(report, 100)
+
+
+@pytest.mark.slow
+def test_fifty_kills_on_s3(s3_location, tmp_path):
+    cfg = CrashConfig(storage_path=s3_location.uri, storage_options=s3_location.storage_options,
+                      env=dict(s3_location.env), log_path=str(tmp_path / "acks.log"),
+                      file_size=16 * 1024)
+    # A child needs ~0.6 s to start a session on moto and ~0.5 s per save.
+    report = CrashHarness(cfg, seed=2, min_delay=0.3, max_delay=2.0).run(50)
+    print(report.summary())
+    _assert_clean(report, 50)
+
+
+def test_checker_catches_a_lost_or_broken_checkpoint(tmp_path):
+    """The checker must be able to fail: feed it the states it exists to catch."""
+    import json
+    import os
+
+    from checkpoint_store import StorageContext, _fsutil
+
+    cfg = CrashConfig(storage_path=str(tmp_path / "store"), log_path=str(tmp_path / "acks.log"))
+    report = CrashHarness(cfg, seed=3, min_delay=0.5, max_delay=0.6).run(1)
+    assert report.violations == [] and report.saves_acknowledged >= 2, report.summary()
+    storage = StorageContext(cfg.storage_path, cfg.experiment_name, cfg.trial_name)
+    newest = storage.committed_checkpoints()[-1][0]
+    # Flip a byte in the newest checkpoint: it no longer verifies.
+    path = os.path.join(newest.path, "data_0.bin")
+    data = bytearray(open(path, "rb").read())
+    data[0] ^= 1
+    open(path, "wb").write(bytes(data))
+    bad, _ = check_trial(cfg)
+    assert any("does not verify" in v for v in bad), bad
+    # Remove it entirely: the acknowledged save is lost.
+    _fsutil.delete_dir(storage.filesystem, newest.path)
+    bad, _ = check_trial(cfg)
+    assert any("was lost" in v for v in bad), bad
+    # A directory we did not write shows up as foreign.
+    os.makedirs(os.path.join(storage.trial_path, "checkpoint_999999"))
+    open(os.path.join(storage.trial_path, "checkpoint_999999", "x.bin"), "wb").write(b"x")
+    bad, _ = check_trial(cfg)
+    assert any("not recognisable" in v for v in bad), bad
+    with open(cfg.log_path) as f:
+        assert json.loads(f.read().splitlines()[-1])["step"] >= 1
