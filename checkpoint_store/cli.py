@@ -268,19 +268,10 @@ class _State:
 
 
 def _inspect(loc: _Location) -> _State:
-    from checkpoint_store import transfer
+    from checkpoint_store.transfer import inspect_checkpoint
 
-    inspect = getattr(transfer, "inspect_checkpoint", None)
-    if inspect is not None:
-        insp = inspect(loc.fs, loc.path)
-        return _State(insp.state, insp.meta, getattr(insp, "reason", None),
-                      getattr(insp, "file", None))
-    meta = transfer.read_internal_metadata(loc.fs, loc.path)
-    if meta is not None:
-        return _State("committed", meta)
-    if _fsutil.exists(loc.fs, posixpath.join(loc.path, INTERNAL_METADATA)):
-        return _State("invalid", None, f"{INTERNAL_METADATA} is unreadable", INTERNAL_METADATA)
-    return _State("absent" if _fsutil.exists(loc.fs, loc.path) else "missing", None)
+    insp = inspect_checkpoint(loc.fs, loc.path)
+    return _State(insp.state, insp.meta, insp.reason, insp.file)
 
 
 def _might_be_checkpoint(loc: _Location) -> bool:
@@ -1083,7 +1074,8 @@ def cp_cmd(src: str, dst: str, storage_options: dict[str, Any], src_options: dic
 
 def _verify_one(ckpt: _Location, meta: Mapping[str, Any], on_bytes: Callable[[int], None],
                 counting: bool = True) -> None:
-    """Read every manifest file of one checkpoint and check its size and CRC32C.
+    """Read every manifest file of one checkpoint and check its size and CRC32C
+    (:meth:`Checkpoint.verify`), counting the bytes for the progress bar.
 
     Raises:
         CheckpointCorruptError: naming the first bad or missing file.
@@ -1092,22 +1084,7 @@ def _verify_one(ckpt: _Location, meta: Mapping[str, Any], on_bytes: Callable[[in
 
     expected = _expected(ckpt, meta)
     counted = _counting(ckpt, on_bytes, track=expected.__contains__) if counting else ckpt
-    checkpoint = Checkpoint._from_backend(counted.backend, ckpt.path)
-    verify = getattr(checkpoint, "verify", None)
-    if callable(verify):
-        verify()
-        return
-    reading = _counting(ckpt, on_bytes, expected=expected)
-    for full, (rel, _size, _crc) in sorted(expected.items()):
-        try:
-            stream = reading.fs.open_input_stream(full)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(
-                f"file {rel!r} listed in the manifest of {ckpt.uri} is missing",
-                path=ckpt.path, file=rel) from None
-        with stream:
-            while stream.read(8 * 1024 * 1024):
-                pass
+    Checkpoint._from_backend(counted.backend, ckpt.path).verify()
 
 
 @main.command("verify")
