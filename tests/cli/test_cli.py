@@ -520,3 +520,20 @@ def test_download_progress_counts_ranged_reads(tmp_path, monkeypatch) -> None:
     assert res.exit_code == 0, res.output
     assert sum(counted) == len(payload) + 10
     assert (dest / "model.bin").read_bytes() == payload
+
+
+@pytest.mark.parametrize("kind", ["s3", "azure"])
+def test_installed_command_takes_credentials_from_the_standard_variables(
+        kind: str, tmp_path, request: pytest.FixtureRequest) -> None:
+    loc = request.getfixturevalue(f"{kind}_location")
+    store = Store(loc.uri, dict(loc.storage_options))
+    make_trial(store, tmp_path, [0.5, 0.2])
+    exe = os.path.join(os.path.dirname(sys.executable), "checkpoint-store")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("AWS_", "AZURE_"))}
+    env.update(loc.env)
+    proc = subprocess.run([exe, "ls", store.join("exp", "t1"), "--json"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert [c["index"] for c in json.loads(proc.stdout)["checkpoints"]] == [0, 1]
+    assert proc.stderr == ""
