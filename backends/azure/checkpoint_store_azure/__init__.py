@@ -35,9 +35,10 @@ Credentials are never printed: ``repr(backend)`` names the engine only.
 
 from __future__ import annotations
 
+import functools
 import os
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,13 +237,9 @@ def azure_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else "az"
     ours, extra = _options(uri, storage_options)
     engine = ours["engine"]
-    build: Callable[[], pafs.FileSystem]
-    if engine == "pyarrow":
-        def build() -> pafs.FileSystem:
-            return _build_pyarrow(ours, extra)
-    else:
-        def build() -> pafs.FileSystem:
-            return _build_adlfs(ours, extra)
+    # A partial of module-level functions, not a closure: Checkpoints pickle
+    # with their backend (multiprocessing, Ray).
+    build = functools.partial(_build_pyarrow if engine == "pyarrow" else _build_adlfs, ours, extra)
     return AzureBackend(
         build(),
         scheme=scheme,

