@@ -398,6 +398,46 @@ def _describe_kind(kind: str) -> str:
     return _KIND_LABELS.get(kind, kind)
 
 
+def _refuse_if_live(trial: _Location, force: bool, what: str) -> None:
+    """Refuse to ``what`` a trial whose checkpoint manager holds a live lease.
+
+    A running session renews ``<trial>/.cs_manager_lease.json``; deleting
+    behind its back would fight its own retention. Same liveness rule as the
+    manager: unexpired, and on this host only while the holding pid lives.
+
+    Raises:
+        CheckpointConflictError: a live lease, unless ``force``.
+    """
+    import socket
+
+    from checkpoint_store.retention import LEASE_FILE
+
+    if force:
+        return
+    try:
+        lease = json.loads(_fsutil.read_bytes(trial.fs, posixpath.join(trial.path, LEASE_FILE)))
+    except (OSError, ValueError):
+        return
+    if not isinstance(lease, dict):
+        return
+    expires = lease.get("expires_at")
+    if not isinstance(expires, (int, float)) or expires <= time.time():
+        return
+    pid = lease.get("pid")
+    if lease.get("host") == socket.gethostname() and isinstance(pid, int):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        except OSError:
+            pass
+    raise CheckpointConflictError(
+        f"a running job manages {trial.uri} (host {lease.get('host')!r}, pid {pid}; lease "
+        f"renewed until {_fmt_time(expires)} UTC): refusing to {what} behind its back; "
+        "let it finish, or pass --force if that job is gone"
+    )
+
+
 def _require_trial(loc: _Location) -> None:
     kind = _kind(loc)
     if kind == "trial":
@@ -1184,10 +1224,13 @@ def _select(committed: list[tuple[_Location, dict[str, Any]]], keep: int, metric
 @click.option("--keep-latest/--no-keep-latest", default=True, show_default=True,
               help="Also keep the newest checkpoint (resume needs it), as the manager does.")
 @click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")
+@click.option("--force", is_flag=True,
+              help="Prune even while a running job's checkpoint manager holds the trial.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @_common
 def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int, metric: str | None,
-              mode: str | None, keep_latest: bool, dry_run: bool, as_json: bool) -> None:
+              mode: str | None, keep_latest: bool, dry_run: bool, force: bool,
+              as_json: bool) -> None:
     """Apply retention to TRIAL after the fact: keep the best N, delete the rest.
 
     Same semantics as CheckpointManager (CheckpointConfig(num_to_keep=N,
@@ -1195,8 +1238,8 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int, metric: st
     missing scores rank last, ties go to the newer checkpoint, and the newest
     checkpoint is kept besides the best N unless --no-keep-latest. Each
     deletion removes the commit marker first, so an interrupted prune never
-    leaves a half-deleted checkpoint that still lists as committed. Do not
-    prune a trial that a running job is still writing.
+    leaves a half-deleted checkpoint that still lists as committed. A trial
+    whose running job holds the manager's lease is refused (--force overrides).
 
     \b
     Examples:
@@ -1218,6 +1261,7 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int, metric: st
     ctx = _storage_context(loc)
     deleted = []
     if not dry_run:
+        _refuse_if_live(loc, force, "prune it")
         for i in evicted:
             ctx.delete_checkpoint(committed[i][0].name)
             deleted.append(describe(i))
@@ -1288,10 +1332,12 @@ def _scan(trial: _Location) -> tuple[list[str], list[str], list[str], list[str]]
               help="Only remove directories untouched for this long, so a checkpoint still "
                    "being written by a running job is left alone.")
 @click.option("--dry-run", is_flag=True, help="Print what would be removed; remove nothing.")
+@click.option("--force", is_flag=True,
+              help="Remove even while a running job's checkpoint manager holds the trial.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @_common
 def gc_cmd(trial: str, storage_options: dict[str, Any], min_age: float, dry_run: bool,
-           as_json: bool) -> None:
+           force: bool, as_json: bool) -> None:
     """Remove the uncommitted directories this tool's writers left in TRIAL.
 
     Removes staging directories, deletions cut short and partial uploads that
@@ -1307,6 +1353,8 @@ def gc_cmd(trial: str, storage_options: dict[str, Any], min_age: float, dry_run:
     """
     loc = _resolve(trial, storage_options)
     _require_trial(loc)
+    if not dry_run:
+        _refuse_if_live(loc, force, "remove directories from it")
     committed, ours, active, foreign = _scan(loc)
     now = time.time()
     removed, too_young = [], []

@@ -537,3 +537,23 @@ def test_installed_command_takes_credentials_from_the_standard_variables(
     assert proc.returncode == 0, proc.stderr
     assert [c["index"] for c in json.loads(proc.stdout)["checkpoints"]] == [0, 1]
     assert proc.stderr == ""
+
+
+@pytest.mark.filterwarnings("ignore:retention state .* is missing:RuntimeWarning")
+def test_prune_and_gc_refuse_a_trial_a_running_job_manages(tmp_path) -> None:
+    from checkpoint_store import session
+
+    store = Store(str(tmp_path / "s"))
+    ctx = make_trial(store, tmp_path, [0.5, 0.2, 0.4])
+    trial = store.join("exp", "t1")
+    prune = ["prune", trial, "--keep", "1", "--metric", "loss", "--mode", "min"]
+    with session.start(storage_path=store.uri, experiment_name="exp", trial_name="t1"):
+        res = invoke(prune)
+        assert res.exit_code == EXIT_FAILURE
+        assert "running job" in res.stderr and "--force" in res.stderr
+        assert invoke(["gc", trial, "--min-age", "0"]).exit_code == EXIT_FAILURE
+        assert invoke([*prune, "--dry-run"]).exit_code == 0
+        assert committed_names(ctx) == [f"checkpoint_{i:06d}" for i in range(3)]
+    res = invoke(prune)
+    assert res.exit_code == 0, res.output
+    assert committed_names(ctx) == ["checkpoint_000001", "checkpoint_000002"]
