@@ -50,6 +50,9 @@ DEFAULT_MEMORY_LIMIT = 80 * 1024 * 1024
 LOCAL_BUFFER = 4 * 1024 * 1024
 #: A local copy splits files larger than this into parallel parts.
 LOCAL_PART = 64 * 1024 * 1024
+#: Remote transfers count each byte twice against the memory limit: the HTTP
+#: client holds its own copy while ours is in flight (measured with VmHWM).
+_REMOTE_COPIES = 2
 #: A batch of small files holds at most this many files ...
 BATCH_FILES = 64
 #: ... and this many bytes.
@@ -247,7 +250,7 @@ def plan(
     remote = dst_fs if route == "upload" else src_fs if route == "download" else None
     remote_fsspec = _fsspec_of(remote) if remote is not None else None
     if remote_fsspec is not None and _is_async(remote_fsspec):
-        small_max = min(part, limit)
+        small_max = min(part, limit // _REMOTE_COPIES)
     batches: list[list[tuple[str, int]]] = []
     large: list[tuple[str, int]] = []
     cur: list[tuple[str, int]] = []
@@ -270,6 +273,10 @@ def plan(
         flat = [f for b in batches for f in b]
         per = max(1, -(-len(flat) // workers))
         batches = [flat[i : i + per] for i in range(0, len(flat), per)]
+    if route == "download":
+        # A ranged GET's bytes exist twice for a moment (the HTTP client's
+        # buffer and ours): parts of at most half the memory limit.
+        part = max(1024 * 1024, min(part, limit // _REMOTE_COPIES))
     return Plan(route, part, workers, limit, batches, large)
 
 
@@ -416,6 +423,7 @@ class _Runner:
                 out.append(FileResult(rel, size, crc))
             return out
         nbytes = sum(s for _, s in items)
+        nbytes *= _REMOTE_COPIES
         self.budget.acquire(nbytes)
         try:
             if route == "upload":
@@ -473,7 +481,7 @@ class _Runner:
                 f"copy {rel}@{offset}",
             )
         # download
-        self.budget.acquire(length)
+        self.budget.acquire(length * _REMOTE_COPIES)
         try:
             fss = self.src_fsspec
             if fss is not None:
@@ -503,14 +511,17 @@ class _Runner:
             del data, mv
             return crc
         finally:
-            self.budget.release(length)
+            self.budget.release(length * _REMOTE_COPIES)
 
     def stream(self, rel: str, size: int, *, budgeted: bool = True) -> FileResult:
         """Copy one file through an output stream, chunk by chunk."""
         return self.call(lambda: self._stream_once(rel, budgeted), f"copy {rel}")
 
     def _stream_once(self, rel: str, budgeted: bool) -> FileResult:
-        chunk = self.p.chunk_size
+        # Chunks sized so that one in flight (counted twice: the client's
+        # copy and ours) stays within the memory limit.
+        chunk = max(1024 * 1024, min(self.p.chunk_size, self.p.memory_limit // _REMOTE_COPIES))
+        charge = chunk * _REMOTE_COPIES
         crc = 0
         size = 0
         held = 0
@@ -522,7 +533,7 @@ class _Runner:
             out = self.dst_fs.open_output_stream(self._dst(rel))
             try:
                 while True:
-                    if budgeted and not self.budget.try_acquire(chunk):
+                    if budgeted and not self.budget.try_acquire(charge):
                         # Before waiting for others, finish what this stream
                         # holds (pyarrow's S3 stream keeps the parts it uploads
                         # in the background until flush), so no one waits on us.
@@ -530,9 +541,9 @@ class _Runner:
                             out.flush()
                             self.budget.release(held)
                             held = 0
-                        self.budget.acquire(chunk)
+                        self.budget.acquire(charge)
                     if budgeted:
-                        held += chunk
+                        held += charge
                     buf = reader.read_buffer(chunk)
                     n = buf.size
                     if not n:
