@@ -70,7 +70,14 @@ _ENV = {
 
 @dataclass(frozen=True, repr=False)
 class AzureBackend(Backend):
-    """A Backend whose URIs may carry the account: ``abfss://c@acct.dfs.core.windows.net/p``."""
+    """A Backend whose URIs may carry the account: ``abfss://c@acct.dfs.core.windows.net/p``.
+
+    Args:
+        account_host: the ``acct.dfs.core.windows.net`` part of such a URI, kept
+            so that :meth:`uri_for` prints URIs a user can paste back in.
+    """
+
+    account_host: str = ""
 
     def path_from_uri(self, uri: str) -> str:
         rest = uri.split("://", 1)[1] if "://" in uri else uri
@@ -78,6 +85,18 @@ class AzureBackend(Backend):
         if "@" in container:
             container = container.split("@", 1)[0]
         return f"{container}{sep}{key}".rstrip("/") or "/"
+
+    def uri_for(self, path: str) -> str:
+        if not self.account_host:
+            return super().uri_for(path)
+        container, sep, key = path.lstrip("/").partition("/")
+        return f"{self.scheme}://{container}@{self.account_host}{sep}{key}"
+
+
+def _account_host_from_uri(uri: str) -> str:
+    rest = uri.split("://", 1)[1] if "://" in uri else ""
+    container = rest.split("/", 1)[0]
+    return container.split("@", 1)[1] if "@" in container else ""
 
 
 def _parse_connection_string(conn: str) -> dict[str, str]:
@@ -246,4 +265,5 @@ def azure_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:
         capabilities=AZURE_CAPABILITIES,
         name=f"Azure Blob ({engine})",
         rebuild=build,
+        account_host=_account_host_from_uri(uri),
     )
