@@ -421,7 +421,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 class _Lease:
-    """Who manages a trial right now: one JSON file renewed by a daemon thread.
+    """Who manages a trial right now: one JSON file renewed in the background.
 
     A lease is live while its ``expires_at`` is in the future, unless its
     holder is a dead process on this very host (then it is taken over at
@@ -440,8 +440,8 @@ class _Lease:
         self.host = socket.gethostname()
         self.pid = os.getpid()
         self.lost = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.interval = max(self.ttl_s / 3.0, 0.05)
+        self.next_renewal = 0.0
         self._released = False
         self._lock = threading.Lock()
 
@@ -510,15 +510,7 @@ class _Lease:
         back = self._read()
         if back is None or back.get("holder") != self.holder:
             raise self._conflict(back or {}, time.time())
-        self._thread = threading.Thread(
-            target=self._run, name=f"cs-lease-{self._storage.trial_name}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self) -> None:
-        interval = max(self.ttl_s / 3.0, 0.05)
-        while not self._stop.wait(interval):
-            self.renew()
+        _KEEPER.add(self)
 
     def renew(self) -> bool:
         """Extend the lease; returns False (and marks it lost) when another holder
@@ -553,7 +545,7 @@ class _Lease:
 
     def _mark_lost(self, cur: Mapping[str, Any]) -> None:
         self.lost = True
-        self._stop.set()
+        _KEEPER.remove(self)
         logger.warning(
             "the lease on %s was taken over by host %r pid %s; this checkpoint manager is "
             "now read-only and deletes nothing",
@@ -561,10 +553,7 @@ class _Lease:
         )
 
     def stop_renewing(self) -> None:
-        self._stop.set()
-        t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(timeout=5.0)
+        _KEEPER.remove(self)
 
     def release(self) -> None:
         """Stop renewing and delete the lease file if it is still ours. Idempotent;
@@ -587,6 +576,54 @@ class _Lease:
 
 def _release_lease(lease: _Lease) -> None:
     lease.release()
+
+
+class _LeaseKeeper:
+    """One daemon thread per process renews every live lease when it is due.
+
+    Shared so that a process managing many trials (a tuning loop) runs one
+    thread, not one per trial, and so that releasing a lease never waits for
+    a thread to stop. A renewal runs outside the keeper's lock; a lease
+    released meanwhile ignores it (``_Lease.renew`` checks under its own lock).
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._leases: set[_Lease] = set()
+        self._thread: threading.Thread | None = None
+
+    def add(self, lease: _Lease) -> None:
+        with self._cv:
+            lease.next_renewal = time.monotonic() + lease.interval
+            self._leases.add(lease)
+            # After a fork the child has no keeper thread: start one.
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="cs-lease-keeper", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify()
+
+    def remove(self, lease: _Lease) -> None:
+        with self._cv:
+            self._leases.discard(lease)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                now = time.monotonic()
+                due = [le for le in self._leases if le.next_renewal <= now]
+                if not due:
+                    wake = min((le.next_renewal for le in self._leases), default=now + 3600.0)
+                    self._cv.wait(timeout=max(wake - now, 0.01))
+                    continue
+                for le in due:
+                    le.next_renewal = now + le.interval
+            for le in due:
+                le.renew()
+
+
+_KEEPER = _LeaseKeeper()
 
 
 # -- the manager ------------------------------------------------------------------------------
