@@ -23,7 +23,8 @@ from checkpoint_store.errors import CheckpointCorruptError
 
 
 class _CountingReader:
-    """A file-like reader that reports bytes read and checks the CRC32C at EOF."""
+    """A file-like reader that reports bytes read and, given the manifest entry,
+    checks size and CRC32C once the whole file has passed."""
 
     def __init__(
         self,
@@ -38,28 +39,35 @@ class _CountingReader:
         self._expected = expected  # (relative path, size, crc32c hex)
         self._crc = 0
         self._size = 0
-        self._checked = False
         self.closed = False
 
     def read(self, n: int | None = -1) -> bytes:
-        data = self._inner.read(n) if n is not None and n >= 0 else self._inner.read()
+        whole = n is None or n < 0
+        data = self._inner.read() if whole else self._inner.read(n)
         if data:
             self._size += len(data)
             if self._expected is not None:
                 self._crc = google_crc32c.extend(self._crc, data)
             if self._on_bytes is not None:
                 self._on_bytes(len(data))
-        elif self._expected is not None and not self._checked:
-            self._checked = True
-            rel, size, crc = self._expected
-            got = f"{self._crc:08x}"
-            if self._size != size or got != crc:
-                raise CheckpointCorruptError(
-                    f"file {rel!r} does not match the checkpoint's manifest (size "
-                    f"{self._size} vs {size}, crc32c {got} vs {crc})",
-                    path=self._path, file=rel,
-                )
+        # Check as soon as the expected size is reached (callers that know the
+        # size never ask for EOF), on a read-everything call, and at EOF.
+        if self._expected is not None and (
+            whole or not data or self._size >= self._expected[1]
+        ):
+            self._check()
         return data
+
+    def _check(self) -> None:
+        assert self._expected is not None
+        rel, size, crc = self._expected
+        got = f"{self._crc:08x}"
+        if self._size != size or got != crc:
+            raise CheckpointCorruptError(
+                f"file {rel!r} does not match the checkpoint's manifest (size "
+                f"{self._size} vs {size}, crc32c {got} vs {crc})",
+                path=self._path, file=rel,
+            )
 
     def readable(self) -> bool:
         return True
@@ -74,21 +82,48 @@ class _CountingReader:
 
 
 class _CountingRandomReader:
-    """A seekable reader for ranged reads (``read_at``) that reports bytes read.
+    """A seekable reader (for ``read_at``) that reports bytes read.
 
-    Ranged reads of one file may run in parallel and in any order, so no
-    checksum is computed here; ``cp`` compares the committed manifest instead.
+    When the reads of one open file cover it in order from offset 0 (a small
+    file read whole), its size and CRC32C are checked against the manifest
+    entry as soon as the last byte passed. Parts of a large file read by
+    separate handles cannot be checked here; ``cp`` compares the committed
+    manifest for those.
     """
 
-    def __init__(self, inner: Any, on_bytes: Callable[[int], None] | None):
+    def __init__(self, inner: Any, path: str, on_bytes: Callable[[int], None] | None,
+                 expected: tuple[str, int, str] | None):
         self._inner = inner
+        self._path = path
         self._on_bytes = on_bytes
+        self._expected = expected
+        self._in_order = expected is not None
+        self._pos = 0          # where the next in-order read must start
+        self._crc = 0
         self.closed = False
 
     def read(self, n: int | None = -1) -> bytes:
+        start = self._inner.tell()
         data = self._inner.read(n) if n is not None and n >= 0 else self._inner.read()
         if data and self._on_bytes is not None:
             self._on_bytes(len(data))
+        if self._in_order and data:
+            if start != self._pos:
+                self._in_order = False
+            else:
+                self._crc = google_crc32c.extend(self._crc, data)
+                self._pos += len(data)
+                assert self._expected is not None
+                rel, size, crc = self._expected
+                if self._pos >= size:
+                    got = f"{self._crc:08x}"
+                    if self._pos != size or got != crc:
+                        raise CheckpointCorruptError(
+                            f"file {rel!r} does not match the checkpoint's manifest (size "
+                            f"{self._pos} vs {size}, crc32c {got} vs {crc})",
+                            path=self._path, file=rel,
+                        )
+                    self._in_order = False  # checked; later reads are just counted
         return data
 
     def seek(self, offset: int, whence: int = 0) -> int:
@@ -188,12 +223,14 @@ class _CountingHandler(pafs.FileSystemHandler):
     def open_input_file(self, path: str) -> pa.NativeFile:
         inner = self.fs.open_input_file(path)
         if self.expected is not None:
-            counted = path in self.expected
+            exp = self.expected.get(path)
+            counted = exp is not None
         else:
+            exp = None
             counted = self.track(path) if self.track is not None else True
         if not counted:
             return inner
-        return pa.PythonFile(_CountingRandomReader(inner, self.on_bytes), mode="r")
+        return pa.PythonFile(_CountingRandomReader(inner, path, self.on_bytes, exp), mode="r")
 
     def open_output_stream(self, path: str, metadata: Any) -> pa.NativeFile:
         return self.fs.open_output_stream(path, metadata=metadata)
