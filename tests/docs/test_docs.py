@@ -144,6 +144,12 @@ def test_examples_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         server = request.getfixturevalue("azure_server")
         for name in containers:
             _ensure_container(server, name)
+    # Pages may register example backends; they must not leak into later tests.
+    from checkpoint_store import registry
+
+    registered = dict(registry._code_registered)
+    request.addfinalizer(lambda: (registry._code_registered.clear(),
+                                  registry._code_registered.update(registered)))
     namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
     for b in blocks:
         where = f"{b.page}:{b.line}"
