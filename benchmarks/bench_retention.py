@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--k", type=int, default=3, help="num_to_keep")
     p.add_argument("--n-io", type=int, default=300, help="registrations through storage")
     args = p.parse_args(argv)
-    result = {
+    result: dict[str, Any] = {
         "benchmark": "retention",
         "python": sys.version.split()[0],
         "select": _bench_select(args.n, args.k),

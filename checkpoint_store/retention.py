@@ -48,7 +48,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 from checkpoint_store import _fsutil, _json
 from checkpoint_store._layout import FORMAT_VERSION, INTERNAL_PREFIX, MANAGER_STATE
@@ -238,7 +238,8 @@ class CheckpointRecord:
     metrics: Mapping[str, Any]
 
 
-class _Entry(NamedTuple):
+@dataclass(slots=True)
+class _Entry:
     index: int
     dir_name: str
     score: float | None
@@ -273,36 +274,43 @@ class _Selection:
         self.key = _rank_key(config)
         self.kept: dict[str, _Entry] = {}
         self.latest_index: int | None = None
+        # Rank keys are computed once per entry: _trim runs on every registration.
+        self._rank: dict[str, tuple[int, float, int]] = {}
         self._keep_missing = (
             config.missing_score == "keep" and config.checkpoint_score_attribute is not None
         )
 
     def add(self, entry: _Entry) -> list[_Entry]:
         """Add (or replace, by directory name) one entry; returns the evicted ones."""
-        self.kept.pop(entry.dir_name, None)
-        self.kept[entry.dir_name] = entry
+        name = entry.dir_name
+        self.kept.pop(name, None)
+        self.kept[name] = entry
+        self._rank[name] = self.key(entry)
         if self.latest_index is None or entry.index > self.latest_index:
             self.latest_index = entry.index
         return self._trim()
 
     def _trim(self) -> list[_Entry]:
         k = self.config.num_to_keep
-        if k is None or len(self.kept) <= k:
+        kept = self.kept
+        if k is None or len(kept) <= k:
             return []
-        entries = list(self.kept.values())
-        ranked = sorted(
-            (e for e in entries if not (self._keep_missing and e.score is None)),
-            key=self.key, reverse=True,
-        )
-        keep = {e.dir_name for e in ranked[:k]}
         if self._keep_missing:
-            keep.update(e.dir_name for e in entries if e.score is None)
+            candidates = [n for n, e in kept.items() if e.score is not None]
+        else:
+            candidates = list(kept)
+        candidates.sort(key=self._rank.__getitem__, reverse=True)
+        keep = set(candidates[:k])
+        if self._keep_missing:
+            keep.update(n for n, e in kept.items() if e.score is None)
         if self.config.keep_latest:
-            keep.update(e.dir_name for e in entries if e.index == self.latest_index)
-        evicted = [e for e in entries if e.dir_name not in keep]
+            latest = self.latest_index
+            keep.update(n for n, e in kept.items() if e.index == latest)
+        evicted = [kept.pop(n) for n in list(kept) if n not in keep]
         for e in evicted:
-            del self.kept[e.dir_name]
-        return sorted(evicted, key=lambda e: e.index)
+            del self._rank[e.dir_name]
+        evicted.sort(key=lambda e: e.index)
+        return evicted
 
     def ordered(self) -> list[_Entry]:
         return sorted(self.kept.values(), key=lambda e: e.index)
@@ -1014,7 +1022,7 @@ class CheckpointManager:
         if state is not None:
             self.run_id = state["run_id"]
         else:
-            mine = [m.get("run_id") for _, _, m in committed
+            mine: list[str] = [m["run_id"] for _, _, m in committed
                     if m.get("trial_name") in (None, storage.trial_name)
                     and isinstance(m.get("run_id"), str)]
             self.run_id = mine[-1] if mine else uuid.uuid4().hex

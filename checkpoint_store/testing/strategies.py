@@ -71,7 +71,7 @@ def scores(*, allow_missing: bool = True, allow_nan: bool = True) -> st.SearchSt
 def metric_keys() -> st.SearchStrategy[str]:
     """A non-empty unicode metric name without ``/`` (the nesting separator)."""
     return st.text(
-        alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="/"),
+        alphabet=st.characters(exclude_categories=("Cs", "Co"), exclude_characters="/"),
         min_size=1, max_size=12,
     )
 
@@ -109,8 +109,8 @@ def path_components() -> st.SearchStrategy[str]:
     ``/``, ``\\``, NUL or control characters, not ``.``/``..``, at most 40
     characters, no leading/trailing space (object stores and Windows trim them)."""
     alphabet = st.characters(
-        blacklist_categories=("Cs", "Cc", "Zl", "Zp"),
-        blacklist_characters="/\\\x00",
+        exclude_categories=("Cs", "Cc", "Zl", "Zp"),
+        exclude_characters="/\\\x00",
     )
     return (
         st.text(alphabet=alphabet, min_size=1, max_size=40)
