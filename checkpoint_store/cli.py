@@ -1073,12 +1073,11 @@ def cp_cmd(src: str, dst: str, storage_options: dict[str, Any], src_options: dic
     """
     s = _resolve(src, {**storage_options, **src_options}, options_if_remote=True)
     d = _resolve(dst, {**storage_options, **dst_options}, options_if_remote=True)
-    meta = _internal(s)
-    kind = "checkpoint" if meta is not None else _kind(s)
+    kind = _kind(s)
     jobs: list[tuple[_Location, dict[str, Any], _Location, int]] = []
     trial_pairs: list[tuple[_Location, _Location]] = []
     if kind == "checkpoint":
-        assert meta is not None
+        meta = _require_checkpoint(s)
         target, index = _checkpoint_dest(d, s.name)
         jobs.append((s, meta, target, index))
     elif kind in ("trial", "experiment", "root"):
@@ -1088,8 +1087,8 @@ def cp_cmd(src: str, dst: str, storage_options: dict[str, Any], src_options: dic
             trial_pairs.append((trial, dt))
             for ckpt, cmeta in _committed(trial):
                 jobs.append((ckpt, cmeta, dt.child(ckpt.name), int(cmeta["index"])))
-    elif kind == "uncommitted":
-        raise CheckpointNotFoundError(f"{s.uri} is not a committed checkpoint; nothing to copy")
+    elif kind in ("uncommitted", "corrupt"):
+        _require_checkpoint(s)  # raises, saying which
     else:
         raise CheckpointNotFoundError(f"no checkpoints under {s.uri}")
     if not jobs and not trial_pairs:
