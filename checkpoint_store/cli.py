@@ -46,6 +46,8 @@ from checkpoint_store.errors import (
     CheckpointNotFoundError,
     CheckpointStoreError,
     InvalidConfigError,
+    PermanentBackendError,
+    TransientBackendError,
     UnknownSchemeError,
 )
 
@@ -74,9 +76,12 @@ def _hint_for(exc: BaseException) -> str | None:
         return "`checkpoint-store ls` on the parent location shows what is there"
     if isinstance(exc, CheckpointConflictError):
         return "choose another destination, or delete the existing checkpoint first"
-    if isinstance(exc, PermissionError):
-        return ("check the credentials: --storage-option KEY=VALUE or the backend's "
-                "environment variables")
+    if isinstance(exc, (PermissionError, PermanentBackendError)):
+        return ("check the credentials and the bucket: --storage-option KEY=VALUE or the "
+                "backend's environment variables")
+    if isinstance(exc, TransientBackendError):
+        return ("check the endpoint (-o endpoint_url=... or AWS_ENDPOINT_URL and friends) "
+                "and the network; --debug shows the traceback")
     if isinstance(exc, (CheckpointStoreError, OSError)):
         return "rerun with --debug for the full traceback"
     return "this is likely a bug; rerun with --debug and report the traceback"
