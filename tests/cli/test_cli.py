@@ -557,3 +557,13 @@ def test_prune_and_gc_refuse_a_trial_a_running_job_manages(tmp_path) -> None:
     res = invoke(prune)
     assert res.exit_code == 0, res.output
     assert committed_names(ctx) == ["checkpoint_000001", "checkpoint_000002"]
+
+
+def test_unreachable_store_exits_1_with_one_line(monkeypatch) -> None:
+    monkeypatch.setenv("CHECKPOINT_STORE_RETRY_ATTEMPTS", "1")
+    res = invoke(["ls", "s3://some-bucket/runs", "-o", "endpoint_url=http://127.0.0.1:9",
+                  "-o", "access_key_id=a", "-o", "secret_access_key=b", "-o", "region=us-east-1"])
+    assert res.exit_code == EXIT_FAILURE
+    assert res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "(hint: " in lines[0]
