@@ -154,6 +154,95 @@ class ListingFSSpecHandler(pafs.FSSpecHandler):
         return infos
 
 
+class MarkerFreeDeletesHandler(pafs.FileSystemHandler):
+    """A native pyarrow filesystem for everything but deletes, an fsspec one for deletes.
+
+    pyarrow's object-store filesystems (S3, Azure) write an empty ``parent/``
+    directory-marker object after every delete so that the parent keeps
+    "existing". That costs a request per delete, leaves zero-byte objects, and
+    fails on stores that reject them. The fsspec client of the same store
+    deletes just the keys, so deletes go through it; reads, writes and
+    listings stay on pyarrow's C++ client.
+
+    Args:
+        native: the pyarrow filesystem.
+        deleter: an fsspec filesystem on the same store and credentials.
+        type_name: what ``type_name`` reports (``"s3"``, ``"abfs"``).
+    """
+
+    def __init__(self, native: pafs.FileSystem, deleter: Any, type_name: str):
+        self.native = native
+        self.deleter = deleter
+        self.type_name = type_name
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, MarkerFreeDeletesHandler)
+            and self.native.equals(other.native)
+        )
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+    def get_type_name(self) -> str:
+        return self.type_name
+
+    def normalize_path(self, path: str) -> str:
+        return self.native.normalize_path(path)
+
+    def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
+        return self.native.get_file_info(paths)
+
+    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
+        return self.native.get_file_info(selector)
+
+    def create_dir(self, path: str, recursive: bool) -> None:
+        self.native.create_dir(path, recursive=recursive)
+
+    def delete_dir(self, path: str) -> None:
+        if self.native.get_file_info(path).type == pafs.FileType.NotFound:
+            raise FileNotFoundError(path)
+        self.deleter.rm(path.rstrip("/"), recursive=True)
+
+    def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
+        infos = self.native.get_file_info(pafs.FileSelector(path, allow_not_found=missing_dir_ok))
+        keys = [fi.path for fi in infos]
+        if keys:
+            self.deleter.rm(keys, recursive=True)
+
+    def delete_root_dir_contents(self) -> None:
+        raise OSError("refusing to delete every bucket or container of an account")
+
+    def delete_file(self, path: str) -> None:
+        if self.native.get_file_info(path).type != pafs.FileType.File:
+            raise FileNotFoundError(path)
+        self.deleter.rm_file(path)
+
+    def move(self, src: str, dest: str) -> None:
+        # A copy and a delete on object stores; the delete must not leave a marker either.
+        info = self.native.get_file_info(src)
+        if info.type == pafs.FileType.File:
+            self.native.copy_file(src, dest)
+            self.delete_file(src)
+            return
+        self.native.move(src, dest)
+
+    def copy_file(self, src: str, dest: str) -> None:
+        self.native.copy_file(src, dest)
+
+    def open_input_stream(self, path: str) -> Any:
+        return self.native.open_input_stream(path)
+
+    def open_input_file(self, path: str) -> Any:
+        return self.native.open_input_file(path)
+
+    def open_output_stream(self, path: str, metadata: Any) -> Any:
+        return self.native.open_output_stream(path, metadata=metadata)
+
+    def open_append_stream(self, path: str, metadata: Any) -> Any:
+        return self.native.open_append_stream(path, metadata=metadata)
+
+
 def wrap_fsspec(fs: Any) -> pafs.FileSystem:
     """``pyarrow.fs.PyFileSystem(ListingFSSpecHandler(fs))`` for an fsspec filesystem."""
     return pafs.PyFileSystem(ListingFSSpecHandler(fs))

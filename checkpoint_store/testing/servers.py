@@ -135,11 +135,17 @@ class _Server:
             cmd = cls._command(port, workdir, **kwargs)
             env = dict(os.environ)
             env.update(cls._env())
-            with open(log_path, "wb") as log:
-                proc = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env=env, cwd=workdir, start_new_session=True,
-                )
+            try:
+                with open(log_path, "wb") as log:
+                    proc = subprocess.Popen(
+                        cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                        env=env, cwd=workdir, start_new_session=True,
+                    )
+            except OSError as exc:  # the program is missing or not executable
+                shutil.rmtree(workdir, ignore_errors=True)
+                raise ServerStartError(
+                    f"{cls.__name__} could not run {cmd[0]!r}: {exc}"
+                ) from None
             server = cls(port=port, process=proc, workdir=workdir, log_path=log_path, **kwargs)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:

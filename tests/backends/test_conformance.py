@@ -53,6 +53,21 @@ class TestAzure(BackendTests):
         }
 
 
+class TestAzurePyArrow(BackendTests):
+    """pyarrow's AzureFileSystem engine (adlfs still does the deletes)."""
+
+    @pytest.fixture
+    def storage_location(self, azure_server, azure_container):
+        return StorageLocation(f"abfs://{azure_container}/ckpt",
+                               azure_server.storage_options("pyarrow"))
+
+    @pytest.fixture
+    def raw_objects(self, azure_server, azure_container):
+        return lambda: {
+            f"{azure_container}/{k}": v for k, v in azure_server.list_blobs(azure_container).items()
+        }
+
+
 class TestGCS(BackendTests):
     @pytest.fixture
     def storage_location(self, gcs_location):

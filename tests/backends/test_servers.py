@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pyarrow.fs as pafs
+import pytest
 
 from checkpoint_store import StorageContext
 from checkpoint_store.testing.servers import S3Server
@@ -85,3 +86,27 @@ def test_gcs_fixture(gcs_server, gcs_bucket, gcs_location):
     assert gcs_server.endpoint_url.startswith("http://127.0.0.1:")
     size = _roundtrip(gcs_location.uri, gcs_location.storage_options)
     assert gcs_server.list_objects(gcs_bucket) == {"ckpt/exp/trial/params.json": size}
+
+
+def _run_pytest_with(tmp_path, env_extra: dict[str, str]) -> subprocess.CompletedProcess:
+    (tmp_path / "test_needs_azure.py").write_text(
+        "def test_uses_azure(azure_server):\n    pass\n", encoding="utf-8"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env.update(env_extra)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+         str(tmp_path / "test_needs_azure.py")],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+    )
+
+
+@pytest.mark.slow  # two pytest subprocesses
+def test_missing_server_skips_outside_ci_and_fails_in_ci(tmp_path):
+    missing = {"AZURITE_BLOB": str(tmp_path / "no-such-azurite-blob")}
+    local = _run_pytest_with(tmp_path, missing)
+    assert local.returncode == 0, local.stdout[-2000:]
+    assert "1 skipped" in local.stdout and "could not start" in local.stdout
+    ci = _run_pytest_with(tmp_path, {**missing, "CI": "true"})
+    assert ci.returncode == 1, ci.stdout[-2000:]
+    assert "1 error" in ci.stdout and "CI=true" in ci.stdout

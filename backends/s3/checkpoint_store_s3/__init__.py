@@ -47,7 +47,12 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store.backends.base import Backend, Capabilities, wrap_fsspec
+from checkpoint_store.backends.base import (
+    Backend,
+    Capabilities,
+    MarkerFreeDeletesHandler,
+    wrap_fsspec,
+)
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
 __all__ = ["S3_CAPABILITIES", "MarkerFreeS3Handler", "s3_backend"]
@@ -136,87 +141,18 @@ def _pyarrow_s3_class() -> Any | None:
     return cls
 
 
-class MarkerFreeS3Handler(pafs.FileSystemHandler):
+class MarkerFreeS3Handler(MarkerFreeDeletesHandler):
     """pyarrow's S3 client for reads, writes and listings; s3fs for deletes.
 
     After every delete, ``pyarrow.fs.S3FileSystem`` writes an empty ``parent/``
     directory-marker object so that the parent keeps "existing" (Arrow's
     ``EnsureParentExists``). That costs a request per delete, litters the
     bucket with zero-byte objects, and fails outright on S3-compatible stores
-    that reject zero-byte objects. s3fs deletes just the keys, so deletes go
-    through it; everything else stays on pyarrow's C++ client.
+    that reject zero-byte objects. s3fs deletes just the keys.
     """
 
     def __init__(self, native: pafs.FileSystem, deleter: Any):
-        self.native = native
-        self.deleter = deleter
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, MarkerFreeS3Handler)
-            and self.native.equals(other.native)
-        )
-
-    def __hash__(self) -> int:
-        return hash(type(self))
-
-    def get_type_name(self) -> str:
-        return "s3"
-
-    def normalize_path(self, path: str) -> str:
-        return self.native.normalize_path(path)
-
-    def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
-        return self.native.get_file_info(paths)
-
-    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
-        return self.native.get_file_info(selector)
-
-    def create_dir(self, path: str, recursive: bool) -> None:
-        self.native.create_dir(path, recursive=recursive)
-
-    def delete_dir(self, path: str) -> None:
-        if self.native.get_file_info(path).type == pafs.FileType.NotFound:
-            raise FileNotFoundError(path)
-        self.deleter.rm(path.rstrip("/"), recursive=True)
-
-    def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
-        infos = self.native.get_file_info(pafs.FileSelector(path, allow_not_found=missing_dir_ok))
-        keys = [fi.path for fi in infos]
-        if keys:
-            self.deleter.rm(keys, recursive=True)
-
-    def delete_root_dir_contents(self) -> None:
-        raise OSError("refusing to delete every bucket of an S3 account")
-
-    def delete_file(self, path: str) -> None:
-        if self.native.get_file_info(path).type != pafs.FileType.File:
-            raise FileNotFoundError(path)
-        self.deleter.rm_file(path)
-
-    def move(self, src: str, dest: str) -> None:
-        # A copy and a delete on S3; the delete must not leave a marker either.
-        info = self.native.get_file_info(src)
-        if info.type == pafs.FileType.File:
-            self.native.copy_file(src, dest)
-            self.delete_file(src)
-            return
-        self.native.move(src, dest)
-
-    def copy_file(self, src: str, dest: str) -> None:
-        self.native.copy_file(src, dest)
-
-    def open_input_stream(self, path: str) -> Any:
-        return self.native.open_input_stream(path)
-
-    def open_input_file(self, path: str) -> Any:
-        return self.native.open_input_file(path)
-
-    def open_output_stream(self, path: str, metadata: Any) -> Any:
-        return self.native.open_output_stream(path, metadata=metadata)
-
-    def open_append_stream(self, path: str, metadata: Any) -> Any:
-        return self.native.open_append_stream(path, metadata=metadata)
+        super().__init__(native, deleter, type_name="s3")
 
 
 def _build_pyarrow(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.FileSystem:
