@@ -317,6 +317,8 @@ class Session:
                 self._next_index = index + 1
                 self._latest = persisted
                 self.manager.register(persisted, row)
+                # keep_latest=False may evict the newest: never hand out a deleted one.
+                self._latest = self.manager.latest_checkpoint or persisted
             assert self._results is not None
             self._results.append(row)
             return row, persisted
@@ -360,6 +362,7 @@ class Session:
                 self._latest = persisted
                 if self.world_rank == 0:
                     self.manager.register(persisted, row)
+                    self._latest = self.manager.latest_checkpoint or persisted
             elif error is not None:
                 raise error
             if self._results is not None:
