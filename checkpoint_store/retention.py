@@ -443,6 +443,7 @@ class _Lease:
         self._storage = storage
         self.path = posixpath.join(storage.trial_path, LEASE_FILE)
         self.trial_uri = storage.uri(storage.trial_path)
+        self._local = _fsutil.local_path(storage.filesystem, storage.trial_path) is not None
         self.ttl_s = float(ttl_s)
         self.holder = uuid.uuid4().hex
         self.host = socket.gethostname()
@@ -486,8 +487,12 @@ class _Lease:
     def _live_other(self, cur: dict[str, Any] | None, now: float) -> bool:
         if cur is None or cur.get("holder") == self.holder:
             return False
-        if cur.get("trial") != self.trial_uri:
-            return False  # copied in with a moved trial directory
+        if cur.get("trial") != self.trial_uri and (
+            cur.get("host") == self.host or not self._local
+        ):
+            # Copied in with a moved trial directory. Only a local path on another
+            # host may name the same directory differently (an NFS mount point).
+            return False
         expires = cur.get("expires_at")
         if not isinstance(expires, (int, float)) or expires <= now:
             return False
@@ -504,7 +509,9 @@ class _Lease:
             f"{max(left, 0.0):.0f} s unless renewed. Two managers on one trial would delete "
             "each other's checkpoints. End the other run (its lease is released when its "
             "session ends), wait for the lease to expire if that process crashed, or open "
-            "this trial with CheckpointManager(..., read_only=True) to only read it."
+            "this trial with CheckpointManager(..., read_only=True) to only read it. If this "
+            f"directory was copied from {cur.get('trial')!r} while that run was live, the "
+            f"lease came with the copy: delete {self._storage.uri(self.path)}."
         )
 
     def acquire(self) -> None:

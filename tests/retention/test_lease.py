@@ -186,3 +186,39 @@ def test_bad_lease_ttl_is_refused(tmp_path):
     for bad in (0, -1, float("nan"), float("inf"), True, "60"):
         with pytest.raises(InvalidConfigError, match="lease_ttl_s"):
             CheckpointManager(CheckpointConfig(1), storage, lease_ttl_s=bad)
+
+
+def test_live_manager_in_another_process_is_detected(tmp_path):
+    root = str(tmp_path / "runs")
+    code = textwrap.dedent(f"""
+        import sys, time
+        from checkpoint_store import CheckpointConfig, CheckpointManager, StorageContext
+        m = CheckpointManager(CheckpointConfig(1), StorageContext({root!r}, "exp", "t"))
+        print("ready", flush=True)
+        time.sleep(120)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with pytest.raises(CheckpointConflictError, match=f"pid {child.pid}"):
+            CheckpointManager(CheckpointConfig(1), StorageContext(root, "exp", "t"))
+        child.kill()  # SIGKILL: nothing is released
+        child.wait(timeout=30)
+        with CheckpointManager(CheckpointConfig(1), StorageContext(root, "exp", "t")) as m:
+            assert not m.read_only
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+
+
+def test_local_lease_from_another_host_under_another_path_is_honoured(tmp_path):
+    # The same shared directory can be mounted at another path on another host.
+    storage = StorageContext(str(tmp_path), "exp", "t")
+    _write_lease(storage, {"holder": "h", "host": "gpu-node-7", "pid": 4242,
+                           "trial": "file:///mnt/shared/exp/t",
+                           "expires_at": time.time() + 60})
+    with pytest.raises(CheckpointConflictError, match="gpu-node-7") as info:
+        CheckpointManager(CheckpointConfig(1), storage)
+    assert "copied from 'file:///mnt/shared/exp/t'" in str(info.value)
+    assert LEASE_FILE in str(info.value)
