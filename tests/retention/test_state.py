@@ -418,3 +418,30 @@ def test_move_trial_local_to_s3(tmp_path, source_dir, s3_location):
             with dest.filesystem.open_output_stream(posixpath.join(dest.trial_path, rel)) as f:
                 f.write(data)
     _check_moved(dest, m.run_id, tmp_path)
+
+
+@FAST
+def test_state_write_failure_postpones_deletes_and_never_fails_report(
+    make_storage, source_dir, monkeypatch
+):
+    from checkpoint_store import retention
+
+    storage = make_storage()
+    m = CheckpointManager(CheckpointConfig(1, "score", "max", keep_latest=False), storage)
+    save(m, storage, source_dir, {"score": 1.0})
+    real = retention._fsutil.write_bytes
+
+    def refuse_state(fs, path, *a, **kw):
+        if path.endswith(MANAGER_STATE):
+            raise OSError("injected: state not writable")
+        return real(fs, path, *a, **kw)
+
+    monkeypatch.setattr(retention._fsutil, "write_bytes", refuse_state)
+    save(m, storage, source_dir, {"score": 2.0})  # evicts index 0, but the state is stale
+    assert m.kept_dir_names == ["checkpoint_000001"]
+    assert committed_names(storage) == ["checkpoint_000000", "checkpoint_000001"]
+    monkeypatch.setattr(retention._fsutil, "write_bytes", real)
+    save(m, storage, source_dir, {"score": 0.5})
+    assert committed_names(storage) == ["checkpoint_000001"]
+    assert _read_state(storage)["pending_deletes"] == []
+    m.close()
