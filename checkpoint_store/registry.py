@@ -249,12 +249,32 @@ def _fsspec_fallback(scheme: str, uri: str, options: Mapping[str, Any]) -> Backe
         raise BackendUnavailableError(
             f"scheme {scheme!r} needs a package that is not installed: {exc}"
         ) from None
+    except TypeError as exc:
+        raise InvalidConfigError(
+            f"fsspec's {scheme!r} filesystem rejected the storage options ({exc})"
+        ) from None
     return Backend(
         wrap_filesystem(fs),
         scheme=scheme,
-        capabilities=OBJECT_STORE_CAPABILITIES,
+        capabilities=_generic_capabilities(scheme),
         name=f"fsspec:{scheme}",
     )
+
+
+# fsspec protocols of flat object stores: no real directories, so we never
+# create any. Every other protocol (sftp, ftp, smb, hdfs, webdav ...) has real
+# directories that must exist before a file is written into them.
+_OBJECT_STORE_PROTOCOLS = frozenset({
+    "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "wasb", "wasbs", "oss", "r2",
+    "oci", "ocilake", "tos", "cos", "cosn", "obs", "b2", "swift", "lakefs", "hf",
+})
+
+
+def _generic_capabilities(protocol: str) -> Capabilities:
+    """Conservative capabilities for a store nobody wrote a backend for."""
+    if protocol in _OBJECT_STORE_PROTOCOLS:
+        return OBJECT_STORE_CAPABILITIES
+    return Capabilities(directories=True, chunk_size=8 * 1024 * 1024, concurrency=4)
 
 
 def split_scheme(location: str) -> str | None:
@@ -345,7 +365,7 @@ def _describe(fs: pafs.FileSystem) -> dict[str, Any]:
             return {"scheme": "file", "capabilities": caps, "name": "fsspec:local"}
         return {
             "scheme": proto,
-            "capabilities": OBJECT_STORE_CAPABILITIES,
+            "capabilities": _generic_capabilities(proto),
             "name": f"fsspec:{proto}",
         }
     scheme = {"s3": "s3", "gcs": "gs", "abfs": "abfs"}.get(fs.type_name, fs.type_name)

@@ -215,6 +215,34 @@ def test_scheme_only_fsspec_knows_falls_back_with_a_warning(clean_registry):
         sys.modules["fsspec.registry"]._registry.pop("csfallback", None)
 
 
+def test_fallback_to_a_store_with_real_directories(tmp_path, clean_registry):
+    """An fsspec protocol with real directories (like sftp) gets them created."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    class StrictDirs(LocalFileSystem):
+        protocol = "csdirfs"
+
+        def __init__(self, **kwargs):
+            super().__init__(auto_mkdir=False, **kwargs)
+
+    fsspec.register_implementation("csdirfs", StrictDirs, clobber=True)
+    try:
+        with pytest.warns(UserWarning, match="untested"):
+            ctx = StorageContext(f"csdirfs://{tmp_path}/store", "exp", "trial")
+        assert ctx.backend.capabilities.directories
+        src = tmp_path / "src" / "sub"
+        src.mkdir(parents=True)
+        (src / "w.bin").write_bytes(b"w" * 100)
+        from checkpoint_store import Checkpoint
+
+        ckpt = ctx.persist_checkpoint(Checkpoint.from_directory(tmp_path / "src"), 0, {})
+        assert ckpt.is_committed
+        assert (tmp_path / "store/exp/trial/checkpoint_000000/sub/w.bin").read_bytes() == (
+            b"w" * 100)
+    finally:
+        sys.modules["fsspec.registry"]._registry.pop("csdirfs", None)
+
+
 def test_unknown_scheme_lists_the_registered_ones(clean_registry):
     with pytest.raises(UnknownSchemeError) as exc:
         resolve("nosuchscheme://bucket/x")
