@@ -21,6 +21,7 @@ import posixpath
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from typing import Any
@@ -95,12 +96,22 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def _show_warning(message: Warning | str, category: type[Warning], *args: Any,
+                  **kwargs: Any) -> None:
+    click.echo(f"warning: {_one_line(str(message))}", err=True)
+
+
 class _Group(click.Group):
     """Turns every error of a command into one line and an exit code."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
+            with warnings.catch_warnings():
+                # Library warnings (a missing score, an untested fsspec backend) as
+                # one line each, like the errors.
+                warnings.simplefilter("default")
+                warnings.showwarning = _show_warning
+                return super().invoke(ctx)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except KeyboardInterrupt:
