@@ -16,6 +16,7 @@ notes next to each class.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -55,6 +56,30 @@ GCS_PROJECT = "test-project"
 class ServerStartError(RuntimeError):
     """A test server did not start or did not answer in time. The message has
     the command and the last lines of its output."""
+
+
+_running: dict[int, _Server] = {}
+
+
+def _stop_all() -> None:
+    for server in list(_running.values()):
+        server.stop()
+
+
+atexit.register(_stop_all)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    """Linux: the server gets SIGTERM if the test process dies without cleaning
+    up (killed, crashed), so no orphan keeps a port or memory."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
 
 
 def free_port() -> int:
@@ -137,9 +162,12 @@ class _Server:
             env.update(cls._env())
             try:
                 with open(log_path, "wb") as log:
+                    # Own session: a Ctrl-C aimed at pytest does not kill the server
+                    # before the tests' teardown has used it.
                     proc = subprocess.Popen(
                         cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                         env=env, cwd=workdir, start_new_session=True,
+                        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
                     )
             except OSError as exc:  # the program is missing or not executable
                 shutil.rmtree(workdir, ignore_errors=True)
@@ -152,6 +180,7 @@ class _Server:
                 if proc.poll() is not None:
                     break
                 if server._ping():
+                    _running[id(server)] = server
                     return server
                 time.sleep(0.05)
             last = f"{' '.join(cmd)}\n{server._log_tail()}"
@@ -179,6 +208,7 @@ class _Server:
                 proc.kill()
                 proc.wait(5)
         self.process = None
+        _running.pop(id(self), None)
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
