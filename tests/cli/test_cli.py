@@ -567,3 +567,21 @@ def test_unreachable_store_exits_1_with_one_line(monkeypatch) -> None:
     assert res.stdout == ""
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "(hint: " in lines[0]
+
+
+def test_commands_on_gcs(gcs_location, tmp_path) -> None:
+    # Not required of every command, but gs:// is a shipped plugin: one pass over it.
+    store = Store(gcs_location.uri, dict(gcs_location.storage_options))
+    ctx = make_trial(store, tmp_path, [0.5, 0.2, 0.4], uncommitted=True)
+    opts, trial = store.opt_args(), store.join("exp", "t1")
+    listing = json.loads(invoke(["ls", trial, *opts, "--json"]).stdout)
+    assert [c["index"] for c in listing["checkpoints"]] == [0, 1, 2]
+    assert invoke(["verify", store.uri, *opts]).exit_code == 0
+    assert invoke(["best", trial, *opts, "--metric", "loss", "--mode", "min"]).stdout.startswith(
+        ctx.checkpoint("checkpoint_000001").uri)
+    back = Store(str(tmp_path / "back"))
+    assert invoke(["cp", trial, back.join("exp", "t1"), *opts]).exit_code == 0
+    assert committed_names(back.ctx()) == committed_names(ctx)
+    assert invoke(["prune", trial, *opts, "--keep", "1", "--metric", "loss",
+                   "--mode", "min"]).exit_code == 0
+    assert committed_names(ctx) == ["checkpoint_000001", "checkpoint_000002"]
