@@ -23,6 +23,7 @@ from checkpoint_store.testing.servers import (
     S3Server,
     ServerStartError,
     StorageLocation,
+    _Server,
     prepare_gcsfs_env,
 )
 
@@ -31,7 +32,7 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("true", "1", "yes")
 
 
-def _start(cls: type, what: str, **kwargs: Any) -> Any:
+def _start(cls: type[_Server], what: str, **kwargs: Any) -> Any:
     try:
         return cls.start(**kwargs)
     except ServerStartError as exc:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from checkpoint_store import InvalidConfigError, StorageContext
 from checkpoint_store.registry import resolve
@@ -77,3 +79,21 @@ def test_azure_account_in_uri_sets_the_account():
                             storage_options={"account_key": "a2V5"})
     assert path == "data/runs"
     assert backend.filesystem.handler.fs.account_name == "myacct"
+
+
+_segment = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs", "Cc"), blacklist_characters="/\\"),
+    min_size=1, max_size=12,
+).filter(lambda s: s not in (".", ".."))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(["s3", "gs", "az", "memory"]), st.lists(_segment, min_size=1, max_size=4))
+def test_any_key_round_trips_through_uri_and_path(scheme, segments):
+    key = "/".join(segments)
+    uri = f"{scheme}://bucket/{key}"
+    backend, path = resolve(uri, storage_options=_opts(uri))
+    assert path.rstrip("/").endswith(key)
+    assert backend.uri_for(path) == uri
+    ctx = StorageContext(uri + "/", "e", "t", storage_options=_opts(uri))
+    assert ctx.uri(ctx.trial_path) == f"{uri}/e/t"
