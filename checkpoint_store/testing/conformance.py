@@ -373,6 +373,35 @@ class BackendTests:
             fs.create_dir(d, recursive=True)
             assert _fsutil.is_dir(fs, d)
 
+    def test_concurrent_use_from_threads(self, backend: Backend, root: str) -> None:
+        """Transfers share one filesystem object across ``capabilities.concurrency``
+        threads: concurrent writes, reads and listings must not interfere."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        fs, caps = backend.filesystem, backend.capabilities
+        workers = max(2, min(caps.concurrency, 8))
+        payloads = {f"t/{i:02d}/f.bin": bytes([i]) * (1000 + i) for i in range(2 * workers)}
+
+        def put(item: tuple[str, bytes]) -> None:
+            _fsutil.write_bytes(fs, posixpath.join(root, item[0]), item[1], caps)
+
+        def get(rel: str) -> bytes:
+            return _fsutil.read_bytes(fs, posixpath.join(root, rel))
+
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(put, payloads.items()))
+            got = dict(zip(payloads, pool.map(get, payloads), strict=True))
+        assert got == payloads
+        assert dict(_fsutil.walk_files(fs, posixpath.join(root, "t"))) == {
+            rel[2:]: len(data) for rel, data in payloads.items()
+        }
+        if caps.strong_listing:
+            victim = posixpath.join(root, "t", "00")
+            _fsutil.delete_dir(fs, victim)
+            names = {posixpath.basename(fi.path.rstrip("/"))
+                     for fi in _fsutil.list_dir(fs, posixpath.join(root, "t"))}
+            assert "00" not in names and "01" in names
+
     def test_no_zero_byte_or_marker_objects_of_ours(
         self, storage_location: StorageLocation, backend: Backend,
         raw_objects: Callable[[], Mapping[str, int]] | None, tmp_path: Path,
