@@ -466,8 +466,9 @@ def _is_ours(insp: Inspection) -> bool:
 def _conflict(dest: Backend, dest_dir: str, by_other: bool) -> CheckpointConflictError:
     who = "by another writer" if by_other else "already"
     return CheckpointConflictError(
-        f"{dest.uri_for(dest_dir)} was committed {who}; its contents were left untouched. "
-        "Report the checkpoint under the next index, or delete that one first."
+        f"{dest.uri_for(dest_dir)} was committed {who} (it holds a commit marker); its "
+        "contents were left untouched. Report the checkpoint under the next index, or delete "
+        "that one first."
     )
 
 
@@ -513,20 +514,12 @@ def commit_checkpoint(
         TransientBackendError, PermanentBackendError: storage failed; nothing
             was committed and earlier checkpoints are untouched.
     """
-    fs = dest.filesystem
-    first = inspect_checkpoint(fs, dest_dir, retry=retry)
-    if first.state == "committed":
-        raise _conflict(dest, dest_dir, by_other=False)
     writer_id = writer_id or new_writer_id()
     if dest.capabilities.atomic_rename:
+        if inspect_checkpoint(dest.filesystem, dest_dir, retry=retry).state == "committed":
+            raise _conflict(dest, dest_dir, by_other=False)
         return _commit_by_rename(src_fs, src_dir, dest, dest_dir, internal, fsync, writer_id,
                                  retry)
-    if first.state == "invalid" or (first.state == "absent" and not _is_ours(first)):
-        raise CheckpointConflictError(
-            f"{dest.uri_for(dest_dir)} exists and is not a checkpoint of this tool "
-            f"({first.reason or 'no internal metadata'}); adopt it, move it away, or "
-            "commit under another index"
-        )
     return _commit_marker_last(src_fs, src_dir, dest, dest_dir, internal, fsync, writer_id,
                                retry, claim_timeout)
 
@@ -617,25 +610,38 @@ def _commit_marker_last(
     writer that is not alone withdraws its claim, backs off with jitter and
     tries again, until the marker appears (conflict) or ``claim_timeout``.
     Claims older than :data:`CLAIM_STALE_S` belong to dead writers and are
-    ignored.
+    ignored. A commit costs: one PUT and one listing for the claim, one PUT
+    per file, one PUT for the marker, one DELETE for the claim.
     """
     fs, caps = dest.filesystem, dest.capabilities
-    marker = posixpath.join(dest_dir, INTERNAL_METADATA)
     deadline = time.monotonic() + claim_timeout
     rng = random.Random()
     delay = 0.01
     while True:
-        if _fsutil.exists(fs, marker, retry=retry):
-            raise _conflict(dest, dest_dir, by_other=True)
         mine = f"{_CLAIM_PREFIX}{time.time_ns():020d}-{writer_id}"
         claim_path = posixpath.join(dest_dir, mine)
         # The claim goes first: a crash from here on leaves a directory that
         # cleanup recognises as ours. Never empty: some S3-compatible stores
         # reject zero-byte objects.
         _fsutil.write_bytes(fs, claim_path, writer_id.encode(), caps, fsync=False, retry=retry)
+        listed = {_fsutil.relative(dest_dir, fi.path): fi
+                  for fi in _fsutil.list_tree(fs, dest_dir, retry=retry)
+                  if fi.type == pafs.FileType.File}
+        traces = [rel for rel in listed
+                  if rel != mine and rel.split("/")[-1].startswith(INTERNAL_PREFIX)]
+        foreign = not traces and any(_is_checkpoint_data(rel) for rel in listed)
+        if INTERNAL_METADATA in listed or foreign:
+            _cleanup_quietly(lambda p=claim_path: _fsutil.delete_file(fs, p, retry=retry))
+            if INTERNAL_METADATA in listed:
+                raise _conflict(dest, dest_dir, by_other=False)
+            raise CheckpointConflictError(
+                f"{dest.uri_for(dest_dir)} exists and is not a checkpoint of this tool (files "
+                "without internal metadata); adopt it, move it away, or commit under another "
+                "index"
+            )
+        claims = [rel for rel in listed if rel.startswith(_CLAIM_PREFIX) and "/" not in rel]
         # Our own claims from an attempt cut short (same writer id) do not count.
-        others = [c for c in _claims(fs, dest_dir, retry)
-                  if not c.endswith(f"-{writer_id}")
+        others = [c for c in claims if not c.endswith(f"-{writer_id}")
                   and time.time() - _claim_time(c) < CLAIM_STALE_S]
         if not others:
             break
@@ -648,23 +654,14 @@ def _commit_marker_last(
         time.sleep(delay * (0.5 + rng.random()))
         delay = min(delay * 2, 0.5)
 
-    def before_marker() -> None:
-        if _fsutil.exists(fs, marker, retry=retry):
-            raise _conflict(dest, dest_dir, by_other=True)
-
     try:
-        # Alone now; the marker was absent before our claim, so no one can have
-        # committed since. Data a dead writer left would not match our manifest.
-        if _fsutil.exists(fs, marker, retry=retry):
-            raise _conflict(dest, dest_dir, by_other=True)
-        for rel in sorted(inspect_checkpoint(fs, dest_dir, retry=retry).files or {}):
-            if not rel.split("/")[-1].startswith(_CLAIM_PREFIX):
+        # Alone, and the listing after our claim showed no marker: nobody can
+        # commit this directory before we do. Data a dead writer (or an earlier
+        # attempt of ours) left would not match our manifest.
+        for rel in sorted(listed):
+            if rel != mine and not rel.split("/")[-1].startswith(_CLAIM_PREFIX):
                 _fsutil.delete_file(fs, posixpath.join(dest_dir, rel), retry=retry)
-        meta = _write_contents(src_fs, src_dir, dest, dest_dir, internal, fsync, retry=retry,
-                               before_marker=before_marker)
-    except CheckpointConflictError:
-        _cleanup_quietly(lambda: _fsutil.delete_file(fs, claim_path, retry=retry))
-        raise
+        meta = _write_contents(src_fs, src_dir, dest, dest_dir, internal, fsync, retry=retry)
     except Exception:
         def _undo() -> None:
             # Data first, claim last: until the claim goes, the leftovers stay
@@ -677,9 +674,9 @@ def _commit_marker_last(
         raise
 
     def _release() -> None:
-        for c in _claims(fs, dest_dir, retry):
-            if c.endswith(f"-{writer_id}"):
-                _fsutil.delete_file(fs, posixpath.join(dest_dir, c), retry=retry)
+        for c in [claim_path] + [posixpath.join(dest_dir, c) for c in claims if c != mine
+                                 and c.endswith(f"-{writer_id}")]:
+            _fsutil.delete_file(fs, c, retry=retry)
 
     _cleanup_quietly(_release)
     return meta
@@ -729,8 +726,9 @@ def delete_checkpoint_dir(
     Where directories rename atomically, the directory is first renamed to
     ``.cs_deleting-<name>-<writer>`` (it stops being listed in one step),
     then removed. Elsewhere a ``.cs_deleting`` tombstone is written, the
-    marker removed, then the rest: a delete cut short leaves a directory
-    that is not a checkpoint and that cleanup knows is ours.
+    marker removed, then the rest (one batched delete on object stores): a
+    delete cut short leaves a directory that is not a checkpoint and that
+    cleanup knows is ours.
     """
     fs = dest.filesystem
     parent, name = posixpath.split(path.rstrip("/"))
@@ -748,15 +746,21 @@ def delete_checkpoint_dir(
             raise
         _fsutil.delete_dir(fs, trash, retry=retry)
         return
-    if not _fsutil.exists(fs, path, retry=retry) and not _fsutil.list_dir(fs, path, retry=retry):
-        return
-    _fsutil.write_bytes(fs, posixpath.join(path, DELETE_TOMBSTONE), b"deleting\n",
-                        dest.capabilities,
-                        fsync=False, retry=retry)
-    _fsutil.delete_file(fs, posixpath.join(path, INTERNAL_METADATA), retry=retry)
-    for rel in sorted(inspect_checkpoint(fs, path, retry=retry).files or {}):
-        if rel != DELETE_TOMBSTONE:
-            _fsutil.delete_file(fs, posixpath.join(path, rel), retry=retry)
+    files = {_fsutil.relative(path, fi.path) for fi in _fsutil.list_tree(fs, path, retry=retry)
+             if fi.type == pafs.FileType.File}
+    if files:
+        if INTERNAL_METADATA in files:
+            _fsutil.write_bytes(fs, posixpath.join(path, DELETE_TOMBSTONE), b"deleting\n",
+                                dest.capabilities, fsync=False, retry=retry)
+            _fsutil.delete_file(fs, posixpath.join(path, INTERNAL_METADATA), retry=retry)
+        elif DELETE_TOMBSTONE not in files and not any(
+            rel.split("/")[-1].startswith(INTERNAL_PREFIX) for rel in files
+        ):
+            # Not committed and no trace of ours: somebody else's files. Callers
+            # only delete checkpoints; refuse rather than guess.
+            raise CheckpointConflictError(
+                f"{dest.uri_for(path)} is not a checkpoint of this tool; not deleting it"
+            )
     _fsutil.delete_dir(fs, path, retry=retry)
 
 

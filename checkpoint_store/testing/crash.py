@@ -58,6 +58,8 @@ class CrashConfig:
         files: files per checkpoint; file sizes are ``file_size`` bytes.
         file_size: bytes per file.
         env: environment variables to set in the child (credentials, endpoints).
+        preload: modules the forking helper imports once, so that children
+            do not pay for them (e.g. ``("s3fs", "checkpoint_store_s3")``).
     """
 
     storage_path: str
@@ -69,6 +71,7 @@ class CrashConfig:
     files: int = 3
     file_size: int = 32 * 1024
     env: dict[str, str] = field(default_factory=dict)
+    preload: tuple[str, ...] = ()
 
 
 def payload(step: int, i: int, size: int) -> bytes:
@@ -126,21 +129,33 @@ def _last_ack(log_path: str) -> dict[str, Any] | None:
     return None
 
 
-def check_trial(cfg: CrashConfig) -> tuple[list[str], int]:
+def check_trial(
+    cfg: CrashConfig, backend: Any = None, root: str | None = None
+) -> tuple[list[str], int]:
     """Check the trial after a kill; returns ``(violations, newest committed step)``.
 
     Starts (and ends) a session on the trial, as the next run would: that
     removes leftovers and must resume from the newest committed checkpoint.
+
+    Args:
+        cfg: the harness configuration.
+        backend, root: a :class:`~checkpoint_store.backends.Backend` and the
+            path for ``cfg.storage_path`` (as ``registry.resolve`` returns
+            them) to reuse across checks: building one can cost more than the
+            check itself. None builds them.
     """
     import google_crc32c
 
-    from checkpoint_store import StorageContext, session
+    from checkpoint_store import StorageContext
     from checkpoint_store._layout import parse_checkpoint_dir_name
     from checkpoint_store.errors import CheckpointStoreError
+    from checkpoint_store.registry import resolve
+    from checkpoint_store.session import Session
 
     bad: list[str] = []
-    storage = StorageContext(cfg.storage_path, cfg.experiment_name, cfg.trial_name,
-                             storage_options=cfg.storage_options)
+    if backend is None or root is None:
+        backend, root = resolve(cfg.storage_path, storage_options=cfg.storage_options)
+    storage = StorageContext.from_backend(backend, root, cfg.experiment_name, cfg.trial_name)
     committed = storage.committed_checkpoints()
     steps: dict[str, int] = {}
     for ckpt, meta in committed:
@@ -182,10 +197,14 @@ def check_trial(cfg: CrashConfig) -> tuple[list[str], int]:
     newest = max(committed, key=lambda cm: cm[1]["index"])[0] if committed else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with session.start(storage_path=cfg.storage_path, storage_options=cfg.storage_options,
-                           experiment_name=cfg.experiment_name,
-                           trial_name=cfg.trial_name) as s:
+        # What session.start() builds, on the reused backend; a new run id, as
+        # a new process would have.
+        s = Session(StorageContext.from_backend(backend, root, cfg.experiment_name,
+                                                cfg.trial_name, run_id=f"check{time.time_ns()}"))
+        try:
             got = s.get_checkpoint()
+        finally:
+            s.close()
     if (got.path if got else None) != (newest.path if newest else None):
         bad.append(f"get_checkpoint() returned {got} instead of the newest committed {newest}")
     after = storage.scan()
@@ -219,12 +238,12 @@ class _Zygote:
     in milliseconds; the parent kills children by pid with SIGKILL.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] = ()) -> None:
         import subprocess
         import sys
 
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "checkpoint_store.testing.crash", "zygote"],
+            [sys.executable, "-m", "checkpoint_store.testing.crash", "zygote", *preload],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
         )
 
@@ -248,10 +267,14 @@ class _Zygote:
                 self._proc.wait()
 
 
-def _zygote_main() -> None:
+def _zygote_main(preload: list[str]) -> None:
+    import importlib
     import sys
 
     import checkpoint_store.session  # noqa: F401  (imported once, before forking)
+
+    for name in preload:
+        importlib.import_module(name)
 
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -312,7 +335,11 @@ class CrashHarness:
         report = CrashReport()
         t0 = time.monotonic()
         cfg = asdict(self.config)
-        zygote = _Zygote()
+        from checkpoint_store.registry import resolve
+
+        backend, root = resolve(self.config.storage_path,
+                                storage_options=self.config.storage_options)
+        zygote = _Zygote(self.config.preload)
         try:
             for _ in range(kills):
                 pid = zygote.ask(op="spawn", config=cfg)["pid"]
@@ -328,7 +355,7 @@ class CrashHarness:
                         f"kill {report.kills}: the child exited by itself (code {code}) "
                         "before the kill; it must save until killed (its traceback is on stderr)"
                     )
-                bad, newest = check_trial(self.config)
+                bad, newest = check_trial(self.config, backend, root)
                 report.newest_step = newest
                 report.violations.extend(f"kill {report.kills}: {v}" for v in bad)
                 if report.violations and stop_on_violation:
@@ -343,7 +370,7 @@ class CrashHarness:
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] == ["zygote"]:
-        _zygote_main()
+    if sys.argv[1:2] == ["zygote"]:
+        _zygote_main(sys.argv[2:])
     else:
         raise SystemExit("usage: python -m checkpoint_store.testing.crash zygote")

@@ -267,11 +267,14 @@ def test_delete_cut_short_never_lists_as_committed(trial, tmp_path):
     if trial.backend.capabilities.atomic_rename:
         plan = FaultPlan(crash_after_writes=1)
     else:
-        plan = FaultPlan(crash_on_path="checkpoint_000001/part0.bin")
+        # create_dir + PUT of the tombstone, DELETE of the marker; dies at the rest.
+        plan = FaultPlan(crash_after_writes=3)
     dying.backend = faulty_backend(trial.backend, plan)
     with pytest.raises(SimulatedCrash):
         dying.delete_checkpoint("checkpoint_000001")
     assert read_internal_metadata(storage.filesystem, doomed.path) is None
+    if not trial.backend.capabilities.atomic_rename:
+        assert _fsutil.exists(storage.filesystem, posixpath.join(doomed.path, "part0.bin"))
     found = storage.scan()
     assert found.committed == ["checkpoint_000000"]
     assert len(found.uncommitted) == 1 and found.foreign == []
