@@ -227,3 +227,17 @@ def test_large_downloads_use_large_ranged_reads(engine, s3_server, s3_bucket, tm
     after = _gets_for(s3_server.log_path, f"{engine}/e/t/checkpoint_000000/big.bin")
     assert read_tree(out) == read_tree(src)
     assert 1 <= after - before <= 2
+
+
+def test_s3_deletes_stay_on_pyarrow_when_only_pyarrow_can_authenticate():
+    """With a pyarrow-only access option (role_arn ...), an s3fs client could not
+    delete with the same identity, so pyarrow does the deletes itself."""
+    from checkpoint_store_s3 import MarkerFreeS3Handler
+
+    base = {"endpoint_url": "http://127.0.0.1:9", "region": "us-east-1"}
+    plain, _ = resolve("s3://b/x", storage_options={**base, "access_key_id": "a",
+                                                    "secret_access_key": "b"})
+    assert isinstance(plain.filesystem.handler, MarkerFreeS3Handler)
+    role, _ = resolve("s3://b/x", storage_options={**base, "role_arn": "arn:aws:iam::1:role/r",
+                                                   "load_frequency": 900})
+    assert isinstance(role.filesystem, pafs.S3FileSystem)

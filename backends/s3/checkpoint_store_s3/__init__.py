@@ -84,7 +84,12 @@ _ALIASES = {
     "region_name": "region",
     "anon": "anonymous",
 }
-_SECRET_OPTIONS = ("secret_access_key", "session_token")
+# pyarrow options that change how requests are authenticated or routed, which
+# an s3fs client could not mirror: with any of them, pyarrow also deletes.
+_PYARROW_ONLY_ACCESS = frozenset({
+    "role_arn", "session_name", "external_id", "load_frequency", "proxy_options",
+    "tls_ca_file_path", "scheme", "force_virtual_addressing",
+})
 _ENGINES = ("pyarrow", "s3fs")
 
 
@@ -190,10 +195,13 @@ def _build_pyarrow(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.Fi
             f"pyarrow.fs.S3FileSystem rejected the storage options ({exc}); "
             f"known options: {', '.join(sorted(set(_ALIASES.values()) | {'engine'}))}"
         ) from None
+    if _PYARROW_ONLY_ACCESS & set(extra):
+        # s3fs could not reach the store the same way: pyarrow deletes too (and
+        # leaves its directory markers).
+        return native
     try:
         deleter = _s3fs_instance(ours, {})
     except BackendUnavailableError:
-        # Without s3fs, pyarrow deletes (and leaves its directory markers).
         return native
     return pafs.PyFileSystem(MarkerFreeS3Handler(native, deleter))
 
