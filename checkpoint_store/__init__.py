@@ -6,6 +6,7 @@ and :mod:`~checkpoint_store.transfer`, :mod:`~checkpoint_store.storage`,
 :mod:`~checkpoint_store.registry` and the backends.
 """
 
+from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     BackendUnavailableError,
@@ -13,14 +14,16 @@ from checkpoint_store.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointStoreError,
+    CredentialsExpiredError,
     InvalidConfigError,
     MetadataError,
+    PermanentBackendError,
     TransientBackendError,
     UnknownSchemeError,
 )
 from checkpoint_store.registry import available_backends, register_backend
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
-from checkpoint_store.storage import StorageContext
+from checkpoint_store.storage import ScanResult, StorageContext
 
 __version__ = "0.1.0"
 
@@ -33,8 +36,12 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointStoreError",
+    "CredentialsExpiredError",
     "InvalidConfigError",
     "MetadataError",
+    "PermanentBackendError",
+    "RetryPolicy",
+    "ScanResult",
     "StorageContext",
     "TransientBackendError",
     "TrialRunner",
