@@ -363,6 +363,12 @@ class AzureServer(_Server):
     @classmethod
     def start(cls, *, timeout: float = 60.0, attempts: int = 3, executable: str | None = None,
               **kwargs: Any):
+        try:
+            import azure.storage.blob  # noqa: F401  (creates the test containers)
+        except ImportError:
+            raise ServerStartError(
+                "the Azure fixtures need azure-storage-blob: pip install checkpoint-store-azure"
+            ) from None
         exe = executable or find_azurite()
         if exe is None:
             raise ServerStartError(
