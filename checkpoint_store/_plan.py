@@ -520,8 +520,10 @@ class _Runner:
     def _stream_once(self, rel: str, budgeted: bool) -> FileResult:
         # Chunks sized so that one in flight (counted twice: the client's
         # copy and ours) stays within the memory limit.
-        chunk = max(1024 * 1024, min(self.p.chunk_size, self.p.memory_limit // _REMOTE_COPIES))
-        charge = chunk * _REMOTE_COPIES
+        # A Python (fsspec) output stream keeps one more copy: its write buffer.
+        copies = _REMOTE_COPIES + (1 if isinstance(self.dst_fs, pafs.PyFileSystem) else 0)
+        chunk = max(1024 * 1024, min(self.p.chunk_size, self.p.memory_limit // copies))
+        charge = chunk * copies
         crc = 0
         size = 0
         held = 0
@@ -612,7 +614,14 @@ def run(
     # Work items: batches, then parts of large files (largest first).
     parts: list[tuple[str, int, int]] = []
     streamed: list[tuple[str, int]] = []
-    for rel, size in sorted(p.large, key=lambda f: -f[1]):
+    batches = list(p.batches)
+    large = sorted(p.large, key=lambda f: -f[1])
+    if p.route == "local" and len(large) >= p.concurrency:
+        # Enough large files to keep every thread busy: whole files, one per
+        # task. Parts of one file would only queue on its inode's write lock.
+        batches = [[f] for f in large] + batches
+        large = []
+    for rel, size in large:
         if p.route in ("local", "download"):
             r.prepare_local(rel, size)
             for off in range(0, size, p.chunk_size):
@@ -621,9 +630,9 @@ def run(
             streamed.append((rel, size))
 
     workers = p.concurrency
-    sequential = workers == 1 or (len(p.batches) + len(parts) + len(streamed)) == 1
+    sequential = workers == 1 or (len(batches) + len(parts) + len(streamed)) == 1
     if sequential:
-        for b in p.batches:
+        for b in batches:
             for fr in r.batch(b):
                 results[fr.path] = fr
         part_crcs: dict[str, list[tuple[int, int, int]]] = {}
@@ -639,7 +648,7 @@ def run(
                 (rel, off, length, pool.submit(r.part, rel, off, length))
                 for rel, off, length in parts
             ]
-            batch_futs = [pool.submit(r.batch, b) for b in p.batches]
+            batch_futs = [pool.submit(r.batch, b) for b in batches]
             futs = stream_futs + [f for *_, f in part_futs] + batch_futs
             done, pending = wait(futs, return_when=FIRST_EXCEPTION)
             for f in pending:

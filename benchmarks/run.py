@@ -1,0 +1,242 @@
+"""Run every benchmark side by side and write docs/benchmarks.md (+ JSON).
+
+Usage (from the repository root; see the README's "Benchmarks" section)::
+
+    .venv/bin/python -m benchmarks.run            # full run, ~25 min on 2 cores
+    .venv/bin/python -m benchmarks.run --quick    # 1/16 of the data, ~3 min
+
+It installs the optional tools it compares against (the ``benchmarks``
+extra: Ray, s3fs, adlfs) unless ``--no-install``, starts moto and Azurite on
+127.0.0.1 (``checkpoint_store.testing.servers``), runs the candidates
+alternating (A B C A B C ...), and writes medians and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+from benchmarks._common import FULL_SHAPES, QUICK_SHAPES, Cell, machine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def ensure_tools(install: bool) -> None:
+    missing = []
+    for mod in ("ray", "s3fs", "adlfs"):
+        try:
+            __import__(mod)
+        except Exception:
+            missing.append(mod)
+    if not missing or not install:
+        if missing:
+            _log(f"not installed (those columns are skipped): {', '.join(missing)}")
+        return
+    _log(f"installing the benchmarks extra ({', '.join(missing)} missing) ...")
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+           "-c", os.path.join(ROOT, "constraints.txt"), "-e", f"{ROOT}[benchmarks]"]
+    subprocess.run(cmd, check=False)
+
+
+def _cells_json(rows: dict[str, Cell]) -> dict[str, Any]:
+    return {name: {"times_s": c.times, "median_s": c.median, "error": c.error}
+            for name, c in rows.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="1/16 of the data, one repetition")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
+    ap.add_argument("--only", default="local,s3,azure,report,async,rss,import,retention",
+                    help="comma-separated parts to run")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks.md"))
+    ap.add_argument("--json", default=os.path.join(ROOT, "docs", "benchmarks.json"))
+    ap.add_argument("--data-dir", default=None, help="where test data is generated (reused)")
+    ap.add_argument("--no-install", action="store_true")
+    args = ap.parse_args(argv)
+    parts = set(args.only.split(","))
+    quick = args.quick
+    reps = args.reps or (1 if quick else 3)
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ensure_tools(not args.no_install)
+
+    import tempfile
+
+    from benchmarks import bench_misc, bench_transfer
+    from benchmarks._common import make_tree
+
+    t_start = time.time()
+    shapes = QUICK_SHAPES if quick else FULL_SHAPES
+    data_root = args.data_dir or os.path.join(tempfile.gettempdir(), "cs-bench-data")
+    os.makedirs(data_root, exist_ok=True)
+    _log("generating data ...")
+    data = {s.name: make_tree(os.path.join(data_root, s.name.replace(" ", "")), s)
+            for s in shapes}
+    big = shapes[-1]
+    work = tempfile.mkdtemp(prefix="cs-bench-")
+    results: dict[str, Any] = {"machine": machine(), "quick": quick, "reps": reps,
+                               "shapes": [s.name for s in shapes], "transfers": {},
+                               "errors": {}}
+
+    def guarded(name: str, fn) -> Any:
+        try:
+            return fn()
+        except Exception as exc:
+            _log(f"{name} FAILED: {exc}")
+            results["errors"][name] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+            return None
+
+    if "local" in parts:
+        for s in shapes:
+            rows = guarded(f"local {s.name}",
+                           lambda s=s: bench_transfer.local_rows(data[s.name], s, work, reps, _log))
+            if rows:
+                for direction, cells in rows.items():
+                    results["transfers"].setdefault("local", {}).setdefault(s.name, {})[
+                        direction] = _cells_json(cells)
+
+    servers: list[Any] = []
+    s3 = az = None
+    if parts & {"s3", "azure", "async", "rss"}:
+        from checkpoint_store.testing.servers import AzureServer, S3Server, find_azurite
+
+        if parts & {"s3", "async", "rss"}:
+            s3 = guarded("moto", lambda: S3Server.start())
+            if s3:
+                servers.append(s3)
+        if parts & {"azure", "rss"}:
+            az = guarded("azurite", lambda: AzureServer.start(executable=find_azurite(ROOT)))
+            if az:
+                servers.append(az)
+    try:
+        remote_reps = reps if quick else min(reps, 2)
+        budget = None if quick else 100.0
+        # moto 5.2 fails CompleteMultipartUpload of a single 1 GiB object on this
+        # machine (pyarrow: INTERNAL_FAILURE after ~45 s; s3fs: "upload does not
+        # exist" after its retry), whoever uploads it: that row is left out for S3.
+        s3_shapes = [s for s in shapes if quick or s.count > 1]
+        if len(s3_shapes) < len(shapes):
+            results.setdefault("notes", []).append(
+                f"S3 (moto): the {big.name} row is left out: moto 5.2.5 fails "
+                "CompleteMultipartUpload of one 1 GiB object here for every client "
+                "(pyarrow: INTERNAL_FAILURE after ~45 s; s3fs: 'upload does not exist' "
+                "after its retry). The S3 memory and async rows use 4 x 256 MiB (1 GiB).")
+        if s3 is not None and "s3" in parts:
+            import pyarrow.fs as pafs
+            import s3fs
+
+            bucket = s3.create_bucket()
+            host = s3.endpoint_url.split("://", 1)[1]
+            raw_pa = pafs.S3FileSystem(endpoint_override=host, scheme="http",
+                                       access_key=s3.access_key_id, secret_key=s3.secret_access_key,
+                                       region="us-east-1")
+            raw_fs = s3fs.S3FileSystem(endpoint_url=s3.endpoint_url, key=s3.access_key_id,
+                                       secret=s3.secret_access_key)
+            for s in s3_shapes:
+                rows = guarded(f"s3 {s.name}", lambda s=s: bench_transfer.remote_rows(
+                    "s3", data[s.name], s, work, remote_reps, _log,
+                    uri_root=f"s3://{bucket}", options=s3.storage_options(),
+                    raw_pyarrow=raw_pa, raw_fsspec=raw_fs, fsspec_label="s3fs", bucket=bucket,
+                    budget_s=budget))
+                if rows:
+                    for direction, cells in rows.items():
+                        results["transfers"].setdefault("s3", {}).setdefault(s.name, {})[
+                            direction] = _cells_json(cells)
+        if az is not None and "azure" in parts:
+            import adlfs
+
+            from checkpoint_store.registry import resolve
+
+            container = az.create_container()
+            raw_pa = resolve(f"az://{container}", storage_options=az.storage_options("pyarrow"))[
+                0].filesystem
+            raw_fs = adlfs.AzureBlobFileSystem(connection_string=az.connection_string)
+            for s in shapes:
+                rows = guarded(f"azure {s.name}", lambda s=s: bench_transfer.remote_rows(
+                    "azure", data[s.name], s, work, remote_reps, _log,
+                    uri_root=f"az://{container}", options=az.storage_options(),
+                    raw_pyarrow=raw_pa, raw_fsspec=raw_fs, fsspec_label="adlfs",
+                    bucket=container, budget_s=budget))
+                if rows:
+                    for direction, cells in rows.items():
+                        results["transfers"].setdefault("azure", {}).setdefault(s.name, {})[
+                            direction] = _cells_json(cells)
+
+        if "report" in parts:
+            n, nc = (2000, 20) if quick else (5000, 50)
+            results["report"] = {
+                "ours": guarded("report ours", lambda: bench_misc.ours_report(n, nc)),
+                "ray": guarded("report ray", lambda: bench_misc.ray_report(n // 5, nc)),
+            }
+            _log(f"report(): {results['report']}")
+
+        if "async" in parts and s3 is not None:
+            bucket = s3.create_bucket()
+            one_gib = shapes[0] if not quick else big
+            results["async"] = guarded("async", lambda: bench_misc.async_blocked(
+                data[one_gib.name], f"s3://{bucket}", s3.storage_options(), 2, _log))
+            if results["async"] is not None:
+                results["async"]["data"] = one_gib.name
+                results["async"]["storage"] = "S3 (moto)"
+
+        if "rss" in parts:
+            rss: dict[str, Any] = {}
+            targets = [("local", os.path.join(work, "rss-store"), None, big)]
+            if s3 is not None:
+                targets.append(("s3", f"s3://{s3.create_bucket()}/rss", s3.storage_options(),
+                                big if quick else shapes[0]))
+            if az is not None:
+                targets.append(("azure", f"az://{az.create_container()}/rss",
+                                az.storage_options(), big))
+            for name, uri, opts, shape in targets:
+                for direction in ("upload", "download"):
+                    key = f"{name} {direction} ({shape.name})"
+                    rss[key] = guarded(
+                        f"rss {name} {direction}",
+                        lambda uri=uri, opts=opts, direction=direction, shape=shape:
+                        bench_misc.peak_rss(data[shape.name], uri, opts, direction))
+                    _log(f"rss {key}: {rss[key]}")
+            results["rss"] = {"data": big.name, **rss}
+    finally:
+        for srv in servers:
+            try:
+                srv.stop()
+            except Exception:
+                pass
+
+    if "import" in parts:
+        results["import"] = guarded("import", bench_misc.import_time)
+        _log(f"import: {results['import']}")
+    if "retention" in parts:
+        results["retention"] = guarded("retention", lambda: bench_misc.retention(quick))
+        _log(f"retention: {results['retention']}")
+
+    results["wall_s"] = time.time() - t_start
+    from benchmarks.report_md import render
+
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1, sort_keys=True)
+    with open(args.out, "w") as f:
+        f.write(render(results))
+    _log(f"wrote {args.out} and {args.json} in {results['wall_s']:.0f} s")
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

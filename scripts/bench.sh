@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Benchmarks: checkpoint-store against cp, pyarrow, fsspec/s3fs/adlfs and Ray,
+# side by side, on the local disk, moto (S3) and Azurite (Azure) on 127.0.0.1.
+# Writes docs/benchmarks.md and docs/benchmarks.json. Extra arguments go to
+# benchmarks/run.py (e.g. --quick, --only local,s3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh test
+.venv/bin/python -m pip install --disable-pip-version-check -q -c constraints.txt \
+    -e ".[benchmarks]" 2>&1 | { grep -v "^WARNING: Location" || true; }
+export AWS_EC2_METADATA_DISABLED=true RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+exec .venv/bin/python -m benchmarks.run --no-install "$@"
