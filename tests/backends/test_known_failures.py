@@ -241,3 +241,19 @@ def test_s3_deletes_stay_on_pyarrow_when_only_pyarrow_can_authenticate():
     role, _ = resolve("s3://b/x", storage_options={**base, "role_arn": "arn:aws:iam::1:role/r",
                                                    "load_frequency": 900})
     assert isinstance(role.filesystem, pafs.S3FileSystem)
+
+
+def test_s3_class_raising_when_used_leaves_local_checkpointing_working(tmp_path, monkeypatch):
+    class BrokenS3:
+        def __init__(self, *args, **kwargs):
+            raise ImportError("The pyarrow installation is not built with support for S3")
+
+    monkeypatch.setattr(pafs, "S3FileSystem", BrokenS3)
+    src = tmp_path / "src"
+    make_tree(src, {"w.bin": 2048})
+    ctx = StorageContext(str(tmp_path / "store"), "e", "t")
+    ckpt = ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
+    assert read_tree(ckpt.to_directory(str(tmp_path / "out"))) == read_tree(src)
+    with pytest.raises(BackendUnavailableError, match="'engine': 's3fs'"):
+        resolve("s3://b/x", storage_options={"engine": "pyarrow",
+                                             "endpoint_url": "http://127.0.0.1:9"})

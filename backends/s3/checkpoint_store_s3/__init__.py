@@ -195,6 +195,11 @@ def _build_pyarrow(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.Fi
             f"pyarrow.fs.S3FileSystem rejected the storage options ({exc}); "
             f"known options: {', '.join(sorted(set(_ALIASES.values()) | {'engine'}))}"
         ) from None
+    except ImportError as exc:  # a pyarrow whose S3 support fails only when used
+        raise BackendUnavailableError(
+            f"pyarrow's S3 support cannot be used ({exc}); use the s3fs engine: "
+            "storage_options={'engine': 's3fs'}"
+        ) from None
     if _PYARROW_ONLY_ACCESS & set(extra):
         # s3fs could not reach the store the same way: pyarrow deletes too (and
         # leaves its directory markers).
