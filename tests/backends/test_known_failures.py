@@ -257,3 +257,27 @@ def test_s3_class_raising_when_used_leaves_local_checkpointing_working(tmp_path,
     with pytest.raises(BackendUnavailableError, match="'engine': 's3fs'"):
         resolve("s3://b/x", storage_options={"engine": "pyarrow",
                                              "endpoint_url": "http://127.0.0.1:9"})
+
+
+def test_gcs_emulator_works_when_gcsfs_picked_its_namespace_variant(gcs_server, gcs_bucket):
+    """gcsfs chooses its hierarchical-namespace class at import unless
+    GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false; that class stalls 60 s per bucket
+    call on emulators. The plugin must not depend on how gcsfs was imported."""
+    code = textwrap.dedent(
+        f"""
+        import gcsfs
+        from checkpoint_store import StorageContext
+        print(gcsfs.GCSFileSystem.__name__)
+        ctx = StorageContext("gs://{gcs_bucket}/hns", "e", "t",
+                             storage_options={gcs_server.storage_options()!r})
+        ctx.write_params({{"a": 1}})
+        print(ctx.filesystem.open_input_stream(ctx.trial_path + "/params.json").read())
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=40)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "ExtendedGcsFileSystem"  # the variant really was picked
+    assert '"a"' in lines[-1]

@@ -17,9 +17,9 @@ option            meaning                                       environment
 ================= ============================================= ===========================
 
 Anything else goes to ``gcsfs.GCSFileSystem`` unchanged. With a custom
-endpoint, ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` is set to ``false`` before
-gcsfs is imported (unless already set): emulators cannot answer the
-hierarchical-namespace probe, and each bucket call then waits 60 s.
+endpoint, gcsfs's core class is used even where ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT``
+selected its hierarchical-namespace variant: emulators cannot answer that
+variant's bucket probe, and each bucket call would wait 60 s.
 Tokens are never printed: ``repr(backend)`` names the engine only.
 """
 
@@ -65,18 +65,22 @@ def _build(options: Mapping[str, Any]) -> pafs.FileSystem:
     if endpoint is not None:
         if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
             raise InvalidConfigError(f"GCS endpoint_url {endpoint!r} is not http(s)://host[:port]")
-        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
         kwargs.setdefault("token", "anon")
     if "project" not in kwargs and os.environ.get("GOOGLE_CLOUD_PROJECT"):
         kwargs["project"] = os.environ["GOOGLE_CLOUD_PROJECT"]
     try:
         import gcsfs
+        from gcsfs.core import GCSFileSystem as CoreGCSFileSystem
     except ImportError:
         raise BackendUnavailableError(
             "gs:// needs gcsfs: pip install checkpoint-store-gcs"
         ) from None
+    # gcsfs.GCSFileSystem may be the hierarchical-namespace variant (chosen when
+    # gcsfs is imported); its bucket probe stalls 60 s on emulators, so a custom
+    # endpoint always gets the core class.
+    cls = CoreGCSFileSystem if endpoint is not None else gcsfs.GCSFileSystem
     try:
-        fs = gcsfs.GCSFileSystem(**kwargs)
+        fs = cls(**kwargs)
     except TypeError as exc:
         raise InvalidConfigError(
             f"gcsfs.GCSFileSystem rejected the storage options ({type(exc).__name__}); "
