@@ -131,6 +131,22 @@ class ListingFSSpecHandler(pafs.FSSpecHandler):
     delimiter listing (``fs.ls``) costs one request per 5000 entries instead.
     """
 
+    def __eq__(self, other: object) -> bool:
+        # fsspec compares instances by a token that differs after a pickle
+        # round trip; the class and the options are what identify the store.
+        if not isinstance(other, pafs.FSSpecHandler):
+            return NotImplemented
+        a, b = self.fs, other.fs
+        if a is b or a == b:
+            return True
+        opts = getattr(a, "storage_options", None)
+        return type(a) is type(b) and opts is not None and opts == getattr(
+            b, "storage_options", None
+        )
+
+    def __hash__(self) -> int:
+        return hash(type(self.fs))
+
     def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
         if selector.recursive:
             return super().get_file_info_selector(selector)

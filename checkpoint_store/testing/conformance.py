@@ -255,6 +255,20 @@ class BackendTests:
         assert again.path == ckpt.path
         assert read_tree(again.to_directory(str(tmp_path / "out2"))) == expected
 
+    def test_checkpoint_pickles(self, storage_location: StorageLocation,
+                                tmp_path: Path) -> None:
+        """A Checkpoint crosses process boundaries (multiprocessing, Ray) by pickle."""
+        import pickle
+
+        src = self._src(tmp_path, {"a.bin": 1000})
+        ckpt = self._context(storage_location).persist_checkpoint(
+            Checkpoint.from_directory(src), 0, {"metrics": {"m": 1}}
+        )
+        clone = pickle.loads(pickle.dumps(ckpt))
+        assert clone == ckpt and clone.uri == ckpt.uri
+        assert clone.internal_metadata["metrics"] == {"m": 1}
+        assert read_tree(clone.to_directory(str(tmp_path / "o"))) == read_tree(src)
+
     def test_special_names_in_storage_path(self, storage_location: StorageLocation,
                                            tmp_path: Path) -> None:
         odd = storage_location.join("a dir", "100% #1 ünï 名")

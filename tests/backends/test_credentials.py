@@ -76,3 +76,28 @@ def test_gcs_emulator_host_from_environment(gcs_env, gcs_bucket):
 def test_gcs_rejects_a_malformed_endpoint():
     with pytest.raises(InvalidConfigError, match="not http"):
         resolve("gs://b/x", storage_options={"endpoint_url": "127.0.0.1:1"})
+
+
+def test_s3_rebuild_reads_the_environment_again(s3_server, s3_bucket, monkeypatch):
+    """After credentials expire the filesystem is rebuilt; it must pick up what
+    the environment holds now, not what it held at first resolution."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    opts = {"access_key_id": s3_server.access_key_id,
+            "secret_access_key": s3_server.secret_access_key}
+    backend, path = resolve(f"s3://{s3_bucket}/x", storage_options=opts)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    fresh = backend.rebuild()
+    with fresh.open_output_stream(path + "/f") as f:
+        f.write(b"data")
+    assert s3_server.list_keys(s3_bucket) == {"x/f": 4}
+
+
+def test_azure_rebuild_reads_the_environment_again(azure_server, azure_container, monkeypatch):
+    stale = azure_server.connection_string.replace(str(azure_server.port), "9")
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", stale)
+    backend, path = resolve(f"az://{azure_container}/x")
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azure_server.connection_string)
+    fresh = backend.rebuild()
+    with fresh.open_output_stream(path + "/f") as f:
+        f.write(b"data")
+    assert azure_server.list_blobs(azure_container) == {"x/f": 4}

@@ -269,16 +269,22 @@ def azure_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:
         BackendUnavailableError: the engine's library is missing.
     """
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else "az"
-    ours, extra = _options(uri, storage_options)
-    engine = ours["engine"]
-    # A partial of module-level functions, not a closure: Checkpoints pickle
-    # with their backend (multiprocessing, Ray).
-    build = functools.partial(_build_pyarrow if engine == "pyarrow" else _build_adlfs, ours, extra)
+    options = dict(storage_options)
+    ours, _ = _options(uri, options)
     return AzureBackend(
-        build(),
+        _rebuild(uri, options),
         scheme=scheme,
         capabilities=AZURE_CAPABILITIES,
-        name=f"Azure Blob ({engine})",
-        rebuild=build,
+        name=f"Azure Blob ({ours['engine']})",
+        # Rebuilding (expired SAS or token) reads the options and the
+        # AZURE_STORAGE_* variables afresh. A partial, not a closure: Checkpoints pickle.
+        rebuild=functools.partial(_rebuild, uri, options),
         account_host=_account_host_from_uri(uri),
     )
+
+
+def _rebuild(uri: str, storage_options: Mapping[str, Any]) -> pafs.FileSystem:
+    ours, extra = _options(uri, storage_options)
+    if ours["engine"] == "pyarrow":
+        return _build_pyarrow(ours, extra)
+    return _build_adlfs(ours, extra)

@@ -271,27 +271,39 @@ def s3_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:
         BackendUnavailableError: the engine's library is missing.
     """
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else "s3"
+    options = dict(storage_options)
+    filesystem, engine = _build(options, warn=True)
+    return Backend(
+        filesystem,
+        scheme=scheme,
+        capabilities=S3_CAPABILITIES,
+        name=f"S3 ({engine})",
+        # Rebuilding (expired credentials) reads the options and the AWS_*
+        # variables afresh. A partial, not a closure: Checkpoints pickle.
+        rebuild=functools.partial(_rebuild, options),
+    )
+
+
+def _build(storage_options: Mapping[str, Any], *, warn: bool = False
+           ) -> tuple[pafs.FileSystem, str]:
     ours, extra = _normalise(storage_options)
     engine = ours.get("engine") or "pyarrow"
-    explicit_engine = "engine" in storage_options
-    if engine == "pyarrow" and _pyarrow_s3_class() is None and not explicit_engine:
+    if engine == "pyarrow" and _pyarrow_s3_class() is None and "engine" not in storage_options:
         try:
             import s3fs  # noqa: F401
         except ImportError:
             pass
         else:
-            warnings.warn(
-                "this pyarrow was built without S3 support; using the s3fs engine",
-                stacklevel=3,
-            )
+            if warn:
+                warnings.warn(
+                    "this pyarrow was built without S3 support; using the s3fs engine",
+                    stacklevel=4,
+                )
             engine = "s3fs"
-    # A partial of module-level functions, not a closure: Checkpoints pickle
-    # with their backend (multiprocessing, Ray).
-    build = functools.partial(_build_s3fs if engine == "s3fs" else _build_pyarrow, ours, extra)
-    return Backend(
-        build(),
-        scheme=scheme,
-        capabilities=S3_CAPABILITIES,
-        name=f"S3 ({engine})",
-        rebuild=build,
-    )
+    if engine == "s3fs":
+        return _build_s3fs(ours, extra), engine
+    return _build_pyarrow(ours, extra), engine
+
+
+def _rebuild(storage_options: Mapping[str, Any]) -> pafs.FileSystem:
+    return _build(storage_options)[0]
