@@ -175,7 +175,8 @@ def write_bytes(
     if osp is not None:
         base = os.path.basename(osp)
         tmp = os.path.join(
-            os.path.dirname(osp), f"{INTERNAL_PREFIX}tmp-{base}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.path.dirname(osp),
+            f"{INTERNAL_PREFIX}tmp-{base}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
         )
         try:
             with open(tmp, "wb") as f:

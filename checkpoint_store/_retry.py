@@ -171,7 +171,9 @@ def _typed_permanent(exc: BaseException, what: str) -> BaseException:
     )
 
 
-def call(fn: Callable[[], T], *, policy: RetryPolicy | None = None, what: str = "storage call") -> T:
+def call(
+    fn: Callable[[], T], *, policy: RetryPolicy | None = None, what: str = "storage call"
+) -> T:
     """Run ``fn()``, retrying transient errors per ``policy`` (default: from the environment).
 
     Raises:

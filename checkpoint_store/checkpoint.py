@@ -242,7 +242,9 @@ class Checkpoint:
         verify_files(self.filesystem, self.path, insp.meta["manifest"],
                      chunk_size=caps.chunk_size, concurrency=max(caps.concurrency, 1))
 
-    def to_directory(self, path: str | os.PathLike[str] | None = None, *, verify: bool = True) -> str:
+    def to_directory(
+        self, path: str | os.PathLike[str] | None = None, *, verify: bool = True
+    ) -> str:
         """Copy the user's files and ``.user_metadata.json`` into a local directory.
 
         Safe to call from many processes with the same ``path``: a file lock

@@ -146,12 +146,13 @@ DELETE_TOMBSTONE = f"{INTERNAL_PREFIX}deleting"
 def check_relpath(rel: str) -> str | None:
     """Why ``rel`` is not a safe relative path inside a checkpoint, or None when it is.
 
-    Refused: empty, absolute (``/x``, ``C:``), backslashes, NUL, and any
-    empty, ``.`` or ``..`` component.
+    Refused: empty, absolute (``/x``; ``C:x`` on Windows), backslashes, NUL,
+    and any empty, ``.`` or ``..`` component.
     """
     if not isinstance(rel, str) or not rel:
         return "is empty"
-    if rel.startswith("/") or (len(rel) > 1 and rel[1] == ":"):
+    if rel.startswith("/") or (os.name == "nt" and len(rel) > 1 and rel[1] == ":"):
+        # "C:x" is a legal POSIX file name but a drive-relative path on Windows.
         return "is absolute"
     if "\\" in rel or "\x00" in rel:
         return "contains a backslash or NUL"
@@ -330,7 +331,7 @@ def verify_files(
     else:
         with ThreadPoolExecutor(workers, thread_name_prefix="cs-verify") as pool:
             results = list(pool.map(one, entries))
-    for e, got in zip(entries, results):
+    for e, got in zip(entries, results, strict=True):
         rel = e["path"]
         if got is None:
             raise CheckpointCorruptError(

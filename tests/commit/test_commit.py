@@ -11,8 +11,7 @@ import warnings
 import pytest
 from _commit_helpers import make_source, read_tree
 
-from checkpoint_store import Checkpoint, CheckpointConfig, session
-from checkpoint_store import _fsutil, _json
+from checkpoint_store import Checkpoint, CheckpointConfig, _fsutil, _json, session
 from checkpoint_store._layout import INTERNAL_METADATA
 from checkpoint_store.errors import (
     CheckpointConflictError,

@@ -7,8 +7,7 @@ import posixpath
 import pytest
 from _commit_helpers import make_source, read_tree
 
-from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, session
-from checkpoint_store import _fsutil
+from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, _fsutil, session
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.errors import PermanentBackendError
 from checkpoint_store.testing.faults import (
