@@ -66,6 +66,17 @@ Conformance suite for backend plugins (the model is zarr's ``StoreTests``)::
             return StorageLocation("myfs://bucket/run", {"option": "value"})
 
 See :class:`~checkpoint_store.testing.conformance.BackendTests` and docs/plugins.md.
+
+Faults and crashes (docs/format.md, "Commit protocol")::
+
+    from checkpoint_store.testing.faults import FaultPlan, faulty_backend, SimulatedCrash
+    backend = faulty_backend(my_backend, FaultPlan(seed=1, transient_rate=0.2))
+    # also: permanent={"write": "access_denied"}, latency=0.05,
+    #       crash_after_writes=N, crash_on_path=".internal_metadata.json", expire_after=N
+
+    from checkpoint_store.testing.crash import CrashConfig, CrashHarness
+    report = CrashHarness(CrashConfig(storage_path=..., log_path=...)).run(kills=100)
+    assert report.violations == []
 """
 
 from __future__ import annotations
