@@ -63,7 +63,8 @@ class ScanResult:
     Attributes:
         committed: committed checkpoint directories, by recorded index.
         uncommitted: directories this tool's writers left unfinished (staging
-            and deleting directories, partial uploads), ``active`` included.
+            and deleting directories, partial uploads), ``active`` included,
+            and temporary files of writers that died (``.cs_tmp-*``).
         active: the subset of ``uncommitted`` that belongs to the current run
             (another rank may still be writing it): never removed.
         foreign: directories that are neither committed nor ours (copied in
@@ -312,9 +313,11 @@ class StorageContext:
         result = ScanResult()
         committed: list[tuple[int, str]] = []
         for fi in _fsutil.list_dir(self.filesystem, self.trial_path, retry=self.retry):
-            if fi.type != _fsutil.pafs.FileType.Directory:
-                continue
             name = posixpath.basename(fi.path.rstrip("/"))
+            if fi.type != _fsutil.pafs.FileType.Directory:
+                if name.startswith(f"{INTERNAL_PREFIX}tmp-") and _dead_writer_tmp(name):
+                    result.uncommitted.append(name)  # a write_bytes() cut short
+                continue
             if name.startswith(f"{INTERNAL_PREFIX}deleting-"):
                 # Renamed away by a delete: nobody writes there any more.
                 result.uncommitted.append(name)
@@ -523,6 +526,25 @@ def _is_internal(rel: str) -> bool:
     from checkpoint_store._layout import is_internal_file
 
     return is_internal_file(rel)
+
+
+def _dead_writer_tmp(name: str) -> bool:
+    """A ``.cs_tmp-<file>-<pid>-<random>`` file (local disks only) whose writer
+    process is gone. A live pid, ours or another's, keeps it: never remove a
+    file that may be renamed into place a moment later."""
+    try:
+        pid = int(name.rsplit("-", 2)[-2])
+    except (ValueError, IndexError):
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _looks_ours(insp: Inspection) -> bool:

@@ -344,3 +344,23 @@ def test_session_warns_nothing_for_a_clean_trial(trial, tmp_path):
         with session.start(**trial.session_kwargs()) as s:
             got = s.get_checkpoint()
             assert got is not None and got.internal_metadata["index"] == 0
+
+
+def test_temporary_files_of_dead_writers_are_removed(tmp_path):
+    import subprocess
+    import sys
+
+    from checkpoint_store import StorageContext
+
+    storage = StorageContext(str(tmp_path / "store"), "exp", "trial")
+    storage.ensure_trial_dir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    trial = tmp_path / "store" / "exp" / "trial"
+    orphan = trial / f".cs_tmp-.checkpoint_manager.json-{int(dead.stdout)}-0a1b2c3d"
+    live = trial / f".cs_tmp-.checkpoint_manager.json-{os.getpid()}-0a1b2c3d"
+    orphan.write_bytes(b"{")
+    live.write_bytes(b"{")
+    assert storage.scan().uncommitted == [orphan.name]
+    assert storage.remove_uncommitted() == [orphan.name]
+    assert not orphan.exists() and live.exists()
