@@ -162,3 +162,26 @@ def test_fault_plan_rejects_bad_values():
         FaultPlan(permanent={"write": "gremlins"})
     with pytest.raises(ValueError):
         FaultPlan(crash_after_writes=-1)
+
+
+def test_downloads_and_verify_survive_transient_faults(trial, tmp_path, monkeypatch):
+    from _commit_helpers import local_tree
+
+    # A Checkpoint's calls use the environment's policy (no StorageContext).
+    monkeypatch.setenv("CHECKPOINT_STORE_RETRY_ATTEMPTS", "12")
+    monkeypatch.setenv("CHECKPOINT_STORE_RETRY_MAX_DELAY", "0.01")
+
+    storage = trial.storage()
+    storage.ensure_trial_dir()
+    src = make_source(tmp_path / "src", 9, files=6)
+    storage.persist_checkpoint(Checkpoint.from_directory(src), 0, {"metrics": {}})
+    flaky = StorageContext.from_backend(
+        faulty_backend(trial.backend, FaultPlan(seed=5, transient_rate=0.2, transient_ops={"read",
+                                                                                        "list"})),
+        trial.root, "exp", "trial", retry=PATIENT)
+    ckpt = flaky.checkpoint("checkpoint_000000")
+    for i in range(3):
+        out = ckpt.to_directory(tmp_path / f"out{i}")
+        assert local_tree(out) == local_tree(src)
+        ckpt.verify()
+    assert flaky.backend.filesystem.handler.injected["transient"] > 0
