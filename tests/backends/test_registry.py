@@ -65,6 +65,7 @@ def test_import_loads_no_cloud_sdk_and_lists_plugins_from_metadata():
         f"""
         import json, sys
         import checkpoint_store
+        import checkpoint_store.testing.plugin   # loaded by every pytest run (pytest11)
         from checkpoint_store.registry import resolve
         listed = checkpoint_store.available_backends()
         resolve("relative/dir")          # a local path resolves without any plugin
