@@ -47,19 +47,24 @@ def test_checker_catches_a_lost_or_broken_checkpoint(tmp_path):
     from checkpoint_store import StorageContext, _fsutil
 
     cfg = CrashConfig(storage_path=str(tmp_path / "store"), log_path=str(tmp_path / "acks.log"))
-    report = CrashHarness(cfg, seed=3, min_delay=0.5, max_delay=0.6).run(1)
+    report = CrashHarness(cfg, seed=3, min_delay=0.9, max_delay=1.0).run(1)
     assert report.violations == [] and report.saves_acknowledged >= 2, report.summary()
+    with open(cfg.log_path) as f:
+        ack = json.loads(f.read().splitlines()[-1])
     storage = StorageContext(cfg.storage_path, cfg.experiment_name, cfg.trial_name)
-    newest = storage.committed_checkpoints()[-1][0]
-    # Flip a byte in the newest checkpoint: it no longer verifies.
-    path = os.path.join(newest.path, "data_0.bin")
+    acked = storage.checkpoint(ack["dir"])
+    # Flip a byte in the last acknowledged checkpoint: it no longer verifies.
+    path = os.path.join(acked.path, "data_0.bin")
     data = bytearray(open(path, "rb").read())
     data[0] ^= 1
     open(path, "wb").write(bytes(data))
     bad, _ = check_trial(cfg)
     assert any("does not verify" in v for v in bad), bad
-    # Remove it entirely: the acknowledged save is lost.
-    _fsutil.delete_dir(storage.filesystem, newest.path)
+    # Remove it and anything newer (unacknowledged saves): the acknowledged save is lost.
+    for ckpt, meta in storage.committed_checkpoints():
+        if meta["metrics"]["step"] >= ack["step"]:
+            _fsutil.delete_dir(storage.filesystem, ckpt.path)
+    _fsutil.delete_dir(storage.filesystem, acked.path)
     bad, _ = check_trial(cfg)
     assert any("was lost" in v for v in bad), bad
     # A directory we did not write shows up as foreign.
@@ -67,5 +72,3 @@ def test_checker_catches_a_lost_or_broken_checkpoint(tmp_path):
     open(os.path.join(storage.trial_path, "checkpoint_999999", "x.bin"), "wb").write(b"x")
     bad, _ = check_trial(cfg)
     assert any("not recognisable" in v for v in bad), bad
-    with open(cfg.log_path) as f:
-        assert json.loads(f.read().splitlines()[-1])["step"] >= 1
