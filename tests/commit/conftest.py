@@ -49,7 +49,7 @@ def trial(request, tmp_path) -> Trial:
     return _trial(request.param, tmp_path, request)
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.slow)])
 def any_trial(request, tmp_path) -> Trial:
     """Also S3 on a moto server (marker-last against a real object store API)."""
     return _trial(request.param, tmp_path, request)
