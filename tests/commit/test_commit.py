@@ -364,3 +364,31 @@ def test_temporary_files_of_dead_writers_are_removed(tmp_path):
     assert storage.scan().uncommitted == [orphan.name]
     assert storage.remove_uncommitted() == [orphan.name]
     assert not orphan.exists() and live.exists()
+
+
+def test_marker_last_claims_of_live_and_dead_writers(memory_trial, tmp_path):
+    import time
+
+    storage = memory_trial.storage()
+    storage.ensure_trial_dir()
+    fs, caps = storage.filesystem, storage.backend.capabilities
+    src = make_source(tmp_path / "src", 4)
+    dest = storage.checkpoint_path(0)
+    # A live writer's fresh claim: we wait for it, then give up without writing.
+    live = posixpath.join(dest, f".cs_claim-{time.time_ns():020d}-other.1.abc")
+    _fsutil.write_bytes(fs, live, b"other", caps)
+    with pytest.raises(CheckpointConflictError, match="another writer"):
+        commit_checkpoint(_fsutil.pafs.LocalFileSystem(), src, storage.backend, dest,
+                          {"index": 0}, claim_timeout=0.3)
+    assert sorted(read_tree(fs, dest)) == []
+    # A writer that died an hour ago left its claim and half its data: ignored
+    # and replaced by a whole checkpoint.
+    _fsutil.delete_file(fs, live)
+    dead = posixpath.join(dest, f".cs_claim-{time.time_ns() - 7200 * 10**9:020d}-dead.2.def")
+    _fsutil.write_bytes(fs, dead, b"dead", caps)
+    _fsutil.write_bytes(fs, posixpath.join(dest, "part0.bin"), b"half", caps)
+    _fsutil.write_bytes(fs, posixpath.join(dest, "stale_extra.bin"), b"junk", caps)
+    commit_checkpoint(_fsutil.pafs.LocalFileSystem(), src, storage.backend, dest, {"index": 0})
+    ckpt = storage.checkpoint("checkpoint_000000")
+    ckpt.verify()
+    assert read_tree(fs, dest) == read_tree(_fsutil.pafs.LocalFileSystem(), src)
