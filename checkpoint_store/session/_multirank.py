@@ -454,8 +454,6 @@ class Coordinator:
                 owners[path] = r
                 manifest.append(entry)
         try:
-            for r in markers:
-                _fsutil.delete_file(fs, posixpath.join(target, rank_marker_name(r)))
             meta = dict(internal)
             meta.setdefault("index", index)
             meta["world_size"] = self.world_size
@@ -467,6 +465,14 @@ class Coordinator:
             )
         except Exception as exc:
             return self._abort(dir_name, exc, "error", [], None), exc
+        # Markers go only after the commit: until then they are what tells
+        # cleanup that an object-store directory is ours, not foreign data.
+        # They are internal files, so a leftover one changes nothing.
+        for r in markers:
+            try:
+                _fsutil.delete_file(fs, posixpath.join(final, rank_marker_name(r)))
+            except OSError:
+                pass
         return {"ok": True}, None
 
     def _collect_markers(self, index: int, dir_name: str, target: str) -> dict[int, dict]:

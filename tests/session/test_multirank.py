@@ -4,6 +4,7 @@ test_torchrun.py runs real processes)."""
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 import uuid
 
@@ -335,3 +336,31 @@ def test_storage_calls_per_commit_grow_linearly(ranks, tmp_path, n):
     # Data: n files; the commit marker: one. No call grows with n squared.
     writes = [p for w, p in ck if w == "write"]
     assert len(writes) == 2 * n + 1
+
+
+def test_rank_markers_mark_an_interrupted_commit_as_ours_not_foreign():
+    """A crash between the ranks' uploads and rank 0's marker-last commit on an
+    object-like store leaves data plus rank markers: cleanup must recognise it
+    as ours. A marker left after the commit changes nothing."""
+    from checkpoint_store import _fsutil
+    from checkpoint_store.session._multirank import rank_marker_name
+
+    root = f"memory://mr-gap-{uuid.uuid4().hex[:8]}"
+    ctx = StorageContext(root, "e", "t")
+    fs, caps = ctx.filesystem, ctx.backend.capabilities
+    part = ctx.checkpoint_path(0)
+    _fsutil.write_bytes(fs, f"{part}/shard_0.bin", b"abc", caps)
+    _fsutil.write_bytes(fs, f"{part}/{rank_marker_name(0)}", b'{"ok": true}', caps)
+    scan = ctx.scan()
+    assert scan.uncommitted == ["checkpoint_000000"] and scan.foreign == []
+    assert not ctx.checkpoint("checkpoint_000000").is_committed
+    # Commit another index, then leave a stray marker inside it.
+    assert ctx.remove_uncommitted() == ["checkpoint_000000"]
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "shard_0.bin"), "wb") as f:
+            f.write(b"abc")
+        done = ctx.persist_checkpoint(Checkpoint.from_directory(d), 1, {"metrics": {}})
+    _fsutil.write_bytes(fs, f"{done.path}/{rank_marker_name(1)}", b'{"ok": true}', caps)
+    assert done.is_committed
+    done.verify()
+    assert ctx.scan().committed == ["checkpoint_000001"]
