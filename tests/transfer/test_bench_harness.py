@@ -1,0 +1,54 @@
+"""Smoke test of the benchmark harness (benchmarks/): real tools on a tiny
+data set, and the markdown report with its target checks. The benchmarks
+themselves are not part of the test suite."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import bench_transfer, report_md
+from benchmarks._common import Shape, alternate, make_tree
+
+
+def test_alternate_runs_round_robin_and_records_failures() -> None:
+    order: list[str] = []
+
+    def ok(name: str):
+        def run(rep: int) -> float:
+            order.append(name)
+            return 0.1 * (rep + 1)
+        return run
+
+    def broken(rep: int) -> float:
+        raise OSError("no such tool")
+
+    cells = alternate({"a": ok("a"), "b": ok("b"), "x": broken}, 3, log=lambda m: None)
+    assert order == ["a", "b", "a", "b", "a", "b"]
+    assert cells["a"].median == pytest.approx(0.2)
+    assert cells["x"].times == [] and "no such tool" in cells["x"].error
+
+
+@pytest.mark.slow
+def test_local_rows_on_a_tiny_tree_render_with_ratios(tmp_path) -> None:
+    shape = Shape("3 x 4 KiB", 3, 4096)
+    src = make_tree(str(tmp_path / "data"), shape)
+    rows = bench_transfer.local_rows(src, shape, str(tmp_path / "work"), 1, lambda m: None)
+    for direction in ("upload", "download"):
+        cells = rows[direction]
+        assert "cp -r" in cells and cells["cp -r"].median is not None
+        assert [c.error for c in cells.values() if c.error] == []
+    results = {
+        "machine": {"cpus": 2}, "reps": 1, "shapes": ["4 x 256 MiB", shape.name],
+        "transfers": {"local": {shape.name: {
+            d: {n: {"times_s": c.times, "median_s": c.median, "error": c.error}
+                for n, c in cells.items()} for d, cells in rows.items()}}},
+        "report": {"ours": {"metrics_only_s": 15e-6, "small_checkpoint_s": 0.01},
+                   "ray": {"metrics_only_s": 2e-3, "small_checkpoint_s": 0.005}},
+        "import": {"checkpoint_store_s": 0.2, "pyarrow_fs_alone_s": 0.15},
+    }
+    md = report_md.render(results)
+    assert "## Local disk" in md and "| 3 x 4 KiB |" in md
+    targets = {t[0]: t for t in report_md.targets(results)}
+    assert targets["report() metrics only ≤ 20 µs"][2] == "yes"
+    assert targets["report() metrics only ≥ 10× faster than Ray"][1] == "133.33×"
+    assert targets["import checkpoint_store ≤ 150 ms"][2] == "**no**"
