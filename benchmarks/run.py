@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=os.path.join(ROOT, "docs", "benchmarks.json"))
     ap.add_argument("--data-dir", default=None, help="where test data is generated (reused)")
     ap.add_argument("--no-install", action="store_true")
+    ap.add_argument("--merge", action="store_true",
+                    help="update the parts run here in an existing --json, keep the rest")
     args = ap.parse_args(argv)
     parts = set(args.only.split(","))
     quick = args.quick
@@ -226,6 +228,23 @@ def main(argv: list[str] | None = None) -> int:
     results["wall_s"] = time.time() - t_start
     from benchmarks.report_md import render
 
+    if args.merge and os.path.exists(args.json):
+        with open(args.json) as f:
+            old = json.load(f)
+        stamp = time.strftime("%H:%M UTC", time.gmtime(t_start))
+        for key, value in results.items():
+            if key == "transfers":
+                for backend, rows in value.items():
+                    old.setdefault("transfers", {})[backend] = rows
+            elif key in ("report", "async", "rss", "import", "retention"):
+                old[key] = value
+            elif key == "errors":
+                old.setdefault("errors", {}).update(value)
+        old.setdefault("notes", []).append(
+            f"Re-measured in a second run started at {stamp} (--only {args.only}), after a "
+            "change to the code those rows exercise; everything else is from the first run.")
+        old["wall_s"] = old.get("wall_s", 0) + results["wall_s"]
+        results = old
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1, sort_keys=True)
