@@ -208,26 +208,23 @@ class _CountingHandler(pafs.FileSystemHandler):
     def copy_file(self, src: str, dest: str) -> None:
         self.fs.copy_file(src, dest)
 
-    def open_input_stream(self, path: str) -> pa.NativeFile:
-        inner = self.fs.open_input_stream(path)
+    def _counted(self, path: str) -> tuple[bool, Any]:
+        """Whether reads of ``path`` are counted, and its expected manifest entry."""
         if self.expected is not None:
             exp = self.expected.get(path)
-            counted = exp is not None
-        else:
-            exp = None
-            counted = self.track(path) if self.track is not None else True
+            return exp is not None, exp
+        return (self.track(path) if self.track is not None else True), None
+
+    def open_input_stream(self, path: str) -> pa.NativeFile:
+        inner = self.fs.open_input_stream(path)
+        counted, exp = self._counted(path)
         if not counted:
             return inner
         return pa.PythonFile(_CountingReader(inner, path, self.on_bytes, exp), mode="r")
 
     def open_input_file(self, path: str) -> pa.NativeFile:
         inner = self.fs.open_input_file(path)
-        if self.expected is not None:
-            exp = self.expected.get(path)
-            counted = exp is not None
-        else:
-            exp = None
-            counted = self.track(path) if self.track is not None else True
+        counted, exp = self._counted(path)
         if not counted:
             return inner
         return pa.PythonFile(_CountingRandomReader(inner, path, self.on_bytes, exp), mode="r")
