@@ -65,7 +65,8 @@ def render(res: dict[str, Any]) -> str:
     w("Every candidate runs on the same data in the same run, alternating "
       "(A B C A B C ...); each cell is the median of the repetitions (up to "
       f"{res.get('reps')}; object-store rows stop early after 100 s). Ratios are "
-      "*their time / our time*: above 1 means checkpoint-store is faster. "
+      "*their time / our time* (our time: the first checkpoint-store column; the "
+      "Targets table compares each variant): above 1 means checkpoint-store is faster. "
       "checkpoint-store always computes CRC32C of every byte, writes the manifest "
       "and commits (fsync + rename on local disks, marker last on object stores); "
       "its downloads verify every checksum. The other tools copy bytes only.\n")
