@@ -524,8 +524,9 @@ class _Runner:
         # write uploads one block: it holds the chunk in its buffer and again
         # in the block it sends (4 copies in all, measured with VmHWM on adlfs).
         fsspec_out = isinstance(self.dst_fs, pafs.PyFileSystem) and self.dst_fsspec is not None
-        copies = 4 if fsspec_out else _REMOTE_COPIES + (
-            1 if isinstance(self.dst_fs, pafs.PyFileSystem) else 0)
+        # pyarrow's S3 stream: ours, the part it uploads in the background, and
+        # the freed part its memory pool still holds (RSS reached 100 MiB with 2).
+        copies = 4 if fsspec_out else _REMOTE_COPIES + 1
         chunk = max(1024 * 1024, min(self.p.chunk_size, self.p.memory_limit // copies))
         if fsspec_out:
             chunk = max(chunk, 5 * 1024 * 1024)  # S3's smallest multipart part
