@@ -227,7 +227,10 @@ WHY: list[tuple[str, str]] = [
      "read back) and, for downloads, the listing and manifest check before the first "
      "byte. moto re-reads the whole object for every ranged GET, so a 1 GiB object in "
      "40 MiB parts (our default within the 80 MiB memory limit) costs more GETs than "
-     "pyarrow's 64 MiB chunks; a larger `chunk_size` trades memory for fewer requests."),
+     "pyarrow's 64 MiB chunks; a larger `chunk_size` trades memory for fewer requests. "
+     "Within the 80 MiB memory limit (each byte counted twice) a large-file download "
+     "has one 40 MiB part in flight, where copy_files reads four files x 64 MiB at once "
+     "(over 256 MiB buffered): `copy_tree(..., memory_limit=...)` raises it."),
     ("Ray", "Ray's upload path is pyarrow.fs.copy_files with 64 MiB chunks "
      "(single-threaded to S3); on small files our batched PUTs through the async "
      "client win, on large files both are bound by the server."),

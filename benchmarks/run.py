@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                 old.setdefault("errors", {}).update(value)
         old.setdefault("notes", []).append(
             f"Re-measured in a second run started at {stamp} (--only {args.only}), after a "
-            "change to the code those rows exercise; everything else is from the first run.")
+            "change to the code those rows exercise; the other parts keep their numbers "
+            "from the earlier run(s).")
         old["wall_s"] = old.get("wall_s", 0) + results["wall_s"]
         results = old
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
