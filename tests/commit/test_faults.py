@@ -32,7 +32,11 @@ def test_fifty_saves_commit_under_20_percent_transient_faults(any_trial, tmp_pat
         storage.persist_checkpoint(Checkpoint.from_directory(sources[i % 5]), i,
                                    {"metrics": {"i": i}})
     handler = backend.filesystem.handler
-    assert handler.injected["transient"] > saves  # the faults really happened
+    # The faults really happened, near the configured rate: a fixed count was
+    # flaky on S3, whose random bucket names change the seeded draws (about
+    # 115 calls there, 20% of them faulted on average).
+    calls = sum(handler.calls.values())
+    assert handler.injected["transient"] >= max(5, 0.08 * calls)
     clean = any_trial.storage()
     committed = clean.committed_checkpoints()
     assert [m["index"] for _, m in committed] == list(range(saves))
