@@ -414,6 +414,8 @@ class Session:
         if up is not None and not self._closed:
             up.wait()  # finish queued uploads before retention's lease is released
         self._closed = True
+        if self._results is not None:
+            self._results.close()
         # Releases the trial's retention lease (also when an exception ends the session).
         self.manager.close()
         if up is not None:

@@ -123,3 +123,18 @@ def test_memory_storage_end_to_end(tmp_path):
         assert open(os.path.join(d, "weights.bin"), "rb").read() == b"\x00" * 10
     with session.start(storage_path="memory://sess-e2e", experiment_name="e", trial_name="t"):
         assert session.get_checkpoint().uri.endswith("checkpoint_000002")
+
+
+def test_a_torn_last_result_row_does_not_swallow_the_next_one(tmp_path):
+    with session.start(storage_path=str(tmp_path), experiment_name="e", trial_name="t"):
+        session.report({"i": 1})
+    result = tmp_path / "e" / "t" / "result.json"
+    with open(result, "ab") as f:
+        f.write(b'{"i": 2, "training_itera')  # a crash mid-append
+    with session.start(storage_path=str(tmp_path), experiment_name="e", trial_name="t"):
+        session.report({"i": 3})
+        session.report({"i": 4})
+    lines = result.read_bytes().splitlines()
+    assert len(lines) == 4
+    assert [json.loads(lines[k])["i"] for k in (0, 2, 3)] == [1, 3, 4]
+    assert [json.loads(lines[k])["training_iteration"] for k in (2, 3)] == [2, 3]
