@@ -6,8 +6,8 @@ and :mod:`~checkpoint_store.transfer`, :mod:`~checkpoint_store.storage`,
 :mod:`~checkpoint_store.registry` and the backends.
 """
 
-from checkpoint_store._retry import RetryPolicy
-from checkpoint_store.checkpoint import Checkpoint
+from typing import TYPE_CHECKING, Any
+
 from checkpoint_store.errors import (
     BackendUnavailableError,
     CheckpointConflictError,
@@ -21,9 +21,15 @@ from checkpoint_store.errors import (
     TransientBackendError,
     UnknownSchemeError,
 )
-from checkpoint_store.registry import available_backends, register_backend
-from checkpoint_store.retention import CheckpointConfig, CheckpointManager
-from checkpoint_store.storage import ScanResult, StorageContext
+
+if TYPE_CHECKING:
+    from checkpoint_store import session
+    from checkpoint_store._retry import RetryPolicy
+    from checkpoint_store.checkpoint import Checkpoint
+    from checkpoint_store.registry import available_backends, register_backend
+    from checkpoint_store.retention import CheckpointConfig, CheckpointManager
+    from checkpoint_store.session._trial_runner import TrialRunner
+    from checkpoint_store.storage import ScanResult, StorageContext
 
 __version__ = "0.1.0"
 
@@ -52,13 +58,34 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+# Everything but the errors is imported on first use (as universal-pathlib's
+# registry does): pyarrow alone takes about 120 ms to import, and a process
+# that only catches our errors or reads __version__ should not pay for it.
+_LAZY = {
+    "Checkpoint": "checkpoint_store.checkpoint",
+    "CheckpointConfig": "checkpoint_store.retention",
+    "CheckpointManager": "checkpoint_store.retention",
+    "RetryPolicy": "checkpoint_store._retry",
+    "ScanResult": "checkpoint_store.storage",
+    "StorageContext": "checkpoint_store.storage",
+    "TrialRunner": "checkpoint_store.session._trial_runner",
+    "available_backends": "checkpoint_store.registry",
+    "register_backend": "checkpoint_store.registry",
+}
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
     if name == "session":
-        import importlib
-
         return importlib.import_module("checkpoint_store.session")
-    if name == "TrialRunner":  # imported on first use: the session layer is not free
-        from checkpoint_store.session._trial_runner import TrialRunner
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'checkpoint_store' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return TrialRunner
-    raise AttributeError(f"module 'checkpoint_store' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
