@@ -295,7 +295,9 @@ class Checkpoint:
         identity = self._download_identity(insp.meta)
         # Beside the target, not in it: the user's directory holds only their files.
         marker = os.path.join(parent, f".{base}{DOWNLOAD_MARKER_SUFFIX}")
-        with filelock.FileLock(os.path.join(parent, f".{base}.cs_lock")):
+        lock_path = os.path.join(parent, f".{base}.cs_lock")
+        _check_lock_creatable(lock_path, target)
+        with filelock.FileLock(lock_path):
             if (
                 identity is not None
                 and _read_download_marker(marker) == identity
@@ -406,3 +408,16 @@ def _require_checkpoint(value: Any) -> Checkpoint:
             "build one with Checkpoint.from_directory(path)"
         )
     return value
+
+
+def _check_lock_creatable(lock_path: str, target: str) -> None:
+    """Fail at once where the download lock cannot exist: filelock would take
+    an error creating it for a lock held by someone else and wait forever."""
+    try:
+        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError as exc:
+        raise InvalidConfigError(
+            f"cannot download into {target!r}: {exc.strerror or exc} creating "
+            f"{lock_path!r}; choose a directory you can write to"
+        ) from None
+    os.close(fd)

@@ -172,3 +172,14 @@ def test_eight_processes_download_once_and_all_return_complete(tmp_path):
     assert read_tree(storage.filesystem, storage.checkpoint_path(0)) == local_tree(src)
 
 
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_download_where_the_lock_cannot_be_created_fails_at_once(trial, tmp_path):
+    from checkpoint_store.errors import InvalidConfigError
+
+    _, ckpt, _ = _committed(trial, tmp_path)
+    started = time.monotonic()
+    with pytest.raises(InvalidConfigError, match="choose a directory you can write to"):
+        ckpt.to_directory("/proc/checkpoint-store-no-such-target")
+    assert time.monotonic() - started < 5  # filelock alone would wait forever
