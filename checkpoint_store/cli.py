@@ -39,6 +39,7 @@ from checkpoint_store._layout import (
     is_internal_file,
     parse_checkpoint_dir_name,
 )
+from checkpoint_store._proc import process_alive
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import (
     BackendUnavailableError,
@@ -441,12 +442,8 @@ def _refuse_if_live(trial: _Location, force: bool, what: str) -> None:
         return
     pid = lease.get("pid")
     if lease.get("host") == socket.gethostname() and isinstance(pid, int):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not process_alive(pid):
             return
-        except OSError:
-            pass
     raise CheckpointConflictError(
         f"a running job manages {trial.uri} (host {lease.get('host')!r}, pid {pid}; lease "
         f"renewed until {_fmt_time(expires)} UTC): refusing to {what} behind its back; "

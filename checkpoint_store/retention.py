@@ -52,6 +52,7 @@ from typing import Any, Literal
 
 from checkpoint_store import _fsutil, _json
 from checkpoint_store._layout import FORMAT_VERSION, INTERNAL_PREFIX, MANAGER_STATE
+from checkpoint_store._proc import process_alive
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     CheckpointConflictError,
@@ -418,16 +419,6 @@ def select_kept(
 # -- the lease ------------------------------------------------------------------------------
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
-
-
 class _Lease:
     """Who manages a trial right now: one JSON file renewed in the background.
 
@@ -497,7 +488,7 @@ class _Lease:
         if not isinstance(expires, (int, float)) or expires <= now:
             return False
         pid = cur.get("pid")
-        if cur.get("host") == self.host and isinstance(pid, int) and not _pid_alive(pid):
+        if cur.get("host") == self.host and isinstance(pid, int) and not process_alive(pid):
             return False
         return True
 

@@ -29,6 +29,7 @@ from checkpoint_store._layout import (
     parse_checkpoint_dir_name,
     validate_component,
 )
+from checkpoint_store._proc import process_alive
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint
@@ -558,15 +559,7 @@ def _dead_writer_tmp(name: str) -> bool:
         pid = int(name.rsplit("-", 2)[-2])
     except (ValueError, IndexError):
         return False
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False
+    return pid != os.getpid() and not process_alive(pid)
 
 
 def _looks_ours(insp: Inspection) -> bool:

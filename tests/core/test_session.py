@@ -20,6 +20,10 @@ def _ckpt(tmp_path, name: str, payload: bytes) -> Checkpoint:
     return Checkpoint.from_directory(d)
 
 
+def _checkpoint_dirs(trial_dir) -> list[str]:
+    return sorted(p.name for p in trial_dir.iterdir() if p.name.startswith("checkpoint_"))
+
+
 def _rows(trial_dir) -> list[dict]:
     with open(os.path.join(trial_dir, "result.json")) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -56,8 +60,7 @@ def test_literal_slash_key_reads_back_and_ranks(tmp_path):
     assert best.internal_metadata["metrics"]["ptl/val_acc"] == 0.9
     rows = _rows(tmp_path / "e" / "t")
     assert [r["ptl/val_acc"] for r in rows] == [0.9, 0.5, 0.7]
-    kept = sorted(p.name for p in (tmp_path / "e" / "t").iterdir() if p.name.startswith("checkpoint_"))
-    assert kept == ["checkpoint_000000", "checkpoint_000002"]
+    assert _checkpoint_dirs(tmp_path / "e" / "t") == ["checkpoint_000000", "checkpoint_000002"]
 
 
 @pytest.mark.parametrize("bad", [[1, 2], 3.0, "loss", None])
@@ -107,8 +110,7 @@ def test_num_to_keep_none_keeps_everything(tmp_path):
                                                           checkpoint_score_attribute="s")):
         for i in range(5):
             session.report({"s": float(i)}, checkpoint=_ckpt(tmp_path, f"c{i}", b"x"))
-    names = sorted(p.name for p in (tmp_path / "e" / "t").iterdir() if p.name.startswith("checkpoint_"))
-    assert names == [f"checkpoint_{i:06d}" for i in range(5)]
+    assert _checkpoint_dirs(tmp_path / "e" / "t") == [f"checkpoint_{i:06d}" for i in range(5)]
 
 
 def test_memory_storage_end_to_end(tmp_path):
