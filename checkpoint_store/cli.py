@@ -1464,6 +1464,13 @@ def demo(storage: str, epochs: int, num_to_keep: int, lr: float, seed: int, resu
       checkpoint-store demo --tune --trials 8 --parallel 2
     """
     if tune:
+        if resume:
+            # The study itself (Optuna's trial history) is kept in memory only,
+            # so there is nothing to resume; never start over by deleting.
+            raise click.UsageError(
+                "--resume continues the single-run demo; a --tune study always starts "
+                "fresh (drop --resume, or use another --storage to keep the old study)"
+            )
         from checkpoint_store._demo_tune import run_tune
 
         sys.exit(run_tune(storage=storage, trials=trials, parallel=parallel, epochs=epochs,

@@ -43,3 +43,16 @@ def test_demo_tune_prints_best_trial_checkpoint_and_test_accuracy(tmp_path):
     # Each trial has its own directory with its own kept checkpoints.
     trials = sorted(p.name for p in (store / "digits-tune").iterdir())
     assert trials == [f"trial_{i:05d}" for i in range(4)]
+
+
+def test_demo_tune_with_resume_is_refused_and_deletes_nothing(tmp_path):
+    from checkpoint_store.cli import main
+
+    previous = tmp_path / "store" / "digits-tune" / "trial_00000"
+    previous.mkdir(parents=True)
+    (previous / "result.json").write_text("{}\n")
+    result = CliRunner().invoke(main, ["demo", "--tune", "--resume", "--storage",
+                                       str(tmp_path / "store")])
+    assert result.exit_code == 2
+    assert "always starts fresh" in result.output
+    assert (previous / "result.json").read_text() == "{}\n"
