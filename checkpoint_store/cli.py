@@ -934,10 +934,38 @@ def _checkpoint_dest(dst: _Location, default_name: str | None) -> tuple[_Locatio
         parsed = parse_checkpoint_dir_name(default_name)
         assert parsed is not None
         return dst.child(default_name), parsed
+    _require_trial_target(dst)
     dirs = [parse_checkpoint_dir_name(n) for n, d in _entries(dst)]
     taken = [i for i in dirs if i is not None]
     index = max(taken) + 1 if taken else 0
     return dst.child(checkpoint_dir_name(index)), index
+
+
+def _require_trial_target(dst: _Location) -> None:
+    """Refuse to make ``dst`` a trial where that would hide or nest trials: it
+    must be a trial already, empty, or new, and not inside another trial."""
+    try:
+        kind = _kind(dst)
+    except CheckpointNotFoundError:
+        kind = None
+    if kind not in (None, "empty", "trial"):
+        what = {"experiment": "an experiment (it holds trials)", "file": "a file"}.get(
+            kind, "a directory that holds other data, not checkpoints")
+        raise click.UsageError(
+            f"{dst.uri} is {what}, not a trial directory; give a trial directory "
+            "(e.g. .../<experiment>/<trial>) or a .../checkpoint_NNNNNN path"
+        )
+    parent = _Location(dst.backend, posixpath.dirname(dst.path.rstrip("/")))
+    if kind is None and parent.path != dst.path:
+        try:
+            parent_kind = _kind(parent)
+        except CheckpointNotFoundError:
+            return
+        if parent_kind == "trial":
+            raise click.UsageError(
+                f"{parent.uri} is a trial: a trial inside it would be hidden. Upload into "
+                f"the trial itself, or name the checkpoint {parent.uri}/checkpoint_NNNNNN"
+            )
 
 
 @main.command("upload")
