@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import logging
 import os
 import posixpath
 import sys
@@ -102,10 +103,33 @@ def _show_warning(message: Warning | str, category: type[Warning], *args: Any,
     click.echo(f"warning: {_one_line(str(message))}", err=True)
 
 
+class _OneLineLogHandler(logging.Handler):
+    """Log records of warning level and up (ours, and storage clients' such as
+    gcsfs's retry errors) as one line each; tracebacks only with --debug.
+    Without it Python's last-resort handler prints client tracebacks."""
+
+    def __init__(self, ctx: click.Context):
+        super().__init__(logging.WARNING)
+        self._ctx = ctx
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            if self._ctx.meta.get("cs.debug") or os.environ.get("CHECKPOINT_STORE_DEBUG"):
+                text = logging.Formatter("%(levelname)s %(name)s: %(message)s").format(record)
+            else:
+                text = f"{record.levelname.lower()}: {_one_line(record.getMessage())}"
+            click.echo(text, err=True)
+        except Exception:  # noqa: BLE001 - logging must never fail the command
+            self.handleError(record)
+
+
 class _Group(click.Group):
     """Turns every error of a command into one line and an exit code."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        log_handler = _OneLineLogHandler(ctx)
+        root = logging.getLogger()
+        root.addHandler(log_handler)
         try:
             with warnings.catch_warnings():
                 # Library warnings (a missing score, an untested fsspec backend) as
@@ -131,6 +155,8 @@ class _Group(click.Group):
                 hint = f"`checkpoint-store {ctx.invoked_subcommand} --help` shows the usage"
             click.echo(f"error: {msg}" + (f" (hint: {hint})" if hint else ""), err=True)
             ctx.exit(_exit_code_for(exc))
+        finally:
+            root.removeHandler(log_handler)
 
 
 # -- shared options -----------------------------------------------------------------

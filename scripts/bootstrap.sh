@@ -25,7 +25,7 @@ if [ -f "$stamp" ]; then
 fi
 case "$what" in
     demo)
-        pip_install -e ".[demo]"
+        pip_install -e ".[demo,tune]"
         ;;
     test)
         args=(-e ".[test,demo,tune,docs,bench]")

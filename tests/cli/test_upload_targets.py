@@ -46,3 +46,24 @@ def test_upload_into_a_new_trial_beside_others_works(tree):
     assert [c.path.rsplit("/", 1)[1] for c, _ in ctx.committed_checkpoints()] == [
         "checkpoint_000000"]
     assert len(StorageContext(str(results), "exp", "t1").committed_checkpoints()) == 2
+
+
+def test_client_log_records_print_one_line_and_tracebacks_only_with_debug(tmp_path, monkeypatch):
+    import logging
+
+    import checkpoint_store.cli as cli
+
+    def noisy_backends():
+        try:
+            raise ConnectionError("simulated client failure\nwith a second line")
+        except ConnectionError:
+            logging.getLogger("gcsfs").error("_request out of retries", exc_info=True)
+        return {"file": "checkpoint-store"}
+
+    monkeypatch.setattr("checkpoint_store.registry.available_backends", noisy_backends)
+    runner = CliRunner()
+    out = runner.invoke(cli.main, ["backends"])
+    assert "error: _request out of retries" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = runner.invoke(cli.main, ["backends", "--debug"])
+    assert "Traceback" in out.stderr and "simulated client failure" in out.stderr
