@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import logging
+import math
 import os
 import posixpath
 import sys
