@@ -22,6 +22,7 @@ from checkpoint_store.retention import CheckpointConfig
 from checkpoint_store.session._errors import TrialStopped
 
 _IDLE, _RUNNING, _FINISHED, _STOPPED, _PAUSED = "idle", "running", "finished", "stopped", "paused"
+_ERRORED = "errored"
 
 
 class TrialRunner:
@@ -95,6 +96,8 @@ class TrialRunner:
         self._thread: threading.Thread | None = None
         self._session: Any = None
         self._status = _IDLE
+        #: The exception ``train_fn`` raised (also raised once by :meth:`step`), or None.
+        self.error: BaseException | None = None
         self._generation = 0
         self._new_attempt()
 
@@ -122,8 +125,9 @@ class TrialRunner:
 
     @property
     def status(self) -> str:
-        """``"idle"`` (no step yet), ``"running"``, ``"finished"`` (returned or
-        raised), ``"stopped"`` or ``"paused"``."""
+        """``"idle"`` (no step yet), ``"running"``, ``"finished"`` (returned),
+        ``"errored"`` (raised; the exception is kept in :attr:`error`),
+        ``"stopped"`` or ``"paused"``. Same roles as Ray Tune's trial statuses."""
         return self._status
 
     @property
@@ -250,7 +254,7 @@ class TrialRunner:
         with self._cv:
             if self._status in (_IDLE, _PAUSED):
                 starting = True
-            elif self._status in (_FINISHED, _STOPPED):
+            elif self._status in (_FINISHED, _ERRORED, _STOPPED):
                 return None
             else:
                 starting = False
@@ -276,7 +280,9 @@ class TrialRunner:
             if self._stop_requested:
                 return None
             error, self._error = self._error, None
-            self._status = _FINISHED
+            self._status = _FINISHED if error is None else _ERRORED
+            if error is not None:
+                self.error = error
         if self._thread is not None:
             self._thread.join(self._stop_timeout_s)
         if error is not None:
@@ -357,6 +363,7 @@ class TrialRunner:
             if trial_name is not None:
                 self._storage_args["trial_name"] = trial_name
             self._status = _IDLE
+            self.error = None
             self._generation += 1
             self._new_attempt()
             self._session = None

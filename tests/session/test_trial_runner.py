@@ -86,6 +86,9 @@ def test_exception_after_two_reports_is_reraised_with_original_traceback(tmp_pat
     frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
     assert "train" in frames  # the frame that raised is in the traceback
     assert r.step() is None
+    # A scheduler can still tell a failed trial from a finished one.
+    assert r.status == "errored"
+    assert r.error is info.value
 
 
 @pytest.mark.parametrize("sync", [True, False])
