@@ -1163,9 +1163,19 @@ def cp_cmd(src: str, dst: str, storage_options: dict[str, Any], src_options: dic
     total = sum(_manifest_size(m) for _, m, _, _ in jobs)
     results: dict[str, int] = {"copied": 0, "skipped": 0}
     copied_bytes = 0
+    corrupt: list[CheckpointCorruptError] = []
     with _progress(f"cp {s.name}", total) as bar:
         for src_ckpt, cmeta, target, index in jobs:
-            outcome = _copy_checkpoint(src_ckpt, cmeta, target, index, bar.advance)
+            try:
+                outcome = _copy_checkpoint(src_ckpt, cmeta, target, index, bar.advance)
+            except CheckpointCorruptError as exc:
+                if len(jobs) == 1:
+                    raise
+                # A backup copies every good checkpoint; the bad ones fail the
+                # command at the end, each named, and are never committed there.
+                corrupt.append(exc)
+                _echo_info(f"skipped corrupt {src_ckpt.uri}: {_one_line(str(exc))}")
+                continue
             results[outcome] += 1
             if outcome == "copied":
                 copied_bytes += _manifest_size(cmeta)
@@ -1173,6 +1183,11 @@ def cp_cmd(src: str, dst: str, storage_options: dict[str, Any], src_options: dic
         _copy_trial_files(trial, dt)
     _echo_info(f"copied {results['copied']} checkpoints ({_fmt_size(copied_bytes)}) to {d.uri}"
                + (f", {results['skipped']} already there" if results["skipped"] else ""))
+    if corrupt:
+        raise CheckpointCorruptError(
+            f"{len(corrupt)} source checkpoint(s) failed their manifest and were not copied: "
+            + "; ".join(_one_line(str(e)) for e in corrupt)
+        )
 
 
 # -- verify -------------------------------------------------------------------------

@@ -347,6 +347,20 @@ def test_cp_corrupt_source_commits_nothing(tmp_path) -> None:
     assert committed_names(dst.ctx()) == []
 
 
+def test_cp_of_a_trial_copies_the_good_checkpoints_and_fails_naming_the_bad(tmp_path) -> None:
+    local = Store(str(tmp_path / "local"))
+    ctx = make_trial(local, tmp_path, [0.5, 0.6, 0.7])
+    path = posixpath.join(ctx.checkpoint_path(1), "model.bin")
+    data = bytearray(get(ctx, path))
+    data[0] ^= 0xFF
+    put(ctx, path, bytes(data))
+    dst = Store(str(tmp_path / "dst"))
+    res = invoke(["cp", local.join("exp", "t1"), dst.join("exp", "t1")])
+    assert res.exit_code == EXIT_FAILURE
+    assert "checkpoint_000001" in res.stderr and "model.bin" in res.stderr
+    assert committed_names(dst.ctx()) == ["checkpoint_000000", "checkpoint_000002"]
+
+
 def test_cp_onto_a_different_committed_checkpoint_conflicts(tmp_path) -> None:
     a, b = Store(str(tmp_path / "a")), Store(str(tmp_path / "b"))
     make_trial(a, tmp_path, [0.5])
