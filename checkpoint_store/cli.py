@@ -506,8 +506,9 @@ def _require_checkpoint(loc: _Location) -> dict[str, Any]:
         raise CheckpointNotFoundError(f"nothing exists at {loc.uri}")
     if parse_checkpoint_dir_name(loc.name) is not None:
         raise CheckpointNotFoundError(
-            f"{loc.uri} is not a committed checkpoint (no {INTERNAL_METADATA}); it is "
-            "an interrupted write that `checkpoint-store gc` removes"
+            f"{loc.uri} is not a committed checkpoint (no {INTERNAL_METADATA}): an "
+            "interrupted write, which `checkpoint-store gc` removes, or a directory made by "
+            "hand, which gc reports and leaves alone"
         )
     raise CheckpointNotFoundError(
         f"{loc.uri} is {_describe_kind(_kind(loc))}, not a checkpoint; pass a "
@@ -736,7 +737,8 @@ def ls_cmd(uri: str, storage_options: dict[str, Any], metric: str | None, as_jso
                right=[0, 3])
         if data["uncommitted"] and not _quiet():
             click.echo(f"({data['uncommitted']} uncommitted directories not listed; "
-                       "`checkpoint-store gc` removes them)", err=True)
+                       "`checkpoint-store gc` removes those this tool left and reports "
+                       "the rest)", err=True)
         for c in data["corrupt"]:
             click.echo(f"(corrupt, not listed: {c['name']}: {c['reason']}; "
                        "`checkpoint-store verify` checks the others)", err=True)
