@@ -140,11 +140,6 @@ class Session:
             )
         is_writer = self.world_rank == 0
         storage.ensure_trial_dir()
-        # Removing leftovers of crashed writers belongs here, on rank 0 only:
-        # with several ranks, no rank of this attempt writes before rank 0 has
-        # passed agree_start_index() below, so whatever is uncommitted now is
-        # an earlier attempt's. A rank > 0 must never clean (it would delete a
-        # staging directory rank 0 or another rank is filling).
         if self.config and is_writer:
             storage.write_params(self.config)
         rows = storage.read_results()
@@ -156,8 +151,12 @@ class Session:
         self.manager = CheckpointManager(self.checkpoint_config, storage, read_only=not is_writer)
         try:
             if is_writer:
-                # After the lease (no other live run on this trial) and before any
-                # rank of this attempt writes: leftovers are earlier runs'.
+                # Leftovers of crashed writers are removed here, on rank 0 only,
+                # after the lease (no other live run on this trial) and before
+                # any rank of this attempt writes: no rank writes before rank 0
+                # passed agree_start_index() below, so whatever is uncommitted
+                # now is an earlier attempt's. A rank > 0 must never clean (it
+                # would delete a staging directory another rank is filling).
                 try:
                     storage.remove_uncommitted(self.attempt_id)
                 except Exception as exc:  # cleanup must never stop a run from starting
