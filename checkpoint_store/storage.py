@@ -217,6 +217,18 @@ class StorageContext:
         dirs = self.checkpoint_dirs()
         return dirs[-1][0] + 1 if dirs else 0
 
+    def internal_metadata(self, index: int, extra: Mapping[str, Any]) -> dict[str, Any]:
+        """The fields of ``.internal_metadata.json`` that this trial fills in
+        (index, experiment and trial names, ``created_at`` now), plus ``extra``;
+        the commit adds ``format_version`` and ``manifest`` (docs/format.md)."""
+        return {
+            "index": index,
+            "experiment_name": self.experiment_name,
+            "trial_name": self.trial_name,
+            "created_at": time.time(),
+            **extra,
+        }
+
     def persist_checkpoint(
         self, checkpoint: Checkpoint, index: int, internal: Mapping[str, Any]
     ) -> Checkpoint:
@@ -235,13 +247,7 @@ class StorageContext:
             CheckpointNotFoundError: the source directory is gone.
         """
         dest = self.checkpoint_path(index)
-        meta = {
-            "index": index,
-            "experiment_name": self.experiment_name,
-            "trial_name": self.trial_name,
-            "created_at": time.time(),
-            **internal,
-        }
+        meta = self.internal_metadata(index, internal)
         self.ensure_trial_dir()
         writer = new_writer_id(self.run_id)
         _retry.with_rebuild(self.backend, lambda: commit_checkpoint(

@@ -349,14 +349,8 @@ class Session:
                 # Every rank moves on, committed or not: a failed index is never reused.
                 self._next_index = index + 1
                 row["checkpoint_dir_name"] = checkpoint_dir_name(index)
-                internal = {
-                    "index": index,
-                    "experiment_name": self.storage.experiment_name,
-                    "trial_name": self.storage.trial_name,
-                    "created_at": time.time(),
-                    "metrics": row,
-                    "run_id": self.manager.run_id,
-                }
+                internal = self.storage.internal_metadata(
+                    index, {"metrics": row, "run_id": self.manager.run_id})
                 persisted = coord.commit(index, checkpoint, internal, error)
                 self._latest = persisted
                 if self.world_rank == 0:
