@@ -40,7 +40,6 @@ from checkpoint_store._layout import (
     is_internal_file,
     parse_checkpoint_dir_name,
 )
-from checkpoint_store._proc import process_alive
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import (
     BackendUnavailableError,
@@ -445,35 +444,25 @@ def _refuse_if_live(trial: _Location, force: bool, what: str) -> None:
     """Refuse to ``what`` a trial whose checkpoint manager holds a live lease.
 
     A running session renews ``<trial>/.cs_manager_lease.json``; deleting
-    behind its back would fight its own retention. Same liveness rule as the
-    manager: unexpired, and on this host only while the holding pid lives.
+    behind its back would fight its own retention. The liveness rule is the
+    managers' own (:func:`checkpoint_store.retention.live_lease`).
 
     Raises:
         CheckpointConflictError: a live lease, unless ``force``.
     """
-    import socket
-
-    from checkpoint_store.retention import LEASE_FILE
+    from checkpoint_store.retention import live_lease
 
     if force:
         return
-    try:
-        lease = json.loads(_fsutil.read_bytes(trial.fs, posixpath.join(trial.path, LEASE_FILE)))
-    except (OSError, ValueError):
+    ctx = _storage_context(trial, strict=False)
+    lease = live_lease(ctx) if ctx is not None else None
+    if lease is None:
         return
-    if not isinstance(lease, dict):
-        return
-    expires = lease.get("expires_at")
-    if not isinstance(expires, (int, float)) or expires <= time.time():
-        return
-    pid = lease.get("pid")
-    if lease.get("host") == socket.gethostname() and isinstance(pid, int):
-        if not process_alive(pid):
-            return
     raise CheckpointConflictError(
-        f"a running job manages {trial.uri} (host {lease.get('host')!r}, pid {pid}; lease "
-        f"renewed until {_fmt_time(expires)} UTC): refusing to {what} behind its back; "
-        "let it finish, or pass --force if that job is gone"
+        f"a running job manages {trial.uri} (host {lease.get('host')!r}, pid "
+        f"{lease.get('pid')}; lease renewed until {_fmt_time(lease['expires_at'])} UTC): "
+        f"refusing to {what} behind its back; let it finish, or pass --force if that job "
+        "is gone"
     )
 
 

@@ -419,6 +419,24 @@ def select_kept(
 # -- the lease ------------------------------------------------------------------------------
 
 
+def live_lease(storage: StorageContext) -> dict[str, Any] | None:
+    """The lease of a live checkpoint manager on this trial, or None.
+
+    Returns the lease file's fields (``host``, ``pid``, ``expires_at`` in Unix
+    seconds, ``trial``) when, by the rule every manager applies before taking
+    over: it is unexpired, names this trial's location (a lease copied in
+    with the directory does not), and its holder is not a dead or zombie
+    process on this host. Used by tools that must not delete behind a
+    running job's back (the CLI's prune and gc).
+
+    Raises:
+        OSError: the lease file exists but cannot be read.
+    """
+    lease = _Lease(storage, ttl_s=0.0)
+    cur = lease._read()
+    return cur if lease._live_other(cur, time.time()) else None
+
+
 class _Lease:
     """Who manages a trial right now: one JSON file renewed in the background.
 

@@ -222,3 +222,21 @@ def test_local_lease_from_another_host_under_another_path_is_honoured(tmp_path):
         CheckpointManager(CheckpointConfig(1), storage)
     assert "copied from 'file:///mnt/shared/exp/t'" in str(info.value)
     assert LEASE_FILE in str(info.value)
+
+
+def test_live_lease_reports_a_live_manager_and_ignores_a_copied_lease(tmp_path):
+    from checkpoint_store.retention import live_lease
+
+    storage = StorageContext(str(tmp_path / "a"), "e", "t")
+    assert live_lease(storage) is None
+    manager = CheckpointManager(CheckpointConfig(num_to_keep=1), storage)
+    try:
+        held = live_lease(storage)
+        assert held is not None and held["pid"] == os.getpid()
+        # The same lease file under another trial location came with a copy.
+        other = StorageContext(str(tmp_path / "b"), "e", "t")
+        _write_lease(other, _lease(storage))
+        assert live_lease(other) is None
+    finally:
+        manager.close()
+    assert live_lease(storage) is None
