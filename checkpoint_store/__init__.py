@@ -20,6 +20,7 @@ from checkpoint_store.errors import (
     PermanentBackendError,
     TransientBackendError,
     UnknownSchemeError,
+    UnsafePathError,
 )
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ __all__ = [
     "TransientBackendError",
     "TrialRunner",
     "UnknownSchemeError",
+    "UnsafePathError",
     "available_backends",
     "register_backend",
     "session",

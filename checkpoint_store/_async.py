@@ -121,13 +121,21 @@ def stage(src_dir: str, mode: str = "copy", *, root: str | None = None) -> Stage
 
     Raises:
         CheckpointNotFoundError: ``src_dir`` is not a directory.
+        UnsafePathError: a file in ``src_dir`` cannot be uploaded as it is
+            (see :func:`checkpoint_store.transfer.source_files`).
         OSError: the copy failed (the partial staging directory is removed).
     """
+    import pyarrow.fs as pafs
+
     from checkpoint_store.errors import CheckpointNotFoundError
+    from checkpoint_store.transfer import source_files
 
     check_staging(mode)
     if not os.path.isdir(src_dir):
         raise CheckpointNotFoundError(f"checkpoint directory {src_dir!r} does not exist")
+    # Every name checked now, as the upload would (a symlink cycle, a name no
+    # store keeps): refused in report(), not later in the background.
+    files = source_files(pafs.LocalFileSystem(), src_dir)
     dst = tempfile.mkdtemp(prefix="stage-", dir=root or staging_root())
     try:
         if mode == "move":
@@ -135,21 +143,20 @@ def stage(src_dir: str, mode: str = "copy", *, root: str | None = None) -> Stage
         elif mode == "hardlink":
             _link_tree(src_dir, dst)
         else:
-            _copy_tree(src_dir, dst)
+            _copy_tree(src_dir, dst, files)
     except BaseException:
         shutil.rmtree(dst, ignore_errors=True)
         raise
     return Staged(dst, owned=True)
 
 
-def _copy_tree(src: str, dst: str) -> None:
+def _copy_tree(src: str, dst: str, files: list[tuple[str, int]]) -> None:
     import pyarrow.fs as pafs
 
-    from checkpoint_store import _fsutil, _plan
+    from checkpoint_store import _plan
     from checkpoint_store.backends.base import LOCAL_CAPABILITIES
 
     local = pafs.LocalFileSystem()
-    files = list(_fsutil.walk_files(local, src))
     for d in sorted({os.path.dirname(rel) for rel, _ in files} - {""}):
         os.makedirs(os.path.join(dst, d), exist_ok=True)
     # The staged copy is a scratch copy: no fsync (the upload is what must be durable).

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pyarrow.fs as pafs
 
 from checkpoint_store import _retry
-from checkpoint_store._layout import INTERNAL_PREFIX
+from checkpoint_store._layout import INTERNAL_PREFIX, bounded_name
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Capabilities
 
@@ -174,10 +174,8 @@ def write_bytes(
     osp = local_path(fs, path)
     if osp is not None:
         base = os.path.basename(osp)
-        tmp = os.path.join(
-            os.path.dirname(osp),
-            f"{INTERNAL_PREFIX}tmp-{base}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-        )
+        tmp = os.path.join(os.path.dirname(osp), bounded_name(
+            f"{INTERNAL_PREFIX}tmp-", base, f"-{os.getpid()}-{uuid.uuid4().hex[:8]}"))
         try:
             with open(tmp, "wb") as f:
                 f.write(data)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 FORMAT_VERSION = 1
@@ -14,6 +15,11 @@ PARAMS_FILE = "params.json"
 # Every other file or directory we create starts with this prefix: staging
 # directories, per-rank markers, download markers. Users' files never do.
 INTERNAL_PREFIX = ".cs_"
+
+#: Longest file name, in UTF-8 bytes, that every filesystem we support stores
+#: (ext4, XFS, APFS, NTFS; object stores allow longer keys, but a checkpoint
+#: must stay copyable to a local disk).
+NAME_MAX = 255
 
 CHECKPOINT_PREFIX = "checkpoint_"
 _CHECKPOINT_RE = re.compile(r"^checkpoint_(\d{6,})$")
@@ -31,9 +37,13 @@ def parse_checkpoint_dir_name(name: str) -> int | None:
 
 
 def is_internal_file(relpath: str) -> bool:
-    """True for files that are ours, not the user's: never downloaded or listed as data."""
-    name = relpath.rsplit("/", 1)[-1]
-    return name == INTERNAL_METADATA or name.startswith(INTERNAL_PREFIX)
+    """True for files that are ours, not the user's: never downloaded or listed as data.
+
+    ``relpath`` is relative to the checkpoint. Only the root's
+    ``.internal_metadata.json`` is ours (a ``sub/.internal_metadata.json`` is
+    the user's), and any ``.cs_*`` name.
+    """
+    return relpath == INTERNAL_METADATA or relpath.rsplit("/", 1)[-1].startswith(INTERNAL_PREFIX)
 
 
 def validate_component(value: str, what: str) -> str:
@@ -50,4 +60,51 @@ def validate_component(value: str, what: str) -> str:
         raise InvalidConfigError(
             f"{what} {value!r} must be a single path component: no '/', '\\', '.' or '..'"
         )
+    check_name_length(value, what)
     return value
+
+
+def check_name_length(value: str, what: str) -> str:
+    """Refuse a file name longer than :data:`NAME_MAX` UTF-8 bytes (or not
+    encodable as UTF-8: a lone surrogate).
+
+    Raises:
+        InvalidConfigError: naming ``what`` and the length.
+    """
+    from checkpoint_store.errors import InvalidConfigError
+
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidConfigError(
+            f"{what} {value!r} is not valid UTF-8 text; rename it"
+        ) from None
+    if size > NAME_MAX:
+        raise InvalidConfigError(
+            f"{what} {value[:40]!r}... is {size} bytes long; file names hold at most "
+            f"{NAME_MAX} bytes (UTF-8) on the disks checkpoints are copied to: choose a "
+            "shorter name"
+        )
+    return value
+
+
+def bounded_name(prefix: str, name: str, suffix: str = "") -> str:
+    """``prefix + name + suffix``, with ``name`` shortened when the whole would
+    exceed :data:`NAME_MAX` bytes.
+
+    Helper names (download lock and marker, staging directories, temporary
+    files) are built from a user's name plus our own parts; a user's name that
+    fits must never make its helper's name too long. When shortened, ``name``
+    keeps its longest UTF-8-safe head and gains ``~`` plus 16 hex digits of
+    its SHA-256, so distinct names keep distinct helpers. The result holds no
+    ``-`` that ``name`` did not, so parsers splitting on ``-`` from the right
+    still work.
+    """
+    full = f"{prefix}{name}{suffix}"
+    if len(full.encode("utf-8", "surrogateescape")) <= NAME_MAX:
+        return full
+    raw = name.encode("utf-8", "surrogateescape")
+    tag = "~" + hashlib.sha256(raw).hexdigest()[:16]
+    room = NAME_MAX - len(f"{prefix}{tag}{suffix}".encode("utf-8", "surrogateescape"))
+    head = raw[: max(room, 0)].decode("utf-8", "ignore")
+    return f"{prefix}{head}{tag}{suffix}"

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import time
 import types
+import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -24,12 +25,20 @@ import google_crc32c
 import pyarrow.fs as pafs
 
 from checkpoint_store import _fsutil, _json
-from checkpoint_store._layout import INTERNAL_METADATA, INTERNAL_PREFIX, USER_METADATA
-from checkpoint_store.backends.base import Backend
+from checkpoint_store._layout import (
+    INTERNAL_METADATA,
+    INTERNAL_PREFIX,
+    USER_METADATA,
+    bounded_name,
+    check_name_length,
+)
+from checkpoint_store.backends.base import LOCAL_CAPABILITIES, Backend
 from checkpoint_store.errors import (
+    CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
     InvalidConfigError,
+    UnsafePathError,
 )
 from checkpoint_store.registry import resolve
 from checkpoint_store.transfer import (
@@ -250,14 +259,17 @@ class Checkpoint:
         Safe to call from many processes with the same ``path``: a file lock
         (``.<name>.cs_lock`` next to ``path``) lets exactly one download; the
         others wait and return once the data is complete, which a completion
-        marker next to it (``.<name>.cs_download.json``) records. A
-        download that fails (or fails verification) leaves ``path`` as it
-        was: the files go to a staging sibling first and are moved in only
-        after every one of them arrived and verified.
+        marker next to it (``.<name>.cs_download.json``) records, with the
+        list of files it wrote. A download that fails (or fails
+        verification) leaves ``path`` as it was: the files go to a staging
+        sibling first, and the staged directory replaces ``path`` whole only
+        after every file arrived and verified. Afterwards ``path`` holds
+        exactly this checkpoint's files, none left from an earlier download.
 
         Args:
-            path: target directory (created if needed); a new temporary
-                directory when None.
+            path: target directory (created if needed): new, empty, or one an
+                earlier ``to_directory`` filled; a new temporary directory
+                when None.
             verify: check each file's size and CRC32C against the manifest of
                 a committed checkpoint (default True; False skips the check,
                 not the download).
@@ -267,9 +279,17 @@ class Checkpoint:
 
         Raises:
             CheckpointNotFoundError: the checkpoint directory does not exist.
-            CheckpointCorruptError: its metadata is invalid, an entry would
-                escape the target (``..``, absolute path, symlink), or
-                ``verify`` and a file fails its check; names the file.
+            CheckpointConflictError: ``path`` holds files no earlier download
+                wrote (names one); nothing was changed.
+            InvalidConfigError: ``path`` is an existing file, its name is
+                longer than 255 bytes, or its parent is not writable; raised
+                before anything is written.
+            UnsafePathError: an entry would escape the target (``..``,
+                absolute path, symlink out of the checkpoint), or ``path``
+                lies inside the checkpoint itself (or holds it); nothing was
+                written.
+            CheckpointCorruptError: its metadata is invalid, or ``verify``
+                and a file fails its check; names the file.
         """
         fs = self.filesystem
         insp = inspect_checkpoint(fs, self.path)
@@ -291,41 +311,56 @@ class Checkpoint:
             return tmp
         target = os.path.abspath(os.path.expanduser(os.fspath(path)))
         parent, base = os.path.split(target)
+        # Every refusal below comes before the first write (the lock included).
+        check_name_length(base, "download directory name")
+        if os.path.lexists(target) and not os.path.isdir(target):
+            raise InvalidConfigError(
+                f"cannot download into {target!r}: it exists and is not a directory; "
+                "choose a directory path"
+            )
+        self._refuse_target_overlap(target)
         os.makedirs(parent, exist_ok=True)
         identity = self._download_identity(insp.meta)
         # Beside the target, not in it: the user's directory holds only their files.
-        marker = os.path.join(parent, f".{base}{DOWNLOAD_MARKER_SUFFIX}")
-        lock_path = os.path.join(parent, f".{base}.cs_lock")
+        marker = os.path.join(parent, bounded_name(".", base, DOWNLOAD_MARKER_SUFFIX))
+        lock_path = os.path.join(parent, bounded_name(".", base, ".cs_lock"))
+        # Someone else's files: refused before the lock file exists (and again
+        # under the lock, where it counts).
+        _owned_files(target, _read_download_marker(marker))
         _check_lock_creatable(lock_path, target)
         with filelock.FileLock(lock_path):
+            previous = _read_download_marker(marker)
             if (
                 identity is not None
-                and _read_download_marker(marker) == identity
+                and previous.get("identity") == identity
                 and _sizes_match(target, insp.meta["manifest"])
             ):
                 return target
-            staging = tempfile.mkdtemp(prefix=f"{INTERNAL_PREFIX}download-{base}-", dir=parent)
+            old_files = _owned_files(target, previous)
+            staging = _new_sibling_dir(parent, "download", base)
             try:
                 written = download_tree(fs, self.path, caps, staging, manifest=manifest,
                                         verify=verify)
-                # The old marker goes first and the new one last, so a crash in
-                # between never looks complete.
-                if os.path.lexists(marker):
-                    os.unlink(marker)
-                if not os.path.exists(target):
-                    os.rename(staging, target)
-                else:
-                    _refuse_escapes(target, written, self.path)
-                    for rel in written:
-                        dst = os.path.join(target, rel)
-                        os.makedirs(os.path.dirname(dst), exist_ok=True)
-                        os.replace(os.path.join(staging, rel), dst)
-                if identity is not None:
-                    _write_download_marker(marker, identity)
+                _swap_in(staging, target, marker, identity, old_files, written)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
             logger.info("downloaded %s to %s (%d files)", self.uri, target, len(written))
         return target
+
+    def _refuse_target_overlap(self, target: str) -> None:
+        """A download into the checkpoint itself would change it (it would no
+        longer match its manifest); one into a directory holding it would
+        replace it."""
+        local = _fsutil.local_path(self.filesystem, self.path)
+        if local is None:
+            return
+        real_ck, real_target = os.path.realpath(local), os.path.realpath(target)
+        if _inside(real_target, real_ck) or _inside(real_ck, real_target):
+            raise UnsafePathError(
+                f"cannot download checkpoint {self.uri} into {target!r}: the target "
+                f"{'is inside' if _inside(real_target, real_ck) else 'holds'} the checkpoint "
+                "itself; choose a directory outside it", path=self.path,
+            )
 
     def _download_identity(self, meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
         """What a completion marker must match: this checkpoint's URI and the
@@ -361,18 +396,67 @@ class Checkpoint:
 DOWNLOAD_MARKER_SUFFIX = ".cs_download.json"
 
 
-def _refuse_escapes(target: str, rels: list[str], checkpoint_path: str) -> None:
-    """Refuse before moving anything if a symlink already in ``target`` would
-    take one of ``rels`` outside it."""
-    real_root = os.path.realpath(target)
-    for rel in rels:
-        parent = os.path.realpath(os.path.dirname(os.path.join(target, rel)))
-        if parent != real_root and not parent.startswith(real_root + os.sep):
-            raise CheckpointCorruptError(
-                f"writing {rel!r} would leave the target directory {target!r} through a "
-                "symlink there; refusing (remove the symlink or choose another directory)",
-                path=checkpoint_path, file=rel,
-            )
+def _inside(path: str, base: str) -> bool:
+    return path == base or path.startswith(base.rstrip(os.sep) + os.sep)
+
+
+def _new_sibling_dir(parent: str, kind: str, base: str) -> str:
+    """A new ``.cs_<kind>-<base>-<random>`` directory in ``parent`` (a name
+    within NAME_MAX whatever the length of ``base``)."""
+    path = os.path.join(parent, bounded_name(f"{INTERNAL_PREFIX}{kind}-", base,
+                                             f"-{uuid.uuid4().hex[:8]}"))
+    os.mkdir(path)
+    return path
+
+
+def _tree_entries(root: str) -> list[str]:
+    """Relative posix paths of everything under ``root`` but directories
+    (symlinks, also to directories, are entries, never followed)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            rel = name if rel_dir == "." else os.path.join(rel_dir, name)
+            out.append(rel.replace(os.sep, "/"))
+    return sorted(out)
+
+
+def _owned_files(target: str, previous: Mapping[str, Any]) -> list[str]:
+    """What ``target`` holds, when all of it came from earlier downloads of
+    ours (the marker lists their files); else refuse, touching nothing."""
+    if not os.path.lexists(target):
+        return []
+    present = _tree_entries(target)
+    ours = previous.get("files")
+    foreign = sorted(set(present) - set(ours if isinstance(ours, list) else []))
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise CheckpointConflictError(
+            f"cannot download into {target!r}: it holds {foreign[0]!r}{more}, which no earlier "
+            "download put there. A download replaces the whole directory, so it never "
+            "touches files it did not write; choose a new or empty directory, or move "
+            "those files away"
+        )
+    return present
+
+
+def _swap_in(staging: str, target: str, marker: str, identity: dict[str, Any] | None,
+             old_files: list[str], written: list[str]) -> None:
+    """Make ``target`` hold exactly the files of ``staging``.
+
+    The marker lists the files of both downloads while the directories are
+    swapped, so a crash at any step leaves a target that is recognisably
+    ours and never one that looks complete.
+    """
+    _write_download_marker(marker, None, sorted(set(old_files) | set(written)))
+    trash = None
+    if os.path.lexists(target):
+        trash = _new_sibling_dir(os.path.dirname(target), "download-old", os.path.basename(target))
+        os.rename(target, os.path.join(trash, "d"))
+    os.rename(staging, target)
+    _write_download_marker(marker, identity, written)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _sizes_match(target: str, manifest: list[dict[str, Any]]) -> bool:
@@ -386,19 +470,23 @@ def _sizes_match(target: str, manifest: list[dict[str, Any]]) -> bool:
     return True
 
 
-def _read_download_marker(path: str) -> dict[str, Any] | None:
+def _read_download_marker(path: str) -> dict[str, Any]:
+    """The marker's body (``identity``: what was downloaded, None while
+    incomplete; ``files``: the relative paths the download wrote), or ``{}``."""
     try:
         with open(path, "rb") as f:
             body = _json.loads(f.read())
     except (OSError, ValueError):
-        return None
-    return body.get("identity") if isinstance(body, dict) else None
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
-def _write_download_marker(path: str, identity: dict[str, Any]) -> None:
-    body = {"identity": identity, "pid": os.getpid(), "completed_at": time.time()}
-    with open(path, "wb") as f:
-        f.write(_json.dumps(body))
+def _write_download_marker(path: str, identity: dict[str, Any] | None,
+                           files: list[str]) -> None:
+    body = {"identity": identity, "files": files, "pid": os.getpid(),
+            "completed_at": time.time()}
+    _fsutil.write_bytes(pafs.LocalFileSystem(), path, _json.dumps(body), LOCAL_CAPABILITIES,
+                        fsync=False)
 
 
 def _require_checkpoint(value: Any) -> Checkpoint:

@@ -51,6 +51,7 @@ from checkpoint_store.errors import (
     PermanentBackendError,
     TransientBackendError,
     UnknownSchemeError,
+    UnsafePathError,
 )
 
 EXIT_OK = 0
@@ -69,6 +70,8 @@ def _hint_for(exc: BaseException) -> str | None:
         return "`checkpoint-store backends` lists the installed schemes"
     if isinstance(exc, BackendUnavailableError):
         return "install the plugin named above, then `checkpoint-store backends` to check"
+    if isinstance(exc, UnsafePathError):
+        return "rename, replace or remove the file named above; nothing was written"
     if isinstance(exc, InvalidConfigError):
         return "see `checkpoint-store COMMAND --help` for the expected arguments"
     if isinstance(exc, CheckpointCorruptError):
@@ -90,7 +93,9 @@ def _hint_for(exc: BaseException) -> str | None:
 
 
 def _exit_code_for(exc: BaseException) -> int:
-    return EXIT_USAGE if isinstance(exc, InvalidConfigError) else EXIT_FAILURE
+    # An unsafe file in a tree is a fault of the data, not of the command line.
+    usage = isinstance(exc, InvalidConfigError) and not isinstance(exc, UnsafePathError)
+    return EXIT_USAGE if usage else EXIT_FAILURE
 
 
 def _one_line(text: str) -> str:
@@ -149,7 +154,8 @@ class _Group(click.Group):
             else:
                 msg = _one_line(f"unexpected {type(exc).__name__}: {exc}")
             hint = _hint_for(exc)
-            if (isinstance(exc, InvalidConfigError) and not isinstance(exc, UnknownSchemeError)
+            if (isinstance(exc, InvalidConfigError)
+                    and not isinstance(exc, (UnknownSchemeError, UnsafePathError))
                     and ctx.invoked_subcommand):
                 hint = f"`checkpoint-store {ctx.invoked_subcommand} --help` shows the usage"
             click.echo(f"error: {msg}" + (f" (hint: {hint})" if hint else ""), err=True)
@@ -1008,7 +1014,7 @@ def upload_cmd(directory: str, uri: str, storage_options: dict[str, Any],
           --metrics '{"loss": 0.12}'
     """
     from checkpoint_store import _json
-    from checkpoint_store.transfer import commit_checkpoint
+    from checkpoint_store.transfer import commit_checkpoint, source_files
 
     metrics: dict[str, Any] = {}
     if metrics_json is not None:
@@ -1018,7 +1024,7 @@ def upload_cmd(directory: str, uri: str, storage_options: dict[str, Any],
             raise click.BadParameter(f"not a JSON object: {exc}", param_hint="--metrics") from None
     src = _resolve(os.path.abspath(directory), {})
     dst, index = _checkpoint_dest(_resolve(uri, storage_options), None)
-    files = list(_fsutil.walk_files(src.fs, src.path))
+    files = source_files(src.fs, src.path)  # every name checked before the first write
     total = sum(size for rel, size in files if not is_internal_file(rel))
     meta = _checkpoint_meta_for(dst, {"metrics": metrics, "world_size": 1}, index)
     with _progress(f"upload {dst.name}", total) as bar:
@@ -1042,7 +1048,7 @@ def _copy_checkpoint(src: _Location, meta: Mapping[str, Any], dst: _Location, in
     The source is checked against its manifest while it streams, so a corrupt
     source fails before the destination is committed.
     """
-    from checkpoint_store.transfer import commit_checkpoint
+    from checkpoint_store.transfer import commit_checkpoint, source_files
 
     existing = _internal(dst)
     if existing is not None:
@@ -1052,6 +1058,9 @@ def _copy_checkpoint(src: _Location, meta: Mapping[str, Any], dst: _Location, in
         raise CheckpointConflictError(
             f"{dst.uri} is already a committed checkpoint with different contents"
         )
+    # A checkpoint's files are its own: a symlink leading out of it is refused
+    # here, on the unwrapped source, before the first write.
+    source_files(src.fs, src.path, confine_links=True)
     counted = _counting(src, on_bytes, expected=_expected(src, meta))
     try:
         written = commit_checkpoint(counted.fs, src.path, dst.backend, dst.path,

@@ -56,6 +56,17 @@ class CheckpointCorruptError(CheckpointStoreError):
         self.file = file
 
 
+class UnsafePathError(CheckpointCorruptError, InvalidConfigError):
+    """A file in a source or target tree cannot be copied to its place: its
+    name holds ``..``, is absolute, holds a backslash or NUL, is not UTF-8 or
+    too long; or a symlink leads out of the checkpoint or loops back into
+    itself; or the target lies inside the checkpoint being read.
+
+    Raised before the first byte is written; the source is unchanged.
+    ``.file`` names the entry at fault (relative to ``.path``).
+    """
+
+
 class CheckpointConflictError(CheckpointStoreError):
     """Another writer holds, or already committed, what this call wanted to write."""
 

@@ -41,7 +41,9 @@ from checkpoint_store._layout import (
     FORMAT_VERSION,
     INTERNAL_METADATA,
     INTERNAL_PREFIX,
+    NAME_MAX,
     USER_METADATA,
+    bounded_name,
     is_internal_file,
 )
 from checkpoint_store._retry import RetryPolicy
@@ -50,6 +52,7 @@ from checkpoint_store.errors import (
     CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    UnsafePathError,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,6 +82,8 @@ def copy_tree(
     dst_caps: Capabilities,
     *,
     include: Callable[[str], bool] = lambda rel: True,
+    files: list[tuple[str, int]] | None = None,
+    confine_links: bool = False,
     fsync: bool = True,
     chunk_size: int | None = None,
     concurrency: int | None = None,
@@ -87,10 +92,12 @@ def copy_tree(
 ) -> list[ManifestEntry]:
     """Copy every file under ``src_root`` for which ``include(relpath)`` holds.
 
-    ``chunk_size`` (bytes per request; default the destination's
-    ``Capabilities.chunk_size``), ``concurrency`` (threads; default its
-    ``Capabilities.concurrency``) and ``memory_limit`` (bytes buffered at
-    once; default 80 MiB) tune the transfer plan of
+    The source is listed and every name checked (:func:`source_files`) before
+    the first write, unless the caller already did and passes ``files``
+    (``(relpath, size)`` pairs). ``chunk_size`` (bytes per request; default
+    the destination's ``Capabilities.chunk_size``), ``concurrency`` (threads;
+    default its ``Capabilities.concurrency``) and ``memory_limit`` (bytes
+    buffered at once; default 80 MiB) tune the transfer plan of
     :mod:`checkpoint_store._plan`. CRC32Cs are computed on the bytes in flight.
 
     Returns:
@@ -98,13 +105,14 @@ def copy_tree(
 
     Raises:
         CheckpointNotFoundError: ``src_root`` is not a directory.
+        UnsafePathError: a source entry could land outside ``dst_root`` or
+            cannot be stored (see :func:`source_files`); nothing was written.
         OSError: any I/O error of either filesystem (the partial copy is left
             for the caller's commit protocol to discard).
     """
-    if not _fsutil.is_dir(src_fs, src_root, retry=retry):
-        raise CheckpointNotFoundError(f"source directory {src_root!r} does not exist")
-    files = sorted((rel, size) for rel, size in _fsutil.walk_files(src_fs, src_root, retry=retry)
-                   if include(rel))
+    if files is None:
+        files = source_files(src_fs, src_root, include=include, confine_links=confine_links,
+                             retry=retry)
     do_fsync = fsync and dst_caps.needs_fsync
     chunk = chunk_size or dst_caps.chunk_size
     _fsutil.ensure_dir(dst_fs, dst_root, dst_caps, retry=retry)
@@ -130,6 +138,102 @@ def copy_tree(
             for d in sorted({posixpath.dirname(e.path) for e in entries} | {""}):
                 _fsutil.fsync_dir(os.path.join(root_os, d))
     return entries
+
+
+def source_files(
+    src_fs: pafs.FileSystem,
+    src_root: str,
+    *,
+    include: Callable[[str], bool] = lambda rel: True,
+    confine_links: bool = False,
+    retry: RetryPolicy | None = None,
+) -> list[tuple[str, int]]:
+    """``(relative posix path, size in bytes)`` of every file under ``src_root``
+    that ``include`` keeps, sorted, each name checked so the copy stays in its place.
+
+    One listing, no write. On a local disk symlinks are followed (a linked
+    file's bytes are copied, as ``cp -L`` does) unless ``confine_links``,
+    which refuses a link leading out of ``src_root``: set it when the source
+    is an existing checkpoint, whose files must all be its own.
+
+    Raises:
+        CheckpointNotFoundError: ``src_root`` is not a directory.
+        UnsafePathError: naming the entry: a name with an empty, ``.`` or
+            ``..`` component, absolute, with a backslash or NUL (these do not
+            mean the same on every store: ``sub/../../x`` is a literal key on
+            S3 and a way out on disk), not UTF-8, or longer than
+            :data:`~checkpoint_store._layout.NAME_MAX` bytes; a symlink cycle;
+            a broken symlink; with ``confine_links``, a link leading out.
+    """
+    if not _fsutil.is_dir(src_fs, src_root, retry=retry):
+        raise CheckpointNotFoundError(f"source directory {src_root!r} does not exist")
+    root_os = _fsutil.local_path(src_fs, src_root)
+    if root_os is not None:
+        listed = _local_files(root_os, src_root, confine_links)
+    else:
+        listed = list(_fsutil.walk_files(src_fs, src_root, retry=retry))
+    out = []
+    for rel, size in listed:
+        why = check_relpath(rel) or _name_problem(rel)
+        if why is not None:
+            raise UnsafePathError(
+                f"{rel!r} under {src_root!r} {why}; nothing was written. Rename it (or move "
+                "it out of the directory) and try again", path=src_root, file=rel,
+            )
+        if include(rel):
+            out.append((rel, size))
+    return sorted(out)
+
+
+def _name_problem(rel: str) -> str | None:
+    """Why a relative path that :func:`check_relpath` accepts still cannot be
+    stored the same way everywhere, or None."""
+    for part in rel.split("/"):
+        try:
+            size = len(part.encode("utf-8"))
+        except UnicodeEncodeError:
+            return "has a name that is not valid UTF-8 (stores keep names as UTF-8 text)"
+        if size > NAME_MAX:
+            return f"has a name of {size} bytes; file names hold at most {NAME_MAX}"
+    return None
+
+
+def _local_files(root: str, src_root: str, confine_links: bool) -> list[tuple[str, int]]:
+    """Walk a local tree following symlinks, refusing cycles (and, with
+    ``confine_links``, links out of ``root``)."""
+    real_root = os.path.realpath(root)
+    out: list[tuple[str, int]] = []
+
+    def refuse(rel: str, why: str) -> UnsafePathError:
+        return UnsafePathError(
+            f"{rel!r} under {src_root!r} {why}; nothing was written. Remove or replace the "
+            "link and try again", path=src_root, file=rel,
+        )
+
+    def walk(path: str, rel_dir: str, ancestors: tuple[str, ...]) -> None:
+        with os.scandir(path) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for entry in entries:
+            rel = f"{rel_dir}{entry.name}"
+            if entry.is_symlink():
+                real = os.path.realpath(entry.path)
+                if not os.path.exists(real):
+                    raise refuse(rel, f"is a broken symlink (to {os.readlink(entry.path)!r})")
+                if confine_links and not _inside(real, real_root):
+                    raise refuse(rel, f"is a symlink leading out of the checkpoint (to {real!r})")
+                if os.path.isdir(real) and any(_inside(a, real) for a in ancestors):
+                    raise refuse(rel, f"is a symlink cycle (it leads back to {real!r})")
+            if entry.is_dir():  # follows links
+                walk(entry.path, f"{rel}/", (*ancestors, os.path.realpath(entry.path)))
+            elif entry.is_file():
+                out.append((rel, entry.stat().st_size))
+
+    walk(root, "", (real_root,))
+    return out
+
+
+def _inside(path: str, base: str) -> bool:
+    return path == base or path.startswith(base.rstrip(os.sep) + os.sep)
 
 
 def _is_checkpoint_data(rel: str) -> bool:
@@ -484,6 +588,7 @@ def commit_checkpoint(
     writer_id: str | None = None,
     retry: RetryPolicy | None = None,
     claim_timeout: float = 120.0,
+    confine_links: bool = False,
 ) -> dict[str, Any]:
     """Upload ``src_dir`` as the committed checkpoint ``dest_dir``.
 
@@ -503,6 +608,9 @@ def commit_checkpoint(
         retry: retry policy for every storage call (default from environment).
         claim_timeout: seconds to wait for another writer of the same
             directory (marker-last stores) before giving up.
+        confine_links: refuse a symlink in a local ``src_dir`` that leads out
+            of it (set when the source is itself a checkpoint); by default
+            a linked file's bytes are uploaded.
 
     Returns:
         The internal metadata as written.
@@ -512,22 +620,28 @@ def commit_checkpoint(
             earlier or a concurrent writer), or is a directory that is not ours
             (copied in by hand: adopt or remove it); nothing of it was changed.
         CheckpointNotFoundError: ``src_dir`` does not exist.
+        UnsafePathError: a source file's name or link cannot be committed as
+            it is (see :func:`source_files`); checked before the first write,
+            so nothing was written.
         TransientBackendError, PermanentBackendError: storage failed; nothing
             was committed and earlier checkpoints are untouched.
     """
     writer_id = writer_id or new_writer_id()
+    files = source_files(src_fs, src_dir, include=_is_checkpoint_data,
+                         confine_links=confine_links, retry=retry)
     if dest.capabilities.atomic_rename:
         if inspect_checkpoint(dest.filesystem, dest_dir, retry=retry).state == "committed":
             raise _conflict(dest, dest_dir, by_other=False)
-        return _commit_by_rename(src_fs, src_dir, dest, dest_dir, internal, fsync, writer_id,
-                                 retry)
-    return _commit_marker_last(src_fs, src_dir, dest, dest_dir, internal, fsync, writer_id,
-                               retry, claim_timeout)
+        return _commit_by_rename(src_fs, src_dir, files, dest, dest_dir, internal, fsync,
+                                 writer_id, retry)
+    return _commit_marker_last(src_fs, src_dir, files, dest, dest_dir, internal, fsync,
+                               writer_id, retry, claim_timeout)
 
 
 def _commit_by_rename(
     src_fs: pafs.FileSystem,
     src_dir: str,
+    files: list[tuple[str, int]],
     dest: Backend,
     dest_dir: str,
     internal: dict[str, Any],
@@ -537,9 +651,11 @@ def _commit_by_rename(
 ) -> dict[str, Any]:
     fs, caps = dest.filesystem, dest.capabilities
     parent, name = posixpath.split(dest_dir)
-    staging = posixpath.join(parent, f"{INTERNAL_PREFIX}staging-{name}-{writer_id}")
+    staging = posixpath.join(parent, bounded_name(f"{INTERNAL_PREFIX}staging-", name,
+                                                  f"-{writer_id}"))
     try:
-        meta = _write_contents(src_fs, src_dir, dest, staging, internal, fsync, retry=retry)
+        meta = _write_contents(src_fs, src_dir, files, dest, staging, internal, fsync,
+                               retry=retry)
         with _commit_lock(fs, parent):
             now = inspect_checkpoint(fs, dest_dir, retry=retry)
             if now.state == "committed":
@@ -552,7 +668,8 @@ def _commit_by_rename(
                         "away, or commit under another index"
                     )
                 # Our own uncommitted leftover: rename it away (atomic), then drop it.
-                trash = posixpath.join(parent, f"{INTERNAL_PREFIX}deleting-{name}-{writer_id}")
+                trash = posixpath.join(parent, bounded_name(f"{INTERNAL_PREFIX}deleting-", name,
+                                                            f"-{writer_id}"))
                 _fsutil.move(fs, dest_dir, trash, retry=retry)
                 _fsutil.delete_dir(fs, trash, retry=retry)
             _fsutil.move(fs, staging, dest_dir, retry=retry)
@@ -594,6 +711,7 @@ def _claim_time(name: str) -> float:
 def _commit_marker_last(
     src_fs: pafs.FileSystem,
     src_dir: str,
+    files: list[tuple[str, int]],
     dest: Backend,
     dest_dir: str,
     internal: dict[str, Any],
@@ -662,7 +780,8 @@ def _commit_marker_last(
         for rel in sorted(listed):
             if rel != mine and not rel.split("/")[-1].startswith(_CLAIM_PREFIX):
                 _fsutil.delete_file(fs, posixpath.join(dest_dir, rel), retry=retry)
-        meta = _write_contents(src_fs, src_dir, dest, dest_dir, internal, fsync, retry=retry)
+        meta = _write_contents(src_fs, src_dir, files, dest, dest_dir, internal, fsync,
+                               retry=retry)
     except Exception:
         def _undo() -> None:
             # Data first, claim last: until the claim goes, the leftovers stay
@@ -686,6 +805,7 @@ def _commit_marker_last(
 def _write_contents(
     src_fs: pafs.FileSystem,
     src_dir: str,
+    files: list[tuple[str, int]],
     dest: Backend,
     target: str,
     internal: dict[str, Any],
@@ -697,7 +817,7 @@ def _write_contents(
     """Copy the data files into ``target``, then write the marker last."""
     entries = copy_tree(
         src_fs, src_dir, dest.filesystem, target, dest.capabilities,
-        include=_is_checkpoint_data, fsync=fsync, retry=retry,
+        files=files, fsync=fsync, retry=retry,
     )
     meta = dict(internal)
     meta["format_version"] = FORMAT_VERSION
@@ -734,9 +854,8 @@ def delete_checkpoint_dir(
     fs = dest.filesystem
     parent, name = posixpath.split(path.rstrip("/"))
     if dest.capabilities.atomic_rename:
-        trash = posixpath.join(
-            parent, f"{INTERNAL_PREFIX}deleting-{name}-{writer_id or new_writer_id()}"
-        )
+        trash = posixpath.join(parent, bounded_name(
+            f"{INTERNAL_PREFIX}deleting-", name, f"-{writer_id or new_writer_id()}"))
         try:
             _fsutil.move(fs, path, trash, retry=retry)
         except FileNotFoundError:
@@ -789,15 +908,16 @@ def download_tree(
         The relative paths written, sorted.
 
     Raises:
-        CheckpointCorruptError: an unsafe entry (names it), or ``verify`` and a
-            file's size or CRC32C differs from ``manifest``, or a manifest file
-            is missing. Files already written are left for the caller to remove.
+        UnsafePathError: an unsafe entry (names it); nothing was written.
+        CheckpointCorruptError: ``verify`` and a file's size or CRC32C differs
+            from ``manifest``, or a manifest file is missing. Files already
+            written are left for the caller to remove.
     """
     manifest = list(manifest) if manifest is not None else None
     for e in manifest or ():
         why = check_relpath(e.get("path"))
         if why is not None:
-            raise CheckpointCorruptError(
+            raise UnsafePathError(
                 f"checkpoint {checkpoint_path!r} lists {e.get('path')!r}, which {why}; refusing "
                 "to download it", path=checkpoint_path, file=str(e.get("path")),
             )
@@ -805,38 +925,18 @@ def download_tree(
     local_caps = Capabilities(directories=True, chunk_size=caps.chunk_size,
                               concurrency=caps.concurrency)
     root = os.path.abspath(local_dir)
+    # Listed (and every name checked) before the target is touched.
+    files = source_files(fs, checkpoint_path, include=_is_checkpoint_data, confine_links=True,
+                         retry=retry)
     os.makedirs(root, exist_ok=True)
     real_root = os.path.realpath(root)
-    src_os = _fsutil.local_path(fs, checkpoint_path)
-    real_src = os.path.realpath(src_os) if src_os is not None else None
-
-    def _inside(path: str, base: str) -> bool:
-        return path == base or path.startswith(base.rstrip(os.sep) + os.sep)
-
-    def include(rel: str) -> bool:
-        if not _is_checkpoint_data(rel):
-            return False
-        why = check_relpath(rel)
-        if why is not None:
-            raise CheckpointCorruptError(
-                f"checkpoint {checkpoint_path!r} holds an entry {rel!r}, which {why}; refusing "
-                "to download it", path=checkpoint_path, file=rel,
-            )
-        if real_src is not None and not _inside(
-            os.path.realpath(os.path.join(src_os, rel)), real_src
-        ):
-            raise CheckpointCorruptError(
-                f"{rel!r} in checkpoint {checkpoint_path!r} is a symlink pointing outside the "
-                "checkpoint; refusing to download it", path=checkpoint_path, file=rel,
-            )
+    for rel, _ in files:
         if not _inside(os.path.realpath(os.path.dirname(os.path.join(root, rel))), real_root):
-            raise CheckpointCorruptError(
+            raise UnsafePathError(
                 f"writing {rel!r} would leave the target directory {root!r} through a symlink "
                 "there; refusing", path=checkpoint_path, file=rel,
             )
-        return True
-
-    got = copy_tree(fs, checkpoint_path, local, root, local_caps, include=include, fsync=False,
+    got = copy_tree(fs, checkpoint_path, local, root, local_caps, files=files, fsync=False,
                     retry=retry)
     written = sorted(e.path for e in got)
     if not verify or manifest is None:

@@ -43,6 +43,7 @@ from checkpoint_store._layout import (
     INTERNAL_METADATA,
     INTERNAL_PREFIX,
     USER_METADATA,
+    bounded_name,
     checkpoint_dir_name,
     is_internal_file,
 )
@@ -84,7 +85,8 @@ def _target_dir(dest: Backend, dest_dir: str, attempt_id: str) -> str:
     """
     if dest.capabilities.atomic_rename:
         parent, name = posixpath.split(dest_dir)
-        return posixpath.join(parent, f"{INTERNAL_PREFIX}staging-{name}-{attempt_id}")
+        return posixpath.join(parent, bounded_name(f"{INTERNAL_PREFIX}staging-", name,
+                                                   f"-{attempt_id}"))
     return dest_dir
 
 

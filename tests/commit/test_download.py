@@ -14,7 +14,7 @@ from _commit_helpers import local_tree, make_source, read_tree
 
 from checkpoint_store import Checkpoint, StorageContext, _fsutil, _json
 from checkpoint_store._layout import INTERNAL_METADATA
-from checkpoint_store.errors import CheckpointCorruptError
+from checkpoint_store.errors import CheckpointConflictError, CheckpointCorruptError
 
 
 def _committed(trial, tmp_path, seed=1, **kw):
@@ -64,9 +64,11 @@ def test_symlink_in_the_target_is_not_followed_out(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     os.symlink(elsewhere, target / "shards")
-    with pytest.raises(CheckpointCorruptError, match="symlink"):
+    # Not ours (no download put it there): refused whole, nothing followed or changed.
+    with pytest.raises(CheckpointConflictError, match="'shards'"):
         Checkpoint.from_directory(src).to_directory(target)
     assert list(elsewhere.iterdir()) == []
+    assert os.listdir(target) == ["shards"]
 
 
 def test_failed_verification_leaves_no_complete_looking_target(any_trial, tmp_path):
@@ -80,14 +82,14 @@ def test_failed_verification_leaves_no_complete_looking_target(any_trial, tmp_pa
     with pytest.raises(CheckpointCorruptError, match="part2.bin"):
         ckpt.to_directory(fresh)
     assert not fresh.exists()
-    # An existing target keeps exactly what it had, and no completion marker.
+    # A target an earlier download filled keeps exactly what it had.
     existing = tmp_path / "existing"
-    existing.mkdir()
-    (existing / "mine.txt").write_text("keep")
-    with pytest.raises(CheckpointCorruptError):
+    Checkpoint.from_directory(src).to_directory(existing)
+    before = local_tree(str(existing))
+    with pytest.raises(CheckpointCorruptError, match="part2.bin"):
         ckpt.to_directory(existing)
-    assert sorted(os.listdir(existing)) == ["mine.txt"]
-    assert not any(n.endswith(".cs_download.json") for n in os.listdir(tmp_path))
+    assert local_tree(str(existing)) == before
+    assert not any(n.startswith(".cs_download") for n in os.listdir(tmp_path))
     # verify=False is the documented way to take the bytes anyway.
     out = ckpt.to_directory(tmp_path / "anyway", verify=False)
     assert (tmp_path / "anyway" / "part2.bin").read_bytes() == bytes(data)
