@@ -36,6 +36,7 @@ from checkpoint_store._layout import (
     MANAGER_STATE,
     PARAMS_FILE,
     RESULT_FILE,
+    check_name_length,
     checkpoint_dir_name,
     is_internal_file,
     parse_checkpoint_dir_name,
@@ -964,6 +965,14 @@ def _checkpoint_dest(dst: _Location, default_name: str | None) -> tuple[_Locatio
     return dst.child(checkpoint_dir_name(index)), index
 
 
+def _require_fitting_names(dst: _Location) -> None:
+    """Refuse, before anything is written, a destination whose name has a
+    component no local disk keeps (over 255 bytes): a checkpoint must stay
+    copyable anywhere."""
+    for part in dst.path.split("/"):
+        check_name_length(part, "destination name")
+
+
 def _require_trial_target(dst: _Location) -> None:
     """Refuse to make ``dst`` a trial where that would hide or nest trials: it
     must be a trial already, empty, or new, and not inside another trial."""
@@ -1024,6 +1033,7 @@ def upload_cmd(directory: str, uri: str, storage_options: dict[str, Any],
             raise click.BadParameter(f"not a JSON object: {exc}", param_hint="--metrics") from None
     src = _resolve(os.path.abspath(directory), {})
     dst, index = _checkpoint_dest(_resolve(uri, storage_options), None)
+    _require_fitting_names(dst)
     files = source_files(src.fs, src.path)  # every name checked before the first write
     total = sum(size for rel, size in files if not is_internal_file(rel))
     meta = _checkpoint_meta_for(dst, {"metrics": metrics, "world_size": 1}, index)
@@ -1160,6 +1170,8 @@ def cp_cmd(src: str, dst: str, storage_options: dict[str, Any], src_options: dic
         raise CheckpointNotFoundError(f"no checkpoints under {s.uri}")
     if not jobs and not trial_pairs:
         raise CheckpointNotFoundError(f"no checkpoints under {s.uri}")
+    for target in [t for _, _, t, _ in jobs] + [dt for _, dt in trial_pairs]:
+        _require_fitting_names(target)
     total = sum(_manifest_size(m) for _, m, _, _ in jobs)
     results: dict[str, int] = {"copied": 0, "skipped": 0}
     copied_bytes = 0

@@ -72,7 +72,7 @@ def attempt_file_name(attempt_id: str) -> str:
 
 
 def abort_file_name(dir_name: str, attempt_id: str) -> str:
-    return f"{INTERNAL_PREFIX}abort-{dir_name}-{attempt_id}.json"
+    return bounded_name(f"{INTERNAL_PREFIX}abort-", dir_name, f"-{attempt_id}.json")
 
 
 def _target_dir(dest: Backend, dest_dir: str, attempt_id: str) -> str:

@@ -83,3 +83,20 @@ def test_download_into_the_checkpoint_itself_is_refused(tmp_path):
     assert "inside the checkpoint" in result.stderr
     assert sorted(os.listdir(ck)) == before
     assert committed_names(ctx) == ["checkpoint_000000"]
+
+
+@pytest.mark.parametrize("command", ["upload", "cp"])
+def test_a_destination_name_that_cannot_fit_is_refused_and_leaves_nothing(tmp_path, command):
+    """Today a 300-character trial name left empty directories and blamed the
+    credentials; the name is refused first, naming it."""
+    if command == "upload":
+        src = write_tree(str(tmp_path / "d"), {"model.bin": b"m"})
+    else:
+        make_trial(Store(str(tmp_path / "src")), tmp_path, [0.5])
+        src = str(tmp_path / "src" / "exp" / "t1")
+    store = tmp_path / "store"
+    result = invoke([command, src, str(store / "e" / ("t" * 300))])
+    assert result.exit_code == 2, result.output
+    assert "'tttt" in result.stderr and "300 bytes" in result.stderr
+    assert "credentials" not in result.stderr
+    assert not store.exists()

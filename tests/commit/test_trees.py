@@ -117,7 +117,8 @@ def test_download_into_a_241_character_name(trial, tmp_path):
     assert local_tree(str(wide)) == local_tree(src)
 
 
-def test_a_name_that_cannot_fit_is_refused_naming_it_and_leaves_nothing(trial, tmp_path):
+def test_a_name_that_cannot_fit_is_refused_naming_it_and_leaves_nothing(any_trial, tmp_path):
+    trial = any_trial
     with pytest.raises(InvalidConfigError, match="trial_name 'tttt.*300 bytes"):
         session.start(storage_path=trial.uri, storage_options=trial.storage_options or None,
                       experiment_name="e", trial_name="t" * 300)
