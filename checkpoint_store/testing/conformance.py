@@ -533,3 +533,23 @@ class BackendTests:
         assert ckpt.is_committed
         ckpt.verify()
         assert [meta["index"] for _, meta in ctx.committed_checkpoints()] == [0]
+
+    def test_re_download_leaves_exactly_the_new_checkpoint(
+        self, storage_location: StorageLocation, tmp_path: Path,
+    ) -> None:
+        """Two checkpoints downloaded one after the other into the same
+        directory, whose name is 241 characters (the lock, marker and staging
+        names built from it must still fit in 255 bytes): the directory then
+        holds exactly the second one's files and metadata."""
+        ctx = self._context(storage_location)
+        c0_src = self._src(tmp_path, {"model.pt": 10, "optimizer.pt": 20}, name="c0")
+        c0 = ctx.persist_checkpoint(Checkpoint.from_directory(c0_src), 0, {})
+        c0.set_metadata({"step": 100})
+        c1_src = self._src(tmp_path, {"model.pt": 11}, name="c1")
+        c1 = ctx.persist_checkpoint(Checkpoint.from_directory(c1_src), 1, {})
+        target = tmp_path / "dl" / ("d" * 241)
+        c0.to_directory(target)
+        assert sorted(os.listdir(target)) == [".user_metadata.json", "model.pt", "optimizer.pt"]
+        c1.to_directory(target)
+        assert read_tree(target) == read_tree(c1_src)
+        assert all(len(n.encode()) <= 255 for n in os.listdir(tmp_path / "dl"))

@@ -93,6 +93,10 @@ def test_download_into_the_checkpoint_or_its_trial_is_refused(trial, tmp_path):
                    os.path.dirname(local)):
         with pytest.raises(UnsafePathError, match="choose a directory outside it"):
             ckpt.to_directory(target)
+    # The same place reached through a symlink is the same place.
+    os.symlink(local, tmp_path / "alias")
+    with pytest.raises(UnsafePathError, match="inside the checkpoint"):
+        ckpt.to_directory(tmp_path / "alias" / "restore")
     assert sorted(_names(os.path.dirname(os.path.dirname(local)))) == names_before
     assert [c.path for c, _ in storage.committed_checkpoints()] == [ckpt.path]
 
@@ -185,7 +189,8 @@ def _refused_before_anything(trial, src, match, file):
         assert trial.storage().scan().uncommitted == []
 
 
-def test_a_symlink_cycle_is_refused_naming_the_link(trial, tmp_path):
+def test_a_symlink_cycle_is_refused_naming_the_link(any_trial, tmp_path):
+    trial = any_trial
     src = make_source(tmp_path / "s", 1)
     os.symlink("..", os.path.join(src, "shards", "up"))
     _refused_before_anything(trial, src, r"'shards/up'.*symlink cycle", "shards/up")
@@ -205,13 +210,15 @@ def test_a_symlink_cycle_at_the_root_is_refused_in_both_modes(trial, tmp_path, u
     assert trial.storage().checkpoint_dirs() == []
 
 
-def test_a_backslash_name_is_refused_before_anything_is_written(trial, tmp_path):
+def test_a_backslash_name_is_refused_before_anything_is_written(any_trial, tmp_path):
+    trial = any_trial
     src = make_source(tmp_path / "s", 1)
     (tmp_path / "s" / "a\\b.bin").write_bytes(b"x")
     _refused_before_anything(trial, src, r"a\\\\b\.bin.*backslash", "a\\b.bin")
 
 
-def test_a_name_that_is_not_utf8_is_refused_naming_it(trial, tmp_path):
+def test_a_name_that_is_not_utf8_is_refused_naming_it(any_trial, tmp_path):
+    trial = any_trial
     src = make_source(tmp_path / "s", 1)
     try:
         with open(os.path.join(os.fsencode(src), b"caf\xe9.bin"), "wb") as f:
@@ -279,7 +286,8 @@ def _two_checkpoints(trial, tmp_path):
     return c0, c1
 
 
-def test_a_re_download_leaves_exactly_the_new_checkpoints_files(trial, tmp_path):
+def test_a_re_download_leaves_exactly_the_new_checkpoints_files(any_trial, tmp_path):
+    trial = any_trial
     c0, c1 = _two_checkpoints(trial, tmp_path)
     d = tmp_path / "d"
     c0.to_directory(d)
