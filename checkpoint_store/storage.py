@@ -484,17 +484,24 @@ class StorageContext:
             raw = _fsutil.read_bytes(self.filesystem, path)
         except (FileNotFoundError, OSError):
             return []
-        rows = []
-        for line in raw.decode("utf-8", errors="replace").splitlines():
-            if not line.strip():
-                continue
-            try:
-                row = _json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-        return rows
+        return parse_result_rows(raw)
+
+
+def parse_result_rows(raw: bytes) -> list[dict[str, Any]]:
+    """The JSON-object rows of ``result.json`` bytes; lines that are blank, torn or
+    not an object are skipped (a reader of a growing file may pass it any whole
+    lines, e.g. only the ones appended since its last read)."""
+    rows = []
+    for line in raw.decode("utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = _json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 class ResultLog:
