@@ -791,6 +791,13 @@ def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) ->
     click.echo("metrics")
     for key, value in sorted((meta.get("metrics") or {}).items()):
         click.echo(f"  {key}: {_fmt_value(value)}")
+    from checkpoint_store.ui._spark import BARS, checkpoint_score_line
+
+    encoding = getattr(sys.stdout, "encoding", None) or "ascii"
+    spark = checkpoint_score_line(loc.backend, loc.path,
+                                  unicode=BARS.encode(encoding, "replace").decode(encoding) == BARS)
+    if spark:
+        click.echo(spark)
     click.echo("user metadata")
     if not user:
         click.echo("  (none)")
@@ -1560,6 +1567,14 @@ def demo(storage: str, epochs: int, num_to_keep: int, lr: float, seed: int, resu
 
     sys.exit(run_demo(storage=storage, epochs=epochs, num_to_keep=num_to_keep, lr=lr,
                       seed=seed, resume=resume, epoch_delay=epoch_delay))
+
+
+# -- the web page and plots (checkpoint_store/ui) -------------------------------------
+
+from checkpoint_store.ui._commands import plot_cmd, ui_cmd  # noqa: E402
+
+main.add_command(ui_cmd)
+main.add_command(plot_cmd)
 
 
 if __name__ == "__main__":  # pragma: no cover

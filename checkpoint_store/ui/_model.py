@@ -1,0 +1,475 @@
+"""What the page and the plots show, read through the library's own readers.
+
+:class:`StoreView` answers for one LOCATION (a storage root, an experiment or
+a trial, on any backend): the experiments and trials under it, a trial's
+reports and checkpoints, one checkpoint's metadata, and a verify. Names
+coming from a request are checked to be one path component *and* one of the
+experiments, trials or checkpoints listed under LOCATION, so no request
+reaches a path outside it.
+
+Live refresh reads only what changed: ``result.json`` from the byte offset
+already parsed (a ranged read, also on object stores, where a rewrite keeps
+the earlier rows as its prefix), and the internal metadata of checkpoint
+directories not seen before. A full refresh (``full=True``, a page load)
+reads everything again.
+
+Where each answer comes from: the location kind and trial listing are the
+CLI's (:mod:`checkpoint_store.cli`); committed checkpoints are those with a
+valid commit marker (:func:`~checkpoint_store.transfer.read_internal_metadata`,
+the rule of :meth:`StorageContext.committed_checkpoints`); "best" is
+:func:`~checkpoint_store.retention.select_kept` under the trial's recorded
+:class:`~checkpoint_store.retention.CheckpointConfig`; "running" is
+:func:`~checkpoint_store.retention.live_lease`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import posixpath
+import shlex
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from checkpoint_store import _fsutil, _json
+from checkpoint_store import cli as _cli
+from checkpoint_store._layout import (
+    MANAGER_STATE,
+    PARAMS_FILE,
+    RESULT_FILE,
+    parse_checkpoint_dir_name,
+    validate_component,
+)
+from checkpoint_store.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    InvalidConfigError,
+)
+from checkpoint_store.retention import (
+    LEASE_FILE,
+    CheckpointConfig,
+    CheckpointRecord,
+    live_lease,
+    score_of,
+    select_kept,
+)
+from checkpoint_store.storage import StorageContext, parse_result_rows
+from checkpoint_store.transfer import inspect_checkpoint, read_internal_metadata
+
+# Kinds of a checkpoint on the chart and in the tables.
+BEST = "best"  # committed, among the best num_to_keep by the trial's score attribute
+LATEST = "latest"  # committed, the newest, kept for resume though not among the best
+KEPT = "kept"  # committed, neither (no score attribute, another run's, pending delete)
+EVICTED = "evicted"  # reported with a checkpoint that retention has deleted since
+UNCOMMITTED = "uncommitted"  # the directory is there without a commit marker (yet)
+
+
+@dataclasses.dataclass
+class _TrialCache:
+    """What was read of one trial, so that a poll reads only what changed."""
+
+    offset: int = 0  # bytes of result.json parsed (always at a line end)
+    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    metas: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    uncommitted: set[str] = dataclasses.field(default_factory=set)
+    params: dict[str, Any] | None = None
+    config: CheckpointConfig | None = None
+    status: str = "finished"
+
+
+class StoreView:
+    """A read-only view of the experiments, trials and checkpoints under one location.
+
+    Args:
+        location: a storage root, an experiment or a trial: a local path or any
+            backend URI.
+        storage_options: backend options (endpoint, credentials); never echoed.
+
+    Raises:
+        InvalidConfigError: the location is a checkpoint or a file, or cannot be resolved.
+        CheckpointNotFoundError: nothing exists at the location.
+    """
+
+    def __init__(self, location: str, storage_options: Mapping[str, Any] | None = None):
+        loc = _cli._resolve(location, dict(storage_options or {}))
+        kind = _cli._kind(loc)
+        self.scope_experiment: str | None = None
+        self.scope_trial: str | None = None
+        if kind == "trial":
+            self.scope_experiment, self.scope_trial = _parent(loc).name, loc.name
+            self._root = _parent(_parent(loc))
+        elif kind == "experiment":
+            self.scope_experiment = loc.name
+            self._root = _parent(loc)
+        elif kind in ("root", "empty"):
+            self._root = loc
+        else:
+            raise InvalidConfigError(
+                f"{loc.uri} is {_cli._describe_kind(kind)}; `ui` shows a storage root, an "
+                "experiment or a trial (pass the trial directory to see a checkpoint)"
+            )
+        self.uri = loc.uri
+        self.kind = kind
+        self._lock = threading.Lock()
+        self._caches: dict[tuple[str, str], _TrialCache] = {}
+        self._known: dict[str, list[str]] = {}
+
+    # -- what is under the location ----------------------------------------------------
+
+    def experiments(self) -> dict[str, list[str]]:
+        """``{experiment: [trial, ...]}`` under the location, names sorted; re-listed."""
+        if self.scope_experiment is not None:
+            names = [self.scope_experiment]
+        else:
+            names = [n for n, is_dir in _cli._entries(self._root)
+                     if is_dir and not n.startswith(".")]
+        out: dict[str, list[str]] = {}
+        for exp in names:
+            if self.scope_trial is not None:
+                trials = [self.scope_trial]
+            else:
+                trials = [t.name for t in _cli._trials_under(self._root.child(exp), "experiment")]
+            if trials:
+                out[exp] = trials
+        self._known = out
+        return out
+
+    def storage(self, experiment: str, trial: str) -> StorageContext:
+        """The trial's StorageContext, for names listed under the location only.
+
+        Raises:
+            InvalidConfigError: a name is not one path component.
+            CheckpointNotFoundError: no such trial under the location.
+        """
+        validate_component(experiment, "experiment")
+        validate_component(trial, "trial")
+        if trial not in self._known.get(experiment, ()) and trial not in self.experiments().get(
+                experiment, ()):
+            raise CheckpointNotFoundError(
+                f"no trial {trial!r} of experiment {experiment!r} under {self.uri}")
+        return StorageContext.from_backend(self._root.backend, self._root.path, experiment, trial)
+
+    # -- trials ------------------------------------------------------------------------
+
+    def _refresh(self, ctx: StorageContext, full: bool) -> _TrialCache:
+        key = (ctx.experiment_name, ctx.trial_name)
+        cache = self._caches.get(key)
+        if cache is None or full:
+            cache = self._caches[key] = _TrialCache()
+        fs = ctx.filesystem
+        entries = {posixpath.basename(fi.path.rstrip("/")): fi
+                   for fi in _fsutil.list_dir(fs, ctx.trial_path)}
+        result = entries.get(RESULT_FILE)
+        _read_new_rows(fs, posixpath.join(ctx.trial_path, RESULT_FILE),
+                       result.size if result is not None else 0, cache)
+        dirs = {n for n, fi in entries.items() if fi.type != _fsutil.pafs.FileType.File
+                and parse_checkpoint_dir_name(n) is not None}
+        for gone in set(cache.metas) - dirs:
+            del cache.metas[gone]
+        cache.uncommitted = set()
+        for name in sorted(dirs - set(cache.metas)):
+            meta = read_internal_metadata(fs, posixpath.join(ctx.trial_path, name))
+            if meta is None:
+                cache.uncommitted.add(name)
+            else:
+                cache.metas[name] = meta
+        if cache.params is None and PARAMS_FILE in entries:
+            cache.params = _read_json(fs, posixpath.join(ctx.trial_path, PARAMS_FILE))
+        if (cache.config is None or full) and MANAGER_STATE in entries:
+            cache.config = _read_config(fs, posixpath.join(ctx.trial_path, MANAGER_STATE))
+        if LEASE_FILE in entries:
+            cache.status = "running" if live_lease(ctx) is not None else "interrupted"
+        else:
+            cache.status = "finished"
+        return cache
+
+    def trial(self, experiment: str, trial: str, *, since: int = 0,
+              full: bool = False) -> dict[str, Any]:
+        """One trial: its summary, ``result.json`` rows from row ``since`` on, and
+        every checkpoint (committed, uncommitted, or reported and evicted since).
+
+        Returns:
+            The :meth:`summary` fields plus ``rows`` (``rows[since:]``),
+            ``total_rows``, ``checkpoints`` (see :func:`_checkpoint_rows`),
+            ``metrics`` (numeric metric names in the rows) and ``config``.
+        """
+        ctx = self.storage(experiment, trial)
+        with self._lock:
+            cache = self._refresh(ctx, full or since == 0)
+            out = self._summary(ctx, cache)
+            out["rows"] = cache.rows[max(since, 0):]
+            out["total_rows"] = len(cache.rows)
+            out["checkpoints"] = _checkpoint_rows(cache)
+            out["metrics"] = _numeric_metrics(cache.rows)
+            out["config"] = cache.config.to_json() if cache.config else None
+        return out
+
+    def summary(self, experiment: str, trial: str, *, full: bool = False) -> dict[str, Any]:
+        """One row of the experiments table.
+
+        Returns:
+            ``experiment``, ``trial``, ``uri``, ``status`` (``running``: a live
+            lease; ``interrupted``: a lease left by a process that is gone;
+            ``finished``), ``reports``, ``committed`` (checkpoints), ``metric``
+            and ``mode`` (the recorded score attribute and order), ``best_score``
+            and ``best_checkpoint``, ``size`` (bytes in committed checkpoints'
+            manifests), ``last_report`` (Unix seconds) and ``params``
+            (``params.json`` flattened, nested keys joined by ``/``).
+        """
+        ctx = self.storage(experiment, trial)
+        with self._lock:
+            return self._summary(ctx, self._refresh(ctx, full))
+
+    def _summary(self, ctx: StorageContext, cache: _TrialCache) -> dict[str, Any]:
+        config = cache.config
+        best = _best(cache.metas, config)
+        last = cache.rows[-1].get("timestamp") if cache.rows else None
+        return {
+            "experiment": ctx.experiment_name,
+            "trial": ctx.trial_name,
+            "uri": ctx.uri(ctx.trial_path),
+            "status": cache.status,
+            "reports": len(cache.rows),
+            "committed": len(cache.metas),
+            "metric": config.checkpoint_score_attribute if config else None,
+            "mode": config.checkpoint_score_order if config else None,
+            "best_checkpoint": best[0] if best else None,
+            "best_score": best[1] if best else None,
+            "size": sum(_cli._manifest_size(m) for m in cache.metas.values()),
+            "last_report": last if isinstance(last, (int, float)) else None,
+            "params": _flatten(cache.params or {}),
+        }
+
+    def overview(self, *, full: bool = False) -> dict[str, Any]:
+        """Every experiment under the location with the :meth:`summary` of each trial."""
+        experiments = []
+        for exp, trials in self.experiments().items():
+            rows = [self.summary(exp, t, full=full) for t in trials]
+            params = sorted({k for r in rows for k in r["params"]})
+            experiments.append({"name": exp, "trials": rows, "params": params})
+        return {"uri": self.uri, "kind": self.kind, "experiments": experiments}
+
+    # -- one checkpoint ----------------------------------------------------------------
+
+    def checkpoint(self, experiment: str, trial: str, name: str) -> dict[str, Any]:
+        """One checkpoint: state, manifest, user and internal metadata, snippets.
+
+        Raises:
+            InvalidConfigError: ``name`` is not a ``checkpoint_NNNNNN`` name.
+            CheckpointNotFoundError: no such directory in the trial.
+        """
+        ctx = self.storage(experiment, trial)
+        _require_checkpoint_name(name)
+        ckpt = ctx.checkpoint(name)
+        insp = inspect_checkpoint(ctx.filesystem, ckpt.path)
+        if insp.state == "missing":
+            raise CheckpointNotFoundError(f"no checkpoint {name!r} in trial {trial!r}")
+        meta = insp.meta or {}
+        try:
+            user: Any = ckpt.get_metadata()
+        except CheckpointCorruptError as exc:
+            user = {"(unreadable)": str(exc)}
+        internal = {k: v for k, v in meta.items() if k != "manifest"}
+        return {
+            "experiment": experiment, "trial": trial, "name": name, "uri": ckpt.uri,
+            "state": insp.state, "reason": insp.reason, "file": insp.file,
+            "manifest": list(meta.get("manifest", [])),
+            "size": _cli._manifest_size(meta),
+            "user_metadata": user, "internal_metadata": internal,
+            "snippets": _snippets(ckpt.uri, name),
+        }
+
+    def verify(self, experiment: str, trial: str, name: str) -> dict[str, Any]:
+        """Run :meth:`Checkpoint.verify` (reads every byte once).
+
+        Returns:
+            ``ok``; with ``ok`` the ``files``, ``bytes`` and ``seconds`` checked,
+            else ``error`` (the library's message) and ``file`` (the file that
+            failed, relative to the checkpoint, when one did).
+        """
+        ctx = self.storage(experiment, trial)
+        _require_checkpoint_name(name)
+        ckpt = ctx.checkpoint(name)
+        start = time.monotonic()
+        try:
+            ckpt.verify()
+        except CheckpointCorruptError as exc:
+            return {"ok": False, "error": str(exc), "file": exc.file}
+        except CheckpointNotFoundError as exc:
+            return {"ok": False, "error": str(exc), "file": None}
+        meta = ckpt.internal_metadata
+        return {"ok": True, "files": len(meta.get("manifest", [])),
+                "bytes": _cli._manifest_size(meta),
+                "seconds": round(time.monotonic() - start, 3)}
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _parent(loc: Any) -> Any:
+    return type(loc)(loc.backend, posixpath.dirname(loc.path.rstrip("/")))
+
+
+def _require_checkpoint_name(name: str) -> None:
+    validate_component(name, "checkpoint")
+    if parse_checkpoint_dir_name(name) is None:
+        raise InvalidConfigError(f"{name!r} is not a checkpoint_NNNNNN directory name")
+
+
+def _read_new_rows(fs: Any, path: str, size: int | None, cache: _TrialCache) -> None:
+    """Parse the rows appended since ``cache.offset``: one ranged read of the new bytes.
+
+    A file shorter than what was parsed was replaced: start again. A last line
+    without its newline is a row being written: left for the next read.
+    """
+    size = int(size or 0)
+    if size < cache.offset:
+        cache.offset, cache.rows = 0, []
+    if size == cache.offset:
+        return
+    try:
+        with fs.open_input_file(path) as f:
+            data = f.read_at(size - cache.offset, cache.offset)
+    except FileNotFoundError:
+        return
+    end = data.rfind(b"\n")
+    if end < 0:
+        return
+    cache.rows.extend(parse_result_rows(data[: end + 1]))
+    cache.offset += end + 1
+
+
+def _read_json(fs: Any, path: str) -> Any:
+    try:
+        return _json.loads(_fsutil.read_bytes(fs, path))
+    except (OSError, ValueError):
+        return None
+
+
+def _read_config(fs: Any, path: str) -> CheckpointConfig | None:
+    """The trial's retention rules, as its manager recorded them."""
+    state = _read_json(fs, path)
+    try:
+        return CheckpointConfig.from_json(state["config"])
+    except (TypeError, KeyError, InvalidConfigError):
+        return None
+
+
+def _records(metas: Mapping[str, Mapping[str, Any]]) -> list[CheckpointRecord]:
+    return [CheckpointRecord(m["index"], n, m.get("metrics") or {}) for n, m in metas.items()]
+
+
+def _top(metas: Mapping[str, Mapping[str, Any]], config: CheckpointConfig,
+         k: int) -> list[CheckpointRecord]:
+    """The best ``k`` committed checkpoints by the retention manager's own ranking."""
+    missing = "worst" if config.missing_score == "raise" else config.missing_score
+    rules = dataclasses.replace(config, num_to_keep=k, keep_latest=False, missing_score=missing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a missing score is shown, not warned about
+        try:
+            kept, _ = select_kept(_records(metas), rules)
+        except InvalidConfigError:  # a non-numeric score: nothing ranks
+            return []
+    return kept
+
+
+def _best(metas: Mapping[str, Mapping[str, Any]],
+          config: CheckpointConfig | None) -> tuple[str, float | None] | None:
+    if not metas or config is None or config.checkpoint_score_attribute is None:
+        return None
+    top = _top(metas, config, 1)
+    if not top:
+        return None
+    return top[0].dir_name, _score(top[0].metrics, config.checkpoint_score_attribute)
+
+
+def _score(metrics: Mapping[str, Any], attribute: str | None) -> float | None:
+    if attribute is None:
+        return None
+    try:
+        return score_of(metrics, attribute)
+    except InvalidConfigError:
+        return None
+
+
+def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
+    """Every checkpoint the trial has or had, oldest first: ``name``, ``index``,
+    ``kind`` (best, latest, kept, evicted, uncommitted), ``is_best`` (ranked
+    first), ``is_latest``, ``score``, ``size``, ``files``, ``created_at`` and
+    ``iteration`` (the ``training_iteration`` of the report that named it)."""
+    config = cache.config
+    attr = config.checkpoint_score_attribute if config else None
+    best_k: set[str] = set()
+    first = None
+    if config is not None and attr is not None and cache.metas:
+        best_k = {r.dir_name for r in _top(cache.metas, config, config.num_to_keep or 1)}
+        top1 = _top(cache.metas, config, 1)
+        first = top1[0].dir_name if top1 else None
+    latest = max(cache.metas, key=lambda n: cache.metas[n]["index"]) if cache.metas else None
+    reported = {r["checkpoint_dir_name"]: r for r in cache.rows
+                if isinstance(r.get("checkpoint_dir_name"), str)}
+    out = []
+    for name, meta in cache.metas.items():
+        kind = BEST if name in best_k else LATEST if name == latest else KEPT
+        row = reported.get(name, {})
+        out.append({
+            "name": name, "index": meta["index"], "kind": kind, "is_best": name == first,
+            "is_latest": name == latest,
+            "score": _score(meta.get("metrics") or {}, attr),
+            "size": _cli._manifest_size(meta), "files": len(meta.get("manifest", [])),
+            "created_at": meta.get("created_at"),
+            "iteration": row.get("training_iteration"),
+        })
+    for name, row in reported.items():
+        if name in cache.metas:
+            continue
+        index = parse_checkpoint_dir_name(name)
+        out.append({
+            "name": name, "index": index,
+            "kind": UNCOMMITTED if name in cache.uncommitted else EVICTED,
+            "is_best": False, "is_latest": False, "score": _score(row, attr), "size": None,
+            "files": None, "created_at": None, "iteration": row.get("training_iteration"),
+        })
+    out.sort(key=lambda c: (c["index"] is None, c["index"] or 0))
+    return out
+
+
+def _numeric_metrics(rows: list[dict[str, Any]]) -> list[str]:
+    names: dict[str, None] = {}
+    for row in rows:
+        for key, value in _flatten(row).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                names.setdefault(key, None)
+    return list(names)
+
+
+def _flatten(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested keys joined by ``/``, the way score attributes name nested metrics."""
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, name + "/"))
+        else:
+            out[name] = value if not isinstance(value, list) else json.dumps(value)
+    return out
+
+
+def _snippets(uri: str, name: str) -> dict[str, str]:
+    """Copy-paste commands for a checkpoint. Storage options are never written in:
+    they may hold credentials."""
+    shell = (f"checkpoint-store download {shlex.quote(uri)} {shlex.quote('./' + name)}"
+             "  # add the -o options given to `ui`")
+    python = (
+        "from checkpoint_store import Checkpoint\n\n"
+        f"checkpoint = Checkpoint({uri!r})  # storage_options={{...}} as for `ui`\n"
+        "with checkpoint.as_directory() as path:\n"
+        "    ...  # load your model and optimizer state from path\n"
+    )
+    return {"shell": shell, "python": python}
+
+
+__all__ = ["StoreView"]

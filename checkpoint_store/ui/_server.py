@@ -1,0 +1,215 @@
+"""The web server of ``checkpoint-store ui``: a Flask app over a :class:`StoreView`.
+
+One static page (``static/index.html`` with ``app.js``, ``style.css`` and
+Chart.js, all shipped in the package: the page works without internet) and a
+small JSON API it polls:
+
+- ``GET /api/overview``: every experiment and trial under LOCATION.
+- ``GET /api/trial?experiment=E&trial=T&since=N``: the trial, with its
+  ``result.json`` rows from row N on (a poll sends the count it has).
+- ``GET /api/checkpoint?experiment=E&trial=T&checkpoint=C``: one checkpoint.
+- ``POST /api/verify`` (JSON ``{experiment, trial, checkpoint}``): the one
+  action that is not a plain read; it still writes nothing.
+
+Safety: names are checked by the view (one path component, listed under
+LOCATION); the page builds every element from text, never from HTML strings,
+and the Content-Security-Policy allows scripts from this server only; a
+request whose ``Host`` is not the address served is refused (a DNS-rebinding
+page cannot read the API); ``/api/verify`` needs a header a cross-site form
+cannot send. Storage options (credentials) never reach a response or a log
+line: responses carry URIs, names, metadata and library messages only.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from flask import Flask, Response, request, send_from_directory
+
+from checkpoint_store.cli import _json_safe
+from checkpoint_store.errors import (
+    CheckpointNotFoundError,
+    CheckpointStoreError,
+    InvalidConfigError,
+)
+from checkpoint_store.ui._model import StoreView
+
+STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+VERIFY_HEADER = "X-Checkpoint-Store"
+_CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+        "img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
+        "form-action 'none'")
+
+logger = logging.getLogger(__name__)
+
+
+def _reply(obj: Any, status: int = 200) -> Response:
+    # Strict JSON: a NaN metric becomes null (the browser's JSON.parse rejects NaN).
+    body = json.dumps(_json_safe(obj), allow_nan=False)
+    return Response(body, status=status, mimetype="application/json")
+
+
+def _error(exc: BaseException, status: int) -> Response:
+    return _reply({"error": " ".join(str(exc).split()) or type(exc).__name__}, status)
+
+
+def _args(*names: str) -> list[str]:
+    source = request.get_json(silent=True) if request.method == "POST" else request.args
+    values = [(source or {}).get(n) for n in names]
+    missing = [n for n, v in zip(names, values, strict=True) if not isinstance(v, str)]
+    if missing:
+        raise InvalidConfigError(f"missing parameter(s): {', '.join(missing)}")
+    return values  # type: ignore[return-value]
+
+
+def _allowed_hosts(host: str, port_of: Callable[[], int]) -> Callable[[str], bool]:
+    """Which ``Host`` headers to accept. Bound to loopback: only loopback names, so a
+    page on another site that rebinds its DNS name to 127.0.0.1 is refused."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        return lambda value: True
+    names = {"127.0.0.1", "localhost", "[::1]", host}
+
+    def ok(value: str) -> bool:
+        name, port = value, ""
+        if value.startswith("["):
+            end = value.find("]") + 1
+            name, port = value[:end], value[end + 1:]
+        elif ":" in value:
+            name, _, port = value.rpartition(":")
+        return name in names and (not port or port == str(port_of()))
+
+    return ok
+
+
+def create_app(view: StoreView, *, refresh_s: float = 2.0, host: str = "127.0.0.1",
+               port_of: Callable[[], int] = lambda: 0) -> Flask:
+    """The Flask app serving ``view``.
+
+    Args:
+        view: what to show.
+        refresh_s: how often an open page polls for new reports (seconds).
+        host: the address served; a loopback address restricts ``Host`` headers.
+        port_of: the port served (known once the socket is bound).
+    """
+    app = Flask(__name__, static_folder=None)
+    host_ok = _allowed_hosts(host, port_of)
+
+    @app.before_request
+    def _check_host() -> Response | None:
+        if not host_ok(request.host):
+            return _reply({"error": f"unexpected Host header {request.host!r}"}, 421)
+        return None
+
+    @app.after_request
+    def _headers(resp: Response) -> Response:
+        resp.headers["Content-Security-Policy"] = _CSP
+        resp.headers["X-Content-Type-Options"] = "nosniff"
+        resp.headers["Referrer-Policy"] = "no-referrer"
+        resp.headers["Cache-Control"] = "no-store"
+        return resp
+
+    @app.errorhandler(InvalidConfigError)
+    def _bad_request(exc: InvalidConfigError) -> Response:
+        return _error(exc, 400)
+
+    @app.errorhandler(CheckpointNotFoundError)
+    def _not_found(exc: CheckpointNotFoundError) -> Response:
+        return _error(exc, 404)
+
+    @app.errorhandler(CheckpointStoreError)
+    @app.errorhandler(OSError)
+    def _storage_error(exc: Exception) -> Response:
+        logger.warning("ui: %s", " ".join(str(exc).split()))
+        return _error(exc, 502)
+
+    @app.get("/")
+    def index() -> Response:
+        return send_from_directory(STATIC, "index.html")
+
+    @app.get("/static/<path:name>")
+    def static_file(name: str) -> Response:
+        # send_from_directory refuses any name resolving outside STATIC.
+        return send_from_directory(STATIC, name)
+
+    @app.get("/api/config")
+    def config() -> Response:
+        return _reply({"uri": view.uri, "kind": view.kind, "refresh_ms": int(refresh_s * 1000)})
+
+    @app.get("/api/overview")
+    def overview() -> Response:
+        return _reply(view.overview(full=request.args.get("full") == "1"))
+
+    @app.get("/api/trial")
+    def trial() -> Response:
+        experiment, trial_name = _args("experiment", "trial")
+        try:
+            since = max(int(request.args.get("since", "0")), 0)
+        except ValueError:
+            raise InvalidConfigError("since must be a row count (an integer)") from None
+        return _reply(view.trial(experiment, trial_name, since=since))
+
+    @app.get("/api/checkpoint")
+    def checkpoint() -> Response:
+        return _reply(view.checkpoint(*_args("experiment", "trial", "checkpoint")))
+
+    @app.post("/api/verify")
+    def verify() -> Response:
+        if request.headers.get(VERIFY_HEADER) != "verify":
+            return _reply({"error": f"verify needs the {VERIFY_HEADER}: verify header"}, 403)
+        return _reply(view.verify(*_args("experiment", "trial", "checkpoint")))
+
+    return app
+
+
+class Server:
+    """The app on a werkzeug server in a background thread (for tests and `ui`).
+
+    Args:
+        view: what to show.
+        host, port: where to listen; port 0 picks a free port.
+        refresh_s: the page's polling interval.
+    """
+
+    def __init__(self, view: StoreView, host: str = "127.0.0.1", port: int = 0,
+                 refresh_s: float = 2.0):
+        from werkzeug.serving import make_server
+
+        self._port = 0
+        app = create_app(view, refresh_s=refresh_s, host=host, port_of=lambda: self._port)
+        self._server = make_server(host, port, app, threaded=True)
+        self._port = self._server.server_port
+        self.host = host
+        self._thread: Any = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        if self.host in ("0.0.0.0", "::"):
+            host = "127.0.0.1"
+        return f"http://{host}:{self._port}/"
+
+    def serve_forever(self) -> None:
+        self._server.serve_forever()
+
+    def start(self) -> Server:
+        import threading
+
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="checkpoint-store-ui")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
