@@ -461,11 +461,12 @@ def _flatten(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def _snippets(uri: str, name: str) -> dict[str, str]:
     """Copy-paste commands for a checkpoint. Storage options are never written in:
     they may hold credentials."""
-    shell = (f"checkpoint-store download {shlex.quote(uri)} {shlex.quote('./' + name)}"
-             "  # add the -o options given to `ui`")
+    shell = ("# plus the -o KEY=VALUE options given to `ui`, if any\n"
+             f"checkpoint-store download {shlex.quote(uri)} {shlex.quote('./' + name)}")
     python = (
         "from checkpoint_store import Checkpoint\n\n"
-        f"checkpoint = Checkpoint({uri!r})  # storage_options={{...}} as for `ui`\n"
+        "# storage_options={...} as given to `ui`, or the backend's environment variables\n"
+        f"checkpoint = Checkpoint({uri!r})\n"
         "with checkpoint.as_directory() as path:\n"
         "    ...  # load your model and optimizer state from path\n"
     )
