@@ -19,6 +19,25 @@ stamp_of() {
         $(ls backends/*/pyproject.toml tests/plugins/*/pyproject.toml tools/package.json 2>/dev/null) \
         | sha256sum | cut -c1-16
 }
+# The browser tests (tests/ui) drive Debian's Chromium through its chromedriver;
+# no browser is downloaded by a Python package. Checked on every run (cheap), so a
+# machine that lost them gets them back even when the Python stamp is current.
+ensure_browser() {
+    if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then
+        return 0
+    fi
+    if [ "$(id -u)" = 0 ]; then
+        echo "bootstrap: installing chromium and chromium-driver (apt) for the browser tests" >&2
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+    else
+        echo "bootstrap: chromium/chromedriver missing and not root: the browser tests will" \
+             "skip (or fail under CI); run: sudo apt-get install chromium chromium-driver" >&2
+    fi
+}
+if [ "$what" = test ]; then
+    ensure_browser
+fi
 stamp=".venv/.installed-$what-$(stamp_of)"
 if [ -f "$stamp" ]; then
     exit 0
@@ -28,7 +47,7 @@ case "$what" in
         pip_install -e ".[demo,tune]"
         ;;
     test)
-        args=(-e ".[test,demo,tune,docs,bench]")
+        args=(-e ".[test,demo,tune,docs,bench,ui]")
         for p in backends/*/pyproject.toml tests/plugins/*/pyproject.toml; do
             [ -f "$p" ] && args+=(-e "$(dirname "$p")")
         done

@@ -1,0 +1,270 @@
+"""The page in a real browser (headless Chromium) over a local store of 2 experiments x
+3 trials written by real sessions: tables, charts, a checkpoint, verify, live refresh,
+escaping. Each view's screenshot is taken here (docs/ui.md shows them)."""
+
+from __future__ import annotations
+
+import os
+import time
+from decimal import ROUND_HALF_UP, Decimal
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+from conftest import wait_for
+from ui_helpers import LAYOUT, XSS, Store, library_answer, report_trial
+
+pytestmark = pytest.mark.browser
+
+
+def fmt_size(n: int) -> str:
+    """The page's size format (app.js fmtSize)."""
+    units, v, i = ["B", "KiB", "MiB", "GiB"], float(n), 0
+    while v >= 1024 and i < len(units) - 1:
+        v, i = v / 1024, i + 1
+    # Number.toFixed rounds the exact binary value half up; Decimal(v) is that value.
+    return f"{int(v)} B" if i == 0 else (
+        f"{Decimal(v).quantize(Decimal('0.1'), ROUND_HALF_UP)} {units[i]}")
+
+
+def route(*parts: str) -> str:
+    return "#/" + "/".join(quote(p, safe="") for p in parts)
+
+
+def table_rows(driver: Any, experiment: str) -> dict[str, dict[str, str]]:
+    """``{trial: {column header: cell text or title}}`` of one experiment's table."""
+    return driver.execute_script("""
+        const section = [...document.querySelectorAll("section.experiment")]
+            .find((s) => s.dataset.experiment === arguments[0]);
+        const heads = [...section.querySelectorAll("thead th")].map((th) => th.textContent);
+        const out = {};
+        for (const tr of section.querySelectorAll("tbody tr")) {
+            // Exact values where the cell has them (sizes: "N bytes"), else the text.
+            const cells = [...tr.children].map((td) => td.title || td.textContent);
+            out[tr.dataset.trial] = Object.fromEntries(heads.map((h, i) => [h, cells[i]]));
+        }
+        return out;""", experiment)
+
+
+def chart_points(driver: Any) -> dict[str, list[dict[str, Any]]]:
+    """The chart's datasets as drawn: ``{"line": [{x, y}], "<kind>": [{x, y, name}]}``."""
+    return driver.execute_script("""
+        const out = {};
+        for (const d of window.csUI.chart.data.datasets) {
+            out[d.kind || "line"] = d.data.map((p) => ({x: p.x, y: p.y, name: p.name || null}));
+        }
+        return out;""")
+
+
+def assert_no_script_ran(driver: Any) -> None:
+    from selenium.common.exceptions import NoAlertPresentException
+
+    with pytest.raises(NoAlertPresentException):
+        driver.switch_to.alert.text  # noqa: B018 - raises when no alert() ran
+    assert driver.execute_script("return document.querySelectorAll('main img').length") == 0
+
+
+def open_page(driver: Any, url: str) -> None:
+    driver.get("about:blank")
+    driver.get(url)
+
+
+def test_experiments_table(browser: Any, local_store: Store, serve: Any, screenshot: Any) -> None:
+    server = serve(local_store.uri)
+    open_page(browser, server.url)
+    wait_for(lambda: len(browser.find_elements("css selector", "section.experiment")) == 2,
+             what="two experiment tables")
+    for experiment, trials in LAYOUT.items():
+        rows = table_rows(browser, experiment)
+        assert sorted(rows) == sorted(trials)
+        for trial, cells in rows.items():
+            want = library_answer(local_store, experiment, trial)
+            assert cells["reports"] == str(want["reports"])
+            assert cells["checkpoints"] == str(len(want["committed"]))
+            assert cells["size"] == f"{want['size']} bytes"
+            assert cells["best checkpoint"] == want["best"]
+            assert float(cells["best val/accuracy"]) == pytest.approx(want["best_score"], rel=1e-5)
+            assert cells["status"] == "finished"
+            params = trials[trial][2]
+            if experiment == XSS:
+                assert cells["note"] == params["note"]
+            else:
+                assert (float(cells["lr"]), int(cells["hidden"])) == (params["lr"],
+                                                                     params["hidden"])
+    # The experiment named like an HTML tag is text, its "note" param too.
+    headings = [h.text for h in browser.find_elements("css selector", "section.experiment h2")]
+    assert any(h.startswith(XSS) for h in headings)
+    assert_no_script_ran(browser)
+    # Sorting: by best score, then the other way round.
+    header = next(th for th in browser.find_elements(
+        "css selector", "section[data-experiment='sweep'] th") if th.text.startswith("best val"))
+    header.click()
+    order = lambda: [tr.get_attribute("data-trial") for tr in browser.find_elements(  # noqa: E731
+        "css selector", "section[data-experiment='sweep'] tbody tr")]
+    assert order() == ["lr-1.0", "lr-0.01", "lr-0.1"]
+    browser.find_element("css selector", "section[data-experiment='sweep'] th.asc").click()
+    assert order() == ["lr-0.1", "lr-0.01", "lr-1.0"]
+    screenshot(browser, "ui-experiments")
+
+
+def test_trial_chart_marks_each_checkpoint(browser: Any, local_store: Store, serve: Any,
+                                           screenshot: Any) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    server = serve(local_store.uri)
+    open_page(browser, server.url + route("trial", "sweep", "lr-0.1"))
+    wait_for(lambda: browser.execute_script("return !!(window.csUI.chart)"), what="the chart")
+    points = chart_points(browser)
+    scores = LAYOUT["sweep"]["lr-0.1"][0]
+    assert [p["y"] for p in points["line"]] == scores  # one point per report
+    assert [p["x"] for p in points["line"]] == [1, 2, 3, 4, 5, 6]
+    want = library_answer(local_store, "sweep", "lr-0.1")
+    kept = sorted(p["name"] for k in ("best", "latest", "kept") for p in points[k])
+    assert kept == sorted(want["kept"]) == sorted(want["committed"])  # one marker each
+    # The best two (0.74 at report 5, 0.71 at report 3) and the latest (report 6).
+    assert sorted((p["x"], p["y"]) for p in points["best"]) == [(3, 0.71), (5, 0.74)]
+    assert [(p["x"], p["y"]) for p in points["latest"]] == [(6, 0.60)]
+    assert sorted(p["x"] for p in points["evicted"]) == [1, 2, 4]
+    # A trial that reported without a checkpoint: 4 points, 3 markers.
+    open_page(browser, server.url + route("trial", "sweep", "lr-0.01"))
+    wait_for(lambda: browser.execute_script(
+        "return window.csUI.chart && window.csUI.trial.trial === 'lr-0.01'"), what="lr-0.01")
+    other = chart_points(browser)
+    assert len(other["line"]) == 4
+    assert sum(len(other[k]) for k in ("best", "latest", "kept", "evicted")) == 3
+    # Hovering the best marker names it, with its score and size.
+    open_page(browser, server.url + route("trial", "sweep", "lr-0.1"))
+    wait_for(lambda: browser.execute_script(
+        "return window.csUI.chart && window.csUI.trial.trial === 'lr-0.1'"), what="lr-0.1")
+    canvas = browser.find_element("id", "chart")
+    x, y, w, h = browser.execute_script("""
+        const c = window.csUI.chart;
+        const i = c.data.datasets.findIndex((d) => d.kind === "best");
+        const j = c.data.datasets[i].data.findIndex((p) => p.y === 0.74);
+        const el = c.getDatasetMeta(i).data[j];
+        return [el.x, el.y, c.canvas.clientWidth, c.canvas.clientHeight];""")
+    ActionChains(browser).move_to_element_with_offset(canvas, int(x - w / 2),
+                                                      int(y - h / 2)).perform()
+    label = wait_for(lambda: browser.execute_script("""
+        const t = window.csUI.chart.tooltip;
+        return t && t.opacity > 0 ? t.body.map((b) => b.lines.join(" ")).join(" | ") : null;"""),
+        what="the tooltip")
+    size = next(c["size"] for c in browser.execute_script("return window.csUI.trial.checkpoints")
+                if c["name"] == "checkpoint_000004")
+    assert "checkpoint_000004" in label and "0.74" in label and fmt_size(size) in label
+    screenshot(browser, "ui-trial")
+
+
+def test_checkpoint_manifest_and_verify(browser: Any, local_store: Store, serve: Any,
+                                        screenshot: Any) -> None:
+    server = serve(local_store.uri)
+    open_page(browser, server.url + route("trial", "sweep", "lr-1.0"))
+    wait_for(lambda: browser.find_elements("css selector", "tr[data-kind='best'] a"),
+             what="the checkpoints table")
+    name = browser.find_elements("css selector", "tr[data-kind='best'] a")[0].text
+    browser.find_elements("css selector", "tr[data-kind='best'] a")[0].click()
+    wait_for(lambda: browser.find_elements("css selector", "#manifest tbody tr"), what="manifest")
+    ctx = local_store.ctx("sweep", "lr-1.0")
+    meta = dict(ctx.checkpoint(name).internal_metadata)
+    shown = [[td.text for td in tr.find_elements("css selector", "td")]
+             for tr in browser.find_elements("css selector", "#manifest tbody tr")]
+    assert shown == [[e["path"], fmt_size(e["size"]), e["crc32c"]] for e in meta["manifest"]]
+    assert '"note": "lr-1.0"' in browser.find_element("id", "user-metadata").text
+    assert f"checkpoint-store download {ctx.uri(ctx.trial_path)}/{name}" in browser.find_element(
+        "id", "snippet-shell").text
+    browser.find_element("id", "verify").click()
+    result = wait_for(lambda: "verify ok" in browser.find_element(
+        "id", "verify-result").get_attribute("class") and browser.find_element(
+        "id", "verify-result"), what="verify OK")
+    assert result.text.startswith(f"OK: {len(meta['manifest'])} file(s)")
+    screenshot(browser, "ui-checkpoint")
+    # One flipped byte: verify names the file.
+    path = os.path.join(local_store.uri, "sweep", "lr-1.0", name, "model.bin")
+    with open(path, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    try:
+        browser.find_element("id", "verify").click()
+        failed = wait_for(lambda: "verify fail" in browser.find_element(
+            "id", "verify-result").get_attribute("class") and browser.find_element(
+            "id", "verify-result"), what="verify failure")
+        assert "model.bin" in failed.text and failed.get_attribute("data-file") == "model.bin"
+    finally:
+        with open(path, "r+b") as f:
+            f.seek(100)
+            f.write(byte)
+
+
+def test_chart_marker_click_opens_the_checkpoint(browser: Any, local_store: Store,
+                                                 serve: Any) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    server = serve(local_store.uri)
+    open_page(browser, server.url + route("trial", "sweep", "lr-0.1"))
+    wait_for(lambda: browser.execute_script("return !!window.csUI.chart"), what="the chart")
+    canvas = browser.find_element("id", "chart")
+    x, y, w, h = browser.execute_script("""
+        const c = window.csUI.chart;
+        const i = c.data.datasets.findIndex((d) => d.kind === "latest");
+        const el = c.getDatasetMeta(i).data[0];
+        return [el.x, el.y, c.canvas.clientWidth, c.canvas.clientHeight];""")
+    ActionChains(browser).move_to_element_with_offset(canvas, int(x - w / 2),
+                                                      int(y - h / 2)).click().perform()
+    wait_for(lambda: browser.find_elements("css selector", "#manifest tbody tr"), what="manifest")
+    assert browser.find_element("css selector", "h1").text == "checkpoint_000005"
+
+
+def test_report_appears_while_the_page_is_open(browser: Any, serve: Any, tmp_path: Any) -> None:
+    store = Store(str(tmp_path / "live"))
+    report_trial(store, "exp", "run", [0.2, 0.4], [True, True], {"lr": 0.5})
+    server = serve(store.uri, refresh_s=0.5)
+    open_page(browser, server.url + route("trial", "exp", "run"))
+    wait_for(lambda: browser.execute_script("return !!window.csUI.chart"), what="the chart")
+    assert len(chart_points(browser)["line"]) == 2
+    start = time.monotonic()
+    report_trial(store, "exp", "run", [0.9], [True], {"lr": 0.5})
+    wait_for(lambda: len(chart_points(browser)["line"]) == 3, timeout=5.0,
+             what="the new report on the chart")
+    latency = time.monotonic() - start
+    assert latency < 0.5 + 2.0  # one refresh interval plus the report itself and margin
+    points = chart_points(browser)
+    assert points["line"][-1]["y"] == 0.9
+    assert [p["name"] for p in points["best"]] [-1] == "checkpoint_000002"
+    assert "3 report(s)" in browser.find_element("id", "summary").text
+
+
+def test_compare_overlays_trials(browser: Any, local_store: Store, serve: Any,
+                                 screenshot: Any) -> None:
+    server = serve(local_store.uri)
+    open_page(browser, server.url)
+    wait_for(lambda: browser.find_elements("css selector", "section[data-experiment='sweep'] "
+                                                           "tbody input"), what="the table")
+    for box in browser.find_elements("css selector", "section[data-experiment='sweep'] "
+                                                     "tbody input"):
+        box.click()
+    browser.find_element("css selector", "section[data-experiment='sweep'] button.compare").click()
+    wait_for(lambda: browser.execute_script("return !!window.csUI.chart"), what="the chart")
+    lines = browser.execute_script("""return window.csUI.chart.data.datasets
+        .filter((d) => d.type === "line").map((d) => [d.trialName, d.data.length]);""")
+    assert sorted(lines) == sorted([t, len(v[0])] for t, v in LAYOUT["sweep"].items())
+    screenshot(browser, "ui-compare")
+
+
+def test_names_are_text_everywhere(browser: Any, local_store: Store, serve: Any) -> None:
+    server = serve(local_store.uri)
+    open_page(browser, server.url + route("trial", XSS, XSS))
+    wait_for(lambda: browser.execute_script("return !!window.csUI.chart"), what="the chart")
+    assert browser.find_element("css selector", "h1").text == XSS
+    assert XSS in browser.find_element("css selector", "nav.crumbs").text
+    browser.find_element("css selector", "#checkpoints a").click()
+    wait_for(lambda: browser.find_elements("css selector", "#manifest tbody tr"), what="manifest")
+    assert XSS in browser.find_element("css selector", "nav.crumbs").text
+    assert_no_script_ran(browser)
+    # A hand-typed route outside the location shows the server's refusal, nothing else.
+    open_page(browser, server.url + route("trial", "..", "etc"))
+    error = wait_for(lambda: browser.find_elements("id", "error"), what="the error")[0]
+    assert "single path component" in error.text
+    logs = browser.get_log("browser")
+    assert not [e for e in logs if "Content Security Policy" in e["message"]], logs

@@ -1,0 +1,151 @@
+"""The data behind the page (no browser): counts, sizes, best scores, kinds,
+incremental reads, and names that must not reach outside LOCATION."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+from ui_helpers import CONFIG, LAYOUT, NUM_TO_KEEP, XSS, Store, library_answer, report_trial
+
+from checkpoint_store import CheckpointNotFoundError, InvalidConfigError
+from checkpoint_store.ui._model import StoreView
+
+
+def test_overview_agrees_with_the_library(local_store: Store) -> None:
+    view = StoreView(local_store.uri)
+    data = view.overview(full=True)
+    assert [e["name"] for e in data["experiments"]] == sorted(LAYOUT)
+    for exp in data["experiments"]:
+        assert sorted(t["trial"] for t in exp["trials"]) == sorted(LAYOUT[exp["name"]])
+        for row in exp["trials"]:
+            want = library_answer(local_store, exp["name"], row["trial"])
+            assert row["reports"] == want["reports"] == len(LAYOUT[exp["name"]][row["trial"]][0])
+            assert row["committed"] == len(want["committed"])
+            assert row["size"] == want["size"]
+            assert row["best_checkpoint"] == want["best"]
+            assert row["best_score"] == want["best_score"]
+            assert row["metric"] == "val/accuracy" and row["status"] == "finished"
+            assert row["params"] == {k: v for k, v in
+                                     LAYOUT[exp["name"]][row["trial"]][2].items()}
+
+
+def test_checkpoint_kinds_follow_retention(local_store: Store) -> None:
+    view = StoreView(local_store.uri)
+    trial = view.trial("sweep", "lr-0.1")
+    want = library_answer(local_store, "sweep", "lr-0.1")
+    kinds = {c["name"]: c["kind"] for c in trial["checkpoints"]}
+    # Scores 0.50 0.62 0.71 0.69 0.74 0.60: best two are reports 5 and 3 (indexes 4, 2);
+    # the latest (index 5) is kept too; the rest were evicted.
+    assert kinds == {"checkpoint_000000": "evicted", "checkpoint_000001": "evicted",
+                     "checkpoint_000002": "best", "checkpoint_000003": "evicted",
+                     "checkpoint_000004": "best", "checkpoint_000005": "latest"}
+    assert sorted(n for n, k in kinds.items() if k != "evicted") == sorted(want["kept"])
+    assert [c["name"] for c in trial["checkpoints"] if c["is_best"]] == ["checkpoint_000004"]
+    assert len([k for k in kinds.values() if k == "best"]) == NUM_TO_KEEP
+    assert [c["iteration"] for c in trial["checkpoints"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_polls_read_only_the_new_rows(local_store: Store, tmp_path: Any) -> None:
+    store = Store(str(tmp_path / "live"))
+    report_trial(store, "exp", "t", [0.1, 0.2], [True, True], {"lr": 1})
+    view = StoreView(store.uri)
+    first = view.trial("exp", "t")
+    assert first["total_rows"] == 2
+    cache = view._caches[("exp", "t")]
+    offset = cache.offset
+    path = os.path.join(store.uri, "exp", "t", "result.json")
+    assert offset == os.path.getsize(path)
+    # Rewrite the bytes already parsed (same size): a poll must not read them again.
+    with open(path, "r+b") as f:
+        f.write(b" " * offset)
+    again = view.trial("exp", "t", since=2)
+    assert again["rows"] == [] and again["total_rows"] == 2
+    report_trial(store, "exp", "t", [0.3], [True], {"lr": 1})
+    grown = view.trial("exp", "t", since=2)
+    assert [r["val"]["accuracy"] for r in grown["rows"]] == [0.3]
+    assert grown["total_rows"] == 3
+    new = grown["rows"][0]["checkpoint_dir_name"]
+    assert {c["name"]: c["kind"] for c in grown["checkpoints"]}[new] in ("best", "latest")
+    assert cache.offset == os.path.getsize(path)
+
+
+@pytest.mark.parametrize("experiment, trial", [
+    ("..", "lr-0.1"), ("sweep", ".."), ("sweep/../sweep", "lr-0.1"), ("sweep", "lr-0.1/.."),
+    ("/etc", "passwd"), ("", "lr-0.1"), ("sweep", "lr-0.1\x00"),
+])
+def test_names_outside_location_are_refused(local_store: Store, experiment: str,
+                                            trial: str) -> None:
+    with pytest.raises(InvalidConfigError):
+        StoreView(local_store.uri).trial(experiment, trial)
+
+
+def test_unlisted_names_are_not_found(local_store: Store, tmp_path: Any) -> None:
+    # A trial that exists on disk but outside the location given to `ui`.
+    outside = Store(str(tmp_path / "other"))
+    report_trial(outside, "exp", "t", [0.5], [True], {})
+    view = StoreView(os.path.join(local_store.uri, "sweep"))
+    with pytest.raises(CheckpointNotFoundError):
+        view.trial(XSS, "t0")
+    with pytest.raises(CheckpointNotFoundError):
+        view.trial("sweep", "missing")
+    view = StoreView(os.path.join(local_store.uri, "sweep", "lr-0.1"))
+    assert view.experiments() == {"sweep": ["lr-0.1"]}
+    with pytest.raises(CheckpointNotFoundError):
+        view.trial("sweep", "lr-1.0")
+    with pytest.raises(InvalidConfigError):
+        view.checkpoint("sweep", "lr-0.1", "../lr-1.0")
+    with pytest.raises(InvalidConfigError):
+        view.checkpoint("sweep", "lr-0.1", "result.json")
+
+
+def test_api_refuses_paths_outside_location(local_store: Store, serve: Any) -> None:
+    server = serve(os.path.join(local_store.uri, "sweep"))
+    cases = {
+        "api/trial?experiment=..&trial=sweep": 400,
+        "api/trial?experiment=sweep&trial=..%2F..%2Fetc": 400,
+        f"api/trial?experiment={XSS}&trial=t0": 404,
+        "api/checkpoint?experiment=sweep&trial=lr-0.1&checkpoint=..": 400,
+        "api/checkpoint?experiment=sweep&trial=lr-0.1&checkpoint=checkpoint_000099": 404,
+        "static/..%2F_model.py": 404,
+        "static/../../cli.py": 404,
+        "api/trial": 400,
+    }
+    for path, status in cases.items():
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(server.url + path.replace("<", "%3C").replace(">", "%3E")
+                                   .replace(" ", "%20").replace("(", "%28").replace(")", "%29"))
+        assert info.value.code == status, path
+        body = info.value.read()
+        assert b"import " not in body and b"def " not in body, path
+
+
+def test_api_refuses_foreign_host_and_cross_site_verify(local_store: Store, serve: Any) -> None:
+    server = serve(local_store.uri)
+    req = urllib.request.Request(server.url + "api/overview", headers={"Host": "evil.example"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req)
+    assert info.value.code == 421
+    body = json.dumps({"experiment": "sweep", "trial": "lr-0.1",
+                       "checkpoint": "checkpoint_000004"}).encode()
+    post = urllib.request.Request(server.url + "api/verify", data=body, method="POST",
+                                  headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(post)
+    assert info.value.code == 403
+    post.add_header("X-Checkpoint-Store", "verify")
+    with urllib.request.urlopen(post) as resp:
+        assert json.load(resp)["ok"] is True
+    with urllib.request.urlopen(server.url) as resp:
+        assert "script-src 'self'" in resp.headers["Content-Security-Policy"]
+
+
+def test_location_must_hold_trials(local_store: Store) -> None:
+    ckpt = os.path.join(local_store.uri, "sweep", "lr-0.1", "checkpoint_000004")
+    with pytest.raises(InvalidConfigError, match="checkpoint"):
+        StoreView(ckpt)
+    assert CONFIG.num_to_keep == NUM_TO_KEEP

@@ -1,0 +1,92 @@
+"""Helpers for the ui tests: trials written by real sessions, and the library's answers."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from checkpoint_store import (
+    Checkpoint,
+    CheckpointConfig,
+    CheckpointManager,
+    StorageContext,
+    session,
+)
+
+NUM_TO_KEEP = 2
+CONFIG = CheckpointConfig(num_to_keep=NUM_TO_KEEP, checkpoint_score_attribute="val/accuracy",
+                          checkpoint_score_order="max")
+XSS = "<img src=x onerror=alert(1)>"
+
+# experiment -> trial -> (scores, which reports carry a checkpoint, params)
+LAYOUT: dict[str, dict[str, tuple[list[float], list[bool], dict[str, Any]]]] = {
+    "sweep": {
+        "lr-0.1": ([0.50, 0.62, 0.71, 0.69, 0.74, 0.60], [True] * 6, {"lr": 0.1, "hidden": 32}),
+        "lr-0.01": ([0.40, 0.55, 0.58, 0.66], [True, False, True, True],
+                    {"lr": 0.01, "hidden": 64}),
+        "lr-1.0": ([0.30, 0.20, 0.25], [True, True, True], {"lr": 1.0, "hidden": 32}),
+    },
+    XSS: {
+        "t0": ([0.1, 0.3, 0.2], [True, True, True], {"note": XSS}),
+        "t1": ([0.5, 0.4], [True, False], {"note": "plain"}),
+        XSS: ([0.9], [True], {"note": "x"}),
+    },
+}
+
+
+@dataclass
+class Store:
+    """A storage root and the options (credentials) it needs."""
+
+    uri: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def ctx(self, experiment: str, trial: str) -> StorageContext:
+        return StorageContext(self.uri, experiment, trial,
+                              storage_options=dict(self.options) or None)
+
+
+def report_trial(store: Store, experiment: str, trial: str, scores: Sequence[float],
+                 with_checkpoint: Sequence[bool], params: Mapping[str, Any]) -> None:
+    """One session on the trial reporting ``scores`` (nested as ``val/accuracy``), with a
+    checkpoint (``model.bin`` of a size distinct per report) where asked."""
+    with session.start(storage_path=store.uri, experiment_name=experiment, trial_name=trial,
+                       checkpoint_config=CONFIG, config=dict(params),
+                       storage_options=dict(store.options) or None):
+        for i, (score, ckpt) in enumerate(zip(scores, with_checkpoint, strict=True)):
+            metrics = {"val": {"accuracy": score}, "loss": 1.0 - score}
+            if not ckpt:
+                session.report(metrics)
+                continue
+            with tempfile.TemporaryDirectory() as tmp:
+                with open(os.path.join(tmp, "model.bin"), "wb") as f:
+                    f.write(bytes(range(256)) * (4 + i))
+                Checkpoint.from_directory(tmp).set_metadata({"epoch": i, "note": trial})
+                session.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
+
+
+def write_store(store: Store) -> None:
+    for experiment, trials in LAYOUT.items():
+        for trial, (scores, ckpts, params) in trials.items():
+            report_trial(store, experiment, trial, scores, ckpts, params)
+
+
+def library_answer(store: Store, experiment: str, trial: str) -> dict[str, Any]:
+    """What the library itself says about a trial (the page must agree)."""
+    ctx = store.ctx(experiment, trial)
+    committed = ctx.committed_checkpoints()
+    with CheckpointManager(CONFIG, ctx, read_only=True) as manager:
+        best = manager.best_checkpoint
+        kept = manager.kept_dir_names
+    return {
+        "reports": len(ctx.read_results()),
+        "committed": [c.path.rsplit("/", 1)[-1] for c, _ in committed],
+        "size": sum(int(e["size"]) for _, m in committed for e in m["manifest"]),
+        "best": best.path.rsplit("/", 1)[-1] if best else None,
+        "best_score": next(m["metrics"]["val"]["accuracy"] for c, m in committed
+                           if best is not None and c.path == best.path) if best else None,
+        "kept": kept,
+    }
