@@ -98,7 +98,7 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cli = (site / "cli" / "index.html").read_text(encoding="utf-8")
     for command in ("ls", "show", "best", "download", "upload", "cp", "verify", "prune", "gc",
-                    "backends", "demo"):
+                    "backends", "demo", "ui", "plot"):
         assert f"checkpoint-store {command}" in cli
     assert "--dry-run" in cli and "--storage-option" in cli
     api = (site / "api" / "index.html").read_text(encoding="utf-8")
