@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import urllib.error
 import urllib.request
 from typing import Any
@@ -72,6 +73,26 @@ def test_polls_read_only_the_new_rows(local_store: Store, tmp_path: Any) -> None
     new = grown["rows"][0]["checkpoint_dir_name"]
     assert {c["name"]: c["kind"] for c in grown["checkpoints"]}[new] in ("best", "latest")
     assert cache.offset == os.path.getsize(path)
+
+
+def test_status_follows_the_lease(tmp_path: Any) -> None:
+    from checkpoint_store import session
+    from checkpoint_store.retention import LEASE_FILE
+
+    store = Store(str(tmp_path / "s"))
+    report_trial(store, "exp", "t", [0.1], [True], {})
+    view = StoreView(store.uri)
+    assert view.summary("exp", "t")["status"] == "finished"
+    with session.start(storage_path=store.uri, experiment_name="exp", trial_name="t",
+                       checkpoint_config=CONFIG):
+        assert view.summary("exp", "t")["status"] == "running"
+    assert view.summary("exp", "t")["status"] == "finished"
+    # A lease left by a process that is gone (a crash): interrupted, not running.
+    lease = os.path.join(store.uri, "exp", "t", LEASE_FILE)
+    with open(lease, "w") as f:
+        json.dump({"holder": "x", "host": socket.gethostname(), "pid": 2**22 + 7,
+                   "trial": f"file://{store.uri}/exp/t", "expires_at": 4e9}, f)
+    assert view.summary("exp", "t")["status"] == "interrupted"
 
 
 @pytest.mark.parametrize("experiment, trial", [
