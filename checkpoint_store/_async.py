@@ -320,55 +320,38 @@ def report_async(
 ) -> tuple[dict[str, Any], None]:
     """The ``upload_mode="async"`` half of ``Session.report`` (one rank).
 
-    The result row is written at once, naming the checkpoint directory the
-    upload will commit; the row of a checkpoint whose upload fails names a
-    directory that is never committed (readers skip it), and the error is
-    raised by the next ``report()``.
+    Only the staging and the queueing live here; the row, the counters and
+    what a commit does to retention and ``get_checkpoint()`` are the
+    session's, shared with the sync path. The result row is written at once,
+    naming the checkpoint directory the upload will commit; the row of a
+    checkpoint whose upload fails names a directory that is never committed
+    (readers skip it), and the error is raised by the next ``report()``.
     """
-    from checkpoint_store import _json
-    from checkpoint_store._layout import checkpoint_dir_name
-    from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
+    from checkpoint_store.checkpoint import Checkpoint
     from checkpoint_store.errors import CheckpointStoreError
 
     check_staging(staging)
-    clean = _json.to_json_object(metrics, "metrics")
-    _require_checkpoint(checkpoint)
+    # Refused metrics or score: raised before waiting for a slot or staging.
+    session._prepare_row(metrics, checkpoint, validate_score=True)
     uploader.reserve()
     uploader.raise_error()  # the upload waited for may just have failed
     with session._lock:
         if session._closed:
             raise CheckpointStoreError("this session has ended; start a new one to report")
-        row = session._new_row(clean)
-        try:  # refuse a bad score before anything is staged
-            session.manager.validate_metrics(row)
-        except CheckpointStoreError:
-            session._iteration -= 1
-            raise
-        local = checkpoint.is_local
-        if local:
-            try:
-                staged = stage(checkpoint.path, staging)
-            except BaseException:
-                session._iteration -= 1
-                raise
+        row = session._prepare_row(metrics, checkpoint, validate_score=True)
+        if checkpoint.is_local:
+            staged = stage(checkpoint.path, staging)
             source = Checkpoint.from_directory(staged.path)
         else:  # already on storage: nothing the loop could delete under us
             staged = Staged(checkpoint.path, owned=False)
             source = checkpoint
         index = session._next_index
+        internal = session._checkpoint_internal(row, index)
         session._next_index = index + 1
-        name = checkpoint_dir_name(index)
-        row["checkpoint_dir_name"] = name
-        internal = {"metrics": row, "world_size": session.world_size,
-                    "run_id": session.manager.run_id}
-
-        def upload() -> None:
-            persisted = session.storage.persist_checkpoint(source, index, internal)
-            session._latest = persisted
-            # Only now may retention delete an older checkpoint.
-            session.manager.register(persisted, row)
-
-        uploader.submit(upload, staged.cleanup, name)
+        session._accept_row(row)
+        # Only once committed may retention delete an older checkpoint.
+        uploader.submit(lambda: session._commit(source, index, internal, row),
+                        staged.cleanup, row["checkpoint_dir_name"])
         if session._results is not None:
             session._results.append(row)
     return row, None

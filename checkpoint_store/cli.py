@@ -200,17 +200,31 @@ def parse_storage_options(items: Iterable[str]) -> dict[str, Any]:
     """``["KEY=VALUE", ...]`` -> dict; ``true``/``false`` become booleans.
 
     Raises:
-        click.BadParameter: an item without ``=`` or with an empty key.
+        click.BadParameter: an item without ``=`` or with an empty key. The
+            message names the key but never echoes the value: a mistyped
+            ``secret_access_key:...`` must not print the secret.
     """
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise click.BadParameter(
-                f"{item!r} is not KEY=VALUE (e.g. -o endpoint_url=http://127.0.0.1:9000)"
+                f"{_redacted_option(item)} is not KEY=VALUE (the value is not shown; "
+                "e.g. -o endpoint_url=http://127.0.0.1:9000)"
             )
         out[key.strip()] = _coerce_option(value)
     return out
+
+
+def _redacted_option(item: str) -> str:
+    """``item`` with everything after its key hidden: the key is what a user
+    needs to find the mistake, and the value may be a credential."""
+    key = item.split("=", 1)[0]
+    for sep in (":", " "):  # the usual typos for '='
+        key = key.split(sep, 1)[0]
+    if key != item.strip() and key.isidentifier():
+        return f"{key!r} followed by {len(item) - len(key)} hidden character(s)"
+    return f"an option of {len(item)} character(s)"
 
 
 def _storage_option(*names: str, help_text: str | None = None) -> Callable[..., Any]:
@@ -585,6 +599,38 @@ def _score_attribute(trial: _Location) -> tuple[str | None, str | None]:
         return None, None
 
 
+def _stored_metrics(ckpt: _Location, meta: Mapping[str, Any], *,
+                    warn: bool = True) -> Mapping[str, Any]:
+    """The metrics recorded with ``ckpt``; ``{}`` (with a warning naming it) when
+    what is stored is not a JSON object: another tool or a hand edit wrote it."""
+    metrics = meta.get("metrics")
+    if metrics is None or isinstance(metrics, Mapping):
+        return metrics or {}
+    if warn:
+        click.echo(f"warning: {ckpt.uri} records 'metrics' as a {type(metrics).__name__}, "
+                   "not an object; treating it as no metrics", err=True)
+    return {}
+
+
+def _stored_score(ckpt: _Location, metrics: Mapping[str, Any], metric: str) -> float | None:
+    """The numeric score of a stored checkpoint, or None when missing or NaN.
+
+    Raises:
+        CheckpointStoreError: the stored value is not a number. Not a usage
+            error (exit 1): the arguments are fine, the stored data is not.
+    """
+    from checkpoint_store.retention import score_of
+
+    try:
+        return score_of(metrics, metric)
+    except InvalidConfigError:
+        value = _metric_value(metrics, metric)
+        raise CheckpointStoreError(
+            f"{ckpt.uri} records metric {metric!r} as {value!r} ({type(value).__name__}), "
+            "not a number; rank by another --metric, or delete that checkpoint"
+        ) from None
+
+
 def _metric_value(metrics: Mapping[str, Any], attribute: str) -> Any:
     from checkpoint_store.retention import lookup_metric
 
@@ -627,7 +673,7 @@ def _ls_trial(trial: _Location, metric: str | None) -> dict[str, Any]:
         metric, _ = _score_attribute(trial)
     rows = []
     for ckpt, meta in _committed(trial):
-        metrics = meta.get("metrics") or {}
+        metrics = _stored_metrics(ckpt, meta)
         rows.append({
             "index": meta["index"],
             "name": ckpt.name,
@@ -789,7 +835,11 @@ def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) ->
     for e in largest:
         click.echo(f"  {_fmt_size(e['size']):>10}  {e['path']}")
     click.echo("metrics")
-    for key, value in sorted((meta.get("metrics") or {}).items()):
+    metrics = meta.get("metrics") or {}
+    if not isinstance(metrics, Mapping):  # not ours to fix: show what is stored
+        click.echo(f"  (not an object) {_fmt_value(metrics)}")
+        metrics = {}
+    for key, value in sorted(metrics.items()):
         click.echo(f"  {key}: {_fmt_value(value)}")
     from checkpoint_store.ui._spark import BARS, checkpoint_score_line
 
@@ -814,12 +864,6 @@ def _rank_key(score: float | None, index: int, mode: str) -> tuple[int, float, i
     if score is None:
         return (0, 0.0, index)
     return (1, score if mode == "max" else -score, index)
-
-
-def _score(metrics: Mapping[str, Any], metric: str) -> float | None:
-    from checkpoint_store.retention import score_of
-
-    return score_of(metrics, metric)
 
 
 def _resolve_metric(trial: _Location, metric: str | None, mode: str | None,
@@ -867,13 +911,14 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
     committed = _committed(loc)
     if not committed:
         raise CheckpointNotFoundError(f"trial {loc.uri} has no committed checkpoint")
-    scored = [(ckpt, meta, _score(meta.get("metrics") or {}, metric)) for ckpt, meta in committed]
+    scored = [(ckpt, meta, _stored_score(ckpt, _stored_metrics(ckpt, meta), metric))
+              for ckpt, meta in committed]
     best_ckpt, best_meta, best_score = max(
         scored, key=lambda t: _rank_key(t[2], t[1]["index"], mode))
     if best_score is None:
         click.echo(f"warning: no checkpoint of {loc.uri} has a numeric {metric!r}; "
                    "picked the newest", err=True)
-    metrics = best_meta.get("metrics") or {}
+    metrics = _stored_metrics(best_ckpt, best_meta, warn=False)
     if as_json:
         _print_json({"uri": best_ckpt.uri, "index": best_meta["index"], "metric": metric,
                      "mode": mode, "score": best_score, "metrics": metrics})
@@ -1035,7 +1080,7 @@ def upload_cmd(directory: str, uri: str, storage_options: dict[str, Any],
     metrics: dict[str, Any] = {}
     if metrics_json is not None:
         try:
-            metrics = _json.to_json_object(json.loads(metrics_json), "metrics")
+            metrics = _json.to_json_object(_json.loads(metrics_json), "metrics")
         except ValueError as exc:
             raise click.BadParameter(f"not a JSON object: {exc}", param_hint="--metrics") from None
     src = _resolve(os.path.abspath(directory), {})
@@ -1304,8 +1349,11 @@ def _select(committed: list[tuple[_Location, dict[str, Any]]], keep: int, metric
 
     config = CheckpointConfig(num_to_keep=keep, checkpoint_score_attribute=metric,
                               checkpoint_score_order=mode, keep_latest=keep_latest)  # type: ignore[arg-type]
-    records = [(int(meta["index"]), ckpt.name, meta.get("metrics") or {})
+    records = [(int(meta["index"]), ckpt.name, _stored_metrics(ckpt, meta))
                for ckpt, meta in committed]
+    if metric is not None:  # a stored non-number is named here, not as a usage error
+        for (ckpt, _), (_, _, metrics) in zip(committed, records, strict=True):
+            _stored_score(ckpt, metrics, metric)
     kept, evicted = select_kept(records, config)
     position = {ckpt.name: i for i, (ckpt, _) in enumerate(committed)}
     return [position[r.dir_name] for r in kept], [position[r.dir_name] for r in evicted]
@@ -1354,7 +1402,7 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int, metric: st
 
     def describe(i: int) -> dict[str, Any]:
         ckpt, meta = committed[i]
-        metrics = meta.get("metrics") or {}
+        metrics = _stored_metrics(ckpt, meta, warn=False)
         return {"name": ckpt.name, "uri": ckpt.uri, "index": meta["index"],
                 "score": _metric_value(metrics, metric) if metric else None}
 

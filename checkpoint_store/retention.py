@@ -209,7 +209,8 @@ def score_of(metrics: Mapping[str, Any], attribute: str) -> float | None:
 
     Raises:
         InvalidConfigError: the value exists but is not a number (str, bool,
-            list, dict ...); the message names the attribute and the type.
+            list, dict ...), or is an int beyond the float range; the message
+            names the attribute and the type.
     """
     value = lookup_metric(metrics, attribute)
     if value is _NOT_FOUND or value is None:
@@ -220,7 +221,14 @@ def score_of(metrics: Mapping[str, Any], attribute: str) -> float | None:
             f"{type(value).__name__}; scores must be numbers (report float(x), or pick "
             "another checkpoint_score_attribute)"
         )
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond the float range (10**400) has no rank
+        raise InvalidConfigError(
+            f"checkpoint_score_attribute {attribute!r} is an int too large for a float "
+            f"(about {int(value.bit_length() * 0.30103)} digits); scores must fit a float "
+            "(up to about 1.8e308)"
+        ) from None
     return None if math.isnan(value) else value
 
 

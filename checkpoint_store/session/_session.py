@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +94,59 @@ def _int_from(value: int | None, env: str, default: int, what: str) -> int:
     return value
 
 
+def _check_checkpoint_config(value: Any) -> CheckpointConfig:
+    if value is None:
+        return CheckpointConfig()
+    if not isinstance(value, CheckpointConfig):
+        hint = " (build one: CheckpointConfig(**that_dict))" if isinstance(value, Mapping) else ""
+        raise InvalidConfigError(
+            f"checkpoint_config must be a CheckpointConfig or None, got "
+            f"{type(value).__name__}{hint}"
+        )
+    return value
+
+
+def _check_timeout(value: Any, what: str = "sync_timeout_s") -> float:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value <= 0):
+        raise InvalidConfigError(f"{what} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _valid_iteration(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    return value if isinstance(value, int) and value >= 0 else None
+
+
+def _resume_counters(rows: list[dict[str, Any]], where: str) -> tuple[int, float]:
+    """The iteration and total time to continue from, given ``result.json``'s rows.
+
+    A row another tool (or a hand edit) left with a value that is not a count
+    (``"abc"``, ``[1]``) must not make the trial impossible to resume: such
+    values are skipped with one warning, and counting continues after the
+    highest valid ``training_iteration``.
+    """
+    iteration, total, bad = 0, 0.0, 0
+    for row in rows:
+        it = _valid_iteration(row.get("training_iteration"))
+        if it is None and row.get("training_iteration") is not None:
+            bad += 1
+        iteration = max(iteration, it or 0)
+        t = row.get("time_total_s")
+        if not isinstance(t, bool) and isinstance(t, (int, float)) and math.isfinite(t):
+            total = max(total, float(t))
+    if bad:
+        warnings.warn(
+            f"{where}: {bad} row(s) hold a training_iteration that is not a count; "
+            f"ignored them, continuing after iteration {iteration}",
+            RuntimeWarning, stacklevel=4,
+        )
+    return iteration, total
+
+
 class Session:
     """One training run's (or trial's) reporting state. Build it with
     :func:`checkpoint_store.session.start`.
@@ -116,8 +171,14 @@ class Session:
         attempt_id: str | None = None,
         sync_timeout_s: float = 1800.0,
     ):
+        # Every argument is checked before the first storage call: a refused
+        # start writes nothing (no trial directory, no params.json).
+        if not isinstance(storage, StorageContext):
+            raise InvalidConfigError(
+                f"storage must be a StorageContext, got {type(storage).__name__}"
+            )
         self.storage = storage
-        self.checkpoint_config = checkpoint_config or CheckpointConfig()
+        self.checkpoint_config = _check_checkpoint_config(checkpoint_config)
         self.config = _json.to_json_object(config or {}, "config")
         self.world_rank = _int_from(world_rank, "RANK", 0, "world_rank")
         self.world_size = _int_from(world_size, "WORLD_SIZE", 1, "world_size")
@@ -126,6 +187,7 @@ class Session:
             raise InvalidConfigError(
                 f"world_rank {self.world_rank} must be in [0, world_size={self.world_size})"
             )
+        sync_timeout_s = _check_timeout(sync_timeout_s)
         self._lock = threading.Lock()
         self._closed = False
         # Background uploads of upload_mode="async" (created on first use).
@@ -140,16 +202,17 @@ class Session:
             )
         is_writer = self.world_rank == 0
         storage.ensure_trial_dir()
-        if self.config and is_writer:
-            storage.write_params(self.config)
         rows = storage.read_results()
-        last = rows[-1] if rows else {}
-        self._iteration = int(last.get("training_iteration", 0) or 0)
-        self._time_offset = float(last.get("time_total_s", 0.0) or 0.0)
+        self._iteration, self._time_offset = _resume_counters(
+            rows, storage.uri(storage.trial_path))
         self._results = ResultLog(storage, rows) if is_writer else None
         # Only rank 0 keeps the retention state and the trial's lease.
         self.manager = CheckpointManager(self.checkpoint_config, storage, read_only=not is_writer)
         try:
+            # After the lease: a start refused because another session holds
+            # the trial leaves that session's params.json alone.
+            if self.config and is_writer:
+                storage.write_params(self.config)
             if is_writer:
                 # Leftovers of crashed writers are removed here, on rank 0 only,
                 # after the lease (no other live run on this trial) and before
@@ -274,50 +337,80 @@ class Session:
             hook.after_report(row, persisted)
         return row
 
-    def _new_row(self, clean: Mapping[str, Any]) -> dict[str, Any]:
+    # -- the bookkeeping every report path shares (sync, async, multi-rank) ------------
+    #
+    # A report is refused or accepted whole: _prepare_row() validates and
+    # builds the row without touching a counter, _accept_row() moves the
+    # counters once nothing can refuse the report any more, and
+    # _record_commit() is the one place a committed checkpoint reaches
+    # retention and get_checkpoint(), whichever thread committed it.
+
+    def _prepare_row(
+        self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None, *,
+        validate_score: bool,
+    ) -> dict[str, Any]:
+        """The result row for ``metrics``, checked as a whole; no counter moves.
+
+        Raises:
+            MetadataError: ``metrics`` cannot be stored as JSON (names the key).
+            InvalidConfigError: ``checkpoint`` is not a Checkpoint, or (with
+                ``validate_score``) its score is refused by retention.
+        """
+        clean = _json.to_json_object(metrics, "metrics")
+        if checkpoint is not None:
+            _require_checkpoint(checkpoint)
         now = time.time()
-        self._iteration += 1
         row = dict(clean)
         row.update(
-            training_iteration=self._iteration,
+            training_iteration=self._iteration + 1,
             timestamp=now,
             time_total_s=self._time_offset + (now - self._start),
             time_this_iter_s=now - self._last_report,
             trial_id=self.trial_id,
             checkpoint_dir_name=None,
         )
-        self._last_report = now
+        if validate_score and checkpoint is not None:
+            self.manager.validate_metrics(row)
         return row
+
+    def _accept_row(self, row: Mapping[str, Any]) -> None:
+        self._iteration = int(row["training_iteration"])
+        self._last_report = float(row["timestamp"])
+
+    def _checkpoint_internal(self, row: dict[str, Any], index: int) -> dict[str, Any]:
+        row["checkpoint_dir_name"] = checkpoint_dir_name(index)
+        return {"metrics": row, "world_size": self.world_size, "run_id": self.manager.run_id}
+
+    def _commit(self, source: Checkpoint, index: int, internal: Mapping[str, Any],
+                row: Mapping[str, Any]) -> Checkpoint:
+        """Upload and commit ``source`` as ``checkpoint_<index>``, then record it.
+        Runs on the reporting thread (sync) or the upload thread (async)."""
+        persisted = self.storage.persist_checkpoint(source, index, internal)
+        self._record_commit(persisted, row)
+        return persisted
+
+    def _record_commit(self, persisted: Checkpoint, row: Mapping[str, Any]) -> None:
+        self._latest = persisted
+        if self.world_rank == 0:
+            self.manager.register(persisted, row)
+            # keep_latest=False may evict the newest: never hand out a deleted one.
+            self._latest = self.manager.latest_checkpoint or persisted
 
     def _report_single(
         self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None
     ) -> tuple[dict[str, Any], Checkpoint | None]:
-        clean = _json.to_json_object(metrics, "metrics")
-        if checkpoint is not None:
-            _require_checkpoint(checkpoint)
         with self._lock:
             if self._closed:
                 raise CheckpointStoreError("this session has ended; start a new one to report")
-            row = self._new_row(clean)
+            # Refuse bad metrics or a bad score before anything is uploaded.
+            row = self._prepare_row(metrics, checkpoint, validate_score=True)
             persisted = None
             if checkpoint is not None:
-                try:  # refuse a bad score before anything is uploaded
-                    self.manager.validate_metrics(row)
-                except CheckpointStoreError:
-                    self._iteration -= 1
-                    raise
                 index = self._next_index
-                row["checkpoint_dir_name"] = checkpoint_dir_name(index)
-                persisted = self.storage.persist_checkpoint(
-                    checkpoint, index,
-                    {"metrics": row, "world_size": self.world_size,
-                     "run_id": self.manager.run_id},
-                )
+                persisted = self._commit(checkpoint, index,
+                                         self._checkpoint_internal(row, index), row)
                 self._next_index = index + 1
-                self._latest = persisted
-                self.manager.register(persisted, row)
-                # keep_latest=False may evict the newest: never hand out a deleted one.
-                self._latest = self.manager.latest_checkpoint or persisted
+            self._accept_row(row)
             assert self._results is not None
             self._results.append(row)
             return row, persisted
@@ -335,12 +428,8 @@ class Session:
             error: BaseException | None = None
             row: dict[str, Any] = {}
             try:
-                clean = _json.to_json_object(metrics, "metrics")
-                if checkpoint is not None:
-                    _require_checkpoint(checkpoint)
-                row = self._new_row(clean)
-                if self.world_rank == 0 and checkpoint is not None:
-                    self.manager.validate_metrics(row)
+                row = self._prepare_row(metrics, checkpoint,
+                                        validate_score=self.world_rank == 0)
             except Exception as exc:
                 error = exc
             persisted = None
@@ -352,12 +441,10 @@ class Session:
                 internal = self.storage.internal_metadata(
                     index, {"metrics": row, "run_id": self.manager.run_id})
                 persisted = coord.commit(index, checkpoint, internal, error)
-                self._latest = persisted
-                if self.world_rank == 0:
-                    self.manager.register(persisted, row)
-                    self._latest = self.manager.latest_checkpoint or persisted
+                self._record_commit(persisted, row)
             elif error is not None:
                 raise error
+            self._accept_row(row)
             if self._results is not None:
                 self._results.append(row)
             return row, persisted

@@ -16,10 +16,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from checkpoint_store import _json
+from checkpoint_store._layout import validate_component
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
 from checkpoint_store.retention import CheckpointConfig
 from checkpoint_store.session._errors import TrialStopped
+from checkpoint_store.session._session import _check_checkpoint_config, _check_timeout
 
 _IDLE, _RUNNING, _FINISHED, _STOPPED, _PAUSED = "idle", "running", "finished", "stopped", "paused"
 _ERRORED = "errored"
@@ -50,8 +52,11 @@ class TrialRunner:
             the thread to end, in seconds.
 
     Raises:
-        InvalidConfigError: ``train_fn`` is not callable, or ``config`` is not
-            a JSON object. The thread starts at the first ``step()``.
+        InvalidConfigError: ``train_fn`` is not callable, ``config`` is not a
+            JSON object, a name is not one path component, ``checkpoint_config``
+            is not a CheckpointConfig, ``storage_options`` is not a dict, or
+            ``stop_timeout_s`` is not a number > 0. Checked here, before any
+            storage call; the thread starts at the first ``step()``.
 
     Example::
 
@@ -82,6 +87,16 @@ class TrialRunner:
             )
         self._train_fn = train_fn
         self._config = _json.to_json_object(config or {}, "config")
+        validate_component(experiment_name, "experiment_name")
+        validate_component(trial_name, "trial_name")
+        _check_checkpoint_config(checkpoint_config)
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise InvalidConfigError(
+                f"storage_options must be a dict or None, got {type(storage_options).__name__}"
+            )
+        if not isinstance(synchronous_result_reporting, bool):
+            raise InvalidConfigError("synchronous_result_reporting must be True or False, got "
+                                     f"{synchronous_result_reporting!r}")
         self._storage_args = {
             "storage_path": storage_path,
             "experiment_name": experiment_name,
@@ -90,8 +105,8 @@ class TrialRunner:
             "storage_filesystem": storage_filesystem,
             "storage_options": storage_options,
         }
-        self._sync = bool(synchronous_result_reporting)
-        self._stop_timeout_s = float(stop_timeout_s)
+        self._sync = synchronous_result_reporting
+        self._stop_timeout_s = _check_timeout(stop_timeout_s, "stop_timeout_s")
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._session: Any = None
@@ -353,9 +368,12 @@ class TrialRunner:
             timeout (nothing changed apart from the stop request).
 
         Raises:
-            InvalidConfigError: ``new_config`` is not a JSON object.
+            InvalidConfigError: ``new_config`` is not a JSON object, or
+                ``trial_name`` is not one path component (the thread goes on).
         """
         clean = _json.to_json_object(new_config or {}, "config")
+        if trial_name is not None:
+            validate_component(trial_name, "trial_name")
         if not self._end_thread(_STOPPED, timeout):
             return False
         with self._cv:
