@@ -163,3 +163,28 @@ def test_environment_is_not_copied_into_files(s3_env, s3_server, s3_bucket, tmp_
     for value in (s3_env["AWS_SECRET_ACCESS_KEY"], s3_env["AWS_ACCESS_KEY_ID"]):
         assert not any(value.encode() in data for data in stored.values())
     assert os.environ["AWS_SECRET_ACCESS_KEY"] == s3_env["AWS_SECRET_ACCESS_KEY"]
+
+
+@pytest.mark.parametrize("item", [
+    "secret_access_key:{secret}",  # ':' for '='
+    "secret_access_key {secret}",  # a space for '='
+    "{secret}",  # the value alone
+    "={secret}",  # no key
+])
+def test_cli_argument_errors_hold_no_secret(s3_server, s3_bucket, item, all_logs):
+    from click.testing import CliRunner
+
+    from checkpoint_store.cli import main
+
+    secret = s3_server.secret_access_key
+    opts = [a for k, v in s3_server.storage_options("pyarrow").items()
+            if k != "secret_access_key" for a in ("-o", f"{k}={v}")]
+    for command in (["ls"], ["verify"], ["best", "--metric", "m"], ["prune", "--keep", "1"],
+                    ["cp", f"s3://{s3_bucket}/b"]):
+        res = CliRunner().invoke(main, [command[0], f"s3://{s3_bucket}/a", *command[1:], *opts,
+                                        "-o", item.format(secret=secret)])
+        assert res.exit_code == 2, res.output
+        out = res.output.encode()
+        assert not any(f in out for f in _secret_forms(secret)), command
+    for rec in all_logs.records:
+        assert secret not in rec.getMessage(), rec.name
