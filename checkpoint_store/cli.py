@@ -237,6 +237,19 @@ def _storage_option(*names: str, help_text: str | None = None) -> Callable[..., 
     )
 
 
+class _NumberAtLeast(click.FloatRange):
+    """A float >= ``min`` that is not NaN: click's FloatRange lets NaN through
+    (every comparison with it is False), and ``gc --min-age nan`` would then
+    remove directories of any age."""
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if math.isnan(number):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        return number
+
+
 def _quiet() -> bool:
     return bool(click.get_current_context().meta.get("cs.quiet"))
 
@@ -1475,7 +1488,7 @@ def _scan(trial: _Location) -> tuple[list[str], list[str], list[str], list[str]]
 @main.command("gc")
 @click.argument("trial")
 @_storage_option()
-@click.option("--min-age", type=click.FloatRange(min=0), default=3600.0, show_default=True,
+@click.option("--min-age", type=_NumberAtLeast(min=0), default=3600.0, show_default=True,
               metavar="SECONDS",
               help="Only remove directories untouched for this long, so a checkpoint still "
                    "being written by a running job is left alone.")
@@ -1576,10 +1589,10 @@ def backends_cmd(as_json: bool) -> None:
               help="Where checkpoints go: a local path or any backend URI.")
 @click.option("--epochs", default=15, show_default=True, type=click.IntRange(1))
 @click.option("--num-to-keep", default=3, show_default=True, type=click.IntRange(1))
-@click.option("--lr", default=0.05, show_default=True, type=click.FloatRange(min=0, min_open=True))
+@click.option("--lr", default=0.05, show_default=True, type=_NumberAtLeast(min=0, min_open=True))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint.")
-@click.option("--epoch-delay", default=0.0, type=click.FloatRange(min=0), hidden=True,
+@click.option("--epoch-delay", default=0.0, type=_NumberAtLeast(min=0), hidden=True,
               help="Seconds to sleep after each epoch (to try killing a run mid-way).")
 @click.option("--tune", is_flag=True,
               help="Run an Optuna study over the learning rate instead (needs the tune extra).")

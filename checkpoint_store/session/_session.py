@@ -311,10 +311,14 @@ class Session:
             it to ``result.json``.
 
         Raises:
-            MetadataError: ``metrics`` is not a dict of JSON-serialisable values
-                (the message names the key). Nothing is written.
+            MetadataError: ``metrics`` is not a dict of values JSON can store
+                (a lone surrogate, an int of more than 4300 digits, nesting
+                deeper than 100, bytes, sets ...; the message names the key).
             InvalidConfigError: ``checkpoint`` is not a Checkpoint, or its score
-                is not numeric.
+                is not numeric or beyond the float range.
+
+        A refused report writes nothing and leaves ``training_iteration`` and
+        the checkpoint numbering where they were.
             CheckpointNotFoundError: the checkpoint's directory vanished before
                 or during the upload; nothing is committed for that index.
             CheckpointConflictError: two ranks wrote the same file (names both).
