@@ -372,6 +372,15 @@ def _describe(fs: pafs.FileSystem) -> dict[str, Any]:
     return {"scheme": scheme, "capabilities": OBJECT_STORE_CAPABILITIES, "name": fs.type_name}
 
 
+def _fspath(location: Any) -> Any:
+    try:
+        return os.fspath(location)
+    except TypeError:  # an int, None ...: the caller's mistake, said as such
+        raise InvalidConfigError(
+            f"location must be a str or PathLike, got {type(location).__name__}"
+        ) from None
+
+
 def resolve(
     location: str | os.PathLike[str],
     *,
@@ -399,12 +408,12 @@ def resolve(
             raise InvalidConfigError(
                 "pass either a filesystem instance or storage_options, not both"
             )
-        path = os.fspath(location)
+        path = _fspath(location)
         if not isinstance(path, str) or not path:
             raise InvalidConfigError("storage path inside the given filesystem must be non-empty")
         stripped = path.rstrip("/") or "/"
         return backend_for_filesystem(filesystem), stripped
-    path = os.fspath(location)
+    path = _fspath(location)
     if not isinstance(path, str):
         raise InvalidConfigError(f"location must be a str or PathLike of str, got {path!r}")
     if not path:

@@ -106,6 +106,12 @@ def test_every_start_argument_is_checked_before_the_first_write(root, kwargs):
     assert _files(root) == []
 
 
+@pytest.mark.parametrize("storage_path", [5, None, b"/tmp/x"])
+def test_a_storage_path_of_the_wrong_type_is_an_invalid_config_error(storage_path):
+    with pytest.raises(InvalidConfigError, match="location must be a str"):
+        session.start(storage_path=storage_path)
+
+
 def test_start_refused_by_a_live_session_keeps_its_params(tmp_path):
     root = (str(tmp_path / "store"), None)
     with _start(root, config={"lr": 1}):
