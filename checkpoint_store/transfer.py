@@ -70,6 +70,11 @@ class ManifestEntry:
         return {"path": self.path, "size": self.size, "crc32c": self.crc32c}
 
 
+#: ``write(filesystem, directory) -> entries``: writes a checkpoint's data files
+#: into ``directory`` itself (see :func:`commit_checkpoint`).
+WriteContents = Callable[[pafs.FileSystem, str], "list[ManifestEntry]"]
+
+
 def _crc_hex(value: int) -> str:
     return f"{value:08x}"
 
@@ -578,8 +583,8 @@ def _conflict(dest: Backend, dest_dir: str, by_other: bool) -> CheckpointConflic
 
 
 def commit_checkpoint(
-    src_fs: pafs.FileSystem,
-    src_dir: str,
+    src_fs: pafs.FileSystem | None,
+    src_dir: str | None,
     dest: Backend,
     dest_dir: str,
     internal: dict[str, Any],
@@ -589,6 +594,7 @@ def commit_checkpoint(
     retry: RetryPolicy | None = None,
     claim_timeout: float = 120.0,
     confine_links: bool = False,
+    write: WriteContents | None = None,
 ) -> dict[str, Any]:
     """Upload ``src_dir`` as the committed checkpoint ``dest_dir``.
 
@@ -600,6 +606,7 @@ def commit_checkpoint(
     Args:
         src_fs, src_dir: where the user's files are. Our internal files found
             there (say, from a downloaded checkpoint reported again) are skipped.
+            None with ``write``.
         dest, dest_dir: the destination backend and the final directory path.
         internal: fields of ``.internal_metadata.json`` (index, metrics, ...);
             ``format_version``, ``created_at`` and ``manifest`` are filled in.
@@ -611,6 +618,12 @@ def commit_checkpoint(
         confine_links: refuse a symlink in a local ``src_dir`` that leads out
             of it (set when the source is itself a checkpoint); by default
             a linked file's bytes are uploaded.
+        write: instead of copying ``src_dir`` (then None), a function
+            ``write(filesystem, directory)`` that writes the data files into
+            ``directory`` and returns their :class:`ManifestEntry` list; the
+            protocol around it is the same. It may be called again when a
+            retry rebuilds the filesystem. Used to stream a state straight to
+            storage without a local copy.
 
     Returns:
         The internal metadata as written.
@@ -627,15 +640,18 @@ def commit_checkpoint(
             was committed and earlier checkpoints are untouched.
     """
     writer_id = writer_id or new_writer_id()
-    files = source_files(src_fs, src_dir, include=_is_checkpoint_data,
-                         confine_links=confine_links, retry=retry)
+    files: list[tuple[str, int]] = []
+    if write is None:
+        assert src_fs is not None and src_dir is not None
+        files = source_files(src_fs, src_dir, include=_is_checkpoint_data,
+                             confine_links=confine_links, retry=retry)
     if dest.capabilities.atomic_rename:
         if inspect_checkpoint(dest.filesystem, dest_dir, retry=retry).state == "committed":
             raise _conflict(dest, dest_dir, by_other=False)
         return _commit_by_rename(src_fs, src_dir, files, dest, dest_dir, internal, fsync,
-                                 writer_id, retry)
+                                 writer_id, retry, write)
     return _commit_marker_last(src_fs, src_dir, files, dest, dest_dir, internal, fsync,
-                               writer_id, retry, claim_timeout)
+                               writer_id, retry, claim_timeout, write)
 
 
 def _commit_by_rename(
@@ -648,6 +664,7 @@ def _commit_by_rename(
     fsync: bool,
     writer_id: str,
     retry: RetryPolicy | None,
+    write: WriteContents | None = None,
 ) -> dict[str, Any]:
     fs, caps = dest.filesystem, dest.capabilities
     parent, name = posixpath.split(dest_dir)
@@ -655,7 +672,7 @@ def _commit_by_rename(
                                                   f"-{writer_id}"))
     try:
         meta = _write_contents(src_fs, src_dir, files, dest, staging, internal, fsync,
-                               retry=retry)
+                               retry=retry, write=write)
         with _commit_lock(fs, parent):
             now = inspect_checkpoint(fs, dest_dir, retry=retry)
             if now.state == "committed":
@@ -719,6 +736,7 @@ def _commit_marker_last(
     writer_id: str,
     retry: RetryPolicy | None,
     claim_timeout: float,
+    write: WriteContents | None = None,
 ) -> dict[str, Any]:
     """Marker-last commit behind a claim (mutual exclusion without conditional writes).
 
@@ -781,7 +799,7 @@ def _commit_marker_last(
             if rel != mine and not rel.split("/")[-1].startswith(_CLAIM_PREFIX):
                 _fsutil.delete_file(fs, posixpath.join(dest_dir, rel), retry=retry)
         meta = _write_contents(src_fs, src_dir, files, dest, dest_dir, internal, fsync,
-                               retry=retry)
+                               retry=retry, write=write)
     except Exception:
         def _undo() -> None:
             # Data first, claim last: until the claim goes, the leftovers stay
@@ -813,12 +831,17 @@ def _write_contents(
     *,
     retry: RetryPolicy | None = None,
     before_marker: Callable[[], None] | None = None,
+    write: WriteContents | None = None,
 ) -> dict[str, Any]:
-    """Copy the data files into ``target``, then write the marker last."""
-    entries = copy_tree(
-        src_fs, src_dir, dest.filesystem, target, dest.capabilities,
-        files=files, fsync=fsync, retry=retry,
-    )
+    """Copy (or ``write``) the data files into ``target``, then write the marker last."""
+    if write is not None:
+        _fsutil.ensure_dir(dest.filesystem, target, dest.capabilities, retry=retry)
+        entries = sorted(write(dest.filesystem, target), key=lambda e: e.path)
+    else:
+        entries = copy_tree(
+            src_fs, src_dir, dest.filesystem, target, dest.capabilities,
+            files=files, fsync=fsync, retry=retry,
+        )
     meta = dict(internal)
     meta["format_version"] = FORMAT_VERSION
     meta.setdefault("created_at", time.time())
