@@ -1,0 +1,147 @@
+"""PyTorch Lightning: checkpoints committed, verified and kept on any storage.
+
+Two ways to plug in (``pip install 'checkpoint-store[lightning]'``):
+
+* :class:`CheckpointStoreIO`, a ``CheckpointIO`` plugin, with Lightning's own
+  ``ModelCheckpoint`` (which owns top-K). Each ``.ckpt`` path names a committed
+  checkpoint directory on any backend; loads verify; removes never touch
+  what this run did not write. :func:`resume_path` gives ``fit(ckpt_path=...)``
+  the newest (or best) complete checkpoint.
+* :class:`ReportCheckpointCallback` with ``enable_checkpointing=False``: each
+  validation is a ``report()`` to a session, so our retention, ``result.json``
+  and resume apply.
+
+Usage::
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from checkpoint_store.integrations.lightning import CheckpointStoreIO, resume_path
+
+    trainer = L.Trainer(
+        plugins=[CheckpointStoreIO(async_save=True)],
+        callbacks=[ModelCheckpoint(dirpath="s3://bucket/run/checkpoints",
+                                   monitor="val_loss", save_top_k=2)],
+    )
+    trainer.fit(model, ckpt_path=resume_path("s3://bucket/run/checkpoints"))
+
+This module binds to the ``lightning`` package, or to ``pytorch_lightning``
+when only that is installed; :mod:`checkpoint_store.integrations.pytorch_lightning`
+always binds to ``pytorch_lightning``.
+"""
+
+from __future__ import annotations
+
+from checkpoint_store.integrations._lightning import (
+    STATE_FILE,
+    _ReportCallback,
+    _StoreIO,
+    resume_path,
+)
+
+try:
+    from lightning.fabric.plugins import CheckpointIO as _CheckpointIO
+    from lightning.pytorch import Callback as _Callback
+except ImportError:
+    try:
+        from lightning_fabric.plugins import CheckpointIO as _CheckpointIO
+        from pytorch_lightning import Callback as _Callback
+    except ImportError:
+        raise ImportError(
+            "checkpoint_store.integrations.lightning needs PyTorch Lightning: pip install "
+            "'checkpoint-store[lightning]'"
+        ) from None
+
+__all__ = ["STATE_FILE", "CheckpointStoreIO", "ReportCheckpointCallback", "resume_path"]
+
+
+class CheckpointStoreIO(_StoreIO, _CheckpointIO):
+    """A ``CheckpointIO`` plugin (``Trainer(plugins=[CheckpointStoreIO()])``)
+    that commits each checkpoint on any checkpoint-store backend.
+
+    * ``save_checkpoint(checkpoint, path, storage_options=None)``: ``path``
+      (``<dirpath>/epoch=3-step=8.ckpt``, a local path or a URI such as
+      ``s3://``, ``az://``, ``gs://``) names a directory; the state goes inside
+      as one file, :data:`STATE_FILE`, streamed to the backend by
+      ``torch.save`` with its CRC32C computed on the way (no local copy), and
+      the directory is committed by our protocol (rename on local disks,
+      marker last elsewhere). Saving to a path that holds a committed
+      checkpoint (``last.ckpt``) uncommits and deletes the old one first.
+    * ``load_checkpoint(path, map_location=None, weights_only=None, **kwargs)``:
+      checks the state file's size and CRC32C against the manifest before
+      ``torch.load`` (``kwargs`` go to it); also loads a plain legacy ``.ckpt``
+      file. Raises :class:`~checkpoint_store.CheckpointNotFoundError` (a
+      ``FileNotFoundError``) for nothing there or an uncommitted directory,
+      :class:`~checkpoint_store.CheckpointCorruptError` for a mismatch.
+    * ``remove_checkpoint(path)``: uncommits, then deletes. Refuses (a
+      ``RuntimeWarning``, the checkpoint kept) anything outside :attr:`root`
+      and anything this run did not write (another run's, the one it resumed
+      from, a plain file): Lightning's ``ModelCheckpoint`` deletes those on
+      remote filesystems (Lightning #21813).
+
+    Lightning's ``ModelCheckpoint`` owns top-K; this plugin never evicts on its own.
+
+    Args:
+        async_save: save in a background thread. One ordered queue carries
+            saves *and* removes, so a remove never overtakes the save that made
+            it redundant; a load waits for pending saves of its path; the save
+            works on a copy of the tensors taken at the call (one extra copy
+            of the state in memory per pending save). ``teardown`` (end of
+            ``fit``) waits for the queue and raises the first error; an error
+            also surfaces at the next save or remove. After a failed save,
+            queued removes are skipped. Use this instead of wrapping the
+            plugin in Lightning's ``AsyncCheckpointIO``, whose removes and
+            loads run beside its queue (Lightning #14035).
+        max_pending_saves: with ``async_save``, a save blocks while this many
+            are queued (bounds the memory of the copies).
+        root: URI or path of the only directory removes may touch (default:
+            the directory of the first checkpoint saved, i.e. the
+            ``ModelCheckpoint`` dirpath).
+        storage_options: backend options for URIs (endpoint, credentials).
+        storage_filesystem: a pyarrow or fsspec filesystem; paths are then
+            paths inside it.
+        fsync: on local disks, fsync before each commit (default True).
+        retry: retry policy for storage calls (default from the environment).
+
+    Attributes:
+        run_id: recorded in each checkpoint this plugin writes; what "written
+            by this run" means.
+
+    Raises:
+        InvalidConfigError: a bad argument; ``storage_options`` passed to
+            ``save_checkpoint`` (give them here).
+    """
+
+
+class ReportCheckpointCallback(_ReportCallback, _Callback):
+    """Report every validation to a checkpoint-store session, with a checkpoint
+    (use with ``Trainer(enable_checkpointing=False)``).
+
+    After each validation (the sanity check skipped) every rank saves the
+    trainer's state through ``trainer.save_checkpoint`` into a temporary local
+    directory and calls ``report()`` with ``trainer.callback_metrics`` (as
+    floats; non-scalars dropped) plus ``epoch`` and ``step`` (the global
+    step). Our retention, ``result.json`` and resume then apply; the
+    committed checkpoint holds :data:`STATE_FILE`. When the session is asked
+    to stop (a :class:`~checkpoint_store.TrialRunner` stopped by a tuner), the
+    callback sets ``trainer.should_stop`` and ``fit`` ends after that epoch.
+
+    Args:
+        monitor: the metric retention ranks by (``checkpoint_score_attribute``),
+            or None for the newest.
+        mode: ``"min"`` or ``"max"`` (``checkpoint_score_order``).
+        num_to_keep: how many checkpoints to keep (None: all).
+        storage_path: where the trial lives (with ``experiment_name``,
+            ``trial_name``, ``storage_options``, ``storage_filesystem``); the
+            callback starts a session there on each rank at ``setup`` (rank
+            and world size from the trainer) and ends it at ``teardown``.
+            Without it the callback reports into the session already active
+            (say, a trial run by a ``TrialRunner``); retention is then that
+            session's.
+
+    Raises:
+        InvalidConfigError: a bad ``mode`` or retention setting; ``monitor`` or
+            ``num_to_keep`` without ``storage_path``; at ``setup``, a trainer
+            whose checkpoint IO is :class:`CheckpointStoreIO`.
+        CheckpointStoreError: at ``setup`` without ``storage_path`` and no
+            active session.
+    """

@@ -1,0 +1,442 @@
+"""PyTorch Lightning integration: real Trainer on CPU, tiny models, real storage.
+
+Contract checked on each path: the committed checkpoints are exactly the
+framework's (or our retention's) best K and each verifies, resume continues
+the step count, a save cut short leaves nothing listed.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import posixpath
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import warnings
+
+import pyarrow.fs as pafs
+import pytest
+
+pytest.importorskip("lightning")
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from checkpoint_store import CheckpointNotFoundError, StorageContext  # noqa: E402
+from checkpoint_store.integrations._lightning import verified_state  # noqa: E402
+from checkpoint_store.integrations.lightning import (  # noqa: E402
+    STATE_FILE,
+    CheckpointStoreIO,
+    ReportCheckpointCallback,
+    resume_path,
+)
+from checkpoint_store.registry import resolve  # noqa: E402
+from checkpoint_store.testing.faults import SimulatedCrash, faulty_filesystem  # noqa: E402
+from checkpoint_store.transfer import inspect_checkpoint  # noqa: E402
+
+# val_loss per epoch: the best two (epochs 3 and 1) are not the two newest.
+VAL_LOSS = [0.5, 0.2, 0.4, 0.1, 0.15, 0.6]
+
+
+class _TinyBody:
+    """A 4->1 linear model logging a fixed val_loss per epoch (no LightningModule
+    base, so the old ``pytorch_lightning`` name can use it too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", VAL_LOSS[self.current_epoch % len(VAL_LOSS)])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def _loader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(16, 4, generator=g),
+                                        torch.randn(16, 1, generator=g)), batch_size=4)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader()
+
+
+class Tiny(_TinyBody, L.LightningModule):
+    pass
+
+
+def memory_fs(**faults):
+    """A fresh directory on the in-memory backend behind the fault injector,
+    and the plain backend to look at it without faults."""
+    plain, _ = resolve("memory://lt")
+    return faulty_filesystem(plain.filesystem, **faults), plain, f"/lt-{uuid.uuid4().hex[:8]}"
+
+
+def trainer(tmp_path, **kw) -> L.Trainer:
+    args = dict(
+        accelerator="cpu", devices=1, max_epochs=4, limit_train_batches=2, limit_val_batches=1,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    args.update(kw)
+    return L.Trainer(**args)
+
+
+def committed(backend, dirpath: str) -> dict[str, dict]:
+    """``{name: internal metadata}`` of the committed directories in ``dirpath``."""
+    fs = backend.filesystem
+    out = {}
+    try:
+        listing = fs.get_file_info(pafs.FileSelector(dirpath))
+    except FileNotFoundError:
+        return out
+    for fi in listing:
+        if fi.type == pafs.FileType.Directory and not fi.base_name.startswith("."):
+            insp = inspect_checkpoint(fs, fi.path)
+            if insp.state == "committed":
+                out[fi.base_name] = insp.meta
+    return out
+
+
+def basenames(paths) -> set[str]:
+    return {posixpath.basename(str(p).rstrip("/")) for p in paths}
+
+
+# -- CheckpointStoreIO with ModelCheckpoint -----------------------------------------------
+
+
+def _fit_top2(tmp_path, dirpath: str, io: CheckpointStoreIO):
+    mc = ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=2)
+    t = trainer(tmp_path, plugins=[io], callbacks=[mc])
+    t.fit(Tiny())
+    return t, mc
+
+
+def _check_top2(backend, root: str, mc: ModelCheckpoint, io: CheckpointStoreIO) -> None:
+    found = committed(backend, root)
+    assert set(found) == basenames(mc.best_k_models) == {"epoch=1-step=4.ckpt",
+                                                         "epoch=3-step=8.ckpt"}
+    for name, meta in found.items():
+        assert meta["run_id"] == io.run_id
+        assert [e["path"] for e in meta["manifest"]] == [STATE_FILE]
+        verified_state(backend, posixpath.join(root, name))  # checks size + CRC32C
+    # Evicted ones are gone entirely, not only uncommitted.
+    names = {fi.base_name for fi in backend.filesystem.get_file_info(pafs.FileSelector(root))}
+    assert names & {"epoch=0-step=2.ckpt", "epoch=2-step=6.ckpt"} == set()
+
+
+def test_model_checkpoint_top2_local_and_resume(tmp_path):
+    dirpath = str(tmp_path / "ckpts")
+    io = CheckpointStoreIO()
+    t, mc = _fit_top2(tmp_path, dirpath, io)
+    backend, root = resolve(dirpath)
+    _check_top2(backend, root, mc, io)
+    assert io.root == backend.uri_for(root)
+    assert found_metrics(backend, root)["epoch=3-step=8.ckpt"] == {
+        "epoch": 3, "step": 8, "val_loss": pytest.approx(0.1)}
+
+    best = resume_path(dirpath, monitor="val_loss", mode="min")
+    newest = resume_path(dirpath)
+    assert best == newest == os.path.join(dirpath, "epoch=3-step=8.ckpt")
+    io2 = CheckpointStoreIO()
+    t2 = trainer(tmp_path, max_epochs=5, plugins=[io2],
+                 callbacks=[ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=2)])
+    with pytest.warns(RuntimeWarning, match="did not write"):
+        t2.fit(Tiny(), ckpt_path=best)
+    assert t2.global_step == 10  # continued from step 8, not restarted
+    # Epoch 4 (0.15) enters the top 2 and ModelCheckpoint asks to remove epoch 1
+    # (0.2), which the earlier run wrote: refused (Lightning #21813).
+    assert set(committed(backend, root)) == {"epoch=1-step=4.ckpt", "epoch=3-step=8.ckpt",
+                                             "epoch=4-step=10.ckpt"}
+
+
+def found_metrics(backend, root):
+    return {n: m["metrics"] for n, m in committed(backend, root).items()}
+
+
+def test_model_checkpoint_top2_s3(tmp_path, s3_bucket, s3_storage_options, s3_env):
+    pytest.importorskip("s3fs")  # Lightning's ModelCheckpoint lists its dirpath through fsspec
+    dirpath = f"s3://{s3_bucket}/run/ckpts"
+    io = CheckpointStoreIO(storage_options=s3_storage_options)
+    _t, mc = _fit_top2(tmp_path, dirpath, io)
+    backend, root = resolve(dirpath, storage_options=s3_storage_options)
+    _check_top2(backend, root, mc, io)
+    best = resume_path(dirpath, monitor="val_loss", storage_options=s3_storage_options)
+    assert best == f"{dirpath}/epoch=3-step=8.ckpt"
+    state = CheckpointStoreIO(storage_options=s3_storage_options).load_checkpoint(best)
+    assert state["global_step"] == 8
+
+
+def test_load_verifies_and_accepts_legacy_file(tmp_path):
+    io = CheckpointStoreIO()
+    path = str(tmp_path / "ck" / "a.ckpt")
+    io.save_checkpoint({"global_step": 3, "w": torch.arange(4.0)}, path)
+    assert torch.equal(io.load_checkpoint(path)["w"], torch.arange(4.0))
+
+    legacy = tmp_path / "legacy.ckpt"
+    torch.save({"global_step": 1, "w": torch.ones(2)}, legacy)
+    assert io.load_checkpoint(str(legacy), weights_only=True)["global_step"] == 1
+
+    state = tmp_path / "ck" / "a.ckpt" / STATE_FILE
+    data = bytearray(state.read_bytes())
+    data[-30] ^= 0xFF  # same size, other bytes: only the checksum can tell
+    state.write_bytes(bytes(data))
+    from checkpoint_store import CheckpointCorruptError
+
+    with pytest.raises(CheckpointCorruptError, match="CRC32C"):
+        io.load_checkpoint(path)
+    with pytest.raises(FileNotFoundError):  # CheckpointNotFoundError, as Lightning expects
+        io.load_checkpoint(str(tmp_path / "nothing.ckpt"))
+
+
+def test_remove_refuses_outside_root_and_other_runs(tmp_path):
+    run1, run2 = CheckpointStoreIO(), CheckpointStoreIO()
+    a = str(tmp_path / "ck" / "a.ckpt")
+    b = str(tmp_path / "ck" / "b.ckpt")
+    elsewhere = str(tmp_path / "other" / "c.ckpt")
+    run1.save_checkpoint({"global_step": 1}, a)
+    run1.save_checkpoint({"global_step": 1}, elsewhere)  # root stays tmp_path/ck
+    run2.save_checkpoint({"global_step": 2}, b)
+    with pytest.warns(RuntimeWarning, match="did not write"):
+        run2.remove_checkpoint(a)  # the previous run's (e.g. the one resumed from)
+    with pytest.warns(RuntimeWarning, match="outside"):
+        run1.remove_checkpoint(elsewhere)
+    legacy = tmp_path / "ck" / "legacy.ckpt"
+    legacy.write_bytes(b"not ours")
+    with pytest.warns(RuntimeWarning, match="did not write"):
+        run1.remove_checkpoint(str(legacy))
+    assert os.path.isdir(a) and os.path.isdir(elsewhere) and legacy.exists()
+    run2.remove_checkpoint(b)
+    assert not os.path.exists(b)
+    run2.remove_checkpoint(b)  # absent is fine
+
+
+def test_save_overwrites_same_path(tmp_path):
+    io = CheckpointStoreIO()
+    path = str(tmp_path / "ck" / "last.ckpt")
+    io.save_checkpoint({"global_step": 1}, path)
+    io.save_checkpoint({"global_step": 2}, path)
+    assert io.load_checkpoint(path)["global_step"] == 2
+
+
+@pytest.mark.parametrize("crash_at", [STATE_FILE, ".internal_metadata.json"])
+def test_crash_mid_save_leaves_nothing_listed(crash_at):
+    """A process dying inside the upload (marker-last store), before or after
+    the state is written, leaves nothing listed; resume picks the previous one."""
+    fs, _plain, root = memory_fs()
+    ok = CheckpointStoreIO(storage_filesystem=fs)
+    ok.save_checkpoint({"global_step": 2, "w": torch.ones(3)}, f"{root}/s2.ckpt")
+    dying_fs = faulty_filesystem(fs, crash_on_path=f"s4.ckpt/{crash_at}")
+    dying = CheckpointStoreIO(storage_filesystem=dying_fs)
+    with pytest.raises(SimulatedCrash):
+        dying.save_checkpoint({"global_step": 4, "w": torch.ones(3)}, f"{root}/s4.ckpt")
+    backend, _ = resolve(root, filesystem=fs)
+    assert set(committed(backend, root)) == {"s2.ckpt"}
+    assert resume_path(root, storage_filesystem=fs) == f"{root}/s2.ckpt"
+    with pytest.raises(CheckpointNotFoundError, match="not a committed checkpoint"):
+        ok.load_checkpoint(f"{root}/s4.ckpt")
+
+
+def test_resume_path_skips_damaged_newest(tmp_path):
+    io = CheckpointStoreIO()
+    ck = tmp_path / "ck"
+    io.save_checkpoint({"global_step": 2}, str(ck / "s2.ckpt"))
+    io.save_checkpoint({"global_step": 4}, str(ck / "s4.ckpt"))
+    state = ck / "s4.ckpt" / STATE_FILE
+    data = bytearray(state.read_bytes())
+    data[-30] ^= 0xFF
+    state.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match="s4.ckpt"):
+        assert resume_path(str(ck)) == str(ck / "s2.ckpt")
+    assert resume_path(str(tmp_path / "empty")) is None
+
+
+# -- async ------------------------------------------------------------------------------------
+
+
+def test_async_ordered_queue_keeps_a_committed_checkpoint(tmp_path):
+    """Slow storage, save_top_k=1 and a save every step: Lightning removes the
+    previous checkpoint right after asking for the next save. Removes wait in
+    the queue behind that save, so some committed checkpoint exists at every
+    moment, and after teardown exactly K remain."""
+    slow, backend, root = memory_fs(latency=0.02)
+    io = CheckpointStoreIO(async_save=True, storage_filesystem=slow)
+    mc = ModelCheckpoint(dirpath=root, save_top_k=1, every_n_train_steps=1,
+                         monitor="step", mode="max")
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.append(len(committed(backend, root)))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        t = trainer(tmp_path, max_epochs=2, limit_val_batches=0, plugins=[io], callbacks=[mc])
+        t.fit(Tiny())
+    finally:
+        stop.set()
+        watcher.join()
+    first = next(i for i, n in enumerate(seen) if n)
+    assert min(seen[first:]) >= 1, "a moment with no committed checkpoint"
+    assert len(committed(backend, root)) == 1
+    assert basenames(committed(backend, root)) == basenames(mc.best_k_models)
+
+
+def test_async_load_waits_and_teardown_raises_first_error(tmp_path):
+    slow, plain, root = memory_fs(latency=0.05)
+    io = CheckpointStoreIO(async_save=True, storage_filesystem=slow)
+    path = f"{root}/a.ckpt"
+    w = torch.zeros(3)
+    io.save_checkpoint({"global_step": 1, "w": w}, path)
+    w += 1  # training goes on: the queued save holds its own copy
+    assert torch.equal(io.load_checkpoint(path)["w"], torch.zeros(3))  # waited for the save
+
+    failing, plain, root = memory_fs(latency=0.02, permanent={"write": "no_space"},
+                                     path_contains="b.ckpt")
+    io2 = CheckpointStoreIO(async_save=True, storage_filesystem=failing)
+    io2.save_checkpoint({"global_step": 1}, f"{root}/ok.ckpt")
+    io2.save_checkpoint({"global_step": 2}, f"{root}/b.ckpt")
+    io2.remove_checkpoint(f"{root}/ok.ckpt")  # must not run: the save before it failed
+    with pytest.raises(OSError, match="No space"):
+        io2.teardown()
+    assert set(committed(plain, root)) == {"ok.ckpt"}
+    io2.teardown()  # each error is raised once
+
+
+def test_plugin_pickles_for_spawned_ranks(tmp_path):
+    """ddp_spawn sends the plugin to each rank: same run id and root, no thread."""
+    io = CheckpointStoreIO(async_save=True)
+    io.save_checkpoint({"global_step": 1}, str(tmp_path / "a.ckpt"))
+    clone = pickle.loads(pickle.dumps(io))
+    io.teardown()
+    assert (clone.run_id, clone.root) == (io.run_id, io.root)
+    clone.remove_checkpoint(str(tmp_path / "a.ckpt"))
+    clone.teardown()
+    assert not (tmp_path / "a.ckpt").exists()
+
+
+# -- callback mode ---------------------------------------------------------------------------
+
+
+def test_report_callback_keeps_best_two_and_resumes(tmp_path):
+    cb_args = dict(monitor="val_loss", mode="min", num_to_keep=2,
+                   storage_path=str(tmp_path / "runs"), experiment_name="exp", trial_name="t0")
+    cb = ReportCheckpointCallback(**cb_args)
+    t = trainer(tmp_path, enable_checkpointing=False, callbacks=[cb])  # sanity check runs
+    t.fit(Tiny())
+    storage = StorageContext(str(tmp_path / "runs"), "exp", "t0")
+    rows = storage.read_results()
+    assert [r["epoch"] for r in rows] == [0, 1, 2, 3]  # 4 reports, none for the sanity check
+    assert [r["val_loss"] for r in rows] == pytest.approx(VAL_LOSS[:4])
+    kept = storage.committed_checkpoints()
+    assert sorted(m["metrics"]["step"] for _, m in kept) == [4, 8]
+    for ckpt, _ in kept:
+        ckpt.verify()
+
+    cb2 = ReportCheckpointCallback(**cb_args)
+    path = cb2.resume_path(tmp_path / "restore")
+    assert path == str(tmp_path / "restore" / STATE_FILE)
+    t2 = trainer(tmp_path, max_epochs=5, enable_checkpointing=False, callbacks=[cb2])
+    t2.fit(Tiny(), ckpt_path=path)
+    assert t2.global_step == 10
+    rows = storage.read_results()
+    assert [r["training_iteration"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[-1]["step"] == 10
+
+
+def test_report_callback_stops_when_session_stops(tmp_path):
+    from checkpoint_store import TrialRunner
+
+    cbs = []
+
+    def train_fn():
+        cb = ReportCheckpointCallback()
+        cbs.append(cb)
+        t = trainer(tmp_path, max_epochs=10, enable_checkpointing=False, callbacks=[cb])
+        t.fit(Tiny())
+        cbs.append(t.current_epoch)
+
+    runner = TrialRunner(train_fn, {}, storage_path=str(tmp_path / "runs"),
+                         experiment_name="exp", trial_name="t")
+    first = runner.step(timeout=120)
+    assert first is not None and first["epoch"] == 0
+    assert runner.stop(timeout=120)
+    assert cbs[0].stopped_by_session
+    assert cbs[1] <= 1  # fit() ended after the stop, not at max_epochs
+
+
+def test_report_callback_refuses_store_io(tmp_path):
+    from checkpoint_store import InvalidConfigError
+
+    cb = ReportCheckpointCallback(storage_path=str(tmp_path / "runs"))
+    t = trainer(tmp_path, enable_checkpointing=False, plugins=[CheckpointStoreIO()],
+                callbacks=[cb])
+    with pytest.raises(InvalidConfigError, match="cannot be combined"):
+        t.fit(Tiny())
+    with pytest.raises(InvalidConfigError, match="active session"):
+        ReportCheckpointCallback(monitor="val_loss")
+
+
+# -- packaging -------------------------------------------------------------------------------
+
+
+def test_old_package_name(tmp_path):
+    pl = pytest.importorskip("pytorch_lightning")
+    from checkpoint_store.integrations import pytorch_lightning as cs_pl
+
+    class OldTiny(_TinyBody, pl.LightningModule):
+        pass
+
+    io = cs_pl.CheckpointStoreIO()
+    mc = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"), monitor="val_loss",
+                                      save_top_k=1)
+    t = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=1,
+                   limit_val_batches=1, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, plugins=[io], callbacks=[mc],
+                   default_root_dir=str(tmp_path))
+    t.fit(OldTiny())
+    backend, root = resolve(str(tmp_path / "ck"))
+    assert set(committed(backend, root)) == basenames(mc.best_k_models) == {"epoch=1-step=2.ckpt"}
+
+
+def test_core_imports_no_lightning():
+    code = ("import sys, checkpoint_store, checkpoint_store.session, checkpoint_store.integrations;"
+            "bad = [m for m in ('lightning', 'pytorch_lightning', 'torch') if m in sys.modules];"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- several ranks -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_report_callback_ddp_spawn_two_ranks(tmp_path):
+    cb = ReportCheckpointCallback(monitor="val_loss", mode="min", num_to_keep=2,
+                                  storage_path=str(tmp_path / "runs"), experiment_name="exp",
+                                  trial_name="ddp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = trainer(tmp_path, strategy="ddp_spawn", devices=2, enable_checkpointing=False,
+                    callbacks=[cb])
+        t.fit(Tiny())
+    storage = StorageContext(str(tmp_path / "runs"), "exp", "ddp")
+    assert len(storage.read_results()) == 4
+    kept = storage.committed_checkpoints()
+    assert sorted(m["metrics"]["step"] for _, m in kept) == [4, 8]
+    for ckpt, meta in kept:
+        assert meta["world_size"] == 2
+        ckpt.verify()
