@@ -39,6 +39,7 @@ import google_crc32c
 import pyarrow.fs as pafs
 
 from checkpoint_store import _fsutil, _retry
+from checkpoint_store._layout import INTERNAL_PREFIX
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import (
@@ -398,17 +399,30 @@ class _StoreIO:
                     time.monotonic() - started)
 
     def _replace_existing(self, backend: Backend, fs_path: str) -> None:
-        """Lightning saves to the same path again (``last.ckpt``): the old one is
+        """Clear ``fs_path`` for a new save.
+
+        Lightning saves to the same path again (``last.ckpt``): the old one is
         uncommitted and deleted first, so a crash in between leaves no
-        half-replaced checkpoint listed as committed (it leaves none at that path)."""
+        half-replaced checkpoint listed as committed (it leaves none at that
+        path). A save that died half-way (after a resume, training reaches the
+        same ``epoch=..-step=..`` name again) left a directory of our traces
+        whose claim would hold off this save for ``claim_timeout``: removed.
+        Saves of one plugin run one at a time, so no live writer of ours is
+        in there.
+        """
         fs = backend.filesystem
         kind = _fsutil.info(fs, fs_path, retry=self.retry).type
         if kind == pafs.FileType.File:
             _fsutil.delete_file(fs, fs_path, retry=self.retry)  # a legacy plain file
-        elif kind == pafs.FileType.Directory and \
-                inspect_checkpoint(fs, fs_path, retry=self.retry).state == "committed":
+            return
+        if kind != pafs.FileType.Directory:
+            return
+        insp = inspect_checkpoint(fs, fs_path, retry=self.retry)
+        if insp.state == "committed":
             delete_checkpoint_dir(backend, fs_path, writer_id=new_writer_id(self.run_id),
                                   retry=self.retry)
+        elif insp.state == "absent" and _left_by_a_writer(insp.files or {}):
+            _fsutil.delete_dir(fs, fs_path, retry=self.retry)
 
     # -- load -------------------------------------------------------------------------
 
@@ -468,6 +482,13 @@ class _StoreIO:
 
     def teardown(self) -> None:
         self.wait()
+
+
+def _left_by_a_writer(files: Mapping[str, int]) -> bool:
+    """Uncommitted files holding a trace of our writers (a claim, a delete
+    tombstone): what a save or delete cut short leaves. Anything else is
+    somebody's data, and the commit refuses to write over it."""
+    return any(rel.rsplit("/", 1)[-1].startswith(INTERNAL_PREFIX) for rel in files)
 
 
 def _refuse(message: str) -> None:
@@ -733,6 +754,16 @@ class _ReportCallback:
         active, self._active, self._session = self._active, None, None
         if active is not None:
             active.end()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # Lightning skips teardown hooks when fit() raises: end the session
+        # here, or its lease and this thread's session would outlive the run.
+        active, self._active, self._session = self._active, None, None
+        if active is not None:
+            try:
+                active.end()
+            except Exception as exc:  # noqa: BLE001 - the run's own error comes first
+                logger.warning("ending the session after %r failed: %s", exception, exc)
 
     def resume_path(
         self, local_dir: str | os.PathLike[str] | None = None, *, best: bool = False

@@ -246,6 +246,13 @@ def test_crash_mid_save_leaves_nothing_listed(crash_at):
     assert resume_path(root, storage_filesystem=fs) == f"{root}/s2.ckpt"
     with pytest.raises(CheckpointNotFoundError, match="not a committed checkpoint"):
         ok.load_checkpoint(f"{root}/s4.ckpt")
+    # The resumed run reaches the same name again: the leftover (with the dead
+    # writer's claim) does not hold the save off.
+    started = time.monotonic()
+    CheckpointStoreIO(storage_filesystem=fs).save_checkpoint({"global_step": 4},
+                                                             f"{root}/s4.ckpt")
+    assert time.monotonic() - started < 10
+    assert set(committed(backend, root)) == {"s2.ckpt", "s4.ckpt"}
 
 
 def test_resume_path_skips_damaged_newest(tmp_path):
@@ -356,6 +363,28 @@ def test_report_callback_keeps_best_two_and_resumes(tmp_path):
     rows = storage.read_results()
     assert [r["training_iteration"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[-1]["step"] == 10
+
+
+def test_report_callback_failed_save_then_resume(tmp_path):
+    """The third checkpoint's commit fails at its marker (data written): fit()
+    raises, the session ends (Lightning runs no teardown hooks then), only the
+    two before it are listed, and resume continues from the newer of them.
+    (A process dying there instead is covered for the session by tests/crash.)"""
+    fs, plain, root = memory_fs()
+    failing = faulty_filesystem(fs, permanent={"write": "no_space"},
+                                path_contains="checkpoint_000002/.internal_metadata.json")
+    where = dict(storage_path=root, experiment_name="exp", trial_name="t")
+    cb = ReportCheckpointCallback(num_to_keep=3, storage_filesystem=failing, **where)
+    with pytest.raises(OSError, match="No space"):
+        trainer(tmp_path, enable_checkpointing=False, callbacks=[cb]).fit(Tiny())
+    storage = StorageContext(root, "exp", "t", storage_filesystem=fs)
+    assert [m["metrics"]["step"] for _, m in storage.committed_checkpoints()] == [2, 4]
+
+    cb2 = ReportCheckpointCallback(num_to_keep=3, storage_filesystem=fs, **where)
+    t2 = trainer(tmp_path, enable_checkpointing=False, callbacks=[cb2])
+    t2.fit(Tiny(), ckpt_path=cb2.resume_path(tmp_path / "restore"))
+    assert t2.global_step == 8
+    assert [m["metrics"]["step"] for _, m in storage.committed_checkpoints()] == [4, 6, 8]
 
 
 def test_report_callback_stops_when_session_stops(tmp_path):
