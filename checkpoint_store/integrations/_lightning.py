@@ -39,7 +39,7 @@ import google_crc32c
 import pyarrow.fs as pafs
 
 from checkpoint_store import _fsutil, _retry
-from checkpoint_store._layout import INTERNAL_PREFIX
+from checkpoint_store._layout import INTERNAL_PREFIX, bounded_name
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import (
@@ -378,7 +378,7 @@ class _StoreIO:
 
     def _save(self, checkpoint: Mapping[str, Any], backend: Backend, fs_path: str) -> None:
         started = time.monotonic()
-        self._replace_existing(backend, fs_path)
+        swap = self._clear_for_save(backend, fs_path)
         metrics = _checkpoint_metrics(checkpoint)
         internal = {
             # Lightning's step, so "newest" means what it means to the user.
@@ -391,38 +391,66 @@ class _StoreIO:
         }
         write = _stream_state(checkpoint, self.fsync and backend.capabilities.needs_fsync,
                               self.retry)
+        writer = new_writer_id(self.run_id)
+        parent, name = posixpath.split(fs_path)
+        target = posixpath.join(parent, bounded_name(f"{INTERNAL_PREFIX}replace-", name,
+                                                     f"-{writer}")) if swap else fs_path
         _retry.with_rebuild(backend, lambda: commit_checkpoint(
-            None, None, backend, fs_path, internal, fsync=self.fsync,
-            writer_id=new_writer_id(self.run_id), retry=self.retry, write=write,
+            None, None, backend, target, internal, fsync=self.fsync,
+            writer_id=writer, retry=self.retry, write=write,
         ), what=f"save {backend.uri_for(fs_path)}")
+        if swap:
+            self._swap_in(backend, target, fs_path, writer)
         logger.info("committed %s in %.2f s", backend.uri_for(fs_path),
                     time.monotonic() - started)
 
-    def _replace_existing(self, backend: Backend, fs_path: str) -> None:
-        """Clear ``fs_path`` for a new save.
+    def _clear_for_save(self, backend: Backend, fs_path: str) -> bool:
+        """Make way for a new save at ``fs_path``; True when a committed
+        checkpoint there is to be swapped out once the new one is committed.
 
-        Lightning saves to the same path again (``last.ckpt``): the old one is
-        uncommitted and deleted first, so a crash in between leaves no
-        half-replaced checkpoint listed as committed (it leaves none at that
-        path). A save that died half-way (after a resume, training reaches the
-        same ``epoch=..-step=..`` name again) left a directory of our traces
-        whose claim would hold off this save for ``claim_timeout``: removed.
-        Saves of one plugin run one at a time, so no live writer of ours is
-        in there.
+        Lightning saves to the same path again (``last.ckpt``). Where
+        directories rename atomically the old checkpoint stays until the new
+        one is committed beside it, then two renames swap them. Elsewhere the
+        old one is uncommitted and deleted first: a crash in between leaves
+        no checkpoint at that path (never a half-replaced one listed as
+        committed). A save that died half-way (after a resume, training
+        reaches the same ``epoch=..-step=..`` name again) left a directory of
+        our traces whose claim would hold off this save for
+        ``claim_timeout``: removed. Saves of one plugin run one at a time, so
+        no live writer of ours is in there.
         """
         fs = backend.filesystem
         kind = _fsutil.info(fs, fs_path, retry=self.retry).type
         if kind == pafs.FileType.File:
             _fsutil.delete_file(fs, fs_path, retry=self.retry)  # a legacy plain file
-            return
+            return False
         if kind != pafs.FileType.Directory:
-            return
+            return False
         insp = inspect_checkpoint(fs, fs_path, retry=self.retry)
         if insp.state == "committed":
+            if backend.capabilities.atomic_rename:
+                return True
             delete_checkpoint_dir(backend, fs_path, writer_id=new_writer_id(self.run_id),
                                   retry=self.retry)
         elif insp.state == "absent" and _left_by_a_writer(insp.files or {}):
             _fsutil.delete_dir(fs, fs_path, retry=self.retry)
+        return False
+
+    def _swap_in(self, backend: Backend, new: str, fs_path: str, writer: str) -> None:
+        """Rename the old checkpoint away and the committed ``new`` into its
+        place (local disks): no moment without a committed copy but the one
+        between the two renames."""
+        fs = backend.filesystem
+        parent, name = posixpath.split(fs_path)
+        trash = posixpath.join(parent, bounded_name(f"{INTERNAL_PREFIX}deleting-", name,
+                                                    f"-{writer}"))
+        _fsutil.move(fs, fs_path, trash, retry=self.retry)
+        _fsutil.move(fs, new, fs_path, retry=self.retry)
+        if self.fsync:
+            parent_os = _fsutil.local_path(fs, parent)
+            if parent_os is not None:
+                _fsutil.fsync_dir(parent_os)
+        _fsutil.delete_dir(fs, trash, retry=self.retry)
 
     # -- load -------------------------------------------------------------------------
 

@@ -65,7 +65,8 @@ class CheckpointStoreIO(_StoreIO, _CheckpointIO):
       ``torch.save`` with its CRC32C computed on the way (no local copy), and
       the directory is committed by our protocol (rename on local disks,
       marker last elsewhere). Saving to a path that holds a committed
-      checkpoint (``last.ckpt``) uncommits and deletes the old one first.
+      checkpoint (``last.ckpt``) replaces it: swapped in by two renames once
+      committed on local disks, else the old one is uncommitted and deleted first.
     * ``load_checkpoint(path, map_location=None, weights_only=None, **kwargs)``:
       checks the state file's size and CRC32C against the manifest before
       ``torch.load`` (``kwargs`` go to it); also loads a plain legacy ``.ckpt``

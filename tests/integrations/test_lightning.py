@@ -222,12 +222,23 @@ def test_remove_refuses_outside_root_and_other_runs(tmp_path):
     run2.remove_checkpoint(b)  # absent is fine
 
 
-def test_save_overwrites_same_path(tmp_path):
-    io = CheckpointStoreIO()
-    path = str(tmp_path / "ck" / "last.ckpt")
-    io.save_checkpoint({"global_step": 1}, path)
-    io.save_checkpoint({"global_step": 2}, path)
-    assert io.load_checkpoint(path)["global_step"] == 2
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_save_overwrites_same_path(tmp_path, where):
+    """Lightning saves last.ckpt again and again: each save replaces it (on
+    local disks by a swap after the new one is committed), leaving nothing else."""
+    if where == "local":
+        io, backend, root = CheckpointStoreIO(), *resolve(str(tmp_path / "ck"))
+    else:
+        fs, backend, root = memory_fs()
+        io = CheckpointStoreIO(storage_filesystem=fs)
+    path = f"{root}/last.ckpt"
+    io.save_checkpoint({"global_step": 1, "w": torch.zeros(2)}, path)
+    io.save_checkpoint({"global_step": 2, "w": torch.ones(2)}, path)
+    state = io.load_checkpoint(path)
+    assert state["global_step"] == 2 and torch.equal(state["w"], torch.ones(2))
+    names = {fi.base_name for fi in backend.filesystem.get_file_info(pafs.FileSelector(root))}
+    assert names - {".cs_commit.lock"} == {"last.ckpt"}
+    assert committed(backend, root)["last.ckpt"]["index"] == 2
 
 
 @pytest.mark.parametrize("crash_at", [STATE_FILE, ".internal_metadata.json"])
