@@ -296,6 +296,29 @@ def split_scheme(location: str) -> str | None:
     return m.group(1).lower()
 
 
+def local_path_from_uri(uri: str) -> str:
+    """The absolute local path a ``file://`` (or ``local://``) URI names.
+
+    As RFC 8089 reads it: ``file:///abs/path`` and ``file://localhost/abs/path``
+    both mean ``/abs/path``. Any other host part (``file://name/x``) names
+    another machine, which local storage cannot reach: refused, rather than
+    writing to ``/name/x`` at the filesystem root.
+
+    Raises:
+        InvalidConfigError: the URI names a host other than ``localhost``.
+    """
+    rest = uri.split("://", 1)[1]
+    host, _, path = rest.partition("/")
+    if host.lower() not in ("", "localhost"):
+        scheme = uri.split("://", 1)[0]
+        raise InvalidConfigError(
+            f"{uri!r} names the host {host!r}: local storage cannot reach another machine. "
+            f"For a local absolute path write {scheme}:///{host}/{path} (three slashes) or "
+            f"the plain path /{host}/{path}; for a relative path, no scheme at all"
+        )
+    return ("/" + path).rstrip("/") or "/"
+
+
 def backend_for_scheme(
     scheme: str, uri: str = "", storage_options: Mapping[str, Any] | None = None
 ) -> Backend:
@@ -425,7 +448,10 @@ def resolve(
         backend = backend_for_scheme("file", "file://", None)
         return backend, os.path.abspath(os.path.expanduser(path))
     backend = backend_for_scheme(scheme, path, storage_options)
-    fs_path = backend.path_from_uri(path)
+    if scheme in ("file", "local"):
+        fs_path = local_path_from_uri(path)
+    else:
+        fs_path = backend.path_from_uri(path)
     if not fs_path.strip("/") and not backend.capabilities.directories:
         raise InvalidConfigError(f"URI {path!r} names no bucket or container")
     return backend, fs_path
