@@ -108,3 +108,24 @@ def bounded_name(prefix: str, name: str, suffix: str = "") -> str:
     room = NAME_MAX - len(f"{prefix}{tag}{suffix}".encode("utf-8", "surrogateescape"))
     head = raw[: max(room, 0)].decode("utf-8", "ignore")
     return f"{prefix}{head}{tag}{suffix}"
+
+
+def refuse_reserved(value: str, what: str) -> str:
+    """Refuse an experiment or trial name that starts with ``.cs_``.
+
+    That prefix marks our own files and directories (staging, claims,
+    leases); a trial so named would make its experiment look like a trial to
+    every walk. Every other name, dot-names included, is seen by every walk
+    of a storage root (docs/format.md).
+
+    Raises:
+        InvalidConfigError: the name starts with ``.cs_``.
+    """
+    from checkpoint_store.errors import InvalidConfigError
+
+    if value.startswith(INTERNAL_PREFIX):
+        raise InvalidConfigError(
+            f"{what} {value!r} starts with {INTERNAL_PREFIX!r}, which checkpoint-store "
+            "reserves for its own files; choose another name"
+        )
+    return value

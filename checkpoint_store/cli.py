@@ -421,7 +421,9 @@ def _trials_under(loc: _Location, kind: str) -> list[_Location]:
     if kind in ("root", "empty"):
         out: list[_Location] = []
         for name, is_dir in _entries(loc):
-            if is_dir and not name.startswith("."):
+            # Dot-named experiments are walked too: session.start accepts them,
+            # and a backup that skipped them would lose them silently.
+            if is_dir and not name.startswith(INTERNAL_PREFIX):
                 out.extend(_trials_under(loc.child(name), "experiment"))
         return out
     return []
@@ -720,7 +722,7 @@ def _ls_experiment(exp: _Location) -> dict[str, Any]:
 def _ls_root(root: _Location) -> dict[str, Any]:
     rows = []
     for name, is_dir in _entries(root):
-        if not is_dir or name.startswith("."):
+        if not is_dir or name.startswith(INTERNAL_PREFIX):
             continue
         exp = root.child(name)
         trials = _trials_under(exp, "experiment")

@@ -27,9 +27,10 @@ from checkpoint_store._layout import (
     RESULT_FILE,
     checkpoint_dir_name,
     parse_checkpoint_dir_name,
+    refuse_reserved,
     validate_component,
 )
-from checkpoint_store._proc import process_alive
+from checkpoint_store._proc import writer_tag_alive
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint
@@ -121,8 +122,10 @@ class StorageContext:
         run_id: str | None = None,
         retry: RetryPolicy | None = None,
     ):
-        self.experiment_name = validate_component(experiment_name, "experiment_name")
-        self.trial_name = validate_component(trial_name, "trial_name")
+        self.experiment_name = refuse_reserved(
+            validate_component(experiment_name, "experiment_name"), "experiment_name")
+        self.trial_name = refuse_reserved(validate_component(trial_name, "trial_name"),
+                                          "trial_name")
         self.backend, self.storage_path = resolve(
             storage_path, filesystem=storage_filesystem, storage_options=storage_options
         )

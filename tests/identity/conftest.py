@@ -1,0 +1,55 @@
+"""Fixtures for the identity tests: one storage root on every backend.
+
+``store`` is parametrized over local disk, memory, S3 with both engines
+(pyarrow, s3fs), Azure (Azurite) and GCS (the emulator); the servers come
+from the shipped pytest plugin and are started once per session.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from checkpoint_store import StorageContext
+
+ALL_BACKENDS = ["local", "memory", "s3", "s3fs", "azure", "gcs"]
+
+
+@dataclass
+class Store:
+    """A storage root for one test: its URI and the backend options it needs."""
+
+    kind: str
+    uri: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def ctx(self, experiment: str = "exp", trial: str = "t", **kw: Any) -> StorageContext:
+        return StorageContext(self.uri, experiment, trial,
+                              storage_options=self.options or None, fsync=False, **kw)
+
+    def opt_args(self) -> list[str]:
+        out: list[str] = []
+        for k, v in self.options.items():
+            out += ["-o", f"{k}={v}"]
+        return out
+
+    def join(self, *parts: str) -> str:
+        return "/".join([self.uri.rstrip("/"), *parts])
+
+
+def make_store(kind: str, request: pytest.FixtureRequest, tmp_path: Any) -> Store:
+    if kind == "local":
+        return Store(kind, str(tmp_path / "store"))
+    if kind == "memory":
+        return Store(kind, f"memory://identity-{uuid.uuid4().hex[:10]}/store")
+    loc = request.getfixturevalue(f"{kind}_location")
+    return Store(kind, loc.uri, dict(loc.storage_options))
+
+
+@pytest.fixture(params=ALL_BACKENDS)
+def store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
+    """A fresh storage root on each backend."""
+    return make_store(request.param, request, tmp_path)
