@@ -17,6 +17,7 @@ import pyarrow.fs as pafs
 
 from checkpoint_store import _retry
 from checkpoint_store._layout import INTERNAL_PREFIX, bounded_name
+from checkpoint_store._proc import writer_tag
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Capabilities
 
@@ -175,7 +176,7 @@ def write_bytes(
     if osp is not None:
         base = os.path.basename(osp)
         tmp = os.path.join(os.path.dirname(osp), bounded_name(
-            f"{INTERNAL_PREFIX}tmp-", base, f"-{os.getpid()}-{uuid.uuid4().hex[:8]}"))
+            f"{INTERNAL_PREFIX}tmp-", base, f"-{writer_tag()}-{uuid.uuid4().hex[:8]}"))
         try:
             with open(tmp, "wb") as f:
                 f.write(data)

@@ -110,6 +110,15 @@ def bounded_name(prefix: str, name: str, suffix: str = "") -> str:
     return f"{prefix}{head}{tag}{suffix}"
 
 
+CLOCK_PROBE_PREFIX = f"{INTERNAL_PREFIX}clock-"
+
+
+def clock_probe_name(token: str) -> str:
+    """``.cs_clock-<token>``: a probe object written to read the store's clock
+    (see :mod:`checkpoint_store._clock`); deleted at once, harmless if left."""
+    return f"{CLOCK_PROBE_PREFIX}{token}"
+
+
 def refuse_reserved(value: str, what: str) -> str:
     """Refuse an experiment or trial name that starts with ``.cs_``.
 

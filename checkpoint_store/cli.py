@@ -29,7 +29,7 @@ from typing import Any
 
 import click
 
-from checkpoint_store import _fsutil
+from checkpoint_store import _clock, _fsutil
 from checkpoint_store._layout import (
     INTERNAL_METADATA,
     INTERNAL_PREFIX,
@@ -1519,13 +1519,18 @@ def gc_cmd(trial: str, storage_options: dict[str, Any], min_age: float, dry_run:
     if not dry_run:
         _refuse_if_live(loc, force, "remove directories from it")
     committed, ours, active, foreign = _scan(loc)
-    now = time.time()
     removed, too_young = [], []
+    # Ages on the storage's clock, never this machine's: a clock running ahead
+    # would make a live upload look abandoned.
+    ages = _clock.age_on_storage(
+        loc.fs, loc.path, loc.backend.capabilities,
+        {name: _newest_mtime(loc.child(name)) for name in ours},
+    ) if min_age > 0 and ours else {}
     for name in ours:
         child = loc.child(name)
-        mtime = _newest_mtime(child)
+        age = ages.get(name)
         # An unknown age (stores without modification times) counts as recent.
-        if min_age > 0 and (mtime is None or now - mtime < min_age):
+        if min_age > 0 and (age is None or age < min_age):
             too_young.append(name)
             continue
         if not dry_run:

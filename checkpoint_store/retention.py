@@ -50,9 +50,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from checkpoint_store import _fsutil, _json
+from checkpoint_store import _clock, _fsutil, _json
 from checkpoint_store._layout import FORMAT_VERSION, INTERNAL_PREFIX, MANAGER_STATE
-from checkpoint_store._proc import process_alive
+from checkpoint_store._proc import process_alive, process_token
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     CheckpointConflictError,
@@ -432,26 +432,40 @@ def live_lease(storage: StorageContext) -> dict[str, Any] | None:
 
     Returns the lease file's fields (``host``, ``pid``, ``expires_at`` in Unix
     seconds, ``trial``) when, by the rule every manager applies before taking
-    over: it is unexpired, names this trial's location (a lease copied in
-    with the directory does not), and its holder is not a dead or zombie
-    process on this host. Used by tools that must not delete behind a
-    running job's back (the CLI's prune and gc).
+    over: it is unexpired on the storage's clock, names this trial's canonical
+    location (a lease copied in with the directory does not), and its holder
+    is not a dead or zombie process on this host, nor a pid since reused by
+    another process. Used by tools that must not delete behind a running
+    job's back (the CLI's prune and gc).
 
     Raises:
         OSError: the lease file exists but cannot be read.
     """
     lease = _Lease(storage, ttl_s=0.0)
-    cur = lease._read()
-    return cur if lease._live_other(cur, time.time()) else None
+    cur, mtime = lease._read_stamped()
+    return cur if lease._seconds_left(cur, mtime) is not None else None
+
+
+#: Slack (seconds) for stores that stamp modification times to the whole
+#: second (S3): a lease renewed 0.1 s ago may carry a stamp 0.9 s older.
+_MTIME_SLACK_S = 1.0
 
 
 class _Lease:
     """Who manages a trial right now: one JSON file renewed in the background.
 
-    A lease is live while its ``expires_at`` is in the future, unless its
-    holder is a dead process on this very host (then it is taken over at
-    once, so a crashed run restarts without waiting). A lease copied in with
-    a whole trial directory names another trial location and is ignored.
+    A lease is live for ``ttl_s`` after its last renewal, measured on the
+    storage's clock (the lease file's modification time against a probe
+    written now, :mod:`checkpoint_store._clock`), so a machine whose clock
+    is off never takes over a live lease. Unless its holder is a dead
+    process on this very host: then it is taken over at once, so a crashed
+    run restarts without waiting. The holder is named by pid *and* process
+    incarnation (:func:`checkpoint_store._proc.process_token`): a pid reused
+    by a newer process does not keep a dead holder's lease alive. The lease
+    names the trial's canonical location (:meth:`StorageContext.canonical_uri`:
+    on local disks the resolved real path), so every spelling of one trial
+    (symlinks, ``..``, ``file://``) meets the same lease; a lease copied in
+    with a whole trial directory names another location and is ignored.
     Object stores without conditional writes make the take-over best-effort:
     we write, read back, and refuse if another holder won.
     """
@@ -459,17 +473,25 @@ class _Lease:
     def __init__(self, storage: StorageContext, ttl_s: float):
         self._storage = storage
         self.path = posixpath.join(storage.trial_path, LEASE_FILE)
-        self.trial_uri = storage.uri(storage.trial_path)
+        self.trial_uri = storage.canonical_uri(storage.trial_path)
         self._local = _fsutil.local_path(storage.filesystem, storage.trial_path) is not None
         self.ttl_s = float(ttl_s)
         self.holder = uuid.uuid4().hex
         self.host = socket.gethostname()
         self.pid = os.getpid()
+        self.token = process_token()
         self.lost = False
         self.interval = max(self.ttl_s / 3.0, 0.05)
         self.next_renewal = 0.0
         self._released = False
         self._lock = threading.Lock()
+
+    def _read_stamped(self) -> tuple[dict[str, Any] | None, float | None]:
+        """The lease body and the modification time the store gave the file."""
+        cur = self._read()
+        if cur is None:
+            return None, None
+        return cur, _clock.mtime_of(_fsutil.info(self._storage.filesystem, self.path))
 
     def _read(self) -> dict[str, Any] | None:
         try:
@@ -484,14 +506,16 @@ class _Lease:
         return obj if isinstance(obj, dict) else None
 
     def _write(self) -> None:
-        now = time.time()
+        now = _clock.local_time()
         body = {
             "kind": _LEASE_KIND,
             "format_version": FORMAT_VERSION,
             "holder": self.holder,
             "host": self.host,
             "pid": self.pid,
+            "proc": self.token,
             "trial": self.trial_uri,
+            "ttl_s": self.ttl_s,
             "renewed_at": now,
             "expires_at": now + self.ttl_s,
         }
@@ -501,25 +525,43 @@ class _Lease:
             self._storage.backend.capabilities, fsync=False,
         )
 
-    def _live_other(self, cur: dict[str, Any] | None, now: float) -> bool:
-        if cur is None or cur.get("holder") == self.holder:
+    def _holder_dead(self, cur: Mapping[str, Any]) -> bool:
+        """The holder ran on this host and is gone (or its pid now names another process)."""
+        pid = cur.get("pid")
+        if cur.get("host") != self.host or not isinstance(pid, int):
             return False
+        token = cur.get("proc")
+        return not process_alive(pid, token if isinstance(token, str) else None)
+
+    def _seconds_left(self, cur: dict[str, Any] | None, mtime: float | None) -> float | None:
+        """Seconds until another holder's lease expires, or None when it is not
+        live (absent, ours, copied in, expired, or its holder is dead)."""
+        if cur is None or cur.get("holder") == self.holder:
+            return None
         if cur.get("trial") != self.trial_uri and (
             cur.get("host") == self.host or not self._local
         ):
             # Copied in with a moved trial directory. Only a local path on another
             # host may name the same directory differently (an NFS mount point).
-            return False
+            return None
+        if self._holder_dead(cur):
+            return None
+        ttl = cur.get("ttl_s")
+        if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and mtime is not None:
+            now = _clock.storage_now(self._storage.filesystem, self._storage.trial_path,
+                                     self._storage.backend.capabilities)
+            if now is not None:
+                left = mtime + float(ttl) + _MTIME_SLACK_S - now
+                return left if left > 0 else None
+        # A lease of an older version, or a store without modification times:
+        # its holder's clock against ours.
         expires = cur.get("expires_at")
-        if not isinstance(expires, (int, float)) or expires <= now:
-            return False
-        pid = cur.get("pid")
-        if cur.get("host") == self.host and isinstance(pid, int) and not process_alive(pid):
-            return False
-        return True
+        if not isinstance(expires, (int, float)):
+            return None
+        left = float(expires) - _clock.local_time()
+        return left if left > 0 else None
 
-    def _conflict(self, cur: dict[str, Any], now: float) -> CheckpointConflictError:
-        left = float(cur.get("expires_at", now)) - now
+    def _conflict(self, cur: dict[str, Any], left: float) -> CheckpointConflictError:
         return CheckpointConflictError(
             f"trial {self.trial_uri} is managed by another live checkpoint manager "
             f"(host {cur.get('host')!r}, pid {cur.get('pid')}); its lease expires in "
@@ -533,15 +575,15 @@ class _Lease:
 
     def acquire(self) -> None:
         """Take the lease or raise :class:`CheckpointConflictError`; starts renewal."""
-        now = time.time()
-        cur = self._read()
-        if self._live_other(cur, now):
+        cur, mtime = self._read_stamped()
+        left = self._seconds_left(cur, mtime)
+        if left is not None:
             assert cur is not None
-            raise self._conflict(cur, now)
+            raise self._conflict(cur, left)
         self._write()
         back = self._read()
         if back is None or back.get("holder") != self.holder:
-            raise self._conflict(back or {}, time.time())
+            raise self._conflict(back or {}, self.ttl_s)
         _KEEPER.add(self)
 
     def renew(self) -> bool:

@@ -175,6 +175,18 @@ class StorageContext:
     def uri(self, path: str) -> str:
         return self.backend.uri_for(path)
 
+    def canonical_uri(self, path: str) -> str:
+        """The one URI naming ``path`` however it was spelled: on local disks the
+        resolved real path (symlinks and ``..`` followed, as the OS does), else
+        :meth:`uri`. The lease records it, so two spellings of one trial meet
+        as the same trial."""
+        osp = _fsutil.local_path(self.filesystem, path)
+        if osp is None and self.backend.scheme == "file" and os.path.isabs(path):
+            osp = path  # an fsspec or other local filesystem handed in by the user
+        if osp is None:
+            return self.uri(path)
+        return "file://" + os.path.realpath(osp)
+
     def checkpoint_path(self, index: int) -> str:
         return posixpath.join(self.trial_path, checkpoint_dir_name(index))
 
@@ -568,14 +580,14 @@ def _is_internal(rel: str) -> bool:
 
 
 def _dead_writer_tmp(name: str) -> bool:
-    """A ``.cs_tmp-<file>-<pid>-<random>`` file (local disks only) whose writer
-    process is gone. A live pid, ours or another's, keeps it: never remove a
-    file that may be renamed into place a moment later."""
-    try:
-        pid = int(name.rsplit("-", 2)[-2])
-    except (ValueError, IndexError):
+    """A ``.cs_tmp-<file>-<pid>_<start ticks>-<random>`` file (local disks only;
+    older versions wrote ``<pid>`` alone) whose writer process is gone, or whose
+    pid now belongs to a newer process. A live writer, ours or another's,
+    keeps it: never remove a file that may be renamed into place a moment later."""
+    parts = name.rsplit("-", 2)
+    if len(parts) != 3:
         return False
-    return pid != os.getpid() and not process_alive(pid)
+    return writer_tag_alive(parts[1]) is False
 
 
 def _looks_ours(insp: Inspection) -> bool:

@@ -27,7 +27,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +36,7 @@ import filelock
 import google_crc32c
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil, _json, _retry
+from checkpoint_store import _clock, _fsutil, _json, _retry
 from checkpoint_store._layout import (
     FORMAT_VERSION,
     INTERNAL_METADATA,
@@ -725,6 +725,18 @@ def _claim_time(name: str) -> float:
         return 0.0
 
 
+def _claim_age(listed: Mapping[str, pafs.FileInfo], claim: str, mine: str) -> float:
+    """Seconds since ``claim`` was written, on the storage's clock: our own claim,
+    written a moment ago, stamps the store's "now". Only a store without
+    modification times falls back to the time in the claim's name against
+    the local clock (:mod:`checkpoint_store._clock`)."""
+    theirs = _clock.mtime_of(listed[claim])
+    now = _clock.mtime_of(listed[mine]) if mine in listed else None
+    if theirs is not None and now is not None:
+        return now - theirs
+    return _clock.local_time() - _claim_time(claim)
+
+
 def _commit_marker_last(
     src_fs: pafs.FileSystem,
     src_dir: str,
@@ -779,7 +791,7 @@ def _commit_marker_last(
         claims = [rel for rel in listed if rel.startswith(_CLAIM_PREFIX) and "/" not in rel]
         # Our own claims from an attempt cut short (same writer id) do not count.
         others = [c for c in claims if not c.endswith(f"-{writer_id}")
-                  and time.time() - _claim_time(c) < CLAIM_STALE_S]
+                  and _claim_age(listed, c, mine) < CLAIM_STALE_S]
         if not others:
             break
         _fsutil.delete_file(fs, claim_path, retry=retry)

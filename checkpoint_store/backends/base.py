@@ -8,6 +8,7 @@ durability code test :class:`Capabilities` instead of concrete classes.
 
 from __future__ import annotations
 
+import datetime
 import posixpath
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -147,6 +148,19 @@ class ListingFSSpecHandler(pafs.FSSpecHandler):
     def __hash__(self) -> int:
         return hash(type(self.fs))
 
+    @staticmethod
+    def _create_file_info(path: str, info: dict[str, Any]) -> pafs.FileInfo:
+        # pyarrow reads only "mtime"; s3fs says "LastModified", adlfs
+        # "last_modified". Decisions shared between machines judge ages by
+        # these stamps, the store's own clock (checkpoint_store._clock).
+        fi = pafs.FSSpecHandler._create_file_info(path, info)
+        if fi.mtime is not None or fi.type != pafs.FileType.File:
+            return fi
+        stamp = _modified(info)
+        if stamp is None:
+            return fi
+        return pafs.FileInfo(fi.path, fi.type, size=fi.size, mtime=stamp)
+
     def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
         if selector.recursive:
             return super().get_file_info_selector(selector)
@@ -168,6 +182,23 @@ class ListingFSSpecHandler(pafs.FSSpecHandler):
                 return []
             raise FileNotFoundError(base)
         return infos
+
+
+def _modified(info: Mapping[str, Any]) -> datetime.datetime | None:
+    """The modification time in an fsspec ``info`` dict, whatever its key and type."""
+    for key in ("LastModified", "last_modified", "updated", "mtime"):
+        value = info.get(key)
+        if isinstance(value, datetime.datetime):
+            return value if value.tzinfo else value.replace(tzinfo=datetime.timezone.utc)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return datetime.datetime.fromtimestamp(value, datetime.timezone.utc)
+        if isinstance(value, str):
+            try:
+                parsed = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+            return parsed if parsed.tzinfo else parsed.replace(tzinfo=datetime.timezone.utc)
+    return None
 
 
 class MarkerFreeDeletesHandler(pafs.FileSystemHandler):
