@@ -548,8 +548,7 @@ class _Lease:
             return None
         ttl = cur.get("ttl_s")
         if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and mtime is not None:
-            now = _clock.storage_now(self._storage.filesystem, self._storage.trial_path,
-                                     self._storage.backend.capabilities)
+            now = self._storage_now()
             if now is not None:
                 left = mtime + float(ttl) + _MTIME_SLACK_S - now
                 return left if left > 0 else None
@@ -560,6 +559,17 @@ class _Lease:
             return None
         left = float(expires) - _clock.local_time()
         return left if left > 0 else None
+
+    def _storage_now(self) -> float | None:
+        """The store's clock, or None when it cannot be read: read-only
+        credentials (``ui``, ``live_lease`` callers) may not write the probe."""
+        try:
+            return _clock.storage_now(self._storage.filesystem, self._storage.trial_path,
+                                      self._storage.backend.capabilities)
+        except (OSError, CheckpointStoreError) as exc:
+            logger.info("could not read the storage's clock under %s (%s); judging the "
+                        "lease by the local clock", self.trial_uri, exc)
+            return None
 
     def _conflict(self, cur: dict[str, Any], left: float) -> CheckpointConflictError:
         return CheckpointConflictError(

@@ -37,6 +37,7 @@ from typing import Any
 from checkpoint_store import _fsutil, _json
 from checkpoint_store import cli as _cli
 from checkpoint_store._layout import (
+    INTERNAL_PREFIX,
     MANAGER_STATE,
     PARAMS_FILE,
     RESULT_FILE,
@@ -124,8 +125,9 @@ class StoreView:
         if self.scope_experiment is not None:
             names = [self.scope_experiment]
         else:
+            # Dot-named experiments too, as every walk of a root (docs/format.md).
             names = [n for n, is_dir in _cli._entries(self._root)
-                     if is_dir and not n.startswith(".")]
+                     if is_dir and not n.startswith(INTERNAL_PREFIX)]
         out: dict[str, list[str]] = {}
         for exp in names:
             if self.scope_trial is not None:

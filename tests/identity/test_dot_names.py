@@ -51,6 +51,15 @@ def test_walks_of_a_root_see_a_dot_named_experiment(store, src, tmp_path):
     Checkpoint(str(backup / "visible" / "t" / "checkpoint_000000")).verify()
 
 
+def test_the_ui_sees_a_dot_named_experiment(store, src):
+    from checkpoint_store.ui._model import StoreView
+
+    _report_one(store, ".sweep-hidden", "t", src)
+    view = StoreView(store.uri, store.options or None)
+    assert view.experiments() == {".sweep-hidden": ["t"]}
+    assert view.trial(".sweep-hidden", "t")["checkpoints"][0]["name"] == "checkpoint_000000"
+
+
 def test_walks_see_a_dot_named_trial(store, src):
     # Found beside the input: trials are walked by the same rule.
     _report_one(store, "exp", ".t-hidden", src)

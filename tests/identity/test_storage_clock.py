@@ -10,7 +10,6 @@ import threading
 import time
 from typing import Any
 
-import fsspec
 import pytest
 from click.testing import CliRunner
 from fsspec.implementations.local import LocalFileSystem
@@ -136,7 +135,7 @@ def test_a_live_writers_claim_is_not_stale_to_a_clock_two_hours_ahead(
     _fsutil.write_bytes(ctx.filesystem, claim, b"a", ctx.backend.capabilities)
     _skew(monkeypatch, TWO_HOURS)
     with pytest.raises(CheckpointConflictError, match="another writer"):
-        commit_checkpoint(fsspec.filesystem("file"), source, ctx.backend, dest,
+        commit_checkpoint(_fsutil.pafs.LocalFileSystem(), source, ctx.backend, dest,
                           {"index": 0}, writer_id=new_writer_id("b"), claim_timeout=0.5)
     names = [fi.path.rsplit("/", 1)[1] for fi in _fsutil.list_dir(ctx.filesystem, dest)]
     assert names == [posixpath.basename(claim)]  # nothing written beside the live claim
