@@ -36,6 +36,22 @@ def parse_checkpoint_dir_name(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+# Sizes and CRC32Cs of files a writer of ours computed while writing them in
+# place (integrations.torch.StorageWriter); the in-place commit trusts an entry
+# whose size matches the listing instead of reading the file back.
+_WRITTEN_RE = re.compile(r"^\.cs_written-([A-Za-z0-9_.]+)\.json$")
+
+
+def written_record_name(part: str) -> str:
+    """``.cs_written-<part>.json``: one writer's record of the files it wrote."""
+    return f"{INTERNAL_PREFIX}written-{part}.json"
+
+
+def is_written_record(name: str) -> bool:
+    """True for a name built by :func:`written_record_name`."""
+    return _WRITTEN_RE.match(name) is not None
+
+
 def is_internal_file(relpath: str) -> bool:
     """True for files that are ours, not the user's: never downloaded or listed as data.
 

@@ -44,7 +44,9 @@ from checkpoint_store.registry import resolve
 from checkpoint_store.transfer import (
     _CLAIM_PREFIX,
     Inspection,
+    claim_in_place,
     commit_checkpoint,
+    commit_in_place,
     compute_manifest,
     default_run_id,
     delete_checkpoint_dir,
@@ -269,6 +271,38 @@ class StorageContext:
             checkpoint.filesystem, checkpoint.path, self.backend, dest, meta, fsync=self.fsync,
             writer_id=writer, retry=self.retry,
         ), what=f"commit {self.uri(dest)}")
+        return Checkpoint._from_backend(self.backend, dest)
+
+    def reserve_in_place(self, index: int) -> str:
+        """Create ``checkpoint_<index>`` for a writer that fills it in place
+        (``dcp.save(..., checkpoint_id=...)``), claimed by this run so cleanup
+        of a later run removes it if it is never committed.
+
+        Returns:
+            The directory's path inside :attr:`filesystem`.
+        """
+        dest = self.checkpoint_path(index)
+        self.ensure_trial_dir()
+        claim_in_place(self.backend, dest, new_writer_id(self.run_id), retry=self.retry)
+        return dest
+
+    def commit_in_place(self, index: int, internal: Mapping[str, Any]) -> Checkpoint:
+        """Commit ``checkpoint_<index>``, already filled in place; no byte is copied.
+
+        See :func:`checkpoint_store.transfer.commit_in_place` (manifest built
+        from the files there, marker last).
+
+        Raises:
+            CheckpointNotFoundError: the directory is missing or empty.
+            CheckpointCorruptError: it holds an unfinished
+                torch.distributed.checkpoint save (no ``.metadata``).
+            CheckpointConflictError: that index is already committed.
+        """
+        dest = self.checkpoint_path(index)
+        meta = self.internal_metadata(index, internal)
+        _retry.with_rebuild(self.backend, lambda: commit_in_place(
+            self.backend, dest, meta, fsync=self.fsync, retry=self.retry,
+        ), what=f"commit {self.uri(dest)} in place")
         return Checkpoint._from_backend(self.backend, dest)
 
     def delete_checkpoint(self, dir_name: str) -> None:

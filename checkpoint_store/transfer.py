@@ -13,6 +13,9 @@ Owns three things:
   - otherwise (object stores, memory): write the data files into
     ``checkpoint_NNNNNN/``, then ``.internal_metadata.json`` last.
 
+* the commit in place of a directory a writer already filled at its final
+  location (torch.distributed.checkpoint): no byte is copied, the manifest
+  is built from the files there and the marker written last;
 * downloads that verify sizes and checksums against the manifest.
 """
 
@@ -45,6 +48,7 @@ from checkpoint_store._layout import (
     USER_METADATA,
     bounded_name,
     is_internal_file,
+    is_written_record,
 )
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Backend, Capabilities
@@ -869,6 +873,152 @@ def _write_contents(
         retry=retry,
     )
     return meta
+
+
+# -- in place -----------------------------------------------------------------------
+
+#: torch.distributed.checkpoint's own commit marker: its coordinator writes it
+#: after every rank's data files (``*.distcp``) are written.
+DCP_METADATA = ".metadata"
+
+
+def claim_in_place(
+    dest: Backend, dest_dir: str, writer_id: str, *, retry: RetryPolicy | None = None
+) -> None:
+    """Create ``dest_dir`` for a writer that fills it in place, with a claim
+    ``.cs_claim-<ns>-<writer_id>`` in it.
+
+    The claim tells cleanup the directory is ours and, while its run is
+    current, still being written (:meth:`StorageContext.scan`); a crash before
+    :func:`commit_in_place` leaves a directory that a later run removes.
+    """
+    fs, caps = dest.filesystem, dest.capabilities
+    _fsutil.ensure_dir(fs, dest_dir, caps, retry=retry)
+    name = f"{_CLAIM_PREFIX}{time.time_ns():020d}-{writer_id}"
+    _fsutil.write_bytes(fs, posixpath.join(dest_dir, name), writer_id.encode(), caps,
+                        fsync=False, retry=retry)
+
+
+def commit_in_place(
+    dest: Backend,
+    dest_dir: str,
+    internal: dict[str, Any],
+    *,
+    fsync: bool = True,
+    retry: RetryPolicy | None = None,
+) -> dict[str, Any]:
+    """Commit the files already written into ``dest_dir``; no byte is copied.
+
+    The manifest lists every user file found there (one recursive listing).
+    A file's CRC32C comes from a ``.cs_written-*.json`` record when our
+    writer computed it while writing and the listed size matches; any other
+    file is read once. On local disks files and directories are fsynced, then
+    ``.internal_metadata.json`` goes last (the marker-last protocol, also
+    where directories rename atomically: the directory already has its final
+    name). Claims and written records are removed afterwards.
+
+    A torch.distributed.checkpoint save that did not finish (``*.distcp``
+    files without DCP's ``.metadata``) is refused: DCP writes ``.metadata``
+    last, so without it the save failed on some rank.
+
+    Returns:
+        The internal metadata as written.
+
+    Raises:
+        CheckpointNotFoundError: ``dest_dir`` is missing or holds no user file.
+        CheckpointCorruptError: an unfinished DCP save; nothing is written.
+        CheckpointConflictError: ``dest_dir`` is already committed, or holds a
+            marker this version cannot read; nothing is changed.
+    """
+    fs, caps = dest.filesystem, dest.capabilities
+    insp = inspect_checkpoint(fs, dest_dir, retry=retry)
+    if insp.state == "committed":
+        raise _conflict(dest, dest_dir, by_other=False)
+    if insp.state == "invalid":
+        raise CheckpointConflictError(
+            f"{dest.uri_for(dest_dir)} holds a commit marker this version cannot use "
+            f"({insp.reason}); commit under another index"
+        )
+    listed = insp.files or {}
+    data = {rel: size for rel, size in listed.items() if _is_checkpoint_data(rel)}
+    if not data:
+        raise CheckpointNotFoundError(
+            f"{dest.uri_for(dest_dir)} holds no files to commit; write the checkpoint there "
+            "(e.g. dcp.save(state, checkpoint_id=session.next_checkpoint_dir())) first"
+        )
+    if DCP_METADATA not in data and any(rel.endswith(".distcp") for rel in data):
+        raise CheckpointCorruptError(
+            f"{dest.uri_for(dest_dir)} holds torch.distributed.checkpoint data files but no "
+            f"{DCP_METADATA}: that dcp.save did not finish, so it is not committed. Save "
+            "again into the same directory, or resume from the previous checkpoint",
+            path=dest_dir, file=DCP_METADATA,
+        )
+    known = _written_records(fs, dest_dir, listed, retry)
+    entries = [{"path": rel, "size": size, "crc32c": known[rel][1]}
+               for rel, size in data.items() if rel in known and known[rel][0] == size]
+    trusted = {e["path"] for e in entries}
+    entries += compute_manifest(fs, dest_dir, [r for r in data if r not in trusted], caps,
+                                retry=retry)
+    if fsync and caps.needs_fsync:
+        _fsync_tree(fs, dest_dir, data)
+    meta = dict(internal)
+    meta["format_version"] = FORMAT_VERSION
+    meta.setdefault("created_at", time.time())
+    meta["manifest"] = sorted((e for e in entries if e["path"] != USER_METADATA),
+                              key=lambda e: e["path"])
+    _fsutil.write_bytes(fs, posixpath.join(dest_dir, INTERNAL_METADATA), _json.dumps(meta), caps,
+                        fsync=fsync, retry=retry)
+
+    def _release() -> None:
+        for rel in listed:
+            name = rel.rsplit("/", 1)[-1]
+            if name.startswith(_CLAIM_PREFIX) or is_written_record(name):
+                _fsutil.delete_file(fs, posixpath.join(dest_dir, rel), retry=retry)
+
+    _cleanup_quietly(_release)
+    return meta
+
+
+def _written_records(
+    fs: pafs.FileSystem, root: str, listed: dict[str, int], retry: RetryPolicy | None
+) -> dict[str, tuple[int, str]]:
+    """``{relative path: (size, crc32c)}`` from the ``.cs_written-*.json`` records
+    under ``root``; a record that does not parse is ignored (its files are read)."""
+    out: dict[str, tuple[int, str]] = {}
+    for rel in sorted(listed):
+        if not is_written_record(rel.rsplit("/", 1)[-1]):
+            continue
+        try:
+            body = _json.loads(_fsutil.read_bytes(fs, posixpath.join(root, rel), retry=retry))
+        except (FileNotFoundError, ValueError):
+            continue
+        base = posixpath.dirname(rel)
+        for e in body.get("files", []) if isinstance(body, dict) else []:
+            if not isinstance(e, dict):
+                continue
+            path, size, crc = e.get("path"), e.get("size"), e.get("crc32c")
+            if (isinstance(path, str) and check_relpath(path) is None
+                    and isinstance(size, int) and isinstance(crc, str) and _CRC_RE.match(crc)):
+                out[posixpath.join(base, path) if base else path] = (size, crc)
+    return out
+
+
+def _fsync_tree(fs: pafs.FileSystem, root: str, files: Iterable[str]) -> None:
+    """fsync each file and each directory under ``root`` (local disks only):
+    a writer in place may not have, and the marker must not outlive its data."""
+    root_os = _fsutil.local_path(fs, root)
+    if root_os is None:
+        return
+    dirs = {""}
+    for rel in files:
+        fd = os.open(os.path.join(root_os, rel), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        dirs.add(posixpath.dirname(rel))
+    for d in sorted(dirs):
+        _fsutil.fsync_dir(os.path.join(root_os, d))
 
 
 # -- delete -----------------------------------------------------------------------

@@ -48,6 +48,7 @@ __all__ = [
     "get_checkpoint",
     "get_context",
     "get_session",
+    "next_checkpoint_dir",
     "wait",
 ]
 
@@ -193,6 +194,12 @@ def wait(timeout: float | None = None) -> None:
     See :meth:`Session.wait`; raises the first background upload error.
     """
     get_session().wait(timeout)
+
+
+def next_checkpoint_dir() -> str:
+    """Where the active session's next checkpoint lives, to save into in place
+    (``dcp.save(state, checkpoint_id=...)``); see :meth:`Session.next_checkpoint_dir`."""
+    return get_session().next_checkpoint_dir()
 
 
 def get_checkpoint() -> Checkpoint | None:

@@ -335,6 +335,8 @@ class Coordinator:
         checkpoint: Checkpoint | None,
         internal: dict[str, Any],
         own_error: BaseException | None = None,
+        *,
+        in_place: bool = False,
     ) -> Checkpoint:
         """Upload this rank's files for ``index``; rank 0 commits once all ranks are done.
 
@@ -344,6 +346,11 @@ class Coordinator:
             internal: internal metadata fields (rank 0's are written).
             own_error: an error this rank already hit for this report; it is
                 published as a failure, so the index is aborted everywhere.
+            in_place: the ranks wrote their files straight into
+                ``checkpoint_<index>`` (``dcp.save`` into
+                ``next_checkpoint_dir()``): nothing is copied, the rank
+                markers go there, and rank 0 commits the directory as it is
+                (:meth:`StorageContext.commit_in_place`). Same on every rank.
 
         Returns:
             The committed checkpoint (the same on every rank).
@@ -363,11 +370,11 @@ class Coordinator:
         caps = backend.capabilities
         final = storage.checkpoint_path(index)
         dir_name = checkpoint_dir_name(index)
-        target = _target_dir(backend, final, self.attempt_id)
+        target = final if in_place else _target_dir(backend, final, self.attempt_id)
         storage.ensure_trial_dir()
 
         files: list[dict[str, Any]] = []
-        if own_error is None and checkpoint is not None:
+        if own_error is None and checkpoint is not None and not in_place:
             try:
                 entries = copy_tree(
                     checkpoint.filesystem, checkpoint.path, fs, target, caps,
@@ -397,7 +404,8 @@ class Coordinator:
         if self._group is not None:
             self._barrier()
         if self.rank == 0:
-            outcome, rank0_error = self._decide(index, dir_name, target, final, internal)
+            outcome, rank0_error = self._decide(index, dir_name, target, final, internal,
+                                                in_place)
             if self._group is not None:
                 self._broadcast(outcome)
         else:
@@ -421,12 +429,16 @@ class Coordinator:
         return self.rank == 0 or rel != USER_METADATA
 
     def _decide(
-        self, index: int, dir_name: str, target: str, final: str, internal: dict[str, Any]
+        self, index: int, dir_name: str, target: str, final: str, internal: dict[str, Any],
+        in_place: bool = False,
     ) -> tuple[dict[str, Any], BaseException | None]:
         """Rank 0: wait for every marker, then commit or abort. Never raises;
         returns the outcome for the other ranks and the error for rank 0."""
         storage = self.storage
         fs = storage.filesystem
+        # What the ranks wrote in place stays on an abort (uncommitted, it is
+        # ignored, and cleanup of a later run removes it); staged copies go.
+        drop = None if in_place else target
         try:
             markers = self._collect_markers(index, dir_name, target)
         except RankTimeoutError as exc:
@@ -440,7 +452,7 @@ class Coordinator:
                 f"{dir_name} of {storage.uri(storage.trial_path)} was not committed: {detail}",
                 index=index, failed_ranks=sorted(failed),
             )
-            return self._abort(dir_name, exc, "aborted", sorted(failed), target), exc
+            return self._abort(dir_name, exc, "aborted", sorted(failed), drop), exc
         owners: dict[str, int] = {}
         manifest: list[dict[str, Any]] = []
         for r in sorted(markers):
@@ -452,7 +464,7 @@ class Coordinator:
                         f"nothing was committed. Give each rank's files distinct names "
                         f"(e.g. 'shard_{{rank}}.pt') or write shared files from one rank only"
                     )
-                    return self._abort(dir_name, exc, "conflict", [owners[path], r], target), exc
+                    return self._abort(dir_name, exc, "conflict", [owners[path], r], drop), exc
                 owners[path] = r
                 manifest.append(entry)
         try:
@@ -460,11 +472,14 @@ class Coordinator:
             meta.setdefault("index", index)
             meta["world_size"] = self.world_size
             meta["attempt_id"] = self.attempt_id
-            meta["ranks"] = {str(r): sorted(e["path"] for e in m.get("files", []))
-                             for r, m in sorted(markers.items())}
-            _finalize(
-                storage.backend, target, final, meta, manifest, fsync=storage.fsync
-            )
+            if in_place:
+                storage.commit_in_place(index, meta)
+            else:
+                meta["ranks"] = {str(r): sorted(e["path"] for e in m.get("files", []))
+                                 for r, m in sorted(markers.items())}
+                _finalize(
+                    storage.backend, target, final, meta, manifest, fsync=storage.fsync
+                )
         except Exception as exc:
             return self._abort(dir_name, exc, "error", [], None), exc
         # Markers go only after the commit: until then they are what tells

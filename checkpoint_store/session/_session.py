@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from checkpoint_store import _json
+from checkpoint_store import _fsutil, _json
 from checkpoint_store._async import AsyncUploader
 from checkpoint_store._layout import checkpoint_dir_name
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
@@ -192,6 +192,8 @@ class Session:
         self._closed = False
         # Background uploads of upload_mode="async" (created on first use).
         self._uploader: AsyncUploader | None = None
+        # The index next_checkpoint_dir() reserved (created and claimed), if any.
+        self._reserved: int | None = None
         # Set by a TrialRunner: called at the start and the end of report().
         self._runner_hook: Any = None
         self._coordinator: Coordinator | None = None
@@ -278,6 +280,45 @@ class Session:
             self._latest = self.storage.latest_verified_checkpoint(cands)
         return self._latest
 
+    def next_checkpoint_dir(self) -> str:
+        """Where the next reported checkpoint will live, for writers that save
+        straight into it (``dcp.save(state, checkpoint_id=...)``).
+
+        Returns a local path on local storage, else a URI (``s3://...``); the
+        same value on every rank (the ranks agree on the index at start and
+        move on together). The directory is created (where directories exist)
+        and claimed by this run, so if it is never committed a later run's
+        cleanup removes it. Then ``report(metrics,
+        checkpoint=Checkpoint(that))`` commits it in place: the manifest is
+        built from the files there (sizes, CRC32C) and the marker written last;
+        no byte is copied. An unfinished DCP save there (no ``.metadata``) is
+        refused. Calling this again before that report returns the same
+        directory. With several ranks, a rank may pass ``checkpoint=None`` to
+        that report.
+
+        Raises:
+            CheckpointStoreError: the session has ended.
+        """
+        with self._lock:
+            if self._closed:
+                raise CheckpointStoreError("this session has ended; start a new one to report")
+            index = self._next_index
+            if self._reserved != index:
+                self.storage.reserve_in_place(index)
+                self._reserved = index
+        path = self.storage.checkpoint_path(index)
+        local = _fsutil.local_path(self.storage.filesystem, path)
+        return local if local is not None else self.storage.uri(path)
+
+    def _in_place(self, checkpoint: Checkpoint | None, index: int) -> bool:
+        """True when ``checkpoint`` is ``checkpoint_<index>`` itself, the directory
+        :meth:`next_checkpoint_dir` handed out (None: when it handed it out)."""
+        if checkpoint is None:
+            return self._reserved == index
+        if not isinstance(checkpoint, Checkpoint):
+            return False
+        return checkpoint.uri == self.storage.uri(self.storage.checkpoint_path(index))
+
     def report(
         self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None,
         *, upload_mode: str | None = None, staging: str | None = None,
@@ -298,6 +339,9 @@ class Session:
         uploaded. Rank 0's metrics are recorded and ranked. Without a
         torch.distributed process group, pass a checkpoint on every rank or on
         none (with one, ranks may pass None).
+
+        A ``checkpoint`` that is the directory :meth:`next_checkpoint_dir`
+        handed out is committed in place (nothing copied; always synchronous).
 
         ``upload_mode`` (default ``checkpoint_config.upload_mode``):
         ``"async"`` stages the checkpoint (``staging``: ``"copy"``,
@@ -331,6 +375,8 @@ class Session:
         if hook is not None:
             hook.before_report()
         mode = upload_mode or self.checkpoint_config.upload_mode
+        if self._reserved is not None and self._in_place(checkpoint, self._next_index):
+            mode = "sync"  # already in place: there is nothing to upload in the background
         if mode != "sync" or self._uploader is not None:
             row, persisted = self._report_with_uploader(metrics, checkpoint, mode, staging)
         elif self._coordinator is not None:
@@ -389,7 +435,10 @@ class Session:
                 row: Mapping[str, Any]) -> Checkpoint:
         """Upload and commit ``source`` as ``checkpoint_<index>``, then record it.
         Runs on the reporting thread (sync) or the upload thread (async)."""
-        persisted = self.storage.persist_checkpoint(source, index, internal)
+        if self._in_place(source, index):
+            persisted = self.storage.commit_in_place(index, internal)
+        else:
+            persisted = self.storage.persist_checkpoint(source, index, internal)
         self._record_commit(persisted, row)
         return persisted
 
@@ -437,14 +486,15 @@ class Session:
             except Exception as exc:
                 error = exc
             persisted = None
-            if coord.any_checkpoint(checkpoint is not None):
+            in_place = self._in_place(checkpoint, self._next_index)
+            if coord.any_checkpoint(checkpoint is not None or in_place):
                 index = self._next_index
                 # Every rank moves on, committed or not: a failed index is never reused.
                 self._next_index = index + 1
                 row["checkpoint_dir_name"] = checkpoint_dir_name(index)
                 internal = self.storage.internal_metadata(
                     index, {"metrics": row, "run_id": self.manager.run_id})
-                persisted = coord.commit(index, checkpoint, internal, error)
+                persisted = coord.commit(index, checkpoint, internal, error, in_place=in_place)
                 self._record_commit(persisted, row)
             elif error is not None:
                 raise error
