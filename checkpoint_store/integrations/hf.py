@@ -1,0 +1,253 @@
+"""Hugging Face ``Trainer``: every checkpoint it saves, committed on any storage.
+
+Usage::
+
+    from checkpoint_store import CheckpointConfig
+    from checkpoint_store.integrations.hf import CheckpointStoreCallback, restore_latest
+
+    callback = CheckpointStoreCallback(
+        storage_path="s3://bucket/runs", experiment_name="bert", trial_name="run0",
+        checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="eval_loss",
+                                           checkpoint_score_order="min"))
+    restore_latest("out", storage_path="s3://bucket/runs", experiment_name="bert",
+                   trial_name="run0")          # after a crash or on a new machine
+    trainer = Trainer(model, args, ..., callbacks=[callback])
+    trainer.train(resume_from_checkpoint=restore_latest(...) is not None)
+
+Each ``on_save`` of the Trainer reports the metrics of the last evaluation
+(plus ``global_step`` and ``epoch``) with ``<output_dir>/checkpoint-<step>``,
+so our retention (``checkpoint_config``), ``result.json`` and the commit
+protocol apply to the remote copy; HF's ``save_total_limit`` then only trims
+the local disk. Requires ``pip install 'checkpoint-store[hf]'``.
+
+Where HF fails and this does not (see docs/integrations/hf.md):
+
+* ``resume_from_checkpoint=True`` takes the highest-numbered local
+  ``checkpoint-*`` directory even when its save was cut short
+  (transformers #35782); :func:`restore_latest` puts the newest *committed*
+  checkpoint there instead, verified file by file.
+* Rotation by ``save_total_limit`` runs inside the next save; the upload
+  here is finished when ``on_save`` returns, so rotation never removes a
+  directory that is still being uploaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from checkpoint_store.checkpoint import Checkpoint
+from checkpoint_store.errors import CheckpointStoreError
+from checkpoint_store.retention import CheckpointConfig
+from checkpoint_store.session import Session
+from checkpoint_store.storage import StorageContext
+
+try:
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+except ImportError:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "checkpoint_store.integrations.hf needs transformers: pip install "
+        "'checkpoint-store[hf]' (install torch first, e.g. torch==2.13.0, on the same command line)"
+    ) from None
+
+__all__ = ["CheckpointStoreCallback", "restore_latest", "STEP_METRIC"]
+
+logger = logging.getLogger(__name__)
+
+#: The metric under which each report records the Trainer's ``global_step``.
+STEP_METRIC = "global_step"
+_HF_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _run_dir(args: TrainingArguments, state: TrainerState) -> str:
+    """Where the Trainer saves: ``output_dir``, or ``output_dir/<trial name>``
+    during a hyperparameter search (``Trainer._get_output_dir``)."""
+    if state.trial_name:
+        return os.path.join(args.output_dir, state.trial_name)
+    return args.output_dir
+
+
+def _barrier() -> None:
+    """Wait for every rank's part of the save (sharded optimizer states, say)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class CheckpointStoreCallback(TrainerCallback):
+    """A ``TrainerCallback`` that commits each checkpoint the Trainer saves.
+
+    Args:
+        storage_path: where experiments live (local path or URI, as in
+            :func:`checkpoint_store.session.start`).
+        experiment_name, trial_name: layout names, one path component each.
+        checkpoint_config: our retention of the committed checkpoints (default
+            keep all); score by an eval metric as the Trainer logs it
+            (``"eval_loss"``).
+        storage_filesystem: a pyarrow or fsspec filesystem for all I/O.
+        storage_options: backend options for a URI ``storage_path``.
+        config: the trial's hyperparameters, written to ``params.json``.
+        sync_timeout_s: with several ranks, the longest wait for the others.
+
+    The session starts at ``on_train_begin`` (rank, world size from
+    ``TrainingArguments``) and ends at ``on_train_end``. Every rank calls
+    ``on_save``: after a barrier (when ``torch.distributed`` is initialised)
+    rank 0 uploads ``checkpoint-<global_step>`` of the run directory, the
+    other ranks report metrics only; the checkpoint is committed once it is
+    complete, so a crash mid-upload never lists it. Errors of the upload
+    (``CheckpointStoreError`` and subclasses, ``OSError``) propagate out of
+    ``trainer.train()``.
+
+    Attributes:
+        session: the :class:`~checkpoint_store.session.Session` while training
+            runs (None before and after).
+    """
+
+    def __init__(
+        self,
+        storage_path: str | os.PathLike[str],
+        experiment_name: str = "default",
+        trial_name: str = "default",
+        checkpoint_config: CheckpointConfig | None = None,
+        storage_filesystem: Any = None,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        config: Mapping[str, Any] | None = None,
+        sync_timeout_s: float = 1800.0,
+    ):
+        # Built now, so bad names or an unknown scheme fail before training starts.
+        self._storage = StorageContext(
+            storage_path, experiment_name, trial_name,
+            storage_filesystem=storage_filesystem, storage_options=storage_options,
+        )
+        self._checkpoint_config = checkpoint_config
+        self._config = config
+        self._sync_timeout_s = sync_timeout_s
+        self._metrics: dict[str, Any] = {}
+        self.session: Session | None = None
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.session is None:
+            self.session = Session(
+                self._storage, self._checkpoint_config, config=self._config,
+                world_rank=args.process_index, world_size=args.world_size,
+                local_rank=max(args.local_process_index, 0),
+                sync_timeout_s=self._sync_timeout_s,
+            )
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+        metrics: Mapping[str, Any] | None = None, **kwargs: Any,
+    ) -> None:
+        # Kept for the save that follows in the same step (HF evaluates first).
+        self._metrics = {k: v for k, v in (metrics or {}).items()
+                         if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        sess = self.session
+        if sess is None:
+            raise CheckpointStoreError(
+                "CheckpointStoreCallback.on_save ran before on_train_begin; pass the callback "
+                "to Trainer(callbacks=[...]) rather than calling it by hand"
+            )
+        _barrier()
+        step = state.global_step
+        # The directory this save just wrote, by name: listing the run directory
+        # could pick a newer leftover of an earlier run.
+        local = os.path.join(_run_dir(args, state), f"checkpoint-{step}")
+        checkpoint = Checkpoint.from_directory(local) if state.is_world_process_zero else None
+        metrics = {**self._metrics, STEP_METRIC: step, "epoch": state.epoch}
+        self._metrics = {}
+        sess.report(metrics, checkpoint=checkpoint)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the session (idempotent); ``on_train_end`` calls it."""
+        sess, self.session = self.session, None
+        if sess is not None:
+            sess.close()
+
+
+def restore_latest(
+    output_dir: str | os.PathLike[str],
+    *,
+    storage_path: str | os.PathLike[str],
+    experiment_name: str = "default",
+    trial_name: str = "default",
+    storage_filesystem: Any = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> str | None:
+    """Put the newest committed checkpoint of the trial into
+    ``output_dir/checkpoint-<global_step>``, so that
+    ``trainer.train(resume_from_checkpoint=True)`` continues from it.
+
+    The newest committed checkpoint whose files verify (sizes, CRC32C) is
+    downloaded; an existing local directory of that name is completed and
+    corrected file by file (a deleted ``trainer_state.json`` comes back).
+    Local ``checkpoint-<N>`` directories with a higher step, which HF's own
+    lookup would pick although nothing says they are complete (transformers
+    #35782), are renamed to ``uncommitted-checkpoint-<N>-<unix time>`` (kept,
+    and out of reach of HF's rotation, which globs ``checkpoint-*``) with a
+    warning. Safe to call from every rank at once.
+
+    Returns:
+        The local checkpoint directory, or None when the trial has no
+        committed checkpoint (start from scratch: ``resume_from_checkpoint=None``).
+
+    Raises:
+        InvalidConfigError: bad names or location.
+        CheckpointStoreError: the newest checkpoint was not written by
+            :class:`CheckpointStoreCallback` (no ``global_step`` metric).
+        CheckpointCorruptError: a download failed verification.
+    """
+    storage = StorageContext(
+        storage_path, experiment_name, trial_name,
+        storage_filesystem=storage_filesystem, storage_options=storage_options,
+    )
+    committed = storage.committed_checkpoints()
+    latest = storage.latest_verified_checkpoint(committed) if committed else None
+    if latest is None:
+        return None
+    step = latest.internal_metadata.get("metrics", {}).get(STEP_METRIC)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise CheckpointStoreError(
+            f"checkpoint {latest.uri} has no integer {STEP_METRIC!r} metric, so it was not "
+            "written by CheckpointStoreCallback; download it with Checkpoint.to_directory()"
+        )
+    root = os.path.abspath(os.fspath(output_dir))
+    os.makedirs(root, exist_ok=True)
+    _move_aside_newer(root, step)
+    return latest.to_directory(os.path.join(root, f"checkpoint-{step}"))
+
+
+def _move_aside_newer(root: str, step: int) -> None:
+    stamp = int(time.time())
+    for name in sorted(os.listdir(root)):
+        m = _HF_CHECKPOINT_RE.match(name)
+        if m is None or int(m.group(1)) <= step or not os.path.isdir(os.path.join(root, name)):
+            continue
+        aside = f"uncommitted-{name}-{stamp}"
+        try:
+            os.rename(os.path.join(root, name), os.path.join(root, aside))
+        except FileNotFoundError:
+            continue  # another rank moved it first
+        logger.warning(
+            "%s is newer than the newest committed checkpoint (step %d) and may be incomplete; "
+            "renamed it to %s so resume_from_checkpoint=True does not pick it",
+            os.path.join(root, name), step, aside,
+        )
