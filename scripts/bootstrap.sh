@@ -47,13 +47,13 @@ case "$what" in
         pip_install -e ".[demo,tune]"
         ;;
     test)
-        args=(-e ".[test,demo,tune,docs,bench,ui,lightning]")
+        args=(-e ".[test,demo,tune,docs,bench,ui,lightning,torch,hf]")
         for p in backends/*/pyproject.toml tests/plugins/*/pyproject.toml; do
             [ -f "$p" ] && args+=(-e "$(dirname "$p")")
         done
         # The CPU build of torch lies on this machine's disk; a plain "torch"
         # would pull a multi-GB CUDA build. On the same command line as the
-        # [lightning] extra, so Lightning does not pull another torch.
+        # [lightning], [torch] and [hf] extras, so none of them pulls another torch.
         pip_install "${args[@]}" "torch==2.13.0"
         if [ -f tools/package.json ]; then
             (cd tools && npm install --no-audit --no-fund --loglevel=error >/dev/null)

@@ -20,7 +20,7 @@ so our retention (``checkpoint_config``), ``result.json`` and the commit
 protocol apply to the remote copy; HF's ``save_total_limit`` then only trims
 the local disk. Requires ``pip install 'checkpoint-store[hf]'``.
 
-Where HF fails and this does not (see docs/integrations/hf.md):
+Where HF fails and this does not (see docs/hf.md):
 
 * ``resume_from_checkpoint=True`` takes the highest-numbered local
   ``checkpoint-*`` directory even when its save was cut short

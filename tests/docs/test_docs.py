@@ -75,6 +75,15 @@ def _runnable_pages() -> list[Path]:
             if any(b.lang in RUNNABLE and b.not_run is None for b in blocks_of(p))]
 
 
+# Pages whose example trains a small model with a framework: seconds, not milliseconds.
+_SLOW_PAGES = {"hf.md", "dcp.md"}
+
+
+def _page_params() -> list:
+    return [pytest.param(p, id=p.name, marks=[pytest.mark.slow] if p.name in _SLOW_PAGES
+                         else []) for p in _runnable_pages()]
+
+
 def test_every_block_is_run_or_says_why_not() -> None:
     unknown, unexplained = [], []
     for page in _pages():
@@ -123,7 +132,7 @@ def _ensure_container(server, name: str) -> None:
         pass
 
 
-@pytest.mark.parametrize("page", _runnable_pages(), ids=lambda p: p.name)
+@pytest.mark.parametrize("page", _page_params())
 def test_examples_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                       request: pytest.FixtureRequest) -> None:
     blocks = [b for b in blocks_of(page) if b.lang in RUNNABLE and b.not_run is None]

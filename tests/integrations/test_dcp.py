@@ -168,3 +168,32 @@ def test_failed_storage_writer_save_leaves_nothing_listed(tmp_path):
             s.report({}, checkpoint=Checkpoint(second))
     assert [c.path for c, _ in StorageContext(tmp_path, "e", "t").committed_checkpoints()] == [
         first]
+
+
+def test_crash_mid_write_leaves_nothing_listed_and_resume_continues(tmp_path):
+    import pyarrow.fs as pafs
+
+    from checkpoint_store.testing.faults import SimulatedCrash, faulty_filesystem
+
+    root = tmp_path / "store"
+    root.mkdir()
+    local = pafs.LocalFileSystem()
+    with session.start(storage_path=str(root), storage_filesystem=local, experiment_name="e",
+                       trial_name="t") as s:
+        first = s.next_checkpoint_dir()
+        dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(first, local))
+        s.report({"step": 1}, checkpoint=Checkpoint(first, local))
+        second = s.next_checkpoint_dir()
+        # The process "dies" while DCP streams the shard of the second save.
+        dying = faulty_filesystem(local, crash_on_path="__0_0.distcp")
+        with pytest.raises(BaseException) as info:
+            dcp.save({"w": torch.zeros(3)}, storage_writer=StorageWriter(second, dying))
+        assert "SimulatedCrash" in repr(info.value) or isinstance(info.value, SimulatedCrash)
+    ctx = StorageContext(str(root), "e", "t", run_id="next-run")
+    assert [c.path for c, _ in ctx.committed_checkpoints()] == [first]
+    with session.start(storage_path=str(root), experiment_name="e", trial_name="t") as s:
+        assert s.get_checkpoint().path == first
+        third = s.next_checkpoint_dir()
+        dcp.save({"w": torch.full((3,), 2.0)}, storage_writer=StorageWriter(third))
+        row = s.report({"step": 2}, checkpoint=Checkpoint(third))
+    assert row["training_iteration"] == 2  # step counting continues past the crash

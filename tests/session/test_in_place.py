@@ -50,16 +50,17 @@ def test_local_commit_in_place_copies_nothing(tmp_path):
     ckpt.verify()
 
 
-@pytest.mark.parametrize("where", ["memory", "s3"])
+@pytest.mark.parametrize("where", ["memory", "s3", "s3fs", "azure", "gcs"])
 def test_commit_in_place_on_object_stores(where, request):
-    if where == "s3":
-        loc = request.getfixturevalue("s3_location")
-        kw = {"storage_path": loc.uri, "storage_options": loc.storage_options}
-    else:
+    if where == "memory":
         kw = {"storage_path": f"memory://inplace-{os.getpid()}-{id(request)}"}
+    else:
+        loc = request.getfixturevalue(f"{where}_location")
+        kw = {"storage_path": loc.uri, "storage_options": loc.storage_options}
     with session.start(experiment_name="e", trial_name="t", **kw) as s:
         uri = s.next_checkpoint_dir()
-        assert uri.startswith(f"{where}://") and uri.endswith("/e/t/checkpoint_000000")
+        scheme = kw["storage_path"].split("://")[0]
+        assert uri.startswith(f"{scheme}://") and uri.endswith("/e/t/checkpoint_000000")
         ctx = s.storage
         path = ctx.checkpoint_path(0)
         _write(ctx.filesystem, posixpath.join(path, "w.bin"), b"abc")
