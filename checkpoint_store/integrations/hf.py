@@ -40,11 +40,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import filelock
+import pyarrow.fs as pafs
+
 from checkpoint_store.checkpoint import Checkpoint
-from checkpoint_store.errors import CheckpointStoreError
+from checkpoint_store.errors import CheckpointCorruptError, CheckpointStoreError
 from checkpoint_store.retention import CheckpointConfig
 from checkpoint_store.session import Session
 from checkpoint_store.storage import StorageContext
+from checkpoint_store.transfer import verify_files
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -197,13 +201,16 @@ def restore_latest(
     ``trainer.train(resume_from_checkpoint=True)`` continues from it.
 
     The newest committed checkpoint whose files verify (sizes, CRC32C) is
-    downloaded; an existing local directory of that name is completed and
-    corrected file by file (a deleted ``trainer_state.json`` comes back).
-    Local ``checkpoint-<N>`` directories with a higher step, which HF's own
+    downloaded. A local directory of that name whose files all match the
+    manifest is used as it is (nothing downloaded); one that does not (a
+    deleted ``trainer_state.json``, a truncated weight file) is renamed to
+    ``incomplete-checkpoint-<step>-<unix time>`` with a warning and replaced
+    by the download. Local ``checkpoint-<N>`` directories with a higher step, which HF's own
     lookup would pick although nothing says they are complete (transformers
     #35782), are renamed to ``uncommitted-checkpoint-<N>-<unix time>`` (kept,
     and out of reach of HF's rotation, which globs ``checkpoint-*``) with a
-    warning. Safe to call from every rank at once.
+    warning. Safe to call from every rank at once (a file lock in
+    ``output_dir`` serialises them).
 
     Returns:
         The local checkpoint directory, or None when the trial has no
@@ -231,23 +238,40 @@ def restore_latest(
         )
     root = os.path.abspath(os.fspath(output_dir))
     os.makedirs(root, exist_ok=True)
-    _move_aside_newer(root, step)
-    return latest.to_directory(os.path.join(root, f"checkpoint-{step}"))
+    target = os.path.join(root, f"checkpoint-{step}")
+    with filelock.FileLock(os.path.join(root, ".checkpoint-store-restore.lock")):
+        _move_aside_newer(root, step)
+        if os.path.isdir(target):
+            if _matches(target, latest.internal_metadata["manifest"]):
+                return target
+            _move_aside(target, "incomplete", "does not match the committed checkpoint of that "
+                        "step (a file is missing or differs); downloading it again")
+        return latest.to_directory(target)
+
+
+def _matches(local: str, manifest: list[dict[str, Any]]) -> bool:
+    """Every manifest file in ``local`` with its size and CRC32C (reads them once)."""
+    try:
+        verify_files(pafs.LocalFileSystem(), local, manifest)
+    except CheckpointCorruptError:
+        return False
+    return True
+
+
+def _move_aside(path: str, prefix: str, why: str) -> None:
+    """Rename ``path`` to ``<prefix>-<name>-<unix time>`` beside it: out of
+    reach of HF's lookup and rotation (both glob ``checkpoint-*``), never deleted."""
+    parent, name = os.path.split(path)
+    aside = os.path.join(parent, f"{prefix}-{name}-{int(time.time())}")
+    os.rename(path, aside)
+    logger.warning("%s %s; renamed it to %s", path, why, aside)
 
 
 def _move_aside_newer(root: str, step: int) -> None:
-    stamp = int(time.time())
     for name in sorted(os.listdir(root)):
         m = _HF_CHECKPOINT_RE.match(name)
         if m is None or int(m.group(1)) <= step or not os.path.isdir(os.path.join(root, name)):
             continue
-        aside = f"uncommitted-{name}-{stamp}"
-        try:
-            os.rename(os.path.join(root, name), os.path.join(root, aside))
-        except FileNotFoundError:
-            continue  # another rank moved it first
-        logger.warning(
-            "%s is newer than the newest committed checkpoint (step %d) and may be incomplete; "
-            "renamed it to %s so resume_from_checkpoint=True does not pick it",
-            os.path.join(root, name), step, aside,
-        )
+        _move_aside(os.path.join(root, name), "uncommitted",
+                    f"is newer than the newest committed checkpoint (step {step}) and may be "
+                    "incomplete, so resume_from_checkpoint=True must not pick it")

@@ -121,12 +121,18 @@ def test_trainer_on_s3_best_two_resume_and_incomplete_local_dir(tmp_path, s3_loc
         assert os.path.getsize(os.path.join(got, e["path"])) == e["size"]
     assert not (out / "checkpoint-12").exists()
     assert [p.name for p in out.glob("uncommitted-checkpoint-12-*")]
-    # Restoring step 8 into a directory that lost a file completes it.
+    # Again: the local copy matches the manifest and is used as it is.
+    assert restore_latest(out, **kw) == got
+    assert not list(out.glob("incomplete-*"))
+    # Restoring step 8 where the local directory lost a file: it is set
+    # aside (not deleted) and the committed checkpoint downloaded in its place.
     shutil.rmtree(out / "checkpoint-10")
     storage.delete_checkpoint(ckpt.path.rsplit("/", 1)[-1])
     assert restore_latest(out, **kw) == str(out / "checkpoint-8")
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
     assert state["global_step"] == 8
+    [aside] = out.glob("incomplete-checkpoint-8-*")
+    assert not (aside / "trainer_state.json").exists()
 
 
 def test_crash_mid_upload_commits_nothing_of_that_save(tmp_path, s3_location):
