@@ -368,6 +368,12 @@ def backend_for_filesystem(filesystem: Any) -> Backend:
         TypeError: not a pyarrow or fsspec filesystem.
     """
     fs = wrap_filesystem(filesystem)
+    # A handler over one of our backends (checkpoint_store.integrations.ray)
+    # says which: its real capabilities, not a guess from the wrapper's type.
+    if isinstance(fs, pafs.PyFileSystem):
+        inner = getattr(fs.handler, "checkpoint_store_backend", None)
+        if isinstance(inner, Backend):
+            return inner
     return Backend(fs, **_describe(fs))
 
 

@@ -19,6 +19,7 @@ training loop report into the same session.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -182,6 +183,9 @@ def report(
     Same role as Ray Train's ``ray.train.report``. See :meth:`Session.report`
     (``upload_mode="async"`` returns before the upload; see :func:`wait`).
     """
+    ray = _ray_session()
+    if ray is not None:
+        return ray.report(metrics, checkpoint=checkpoint)
     if upload_mode is None and staging is None:
         return get_session().report(metrics, checkpoint=checkpoint)
     return get_session().report(metrics, checkpoint=checkpoint, upload_mode=upload_mode,
@@ -203,8 +207,25 @@ def next_checkpoint_dir() -> str:
 
 
 def get_checkpoint() -> Checkpoint | None:
-    """The newest committed checkpoint of the active trial, for resuming."""
+    """The newest committed checkpoint of the active trial, for resuming
+    (under Ray without a session of ours: Ray's restored checkpoint)."""
+    ray = _ray_session()
+    if ray is not None:
+        return ray.get_checkpoint()
     return get_session().get_checkpoint()
+
+
+def _ray_session() -> Any:
+    """Inside a Ray Train worker or Ray Tune function trainable, and only when no
+    session of ours is active: the Ray integration's session, to which
+    :func:`report` and :func:`get_checkpoint` forward
+    (:func:`checkpoint_store.integrations.ray.active_session`). None otherwise.
+    Imports nothing unless Ray is already loaded, so the core never imports Ray."""
+    if "ray" not in sys.modules or getattr(_local, "session", None) or _process_session:
+        return None
+    from checkpoint_store.integrations.ray import active_session
+
+    return active_session()
 
 
 def get_context() -> SessionContext:

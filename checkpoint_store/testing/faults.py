@@ -14,6 +14,13 @@ real storage produces::
     plan = FaultPlan(crash_after_writes=5)                   # "dies" at the 6th write
     plan = FaultPlan(crash_on_path=".internal_metadata.json")  # dies before the commit marker
 
+Across processes (Ray workers, torchrun ranks), register the URI scheme
+``faulty+<scheme>`` by dotted path and pass the plan as storage options::
+
+    register_backend("faulty+s3", "checkpoint_store.testing.faults:faulty_scheme_backend")
+    # faulty+s3://bucket/prefix, storage_options={"fault_transient_rate": 0.2,
+    #     "fault_seed": 1, "fault_call_log": "/tmp/calls", ...the S3 options}
+
 Everything is deterministic from ``seed``: whether a call fails depends only
 on ``(seed, operation, path, how many times that operation hit that path)``,
 never on thread scheduling, so a failing test replays exactly.
@@ -49,6 +56,8 @@ __all__ = [
     "SimulatedCrash",
     "faulty_backend",
     "faulty_filesystem",
+    "faulty_scheme_backend",
+    "read_call_log",
 ]
 
 
@@ -114,6 +123,9 @@ class FaultPlan:
             whose path contains this substring.
         expire_after: after this many calls, every call fails with an
             expired-credentials error (until the filesystem is rebuilt).
+        call_log: a local directory; each process appends every call, as
+            ``method<TAB>path`` lines, to ``calls-<pid>.txt`` there (a spy
+            that works across processes).
 
     Raises:
         ValueError: a rate outside [0, 1], an unknown kind, negative counts.
@@ -128,6 +140,7 @@ class FaultPlan:
     crash_after_writes: int | None = None
     crash_on_path: str | None = None
     expire_after: int | None = None
+    call_log: str | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= float(self.transient_rate) <= 1.0:
@@ -185,6 +198,8 @@ class FaultInjectingHandler(pafs.FileSystemHandler):
             if self.crashed:
                 raise SimulatedCrash(f"the process already crashed (call {method} {path})")
             self.calls[method] += 1
+            if plan.call_log is not None:
+                _log_call(plan.call_log, method, path)
             self._total += 1
             total = self._total
             n = self._per_path[(method, path)]
@@ -301,6 +316,27 @@ class FaultInjectingHandler(pafs.FileSystemHandler):
         return out
 
 
+def _log_call(directory: str, method: str, path: str) -> None:
+    import os
+
+    with open(os.path.join(directory, f"calls-{os.getpid()}.txt"), "a") as f:
+        f.write(f"{method}\t{path}\n")
+
+
+def read_call_log(directory: str) -> dict[int, list[tuple[str, str]]]:
+    """``{pid: [(method, path), ...]}`` from a :class:`FaultPlan` ``call_log`` directory."""
+    import os
+
+    out: dict[int, list[tuple[str, str]]] = {}
+    for name in sorted(os.listdir(directory)):
+        if name.startswith("calls-") and name.endswith(".txt"):
+            with open(os.path.join(directory, name)) as f:
+                out[int(name[6:-4])] = [
+                    tuple(line.rstrip("\n").split("\t", 1)) for line in f if "\t" in line
+                ]
+    return out
+
+
 def faulty_filesystem(
     inner: pafs.FileSystem, plan: FaultPlan | None = None, **plan_fields: Any
 ) -> pafs.PyFileSystem:
@@ -343,3 +379,34 @@ def faulty_backend(backend: Backend, plan: FaultPlan | None = None, **plan_field
         name=f"{backend.name or backend.scheme} (faulty)",
         rebuild=rebuild,
     )
+
+
+_PLAN_OPTIONS = {
+    "fault_seed": "seed",
+    "fault_transient_rate": "transient_rate",
+    "fault_call_log": "call_log",
+    "fault_latency": "latency",
+}
+
+
+def faulty_scheme_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:
+    """Backend factory for ``faulty+<scheme>://...``: the ``<scheme>`` backend
+    behind a :class:`FaultInjectingHandler`.
+
+    The plan comes from the storage options ``fault_seed``,
+    ``fault_transient_rate``, ``fault_latency`` and ``fault_call_log``
+    (:class:`FaultPlan` fields); every other option goes to the inner
+    backend. Registered by dotted path, it reaches other processes that
+    unpickle a filesystem built on it (``checkpoint_store.integrations.ray``).
+    """
+    from checkpoint_store.registry import backend_for_scheme, split_scheme
+
+    scheme, _, rest = uri.partition("://")
+    if not scheme.startswith("faulty+"):
+        raise ValueError(f"faulty_scheme_backend serves faulty+<scheme>:// URIs, got {uri!r}")
+    inner_uri = f"{scheme[len('faulty+'):]}://{rest}"
+    options = dict(storage_options)
+    plan = FaultPlan(**{field_: options.pop(k) for k, field_ in _PLAN_OPTIONS.items()
+                        if k in options})
+    inner = backend_for_scheme(split_scheme(inner_uri) or "file", inner_uri, options)
+    return faulty_backend(inner, plan)
