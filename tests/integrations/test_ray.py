@@ -1,0 +1,301 @@
+"""checkpoint_store.integrations.ray against a real Ray 2.60 cluster on loopback.
+
+One Ray cluster serves the whole module (2 CPUs). Storage is real: moto S3
+(with 20% injected transient faults through ``faulty+s3``), Azurite, local
+disks. Ray workers get the servers' credentials through ``runtime_env``, never
+through the pickled filesystem.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.tune")
+
+from checkpoint_store import Checkpoint, CheckpointConfig, TrialRunner, registry, session  # noqa: E402
+from checkpoint_store._retry import RetryPolicy  # noqa: E402
+from checkpoint_store.integrations import ray as cs_ray  # noqa: E402
+from checkpoint_store.testing.faults import read_call_log  # noqa: E402
+from checkpoint_store.transfer import read_internal_metadata  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+FAULTY = "checkpoint_store.testing.faults:faulty_scheme_backend"
+PATIENT = RetryPolicy(attempts=10, base_delay=0.005, max_delay=0.2)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(s3_server, azure_server):
+    """One loopback Ray cluster for the module; workers see the servers' credentials."""
+    saved = {k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+                                            "RAY_USAGE_STATS_ENABLED", "RAY_DEDUP_LOGS")}
+    os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    # Reads through Checkpoint objects use the default policy: patient enough for
+    # the 20% injected faults of the first test (the handler has its own, PATIENT).
+    env = {**s3_server.env(), **azure_server.env(), "RAY_USAGE_STATS_ENABLED": "0",
+           "CHECKPOINT_STORE_RETRY_ATTEMPTS": "10", "CHECKPOINT_STORE_RETRY_MAX_DELAY": "0.2",
+           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    # Trainables of this module travel by value: workers cannot import a test module.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": env}, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def faulty_s3():
+    registry.register_backend("faulty+s3", FAULTY, clobber=True)
+    yield
+    registry.unregister_backend("faulty+s3")
+
+
+# -- a trainable written against checkpoint_store.session ------------------------------
+
+
+def counting_trainable(config):
+    """Three reports with a checkpoint each; resumes from session.get_checkpoint().
+
+    With ``fail_once`` (a path), raises after the second report the first time it runs.
+    """
+    start = session.get_checkpoint()
+    done = 0
+    if start is not None:
+        with start.as_directory() as d:
+            done = int(Path(d, "epoch.txt").read_text())
+    for epoch in range(done + 1, 4):
+        with tempfile.TemporaryDirectory() as tmp:
+            Path(tmp, "epoch.txt").write_text(str(epoch))
+            Path(tmp, "weights.bin").write_bytes(os.urandom(2048))
+            session.report({"epoch": epoch, "score": epoch * config["x"], "resumed_from": done},
+                           checkpoint=Checkpoint.from_directory(tmp))
+        flag = config.get("fail_once")
+        if flag and epoch == 2 and not os.path.exists(flag):
+            Path(flag).write_text("failed")
+            raise RuntimeError("simulated trial failure after epoch 2")
+
+
+def _tuner(fs, path, name, trainable, space, **run):
+    from ray import tune
+
+    return tune.Tuner(
+        trainable, param_space=space,
+        run_config=tune.RunConfig(name=name, storage_path=path, storage_filesystem=fs,
+                                  verbose=0, **run),
+    )
+
+
+def _assert_results_verify(results, epochs=3):
+    assert not results.errors, results.errors
+    for r in results:
+        assert r.metrics["epoch"] == epochs
+        ours = cs_ray._ours(r.checkpoint)
+        assert ours.is_committed
+        ours.verify()  # every byte against the manifest's CRC32C
+        assert ours.internal_metadata["metrics"]["epoch"] == epochs
+
+
+def _restore_and_check(make_fs, fs_args, name, flag):
+    """An errored trial resumes from its newest checkpoint after Tuner.restore."""
+    from ray import tune
+
+    fs, path = make_fs(*fs_args)
+    results = _tuner(fs, path, name, counting_trainable,
+                     {"x": tune.grid_search([1, 2]), "fail_once": str(flag)}).fit()
+    assert len(results.errors) == 1
+    fresh_fs, _ = make_fs(*fs_args)  # another instance, equal by value
+    assert fresh_fs == fs
+    exp = posixpath.join(path, name)
+    assert tune.Tuner.can_restore(exp, storage_filesystem=fresh_fs)
+    restored = tune.Tuner.restore(exp, counting_trainable, resume_errored=True,
+                                  storage_filesystem=fresh_fs).fit()
+    _assert_results_verify(restored)
+    resumed = [r.metrics["resumed_from"] for r in restored]
+    assert 2 in resumed  # the failed trial went on from its epoch-2 checkpoint
+
+
+def test_tuner_over_faulty_s3_every_call_through_the_handler(
+    ray_cluster, faulty_s3, s3_server, s3_bucket, tmp_path, monkeypatch
+):
+    from ray import tune
+
+    monkeypatch.setenv("CHECKPOINT_STORE_RETRY_ATTEMPTS", "10")
+    monkeypatch.setenv("CHECKPOINT_STORE_RETRY_MAX_DELAY", "0.2")
+    log = tmp_path / "calls"
+    log.mkdir()
+    options = {**s3_server.storage_options("pyarrow"), "fault_transient_rate": 0.2,
+               "fault_seed": 11, "fault_call_log": str(log)}
+
+    def make(uri):
+        return cs_ray.ray_filesystem(uri, retry=PATIENT, **options)
+
+    fs, path = make(f"faulty+s3://{s3_bucket}/runs")
+    results = _tuner(fs, path, "sweep", counting_trainable, {"x": tune.grid_search([1, 2])},
+                     checkpoint_config=tune.CheckpointConfig(num_to_keep=2)).fit()
+    _assert_results_verify(results)
+    assert len(results) == 2
+
+    # The spy: calls came from the driver and from the trial processes, faults were
+    # injected, and every object in the bucket was written through our handler.
+    calls = read_call_log(str(log))
+    assert len(calls) >= 3, sorted(calls)
+    written = {p for per_pid in calls.values() for m, p in per_pid
+               if m in ("open_output_stream", "copy_file", "move")}
+    raw = s3_server_fs(s3_server)
+    objects = [i.path for i in raw.get_file_info(pafs.FileSelector(s3_bucket, recursive=True))
+               if i.type == pafs.FileType.File]
+    assert objects and all(o in written for o in objects), set(objects) - written
+    for r in results:  # Ray's num_to_keep=2 deleted the first checkpoint of each trial
+        trial = posixpath.dirname(r.checkpoint.path)
+        names = sorted(posixpath.basename(i.path) for i in raw.get_file_info(
+            pafs.FileSelector(trial)) if i.type == pafs.FileType.Directory)
+        assert names == ["checkpoint_000001", "checkpoint_000002"]
+
+    _restore_and_check(make, (f"faulty+s3://{s3_bucket}/restore",), "failing",
+                       tmp_path / "s3-failed-once")
+
+
+def s3_server_fs(s3_server):
+    from checkpoint_store.registry import resolve
+
+    backend, _ = resolve("s3://probe", storage_options=s3_server.storage_options("pyarrow"))
+    return backend.filesystem
+
+
+def test_tuner_restore_on_azure(ray_cluster, azure_server, azure_container, tmp_path):
+    def make(uri):
+        return cs_ray.ray_filesystem(uri, **azure_server.storage_options())
+
+    _restore_and_check(make, (f"az://{azure_container}/runs",), "azure-sweep",
+                       tmp_path / "az-failed-once")
+
+
+# -- Ray Train: TorchTrainer, two CPU workers --------------------------------------------
+
+
+def test_torch_trainer_commits_both_shards_failed_rank_never_committed(
+    ray_cluster, faulty_s3, s3_server, s3_bucket, tmp_path
+):
+    """session.report() in a TorchTrainer of 2 CPU workers (upload_fn + CommitCallback
+    underneath), Ray's num_to_keep=1; rank 1's upload of epoch 2 fails once and Ray
+    restarts the workers (one run, since each worker group costs ~25 s here)."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    flag = tmp_path / "failed-once"
+
+    def train(config):
+        import ray.train
+
+        rank = ray.train.get_context().get_world_rank()
+        start = session.get_checkpoint()
+        done = 0
+        if start is not None:
+            start.verify()
+            done = int(start.internal_metadata["metrics"]["epoch"])
+        for epoch in range(done + 1, 4):
+            tmp = tempfile.mkdtemp()
+            Path(tmp, f"shard_{rank}.bin").write_bytes(bytes([rank, epoch]) * 4096)
+            if rank == 0:
+                Path(tmp, "trainer.json").write_text(f'{{"epoch": {epoch}}}')
+            ckpt = Checkpoint.from_directory(tmp)
+            if rank == 1 and epoch == 2 and not flag.exists():
+                flag.write_text("x")
+                shutil.rmtree(tmp)  # this rank's upload now raises
+            session.report({"epoch": epoch, "rank": rank, "resumed_from": done},
+                           checkpoint=ckpt)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    log = tmp_path / "calls"
+    log.mkdir()
+    fs, path = cs_ray.ray_filesystem(f"faulty+s3://{s3_bucket}/train", fault_call_log=str(log),
+                                     **s3_server.storage_options("pyarrow"))
+    result = TorchTrainer(
+        train, scaling_config=ray.train.ScalingConfig(num_workers=2),
+        run_config=ray.train.RunConfig(
+            name="shards", storage_path=path, storage_filesystem=fs,
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
+            failure_config=ray.train.FailureConfig(max_failures=1),
+            callbacks=[cs_ray.CommitCallback()]),
+    ).fit()
+    assert result.error is None, result.error
+    assert flag.exists()
+    assert result.metrics["resumed_from"] == 1  # restarted from the epoch-1 checkpoint
+
+    raw = s3_server_fs(s3_server)
+    exp = posixpath.join(path, "shards")
+    dirs = [i.path for i in raw.get_file_info(pafs.FileSelector(exp))
+            if i.type == pafs.FileType.Directory]
+    assert dirs == [result.checkpoint.path]  # no partial, no orphan: only the newest
+    files = sorted(posixpath.relpath(i.path, dirs[0]) for i in raw.get_file_info(
+        pafs.FileSelector(dirs[0], recursive=True)))
+    assert files == [".internal_metadata.json", "shard_0.bin", "shard_1.bin", "trainer.json"]
+    ours = cs_ray._ours(result.checkpoint)
+    ours.verify()
+    meta = dict(ours.internal_metadata)
+    assert meta["world_size"] == 2 and meta["index"] == 2  # epochs 1, 2 (redone), 3
+    assert meta["ranks"] == {"0": ["shard_0.bin", "trainer.json"], "1": ["shard_1.bin"]}
+    assert meta["metrics"]["rank"] == 0 and meta["metrics"]["epoch"] == 3
+
+    # From the spy: of the four checkpoint directories written, exactly one never got
+    # a commit marker (the epoch-2 upload rank 1 failed), and it is gone.
+    writes = [p for calls in read_call_log(str(log)).values() for m, p in calls
+              if m == "open_output_stream"]
+    written = {m.group(1) for p in writes if (m := re.match(r"(.*/checkpoint_[^/]+)/", p))}
+    committed = {d for d in written if f"{d}/.internal_metadata.json" in writes}
+    assert len(written) == 4 and len(written - committed) == 1, (written, committed)
+    [failed] = written - committed
+    assert raw.get_file_info(failed).type == pafs.FileType.NotFound
+
+
+# -- the demo's function, unchanged, under TrialRunner and under a Ray Tuner ---------------
+
+
+def test_demo_function_runs_unchanged_in_trial_runner_and_ray_tuner(ray_cluster, tmp_path):
+    pytest.importorskip("sklearn")
+    from ray import tune
+
+    from checkpoint_store.demo import train_digits
+
+    cfg = {"epochs": 2, "hidden": 16}
+    runner = TrialRunner(train_digits, cfg, storage_path=str(tmp_path / "local"),
+                         experiment_name="digits", trial_name="t0",
+                         checkpoint_config=CheckpointConfig(num_to_keep=5))
+    while runner.step() is not None:
+        pass
+    assert runner.error is None
+    local_trial = tmp_path / "local" / "digits" / "t0"
+
+    fs, path = cs_ray.ray_filesystem(f"file://{tmp_path}/ray")
+    results = _tuner(fs, path, "digits", train_digits,
+                     {**cfg, "lr": tune.grid_search([0.05, 0.1])}).fit()
+    assert not results.errors and len(results) == 2
+
+    def layout(trial: Path):
+        ckpts = sorted(p for p in trial.iterdir() if p.name.startswith("checkpoint_"))
+        metas = [read_internal_metadata(pafs.LocalFileSystem(), str(c)) for c in ckpts]
+        assert all(m is not None for m in metas)
+        return ([c.name for c in ckpts], [sorted(os.listdir(c)) for c in ckpts],
+                sorted(metas[0]), sorted(metas[0]["metrics"]))
+
+    expected = layout(local_trial)
+    assert expected[0] == ["checkpoint_000000", "checkpoint_000001"]
+    for r in results:
+        got = layout(Path(posixpath.dirname(r.checkpoint.path)))
+        assert got == expected
+        cs_ray._ours(r.checkpoint).verify()
