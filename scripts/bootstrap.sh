@@ -47,7 +47,7 @@ case "$what" in
         pip_install -e ".[demo,tune]"
         ;;
     test)
-        args=(-e ".[test,demo,tune,docs,bench,ui,lightning,torch,hf]")
+        args=(-e ".[test,demo,tune,docs,bench,ui,lightning,torch,hf,ray]")
         for p in backends/*/pyproject.toml tests/plugins/*/pyproject.toml; do
             [ -f "$p" ] && args+=(-e "$(dirname "$p")")
         done

@@ -15,4 +15,7 @@ importing ``checkpoint_store`` imports none of them.
   ``StorageReader`` for ``torch.distributed.checkpoint`` on any backend
   (extra ``[torch]``); in-place commits need only
   ``session.next_checkpoint_dir()``.
+* :mod:`checkpoint_store.integrations.ray`: our backends as Ray's storage
+  filesystem, committed Ray Train checkpoints, and ``session.report()``
+  inside Ray Train workers and Ray Tune trials.
 """

@@ -65,6 +65,7 @@ __all__ = [
     "CheckpointStoreHandler",
     "CommitCallback",  # noqa: F822 - built on first use, see __getattr__
     "active_session",
+    "as_checkpoint",
     "backend_of",
     "ray_filesystem",
     "upload_fn",
@@ -180,14 +181,24 @@ class CheckpointStoreHandler(pafs.FileSystemHandler):
 
     @property
     def _identity(self) -> tuple[Any, ...]:
-        return (self.uri, tuple(sorted((k, repr(v)) for k, v in self._public.items())),
-                self._factory)
+        return (
+            self.uri,
+            tuple(sorted((k, repr(v)) for k, v in self._public.items())),
+            self._factory,
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
         r = self._retry
-        return (_restore_handler, (self.uri, dict(self._public),
-                                   (r.attempts, r.base_delay, r.max_delay),
-                                   self._token, self._factory))
+        return (
+            _restore_handler,
+            (
+                self.uri,
+                dict(self._public),
+                (r.attempts, r.base_delay, r.max_delay),
+                self._token,
+                self._factory,
+            ),
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, CheckpointStoreHandler):
@@ -277,13 +288,19 @@ class CheckpointStoreHandler(pafs.FileSystemHandler):
         checkpoints = sorted(
             posixpath.dirname(fi.path)
             for fi in _fsutil.list_tree(backend.filesystem, path, retry=self._retry)
-            if posixpath.basename(fi.path) == INTERNAL_METADATA
-            and fi.type == pafs.FileType.File
+            if posixpath.basename(fi.path) == INTERNAL_METADATA and fi.type == pafs.FileType.File
         )
         for ckpt in checkpoints:
-            _retry.with_rebuild(backend, lambda c=ckpt: delete_checkpoint_dir(
-                backend, c, writer_id=new_writer_id(), retry=self._retry,
-            ), what=f"delete {ckpt}")
+            _retry.with_rebuild(
+                backend,
+                lambda c=ckpt: delete_checkpoint_dir(
+                    backend,
+                    c,
+                    writer_id=new_writer_id(),
+                    retry=self._retry,
+                ),
+                what=f"delete {ckpt}",
+            )
         if path not in checkpoints:
             self._call(lambda fs: fs.delete_dir(path), f"delete {path}")
 
@@ -314,22 +331,30 @@ class CheckpointStoreHandler(pafs.FileSystemHandler):
         return self._call(lambda fs: fs.open_input_file(path), f"read {path}")
 
     def open_output_stream(self, path: str, metadata: Any) -> Any:
-        return self._call(lambda fs: fs.open_output_stream(path, metadata=metadata),
-                          f"write {path}")
+        return self._call(
+            lambda fs: fs.open_output_stream(path, metadata=metadata), f"write {path}"
+        )
 
     def open_append_stream(self, path: str, metadata: Any) -> Any:
-        return self._call(lambda fs: fs.open_append_stream(path, metadata=metadata),
-                          f"append {path}")
+        return self._call(
+            lambda fs: fs.open_append_stream(path, metadata=metadata), f"append {path}"
+        )
 
 
 def _restore_handler(
-    uri: str, public: dict[str, Any], retry: tuple[int, float, float], token: str,
+    uri: str,
+    public: dict[str, Any],
+    retry: tuple[int, float, float],
+    token: str,
     factory: str | None,
 ) -> CheckpointStoreHandler:
     attempts, base_delay, max_delay = retry
     return CheckpointStoreHandler(
-        uri, public, retry=RetryPolicy(attempts, base_delay, max_delay),
-        _token=token, _factory=factory,
+        uri,
+        public,
+        retry=RetryPolicy(attempts, base_delay, max_delay),
+        _token=token,
+        _factory=factory,
     )
 
 
@@ -377,7 +402,10 @@ def backend_of(filesystem: pafs.FileSystem) -> tuple[Backend, RetryPolicy | None
     return registry.backend_for_filesystem(filesystem), None
 
 
-def _ours(ray_checkpoint: Any) -> Checkpoint:
+def as_checkpoint(ray_checkpoint: Any) -> Checkpoint:
+    """A Ray checkpoint (``ray.train.Checkpoint``, ``ray.tune.Checkpoint``,
+    ``Result.checkpoint``) as ours: the same directory, read through our
+    backend (``verify()``, ``internal_metadata``, verified downloads)."""
     backend, _ = backend_of(ray_checkpoint.filesystem)
     return Checkpoint._from_backend(backend, ray_checkpoint.path)
 
@@ -440,22 +468,42 @@ def _upload_rank(
     files: list[dict[str, Any]] = []
     error: BaseException | None = None
     try:
-        entries = copy_tree(src_fs, src, backend.filesystem, dest, backend.capabilities,
-                            include=include, retry=retry)
+        entries = copy_tree(
+            src_fs,
+            src,
+            backend.filesystem,
+            dest,
+            backend.capabilities,
+            include=include,
+            retry=retry,
+        )
         files = [e.to_json() for e in entries]
     except Exception as exc:
         error = exc
-    marker = {"rank": rank, "ok": error is None, "files": files, "time": time.time(),
-              "error": None if error is None else f"{type(error).__name__}: {error}"}
-    _fsutil.write_bytes(backend.filesystem, posixpath.join(dest, _rank_marker(rank)),
-                        _json.dumps(marker), backend.capabilities, retry=retry)
+    marker = {
+        "rank": rank,
+        "ok": error is None,
+        "files": files,
+        "time": time.time(),
+        "error": None if error is None else f"{type(error).__name__}: {error}",
+    }
+    _fsutil.write_bytes(
+        backend.filesystem,
+        posixpath.join(dest, _rank_marker(rank)),
+        _json.dumps(marker),
+        backend.capabilities,
+        retry=retry,
+    )
     if error is not None:
         raise error
     return files
 
 
 def _commit_from_markers(
-    backend: Backend, path: str, internal: dict[str, Any], world_size: int,
+    backend: Backend,
+    path: str,
+    internal: dict[str, Any],
+    world_size: int,
     retry: RetryPolicy | None,
 ) -> dict[str, Any] | None:
     """Commit ``path`` from its rank markers; None (and a warning) when a rank failed.
@@ -475,25 +523,35 @@ def _commit_from_markers(
     where = backend.uri_for(path)
     failed = {r: b.get("error") for r, b in markers.items() if not b.get("ok")}
     if not markers or failed:
-        logger.warning("%s is not committed: %s", where,
-                       f"ranks failed: {failed}" if failed else "no rank uploaded with upload_fn()")
+        logger.warning(
+            "%s is not committed: %s",
+            where,
+            f"ranks failed: {failed}" if failed else "no rank uploaded with upload_fn()",
+        )
         return None
     owners: dict[str, int] = {}
     manifest: list[dict[str, Any]] = []
     for r in sorted(markers):
         for entry in markers[r].get("files", []):
             if entry["path"] in owners:
-                logger.warning("%s is not committed: ranks %d and %d both wrote %r", where,
-                               owners[entry["path"]], r, entry["path"])
+                logger.warning(
+                    "%s is not committed: ranks %d and %d both wrote %r",
+                    where,
+                    owners[entry["path"]],
+                    r,
+                    entry["path"],
+                )
                 return None
             owners[entry["path"]] = r
             manifest.append(entry)
     meta = dict(internal)
     meta["world_size"] = world_size
-    meta["ranks"] = {str(r): sorted(e["path"] for e in b.get("files", []))
-                     for r, b in sorted(markers.items())}
-    written = _retry.with_rebuild(backend, lambda: _finalize(backend, path, path, meta, manifest),
-                                  what=f"commit {where}")
+    meta["ranks"] = {
+        str(r): sorted(e["path"] for e in b.get("files", [])) for r, b in sorted(markers.items())
+    }
+    written = _retry.with_rebuild(
+        backend, lambda: _finalize(backend, path, path, meta, manifest), what=f"commit {where}"
+    )
     for r in markers:
         try:
             _fsutil.delete_file(fs, posixpath.join(path, _rank_marker(r)), retry=retry)
@@ -513,8 +571,9 @@ def _remove_failed(
     for fi in _fsutil.list_dir(fs, parent, retry=retry):
         if fi.type != pafs.FileType.Directory:
             continue
-        names = {posixpath.basename(e.path): e.path
-                 for e in _fsutil.list_tree(fs, fi.path, retry=retry)}
+        names = {
+            posixpath.basename(e.path): e.path for e in _fsutil.list_tree(fs, fi.path, retry=retry)
+        }
         if INTERNAL_METADATA in names:
             continue
         for name, full in names.items():
@@ -571,8 +630,9 @@ def _commit_callback_class() -> type:
             # Cleaned at the next commit, when Ray has replaced the failed workers.
             self._failed_at = time.time()
 
-        def after_report(self, run_context: Any, metrics: list[dict[str, Any]],
-                         checkpoint: Any) -> None:
+        def after_report(
+            self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any
+        ) -> None:
             if checkpoint is None:
                 return
             backend, retry = backend_of(checkpoint.filesystem)
@@ -587,8 +647,13 @@ def _commit_callback_class() -> type:
             name = run_context.run_config.name or posixpath.basename(posixpath.dirname(path))
             row = _json_safe(metrics[0] if metrics else {})
             row["checkpoint_dir_name"] = posixpath.basename(path)
-            internal = {"index": self._index, "metrics": row, "experiment_name": name,
-                        "trial_name": name, "created_at": time.time()}
+            internal = {
+                "index": self._index,
+                "metrics": row,
+                "experiment_name": name,
+                "trial_name": name,
+                "created_at": time.time(),
+            }
             if _commit_from_markers(backend, path, internal, len(metrics), retry) is not None:
                 self._index += 1
 
@@ -632,8 +697,9 @@ class RaySession:
     def __init__(self, kind: str):
         self.kind = kind
 
-    def report(self, metrics: Mapping[str, Any], *,
-               checkpoint: Checkpoint | None = None) -> dict[str, Any]:
+    def report(
+        self, metrics: Mapping[str, Any], *, checkpoint: Checkpoint | None = None
+    ) -> dict[str, Any]:
         """Forward to ``ray.train.report`` (with :func:`upload_fn`) or ``ray.tune.report``.
 
         Under Tune the checkpoint is committed first, by our protocol, as
@@ -661,8 +727,7 @@ class RaySession:
 
         ray_ckpt = None
         if checkpoint is not None:
-            ray_ckpt = ray.train.Checkpoint(path=checkpoint.path,
-                                            filesystem=checkpoint.filesystem)
+            ray_ckpt = ray.train.Checkpoint(path=checkpoint.path, filesystem=checkpoint.filesystem)
         ray.train.report(clean, checkpoint=ray_ckpt, checkpoint_upload_fn=upload_fn())
         return clean
 
@@ -683,11 +748,16 @@ class RaySession:
         row["checkpoint_dir_name"] = checkpoint_dir_name(index)
         backend, retry = backend_of(tstore.storage_filesystem)
         ours = StorageContext.from_backend(
-            backend, tstore.storage_fs_path, tstore.experiment_dir_name, tstore.trial_dir_name,
-            retry=retry, run_id=f"ray_{sess.trial_id}",
+            backend,
+            tstore.storage_fs_path,
+            tstore.experiment_dir_name,
+            tstore.trial_dir_name,
+            retry=retry,
+            run_id=f"ray_{sess.trial_id}",
         )
-        ours.persist_checkpoint(checkpoint, index,
-                                {"metrics": row, "world_size": 1, "run_id": ours.run_id})
+        ours.persist_checkpoint(
+            checkpoint, index, {"metrics": row, "world_size": 1, "run_id": ours.run_id}
+        )
         with tempfile.TemporaryDirectory(prefix="cs-ray-") as empty:
             ray.tune.report(clean, checkpoint=ray.tune.Checkpoint.from_directory(empty))
         if posixpath.basename(tstore.checkpoint_fs_path) != checkpoint_dir_name(index):
@@ -705,7 +775,7 @@ class RaySession:
         if "offset" not in state:
             state["offset"] = 0
             if sess.loaded_checkpoint is not None:
-                meta = _ours(sess.loaded_checkpoint).internal_metadata
+                meta = as_checkpoint(sess.loaded_checkpoint).internal_metadata
                 state["offset"] = int(dict(meta).get("metrics", {}).get("training_iteration", 0))
         now = time.time()
         row = dict(clean)
@@ -729,7 +799,7 @@ class RaySession:
             import ray.tune
 
             ray_ckpt = ray.tune.get_checkpoint()
-        return None if ray_ckpt is None else _ours(ray_ckpt)
+        return None if ray_ckpt is None else as_checkpoint(ray_ckpt)
 
 
 def active_session() -> RaySession | None:

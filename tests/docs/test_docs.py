@@ -76,7 +76,8 @@ def _runnable_pages() -> list[Path]:
 
 
 # Pages whose example trains a small model with a framework: seconds, not milliseconds.
-_SLOW_PAGES = {"hf.md", "dcp.md"}
+# ray.md starts a Ray cluster and a TorchTrainer of two workers: about 90 s here.
+_SLOW_PAGES = {"hf.md", "dcp.md", "ray.md"}
 
 
 def _page_params() -> list:

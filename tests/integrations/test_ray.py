@@ -37,18 +37,31 @@ PATIENT = RetryPolicy(attempts=10, base_delay=0.005, max_delay=0.2)
 @pytest.fixture(scope="module")
 def ray_cluster(s3_server, azure_server):
     """One loopback Ray cluster for the module; workers see the servers' credentials."""
-    saved = {k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
-                                            "RAY_USAGE_STATS_ENABLED", "RAY_DEDUP_LOGS")}
+    saved = {
+        k: os.environ.get(k)
+        for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED", "RAY_DEDUP_LOGS")
+    }
     os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
     # Reads through Checkpoint objects use the default policy: patient enough for
     # the 20% injected faults of the first test (the handler has its own, PATIENT).
-    env = {**s3_server.env(), **azure_server.env(), "RAY_USAGE_STATS_ENABLED": "0",
-           "CHECKPOINT_STORE_RETRY_ATTEMPTS": "10", "CHECKPOINT_STORE_RETRY_MAX_DELAY": "0.2",
-           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    env = {
+        **s3_server.env(),
+        **azure_server.env(),
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "CHECKPOINT_STORE_RETRY_ATTEMPTS": "10",
+        "CHECKPOINT_STORE_RETRY_MAX_DELAY": "0.2",
+        "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+    }
     # Trainables of this module travel by value: workers cannot import a test module.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": env}, log_to_driver=False, configure_logging=False)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": env},
+        log_to_driver=False,
+        configure_logging=False,
+    )
     yield
     ray.shutdown()
     for k, v in saved.items():
@@ -82,8 +95,10 @@ def counting_trainable(config):
         with tempfile.TemporaryDirectory() as tmp:
             Path(tmp, "epoch.txt").write_text(str(epoch))
             Path(tmp, "weights.bin").write_bytes(os.urandom(2048))
-            session.report({"epoch": epoch, "score": epoch * config["x"], "resumed_from": done},
-                           checkpoint=Checkpoint.from_directory(tmp))
+            session.report(
+                {"epoch": epoch, "score": epoch * config["x"], "resumed_from": done},
+                checkpoint=Checkpoint.from_directory(tmp),
+            )
         flag = config.get("fail_once")
         if flag and epoch == 2 and not os.path.exists(flag):
             Path(flag).write_text("failed")
@@ -94,9 +109,11 @@ def _tuner(fs, path, name, trainable, space, **run):
     from ray import tune
 
     return tune.Tuner(
-        trainable, param_space=space,
-        run_config=tune.RunConfig(name=name, storage_path=path, storage_filesystem=fs,
-                                  verbose=0, **run),
+        trainable,
+        param_space=space,
+        run_config=tune.RunConfig(
+            name=name, storage_path=path, storage_filesystem=fs, verbose=0, **run
+        ),
     )
 
 
@@ -104,7 +121,7 @@ def _assert_results_verify(results, epochs=3):
     assert not results.errors, results.errors
     for r in results:
         assert r.metrics["epoch"] == epochs
-        ours = cs_ray._ours(r.checkpoint)
+        ours = cs_ray.as_checkpoint(r.checkpoint)
         assert ours.is_committed
         ours.verify()  # every byte against the manifest's CRC32C
         assert ours.internal_metadata["metrics"]["epoch"] == epochs
@@ -115,15 +132,17 @@ def _restore_and_check(make_fs, fs_args, name, flag):
     from ray import tune
 
     fs, path = make_fs(*fs_args)
-    results = _tuner(fs, path, name, counting_trainable,
-                     {"x": tune.grid_search([1, 2]), "fail_once": str(flag)}).fit()
+    results = _tuner(
+        fs, path, name, counting_trainable, {"x": tune.grid_search([1, 2]), "fail_once": str(flag)}
+    ).fit()
     assert len(results.errors) == 1
     fresh_fs, _ = make_fs(*fs_args)  # another instance, equal by value
     assert fresh_fs == fs
     exp = posixpath.join(path, name)
     assert tune.Tuner.can_restore(exp, storage_filesystem=fresh_fs)
-    restored = tune.Tuner.restore(exp, counting_trainable, resume_errored=True,
-                                  storage_filesystem=fresh_fs).fit()
+    restored = tune.Tuner.restore(
+        exp, counting_trainable, resume_errored=True, storage_filesystem=fresh_fs
+    ).fit()
     _assert_results_verify(restored)
     resumed = [r.metrics["resumed_from"] for r in restored]
     assert 2 in resumed  # the failed trial went on from its epoch-2 checkpoint
@@ -138,15 +157,25 @@ def test_tuner_over_faulty_s3_every_call_through_the_handler(
     monkeypatch.setenv("CHECKPOINT_STORE_RETRY_MAX_DELAY", "0.2")
     log = tmp_path / "calls"
     log.mkdir()
-    options = {**s3_server.storage_options("pyarrow"), "fault_transient_rate": 0.2,
-               "fault_seed": 11, "fault_call_log": str(log)}
+    options = {
+        **s3_server.storage_options("pyarrow"),
+        "fault_transient_rate": 0.2,
+        "fault_seed": 11,
+        "fault_call_log": str(log),
+    }
 
     def make(uri):
         return cs_ray.ray_filesystem(uri, retry=PATIENT, **options)
 
     fs, path = make(f"faulty+s3://{s3_bucket}/runs")
-    results = _tuner(fs, path, "sweep", counting_trainable, {"x": tune.grid_search([1, 2])},
-                     checkpoint_config=tune.CheckpointConfig(num_to_keep=2)).fit()
+    results = _tuner(
+        fs,
+        path,
+        "sweep",
+        counting_trainable,
+        {"x": tune.grid_search([1, 2])},
+        checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
+    ).fit()
     _assert_results_verify(results)
     assert len(results) == 2
 
@@ -154,20 +183,31 @@ def test_tuner_over_faulty_s3_every_call_through_the_handler(
     # injected, and every object in the bucket was written through our handler.
     calls = read_call_log(str(log))
     assert len(calls) >= 3, sorted(calls)
-    written = {p for per_pid in calls.values() for m, p in per_pid
-               if m in ("open_output_stream", "copy_file", "move")}
+    written = {
+        p
+        for per_pid in calls.values()
+        for m, p in per_pid
+        if m in ("open_output_stream", "copy_file", "move")
+    }
     raw = s3_server_fs(s3_server)
-    objects = [i.path for i in raw.get_file_info(pafs.FileSelector(s3_bucket, recursive=True))
-               if i.type == pafs.FileType.File]
+    objects = [
+        i.path
+        for i in raw.get_file_info(pafs.FileSelector(s3_bucket, recursive=True))
+        if i.type == pafs.FileType.File
+    ]
     assert objects and all(o in written for o in objects), set(objects) - written
     for r in results:  # Ray's num_to_keep=2 deleted the first checkpoint of each trial
         trial = posixpath.dirname(r.checkpoint.path)
-        names = sorted(posixpath.basename(i.path) for i in raw.get_file_info(
-            pafs.FileSelector(trial)) if i.type == pafs.FileType.Directory)
+        names = sorted(
+            posixpath.basename(i.path)
+            for i in raw.get_file_info(pafs.FileSelector(trial))
+            if i.type == pafs.FileType.Directory
+        )
         assert names == ["checkpoint_000001", "checkpoint_000002"]
 
-    _restore_and_check(make, (f"faulty+s3://{s3_bucket}/restore",), "failing",
-                       tmp_path / "s3-failed-once")
+    _restore_and_check(
+        make, (f"faulty+s3://{s3_bucket}/restore",), "failing", tmp_path / "s3-failed-once"
+    )
 
 
 def s3_server_fs(s3_server):
@@ -181,8 +221,9 @@ def test_tuner_restore_on_azure(ray_cluster, azure_server, azure_container, tmp_
     def make(uri):
         return cs_ray.ray_filesystem(uri, **azure_server.storage_options())
 
-    _restore_and_check(make, (f"az://{azure_container}/runs",), "azure-sweep",
-                       tmp_path / "az-failed-once")
+    _restore_and_check(
+        make, (f"az://{azure_container}/runs",), "azure-sweep", tmp_path / "az-failed-once"
+    )
 
 
 # -- Ray Train: TorchTrainer, two CPU workers --------------------------------------------
@@ -217,21 +258,27 @@ def test_torch_trainer_commits_both_shards_failed_rank_never_committed(
             if rank == 1 and epoch == 2 and not flag.exists():
                 flag.write_text("x")
                 shutil.rmtree(tmp)  # this rank's upload now raises
-            session.report({"epoch": epoch, "rank": rank, "resumed_from": done},
-                           checkpoint=ckpt)
+            session.report({"epoch": epoch, "rank": rank, "resumed_from": done}, checkpoint=ckpt)
             shutil.rmtree(tmp, ignore_errors=True)
 
     log = tmp_path / "calls"
     log.mkdir()
-    fs, path = cs_ray.ray_filesystem(f"faulty+s3://{s3_bucket}/train", fault_call_log=str(log),
-                                     **s3_server.storage_options("pyarrow"))
+    fs, path = cs_ray.ray_filesystem(
+        f"faulty+s3://{s3_bucket}/train",
+        fault_call_log=str(log),
+        **s3_server.storage_options("pyarrow"),
+    )
     result = TorchTrainer(
-        train, scaling_config=ray.train.ScalingConfig(num_workers=2),
+        train,
+        scaling_config=ray.train.ScalingConfig(num_workers=2),
         run_config=ray.train.RunConfig(
-            name="shards", storage_path=path, storage_filesystem=fs,
+            name="shards",
+            storage_path=path,
+            storage_filesystem=fs,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=1),
             failure_config=ray.train.FailureConfig(max_failures=1),
-            callbacks=[cs_ray.CommitCallback()]),
+            callbacks=[cs_ray.CommitCallback()],
+        ),
     ).fit()
     assert result.error is None, result.error
     assert flag.exists()
@@ -239,13 +286,18 @@ def test_torch_trainer_commits_both_shards_failed_rank_never_committed(
 
     raw = s3_server_fs(s3_server)
     exp = posixpath.join(path, "shards")
-    dirs = [i.path for i in raw.get_file_info(pafs.FileSelector(exp))
-            if i.type == pafs.FileType.Directory]
+    dirs = [
+        i.path
+        for i in raw.get_file_info(pafs.FileSelector(exp))
+        if i.type == pafs.FileType.Directory
+    ]
     assert dirs == [result.checkpoint.path]  # no partial, no orphan: only the newest
-    files = sorted(posixpath.relpath(i.path, dirs[0]) for i in raw.get_file_info(
-        pafs.FileSelector(dirs[0], recursive=True)))
+    files = sorted(
+        posixpath.relpath(i.path, dirs[0])
+        for i in raw.get_file_info(pafs.FileSelector(dirs[0], recursive=True))
+    )
     assert files == [".internal_metadata.json", "shard_0.bin", "shard_1.bin", "trainer.json"]
-    ours = cs_ray._ours(result.checkpoint)
+    ours = cs_ray.as_checkpoint(result.checkpoint)
     ours.verify()
     meta = dict(ours.internal_metadata)
     assert meta["world_size"] == 2 and meta["index"] == 2  # epochs 1, 2 (redone), 3
@@ -254,8 +306,12 @@ def test_torch_trainer_commits_both_shards_failed_rank_never_committed(
 
     # From the spy: of the four checkpoint directories written, exactly one never got
     # a commit marker (the epoch-2 upload rank 1 failed), and it is gone.
-    writes = [p for calls in read_call_log(str(log)).values() for m, p in calls
-              if m == "open_output_stream"]
+    writes = [
+        p
+        for calls in read_call_log(str(log)).values()
+        for m, p in calls
+        if m == "open_output_stream"
+    ]
     written = {m.group(1) for p in writes if (m := re.match(r"(.*/checkpoint_[^/]+)/", p))}
     committed = {d for d in written if f"{d}/.internal_metadata.json" in writes}
     assert len(written) == 4 and len(written - committed) == 1, (written, committed)
@@ -273,29 +329,39 @@ def test_demo_function_runs_unchanged_in_trial_runner_and_ray_tuner(ray_cluster,
     from checkpoint_store.demo import train_digits
 
     cfg = {"epochs": 2, "hidden": 16}
-    runner = TrialRunner(train_digits, cfg, storage_path=str(tmp_path / "local"),
-                         experiment_name="digits", trial_name="t0",
-                         checkpoint_config=CheckpointConfig(num_to_keep=5))
+    runner = TrialRunner(
+        train_digits,
+        cfg,
+        storage_path=str(tmp_path / "local"),
+        experiment_name="digits",
+        trial_name="t0",
+        checkpoint_config=CheckpointConfig(num_to_keep=5),
+    )
     while runner.step() is not None:
         pass
     assert runner.error is None
     local_trial = tmp_path / "local" / "digits" / "t0"
 
     fs, path = cs_ray.ray_filesystem(f"file://{tmp_path}/ray")
-    results = _tuner(fs, path, "digits", train_digits,
-                     {**cfg, "lr": tune.grid_search([0.05, 0.1])}).fit()
+    results = _tuner(
+        fs, path, "digits", train_digits, {**cfg, "lr": tune.grid_search([0.05, 0.1])}
+    ).fit()
     assert not results.errors and len(results) == 2
 
     def layout(trial: Path):
         ckpts = sorted(p for p in trial.iterdir() if p.name.startswith("checkpoint_"))
         metas = [read_internal_metadata(pafs.LocalFileSystem(), str(c)) for c in ckpts]
         assert all(m is not None for m in metas)
-        return ([c.name for c in ckpts], [sorted(os.listdir(c)) for c in ckpts],
-                sorted(metas[0]), sorted(metas[0]["metrics"]))
+        return (
+            [c.name for c in ckpts],
+            [sorted(os.listdir(c)) for c in ckpts],
+            sorted(metas[0]),
+            sorted(metas[0]["metrics"]),
+        )
 
     expected = layout(local_trial)
     assert expected[0] == ["checkpoint_000000", "checkpoint_000001"]
     for r in results:
         got = layout(Path(posixpath.dirname(r.checkpoint.path)))
         assert got == expected
-        cs_ray._ours(r.checkpoint).verify()
+        cs_ray.as_checkpoint(r.checkpoint).verify()

@@ -72,13 +72,15 @@ def test_non_recursive_listing_is_one_level_even_if_the_backend_walks_the_tree()
     class WalksTree(pafs.FSSpecHandler):  # like adlfs ignoring maxdepth (Ray #41125)
         def get_file_info_selector(self, selector):
             return super().get_file_info_selector(
-                pafs.FileSelector(selector.base_dir, selector.allow_not_found, recursive=True))
+                pafs.FileSelector(selector.base_dir, selector.allow_not_found, recursive=True)
+            )
 
     mem = fsspec.filesystem("memory")
 
     def factory(uri, options):
-        return Backend(pafs.PyFileSystem(WalksTree(mem)), scheme="deep",
-                       capabilities=MEMORY_CAPABILITIES)
+        return Backend(
+            pafs.PyFileSystem(WalksTree(mem)), scheme="deep", capabilities=MEMORY_CAPABILITIES
+        )
 
     registry.register_backend("deep", factory, clobber=True)
     try:
@@ -96,13 +98,12 @@ def test_non_recursive_listing_is_one_level_even_if_the_backend_walks_the_tree()
         registry.unregister_backend("deep")
 
 
-def test_delete_of_a_committed_checkpoint_removes_the_marker_first(
-    faulty_memory, tmp_path
-) -> None:
+def test_delete_of_a_committed_checkpoint_removes_the_marker_first(faulty_memory, tmp_path) -> None:
     log = tmp_path / "calls"
     log.mkdir()
-    fs, root = ray_filesystem(f"faulty+memory://d{uuid.uuid4().hex[:8]}/runs",
-                              fault_call_log=str(log))
+    fs, root = ray_filesystem(
+        f"faulty+memory://d{uuid.uuid4().hex[:8]}/runs", fault_call_log=str(log)
+    )
     ckpt = _committed(fs, root)
     assert ckpt.is_committed
     for old in log.iterdir():
@@ -110,8 +111,9 @@ def test_delete_of_a_committed_checkpoint_removes_the_marker_first(
     fs.delete_dir(ckpt.path)  # what Ray's CheckpointConfig(num_to_keep) calls
     assert fs.get_file_info(ckpt.path).type == pafs.FileType.NotFound
     [calls] = read_call_log(str(log)).values()
-    mutations = [(m, p) for m, p in calls if m in ("delete_file", "delete_dir",
-                                                    "open_output_stream")]
+    mutations = [
+        (m, p) for m, p in calls if m in ("delete_file", "delete_dir", "open_output_stream")
+    ]
     assert mutations[0] == ("open_output_stream", f"{ckpt.path}/.cs_deleting")
     assert mutations[1] == ("delete_file", f"{ckpt.path}/.internal_metadata.json")
     assert all("w.bin" not in p for _, p in mutations[:2])
@@ -120,8 +122,9 @@ def test_delete_of_a_committed_checkpoint_removes_the_marker_first(
 def test_delete_dir_contents_deletes_checkpoints_marker_first(faulty_memory, tmp_path) -> None:
     log = tmp_path / "calls"
     log.mkdir()
-    fs, root = ray_filesystem(f"faulty+memory://c{uuid.uuid4().hex[:8]}/runs",
-                              fault_call_log=str(log))
+    fs, root = ray_filesystem(
+        f"faulty+memory://c{uuid.uuid4().hex[:8]}/runs", fault_call_log=str(log)
+    )
     ckpt = _committed(fs, root)
     for old in log.iterdir():
         old.unlink()
@@ -144,8 +147,9 @@ def test_pickle_holds_no_secret_and_compares_equal(s3_server, s3_bucket) -> None
     opts = s3_server.storage_options("pyarrow")
     secret = "sEcReT-" + uuid.uuid4().hex
     token = "tOkEn-" + uuid.uuid4().hex
-    fs, root = ray_filesystem(f"s3://{s3_bucket}/runs", **{**opts, "secret_access_key": secret,
-                                                          "session_token": token})
+    fs, root = ray_filesystem(
+        f"s3://{s3_bucket}/runs", **{**opts, "secret_access_key": secret, "session_token": token}
+    )
     blob = pickle.dumps(fs)
     for value in (secret, token, opts["access_key_id"], "secret_access_key"):
         assert value.encode() not in blob
@@ -158,9 +162,7 @@ def test_pickle_holds_no_secret_and_compares_equal(s3_server, s3_bucket) -> None
     assert back.handler._build() is None and back.handler.backend is not None
 
 
-def test_unpickled_elsewhere_reads_credentials_from_the_environment(
-    s3_server, s3_bucket
-) -> None:
+def test_unpickled_elsewhere_reads_credentials_from_the_environment(s3_server, s3_bucket) -> None:
     opts = s3_server.storage_options("pyarrow")
     fs, root = ray_filesystem(f"s3://{s3_bucket}/runs", **opts)
     with fs.open_output_stream(f"{root}/hello.txt") as out:
@@ -172,8 +174,13 @@ def test_unpickled_elsewhere_reads_credentials_from_the_environment(
         f"print(fs.open_input_stream({root + '/hello.txt'!r}).read().decode())\n"
     )
     env = {**os.environ, **s3_server.env()}
-    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(fs),
-                         capture_output=True, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        input=pickle.dumps(fs),
+        capture_output=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr.decode()
     assert out.stdout.decode().strip() == "from the driver"
 
@@ -182,14 +189,19 @@ def test_retries_every_call_under_transient_faults(s3_server, s3_bucket, tmp_pat
     registry.register_backend("faulty+s3", FAULTY, clobber=True)
     try:
         fs, root = ray_filesystem(
-            f"faulty+s3://{s3_bucket}/runs", retry=RetryPolicy(attempts=10, base_delay=0.001),
-            fault_transient_rate=0.2, fault_seed=3, **s3_server.storage_options("pyarrow"))
+            f"faulty+s3://{s3_bucket}/runs",
+            retry=RetryPolicy(attempts=10, base_delay=0.001),
+            fault_transient_rate=0.2,
+            fault_seed=3,
+            **s3_server.storage_options("pyarrow"),
+        )
         for i in range(20):
             with fs.open_output_stream(f"{root}/f{i}") as out:
                 out.write(str(i).encode())
         listed = fs.get_file_info(pafs.FileSelector(root))
         assert sorted(os.path.basename(i.path) for i in listed) == sorted(
-            f"f{i}" for i in range(20))
+            f"f{i}" for i in range(20)
+        )
         for i in range(20):
             assert fs.open_input_stream(f"{root}/f{i}").read() == str(i).encode()
         injected = fs.handler.backend.filesystem.handler.injected
@@ -204,8 +216,9 @@ def test_session_start_on_the_ray_filesystem_uses_the_real_backend(tmp_path) -> 
     fs, root = ray_filesystem(f"file://{tmp_path}/runs")
     backend, retry = backend_of(fs)
     assert backend.capabilities.atomic_rename and retry is not None
-    with session.start(storage_path=root, storage_filesystem=fs, experiment_name="e",
-                       trial_name="t") as s:
+    with session.start(
+        storage_path=root, storage_filesystem=fs, experiment_name="e", trial_name="t"
+    ) as s:
         assert s.storage.backend is backend
         src = tmp_path / "src"
         src.mkdir()
@@ -214,26 +227,30 @@ def test_session_start_on_the_ray_filesystem_uses_the_real_backend(tmp_path) -> 
     assert (tmp_path / "runs/e/t/checkpoint_000000/.internal_metadata.json").is_file()
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: ray_filesystem("relative/path"),
-    lambda: ray_filesystem("memory://b/x", client=object()),
-    lambda: ray_filesystem("memory://b/x", retry=3),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: ray_filesystem("relative/path"),
+        lambda: ray_filesystem("memory://b/x", client=object()),
+        lambda: ray_filesystem("memory://b/x", retry=3),
+    ],
+)
 def test_bad_arguments_are_refused(bad) -> None:
     with pytest.raises(InvalidConfigError):
         bad()
 
 
 def test_importing_the_core_and_the_handler_imports_no_ray() -> None:
-    code = ("import sys, pickle\n"
-            "import checkpoint_store, checkpoint_store.session\n"
-            "from checkpoint_store.integrations.ray import ray_filesystem\n"
-            "fs, root = ray_filesystem('memory://b/x')\n"
-            "pickle.loads(pickle.dumps(fs))\n"
-            "assert checkpoint_store.session._ray_session() is None\n"
-            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+    code = (
+        "import sys, pickle\n"
+        "import checkpoint_store, checkpoint_store.session\n"
+        "from checkpoint_store.integrations.ray import ray_filesystem\n"
+        "fs, root = ray_filesystem('memory://b/x')\n"
+        "pickle.loads(pickle.dumps(fs))\n"
+        "assert checkpoint_store.session._ray_session() is None\n"
+        "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
