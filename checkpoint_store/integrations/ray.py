@@ -735,36 +735,15 @@ class RaySession:
         import ray.tune
         from ray.train._internal.session import get_session
 
-        from checkpoint_store.storage import StorageContext
-
         sess = get_session()
-        tstore = sess.storage
         row = self._tune_row(clean, sess)
         if checkpoint is None:
             ray.tune.report(clean)
             return row
-        # Tune persists this report's checkpoint as checkpoint_<its index + 1>.
-        index = tstore.current_checkpoint_index + 1
-        row["checkpoint_dir_name"] = checkpoint_dir_name(index)
-        backend, retry = backend_of(tstore.storage_filesystem)
-        ours = StorageContext.from_backend(
-            backend,
-            tstore.storage_fs_path,
-            tstore.experiment_dir_name,
-            tstore.trial_dir_name,
-            retry=retry,
-            run_id=f"ray_{sess.trial_id}",
-        )
-        ours.persist_checkpoint(
-            checkpoint, index, {"metrics": row, "world_size": 1, "run_id": ours.run_id}
-        )
+        _commit_for_tune(sess, checkpoint, row)
         with tempfile.TemporaryDirectory(prefix="cs-ray-") as empty:
+            # Tune records the directory we committed; there is nothing left to copy.
             ray.tune.report(clean, checkpoint=ray.tune.Checkpoint.from_directory(empty))
-        if posixpath.basename(tstore.checkpoint_fs_path) != checkpoint_dir_name(index):
-            raise CheckpointStoreError(  # pragma: no cover - a Ray change of numbering
-                f"Ray Tune recorded {tstore.checkpoint_fs_path}, not {checkpoint_dir_name(index)}; "
-                "this Ray version numbers checkpoints differently"
-            )
         return row
 
     @staticmethod
@@ -800,6 +779,49 @@ class RaySession:
 
             ray_ckpt = ray.tune.get_checkpoint()
         return None if ray_ckpt is None else as_checkpoint(ray_ckpt)
+
+
+def _commit_for_tune(sess: Any, checkpoint: Checkpoint, row: dict[str, Any]) -> Checkpoint:
+    """Commit ``checkpoint`` where Tune will record this report's checkpoint:
+    ``<trial dir>/checkpoint_<Tune's index + 1>``. Sets ``row["checkpoint_dir_name"]``.
+
+    A directory already there is one Tune never recorded (a trial that died
+    between our commit and Tune's record reuses the index after a restore):
+    it is deleted, marker first, and committed again.
+
+    Raises:
+        CheckpointStoreError: this Ray version numbers Tune checkpoints differently.
+    """
+    from ray.train._internal.storage import StorageContext as TuneStorage
+
+    from checkpoint_store.storage import StorageContext
+
+    tstore = sess.storage
+    if type(tstore)._update_checkpoint_index is not TuneStorage._update_checkpoint_index:
+        raise CheckpointStoreError(
+            f"{type(tstore).__name__} numbers Tune checkpoints its own way; "
+            "checkpoint_store.session.report() cannot commit them under Ray Tune here"
+        )
+    index = tstore.current_checkpoint_index + 1
+    name = checkpoint_dir_name(index)
+    row["checkpoint_dir_name"] = name
+    backend, retry = backend_of(tstore.storage_filesystem)
+    ours = StorageContext.from_backend(
+        backend,
+        tstore.storage_fs_path,
+        tstore.experiment_dir_name,
+        tstore.trial_dir_name,
+        retry=retry,
+        run_id=f"ray_{sess.trial_id}",
+    )
+    if _fsutil.exists(backend.filesystem, ours.checkpoint_path(index), retry=retry):
+        logger.warning(
+            "%s was never recorded by Tune; replacing it", ours.uri(ours.checkpoint_path(index))
+        )
+        ours.delete_checkpoint(name)
+    return ours.persist_checkpoint(
+        checkpoint, index, {"metrics": row, "world_size": 1, "run_id": ours.run_id}
+    )
 
 
 def active_session() -> RaySession | None:

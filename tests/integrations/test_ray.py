@@ -84,25 +84,28 @@ def faulty_s3():
 def counting_trainable(config):
     """Three reports with a checkpoint each; resumes from session.get_checkpoint().
 
-    With ``fail_once`` (a path), raises after the second report the first time it runs.
+    With ``fail_once`` (a path), the first run commits its third checkpoint and dies
+    before Tune records it: after a restore the trial must replace that directory.
     """
     start = session.get_checkpoint()
     done = 0
     if start is not None:
         with start.as_directory() as d:
             done = int(Path(d, "epoch.txt").read_text())
+    flag = config.get("fail_once")
     for epoch in range(done + 1, 4):
         with tempfile.TemporaryDirectory() as tmp:
             Path(tmp, "epoch.txt").write_text(str(epoch))
             Path(tmp, "weights.bin").write_bytes(os.urandom(2048))
-            session.report(
-                {"epoch": epoch, "score": epoch * config["x"], "resumed_from": done},
-                checkpoint=Checkpoint.from_directory(tmp),
-            )
-        flag = config.get("fail_once")
-        if flag and epoch == 2 and not os.path.exists(flag):
-            Path(flag).write_text("failed")
-            raise RuntimeError("simulated trial failure after epoch 2")
+            metrics = {"epoch": epoch, "score": epoch * config["x"], "resumed_from": done}
+            ckpt = Checkpoint.from_directory(tmp)
+            if flag and epoch == 3 and not os.path.exists(flag):
+                Path(flag).write_text("failed")
+                from ray.train._internal.session import get_session
+
+                cs_ray._commit_for_tune(get_session(), ckpt, dict(metrics))
+                raise RuntimeError("simulated death between our commit and Tune's record")
+            session.report(metrics, checkpoint=ckpt)
 
 
 def _tuner(fs, path, name, trainable, space, **run):
@@ -146,6 +149,10 @@ def _restore_and_check(make_fs, fs_args, name, flag):
     _assert_results_verify(restored)
     resumed = [r.metrics["resumed_from"] for r in restored]
     assert 2 in resumed  # the failed trial went on from its epoch-2 checkpoint
+    failed = next(r for r in restored if r.metrics["resumed_from"] == 2)
+    assert posixpath.basename(failed.checkpoint.path) == "checkpoint_000002"
+    # The directory the dead run committed (resumed_from 0) was replaced, not kept.
+    assert cs_ray.as_checkpoint(failed.checkpoint).internal_metadata["metrics"]["resumed_from"] == 2
 
 
 def test_tuner_over_faulty_s3_every_call_through_the_handler(
