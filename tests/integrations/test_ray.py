@@ -34,14 +34,38 @@ FAULTY = "checkpoint_store.testing.faults:faulty_scheme_backend"
 PATIENT = RetryPolicy(attempts=10, base_delay=0.005, max_delay=0.2)
 
 
+_RAY_ENV = (
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+    "RAY_USAGE_STATS_ENABLED",
+    "RAY_AUTH_MODE",
+    "RAY_AUTH_TOKEN",
+    "RAY_AUTH_TOKEN_PATH",
+)
+
+
+def _reset_ray_auth() -> None:
+    # Ray caches the cluster's auth token per process; another cluster started in
+    # this process earlier (the docs examples, with another $HOME) left its own.
+    from ray._private.authentication_test_utils import reset_auth_token_state
+
+    reset_auth_token_state()
+
+
 @pytest.fixture(scope="module")
 def ray_cluster(s3_server, azure_server):
-    """One loopback Ray cluster for the module; workers see the servers' credentials."""
-    saved = {
-        k: os.environ.get(k)
-        for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED", "RAY_DEDUP_LOGS")
-    }
-    os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
+    """One loopback Ray cluster for the module, with token authentication and a
+    token of its own; workers see the servers' credentials through runtime_env."""
+    import secrets
+
+    saved = {k: os.environ.get(k) for k in _RAY_ENV}
+    os.environ.update(
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        RAY_USAGE_STATS_ENABLED="0",
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=secrets.token_hex(32),
+    )
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    _reset_ray_auth()
     # Reads through Checkpoint objects use the default policy: patient enough for
     # the 20% injected faults of the first test (the handler has its own, PATIENT).
     env = {
@@ -69,6 +93,7 @@ def ray_cluster(s3_server, azure_server):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+    _reset_ray_auth()
 
 
 @pytest.fixture
