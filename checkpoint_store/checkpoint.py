@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import posixpath
+import re
 import shutil
 import tempfile
 import time
@@ -24,7 +25,7 @@ import filelock
 import google_crc32c
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil, _json
+from checkpoint_store import _fsutil, _json, _proc
 from checkpoint_store._layout import (
     INTERNAL_METADATA,
     INTERNAL_PREFIX,
@@ -329,6 +330,7 @@ class Checkpoint:
         _owned_files(target, _read_download_marker(marker))
         _check_lock_creatable(lock_path, target)
         with filelock.FileLock(lock_path):
+            _recover_interrupted(parent, base, target)
             previous = _read_download_marker(marker)
             if (
                 identity is not None
@@ -337,7 +339,7 @@ class Checkpoint:
             ):
                 return target
             old_files = _owned_files(target, previous)
-            staging = _new_sibling_dir(parent, "download", base)
+            staging = _new_sibling_dir(parent, _STAGING_KIND, base)
             try:
                 written = download_tree(fs, self.path, caps, staging, manifest=manifest,
                                         verify=verify)
@@ -400,13 +402,81 @@ def _inside(path: str, base: str) -> bool:
     return path == base or path.startswith(base.rstrip(os.sep) + os.sep)
 
 
+# Helper directories of a download into ``<parent>/<name>``:
+# ``.cs_<kind>-<name>-<writer>-<random>``. The writer tag (this process's pid,
+# see _proc) lets the next download tell a crashed writer's leftovers from a
+# live one's; the two kinds differ before the first ``-`` so that no staging
+# name of one target can read as a moved-aside name of another.
+_STAGING_KIND = "download"
+_OLD_KIND = "download_old"
+_HELPER_RE = re.compile(
+    rf"^{re.escape(INTERNAL_PREFIX)}({_STAGING_KIND}|{_OLD_KIND})-.*-(\d+(?:_\d+)?)-([0-9a-f]{{8}})$"
+)
+
+
+def _writer_tag() -> str:
+    return str(os.getpid())
+
+
+def _writer_alive(tag: str) -> bool:
+    return _proc.process_alive(int(tag.partition("_")[0]))
+
+
 def _new_sibling_dir(parent: str, kind: str, base: str) -> str:
-    """A new ``.cs_<kind>-<base>-<random>`` directory in ``parent`` (a name
-    within NAME_MAX whatever the length of ``base``)."""
-    path = os.path.join(parent, bounded_name(f"{INTERNAL_PREFIX}{kind}-", base,
-                                             f"-{uuid.uuid4().hex[:8]}"))
+    """A new ``.cs_<kind>-<base>-<writer>-<random>`` directory in ``parent``
+    (a name within NAME_MAX whatever the length of ``base``)."""
+    suffix = f"-{_writer_tag()}-{uuid.uuid4().hex[:8]}"
+    path = os.path.join(parent, bounded_name(f"{INTERNAL_PREFIX}{kind}-", base, suffix))
     os.mkdir(path)
     return path
+
+
+def _dead_helpers(parent: str, base: str) -> list[tuple[str, str]]:
+    """``(kind, path)`` of the helper directories of downloads into
+    ``parent/base`` whose writer process is gone. A name is taken only if it
+    is exactly the one :func:`_new_sibling_dir` builds for ``base``, so the
+    helpers of another target (``run`` vs ``run-5``) are never taken."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        m = _HELPER_RE.match(name)
+        if m is None:
+            continue
+        kind, tag, rnd = m.groups()
+        if bounded_name(f"{INTERNAL_PREFIX}{kind}-", base, f"-{tag}-{rnd}") != name:
+            continue
+        if not _writer_alive(tag):
+            out.append((kind, os.path.join(parent, name)))
+    return out
+
+
+def _recover_interrupted(parent: str, base: str, target: str) -> None:
+    """Undo what a download into ``target`` that died part-way left behind.
+
+    Called under the target's download lock, so no live download of this
+    target is running; each helper must also belong to a dead process.
+    A writer that died between moving the old ``target`` aside and moving
+    its staged one in leaves no ``target``: the old one is moved back (the
+    marker of that moment lists its files, so the caller's download replaces
+    it as usual). Then every dead helper is removed: a staging directory is
+    only a copy of what is on storage.
+    """
+    dead = _dead_helpers(parent, base)
+    if not dead:
+        return
+    if not os.path.lexists(target):
+        aside = [os.path.join(p, "d") for kind, p in dead if kind == _OLD_KIND]
+        aside = [d for d in aside if os.path.isdir(d) and not os.path.islink(d)]
+        if aside:
+            back = max(aside, key=lambda d: os.stat(os.path.dirname(d)).st_mtime_ns)
+            os.rename(back, target)
+            logger.warning("restored %s from %s, left by a download that did not finish",
+                           target, os.path.dirname(back))
+    for _, path in dead:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _tree_entries(root: str) -> list[str]:
@@ -446,12 +516,14 @@ def _swap_in(staging: str, target: str, marker: str, identity: dict[str, Any] | 
 
     The marker lists the files of both downloads while the directories are
     swapped, so a crash at any step leaves a target that is recognisably
-    ours and never one that looks complete.
+    ours and never one that looks complete. A crash between the two renames
+    leaves no ``target`` at all; the next download into it moves the old one
+    back first (:func:`_recover_interrupted`).
     """
     _write_download_marker(marker, None, sorted(set(old_files) | set(written)))
     trash = None
     if os.path.lexists(target):
-        trash = _new_sibling_dir(os.path.dirname(target), "download-old", os.path.basename(target))
+        trash = _new_sibling_dir(os.path.dirname(target), _OLD_KIND, os.path.basename(target))
         os.rename(target, os.path.join(trash, "d"))
     os.rename(staging, target)
     _write_download_marker(marker, identity, written)
