@@ -12,6 +12,10 @@ INTERNAL_METADATA = ".internal_metadata.json"
 MANAGER_STATE = ".checkpoint_manager.json"
 RESULT_FILE = "result.json"
 PARAMS_FILE = "params.json"
+#: Why the trial's last run ended with an exception (Ray Tune's name and layout:
+#: ``Failure # N (occurred at ...)`` blocks). Absent: no run of it raised, or
+#: a later one ended cleanly.
+ERROR_FILE = "error.txt"
 # Every other file or directory we create starts with this prefix: staging
 # directories, per-rank markers, download markers. Users' files never do.
 INTERNAL_PREFIX = ".cs_"

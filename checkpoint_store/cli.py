@@ -31,6 +31,7 @@ import click
 
 from checkpoint_store import _clock, _fsutil
 from checkpoint_store._layout import (
+    ERROR_FILE,
     INTERNAL_METADATA,
     INTERNAL_PREFIX,
     MANAGER_STATE,
@@ -59,7 +60,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
-_TRIAL_FILES = frozenset({RESULT_FILE, PARAMS_FILE, MANAGER_STATE})
+_TRIAL_FILES = frozenset({RESULT_FILE, PARAMS_FILE, MANAGER_STATE, ERROR_FILE})
 _STAGING_PREFIX = f"{INTERNAL_PREFIX}staging-"
 
 
@@ -700,8 +701,19 @@ def _ls_trial(trial: _Location, metric: str | None) -> dict[str, Any]:
         })
     corrupt, uncommitted = _not_committed(trial, (r["name"] for r in rows))
     return {"kind": "trial", "uri": trial.uri, "metric": metric, "checkpoints": rows,
-            "uncommitted": len(uncommitted),
+            "error": _last_error(trial), "uncommitted": len(uncommitted),
             "corrupt": [{"name": n, "file": st.file, "reason": st.reason} for n, st in corrupt]}
+
+
+def _last_error(trial: _Location) -> str | None:
+    """The last line of the trial's ``error.txt`` (its last run's exception), or None."""
+    try:
+        text = _fsutil.read_bytes(trial.fs, posixpath.join(trial.path, ERROR_FILE))
+    except (FileNotFoundError, OSError):
+        return None
+    lines = [line.strip() for line in text.decode("utf-8", "replace").splitlines()
+             if line.strip()]
+    return lines[-1] if lines else None
 
 
 def _ls_experiment(exp: _Location) -> dict[str, Any]:
@@ -799,6 +811,9 @@ def ls_cmd(uri: str, storage_options: dict[str, Any], metric: str | None, as_jso
         for c in data["corrupt"]:
             click.echo(f"(corrupt, not listed: {c['name']}: {c['reason']}; "
                        "`checkpoint-store verify` checks the others)", err=True)
+        if data["error"] is not None:
+            click.echo(f"(the trial's last run ended with an error: {data['error']}; "
+                       f"its traceback is in {loc.child(ERROR_FILE).uri})", err=True)
     elif kind == "experiment":
         _table(["TRIAL", "CHECKPOINTS", "LATEST", "LATEST CREATED (UTC)", "SIZE"],
                [[r["name"], str(r["checkpoints"]), _fmt_value(r["latest_index"]),

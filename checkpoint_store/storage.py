@@ -13,13 +13,16 @@ import logging
 import os
 import posixpath
 import time
+import traceback
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from checkpoint_store import _fsutil, _json, _retry
 from checkpoint_store._layout import (
+    ERROR_FILE,
     FORMAT_VERSION,
     INTERNAL_METADATA,
     INTERNAL_PREFIX,
@@ -524,6 +527,43 @@ class StorageContext:
             self.filesystem, posixpath.join(self.trial_path, PARAMS_FILE), data,
             self.backend.capabilities,
         )
+
+    def record_error(self, error: BaseException, *, now: float | None = None) -> None:
+        """Add ``error`` to the trial's ``error.txt`` (rank 0, when a session ends
+        with an exception).
+
+        The layout is Ray Tune's: each failure is a block ``Failure # N
+        (occurred at YYYY-MM-DD_HH-MM-SS)`` (local time) followed by the
+        exception's type, message and traceback as Python prints them, chained
+        causes included; no frame's local variables. Failures of successive
+        runs of the trial accumulate until a run ends cleanly
+        (:meth:`clear_error`). One PUT on object stores, an atomic replace on
+        local disks.
+        """
+        text = self.read_error() or ""
+        number = sum(line.startswith("Failure # ") for line in text.splitlines()) + 1
+        when = datetime.fromtimestamp(time.time() if now is None else now)
+        block = (f"Failure # {number} (occurred at {when:%Y-%m-%d_%H-%M-%S})\n"
+                 + "".join(traceback.format_exception(type(error), error, error.__traceback__)))
+        if text and not text.endswith("\n"):
+            text += "\n"
+        _fsutil.write_bytes(
+            self.filesystem, posixpath.join(self.trial_path, ERROR_FILE),
+            (text + block).encode("utf-8", "backslashreplace"), self.backend.capabilities,
+        )
+
+    def clear_error(self) -> None:
+        """Remove ``error.txt``: a run of the trial ended cleanly, which supersedes
+        the failures of earlier runs (nothing happens if there is none)."""
+        _fsutil.delete_file(self.filesystem, posixpath.join(self.trial_path, ERROR_FILE))
+
+    def read_error(self) -> str | None:
+        """The text of ``error.txt``, or None when the trial has none."""
+        try:
+            raw = _fsutil.read_bytes(self.filesystem, posixpath.join(self.trial_path, ERROR_FILE))
+        except (FileNotFoundError, OSError):
+            return None
+        return raw.decode("utf-8", errors="replace")
 
     def read_results(self) -> list[dict[str, Any]]:
         """Rows of ``result.json`` (one JSON object per line); ``[]`` if absent.

@@ -69,8 +69,8 @@ class _ActiveSession:
     def __enter__(self) -> Session:
         return self.session
 
-    def __exit__(self, *exc: object) -> None:
-        self.end()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        _deactivate(self.session, exc)
 
     def end(self) -> None:
         _deactivate(self.session)
@@ -89,9 +89,15 @@ def _activate(session: Session, thread_only: bool) -> None:
                 _process_session = session
 
 
-def _deactivate(session: Session) -> None:
+def _deactivate(session: Session, error: BaseException | None = None) -> None:
+    try:
+        session.close(error)
+    finally:
+        _forget(session)
+
+
+def _forget(session: Session) -> None:
     global _process_session
-    session.close()
     if getattr(_local, "session", None) is session:
         _local.session = None
     with _state_lock:

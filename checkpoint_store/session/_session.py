@@ -18,6 +18,7 @@ from checkpoint_store._layout import checkpoint_dir_name
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
+from checkpoint_store.session._errors import TrialStopped
 from checkpoint_store.session._multirank import Coordinator
 from checkpoint_store.storage import ResultLog, StorageContext
 
@@ -543,14 +544,56 @@ class Session:
             raise TimeoutError(f"{up.pending} checkpoint upload(s) still pending after {timeout} s")
         up.raise_error()
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """End the session: finish background uploads, record how it ended,
+        release the trial's lease.
+
+        Args:
+            error: the exception that ended the session (``with`` passes it),
+                or None for a clean end.
+
+        On rank 0, an ``error`` (or the error of a background upload, raised
+        here) is added to the trial's ``error.txt``; a clean end removes that
+        file, since this run supersedes the failures of earlier ones. Both
+        happen before the lease is released, so a reader never sees a trial
+        without a lease that is not yet marked errored. A
+        :class:`~checkpoint_store.session.TrialStopped` (a runner's stop or
+        pause), a ``GeneratorExit`` and a ``SystemExit`` with status 0 or None
+        count as clean ends. Recording never replaces ``error``: a failure to
+        write the file is logged.
+        """
         up = self._uploader
-        if up is not None and not self._closed:
+        first_close = not self._closed
+        if up is not None and first_close:
             up.wait()  # finish queued uploads before retention's lease is released
         self._closed = True
         if self._results is not None:
             self._results.close()
-        # Releases the trial's retention lease (also when an exception ends the session).
-        self.manager.close()
-        if up is not None:
-            up.raise_error()
+        try:
+            upload_error: BaseException | None = None
+            if up is not None:
+                try:
+                    up.raise_error()
+                except Exception as exc:
+                    upload_error = exc
+            if first_close and self.world_rank == 0:
+                self._record_end(error if error is not None else upload_error)
+        finally:
+            # Releases the trial's retention lease (also when an exception ends the session).
+            self.manager.close()
+        if upload_error is not None:
+            raise upload_error
+
+    def _record_end(self, error: BaseException | None) -> None:
+        clean = (error is None or isinstance(error, (TrialStopped, GeneratorExit))
+                 or (isinstance(error, SystemExit) and error.code in (0, None)))
+        try:
+            if clean:
+                self.storage.clear_error()
+            else:
+                assert error is not None
+                self.storage.record_error(error)
+        except Exception as exc:
+            logging.getLogger(__name__).warning(
+                "could not %s error.txt of %s: %s", "clear" if clean else "write",
+                self.storage.uri(self.storage.trial_path), exc)

@@ -19,7 +19,9 @@ valid commit marker (:func:`~checkpoint_store.transfer.read_internal_metadata`,
 the rule of :meth:`StorageContext.committed_checkpoints`); "best" is
 :func:`~checkpoint_store.retention.select_kept` under the trial's recorded
 :class:`~checkpoint_store.retention.CheckpointConfig`; "running" is
-:func:`~checkpoint_store.retention.live_lease`.
+:func:`~checkpoint_store.retention.live_lease`; "errored" is the ``error.txt``
+a session writes when it ends with an exception
+(:meth:`~checkpoint_store.StorageContext.record_error`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 from checkpoint_store import _fsutil, _json
 from checkpoint_store import cli as _cli
 from checkpoint_store._layout import (
+    ERROR_FILE,
     INTERNAL_PREFIX,
     MANAGER_STATE,
     PARAMS_FILE,
@@ -79,6 +82,8 @@ class _TrialCache:
     params: dict[str, Any] | None = None
     config: CheckpointConfig | None = None
     status: str = "finished"
+    error: str | None = None  # the last line of error.txt: "ValueError: loss is nan"
+    error_size: int = -1  # bytes of error.txt when ``error`` was read
 
 
 class StoreView:
@@ -182,10 +187,14 @@ class StoreView:
             cache.params = _read_json(fs, posixpath.join(ctx.trial_path, PARAMS_FILE))
         if (cache.config is None or full) and MANAGER_STATE in entries:
             cache.config = _read_config(fs, posixpath.join(ctx.trial_path, MANAGER_STATE))
+        _read_error(fs, posixpath.join(ctx.trial_path, ERROR_FILE), entries.get(ERROR_FILE),
+                    cache)
+        # A lease outranks error.txt: a run holding one (live or crashed) is
+        # newer than the failure recorded by an earlier run.
         if LEASE_FILE in entries:
             cache.status = "running" if live_lease(ctx) is not None else "interrupted"
         else:
-            cache.status = "finished"
+            cache.status = "errored" if cache.error is not None else "finished"
         return cache
 
     def trial(self, experiment: str, trial: str, *, since: int = 0,
@@ -215,7 +224,10 @@ class StoreView:
         Returns:
             ``experiment``, ``trial``, ``uri``, ``status`` (``running``: a live
             lease; ``interrupted``: a lease left by a process that is gone;
-            ``finished``), ``reports``, ``committed`` (checkpoints), ``metric``
+            ``errored``: no lease and an ``error.txt``, the last run ended with
+            an exception; ``finished``), ``error`` (the last line of
+            ``error.txt``, e.g. ``"ValueError: loss is nan"``, or None), ``reports``,
+            ``committed`` (checkpoints), ``metric``
             and ``mode`` (the recorded score attribute and order), ``best_score``
             and ``best_checkpoint``, ``size`` (bytes in committed checkpoints'
             manifests), ``last_report`` (Unix seconds) and ``params``
@@ -234,6 +246,7 @@ class StoreView:
             "trial": ctx.trial_name,
             "uri": ctx.uri(ctx.trial_path),
             "status": cache.status,
+            "error": cache.error,
             "reports": len(cache.rows),
             "committed": len(cache.metas),
             "metric": config.checkpoint_score_attribute if config else None,
@@ -342,6 +355,24 @@ def _read_new_rows(fs: Any, path: str, size: int | None, cache: _TrialCache) -> 
         return
     cache.rows.extend(parse_result_rows(data[: end + 1]))
     cache.offset += end + 1
+
+
+def _read_error(fs: Any, path: str, info: Any, cache: _TrialCache) -> None:
+    """Keep the last line of ``error.txt`` in ``cache`` (read again only when
+    its size changed; absent: None)."""
+    if info is None:
+        cache.error, cache.error_size = None, -1
+        return
+    if info.size == cache.error_size and cache.error is not None:
+        return
+    try:
+        text = _fsutil.read_bytes(fs, path).decode("utf-8", errors="replace")
+    except (FileNotFoundError, OSError):
+        cache.error, cache.error_size = None, -1
+        return
+    lines = [line for line in text.splitlines() if line.strip()]
+    cache.error = lines[-1].strip() if lines else "(error.txt is empty)"
+    cache.error_size = info.size if info.size is not None else -1
 
 
 def _read_json(fs: Any, path: str) -> Any:

@@ -188,3 +188,28 @@ def test_cli_argument_errors_hold_no_secret(s3_server, s3_bucket, item, all_logs
         assert not any(f in out for f in _secret_forms(secret)), command
     for rec in all_logs.records:
         assert secret not in rec.getMessage(), rec.name
+
+
+@pytest.mark.parametrize("engine", ["pyarrow", "s3fs"])
+def test_error_txt_of_a_failed_session_holds_no_secret(engine, s3_server, s3_bucket, tmp_path,
+                                                       all_logs):
+    """A session ended by one of our own errors raised deep in a storage call on
+    S3 (the client holds the secret) records the whole traceback in error.txt,
+    but no frame's locals: no form of the secret reaches it."""
+    from checkpoint_store.errors import CheckpointNotFoundError
+
+    secret = s3_server.secret_access_key
+    opts = s3_server.storage_options(engine)
+    uri = f"s3://{s3_bucket}/failing"
+    with pytest.raises(CheckpointNotFoundError):
+        with session.start(storage_path=uri, storage_options=opts, experiment_name="exp",
+                           trial_name="t", config={"lr": 1}):
+            session.report({"i": 0})
+            ctx = StorageContext(uri, "exp", "t", storage_options=opts)
+            ctx.checkpoint("checkpoint_999999").to_directory(str(tmp_path / "restore"))
+    stored = _s3_objects(s3_server, s3_bucket)
+    error = [k for k in stored if k.endswith("/exp/t/error.txt")]
+    assert len(error) == 1
+    assert b"CheckpointNotFoundError" in stored[error[0]]
+    assert b"to_directory" in stored[error[0]]  # the traceback reached into our code
+    _assert_clean(secret, [], all_logs, tmp_path, stored)

@@ -48,6 +48,27 @@ def test_ls_trial_lists_exactly_the_committed_checkpoints(store: Store, tmp_path
     assert data["uncommitted"] == 1
 
 
+def test_ls_trial_names_the_error_of_its_last_run(store: Store, tmp_path) -> None:
+    from checkpoint_store import session
+
+    make_trial(store, tmp_path, [0.5])
+    trial = store.join("exp", "t1")
+    res = invoke(["ls", trial, *store.opt_args(), "--json"])
+    assert json.loads(res.stdout)["error"] is None
+    assert "ended with an error" not in res.stderr
+    with pytest.raises(RuntimeError):
+        with session.start(storage_path=store.uri, storage_options=dict(store.options) or None,
+                           experiment_name="exp", trial_name="t1"):
+            raise RuntimeError("CUDA out of memory")
+    res = invoke(["ls", trial, *store.opt_args(), "--json"])
+    assert json.loads(res.stdout)["error"] == "RuntimeError: CUDA out of memory"
+    res = invoke(["ls", trial, *store.opt_args()])
+    assert res.exit_code == 0, res.output
+    assert "ended with an error: RuntimeError: CUDA out of memory" in res.stderr
+    assert "error.txt" in res.stderr
+    assert [r.split()[1] for r in res.stdout.strip().splitlines()[1:]] == ["checkpoint_000000"]
+
+
 def test_ls_root_experiment_and_checkpoint(store: Store, tmp_path) -> None:
     make_trial(store, tmp_path, [0.5, 0.2], experiment="exp", trial="t1")
     make_trial(store, tmp_path, [0.9], experiment="exp", trial="t2")

@@ -95,6 +95,39 @@ def test_status_follows_the_lease(tmp_path: Any) -> None:
     assert view.summary("exp", "t")["status"] == "interrupted"
 
 
+def test_a_trial_whose_run_raised_is_errored_until_a_clean_run(tmp_path: Any) -> None:
+    from checkpoint_store import session
+    from checkpoint_store.retention import LEASE_FILE
+
+    store = Store(str(tmp_path / "s"))
+    report_trial(store, "exp", "t", [0.1], [True], {})
+    view = StoreView(store.uri)
+    assert view.summary("exp", "t")["error"] is None
+    kwargs = {"storage_path": store.uri, "experiment_name": "exp", "trial_name": "t",
+              "checkpoint_config": CONFIG}
+    with pytest.raises(ValueError):
+        with session.start(**kwargs):
+            session.report({"val": {"accuracy": 0.2}})
+            raise ValueError("loss is nan <b>")
+    row = view.summary("exp", "t")
+    assert row["status"] == "errored"
+    assert row["error"] == "ValueError: loss is nan <b>"
+    # A later run holding the lease is newer than the recorded failure.
+    with session.start(**kwargs):
+        assert view.summary("exp", "t")["status"] == "running"
+    after = view.summary("exp", "t")
+    assert after["status"] == "finished" and after["error"] is None
+    # A failure, then a crashed run (its lease left behind): interrupted.
+    with pytest.raises(KeyError):
+        with session.start(**kwargs):
+            raise KeyError("x")
+    assert view.summary("exp", "t")["status"] == "errored"
+    with open(os.path.join(store.uri, "exp", "t", LEASE_FILE), "w") as f:
+        json.dump({"holder": "x", "host": socket.gethostname(), "pid": 2**22 + 7,
+                   "trial": f"file://{store.uri}/exp/t", "expires_at": 4e9}, f)
+    assert view.summary("exp", "t")["status"] == "interrupted"
+
+
 @pytest.mark.parametrize("experiment, trial", [
     ("..", "lr-0.1"), ("sweep", ".."), ("sweep/../sweep", "lr-0.1"), ("sweep", "lr-0.1/.."),
     ("/etc", "passwd"), ("", "lr-0.1"), ("sweep", "lr-0.1\x00"),

@@ -94,8 +94,10 @@
     setMain(el("p", { class: "error", id: "error" }, err.message || String(err)));
   }
 
-  function statusBadge(status) {
-    return el("span", { class: `badge status-${status}` }, status);
+  function statusBadge(status, error) {
+    const attrs = { class: `badge status-${status}` };
+    if (status === "errored" && error) attrs.title = error;
+    return el("span", attrs, status);
   }
 
   function breadcrumb(...items) {
@@ -151,7 +153,7 @@
       const cells = cols.map(([key]) => {
         const v = cellValue(t, key);
         if (key === "trial") return el("td", {}, el("a", { href: route("trial", exp.name, t.trial) }, t.trial));
-        if (key === "status") return el("td", {}, statusBadge(v));
+        if (key === "status") return el("td", {}, statusBadge(v, t.error));
         if (key === "size") return el("td", { class: "num", title: `${v} bytes` }, fmtSize(v));
         if (key === "last_report") return el("td", {}, fmtTime(v));
         if (key === "best_checkpoint") {
@@ -301,7 +303,9 @@
       ? el("span", {}, `best ${t.metric} ${fmtValue(t.best_score)} at `,
         el("a", { href: route("checkpoint", t.experiment, t.trial, t.best_checkpoint) }, t.best_checkpoint))
       : el("span", {}, "no score attribute recorded");
-    return el("p", { class: "summary", id: "summary" }, statusBadge(t.status),
+    const error = t.status === "errored" && t.error
+      ? el("span", { class: "error-line" }, ` (last run raised ${t.error}; see error.txt) `) : "";
+    return el("p", { class: "summary", id: "summary" }, statusBadge(t.status, t.error), error,
       ` ${t.total_rows} report(s), ${t.committed} committed checkpoint(s), ${fmtSize(t.size)}; `, best);
   }
 
