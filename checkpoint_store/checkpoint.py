@@ -403,10 +403,11 @@ def _inside(path: str, base: str) -> bool:
 
 
 # Helper directories of a download into ``<parent>/<name>``:
-# ``.cs_<kind>-<name>-<writer>-<random>``. The writer tag (this process's pid,
-# see _proc) lets the next download tell a crashed writer's leftovers from a
-# live one's; the two kinds differ before the first ``-`` so that no staging
-# name of one target can read as a moved-aside name of another.
+# ``.cs_<kind>-<name>-<writer>-<random>``. The writer tag (pid and start time,
+# :func:`_proc.writer_tag`) lets the next download tell a crashed writer's
+# leftovers from a live one's, also once the pid was reused. The two kinds
+# differ before the first ``-`` so that no staging name of one target can read
+# as a moved-aside name of another.
 _STAGING_KIND = "download"
 _OLD_KIND = "download_old"
 _HELPER_RE = re.compile(
@@ -414,18 +415,10 @@ _HELPER_RE = re.compile(
 )
 
 
-def _writer_tag() -> str:
-    return str(os.getpid())
-
-
-def _writer_alive(tag: str) -> bool:
-    return _proc.process_alive(int(tag.partition("_")[0]))
-
-
 def _new_sibling_dir(parent: str, kind: str, base: str) -> str:
     """A new ``.cs_<kind>-<base>-<writer>-<random>`` directory in ``parent``
     (a name within NAME_MAX whatever the length of ``base``)."""
-    suffix = f"-{_writer_tag()}-{uuid.uuid4().hex[:8]}"
+    suffix = f"-{_proc.writer_tag()}-{uuid.uuid4().hex[:8]}"
     path = os.path.join(parent, bounded_name(f"{INTERNAL_PREFIX}{kind}-", base, suffix))
     os.mkdir(path)
     return path
@@ -448,7 +441,8 @@ def _dead_helpers(parent: str, base: str) -> list[tuple[str, str]]:
         kind, tag, rnd = m.groups()
         if bounded_name(f"{INTERNAL_PREFIX}{kind}-", base, f"-{tag}-{rnd}") != name:
             continue
-        if not _writer_alive(tag):
+        # Only a writer known to be gone: a tag we cannot judge stays.
+        if _proc.writer_tag_alive(tag) is False:
             out.append((kind, os.path.join(parent, name)))
     return out
 

@@ -789,7 +789,7 @@ class _ReportCallback:
         active, self._active, self._session = self._active, None, None
         if active is not None:
             try:
-                active.end()
+                active.end(exception)  # recorded in the trial's error.txt
             except Exception as exc:  # noqa: BLE001 - the run's own error comes first
                 logger.warning("ending the session after %r failed: %s", exception, exc)
 

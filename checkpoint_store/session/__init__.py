@@ -72,8 +72,10 @@ class _ActiveSession:
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         _deactivate(self.session, exc)
 
-    def end(self) -> None:
-        _deactivate(self.session)
+    def end(self, error: BaseException | None = None) -> None:
+        """End the session; ``error``: the exception that ended the run, if any
+        (recorded in the trial's ``error.txt``, see :meth:`Session.close`)."""
+        _deactivate(self.session, error)
 
 
 def _activate(session: Session, thread_only: bool) -> None:

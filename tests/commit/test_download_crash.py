@@ -152,7 +152,8 @@ def test_only_dead_writers_helpers_of_this_target_are_removed(store, tmp_path):
         f".cs_download_old-out-5-{dead}-0123abcd",
         f".cs_download-out-{dead}-notarand",  # not a name we build
     ]
-    gone = [f".cs_download-out-{dead}-89abcdef", f".cs_download_old-out-{dead}-89abcdef"]
+    gone = [f".cs_download-out-{dead}-89abcdef", f".cs_download_old-out-{dead}-89abcdef",
+            f".cs_download-out-{live}_1-89abcdef"]  # our pid, another incarnation
     for name in keep + gone:
         (parent / name).mkdir()
         (parent / name / "f.bin").write_bytes(b"x")

@@ -390,12 +390,14 @@ def test_report_callback_failed_save_then_resume(tmp_path):
         trainer(tmp_path, enable_checkpointing=False, callbacks=[cb]).fit(Tiny())
     storage = StorageContext(root, "exp", "t", storage_filesystem=fs)
     assert [m["metrics"]["step"] for _, m in storage.committed_checkpoints()] == [2, 4]
+    assert "No space" in storage.read_error().strip().splitlines()[-1]  # errored
 
     cb2 = ReportCheckpointCallback(num_to_keep=3, storage_filesystem=fs, **where)
     t2 = trainer(tmp_path, enable_checkpointing=False, callbacks=[cb2])
     t2.fit(Tiny(), ckpt_path=cb2.resume_path(tmp_path / "restore"))
     assert t2.global_step == 8
     assert [m["metrics"]["step"] for _, m in storage.committed_checkpoints()] == [4, 6, 8]
+    assert storage.read_error() is None  # the clean resume supersedes the failure
 
 
 def test_report_callback_stops_when_session_stops(tmp_path):
