@@ -77,7 +77,8 @@ logger = logging.getLogger(__name__)
 
 # Option names that carry a credential (any backend's spelling): never pickled.
 _SECRET_RE = re.compile(
-    r"(secret|key|token|passw|credential|connection_string|sas|signature|auth)", re.IGNORECASE
+    r"(secret|key|token|passw|credential|connection_string|(^|_)sas|signature|authorization)",
+    re.IGNORECASE,
 )
 # Credentials given in this process, by handler token, so that a handler
 # unpickled in the same process (Ray copies its filesystem around) keeps them.

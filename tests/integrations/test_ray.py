@@ -24,6 +24,7 @@ pytest.importorskip("ray.tune")
 
 from checkpoint_store import Checkpoint, CheckpointConfig, TrialRunner, registry, session  # noqa: E402
 from checkpoint_store._retry import RetryPolicy  # noqa: E402
+from checkpoint_store.errors import CheckpointStoreError  # noqa: E402
 from checkpoint_store.integrations import ray as cs_ray  # noqa: E402
 from checkpoint_store.testing.faults import read_call_log  # noqa: E402
 from checkpoint_store.transfer import read_internal_metadata  # noqa: E402
@@ -360,6 +361,10 @@ def test_demo_function_runs_unchanged_in_trial_runner_and_ray_tuner(ray_cluster,
 
     from checkpoint_store.demo import train_digits
 
+    # In the driver, with Ray imported and running, the session does not delegate.
+    assert session._ray_session() is None
+    with pytest.raises(CheckpointStoreError, match="no active session"):
+        session.report({"x": 1})
     cfg = {"epochs": 2, "hidden": 16}
     runner = TrialRunner(
         train_digits,

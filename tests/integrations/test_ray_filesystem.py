@@ -258,3 +258,36 @@ def test_importing_the_core_and_the_handler_imports_no_ray() -> None:
 def test_handler_repr_names_no_option_values() -> None:
     h = CheckpointStoreHandler("memory://b/x", {"account_key": "k3y-value", "engine": "x"})
     assert "k3y-value" not in repr(h) and "account_key" not in repr(h)
+
+
+def test_only_credential_options_stay_behind() -> None:
+    from checkpoint_store.integrations.ray import _split_secrets
+
+    public, secret = _split_secrets(
+        {
+            "endpoint_url": "http://127.0.0.1:9",
+            "region": "r",
+            "engine": "pyarrow",
+            "blob_storage_authority": "127.0.0.1:10",
+            "account_name": "dev",
+            "anon": False,
+            "access_key_id": "a",
+            "secret_access_key": "b",
+            "session_token": "c",
+            "account_key": "d",
+            "sas_token": "e",
+            "connection_string": "f",
+            "client_secret": "g",
+            "credential": "h",
+            "password": "i",
+        }
+    )
+    assert sorted(public) == [
+        "account_name",
+        "anon",
+        "blob_storage_authority",
+        "endpoint_url",
+        "engine",
+        "region",
+    ]
+    assert len(secret) == 9
