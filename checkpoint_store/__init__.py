@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from checkpoint_store.errors import (
     BackendUnavailableError,
+    CheckpointAbortedError,
     CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -18,7 +19,9 @@ from checkpoint_store.errors import (
     InvalidConfigError,
     MetadataError,
     PermanentBackendError,
+    RankTimeoutError,
     TransientBackendError,
+    TrialStopped,
     UnknownSchemeError,
     UnsafePathError,
 )
@@ -37,6 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendUnavailableError",
     "Checkpoint",
+    "CheckpointAbortedError",
     "CheckpointConfig",
     "CheckpointConflictError",
     "CheckpointCorruptError",
@@ -47,11 +51,13 @@ __all__ = [
     "InvalidConfigError",
     "MetadataError",
     "PermanentBackendError",
+    "RankTimeoutError",
     "RetryPolicy",
     "ScanResult",
     "StorageContext",
     "TransientBackendError",
     "TrialRunner",
+    "TrialStopped",
     "UnknownSchemeError",
     "UnsafePathError",
     "available_backends",

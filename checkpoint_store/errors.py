@@ -4,9 +4,30 @@ Every error raised on purpose by checkpoint-store derives from
 :class:`CheckpointStoreError`. Where the natural Python error type also fits
 (a bad argument is a ``ValueError``, a missing path a ``FileNotFoundError``),
 the class derives from both so that existing ``except`` clauses keep working.
+The one exception that is not an error, :class:`TrialStopped`, lives here too
+so that every exception checkpoint-store raises has one home; it derives from
+``BaseException`` on purpose (see its docstring).
 """
 
 from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "CheckpointAbortedError",
+    "CheckpointConflictError",
+    "CheckpointCorruptError",
+    "CheckpointNotFoundError",
+    "CheckpointStoreError",
+    "CredentialsExpiredError",
+    "InvalidConfigError",
+    "MetadataError",
+    "PermanentBackendError",
+    "RankTimeoutError",
+    "TransientBackendError",
+    "TrialStopped",
+    "UnknownSchemeError",
+    "UnsafePathError",
+]
 
 
 class CheckpointStoreError(Exception):
@@ -91,3 +112,48 @@ class PermanentBackendError(CheckpointStoreError, OSError):
 class CredentialsExpiredError(PermanentBackendError):
     """The storage credentials expired and rebuilding the filesystem from its
     backend factory (once) did not help. Refresh the credentials and retry."""
+
+
+class RankTimeoutError(CheckpointStoreError, TimeoutError):
+    """A multi-rank wait ran out of time: some ranks never wrote their part.
+
+    Raise ``sync_timeout_s`` in :func:`checkpoint_store.session.start` if the
+    ranks are only slow; otherwise look at the missing ranks' logs.
+
+    Attributes:
+        missing_ranks: the ranks that had not finished, sorted.
+        index: the checkpoint index waited for, or None for the run start.
+    """
+
+    def __init__(self, message: str, *, missing_ranks: list[int], index: int | None = None):
+        super().__init__(message)
+        self.missing_ranks = list(missing_ranks)
+        self.index = index
+
+
+class CheckpointAbortedError(CheckpointStoreError):
+    """A multi-rank checkpoint was not committed because some rank failed.
+
+    Raised on the ranks that did not fail themselves (a failing rank raises
+    its own error). Nothing of that index is committed; the next report with
+    a checkpoint uses the next index.
+
+    Attributes:
+        index: the checkpoint index that was abandoned.
+        failed_ranks: the ranks that reported a failure, sorted.
+    """
+
+    def __init__(self, message: str, *, index: int, failed_ranks: list[int]):
+        super().__init__(message)
+        self.index = index
+        self.failed_ranks = list(failed_ranks)
+
+
+class TrialStopped(BaseException):
+    """Raised inside ``train_fn`` by ``report()`` when its trial was stopped or paused.
+
+    It derives from ``BaseException`` (like ``KeyboardInterrupt``) so that an
+    ``except Exception:`` in user code does not swallow it: the function
+    unwinds, its ``finally`` blocks run, and the trial runner ends the thread
+    quietly. Do not catch it.
+    """

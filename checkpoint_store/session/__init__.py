@@ -25,13 +25,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from checkpoint_store.checkpoint import Checkpoint
-from checkpoint_store.errors import CheckpointStoreError
-from checkpoint_store.retention import CheckpointConfig
-from checkpoint_store.session._errors import (
+from checkpoint_store.errors import (
     CheckpointAbortedError,
+    CheckpointStoreError,
     RankTimeoutError,
     TrialStopped,
 )
+from checkpoint_store.retention import CheckpointConfig
 from checkpoint_store.session._session import AUTO_FILLED, Session, SessionContext
 from checkpoint_store.session._trial_runner import TrialRunner
 from checkpoint_store.storage import StorageContext

@@ -50,12 +50,13 @@ from checkpoint_store._layout import (
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
+    CheckpointAbortedError,
     CheckpointConflictError,
     CheckpointNotFoundError,
     CheckpointStoreError,
     InvalidConfigError,
+    RankTimeoutError,
 )
-from checkpoint_store.session._errors import CheckpointAbortedError, RankTimeoutError
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.transfer import copy_tree, read_internal_metadata
 

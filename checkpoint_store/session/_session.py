@@ -16,9 +16,8 @@ from checkpoint_store import _fsutil, _json
 from checkpoint_store._async import AsyncUploader
 from checkpoint_store._layout import checkpoint_dir_name
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
-from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
+from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError, TrialStopped
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
-from checkpoint_store.session._errors import TrialStopped
 from checkpoint_store.session._multirank import Coordinator
 from checkpoint_store.storage import ResultLog, StorageContext
 

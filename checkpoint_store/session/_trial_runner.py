@@ -18,9 +18,8 @@ from typing import Any
 from checkpoint_store import _json
 from checkpoint_store._layout import validate_component
 from checkpoint_store.checkpoint import Checkpoint
-from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
+from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError, TrialStopped
 from checkpoint_store.retention import CheckpointConfig
-from checkpoint_store.session._errors import TrialStopped
 from checkpoint_store.session._session import _check_checkpoint_config, _check_timeout
 
 _IDLE, _RUNNING, _FINISHED, _STOPPED, _PAUSED = "idle", "running", "finished", "stopped", "paused"
