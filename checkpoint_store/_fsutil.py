@@ -51,21 +51,56 @@ def read_bytes(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = No
 def list_dir(
     fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None
 ) -> list[pafs.FileInfo]:
-    """Direct children of ``path``; an empty list when it does not exist."""
+    """Direct children of ``path``; an empty list when it does not exist.
+
+    Raises:
+        PermanentBackendError: the listing names its entries in another form
+            than ``path`` (see :func:`_under`).
+    """
     sel = pafs.FileSelector(path, allow_not_found=True, recursive=False)
-    return _retry.call(lambda: fs.get_file_info(sel), policy=retry, what=f"list {path}")
+    infos = _retry.call(lambda: fs.get_file_info(sel), policy=retry, what=f"list {path}")
+    return _under(fs, path, infos)
 
 
 def list_tree(
     fs: pafs.FileSystem, root: str, *, retry: RetryPolicy | None = None
 ) -> list[pafs.FileInfo]:
     """Every entry under ``root`` (one recursive listing: one request series on
-    object stores); empty when it does not exist."""
+    object stores); empty when it does not exist.
+
+    Raises:
+        PermanentBackendError: as :func:`list_dir`.
+    """
     sel = pafs.FileSelector(root, allow_not_found=True, recursive=True)
-    return _retry.call(lambda: fs.get_file_info(sel), policy=retry, what=f"list {root}")
+    infos = _retry.call(lambda: fs.get_file_info(sel), policy=retry, what=f"list {root}")
+    return _under(fs, root, infos)
+
+
+def _under(fs: pafs.FileSystem, root: str, infos: list[pafs.FileInfo]) -> list[pafs.FileInfo]:
+    """``infos``, each checked to lie under ``root`` as spelled.
+
+    Paths are normalised once where they enter (``Backend.normalize_path``),
+    so a listing in another spelling means a backend whose ``normalize_path``
+    does not match its listings. Read on, it would turn names into paths
+    outside the directory (a manifest of absolute paths, a checkpoint that
+    reads as uncommitted): stop with the two spellings instead.
+    """
+    prefix = root.rstrip("/") + "/"
+    for fi in infos:
+        if not fi.path.startswith(prefix):
+            from checkpoint_store.errors import PermanentBackendError
+
+            raise PermanentBackendError(
+                f"listing {root!r} on {fs.type_name} returned {fi.path!r}, which is not "
+                "spelled under it; the backend's normalize_path must give paths as its "
+                "listings spell them"
+            )
+    return infos
 
 
 def relative(root: str, path: str) -> str:
+    """``path`` relative to ``root`` (``path`` must lie under it, as listings
+    from :func:`list_tree` do)."""
     prefix = root.rstrip("/") + "/"
     return path[len(prefix) :] if path.startswith(prefix) else path
 
@@ -90,7 +125,12 @@ def ensure_dir(
 
 
 def delete_dir(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> None:
-    """Delete ``path`` and everything under it; nothing happens if it is absent."""
+    """Delete ``path`` and everything under it; nothing happens if it is absent.
+
+    Raises:
+        PermanentBackendError: the filesystem reported success but ``path``
+            is still there (see :func:`_check_gone`).
+    """
 
     def _delete() -> None:
         try:
@@ -99,27 +139,49 @@ def delete_dir(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = No
                 return
             if fi.type == pafs.FileType.File:
                 fs.delete_file(path)
-                return
-            fs.delete_dir(path)
+            else:
+                fs.delete_dir(path)
         except FileNotFoundError:
-            return
+            pass
+        _check_gone(fs, path)
 
     _retry.call(_delete, policy=retry, what=f"delete {path}")
 
 
 def delete_file(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> None:
-    """Delete one file; nothing happens if it is absent."""
+    """Delete one file; nothing happens if it is absent.
+
+    Raises:
+        PermanentBackendError: as :func:`delete_dir`.
+    """
 
     def _delete() -> None:
         try:
             fs.delete_file(path)
         except FileNotFoundError:
-            return
+            pass
         except OSError:
             if fs.get_file_info(path).type != pafs.FileType.NotFound:
                 raise
+            return
+        _check_gone(fs, path)
 
     _retry.call(_delete, policy=retry, what=f"delete {path}")
+
+
+def _check_gone(fs: pafs.FileSystem, path: str) -> None:
+    """Raise unless ``path`` is gone: a delete that removed nothing where a
+    listing showed something is a failure, never a success. (fsspec reads
+    ``[``, ``*``, ``?`` as glob patterns, and some clients swallow per-key
+    errors of a bulk delete: both "succeed" and leave the path in place.)"""
+    if fs.get_file_info(path).type != pafs.FileType.NotFound:
+        from checkpoint_store.errors import PermanentBackendError
+
+        raise PermanentBackendError(
+            f"deleting {path!r} on {fs.type_name} reported success but it is still there; "
+            "nothing was counted as deleted. Check the store's permissions, or whether its "
+            "client reads [, * or ? in names as patterns"
+        )
 
 
 def move(fs: pafs.FileSystem, src: str, dst: str, *, retry: RetryPolicy | None = None) -> None:

@@ -454,11 +454,11 @@ class _Runner:
         out = []
         if fss is not None and _is_async(fss):
             paths = [self._src(rel) for rel, _ in items]
-            got = self.call(lambda: fss.cat(paths, on_error="raise"),
+            # cat_ranges, not cat: cat reads [, * and ? in a name as a glob
+            # pattern (and may return another file's bytes under that name).
+            got = self.call(lambda: fss.cat_ranges(paths, None, None, on_error="raise"),
                             f"download {len(paths)} files")
-            if not isinstance(got, dict):  # one path: fsspec returns the bytes
-                got = {paths[0]: got}
-            datas = [(rel, got[self._src(rel)]) for rel, _ in items]
+            datas = [(rel, data) for (rel, _), data in zip(items, got, strict=True)]
         else:
             def get(rel: str, size: int) -> Any:
                 # A random-access file knows its size: one ranged GET. (read()

@@ -363,10 +363,16 @@ def backend_for_filesystem(filesystem: Any) -> Backend:
 
     The instance is used as given for every I/O; only the capabilities are
     inferred from its type (and for fsspec filesystems, their protocol).
+    One exception: fsspec's local filesystem (bare or in a ``PyFileSystem``)
+    is the local disk, served by ``pyarrow.fs.LocalFileSystem`` like any
+    local path: its ``mv`` moves a directory *into* an existing one where a
+    commit needs the rename to fail, and it has no fsync.
 
     Raises:
         TypeError: not a pyarrow or fsspec filesystem.
     """
+    if _fsspec_local_disk(filesystem) is not None:
+        return backend_for_scheme("file", "file://", None)
     fs = wrap_filesystem(filesystem)
     # A handler over one of our backends (checkpoint_store.integrations.ray)
     # says which: its real capabilities, not a guess from the wrapper's type.
@@ -375,6 +381,21 @@ def backend_for_filesystem(filesystem: Any) -> Backend:
         if isinstance(inner, Backend):
             return inner
     return Backend(fs, **_describe(fs))
+
+
+def _fsspec_local_disk(filesystem: Any) -> Any | None:
+    """fsspec's own ``LocalFileSystem`` inside ``filesystem``, else None.
+    Subclasses may change behaviour and are used as given."""
+    inner = filesystem
+    if isinstance(filesystem, pafs.PyFileSystem) and isinstance(
+        filesystem.handler, pafs.FSSpecHandler
+    ):
+        inner = filesystem.handler.fs
+    try:
+        from fsspec.implementations.local import LocalFileSystem
+    except ImportError:  # pragma: no cover - fsspec is a core dependency
+        return None
+    return inner if type(inner) is LocalFileSystem else None
 
 
 def _describe(fs: pafs.FileSystem) -> dict[str, Any]:
@@ -388,9 +409,10 @@ def _describe(fs: pafs.FileSystem) -> dict[str, Any]:
         if proto == "memory":
             return {"scheme": "memory", "capabilities": MEMORY_CAPABILITIES, "name": "memory"}
         if proto in ("file", "local"):
-            caps = Capabilities(
-                atomic_rename=True, needs_fsync=True, directories=True, concurrency=4
-            )
+            # A subclass of fsspec's local filesystem (the class itself becomes
+            # pyarrow's LocalFileSystem): its mv moves a directory into an
+            # existing one instead of failing, so no rename commit.
+            caps = Capabilities(directories=True, concurrency=4)
             return {"scheme": "file", "capabilities": caps, "name": "fsspec:local"}
         return {
             "scheme": proto,
@@ -421,15 +443,18 @@ def resolve(
     Args:
         location: a local path (str or PathLike; ``~`` expanded, made
             absolute) or a URI (``file://``, ``memory://``, ``s3://`` ...).
-            With ``filesystem``, a path inside that filesystem, used as given
-            apart from a trailing ``/``.
+            With ``filesystem``, a path inside that filesystem. Either way the
+            path comes back as the filesystem's listings spell it
+            (:meth:`Backend.normalize_path`): ``bucket/runs/``, ``/bucket/runs``
+            and ``bucket/runs`` are one place.
         filesystem: a ``pyarrow.fs.FileSystem`` or fsspec filesystem instance;
             all I/O then goes through it.
         storage_options: passed to the backend factory (credentials,
             endpoint ...). Not allowed together with ``filesystem``.
 
     Raises:
-        InvalidConfigError: malformed URI or conflicting arguments.
+        InvalidConfigError: malformed URI, conflicting arguments, or a URI
+            given as the path inside a local filesystem.
         UnknownSchemeError, BackendUnavailableError: see :func:`backend_for_scheme`.
     """
     if filesystem is not None:
@@ -440,8 +465,11 @@ def resolve(
         path = _fspath(location)
         if not isinstance(path, str) or not path:
             raise InvalidConfigError("storage path inside the given filesystem must be non-empty")
-        stripped = path.rstrip("/") or "/"
-        return backend_for_filesystem(filesystem), stripped
+        local = _fsspec_local_disk(filesystem)
+        if local is not None:
+            path = local._strip_protocol(path)  # fsspec's spelling: "file://", "~"
+        backend = backend_for_filesystem(filesystem)
+        return backend, backend.normalize_path(path)
     path = _fspath(location)
     if not isinstance(path, str):
         raise InvalidConfigError(f"location must be a str or PathLike of str, got {path!r}")
@@ -457,7 +485,7 @@ def resolve(
     if scheme in ("file", "local"):
         fs_path = local_path_from_uri(path)
     else:
-        fs_path = backend.path_from_uri(path)
+        fs_path = backend.normalize_path(backend.path_from_uri(path))
     if not fs_path.strip("/") and not backend.capabilities.directories:
         raise InvalidConfigError(f"URI {path!r} names no bucket or container")
     return backend, fs_path

@@ -9,11 +9,15 @@ durability code test :class:`Capabilities` instead of concrete classes.
 from __future__ import annotations
 
 import datetime
+import os
 import posixpath
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from glob import has_magic
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 
@@ -75,6 +79,12 @@ class Backend:
 
     The repr shows the scheme, name and filesystem type only: credentials
     held by the filesystem or by ``rebuild`` never appear.
+
+    A ``PyFileSystem`` over pyarrow's stock ``FSSpecHandler`` is re-wrapped
+    around the same fsspec instance with :class:`LiteralFSSpecHandler`: the
+    stock handler lets fsspec read ``[``, ``*`` and ``?`` in a name as glob
+    patterns on deletes, copies and moves, and hands every reader of fsspec's
+    memory filesystem one shared file object.
     """
 
     filesystem: pafs.FileSystem
@@ -90,12 +100,32 @@ class Backend:
                 f"{type(self.filesystem).__name__}; wrap fsspec filesystems with "
                 "checkpoint_store.backends.wrap_filesystem()"
             )
+        fs = self.filesystem
+        if isinstance(fs, pafs.PyFileSystem) and type(fs.handler) is pafs.FSSpecHandler:
+            object.__setattr__(self, "filesystem", wrap_fsspec(fs.handler.fs))
 
     def __repr__(self) -> str:
         return (
             f"Backend(scheme={self.scheme!r}, name={self.name or self.scheme!r}, "
             f"filesystem={type(self.filesystem).__name__})"
         )
+
+    def normalize_path(self, path: str) -> str:
+        """The one spelling of ``path`` that this filesystem's listings use.
+
+        Every path that enters from a user (a URI's path, a ``storage_path``
+        inside a given filesystem) passes here once; every layer above
+        compares only such paths, and paths joined onto them, with what
+        listings return. ``"bucket/runs"``, ``"bucket/runs/"`` and
+        ``"/bucket/runs"`` name one place on fsspec's memory filesystem, and
+        its listings say ``/bucket/runs/...``; on object stores listings say
+        ``bucket/runs/...``; on local disks paths are absolute. A plugin
+        whose filesystem spells paths in yet another way overrides this.
+
+        Raises:
+            InvalidConfigError: a local disk was given a URI instead of a path.
+        """
+        return canonical_path(self.filesystem, path)
 
     def path_from_uri(self, uri: str) -> str:
         """The filesystem path for ``uri`` (``s3://b/k`` -> ``b/k``).
@@ -123,13 +153,84 @@ def join(path: str, *parts: str) -> str:
     return posixpath.join(path, *parts)
 
 
-class ListingFSSpecHandler(pafs.FSSpecHandler):
-    """``pyarrow.fs.FSSpecHandler`` whose non-recursive listings list one level.
+_OBJECT_STORE_TYPES = frozenset({"s3", "gcs", "abfs"})
 
-    pyarrow lists a directory with ``fs.find(path, maxdepth=1)``; some fsspec
-    filesystems (adlfs) ignore ``maxdepth`` and walk the whole subtree, so
-    listing a trial of many checkpoints read every blob name under it. A
-    delimiter listing (``fs.ls``) costs one request per 5000 entries instead.
+
+def canonical_path(fs: pafs.FileSystem, path: str) -> str:
+    """``path`` spelled as ``fs``'s listings spell it (see :meth:`Backend.normalize_path`).
+
+    Local disks: absolute and normalised. Object stores (pyarrow's S3, GCS
+    and Azure clients, and handlers that say so): no leading or trailing
+    ``/``. fsspec filesystems: stripped of their protocol, with fsspec's own
+    root marker (``/`` for memory, nothing for buckets) in front. Any other
+    handler: its own ``normalize_path``, without a trailing ``/``.
+    """
+    if isinstance(fs, pafs.LocalFileSystem):
+        if "://" in path:
+            from checkpoint_store.errors import InvalidConfigError
+
+            raise InvalidConfigError(
+                f"{path!r} is a URI; a local filesystem takes a path. Pass the URI as "
+                "storage_path without a filesystem instance, or give the path alone"
+            )
+        return os.path.abspath(os.path.expanduser(path))
+    if isinstance(fs, pafs.SubTreeFileSystem):
+        return path.strip("/")
+    if isinstance(fs, pafs.PyFileSystem):
+        normalized = fs.normalize_path(path)
+        if isinstance(fs.handler, (LiteralFSSpecHandler, MarkerFreeDeletesHandler)):
+            return normalized
+        return normalized.rstrip("/") or "/"
+    if fs.type_name in _OBJECT_STORE_TYPES:
+        return path.strip("/")
+    return path.rstrip("/") or "/"
+
+
+def _literal_rm_files(fs: Any, paths: list[str]) -> None:
+    """Delete exactly the files ``paths`` through fsspec, whatever their names hold.
+
+    fsspec's ``rm`` expands a path holding ``[``, ``*`` or ``?`` as a glob
+    pattern, so deleting ``t[x]/a`` would delete ``tx/a``. Paths without
+    such characters go to ``rm`` in one call (one bulk request on S3 and
+    GCS); the others one by one through ``rm_file``, which never expands.
+    """
+    plain = [p for p in paths if not has_magic(p)]
+    magic = [p for p in paths if has_magic(p)]
+    if plain:
+        fs.rm(plain)
+    if len(magic) == 1:
+        fs.rm_file(magic[0])
+    elif magic:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(fs.rm_file, magic))
+
+
+def _literal_rm_tree(fs: Any, files: Iterable[str], dirs: Iterable[str]) -> None:
+    """Delete ``files``, then the ``dirs`` that still exist, deepest first
+    (stores with real directories; on object stores they vanish with their files)."""
+    _literal_rm_files(fs, list(files))
+    for d in sorted(dirs, key=lambda p: p.count("/"), reverse=True):
+        if fs.exists(d):
+            fs.rmdir(d)
+
+
+class LiteralFSSpecHandler(pafs.FSSpecHandler):
+    """``pyarrow.fs.FSSpecHandler`` for our use: names are literal, readers
+    independent, listings one level deep.
+
+    * Literal names. The stock handler deletes, copies and moves through
+      fsspec calls that read ``[``, ``*`` and ``?`` as glob patterns: deleting
+      trial ``t[x]`` deleted trial ``tx``. Paths holding those characters
+      take literal calls here (``find``, ``rm_file``, ``cp_file``).
+    * Independent readers. fsspec's memory filesystem hands every reader of
+      a path the same file object, so concurrent readers moved each other's
+      position; each reader here gets its own immutable buffer.
+    * One-level listings. pyarrow lists a directory with
+      ``fs.find(path, maxdepth=1)``; some fsspec filesystems (adlfs) ignore
+      ``maxdepth`` and walk the whole subtree. A delimiter listing (``fs.ls``)
+      costs one request per 5000 entries instead.
+    * One spelling: :meth:`normalize_path` gives a path as this store's
+      listings spell it.
     """
 
     def __eq__(self, other: object) -> bool:
@@ -161,6 +262,19 @@ class ListingFSSpecHandler(pafs.FSSpecHandler):
             return fi
         return pafs.FileInfo(fi.path, fi.type, size=fi.size, mtime=stamp)
 
+    def normalize_path(self, path: str) -> str:
+        # Only the protocol prefix is cut here: implementations' own
+        # _strip_protocol also parse '?' or '#' (versions) out of a key.
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (
+            self.fs.protocol,)
+        for proto in protocols:
+            if path.startswith(f"{proto}://"):
+                path = path[len(proto) + 3:]
+                break
+        stripped = path.strip("/")
+        root = getattr(self.fs, "root_marker", "") or ""
+        return root + stripped if stripped else root or "/"
+
     def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
         if selector.recursive:
             return super().get_file_info_selector(selector)
@@ -182,6 +296,74 @@ class ListingFSSpecHandler(pafs.FSSpecHandler):
                 return []
             raise FileNotFoundError(base)
         return infos
+
+    def delete_dir(self, path: str) -> None:
+        if not has_magic(path):
+            return super().delete_dir(path)
+        if not self.fs.isdir(path):
+            raise FileNotFoundError(path)
+        found = self.fs.find(path, withdirs=True, detail=True)
+        files = [p for p, i in found.items() if i.get("type") != "directory"]
+        dirs = [p for p, i in found.items() if i.get("type") == "directory"]
+        _literal_rm_tree(self.fs, files, [*dirs, path])
+
+    def _delete_dir_contents(self, path: str, missing_dir_ok: bool) -> None:
+        try:
+            found = self.fs.find(path, withdirs=True, detail=True)
+        except FileNotFoundError:
+            found = {}
+        if not found and not self.fs.isdir(path):
+            if missing_dir_ok:
+                return
+            raise FileNotFoundError(path)
+        stripped = path.strip("/")
+        found = {p: i for p, i in found.items() if p.strip("/") != stripped}
+        files = [p for p, i in found.items() if i.get("type") != "directory"]
+        dirs = [p for p, i in found.items() if i.get("type") == "directory"]
+        _literal_rm_tree(self.fs, files, dirs)
+
+    def delete_file(self, path: str) -> None:
+        if not self.fs.isfile(path):
+            raise FileNotFoundError(path)
+        self.fs.rm_file(path)
+
+    def move(self, src: str, dest: str) -> None:
+        if not (has_magic(src) or has_magic(dest)):
+            return super().move(src, dest)
+        if self.fs.isfile(src):
+            self.fs.cp_file(src, dest)
+            self.fs.rm_file(src)
+            return
+        found = self.fs.find(src, detail=True)
+        if not found:
+            raise FileNotFoundError(src)
+        prefix = src.rstrip("/") + "/"
+        for p in found:
+            self.fs.cp_file(p, dest.rstrip("/") + "/" + p[len(prefix):])
+        self.delete_dir(src)
+
+    def copy_file(self, src: str, dest: str) -> None:
+        if not (has_magic(src) or has_magic(dest)):
+            return super().copy_file(src, dest)
+        if not self.fs.isfile(src):
+            raise FileNotFoundError(src)
+        self.fs.cp_file(src, dest)
+
+    def _own_view(self, path: str) -> Any:
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        if isinstance(self.fs, MemoryFileSystem):
+            # cat_file copies the bytes; the shared file object is never touched.
+            return pa.BufferReader(self.fs.cat_file(path))
+        return None
+
+    def open_input_stream(self, path: str) -> Any:
+        view = self._own_view(path)
+        return view if view is not None else super().open_input_stream(path)
+
+    def open_input_file(self, path: str) -> Any:
+        view = self._own_view(path)
+        return view if view is not None else super().open_input_file(path)
 
 
 def _modified(info: Mapping[str, Any]) -> datetime.datetime | None:
@@ -235,7 +417,7 @@ class MarkerFreeDeletesHandler(pafs.FileSystemHandler):
         return self.type_name
 
     def normalize_path(self, path: str) -> str:
-        return self.native.normalize_path(path)
+        return self.native.normalize_path(path).strip("/")
 
     def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
         return self.native.get_file_info(paths)
@@ -249,13 +431,19 @@ class MarkerFreeDeletesHandler(pafs.FileSystemHandler):
     def delete_dir(self, path: str) -> None:
         if self.native.get_file_info(path).type == pafs.FileType.NotFound:
             raise FileNotFoundError(path)
-        self.deleter.rm(path.rstrip("/"), recursive=True)
+        if not has_magic(path):
+            self.deleter.rm(path.rstrip("/"), recursive=True)
+            return
+        # fsspec would read the name as a glob pattern: list (pyarrow lists
+        # literally) and delete each key by its name.
+        self.delete_dir_contents(path)
 
     def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
-        infos = self.native.get_file_info(pafs.FileSelector(path, allow_not_found=missing_dir_ok))
-        keys = [fi.path for fi in infos]
-        if keys:
-            self.deleter.rm(keys, recursive=True)
+        infos = self.native.get_file_info(
+            pafs.FileSelector(path, allow_not_found=missing_dir_ok, recursive=True)
+        )
+        _literal_rm_files(self.deleter, [fi.path for fi in infos
+                                         if fi.type == pafs.FileType.File])
 
     def delete_root_dir_contents(self) -> None:
         raise OSError("refusing to delete every bucket or container of an account")
@@ -291,8 +479,8 @@ class MarkerFreeDeletesHandler(pafs.FileSystemHandler):
 
 
 def wrap_fsspec(fs: Any) -> pafs.FileSystem:
-    """``pyarrow.fs.PyFileSystem(ListingFSSpecHandler(fs))`` for an fsspec filesystem."""
-    return pafs.PyFileSystem(ListingFSSpecHandler(fs))
+    """``pyarrow.fs.PyFileSystem(LiteralFSSpecHandler(fs))`` for an fsspec filesystem."""
+    return pafs.PyFileSystem(LiteralFSSpecHandler(fs))
 
 
 def wrap_filesystem(filesystem: Any) -> pafs.FileSystem:

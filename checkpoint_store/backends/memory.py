@@ -2,6 +2,8 @@
 
 Its contents are shared by every ``memory://`` URI in the process, as in
 fsspec; they vanish when the process ends. Meant for tests and notebooks.
+Wrapped with :class:`~checkpoint_store.backends.base.LiteralFSSpecHandler`:
+names are literal, and each reader gets its own view of a file.
 """
 
 from __future__ import annotations
@@ -9,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import pyarrow.fs as pafs
-
-from checkpoint_store.backends.base import MEMORY_CAPABILITIES, Backend
+from checkpoint_store.backends.base import MEMORY_CAPABILITIES, Backend, wrap_fsspec
 
 
 def memory_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:
@@ -25,7 +25,7 @@ def memory_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:
             f"memory storage takes no storage_options, got {sorted(storage_options)}"
         )
     return Backend(
-        pafs.PyFileSystem(pafs.FSSpecHandler(MemoryFileSystem())),
+        wrap_fsspec(MemoryFileSystem()),
         scheme="memory",
         capabilities=MEMORY_CAPABILITIES,
         name="memory",
