@@ -59,7 +59,8 @@ def test_construct_from_path_uri_and_filesystems(tmp_path):
     assert Checkpoint(f"file://{tmp_path}").path == str(tmp_path)
     assert Checkpoint(tmp_path).path == str(tmp_path)  # PathLike
     c = Checkpoint("bucket/x/", filesystem=pafs.LocalFileSystem())
-    assert c.path == "bucket/x"  # used as given, only the trailing slash goes
+    # Spelled as the local disk's listings spell it: absolute, no trailing slash.
+    assert c.path == os.path.abspath("bucket/x")
     m = Checkpoint("/some/dir", filesystem=fsspec.filesystem("memory"))
     assert isinstance(m.filesystem, pafs.PyFileSystem)
     assert Checkpoint("memory://a/b").uri == "memory://a/b"

@@ -35,10 +35,11 @@ def test_file_and_memory_uris():
     assert s.uri(s.trial_path) == "memory://bucket/root/e/t"
 
 
-def test_injected_filesystem_path_used_as_given():
+def test_injected_filesystem_is_used_and_its_path_spelled_as_it_lists():
     fs = pafs.LocalFileSystem()
     s = StorageContext("relative/dir/", "e", "t", storage_filesystem=fs)
-    assert s.storage_path == "relative/dir"  # never made absolute
+    # A local disk lists absolute paths; a relative one would also move with os.chdir().
+    assert s.storage_path == os.path.abspath("relative/dir")
     assert s.filesystem is fs
 
 
