@@ -68,6 +68,7 @@ __all__ = [
     "CheckpointRecord",
     "LEASE_FILE",
     "lookup_metric",
+    "rank_key",
     "score_of",
     "select_kept",
 ]
@@ -255,19 +256,25 @@ class _Entry:
     metrics: Mapping[str, Any]
 
 
+def rank_key(score: float | None, index: int, order: str = "max") -> tuple[int, float, int]:
+    """The manager's rank of one checkpoint; bigger is better.
+
+    Numbers rank above missing (None) scores, then the score in ``order``'s
+    direction (``"max"``: higher is better, anything else: lower), then the
+    newer index, so ties go to the newer checkpoint. ``max(..., key=...)`` over
+    this picks what the manager calls the best checkpoint.
+    """
+    if score is None:
+        return (0, 0.0, index)
+    return (1, score if order == "max" else -score, index)
+
+
 def _rank_key(config: CheckpointConfig) -> Callable[[_Entry], tuple[int, float, int]]:
-    """Bigger is better: numbers above missing scores, then the score in the
-    configured direction, then the newer index (ties go to the newer)."""
+    """:func:`rank_key` under ``config``; without a score attribute the index is the score."""
     if config.checkpoint_score_attribute is None:
-        return lambda e: (1, float(e.index), e.index)
-    sign = 1.0 if config.checkpoint_score_order == "max" else -1.0
-
-    def key(e: _Entry) -> tuple[int, float, int]:
-        if e.score is None:
-            return (0, 0.0, e.index)
-        return (1, sign * e.score, e.index)
-
-    return key
+        return lambda e: rank_key(float(e.index), e.index)
+    order = config.checkpoint_score_order
+    return lambda e: rank_key(e.score, e.index, order)
 
 
 class _Selection:

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from checkpoint_store.cli import _common, _storage_option
+from checkpoint_store.cli import common_options, storage_option
 
 _INSTALL_HINT = "install it with: pip install 'checkpoint-store[ui]'"
 
@@ -38,7 +38,7 @@ def _is_loopback(host: str) -> bool:
 
 @click.command("ui")
 @click.argument("location")
-@_storage_option()
+@storage_option()
 @click.option("--host", default=None, metavar="ADDRESS",
               help="Address to listen on (default 127.0.0.1: this machine only). Any other "
                    "address lets whoever reaches it read the metadata; a warning says so.")
@@ -47,7 +47,7 @@ def _is_loopback(host: str) -> bool:
 @click.option("--open", "open_browser", is_flag=True, help="Open the page in a web browser.")
 @click.option("--refresh", type=click.FloatRange(min=0.2), default=2.0, show_default=True,
               metavar="SECONDS", help="How often an open page looks for new reports.")
-@_common
+@common_options
 def ui_cmd(location: str, storage_options: dict[str, Any], host: str | None, port: int,
            open_browser: bool, refresh: float) -> None:
     """Serve a read-only web page over the checkpoints under LOCATION.
@@ -94,7 +94,7 @@ def ui_cmd(location: str, storage_options: dict[str, Any], host: str | None, por
 
 @click.command("plot")
 @click.argument("trials", nargs=-1, required=True)
-@_storage_option("--storage-option", "storage_options")
+@storage_option("--storage-option", "storage_options")
 @click.option("--metric", default=None, metavar="NAME",
               help="Metric to plot; nested metrics use '/'. Default: the first trial's "
                    "retention score attribute.")
@@ -103,7 +103,7 @@ def ui_cmd(location: str, storage_options: dict[str, Any], host: str | None, por
                                       "seconds since the trial started (time_total_s).")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="Image to write: .png or .svg (.pdf works too).")
-@_common
+@common_options
 def plot_cmd(trials: tuple[str, ...], storage_options: dict[str, Any], metric: str | None,
              x_axis: str, output: str) -> None:
     """Plot TRIAL...'s metric curves with their checkpoints marked, as an image.

@@ -14,7 +14,7 @@ directories not seen before. A full refresh (``full=True``, a page load)
 reads everything again.
 
 Where each answer comes from: the location kind and trial listing are the
-CLI's (:mod:`checkpoint_store.cli`); committed checkpoints are those with a
+CLI's (:mod:`checkpoint_store.cli.locations`); committed checkpoints are those with a
 valid commit marker (:func:`~checkpoint_store.transfer.read_internal_metadata`,
 the rule of :meth:`StorageContext.committed_checkpoints`); "best" is
 :func:`~checkpoint_store.retention.select_kept` under the trial's recorded
@@ -37,7 +37,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from checkpoint_store import _fsutil, _json
-from checkpoint_store import cli as _cli
 from checkpoint_store._layout import (
     ERROR_FILE,
     INTERNAL_PREFIX,
@@ -46,6 +45,14 @@ from checkpoint_store._layout import (
     RESULT_FILE,
     parse_checkpoint_dir_name,
     validate_component,
+)
+from checkpoint_store.cli.locations import (
+    classify,
+    describe_kind,
+    list_entries,
+    manifest_size,
+    resolve_location,
+    trials_under,
 )
 from checkpoint_store.errors import (
     CheckpointCorruptError,
@@ -100,21 +107,21 @@ class StoreView:
     """
 
     def __init__(self, location: str, storage_options: Mapping[str, Any] | None = None):
-        loc = _cli._resolve(location, dict(storage_options or {}))
-        kind = _cli._kind(loc)
+        loc = resolve_location(location, dict(storage_options or {}))
+        kind = classify(loc)
         self.scope_experiment: str | None = None
         self.scope_trial: str | None = None
         if kind == "trial":
-            self.scope_experiment, self.scope_trial = _parent(loc).name, loc.name
-            self._root = _parent(_parent(loc))
+            self.scope_experiment, self.scope_trial = loc.parent.name, loc.name
+            self._root = loc.parent.parent
         elif kind == "experiment":
             self.scope_experiment = loc.name
-            self._root = _parent(loc)
+            self._root = loc.parent
         elif kind in ("root", "empty"):
             self._root = loc
         else:
             raise InvalidConfigError(
-                f"{loc.uri} is {_cli._describe_kind(kind)}; `ui` shows a storage root, an "
+                f"{loc.uri} is {describe_kind(kind)}; `ui` shows a storage root, an "
                 "experiment or a trial (pass the trial directory to see a checkpoint)"
             )
         self.uri = loc.uri
@@ -131,14 +138,14 @@ class StoreView:
             names = [self.scope_experiment]
         else:
             # Dot-named experiments too, as every walk of a root (docs/format.md).
-            names = [n for n, is_dir in _cli._entries(self._root)
+            names = [n for n, is_dir in list_entries(self._root)
                      if is_dir and not n.startswith(INTERNAL_PREFIX)]
         out: dict[str, list[str]] = {}
         for exp in names:
             if self.scope_trial is not None:
                 trials = [self.scope_trial]
             else:
-                trials = [t.name for t in _cli._trials_under(self._root.child(exp), "experiment")]
+                trials = [t.name for t in trials_under(self._root.child(exp), "experiment")]
             if trials:
                 out[exp] = trials
         self._known = out
@@ -253,7 +260,7 @@ class StoreView:
             "mode": config.checkpoint_score_order if config else None,
             "best_checkpoint": best[0] if best else None,
             "best_score": best[1] if best else None,
-            "size": sum(_cli._manifest_size(m) for m in cache.metas.values()),
+            "size": sum(manifest_size(m) for m in cache.metas.values()),
             "last_report": last if isinstance(last, (int, float)) else None,
             "params": _flatten(cache.params or {}),
         }
@@ -292,7 +299,7 @@ class StoreView:
             "experiment": experiment, "trial": trial, "name": name, "uri": ckpt.uri,
             "state": insp.state, "reason": insp.reason, "file": insp.file,
             "manifest": list(meta.get("manifest", [])),
-            "size": _cli._manifest_size(meta),
+            "size": manifest_size(meta),
             "user_metadata": user, "internal_metadata": internal,
             "snippets": _snippets(ckpt.uri, name),
         }
@@ -317,15 +324,11 @@ class StoreView:
             return {"ok": False, "error": str(exc), "file": None}
         meta = ckpt.internal_metadata
         return {"ok": True, "files": len(meta.get("manifest", [])),
-                "bytes": _cli._manifest_size(meta),
+                "bytes": manifest_size(meta),
                 "seconds": round(time.monotonic() - start, 3)}
 
 
 # -- helpers ---------------------------------------------------------------------------
-
-
-def _parent(loc: Any) -> Any:
-    return type(loc)(loc.backend, posixpath.dirname(loc.path.rstrip("/")))
 
 
 def _require_checkpoint_name(name: str) -> None:
@@ -452,7 +455,7 @@ def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
             "name": name, "index": meta["index"], "kind": kind, "is_best": name == first,
             "is_latest": name == latest,
             "score": _score(meta.get("metrics") or {}, attr),
-            "size": _cli._manifest_size(meta), "files": len(meta.get("manifest", [])),
+            "size": manifest_size(meta), "files": len(meta.get("manifest", [])),
             "created_at": meta.get("created_at"),
             "iteration": row.get("training_iteration"),
         })

@@ -31,7 +31,7 @@ from typing import Any
 
 from flask import Flask, Response, request, send_from_directory
 
-from checkpoint_store.cli import _json_safe
+from checkpoint_store.cli.output import json_safe
 from checkpoint_store.errors import (
     CheckpointNotFoundError,
     CheckpointStoreError,
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 def _reply(obj: Any, status: int = 200) -> Response:
     # Strict JSON: a NaN metric becomes null (the browser's JSON.parse rejects NaN).
-    body = json.dumps(_json_safe(obj), allow_nan=False)
+    body = json.dumps(json_safe(obj), allow_nan=False)
     return Response(body, status=status, mimetype="application/json")
 
 

@@ -76,11 +76,12 @@ def checkpoint_score_line(backend: Any, checkpoint_path: str, *,
                           unicode: bool = True) -> str | None:
     """The :func:`score_line` of the trial holding the checkpoint at ``checkpoint_path``,
     by the trial's recorded score attribute; None when there is none or no report."""
-    from checkpoint_store import cli
+    from checkpoint_store.cli.locations import Location, storage_context
+    from checkpoint_store.cli.scores import score_attribute
 
-    trial = cli._Location(backend, posixpath.dirname(checkpoint_path.rstrip("/")))
-    metric, _ = cli._score_attribute(trial)
-    ctx = cli._storage_context(trial, strict=False)
+    trial = Location(backend, posixpath.dirname(checkpoint_path.rstrip("/")))
+    metric, _ = score_attribute(trial)
+    ctx = storage_context(trial, strict=False)
     if metric is None or ctx is None:
         return None
     rows = ctx.read_results()

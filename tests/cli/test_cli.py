@@ -478,7 +478,7 @@ def test_transfers_are_silent_when_stdout_is_not_a_terminal(tmp_path) -> None:
 
 
 def test_progress_bar_counts_every_byte_on_a_terminal(tmp_path, monkeypatch) -> None:
-    from checkpoint_store import _cli_progress
+    from checkpoint_store.cli import progress as _cli_progress
 
     monkeypatch.setattr(_cli_progress, "_stdout_is_terminal", lambda: True)
     payload = os.urandom(300_000)
@@ -534,7 +534,7 @@ def test_cp_corrupt_large_source_file_is_not_left_committed(tmp_path) -> None:
 
 
 def test_download_progress_counts_ranged_reads(tmp_path, monkeypatch) -> None:
-    from checkpoint_store import _cli_progress
+    from checkpoint_store.cli import progress as _cli_progress
 
     local = Store(str(tmp_path / "local"))
     payload = os.urandom(9 * 1024 * 1024 + 5)

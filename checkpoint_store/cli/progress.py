@@ -1,4 +1,4 @@
-"""Byte counting and progress bars for the command line's transfers.
+"""Byte counting and progress bars for the command line's transfers (and ``verify``).
 
 The transfer layer copies through ``pyarrow.fs`` streams. To show bytes/s and
 an ETA without changing it, the CLI hands it a source filesystem wrapped in
@@ -6,10 +6,16 @@ an ETA without changing it, the CLI hands it a source filesystem wrapped in
 the file's manifest entry is known, its CRC32C is checked at end of file, so
 a corrupt source fails the copy *before* anything is committed at the
 destination.
+
+:func:`progress_bar` and :func:`counting_location` are what the commands
+call; :class:`Progress` is looked up when a bar starts, so a test can
+replace it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import posixpath
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -19,12 +25,26 @@ import google_crc32c
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from checkpoint_store.cli import quiet
+from checkpoint_store.cli.locations import Location
 from checkpoint_store.errors import CheckpointCorruptError
 
+__all__ = [
+    "Expected",
+    "Progress",
+    "counting_filesystem",
+    "counting_location",
+    "expected_files",
+    "progress_bar",
+]
 
-class _CountingReader:
-    """A file-like reader that reports bytes read and, given the manifest entry,
-    checks size and CRC32C once the whole file has passed."""
+#: ``{absolute path: (relative path, size, crc32c hex)}`` of a checkpoint's files.
+Expected = Mapping[str, tuple[str, int, str]]
+
+
+class _CountedFile:
+    """What both counting readers share: the wrapped file, the byte callback,
+    the manifest entry and the check against it."""
 
     def __init__(
         self,
@@ -38,42 +58,27 @@ class _CountingReader:
         self._on_bytes = on_bytes
         self._expected = expected  # (relative path, size, crc32c hex)
         self._crc = 0
-        self._size = 0
+        self._seen = 0  # bytes that went into the running CRC32C
         self.closed = False
 
-    def read(self, n: int | None = -1) -> bytes:
-        whole = n is None or n < 0
-        data = self._inner.read() if whole else self._inner.read(n)
-        if data:
-            self._size += len(data)
-            if self._expected is not None:
-                self._crc = google_crc32c.extend(self._crc, data)
-            if self._on_bytes is not None:
-                self._on_bytes(len(data))
-        # Check as soon as the expected size is reached (callers that know the
-        # size never ask for EOF), on a read-everything call, and at EOF.
-        if self._expected is not None and (
-            whole or not data or self._size >= self._expected[1]
-        ):
-            self._check()
-        return data
+    def _count(self, data: bytes) -> None:
+        if data and self._on_bytes is not None:
+            self._on_bytes(len(data))
 
-    def _check(self) -> None:
+    def _check(self, got_size: int) -> None:
+        """Raise unless ``got_size`` bytes with the running CRC32C match the entry."""
         assert self._expected is not None
         rel, size, crc = self._expected
         got = f"{self._crc:08x}"
-        if self._size != size or got != crc:
+        if got_size != size or got != crc:
             raise CheckpointCorruptError(
                 f"file {rel!r} does not match the checkpoint's manifest (size "
-                f"{self._size} vs {size}, crc32c {got} vs {crc})",
+                f"{got_size} vs {size}, crc32c {got} vs {crc})",
                 path=self._path, file=rel,
             )
 
     def readable(self) -> bool:
         return True
-
-    def seekable(self) -> bool:
-        return False
 
     def close(self) -> None:
         if not self.closed:
@@ -81,7 +86,31 @@ class _CountingReader:
             self._inner.close()
 
 
-class _CountingRandomReader:
+class _CountingReader(_CountedFile):
+    """A file-like reader that reports bytes read and, given the manifest entry,
+    checks size and CRC32C once the whole file has passed."""
+
+    def read(self, n: int | None = -1) -> bytes:
+        whole = n is None or n < 0
+        data = self._inner.read() if whole else self._inner.read(n)
+        if data:
+            self._seen += len(data)
+            if self._expected is not None:
+                self._crc = google_crc32c.extend(self._crc, data)
+            self._count(data)
+        # Check as soon as the expected size is reached (callers that know the
+        # size never ask for EOF), on a read-everything call, and at EOF.
+        if self._expected is not None and (
+            whole or not data or self._seen >= self._expected[1]
+        ):
+            self._check(self._seen)
+        return data
+
+    def seekable(self) -> bool:
+        return False
+
+
+class _CountingRandomReader(_CountedFile):
     """A seekable reader (for ``read_at``) that reports bytes read.
 
     When the reads of one open file cover it in order from offset 0 (a small
@@ -93,36 +122,23 @@ class _CountingRandomReader:
 
     def __init__(self, inner: Any, path: str, on_bytes: Callable[[int], None] | None,
                  expected: tuple[str, int, str] | None):
-        self._inner = inner
-        self._path = path
-        self._on_bytes = on_bytes
-        self._expected = expected
+        super().__init__(inner, path, on_bytes, expected)
+        # Checked only while reads go on in order: the next one starts at _seen.
         self._in_order = expected is not None
-        self._pos = 0          # where the next in-order read must start
-        self._crc = 0
-        self.closed = False
 
     def read(self, n: int | None = -1) -> bytes:
         start = self._inner.tell()
         data = self._inner.read(n) if n is not None and n >= 0 else self._inner.read()
-        if data and self._on_bytes is not None:
-            self._on_bytes(len(data))
+        self._count(data)
         if self._in_order and data:
-            if start != self._pos:
+            if start != self._seen:
                 self._in_order = False
             else:
                 self._crc = google_crc32c.extend(self._crc, data)
-                self._pos += len(data)
+                self._seen += len(data)
                 assert self._expected is not None
-                rel, size, crc = self._expected
-                if self._pos >= size:
-                    got = f"{self._crc:08x}"
-                    if self._pos != size or got != crc:
-                        raise CheckpointCorruptError(
-                            f"file {rel!r} does not match the checkpoint's manifest (size "
-                            f"{self._pos} vs {size}, crc32c {got} vs {crc})",
-                            path=self._path, file=rel,
-                        )
+                if self._seen >= self._expected[1]:
+                    self._check(self._seen)
                     self._in_order = False  # checked; later reads are just counted
         return data
 
@@ -135,16 +151,8 @@ class _CountingRandomReader:
     def size(self) -> int:
         return self._inner.size()
 
-    def readable(self) -> bool:
-        return True
-
     def seekable(self) -> bool:
         return True
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._inner.close()
 
 
 class _CountingHandler(pafs.FileSystemHandler):
@@ -161,7 +169,7 @@ class _CountingHandler(pafs.FileSystemHandler):
         self,
         fs: pafs.FileSystem,
         on_bytes: Callable[[int], None] | None,
-        expected: Mapping[str, tuple[str, int, str]] | None = None,
+        expected: Expected | None = None,
         track: Callable[[str], bool] | None = None,
     ):
         self.fs = fs
@@ -239,11 +247,32 @@ class _CountingHandler(pafs.FileSystemHandler):
 def counting_filesystem(
     fs: pafs.FileSystem,
     on_bytes: Callable[[int], None] | None,
-    expected: Mapping[str, tuple[str, int, str]] | None = None,
+    expected: Expected | None = None,
     track: Callable[[str], bool] | None = None,
 ) -> pafs.FileSystem:
     """``fs`` with counted (and, for ``expected`` files, checksum-checked) reads."""
     return pafs.PyFileSystem(_CountingHandler(fs, on_bytes, expected, track))
+
+
+def counting_location(loc: Location, on_bytes: Callable[[int], None],
+                      expected: Expected | None = None,
+                      track: Callable[[str], bool] | None = None) -> Location:
+    """``loc`` on a backend whose reads are counted (:func:`counting_filesystem`):
+    every file in ``expected`` (or accepted by ``track``) reports its bytes to
+    ``on_bytes``; those in ``expected`` are checked against size and CRC32C."""
+    fs = counting_filesystem(loc.fs, on_bytes, expected, track)
+    return Location(dataclasses.replace(loc.backend, filesystem=fs), loc.path)
+
+
+def expected_files(loc: Location, meta: Mapping[str, Any]) -> dict[str, tuple[str, int, str]]:
+    """The manifest of internal metadata ``meta`` keyed by absolute path under ``loc``."""
+    return {posixpath.join(loc.path, e["path"]): (e["path"], int(e["size"]), e["crc32c"])
+            for e in meta.get("manifest", [])}
+
+
+def progress_bar(description: str, total: int | None) -> Progress:
+    """A :class:`Progress` for the running command: none under ``--quiet``."""
+    return Progress(description, total, enabled=not quiet())
 
 
 def _stdout_is_terminal() -> bool:

@@ -1,0 +1,319 @@
+"""The ``checkpoint-store`` command line: inspect, copy, verify and prune checkpoints.
+
+Every location argument is a local path or any backend URI (``s3://``,
+``az://``, ``gs://``, ``memory://`` ...). Backend options (endpoint,
+credentials) come from ``-o/--storage-option KEY=VALUE`` or from the usual
+environment variables each backend reads (``AWS_*``, ``AZURE_STORAGE_*``,
+``GOOGLE_APPLICATION_CREDENTIALS``).
+
+Exit codes: 0 success, 1 failure (not found, corrupt, I/O), 2 usage error
+(bad arguments, unknown scheme, invalid configuration). Errors print as one
+line with a hint; ``--debug`` adds the traceback.
+
+This module owns the command group :func:`main`, the options every command
+shares (:func:`common_options`, :func:`storage_option`) and the mapping of
+errors to one line and an exit code. Where the rest lives:
+
+* :mod:`.locations`: what a URI points at (root, experiment, trial, checkpoint ...);
+* :mod:`.scores`: the metrics and score attribute stored with checkpoints;
+* :mod:`.output`: tables, JSON, sizes and times as printed;
+* :mod:`.progress`: byte counting and progress bars of transfers;
+* one module per command group: :mod:`.inspection` (ls, show, best, verify),
+  :mod:`.transfers` (download, upload, cp), :mod:`.maintenance` (prune, gc),
+  :mod:`.backends`, :mod:`.demo`; ``ui`` and ``plot`` come from
+  :mod:`checkpoint_store.ui`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import traceback
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import click
+
+from checkpoint_store.cli.output import one_line
+from checkpoint_store.errors import (
+    BackendUnavailableError,
+    CheckpointConflictError,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointStoreError,
+    InvalidConfigError,
+    PermanentBackendError,
+    TransientBackendError,
+    UnknownSchemeError,
+    UnsafePathError,
+)
+
+__all__ = [
+    "EXIT_FAILURE",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "NumberAtLeast",
+    "common_options",
+    "echo_info",
+    "main",
+    "parse_storage_options",
+    "quiet",
+    "storage_option",
+]
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+# -- errors -------------------------------------------------------------------------
+
+
+def _hint_for(exc: BaseException) -> str | None:
+    if isinstance(exc, UnknownSchemeError):
+        return "`checkpoint-store backends` lists the installed schemes"
+    if isinstance(exc, BackendUnavailableError):
+        return "install the plugin named above, then `checkpoint-store backends` to check"
+    if isinstance(exc, UnsafePathError):
+        return "rename, replace or remove the file named above; nothing was written"
+    if isinstance(exc, InvalidConfigError):
+        return "see `checkpoint-store COMMAND --help` for the expected arguments"
+    if isinstance(exc, CheckpointCorruptError):
+        return ("the data changed after the commit; copy the checkpoint again from a good "
+                "source or delete it")
+    if isinstance(exc, CheckpointNotFoundError):
+        return "`checkpoint-store ls` on the parent location shows what is there"
+    if isinstance(exc, CheckpointConflictError):
+        return "choose another destination, or delete the existing checkpoint first"
+    if isinstance(exc, (PermissionError, PermanentBackendError)):
+        return ("check the credentials and the bucket: --storage-option KEY=VALUE or the "
+                "backend's environment variables")
+    if isinstance(exc, TransientBackendError):
+        return ("check the endpoint (-o endpoint_url=... or AWS_ENDPOINT_URL and friends) "
+                "and the network; --debug shows the traceback")
+    if isinstance(exc, (CheckpointStoreError, OSError)):
+        return "rerun with --debug for the full traceback"
+    return "this is likely a bug; rerun with --debug and report the traceback"
+
+
+def _exit_code_for(exc: BaseException) -> int:
+    # An unsafe file in a tree is a fault of the data, not of the command line.
+    usage = isinstance(exc, InvalidConfigError) and not isinstance(exc, UnsafePathError)
+    return EXIT_USAGE if usage else EXIT_FAILURE
+
+
+def _error_line(exc: Exception, subcommand: str | None) -> str:
+    """``error: <message> (hint: <what to do>)``, on one line."""
+    if isinstance(exc, (CheckpointStoreError, OSError)):
+        msg = one_line(str(exc) or type(exc).__name__)
+    else:
+        msg = one_line(f"unexpected {type(exc).__name__}: {exc}")
+    hint = _hint_for(exc)
+    if (isinstance(exc, InvalidConfigError)
+            and not isinstance(exc, (UnknownSchemeError, UnsafePathError))
+            and subcommand):
+        hint = f"`checkpoint-store {subcommand} --help` shows the usage"
+    return f"error: {msg}" + (f" (hint: {hint})" if hint else "")
+
+
+def _debugging(ctx: click.Context) -> bool:
+    return bool(ctx.meta.get("cs.debug") or os.environ.get("CHECKPOINT_STORE_DEBUG"))
+
+
+def _show_warning(message: Warning | str, category: type[Warning], *args: Any,
+                  **kwargs: Any) -> None:
+    click.echo(f"warning: {one_line(str(message))}", err=True)
+
+
+class _OneLineLogHandler(logging.Handler):
+    """Log records of warning level and up (ours, and storage clients' such as
+    gcsfs's retry errors) as one line each; tracebacks only with --debug.
+    Without it Python's last-resort handler prints client tracebacks."""
+
+    def __init__(self, ctx: click.Context):
+        super().__init__(logging.WARNING)
+        self._ctx = ctx
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            if _debugging(self._ctx):
+                text = logging.Formatter("%(levelname)s %(name)s: %(message)s").format(record)
+            else:
+                text = f"{record.levelname.lower()}: {one_line(record.getMessage())}"
+            click.echo(text, err=True)
+        except Exception:  # noqa: BLE001 - logging must never fail the command
+            self.handleError(record)
+
+
+class _Group(click.Group):
+    """Turns every error of a command into one line and an exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        log_handler = _OneLineLogHandler(ctx)
+        root = logging.getLogger()
+        root.addHandler(log_handler)
+        try:
+            with warnings.catch_warnings():
+                # Library warnings (a missing score, an untested fsspec backend) as
+                # one line each, like the errors.
+                warnings.simplefilter("default")
+                warnings.showwarning = _show_warning
+                return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+        except Exception as exc:  # noqa: BLE001 - the one place errors become exit codes
+            if _debugging(ctx):
+                traceback.print_exc()
+            click.echo(_error_line(exc, ctx.invoked_subcommand), err=True)
+            ctx.exit(_exit_code_for(exc))
+        finally:
+            root.removeHandler(log_handler)
+
+
+# -- shared options -----------------------------------------------------------------
+
+
+def _set_meta(key: str) -> Callable[[click.Context, click.Parameter, Any], None]:
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+        if value:
+            ctx.meta[key] = True
+
+    return callback
+
+
+def common_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--quiet`` and ``--debug``, accepted before or after the command name."""
+    f = click.option("-q", "--quiet", is_flag=True, expose_value=False,
+                     callback=_set_meta("cs.quiet"),
+                     help="No progress bars and no summary lines.")(f)
+    f = click.option("--debug", is_flag=True, expose_value=False,
+                     callback=_set_meta("cs.debug"),
+                     help="Print the full traceback on errors.")(f)
+    return f
+
+
+def _coerce_option(value: str) -> Any:
+    low = value.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    return value
+
+
+def parse_storage_options(items: Iterable[str]) -> dict[str, Any]:
+    """``["KEY=VALUE", ...]`` -> dict; ``true``/``false`` become booleans.
+
+    Raises:
+        click.BadParameter: an item without ``=`` or with an empty key. The
+            message names the key but never echoes the value: a mistyped
+            ``secret_access_key:...`` must not print the secret.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(
+                f"{_redacted_option(item)} is not KEY=VALUE (the value is not shown; "
+                "e.g. -o endpoint_url=http://127.0.0.1:9000)"
+            )
+        out[key.strip()] = _coerce_option(value)
+    return out
+
+
+def _redacted_option(item: str) -> str:
+    """``item`` with everything after its key hidden: the key is what a user
+    needs to find the mistake, and the value may be a credential."""
+    key = item.split("=", 1)[0]
+    for sep in (":", " "):  # the usual typos for '='
+        key = key.split(sep, 1)[0]
+    if key != item.strip() and key.isidentifier():
+        return f"{key!r} followed by {len(item) - len(key)} hidden character(s)"
+    return f"an option of {len(item)} character(s)"
+
+
+def storage_option(*names: str, help_text: str | None = None) -> Callable[..., Any]:
+    """``-o/--storage-option KEY=VALUE`` (or the option ``names``), repeatable,
+    passed to the command as a dict (:func:`parse_storage_options`)."""
+    names = names or ("-o", "--storage-option", "storage_options")
+    return click.option(
+        *names, multiple=True, metavar="KEY=VALUE",
+        callback=lambda ctx, p, v: parse_storage_options(v),
+        help=help_text or "Backend option for the location (endpoint, credentials ...); "
+        "repeatable. Environment variables of the backend apply too.",
+    )
+
+
+class NumberAtLeast(click.FloatRange):
+    """A float >= ``min`` that is not NaN: click's FloatRange lets NaN through
+    (every comparison with it is False), and ``gc --min-age nan`` would then
+    remove directories of any age."""
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if math.isnan(number):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        return number
+
+
+def quiet() -> bool:
+    """Whether ``--quiet`` was given to the running command."""
+    return bool(click.get_current_context().meta.get("cs.quiet"))
+
+
+def echo_info(text: str) -> None:
+    """Print a summary line to stdout unless ``--quiet``."""
+    if not quiet():
+        click.echo(text)
+
+
+# -- the command group --------------------------------------------------------------
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"],
+                                           "max_content_width": 100})
+@click.version_option(package_name="checkpoint-store", prog_name="checkpoint-store")
+@common_options
+def main() -> None:
+    """Save, keep and load ML training checkpoints on any storage.
+
+    Inspect, copy, verify and prune checkpoints on a local disk, S3, Azure,
+    GCS, memory or any plugin's storage. Locations are paths or URIs; backend
+    options come from -o KEY=VALUE or the backend's environment variables.
+
+    \b
+    Examples:
+      checkpoint-store ls ./results
+      checkpoint-store ls s3://bucket/runs/exp/trial1
+      checkpoint-store best ./results/exp/trial1 --metric loss --mode min
+      checkpoint-store cp ./results/exp/trial1 s3://bucket/runs/exp/trial1
+      checkpoint-store verify s3://bucket/runs
+      checkpoint-store prune ./results/exp/trial1 --keep 3 --metric loss --mode min --dry-run
+
+    Exit codes: 0 success, 1 failure, 2 usage error.
+    """
+
+
+def _add_commands() -> None:
+    """Register every command, in the order ``--help`` lists them. The command
+    modules import the shared options above, so they are imported here."""
+    from checkpoint_store.cli import backends, demo, inspection, maintenance, transfers
+    from checkpoint_store.ui._commands import plot_cmd, ui_cmd
+
+    for command in (inspection.ls_cmd, inspection.show_cmd, inspection.best_cmd,
+                    transfers.download_cmd, transfers.upload_cmd, transfers.cp_cmd,
+                    inspection.verify_cmd, maintenance.prune_cmd, maintenance.gc_cmd,
+                    backends.backends_cmd, demo.demo, ui_cmd, plot_cmd):
+        main.add_command(command)
+
+
+_add_commands()
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,437 @@
+"""The read-only commands: ``ls``, ``show``, ``best`` and ``verify``.
+
+Nothing here writes. What a location is comes from :mod:`.locations`; the
+ranking of ``best`` is the retention manager's
+(:func:`checkpoint_store.retention.rank_key`); ``verify`` reads every byte
+through :meth:`Checkpoint.verify`.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import click
+
+from checkpoint_store import _fsutil
+from checkpoint_store._layout import ERROR_FILE, INTERNAL_PREFIX
+from checkpoint_store.cli import EXIT_FAILURE, common_options, echo_info, quiet, storage_option
+from checkpoint_store.cli.locations import (
+    Location,
+    LocationKind,
+    classify,
+    committed_checkpoints,
+    inspect_location,
+    list_entries,
+    manifest_size,
+    not_committed,
+    require_checkpoint,
+    require_trial,
+    resolve_location,
+    trials_under,
+)
+from checkpoint_store.cli.output import (
+    fmt_size,
+    fmt_time,
+    fmt_value,
+    one_line,
+    print_json,
+    table,
+)
+from checkpoint_store.cli.progress import counting_location, expected_files, progress_bar
+from checkpoint_store.cli.scores import (
+    metric_value,
+    resolve_metric,
+    score_attribute,
+    stored_metrics,
+    stored_score,
+)
+from checkpoint_store.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    InvalidConfigError,
+)
+
+__all__ = ["best_cmd", "ls_cmd", "show_cmd", "verify_cmd"]
+
+
+# -- ls -----------------------------------------------------------------------------
+
+
+def _ls_trial(trial: Location, metric: str | None) -> dict[str, Any]:
+    if metric is None:
+        metric, _ = score_attribute(trial)
+    rows = []
+    for ckpt, meta in committed_checkpoints(trial):
+        metrics = stored_metrics(ckpt, meta)
+        rows.append({
+            "index": meta["index"],
+            "name": ckpt.name,
+            "uri": ckpt.uri,
+            "created_at": meta.get("created_at"),
+            "size": manifest_size(meta),
+            "files": len(meta.get("manifest", [])),
+            "score": metric_value(metrics, metric) if metric else None,
+        })
+    corrupt, uncommitted = not_committed(trial, (r["name"] for r in rows))
+    return {"kind": "trial", "uri": trial.uri, "metric": metric, "checkpoints": rows,
+            "error": _last_error(trial), "uncommitted": len(uncommitted),
+            "corrupt": [{"name": n, "file": st.file, "reason": st.reason} for n, st in corrupt]}
+
+
+def _last_error(trial: Location) -> str | None:
+    """The last line of the trial's ``error.txt`` (its last run's exception), or None."""
+    try:
+        text = _fsutil.read_bytes(trial.fs, posixpath.join(trial.path, ERROR_FILE))
+    except (FileNotFoundError, OSError):
+        return None
+    lines = [line.strip() for line in text.decode("utf-8", "replace").splitlines()
+             if line.strip()]
+    return lines[-1] if lines else None
+
+
+def _ls_experiment(exp: Location) -> dict[str, Any]:
+    rows = []
+    for trial in trials_under(exp, "experiment"):
+        committed = committed_checkpoints(trial)
+        rows.append({
+            "name": trial.name,
+            "uri": trial.uri,
+            "checkpoints": len(committed),
+            "latest_index": committed[-1][1]["index"] if committed else None,
+            "latest_created_at": committed[-1][1].get("created_at") if committed else None,
+            "size": sum(manifest_size(m) for _, m in committed),
+        })
+    return {"kind": "experiment", "uri": exp.uri, "trials": rows}
+
+
+def _ls_root(root: Location) -> dict[str, Any]:
+    rows = []
+    for name, is_dir in list_entries(root):
+        if not is_dir or name.startswith(INTERNAL_PREFIX):
+            continue
+        exp = root.child(name)
+        trials = trials_under(exp, "experiment")
+        if trials:
+            rows.append({"name": name, "uri": exp.uri, "trials": len(trials)})
+    return {"kind": "root", "uri": root.uri, "experiments": rows}
+
+
+def _ls_checkpoint(loc: Location, meta: Mapping[str, Any]) -> dict[str, Any]:
+    files = [dict(e) for e in meta.get("manifest", [])]
+    return {"kind": "checkpoint", "uri": loc.uri, "index": meta.get("index"),
+            "created_at": meta.get("created_at"), "size": manifest_size(meta),
+            "files": files}
+
+
+def _ls_data(loc: Location, kind: LocationKind, metric: str | None) -> dict[str, Any]:
+    """What ``ls`` lists at ``loc``, as the JSON it prints with ``--json``."""
+    if kind in ("checkpoint", "corrupt"):
+        return _ls_checkpoint(loc, require_checkpoint(loc))
+    if kind == "trial":
+        return _ls_trial(loc, metric)
+    if kind == "experiment":
+        return _ls_experiment(loc)
+    if kind in ("root", "empty"):
+        return _ls_root(loc)
+    if kind == "uncommitted":
+        raise CheckpointNotFoundError(
+            f"{loc.uri} is an uncommitted checkpoint directory (an interrupted write); "
+            "`checkpoint-store gc` on its trial removes it"
+        )
+    raise InvalidConfigError(f"{loc.uri} is a file, not a directory of checkpoints")
+
+
+def _print_ls_trial(trial: Location, data: Mapping[str, Any]) -> None:
+    score_header = f"SCORE ({data['metric']})" if data["metric"] else "SCORE"
+    table(["INDEX", "CHECKPOINT", "CREATED (UTC)", "SIZE", score_header],
+          [[str(r["index"]), r["name"], fmt_time(r["created_at"]), fmt_size(r["size"]),
+            fmt_value(r["score"])] for r in data["checkpoints"]],
+          right=[0, 3])
+    if data["uncommitted"] and not quiet():
+        click.echo(f"({data['uncommitted']} uncommitted directories not listed; "
+                   "`checkpoint-store gc` removes those this tool left and reports "
+                   "the rest)", err=True)
+    for c in data["corrupt"]:
+        click.echo(f"(corrupt, not listed: {c['name']}: {c['reason']}; "
+                   "`checkpoint-store verify` checks the others)", err=True)
+    if data["error"] is not None:
+        click.echo(f"(the trial's last run ended with an error: {data['error']}; "
+                   f"its traceback is in {trial.child(ERROR_FILE).uri})", err=True)
+
+
+def _print_ls(loc: Location, kind: LocationKind, data: Mapping[str, Any]) -> None:
+    if kind == "checkpoint":
+        table(["SIZE", "CRC32C", "FILE"],
+              [[fmt_size(f["size"]), f.get("crc32c", "-"), f["path"]] for f in data["files"]],
+              right=[0])
+    elif kind == "trial":
+        _print_ls_trial(loc, data)
+    elif kind == "experiment":
+        table(["TRIAL", "CHECKPOINTS", "LATEST", "LATEST CREATED (UTC)", "SIZE"],
+              [[r["name"], str(r["checkpoints"]), fmt_value(r["latest_index"]),
+                fmt_time(r["latest_created_at"]), fmt_size(r["size"])]
+               for r in data["trials"]], right=[1, 2, 4])
+    else:
+        table(["EXPERIMENT", "TRIALS"],
+              [[r["name"], str(r["trials"])] for r in data["experiments"]], right=[1])
+
+
+@click.command("ls")
+@click.argument("uri")
+@storage_option()
+@click.option("--metric", default=None, metavar="M",
+              help="Metric shown as SCORE for checkpoints (default: the trial's retention "
+                   "score attribute). Nested metrics use '/', e.g. eval/loss.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@common_options
+def ls_cmd(uri: str, storage_options: dict[str, Any], metric: str | None, as_json: bool) -> None:
+    """List experiments, trials or checkpoints under URI.
+
+    What is listed depends on what URI is: a storage root lists its
+    experiments, an experiment its trials, a trial its committed checkpoints
+    (index, creation time in UTC, size, score), a checkpoint its files.
+    Uncommitted directories (interrupted writes) are never listed as
+    checkpoints; their count is reported on stderr.
+
+    \b
+    Examples:
+      checkpoint-store ls ./results
+      checkpoint-store ls ./results/exp/trial1 --metric val/accuracy
+      checkpoint-store ls s3://bucket/runs -o endpoint_url=http://127.0.0.1:9000
+      checkpoint-store ls az://container/runs/exp --json
+    """
+    loc = resolve_location(uri, storage_options)
+    kind = classify(loc)
+    data = _ls_data(loc, kind, metric)
+    if as_json:
+        print_json(data)
+    else:
+        _print_ls(loc, kind, data)
+
+
+# -- show ---------------------------------------------------------------------------
+
+
+def _print_show(loc: Location, meta: Mapping[str, Any], user: Mapping[str, Any]) -> None:
+    manifest = list(meta.get("manifest", []))
+    click.echo(f"checkpoint      {loc.uri}")
+    click.echo(f"index           {meta.get('index')}")
+    click.echo(f"created (UTC)   {fmt_time(meta.get('created_at'))}")
+    click.echo(f"format          {meta.get('format_version')}")
+    for key in sorted(meta):
+        if key not in ("index", "created_at", "format_version", "metrics", "manifest"):
+            click.echo(f"{key:<15} {fmt_value(meta[key])}")
+    click.echo(f"files           {len(manifest)} ({fmt_size(manifest_size(meta))})")
+    for e in _largest(manifest):
+        click.echo(f"  {fmt_size(e['size']):>10}  {e['path']}")
+    click.echo("metrics")
+    metrics = meta.get("metrics") or {}
+    if not isinstance(metrics, Mapping):  # not ours to fix: show what is stored
+        click.echo(f"  (not an object) {fmt_value(metrics)}")
+        metrics = {}
+    for key, value in sorted(metrics.items()):
+        click.echo(f"  {key}: {fmt_value(value)}")
+    spark = _score_line(loc)
+    if spark:
+        click.echo(spark)
+    click.echo("user metadata")
+    if not user:
+        click.echo("  (none)")
+    for key, value in sorted(user.items()):
+        click.echo(f"  {key}: {fmt_value(value)}")
+
+
+def _largest(manifest: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return sorted(manifest, key=lambda e: -int(e.get("size", 0)))[:5]
+
+
+def _score_line(loc: Location) -> str | None:
+    """The trial's score sparkline, in block characters when stdout can print them."""
+    from checkpoint_store.ui._spark import BARS, checkpoint_score_line
+
+    encoding = getattr(sys.stdout, "encoding", None) or "ascii"
+    unicode = BARS.encode(encoding, "replace").decode(encoding) == BARS
+    return checkpoint_score_line(loc.backend, loc.path, unicode=unicode)
+
+
+@click.command("show")
+@click.argument("checkpoint")
+@storage_option()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@common_options
+def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) -> None:
+    """Show a checkpoint's user and internal metadata and a manifest summary.
+
+    \b
+    Examples:
+      checkpoint-store show ./results/exp/trial1/checkpoint_000004
+      checkpoint-store show s3://bucket/runs/exp/trial1/checkpoint_000004 --json
+    """
+    from checkpoint_store.checkpoint import Checkpoint
+
+    loc = resolve_location(checkpoint, storage_options)
+    meta = require_checkpoint(loc)
+    user = Checkpoint._from_backend(loc.backend, loc.path).get_metadata()
+    if not as_json:
+        _print_show(loc, meta, user)
+        return
+    manifest = list(meta.get("manifest", []))
+    internal = {k: v for k, v in meta.items() if k != "manifest"}
+    summary = {"files": len(manifest), "bytes": manifest_size(meta),
+               "largest": [{"path": e["path"], "size": e["size"]} for e in _largest(manifest)]}
+    print_json({"uri": loc.uri, "internal_metadata": internal, "user_metadata": user,
+                "manifest": summary})
+
+
+# -- best ---------------------------------------------------------------------------
+
+
+@click.command("best")
+@click.argument("trial")
+@storage_option()
+@click.option("--metric", default=None, metavar="M",
+              help="Metric to rank by; nested metrics use '/'. Default: the trial's "
+                   "retention score attribute.")
+@click.option("--mode", type=click.Choice(["min", "max"]), default=None,
+              help="min: lower is better; max: higher is better (default max, or the "
+                   "trial's recorded order).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@common_options
+def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mode: str | None,
+             as_json: bool) -> None:
+    """Print the best checkpoint of TRIAL (its URI on the first line) and its metrics.
+
+    Ranking is the retention manager's: NaN or missing scores rank last, ties
+    go to the newer checkpoint.
+
+    \b
+    Examples:
+      checkpoint-store best ./results/exp/trial1 --metric loss --mode min
+      checkpoint-store best s3://bucket/runs/exp/trial1 --metric eval/accuracy --mode max
+      checkpoint-store download "$(checkpoint-store best ./results/exp/t1 --metric loss \\
+          --mode min | head -n1)" ./best
+    """
+    from checkpoint_store.retention import rank_key
+
+    loc = resolve_location(trial, storage_options)
+    require_trial(loc)
+    metric, order = resolve_metric(loc, metric, mode, required=True)
+    assert metric is not None
+    committed = committed_checkpoints(loc)
+    if not committed:
+        raise CheckpointNotFoundError(f"trial {loc.uri} has no committed checkpoint")
+    scored = [(ckpt, meta, stored_score(ckpt, stored_metrics(ckpt, meta), metric))
+              for ckpt, meta in committed]
+    best_ckpt, best_meta, best_score = max(
+        scored, key=lambda t: rank_key(t[2], t[1]["index"], order))
+    if best_score is None:
+        click.echo(f"warning: no checkpoint of {loc.uri} has a numeric {metric!r}; "
+                   "picked the newest", err=True)
+    metrics = stored_metrics(best_ckpt, best_meta, warn=False)
+    if as_json:
+        print_json({"uri": best_ckpt.uri, "index": best_meta["index"], "metric": metric,
+                    "mode": order, "score": best_score, "metrics": metrics})
+        return
+    click.echo(best_ckpt.uri)
+    for key, value in sorted(metrics.items()):
+        click.echo(f"  {key}: {fmt_value(value)}")
+
+
+# -- verify -------------------------------------------------------------------------
+
+
+def _verify_one(ckpt: Location, meta: Mapping[str, Any], on_bytes: Callable[[int], None],
+                counting: bool = True) -> None:
+    """Read every manifest file of one checkpoint and check its size and CRC32C
+    (:meth:`Checkpoint.verify`), counting the bytes for the progress bar.
+
+    Raises:
+        CheckpointCorruptError: naming the first bad or missing file.
+    """
+    from checkpoint_store.checkpoint import Checkpoint
+
+    expected = expected_files(ckpt, meta)
+    counted = counting_location(ckpt, on_bytes, track=expected.__contains__) if counting else ckpt
+    Checkpoint._from_backend(counted.backend, ckpt.path).verify()
+
+
+def _corrupt_row(uri: str, file: str | None, error: str) -> dict[str, Any]:
+    return {"uri": uri, "ok": False, "file": file, "error": error}
+
+
+def _verify_targets(
+    loc: Location, kind: LocationKind
+) -> tuple[list[tuple[Location, dict[str, Any]]], list[dict[str, Any]]]:
+    """``(checkpoints to read, report rows of corrupt ones found without reading)``."""
+    if kind == "checkpoint":
+        return [(loc, require_checkpoint(loc))], []
+    if kind == "corrupt":
+        found = inspect_location(loc)
+        return [], [_corrupt_row(loc.uri, found.file,
+                                 f"checkpoint {loc.uri} is corrupt: {found.reason}")]
+    if kind == "uncommitted":
+        require_checkpoint(loc)  # raises, saying why
+    targets: list[tuple[Location, dict[str, Any]]] = []
+    report: list[dict[str, Any]] = []
+    for trial in trials_under(loc, kind):
+        committed = committed_checkpoints(trial)
+        targets.extend(committed)
+        corrupt, _ = not_committed(trial, (c.name for c, _ in committed))
+        for name, found in corrupt:
+            uri = trial.child(name).uri
+            report.append(_corrupt_row(uri, found.file,
+                                       f"checkpoint {uri} is corrupt: {found.reason}"))
+    return targets, report
+
+
+def _print_verify(report: list[dict[str, Any]], bad: int) -> None:
+    for r in report:
+        if r["ok"]:
+            if not quiet():
+                click.echo(f"OK       {r['uri']}")
+        else:
+            click.echo(f"CORRUPT  {r['uri']}: {r['error']}")
+    echo_info(f"{len(report)} checkpoints checked, {bad} corrupt")
+
+
+@click.command("verify")
+@click.argument("uri")
+@storage_option()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@common_options
+def verify_cmd(uri: str, storage_options: dict[str, Any], as_json: bool) -> None:
+    """Check the sizes and CRC32C checksums of one checkpoint, or of every checkpoint
+    under URI (a trial, an experiment or a storage root).
+
+    Exits 1 if any checkpoint is corrupt (each one is named with its first bad
+    file) or if there is no committed checkpoint under URI.
+
+    \b
+    Examples:
+      checkpoint-store verify ./results/exp/t1/checkpoint_000004
+      checkpoint-store verify s3://bucket/runs
+    """
+    loc = resolve_location(uri, storage_options)
+    targets, report = _verify_targets(loc, classify(loc))
+    if not targets and not report:
+        raise CheckpointNotFoundError(f"no committed checkpoint under {loc.uri}")
+    total = sum(manifest_size(m) for _, m in targets)
+    with progress_bar(f"verify {loc.name}", total) as bar:
+        for ckpt, cmeta in targets:
+            try:
+                _verify_one(ckpt, cmeta, bar.advance, bar.enabled)
+            except CheckpointCorruptError as exc:
+                report.append(_corrupt_row(ckpt.uri, exc.file, one_line(str(exc))))
+            else:
+                report.append({"uri": ckpt.uri, "ok": True, "file": None, "error": None})
+    bad = [r for r in report if not r["ok"]]
+    if as_json:
+        print_json({"uri": loc.uri, "checked": len(report), "corrupt": len(bad),
+                    "checkpoints": report})
+    else:
+        _print_verify(report, len(bad))
+    if bad:
+        click.get_current_context().exit(EXIT_FAILURE)

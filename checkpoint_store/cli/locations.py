@@ -1,0 +1,370 @@
+"""What a location argument points at, and the walks from it to trials and checkpoints.
+
+A command's URI is resolved once (:func:`resolve_location`) and classified
+(:func:`classify`) as one :data:`LocationKind`: a storage root (it holds
+experiments), an experiment (it holds trials), a trial (it holds
+``checkpoint_NNNNNN/``), a checkpoint, or one of the things a command refuses
+with a reason (a corrupt or uncommitted checkpoint, an empty directory, a
+file). The web page (:mod:`checkpoint_store.ui`) classifies with the same
+functions, so both agree on what a location is.
+
+Committed means what the library says: a valid commit marker whose manifest
+matches the files (:func:`checkpoint_store.transfer.inspect_checkpoint`), read
+in the recorded index order (:meth:`StorageContext.committed_checkpoints`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import posixpath
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+from checkpoint_store import _fsutil
+from checkpoint_store._layout import (
+    ERROR_FILE,
+    INTERNAL_METADATA,
+    INTERNAL_PREFIX,
+    MANAGER_STATE,
+    PARAMS_FILE,
+    RESULT_FILE,
+    parse_checkpoint_dir_name,
+)
+from checkpoint_store.backends.base import Backend
+from checkpoint_store.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    InvalidConfigError,
+)
+
+if TYPE_CHECKING:
+    from checkpoint_store.storage import StorageContext
+    from checkpoint_store.transfer import Inspection
+
+__all__ = [
+    "STAGING_PREFIX",
+    "TRIAL_FILES",
+    "Location",
+    "LocationKind",
+    "classify",
+    "committed_checkpoints",
+    "describe_kind",
+    "inspect_location",
+    "list_entries",
+    "looks_like_trial",
+    "manifest_size",
+    "not_committed",
+    "read_internal",
+    "require_checkpoint",
+    "require_trial",
+    "resolve_location",
+    "storage_context",
+    "trials_under",
+]
+
+#: What a location is, as :func:`classify` answers.
+LocationKind = Literal[
+    "root", "experiment", "trial", "checkpoint", "corrupt", "uncommitted", "empty", "file"
+]
+
+#: The files a trial directory holds besides its checkpoints.
+TRIAL_FILES = frozenset({RESULT_FILE, PARAMS_FILE, MANAGER_STATE, ERROR_FILE})
+#: The name prefix of a checkpoint being written (``.cs_staging-...``).
+STAGING_PREFIX = f"{INTERNAL_PREFIX}staging-"
+
+_KIND_LABELS: dict[LocationKind, str] = {
+    "checkpoint": "a checkpoint", "corrupt": "a corrupt checkpoint",
+    "uncommitted": "an uncommitted checkpoint directory", "trial": "a trial",
+    "experiment": "an experiment", "root": "a storage root (it holds experiments)",
+    "empty": "an empty directory", "file": "a file",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """A path on one backend, as a command argument names it."""
+
+    backend: Backend
+    path: str
+
+    @property
+    def fs(self) -> Any:
+        """The backend's ``pyarrow.fs`` filesystem."""
+        return self.backend.filesystem
+
+    @property
+    def uri(self) -> str:
+        """The location as a URI a user can pass back to a command."""
+        return self.backend.uri_for(self.path)
+
+    @property
+    def name(self) -> str:
+        """The last path component."""
+        return posixpath.basename(self.path.rstrip("/"))
+
+    @property
+    def parent(self) -> Location:
+        """The directory holding this one, on the same backend."""
+        return Location(self.backend, posixpath.dirname(self.path.rstrip("/")))
+
+    def child(self, *names: str) -> Location:
+        """``names`` joined under this location."""
+        return Location(self.backend, posixpath.join(self.path, *names))
+
+
+def _is_local(text: str) -> bool:
+    from checkpoint_store.registry import split_scheme
+
+    return split_scheme(text) in (None, "file", "local")
+
+
+def resolve_location(
+    text: str, options: Mapping[str, Any], *, options_if_remote: bool = False
+) -> Location:
+    """Resolve a path or URI with the backend ``options``.
+
+    With ``options_if_remote`` the options are dropped for local paths (``cp``
+    shares one ``-o`` set between its two sides).
+
+    Raises:
+        UnknownSchemeError, BackendUnavailableError, InvalidConfigError: as
+            :func:`checkpoint_store.registry.resolve`.
+    """
+    from checkpoint_store.registry import resolve
+
+    opts = dict(options)
+    if options_if_remote and _is_local(text):
+        opts = {}
+    backend, path = resolve(text, storage_options=opts or None)
+    return Location(backend, path)
+
+
+def list_entries(loc: Location) -> list[tuple[str, bool]]:
+    """``(name, is_dir)`` of the direct children, sorted by name; ``[]`` when absent."""
+    out = []
+    prefix = loc.path.rstrip("/") + "/"
+    for fi in _fsutil.list_dir(loc.fs, loc.path):
+        path = fi.path.rstrip("/")
+        rel = path[len(prefix):] if path.startswith(prefix) else posixpath.basename(path)
+        # Some fsspec stores answer a non-recursive listing with deeper entries too.
+        if rel and "/" not in rel:
+            out.append((rel, fi.type == _fsutil.pafs.FileType.Directory))
+    return sorted(out)
+
+
+def looks_like_trial(entries: Iterable[tuple[str, bool]]) -> bool:
+    """Whether a directory with these :func:`list_entries` is a trial: it holds a
+    trial file, a checkpoint being written or a ``checkpoint_NNNNNN`` directory."""
+    for name, is_dir in entries:
+        if name in TRIAL_FILES or name.startswith(STAGING_PREFIX):
+            return True
+        if is_dir and parse_checkpoint_dir_name(name) is not None:
+            return True
+    return False
+
+
+def read_internal(loc: Location) -> dict[str, Any] | None:
+    """The checkpoint's internal metadata when its commit marker is valid, else None."""
+    from checkpoint_store.transfer import read_internal_metadata
+
+    return read_internal_metadata(loc.fs, loc.path)
+
+
+def inspect_location(loc: Location) -> Inspection:
+    """What the would-be checkpoint directory ``loc`` is (committed, invalid,
+    absent, missing): :func:`checkpoint_store.transfer.inspect_checkpoint`."""
+    from checkpoint_store.transfer import inspect_checkpoint
+
+    return inspect_checkpoint(loc.fs, loc.path)
+
+
+def _might_be_checkpoint(loc: Location) -> bool:
+    # Cheap test first: inspecting lists the whole tree under loc.
+    return parse_checkpoint_dir_name(loc.name) is not None or _fsutil.exists(
+        loc.fs, posixpath.join(loc.path, INTERNAL_METADATA))
+
+
+def _checkpoint_kind(loc: Location) -> LocationKind | None:
+    """The kind of a location that carries a checkpoint's name or marker; None
+    when it is a plain directory after all."""
+    state = inspect_location(loc).state
+    if state == "committed":
+        return "checkpoint"
+    if state == "invalid":
+        return "corrupt"
+    if state == "missing":
+        raise CheckpointNotFoundError(f"nothing exists at {loc.uri}")
+    if parse_checkpoint_dir_name(loc.name) is not None:
+        return "uncommitted"
+    return None
+
+
+def classify(loc: Location) -> LocationKind:
+    """What ``loc`` is: checkpoint, corrupt (a checkpoint failing its manifest),
+    uncommitted, trial, experiment, root, empty or file.
+
+    Raises:
+        CheckpointNotFoundError: nothing exists at ``loc``.
+    """
+    if _might_be_checkpoint(loc):
+        kind = _checkpoint_kind(loc)
+        if kind is not None:
+            return kind
+    entries = list_entries(loc)
+    if not entries:
+        fi = _fsutil.info(loc.fs, loc.path)
+        if fi.type == _fsutil.pafs.FileType.NotFound:
+            raise CheckpointNotFoundError(f"nothing exists at {loc.uri}")
+        if fi.type == _fsutil.pafs.FileType.File:
+            return "file"
+        return "empty"
+    if looks_like_trial(entries):
+        return "trial"
+    for name, is_dir in entries:
+        if is_dir and looks_like_trial(list_entries(loc.child(name))):
+            return "experiment"
+    return "root"
+
+
+def describe_kind(kind: LocationKind) -> str:
+    """``kind`` as a phrase for messages (``"a trial"``, ``"an empty directory"``)."""
+    return _KIND_LABELS.get(kind, kind)
+
+
+def not_committed(
+    trial: Location, committed: Iterable[str]
+) -> tuple[list[tuple[str, Inspection]], list[str]]:
+    """Checkpoint directories of ``trial`` that are not committed:
+    ``([(name, inspection) of corrupt ones], [names of uncommitted ones])``."""
+    done = set(committed)
+    corrupt: list[tuple[str, Inspection]] = []
+    uncommitted: list[str] = []
+    for name, is_dir in list_entries(trial):
+        if not is_dir or name in done:
+            continue
+        if parse_checkpoint_dir_name(name) is not None:
+            found = inspect_location(trial.child(name))
+            if found.state == "invalid":
+                corrupt.append((name, found))
+            elif found.state != "committed":
+                uncommitted.append(name)
+        elif name.startswith(STAGING_PREFIX):
+            uncommitted.append(name)
+    return corrupt, uncommitted
+
+
+def trials_under(loc: Location, kind: LocationKind) -> list[Location]:
+    """Trial directories at or under ``loc`` (a trial, experiment or storage root
+    of the given ``kind``); ``[]`` for any other kind."""
+    if kind == "trial":
+        return [loc]
+    if kind == "experiment":
+        return [loc.child(n) for n, d in list_entries(loc)
+                if d and looks_like_trial(list_entries(loc.child(n)))]
+    if kind in ("root", "empty"):
+        out: list[Location] = []
+        for name, is_dir in list_entries(loc):
+            # Dot-named experiments are walked too: session.start accepts them,
+            # and a backup that skipped them would lose them silently.
+            if is_dir and not name.startswith(INTERNAL_PREFIX):
+                out.extend(trials_under(loc.child(name), "experiment"))
+        return out
+    return []
+
+
+@overload
+def storage_context(trial: Location, *, strict: Literal[True] = True) -> StorageContext: ...
+
+
+@overload
+def storage_context(trial: Location, *, strict: bool) -> StorageContext | None: ...
+
+
+def storage_context(trial: Location, *, strict: bool = True) -> StorageContext | None:
+    """A :class:`StorageContext` for a trial path ``<storage>/<experiment>/<trial>``.
+
+    Raises:
+        InvalidConfigError: the path has no room for a storage root and an
+            experiment above the trial; with ``strict=False`` None instead.
+    """
+    from checkpoint_store.storage import StorageContext
+
+    parent, trial_name = posixpath.split(trial.path.rstrip("/"))
+    root, experiment = posixpath.split(parent)
+    try:
+        return StorageContext.from_backend(trial.backend, root, experiment, trial_name)
+    except InvalidConfigError:
+        if not strict:
+            return None
+        raise InvalidConfigError(
+            f"{trial.uri} is not a trial directory: a trial lives at "
+            "<storage>/<experiment>/<trial>"
+        ) from None
+
+
+def committed_checkpoints(trial: Location) -> list[tuple[Location, dict[str, Any]]]:
+    """Committed checkpoints of a trial with their internal metadata, oldest first.
+
+    Same rule as ``StorageContext.committed_checkpoints``: a directory counts
+    only with a valid ``.internal_metadata.json``; order is the recorded index.
+    """
+    ctx = storage_context(trial, strict=False)
+    if ctx is not None:
+        return [(Location(trial.backend, c.path), meta) for c, meta in ctx.committed_checkpoints()]
+    out = []
+    for name, is_dir in list_entries(trial):
+        if is_dir and parse_checkpoint_dir_name(name) is not None:
+            meta = read_internal(trial.child(name))
+            if meta is not None:
+                out.append((trial.child(name), meta))
+    return sorted(out, key=lambda lm: lm[1]["index"])
+
+
+def manifest_size(meta: Mapping[str, Any]) -> int:
+    """Total bytes of the files a checkpoint's internal metadata lists."""
+    return sum(int(e.get("size", 0)) for e in meta.get("manifest", []))
+
+
+def require_trial(loc: Location) -> None:
+    """Raises unless ``loc`` is a trial.
+
+    Raises:
+        CheckpointNotFoundError: ``loc`` is empty or absent.
+        InvalidConfigError: ``loc`` is something else (named in the message).
+    """
+    kind = classify(loc)
+    if kind == "trial":
+        return
+    if kind == "empty":
+        raise CheckpointNotFoundError(f"{loc.uri} is empty: no checkpoints there")
+    raise InvalidConfigError(
+        f"{loc.uri} is {describe_kind(kind)}, not a trial directory (one holding "
+        "checkpoint_NNNNNN/)"
+    )
+
+
+def require_checkpoint(loc: Location) -> dict[str, Any]:
+    """The internal metadata of the committed checkpoint at ``loc``.
+
+    Raises:
+        CheckpointCorruptError: a commit marker is there but the files do not match it.
+        CheckpointNotFoundError: anything else.
+    """
+    found = inspect_location(loc)
+    if found.state == "committed" and found.meta is not None:
+        return found.meta
+    if found.state == "invalid":
+        raise CheckpointCorruptError(f"checkpoint {loc.uri} is corrupt: {found.reason}",
+                                     path=loc.path, file=found.file)
+    if found.state == "missing":
+        raise CheckpointNotFoundError(f"nothing exists at {loc.uri}")
+    if parse_checkpoint_dir_name(loc.name) is not None:
+        raise CheckpointNotFoundError(
+            f"{loc.uri} is not a committed checkpoint (no {INTERNAL_METADATA}): an "
+            "interrupted write, which `checkpoint-store gc` removes, or a directory made by "
+            "hand, which gc reports and leaves alone"
+        )
+    raise CheckpointNotFoundError(
+        f"{loc.uri} is {describe_kind(classify(loc))}, not a checkpoint; pass a "
+        "checkpoint_NNNNNN directory"
+    )

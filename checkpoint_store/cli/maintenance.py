@@ -1,0 +1,277 @@
+"""The commands that delete: ``prune`` (retention after the fact) and ``gc``
+(uncommitted directories our writers left).
+
+Both decide with the library's rules, never their own: ``prune`` selects with
+:func:`checkpoint_store.retention.select_kept` and deletes through
+:meth:`StorageContext.delete_checkpoint` (commit marker first); ``gc``
+classifies with :meth:`StorageContext.scan` and measures ages on the
+storage's clock. Both refuse a trial whose running job holds the manager's
+lease (:func:`checkpoint_store.retention.live_lease`) unless ``--force``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import click
+
+from checkpoint_store import _clock, _fsutil
+from checkpoint_store._layout import INTERNAL_PREFIX
+from checkpoint_store.cli import NumberAtLeast, common_options, echo_info, storage_option
+from checkpoint_store.cli.locations import (
+    TRIAL_FILES,
+    Location,
+    committed_checkpoints,
+    list_entries,
+    require_trial,
+    resolve_location,
+    storage_context,
+)
+from checkpoint_store.cli.output import fmt_time, fmt_value, print_json
+from checkpoint_store.cli.scores import metric_value, resolve_metric, stored_metrics, stored_score
+from checkpoint_store.errors import CheckpointConflictError
+
+__all__ = ["gc_cmd", "prune_cmd", "refuse_if_live"]
+
+
+def refuse_if_live(trial: Location, force: bool, what: str) -> None:
+    """Refuse to ``what`` a trial whose checkpoint manager holds a live lease.
+
+    A running session renews ``<trial>/.cs_manager_lease.json``; deleting
+    behind its back would fight its own retention. The liveness rule is the
+    managers' own (:func:`checkpoint_store.retention.live_lease`).
+
+    Raises:
+        CheckpointConflictError: a live lease, unless ``force``.
+    """
+    from checkpoint_store.retention import live_lease
+
+    if force:
+        return
+    ctx = storage_context(trial, strict=False)
+    lease = live_lease(ctx) if ctx is not None else None
+    if lease is None:
+        return
+    raise CheckpointConflictError(
+        f"a running job manages {trial.uri} (host {lease.get('host')!r}, pid "
+        f"{lease.get('pid')}; lease renewed until {fmt_time(lease['expires_at'])} UTC): "
+        f"refusing to {what} behind its back; let it finish, or pass --force if that job "
+        "is gone"
+    )
+
+
+# -- prune ----------------------------------------------------------------------------
+
+
+def _select(committed: list[tuple[Location, dict[str, Any]]], keep: int, metric: str | None,
+            mode: str, keep_latest: bool) -> tuple[list[int], list[int]]:
+    """Positions (into ``committed``) kept and evicted, decided by
+    :func:`checkpoint_store.retention.select_kept`: the manager's exact semantics."""
+    from checkpoint_store.retention import CheckpointConfig, select_kept
+
+    config = CheckpointConfig(num_to_keep=keep, checkpoint_score_attribute=metric,
+                              checkpoint_score_order=mode, keep_latest=keep_latest)  # type: ignore[arg-type]
+    records = [(int(meta["index"]), ckpt.name, stored_metrics(ckpt, meta))
+               for ckpt, meta in committed]
+    if metric is not None:  # a stored non-number is named here, not as a usage error
+        for (ckpt, _), (_, _, metrics) in zip(committed, records, strict=True):
+            stored_score(ckpt, metrics, metric)
+    kept, evicted = select_kept(records, config)
+    position = {ckpt.name: i for i, (ckpt, _) in enumerate(committed)}
+    return [position[r.dir_name] for r in kept], [position[r.dir_name] for r in evicted]
+
+
+def _print_prune(verb: str, metric: str | None, evicted: Iterable[dict[str, Any]],
+                 kept: Iterable[dict[str, Any]]) -> None:
+    label = f" ({metric}=" if metric else ""
+
+    def suffix(d: dict[str, Any]) -> str:
+        return f"{label}{fmt_value(d['score'])})" if metric else ""
+
+    n_evicted = n_kept = 0
+    for d in evicted:
+        click.echo(f"{verb}  {d['uri']}{suffix(d)}")
+        n_evicted += 1
+    pad = " " * (len(verb) - len("kept"))
+    for d in kept:
+        echo_info(f"kept{pad}  {d['uri']}{suffix(d)}")
+        n_kept += 1
+    echo_info(f"{n_evicted} {verb}, {n_kept} kept")
+
+
+@click.command("prune")
+@click.argument("trial")
+@storage_option()
+@click.option("--keep", type=click.IntRange(min=1), required=True, metavar="N",
+              help="How many best checkpoints to keep.")
+@click.option("--metric", default=None, metavar="M",
+              help="Metric to rank by; nested metrics use '/'. Without it (and without a "
+                   "recorded retention attribute) the N most recent are kept.")
+@click.option("--mode", type=click.Choice(["min", "max"]), default=None,
+              help="min: lower is better; max: higher is better (default max).")
+@click.option("--keep-latest/--no-keep-latest", default=True, show_default=True,
+              help="Also keep the newest checkpoint (resume needs it), as the manager does.")
+@click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")
+@click.option("--force", is_flag=True,
+              help="Prune even while a running job's checkpoint manager holds the trial.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@common_options
+def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int, metric: str | None,
+              mode: str | None, keep_latest: bool, dry_run: bool, force: bool,
+              as_json: bool) -> None:
+    """Apply retention to TRIAL after the fact: keep the best N, delete the rest.
+
+    Same semantics as CheckpointManager (CheckpointConfig(num_to_keep=N,
+    checkpoint_score_attribute=M, checkpoint_score_order=MODE)): NaN or
+    missing scores rank last, ties go to the newer checkpoint, and the newest
+    checkpoint is kept besides the best N unless --no-keep-latest. Each
+    deletion removes the commit marker first, so an interrupted prune never
+    leaves a half-deleted checkpoint that still lists as committed. A trial
+    whose running job holds the manager's lease is refused (--force overrides).
+
+    \b
+    Examples:
+      checkpoint-store prune ./results/exp/t1 --keep 3 --metric loss --mode min --dry-run
+      checkpoint-store prune s3://bucket/runs/exp/t1 --keep 1 --metric acc --mode max
+    """
+    loc = resolve_location(trial, storage_options)
+    require_trial(loc)
+    metric, order = resolve_metric(loc, metric, mode, required=False)
+    committed = committed_checkpoints(loc)
+    kept, evicted = _select(committed, keep, metric, order, keep_latest)
+
+    def describe(i: int) -> dict[str, Any]:
+        ckpt, meta = committed[i]
+        metrics = stored_metrics(ckpt, meta, warn=False)
+        return {"name": ckpt.name, "uri": ckpt.uri, "index": meta["index"],
+                "score": metric_value(metrics, metric) if metric else None}
+
+    ctx = storage_context(loc)
+    deleted = []
+    if not dry_run:
+        refuse_if_live(loc, force, "prune it")
+        for i in evicted:
+            ctx.delete_checkpoint(committed[i][0].name)
+            deleted.append(describe(i))
+    if as_json:
+        print_json({"uri": loc.uri, "dry_run": dry_run, "metric": metric, "mode": order,
+                    "kept": [describe(i) for i in kept],
+                    "evicted": [describe(i) for i in evicted],
+                    "deleted": deleted})
+        return
+    _print_prune("would delete" if dry_run else "deleted", metric,
+                 (describe(i) for i in evicted), (describe(i) for i in kept))
+
+
+# -- gc -------------------------------------------------------------------------------
+
+
+def _newest_mtime(loc: Location) -> float | None:
+    newest = None
+    for fi in loc.fs.get_file_info(_fsutil.pafs.FileSelector(loc.path, allow_not_found=True,
+                                                             recursive=True)):
+        if fi.mtime is not None:
+            ts = fi.mtime.timestamp()
+            newest = ts if newest is None else max(newest, ts)
+    if newest is None:
+        fi = _fsutil.info(loc.fs, loc.path)
+        if fi.mtime is not None:
+            newest = fi.mtime.timestamp()
+    return newest
+
+
+def _scan(trial: Location) -> tuple[list[str], list[str], list[str], list[str]]:
+    """``(committed, uncommitted ours, active, foreign)`` entry names of a trial.
+
+    Directories are classified by :meth:`StorageContext.scan` (a partial upload
+    is ours only when it carries a trace of our writers); plain files that are
+    neither trial files nor ours are reported as foreign too.
+    """
+    ctx = storage_context(trial)
+    found = ctx.scan()
+    entries = list_entries(trial)
+    # Only direct children: some stores (adlfs) answer a shallow listing with deeper entries.
+    children = {name for name, is_dir in entries if is_dir}
+    active = [n for n in found.active if n in children]
+    ours = [n for n in found.uncommitted if n not in set(active) and n in children]
+    foreign = [n for n in found.foreign if n in children]
+    for name, is_dir in entries:
+        if not is_dir and name not in TRIAL_FILES and not name.startswith(INTERNAL_PREFIX) \
+                and not name.endswith(".cs_tmp"):
+            foreign.append(name)
+    return [n for n in found.committed if n in children], ours, active, sorted(foreign)
+
+
+def _collect(loc: Location, ours: list[str], min_age: float,
+             dry_run: bool) -> tuple[list[str], list[str]]:
+    """Remove (unless ``dry_run``) the directories in ``ours`` untouched for
+    ``min_age`` seconds; returns ``(removed, too young)``."""
+    removed, too_young = [], []
+    # Ages on the storage's clock, never this machine's: a clock running ahead
+    # would make a live upload look abandoned.
+    ages = _clock.age_on_storage(
+        loc.fs, loc.path, loc.backend.capabilities,
+        {name: _newest_mtime(loc.child(name)) for name in ours},
+    ) if min_age > 0 and ours else {}
+    for name in ours:
+        age = ages.get(name)
+        # An unknown age (stores without modification times) counts as recent.
+        if min_age > 0 and (age is None or age < min_age):
+            too_young.append(name)
+            continue
+        if not dry_run:
+            _fsutil.delete_dir(loc.fs, loc.child(name).path)
+        removed.append(name)
+    return removed, too_young
+
+
+@click.command("gc")
+@click.argument("trial")
+@storage_option()
+@click.option("--min-age", type=NumberAtLeast(min=0), default=3600.0, show_default=True,
+              metavar="SECONDS",
+              help="Only remove directories untouched for this long, so a checkpoint still "
+                   "being written by a running job is left alone.")
+@click.option("--dry-run", is_flag=True, help="Print what would be removed; remove nothing.")
+@click.option("--force", is_flag=True,
+              help="Remove even while a running job's checkpoint manager holds the trial.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@common_options
+def gc_cmd(trial: str, storage_options: dict[str, Any], min_age: float, dry_run: bool,
+           force: bool, as_json: bool) -> None:
+    """Remove the uncommitted directories this tool's writers left in TRIAL.
+
+    Removes staging directories, deletions cut short and partial uploads that
+    carry a trace of our writers (see docs/format.md). Anything else that is
+    not a committed checkpoint (a directory copied in by hand, a checkpoint
+    whose marker we cannot read) is reported as foreign and never deleted.
+    Committed checkpoints are never touched.
+
+    \b
+    Examples:
+      checkpoint-store gc ./results/exp/t1 --dry-run
+      checkpoint-store gc s3://bucket/runs/exp/t1 --min-age 0
+    """
+    loc = resolve_location(trial, storage_options)
+    require_trial(loc)
+    if not dry_run:
+        refuse_if_live(loc, force, "remove directories from it")
+    committed, ours, active, foreign = _scan(loc)
+    removed, too_young = _collect(loc, ours, min_age, dry_run)
+    too_young.extend(active)
+    if as_json:
+        print_json({"uri": loc.uri, "dry_run": dry_run, "committed": committed,
+                    "removed": removed, "skipped_recent": sorted(too_young),
+                    "foreign": foreign})
+        return
+    verb = "would remove" if dry_run else "removed"
+    for name in removed:
+        click.echo(f"{verb}  {loc.child(name).uri}")
+    for name in sorted(too_young):
+        echo_info(f"skipped (in use or modified less than {min_age:g}s ago)  "
+                  f"{loc.child(name).uri}")
+    for name in foreign:
+        click.echo(f"foreign (not ours, left alone)  {loc.child(name).uri}")
+    echo_info(f"{len(removed)} {verb}, {len(too_young)} too recent, {len(foreign)} foreign, "
+              f"{len(committed)} committed checkpoints untouched")

@@ -1,0 +1,102 @@
+"""The metrics stored with checkpoints, as ``ls``, ``best`` and ``prune`` read them.
+
+Scoring itself is the library's (:func:`checkpoint_store.retention.score_of`,
+:func:`~checkpoint_store.retention.lookup_metric`); this module adds what a
+command line needs around it: the trial's recorded score attribute as the
+default ``--metric``, and stored data that is not what a writer of ours
+would write (metrics that are not an object, a score that is not a number)
+named as a fault of the data rather than of the arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Mapping
+from typing import Any
+
+import click
+
+from checkpoint_store import _fsutil
+from checkpoint_store._layout import MANAGER_STATE
+from checkpoint_store.cli.locations import Location
+from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
+
+__all__ = [
+    "metric_value",
+    "resolve_metric",
+    "score_attribute",
+    "stored_metrics",
+    "stored_score",
+]
+
+
+def score_attribute(trial: Location) -> tuple[str | None, str | None]:
+    """The ``(checkpoint_score_attribute, checkpoint_score_order)`` recorded in the
+    trial's retention state; ``(None, None)`` when there is none or it is unreadable."""
+    try:
+        raw = _fsutil.read_bytes(trial.fs, posixpath.join(trial.path, MANAGER_STATE))
+        config = json.loads(raw)["config"]
+        return config.get("checkpoint_score_attribute"), config.get("checkpoint_score_order")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None
+
+
+def resolve_metric(trial: Location, metric: str | None, mode: str | None,
+                   required: bool) -> tuple[str | None, str]:
+    """``(metric, mode)`` from the arguments, else the trial's recorded score
+    attribute and order; the mode defaults to ``"max"``. A recorded order is
+    passed on as stored: the retention layer names a bad one.
+
+    Raises:
+        click.UsageError: ``required`` and neither gives a metric.
+    """
+    if metric is None:
+        recorded, recorded_mode = score_attribute(trial)
+        metric = recorded
+        mode = mode or recorded_mode
+        if metric is None and required:
+            raise click.UsageError(
+                "--metric is required: this trial records no retention score attribute"
+            )
+    return metric, (mode or "max")
+
+
+def stored_metrics(ckpt: Location, meta: Mapping[str, Any], *,
+                   warn: bool = True) -> Mapping[str, Any]:
+    """The metrics recorded with ``ckpt``; ``{}`` (with a warning naming it) when
+    what is stored is not a JSON object: another tool or a hand edit wrote it."""
+    metrics = meta.get("metrics")
+    if metrics is None or isinstance(metrics, Mapping):
+        return metrics or {}
+    if warn:
+        click.echo(f"warning: {ckpt.uri} records 'metrics' as a {type(metrics).__name__}, "
+                   "not an object; treating it as no metrics", err=True)
+    return {}
+
+
+def stored_score(ckpt: Location, metrics: Mapping[str, Any], metric: str) -> float | None:
+    """The numeric score of a stored checkpoint, or None when missing or NaN.
+
+    Raises:
+        CheckpointStoreError: the stored value is not a number. Not a usage
+            error (exit 1): the arguments are fine, the stored data is not.
+    """
+    from checkpoint_store.retention import score_of
+
+    try:
+        return score_of(metrics, metric)
+    except InvalidConfigError:
+        value = metric_value(metrics, metric)
+        raise CheckpointStoreError(
+            f"{ckpt.uri} records metric {metric!r} as {value!r} ({type(value).__name__}), "
+            "not a number; rank by another --metric, or delete that checkpoint"
+        ) from None
+
+
+def metric_value(metrics: Mapping[str, Any], attribute: str) -> Any:
+    """The stored value of ``attribute`` (``/`` for nested), None when absent."""
+    from checkpoint_store.retention import lookup_metric
+
+    value = lookup_metric(metrics, attribute)
+    return None if value is not None and type(value) is object else value
