@@ -31,6 +31,7 @@ from checkpoint_store.cli import common_options, echo_info, storage_option
 from checkpoint_store.cli.locations import (
     TRIAL_FILES,
     Location,
+    LocationKind,
     classify,
     committed_checkpoints,
     list_entries,
@@ -105,7 +106,7 @@ def _require_fitting_names(dst: Location) -> None:
         check_name_length(part, "destination name")
 
 
-def _kind_or_none(loc: Location) -> str | None:
+def _kind_or_none(loc: Location) -> LocationKind | None:
     try:
         return classify(loc)
     except CheckpointNotFoundError:
