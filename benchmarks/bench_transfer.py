@@ -83,6 +83,15 @@ def local_rows(src: str, shape: Shape, work: str, reps: int, log) -> dict[str, d
         scratch.drop(dst)
         return dt
 
+    def cp_sync(rep: int) -> float:
+        # The durable yardstick for the fsync column: cp, then sync(1) (all
+        # dirty data of the machine, as a user would make a copy durable).
+        dst = scratch.new()
+        dt = _timed(lambda: subprocess.run(["sh", "-c", 'cp -r "$0" "$1" && sync', src, dst],
+                                           check=True))
+        scratch.drop(dst)
+        return dt
+
     def pa_copy(rep: int) -> float:
         dst = scratch.new()
         def go() -> None:
@@ -108,6 +117,7 @@ def local_rows(src: str, shape: Shape, work: str, reps: int, log) -> dict[str, d
         "checkpoint-store (fsync)": ours(True),
         "checkpoint-store (no fsync)": ours(False),
         "cp -r": cp,
+        "cp -r + sync": cp_sync,
         "pyarrow copy_files 64 MiB": pa_copy,
         "fsspec put": fsspec_put,
     }

@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
     ap.add_argument("--only", default="local,s3,azure,report,async,rss,import,retention",
                     help="comma-separated parts to run")
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated shape names to run (e.g. '4 x 256 MiB'), default all")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     ap.add_argument("--json", default=os.path.join(ROOT, "docs", "benchmarks.json"))
     ap.add_argument("--data-dir", default=None, help="where test data is generated (reused)")
@@ -80,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.time()
     shapes = QUICK_SHAPES if quick else FULL_SHAPES
+    if args.shapes:
+        wanted = {w.strip() for w in args.shapes.split(",")}
+        shapes = [s for s in shapes if s.name in wanted] or shapes
     data_root = args.data_dir or os.path.join(tempfile.gettempdir(), "cs-bench-data")
     os.makedirs(data_root, exist_ok=True)
     _log("generating data ...")

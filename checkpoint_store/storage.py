@@ -9,6 +9,7 @@ sessions.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import posixpath
@@ -33,6 +34,7 @@ from checkpoint_store._layout import (
     refuse_reserved,
     validate_component,
 )
+from checkpoint_store._plan import Previous
 from checkpoint_store._proc import writer_tag_alive
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
@@ -109,6 +111,18 @@ class StorageContext:
             an id unique to this process.
         retry: retry policy for storage calls (default
             :meth:`RetryPolicy.from_env`: 3 attempts, 5 s max delay).
+        max_concurrency: requests one transfer keeps in flight (files, parts
+            of large files, batches of small files); default the backend's
+            ``Capabilities.concurrency`` (local 4, S3 8, Azure 8, GCS 8).
+        memory_budget: bytes of file data one transfer holds in memory at
+            once, all its requests together (peak RSS grows by about this
+            much); default 256 MiB, at most 1/16 of RAM. Larger parts and more
+            of them in flight speed up object stores on slow links.
+        incremental: on stores that copy objects server-side (S3, Azure,
+            GCS, memory), a file whose size and CRC32C equal those of the
+            same file in the trial's latest committed checkpoint is copied
+            from it inside the store instead of uploaded (every checkpoint
+            still holds all its files). Default True.
 
     Raises:
         InvalidConfigError: bad names or location. Nothing is written at
@@ -126,6 +140,9 @@ class StorageContext:
         fsync: bool = True,
         run_id: str | None = None,
         retry: RetryPolicy | None = None,
+        max_concurrency: int | None = None,
+        memory_budget: int | None = None,
+        incremental: bool = True,
     ):
         self.experiment_name = refuse_reserved(
             validate_component(experiment_name, "experiment_name"), "experiment_name")
@@ -136,6 +153,27 @@ class StorageContext:
         )
         self.fsync = fsync
         self._init_run(run_id, retry)
+        self._init_transfer(max_concurrency, memory_budget, incremental)
+
+    def _init_transfer(self, max_concurrency: int | None, memory_budget: int | None,
+                       incremental: bool) -> None:
+        changes: dict[str, int] = {}
+        for name, value, floor in (("max_concurrency", max_concurrency, 1),
+                                   ("memory_budget", memory_budget, 1024 * 1024)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < floor:
+                raise InvalidConfigError(
+                    f"{name} must be an int >= {floor}, got {value!r}"
+                    + (" (bytes)" if name == "memory_budget" else "")
+                )
+            changes["concurrency" if name == "max_concurrency" else name] = value
+        if not isinstance(incremental, bool):
+            raise InvalidConfigError(f"incremental must be True or False, got {incremental!r}")
+        self.incremental = incremental
+        if changes:
+            caps = dataclasses.replace(self.backend.capabilities, **changes)
+            self.backend = dataclasses.replace(self.backend, capabilities=caps)
 
     def _init_run(self, run_id: str | None, retry: RetryPolicy | None) -> None:
         if retry is not None and not isinstance(retry, RetryPolicy):
@@ -149,6 +187,8 @@ class StorageContext:
     def from_backend(
         cls, backend: Backend, storage_path: str, experiment_name: str, trial_name: str,
         *, fsync: bool = True, run_id: str | None = None, retry: RetryPolicy | None = None,
+        max_concurrency: int | None = None, memory_budget: int | None = None,
+        incremental: bool = True,
     ) -> StorageContext:
         self = cls.__new__(cls)
         self.experiment_name = validate_component(experiment_name, "experiment_name")
@@ -157,6 +197,7 @@ class StorageContext:
         self.storage_path = storage_path
         self.fsync = fsync
         self._init_run(run_id, retry)
+        self._init_transfer(max_concurrency, memory_budget, incremental)
         return self
 
     def __repr__(self) -> str:
@@ -270,9 +311,10 @@ class StorageContext:
         meta = self.internal_metadata(index, internal)
         self.ensure_trial_dir()
         writer = new_writer_id(self.run_id)
+        previous = self.previous_checkpoint(index) if self._reuses(checkpoint) else None
         _retry.with_rebuild(self.backend, lambda: commit_checkpoint(
             checkpoint.filesystem, checkpoint.path, self.backend, dest, meta, fsync=self.fsync,
-            writer_id=writer, retry=self.retry,
+            writer_id=writer, retry=self.retry, previous=previous,
         ), what=f"commit {self.uri(dest)}")
         return Checkpoint._from_backend(self.backend, dest)
 
@@ -307,6 +349,27 @@ class StorageContext:
             self.backend, dest, meta, fsync=self.fsync, retry=self.retry,
         ), what=f"commit {self.uri(dest)} in place")
         return Checkpoint._from_backend(self.backend, dest)
+
+    def _reuses(self, checkpoint: Checkpoint) -> bool:
+        # Where the store renames directories (local disks) a copy from the
+        # source is already a kernel copy or a reflink: nothing to gain.
+        caps = self.backend.capabilities
+        return (self.incremental and caps.server_side_copy and not caps.atomic_rename
+                and _fsutil.local_path(checkpoint.filesystem, checkpoint.path) is not None)
+
+    def previous_checkpoint(self, index: int) -> Previous | None:
+        """The latest committed checkpoint below ``index`` as a
+        :class:`~checkpoint_store._plan.Previous` (its path and manifest), or
+        None. Looks at the three highest directories only: one listing of the
+        trial plus one inspection each."""
+        below = [name for i, name in self.checkpoint_dirs() if i < index]
+        for name in reversed(below[-3:]):
+            path = posixpath.join(self.trial_path, name)
+            meta = read_internal_metadata(self.filesystem, path, retry=self.retry)
+            if meta is not None:
+                return Previous(path, {e["path"]: (e["size"], int(e["crc32c"], 16))
+                                       for e in meta["manifest"]})
+        return None
 
     def delete_checkpoint(self, dir_name: str) -> None:
         """Delete a checkpoint directory of this trial; absent is fine.

@@ -98,6 +98,7 @@ def copy_tree(
     concurrency: int | None = None,
     retry: RetryPolicy | None = None,
     memory_limit: int | None = None,
+    previous: Any = None,
 ) -> list[ManifestEntry]:
     """Copy every file under ``src_root`` for which ``include(relpath)`` holds.
 
@@ -106,8 +107,12 @@ def copy_tree(
     (``(relpath, size)`` pairs). ``chunk_size`` (bytes per request; default
     the destination's ``Capabilities.chunk_size``), ``concurrency`` (threads;
     default its ``Capabilities.concurrency``) and ``memory_limit`` (bytes
-    buffered at once; default 80 MiB) tune the transfer plan of
-    :mod:`checkpoint_store._plan`. CRC32Cs are computed on the bytes in flight.
+    buffered at once; default its ``Capabilities.memory_budget``, else
+    :data:`checkpoint_store._plan.DEFAULT_MEMORY_LIMIT`) tune the transfer
+    plan of :mod:`checkpoint_store._plan`. CRC32Cs are computed on the bytes
+    in flight (local copies: on the bytes written). ``previous`` (a
+    :class:`checkpoint_store._plan.Previous`): files equal to that committed
+    checkpoint's are copied inside the store instead of uploaded.
 
     Returns:
         One :class:`ManifestEntry` per file copied, sorted by path.
@@ -137,8 +142,8 @@ def copy_tree(
     results = _plan.run(
         src_fs, src_root, dst_fs, dst_root, files,
         chunk_size=chunk, concurrency=concurrency or dst_caps.concurrency, fsync=do_fsync,
-        memory_limit=memory_limit,
-        call=lambda fn, what: _retry.call(fn, policy=retry, what=what),
+        memory_limit=memory_limit if memory_limit is not None else dst_caps.memory_budget,
+        call=lambda fn, what: _retry.call(fn, policy=retry, what=what), previous=previous,
     )
     entries = [ManifestEntry(r.path, r.size, _crc_hex(r.crc32c)) for r in results]
     if do_fsync:
@@ -599,6 +604,7 @@ def commit_checkpoint(
     claim_timeout: float = 120.0,
     confine_links: bool = False,
     write: WriteContents | None = None,
+    previous: Any = None,
 ) -> dict[str, Any]:
     """Upload ``src_dir`` as the committed checkpoint ``dest_dir``.
 
@@ -628,6 +634,9 @@ def commit_checkpoint(
             protocol around it is the same. It may be called again when a
             retry rebuilds the filesystem. Used to stream a state straight to
             storage without a local copy.
+        previous: a :class:`checkpoint_store._plan.Previous` (the last
+            committed checkpoint of the trial): files equal to its files are
+            copied inside the store (marker-last stores, local source only).
 
     Returns:
         The internal metadata as written.
@@ -655,7 +664,7 @@ def commit_checkpoint(
         return _commit_by_rename(src_fs, src_dir, files, dest, dest_dir, internal, fsync,
                                  writer_id, retry, write)
     return _commit_marker_last(src_fs, src_dir, files, dest, dest_dir, internal, fsync,
-                               writer_id, retry, claim_timeout, write)
+                               writer_id, retry, claim_timeout, write, previous)
 
 
 def _commit_by_rename(
@@ -753,6 +762,7 @@ def _commit_marker_last(
     retry: RetryPolicy | None,
     claim_timeout: float,
     write: WriteContents | None = None,
+    previous: Any = None,
 ) -> dict[str, Any]:
     """Marker-last commit behind a claim (mutual exclusion without conditional writes).
 
@@ -815,7 +825,7 @@ def _commit_marker_last(
             if rel != mine and not rel.split("/")[-1].startswith(_CLAIM_PREFIX):
                 _fsutil.delete_file(fs, posixpath.join(dest_dir, rel), retry=retry)
         meta = _write_contents(src_fs, src_dir, files, dest, dest_dir, internal, fsync,
-                               retry=retry, write=write)
+                               retry=retry, write=write, previous=previous)
     except Exception:
         def _undo() -> None:
             # Data first, claim last: until the claim goes, the leftovers stay
@@ -848,6 +858,7 @@ def _write_contents(
     retry: RetryPolicy | None = None,
     before_marker: Callable[[], None] | None = None,
     write: WriteContents | None = None,
+    previous: Any = None,
 ) -> dict[str, Any]:
     """Copy (or ``write``) the data files into ``target``, then write the marker last."""
     if write is not None:
@@ -856,7 +867,7 @@ def _write_contents(
     else:
         entries = copy_tree(
             src_fs, src_dir, dest.filesystem, target, dest.capabilities,
-            files=files, fsync=fsync, retry=retry,
+            files=files, fsync=fsync, retry=retry, previous=previous,
         )
     meta = dict(internal)
     meta["format_version"] = FORMAT_VERSION
@@ -1108,7 +1119,7 @@ def download_tree(
             )
     local = pafs.LocalFileSystem()
     local_caps = Capabilities(directories=True, chunk_size=caps.chunk_size,
-                              concurrency=caps.concurrency)
+                              concurrency=caps.concurrency, memory_budget=caps.memory_budget)
     root = os.path.abspath(local_dir)
     # Listed (and every name checked) before the target is touched.
     files = source_files(fs, checkpoint_path, include=_is_checkpoint_data, confine_links=True,

@@ -37,7 +37,13 @@ class Capabilities:
         directories: the store has real directories. Object stores do not;
             there we never create directory-marker objects ourselves.
         chunk_size: bytes per read/write call that transfers use by default.
-        concurrency: default number of files transferred at once.
+        concurrency: requests (files, parts of files or batches of small
+            files) in flight at once: the threads of one transfer.
+        memory_budget: bytes of file data one transfer may hold in memory at
+            once, all threads together; None: the planner's default
+            (:data:`checkpoint_store._plan.DEFAULT_MEMORY_LIMIT`). Both are
+            set per storage with ``StorageContext(max_concurrency=...,
+            memory_budget=...)``.
     """
 
     atomic_rename: bool = False
@@ -47,6 +53,7 @@ class Capabilities:
     directories: bool = False
     chunk_size: int = 8 * 1024 * 1024
     concurrency: int = 8
+    memory_budget: int | None = None
 
 
 LOCAL_CAPABILITIES = Capabilities(

@@ -29,7 +29,9 @@ byte-identical directory round-trips (nested directories, empty and
 multi-MiB files, names with spaces, ``%``, ``#`` and non-ASCII letters);
 only committed checkpoints are visible; deletes are idempotent; missing
 paths raise not-found errors; URI joining and trailing slashes; secrets
-absent from ``repr``; that each declared capability holds; and that nothing
+absent from ``repr``; that each declared capability holds; incremental
+reports (files copied from the previous checkpoint) stay self-contained; and
+that nothing
 is written outside its place: a source key ``sub/../../../escape.bin`` (where
 the store keeps such a key literally) is refused by ``report()`` and
 ``to_directory()`` before the first byte, and a download into the checkpoint
@@ -347,6 +349,32 @@ class BackendTests:
         ctx.delete_checkpoint("checkpoint_000000")
         assert [meta["index"] for _, meta in ctx.committed_checkpoints()] == [1]
         assert [i for i, _ in ctx.checkpoint_dirs()] == [1]
+
+    def test_incremental_report_is_self_contained(self, storage_location: StorageLocation,
+                                                  tmp_path: Path) -> None:
+        # Report twice; between the reports one file changes keeping its size
+        # and one grows. Where the store copies server-side, the unchanged
+        # files come from checkpoint 0; either way checkpoint 1 holds the new
+        # bytes and still verifies once checkpoint 0 is deleted.
+        ctx = self._context(storage_location)
+        src = self._src(tmp_path, {"same.bin": 70_000, "d/changed.bin": 4096, "grows.bin": 10})
+        ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
+        with open(os.path.join(src, "d", "changed.bin"), "r+b") as f:
+            old = f.read(1)
+            f.seek(0)
+            f.write(bytes([old[0] ^ 0xFF]))  # same size, another CRC32C
+        with open(os.path.join(src, "grows.bin"), "ab") as f:
+            f.write(b"more")
+        expected = read_tree(src)
+        second = ctx.persist_checkpoint(Checkpoint.from_directory(src), 1, {})
+        ctx.delete_checkpoint("checkpoint_000000")
+        second.verify()
+        assert read_tree(second.to_directory(str(tmp_path / "o"))) == expected
+        plain = StorageContext(storage_location.uri, "exp", "full",
+                               storage_options=dict(storage_location.storage_options),
+                               incremental=False, max_concurrency=2, memory_budget=2**21)
+        full = plain.persist_checkpoint(Checkpoint.from_directory(src), 1, {})
+        assert full.internal_metadata["manifest"] == second.internal_metadata["manifest"]
 
     def test_session_keeps_best_and_resumes(self, storage_location: StorageLocation,
                                             tmp_path: Path) -> None:
