@@ -50,6 +50,11 @@ QUICK_SHAPES = [
 ]
 
 
+# Incremental rows: a 1 GiB checkpoint of which one 64 MiB file changes.
+FULL_INCREMENTAL = Shape("16 x 64 MiB", 16, 64 * MiB)
+QUICK_INCREMENTAL = Shape("16 x 4 MiB", 16, 4 * MiB)
+
+
 def make_tree(root: str, shape: Shape) -> str:
     """Write ``shape`` as random data under ``root`` (once; reused when the
     marker ``<root>.complete`` is there) and warm the page cache."""
@@ -85,10 +90,41 @@ class Cell:
     times: list[float] = field(default_factory=list)
     error: str | None = None
     note: str | None = None
+    #: Growth of this process's peak RSS during each run, in MiB (Linux
+    #: VmHWM reset before the run); None for tools run as a child process.
+    rss_mib: list[float] = field(default_factory=list)
 
     @property
     def median(self) -> float | None:
         return statistics.median(self.times) if self.times else None
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _hwm_reset() -> int | None:
+    """Reset this process's peak RSS to its current RSS (Linux); the RSS in KiB."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _status_kib("VmRSS")
+
+
+def _hwm_growth(base: int | None) -> float | None:
+    peak = _status_kib("VmHWM")
+    if base is None or peak is None:
+        return None
+    return max(0, peak - base) / 1024
 
 
 def alternate(
@@ -112,6 +148,7 @@ def alternate(
             cell = cells[name]
             if cell.error is not None:
                 continue
+            base = _hwm_reset()
             try:
                 dt = fn(rep)
             except Exception as exc:  # a failing tool is a row note, not a crash
@@ -121,6 +158,9 @@ def alternate(
             if dt is None:
                 continue
             cell.times.append(dt)
+            grew = _hwm_growth(base)
+            if grew is not None and not getattr(fn, "subprocess", False):
+                cell.rss_mib.append(grew)
             log(f"  {label} {name} rep {rep}: {dt:.3f} s")
         if budget_s is not None and time.perf_counter() - t_start > budget_s and rep >= 0:
             if rep + 1 < reps:

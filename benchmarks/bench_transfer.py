@@ -113,6 +113,8 @@ def local_rows(src: str, shape: Shape, work: str, reps: int, log) -> dict[str, d
         scratch.drop(dst)
         return dt
 
+    for fn in (cp, cp_sync):
+        fn.subprocess = True  # type: ignore[attr-defined]  # its RSS is not ours
     up: dict[str, Callable[[int], float]] = {
         "checkpoint-store (fsync)": ours(True),
         "checkpoint-store (no fsync)": ours(False),
@@ -164,6 +166,7 @@ def local_rows(src: str, shape: Shape, work: str, reps: int, log) -> dict[str, d
         scratch.drop(dst)
         return dt
 
+    cp_down.subprocess = True  # type: ignore[attr-defined]
     down: dict[str, Callable[[int], float]] = {
         "checkpoint-store (verify)": ours_down,
         "cp -r": cp_down,
@@ -212,6 +215,18 @@ def remote_rows(
         drop_remote(f"{bucket}/{p}")
         return dt
 
+    def ours_up_with(fs: Any) -> Callable[[int], float]:
+        # The user passes a filesystem object (as with Ray's storage_filesystem):
+        # the plan's concurrency must not depend on which client it is.
+        def run(rep: int) -> float:
+            p = f"{bucket}/{prefix()}"
+            st = StorageContext(p, "exp", "t", storage_filesystem=fs)
+            dt = _timed(lambda: st.persist_checkpoint(Checkpoint.from_directory(src), 0,
+                                                      {"metrics": {}}))
+            drop_remote(p)
+            return dt
+        return run
+
     def pa_up(rep: int) -> float:
         p = f"{bucket}/{prefix()}"
         dt = _timed(lambda: pafs.copy_files(src, p, source_filesystem=LOCAL,
@@ -234,6 +249,8 @@ def remote_rows(
 
     up: dict[str, Callable[[int], float]] = {
         "checkpoint-store": ours_up,
+        "checkpoint-store (pyarrow fs passed)": ours_up_with(raw_pyarrow),
+        f"checkpoint-store ({fsspec_label} fs passed)": ours_up_with(raw_fsspec),
         "pyarrow copy_files 64 MiB": pa_up,
         f"{fsspec_label} put": fsspec_put,
     }
@@ -287,6 +304,48 @@ def remote_rows(
     rows["download"] = alternate(down, reps, log=log, label=f"{kind} {shape.name} download",
                                  budget_s=budget_s)
     drop_remote(f"{bucket}/{p}")
+    return rows
+
+
+def incremental_rows(
+    kind: str, src: str, shape: Shape, work: str, reps: int, log, *,
+    uri_root: str, options: dict[str, Any], changed_size: int,
+) -> dict[str, dict[str, Cell]]:
+    """A second report of ``src`` where one file of ``changed_size`` bytes
+    changed: incremental (unchanged files copied inside the store) against a
+    full upload (``incremental=False``), alternating. Each run starts from a
+    committed first checkpoint."""
+    from checkpoint_store import StorageContext
+    from checkpoint_store.checkpoint import Checkpoint
+
+    copy = os.path.join(work, f"incremental-{os.getpid()}")
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(src, copy)
+    victim = max((os.path.join(d, n) for d, _, ns in os.walk(copy) for n in ns),
+                 key=os.path.getsize)
+    counter = [0]
+
+    def second_report(incremental: bool) -> Callable[[int], float]:
+        def run(rep: int) -> float:
+            counter[0] += 1
+            st = StorageContext(f"{uri_root}/inc{counter[0]}-{os.getpid()}", "exp", "t",
+                                storage_options=options, incremental=incremental)
+            st.persist_checkpoint(Checkpoint.from_directory(copy), 0, {"metrics": {}})
+            with open(victim, "r+b") as f:  # one file changes (its size does not)
+                f.write(os.urandom(min(changed_size, os.path.getsize(victim))))
+            dt = _timed(lambda: st.persist_checkpoint(Checkpoint.from_directory(copy), 1,
+                                                      {"metrics": {}}))
+            for d in ("checkpoint_000000", "checkpoint_000001"):
+                st.delete_checkpoint(d)
+            return dt
+        return run
+
+    cands: dict[str, Callable[[int], float]] = {
+        "checkpoint-store (incremental)": second_report(True),
+        "checkpoint-store (full upload)": second_report(False),
+    }
+    rows = {"upload": alternate(cands, reps, log=log, label=f"{kind} {shape.name} incremental")}
+    shutil.rmtree(copy, ignore_errors=True)
     return rows
 
 

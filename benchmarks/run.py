@@ -22,7 +22,15 @@ import time
 import traceback
 from typing import Any
 
-from benchmarks._common import FULL_SHAPES, QUICK_SHAPES, Cell, machine
+from benchmarks._common import (
+    FULL_INCREMENTAL,
+    FULL_SHAPES,
+    QUICK_INCREMENTAL,
+    QUICK_SHAPES,
+    Cell,
+    machine,
+    make_tree,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,7 +57,8 @@ def ensure_tools(install: bool) -> None:
 
 
 def _cells_json(rows: dict[str, Cell]) -> dict[str, Any]:
-    return {name: {"times_s": c.times, "median_s": c.median, "error": c.error}
+    return {name: {"times_s": c.times, "median_s": c.median, "error": c.error,
+                   "peak_rss_mib": max(c.rss_mib) if c.rss_mib else None}
             for name, c in rows.items()}
 
 
@@ -57,8 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="1/16 of the data, one repetition")
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
-    ap.add_argument("--only", default="local,s3,azure,report,async,rss,import,retention",
-                    help="comma-separated parts to run")
+    ap.add_argument("--only",
+                    default="local,s3,azure,s3-link,azure-link,incremental,report,async,rss,"
+                            "import,retention",
+                    help="comma-separated parts to run (the -link parts go through a "
+                         "delaying proxy, see benchmarks/latency_link.py)")
+    ap.add_argument("--link-rtt-ms", type=float, default=10.0,
+                    help="round-trip time the -link parts add (ms)")
+    ap.add_argument("--link-mbit", type=float, default=1000.0,
+                    help="bandwidth of the -link parts' link (Mbit/s, shared by all connections)")
     ap.add_argument("--shapes", default=None,
                     help="comma-separated shape names to run (e.g. '4 x 256 MiB'), default all")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks.md"))
@@ -78,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     from benchmarks import bench_misc, bench_transfer
-    from benchmarks._common import make_tree
 
     t_start = time.time()
     shapes = QUICK_SHAPES if quick else FULL_SHAPES
@@ -116,14 +131,14 @@ def main(argv: list[str] | None = None) -> int:
 
     servers: list[Any] = []
     s3 = az = None
-    if parts & {"s3", "azure", "async", "rss"}:
+    if parts & {"s3", "azure", "async", "rss", "s3-link", "azure-link", "incremental"}:
         from checkpoint_store.testing.servers import AzureServer, S3Server, find_azurite
 
-        if parts & {"s3", "async", "rss"}:
+        if parts & {"s3", "async", "rss", "s3-link", "incremental"}:
             s3 = guarded("moto", lambda: S3Server.start())
             if s3:
                 servers.append(s3)
-        if parts & {"azure", "rss"}:
+        if parts & {"azure", "rss", "azure-link"}:
             az = guarded("azurite", lambda: AzureServer.start(executable=find_azurite(ROOT)))
             if az:
                 servers.append(az)
@@ -140,46 +155,86 @@ def main(argv: list[str] | None = None) -> int:
                 "CompleteMultipartUpload of one 1 GiB object here for every client "
                 "(pyarrow: INTERNAL_FAILURE after ~45 s; s3fs: 'upload does not exist' "
                 "after its retry). The S3 memory and async rows use 4 x 256 MiB (1 GiB).")
-        if s3 is not None and "s3" in parts:
+        from benchmarks.latency_link import Link
+
+        link_name = f"{args.link_rtt_ms:g} ms RTT, {args.link_mbit:g} Mbit/s link"
+
+        def s3_part(key: str, endpoint_url: str) -> None:
             import pyarrow.fs as pafs
             import s3fs
 
             bucket = s3.create_bucket()
-            host = s3.endpoint_url.split("://", 1)[1]
-            raw_pa = pafs.S3FileSystem(endpoint_override=host, scheme="http",
-                                       access_key=s3.access_key_id, secret_key=s3.secret_access_key,
-                                       region="us-east-1")
-            raw_fs = s3fs.S3FileSystem(endpoint_url=s3.endpoint_url, key=s3.access_key_id,
+            options = {**s3.storage_options(), "endpoint_url": endpoint_url}
+            raw_pa = pafs.S3FileSystem(
+                endpoint_override=endpoint_url.split("://", 1)[1], scheme="http",
+                access_key=s3.access_key_id, secret_key=s3.secret_access_key, region="us-east-1")
+            raw_fs = s3fs.S3FileSystem(endpoint_url=endpoint_url, key=s3.access_key_id,
                                        secret=s3.secret_access_key)
             for s in s3_shapes:
-                rows = guarded(f"s3 {s.name}", lambda s=s: bench_transfer.remote_rows(
-                    "s3", data[s.name], s, work, remote_reps, _log,
-                    uri_root=f"s3://{bucket}", options=s3.storage_options(),
+                rows = guarded(f"{key} {s.name}", lambda s=s: bench_transfer.remote_rows(
+                    key, data[s.name], s, work, remote_reps, _log,
+                    uri_root=f"s3://{bucket}", options=options,
                     raw_pyarrow=raw_pa, raw_fsspec=raw_fs, fsspec_label="s3fs", bucket=bucket,
                     budget_s=budget))
                 if rows:
                     for direction, cells in rows.items():
-                        results["transfers"].setdefault("s3", {}).setdefault(s.name, {})[
+                        results["transfers"].setdefault(key, {}).setdefault(s.name, {})[
                             direction] = _cells_json(cells)
-        if az is not None and "azure" in parts:
+
+        def azure_part(key: str, endpoint_url: str) -> None:
             import adlfs
 
             from checkpoint_store.registry import resolve
 
             container = az.create_container()
-            raw_pa = resolve(f"az://{container}", storage_options=az.storage_options("pyarrow"))[
-                0].filesystem
-            raw_fs = adlfs.AzureBlobFileSystem(connection_string=az.connection_string)
+            conn = az.connection_string.replace(az.endpoint_url, endpoint_url)
+            raw_pa = resolve(f"az://{container}", storage_options={
+                "engine": "pyarrow", "connection_string": conn})[0].filesystem
+            raw_fs = adlfs.AzureBlobFileSystem(connection_string=conn)
             for s in shapes:
-                rows = guarded(f"azure {s.name}", lambda s=s: bench_transfer.remote_rows(
-                    "azure", data[s.name], s, work, remote_reps, _log,
-                    uri_root=f"az://{container}", options=az.storage_options(),
+                rows = guarded(f"{key} {s.name}", lambda s=s: bench_transfer.remote_rows(
+                    key, data[s.name], s, work, remote_reps, _log,
+                    uri_root=f"az://{container}",
+                    options={"engine": "adlfs", "connection_string": conn},
                     raw_pyarrow=raw_pa, raw_fsspec=raw_fs, fsspec_label="adlfs",
                     bucket=container, budget_s=budget))
                 if rows:
                     for direction, cells in rows.items():
-                        results["transfers"].setdefault("azure", {}).setdefault(s.name, {})[
+                        results["transfers"].setdefault(key, {}).setdefault(s.name, {})[
                             direction] = _cells_json(cells)
+
+        def through_link(server: Any, fn: Any, key: str) -> None:
+            link = Link(server.endpoint_url, rtt_ms=args.link_rtt_ms, mbit=args.link_mbit)
+            try:
+                fn(key, link.url)
+            finally:
+                link.stop()
+
+        if s3 is not None and "s3" in parts:
+            s3_part("s3", s3.endpoint_url)
+        if az is not None and "azure" in parts:
+            azure_part("azure", az.endpoint_url)
+        if s3 is not None and "s3-link" in parts:
+            through_link(s3, s3_part, "s3-link")
+        if az is not None and "azure-link" in parts:
+            through_link(az, azure_part, "azure-link")
+        results["link"] = link_name
+        if s3 is not None and "incremental" in parts:
+            inc = QUICK_INCREMENTAL if quick else FULL_INCREMENTAL
+            inc_src = make_tree(os.path.join(data_root, inc.name.replace(" ", "")), inc)
+
+            def inc_part(key: str, endpoint_url: str) -> None:
+                bucket = s3.create_bucket()
+                rows = guarded(f"incremental {key}", lambda: bench_transfer.incremental_rows(
+                    key, inc_src, inc, work, remote_reps, _log, uri_root=f"s3://{bucket}",
+                    options={**s3.storage_options(), "endpoint_url": endpoint_url},
+                    changed_size=inc.size))
+                if rows:
+                    results.setdefault("incremental", {}).setdefault(key, {})[inc.name] = {
+                        d: _cells_json(c) for d, c in rows.items()}
+
+            inc_part("s3", s3.endpoint_url)
+            through_link(s3, inc_part, "s3-link")
 
         if "report" in parts:
             n, nc = (2000, 20) if quick else (5000, 50)
@@ -241,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             if key == "transfers":
                 for backend, rows in value.items():
                     old.setdefault("transfers", {})[backend] = rows
-            elif key in ("report", "async", "rss", "import", "retention"):
+            elif key in ("report", "async", "rss", "import", "retention", "incremental",
+                         "link"):
                 old[key] = value
             elif key == "errors":
                 old.setdefault("errors", {}).update(value)

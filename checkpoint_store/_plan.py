@@ -724,18 +724,25 @@ class Previous:
     files: Mapping[str, tuple[int, int]]
 
 
-def server_copy(fs: pafs.FileSystem, src: str, dst: str) -> None:
-    """Copy one object inside its store: no byte passes through this process.
+#: S3's CopyObject copies at most 5 GiB; larger objects need UploadPartCopy.
+_COPY_OBJECT_MAX = 5 * 1024**3
 
-    Through the fsspec client where one is behind ``fs`` (s3fs copies objects
-    over 5 GiB with UploadPartCopy, adlfs with Copy Blob, gcsfs with rewrite),
-    else ``fs.copy_file`` (pyarrow: S3 CopyObject, local and memory copies).
+
+def server_copy(fs: pafs.FileSystem, src: str, dst: str, size: int) -> None:
+    """Copy one object of ``size`` bytes inside its store: no byte passes
+    through this process.
+
+    A native pyarrow filesystem copies with one request (S3 CopyObject, Azure
+    Copy Blob; local and memory copies); objects over 5 GiB, and filesystems
+    pyarrow only wraps, go through the fsspec client's ``cp_file`` (s3fs uses
+    UploadPartCopy for large objects, adlfs Copy Blob, gcsfs rewrite).
     """
+    native = _native_of(fs)
     fss = _fsspec_of(fs)
-    if fss is not None:
-        fss.copy(src, dst)
+    if fss is None or (not isinstance(native, pafs.PyFileSystem) and size <= _COPY_OBJECT_MAX):
+        native.copy_file(src, dst)
     else:
-        _native_of(fs).copy_file(src, dst)
+        fss.cp_file(src, dst)
 
 
 def _reuse_previous(r: _Runner, previous: Previous,
@@ -758,7 +765,8 @@ def _reuse_previous(r: _Runner, previous: Previous,
             return None
         try:
             r.call(lambda: server_copy(r.dst_fs_outer, posixpath.join(previous.root, rel),
-                                       r._dst(rel)), f"copy {rel} from the previous checkpoint")
+                                       r._dst(rel), size),
+                   f"copy {rel} from the previous checkpoint")
         except OSError:
             return None  # gone meanwhile (deleted by retention, say): upload it
         return FileResult(rel, size, crc, reused=True)

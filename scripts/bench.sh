@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Benchmarks: checkpoint-store against cp, pyarrow, fsspec/s3fs/adlfs and Ray,
-# side by side, on the local disk, moto (S3) and Azurite (Azure) on 127.0.0.1.
+# side by side, on the local disk, moto (S3) and Azurite (Azure) on 127.0.0.1,
+# also through a delaying proxy (10 ms round trip, 1 Gbit/s; benchmarks/latency_link.py).
 # Writes docs/benchmarks.md and docs/benchmarks.json. Extra arguments go to
-# benchmarks/run.py (e.g. --quick, --only local,s3).
+# benchmarks/run.py (e.g. --quick, --only local,s3-link, --shapes "4 x 256 MiB").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh test

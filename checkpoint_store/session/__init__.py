@@ -121,6 +121,9 @@ def start(
     local_rank: int | None = None,
     attempt_id: str | None = None,
     sync_timeout_s: float = 1800.0,
+    max_concurrency: int | None = None,
+    memory_budget: int | None = None,
+    incremental: bool = True,
     _thread_only: bool = False,
 ) -> _ActiveSession:
     """Start a session; use as ``with session.start(...) as s:``.
@@ -144,6 +147,9 @@ def start(
         sync_timeout_s: with ``world_size > 1``, the longest any rank waits for
             the others (start and each checkpoint), in seconds; then
             :class:`RankTimeoutError` lists the missing ranks.
+        max_concurrency, memory_budget, incremental: how checkpoints move
+            (requests in flight, bytes buffered at once, reuse of unchanged
+            files); see :class:`~checkpoint_store.StorageContext`.
 
     Raises:
         InvalidConfigError: bad names, location, config or ranks, or several
@@ -155,6 +161,7 @@ def start(
     storage = StorageContext(
         storage_path, experiment_name, trial_name,
         storage_filesystem=storage_filesystem, storage_options=storage_options,
+        max_concurrency=max_concurrency, memory_budget=memory_budget, incremental=incremental,
     )
     if getattr(_local, "session", None) is not None:
         raise CheckpointStoreError(

@@ -79,7 +79,9 @@ def test_permanent_upload_fault_is_typed_and_spares_earlier_checkpoints(any_tria
     denied = StorageContext.from_backend(
         faulty_backend(any_trial.backend, FaultPlan(permanent={"write": "access_denied"},
                                                     path_contains="part")),
-        any_trial.root, "exp", "trial")
+        # The same files again would be copied from the previous checkpoint
+        # (no write at all): upload them, which is what is refused here.
+        any_trial.root, "exp", "trial", incremental=False)
     with pytest.raises(PermanentBackendError, match="AccessDenied") as err:
         denied.persist_checkpoint(Checkpoint.from_directory(src), 3, {"metrics": {}})
     assert isinstance(err.value, PermissionError.__mro__[1])  # an OSError for old handlers

@@ -52,3 +52,62 @@ def test_local_rows_on_a_tiny_tree_render_with_ratios(tmp_path) -> None:
     assert targets["report() metrics only ≤ 20 µs"][2] == "yes"
     assert targets["report() metrics only ≥ 10× faster than Ray"][1] == "133.33×"
     assert targets["import checkpoint_store ≤ 150 ms"][2] == "**no**"
+
+
+def test_latency_link_delays_and_keeps_every_byte() -> None:
+    import os
+    import socket
+    import threading
+    import time
+
+    from benchmarks.latency_link import Link
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def echo() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    threading.Thread(target=echo, daemon=True).start()
+    link = Link(f"http://127.0.0.1:{port}", rtt_ms=60, mbit=80)
+    try:
+        payload = os.urandom(1_000_000)  # 8 Mbit: 0.1 s each way at 80 Mbit/s
+        host, lport = link.url.split("://")[1].split(":")
+        with socket.create_connection((host, int(lport))) as c:
+            t0 = time.perf_counter()
+            c.sendall(payload)
+            got = b""
+            while len(got) < len(payload):
+                got += c.recv(1 << 20)
+            dt = time.perf_counter() - t0
+        assert got == payload
+        assert dt >= 0.06 + 0.1  # one round trip plus the bytes through the cap
+    finally:
+        link.stop()
+        srv.close()
+
+
+def test_report_renders_link_incremental_and_rss_rows() -> None:
+    def cells(**times: float) -> dict:
+        return {n: {"times_s": [t], "median_s": t, "error": None, "peak_rss_mib": 10.0}
+                for n, t in times.items()}
+
+    results = {
+        "machine": {"cpus": 2}, "reps": 1, "shapes": ["4 x 16 MiB"],
+        "link": "10 ms RTT, 1000 Mbit/s link",
+        "transfers": {"s3-link": {"4 x 16 MiB": {"upload": {
+            **cells(**{"checkpoint-store": 1.0, "s3fs put": 2.0}),
+            **{"Ray upload path": {"times_s": [3.0], "median_s": 3.0, "error": None,
+                                   "peak_rss_mib": None}}}}}},
+        "incremental": {"s3": {"16 x 4 MiB": {"upload": cells(
+            **{"checkpoint-store (incremental)": 0.1, "checkpoint-store (full upload)": 0.6})}}},
+    }
+    md = report_md.render(results)
+    assert "through a 10 ms RTT, 1000 Mbit/s link" in md
+    assert "**1.00 s** · 10 MiB" in md and "2.00 s (2.00×) · 10 MiB" in md
+    assert ("| incremental, s3 16 x 4 MiB, one file changed: ≥ 5× a full upload | 6.00× | yes |"
+            in md)
+    assert "≥ 1.0× best of the raw clients and Ray (s3fs put) | 2.00× | yes" in md

@@ -155,8 +155,8 @@ class _CopySpy:
         self.copied: list[str] = []
         real = _plan.server_copy
 
-        def spy(fs, src, dst):
-            real(fs, src, dst)
+        def spy(fs, src, dst, size):
+            real(fs, src, dst, size)
             self.copied.append(dst.rsplit("/", 1)[-1])
 
         monkeypatch.setattr(_plan, "server_copy", spy)
