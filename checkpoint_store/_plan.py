@@ -121,6 +121,12 @@ def _reflink(src: int, dst: int) -> bool:
     return True
 
 
+def _stamp(fd: int) -> tuple[int, int]:
+    """Size and modification time (ns) of an open file."""
+    st = os.fstat(fd)
+    return st.st_size, st.st_mtime_ns
+
+
 def _syncfs(fd: int) -> bool:
     """``syncfs(2)`` on the filesystem of ``fd``; False where unavailable."""
     try:
@@ -425,32 +431,44 @@ class _Runner:
         of the destination, returning the CRC32C of those bytes as written."""
         src = os.open(self._src_os(rel), os.O_RDONLY | _O_BINARY)
         try:
-            dst = os.open(self._dst_os(rel), os.O_RDWR | _O_BINARY)
+            before = _stamp(src)
+            dst = os.open(self._dst_os(rel), os.O_WRONLY | _O_BINARY)
             try:
                 self._kernel_copy(rel, src, dst, offset, length)
-                return self._crc_range(dst, offset, length)
             finally:
                 os.close(dst)
+            crc = self._crc_range(src, offset, length)
+            self._unchanged(rel, src, before)
+            return crc
         finally:
             os.close(src)
 
     def _copy_local_whole(self, rel: str) -> tuple[int, int]:
         src = os.open(self._src_os(rel), os.O_RDONLY | _O_BINARY)
         try:
-            size = os.fstat(src).st_size
-            dst = os.open(self._dst_os(rel), os.O_RDWR | os.O_CREAT | os.O_TRUNC | _O_BINARY,
+            before = _stamp(src)
+            size = before[0]
+            dst = os.open(self._dst_os(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY,
                           0o644)
             try:
                 if not (size and _reflink(src, dst)):
                     self._kernel_copy(rel, src, dst, 0, size)
-                crc = self._crc_range(dst, 0, size)
-                if os.fstat(src).st_size != size:
-                    raise OSError(f"{self._src_os(rel)} changed size while it was being copied")
             finally:
                 os.close(dst)
+            crc = self._crc_range(src, 0, size)
+            self._unchanged(rel, src, before)
         finally:
             os.close(src)
         return size, crc
+
+    def _unchanged(self, rel: str, fd: int, before: tuple[int, int]) -> None:
+        """The source was copied by the kernel and checksummed by a second
+        read: both saw the same bytes only if it did not change in between."""
+        if _stamp(fd) != before:
+            raise OSError(
+                f"{self._src_os(rel)} changed while it was being copied; write the "
+                "checkpoint completely before reporting it"
+            )
 
     def _kernel_copy(self, rel: str, src: int, dst: int, offset: int, length: int) -> None:
         """Copy a byte range inside the kernel (``copy_file_range``: no byte
@@ -487,9 +505,8 @@ class _Runner:
             pos += n
 
     def _crc_range(self, fd: int, offset: int, length: int) -> int:
-        """CRC32C of ``length`` bytes at ``offset`` of ``fd``: the destination
-        just written, so from the page cache, and the checksum is that of the
-        bytes stored (not of a source that may change under us)."""
+        """CRC32C of ``length`` bytes at ``offset`` of ``fd`` (a source the
+        kernel copy has just read: from the page cache)."""
         buf, mv = self._buffer()
         cap = len(mv)
         crc = 0

@@ -110,7 +110,7 @@ def copy_tree(
     buffered at once; default its ``Capabilities.memory_budget``, else
     :data:`checkpoint_store._plan.DEFAULT_MEMORY_LIMIT`) tune the transfer
     plan of :mod:`checkpoint_store._plan`. CRC32Cs are computed on the bytes
-    in flight (local copies: on the bytes written). ``previous`` (a
+    in flight (local copies: read again from the page cache). ``previous`` (a
     :class:`checkpoint_store._plan.Previous`): files equal to that committed
     checkpoint's are copied inside the store instead of uploaded.
 

@@ -307,3 +307,22 @@ def test_memory_budget_holds_under_8_large_files(tmp_path, request, location) ->
     for i in range(8):
         assert (tmp_path / "out" / f"shard_{i}.bin").read_bytes() == (
             src / f"shard_{i}.bin").read_bytes()
+
+
+def test_a_source_changing_during_the_copy_fails_it(tmp_path, monkeypatch) -> None:
+    # The kernel copies the bytes and a second read checksums them: a file
+    # rewritten in between would get a manifest that does not describe it.
+    src = str(tmp_path / "src")
+    _tree(src, {"w.bin": 300_000})
+    real = _plan._Runner._kernel_copy
+
+    def then_write(self, rel, s, d, offset, length):
+        real(self, rel, s, d, offset, length)
+        with open(os.path.join(src, rel), "ab") as f:
+            f.write(b"late")
+
+    monkeypatch.setattr(_plan._Runner, "_kernel_copy", then_write)
+    ctx = StorageContext(str(tmp_path / "store"), "exp", "trial")
+    with pytest.raises(OSError, match="changed while it was being copied"):
+        ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
+    assert ctx.committed_checkpoints() == []
