@@ -6,7 +6,7 @@ prints one JSON object; :func:`main` returns it as a dict.
 What is measured:
 
 * ``select``: the ranking core the manager runs on every ``register()``
-  (``checkpoint_store.retention._Selection``), fed ``n`` registrations with
+  (``checkpoint_store.retention.selection.Selection``), fed ``n`` registrations with
   pseudo-random scores (NaN every 97th), then :func:`select_kept` over the
   same records as a stream (score lookup and validation included). CPU
   seconds (``time.process_time``) from a run without tracing; tracemalloc
@@ -38,9 +38,10 @@ def _score(i: int) -> float:
 
 
 def _feed(n: int, k: int, trace: bool) -> tuple[float, int, int, int, int]:
-    from checkpoint_store.retention import CheckpointConfig, _Entry, _Selection
+    from checkpoint_store.retention import CheckpointConfig
+    from checkpoint_store.retention.selection import Entry, Selection
 
-    sel = _Selection(CheckpointConfig(k, "score", "max"))
+    sel = Selection(CheckpointConfig(k, "score", "max"))
     metrics: dict[str, Any] = {}
     tenth = n // 10
     at_tenth = 0
@@ -49,7 +50,7 @@ def _feed(n: int, k: int, trace: bool) -> tuple[float, int, int, int, int]:
     t0 = time.process_time()
     for i in range(n):
         s = _score(i)
-        sel.add(_Entry(i, f"checkpoint_{i:06d}", None if s != s else s, metrics))
+        sel.add(Entry(i, f"checkpoint_{i:06d}", None if s != s else s, metrics))
         if trace and i == tenth:
             at_tenth = tracemalloc.get_traced_memory()[0]
     cpu = time.process_time() - t0

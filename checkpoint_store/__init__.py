@@ -28,6 +28,7 @@ from checkpoint_store.errors import (
 
 if TYPE_CHECKING:
     from checkpoint_store import session
+    from checkpoint_store._async import UploadConfig
     from checkpoint_store._retry import RetryPolicy
     from checkpoint_store.checkpoint import Checkpoint
     from checkpoint_store.registry import available_backends, register_backend
@@ -60,6 +61,7 @@ __all__ = [
     "TrialStopped",
     "UnknownSchemeError",
     "UnsafePathError",
+    "UploadConfig",
     "available_backends",
     "register_backend",
     "session",
@@ -77,6 +79,7 @@ _LAZY = {
     "ScanResult": "checkpoint_store.storage",
     "StorageContext": "checkpoint_store.storage",
     "TrialRunner": "checkpoint_store.session._trial_runner",
+    "UploadConfig": "checkpoint_store._async",
     "available_backends": "checkpoint_store.registry",
     "register_backend": "checkpoint_store.registry",
 }

@@ -1,8 +1,8 @@
 """Asynchronous checkpoint uploads: stage locally, upload in the background.
 
-With ``upload_mode="async"`` (on :class:`~checkpoint_store.CheckpointConfig`
-or per ``report()``), ``report()`` does only what must happen before the
-training loop may touch its files again:
+With ``upload_mode="async"`` (on :class:`UploadConfig`, given to
+``session.start(upload_config=...)``, or per ``report()``), ``report()`` does
+only what must happen before the training loop may touch its files again:
 
 1. raise the error of an earlier background upload, if one failed;
 2. wait while ``max_pending_uploads`` uploads are still pending
@@ -33,14 +33,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from checkpoint_store.errors import InvalidConfigError
 
 logger = logging.getLogger(__name__)
 
-UPLOAD_MODES = ("sync", "async")
-STAGING_MODES = ("copy", "hardlink", "move")
+UploadMode = Literal["sync", "async"]
+StagingMode = Literal["copy", "hardlink", "move"]
+UPLOAD_MODES: tuple[UploadMode, ...] = ("sync", "async")
+STAGING_MODES: tuple[StagingMode, ...] = ("copy", "hardlink", "move")
 #: Where staged copies go unless ``CHECKPOINT_STORE_STAGING_DIR`` says otherwise.
 ENV_STAGING_DIR = "CHECKPOINT_STORE_STAGING_DIR"
 
@@ -78,6 +80,36 @@ def check_max_pending(n: Any) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise InvalidConfigError(f"max_pending_uploads must be an int >= 1, got {n!r}")
     return n
+
+
+@dataclass(frozen=True)
+class UploadConfig:
+    """How ``report()`` uploads a checkpoint. Given to ``session.start(upload_config=...)``
+    or a :class:`~checkpoint_store.TrialRunner`; ``report(..., upload_mode=...,
+    staging=...)`` overrides it for one report.
+
+    Args:
+        upload_mode: ``"sync"`` (default: ``report()`` returns once the
+            checkpoint is committed) or ``"async"`` (``report()`` stages a copy
+            and returns; the upload runs in the background, commits keep report
+            order; see :mod:`checkpoint_store._async`). One rank only.
+        max_pending_uploads: with ``"async"``, ``report()`` blocks while this
+            many uploads are still pending (default 1, as Orbax's async saves).
+        staging: with ``"async"``, how the checkpoint directory is staged:
+            ``"copy"`` (default), ``"hardlink"`` or ``"move"`` (see :func:`stage`).
+
+    Raises:
+        InvalidConfigError: at construction, for any other value.
+    """
+
+    upload_mode: UploadMode = "sync"
+    max_pending_uploads: int = 1
+    staging: StagingMode = "copy"
+
+    def __post_init__(self) -> None:
+        check_upload_mode(self.upload_mode)
+        check_max_pending(self.max_pending_uploads)
+        check_staging(self.staging)
 
 
 def staging_root() -> str:

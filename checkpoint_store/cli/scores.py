@@ -96,7 +96,7 @@ def stored_score(ckpt: Location, metrics: Mapping[str, Any], metric: str) -> flo
 
 def metric_value(metrics: Mapping[str, Any], attribute: str) -> Any:
     """The stored value of ``attribute`` (``/`` for nested), None when absent."""
-    from checkpoint_store.retention import lookup_metric
+    from checkpoint_store.retention import NOT_FOUND, lookup_metric
 
     value = lookup_metric(metrics, attribute)
-    return None if value is not None and type(value) is object else value
+    return None if value is NOT_FOUND else value

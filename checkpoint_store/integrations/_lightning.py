@@ -599,13 +599,13 @@ def _pick(
         return [c for c, _ in sorted(candidates, key=lambda cm: newness(cm[1]), reverse=True)]
     if mode not in ("min", "max"):
         raise InvalidConfigError(f"mode must be 'min' or 'max', got {mode!r}")
-    sign = 1.0 if mode == "max" else -1.0
+    from checkpoint_store.retention import rank_key
 
     def key(cm: tuple[Any, Mapping[str, Any]]) -> tuple[int, float, tuple[int, float]]:
         score = _to_float((cm[1].get("metrics") or {}).get(monitor))
-        if score is None or math.isnan(score):
-            return (0, 0.0, newness(cm[1]))
-        return (1, sign * score, newness(cm[1]))
+        if score is not None and math.isnan(score):
+            score = None
+        return rank_key(score, newness(cm[1]), mode)
 
     return [c for c, _ in sorted(candidates, key=key, reverse=True)]
 

@@ -30,13 +30,12 @@ checkpoint-store[tune]``.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from checkpoint_store.errors import InvalidConfigError
-from checkpoint_store.retention import _NOT_FOUND, CheckpointConfig, lookup_metric
+from checkpoint_store.retention import CheckpointConfig, rank_key, score_of
 
 __all__ = ["ATTR_BEST_CHECKPOINT", "ATTR_TRIAL_DIR", "objective"]
 
@@ -157,21 +156,18 @@ def objective(
             )
         if value == "last":
             return values[-1]
-        return max(values) if mode == "max" else min(values)
+        return max(values, key=lambda v: rank_key(v, 0, mode))
 
     return run_trial
 
 
 def _metric_value(result: Mapping[str, Any], metric: str) -> float | None:
-    v = lookup_metric(result, metric)
-    if v is None or v is _NOT_FOUND:
-        return None  # this report did not carry the metric
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise InvalidConfigError(
-            f"metric {metric!r} has value {v!r} of type {type(v).__name__}; Optuna needs a number"
-        )
-    v = float(v)
-    return None if math.isnan(v) else v
+    """The report's score for ``metric``, as retention reads it; None when this
+    report did not carry it (or it is NaN)."""
+    try:
+        return score_of(result, metric)
+    except InvalidConfigError as exc:
+        raise InvalidConfigError(f"{exc}; Optuna needs a number") from None
 
 
 def _record(trial: Any, runner: Any) -> None:

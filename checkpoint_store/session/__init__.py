@@ -24,6 +24,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from checkpoint_store._async import UploadConfig
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     CheckpointAbortedError,
@@ -43,6 +44,7 @@ __all__ = [
     "TrialRunner",
     "TrialStopped",
     "Session",
+    "UploadConfig",
     "SessionContext",
     "start",
     "report",
@@ -113,6 +115,7 @@ def start(
     experiment_name: str = "default",
     trial_name: str = "default",
     checkpoint_config: CheckpointConfig | None = None,
+    upload_config: UploadConfig | None = None,
     storage_filesystem: Any = None,
     storage_options: Mapping[str, Any] | None = None,
     config: Mapping[str, Any] | None = None,
@@ -133,6 +136,8 @@ def start(
             :class:`~checkpoint_store.StorageContext`.
         experiment_name, trial_name: layout names, one path component each.
         checkpoint_config: retention rules (default: keep all).
+        upload_config: how ``report()`` uploads (default: synchronously);
+            :class:`UploadConfig`.
         storage_filesystem: a pyarrow or fsspec filesystem used for all I/O.
         storage_options: backend options for a URI ``storage_path``.
         config: the trial's hyperparameters, written to ``params.json``.
@@ -168,7 +173,7 @@ def start(
             "a session is already active in this thread; end it before starting another"
         )
     sess = Session(
-        storage, checkpoint_config, config=config,
+        storage, checkpoint_config, upload_config=upload_config, config=config,
         world_rank=world_rank, world_size=world_size, local_rank=local_rank,
         attempt_id=attempt_id, sync_timeout_s=sync_timeout_s,
     )

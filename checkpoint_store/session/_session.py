@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpoint_store import _fsutil, _json
-from checkpoint_store._async import AsyncUploader
+from checkpoint_store._async import AsyncUploader, UploadConfig
 from checkpoint_store._layout import checkpoint_dir_name
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError, TrialStopped
@@ -106,6 +106,24 @@ def _check_checkpoint_config(value: Any) -> CheckpointConfig:
     return value
 
 
+def _check_upload_config(value: Any, checkpoint_config: CheckpointConfig) -> UploadConfig:
+    """``value``, else the deprecated upload keywords of ``checkpoint_config``, else
+    the defaults."""
+    legacy = checkpoint_config.legacy_upload_config()
+    if value is None:
+        return legacy or UploadConfig()
+    if not isinstance(value, UploadConfig):
+        raise InvalidConfigError(
+            f"upload_config must be an UploadConfig or None, got {type(value).__name__}"
+        )
+    if legacy is not None and legacy != value:
+        raise InvalidConfigError(
+            "upload settings given twice, in upload_config and in CheckpointConfig("
+            "upload_mode=..., max_pending_uploads=..., staging=...); give only upload_config"
+        )
+    return value
+
+
 def _check_timeout(value: Any, what: str = "sync_timeout_s") -> float:
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or not math.isfinite(value) or value <= 0):
@@ -164,6 +182,7 @@ class Session:
         storage: StorageContext,
         checkpoint_config: CheckpointConfig | None = None,
         *,
+        upload_config: UploadConfig | None = None,
         config: Mapping[str, Any] | None = None,
         world_rank: int | None = None,
         world_size: int | None = None,
@@ -179,6 +198,7 @@ class Session:
             )
         self.storage = storage
         self.checkpoint_config = _check_checkpoint_config(checkpoint_config)
+        self.upload_config = _check_upload_config(upload_config, self.checkpoint_config)
         self.config = _json.to_json_object(config or {}, "config")
         self.world_rank = _int_from(world_rank, "RANK", 0, "world_rank")
         self.world_size = _int_from(world_size, "WORLD_SIZE", 1, "world_size")
@@ -343,7 +363,7 @@ class Session:
         A ``checkpoint`` that is the directory :meth:`next_checkpoint_dir`
         handed out is committed in place (nothing copied; always synchronous).
 
-        ``upload_mode`` (default ``checkpoint_config.upload_mode``):
+        ``upload_mode`` (default: the session's ``upload_config.upload_mode``):
         ``"async"`` stages the checkpoint (``staging``: ``"copy"``,
         ``"hardlink"`` or ``"move"``) and returns while it uploads in the
         background; see :mod:`checkpoint_store._async` and :meth:`wait`. An
@@ -374,7 +394,7 @@ class Session:
         hook = self._runner_hook
         if hook is not None:
             hook.before_report()
-        mode = upload_mode or self.checkpoint_config.upload_mode
+        mode = upload_mode or self.upload_config.upload_mode
         if self._reserved is not None and self._in_place(checkpoint, self._next_index):
             mode = "sync"  # already in place: there is nothing to upload in the background
         if mode != "sync" or self._uploader is not None:
@@ -515,7 +535,7 @@ class Session:
                 "upload_mode='async' supports one rank only; use 'sync' with world_size > 1"
             )
         if self._uploader is None:
-            self._uploader = AsyncUploader(self.checkpoint_config.max_pending_uploads)
+            self._uploader = AsyncUploader(self.upload_config.max_pending_uploads)
         up = self._uploader
         up.raise_error()
         if checkpoint is None:
@@ -526,7 +546,7 @@ class Session:
             up.raise_error()
             return self._report_single(metrics, checkpoint)
         return _async.report_async(self, up, metrics, checkpoint,
-                                   staging or self.checkpoint_config.staging)
+                                   staging or self.upload_config.staging)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every background upload (``upload_mode="async"``) is committed.

@@ -16,11 +16,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from checkpoint_store import _json
+from checkpoint_store._async import UploadConfig
 from checkpoint_store._layout import validate_component
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError, TrialStopped
 from checkpoint_store.retention import CheckpointConfig
-from checkpoint_store.session._session import _check_checkpoint_config, _check_timeout
+from checkpoint_store.session._session import (
+    _check_checkpoint_config,
+    _check_timeout,
+    _check_upload_config,
+)
 
 _IDLE, _RUNNING, _FINISHED, _STOPPED, _PAUSED = "idle", "running", "finished", "stopped", "paused"
 _ERRORED = "errored"
@@ -41,6 +46,8 @@ class TrialRunner:
             the trial lives, as for :func:`checkpoint_store.session.start`.
         checkpoint_config: retention rules for this trial's checkpoints (each
             trial keeps its own top K under its own directory).
+        upload_config: how this trial's ``report()`` uploads
+            (:class:`~checkpoint_store.UploadConfig`; default synchronously).
         synchronous_result_reporting: True (default): ``report()`` inside
             ``train_fn`` blocks until the *next* ``step()``, so the function
             never runs ahead of the scheduler and can be stopped or paused
@@ -53,9 +60,11 @@ class TrialRunner:
     Raises:
         InvalidConfigError: ``train_fn`` is not callable, ``config`` is not a
             JSON object, a name is not one path component, ``checkpoint_config``
-            is not a CheckpointConfig, ``storage_options`` is not a dict, or
-            ``stop_timeout_s`` is not a number > 0. Checked here, before any
-            storage call; the thread starts at the first ``step()``.
+            is not a CheckpointConfig, ``upload_config`` is not an UploadConfig
+            (or repeats upload settings the checkpoint config gives),
+            ``storage_options`` is not a dict, or ``stop_timeout_s`` is not a
+            number > 0. Checked here, before any storage call; the thread
+            starts at the first ``step()``.
 
     Example::
 
@@ -75,6 +84,7 @@ class TrialRunner:
         experiment_name: str,
         trial_name: str,
         checkpoint_config: CheckpointConfig | None = None,
+        upload_config: UploadConfig | None = None,
         storage_filesystem: Any = None,
         synchronous_result_reporting: bool = True,
         storage_options: Mapping[str, Any] | None = None,
@@ -88,7 +98,7 @@ class TrialRunner:
         self._config = _json.to_json_object(config or {}, "config")
         validate_component(experiment_name, "experiment_name")
         validate_component(trial_name, "trial_name")
-        _check_checkpoint_config(checkpoint_config)
+        _check_upload_config(upload_config, _check_checkpoint_config(checkpoint_config))
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise InvalidConfigError(
                 f"storage_options must be a dict or None, got {type(storage_options).__name__}"
@@ -101,6 +111,7 @@ class TrialRunner:
             "experiment_name": experiment_name,
             "trial_name": trial_name,
             "checkpoint_config": checkpoint_config,
+            "upload_config": upload_config,
             "storage_filesystem": storage_filesystem,
             "storage_options": storage_options,
         }

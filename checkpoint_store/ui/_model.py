@@ -64,7 +64,7 @@ from checkpoint_store.retention import (
     CheckpointConfig,
     CheckpointRecord,
     live_lease,
-    score_of,
+    score_or_none,
     select_kept,
 )
 from checkpoint_store.storage import StorageContext, parse_result_rows
@@ -419,16 +419,7 @@ def _best(metas: Mapping[str, Mapping[str, Any]],
     top = _top(metas, config, 1)
     if not top:
         return None
-    return top[0].dir_name, _score(top[0].metrics, config.checkpoint_score_attribute)
-
-
-def _score(metrics: Mapping[str, Any], attribute: str | None) -> float | None:
-    if attribute is None:
-        return None
-    try:
-        return score_of(metrics, attribute)
-    except InvalidConfigError:
-        return None
+    return top[0].dir_name, score_or_none(top[0].metrics, config.checkpoint_score_attribute)
 
 
 def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
@@ -454,7 +445,7 @@ def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
         out.append({
             "name": name, "index": meta["index"], "kind": kind, "is_best": name == first,
             "is_latest": name == latest,
-            "score": _score(meta.get("metrics") or {}, attr),
+            "score": score_or_none(meta.get("metrics") or {}, attr),
             "size": manifest_size(meta), "files": len(meta.get("manifest", [])),
             "created_at": meta.get("created_at"),
             "iteration": row.get("training_iteration"),
@@ -466,7 +457,7 @@ def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
         out.append({
             "name": name, "index": index,
             "kind": UNCOMMITTED if name in cache.uncommitted else EVICTED,
-            "is_best": False, "is_latest": False, "score": _score(row, attr), "size": None,
+            "is_best": False, "is_latest": False, "score": score_or_none(row, attr), "size": None,
             "files": None, "created_at": None, "iteration": row.get("training_iteration"),
         })
     out.sort(key=lambda c: (c["index"] is None, c["index"] or 0))

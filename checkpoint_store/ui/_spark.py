@@ -49,13 +49,10 @@ def score_line(rows: Sequence[Mapping[str, Any]], metric: str, checkpoint_name: 
                bars: str = BARS) -> str | None:
     """``score <metric>  <sparkline>  first -> last over N reports; this checkpoint: ...``,
     or None when no report has a numeric ``metric``."""
-    from checkpoint_store.retention import score_of
+    from checkpoint_store.retention import score_or_none
 
     def score(row: Mapping[str, Any]) -> float | None:
-        try:
-            return score_of(row, metric)
-        except ValueError:  # a non-numeric value: a blank
-            return None
+        return score_or_none(row, metric)  # a non-numeric value: a blank
 
     values = [score(r) for r in rows]
     finite = [v for v in values if v is not None]

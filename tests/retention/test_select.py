@@ -21,7 +21,8 @@ from checkpoint_store import (
     StorageContext,
     session,
 )
-from checkpoint_store.retention import CheckpointRecord, _Entry, _Selection, score_of, select_kept
+from checkpoint_store.retention import CheckpointRecord, score_of, select_kept
+from checkpoint_store.retention.selection import Entry, Selection
 from checkpoint_store.testing import strategies as cst
 from checkpoint_store.testing.stateful import RetentionModel
 
@@ -231,12 +232,12 @@ def test_score_of_never_crashes_unexpectedly(m):
 
 
 def test_selection_memory_is_flat():
-    sel = _Selection(CheckpointConfig(3, "score", "max"))
+    sel = Selection(CheckpointConfig(3, "score", "max"))
     metrics = {"score": 0.0}
 
     def run(n, start):
         for i in range(start, start + n):
-            sel.add(_Entry(i, f"checkpoint_{i:06d}", float((i * 7919) % 1000), metrics))
+            sel.add(Entry(i, f"checkpoint_{i:06d}", float((i * 7919) % 1000), metrics))
 
     run(1000, 0)
     tracemalloc.start()

@@ -424,23 +424,23 @@ def test_move_trial_local_to_s3(tmp_path, source_dir, s3_location):
 def test_state_write_failure_postpones_deletes_and_never_fails_report(
     make_storage, source_dir, monkeypatch
 ):
-    from checkpoint_store import retention
+    from checkpoint_store import _fsutil
 
     storage = make_storage()
     m = CheckpointManager(CheckpointConfig(1, "score", "max", keep_latest=False), storage)
     save(m, storage, source_dir, {"score": 1.0})
-    real = retention._fsutil.write_bytes
+    real = _fsutil.write_bytes
 
     def refuse_state(fs, path, *a, **kw):
         if path.endswith(MANAGER_STATE):
             raise OSError("injected: state not writable")
         return real(fs, path, *a, **kw)
 
-    monkeypatch.setattr(retention._fsutil, "write_bytes", refuse_state)
+    monkeypatch.setattr(_fsutil, "write_bytes", refuse_state)
     save(m, storage, source_dir, {"score": 2.0})  # evicts index 0, but the state is stale
     assert m.kept_dir_names == ["checkpoint_000001"]
     assert committed_names(storage) == ["checkpoint_000000", "checkpoint_000001"]
-    monkeypatch.setattr(retention._fsutil, "write_bytes", real)
+    monkeypatch.setattr(_fsutil, "write_bytes", real)
     save(m, storage, source_dir, {"score": 0.5})
     assert committed_names(storage) == ["checkpoint_000001"]
     assert _read_state(storage)["pending_deletes"] == []

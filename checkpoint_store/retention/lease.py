@@ -1,0 +1,330 @@
+"""The lease: which one live :class:`~checkpoint_store.retention.CheckpointManager`
+manages a trial, and the one thread per process that renews every lease.
+
+Owns the lease file (:data:`LEASE_FILE`, ``<trial>/.cs_manager_lease.json``),
+the rule that says whether a lease is live (:func:`live_lease`, also used by
+the CLI's ``prune``/``gc`` and the UI), taking it over, renewing it in the
+background and releasing it. Threads: the keeper thread calls
+:meth:`Lease.renew`; the manager's thread calls everything else; both meet
+under the lease's own lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import socket
+import threading
+import time
+import uuid
+from typing import TypedDict, cast
+
+from checkpoint_store import _clock, _fsutil, _json
+from checkpoint_store._layout import FORMAT_VERSION, INTERNAL_PREFIX
+from checkpoint_store._proc import process_alive, process_token
+from checkpoint_store.errors import CheckpointConflictError, CheckpointStoreError
+from checkpoint_store.storage import StorageContext
+
+__all__ = ["LEASE_FILE", "Lease", "LeaseBody", "live_lease"]
+
+logger = logging.getLogger(__name__)
+
+#: The lease file of the live manager of a trial (docs/retention.md).
+LEASE_FILE = f"{INTERNAL_PREFIX}manager_lease.json"
+_LEASE_KIND = "checkpoint_manager_lease"
+
+
+class LeaseBody(TypedDict, total=False):
+    """The lease file's fields, as written (an older version may lack some)."""
+
+    kind: str
+    format_version: int
+    holder: str  # a random id per lease: the holder compares it to know it still holds
+    host: str
+    pid: int
+    proc: str | None  # the holder process's incarnation (checkpoint_store._proc.process_token)
+    trial: str  # the trial's canonical URI (StorageContext.canonical_uri)
+    ttl_s: float
+    renewed_at: float  # Unix seconds, the holder's clock
+    expires_at: float  # Unix seconds, the holder's clock
+
+
+def live_lease(storage: StorageContext) -> LeaseBody | None:
+    """The lease of a live checkpoint manager on this trial, or None.
+
+    Returns the lease file's fields (``host``, ``pid``, ``expires_at`` in Unix
+    seconds, ``trial``) when, by the rule every manager applies before taking
+    over: it is unexpired on the storage's clock, names this trial's canonical
+    location (a lease copied in with the directory does not), and its holder
+    is not a dead or zombie process on this host, nor a pid since reused by
+    another process. Used by tools that must not delete behind a running
+    job's back (the CLI's prune and gc).
+
+    Raises:
+        OSError: the lease file exists but cannot be read.
+    """
+    live = Lease(storage, ttl_s=0.0)._live_other()
+    return live[0] if live is not None else None
+
+
+#: Slack (seconds) for stores that stamp modification times to the whole
+#: second (S3): a lease renewed 0.1 s ago may carry a stamp 0.9 s older.
+_MTIME_SLACK_S = 1.0
+
+
+class Lease:
+    """Who manages a trial right now: one JSON file renewed in the background.
+
+    A lease is live for ``ttl_s`` after its last renewal, measured on the
+    storage's clock (the lease file's modification time against a probe
+    written now, :mod:`checkpoint_store._clock`), so a machine whose clock
+    is off never takes over a live lease. Unless its holder is a dead
+    process on this very host: then it is taken over at once, so a crashed
+    run restarts without waiting. The holder is named by pid *and* process
+    incarnation (:func:`checkpoint_store._proc.process_token`): a pid reused
+    by a newer process does not keep a dead holder's lease alive. The lease
+    names the trial's canonical location (:meth:`StorageContext.canonical_uri`:
+    on local disks the resolved real path), so every spelling of one trial
+    (symlinks, ``..``, ``file://``) meets the same lease; a lease copied in
+    with a whole trial directory names another location and is ignored.
+    Object stores without conditional writes make the take-over best-effort:
+    we write, read back, and refuse if another holder won.
+    """
+
+    def __init__(self, storage: StorageContext, ttl_s: float):
+        self._storage = storage
+        self.path = posixpath.join(storage.trial_path, LEASE_FILE)
+        self.trial_uri = storage.canonical_uri(storage.trial_path)
+        self._local = _fsutil.local_path(storage.filesystem, storage.trial_path) is not None
+        self.ttl_s = float(ttl_s)
+        self.holder = uuid.uuid4().hex
+        self.host = socket.gethostname()
+        self.pid = os.getpid()
+        self.token = process_token()
+        self.lost = False
+        self.interval = max(self.ttl_s / 3.0, 0.05)
+        self.next_renewal = 0.0
+        self._released = False
+        self._lock = threading.Lock()
+
+    def _live_other(self) -> tuple[LeaseBody, float] | None:
+        """Another holder's live lease and its seconds left, or None (see
+        :meth:`_seconds_left`)."""
+        cur = self._read()
+        if cur is None:
+            return None
+        mtime = _clock.mtime_of(_fsutil.info(self._storage.filesystem, self.path))
+        left = self._seconds_left(cur, mtime)
+        return (cur, left) if left is not None else None
+
+    def _read(self) -> LeaseBody | None:
+        try:
+            raw = _fsutil.read_bytes(self._storage.filesystem, self.path)
+            obj = _json.loads(raw)
+        except (FileNotFoundError, ValueError, UnicodeDecodeError):
+            return None
+        except OSError:
+            if not _fsutil.exists(self._storage.filesystem, self.path):
+                return None
+            raise
+        return cast(LeaseBody, obj) if isinstance(obj, dict) else None
+
+    def _write(self) -> None:
+        now = _clock.local_time()
+        body: LeaseBody = {
+            "kind": _LEASE_KIND,
+            "format_version": FORMAT_VERSION,
+            "holder": self.holder,
+            "host": self.host,
+            "pid": self.pid,
+            "proc": self.token,
+            "trial": self.trial_uri,
+            "ttl_s": self.ttl_s,
+            "renewed_at": now,
+            "expires_at": now + self.ttl_s,
+        }
+        self._storage.ensure_trial_dir()
+        _fsutil.write_bytes(
+            self._storage.filesystem, self.path, _json.dumps(body),
+            self._storage.backend.capabilities, fsync=False,
+        )
+
+    def _holder_dead(self, cur: LeaseBody) -> bool:
+        """The holder ran on this host and is gone (or its pid now names another process)."""
+        pid = cur.get("pid")
+        if cur.get("host") != self.host or not isinstance(pid, int):
+            return False
+        token = cur.get("proc")
+        return not process_alive(pid, token if isinstance(token, str) else None)
+
+    def _seconds_left(self, cur: LeaseBody, mtime: float | None) -> float | None:
+        """Seconds until another holder's lease expires, or None when it is not
+        live (absent, ours, copied in, expired, or its holder is dead)."""
+        if cur.get("holder") == self.holder:
+            return None
+        if cur.get("trial") != self.trial_uri and (
+            cur.get("host") == self.host or not self._local
+        ):
+            # Copied in with a moved trial directory. Only a local path on another
+            # host may name the same directory differently (an NFS mount point).
+            return None
+        if self._holder_dead(cur):
+            return None
+        ttl = cur.get("ttl_s")
+        if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and mtime is not None:
+            now = self._storage_now()
+            if now is not None:
+                left = mtime + float(ttl) + _MTIME_SLACK_S - now
+                return left if left > 0 else None
+        # A lease of an older version, or a store without modification times:
+        # its holder's clock against ours.
+        expires = cur.get("expires_at")
+        if not isinstance(expires, (int, float)):
+            return None
+        left = float(expires) - _clock.local_time()
+        return left if left > 0 else None
+
+    def _storage_now(self) -> float | None:
+        """The store's clock, or None when it cannot be read: read-only
+        credentials (``ui``, ``live_lease`` callers) may not write the probe."""
+        try:
+            return _clock.storage_now(self._storage.filesystem, self._storage.trial_path,
+                                      self._storage.backend.capabilities)
+        except (OSError, CheckpointStoreError) as exc:
+            logger.info("could not read the storage's clock under %s (%s); judging the "
+                        "lease by the local clock", self.trial_uri, exc)
+            return None
+
+    def _conflict(self, cur: LeaseBody, left: float) -> CheckpointConflictError:
+        return CheckpointConflictError(
+            f"trial {self.trial_uri} is managed by another live checkpoint manager "
+            f"(host {cur.get('host')!r}, pid {cur.get('pid')}); its lease expires in "
+            f"{max(left, 0.0):.0f} s unless renewed. Two managers on one trial would delete "
+            "each other's checkpoints. End the other run (its lease is released when its "
+            "session ends), wait for the lease to expire if that process crashed, or open "
+            "this trial with CheckpointManager(..., read_only=True) to only read it. If this "
+            f"directory was copied from {cur.get('trial')!r} while that run was live, the "
+            f"lease came with the copy: delete {self._storage.uri(self.path)}."
+        )
+
+    def acquire(self) -> None:
+        """Take the lease or raise :class:`CheckpointConflictError`; starts renewal."""
+        live = self._live_other()
+        if live is not None:
+            raise self._conflict(*live)
+        self._write()
+        back = self._read()
+        if back is None or back.get("holder") != self.holder:
+            raise self._conflict(back or {}, self.ttl_s)
+        _KEEPER.add(self)
+
+    def renew(self) -> bool:
+        """Extend the lease; returns False (and marks it lost) when another holder
+        took it over. I/O errors are logged and retried at the next renewal."""
+        with self._lock:
+            if self.lost or self._released:
+                return not self.lost
+            try:
+                cur = self._read()
+                if cur is not None and cur.get("holder") != self.holder:
+                    self._mark_lost(cur)
+                    return False
+                self._write()
+            except Exception as exc:  # a renewal failing must not kill training
+                logger.warning("could not renew the lease %s: %s", self.path, exc)
+            return True
+
+    def check(self) -> bool:
+        """Read the lease now: True if still ours (before anything is deleted)."""
+        with self._lock:
+            if self.lost:
+                return False
+            try:
+                cur = self._read()
+            except Exception as exc:
+                logger.warning("could not read the lease %s: %s", self.path, exc)
+                return False
+            if cur is not None and cur.get("holder") != self.holder:
+                self._mark_lost(cur)
+                return False
+            return True
+
+    def _mark_lost(self, cur: LeaseBody) -> None:
+        self.lost = True
+        _KEEPER.remove(self)
+        logger.warning(
+            "the lease on %s was taken over by host %r pid %s; this checkpoint manager is "
+            "now read-only and deletes nothing",
+            self.trial_uri, cur.get("host"), cur.get("pid"),
+        )
+
+    def stop_renewing(self) -> None:
+        _KEEPER.remove(self)
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease file if it is still ours. Idempotent;
+        never raises (it runs while an exception may be propagating)."""
+        self.stop_renewing()
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            if self.lost:
+                return
+            try:
+                cur = self._read()
+                if cur is not None and cur.get("holder") == self.holder:
+                    _fsutil.delete_file(self._storage.filesystem, self.path)
+            except Exception as exc:
+                logger.warning("could not release the lease %s (it will expire): %s",
+                               self.path, exc)
+
+
+class _LeaseKeeper:
+    """One daemon thread per process renews every live lease when it is due.
+
+    Shared so that a process managing many trials (a tuning loop) runs one
+    thread, not one per trial, and so that releasing a lease never waits for
+    a thread to stop. A renewal runs outside the keeper's lock; a lease
+    released meanwhile ignores it (``Lease.renew`` checks under its own lock).
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._leases: set[Lease] = set()
+        self._thread: threading.Thread | None = None
+
+    def add(self, lease: Lease) -> None:
+        with self._cv:
+            lease.next_renewal = time.monotonic() + lease.interval
+            self._leases.add(lease)
+            # After a fork the child has no keeper thread: start one.
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="cs-lease-keeper", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify()
+
+    def remove(self, lease: Lease) -> None:
+        with self._cv:
+            self._leases.discard(lease)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                now = time.monotonic()
+                due = [le for le in self._leases if le.next_renewal <= now]
+                if not due:
+                    wake = min((le.next_renewal for le in self._leases), default=now + 3600.0)
+                    self._cv.wait(timeout=max(wake - now, 0.01))
+                    continue
+                for le in due:
+                    le.next_renewal = now + le.interval
+            for le in due:
+                le.renew()
+
+
+_KEEPER = _LeaseKeeper()
+

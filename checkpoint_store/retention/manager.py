@@ -1,0 +1,492 @@
+"""The manager: applies a :class:`CheckpointConfig` to the committed checkpoints of one trial.
+
+Owns registration (a committed checkpoint enters the kept set, evicted ones
+are deleted after the state is written), the restore of a new manager from
+the state file or, when that is missing or corrupt, from the checkpoints'
+internal metadata, ownership (a run id: only this run's committed
+checkpoints are ever deleted) and the queries the session and tools ask
+(best, latest, kept). The decision itself is
+:class:`~checkpoint_store.retention.selection.Selection`; the lease is
+:mod:`~checkpoint_store.retention.lease`; the file is
+:mod:`~checkpoint_store.retention.state`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import posixpath
+import uuid
+import warnings
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from checkpoint_store import _json
+from checkpoint_store._layout import MANAGER_STATE
+from checkpoint_store.checkpoint import Checkpoint
+from checkpoint_store.errors import (
+    CheckpointConflictError,
+    CheckpointStoreError,
+    InvalidConfigError,
+)
+from checkpoint_store.retention.config import CheckpointConfig
+from checkpoint_store.retention.lease import Lease
+from checkpoint_store.retention.scoring import config_score, missing_score_error, score_of
+from checkpoint_store.retention.selection import Entry, Selection
+from checkpoint_store.retention.state import (
+    ManagerState,
+    StoredCheckpoint,
+    load_state,
+    save_state,
+)
+from checkpoint_store.storage import StorageContext
+from checkpoint_store.transfer import read_internal_metadata
+
+__all__ = ["CheckpointManager"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Committed:
+    """A committed checkpoint directory found at restore."""
+
+    index: int
+    dir_name: str
+    meta: Mapping[str, Any]
+
+
+@dataclass
+class _Scan:
+    """What a trial directory holds, as restore sees it."""
+
+    committed: list[_Committed] = field(default_factory=list)  # oldest first
+    present: set[str] = field(default_factory=set)
+    highest_dir_index: int = -1
+    uncommitted: list[str] = field(default_factory=list)
+
+
+def _scan(storage: StorageContext) -> _Scan:
+    """The trial's ``checkpoint_NNNNNN`` directories, committed or not."""
+    scan = _Scan()
+    for dir_index, name in storage.checkpoint_dirs():
+        scan.present.add(name)
+        scan.highest_dir_index = max(scan.highest_dir_index, dir_index)
+        meta = read_internal_metadata(storage.filesystem,
+                                      posixpath.join(storage.trial_path, name))
+        if meta is None:
+            scan.uncommitted.append(name)
+        else:
+            scan.committed.append(_Committed(meta["index"], name, meta))
+    scan.committed.sort(key=lambda c: c.index)
+    return scan
+
+
+def _run_id_of(committed: list[_Committed], trial_name: str) -> str:
+    """Without a state file: the run id of the newest committed checkpoint of this
+    trial, else a new one."""
+    mine = [c.meta["run_id"] for c in committed
+            if c.meta.get("trial_name") in (None, trial_name)
+            and isinstance(c.meta.get("run_id"), str)]
+    return mine[-1] if mine else uuid.uuid4().hex
+
+
+class CheckpointManager:
+    """Keeps the best K committed checkpoints of one trial and deletes the rest.
+
+    Args:
+        config: the retention rules.
+        storage: the trial's :class:`StorageContext`; every I/O goes through it.
+        read_only: restore and answer queries, but never write the state,
+            delete, take the lease or register (for inspection tools).
+        lease_ttl_s: seconds after which the lease of a holder that stopped
+            renewing (a crash on another host) expires. Renewed every third of it.
+
+    A new manager on a trial that already has checkpoints restores its state
+    from ``.checkpoint_manager.json``, or rebuilds it from the committed
+    checkpoints' internal metadata with a warning when the file is missing
+    or corrupt. Memory is O(num_to_keep) however many checkpoints are
+    registered. Use as a context manager, or call :meth:`close`, to release
+    the lease (a :class:`~checkpoint_store.session.Session` does it when it ends).
+
+    Raises:
+        InvalidConfigError: bad arguments, or a state file from a newer format.
+        CheckpointConflictError: another live manager holds the trial's lease.
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        storage: StorageContext,
+        *,
+        read_only: bool = False,
+        lease_ttl_s: float = 60.0,
+    ):
+        if not isinstance(config, CheckpointConfig):
+            raise InvalidConfigError(
+                f"config must be a CheckpointConfig, got {type(config).__name__}"
+            )
+        if not isinstance(storage, StorageContext):
+            raise InvalidConfigError(
+                f"storage must be a StorageContext, got {type(storage).__name__}"
+            )
+        if (
+            isinstance(lease_ttl_s, bool)
+            or not isinstance(lease_ttl_s, (int, float))
+            or not lease_ttl_s > 0
+            or not math.isfinite(lease_ttl_s)
+        ):
+            raise InvalidConfigError(f"lease_ttl_s must be a positive number, got {lease_ttl_s!r}")
+        self.config = config
+        self._storage = storage
+        self._read_only = bool(read_only)
+        self._sel = Selection(config)
+        self._warned: set[str] = set()
+        self._pending: list[str] = []
+        self._foreign: list[str] = []
+        self._uncommitted: list[str] = []
+        self._next_index = 0
+        self._closed = False
+        self.run_id: str = ""
+        self._lease: Lease | None = None
+        if not self._read_only:
+            self._lease = Lease(storage, lease_ttl_s)
+            self._lease.acquire()
+            weakref.finalize(self, self._lease.release)
+        try:
+            self._restore()
+        except BaseException:
+            if self._lease is not None:
+                self._lease.release()
+            raise
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the lease. Idempotent; safe while an exception propagates.
+        The manager is read-only afterwards."""
+        self._closed = True
+        if self._lease is not None:
+            self._lease.release()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def read_only(self) -> bool:
+        """True when this manager writes and deletes nothing: opened read-only,
+        closed, or its lease was taken over by another manager."""
+        return (
+            self._read_only or self._closed or (self._lease is not None and self._lease.lost)
+        )
+
+    # -- registration --------------------------------------------------------------------
+
+    def validate_metrics(self, metrics: Mapping[str, Any]) -> None:
+        """Raise exactly as :meth:`register` would for these metrics, touching nothing.
+
+        The session calls it before uploading, so a refused report leaves no
+        checkpoint behind.
+
+        Raises:
+            MetadataError: ``metrics`` is not a JSON object of serialisable values.
+            InvalidConfigError: the score is not numeric, or missing under
+                ``missing_score="raise"``.
+        """
+        _json.to_json_object(metrics, "metrics")
+        attr = self.config.checkpoint_score_attribute
+        if attr is None:
+            return
+        if score_of(metrics, attr) is None and self.config.missing_score == "raise":
+            raise missing_score_error(attr)
+
+    def register(self, checkpoint: Checkpoint, metrics: Mapping[str, Any]) -> list[str]:
+        """Track a newly committed checkpoint of this trial and apply retention.
+
+        The state is written before anything is deleted. A delete that fails
+        is logged and retried at the next registration (or by the next
+        manager); it never makes this call fail.
+
+        Args:
+            checkpoint: a committed checkpoint directly inside this trial.
+            metrics: the metrics reported with it (JSON-serialisable).
+
+        Returns:
+            Directory names evicted by this call (deleted, or scheduled for a
+            retried delete).
+
+        Raises:
+            InvalidConfigError: the score is not numeric, or missing under
+                ``missing_score="raise"``; the checkpoint is not committed, or not
+                in this trial. Nothing is written or deleted then.
+            MetadataError: ``metrics`` is not JSON-serialisable.
+            CheckpointConflictError: the checkpoint's internal metadata names
+                another run.
+            CheckpointStoreError: this manager is read-only or closed.
+        """
+        if self._read_only or self._closed:
+            raise CheckpointStoreError(
+                "this checkpoint manager is read-only or closed; create a new "
+                "CheckpointManager (or session) to register checkpoints"
+            )
+        clean = _json.to_json_object(metrics, "metrics")
+        index = self._registrable_index(checkpoint)
+        score = config_score(self.config, clean, index, self._warned, stacklevel=3)
+        dir_name = posixpath.basename(checkpoint.path.rstrip("/"))
+        if dir_name in self._pending:
+            self._pending.remove(dir_name)
+        evicted = self._sel.add(Entry(index, dir_name, score, clean))
+        self._next_index = max(self._next_index, index + 1)
+        names = [e.dir_name for e in evicted]
+        self._pending.extend(n for n in names if n not in self._pending)
+        if self.read_only:  # lease lost: remember, never write or delete
+            return names
+        if self._save_state():
+            self._delete_pending()
+        return names
+
+    def _registrable_index(self, checkpoint: Checkpoint) -> int:
+        """The index of ``checkpoint`` if this manager may register it.
+
+        Raises:
+            InvalidConfigError: not committed, or not a directory of this trial.
+            CheckpointConflictError: its internal metadata names another run.
+        """
+        trial = self._storage.trial_path.rstrip("/")
+        if posixpath.dirname(checkpoint.path.rstrip("/")) != trial:
+            raise InvalidConfigError(
+                f"checkpoint {checkpoint.uri} is not a directory of trial "
+                f"{self._storage.uri(trial)}; persist it with StorageContext.persist_checkpoint"
+            )
+        meta = checkpoint.internal_metadata
+        index = meta.get("index")
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise InvalidConfigError(
+                f"{checkpoint.uri} is not a committed checkpoint (no index in its internal "
+                "metadata); only committed checkpoints can be registered"
+            )
+        owner = meta.get("run_id")
+        if owner is not None and owner != self.run_id:
+            raise CheckpointConflictError(
+                f"{checkpoint.uri} belongs to run {owner!r}, not to this trial's run "
+                f"{self.run_id!r}; it is left alone"
+            )
+        return index
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def latest_checkpoint(self) -> Checkpoint | None:
+        """The newest kept checkpoint (highest index), or None.
+
+        With ``keep_latest=True`` (the default) it is the newest registered
+        one; a checkpoint that was evicted is never returned.
+        """
+        kept = self._sel.ordered()
+        return self._storage.checkpoint(kept[-1].dir_name) if kept else None
+
+    @property
+    def latest_index(self) -> int | None:
+        """The highest index registered (or restored), kept or not; None before any."""
+        return self._sel.latest_index
+
+    @property
+    def next_index(self) -> int:
+        """An index no checkpoint of this trial has used: numbering continues after
+        restores and evictions."""
+        return self._next_index
+
+    @property
+    def best_checkpoints(self) -> list[tuple[Checkpoint, dict[str, Any]]]:
+        """Kept checkpoints with their metrics, best first (ties: newer first;
+        NaN/missing last). Without a score attribute, most recent first."""
+        return [
+            (self._storage.checkpoint(e.dir_name), dict(e.metrics)) for e in self._sel.ranked()
+        ]
+
+    @property
+    def best_checkpoint(self) -> Checkpoint | None:
+        """The best kept checkpoint, or None before the first registration.
+
+        A NaN or missing score is never best while any number is kept."""
+        ranked = self._sel.ranked()
+        return self._storage.checkpoint(ranked[0].dir_name) if ranked else None
+
+    @property
+    def kept_dir_names(self) -> list[str]:
+        """Directory names of the kept checkpoints, oldest first."""
+        return [e.dir_name for e in self._sel.ordered()]
+
+    @property
+    def kept_scores(self) -> dict[str, float | None]:
+        """``dir_name -> score`` of the kept checkpoints (None: NaN or missing;
+        the index when ranking by recency)."""
+        return {e.dir_name: e.score for e in self._sel.ordered()}
+
+    @property
+    def pending_deletes(self) -> list[str]:
+        """Evicted directory names whose delete failed and will be retried."""
+        return list(self._pending)
+
+    @property
+    def foreign_dir_names(self) -> list[str]:
+        """Committed checkpoints in this trial that name another run or trial in
+        their internal metadata. Never deleted, never ranked."""
+        return list(self._foreign)
+
+    @property
+    def uncommitted_dir_names(self) -> list[str]:
+        """``checkpoint_NNNNNN`` directories without a commit marker found at restore
+        (an interrupted upload, a hand-made directory). Never deleted by the manager."""
+        return list(self._uncommitted)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def state_path(self) -> str:
+        """Path (within the storage filesystem) of ``.checkpoint_manager.json``."""
+        return posixpath.join(self._storage.trial_path, MANAGER_STATE)
+
+
+    def _state(self) -> ManagerState:
+        return ManagerState(
+            run_id=self.run_id,
+            config=self.config.to_json(),
+            latest_index=self._sel.latest_index,
+            next_index=self._next_index,
+            checkpoints={e.dir_name: StoredCheckpoint(e.index, e.dir_name, e.score, e.metrics)
+                         for e in self._sel.ordered()},
+            pending_deletes=tuple(self._pending),
+        )
+
+    def _save_state(self) -> bool:
+        """Write the state atomically; False (logged) when storage refused it, in
+        which case nothing may be deleted yet."""
+        return save_state(self._storage, self.state_path, self._state())
+
+    def _is_ours(self, meta: Mapping[str, Any]) -> bool:
+        owner = meta.get("run_id")
+        if owner is not None:
+            return bool(owner == self.run_id)
+        # Written before run ids existed (or by hand): judge by the trial name.
+        trial = meta.get("trial_name")
+        return trial is None or trial == self._storage.trial_name
+
+    def _delete_pending(self) -> None:
+        if not self._pending:
+            return
+        if self._lease is not None and not self._lease.check():
+            return
+        remaining = [name for name in self._pending if not self._delete_evicted(name)]
+        if remaining != self._pending:
+            self._pending = remaining
+            self._save_state()
+
+    def _delete_evicted(self, name: str) -> bool:
+        """Delete one evicted checkpoint; False (logged) to retry it later. True also
+        when it now belongs to another run: then it is left alone for good."""
+        try:
+            path = posixpath.join(self._storage.trial_path, name)
+            meta = read_internal_metadata(self._storage.filesystem, path)
+            if meta is not None and not self._is_ours(meta):
+                # Replaced by another run's checkpoint since we evicted it.
+                logger.warning("not deleting %s: it now belongs to run %r",
+                               name, meta.get("run_id"))
+                if name not in self._foreign:
+                    self._foreign.append(name)
+                return True
+            self._storage.delete_checkpoint(name)
+            return True
+        except Exception as exc:  # never fail a report for a delete
+            logger.warning("could not delete %s (retried at the next report): %s", name, exc)
+            return False
+
+    def retry_deletes(self) -> list[str]:
+        """Retry the failed deletes now; returns the names still pending."""
+        if not self.read_only:
+            self._delete_pending()
+        return list(self._pending)
+
+    # -- restore -----------------------------------------------------------------------------
+
+    def _restore(self) -> None:
+        """Take over the trial: its state file (or, without a usable one, its
+        committed checkpoints), then resume any deletes that were due."""
+        state, problem = load_state(self._storage, self.state_path)
+        scan = _scan(self._storage)
+        self.run_id = (state.run_id if state is not None
+                       else _run_id_of(scan.committed, self._storage.trial_name))
+        evicted = self._rebuild_selection(scan, state)
+        self._continue_numbering(scan, state)
+        self._log_restore(scan, state, problem)
+        if self._read_only:
+            return
+        needs_write = (state is None and bool(scan.committed) or bool(evicted)
+                       or bool(self._pending)
+                       or (state is not None and state.config != self.config.to_json()))
+        if needs_write and self._save_state():
+            self._delete_pending()
+
+    def _rebuild_selection(self, scan: _Scan, state: ManagerState | None) -> list[Entry]:
+        """Register this run's committed checkpoints again; returns those the config
+        evicts now (queued for deletion with the deletes the state had pending)."""
+        pending_before = set(state.pending_deletes) if state is not None else set()
+        stored = state.checkpoints if state is not None else {}
+        # Pending deletes resume, also for half-deleted directories (marker gone).
+        self._pending = [n for n in sorted(pending_before) if n in scan.present]
+        self._uncommitted = [n for n in scan.uncommitted if n not in pending_before]
+        evicted: list[Entry] = []
+        for c in scan.committed:
+            index, name, meta = c.index, c.dir_name, c.meta
+            if not self._is_ours(meta):
+                self._foreign.append(name)
+                continue
+            if name in pending_before:
+                continue
+            metrics = meta.get("metrics")
+            if not isinstance(metrics, Mapping):
+                metrics = stored[name].metrics if name in stored else {}
+            score = config_score(self.config, metrics, index, self._warned, lenient=True,
+                                 stacklevel=6)
+            evicted.extend(self._sel.add(Entry(index, name, score, dict(metrics))))
+        for e in evicted:
+            if e.dir_name not in self._pending:
+                self._pending.append(e.dir_name)
+        return evicted
+
+    def _continue_numbering(self, scan: _Scan, state: ManagerState | None) -> None:
+        """Numbering continues past every index a directory, a registration or the
+        state remembers (also a latest that was deleted by hand)."""
+        following = [self._next_index, scan.highest_dir_index + 1]
+        if self._sel.latest_index is not None:
+            following.append(self._sel.latest_index + 1)
+        if state is not None and state.latest_index is not None:
+            following.append(state.latest_index + 1)
+        if state is not None and state.next_index is not None:
+            following.append(state.next_index)
+        self._next_index = max(following)
+
+    def _log_restore(self, scan: _Scan, state: ManagerState | None, problem: str) -> None:
+        storage = self._storage
+        if state is None and scan.committed:
+            warnings.warn(
+                f"retention state {storage.uri(self.state_path)} is {problem}; rebuilt it from "
+                f"{len(scan.committed)} committed checkpoint(s)' internal metadata",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        if self._foreign:
+            logger.warning(
+                "trial %s holds checkpoints of another run, left alone: %s",
+                storage.uri(storage.trial_path), ", ".join(self._foreign),
+            )
+        if self._uncommitted:
+            logger.warning(
+                "trial %s holds uncommitted checkpoint directories, ignored and never deleted "
+                "by retention: %s", storage.uri(storage.trial_path), ", ".join(self._uncommitted),
+            )

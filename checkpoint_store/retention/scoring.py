@@ -1,0 +1,166 @@
+"""Scores and the one rank order: how a checkpoint's metrics become a place in a ranking.
+
+Owns the metric lookup (a literal key, else a ``/``-separated nested path),
+what counts as a score (a real number; NaN and absent count as missing), the
+``missing_score`` rule of :class:`~checkpoint_store.retention.CheckpointConfig`,
+and :func:`rank_key`, the order every ranking of checkpoints uses: the
+manager, ``select_kept``, the CLI's ``best``, the Lightning resume pick and
+the web UI (through ``select_kept``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Mapping
+from typing import Any, Final, TypeVar
+
+from checkpoint_store.errors import InvalidConfigError
+from checkpoint_store.retention.config import CheckpointConfig, ScoreOrder
+
+__all__ = [
+    "NOT_FOUND",
+    "RankKey",
+    "config_score",
+    "lookup_metric",
+    "missing_score_error",
+    "rank_key",
+    "score_of",
+    "score_or_none",
+]
+
+
+#: What :func:`lookup_metric` returns for an absent metric (``None`` is a value).
+NOT_FOUND: Final = object()
+
+_N = TypeVar("_N")
+#: ``(has a score, signed score, newness)``: bigger is better.
+RankKey = tuple[int, float, _N]
+
+
+def lookup_metric(metrics: Mapping[str, Any], attribute: str) -> Any:
+    """``metrics[attribute]`` if that literal key exists, else the value along the
+    ``/``-separated path (``"eval/loss"`` -> ``metrics["eval"]["loss"]``).
+
+    Returns:
+        The value, or :data:`NOT_FOUND` when absent.
+    """
+    if attribute in metrics:
+        return metrics[attribute]
+    node: Any = metrics
+    for part in attribute.split("/"):
+        if not isinstance(node, Mapping) or part not in node:
+            return NOT_FOUND
+        node = node[part]
+    return node
+
+
+def score_of(metrics: Mapping[str, Any], attribute: str) -> float | None:
+    """The numeric score of ``metrics`` for ``attribute``, or None when missing or NaN.
+
+    ``None`` values count as missing; ints, floats and numpy scalars count as
+    numbers (``±inf`` included: they rank like any number).
+
+    Raises:
+        InvalidConfigError: the value exists but is not a number (str, bool,
+            list, dict ...), or is an int beyond the float range; the message
+            names the attribute and the type.
+    """
+    value = lookup_metric(metrics, attribute)
+    if value is NOT_FOUND or value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidConfigError(
+            f"checkpoint_score_attribute {attribute!r} has value {value!r} of type "
+            f"{type(value).__name__}; scores must be numbers (report float(x), or pick "
+            "another checkpoint_score_attribute)"
+        )
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond the float range (10**400) has no rank
+        raise InvalidConfigError(
+            f"checkpoint_score_attribute {attribute!r} is an int too large for a float "
+            f"(about {int(value.bit_length() * 0.30103)} digits); scores must fit a float "
+            "(up to about 1.8e308)"
+        ) from None
+    return None if math.isnan(value) else value
+
+
+def score_or_none(metrics: Mapping[str, Any], attribute: str | None) -> float | None:
+    """:func:`score_of`, with a value that is not a number counting as missing.
+
+    For readers of what was already stored (a restore, a table, a chart),
+    where refusing would only hide the rest.
+    """
+    if attribute is None:
+        return None
+    try:
+        return score_of(metrics, attribute)
+    except InvalidConfigError:
+        return None
+
+
+def rank_key(score: float | None, newness: _N, order: ScoreOrder | str = "max") -> RankKey[_N]:
+    """The sort key of one checkpoint; bigger is better.
+
+    Numbers rank above missing scores (None: NaN or absent, which tie with
+    each other), then by ``score`` in ``order``'s direction (``"max"``: higher
+    is better, ``"min"``: lower), then by ``newness`` (the checkpoint index,
+    or any comparable value: ties go to the newer checkpoint).
+    ``max(..., key=...)`` picks what the manager calls the best checkpoint.
+    """
+    if score is None:
+        return (0, 0.0, newness)
+    return (1, score if order == "max" else -score, newness)
+
+
+def missing_score_error(attribute: str, index: int | None = None) -> InvalidConfigError:
+    """The refusal of a missing or NaN score under ``missing_score="raise"``."""
+    where = f" in the metrics of checkpoint index {index}" if index is not None else ""
+    return InvalidConfigError(
+        f"metric {attribute!r} is missing or NaN{where} (missing_score='raise'); report a "
+        "number, or use missing_score='worst' or 'keep'"
+    )
+
+
+def config_score(
+    config: CheckpointConfig,
+    metrics: Mapping[str, Any],
+    index: int,
+    warned: set[str],
+    *,
+    lenient: bool = False,
+    stacklevel: int = 3,
+) -> float | None:
+    """The score ``config`` ranks the checkpoint of ``index`` by: the metric's
+    score, or the index itself without a score attribute (recency).
+
+    Under ``missing_score="worst"`` a missing score warns once per attribute
+    (``warned`` remembers the attributes already warned about). ``lenient``
+    (restoring what was already accepted): a value that is not a number, or a
+    missing one under ``missing_score="raise"``, counts as missing instead of
+    raising, because refusing would only leave the trial unmanageable.
+
+    Raises:
+        InvalidConfigError: (unless ``lenient``) the value is not a number, or
+            it is missing under ``missing_score="raise"``.
+    """
+    attr = config.checkpoint_score_attribute
+    if attr is None:
+        return float(index)
+    score = score_or_none(metrics, attr) if lenient else score_of(metrics, attr)
+    if score is not None:
+        return score
+    if config.missing_score == "raise" and not lenient:
+        raise missing_score_error(attr, index)
+    if config.missing_score == "worst" and attr not in warned:
+        warned.add(attr)
+        warnings.warn(
+            f"checkpoint_score_attribute {attr!r} is missing or NaN for checkpoint index "
+            f"{index}; such checkpoints rank below every number and are evicted first "
+            "(this warning is given once per attribute)",
+            RuntimeWarning,
+            stacklevel=stacklevel,
+        )
+    return None
