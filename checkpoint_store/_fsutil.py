@@ -8,15 +8,18 @@ the docstring says so.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
+import filelock
 import pyarrow.fs as pafs
 
 from checkpoint_store import _retry
-from checkpoint_store._layout import INTERNAL_PREFIX, bounded_name
+from checkpoint_store._layout import temp_file_name
 from checkpoint_store._proc import writer_tag
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Capabilities
@@ -237,8 +240,9 @@ def write_bytes(
     osp = local_path(fs, path)
     if osp is not None:
         base = os.path.basename(osp)
-        tmp = os.path.join(os.path.dirname(osp), bounded_name(
-            f"{INTERNAL_PREFIX}tmp-", base, f"-{writer_tag()}-{uuid.uuid4().hex[:8]}"))
+        tmp = os.path.join(
+            os.path.dirname(osp), temp_file_name(base, writer_tag(), uuid.uuid4().hex[:8])
+        )
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -261,3 +265,42 @@ def write_bytes(
             out.write(data)
 
     _retry.call(_put, policy=retry, what=f"write {path}")
+
+
+def fsync_tree(fs: pafs.FileSystem, root: str, files: Iterable[str]) -> None:
+    """fsync each file and each directory under ``root`` (local disks only):
+    a writer in place may not have, and the marker must not outlive its data."""
+    root_os = local_path(fs, root)
+    if root_os is None:
+        return
+    dirs = {""}
+    for rel in files:
+        fd = os.open(os.path.join(root_os, rel), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        dirs.add(posixpath.dirname(rel))
+    for d in sorted(dirs):
+        fsync_dir(os.path.join(root_os, d))
+
+
+_thread_locks: dict[tuple[int, str], threading.Lock] = {}
+_thread_locks_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def dir_lock(fs: pafs.FileSystem, parent: str, lock_name: str) -> Iterator[None]:
+    """Hold ``parent``'s lock: across threads always, across processes with a
+    file lock ``parent/lock_name`` when ``parent`` is on the local disk."""
+    key = (id(fs), parent)
+    with _thread_locks_guard:
+        tlock = _thread_locks.setdefault(key, threading.Lock())
+    with tlock:
+        parent_os = local_path(fs, parent)
+        if parent_os is None:
+            yield
+            return
+        with filelock.FileLock(os.path.join(parent_os, lock_name)):
+            yield
+

@@ -1,9 +1,67 @@
-"""Names on storage: the on-disk format (docs/format.md), in one place."""
+"""Names on storage: the on-disk format (docs/format.md), in one place.
+
+Every name checkpoint-store writes beside or inside a user's data is built
+here and, where a reader must recognise it again, parsed here: each helper
+name comes as a ``*_name`` builder and a ``parse_*``/``is_*`` reader, so the
+writer and the reader of a name cannot drift apart. :func:`is_internal_name`
+is the one predicate for "this name is ours". Pure functions, no I/O: any
+rank or thread may call them.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import re
+from typing import Literal
+
+__all__ = [
+    "CHECKPOINT_PREFIX",
+    "CLOCK_PROBE_PREFIX",
+    "COMMIT_LOCK",
+    "DELETE_TOMBSTONE",
+    "ERROR_FILE",
+    "FORMAT_VERSION",
+    "INTERNAL_METADATA",
+    "INTERNAL_PREFIX",
+    "LEASE_FILE",
+    "MANAGER_STATE",
+    "NAME_MAX",
+    "PARAMS_FILE",
+    "RESULT_FILE",
+    "USER_METADATA",
+    "DownloadHelperKind",
+    "abort_file_name",
+    "attempt_file_name",
+    "bounded_name",
+    "check_name_length",
+    "checkpoint_dir_name",
+    "claim_name",
+    "clock_probe_name",
+    "deleting_dir_name",
+    "download_helper_name",
+    "download_lock_name",
+    "download_marker_name",
+    "is_abort_file_name",
+    "is_attempt_file_name",
+    "is_deleting_dir_name",
+    "is_internal_file",
+    "is_internal_name",
+    "is_legacy_temp_file_name",
+    "is_written_record",
+    "parse_checkpoint_dir_name",
+    "parse_claim_name",
+    "parse_download_helper_name",
+    "parse_rank_marker_name",
+    "parse_staging_dir_name",
+    "parse_temp_file_name",
+    "rank_marker_name",
+    "refuse_reserved",
+    "replace_dir_name",
+    "staging_dir_name",
+    "temp_file_name",
+    "validate_component",
+    "written_record_name",
+]
 
 FORMAT_VERSION = 1
 
@@ -56,6 +114,13 @@ def is_written_record(name: str) -> bool:
     return _WRITTEN_RE.match(name) is not None
 
 
+def is_internal_name(name: str) -> bool:
+    """True for a file or directory name that is ours (``.cs_*``): staging,
+    tombstones, claims, markers, leases, temporary files. Users' names never
+    start so (:func:`refuse_reserved`)."""
+    return name.startswith(INTERNAL_PREFIX)
+
+
 def is_internal_file(relpath: str) -> bool:
     """True for files that are ours, not the user's: never downloaded or listed as data.
 
@@ -63,7 +128,7 @@ def is_internal_file(relpath: str) -> bool:
     ``.internal_metadata.json`` is ours (a ``sub/.internal_metadata.json`` is
     the user's), and any ``.cs_*`` name.
     """
-    return relpath == INTERNAL_METADATA or relpath.rsplit("/", 1)[-1].startswith(INTERNAL_PREFIX)
+    return relpath == INTERNAL_METADATA or is_internal_name(relpath.rsplit("/", 1)[-1])
 
 
 def validate_component(value: str, what: str) -> str:
@@ -152,9 +217,174 @@ def refuse_reserved(value: str, what: str) -> str:
     """
     from checkpoint_store.errors import InvalidConfigError
 
-    if value.startswith(INTERNAL_PREFIX):
+    if is_internal_name(value):
         raise InvalidConfigError(
             f"{what} {value!r} starts with {INTERNAL_PREFIX!r}, which checkpoint-store "
             "reserves for its own files; choose another name"
         )
     return value
+
+
+# -- helper names of a commit ---------------------------------------------------
+# ``<name>`` below is a checkpoint directory name (no ``-``), ``<writer>`` a
+# writer id or multi-rank attempt id; parsers split on the first ``-`` after
+# the name, so a writer id may hold ``-``.
+
+_STAGING = f"{INTERNAL_PREFIX}staging-"
+_DELETING = f"{INTERNAL_PREFIX}deleting-"
+_REPLACE = f"{INTERNAL_PREFIX}replace-"
+_CLAIM = f"{INTERNAL_PREFIX}claim-"
+_TMP = f"{INTERNAL_PREFIX}tmp-"
+_ATTEMPT = f"{INTERNAL_PREFIX}attempt-"
+_ABORT = f"{INTERNAL_PREFIX}abort-"
+_RANK_MARKER_RE = re.compile(rf"^{re.escape(INTERNAL_PREFIX)}rank-(\d+)\.json$")
+
+#: A file in a directory being deleted on a store without atomic rename: the
+#: directory is ours and going away, whatever else it holds.
+DELETE_TOMBSTONE = f"{INTERNAL_PREFIX}deleting"
+#: Lock file (local disks) serialising commits into one trial directory.
+COMMIT_LOCK = f"{INTERNAL_PREFIX}commit.lock"
+#: The retention manager's lease (``<trial>/.cs_manager_lease.json``).
+LEASE_FILE = f"{INTERNAL_PREFIX}manager_lease.json"
+
+
+def staging_dir_name(name: str, writer: str) -> str:
+    """``.cs_staging-<name>-<writer>``: a rename-commit's (or a multi-rank
+    attempt's) staging sibling of ``<name>``."""
+    return bounded_name(_STAGING, name, f"-{writer}")
+
+
+def parse_staging_dir_name(name: str) -> str | None:
+    """The writer of a :func:`staging_dir_name`, or None for any other name."""
+    if not name.startswith(_STAGING):
+        return None
+    return name[len(_STAGING):].split("-", 1)[-1]
+
+
+def deleting_dir_name(name: str, writer: str) -> str:
+    """``.cs_deleting-<name>-<writer>``: a directory renamed away to be deleted."""
+    return bounded_name(_DELETING, name, f"-{writer}")
+
+
+def is_deleting_dir_name(name: str) -> bool:
+    """True for a :func:`deleting_dir_name`."""
+    return name.startswith(_DELETING)
+
+
+def replace_dir_name(name: str, writer: str) -> str:
+    """``.cs_replace-<name>-<writer>``: a committed directory moved aside while
+    a new one replaces it (Lightning's ``save_checkpoint`` over a path)."""
+    return bounded_name(_REPLACE, name, f"-{writer}")
+
+
+def claim_name(time_ns: int, writer: str) -> str:
+    """``.cs_claim-<ns>-<writer>``: a marker-last writer's claim on a directory,
+    stamped with the writer's clock (nanoseconds, 20 digits)."""
+    return f"{_CLAIM}{time_ns:020d}-{writer}"
+
+
+def parse_claim_name(name: str) -> tuple[float, str] | None:
+    """``(seconds, writer)`` of a :func:`claim_name`; seconds is 0.0 when the
+    stamp is not a number. None for any other name."""
+    if not name.startswith(_CLAIM):
+        return None
+    stamp, _, writer = name[len(_CLAIM):].partition("-")
+    try:
+        seconds = int(stamp) / 1e9
+    except ValueError:
+        seconds = 0.0
+    return seconds, writer
+
+
+def rank_marker_name(rank: int) -> str:
+    """``.cs_rank-<rank>.json``: one rank's part of a multi-rank checkpoint is written."""
+    return f"{INTERNAL_PREFIX}rank-{rank:06d}.json"
+
+
+def parse_rank_marker_name(name: str) -> int | None:
+    """The rank of a :func:`rank_marker_name`, or None for any other name."""
+    m = _RANK_MARKER_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def attempt_file_name(attempt_id: str) -> str:
+    """``<trial>/.cs_attempt-<attempt_id>.json``: rank 0's start record of a launch attempt."""
+    return f"{_ATTEMPT}{attempt_id}.json"
+
+
+def is_attempt_file_name(name: str) -> bool:
+    """True for an :func:`attempt_file_name`."""
+    return name.startswith(_ATTEMPT)
+
+
+def abort_file_name(dir_name: str, attempt_id: str) -> str:
+    """``<trial>/.cs_abort-<dir_name>-<attempt_id>.json``: rank 0's verdict on
+    a multi-rank checkpoint that was not committed."""
+    return bounded_name(_ABORT, dir_name, f"-{attempt_id}.json")
+
+
+def is_abort_file_name(name: str) -> bool:
+    """True for an :func:`abort_file_name`."""
+    return name.startswith(_ABORT)
+
+
+def temp_file_name(base: str, writer_tag: str, token: str) -> str:
+    """``.cs_tmp-<base>-<writer tag>-<token>``: an atomic write's temporary
+    sibling of ``base`` (local disks)."""
+    return bounded_name(_TMP, base, f"-{writer_tag}-{token}")
+
+
+def is_legacy_temp_file_name(name: str) -> bool:
+    """True for ``<file>.<pid>.<id>.cs_tmp``, the temporary files of early
+    versions: ours, though they do not start with ``.cs_``."""
+    return name.endswith(".cs_tmp")
+
+
+def parse_temp_file_name(name: str) -> str | None:
+    """The writer tag of a :func:`temp_file_name`, or None for any other name
+    (also for a ``.cs_tmp-`` name without the tag)."""
+    if not name.startswith(_TMP):
+        return None
+    parts = name.rsplit("-", 2)
+    return parts[1] if len(parts) == 3 else None
+
+
+# -- helper names of a download (local disk, beside the target) ------------------
+
+#: ``download``: a staging directory being filled; ``download_old``: the
+#: previous target moved aside. They differ before the first ``-`` so that no
+#: staging name of one target can read as a moved-aside name of another.
+DownloadHelperKind = Literal["download", "download_old"]
+_DOWNLOAD_HELPER_RE = re.compile(
+    rf"^{re.escape(INTERNAL_PREFIX)}(download|download_old)-.*-(\d+(?:_\d+)?)-([0-9a-f]{{8}})$"
+)
+
+
+def download_lock_name(base: str) -> str:
+    """``.<base>.cs_lock``: the lock letting one download into ``<base>`` run."""
+    return bounded_name(".", base, ".cs_lock")
+
+
+def download_marker_name(base: str) -> str:
+    """``.<base>.cs_download.json``: what the last download into ``<base>`` wrote."""
+    return bounded_name(".", base, ".cs_download.json")
+
+
+def download_helper_name(kind: DownloadHelperKind, base: str, writer_tag: str, token: str) -> str:
+    """``.cs_<kind>-<base>-<writer tag>-<token>``: a helper directory of a
+    download into ``<base>`` (``token``: 8 hex digits)."""
+    return bounded_name(f"{INTERNAL_PREFIX}{kind}-", base, f"-{writer_tag}-{token}")
+
+
+def parse_download_helper_name(name: str, base: str) -> tuple[DownloadHelperKind, str] | None:
+    """``(kind, writer tag)`` when ``name`` is exactly a
+    :func:`download_helper_name` for ``base``; None otherwise (also for the
+    helpers of another target, ``run`` vs ``run-5``)."""
+    m = _DOWNLOAD_HELPER_RE.match(name)
+    if m is None:
+        return None
+    kind: DownloadHelperKind = "download" if m.group(1) == "download" else "download_old"
+    tag, token = m.group(2), m.group(3)
+    if download_helper_name(kind, base, tag, token) != name:
+        return None
+    return kind, tag

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 import posixpath
-import re
 import shutil
 import tempfile
 import time
@@ -28,10 +27,19 @@ import pyarrow.fs as pafs
 from checkpoint_store import _fsutil, _json, _proc
 from checkpoint_store._layout import (
     INTERNAL_METADATA,
-    INTERNAL_PREFIX,
     USER_METADATA,
-    bounded_name,
+    DownloadHelperKind,
     check_name_length,
+    download_helper_name,
+    download_lock_name,
+    download_marker_name,
+    parse_download_helper_name,
+)
+from checkpoint_store._manifest import (
+    Inspection,
+    inspect_checkpoint,
+    read_internal_metadata,
+    verify_files,
 )
 from checkpoint_store.backends.base import LOCAL_CAPABILITIES, Backend
 from checkpoint_store.errors import (
@@ -42,12 +50,7 @@ from checkpoint_store.errors import (
     UnsafePathError,
 )
 from checkpoint_store.registry import resolve
-from checkpoint_store.transfer import (
-    download_tree,
-    inspect_checkpoint,
-    read_internal_metadata,
-    verify_files,
-)
+from checkpoint_store.transfer import download_tree
 
 logger = logging.getLogger(__name__)
 
@@ -292,39 +295,19 @@ class Checkpoint:
             CheckpointCorruptError: its metadata is invalid, or ``verify``
                 and a file fails its check; names the file.
         """
-        fs = self.filesystem
-        insp = inspect_checkpoint(fs, self.path)
-        if insp.state == "missing":
-            raise CheckpointNotFoundError(f"checkpoint {self.uri} does not exist")
-        if insp.state == "invalid":
-            raise CheckpointCorruptError(
-                f"checkpoint {self.uri} is corrupt: {insp.reason}", path=self.path, file=insp.file
-            )
+        insp = self._inspect_for_download()
         manifest = insp.meta["manifest"] if insp.meta else None
-        caps = self._backend.capabilities
         if path is None:
-            tmp = tempfile.mkdtemp(prefix="checkpoint-")
-            try:
-                download_tree(fs, self.path, caps, tmp, manifest=manifest, verify=verify)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            return tmp
+            return self._download_to_temp(manifest, verify)
         target = os.path.abspath(os.path.expanduser(os.fspath(path)))
         parent, base = os.path.split(target)
         # Every refusal below comes before the first write (the lock included).
-        check_name_length(base, "download directory name")
-        if os.path.lexists(target) and not os.path.isdir(target):
-            raise InvalidConfigError(
-                f"cannot download into {target!r}: it exists and is not a directory; "
-                "choose a directory path"
-            )
-        self._refuse_target_overlap(target)
+        self._refuse_target(target, base)
         os.makedirs(parent, exist_ok=True)
         identity = self._download_identity(insp.meta)
         # Beside the target, not in it: the user's directory holds only their files.
-        marker = os.path.join(parent, bounded_name(".", base, DOWNLOAD_MARKER_SUFFIX))
-        lock_path = os.path.join(parent, bounded_name(".", base, ".cs_lock"))
+        marker = os.path.join(parent, download_marker_name(base))
+        lock_path = os.path.join(parent, download_lock_name(base))
         # Someone else's files: refused before the lock file exists (and again
         # under the lock, where it counts).
         _owned_files(target, _read_download_marker(marker))
@@ -334,20 +317,61 @@ class Checkpoint:
             previous = _read_download_marker(marker)
             if (
                 identity is not None
+                and manifest is not None
                 and previous.get("identity") == identity
-                and _sizes_match(target, insp.meta["manifest"])
+                and _sizes_match(target, manifest)
             ):
                 return target
-            old_files = _owned_files(target, previous)
-            staging = _new_sibling_dir(parent, _STAGING_KIND, base)
-            try:
-                written = download_tree(fs, self.path, caps, staging, manifest=manifest,
-                                        verify=verify)
-                _swap_in(staging, target, marker, identity, old_files, written)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-            logger.info("downloaded %s to %s (%d files)", self.uri, target, len(written))
+            self._download_and_swap(target, marker, identity, _owned_files(target, previous),
+                                    manifest, verify)
         return target
+
+    def _inspect_for_download(self) -> Inspection:
+        """The checkpoint's inspection; refuses a missing or corrupt one."""
+        insp = inspect_checkpoint(self.filesystem, self.path)
+        if insp.state == "missing":
+            raise CheckpointNotFoundError(f"checkpoint {self.uri} does not exist")
+        if insp.state == "invalid":
+            raise CheckpointCorruptError(
+                f"checkpoint {self.uri} is corrupt: {insp.reason}", path=self.path, file=insp.file
+            )
+        return insp
+
+    def _download_to_temp(self, manifest: list[dict[str, Any]] | None, verify: bool) -> str:
+        """Download into a new temporary directory (removed again on failure)."""
+        tmp = tempfile.mkdtemp(prefix="checkpoint-")
+        try:
+            download_tree(self.filesystem, self.path, self._backend.capabilities, tmp,
+                          manifest=manifest, verify=verify)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return tmp
+
+    def _refuse_target(self, target: str, base: str) -> None:
+        """Refuse a download target that is too long a name, a file, or overlaps us."""
+        check_name_length(base, "download directory name")
+        if os.path.lexists(target) and not os.path.isdir(target):
+            raise InvalidConfigError(
+                f"cannot download into {target!r}: it exists and is not a directory; "
+                "choose a directory path"
+            )
+        self._refuse_target_overlap(target)
+
+    def _download_and_swap(
+        self, target: str, marker: str, identity: dict[str, Any] | None, old_files: list[str],
+        manifest: list[dict[str, Any]] | None, verify: bool,
+    ) -> None:
+        """Under the target's lock: download into a staging sibling, then swap it in."""
+        parent, base = os.path.split(target)
+        staging = _new_sibling_dir(parent, "download", base)
+        try:
+            written = download_tree(self.filesystem, self.path, self._backend.capabilities,
+                                    staging, manifest=manifest, verify=verify)
+            _swap_in(staging, target, marker, identity, old_files, written)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        logger.info("downloaded %s to %s (%d files)", self.uri, target, len(written))
 
     def _refuse_target_overlap(self, target: str) -> None:
         """A download into the checkpoint itself would change it (it would no
@@ -395,36 +419,24 @@ class Checkpoint:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-DOWNLOAD_MARKER_SUFFIX = ".cs_download.json"
-
-
 def _inside(path: str, base: str) -> bool:
     return path == base or path.startswith(base.rstrip(os.sep) + os.sep)
 
 
-# Helper directories of a download into ``<parent>/<name>``:
-# ``.cs_<kind>-<name>-<writer>-<random>``. The writer tag (pid and start time,
-# :func:`_proc.writer_tag`) lets the next download tell a crashed writer's
-# leftovers from a live one's, also once the pid was reused. The two kinds
-# differ before the first ``-`` so that no staging name of one target can read
-# as a moved-aside name of another.
-_STAGING_KIND = "download"
-_OLD_KIND = "download_old"
-_HELPER_RE = re.compile(
-    rf"^{re.escape(INTERNAL_PREFIX)}({_STAGING_KIND}|{_OLD_KIND})-.*-(\d+(?:_\d+)?)-([0-9a-f]{{8}})$"
-)
-
-
-def _new_sibling_dir(parent: str, kind: str, base: str) -> str:
+# Helper directories of a download into ``<parent>/<name>``
+# (:func:`~checkpoint_store._layout.download_helper_name`). The writer tag (pid
+# and start time, :func:`_proc.writer_tag`) lets the next download tell a
+# crashed writer's leftovers from a live one's, also once the pid was reused.
+def _new_sibling_dir(parent: str, kind: DownloadHelperKind, base: str) -> str:
     """A new ``.cs_<kind>-<base>-<writer>-<random>`` directory in ``parent``
     (a name within NAME_MAX whatever the length of ``base``)."""
-    suffix = f"-{_proc.writer_tag()}-{uuid.uuid4().hex[:8]}"
-    path = os.path.join(parent, bounded_name(f"{INTERNAL_PREFIX}{kind}-", base, suffix))
+    name = download_helper_name(kind, base, _proc.writer_tag(), uuid.uuid4().hex[:8])
+    path = os.path.join(parent, name)
     os.mkdir(path)
     return path
 
 
-def _dead_helpers(parent: str, base: str) -> list[tuple[str, str]]:
+def _dead_helpers(parent: str, base: str) -> list[tuple[DownloadHelperKind, str]]:
     """``(kind, path)`` of the helper directories of downloads into
     ``parent/base`` whose writer process is gone. A name is taken only if it
     is exactly the one :func:`_new_sibling_dir` builds for ``base``, so the
@@ -435,12 +447,10 @@ def _dead_helpers(parent: str, base: str) -> list[tuple[str, str]]:
         return []
     out = []
     for name in names:
-        m = _HELPER_RE.match(name)
-        if m is None:
+        parsed = parse_download_helper_name(name, base)
+        if parsed is None:
             continue
-        kind, tag, rnd = m.groups()
-        if bounded_name(f"{INTERNAL_PREFIX}{kind}-", base, f"-{tag}-{rnd}") != name:
-            continue
+        kind, tag = parsed
         # Only a writer known to be gone: a tag we cannot judge stays.
         if _proc.writer_tag_alive(tag) is False:
             out.append((kind, os.path.join(parent, name)))
@@ -462,7 +472,7 @@ def _recover_interrupted(parent: str, base: str, target: str) -> None:
     if not dead:
         return
     if not os.path.lexists(target):
-        aside = [os.path.join(p, "d") for kind, p in dead if kind == _OLD_KIND]
+        aside = [os.path.join(p, "d") for kind, p in dead if kind == "download_old"]
         aside = [d for d in aside if os.path.isdir(d) and not os.path.islink(d)]
         if aside:
             back = max(aside, key=lambda d: os.stat(os.path.dirname(d)).st_mtime_ns)
@@ -517,7 +527,7 @@ def _swap_in(staging: str, target: str, marker: str, identity: dict[str, Any] | 
     _write_download_marker(marker, None, sorted(set(old_files) | set(written)))
     trash = None
     if os.path.lexists(target):
-        trash = _new_sibling_dir(os.path.dirname(target), _OLD_KIND, os.path.basename(target))
+        trash = _new_sibling_dir(os.path.dirname(target), "download_old", os.path.basename(target))
         os.rename(target, os.path.join(trash, "d"))
     os.rename(staging, target)
     _write_download_marker(marker, identity, written)

@@ -22,21 +22,33 @@ from datetime import datetime
 from typing import Any
 
 from checkpoint_store import _fsutil, _json, _retry
+from checkpoint_store._commit import CommitProtocol, protocol_for
 from checkpoint_store._layout import (
+    DELETE_TOMBSTONE,
     ERROR_FILE,
     FORMAT_VERSION,
-    INTERNAL_METADATA,
-    INTERNAL_PREFIX,
     PARAMS_FILE,
     RESULT_FILE,
     checkpoint_dir_name,
+    is_deleting_dir_name,
+    is_internal_name,
     parse_checkpoint_dir_name,
+    parse_claim_name,
+    parse_rank_marker_name,
+    parse_staging_dir_name,
+    parse_temp_file_name,
     refuse_reserved,
     validate_component,
+)
+from checkpoint_store._manifest import (
+    Inspection,
+    inspect_checkpoint,
+    read_internal_metadata,
 )
 from checkpoint_store._plan import Previous
 from checkpoint_store._proc import writer_tag_alive
 from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._runs import default_run_id, new_writer_id, run_of_writer, sanitize_run_id
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
@@ -46,21 +58,6 @@ from checkpoint_store.errors import (
     InvalidConfigError,
 )
 from checkpoint_store.registry import resolve
-from checkpoint_store.transfer import (
-    _CLAIM_PREFIX,
-    Inspection,
-    claim_in_place,
-    commit_checkpoint,
-    commit_in_place,
-    compute_manifest,
-    default_run_id,
-    delete_checkpoint_dir,
-    inspect_checkpoint,
-    new_writer_id,
-    read_internal_metadata,
-    run_of_writer,
-    sanitize_run_id,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +208,11 @@ class StorageContext:
         return self.backend.filesystem
 
     @property
+    def commit_protocol(self) -> CommitProtocol:
+        """The commit protocol of this storage (:func:`~checkpoint_store._commit.protocol_for`)."""
+        return protocol_for(self.backend, fsync=self.fsync, retry=self.retry)
+
+    @property
     def experiment_path(self) -> str:
         return posixpath.join(self.storage_path, self.experiment_name)
 
@@ -312,9 +314,9 @@ class StorageContext:
         self.ensure_trial_dir()
         writer = new_writer_id(self.run_id)
         previous = self.previous_checkpoint(index) if self._reuses(checkpoint) else None
-        _retry.with_rebuild(self.backend, lambda: commit_checkpoint(
-            checkpoint.filesystem, checkpoint.path, self.backend, dest, meta, fsync=self.fsync,
-            writer_id=writer, retry=self.retry, previous=previous,
+        _retry.with_rebuild(self.backend, lambda: self.commit_protocol.commit(
+            checkpoint.filesystem, checkpoint.path, dest, meta, writer_id=writer,
+            previous=previous,
         ), what=f"commit {self.uri(dest)}")
         return Checkpoint._from_backend(self.backend, dest)
 
@@ -328,14 +330,14 @@ class StorageContext:
         """
         dest = self.checkpoint_path(index)
         self.ensure_trial_dir()
-        claim_in_place(self.backend, dest, new_writer_id(self.run_id), retry=self.retry)
+        self.commit_protocol.claim_in_place(dest, new_writer_id(self.run_id))
         return dest
 
     def commit_in_place(self, index: int, internal: Mapping[str, Any]) -> Checkpoint:
         """Commit ``checkpoint_<index>``, already filled in place; no byte is copied.
 
-        See :func:`checkpoint_store.transfer.commit_in_place` (manifest built
-        from the files there, marker last).
+        See :meth:`checkpoint_store._commit.CommitProtocol.commit_in_place`
+        (manifest built from the files there, marker last).
 
         Raises:
             CheckpointNotFoundError: the directory is missing or empty.
@@ -345,8 +347,8 @@ class StorageContext:
         """
         dest = self.checkpoint_path(index)
         meta = self.internal_metadata(index, internal)
-        _retry.with_rebuild(self.backend, lambda: commit_in_place(
-            self.backend, dest, meta, fsync=self.fsync, retry=self.retry,
+        _retry.with_rebuild(self.backend, lambda: self.commit_protocol.commit_in_place(
+            dest, meta
         ), what=f"commit {self.uri(dest)} in place")
         return Checkpoint._from_backend(self.backend, dest)
 
@@ -380,9 +382,8 @@ class StorageContext:
         committed checkpoint, and what it leaves is recognisably ours.
         """
         validate_component(dir_name, "dir_name")
-        _retry.with_rebuild(self.backend, lambda: delete_checkpoint_dir(
-            self.backend, posixpath.join(self.trial_path, dir_name),
-            writer_id=new_writer_id(self.run_id), retry=self.retry,
+        _retry.with_rebuild(self.backend, lambda: self.commit_protocol.delete(
+            posixpath.join(self.trial_path, dir_name), new_writer_id(self.run_id)
         ), what=f"delete {dir_name}")
 
     # -- orphans ------------------------------------------------------------------
@@ -403,12 +404,11 @@ class StorageContext:
         a per-rank marker naming the current attempt."""
         names = [rel.rsplit("/", 1)[-1] for rel in (insp.files or {})]
         for n in names:
-            if n.startswith(_CLAIM_PREFIX):
-                writer = n[len(_CLAIM_PREFIX):].split("-", 1)[-1]
-                if self._writer_in(writer, runs):
-                    return True
+            claim = parse_claim_name(n)
+            if claim is not None and self._writer_in(claim[1], runs):
+                return True
         for n in names:
-            if n.startswith(f"{INTERNAL_PREFIX}rank-") and n.endswith(".json"):
+            if parse_rank_marker_name(n) is not None:
                 try:
                     body = _json.loads(_fsutil.read_bytes(self.filesystem,
                                                           posixpath.join(path, n),
@@ -437,19 +437,18 @@ class StorageContext:
         for fi in _fsutil.list_dir(self.filesystem, self.trial_path, retry=self.retry):
             name = posixpath.basename(fi.path.rstrip("/"))
             if fi.type != _fsutil.pafs.FileType.Directory:
-                if name.startswith(f"{INTERNAL_PREFIX}tmp-") and _dead_writer_tmp(name):
+                if _dead_writer_tmp(name):
                     result.uncommitted.append(name)  # a write_bytes() cut short
                 continue
-            if name.startswith(f"{INTERNAL_PREFIX}deleting-"):
+            staging_writer = parse_staging_dir_name(name)
+            if is_deleting_dir_name(name):
                 # Renamed away by a delete: nobody writes there any more.
                 result.uncommitted.append(name)
-            elif name.startswith(f"{INTERNAL_PREFIX}staging-"):
-                # .cs_staging-<dir name>-<writer>; our dir names hold no '-'.
-                writer = name[len(f"{INTERNAL_PREFIX}staging-"):].split("-", 1)[-1]
-                (result.active if self._writer_in(writer, runs) else result.uncommitted
+            elif staging_writer is not None:
+                (result.active if self._writer_in(staging_writer, runs) else result.uncommitted
                  ).append(name)
             else:
-                if name.startswith(INTERNAL_PREFIX):
+                if is_internal_name(name):
                     continue  # some other internal directory: not a checkpoint candidate
                 path = posixpath.join(self.trial_path, name)
                 insp = inspect_checkpoint(self.filesystem, path, retry=self.retry)
@@ -540,22 +539,15 @@ class StorageContext:
                 if not _is_internal(rel)}
         if insp.state == "missing" or not data:
             raise CheckpointNotFoundError(f"{self.uri(path)} holds no files to adopt")
-        manifest = compute_manifest(self.filesystem, path, sorted(data), self.backend.capabilities,
-                                    retry=self.retry)
-        meta = {
-            "format_version": FORMAT_VERSION,
+        internal = {
             "index": index,
             "experiment_name": self.experiment_name,
             "trial_name": self.trial_name,
-            "created_at": time.time(),
             "metrics": clean_metrics,
             "world_size": 1,
             "adopted": True,
-            "manifest": manifest,
         }
-        _fsutil.write_bytes(self.filesystem, posixpath.join(path, INTERNAL_METADATA),
-                            _json.dumps(meta), self.backend.capabilities, fsync=self.fsync,
-                            retry=self.retry)
+        self.commit_protocol.adopt(path, sorted(data), internal)
         return Checkpoint._from_backend(self.backend, path)
 
     def latest_verified_checkpoint(
@@ -721,10 +713,8 @@ def _dead_writer_tmp(name: str) -> bool:
     older versions wrote ``<pid>`` alone) whose writer process is gone, or whose
     pid now belongs to a newer process. A live writer, ours or another's,
     keeps it: never remove a file that may be renamed into place a moment later."""
-    parts = name.rsplit("-", 2)
-    if len(parts) != 3:
-        return False
-    return writer_tag_alive(parts[1]) is False
+    tag = parse_temp_file_name(name)
+    return tag is not None and writer_tag_alive(tag) is False
 
 
 def _looks_ours(insp: Inspection) -> bool:
@@ -732,5 +722,12 @@ def _looks_ours(insp: Inspection) -> bool:
     marker, a delete tombstone): an uncommitted directory this tool left. A
     download marker is no such trace: users copy downloaded directories."""
     files = insp.files or {}
-    evidence = (f"{INTERNAL_PREFIX}claim-", f"{INTERNAL_PREFIX}rank-", f"{INTERNAL_PREFIX}deleting")
-    return not files or any(rel.rsplit("/", 1)[-1].startswith(evidence) for rel in files)
+    return not files or any(_is_writer_trace(rel.rsplit("/", 1)[-1]) for rel in files)
+
+
+def _is_writer_trace(name: str) -> bool:
+    return (
+        parse_claim_name(name) is not None
+        or parse_rank_marker_name(name) is not None
+        or name == DELETE_TOMBSTONE
+    )

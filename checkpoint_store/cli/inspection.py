@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from checkpoint_store import _fsutil
-from checkpoint_store._layout import ERROR_FILE, INTERNAL_PREFIX
+from checkpoint_store._layout import ERROR_FILE, is_internal_name
 from checkpoint_store.cli import EXIT_FAILURE, common_options, echo_info, quiet, storage_option
 from checkpoint_store.cli.locations import (
     Location,
@@ -110,7 +110,7 @@ def _ls_experiment(exp: Location) -> dict[str, Any]:
 def _ls_root(root: Location) -> dict[str, Any]:
     rows = []
     for name, is_dir in list_entries(root):
-        if not is_dir or name.startswith(INTERNAL_PREFIX):
+        if not is_dir or is_internal_name(name):
             continue
         exp = root.child(name)
         trials = trials_under(exp, "experiment")

@@ -24,11 +24,12 @@ from checkpoint_store import _fsutil
 from checkpoint_store._layout import (
     ERROR_FILE,
     INTERNAL_METADATA,
-    INTERNAL_PREFIX,
     MANAGER_STATE,
     PARAMS_FILE,
     RESULT_FILE,
+    is_internal_name,
     parse_checkpoint_dir_name,
+    parse_staging_dir_name,
 )
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import (
@@ -38,11 +39,10 @@ from checkpoint_store.errors import (
 )
 
 if TYPE_CHECKING:
+    from checkpoint_store._manifest import Inspection
     from checkpoint_store.storage import StorageContext
-    from checkpoint_store.transfer import Inspection
 
 __all__ = [
-    "STAGING_PREFIX",
     "TRIAL_FILES",
     "Location",
     "LocationKind",
@@ -69,8 +69,6 @@ LocationKind = Literal[
 
 #: The files a trial directory holds besides its checkpoints.
 TRIAL_FILES = frozenset({RESULT_FILE, PARAMS_FILE, MANAGER_STATE, ERROR_FILE})
-#: The name prefix of a checkpoint being written (``.cs_staging-...``).
-STAGING_PREFIX = f"{INTERNAL_PREFIX}staging-"
 
 _KIND_LABELS: dict[LocationKind, str] = {
     "checkpoint": "a checkpoint", "corrupt": "a corrupt checkpoint",
@@ -156,7 +154,7 @@ def looks_like_trial(entries: Iterable[tuple[str, bool]]) -> bool:
     """Whether a directory with these :func:`list_entries` is a trial: it holds a
     trial file, a checkpoint being written or a ``checkpoint_NNNNNN`` directory."""
     for name, is_dir in entries:
-        if name in TRIAL_FILES or name.startswith(STAGING_PREFIX):
+        if name in TRIAL_FILES or parse_staging_dir_name(name) is not None:
             return True
         if is_dir and parse_checkpoint_dir_name(name) is not None:
             return True
@@ -165,7 +163,7 @@ def looks_like_trial(entries: Iterable[tuple[str, bool]]) -> bool:
 
 def read_internal(loc: Location) -> dict[str, Any] | None:
     """The checkpoint's internal metadata when its commit marker is valid, else None."""
-    from checkpoint_store.transfer import read_internal_metadata
+    from checkpoint_store._manifest import read_internal_metadata
 
     return read_internal_metadata(loc.fs, loc.path)
 
@@ -173,7 +171,7 @@ def read_internal(loc: Location) -> dict[str, Any] | None:
 def inspect_location(loc: Location) -> Inspection:
     """What the would-be checkpoint directory ``loc`` is (committed, invalid,
     absent, missing): :func:`checkpoint_store.transfer.inspect_checkpoint`."""
-    from checkpoint_store.transfer import inspect_checkpoint
+    from checkpoint_store._manifest import inspect_checkpoint
 
     return inspect_checkpoint(loc.fs, loc.path)
 
@@ -248,7 +246,7 @@ def not_committed(
                 corrupt.append((name, found))
             elif found.state != "committed":
                 uncommitted.append(name)
-        elif name.startswith(STAGING_PREFIX):
+        elif parse_staging_dir_name(name) is not None:
             uncommitted.append(name)
     return corrupt, uncommitted
 
@@ -266,7 +264,7 @@ def trials_under(loc: Location, kind: LocationKind) -> list[Location]:
         for name, is_dir in list_entries(loc):
             # Dot-named experiments are walked too: session.start accepts them,
             # and a backup that skipped them would lose them silently.
-            if is_dir and not name.startswith(INTERNAL_PREFIX):
+            if is_dir and not is_internal_name(name):
                 out.extend(trials_under(loc.child(name), "experiment"))
         return out
     return []

@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from checkpoint_store import _clock, _fsutil
-from checkpoint_store._layout import INTERNAL_PREFIX
+from checkpoint_store._layout import is_internal_name, is_legacy_temp_file_name
 from checkpoint_store.cli import NumberAtLeast, common_options, echo_info, storage_option
 from checkpoint_store.cli.locations import (
     TRIAL_FILES,
@@ -197,8 +197,8 @@ def _scan(trial: Location) -> tuple[list[str], list[str], list[str], list[str]]:
     ours = [n for n in found.uncommitted if n not in set(active) and n in children]
     foreign = [n for n in found.foreign if n in children]
     for name, is_dir in entries:
-        if not is_dir and name not in TRIAL_FILES and not name.startswith(INTERNAL_PREFIX) \
-                and not name.endswith(".cs_tmp"):
+        if not is_dir and name not in TRIAL_FILES and not is_internal_name(name) \
+                and not is_legacy_temp_file_name(name):
             foreign.append(name)
     return [n for n in found.committed if n in children], ours, active, sorted(foreign)
 

@@ -205,7 +205,8 @@ def upload_cmd(directory: str, uri: str, storage_options: dict[str, Any],
       checkpoint-store upload ./model_dir ./results/exp/t1/checkpoint_000003 \\
           --metrics '{"loss": 0.12}'
     """
-    from checkpoint_store.transfer import commit_checkpoint, source_files
+    from checkpoint_store._commit import commit_checkpoint
+    from checkpoint_store.transfer import source_files
 
     metrics = _parse_metrics(metrics_json)
     src = resolve_location(os.path.abspath(directory), {})
@@ -270,7 +271,8 @@ def _copy_checkpoint(job: _CopyJob, on_bytes: Callable[[int], None]) -> CopyOutc
         CheckpointCorruptError: the source does not match its manifest; nothing
             stays committed at the destination.
     """
-    from checkpoint_store.transfer import commit_checkpoint, source_files
+    from checkpoint_store._commit import commit_checkpoint
+    from checkpoint_store.transfer import source_files
 
     src, dst = job.src, job.dst
     existing = read_internal(dst)

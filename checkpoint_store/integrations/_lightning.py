@@ -32,15 +32,18 @@ import time
 import uuid
 import warnings
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import google_crc32c
 import pyarrow.fs as pafs
 
 from checkpoint_store import _fsutil, _retry
-from checkpoint_store._layout import INTERNAL_PREFIX, bounded_name
+from checkpoint_store._commit import delete_checkpoint_dir, protocol_for
+from checkpoint_store._layout import deleting_dir_name, is_internal_name, replace_dir_name
+from checkpoint_store._manifest import ManifestEntry, inspect_checkpoint, verify_files
 from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._runs import new_writer_id
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import (
     CheckpointCorruptError,
@@ -48,14 +51,6 @@ from checkpoint_store.errors import (
     InvalidConfigError,
 )
 from checkpoint_store.registry import resolve
-from checkpoint_store.transfer import (
-    ManifestEntry,
-    commit_checkpoint,
-    delete_checkpoint_dir,
-    inspect_checkpoint,
-    new_writer_id,
-    verify_files,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +127,7 @@ def _stream_state(
         if local is not None:
             with open(local, "wb") as f:
                 w = _CrcWriter(f)
-                torch.save(checkpoint, w)
+                torch.save(checkpoint, w)  # type: ignore[arg-type]  # any object with write()
                 if fsync:
                     f.flush()
                     os.fsync(f.fileno())
@@ -141,7 +136,7 @@ def _stream_state(
         else:
             with fs.open_output_stream(path) as out:
                 w = _CrcWriter(out)
-                torch.save(checkpoint, w)
+                torch.save(checkpoint, w)  # type: ignore[arg-type]  # any object with write()
         return [ManifestEntry(STATE_FILE, w.size, f"{w.crc:08x}")]
 
     def write(fs: pafs.FileSystem, directory: str) -> list[ManifestEntry]:
@@ -393,11 +388,10 @@ class _StoreIO:
                               self.retry)
         writer = new_writer_id(self.run_id)
         parent, name = posixpath.split(fs_path)
-        target = posixpath.join(parent, bounded_name(f"{INTERNAL_PREFIX}replace-", name,
-                                                     f"-{writer}")) if swap else fs_path
-        _retry.with_rebuild(backend, lambda: commit_checkpoint(
-            None, None, backend, target, internal, fsync=self.fsync,
-            writer_id=writer, retry=self.retry, write=write,
+        target = posixpath.join(parent, replace_dir_name(name, writer)) if swap else fs_path
+        protocol = protocol_for(backend, fsync=self.fsync, retry=self.retry)
+        _retry.with_rebuild(backend, lambda: protocol.commit(
+            None, None, target, internal, writer_id=writer, write=write,
         ), what=f"save {backend.uri_for(fs_path)}")
         if swap:
             self._swap_in(backend, target, fs_path, writer)
@@ -442,8 +436,7 @@ class _StoreIO:
         between the two renames."""
         fs = backend.filesystem
         parent, name = posixpath.split(fs_path)
-        trash = posixpath.join(parent, bounded_name(f"{INTERNAL_PREFIX}deleting-", name,
-                                                    f"-{writer}"))
+        trash = posixpath.join(parent, deleting_dir_name(name, writer))
         _fsutil.move(fs, fs_path, trash, retry=self.retry)
         _fsutil.move(fs, new, fs_path, retry=self.retry)
         if self.fsync:
@@ -491,7 +484,8 @@ class _StoreIO:
             return
         insp = inspect_checkpoint(fs, fs_path, retry=self.retry) \
             if kind == pafs.FileType.Directory else None
-        if insp is None or insp.state != "committed" or insp.meta.get("run_id") != self.run_id:
+        run_id = (insp.meta or {}).get("run_id") if insp is not None else None
+        if insp is None or insp.state != "committed" or run_id != self.run_id:
             _refuse(f"not removing {uri}: this run did not write it (it may be the checkpoint "
                     "the run resumed from, or another run's); delete it yourself if unneeded")
             return
@@ -516,7 +510,7 @@ def _left_by_a_writer(files: Mapping[str, int]) -> bool:
     """Uncommitted files holding a trace of our writers (a claim, a delete
     tombstone): what a save or delete cut short leaves. Anything else is
     somebody's data, and the commit refuses to write over it."""
-    return any(rel.rsplit("/", 1)[-1].startswith(INTERNAL_PREFIX) for rel in files)
+    return any(is_internal_name(rel.rsplit("/", 1)[-1]) for rel in files)
 
 
 def _refuse(message: str) -> None:
@@ -588,7 +582,7 @@ def verified_state(backend: Backend, fs_path: str, *, retry: RetryPolicy | None 
 
 
 def _pick(
-    candidates: list[tuple[Any, Mapping[str, Any]]], monitor: str | None, mode: str,
+    candidates: Sequence[tuple[Any, Mapping[str, Any]]], monitor: str | None, mode: str,
 ) -> list[Any]:
     """Candidates in preference order: newest first (index, then created_at),
     or with ``monitor`` best first (missing or NaN scores last, ties: newer)."""
@@ -611,7 +605,7 @@ def _pick(
 
 
 def _first_verified(checkpoints: list[Any], describe: Callable[[Any], str],
-                    verify: Callable[[Any], None]) -> Any | None:
+                    verify: Callable[[Any], object]) -> Any | None:
     for c in checkpoints:
         try:
             verify(c)

@@ -43,12 +43,12 @@ from typing import Any
 import filelock
 import pyarrow.fs as pafs
 
+from checkpoint_store._manifest import verify_files
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import CheckpointCorruptError, CheckpointStoreError
 from checkpoint_store.retention import CheckpointConfig
 from checkpoint_store.session import Session
 from checkpoint_store.storage import StorageContext
-from checkpoint_store.transfer import verify_files
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments

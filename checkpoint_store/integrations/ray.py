@@ -31,6 +31,7 @@ this module does not import Ray, only the Ray-facing calls do.
 
 from __future__ import annotations
 
+import functools
 import logging
 import posixpath
 import re
@@ -44,22 +45,22 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from checkpoint_store import _fsutil, _json, _retry, registry
+from checkpoint_store._commit import delete_checkpoint_dir, protocol_for
 from checkpoint_store._layout import (
     INTERNAL_METADATA,
     USER_METADATA,
     checkpoint_dir_name,
     is_internal_file,
+    parse_rank_marker_name,
+    rank_marker_name,
 )
+from checkpoint_store._manifest import read_internal_metadata
 from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._runs import new_writer_id
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
-from checkpoint_store.transfer import (
-    copy_tree,
-    delete_checkpoint_dir,
-    new_writer_id,
-    read_internal_metadata,
-)
+from checkpoint_store.transfer import copy_tree
 
 __all__ = [
     "CheckpointStoreHandler",
@@ -294,10 +295,8 @@ class CheckpointStoreHandler(pafs.FileSystemHandler):
         for ckpt in checkpoints:
             _retry.with_rebuild(
                 backend,
-                lambda c=ckpt: delete_checkpoint_dir(
-                    backend,
-                    c,
-                    writer_id=new_writer_id(),
+                functools.partial(
+                    delete_checkpoint_dir, backend, ckpt, writer_id=new_writer_id(),
                     retry=self._retry,
                 ),
                 what=f"delete {ckpt}",
@@ -413,15 +412,6 @@ def as_checkpoint(ray_checkpoint: Any) -> Checkpoint:
 
 # -- level 2: committed checkpoints from Ray Train --------------------------------
 
-_RANK_MARKER_RE = re.compile(r"^\.cs_rank-(\d+)\.json$")
-
-
-def _rank_marker(rank: int) -> str:
-    from checkpoint_store.session._multirank import rank_marker_name
-
-    return rank_marker_name(rank)
-
-
 def upload_fn() -> Callable[[Any, str], Any]:
     """The ``checkpoint_upload_fn`` for ``ray.train.report`` (Ray Train workers).
 
@@ -490,7 +480,7 @@ def _upload_rank(
     }
     _fsutil.write_bytes(
         backend.filesystem,
-        posixpath.join(dest, _rank_marker(rank)),
+        posixpath.join(dest, rank_marker_name(rank)),
         _json.dumps(marker),
         backend.capabilities,
         retry=retry,
@@ -512,15 +502,15 @@ def _commit_from_markers(
     Every marker present must report success and no path may come from two
     ranks. The markers are deleted after the commit marker is written.
     """
-    from checkpoint_store.session._multirank import _finalize
+    from checkpoint_store.session._multirank import merge_rank_files
 
     fs = backend.filesystem
     markers: dict[int, dict[str, Any]] = {}
     for fi in _fsutil.list_dir(fs, path, retry=retry):
-        m = _RANK_MARKER_RE.match(posixpath.basename(fi.path))
-        if m and fi.type == pafs.FileType.File:
+        rank = parse_rank_marker_name(posixpath.basename(fi.path))
+        if rank is not None and fi.type == pafs.FileType.File:
             body = _json.loads(_fsutil.read_bytes(fs, fi.path, retry=retry))
-            markers[int(m.group(1))] = body if isinstance(body, dict) else {"ok": False}
+            markers[rank] = body if isinstance(body, dict) else {"ok": False}
     where = backend.uri_for(path)
     failed = {r: b.get("error") for r, b in markers.items() if not b.get("ok")}
     if not markers or failed:
@@ -530,32 +520,21 @@ def _commit_from_markers(
             f"ranks failed: {failed}" if failed else "no rank uploaded with upload_fn()",
         )
         return None
-    owners: dict[str, int] = {}
-    manifest: list[dict[str, Any]] = []
-    for r in sorted(markers):
-        for entry in markers[r].get("files", []):
-            if entry["path"] in owners:
-                logger.warning(
-                    "%s is not committed: ranks %d and %d both wrote %r",
-                    where,
-                    owners[entry["path"]],
-                    r,
-                    entry["path"],
-                )
-                return None
-            owners[entry["path"]] = r
-            manifest.append(entry)
+    merged = merge_rank_files(markers)
+    if merged.clash is not None:
+        logger.warning("%s is not committed: ranks %d and %d both wrote %r", where, *merged.clash)
+        return None
     meta = dict(internal)
     meta["world_size"] = world_size
-    meta["ranks"] = {
-        str(r): sorted(e["path"] for e in b.get("files", [])) for r, b in sorted(markers.items())
-    }
+    meta["ranks"] = merged.ranks
+    protocol = protocol_for(backend, retry=retry)
     written = _retry.with_rebuild(
-        backend, lambda: _finalize(backend, path, path, meta, manifest), what=f"commit {where}"
+        backend, lambda: protocol.finalize(path, path, meta, merged.manifest),
+        what=f"commit {where}",
     )
     for r in markers:
         try:
-            _fsutil.delete_file(fs, posixpath.join(path, _rank_marker(r)), retry=retry)
+            _fsutil.delete_file(fs, posixpath.join(path, rank_marker_name(r)), retry=retry)
         except OSError:
             pass  # an internal file: a leftover changes nothing
     return written
@@ -578,7 +557,7 @@ def _remove_failed(
         if INTERNAL_METADATA in names:
             continue
         for name, full in names.items():
-            if not _RANK_MARKER_RE.match(name):
+            if parse_rank_marker_name(name) is None:
                 continue
             body = _json.loads(_fsutil.read_bytes(fs, full, retry=retry))
             if isinstance(body, dict) and not body.get("ok") and body.get("time", 0) < before:

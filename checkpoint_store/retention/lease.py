@@ -21,7 +21,7 @@ import uuid
 from typing import TypedDict, cast
 
 from checkpoint_store import _clock, _fsutil, _json
-from checkpoint_store._layout import FORMAT_VERSION, INTERNAL_PREFIX
+from checkpoint_store._layout import FORMAT_VERSION, LEASE_FILE
 from checkpoint_store._proc import process_alive, process_token
 from checkpoint_store.errors import CheckpointConflictError, CheckpointStoreError
 from checkpoint_store.storage import StorageContext
@@ -30,8 +30,6 @@ __all__ = ["LEASE_FILE", "Lease", "LeaseBody", "live_lease"]
 
 logger = logging.getLogger(__name__)
 
-#: The lease file of the live manager of a trial (docs/retention.md).
-LEASE_FILE = f"{INTERNAL_PREFIX}manager_lease.json"
 _LEASE_KIND = "checkpoint_manager_lease"
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from checkpoint_store import _json
 from checkpoint_store._layout import MANAGER_STATE
+from checkpoint_store._manifest import read_internal_metadata
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     CheckpointConflictError,
@@ -42,7 +43,6 @@ from checkpoint_store.retention.state import (
     save_state,
 )
 from checkpoint_store.storage import StorageContext
-from checkpoint_store.transfer import read_internal_metadata
 
 __all__ = ["CheckpointManager"]
 

@@ -32,22 +32,25 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypedDict
 
 import pyarrow.fs as pafs
 
 from checkpoint_store import _fsutil, _json
 from checkpoint_store._layout import (
-    FORMAT_VERSION,
     INTERNAL_METADATA,
-    INTERNAL_PREFIX,
     USER_METADATA,
-    bounded_name,
+    abort_file_name,
+    attempt_file_name,
     checkpoint_dir_name,
+    is_abort_file_name,
+    is_attempt_file_name,
     is_internal_file,
+    parse_rank_marker_name,
+    rank_marker_name,
 )
-from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     CheckpointAbortedError,
@@ -58,84 +61,58 @@ from checkpoint_store.errors import (
     RankTimeoutError,
 )
 from checkpoint_store.storage import StorageContext
-from checkpoint_store.transfer import copy_tree, read_internal_metadata
+from checkpoint_store.transfer import copy_tree
 
 _ATTEMPT_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,96}$")
-_RANK_MARKER_RE = re.compile(r"^\.cs_rank-(\d+)\.json$")
 
 
-def rank_marker_name(rank: int) -> str:
-    return f"{INTERNAL_PREFIX}rank-{rank:06d}.json"
+#: Why rank 0 did not commit: a rank missing, a rank failed, two ranks wrote
+#: one path, or the commit itself failed.
+OutcomeKind = Literal["timeout", "aborted", "conflict", "error"]
 
 
-def attempt_file_name(attempt_id: str) -> str:
-    return f"{INTERNAL_PREFIX}attempt-{attempt_id}.json"
+class _OutcomeBase(TypedDict):
+    ok: bool
 
 
-def abort_file_name(dir_name: str, attempt_id: str) -> str:
-    return bounded_name(f"{INTERNAL_PREFIX}abort-", dir_name, f"-{attempt_id}.json")
+class Outcome(_OutcomeBase, total=False):
+    """Rank 0's verdict on one index, as broadcast to the other ranks and
+    written to ``<trial>/.cs_abort-...json`` (JSON: a dict on the wire)."""
+
+    kind: OutcomeKind
+    ranks: list[int]
+    error: str
 
 
-def _target_dir(dest: Backend, dest_dir: str, attempt_id: str) -> str:
-    """Where every rank of launch attempt ``attempt_id`` uploads its files for ``dest_dir``.
+@dataclass(frozen=True)
+class RankFiles:
+    """The union of what every rank's marker says it wrote.
 
-    With ``atomic_rename`` (local disks): a staging sibling shared by all ranks
-    of the attempt, ``.cs_staging-<name>-<attempt_id>``, renamed into place by
-    :func:`_finalize`; another attempt never shares it. Otherwise
-    ``dest_dir`` itself (the marker-last commit).
+    Attributes:
+        manifest: every rank's manifest entries, rank by rank.
+        ranks: ``{str(rank): sorted relative paths}`` (the marker's ``ranks`` field).
+        clash: ``(rank, other rank, path)`` when two ranks wrote one path, else None.
     """
-    if dest.capabilities.atomic_rename:
-        parent, name = posixpath.split(dest_dir)
-        return posixpath.join(parent, bounded_name(f"{INTERNAL_PREFIX}staging-", name,
-                                                   f"-{attempt_id}"))
-    return dest_dir
+
+    manifest: list[dict[str, Any]]
+    ranks: dict[str, list[str]]
+    clash: tuple[int, int, str] | None
 
 
-def _finalize(
-    dest: Backend,
-    target: str,
-    dest_dir: str,
-    internal: dict[str, Any],
-    manifest: list[dict[str, Any]],
-    *,
-    fsync: bool = True,
-) -> dict[str, Any]:
-    """Commit files that several writers already uploaded into ``target``.
-
-    The caller (rank 0) has checked that every writer finished; ``manifest``
-    is the union of their files. Writes ``.internal_metadata.json`` last into
-    ``target``, then on ``atomic_rename`` stores renames ``target`` to
-    ``dest_dir`` (see :func:`_target_dir`).
-
-    Returns:
-        The internal metadata as written.
-
-    Raises:
-        CheckpointConflictError: ``dest_dir`` is already a committed checkpoint.
-    """
-    fs = dest.filesystem
-    caps = dest.capabilities
-    if read_internal_metadata(fs, dest_dir) is not None:
-        raise CheckpointConflictError(f"{dest.uri_for(dest_dir)} is already committed")
-    meta = dict(internal)
-    meta["format_version"] = FORMAT_VERSION
-    meta.setdefault("created_at", time.time())
-    meta["manifest"] = sorted(
-        (dict(e) for e in manifest if e["path"] != USER_METADATA), key=lambda e: e["path"]
-    )
-    _fsutil.write_bytes(
-        fs, posixpath.join(target, INTERNAL_METADATA), _json.dumps(meta), caps, fsync=fsync
-    )
-    if target != dest_dir:
-        if _fsutil.exists(fs, dest_dir):
-            # An uncommitted leftover with the final name (checked above).
-            _fsutil.delete_dir(fs, dest_dir)
-        fs.move(target, dest_dir)
-        if fsync and caps.needs_fsync:
-            parent_os = _fsutil.local_path(fs, posixpath.dirname(dest_dir))
-            if parent_os is not None:
-                _fsutil.fsync_dir(parent_os)
-    return meta
+def merge_rank_files(markers: Mapping[int, Mapping[str, Any]]) -> RankFiles:
+    """Merge the ``files`` of every rank marker (rank 0, or Ray's driver, calls it)."""
+    owners: dict[str, int] = {}
+    manifest: list[dict[str, Any]] = []
+    for r in sorted(markers):
+        for entry in markers[r].get("files", []):
+            path = entry["path"]
+            if path in owners:
+                return RankFiles([], {}, (owners[path], r, path))
+            owners[path] = r
+            manifest.append(entry)
+    ranks = {str(r): sorted(e["path"] for e in m.get("files", []))
+             for r, m in sorted(markers.items())}
+    return RankFiles(manifest, ranks, None)
 
 
 class _Backoff:
@@ -274,14 +251,14 @@ class Coordinator:
             for fi in _fsutil.list_dir(fs, trial):
                 name = posixpath.basename(fi.path)
                 if fi.type == pafs.FileType.File and (
-                    name.startswith(f"{INTERNAL_PREFIX}attempt-")
-                    or name.startswith(f"{INTERNAL_PREFIX}abort-")
+                    is_attempt_file_name(name) or is_abort_file_name(name)
                 ):
                     _fsutil.delete_file(fs, fi.path)
             index = compute()
         if self._group is not None:
             return int(self._broadcast(index))
         path = posixpath.join(trial, attempt_file_name(self.attempt_id))
+        body: Any
         if self.rank == 0:
             body = {"attempt_id": self.attempt_id, "world_size": self.world_size,
                     "start_index": index}
@@ -366,16 +343,42 @@ class Coordinator:
                 (the message lists the missing ranks).
         """
         storage = self.storage
-        backend = storage.backend
-        fs = backend.filesystem
-        caps = backend.capabilities
         final = storage.checkpoint_path(index)
         dir_name = checkpoint_dir_name(index)
-        target = final if in_place else _target_dir(backend, final, self.attempt_id)
+        target = final if in_place else storage.commit_protocol.workdir(final, self.attempt_id)
         storage.ensure_trial_dir()
+        copy = None if in_place else checkpoint
+        own_error = self._write_part(index, copy, target, own_error)
+        if self._group is not None:
+            self._barrier()
+        if self.rank == 0:
+            outcome, rank0_error = self._decide(index, dir_name, target, final, internal,
+                                                in_place)
+            if self._group is not None:
+                self._broadcast(outcome)
+        else:
+            rank0_error = None
+            if self._group is not None:
+                outcome = self._broadcast(None)
+            else:
+                outcome = self._await_outcome(index, dir_name, final)
+        if own_error is not None:
+            raise own_error
+        if rank0_error is not None:
+            raise rank0_error
+        if not outcome["ok"]:
+            raise _error_from_outcome(outcome, index)
+        return Checkpoint._from_backend(storage.backend, final)
 
+    def _write_part(self, index: int, checkpoint: Checkpoint | None, target: str,
+                    own_error: BaseException | None) -> BaseException | None:
+        """Every rank: copy its files into ``target`` (unless it already failed
+        or has none to copy), then write its marker there. Never raises: returns
+        this rank's error, which the other ranks learn from the marker."""
+        storage = self.storage
+        fs, caps = storage.filesystem, storage.backend.capabilities
         files: list[dict[str, Any]] = []
-        if own_error is None and checkpoint is not None and not in_place:
+        if own_error is None and checkpoint is not None:
             try:
                 entries = copy_tree(
                     checkpoint.filesystem, checkpoint.path, fs, target, caps,
@@ -399,29 +402,9 @@ class Coordinator:
             )
         except Exception as exc:
             # Without a marker rank 0 reports this rank missing; keep the
-            # collectives below in step so no rank hangs.
+            # collectives in step so no rank hangs.
             own_error = own_error or exc
-
-        if self._group is not None:
-            self._barrier()
-        if self.rank == 0:
-            outcome, rank0_error = self._decide(index, dir_name, target, final, internal,
-                                                in_place)
-            if self._group is not None:
-                self._broadcast(outcome)
-        else:
-            rank0_error = None
-            if self._group is not None:
-                outcome = self._broadcast(None)
-            else:
-                outcome = self._await_outcome(index, dir_name, final)
-        if own_error is not None:
-            raise own_error
-        if rank0_error is not None:
-            raise rank0_error
-        if not outcome["ok"]:
-            raise _error_from_outcome(outcome, index)
-        return Checkpoint._from_backend(backend, final)
+        return own_error
 
     def _include(self, rel: str) -> bool:
         if is_internal_file(rel):
@@ -432,7 +415,7 @@ class Coordinator:
     def _decide(
         self, index: int, dir_name: str, target: str, final: str, internal: dict[str, Any],
         in_place: bool = False,
-    ) -> tuple[dict[str, Any], BaseException | None]:
+    ) -> tuple[Outcome, BaseException | None]:
         """Rank 0: wait for every marker, then commit or abort. Never raises;
         returns the outcome for the other ranks and the error for rank 0."""
         storage = self.storage
@@ -442,10 +425,10 @@ class Coordinator:
         drop = None if in_place else target
         try:
             markers = self._collect_markers(index, dir_name, target)
-        except RankTimeoutError as exc:
-            return self._abort(dir_name, exc, "timeout", exc.missing_ranks, None), exc
-        except Exception as exc:
-            return self._abort(dir_name, exc, "error", [], None), exc
+        except RankTimeoutError as timeout:
+            return self._abort(dir_name, timeout, "timeout", timeout.missing_ranks, None), timeout
+        except Exception as error:
+            return self._abort(dir_name, error, "error", [], None), error
         failed = {r: m for r, m in markers.items() if not m.get("ok")}
         if failed:
             detail = "; ".join(f"rank {r} failed: {m.get('error')}" for r, m in failed.items())
@@ -454,20 +437,15 @@ class Coordinator:
                 index=index, failed_ranks=sorted(failed),
             )
             return self._abort(dir_name, exc, "aborted", sorted(failed), drop), exc
-        owners: dict[str, int] = {}
-        manifest: list[dict[str, Any]] = []
-        for r in sorted(markers):
-            for entry in markers[r].get("files", []):
-                path = entry["path"]
-                if path in owners:
-                    exc = CheckpointConflictError(
-                        f"ranks {owners[path]} and {r} both wrote {path!r} into {dir_name}; "
-                        f"nothing was committed. Give each rank's files distinct names "
-                        f"(e.g. 'shard_{{rank}}.pt') or write shared files from one rank only"
-                    )
-                    return self._abort(dir_name, exc, "conflict", [owners[path], r], drop), exc
-                owners[path] = r
-                manifest.append(entry)
+        merged = merge_rank_files(markers)
+        if merged.clash is not None:
+            first, second, path = merged.clash
+            clash = CheckpointConflictError(
+                f"ranks {first} and {second} both wrote {path!r} into {dir_name}; "
+                f"nothing was committed. Give each rank's files distinct names "
+                f"(e.g. 'shard_{{rank}}.pt') or write shared files from one rank only"
+            )
+            return self._abort(dir_name, clash, "conflict", [first, second], drop), clash
         try:
             meta = dict(internal)
             meta.setdefault("index", index)
@@ -476,11 +454,9 @@ class Coordinator:
             if in_place:
                 storage.commit_in_place(index, meta)
             else:
-                meta["ranks"] = {str(r): sorted(e["path"] for e in m.get("files", []))
-                                 for r, m in sorted(markers.items())}
-                _finalize(
-                    storage.backend, target, final, meta, manifest, fsync=storage.fsync
-                )
+                meta["ranks"] = merged.ranks
+                storage.commit_protocol.finalize(target, final, meta, merged.manifest,
+                                                 self.attempt_id)
         except Exception as exc:
             return self._abort(dir_name, exc, "error", [], None), exc
         # Markers go only after the commit: until then they are what tells
@@ -502,9 +478,9 @@ class Coordinator:
         while True:
             present = set()
             for fi in _fsutil.list_dir(fs, target):
-                m = _RANK_MARKER_RE.match(posixpath.basename(fi.path))
-                if m and fi.type == pafs.FileType.File:
-                    present.add(int(m.group(1)))
+                rank = parse_rank_marker_name(posixpath.basename(fi.path))
+                if rank is not None and fi.type == pafs.FileType.File:
+                    present.add(rank)
             missing = sorted(set(range(self.world_size)) - present)
             if not missing:
                 break
@@ -530,11 +506,12 @@ class Coordinator:
         return markers
 
     def _abort(
-        self, dir_name: str, exc: BaseException, kind: str, ranks: list[int], target: str | None
-    ) -> dict[str, Any]:
+        self, dir_name: str, exc: BaseException, kind: OutcomeKind, ranks: list[int],
+        target: str | None,
+    ) -> Outcome:
         """Rank 0: drop what was uploaded (when every rank is done) and publish the abort."""
         storage = self.storage
-        outcome = {"ok": False, "kind": kind, "ranks": ranks, "error": str(exc)}
+        outcome: Outcome = {"ok": False, "kind": kind, "ranks": ranks, "error": str(exc)}
         if target is not None:
             try:
                 _fsutil.delete_dir(storage.filesystem, target)
@@ -548,7 +525,7 @@ class Coordinator:
             )
         return outcome
 
-    def _await_outcome(self, index: int, dir_name: str, final: str) -> dict[str, Any]:
+    def _await_outcome(self, index: int, dir_name: str, final: str) -> Outcome:
         """Non-zero rank without a process group: poll the commit marker and the abort file."""
         fs = self.storage.filesystem
         meta_path = posixpath.join(final, INTERNAL_METADATA)
@@ -588,7 +565,7 @@ def _upload_error(exc: Exception, checkpoint: Checkpoint, rank: int) -> Exceptio
     return exc
 
 
-def _error_from_outcome(outcome: dict[str, Any], index: int) -> Exception:
+def _error_from_outcome(outcome: Outcome, index: int) -> Exception:
     kind = outcome.get("kind")
     ranks = list(outcome.get("ranks") or [])
     message = str(outcome.get("error"))

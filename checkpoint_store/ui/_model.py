@@ -15,7 +15,7 @@ reads everything again.
 
 Where each answer comes from: the location kind and trial listing are the
 CLI's (:mod:`checkpoint_store.cli.locations`); committed checkpoints are those with a
-valid commit marker (:func:`~checkpoint_store.transfer.read_internal_metadata`,
+valid commit marker (:func:`~checkpoint_store._manifest.read_internal_metadata`,
 the rule of :meth:`StorageContext.committed_checkpoints`); "best" is
 :func:`~checkpoint_store.retention.select_kept` under the trial's recorded
 :class:`~checkpoint_store.retention.CheckpointConfig`; "running" is
@@ -39,13 +39,15 @@ from typing import Any
 from checkpoint_store import _fsutil, _json
 from checkpoint_store._layout import (
     ERROR_FILE,
-    INTERNAL_PREFIX,
+    LEASE_FILE,
     MANAGER_STATE,
     PARAMS_FILE,
     RESULT_FILE,
+    is_internal_name,
     parse_checkpoint_dir_name,
     validate_component,
 )
+from checkpoint_store._manifest import inspect_checkpoint, read_internal_metadata
 from checkpoint_store.cli.locations import (
     classify,
     describe_kind,
@@ -60,7 +62,6 @@ from checkpoint_store.errors import (
     InvalidConfigError,
 )
 from checkpoint_store.retention import (
-    LEASE_FILE,
     CheckpointConfig,
     CheckpointRecord,
     live_lease,
@@ -68,7 +69,6 @@ from checkpoint_store.retention import (
     select_kept,
 )
 from checkpoint_store.storage import StorageContext, parse_result_rows
-from checkpoint_store.transfer import inspect_checkpoint, read_internal_metadata
 
 # Kinds of a checkpoint on the chart and in the tables.
 BEST = "best"  # committed, among the best num_to_keep by the trial's score attribute
@@ -139,7 +139,7 @@ class StoreView:
         else:
             # Dot-named experiments too, as every walk of a root (docs/format.md).
             names = [n for n, is_dir in list_entries(self._root)
-                     if is_dir and not n.startswith(INTERNAL_PREFIX)]
+                     if is_dir and not is_internal_name(n)]
         out: dict[str, list[str]] = {}
         for exp in names:
             if self.scope_trial is not None:

@@ -12,14 +12,15 @@ import pytest
 from _commit_helpers import make_source, read_tree
 
 from checkpoint_store import Checkpoint, CheckpointConfig, _fsutil, _json, session
+from checkpoint_store._commit import commit_checkpoint
 from checkpoint_store._layout import INTERNAL_METADATA
+from checkpoint_store._manifest import read_internal_metadata
 from checkpoint_store.errors import (
     CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
 )
 from checkpoint_store.testing.faults import FaultPlan, SimulatedCrash, faulty_backend
-from checkpoint_store.transfer import commit_checkpoint, read_internal_metadata
 
 
 def _persist(storage, tmp_path, index: int, seed: int | None = None):

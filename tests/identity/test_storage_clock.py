@@ -22,8 +22,9 @@ from checkpoint_store import (
     _clock,
     _fsutil,
 )
+from checkpoint_store._commit import commit_checkpoint
+from checkpoint_store._runs import new_writer_id
 from checkpoint_store.cli import main
-from checkpoint_store.transfer import commit_checkpoint, new_writer_id
 
 TWO_HOURS = 7200.0
 # memory:// lives in this process and records no modification times: there is

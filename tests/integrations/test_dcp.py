@@ -131,17 +131,17 @@ def test_storage_writer_reader_roundtrip_azure(azure_location):
 
 
 def test_storage_writer_records_checksums_so_commit_reads_nothing_back(tmp_path, monkeypatch):
-    from checkpoint_store import transfer
+    from checkpoint_store import _commit
 
     read: list[str] = []
-    real = transfer.compute_manifest
+    real = _commit.compute_manifest
 
     def spy(fs, root, relpaths, caps, **kw):
         rels = list(relpaths)
         read.extend(rels)
         return real(fs, root, rels, caps, **kw)
 
-    monkeypatch.setattr(transfer, "compute_manifest", spy)
+    monkeypatch.setattr(_commit, "compute_manifest", spy)
     with session.start(storage_path=f"memory://dcp-{os.getpid()}-{id(tmp_path)}",
                        experiment_name="e", trial_name="t") as s:
         where = s.next_checkpoint_dir()

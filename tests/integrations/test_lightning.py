@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from checkpoint_store import CheckpointNotFoundError, StorageContext  # noqa: E402
+from checkpoint_store._manifest import inspect_checkpoint  # noqa: E402
 from checkpoint_store.integrations._lightning import verified_state  # noqa: E402
 from checkpoint_store.integrations.lightning import (  # noqa: E402
     STATE_FILE,
@@ -36,7 +37,6 @@ from checkpoint_store.integrations.lightning import (  # noqa: E402
 )
 from checkpoint_store.registry import resolve  # noqa: E402
 from checkpoint_store.testing.faults import SimulatedCrash, faulty_filesystem  # noqa: E402
-from checkpoint_store.transfer import inspect_checkpoint  # noqa: E402
 
 # val_loss per epoch: the best two (epochs 3 and 1) are not the two newest.
 VAL_LOSS = [0.5, 0.2, 0.4, 0.1, 0.15, 0.6]

@@ -343,7 +343,7 @@ def test_rank_markers_mark_an_interrupted_commit_as_ours_not_foreign():
     object-like store leaves data plus rank markers: cleanup must recognise it
     as ours. A marker left after the commit changes nothing."""
     from checkpoint_store import _fsutil
-    from checkpoint_store.session._multirank import rank_marker_name
+    from checkpoint_store._layout import rank_marker_name
 
     root = f"memory://mr-gap-{uuid.uuid4().hex[:8]}"
     ctx = StorageContext(root, "e", "t")

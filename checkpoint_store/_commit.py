@@ -1,0 +1,648 @@
+"""The commit protocols: how a directory becomes a committed checkpoint, and stops being one.
+
+One class per protocol (docs/format.md, "Commit protocol"), chosen from the
+destination's declared :class:`~checkpoint_store.backends.Capabilities` by
+:func:`protocol_for`:
+
+* :class:`RenameCommit` (``atomic_rename``: local disks): everything, the
+  marker included, is written into a staging sibling
+  ``.cs_staging-<name>-<writer>``, fsynced, then renamed to its final name
+  under a lock (threads always, processes by a file lock in the parent).
+* :class:`MarkerLastCommit` (object stores, memory): the data files go into
+  the final directory, ``.internal_metadata.json`` last, behind a claim that
+  makes concurrent writers of one directory take turns.
+
+Each has ``commit`` (copy or stream a tree and commit it), ``finalize``
+(commit a tree other writers filled: the multi-rank rank 0, Ray's
+``CommitCallback``), ``commit_in_place``/``adopt`` (commit files already at
+the final path), ``delete`` (the commit in reverse) and ``inspect``. The
+marker itself is built by :func:`~checkpoint_store._manifest.internal_metadata`
+alone.
+
+Who calls what: the single-rank session, ``StorageContext.adopt`` and the
+Lightning plugin call ``commit``/``adopt`` from the training thread (or the
+async uploader's thread); in a multi-rank run every rank writes its files
+into :meth:`CommitProtocol.workdir` and rank 0 alone calls ``finalize``;
+retention calls ``delete``. A protocol object holds no state beyond its
+arguments: any thread may use one, and two writers of one directory are kept
+apart by the lock or the claims, not by the object.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import posixpath
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import pyarrow.fs as pafs
+
+from checkpoint_store import _clock, _fsutil, _json
+from checkpoint_store._layout import (
+    COMMIT_LOCK,
+    DELETE_TOMBSTONE,
+    INTERNAL_METADATA,
+    claim_name,
+    deleting_dir_name,
+    is_internal_name,
+    is_written_record,
+    parse_claim_name,
+    staging_dir_name,
+)
+from checkpoint_store._manifest import (
+    Inspection,
+    ManifestEntry,
+    compute_manifest,
+    inspect_checkpoint,
+    internal_metadata,
+    is_checkpoint_data,
+    written_crcs,
+)
+from checkpoint_store._plan import Previous
+from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._runs import new_writer_id
+from checkpoint_store.backends.base import Backend, Capabilities
+from checkpoint_store.errors import (
+    CheckpointConflictError,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+)
+from checkpoint_store.transfer import copy_tree, source_files
+
+__all__ = [
+    "CLAIM_STALE_S",
+    "DCP_METADATA",
+    "CommitKind",
+    "CommitProtocol",
+    "MarkerLastCommit",
+    "RenameCommit",
+    "WriteContents",
+    "commit_checkpoint",
+    "delete_checkpoint_dir",
+    "protocol_for",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``write(filesystem, directory) -> entries``: writes a checkpoint's data files
+#: into ``directory`` itself (see :meth:`CommitProtocol.commit`).
+WriteContents = Callable[[pafs.FileSystem, str], "list[ManifestEntry]"]
+
+CommitKind = Literal["rename", "marker_last"]
+
+#: A claim older than this (seconds) is a dead writer's: ignored by other writers.
+CLAIM_STALE_S = 3600.0
+
+#: torch.distributed.checkpoint's own commit marker: its coordinator writes it
+#: after every rank's data files (``*.distcp``) are written.
+DCP_METADATA = ".metadata"
+
+
+@dataclass(frozen=True)
+class _Contents:
+    """What a commit writes: ``files`` of ``src_dir`` copied, or ``write`` called."""
+
+    src_fs: pafs.FileSystem | None
+    src_dir: str | None
+    files: list[tuple[str, int]]
+    write: WriteContents | None
+    previous: Previous | None = None
+
+
+def protocol_for(
+    dest: Backend, *, fsync: bool = True, retry: RetryPolicy | None = None
+) -> CommitProtocol:
+    """The commit protocol ``dest``'s capabilities call for: :class:`RenameCommit`
+    where directories rename atomically, else :class:`MarkerLastCommit`."""
+    cls = RenameCommit if dest.capabilities.atomic_rename else MarkerLastCommit
+    return cls(dest, fsync=fsync, retry=retry)
+
+
+class CommitProtocol(abc.ABC):
+    """Commit, finalize, delete and inspect checkpoint directories on one backend.
+
+    Args:
+        dest: the destination backend.
+        fsync: on local disks, fsync data and directories before the commit.
+        retry: retry policy for every storage call (default from environment).
+    """
+
+    kind: ClassVar[CommitKind]
+
+    def __init__(self, dest: Backend, *, fsync: bool = True, retry: RetryPolicy | None = None):
+        self.dest = dest
+        self.fsync = fsync
+        self.retry = retry
+
+    # Read on each use: a retry may rebuild the backend's filesystem.
+    @property
+    def fs(self) -> pafs.FileSystem:
+        return self.dest.filesystem
+
+    @property
+    def caps(self) -> Capabilities:
+        return self.dest.capabilities
+
+    def inspect(self, path: str) -> Inspection:
+        """What ``path`` is (:func:`~checkpoint_store._manifest.inspect_checkpoint`)."""
+        return inspect_checkpoint(self.fs, path, retry=self.retry)
+
+    def commit(
+        self,
+        src_fs: pafs.FileSystem | None,
+        src_dir: str | None,
+        dest_dir: str,
+        internal: Mapping[str, Any],
+        *,
+        writer_id: str | None = None,
+        claim_timeout: float = 120.0,
+        confine_links: bool = False,
+        write: WriteContents | None = None,
+        previous: Previous | None = None,
+    ) -> dict[str, Any]:
+        """Upload ``src_dir`` (or call ``write``) and commit it as ``dest_dir``.
+
+        See :func:`commit_checkpoint` for the arguments, return value and errors.
+        """
+        writer_id = writer_id or new_writer_id()
+        files: list[tuple[str, int]] = []
+        if write is None:
+            assert src_fs is not None and src_dir is not None
+            files = source_files(src_fs, src_dir, include=is_checkpoint_data,
+                                 confine_links=confine_links, retry=self.retry)
+        contents = _Contents(src_fs, src_dir, files, write, previous)
+        return self._commit(contents, dest_dir, internal, writer_id, claim_timeout)
+
+    @abc.abstractmethod
+    def _commit(self, contents: _Contents, dest_dir: str, internal: Mapping[str, Any],
+                writer_id: str, claim_timeout: float) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def workdir(self, dest_dir: str, writer: str) -> str:
+        """Where the writers of ``dest_dir`` (every rank of attempt ``writer``)
+        put their files before :meth:`finalize`."""
+
+    @abc.abstractmethod
+    def finalize(self, workdir: str, dest_dir: str, internal: Mapping[str, Any],
+                 manifest: Sequence[Mapping[str, Any]], writer: str | None = None
+                 ) -> dict[str, Any]:
+        """Commit the files other writers left in ``workdir`` (their union is
+        ``manifest``) as ``dest_dir``. Called by one writer alone (rank 0, or
+        Ray's driver); ``writer`` names it in a leftover's tombstone name.
+
+        Returns:
+            The internal metadata as written.
+
+        Raises:
+            CheckpointConflictError: ``dest_dir`` is already committed, or is
+                somebody else's directory.
+        """
+
+    @abc.abstractmethod
+    def delete(self, path: str, writer_id: str | None = None) -> None:
+        """Delete a checkpoint directory: the commit in reverse. Absent is fine.
+
+        Raises:
+            CheckpointConflictError: not committed and without any trace of
+                our writers (somebody else's files); nothing is deleted.
+        """
+
+    def claim_in_place(self, dest_dir: str, writer_id: str) -> None:
+        """Create ``dest_dir`` for a writer that fills it in place, with a claim
+        ``.cs_claim-<ns>-<writer_id>`` in it.
+
+        The claim tells cleanup the directory is ours and, while its run is
+        current, still being written (:meth:`StorageContext.scan`); a crash
+        before :meth:`commit_in_place` leaves a directory a later run removes.
+        """
+        _fsutil.ensure_dir(self.fs, dest_dir, self.caps, retry=self.retry)
+        self._put(posixpath.join(dest_dir, claim_name(time.time_ns(), writer_id)),
+                  writer_id.encode())
+
+    def commit_in_place(self, dest_dir: str, internal: Mapping[str, Any]) -> dict[str, Any]:
+        """Commit the files already written into ``dest_dir``; no byte is copied.
+
+        The manifest lists every user file found there (one recursive
+        listing). A file's CRC32C comes from a ``.cs_written-*.json`` record
+        when our writer computed it while writing and the listed size
+        matches; any other file is read once. On local disks files and
+        directories are fsynced, then the marker goes last (also where
+        directories rename atomically: the directory already has its final
+        name). Claims and written records are removed afterwards.
+
+        A torch.distributed.checkpoint save that did not finish (``*.distcp``
+        files without DCP's ``.metadata``) is refused: DCP writes ``.metadata``
+        last, so without it the save failed on some rank.
+
+        Raises:
+            CheckpointNotFoundError: ``dest_dir`` is missing or holds no user file.
+            CheckpointCorruptError: an unfinished DCP save; nothing is written.
+            CheckpointConflictError: ``dest_dir`` is already committed, or holds
+                a marker this version cannot read; nothing is changed.
+        """
+        listed, data = self._uncommitted_data(dest_dir)
+        _refuse_unfinished_dcp(self.dest, dest_dir, data)
+        known = written_crcs(self.fs, dest_dir, listed, self.retry)
+        entries = [{"path": rel, "size": size, "crc32c": known[rel][1]}
+                   for rel, size in data.items() if rel in known and known[rel][0] == size]
+        trusted = {e["path"] for e in entries}
+        entries += compute_manifest(self.fs, dest_dir, [r for r in data if r not in trusted],
+                                    self.caps, retry=self.retry)
+        if self.fsync and self.caps.needs_fsync:
+            _fsutil.fsync_tree(self.fs, dest_dir, data)
+        meta = self._write_marker(dest_dir, internal_metadata(internal, entries))
+        drop = [rel for rel in listed if _is_claim(rel.rsplit("/", 1)[-1])
+                or is_written_record(rel.rsplit("/", 1)[-1])]
+        _cleanup_quietly(lambda: self._delete_files(dest_dir, drop))
+        return meta
+
+    def adopt(self, path: str, files: Iterable[str], internal: Mapping[str, Any]
+              ) -> dict[str, Any]:
+        """Commit a directory copied in by other means (the caller checked it
+        holds user ``files`` and no marker): each file is read once for the
+        manifest, then the marker is written."""
+        manifest = compute_manifest(self.fs, path, files, self.caps, retry=self.retry)
+        return self._write_marker(path, internal_metadata(internal, manifest))
+
+    # -- steps shared by the protocols ------------------------------------------
+
+    def _uncommitted_data(self, path: str) -> tuple[dict[str, int], dict[str, int]]:
+        """``(every file, the user's files)`` of ``path``, which must hold user
+        files and no marker."""
+        insp = self.inspect(path)
+        if insp.state == "committed":
+            raise _conflict(self.dest, path, by_other=False)
+        if insp.state == "invalid":
+            raise CheckpointConflictError(
+                f"{self.dest.uri_for(path)} holds a commit marker this version cannot use "
+                f"({insp.reason}); commit under another index"
+            )
+        listed = insp.files or {}
+        data = {rel: size for rel, size in listed.items() if is_checkpoint_data(rel)}
+        if not data:
+            raise CheckpointNotFoundError(
+                f"{self.dest.uri_for(path)} holds no files to commit; write the checkpoint "
+                "there (e.g. dcp.save(state, checkpoint_id=session.next_checkpoint_dir())) first"
+            )
+        return listed, data
+
+    def _write_contents(self, contents: _Contents, target: str,
+                        internal: Mapping[str, Any]) -> dict[str, Any]:
+        """Copy (or ``write``) the data files into ``target``, then the marker last."""
+        if contents.write is not None:
+            _fsutil.ensure_dir(self.fs, target, self.caps, retry=self.retry)
+            entries = contents.write(self.fs, target)
+        else:
+            assert contents.src_fs is not None and contents.src_dir is not None
+            entries = copy_tree(contents.src_fs, contents.src_dir, self.fs, target, self.caps,
+                                files=contents.files, fsync=self.fsync, retry=self.retry,
+                                previous=contents.previous)
+        meta = internal_metadata(internal, [e.to_json() for e in entries])
+        return self._write_marker(target, meta)
+
+    def _write_marker(self, target: str, meta: dict[str, Any]) -> dict[str, Any]:
+        _fsutil.write_bytes(self.fs, posixpath.join(target, INTERNAL_METADATA),
+                            _json.dumps(meta), self.caps, fsync=self.fsync, retry=self.retry)
+        return meta
+
+    def _put(self, path: str, data: bytes) -> None:
+        _fsutil.write_bytes(self.fs, path, data, self.caps, fsync=False, retry=self.retry)
+
+    def _delete_files(self, root: str, rels: Sequence[str]) -> None:
+        for rel in rels:
+            _fsutil.delete_file(self.fs, posixpath.join(root, rel), retry=self.retry)
+
+
+class RenameCommit(CommitProtocol):
+    """Stage, then rename into place (stores with atomic directory rename)."""
+
+    kind: ClassVar[CommitKind] = "rename"
+
+    def _commit(self, contents: _Contents, dest_dir: str, internal: Mapping[str, Any],
+                writer_id: str, claim_timeout: float) -> dict[str, Any]:
+        if self.inspect(dest_dir).state == "committed":
+            raise _conflict(self.dest, dest_dir, by_other=False)
+        staging = self.workdir(dest_dir, writer_id)
+        try:
+            meta = self._write_contents(contents, staging, internal)
+            self._move_in(staging, dest_dir, writer_id)
+            return meta
+        except Exception:
+            _cleanup_quietly(lambda: _fsutil.delete_dir(self.fs, staging, retry=self.retry))
+            raise
+
+    def workdir(self, dest_dir: str, writer: str) -> str:
+        parent, name = posixpath.split(dest_dir)
+        return posixpath.join(parent, staging_dir_name(name, writer))
+
+    def finalize(self, workdir: str, dest_dir: str, internal: Mapping[str, Any],
+                 manifest: Sequence[Mapping[str, Any]], writer: str | None = None
+                 ) -> dict[str, Any]:
+        if self.inspect(dest_dir).state == "committed":
+            raise _conflict(self.dest, dest_dir, by_other=False)
+        meta = self._write_marker(workdir, internal_metadata(internal, manifest))
+        if workdir != dest_dir:
+            self._move_in(workdir, dest_dir, writer)
+        return meta
+
+    def delete(self, path: str, writer_id: str | None = None) -> None:
+        parent, name = posixpath.split(path.rstrip("/"))
+        trash = posixpath.join(parent, deleting_dir_name(name, writer_id or new_writer_id()))
+        try:
+            _fsutil.move(self.fs, path, trash, retry=self.retry)
+        except FileNotFoundError:
+            return
+        except OSError:
+            if not _fsutil.exists(self.fs, path, retry=self.retry):
+                return
+            raise
+        _fsutil.delete_dir(self.fs, trash, retry=self.retry)
+
+    def _move_in(self, staging: str, dest_dir: str, writer: str | None) -> None:
+        """Rename the complete ``staging`` to ``dest_dir`` under the commit lock,
+        first moving away an uncommitted leftover of ours found there."""
+        parent, name = posixpath.split(dest_dir)
+        # Serialises the check-then-rename of commits into ``parent``.
+        with _fsutil.dir_lock(self.fs, parent, COMMIT_LOCK):
+            now = self.inspect(dest_dir)
+            if now.state == "committed":
+                raise _conflict(self.dest, dest_dir, by_other=True)
+            if now.state != "missing":
+                if not _is_ours(now):
+                    raise CheckpointConflictError(
+                        f"{self.dest.uri_for(dest_dir)} exists and is not a checkpoint of this "
+                        f"tool ({now.reason or 'no internal metadata'}); adopt it, move it "
+                        "away, or commit under another index"
+                    )
+                # Our own uncommitted leftover: rename it away (atomic), then drop it.
+                trash = posixpath.join(parent, deleting_dir_name(name, writer or new_writer_id()))
+                _fsutil.move(self.fs, dest_dir, trash, retry=self.retry)
+                _fsutil.delete_dir(self.fs, trash, retry=self.retry)
+            _fsutil.move(self.fs, staging, dest_dir, retry=self.retry)
+            if self.fsync and self.caps.needs_fsync:
+                parent_os = _fsutil.local_path(self.fs, parent)
+                if parent_os is not None:
+                    _fsutil.fsync_dir(parent_os)
+
+
+class MarkerLastCommit(CommitProtocol):
+    """Data first, marker last, behind a claim (stores without atomic rename).
+
+    Each writer PUTs its own claim object, then lists the directory, and
+    writes only if its claim is the only live one. With read-after-write
+    consistent listings (S3, GCS, Azure, memory) two writers can never both
+    see themselves alone: whoever lists second sees the other's claim. A
+    writer that is not alone withdraws its claim, backs off with jitter and
+    tries again, until the marker appears (conflict) or ``claim_timeout``.
+    Claims older than :data:`CLAIM_STALE_S` belong to dead writers and are
+    ignored. A commit costs: one PUT and one listing for the claim, one PUT
+    per file, one PUT for the marker, one DELETE for the claim.
+    """
+
+    kind: ClassVar[CommitKind] = "marker_last"
+
+    def _commit(self, contents: _Contents, dest_dir: str, internal: Mapping[str, Any],
+                writer_id: str, claim_timeout: float) -> dict[str, Any]:
+        mine, listed = self._claim(dest_dir, writer_id, claim_timeout)
+        claim_path = posixpath.join(dest_dir, mine)
+        try:
+            # Alone, and the listing after our claim showed no marker: nobody can
+            # commit this directory before we do. Data a dead writer (or an
+            # earlier attempt of ours) left would not match our manifest.
+            self._delete_files(dest_dir, [rel for rel in sorted(listed) if rel != mine
+                                          and not _is_claim(rel.split("/")[-1])])
+            meta = self._write_contents(contents, dest_dir, internal)
+        except Exception:
+            _cleanup_quietly(lambda: self._undo(dest_dir, claim_path))
+            raise
+        # Our claims: this one and any of an earlier attempt of this writer.
+        ours = [c for c in listed if "/" not in c and _is_claim(c)
+                and (c == mine or c.endswith(f"-{writer_id}"))]
+        _cleanup_quietly(lambda: self._delete_files(dest_dir, ours))
+        return meta
+
+    def _claim(self, dest_dir: str, writer_id: str, claim_timeout: float
+               ) -> tuple[str, dict[str, pafs.FileInfo]]:
+        """Claim ``dest_dir`` and wait until ours is the only live claim.
+
+        Returns:
+            ``(our claim's name, the listing that showed us alone)``.
+        """
+        deadline = time.monotonic() + claim_timeout
+        rng, delay = random.Random(), 0.01
+        while True:
+            mine = claim_name(time.time_ns(), writer_id)
+            claim_path = posixpath.join(dest_dir, mine)
+            # The claim goes first: a crash from here on leaves a directory that
+            # cleanup recognises as ours. Never empty: some S3-compatible stores
+            # reject zero-byte objects.
+            self._put(claim_path, writer_id.encode())
+            listed = {_fsutil.relative(dest_dir, fi.path): fi
+                      for fi in _fsutil.list_tree(self.fs, dest_dir, retry=self.retry)
+                      if fi.type == pafs.FileType.File}
+            self._refuse_taken(dest_dir, listed, mine, claim_path)
+            others = [c for c in listed if "/" not in c and _is_claim(c)
+                      and not c.endswith(f"-{writer_id}")
+                      and _claim_age(listed, c, mine) < CLAIM_STALE_S]
+            if not others:
+                return mine, listed
+            _fsutil.delete_file(self.fs, claim_path, retry=self.retry)
+            if time.monotonic() > deadline:
+                raise CheckpointConflictError(
+                    f"another writer ({others[0]}) has been committing "
+                    f"{self.dest.uri_for(dest_dir)} for more than {claim_timeout:.0f}s; retry "
+                    "later or commit another index"
+                )
+            time.sleep(delay * (0.5 + rng.random()))
+            delay = min(delay * 2, 0.5)
+
+    def _refuse_taken(self, dest_dir: str, listed: Mapping[str, pafs.FileInfo], mine: str,
+                      claim_path: str) -> None:
+        """Withdraw our claim and raise when ``dest_dir`` is committed or foreign."""
+        traces = [rel for rel in listed if rel != mine and is_internal_name(rel.split("/")[-1])]
+        foreign = not traces and any(is_checkpoint_data(rel) for rel in listed)
+        if INTERNAL_METADATA not in listed and not foreign:
+            return
+        _cleanup_quietly(lambda: _fsutil.delete_file(self.fs, claim_path, retry=self.retry))
+        if INTERNAL_METADATA in listed:
+            raise _conflict(self.dest, dest_dir, by_other=False)
+        raise CheckpointConflictError(
+            f"{self.dest.uri_for(dest_dir)} exists and is not a checkpoint of this tool (files "
+            "without internal metadata); adopt it, move it away, or commit under another index"
+        )
+
+    def _undo(self, dest_dir: str, claim_path: str) -> None:
+        # Data first, claim last: until the claim goes, the leftovers stay
+        # recognisable as ours.
+        self._delete_files(dest_dir, [rel for rel in sorted(self.inspect(dest_dir).files or {})
+                                      if not _is_claim(rel.split("/")[-1])])
+        _fsutil.delete_file(self.fs, claim_path, retry=self.retry)
+
+    def workdir(self, dest_dir: str, writer: str) -> str:
+        return dest_dir
+
+    def finalize(self, workdir: str, dest_dir: str, internal: Mapping[str, Any],
+                 manifest: Sequence[Mapping[str, Any]], writer: str | None = None
+                 ) -> dict[str, Any]:
+        if self.inspect(dest_dir).state == "committed":
+            raise _conflict(self.dest, dest_dir, by_other=False)
+        return self._write_marker(dest_dir, internal_metadata(internal, manifest))
+
+    def delete(self, path: str, writer_id: str | None = None) -> None:
+        """A ``.cs_deleting`` tombstone is written, the marker removed, then the
+        rest (one batched delete on object stores): a delete cut short leaves a
+        directory that is not a checkpoint and that cleanup knows is ours."""
+        files = {_fsutil.relative(path, fi.path)
+                 for fi in _fsutil.list_tree(self.fs, path, retry=self.retry)
+                 if fi.type == pafs.FileType.File}
+        if INTERNAL_METADATA in files:
+            self._put(posixpath.join(path, DELETE_TOMBSTONE), b"deleting\n")
+            _fsutil.delete_file(self.fs, posixpath.join(path, INTERNAL_METADATA),
+                                retry=self.retry)
+        elif files and not any(is_internal_name(rel.split("/")[-1]) for rel in files):
+            # Not committed and no trace of ours: somebody else's files. Callers
+            # only delete checkpoints; refuse rather than guess.
+            raise CheckpointConflictError(
+                f"{self.dest.uri_for(path)} is not a checkpoint of this tool; not deleting it"
+            )
+        _fsutil.delete_dir(self.fs, path, retry=self.retry)
+
+
+# -- the two calls most callers need -----------------------------------------------
+
+
+def commit_checkpoint(
+    src_fs: pafs.FileSystem | None,
+    src_dir: str | None,
+    dest: Backend,
+    dest_dir: str,
+    internal: Mapping[str, Any],
+    *,
+    fsync: bool = True,
+    writer_id: str | None = None,
+    retry: RetryPolicy | None = None,
+    claim_timeout: float = 120.0,
+    confine_links: bool = False,
+    write: WriteContents | None = None,
+    previous: Previous | None = None,
+) -> dict[str, Any]:
+    """Upload ``src_dir`` as the committed checkpoint ``dest_dir`` with the
+    protocol :func:`protocol_for` picks.
+
+    Args:
+        src_fs, src_dir: where the user's files are. Our internal files found
+            there (say, from a downloaded checkpoint reported again) are skipped.
+            None with ``write``.
+        dest, dest_dir: the destination backend and the final directory path.
+        internal: fields of ``.internal_metadata.json`` (index, metrics, ...);
+            ``format_version``, ``created_at`` and ``manifest`` are filled in.
+        fsync: on local disks, fsync data and directories before the commit.
+        writer_id: this writer's id (default :func:`~checkpoint_store._runs.new_writer_id`).
+        retry: retry policy for every storage call (default from environment).
+        claim_timeout: seconds to wait for another writer of the same
+            directory (marker-last stores) before giving up.
+        confine_links: refuse a symlink in a local ``src_dir`` that leads out
+            of it (set when the source is itself a checkpoint); by default
+            a linked file's bytes are uploaded.
+        write: instead of copying ``src_dir`` (then None), a function
+            ``write(filesystem, directory)`` that writes the data files into
+            ``directory`` and returns their :class:`ManifestEntry` list; the
+            protocol around it is the same. It may be called again when a
+            retry rebuilds the filesystem. Used to stream a state straight to
+            storage without a local copy.
+        previous: a :class:`checkpoint_store._plan.Previous` (the last
+            committed checkpoint of the trial): files equal to its files are
+            copied inside the store (marker-last stores, local source only).
+
+    Returns:
+        The internal metadata as written.
+
+    Raises:
+        CheckpointConflictError: ``dest_dir`` is already committed (by an
+            earlier or a concurrent writer), or is a directory that is not ours
+            (copied in by hand: adopt or remove it); nothing of it was changed.
+        CheckpointNotFoundError: ``src_dir`` does not exist.
+        UnsafePathError: a source file's name or link cannot be committed as
+            it is (see :func:`~checkpoint_store.transfer.source_files`); checked
+            before the first write, so nothing was written.
+        TransientBackendError, PermanentBackendError: storage failed; nothing
+            was committed and earlier checkpoints are untouched.
+    """
+    return protocol_for(dest, fsync=fsync, retry=retry).commit(
+        src_fs, src_dir, dest_dir, internal, writer_id=writer_id,
+        claim_timeout=claim_timeout, confine_links=confine_links, write=write,
+        previous=previous,
+    )
+
+
+def delete_checkpoint_dir(
+    dest: Backend, path: str, *, writer_id: str | None = None, retry: RetryPolicy | None = None
+) -> None:
+    """Delete a checkpoint directory with the protocol :func:`protocol_for`
+    picks (:meth:`CommitProtocol.delete`). Absent is fine.
+
+    Where directories rename atomically, the directory is first renamed to
+    ``.cs_deleting-<name>-<writer>`` (it stops being listed in one step),
+    then removed. Elsewhere see :meth:`MarkerLastCommit.delete`.
+    """
+    protocol_for(dest, retry=retry).delete(path, writer_id)
+
+
+# -- helpers -------------------------------------------------------------------------
+
+def _is_ours(insp: Inspection) -> bool:
+    """An uncommitted directory this tool's writers left: empty, or holding one
+    of our ``.cs_*`` files (claims, rank markers, delete tombstones)."""
+    if insp.state not in ("absent", "missing"):
+        return False
+    files = insp.files or {}
+    return not files or any(is_internal_name(rel.split("/")[-1]) for rel in files)
+
+
+def _conflict(dest: Backend, dest_dir: str, by_other: bool) -> CheckpointConflictError:
+    who = "by another writer" if by_other else "already"
+    return CheckpointConflictError(
+        f"{dest.uri_for(dest_dir)} was committed {who} (it holds a commit marker); its "
+        "contents were left untouched. Report the checkpoint under the next index, or delete "
+        "that one first."
+    )
+
+
+def _refuse_unfinished_dcp(dest: Backend, dest_dir: str, data: Mapping[str, int]) -> None:
+    if DCP_METADATA not in data and any(rel.endswith(".distcp") for rel in data):
+        raise CheckpointCorruptError(
+            f"{dest.uri_for(dest_dir)} holds torch.distributed.checkpoint data files but no "
+            f"{DCP_METADATA}: that dcp.save did not finish, so it is not committed. Save "
+            "again into the same directory, or resume from the previous checkpoint",
+            path=dest_dir, file=DCP_METADATA,
+        )
+
+
+def _cleanup_quietly(fn: Callable[[], None]) -> None:
+    # Cleanup after a failure must not hide the failure; what it cannot
+    # remove, StorageContext.remove_uncommitted() removes later.
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("could not clean up after a failed commit: %s", exc)
+
+
+def _is_claim(name: str) -> bool:
+    return parse_claim_name(name) is not None
+
+
+def _claim_age(listed: Mapping[str, pafs.FileInfo], claim: str, mine: str) -> float:
+    """Seconds since ``claim`` was written, on the storage's clock: our own claim,
+    written a moment ago, stamps the store's "now". Only a store without
+    modification times falls back to the time in the claim's name against
+    the local clock (:mod:`checkpoint_store._clock`)."""
+    theirs = _clock.mtime_of(listed[claim])
+    now = _clock.mtime_of(listed[mine]) if mine in listed else None
+    if theirs is not None and now is not None:
+        return now - theirs
+    parsed = parse_claim_name(claim)
+    return _clock.local_time() - (parsed[0] if parsed is not None else 0.0)

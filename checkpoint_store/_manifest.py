@@ -1,0 +1,390 @@
+"""What a committed checkpoint is: its manifest and its commit marker.
+
+Owns the internal-metadata marker ``.internal_metadata.json`` (docs/format.md):
+:func:`internal_metadata` is the one place it is built, :func:`inspect_checkpoint`
+the one place it is read and checked against a listing, and
+:func:`verify_files` / :func:`check_entry` the one place file bytes are
+compared with it. Also :func:`compute_manifest` for files already in place.
+
+Thread use: every function here is safe to call from any thread or rank; the
+readers fan out over a bounded pool of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import google_crc32c
+import pyarrow.fs as pafs
+
+from checkpoint_store import _fsutil, _json, _retry
+from checkpoint_store._layout import (
+    FORMAT_VERSION,
+    INTERNAL_METADATA,
+    USER_METADATA,
+    is_internal_file,
+    is_written_record,
+)
+from checkpoint_store._retry import RetryPolicy
+from checkpoint_store.backends.base import Capabilities
+from checkpoint_store.errors import CheckpointCorruptError
+
+__all__ = [
+    "InspectionState",
+    "Inspection",
+    "ManifestEntry",
+    "check_entry",
+    "check_relpath",
+    "compute_manifest",
+    "crc_hex",
+    "inspect_checkpoint",
+    "internal_metadata",
+    "is_checkpoint_data",
+    "read_internal_metadata",
+    "verify_files",
+    "written_crcs",
+]
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """One file of a checkpoint: relative posix path, size in bytes, CRC32C (8 hex digits)."""
+
+    path: str
+    size: int
+    crc32c: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "crc32c": self.crc32c}
+
+
+
+
+def crc_hex(value: int) -> str:
+    """A CRC32C as the manifest writes it: 8 lowercase hex digits."""
+    return f"{value:08x}"
+
+
+def is_checkpoint_data(rel: str) -> bool:
+    """True for a user's file (anything but our internal files)."""
+    return not is_internal_file(rel)
+
+
+# -- validity -------------------------------------------------------------------
+
+_CRC_RE = re.compile(r"^[0-9a-f]{8}$")
+
+
+def check_relpath(rel: object) -> str | None:
+    """Why ``rel`` is not a safe relative path inside a checkpoint, or None when it is.
+
+    Refused: empty, absolute (``/x``; ``C:x`` on Windows), backslashes, NUL,
+    and any empty, ``.`` or ``..`` component.
+    """
+    if not isinstance(rel, str) or not rel:
+        return "is empty"
+    if rel.startswith("/") or (os.name == "nt" and len(rel) > 1 and rel[1] == ":"):
+        # "C:x" is a legal POSIX file name but a drive-relative path on Windows.
+        return "is absolute"
+    if "\\" in rel or "\x00" in rel:
+        return "contains a backslash or NUL"
+    if any(part in ("", ".", "..") for part in rel.split("/")):
+        return "has an empty, '.' or '..' component"
+    return None
+
+
+#: What a directory is: ``committed`` (valid marker matching the listing),
+#: ``absent`` (files but no marker), ``invalid`` (a marker we cannot trust),
+#: ``missing`` (nothing at all under the path).
+InspectionState = Literal["committed", "absent", "invalid", "missing"]
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """What one listing (plus one read of the marker) says about a directory.
+
+    Attributes:
+        state: ``"committed"`` (valid marker matching the listing),
+            ``"absent"`` (no ``.internal_metadata.json``), ``"invalid"``
+            (a marker that does not parse, has another format version, or
+            whose manifest does not match the files listed), ``"missing"``
+            (nothing at all under the path).
+        meta: the parsed internal metadata when committed (else None; for
+            ``"invalid"`` the parsed JSON when it parsed).
+        reason: for ``"invalid"``, what is wrong (names the file).
+        file: for ``"invalid"``, the relative path at fault, if one.
+        files: ``{relative path: size}`` of every file listed, ours included.
+    """
+
+    state: InspectionState
+    meta: dict[str, Any] | None
+    reason: str | None = None
+    file: str | None = None
+    files: dict[str, int] | None = None
+
+
+def _validate_manifest(meta: Any) -> tuple[str, str | None] | None:
+    """``(reason, file)`` when ``meta`` is not internal metadata we can trust."""
+    if not isinstance(meta, dict):
+        return "is not a JSON object", None
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        return (
+            f"has format_version {version!r}; this checkpoint-store reads version "
+            f"{FORMAT_VERSION} (upgrade checkpoint-store for newer checkpoints)",
+            None,
+        )
+    if not isinstance(meta.get("index"), int) or isinstance(meta.get("index"), bool):
+        return "has no integer 'index'", None
+    manifest = meta.get("manifest")
+    if not isinstance(manifest, list):
+        return "has no 'manifest' list", None
+    seen = set()
+    for e in manifest:
+        if not isinstance(e, dict):
+            return "has a manifest entry that is not an object", None
+        rel, size, crc = e.get("path"), e.get("size"), e.get("crc32c")
+        why = check_relpath(rel)
+        if why is not None:
+            return f"lists an unsafe path {rel!r} (it {why}); refusing it", str(rel)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            return f"lists file {rel!r} with an invalid size {size!r}", rel
+        if not isinstance(crc, str) or not _CRC_RE.match(crc):
+            return f"lists file {rel!r} with an invalid crc32c {crc!r}", rel
+        if rel in seen:
+            return f"lists file {rel!r} twice", rel
+        seen.add(rel)
+    return None
+
+
+def inspect_checkpoint(
+    fs: pafs.FileSystem, checkpoint_path: str, *, retry: RetryPolicy | None = None
+) -> Inspection:
+    """Classify ``checkpoint_path`` with one recursive listing and, when a
+    marker is listed, one read of it.
+
+    A committed checkpoint's manifest must match the listing exactly: every
+    manifest file present with its size, and no user file that the manifest
+    does not list (``.user_metadata.json`` and our ``.cs_*`` files aside).
+    Checksums are not read here (see :func:`verify_files`): that would read
+    every byte on each listing.
+    """
+    entries = _fsutil.list_tree(fs, checkpoint_path, retry=retry)
+    files: dict[str, int] = {}
+    for fi in entries:
+        if fi.type == pafs.FileType.File:
+            files[_fsutil.relative(checkpoint_path, fi.path)] = fi.size
+    if not entries and not _fsutil.is_dir(fs, checkpoint_path, retry=retry):
+        return Inspection("missing", None, files=files)
+    if INTERNAL_METADATA not in files:
+        return Inspection("absent", None, files=files)
+    try:
+        raw = _fsutil.read_bytes(fs, posixpath.join(checkpoint_path, INTERNAL_METADATA),
+                                 retry=retry)
+    except FileNotFoundError:  # deleted between the listing and the read
+        return Inspection("absent", None, files=files)
+    try:
+        meta = _json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return Inspection("invalid", None, f"{INTERNAL_METADATA} is not valid JSON ({exc})",
+                          INTERNAL_METADATA, files)
+    bad = _validate_manifest(meta)
+    if bad is not None:
+        return Inspection("invalid", meta if isinstance(meta, dict) else None,
+                          f"{INTERNAL_METADATA} {bad[0]}", bad[1] or INTERNAL_METADATA, files)
+    listed = {rel: size for rel, size in files.items()
+              if is_checkpoint_data(rel) and rel != USER_METADATA}
+    for e in meta["manifest"]:
+        rel = e["path"]
+        if rel not in listed:
+            return Inspection("invalid", meta, f"file {rel!r} listed in the manifest is missing",
+                              rel, files)
+        if listed[rel] != e["size"]:
+            return Inspection(
+                "invalid", meta,
+                f"file {rel!r} has {listed[rel]} bytes, the manifest says {e['size']}", rel, files,
+            )
+    extra = sorted(set(listed) - {e["path"] for e in meta["manifest"]})
+    if extra:
+        return Inspection("invalid", meta, f"file {extra[0]!r} is not in the manifest",
+                          extra[0], files)
+    return Inspection("committed", meta, files=files)
+
+
+def read_internal_metadata(
+    fs: pafs.FileSystem, checkpoint_path: str, *, retry: RetryPolicy | None = None
+) -> dict[str, Any] | None:
+    """The parsed ``.internal_metadata.json`` if ``checkpoint_path`` is a committed
+    checkpoint, else None.
+
+    Not committed: the marker is absent or unparsable, has another format
+    version, or its manifest does not match the files listed (a missing
+    file, a size that differs, a user file it does not list). Costs one
+    recursive listing plus one small read; checksums are checked by
+    :func:`verify_files` / ``Checkpoint.verify()``.
+    """
+    insp = inspect_checkpoint(fs, checkpoint_path, retry=retry)
+    return insp.meta if insp.state == "committed" else None
+
+
+def verify_files(
+    fs: pafs.FileSystem,
+    checkpoint_path: str,
+    manifest: Iterable[dict[str, Any]],
+    *,
+    chunk_size: int = 8 * 1024 * 1024,
+    concurrency: int = 4,
+    retry: RetryPolicy | None = None,
+) -> None:
+    """Read every manifest file and compare its size and CRC32C.
+
+    Raises:
+        CheckpointCorruptError: the first file (in manifest order) that is
+            missing or differs; ``.file`` names it.
+    """
+    entries = list(manifest)
+
+    def one(e: dict[str, Any]) -> tuple[int, str] | None:
+        try:
+            return _read_crc(fs, posixpath.join(checkpoint_path, e["path"]), chunk_size, retry)
+        except FileNotFoundError:
+            return None
+
+    workers = max(1, min(concurrency, len(entries)))
+    if workers == 1:
+        results = [one(e) for e in entries]
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="cs-verify") as pool:
+            results = list(pool.map(one, entries))
+    for e, got in zip(entries, results, strict=True):
+        check_entry(checkpoint_path, e, got)
+
+
+def _read_crc(
+    fs: pafs.FileSystem, path: str, chunk_size: int, retry: RetryPolicy | None
+) -> tuple[int, str]:
+    """``(size, crc32c)`` of one file, read once in ``chunk_size`` pieces (retried)."""
+
+    def _read() -> tuple[int, str]:
+        crc, size = 0, 0
+        with fs.open_input_stream(path) as f:
+            while True:
+                buf = f.read(chunk_size)
+                if not buf:
+                    break
+                crc = google_crc32c.extend(crc, buf)
+                size += len(buf)
+        return size, crc_hex(crc)
+
+    return _retry.call(_read, policy=retry, what=f"read {path}")
+
+
+def compute_manifest(
+    fs: pafs.FileSystem,
+    root: str,
+    relpaths: Iterable[str],
+    caps: Capabilities,
+    *,
+    retry: RetryPolicy | None = None,
+) -> list[dict[str, Any]]:
+    """Manifest entries (``{path, size, crc32c}``, sorted by path) for files
+    already in place under ``root``, reading each once.
+
+    Raises:
+        CheckpointCorruptError: a path is unsafe (``..``, absolute).
+        FileNotFoundError: a file vanished while being read.
+    """
+    rels = sorted(relpaths)
+    for rel in rels:
+        why = check_relpath(rel)
+        if why is not None:
+            raise CheckpointCorruptError(f"{rel!r} under {root!r} {why}", path=root, file=rel)
+
+    def one(rel: str) -> dict[str, Any]:
+        size, crc = _read_crc(fs, posixpath.join(root, rel), caps.chunk_size, retry)
+        return {"path": rel, "size": size, "crc32c": crc}
+
+    workers = max(1, min(caps.concurrency, len(rels)))
+    if workers == 1:
+        return [one(r) for r in rels]
+    with ThreadPoolExecutor(workers, thread_name_prefix="cs-manifest") as pool:
+        return list(pool.map(one, rels))
+
+
+
+
+# -- the marker -----------------------------------------------------------------
+
+
+def internal_metadata(
+    internal: Mapping[str, Any], entries: Iterable[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The ``.internal_metadata.json`` body for a commit: ``internal`` (index,
+    metrics, run id, ...) plus ``format_version``, ``created_at`` (kept when
+    given; seconds since the epoch) and ``manifest`` (``entries`` sorted by
+    path, ``.user_metadata.json`` left out: it may change after the commit).
+
+    The only place a marker is built: every commit protocol, the multi-rank
+    finalize, ``StorageContext.adopt`` and the integrations call it.
+    """
+    meta = dict(internal)
+    meta["format_version"] = FORMAT_VERSION
+    meta.setdefault("created_at", time.time())
+    meta["manifest"] = sorted(
+        (dict(e) for e in entries if e["path"] != USER_METADATA), key=lambda e: e["path"]
+    )
+    return meta
+
+
+def check_entry(
+    checkpoint_path: str, want: Mapping[str, Any], got: tuple[int, str] | None
+) -> None:
+    """Compare one manifest entry with the ``(size, crc32c)`` read (None: missing).
+
+    Raises:
+        CheckpointCorruptError: missing or different; ``.file`` names it.
+    """
+    rel = want["path"]
+    if got is None:
+        raise CheckpointCorruptError(
+            f"checkpoint {checkpoint_path!r} is missing file {rel!r} listed in its manifest",
+            path=checkpoint_path, file=rel,
+        )
+    if got != (want["size"], want["crc32c"]):
+        raise CheckpointCorruptError(
+            f"file {rel!r} of checkpoint {checkpoint_path!r} does not match its manifest "
+            f"(size {got[0]} vs {want['size']}, crc32c {got[1]} vs {want['crc32c']}); the "
+            "checkpoint is corrupt: resume from an earlier one",
+            path=checkpoint_path, file=rel,
+        )
+
+
+def written_crcs(
+    fs: pafs.FileSystem, root: str, listed: dict[str, int], retry: RetryPolicy | None
+) -> dict[str, tuple[int, str]]:
+    """``{relative path: (size, crc32c)}`` from the ``.cs_written-*.json`` records
+    under ``root``; a record that does not parse is ignored (its files are read)."""
+    out: dict[str, tuple[int, str]] = {}
+    for rel in sorted(listed):
+        if not is_written_record(rel.rsplit("/", 1)[-1]):
+            continue
+        try:
+            body = _json.loads(_fsutil.read_bytes(fs, posixpath.join(root, rel), retry=retry))
+        except (FileNotFoundError, ValueError):
+            continue
+        base = posixpath.dirname(rel)
+        for e in body.get("files", []) if isinstance(body, dict) else []:
+            if not isinstance(e, dict):
+                continue
+            path, size, crc = e.get("path"), e.get("size"), e.get("crc32c")
+            if (isinstance(path, str) and check_relpath(path) is None
+                    and isinstance(size, int) and isinstance(crc, str) and _CRC_RE.match(crc)):
+                out[posixpath.join(base, path) if base else path] = (size, crc)
+    return out

@@ -1,0 +1,60 @@
+"""Who writes: run ids and writer ids.
+
+A *run* is one launch of a training job (every rank of a torchrun attempt
+shares it); a *writer* is one uploader within a run. Cleanup leaves alone
+what a writer of the current run may still be writing (docs/format.md).
+Pure functions of the environment and the process: any thread may call them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+
+__all__ = [
+    "RUN_ID_ENV",
+    "default_run_id",
+    "new_writer_id",
+    "run_of_writer",
+    "sanitize_run_id",
+]
+
+
+_RUN_SAFE = re.compile(r"[^A-Za-z0-9_]")
+RUN_ID_ENV = ("CHECKPOINT_STORE_RUN_ID", "TORCHELASTIC_RUN_ID")
+_PROCESS_RUN_ID = f"p{uuid.uuid4().hex[:12]}"
+
+
+def sanitize_run_id(run_id: str) -> str:
+    """``run_id`` with anything but letters, digits and ``_`` replaced by ``_``
+    (so names built from it split unambiguously on ``-`` and ``.``)."""
+    return _RUN_SAFE.sub("_", str(run_id))[:64] or "_"
+
+
+def default_run_id() -> tuple[str, bool]:
+    """``(run id, shared)``: the launcher's run id (``CHECKPOINT_STORE_RUN_ID``,
+    then torchrun's ``TORCHELASTIC_RUN_ID`` + restart count) with shared=True,
+    else one id for this process with shared=False."""
+    value = os.environ.get("CHECKPOINT_STORE_RUN_ID")
+    if value:
+        return sanitize_run_id(value), True
+    value = os.environ.get("TORCHELASTIC_RUN_ID")
+    if value and value.lower() != "none":
+        # Same rendezvous id on every restart of an elastic job; the restart
+        # count tells attempts apart, so a new attempt cleans the old one's leftovers.
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return sanitize_run_id(f"{value}_r{restart}"), True
+    return _PROCESS_RUN_ID, False
+
+
+def new_writer_id(run_id: str | None = None) -> str:
+    """A unique id for one writer: ``<run>.<pid>.<random>``. The run part lets
+    cleanup leave alone whatever another rank of the same run may be writing."""
+    run = sanitize_run_id(run_id) if run_id else default_run_id()[0]
+    return f"{run}.{os.getpid()}.{uuid.uuid4().hex[:10]}"
+
+
+def run_of_writer(writer: str) -> str:
+    """The run id part of a writer id (the whole string for ids without dots)."""
+    return writer.split(".", 1)[0]
