@@ -9,7 +9,7 @@ file). The web page (:mod:`checkpoint_store.ui`) classifies with the same
 functions, so both agree on what a location is.
 
 Committed means what the library says: a valid commit marker whose manifest
-matches the files (:func:`checkpoint_store.transfer.inspect_checkpoint`), read
+matches the files (:func:`checkpoint_store._manifest.inspect_checkpoint`), read
 in the recorded index order (:meth:`StorageContext.committed_checkpoints`).
 """
 
@@ -170,7 +170,7 @@ def read_internal(loc: Location) -> dict[str, Any] | None:
 
 def inspect_location(loc: Location) -> Inspection:
     """What the would-be checkpoint directory ``loc`` is (committed, invalid,
-    absent, missing): :func:`checkpoint_store.transfer.inspect_checkpoint`."""
+    absent, missing): :func:`checkpoint_store._manifest.inspect_checkpoint`."""
     from checkpoint_store._manifest import inspect_checkpoint
 
     return inspect_checkpoint(loc.fs, loc.path)

@@ -1,7 +1,7 @@
 """The commands that move checkpoints: ``download``, ``upload`` and ``cp``.
 
 Every write goes through the library's commit
-(:func:`checkpoint_store.transfer.commit_checkpoint`: files first, the commit
+(:func:`checkpoint_store._commit.commit_checkpoint`: files first, the commit
 marker last), so a reader never sees a partial copy. This module decides
 *where* a checkpoint lands (:func:`checkpoint_destination`) and checks the
 source against its manifest while it streams, so a corrupt source is never

@@ -117,7 +117,7 @@ class _CrcWriter:
 def _stream_state(
     checkpoint: Mapping[str, Any], fsync: bool, retry: RetryPolicy | None
 ) -> Callable[[pafs.FileSystem, str], list[ManifestEntry]]:
-    """The ``write`` of :func:`commit_checkpoint`: ``torch.save`` straight into
+    """The ``write`` of :meth:`CommitProtocol.commit`: ``torch.save`` straight into
     the backend's output stream (no local copy), CRC32C computed on the way."""
     import torch
 

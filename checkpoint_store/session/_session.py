@@ -250,7 +250,7 @@ class Session:
             committed = storage.committed_checkpoints()
             self._latest: Checkpoint | None = committed[-1][0] if committed else None
             # get_checkpoint() verifies these lazily, newest first (resume only).
-            self._resume_candidates = committed
+            self._resume_candidates: list[tuple[Checkpoint, dict[str, Any]]] | None = committed
             if self._coordinator is None:
                 # Numbering continues past every index the retention state remembers.
                 self._next_index = max(storage.next_checkpoint_index(), self.manager.next_index)

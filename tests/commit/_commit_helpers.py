@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from checkpoint_store._layout import is_internal_name
+
 
 def make_source(path, seed: int, files: int = 3, size: int = 4096) -> str:
     """A local checkpoint directory whose bytes depend on ``seed``."""
@@ -34,7 +36,7 @@ def local_tree(path: str) -> dict[str, bytes]:
         for n in names:
             p = os.path.join(dirpath, n)
             rel = os.path.relpath(p, path).replace(os.sep, "/")
-            if not n.startswith(".cs_") and n not in (".internal_metadata.json",
+            if not is_internal_name(n) and n not in (".internal_metadata.json",
                                                        ".user_metadata.json"):
                 with open(p, "rb") as f:
                     out[rel] = f.read()

@@ -26,7 +26,13 @@ from checkpoint_store import (
     _fsutil,
     session,
 )
-from checkpoint_store._layout import NAME_MAX, bounded_name
+from checkpoint_store._layout import (
+    NAME_MAX,
+    download_lock_name,
+    download_marker_name,
+    parse_staging_dir_name,
+    staging_dir_name,
+)
 from checkpoint_store.registry import resolve
 
 
@@ -164,13 +170,13 @@ def test_staging_and_temp_names_of_a_long_checkpoint_name_fit(tmp_path):
 
 
 def test_bounded_names_stay_distinct_and_parseable():
-    a = bounded_name(".cs_staging-", "x" * 300 + "a", "-run.1.abc")
-    b = bounded_name(".cs_staging-", "x" * 300 + "b", "-run.1.abc")
+    a = staging_dir_name("x" * 300 + "a", "run.1.abc")
+    b = staging_dir_name("x" * 300 + "b", "run.1.abc")
     assert a != b
     assert len(a.encode()) == NAME_MAX and a.endswith("-run.1.abc")
-    assert a[len(".cs_staging-"):].split("-", 1)[-1] == "run.1.abc"
-    assert bounded_name(".", "short", ".cs_lock") == ".short.cs_lock"
-    wide = bounded_name(".", "名" * 100, ".cs_download.json")
+    assert parse_staging_dir_name(a) == "run.1.abc"
+    assert download_lock_name("short") == ".short.cs_lock"
+    wide = download_marker_name("名" * 100)
     assert len(wide.encode()) <= NAME_MAX
     wide.encode("utf-8")  # cut on a character boundary
 

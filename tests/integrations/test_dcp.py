@@ -44,7 +44,7 @@ WORKER = textwrap.dedent("""
         where = s.next_checkpoint_dir()
         dcp.save(state, checkpoint_id=where)
         inodes = {n: os.stat(os.path.join(where, n)).st_ino for n in os.listdir(where)
-                  if not n.startswith(".cs_")}
+                  if not is_internal_name(n)}
         s.report({"loss": 1.0}, checkpoint=Checkpoint(where) if rank == 0 else None)
         result.update(where=where, inodes=inodes)
         failed = s.next_checkpoint_dir()

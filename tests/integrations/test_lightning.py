@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from checkpoint_store import CheckpointNotFoundError, StorageContext  # noqa: E402
+from checkpoint_store._layout import COMMIT_LOCK  # noqa: E402
 from checkpoint_store._manifest import inspect_checkpoint  # noqa: E402
 from checkpoint_store.integrations._lightning import verified_state  # noqa: E402
 from checkpoint_store.integrations.lightning import (  # noqa: E402
@@ -237,7 +238,7 @@ def test_save_overwrites_same_path(tmp_path, where):
     state = io.load_checkpoint(path)
     assert state["global_step"] == 2 and torch.equal(state["w"], torch.ones(2))
     names = {fi.base_name for fi in backend.filesystem.get_file_info(pafs.FileSelector(root))}
-    assert names - {".cs_commit.lock"} == {"last.ckpt"}
+    assert names - {COMMIT_LOCK} == {"last.ckpt"}
     assert committed(backend, root)["last.ckpt"]["index"] == 2
 
 

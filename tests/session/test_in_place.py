@@ -11,7 +11,7 @@ import google_crc32c
 import pytest
 
 from checkpoint_store import Checkpoint, StorageContext, session
-from checkpoint_store._layout import INTERNAL_METADATA, written_record_name
+from checkpoint_store._layout import INTERNAL_METADATA, is_internal_name, written_record_name
 from checkpoint_store.errors import CheckpointCorruptError, CheckpointNotFoundError
 
 
@@ -151,4 +151,4 @@ def test_two_ranks_write_in_place_rank0_commits(tmp_path, ranks):
     assert [e["path"] for e in meta["manifest"]] == ["shard_0.bin", "shard_1.bin"]
     assert meta["world_size"] == 2 and meta["metrics"]["r"] == 0
     ckpt.verify()
-    assert not [n for n in os.listdir(ckpt.path) if n.startswith(".cs_")]
+    assert not [n for n in os.listdir(ckpt.path) if is_internal_name(n)]
