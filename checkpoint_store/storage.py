@@ -154,7 +154,7 @@ class StorageContext:
 
     def _init_transfer(self, max_concurrency: int | None, memory_budget: int | None,
                        incremental: bool) -> None:
-        changes: dict[str, int] = {}
+        changes: dict[str, Any] = {}
         for name, value, floor in (("max_concurrency", max_concurrency, 1),
                                    ("memory_budget", memory_budget, 1024 * 1024)):
             if value is None:

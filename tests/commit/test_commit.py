@@ -99,6 +99,26 @@ def test_complete_directory_without_metadata_is_foreign(any_trial, tmp_path):
         storage.adopt("checkpoint_000000")
 
 
+def test_adopt_keeps_user_metadata_out_of_the_manifest(any_trial, tmp_path):
+    # A downloaded checkpoint copied back by hand holds .user_metadata.json;
+    # like every commit, the adoption leaves it out of the manifest (it may
+    # change later), so the adopted checkpoint is committed and verifies.
+    storage = any_trial.storage()
+    storage.ensure_trial_dir()
+    src = make_source(tmp_path / "hand", 7)
+    with open(os.path.join(src, ".user_metadata.json"), "w") as f:
+        f.write('{"epoch": 3}')
+    from checkpoint_store.transfer import copy_tree
+
+    copy_tree(_fsutil.pafs.LocalFileSystem(), src, storage.filesystem,
+              storage.checkpoint_path(0), storage.backend.capabilities)
+    adopted = storage.adopt("checkpoint_000000")
+    adopted.verify()
+    assert ".user_metadata.json" not in {e["path"] for e in adopted.internal_metadata["manifest"]}
+    assert adopted.get_metadata() == {"epoch": 3}
+    assert storage.scan().committed == ["checkpoint_000000"]
+
+
 def test_adopt_refuses_other_names(trial, tmp_path):
     storage = trial.storage()
     storage.ensure_trial_dir()
