@@ -9,6 +9,7 @@ bytes only.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -20,6 +21,8 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from benchmarks._common import Cell, Shape, alternate, make_tree
+
+_PREFIXES = itertools.count(1)
 
 MiB = 1024 * 1024
 LOCAL = pafs.LocalFileSystem()
@@ -192,11 +195,10 @@ def remote_rows(
 
     ray_storage = _ray_storage()
     scratch = _Scratch(work)
-    counter = [0]
-
     def prefix() -> str:
-        counter[0] += 1
-        return f"b{counter[0]}-{os.getpid()}"
+        # Unique across calls: shapes share a bucket, and a failed commit may
+        # leave files behind that a reused prefix would trip over.
+        return f"b{next(_PREFIXES)}-{os.getpid()}"
 
     def drop_remote(path: str) -> None:
         try:
