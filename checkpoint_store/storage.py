@@ -17,38 +17,30 @@ import time
 import traceback
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from checkpoint_store import _fsutil, _json, _retry
 from checkpoint_store._commit import CommitProtocol, protocol_for
 from checkpoint_store._layout import (
-    DELETE_TOMBSTONE,
     ERROR_FILE,
     FORMAT_VERSION,
     PARAMS_FILE,
     RESULT_FILE,
     checkpoint_dir_name,
-    is_deleting_dir_name,
-    is_internal_name,
+    is_internal_file,
     parse_checkpoint_dir_name,
-    parse_claim_name,
-    parse_rank_marker_name,
-    parse_staging_dir_name,
-    parse_temp_file_name,
     refuse_reserved,
     validate_component,
 )
 from checkpoint_store._manifest import (
-    Inspection,
     inspect_checkpoint,
     read_internal_metadata,
 )
 from checkpoint_store._plan import Previous
-from checkpoint_store._proc import writer_tag_alive
 from checkpoint_store._retry import RetryPolicy
-from checkpoint_store._runs import default_run_id, new_writer_id, run_of_writer, sanitize_run_id
+from checkpoint_store._runs import default_run_id, new_writer_id, sanitize_run_id
+from checkpoint_store._scan import ScanResult, scan_trial
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
@@ -59,29 +51,9 @@ from checkpoint_store.errors import (
 )
 from checkpoint_store.registry import resolve
 
+__all__ = ["ResultLog", "ScanResult", "StorageContext", "parse_result_rows"]
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ScanResult:
-    """What :meth:`StorageContext.scan` found in a trial directory (names only).
-
-    Attributes:
-        committed: committed checkpoint directories, by recorded index.
-        uncommitted: directories this tool's writers left unfinished (staging
-            and deleting directories, partial uploads), ``active`` included,
-            and temporary files of writers that died (``.cs_tmp-*``).
-        active: the subset of ``uncommitted`` that belongs to the current run
-            (another rank may still be writing it): never removed.
-        foreign: directories that are neither committed nor ours (copied in
-            by hand, or a marker we cannot read): never removed automatically;
-            :meth:`StorageContext.adopt` turns a complete one into a checkpoint.
-    """
-
-    committed: list[str] = field(default_factory=list)
-    uncommitted: list[str] = field(default_factory=list)
-    active: list[str] = field(default_factory=list)
-    foreign: list[str] = field(default_factory=list)
 
 
 class StorageContext:
@@ -388,41 +360,9 @@ class StorageContext:
 
     # -- orphans ------------------------------------------------------------------
 
-    def _current_runs(self, run_id: str | None) -> set[str]:
-        runs = {self.run_id}
-        if run_id:
-            runs |= {run_id, sanitize_run_id(run_id)}
-        return runs
-
-    @staticmethod
-    def _writer_in(writer: str, runs: set[str]) -> bool:
-        return any(writer == r or writer.startswith(r + ".") or run_of_writer(writer) == r
-                   for r in runs)
-
-    def _partial_is_active(self, path: str, insp: Inspection, runs: set[str]) -> bool:
-        """A partial upload (marker-last) of the current run: a claim of ours, or
-        a per-rank marker naming the current attempt."""
-        names = [rel.rsplit("/", 1)[-1] for rel in (insp.files or {})]
-        for n in names:
-            claim = parse_claim_name(n)
-            if claim is not None and self._writer_in(claim[1], runs):
-                return True
-        for n in names:
-            if parse_rank_marker_name(n) is not None:
-                try:
-                    body = _json.loads(_fsutil.read_bytes(self.filesystem,
-                                                          posixpath.join(path, n),
-                                                          retry=self.retry))
-                except (FileNotFoundError, ValueError):
-                    continue
-                attempt = body.get("attempt_id") if isinstance(body, dict) else None
-                if isinstance(attempt, str) and self._writer_in(attempt, runs):
-                    return True
-        return False
-
     def scan(self, run_id: str | None = None) -> ScanResult:
         """Classify every directory of this trial: committed, uncommitted (ours),
-        active (ours, current run) or foreign.
+        active (ours, current run) or foreign (:func:`~checkpoint_store._scan.scan_trial`).
 
         Args:
             run_id: a run id to protect besides this context's ``run_id`` (a
@@ -431,41 +371,10 @@ class StorageContext:
         Costs one listing of the trial directory plus one recursive listing
         (and at most one small read) per directory.
         """
-        runs = self._current_runs(run_id)
-        result = ScanResult()
-        committed: list[tuple[int, str]] = []
-        for fi in _fsutil.list_dir(self.filesystem, self.trial_path, retry=self.retry):
-            name = posixpath.basename(fi.path.rstrip("/"))
-            if fi.type != _fsutil.pafs.FileType.Directory:
-                if _dead_writer_tmp(name):
-                    result.uncommitted.append(name)  # a write_bytes() cut short
-                continue
-            staging_writer = parse_staging_dir_name(name)
-            if is_deleting_dir_name(name):
-                # Renamed away by a delete: nobody writes there any more.
-                result.uncommitted.append(name)
-            elif staging_writer is not None:
-                (result.active if self._writer_in(staging_writer, runs) else result.uncommitted
-                 ).append(name)
-            else:
-                if is_internal_name(name):
-                    continue  # some other internal directory: not a checkpoint candidate
-                path = posixpath.join(self.trial_path, name)
-                insp = inspect_checkpoint(self.filesystem, path, retry=self.retry)
-                if insp.state == "committed":
-                    assert insp.meta is not None
-                    committed.append((insp.meta["index"], name))
-                elif insp.state in ("absent", "missing") and _looks_ours(insp):
-                    (result.active if self._partial_is_active(path, insp, runs)
-                     else result.uncommitted).append(name)
-                else:
-                    result.foreign.append(name)
-        result.committed.extend(n for _, n in sorted(committed))
-        result.uncommitted.extend(result.active)
-        result.uncommitted.sort()
-        result.active.sort()
-        result.foreign.sort()
-        return result
+        runs = {self.run_id}
+        if run_id:
+            runs |= {run_id, sanitize_run_id(run_id)}
+        return scan_trial(self.filesystem, self.trial_path, runs, retry=self.retry)
 
     def remove_uncommitted(self, run_id: str | None = None) -> list[str]:
         """Remove what this tool's writers left unfinished in this trial.
@@ -536,7 +445,7 @@ class StorageContext:
                     f"{version}); upgrade instead of adopting it"
                 )
         data = {rel: size for rel, size in (insp.files or {}).items()
-                if not _is_internal(rel)}
+                if not is_internal_file(rel)}
         if insp.state == "missing" or not data:
             raise CheckpointNotFoundError(f"{self.uri(path)} holds no files to adopt")
         internal = {
@@ -700,34 +609,3 @@ class ResultLog:
         if self._handle is not None:
             self._handle.close()
             self._handle = None
-
-
-def _is_internal(rel: str) -> bool:
-    from checkpoint_store._layout import is_internal_file
-
-    return is_internal_file(rel)
-
-
-def _dead_writer_tmp(name: str) -> bool:
-    """A ``.cs_tmp-<file>-<pid>_<start ticks>-<random>`` file (local disks only;
-    older versions wrote ``<pid>`` alone) whose writer process is gone, or whose
-    pid now belongs to a newer process. A live writer, ours or another's,
-    keeps it: never remove a file that may be renamed into place a moment later."""
-    tag = parse_temp_file_name(name)
-    return tag is not None and writer_tag_alive(tag) is False
-
-
-def _looks_ours(insp: Inspection) -> bool:
-    """Empty, or holding a trace of our writers (an upload claim, a per-rank
-    marker, a delete tombstone): an uncommitted directory this tool left. A
-    download marker is no such trace: users copy downloaded directories."""
-    files = insp.files or {}
-    return not files or any(_is_writer_trace(rel.rsplit("/", 1)[-1]) for rel in files)
-
-
-def _is_writer_trace(name: str) -> bool:
-    return (
-        parse_claim_name(name) is not None
-        or parse_rank_marker_name(name) is not None
-        or name == DELETE_TOMBSTONE
-    )

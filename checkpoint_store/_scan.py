@@ -1,0 +1,157 @@
+"""What a trial directory holds: committed checkpoints, our unfinished
+leftovers (those of the current run kept apart), and foreign directories.
+
+Owns the rules cleanup follows (docs/format.md, "Cleanup"): a name is ours
+when :mod:`checkpoint_store._layout` built it, a directory is an unfinished
+one of ours when it holds a trace of our writers. Called by rank 0 (the
+session's start, after it holds the trial's lease) and by ``gc``; it only
+reads, so any thread may call it.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass, field
+
+import pyarrow.fs as pafs
+
+from checkpoint_store import _fsutil, _json
+from checkpoint_store._layout import (
+    DELETE_TOMBSTONE,
+    is_deleting_dir_name,
+    is_internal_name,
+    parse_claim_name,
+    parse_rank_marker_name,
+    parse_staging_dir_name,
+    parse_temp_file_name,
+)
+from checkpoint_store._manifest import Inspection, inspect_checkpoint
+from checkpoint_store._proc import writer_tag_alive
+from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._runs import run_of_writer
+
+__all__ = ["ScanResult", "scan_trial", "writer_in"]
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    """What :meth:`StorageContext.scan` found in a trial directory (names only).
+
+    Attributes:
+        committed: committed checkpoint directories, by recorded index.
+        uncommitted: directories this tool's writers left unfinished (staging
+            and deleting directories, partial uploads), ``active`` included,
+            and temporary files of writers that died (``.cs_tmp-*``).
+        active: the subset of ``uncommitted`` that belongs to the current run
+            (another rank may still be writing it): never removed.
+        foreign: directories that are neither committed nor ours (copied in
+            by hand, or a marker we cannot read): never removed automatically;
+            :meth:`StorageContext.adopt` turns a complete one into a checkpoint.
+    """
+
+    committed: list[str] = field(default_factory=list)
+    uncommitted: list[str] = field(default_factory=list)
+    active: list[str] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
+
+
+def scan_trial(
+    fs: pafs.FileSystem, trial_path: str, runs: set[str], *, retry: RetryPolicy | None = None
+) -> ScanResult:
+    """Classify every entry of the trial directory ``trial_path``: committed,
+    uncommitted (ours), active (ours, of one of ``runs``) or foreign.
+
+    Args:
+        runs: run ids whose writers may still be writing (their leftovers are
+            ``active``).
+
+    Costs one listing of the trial directory plus one recursive listing
+    (and at most one small read) per directory.
+    """
+    result = ScanResult()
+    committed: list[tuple[int, str]] = []
+    for fi in _fsutil.list_dir(fs, trial_path, retry=retry):
+        name = posixpath.basename(fi.path.rstrip("/"))
+        if fi.type != pafs.FileType.Directory:
+            if _dead_writer_tmp(name):
+                result.uncommitted.append(name)  # a write_bytes() cut short
+            continue
+        staging_writer = parse_staging_dir_name(name)
+        if is_deleting_dir_name(name):
+            # Renamed away by a delete: nobody writes there any more.
+            result.uncommitted.append(name)
+        elif staging_writer is not None:
+            (result.active if writer_in(staging_writer, runs) else result.uncommitted
+             ).append(name)
+        else:
+            if is_internal_name(name):
+                continue  # some other internal directory: not a checkpoint candidate
+            path = posixpath.join(trial_path, name)
+            insp = inspect_checkpoint(fs, path, retry=retry)
+            if insp.state == "committed":
+                assert insp.meta is not None
+                committed.append((insp.meta["index"], name))
+            elif insp.state in ("absent", "missing") and _looks_ours(insp):
+                (result.active if _partial_is_active(fs, path, insp, runs, retry)
+                 else result.uncommitted).append(name)
+            else:
+                result.foreign.append(name)
+    result.committed.extend(n for _, n in sorted(committed))
+    result.uncommitted.extend(result.active)
+    result.uncommitted.sort()
+    result.active.sort()
+    result.foreign.sort()
+    return result
+
+
+def writer_in(writer: str, runs: set[str]) -> bool:
+    """True when ``writer`` (a writer or attempt id) belongs to one of ``runs``."""
+    return any(writer == r or writer.startswith(r + ".") or run_of_writer(writer) == r
+               for r in runs)
+
+
+def _partial_is_active(
+    fs: pafs.FileSystem, path: str, insp: Inspection, runs: set[str], retry: RetryPolicy | None
+) -> bool:
+    """A partial upload (marker-last) of the current run: a claim of ours, or
+    a per-rank marker naming the current attempt."""
+    names = [rel.rsplit("/", 1)[-1] for rel in (insp.files or {})]
+    for n in names:
+        claim = parse_claim_name(n)
+        if claim is not None and writer_in(claim[1], runs):
+            return True
+    for n in names:
+        if parse_rank_marker_name(n) is not None:
+            try:
+                body = _json.loads(_fsutil.read_bytes(fs, posixpath.join(path, n), retry=retry))
+            except (FileNotFoundError, ValueError):
+                continue
+            attempt = body.get("attempt_id") if isinstance(body, dict) else None
+            if isinstance(attempt, str) and writer_in(attempt, runs):
+                return True
+    return False
+
+
+def _dead_writer_tmp(name: str) -> bool:
+    """A ``.cs_tmp-<file>-<pid>_<start ticks>-<random>`` file (local disks only;
+    older versions wrote ``<pid>`` alone) whose writer process is gone, or whose
+    pid now belongs to a newer process. A live writer, ours or another's,
+    keeps it: never remove a file that may be renamed into place a moment later."""
+    tag = parse_temp_file_name(name)
+    return tag is not None and writer_tag_alive(tag) is False
+
+
+def _looks_ours(insp: Inspection) -> bool:
+    """Empty, or holding a trace of our writers (an upload claim, a per-rank
+    marker, a delete tombstone): an uncommitted directory this tool left. A
+    download marker is no such trace: users copy downloaded directories."""
+    files = insp.files or {}
+    return not files or any(_is_writer_trace(rel.rsplit("/", 1)[-1]) for rel in files)
+
+
+def _is_writer_trace(name: str) -> bool:
+    return (
+        parse_claim_name(name) is not None
+        or parse_rank_marker_name(name) is not None
+        or name == DELETE_TOMBSTONE
+    )
