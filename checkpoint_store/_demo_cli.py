@@ -7,10 +7,22 @@ import posixpath
 import click
 
 from checkpoint_store import CheckpointConfig, StorageContext, session
-from checkpoint_store.errors import CheckpointStoreError
+from checkpoint_store.errors import CheckpointStoreError, TrialInUseError
 
 EXPERIMENT = "digits-demo"
 TRIAL = "mlp"
+
+
+def _refuse_if_running(ctx: StorageContext) -> None:
+    """Starting fresh deletes the demo trial: never while a live run manages it."""
+    from checkpoint_store.retention import live_lease
+
+    lease = live_lease(ctx)
+    if lease is not None:
+        raise TrialInUseError(
+            f"a running demo manages {ctx.uri(ctx.trial_path)} (host {lease.get('host')!r}, "
+            f"pid {lease.get('pid')}); refusing to start another run on it"
+        )
 
 
 def run_demo(*, storage: str, epochs: int, num_to_keep: int, lr: float, seed: int,
@@ -19,6 +31,7 @@ def run_demo(*, storage: str, epochs: int, num_to_keep: int, lr: float, seed: in
     from checkpoint_store.demo import test_accuracy_of, train_digits
 
     ctx = StorageContext(storage, EXPERIMENT, TRIAL)
+    _refuse_if_running(ctx)
     if not resume and ctx.checkpoint_dirs():
         click.echo(f"Starting fresh: removing the previous demo trial {ctx.uri(ctx.trial_path)}")
         from checkpoint_store import _fsutil

@@ -15,6 +15,7 @@ __all__ = [
     "BackendUnavailableError",
     "CheckpointAbortedError",
     "CheckpointConflictError",
+    "TrialInUseError",
     "CheckpointCorruptError",
     "CheckpointNotFoundError",
     "CheckpointStoreError",
@@ -90,6 +91,12 @@ class UnsafePathError(CheckpointCorruptError, InvalidConfigError):
 
 class CheckpointConflictError(CheckpointStoreError):
     """Another writer holds, or already committed, what this call wanted to write."""
+
+
+class TrialInUseError(CheckpointConflictError):
+    """A live checkpoint manager (a running job) manages the trial: wait for it
+    to end or stop it. Raised by the lease (docs/retention.md) and by the
+    CLI's deleting commands, before anything is written or deleted."""
 
 
 class TransientBackendError(CheckpointStoreError, OSError):

@@ -36,6 +36,7 @@ import importlib
 import os
 import re
 import threading
+import urllib.parse
 import warnings
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
@@ -300,17 +301,24 @@ def local_path_from_uri(uri: str) -> str:
     """The absolute local path a ``file://`` (or ``local://``) URI names.
 
     As RFC 8089 reads it: ``file:///abs/path`` and ``file://localhost/abs/path``
-    both mean ``/abs/path``. Any other host part (``file://name/x``) names
-    another machine, which local storage cannot reach: refused, rather than
-    writing to ``/name/x`` at the filesystem root.
+    both mean ``/abs/path``, and the path is percent-decoded
+    (``file:///a/sp%20ace`` is ``/a/sp ace``, as ``pathlib.Path.as_uri``
+    writes it and ``pyarrow.fs.FileSystem.from_uri`` reads it). Any other host
+    part (``file://name/x``) names another machine, which local storage cannot
+    reach: refused, rather than writing to ``/name/x`` at the filesystem root.
 
     Raises:
-        InvalidConfigError: the URI names a host other than ``localhost``.
+        InvalidConfigError: the URI names a host other than ``localhost``, or
+            no path at all (``file://``: the root is ``file:///``).
     """
-    rest = uri.split("://", 1)[1]
+    scheme, _, rest = uri.partition("://")
+    if not rest:
+        raise InvalidConfigError(
+            f"{uri!r} names no path; write {scheme}:///abs/path (three slashes) or a plain path"
+        )
     host, _, path = rest.partition("/")
+    path = urllib.parse.unquote(path)
     if host.lower() not in ("", "localhost"):
-        scheme = uri.split("://", 1)[0]
         raise InvalidConfigError(
             f"{uri!r} names the host {host!r}: local storage cannot reach another machine. "
             f"For a local absolute path write {scheme}:///{host}/{path} (three slashes) or "

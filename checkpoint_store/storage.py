@@ -198,13 +198,14 @@ class StorageContext:
     def canonical_uri(self, path: str) -> str:
         """The one URI naming ``path`` however it was spelled: on local disks the
         resolved real path (symlinks and ``..`` followed, as the OS does), else
-        :meth:`uri`. The lease records it, so two spellings of one trial meet
-        as the same trial."""
+        :meth:`Backend.canonical_uri` (one scheme per backend, no ``.``, empty
+        or trailing components). The lease records it, so two spellings of
+        one trial meet as the same trial."""
         osp = _fsutil.local_path(self.filesystem, path)
         if osp is None and self.backend.scheme == "file" and os.path.isabs(path):
             osp = path  # an fsspec or other local filesystem handed in by the user
         if osp is None:
-            return self.uri(path)
+            return self.backend.canonical_uri(path)
         return "file://" + os.path.realpath(osp)
 
     def checkpoint_path(self, index: int) -> str:

@@ -146,10 +146,60 @@ class Backend:
         return rest or "/"
 
     def uri_for(self, path: str) -> str:
-        """The URI a user can paste back in for ``path`` of this filesystem."""
+        """The URI a user can paste back in for ``path`` of this filesystem.
+
+        Local paths print as ``file://`` URIs with ``%`` escaped (``file://``
+        paths are percent-decoded when read back, RFC 8089); a path inside a
+        ``SubTreeFileSystem`` over the local disk prints with the subtree's
+        base in front, so it names the same directory when pasted back.
+        """
         if self.scheme == "file":
-            return "file://" + path
+            return "file://" + _local_absolute(self.filesystem, path).replace("%", "%25")
         return f"{self.scheme}://{path.lstrip('/')}"
+
+    def canonical_uri(self, path: str) -> str:
+        """One URI per location of this backend, however it was spelled.
+
+        The scheme's aliases become one scheme (:data:`SCHEME_ALIASES`:
+        ``s3a`` -> ``s3``, ``abfs``/``abfss`` -> ``az``, ``gcs`` -> ``gs``),
+        lower-cased; the path loses empty and ``.`` components (so no trailing
+        ``/``): ``S3A://bkt/./sp/`` and ``s3://bkt/sp`` give ``s3://bkt/sp``.
+        For identity only (the lease compares it); :meth:`uri_for` prints.
+        Local disks resolve symlinks on top
+        (:meth:`checkpoint_store.StorageContext.canonical_uri`).
+        """
+        if self.scheme.lower() in ("file", "local"):
+            path = _local_absolute(self.filesystem, path)
+        return canonical_uri_text(f"{self.scheme}://{path}")
+
+
+#: Schemes that name the same backend as another (registered as aliases of
+#: one factory): :meth:`Backend.canonical_uri` writes every location of them
+#: with the second.
+SCHEME_ALIASES: dict[str, str] = {
+    "s3a": "s3", "abfs": "az", "abfss": "az", "gcs": "gs", "local": "file",
+}
+
+
+def canonical_uri_text(uri: str) -> str:
+    """``uri`` in the form of :meth:`Backend.canonical_uri`, from its text alone
+    (also for URIs recorded by older versions): scheme lower-cased and
+    de-aliased, empty and ``.`` path components dropped."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        return uri
+    scheme = scheme.lower()
+    scheme = SCHEME_ALIASES.get(scheme, scheme)
+    parts = [p for p in rest.split("/") if p not in ("", ".")]
+    return f"{scheme}://" + ("/" if scheme == "file" else "") + "/".join(parts)
+
+
+def _local_absolute(fs: pafs.FileSystem, path: str) -> str:
+    """``path`` of a local filesystem as an absolute OS path: a path inside a
+    ``SubTreeFileSystem`` over the local disk gets the subtree's base in front."""
+    if isinstance(fs, pafs.SubTreeFileSystem) and not path.startswith("/"):
+        return posixpath.join(_local_absolute(fs.base_fs, fs.base_path.rstrip("/")), path)
+    return path
 
 
 BackendFactory = Callable[[str, Mapping[str, Any]], Backend]
@@ -170,8 +220,13 @@ def canonical_path(fs: pafs.FileSystem, path: str) -> str:
     and Azure clients, and handlers that say so): no leading or trailing
     ``/``. fsspec filesystems: stripped of their protocol, with fsspec's own
     root marker (``/`` for memory, nothing for buckets) in front. Any other
-    handler: its own ``normalize_path``, without a trailing ``/``.
+    handler: its own ``normalize_path``, without a trailing ``/``. Off local
+    disks ``.`` components are dropped too: the stores read ``b/./k`` as
+    ``b/k``, so keeping them would give one object two spellings.
     """
+    if not isinstance(fs, pafs.LocalFileSystem) and "/./" in f"/{path}/":
+        lead = "/" if path.startswith("/") else ""
+        path = lead + "/".join(p for p in path.split("/") if p != ".")
     if isinstance(fs, pafs.LocalFileSystem):
         if "://" in path:
             from checkpoint_store.errors import InvalidConfigError

@@ -46,6 +46,7 @@ from checkpoint_store.errors import (
     InvalidConfigError,
     PermanentBackendError,
     TransientBackendError,
+    TrialInUseError,
     UnknownSchemeError,
     UnsafePathError,
 )
@@ -71,7 +72,20 @@ EXIT_USAGE = 2
 # -- errors -------------------------------------------------------------------------
 
 
-def _hint_for(exc: BaseException) -> str | None:
+#: Commands that may act on a trial whose job is gone behind a live lease.
+_FORCE_COMMANDS = frozenset({"prune", "gc"})
+
+
+def _in_use_hint(subcommand: str | None) -> str:
+    hint = "wait for the running job to end, or stop it"
+    if subcommand in _FORCE_COMMANDS:
+        hint += f"; if it is gone, `checkpoint-store {subcommand} --force`"
+    return hint
+
+
+def _hint_for(exc: BaseException, subcommand: str | None = None) -> str | None:
+    if isinstance(exc, TrialInUseError):
+        return _in_use_hint(subcommand)
     if isinstance(exc, UnknownSchemeError):
         return "`checkpoint-store backends` lists the installed schemes"
     if isinstance(exc, BackendUnavailableError):
@@ -110,7 +124,7 @@ def _error_line(exc: Exception, subcommand: str | None) -> str:
         msg = one_line(str(exc) or type(exc).__name__)
     else:
         msg = one_line(f"unexpected {type(exc).__name__}: {exc}")
-    hint = _hint_for(exc)
+    hint = _hint_for(exc, subcommand)
     if (isinstance(exc, InvalidConfigError)
             and not isinstance(exc, (UnknownSchemeError, UnsafePathError))
             and subcommand):

@@ -30,7 +30,7 @@ from checkpoint_store.cli.locations import (
 )
 from checkpoint_store.cli.output import fmt_time, fmt_value, print_json
 from checkpoint_store.cli.scores import metric_value, resolve_metric, stored_metrics, stored_score
-from checkpoint_store.errors import CheckpointConflictError
+from checkpoint_store.errors import TrialInUseError
 
 __all__ = ["gc_cmd", "prune_cmd", "refuse_if_live"]
 
@@ -43,7 +43,7 @@ def refuse_if_live(trial: Location, force: bool, what: str) -> None:
     managers' own (:func:`checkpoint_store.retention.live_lease`).
 
     Raises:
-        CheckpointConflictError: a live lease, unless ``force``.
+        TrialInUseError: a live lease, unless ``force``.
     """
     from checkpoint_store.retention import live_lease
 
@@ -53,7 +53,7 @@ def refuse_if_live(trial: Location, force: bool, what: str) -> None:
     lease = live_lease(ctx) if ctx is not None else None
     if lease is None:
         return
-    raise CheckpointConflictError(
+    raise TrialInUseError(
         f"a running job manages {trial.uri} (host {lease.get('host')!r}, pid "
         f"{lease.get('pid')}; lease renewed until {fmt_time(lease['expires_at'])} UTC): "
         f"refusing to {what} behind its back; let it finish, or pass --force if that job "

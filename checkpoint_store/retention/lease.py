@@ -23,7 +23,8 @@ from typing import TypedDict, cast
 from checkpoint_store import _clock, _fsutil, _json
 from checkpoint_store._layout import FORMAT_VERSION, LEASE_FILE
 from checkpoint_store._proc import process_alive, process_token
-from checkpoint_store.errors import CheckpointConflictError, CheckpointStoreError
+from checkpoint_store.backends.base import canonical_uri_text
+from checkpoint_store.errors import CheckpointStoreError, TrialInUseError
 from checkpoint_store.storage import StorageContext
 
 __all__ = ["LEASE_FILE", "Lease", "LeaseBody", "live_lease"]
@@ -161,11 +162,7 @@ class Lease:
         live (absent, ours, copied in, expired, or its holder is dead)."""
         if cur.get("holder") == self.holder:
             return None
-        if cur.get("trial") != self.trial_uri and (
-            cur.get("host") == self.host or not self._local
-        ):
-            # Copied in with a moved trial directory. Only a local path on another
-            # host may name the same directory differently (an NFS mount point).
+        if self._copied_in(cur):
             return None
         if self._holder_dead(cur):
             return None
@@ -183,6 +180,23 @@ class Lease:
         left = float(expires) - _clock.local_time()
         return left if left > 0 else None
 
+    def _names_this_trial(self, cur: LeaseBody) -> bool:
+        """The lease records this trial's location, however either side spelled it."""
+        recorded = cur.get("trial")
+        return isinstance(recorded, str) and canonical_uri_text(recorded) == self.trial_uri
+
+    def _copied_in(self, cur: LeaseBody) -> bool:
+        """The lease came with a trial directory copied from another location.
+
+        Compared as canonical locations, so no spelling of this trial (scheme
+        alias, case, ``.``, trailing ``/``, symlink) passes for a copy. Only a
+        local path on another host may name this very directory differently
+        (an NFS mount point): such a lease is taken as live.
+        """
+        if self._names_this_trial(cur):
+            return False
+        return cur.get("host") == self.host or not self._local
+
     def _storage_now(self) -> float | None:
         """The store's clock, or None when it cannot be read: read-only
         credentials (``ui``, ``live_lease`` callers) may not write the probe."""
@@ -194,20 +208,28 @@ class Lease:
                         "lease by the local clock", self.trial_uri, exc)
             return None
 
-    def _conflict(self, cur: LeaseBody, left: float) -> CheckpointConflictError:
-        return CheckpointConflictError(
+    def _conflict(self, cur: LeaseBody, left: float) -> TrialInUseError:
+        return TrialInUseError(
             f"trial {self.trial_uri} is managed by another live checkpoint manager "
             f"(host {cur.get('host')!r}, pid {cur.get('pid')}); its lease expires in "
             f"{max(left, 0.0):.0f} s unless renewed. Two managers on one trial would delete "
             "each other's checkpoints. End the other run (its lease is released when its "
             "session ends), wait for the lease to expire if that process crashed, or open "
-            "this trial with CheckpointManager(..., read_only=True) to only read it. If this "
-            f"directory was copied from {cur.get('trial')!r} while that run was live, the "
-            f"lease came with the copy: delete {self._storage.uri(self.path)}."
+            "this trial with CheckpointManager(..., read_only=True) to only read it."
+            + self._copy_hint(cur)
         )
 
+    def _copy_hint(self, cur: LeaseBody) -> str:
+        """Where the lease may have come with a copy (it names another location),
+        how to drop it; nothing where it names this very trial: that is a live run."""
+        if cur.get("trial") is None or self._names_this_trial(cur):
+            return ""
+        return (f" If this directory was copied from {cur.get('trial')!r} while that run "
+                f"was live, the lease came with the copy: delete {self._storage.uri(self.path)}.")
+
     def acquire(self) -> None:
-        """Take the lease or raise :class:`CheckpointConflictError`; starts renewal."""
+        """Take the lease or raise :class:`~checkpoint_store.errors.TrialInUseError`
+        (a :class:`CheckpointConflictError`); starts renewal."""
         live = self._live_other()
         if live is not None:
             raise self._conflict(*live)
