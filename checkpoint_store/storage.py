@@ -41,7 +41,7 @@ from checkpoint_store._plan import Previous
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store._runs import default_run_id, new_writer_id, sanitize_run_id
 from checkpoint_store._scan import ScanResult, scan_trial
-from checkpoint_store.backends.base import Backend
+from checkpoint_store.backends.base import Backend, local_absolute
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     CheckpointConflictError,
@@ -202,8 +202,11 @@ class StorageContext:
         or trailing components). The lease records it, so two spellings of
         one trial meet as the same trial."""
         osp = _fsutil.local_path(self.filesystem, path)
-        if osp is None and self.backend.scheme == "file" and os.path.isabs(path):
-            osp = path  # an fsspec or other local filesystem handed in by the user
+        if osp is None and self.backend.scheme == "file":
+            # An fsspec or other local filesystem handed in by the user, or a
+            # SubTreeFileSystem over the local disk (its paths are relative).
+            absolute = local_absolute(self.filesystem, path)
+            osp = absolute if os.path.isabs(absolute) else None
         if osp is None:
             return self.backend.canonical_uri(path)
         return "file://" + os.path.realpath(osp)

@@ -154,7 +154,7 @@ class Backend:
         base in front, so it names the same directory when pasted back.
         """
         if self.scheme == "file":
-            return "file://" + _local_absolute(self.filesystem, path).replace("%", "%25")
+            return "file://" + local_absolute(self.filesystem, path).replace("%", "%25")
         return f"{self.scheme}://{path.lstrip('/')}"
 
     def canonical_uri(self, path: str) -> str:
@@ -169,7 +169,7 @@ class Backend:
         (:meth:`checkpoint_store.StorageContext.canonical_uri`).
         """
         if self.scheme.lower() in ("file", "local"):
-            path = _local_absolute(self.filesystem, path)
+            path = local_absolute(self.filesystem, path)
         return canonical_uri_text(f"{self.scheme}://{path}")
 
 
@@ -194,11 +194,11 @@ def canonical_uri_text(uri: str) -> str:
     return f"{scheme}://" + ("/" if scheme == "file" else "") + "/".join(parts)
 
 
-def _local_absolute(fs: pafs.FileSystem, path: str) -> str:
+def local_absolute(fs: pafs.FileSystem, path: str) -> str:
     """``path`` of a local filesystem as an absolute OS path: a path inside a
     ``SubTreeFileSystem`` over the local disk gets the subtree's base in front."""
     if isinstance(fs, pafs.SubTreeFileSystem) and not path.startswith("/"):
-        return posixpath.join(_local_absolute(fs.base_fs, fs.base_path.rstrip("/")), path)
+        return posixpath.join(local_absolute(fs.base_fs, fs.base_path.rstrip("/")), path)
     return path
 
 

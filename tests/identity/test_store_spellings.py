@@ -222,3 +222,13 @@ def test_file_uri_without_a_path_is_refused(tmp_path):
     result = _cli("ls", "file://")
     assert result.exit_code == 2
     assert "names no path" in result.output
+
+
+def test_subtree_filesystem_is_another_spelling_of_the_local_trial(tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    fs = pafs.SubTreeFileSystem(str(base), pafs.LocalFileSystem())
+    with CheckpointManager(CheckpointConfig(1), StorageContext(str(base / "pf"), "e", "t")):
+        with pytest.raises(TrialInUseError):
+            CheckpointManager(CheckpointConfig(1),
+                              StorageContext("pf", "e", "t", storage_filesystem=fs))
