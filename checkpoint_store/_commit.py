@@ -173,7 +173,9 @@ class CommitProtocol(abc.ABC):
         if write is None:
             assert src_fs is not None and src_dir is not None
             files = source_files(src_fs, src_dir, include=is_checkpoint_data,
-                                 confine_links=confine_links, retry=self.retry)
+                                 confine_links=confine_links, retry=self.retry,
+                                 dest_caps=self.caps,
+                                 dest_name=self.dest.name or self.dest.scheme)
         contents = _Contents(src_fs, src_dir, files, write, previous)
         return self._commit(contents, dest_dir, internal, writer_id, claim_timeout)
 

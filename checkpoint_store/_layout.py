@@ -204,25 +204,59 @@ def clock_probe_name(token: str) -> str:
     return f"{CLOCK_PROBE_PREFIX}{token}"
 
 
-def refuse_reserved(value: str, what: str) -> str:
-    """Refuse an experiment or trial name that starts with ``.cs_``.
+#: The files a trial directory holds besides its checkpoints.
+TRIAL_FILES = frozenset({RESULT_FILE, PARAMS_FILE, MANAGER_STATE, ERROR_FILE})
 
-    That prefix marks our own files and directories (staging, claims,
-    leases); a trial so named would make its experiment look like a trial to
-    every walk. Every other name, dot-names included, is seen by every walk
-    of a storage root (docs/format.md).
+
+def is_reserved_name(name: str) -> bool:
+    """True for a name our layout uses inside a trial, which no experiment or
+    trial may take: ``checkpoint_NNNNNN``, a trial file (``result.json``,
+    ``params.json``, ``error.txt``, the manager state), a checkpoint's
+    metadata file, or anything of ours (``.cs_*``, :func:`is_internal_name`).
+
+    A trial so named would make its experiment look like a trial to every
+    walk of a storage root (``ls``, ``verify``, ``cp``), which reads a
+    directory holding such a name as a trial (docs/format.md).
+    """
+    return (is_internal_name(name)
+            or name in TRIAL_FILES
+            or name in (USER_METADATA, INTERNAL_METADATA)
+            or parse_checkpoint_dir_name(name) is not None)
+
+
+def refuse_reserved(value: str, what: str) -> str:
+    """Refuse an experiment or trial name that :func:`is_reserved_name` holds.
+
+    Every other name, dot-names included, is seen by every walk of a storage
+    root (docs/format.md).
+
+    Returns:
+        ``value`` unchanged.
 
     Raises:
-        InvalidConfigError: the name starts with ``.cs_``.
+        InvalidConfigError: naming ``what``, the name and why.
     """
     from checkpoint_store.errors import InvalidConfigError
 
-    if is_internal_name(value):
+    if is_reserved_name(value):
+        why = (f"starts with {INTERNAL_PREFIX!r}, which checkpoint-store reserves for its own "
+               "files" if is_internal_name(value) else
+               "is a name checkpoint-store uses inside a trial")
         raise InvalidConfigError(
-            f"{what} {value!r} starts with {INTERNAL_PREFIX!r}, which checkpoint-store "
-            "reserves for its own files; choose another name"
+            f"{what} {value!r} {why}: a trial or experiment so named would make its "
+            "experiment look like a trial to ls, verify and cp; choose another name"
         )
     return value
+
+
+def check_run_name(value: str, what: str) -> str:
+    """An experiment or trial name: one path component (:func:`validate_component`)
+    that is not reserved (:func:`refuse_reserved`).
+
+    Raises:
+        InvalidConfigError: see both.
+    """
+    return refuse_reserved(validate_component(value, what), what)
 
 
 # -- helper names of a commit ---------------------------------------------------

@@ -27,10 +27,10 @@ from checkpoint_store._layout import (
     FORMAT_VERSION,
     PARAMS_FILE,
     RESULT_FILE,
+    check_run_name,
     checkpoint_dir_name,
     is_internal_file,
     parse_checkpoint_dir_name,
-    refuse_reserved,
     validate_component,
 )
 from checkpoint_store._manifest import (
@@ -65,7 +65,11 @@ class StorageContext:
             ``storage_filesystem``, a path inside that filesystem, used as given
             apart from a trailing ``/``.
         experiment_name, trial_name: one path component each (no ``/``,
-            ``\\``, ``.`` or ``..``).
+            ``\\``, ``.`` or ``..``), not a name our layout uses inside a
+            trial (:func:`~checkpoint_store._layout.is_reserved_name`:
+            ``checkpoint_NNNNNN``, ``result.json``, ``.cs_*`` ...), and with
+            no character the backend cannot store
+            (:attr:`~checkpoint_store.backends.Capabilities.unsupported_name_characters`).
         storage_filesystem: a ``pyarrow.fs.FileSystem`` or fsspec filesystem
             used for every I/O instead of resolving the URI.
         storage_options: options for the backend factory (credentials ...).
@@ -113,13 +117,15 @@ class StorageContext:
         memory_budget: int | None = None,
         incremental: bool = True,
     ):
-        self.experiment_name = refuse_reserved(
-            validate_component(experiment_name, "experiment_name"), "experiment_name")
-        self.trial_name = refuse_reserved(validate_component(trial_name, "trial_name"),
-                                          "trial_name")
+        self.experiment_name = check_run_name(experiment_name, "experiment_name")
+        self.trial_name = check_run_name(trial_name, "trial_name")
         self.backend, self.storage_path = resolve(
             storage_path, filesystem=storage_filesystem, storage_options=storage_options
         )
+        for part in self.storage_path.split("/"):
+            self.backend.check_name(part, "storage_path component")
+        self.backend.check_name(self.experiment_name, "experiment_name")
+        self.backend.check_name(self.trial_name, "trial_name")
         self.fsync = fsync
         self._init_run(run_id, retry)
         self._init_transfer(max_concurrency, memory_budget, incremental)

@@ -33,7 +33,11 @@ from checkpoint_store._manifest import (
     is_checkpoint_data,
 )
 from checkpoint_store._retry import RetryPolicy
-from checkpoint_store.backends.base import Capabilities
+from checkpoint_store.backends.base import (
+    Capabilities,
+    unstorable_character,
+    unstorable_reason,
+)
 from checkpoint_store.errors import (
     CheckpointNotFoundError,
     UnsafePathError,
@@ -87,7 +91,7 @@ def copy_tree(
     """
     if files is None:
         files = source_files(src_fs, src_root, include=include, confine_links=confine_links,
-                             retry=retry)
+                             retry=retry, dest_caps=dst_caps)
     do_fsync = fsync and dst_caps.needs_fsync
     chunk = chunk_size or dst_caps.chunk_size
     _fsutil.ensure_dir(dst_fs, dst_root, dst_caps, retry=retry)
@@ -122,6 +126,8 @@ def source_files(
     include: Callable[[str], bool] = lambda rel: True,
     confine_links: bool = False,
     retry: RetryPolicy | None = None,
+    dest_caps: Capabilities | None = None,
+    dest_name: str = "the destination",
 ) -> list[tuple[str, int]]:
     """``(relative posix path, size in bytes)`` of every file under ``src_root``
     that ``include`` keeps, sorted, each name checked so the copy stays in its place.
@@ -129,7 +135,10 @@ def source_files(
     One listing, no write. On a local disk symlinks are followed (a linked
     file's bytes are copied, as ``cp -L`` does) unless ``confine_links``,
     which refuses a link leading out of ``src_root``: set it when the source
-    is an existing checkpoint, whose files must all be its own.
+    is an existing checkpoint, whose files must all be its own. With
+    ``dest_caps`` (the destination store's, named ``dest_name`` in messages),
+    a name holding a character that store cannot keep
+    (:attr:`Capabilities.unsupported_name_characters`) is refused too.
 
     Raises:
         CheckpointNotFoundError: ``src_root`` is not a directory.
@@ -138,7 +147,8 @@ def source_files(
             mean the same on every store: ``sub/../../x`` is a literal key on
             S3 and a way out on disk), not UTF-8, or longer than
             :data:`~checkpoint_store._layout.NAME_MAX` bytes; a symlink cycle;
-            a broken symlink; with ``confine_links``, a link leading out.
+            a broken symlink; with ``confine_links``, a link leading out; with
+            ``dest_caps``, a character the destination cannot store.
     """
     if not _fsutil.is_dir(src_fs, src_root, retry=retry):
         raise CheckpointNotFoundError(f"source directory {src_root!r} does not exist")
@@ -149,7 +159,7 @@ def source_files(
         listed = list(_fsutil.walk_files(src_fs, src_root, retry=retry))
     out = []
     for rel, size in listed:
-        why = check_relpath(rel) or _name_problem(rel)
+        why = check_relpath(rel) or _name_problem(rel) or _unstorable(rel, dest_caps, dest_name)
         if why is not None:
             raise UnsafePathError(
                 f"{rel!r} under {src_root!r} {why}; nothing was written. Rename it (or move "
@@ -158,6 +168,14 @@ def source_files(
         if include(rel):
             out.append((rel, size))
     return sorted(out)
+
+
+def _unstorable(rel: str, caps: Capabilities | None, store: str) -> str | None:
+    """Why the destination cannot keep ``rel`` under its own name, or None."""
+    if caps is None:
+        return None
+    char = unstorable_character(rel, caps)
+    return None if char is None else unstorable_reason(char, caps, store)
 
 
 def _name_problem(rel: str) -> str | None:

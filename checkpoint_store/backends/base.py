@@ -44,6 +44,14 @@ class Capabilities:
             (:data:`checkpoint_store._plan.DEFAULT_MEMORY_LIMIT`). Both are
             set per storage with ``StorageContext(max_concurrency=...,
             memory_budget=...)``.
+        unsupported_name_characters: characters the store's client cannot
+            keep in a file or directory name: it would read, write or delete
+            another name (adlfs takes ``?`` as the start of a URL query), so
+            two trials could mix their files. A name holding one is refused
+            with :class:`~checkpoint_store.errors.InvalidConfigError` before
+            anything is written (:func:`unstorable_character`).
+        unsupported_name_hint: what to do instead, appended to that refusal
+            (e.g. another engine that stores the character).
     """
 
     atomic_rename: bool = False
@@ -54,6 +62,24 @@ class Capabilities:
     chunk_size: int = 8 * 1024 * 1024
     concurrency: int = 8
     memory_budget: int | None = None
+    unsupported_name_characters: str = ""
+    unsupported_name_hint: str = ""
+
+
+def unstorable_character(name: str, caps: Capabilities) -> str | None:
+    """The first character of ``name`` that a store with ``caps`` cannot keep
+    in a name (:attr:`Capabilities.unsupported_name_characters`), or None."""
+    for char in name:
+        if char in caps.unsupported_name_characters:
+            return char
+    return None
+
+
+def unstorable_reason(char: str, caps: Capabilities, store: str) -> str:
+    """Why a name holding ``char`` is refused and what to do, for messages."""
+    hint = f" ({caps.unsupported_name_hint})" if caps.unsupported_name_hint else ""
+    return (f"holds {char!r}, which {store} cannot store in a name (its files would be "
+            f"written under another name); choose a name without {char!r}{hint}")
 
 
 LOCAL_CAPABILITIES = Capabilities(
@@ -133,6 +159,30 @@ class Backend:
             InvalidConfigError: a local disk was given a URI instead of a path.
         """
         return canonical_path(self.filesystem, path)
+
+    def check_name(self, name: str, what: str) -> str:
+        """Refuse a name this store cannot keep literally.
+
+        ``name`` is one path component a user chose (experiment, trial, a
+        file of a checkpoint); ``what`` says which, for the message.
+
+        Returns:
+            ``name`` unchanged.
+
+        Raises:
+            InvalidConfigError: ``name`` holds one of
+                :attr:`Capabilities.unsupported_name_characters`, naming the
+                name, the character and the fix. Nothing has been written.
+        """
+        char = unstorable_character(name, self.capabilities)
+        if char is not None:
+            from checkpoint_store.errors import InvalidConfigError
+
+            store = self.name or self.scheme
+            raise InvalidConfigError(
+                f"{what} {name!r} {unstorable_reason(char, self.capabilities, store)}"
+            )
+        return name
 
     def path_from_uri(self, uri: str) -> str:
         """The filesystem path for ``uri`` (``s3://b/k`` -> ``b/k``).

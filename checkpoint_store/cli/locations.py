@@ -22,11 +22,8 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from checkpoint_store import _fsutil
 from checkpoint_store._layout import (
-    ERROR_FILE,
     INTERNAL_METADATA,
-    MANAGER_STATE,
-    PARAMS_FILE,
-    RESULT_FILE,
+    TRIAL_FILES,
     is_internal_name,
     parse_checkpoint_dir_name,
     parse_staging_dir_name,
@@ -67,8 +64,6 @@ LocationKind = Literal[
     "root", "experiment", "trial", "checkpoint", "corrupt", "uncommitted", "empty", "file"
 ]
 
-#: The files a trial directory holds besides its checkpoints.
-TRIAL_FILES = frozenset({RESULT_FILE, PARAMS_FILE, MANAGER_STATE, ERROR_FILE})
 
 _KIND_LABELS: dict[LocationKind, str] = {
     "checkpoint": "a checkpoint", "corrupt": "a corrupt checkpoint",

@@ -14,7 +14,7 @@ import dataclasses
 import os
 import posixpath
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import click
@@ -26,6 +26,7 @@ from checkpoint_store._layout import (
     checkpoint_dir_name,
     is_internal_file,
     parse_checkpoint_dir_name,
+    refuse_reserved,
 )
 from checkpoint_store.cli import common_options, echo_info, storage_option
 from checkpoint_store.cli.locations import (
@@ -98,12 +99,25 @@ def checkpoint_destination(dst: Location, default_name: str | None) -> tuple[Loc
     return dst.child(checkpoint_dir_name(index)), index
 
 
-def _require_fitting_names(dst: Location) -> None:
+def _require_fitting_names(dst: Location, trial: Location,
+                            files: Iterable[str] = ()) -> None:
     """Refuse, before anything is written, a destination whose name has a
-    component no local disk keeps (over 255 bytes): a checkpoint must stay
-    copyable anywhere."""
+    component no local disk keeps (over 255 bytes: a checkpoint must stay
+    copyable anywhere) or a character its store cannot keep; whose ``trial``
+    or experiment (the trial's parent) takes a name our layout reserves
+    (it would make the experiment look like a trial); or a checkpoint file
+    name in ``files`` that the destination store cannot keep.
+
+    Raises:
+        InvalidConfigError: naming the name and what to do.
+    """
     for part in dst.path.split("/"):
         check_name_length(part, "destination name")
+        dst.backend.check_name(part, "destination name")
+    refuse_reserved(trial.name, "destination trial name")
+    refuse_reserved(trial.parent.name, "destination experiment name")
+    for rel in files:
+        dst.backend.check_name(rel, f"file of the checkpoint copied to {dst.uri}:")
 
 
 def _kind_or_none(loc: Location) -> LocationKind | None:
@@ -211,8 +225,10 @@ def upload_cmd(directory: str, uri: str, storage_options: dict[str, Any],
     metrics = _parse_metrics(metrics_json)
     src = resolve_location(os.path.abspath(directory), {})
     dst, index = checkpoint_destination(resolve_location(uri, storage_options), None)
-    _require_fitting_names(dst)
-    files = source_files(src.fs, src.path)  # every name checked before the first write
+    _require_fitting_names(dst, dst.parent)
+    # Every name checked before the first write.
+    files = source_files(src.fs, src.path, dest_caps=dst.backend.capabilities,
+                         dest_name=dst.backend.name or dst.backend.scheme)
     total = sum(size for rel, size in files if not is_internal_file(rel))
     meta = _checkpoint_meta_for(dst, {"metrics": metrics, "world_size": 1}, index)
     with progress_bar(f"upload {dst.name}", total) as bar:
@@ -327,7 +343,8 @@ def _plan_copy(s: Location, d: Location) -> tuple[list[_CopyJob], list[tuple[Loc
     Raises:
         CheckpointNotFoundError: nothing to copy under ``s``.
         CheckpointCorruptError: ``s`` is a single corrupt checkpoint.
-        OSError: a destination name no local disk keeps (nothing written yet).
+        InvalidConfigError: a destination name no local disk or the destination store
+            keeps, a reserved trial or experiment name (nothing written yet).
     """
     kind = classify(s)
     jobs: list[_CopyJob] = []
@@ -349,8 +366,11 @@ def _plan_copy(s: Location, d: Location) -> tuple[list[_CopyJob], list[tuple[Loc
         raise CheckpointNotFoundError(f"no checkpoints under {s.uri}")
     if not jobs and not trial_pairs:
         raise CheckpointNotFoundError(f"no checkpoints under {s.uri}")
-    for target in [j.dst for j in jobs] + [dt for _, dt in trial_pairs]:
-        _require_fitting_names(target)
+    for job in jobs:
+        _require_fitting_names(job.dst, job.dst.parent,
+                               (str(e["path"]) for e in job.meta.get("manifest", [])))
+    for _, dt in trial_pairs:
+        _require_fitting_names(dt, dt)
     return jobs, trial_pairs
 
 

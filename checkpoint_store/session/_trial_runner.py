@@ -17,7 +17,7 @@ from typing import Any
 
 from checkpoint_store import _json
 from checkpoint_store._async import UploadConfig
-from checkpoint_store._layout import validate_component
+from checkpoint_store._layout import check_run_name
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError, TrialStopped
 from checkpoint_store.retention import CheckpointConfig
@@ -59,7 +59,8 @@ class TrialRunner:
 
     Raises:
         InvalidConfigError: ``train_fn`` is not callable, ``config`` is not a
-            JSON object, a name is not one path component, ``checkpoint_config``
+            JSON object, a name is not one path component or is reserved
+            (``checkpoint_NNNNNN``, ``result.json`` ...), ``checkpoint_config``
             is not a CheckpointConfig, ``upload_config`` is not an UploadConfig
             (or repeats upload settings the checkpoint config gives),
             ``storage_options`` is not a dict, or ``stop_timeout_s`` is not a
@@ -96,8 +97,8 @@ class TrialRunner:
             )
         self._train_fn = train_fn
         self._config = _json.to_json_object(config or {}, "config")
-        validate_component(experiment_name, "experiment_name")
-        validate_component(trial_name, "trial_name")
+        check_run_name(experiment_name, "experiment_name")
+        check_run_name(trial_name, "trial_name")
         _check_upload_config(upload_config, _check_checkpoint_config(checkpoint_config))
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise InvalidConfigError(
@@ -379,11 +380,12 @@ class TrialRunner:
 
         Raises:
             InvalidConfigError: ``new_config`` is not a JSON object, or
-                ``trial_name`` is not one path component (the thread goes on).
+                ``trial_name`` is not one path component or is reserved (the
+                thread goes on).
         """
         clean = _json.to_json_object(new_config or {}, "config")
         if trial_name is not None:
-            validate_component(trial_name, "trial_name")
+            check_run_name(trial_name, "trial_name")
         if not self._end_thread(_STOPPED, timeout):
             return False
         with self._cv:

@@ -42,8 +42,12 @@ Paths and names: every spelling of one storage path (``bucket/runs``,
 instance names one place whose listings match it
 (:meth:`~checkpoint_store.backends.Backend.normalize_path`); names holding
 ``[``, ``*`` or ``?`` are literal on every listing, delete, copy and move,
-so trial ``t[x]`` never touches trial ``tx``; and concurrent readers of one
-checkpoint each get the right bytes.
+so trial ``t[x]`` never touches trial ``tx``; a character the backend
+declares it cannot store
+(:attr:`~checkpoint_store.backends.Capabilities.unsupported_name_characters`)
+is refused with ``InvalidConfigError`` in experiment, trial and checkpoint
+file names before anything is written, and the other checks leave such names
+out; and concurrent readers of one checkpoint each get the right bytes.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from __future__ import annotations
 import os
 import posixpath
 import random
+import re
 import threading
 import uuid
 from collections.abc import Callable, Mapping
@@ -68,6 +73,7 @@ from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     CheckpointConflictError,
     CheckpointNotFoundError,
+    InvalidConfigError,
 )
 from checkpoint_store.registry import resolve
 from checkpoint_store.storage import StorageContext
@@ -150,6 +156,15 @@ class BackendTests:
     @pytest.fixture
     def backend(self, resolved: tuple[Backend, str]) -> Backend:
         return resolved[0]
+
+    @pytest.fixture(autouse=True)
+    def _declared_unstorable(self, backend: Backend) -> None:
+        # Names holding these are checked for refusal, and left out elsewhere.
+        self._unstorable = set(backend.capabilities.unsupported_name_characters)
+
+    def _storable(self, name: str) -> str:
+        """``name`` without the characters the backend declares it cannot store."""
+        return "".join(c for c in name if c not in self._unstorable)
 
     @pytest.fixture
     def root(self, resolved: tuple[Backend, str]) -> str:
@@ -252,7 +267,8 @@ class BackendTests:
     def _src(self, tmp_path: Path, spec: Mapping[str, int] = SAMPLE_TREE,
              name: str = "src") -> str:
         src = tmp_path / f"{name}-{uuid.uuid4().hex[:6]}"
-        make_tree(src, spec)
+        make_tree(src, {rel: size for rel, size in spec.items()
+                        if not set(rel) & self._unstorable})
         return str(src)
 
     def test_directory_round_trip(self, storage_location: StorageLocation,
@@ -287,10 +303,11 @@ class BackendTests:
 
     def test_special_names_in_storage_path(self, storage_location: StorageLocation,
                                            tmp_path: Path) -> None:
-        odd = storage_location.join("a dir", "100% #1 ünï 名")
+        odd = storage_location.join("a dir", self._storable("100% #1 ünï 名"))
         ctx = self._context(odd)
         ckpt = ctx.persist_checkpoint(
-            Checkpoint.from_directory(self._src(tmp_path, {"f g#%.txt": 10})), 0, {}
+            Checkpoint.from_directory(self._src(tmp_path, {self._storable("f g#%.txt"): 10})),
+            0, {}
         )
         assert ckpt.uri == self._base_uri(odd) + "/exp/trial/checkpoint_000000"
         again = Checkpoint(ckpt.uri, storage_options=dict(storage_location.storage_options))
@@ -469,14 +486,8 @@ class BackendTests:
     # Each name is a glob pattern that matches some of the others.
     _PATTERN_NAMES = ("tx", "t[x]", "t*", "ta", "t?")
 
-    #: Characters the store cannot hold in a name; names with them are left
-    #: out of the literal-name checks. Narrow it only for a documented limit
-    #: of the store's client (adlfs reads ``?`` as the start of a URL query).
-    unsupported_name_characters: str = ""
-
     def _pattern_names(self) -> list[str]:
-        return [n for n in self._PATTERN_NAMES
-                if not set(n) & set(self.unsupported_name_characters)]
+        return [n for n in self._PATTERN_NAMES if not set(n) & self._unstorable]
 
     def test_glob_characters_are_literal_on_the_filesystem(
         self, backend: Backend, root: str
@@ -557,6 +568,40 @@ class BackendTests:
         run("sweep[lr=0.1]", "t", 2, 1)
         assert kept("sweepl", "t") == [0, 1]
         assert kept("sweep[lr=0.1]", "t") == [1]
+
+    def test_declared_unstorable_names_are_refused(
+        self, storage_location: StorageLocation, backend: Backend, root: str, tmp_path: Path
+    ) -> None:
+        """Each character in ``Capabilities.unsupported_name_characters`` is
+        refused, with the name and the character in the message, in an
+        experiment or trial name and in a checkpoint's file name, before
+        anything is written (a silent write under another name would mix
+        trials)."""
+        from checkpoint_store import session
+
+        if not self._unstorable:
+            pytest.skip("the backend declares no character it cannot store")
+        opts = dict(storage_location.storage_options)
+        for i, char in enumerate(sorted(self._unstorable)):
+            for experiment, trial, name in (("exp", f"t*1{char}", f"t*1{char}"),
+                                            (f"e{char}", "t", f"e{char}"),
+                                            ("exp", f"{char}t", f"{char}t")):
+                with pytest.raises(InvalidConfigError, match=re.escape(repr(name))) as info:
+                    StorageContext(storage_location.uri, experiment, trial,
+                                   storage_options=opts)
+                assert repr(char) in str(info.value)
+                with pytest.raises(InvalidConfigError, match=re.escape(repr(char))):
+                    session.start(storage_path=storage_location.uri, storage_options=opts,
+                                  experiment_name=experiment, trial_name=trial)
+            src = tmp_path / f"bad-{i}"
+            make_tree(src, {"ok.bin": 3, f"sub/w{char}": 4})
+            with pytest.raises(InvalidConfigError, match=re.escape(f"sub/w{char}")):
+                self._context(storage_location).persist_checkpoint(
+                    Checkpoint.from_directory(str(src)), 0, {})
+        fs = backend.filesystem
+        written = ([fi.path for fi in _fsutil.list_tree(fs, root) if fi.is_file]
+                   if _fsutil.exists(fs, root) else [])
+        assert written == []
 
     # -- readers ------------------------------------------------------------------------
 

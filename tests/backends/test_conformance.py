@@ -42,10 +42,6 @@ class TestS3S3fs(BackendTests):
 
 
 class TestAzure(BackendTests):
-    # adlfs parses every path as a URL: '?' starts a query and the rest of the
-    # name is lost (pyarrow's Azure engine holds it).
-    unsupported_name_characters = "?"
-
     @pytest.fixture
     def storage_location(self, azure_location):
         return azure_location

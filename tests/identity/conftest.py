@@ -53,3 +53,10 @@ def make_store(kind: str, request: pytest.FixtureRequest, tmp_path: Any) -> Stor
 def store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
     """A fresh storage root on each backend."""
     return make_store(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=["local", "memory"])
+def near_store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
+    """Local disk and memory only: for cases whose refusal comes before any
+    backend is reached, or that the ``store`` tests cover elsewhere."""
+    return make_store(request.param, request, tmp_path)

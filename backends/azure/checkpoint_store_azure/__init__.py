@@ -65,6 +65,15 @@ AZURE_CAPABILITIES = Capabilities(
     directories=False,
     chunk_size=32 * 1024 * 1024,
     concurrency=8,
+    # adlfs parses every path as a URL (fsspec's infer_storage_options): a '?'
+    # or '#' that ends a name starts an empty query or fragment and is dropped,
+    # so a file "d/a?" is written as the blob "d/a", and listing or deleting
+    # trial "t?" lists or deletes trial "t" (measured against Azurite, adlfs
+    # 2026.8). The pyarrow engine writes and lists such names but deletes
+    # through adlfs, and those deletes fail. Elsewhere in a name both survive
+    # only by how adlfs re-appends a non-empty query: refused everywhere.
+    unsupported_name_characters="?#",
+    unsupported_name_hint="adlfs, which both Azure engines use, reads it as part of a URL",
 )
 
 _ENGINES = ("adlfs", "pyarrow")
@@ -262,7 +271,8 @@ def azure_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:
 
     Returns:
         An :class:`AzureBackend` with :data:`AZURE_CAPABILITIES` (marker-last
-        commit: blob storage has no atomic directory rename).
+        commit: blob storage has no atomic directory rename); names holding
+        ``?`` or ``#`` are refused (see the capabilities' comment).
 
     Raises:
         InvalidConfigError: unknown engine or options the engine rejects.

@@ -1,0 +1,111 @@
+"""A name the backend cannot store is refused before anything is written,
+never written under another name. adlfs reads a ``?`` or ``#`` that ends a
+name as an empty URL query or fragment and drops it, so trial ``t*1?`` wrote
+into trial ``t*1``'s blobs; the Azure backend declares both characters
+(``Capabilities.unsupported_name_characters``) and every entry point refuses
+them: ``session.start``, ``StorageContext``, checkpoint file names in uploads
+and copies, the CLI's destinations."""
+
+from __future__ import annotations
+
+import pyarrow.fs as pafs
+import pytest
+from click.testing import CliRunner
+
+from checkpoint_store import Checkpoint, InvalidConfigError, StorageContext, session
+from checkpoint_store.backends import Capabilities
+from checkpoint_store.cli import main
+from checkpoint_store.errors import UnsafePathError
+from checkpoint_store.testing import StorageLocation
+from checkpoint_store.transfer import copy_tree
+
+
+def _cli(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+@pytest.fixture(params=["adlfs", "pyarrow"])
+def azure(request, azure_server, azure_container):
+    """Azure with each engine, and a view of its blobs behind the backend's back."""
+    loc = StorageLocation(f"abfs://{azure_container}/runs",
+                          azure_server.storage_options(request.param))
+    return loc, lambda: dict(azure_server.list_blobs(azure_container))
+
+
+def _opts(loc: StorageLocation) -> list[str]:
+    return [a for k, v in loc.storage_options.items() for a in ("-o", f"{k}={v}")]
+
+
+def _src(tmp_path, files: dict[str, bytes], name: str = "src"):
+    d = tmp_path / name
+    for rel, data in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_bytes(data)
+    return d
+
+
+def test_a_trial_named_with_a_trailing_question_mark_is_refused_not_mixed(azure, tmp_path):
+    loc, blobs = azure
+    opts = dict(loc.storage_options)
+    with session.start(storage_path=loc.uri, storage_options=opts,
+                       experiment_name="exp", trial_name="t*1"):
+        session.report({"a": 1}, checkpoint=Checkpoint.from_directory(
+            _src(tmp_path, {"w.bin": b"t*1's weights"})))
+    before = blobs()
+    for trial in ("t*1?", "t*1#"):
+        with pytest.raises(InvalidConfigError, match=r"trial_name 't\*1.'.*holds '.'"):
+            session.start(storage_path=loc.uri, storage_options=opts,
+                          experiment_name="exp", trial_name=trial)
+    with pytest.raises(InvalidConfigError, match="experiment_name 'exp#'"):
+        StorageContext(loc.uri, "exp#", "t", storage_options=opts)
+    with pytest.raises(InvalidConfigError, match="storage_path component 'runs\\?'"):
+        StorageContext(loc.uri + "?", "exp", "t", storage_options=opts)
+    assert blobs() == before
+
+
+def test_a_checkpoint_file_the_store_cannot_name_is_refused_before_the_first_write(
+        azure, tmp_path):
+    loc, blobs = azure
+    ctx = StorageContext(loc.uri, "exp", "t", storage_options=dict(loc.storage_options))
+    src = _src(tmp_path, {"a.bin": b"a", "sub/opt?": b"o", "z.bin": b"z"})
+    with pytest.raises(UnsafePathError, match=r"'sub/opt\?'.*holds '\?'.*Azure"):
+        ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
+    with session.start(storage_path=loc.uri, storage_options=dict(loc.storage_options),
+                       experiment_name="exp", trial_name="t"):
+        with pytest.raises(InvalidConfigError, match=r"'sub/opt\?'"):
+            session.report({"a": 1}, checkpoint=Checkpoint.from_directory(src))
+        assert session.get_checkpoint() is None
+    assert [k for k in blobs() if "/t/checkpoint_" in k] == []
+
+
+def test_cli_upload_and_cp_refuse_unstorable_names(azure, tmp_path):
+    loc, blobs = azure
+    good = _src(tmp_path, {"w.bin": b"w"}, "good")
+    bad = _src(tmp_path, {"w.bin": b"w", "notes#": b"n"}, "bad")
+    res = _cli("upload", str(good), f"{loc.uri}/exp/t#", *_opts(loc))
+    assert res.exit_code != 0 and "'t#'" in res.output and "'#'" in res.output
+    res = _cli("upload", str(bad), f"{loc.uri}/exp/t", *_opts(loc))
+    assert res.exit_code != 0 and "'notes#'" in res.output
+    # cp of a trial whose second checkpoint holds such a file: refused before
+    # the first checkpoint is copied.
+    local = str(tmp_path / "local")
+    with session.start(storage_path=local, experiment_name="exp", trial_name="t"):
+        session.report({"i": 0}, checkpoint=Checkpoint.from_directory(good))
+        session.report({"i": 1}, checkpoint=Checkpoint.from_directory(bad))
+    res = _cli("cp", f"{local}/exp/t", f"{loc.uri}/exp/t", *_opts(loc))
+    assert res.exit_code != 0 and "'notes#'" in res.output
+    assert blobs() == {}
+
+
+def test_copy_tree_checks_names_against_the_destination(tmp_path):
+    # The path per-rank uploads take: no Backend at hand, only its capabilities.
+    src = _src(tmp_path, {"a.bin": b"a", "b~c": b"b"})
+    dst = tmp_path / "dst"
+    caps = Capabilities(directories=True, unsupported_name_characters="~",
+                        unsupported_name_hint="rename it")
+    local = pafs.LocalFileSystem()
+    with pytest.raises(UnsafePathError, match=r"'b~c'.*holds '~'.*\(rename it\)"):
+        copy_tree(local, str(src), local, str(dst), caps)
+    assert not dst.exists()
+    copy_tree(local, str(src), local, str(dst), Capabilities(directories=True))
+    assert (dst / "b~c").read_bytes() == b"b"
