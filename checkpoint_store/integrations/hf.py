@@ -11,8 +11,9 @@ Usage::
                                            checkpoint_score_order="min"))
     restore_latest("out", storage_path="s3://bucket/runs", experiment_name="bert",
                    trial_name="run0")          # after a crash or on a new machine
-    trainer = Trainer(model, args, ..., callbacks=[callback])
-    trainer.train(resume_from_checkpoint=restore_latest(...) is not None)
+    with callback:                             # ends the session however train() ends
+        trainer = Trainer(model, args, ..., callbacks=[callback])
+        trainer.train(resume_from_checkpoint=restore_latest(...) is not None)
 
 Each ``on_save`` of the Trainer reports the metrics of the last evaluation
 (plus ``global_step`` and ``epoch``) with ``<output_dir>/checkpoint-<step>``,
@@ -29,15 +30,25 @@ Where HF fails and this does not (see docs/hf.md):
 * Rotation by ``save_total_limit`` runs inside the next save; the upload
   here is finished when ``on_save`` returns, so rotation never removes a
   directory that is still being uploaded.
+
+A ``TrainerCallback`` hears of no exception: when ``trainer.train()`` raises,
+``on_train_end`` never runs. ``with callback:`` around training ends the
+session with that exception (``error.txt``, lease released). Without it, the
+session is ended when the interpreter exits, with the exception that ended
+the program if there was one (``sys.last_exc``).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
+import sys
 import time
+import weakref
 from collections.abc import Mapping
+from types import TracebackType
 from typing import Any
 
 import filelock
@@ -101,7 +112,13 @@ class CheckpointStoreCallback(TrainerCallback):
         sync_timeout_s: with several ranks, the longest wait for the others.
 
     The session starts at ``on_train_begin`` (rank, world size from
-    ``TrainingArguments``) and ends at ``on_train_end``. Every rank calls
+    ``TrainingArguments``) and ends at ``on_train_end``. HF calls no
+    callback when ``trainer.train()`` raises, so use the callback as a
+    context manager around training: leaving the ``with`` block ends the
+    session with the exception (recorded in the trial's ``error.txt``, see
+    docs/sessions.md) and releases the trial's lease. A session still open
+    when the interpreter exits is ended then, with the exception that ended
+    the program, if any. Every rank calls
     ``on_save``: after a barrier (when ``torch.distributed`` is initialised)
     rank 0 uploads ``checkpoint-<global_step>`` of the run directory, the
     other ranks report metrics only; the checkpoint is committed once it is
@@ -137,6 +154,15 @@ class CheckpointStoreCallback(TrainerCallback):
         self._metrics: dict[str, Any] = {}
         self.session: Session | None = None
 
+    def __enter__(self) -> CheckpointStoreCallback:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close(exc)
+
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -147,6 +173,7 @@ class CheckpointStoreCallback(TrainerCallback):
                 local_rank=max(args.local_process_index, 0),
                 sync_timeout_s=self._sync_timeout_s,
             )
+            _OPEN.add(self)
 
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -180,11 +207,40 @@ class CheckpointStoreCallback(TrainerCallback):
     ) -> None:
         self.close()
 
-    def close(self) -> None:
-        """End the session (idempotent); ``on_train_end`` calls it."""
+    def close(self, error: BaseException | None = None) -> None:
+        """End the session (idempotent); ``on_train_end`` and leaving a
+        ``with callback:`` block call it.
+
+        Args:
+            error: the exception that ended training, recorded in the trial's
+                ``error.txt`` (:meth:`Session.close`); None for a clean end.
+        """
         sess, self.session = self.session, None
+        _OPEN.discard(self)
         if sess is not None:
-            sess.close()
+            sess.close(error)
+
+
+# Callbacks whose session is open: ended at interpreter exit if training
+# raised outside a ``with callback:`` block (HF calls no callback then).
+_OPEN: weakref.WeakSet[CheckpointStoreCallback] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    # The interpreter sets sys.last_exc (3.12+) or sys.last_value to an
+    # uncaught exception after printing it, before atexit handlers run.
+    error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if error is None:
+        error = CheckpointStoreError(
+            "the process exited while trainer.train() was running (on_train_end never ran)")
+    for callback in list(_OPEN):
+        try:
+            callback.close(error)
+        except Exception:  # one failure must not keep other sessions open
+            logger.exception("could not end the session of %r at exit", callback)
+
+
+atexit.register(_close_at_exit)
 
 
 def restore_latest(

@@ -151,3 +151,85 @@ def test_crash_mid_upload_commits_nothing_of_that_save(tmp_path, s3_location):
     assert sorted(_committed_steps(storage)) == [2, 4]
     assert "checkpoint_000002" in storage.scan().uncommitted
     assert restore_latest(tmp_path / "again", **kw) == str(tmp_path / "again" / "checkpoint-4")
+
+
+class _FailingTrainer(Trainer):
+    """A Trainer whose fifth training step raises (a bad batch, an OOM)."""
+
+    def training_step(self, *args, **kwargs):
+        if self.state.global_step == 4:
+            raise RuntimeError("step 5 failed")
+        return super().training_step(*args, **kwargs)
+
+
+def _failing_train(output_dir, callback) -> None:
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, num_labels=2))
+    args = TrainingArguments(
+        output_dir=str(output_dir), max_steps=8, per_device_train_batch_size=8,
+        eval_strategy="no", save_strategy="steps", save_steps=2, report_to=[], use_cpu=True,
+        seed=0, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    _FailingTrainer(model=model, args=args, train_dataset=_data(64, 1),
+                    callbacks=[callback]).train()
+
+
+def _error_text(storage: StorageContext) -> str | None:
+    from checkpoint_store import _fsutil
+    from checkpoint_store._layout import ERROR_FILE
+
+    path = os.path.join(storage.trial_path, ERROR_FILE)
+    if not _fsutil.exists(storage.filesystem, path):
+        return None
+    return _fsutil.read_bytes(storage.filesystem, path).decode()
+
+
+def test_a_raising_train_inside_with_records_the_error_and_releases_the_trial(
+        tmp_path, s3_location):
+    from checkpoint_store import session
+
+    kw = {"storage_path": s3_location.uri, "storage_options": s3_location.storage_options,
+          "experiment_name": "bert", "trial_name": "run0"}
+    callback = CheckpointStoreCallback(**kw)
+    with pytest.raises(RuntimeError, match="step 5 failed"), callback:
+        _failing_train(tmp_path / "out", callback)
+    assert callback.session is None
+    storage = StorageContext(s3_location.uri, "bert", "run0",
+                             storage_options=s3_location.storage_options)
+    assert sorted(_committed_steps(storage)) == [2, 4]
+    text = _error_text(storage)
+    assert text is not None and "RuntimeError: step 5 failed" in text
+    # The lease is released now, not when this process exits: a restart starts.
+    with session.start(**kw) as sess:
+        assert sess.get_checkpoint().internal_metadata["metrics"]["global_step"] == 4
+
+
+_SCRIPT = """
+import sys
+sys.path[:0] = {paths!r}
+import test_hf
+from checkpoint_store.integrations.hf import CheckpointStoreCallback
+
+callback = CheckpointStoreCallback({root!r}, experiment_name="bert", trial_name="run0")
+test_hf._failing_train({out!r}, callback)   # raises; no with block, no on_train_end
+"""
+
+
+def test_a_raising_train_without_with_is_recorded_at_exit(tmp_path):
+    import subprocess
+    import sys
+
+    root, out = str(tmp_path / "store"), str(tmp_path / "out")
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = _SCRIPT.format(paths=[here, *sys.path], root=root, out=out)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 1 and "step 5 failed" in proc.stderr, proc.stderr[-2000:]
+    storage = StorageContext(root, "bert", "run0")
+    assert sorted(_committed_steps(storage)) == [2, 4]
+    text = _error_text(storage)
+    assert text is not None and "RuntimeError: step 5 failed" in text
+    lease = [n for n in os.listdir(storage.trial_path) if "lease" in n]
+    assert lease == [], lease
