@@ -20,7 +20,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, _fsutil, session
 from checkpoint_store.backends.base import LiteralFSSpecHandler
-from checkpoint_store.errors import PermanentBackendError
+from checkpoint_store.errors import InvalidConfigError, PermanentBackendError
 from checkpoint_store.testing import StorageLocation
 
 
@@ -62,7 +62,10 @@ def _kept(loc: StorageLocation, experiment: str, trial: str) -> list[int]:
 
 def test_trial_t_star_1_question_evicts_and_restarts(location, tmp_path, request):
     if "azure-pyarrow" not in request.node.name and "azure" in request.node.name:
-        pytest.skip("adlfs reads '?' as the start of a URL query: the name cannot be stored")
+        # adlfs drops a trailing '?' (a URL query): refused, never mixed with trial "t*1".
+        with pytest.raises(InvalidConfigError, match=r"trial_name 't\*1\?' holds '\?'"):
+            _run(location, tmp_path, "e", "t*1?", 2, 1)
+        return
     assert _run(location, tmp_path, "e", "t*1?", 2, 1) == 1
     assert _kept(location, "e", "t*1?") == [1]  # checkpoint_000000 is gone
     assert _run(location, tmp_path, "e", "t*1?", 1, 1) == 2  # the lease was released

@@ -38,6 +38,7 @@ Credentials are never printed: ``repr(backend)`` names the engine only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import urllib.parse
@@ -55,7 +56,7 @@ from checkpoint_store.backends.base import (
 )
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
-__all__ = ["AZURE_CAPABILITIES", "AzureBackend", "azure_backend"]
+__all__ = ["AZURE_CAPABILITIES", "AzureBackend", "azure_backend", "engine_capabilities"]
 
 AZURE_CAPABILITIES = Capabilities(
     atomic_rename=False,  # flat namespace: no directory rename at all
@@ -65,16 +66,33 @@ AZURE_CAPABILITIES = Capabilities(
     directories=False,
     chunk_size=32 * 1024 * 1024,
     concurrency=8,
-    # adlfs parses every path as a URL (fsspec's infer_storage_options): a '?'
-    # or '#' that ends a name starts an empty query or fragment and is dropped,
-    # so a file "d/a?" is written as the blob "d/a", and listing or deleting
-    # trial "t?" lists or deletes trial "t" (measured against Azurite, adlfs
-    # 2026.8). The pyarrow engine writes and lists such names but deletes
-    # through adlfs, and those deletes fail. Elsewhere in a name both survive
-    # only by how adlfs re-appends a non-empty query: refused everywhere.
-    unsupported_name_characters="?#",
-    unsupported_name_hint="adlfs, which both Azure engines use, reads it as part of a URL",
 )
+
+# adlfs parses every path as a URL (fsspec's infer_storage_options): a '?' or
+# '#' that ends a path starts an empty query or fragment and is dropped, so a
+# file "d/a?" is written as the blob "d/a", and listing or deleting trial "t?"
+# lists or deletes trial "t" (measured against Azurite, adlfs 2026.8). Inside
+# a name both survive only by how adlfs re-appends a non-empty query: refused
+# everywhere. The pyarrow engine writes and lists both, and deletes through
+# adlfs: deleting a directory or file whose name ends in '#' fails there, so
+# '#' is refused. A trial "t*1?" is deleted blob by blob and works; only a
+# checkpoint file whose name ends in '?' fails to delete (loudly:
+# PermanentBackendError, retried by retention), so '?' stays allowed.
+_UNSUPPORTED_NAME_CHARACTERS = {"adlfs": "?#", "pyarrow": "#"}
+_NAME_HINTS = {
+    "adlfs": "for '?', storage_options={'engine': 'pyarrow'} stores it",
+    "pyarrow": "adlfs, which this engine deletes with, reads it as a URL fragment",
+}
+
+
+def engine_capabilities(engine: str) -> Capabilities:
+    """:data:`AZURE_CAPABILITIES` plus the name characters ``engine`` cannot store."""
+    return dataclasses.replace(
+        AZURE_CAPABILITIES,
+        unsupported_name_characters=_UNSUPPORTED_NAME_CHARACTERS[engine],
+        unsupported_name_hint=_NAME_HINTS[engine],
+    )
+
 
 _ENGINES = ("adlfs", "pyarrow")
 _ENV = {
@@ -271,8 +289,9 @@ def azure_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:
 
     Returns:
         An :class:`AzureBackend` with :data:`AZURE_CAPABILITIES` (marker-last
-        commit: blob storage has no atomic directory rename); names holding
-        ``?`` or ``#`` are refused (see the capabilities' comment).
+        commit: blob storage has no atomic directory rename) and the name
+        characters its engine cannot store (:func:`engine_capabilities`:
+        ``?`` and ``#`` with adlfs, ``#`` with pyarrow).
 
     Raises:
         InvalidConfigError: unknown engine or options the engine rejects.
@@ -284,7 +303,7 @@ def azure_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:
     return AzureBackend(
         _rebuild(uri, options),
         scheme=scheme,
-        capabilities=AZURE_CAPABILITIES,
+        capabilities=engine_capabilities(ours["engine"]),
         name=f"Azure Blob ({ours['engine']})",
         # Rebuilding (expired SAS or token) reads the options and the
         # AZURE_STORAGE_* variables afresh. A partial, not a closure: Checkpoints pickle.
