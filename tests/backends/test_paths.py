@@ -95,5 +95,10 @@ def test_any_key_round_trips_through_uri_and_path(scheme, segments):
     backend, path = resolve(uri, storage_options=_opts(uri))
     assert path.rstrip("/").endswith(key)
     assert backend.uri_for(path) == uri
+    if set(key) & set(backend.capabilities.unsupported_name_characters):
+        # A name the store cannot keep is refused before anything is written.
+        with pytest.raises(InvalidConfigError, match="storage_path component"):
+            StorageContext(uri + "/", "e", "t", storage_options=_opts(uri))
+        return
     ctx = StorageContext(uri + "/", "e", "t", storage_options=_opts(uri))
     assert ctx.uri(ctx.trial_path) == f"{uri}/e/t"
