@@ -9,6 +9,7 @@ and :mod:`~checkpoint_store.transfer`, :mod:`~checkpoint_store.storage`,
 from typing import TYPE_CHECKING, Any
 
 from checkpoint_store.errors import (
+    AmbiguousMetricError,
     BackendUnavailableError,
     CheckpointAbortedError,
     CheckpointConflictError,
@@ -51,6 +52,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointStoreError",
     "CredentialsExpiredError",
+    "AmbiguousMetricError",
     "InvalidConfigError",
     "MetadataError",
     "PermanentBackendError",

@@ -12,6 +12,7 @@ so that every exception checkpoint-store raises has one home; it derives from
 from __future__ import annotations
 
 __all__ = [
+    "AmbiguousMetricError",
     "BackendUnavailableError",
     "CheckpointAbortedError",
     "CheckpointConflictError",
@@ -37,6 +38,12 @@ class CheckpointStoreError(Exception):
 
 class InvalidConfigError(CheckpointStoreError, ValueError):
     """An argument or configuration value is not valid. Nothing was written."""
+
+
+class AmbiguousMetricError(InvalidConfigError, LookupError):
+    """Two different values are reachable under one metric name once the metrics are
+    flattened with ``/`` (``"a/b/c"`` in ``{"a": {"b/c": 1}, "a/b": {"c": 2}}``).
+    Rename one of them."""
 
 
 class MetadataError(InvalidConfigError, TypeError):

@@ -38,8 +38,11 @@ in this list:
 * :mod:`~checkpoint_store.retention.config`: :class:`CheckpointConfig`.
 * :mod:`~checkpoint_store.retention.scoring`: :func:`lookup_metric`,
   :func:`score_of` and :func:`rank_key`, the one order every ranking uses.
-* :mod:`~checkpoint_store.retention.selection`: :func:`select_kept` and its
-  incremental form; retention policies slot in beside it.
+* :mod:`~checkpoint_store.retention.policies`: the policies (``BestN``,
+  ``LatestN``, ``EveryNSteps``, ``EveryNSeconds``, ``Steps``, ``AnyOf``, a
+  callable) and :func:`evaluate`, the one evaluation.
+* :mod:`~checkpoint_store.retention.selection`: :func:`select_kept`,
+  :func:`explain_kept` and the manager's incremental form.
 * :mod:`~checkpoint_store.retention.lease`: the lease and its keeper thread,
   :func:`live_lease`.
 * :mod:`~checkpoint_store.retention.state`: the state file.
@@ -51,6 +54,21 @@ from __future__ import annotations
 from checkpoint_store.retention.config import CheckpointConfig, MissingScore, ScoreOrder
 from checkpoint_store.retention.lease import LEASE_FILE, LeaseBody, live_lease
 from checkpoint_store.retention.manager import CheckpointManager
+from checkpoint_store.retention.policies import (
+    AnyOf,
+    BestN,
+    Custom,
+    EveryNSeconds,
+    EveryNSteps,
+    KeepAll,
+    LatestN,
+    PolicyCheckpoint,
+    RetentionPolicy,
+    Steps,
+    UnstoredPolicy,
+    evaluate,
+    policy_from_json,
+)
 from checkpoint_store.retention.scoring import (
     NOT_FOUND,
     lookup_metric,
@@ -58,10 +76,24 @@ from checkpoint_store.retention.scoring import (
     score_of,
     score_or_none,
 )
-from checkpoint_store.retention.selection import CheckpointRecord, select_kept
+from checkpoint_store.retention.selection import CheckpointRecord, explain_kept, select_kept
 
 __all__ = [
+    "AnyOf",
+    "BestN",
     "CheckpointConfig",
+    "Custom",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "KeepAll",
+    "LatestN",
+    "PolicyCheckpoint",
+    "RetentionPolicy",
+    "Steps",
+    "UnstoredPolicy",
+    "evaluate",
+    "explain_kept",
+    "policy_from_json",
     "CheckpointManager",
     "CheckpointRecord",
     "LEASE_FILE",

@@ -12,10 +12,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from checkpoint_store._async import StagingMode, UploadConfig, UploadMode
 from checkpoint_store.errors import InvalidConfigError
+
+if TYPE_CHECKING:
+    from checkpoint_store.retention.policies import RetentionPolicy
 
 __all__ = ["CheckpointConfig", "MissingScore", "ScoreOrder"]
 
@@ -38,6 +41,13 @@ _UPLOAD_FIELDS = ("upload_mode", "max_pending_uploads", "staging")
 class CheckpointConfig:
     """Which checkpoints to keep. Same semantics as Ray Train's ``CheckpointConfig``.
 
+    ``CheckpointConfig(num_to_keep=K, checkpoint_score_attribute=A,
+    checkpoint_score_order=O, missing_score=M)`` is shorthand for
+    ``policy=AnyOf(BestN(K, A, O, M), LatestN(1))`` (``LatestN(1)`` comes
+    from ``keep_latest``). ``CheckpointConfig(policy=...)`` takes any policy
+    of :mod:`checkpoint_store.retention.policies` (or a callable); see
+    :meth:`effective_policy` and docs/retention.md.
+
     Args:
         num_to_keep: how many best checkpoints to keep (int >= 1), or None to
             keep every checkpoint.
@@ -51,6 +61,10 @@ class CheckpointConfig:
             below every number (with a warning), ``"keep"`` keeps it and never
             evicts it (it does not count towards K), ``"raise"`` refuses the
             report with :class:`InvalidConfigError`.
+        policy: a retention policy (or a callable ``checkpoints -> indexes``);
+            with ``keep_latest`` the latest is preserved too. Excludes
+            ``num_to_keep``. Score fields left unset are taken from the
+            policy's first :class:`BestN` (they decide ``best_checkpoint``).
         upload_mode, max_pending_uploads, staging: deprecated; pass
             ``upload_config=UploadConfig(...)`` to ``session.start`` or
             :class:`~checkpoint_store.TrialRunner` instead. Still honoured
@@ -60,7 +74,8 @@ class CheckpointConfig:
     Raises:
         InvalidConfigError: at construction, for any invalid value (say
             ``num_to_keep=0``, ``2.5`` or ``True``; an empty attribute; an
-            order other than ``"max"``/``"min"``; a bad upload setting).
+            order other than ``"max"``/``"min"``; a bad upload setting; a
+            ``policy`` that is not a policy, or given with ``num_to_keep``).
     """
 
     num_to_keep: int | None = None
@@ -71,9 +86,12 @@ class CheckpointConfig:
     upload_mode: UploadMode | None = field(default=None, repr=False)
     max_pending_uploads: int | None = field(default=None, repr=False)
     staging: StagingMode | None = field(default=None, repr=False)
+    policy: RetentionPolicy | None = None
 
     def __post_init__(self) -> None:
         self._check_retention()
+        if self.policy is not None:
+            self._take_policy()
         if self.legacy_upload_config() is not None:
             warnings.warn(
                 "CheckpointConfig(upload_mode=..., max_pending_uploads=..., staging=...) is "
@@ -107,6 +125,40 @@ class CheckpointConfig:
                 f"missing_score must be one of {_MISSING_POLICIES}, got {self.missing_score!r}"
             )
 
+    def _take_policy(self) -> None:
+        from checkpoint_store.retention.policies import as_policy, best_policies
+
+        if self.num_to_keep is not None:
+            raise InvalidConfigError(
+                "pass either num_to_keep (top-K shorthand) or policy=..., not both; "
+                "num_to_keep=K is AnyOf(BestN(K, ...), LatestN(1))"
+            )
+        policy = as_policy(self.policy)
+        object.__setattr__(self, "policy", policy)
+        best = best_policies(policy)
+        if best and self.checkpoint_score_attribute is None:
+            # The first BestN ranks for best_checkpoint, the CLI's best and Optuna.
+            object.__setattr__(self, "checkpoint_score_attribute", best[0].attribute)
+            object.__setattr__(self, "checkpoint_score_order", best[0].order)
+            object.__setattr__(self, "missing_score", best[0].missing_score)
+
+    def effective_policy(self) -> RetentionPolicy:
+        """The rules as one policy: ``policy`` (plus ``LatestN(1)`` under
+        ``keep_latest``), or the shorthand ``AnyOf(BestN(num_to_keep,
+        checkpoint_score_attribute, checkpoint_score_order, missing_score),
+        LatestN(1))`` (``LatestN(1)`` only under ``keep_latest``; ``KeepAll()``
+        when ``num_to_keep`` is None)."""
+        from checkpoint_store.retention.policies import AnyOf, BestN, KeepAll, LatestN
+
+        if self.policy is not None:
+            main: RetentionPolicy = self.policy
+        elif self.num_to_keep is None:
+            return KeepAll()
+        else:
+            main = BestN(self.num_to_keep, self.checkpoint_score_attribute,
+                         self.checkpoint_score_order, self.missing_score)
+        return AnyOf(main, LatestN(1)) if self.keep_latest else main
+
     def legacy_upload_config(self) -> UploadConfig | None:
         """The upload settings given through the deprecated keywords (unset ones
         take :class:`UploadConfig`'s defaults), or None when none was given.
@@ -118,8 +170,12 @@ class CheckpointConfig:
         return UploadConfig(**given) if given else None
 
     def to_json(self) -> dict[str, Any]:
-        """The retention fields as a JSON object (stored in the manager state)."""
-        return {k: getattr(self, k) for k in _RETENTION_FIELDS}
+        """The retention fields as a JSON object (stored in the manager state);
+        a policy adds ``"policy"``, its own JSON form."""
+        obj = {k: getattr(self, k) for k in _RETENTION_FIELDS}
+        if self.policy is not None:
+            obj["policy"] = self.policy.to_json()
+        return obj
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> CheckpointConfig:
@@ -128,4 +184,9 @@ class CheckpointConfig:
         Raises:
             InvalidConfigError: a value is invalid.
         """
-        return cls(**{k: obj[k] for k in _RETENTION_FIELDS if k in obj})
+        fields = {k: obj[k] for k in _RETENTION_FIELDS if k in obj}
+        if obj.get("policy") is not None:
+            from checkpoint_store.retention.policies import policy_from_json
+
+            fields["policy"] = policy_from_json(obj["policy"])
+        return cls(**fields)

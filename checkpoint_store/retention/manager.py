@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import posixpath
+import time
 import uuid
 import warnings
 import weakref
@@ -34,8 +35,9 @@ from checkpoint_store.errors import (
 )
 from checkpoint_store.retention.config import CheckpointConfig
 from checkpoint_store.retention.lease import Lease
+from checkpoint_store.retention.policies import PolicyCheckpoint, check_metrics, evaluate
 from checkpoint_store.retention.scoring import config_score, missing_score_error, score_of
-from checkpoint_store.retention.selection import Entry, Selection
+from checkpoint_store.retention.selection import Entry, Selection, check_report
 from checkpoint_store.retention.state import (
     ManagerState,
     StoredCheckpoint,
@@ -82,6 +84,14 @@ def _scan(storage: StorageContext) -> _Scan:
             scan.committed.append(_Committed(meta["index"], name, meta))
     scan.committed.sort(key=lambda c: c.index)
     return scan
+
+
+def _created_at(meta: Mapping[str, Any]) -> float | None:
+    """``created_at`` of internal metadata, when it is a number."""
+    value = meta.get("created_at")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
 
 
 def _run_id_of(committed: list[_Committed], trial_name: str) -> str:
@@ -196,9 +206,16 @@ class CheckpointManager:
         Raises:
             MetadataError: ``metrics`` is not a JSON object of serialisable values.
             InvalidConfigError: the score is not numeric, or missing under
-                ``missing_score="raise"``.
+                ``missing_score="raise"``; a policy answers with something other
+                than indexes.
         """
-        _json.to_json_object(metrics, "metrics")
+        clean = _json.to_json_object(metrics, "metrics")
+        if self.config.policy is not None:
+            check_metrics(self.config.policy, clean)
+            # A policy that answers badly is refused before anything is uploaded.
+            views = [e.view() for e in self._sel.ordered()]
+            views.append(PolicyCheckpoint(self._next_index, "", clean, time.time()))
+            evaluate(self.config.effective_policy(), views)
         attr = self.config.checkpoint_score_attribute
         if attr is None:
             return
@@ -236,11 +253,12 @@ class CheckpointManager:
             )
         clean = _json.to_json_object(metrics, "metrics")
         index = self._registrable_index(checkpoint)
-        score = config_score(self.config, clean, index, self._warned, stacklevel=3)
+        score = check_report(self.config, clean, index, self._warned, stacklevel=3)
         dir_name = posixpath.basename(checkpoint.path.rstrip("/"))
         if dir_name in self._pending:
             self._pending.remove(dir_name)
-        evicted = self._sel.add(Entry(index, dir_name, score, clean))
+        created_at = _created_at(checkpoint.internal_metadata)
+        evicted = self._sel.add(Entry(index, dir_name, score, clean, created_at))
         self._next_index = max(self._next_index, index + 1)
         names = [e.dir_name for e in evicted]
         self._pending.extend(n for n in names if n not in self._pending)
@@ -453,7 +471,8 @@ class CheckpointManager:
                 metrics = stored[name].metrics if name in stored else {}
             score = config_score(self.config, metrics, index, self._warned, lenient=True,
                                  stacklevel=6)
-            evicted.extend(self._sel.add(Entry(index, name, score, dict(metrics))))
+            evicted.extend(self._sel.add(Entry(index, name, score, dict(metrics),
+                                               _created_at(meta))))
         for e in evicted:
             if e.dir_name not in self._pending:
                 self._pending.append(e.dir_name)

@@ -1,6 +1,6 @@
 """Scores and the one rank order: how a checkpoint's metrics become a place in a ranking.
 
-Owns the metric lookup (a literal key, else a ``/``-separated nested path),
+Owns the metric lookup (a literal key, else the metrics flattened with ``/``),
 what counts as a score (a real number; NaN and absent count as missing), the
 ``missing_score`` rule of :class:`~checkpoint_store.retention.CheckpointConfig`,
 and :func:`rank_key`, the order every ranking of checkpoints uses: the
@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Final, TypeVar
 
-from checkpoint_store.errors import InvalidConfigError
+from checkpoint_store.errors import AmbiguousMetricError, InvalidConfigError
 from checkpoint_store.retention.config import CheckpointConfig, ScoreOrder
 
 __all__ = [
@@ -40,20 +40,60 @@ RankKey = tuple[int, float, _N]
 
 
 def lookup_metric(metrics: Mapping[str, Any], attribute: str) -> Any:
-    """``metrics[attribute]`` if that literal key exists, else the value along the
-    ``/``-separated path (``"eval/loss"`` -> ``metrics["eval"]["loss"]``).
+    """The value ``attribute`` names in ``metrics``, the way Ray Tune finds a metric.
+
+    ``metrics[attribute]`` if that literal key exists; else the metrics
+    flattened with ``/``, so ``"nested/sub/attr"`` finds
+    ``{"nested": {"sub/attr": 5}}``, ``{"nested/sub": {"attr": 5}}`` and
+    ``{"nested": {"sub": {"attr": 5}}}`` alike. The one lookup of the
+    library: the manager, policies, the CLI, the Optuna integration and the
+    web UI all call it.
 
     Returns:
         The value, or :data:`NOT_FOUND` when absent.
+
+    Raises:
+        AmbiguousMetricError: two different values are reachable under
+            ``attribute``; the message names both paths.
     """
     if attribute in metrics:
         return metrics[attribute]
-    node: Any = metrics
-    for part in attribute.split("/"):
-        if not isinstance(node, Mapping) or part not in node:
-            return NOT_FOUND
-        node = node[part]
-    return node
+    found = _flat_matches(metrics, attribute, ())
+    if not found:
+        return NOT_FOUND
+    path, value = found[0]
+    for other_path, other in found[1:]:
+        if not _same(value, other):
+            raise AmbiguousMetricError(
+                f"metric {attribute!r} is ambiguous: {_show(path)} = {value!r} but "
+                f"{_show(other_path)} = {other!r}; rename one of them in the reported metrics"
+            )
+    return value
+
+
+def _flat_matches(node: Mapping[str, Any], rest: str,
+                  path: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
+    """Every ``(key path, value)`` whose keys joined with ``/`` spell ``rest``."""
+    found: list[tuple[tuple[str, ...], Any]] = []
+    for key, value in node.items():
+        if not isinstance(key, str):
+            continue
+        if key == rest and path:  # the literal top-level key was tried first
+            found.append(((*path, key), value))
+        elif rest.startswith(key + "/") and isinstance(value, Mapping):
+            found.extend(_flat_matches(value, rest[len(key) + 1:], (*path, key)))
+    return found
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # an array's ambiguous truth value: not provably the same
+        return False
+
+
+def _show(path: tuple[str, ...]) -> str:
+    return "metrics" + "".join(f"[{k!r}]" for k in path)
 
 
 def score_of(metrics: Mapping[str, Any], attribute: str) -> float | None:

@@ -20,9 +20,10 @@ from typing import Any
 
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.retention.config import CheckpointConfig, ScoreOrder
+from checkpoint_store.retention.policies import PolicyCheckpoint, check_metrics, evaluate
 from checkpoint_store.retention.scoring import RankKey, config_score, rank_key
 
-__all__ = ["CheckpointRecord", "Entry", "Selection", "select_kept"]
+__all__ = ["CheckpointRecord", "Entry", "Selection", "check_report", "explain_kept", "select_kept"]
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,14 @@ class CheckpointRecord:
         index: the checkpoint index from its internal metadata (defines order).
         dir_name: the directory name relative to the trial (``checkpoint_000042``).
         metrics: the metrics reported with it (the score is looked up here).
+        created_at: Unix seconds from its internal metadata (``EveryNSeconds``
+            reads it; None: not recorded).
     """
 
     index: int
     dir_name: str
     metrics: Mapping[str, Any]
+    created_at: float | None = None
 
 
 @dataclass(slots=True)
@@ -49,6 +53,11 @@ class Entry:
     dir_name: str
     score: float | None
     metrics: Mapping[str, Any]
+    created_at: float | None = None
+
+    def view(self) -> PolicyCheckpoint:
+        """This entry as a policy sees it."""
+        return PolicyCheckpoint(self.index, self.dir_name, self.metrics, self.created_at)
 
 
 def _order(config: CheckpointConfig) -> ScoreOrder:
@@ -56,18 +65,11 @@ def _order(config: CheckpointConfig) -> ScoreOrder:
     return config.checkpoint_score_order if config.checkpoint_score_attribute else "max"
 
 
-def _preserved(config: CheckpointConfig, kept: Mapping[str, Entry],
-               rank: Mapping[str, RankKey[int]], latest: int | None) -> set[str]:
-    """The names some rule of ``config`` preserves: the union of the rules."""
-    keep_missing = config.missing_score == "keep" and config.checkpoint_score_attribute is not None
-    ranked = [n for n, e in kept.items() if not keep_missing or e.score is not None]
-    ranked.sort(key=rank.__getitem__, reverse=True)
-    preserve = set(ranked[: config.num_to_keep])
-    if keep_missing:
-        preserve.update(n for n, e in kept.items() if e.score is None)
-    if config.keep_latest:
-        preserve.update(n for n, e in kept.items() if e.index == latest)
-    return preserve
+def _preserved(config: CheckpointConfig, kept: Mapping[str, Entry]) -> set[str]:
+    """The names some policy of ``config`` preserves (:func:`evaluate`)."""
+    by_index = {e.index: n for n, e in kept.items()}
+    keep = evaluate(config.effective_policy(), (e.view() for e in kept.values()))
+    return {by_index[i] for i in keep}
 
 
 class Selection:
@@ -83,8 +85,6 @@ class Selection:
         self._order = _order(config)
         self.kept: dict[str, Entry] = {}
         self.latest_index: int | None = None
-        # Rank keys are computed once per entry: _trim runs on every registration.
-        self._rank: dict[str, RankKey[int]] = {}
 
     def key(self, entry: Entry) -> RankKey[int]:
         """``entry``'s :func:`rank_key` under this config."""
@@ -96,7 +96,6 @@ class Selection:
         name = entry.dir_name
         self.kept.pop(name, None)
         self.kept[name] = entry
-        self._rank[name] = self.key(entry)
         if self.latest_index is None or entry.index > self.latest_index:
             self.latest_index = entry.index
         return self._trim()
@@ -104,12 +103,10 @@ class Selection:
     def _trim(self) -> list[Entry]:
         k = self.config.num_to_keep
         kept = self.kept
-        if k is None or len(kept) <= k:
+        if self.config.policy is None and (k is None or len(kept) <= k):
             return []
-        keep = _preserved(self.config, kept, self._rank, self.latest_index)
+        keep = _preserved(self.config, kept)
         evicted = [kept.pop(n) for n in list(kept) if n not in keep]
-        for e in evicted:
-            del self._rank[e.dir_name]
         evicted.sort(key=lambda e: e.index)
         return evicted
 
@@ -147,9 +144,10 @@ def select_kept(
     """Split checkpoints into kept and evicted, with exactly the manager's semantics.
 
     A pure function: no storage is touched. The result depends only on the
-    ``(index, score)`` pairs, not on the order of ``records``. A record whose
-    ``dir_name`` repeats replaces the earlier one. Memory besides the output
-    is O(num_to_keep) (plus the NaN/missing ones under ``missing_score="keep"``).
+    set of records (their indexes, metrics and ``created_at``), not on the
+    order of ``records``. A record whose ``dir_name`` repeats replaces the
+    earlier one. For the top-K shorthand, memory besides the output is
+    O(num_to_keep) (plus the NaN/missing ones under ``missing_score="keep"``).
 
     Args:
         records: :class:`CheckpointRecord` or ``(index, dir_name, metrics)``
@@ -161,19 +159,78 @@ def select_kept(
 
     Raises:
         InvalidConfigError: a score is not numeric, or is missing under
-            ``missing_score="raise"``, or a record is malformed.
+            ``missing_score="raise"``, or a record is malformed, or a policy
+            answers with something other than indexes.
+    """
+    kept, evicted, _ = explain_kept(records, config)
+    return kept, evicted
+
+
+def explain_kept(
+    records: Iterable[CheckpointRecord | tuple[int, str, Mapping[str, Any]]],
+    config: CheckpointConfig,
+) -> tuple[list[CheckpointRecord], list[CheckpointRecord], dict[str, tuple[str, ...]]]:
+    """:func:`select_kept`, plus ``dir_name -> labels of the policies that keep it``
+    for each kept record (what ``prune --dry-run`` prints).
+
+    Raises:
+        InvalidConfigError: as :func:`select_kept`.
     """
     if not isinstance(config, CheckpointConfig):
         raise InvalidConfigError(f"config must be a CheckpointConfig, got {type(config).__name__}")
+    if config.policy is not None:
+        kept, evicted = _select_by_policy(map(_as_record, records), config)
+    else:
+        kept, evicted = _select_incrementally(map(_as_record, records), config)
+    entries = {r.index: r for r in kept}
+    views = [PolicyCheckpoint(r.index, r.dir_name, r.metrics, r.created_at) for r in kept]
+    reasons = evaluate(config.effective_policy(), views)
+    return kept, evicted, {entries[i].dir_name: why for i, why in reasons.items()}
+
+
+def check_report(config: CheckpointConfig, metrics: Mapping[str, Any], index: int | None,
+                 warned: set[str], *, stacklevel: int = 3) -> float | None:
+    """The score of a new report under ``config`` (see ``config_score``), after the
+    checks of every :class:`~checkpoint_store.retention.policies.BestN` of its policy.
+
+    Raises:
+        InvalidConfigError: a score is not numeric, or missing under ``"raise"``.
+    """
+    if config.policy is not None:
+        check_metrics(config.policy, metrics, index)
+    return config_score(config, metrics, -1 if index is None else index, warned,
+                        stacklevel=stacklevel + 1)
+
+
+def _select_incrementally(
+    records: Iterable[CheckpointRecord], config: CheckpointConfig,
+) -> tuple[list[CheckpointRecord], list[CheckpointRecord]]:
     sel = Selection(config)
     warned: set[str] = set()
     evicted: dict[str, CheckpointRecord] = {}
     originals: dict[str, CheckpointRecord] = {}
-    for rec in map(_as_record, records):
-        score = config_score(config, rec.metrics, rec.index, warned, stacklevel=3)
+    for rec in records:
+        score = config_score(config, rec.metrics, rec.index, warned, stacklevel=5)
         evicted.pop(rec.dir_name, None)
         originals[rec.dir_name] = rec
-        for e in sel.add(Entry(rec.index, rec.dir_name, score, rec.metrics)):
+        for e in sel.add(Entry(rec.index, rec.dir_name, score, rec.metrics, rec.created_at)):
             evicted[e.dir_name] = originals.pop(e.dir_name)
     kept = [originals[e.dir_name] for e in sel.ordered()]
     return kept, sorted(evicted.values(), key=lambda r: r.index)
+
+
+def _select_by_policy(
+    records: Iterable[CheckpointRecord], config: CheckpointConfig,
+) -> tuple[list[CheckpointRecord], list[CheckpointRecord]]:
+    """The policy evaluated once over every record: a function of the set."""
+    warned: set[str] = set()
+    latest: dict[str, CheckpointRecord] = {}
+    for rec in records:
+        check_report(config, rec.metrics, rec.index, warned, stacklevel=5)
+        latest.pop(rec.dir_name, None)
+        latest[rec.dir_name] = rec
+    views = [PolicyCheckpoint(r.index, r.dir_name, r.metrics, r.created_at)
+             for r in latest.values()]
+    keep = evaluate(config.effective_policy(), views)
+    ordered = sorted(latest.values(), key=lambda r: r.index)
+    return [r for r in ordered if r.index in keep], [r for r in ordered if r.index not in keep]

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from checkpoint_store.errors import InvalidConfigError
-from checkpoint_store.retention import lookup_metric
+from checkpoint_store.retention import score_or_none
 
 # Marker per checkpoint kind (the same meaning as on the page).
 MARKERS: dict[str, dict[str, Any]] = {
@@ -36,7 +36,8 @@ def _series(trial: Mapping[str, Any], metric: str, x_key: str) -> tuple[
     xs, ys = [], []
     marks: dict[str, list[tuple[float, float]]] = {k: [] for k in MARKERS}
     for row in trial["rows"]:
-        x, y = _number(row.get(x_key)), _number(lookup_metric(row, metric))
+        # An ambiguous or non-numeric value is a gap, not an error.
+        x, y = _number(row.get(x_key)), score_or_none(row, metric)
         if x is None or y is None:
             continue
         xs.append(x)
