@@ -29,7 +29,13 @@ from checkpoint_store.cli.locations import (
     storage_context,
 )
 from checkpoint_store.cli.output import fmt_time, fmt_value, print_json
-from checkpoint_store.cli.scores import metric_value, resolve_metric, stored_metrics, stored_score
+from checkpoint_store.cli.scores import (
+    metric_value,
+    recorded_config,
+    resolve_metric,
+    stored_metrics,
+    stored_score,
+)
 from checkpoint_store.errors import TrialInUseError
 
 __all__ = ["gc_cmd", "prune_cmd", "refuse_if_live"]
@@ -64,22 +70,51 @@ def refuse_if_live(trial: Location, force: bool, what: str) -> None:
 # -- prune ----------------------------------------------------------------------------
 
 
-def _select(committed: list[tuple[Location, dict[str, Any]]], keep: int, metric: str | None,
-            mode: str, keep_latest: bool) -> tuple[list[int], list[int]]:
-    """Positions (into ``committed``) kept and evicted, decided by
-    :func:`checkpoint_store.retention.select_kept`: the manager's exact semantics."""
-    from checkpoint_store.retention import CheckpointConfig, select_kept
+def _select(committed: list[tuple[Location, dict[str, Any]]], config: Any,
+            metric: str | None) -> tuple[list[int], list[int], dict[int, tuple[str, ...]]]:
+    """Positions (into ``committed``) kept and evicted, and for each kept one the
+    policies keeping it, decided by :func:`checkpoint_store.retention.explain_kept`:
+    the manager's exact semantics."""
+    from checkpoint_store.retention import CheckpointRecord, explain_kept
 
-    config = CheckpointConfig(num_to_keep=keep, checkpoint_score_attribute=metric,
-                              checkpoint_score_order=mode, keep_latest=keep_latest)  # type: ignore[arg-type]
-    records = [(int(meta["index"]), ckpt.name, stored_metrics(ckpt, meta))
-               for ckpt, meta in committed]
+    records = [CheckpointRecord(int(meta["index"]), ckpt.name, stored_metrics(ckpt, meta),
+                                _created_at(meta)) for ckpt, meta in committed]
     if metric is not None:  # a stored non-number is named here, not as a usage error
-        for (ckpt, _), (_, _, metrics) in zip(committed, records, strict=True):
-            stored_score(ckpt, metrics, metric)
-    kept, evicted = select_kept(records, config)
+        for (ckpt, _), rec in zip(committed, records, strict=True):
+            stored_score(ckpt, rec.metrics, metric)
+    kept, evicted, why = explain_kept(records, config)
     position = {ckpt.name: i for i, (ckpt, _) in enumerate(committed)}
-    return [position[r.dir_name] for r in kept], [position[r.dir_name] for r in evicted]
+    return ([position[r.dir_name] for r in kept], [position[r.dir_name] for r in evicted],
+            {position[name]: labels for name, labels in why.items()})
+
+
+def _created_at(meta: dict[str, Any]) -> float | None:
+    value = meta.get("created_at")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        else None
+
+
+def _prune_config(loc: Location, keep: int | None, metric: str | None, mode: str | None,
+                  keep_latest: bool) -> tuple[Any, str | None, str]:
+    """``(config, metric, order)``: the shorthand from ``--keep``, else the trial's
+    recorded retention config (its policy included).
+
+    Raises:
+        click.UsageError: no ``--keep`` and nothing recorded to apply.
+    """
+    from checkpoint_store.retention import CheckpointConfig
+
+    if keep is None:
+        config = recorded_config(loc)
+        if config is None or (config.policy is None and config.num_to_keep is None):
+            raise click.UsageError(
+                "--keep is required: this trial records no retention policy to apply"
+            )
+        return config, config.checkpoint_score_attribute, config.checkpoint_score_order
+    metric, order = resolve_metric(loc, metric, mode, required=False)
+    config = CheckpointConfig(num_to_keep=keep, checkpoint_score_attribute=metric,
+                              checkpoint_score_order=order, keep_latest=keep_latest)  # type: ignore[arg-type]
+    return config, metric, order
 
 
 def _print_prune(verb: str, metric: str | None, evicted: Iterable[dict[str, Any]],
@@ -95,7 +130,7 @@ def _print_prune(verb: str, metric: str | None, evicted: Iterable[dict[str, Any]
         n_evicted += 1
     pad = " " * (len(verb) - len("kept"))
     for d in kept:
-        echo_info(f"kept{pad}  {d['uri']}{suffix(d)}")
+        echo_info(f"kept{pad}  {d['uri']}{suffix(d)}  by {', '.join(d['kept_by'])}")
         n_kept += 1
     echo_info(f"{n_evicted} {verb}, {n_kept} kept")
 
@@ -103,8 +138,9 @@ def _print_prune(verb: str, metric: str | None, evicted: Iterable[dict[str, Any]
 @click.command("prune")
 @click.argument("trial")
 @storage_option()
-@click.option("--keep", type=click.IntRange(min=1), required=True, metavar="N",
-              help="How many best checkpoints to keep.")
+@click.option("--keep", type=click.IntRange(min=1), default=None, metavar="N",
+              help="How many best checkpoints to keep. Without it, the retention policy "
+                   "the trial's manager recorded is applied.")
 @click.option("--metric", default=None, metavar="M",
               help="Metric to rank by; nested metrics use '/'. Without it (and without a "
                    "recorded retention attribute) the N most recent are kept.")
@@ -117,10 +153,16 @@ def _print_prune(verb: str, metric: str | None, evicted: Iterable[dict[str, Any]
               help="Prune even while a running job's checkpoint manager holds the trial.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @common_options
-def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int, metric: str | None,
+def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int | None,
+              metric: str | None,
               mode: str | None, keep_latest: bool, dry_run: bool, force: bool,
               as_json: bool) -> None:
     """Apply retention to TRIAL after the fact: keep the best N, delete the rest.
+
+    Without --keep, the retention policy the trial's manager recorded (any
+    CheckpointConfig(policy=...)) is applied. Each kept checkpoint is printed
+    with the policies that keep it (for example "by BestN(1, 'loss', 'min'),
+    LatestN(1)"); a stored user callable cannot be re-run and keeps everything.
 
     Same semantics as CheckpointManager (CheckpointConfig(num_to_keep=N,
     checkpoint_score_attribute=M, checkpoint_score_order=MODE)): NaN or
@@ -137,15 +179,16 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int, metric: st
     """
     loc = resolve_location(trial, storage_options)
     require_trial(loc)
-    metric, order = resolve_metric(loc, metric, mode, required=False)
+    config, metric, order = _prune_config(loc, keep, metric, mode, keep_latest)
     committed = committed_checkpoints(loc)
-    kept, evicted = _select(committed, keep, metric, order, keep_latest)
+    kept, evicted, why = _select(committed, config, metric)
 
     def describe(i: int) -> dict[str, Any]:
         ckpt, meta = committed[i]
         metrics = stored_metrics(ckpt, meta, warn=False)
         return {"name": ckpt.name, "uri": ckpt.uri, "index": meta["index"],
-                "score": metric_value(metrics, metric) if metric else None}
+                "score": metric_value(metrics, metric) if metric else None,
+                "kept_by": list(why.get(i, ()))}
 
     ctx = storage_context(loc)
     deleted = []

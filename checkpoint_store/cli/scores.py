@@ -42,6 +42,24 @@ def score_attribute(trial: Location) -> tuple[str | None, str | None]:
         return None, None
 
 
+def recorded_config(trial: Location) -> Any:
+    """The :class:`~checkpoint_store.retention.CheckpointConfig` recorded in the
+    trial's retention state (its policy included), or None when there is none
+    or it is unreadable.
+
+    Raises:
+        CheckpointStoreError: the recorded config or policy is invalid.
+    """
+    from checkpoint_store.retention import CheckpointConfig
+
+    try:
+        raw = _fsutil.read_bytes(trial.fs, posixpath.join(trial.path, MANAGER_STATE))
+        config = json.loads(raw)["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return CheckpointConfig.from_json(config) if isinstance(config, dict) else None
+
+
 def resolve_metric(trial: Location, metric: str | None, mode: str | None,
                    required: bool) -> tuple[str | None, str]:
     """``(metric, mode)`` from the arguments, else the trial's recorded score
