@@ -127,6 +127,7 @@ def start(
     max_concurrency: int | None = None,
     memory_budget: int | None = None,
     incremental: bool = True,
+    resume_from: Checkpoint | str | os.PathLike[str] | None = None,
     _thread_only: bool = False,
 ) -> _ActiveSession:
     """Start a session; use as ``with session.start(...) as s:``.
@@ -155,10 +156,24 @@ def start(
         max_concurrency, memory_budget, incremental: how checkpoints move
             (requests in flight, bytes buffered at once, reuse of unchanged
             files); see :class:`~checkpoint_store.StorageContext`.
+        resume_from: a committed checkpoint of another run (a
+            :class:`Checkpoint`, a local path or a URI on any backend; pass a
+            ``Checkpoint(uri, storage_options=...)`` for backend options) to
+            start from, the way Ray starts a trial from another run's
+            checkpoint: ``get_checkpoint()`` returns it until this trial
+            commits its own. It is verified (sizes and CRC32C) before anything
+            is written, recorded in ``params.json`` under ``"_resume_from"``,
+            and never registered, moved or deleted by this trial, whatever its
+            retention. This trial's indexes start at 0 as usual.
 
     Raises:
         InvalidConfigError: bad names, location, config or ranks, or several
-            ranks and no attempt id; nothing is written.
+            ranks and no attempt id; ``resume_from`` is not a checkpoint
+            reference, or is one of this trial; nothing is written.
+        CheckpointNotFoundError: ``resume_from`` is missing or not committed;
+            nothing is written.
+        CheckpointCorruptError: ``resume_from`` fails verification; nothing
+            is written.
         CheckpointStoreError: a session is already active in this thread.
         CheckpointConflictError: another live session holds the trial (rank 0).
         RankTimeoutError: a rank > 0 waited ``sync_timeout_s`` for rank 0 to start.
@@ -175,7 +190,7 @@ def start(
     sess = Session(
         storage, checkpoint_config, upload_config=upload_config, config=config,
         world_rank=world_rank, world_size=world_size, local_rank=local_rank,
-        attempt_id=attempt_id, sync_timeout_s=sync_timeout_s,
+        attempt_id=attempt_id, sync_timeout_s=sync_timeout_s, resume_from=resume_from,
     )
     return _ActiveSession(sess, _thread_only)
 

@@ -78,6 +78,11 @@ class SessionContext:
         return self.trial_dir
 
 
+#: The ``params.json`` key recording the checkpoint a trial started from
+#: (``session.start(resume_from=...)``): its URI, index, run id, experiment and trial.
+RESUME_FROM_KEY = "_resume_from"
+
+
 def _int_from(value: int | None, env: str, default: int, what: str) -> int:
     if value is None:
         raw = os.environ.get(env)
@@ -129,6 +134,37 @@ def _check_timeout(value: Any, what: str = "sync_timeout_s") -> float:
             or not math.isfinite(value) or value <= 0):
         raise InvalidConfigError(f"{what} must be a number > 0, got {value!r}")
     return float(value)
+
+
+def _resume_source(value: Any, storage: StorageContext, verify: bool) -> Checkpoint | None:
+    """The checkpoint of another run this trial starts from, checked before
+    anything is written.
+
+    Raises:
+        InvalidConfigError: not a Checkpoint, path or URI, or a checkpoint of
+            this very trial (its own checkpoints resume without it).
+        CheckpointNotFoundError: missing, or not committed.
+        CheckpointCorruptError: a file fails its size or CRC32C (``verify``).
+    """
+    if value is None:
+        return None
+    if not isinstance(value, Checkpoint) and isinstance(value, (str, os.PathLike)):
+        value = Checkpoint(value)
+    if not isinstance(value, Checkpoint):
+        raise InvalidConfigError(
+            f"resume_from must be a Checkpoint, a path or a URI, got {type(value).__name__}"
+        )
+    trial = storage.uri(storage.trial_path).rstrip("/") + "/"
+    if value.uri.startswith(trial):
+        raise InvalidConfigError(
+            f"resume_from {value.uri} is a checkpoint of this trial; get_checkpoint() resumes "
+            "from this trial's own checkpoints without it (resume_from is for another run's)"
+        )
+    if verify:
+        value.verify()  # every byte against the manifest: never start from a torn copy
+    elif not value.is_committed:
+        value.verify()  # raises the typed error naming what is wrong
+    return value
 
 
 def _valid_iteration(value: Any) -> int | None:
@@ -189,6 +225,7 @@ class Session:
         local_rank: int | None = None,
         attempt_id: str | None = None,
         sync_timeout_s: float = 1800.0,
+        resume_from: Checkpoint | str | os.PathLike[str] | None = None,
     ):
         # Every argument is checked before the first storage call: a refused
         # start writes nothing (no trial directory, no params.json).
@@ -208,6 +245,9 @@ class Session:
                 f"world_rank {self.world_rank} must be in [0, world_size={self.world_size})"
             )
         sync_timeout_s = _check_timeout(sync_timeout_s)
+        # Read only, never registered, moved or deleted by this trial: it lives
+        # outside the trial directory, where retention never looks.
+        self._resume_from = _resume_source(resume_from, storage, verify=self.world_rank == 0)
         self._lock = threading.Lock()
         self._closed = False
         # Background uploads of upload_mode="async" (created on first use).
@@ -233,8 +273,8 @@ class Session:
         try:
             # After the lease: a start refused because another session holds
             # the trial leaves that session's params.json alone.
-            if self.config and is_writer:
-                storage.write_params(self.config)
+            if (self.config or self._resume_from is not None) and is_writer:
+                storage.write_params(self._params())
             if is_writer:
                 # Leftovers of crashed writers are removed here, on rank 0 only,
                 # after the lease (no other live run on this trial) and before
@@ -289,7 +329,8 @@ class Session:
 
     def get_checkpoint(self) -> Checkpoint | None:
         """The newest committed checkpoint of this trial (also one written by an
-        earlier process), or None.
+        earlier process); before this trial has one, the ``resume_from``
+        checkpoint given to :func:`~checkpoint_store.session.start`; else None.
 
         A checkpoint found at session start is verified (sizes and CRC32C)
         on the first call; one that fails is skipped with a warning naming
@@ -298,7 +339,20 @@ class Session:
         cands, self._resume_candidates = self._resume_candidates, None
         if cands and self._latest is cands[-1][0]:
             self._latest = self.storage.latest_verified_checkpoint(cands)
-        return self._latest
+        return self._latest if self._latest is not None else self._resume_from
+
+    def _params(self) -> dict[str, Any]:
+        """``params.json``: the config, plus where the trial started from."""
+        params = dict(self.config)
+        source = self._resume_from
+        if source is not None:
+            meta = source.internal_metadata
+            params[RESUME_FROM_KEY] = {
+                "uri": source.uri, "index": meta.get("index"), "run_id": meta.get("run_id"),
+                "experiment_name": meta.get("experiment_name"),
+                "trial_name": meta.get("trial_name"),
+            }
+        return params
 
     def next_checkpoint_dir(self) -> str:
         """Where the next reported checkpoint will live, for writers that save

@@ -56,6 +56,9 @@ class TrialRunner:
         storage_options: backend options for a URI ``storage_path``.
         stop_timeout_s: how long ``stop()``/``pause()``/``reset()`` wait for
             the thread to end, in seconds.
+        resume_from: another run's committed checkpoint to start from, as for
+            :func:`checkpoint_store.session.start` (checked when the thread
+            starts, before anything is written).
 
     Raises:
         InvalidConfigError: ``train_fn`` is not callable, ``config`` is not a
@@ -90,6 +93,7 @@ class TrialRunner:
         synchronous_result_reporting: bool = True,
         storage_options: Mapping[str, Any] | None = None,
         stop_timeout_s: float = 30.0,
+        resume_from: Checkpoint | str | os.PathLike[str] | None = None,
     ):
         if not callable(train_fn):
             raise InvalidConfigError(
@@ -115,6 +119,7 @@ class TrialRunner:
             "upload_config": upload_config,
             "storage_filesystem": storage_filesystem,
             "storage_options": storage_options,
+            "resume_from": resume_from,
         }
         self._sync = synchronous_result_reporting
         self._stop_timeout_s = _check_timeout(stop_timeout_s, "stop_timeout_s")

@@ -61,7 +61,19 @@ def test_without_keep_and_without_a_recorded_policy_is_a_usage_error(tmp_path) -
 def test_shorthand_lines_name_best_and_latest(tmp_path) -> None:
     store = Store(str(tmp_path / "s"))
     make_trial(store, tmp_path, [0.5, 0.2, 0.4, 0.3])
-    res = invoke(["prune", store.join("exp", "t1"), "--keep", "1", "--metric", "loss",
-                  "--mode", "min", "--dry-run", "--json"])
+    res = invoke(
+        [
+            "prune",
+            store.join("exp", "t1"),
+            "--keep",
+            "1",
+            "--metric",
+            "loss",
+            "--mode",
+            "min",
+            "--dry-run",
+            "--json",
+        ]
+    )
     kept_by = {d["index"]: d["kept_by"] for d in json.loads(res.stdout)["kept"]}
     assert kept_by == {1: ["BestN(1, 'loss', 'min')"], 3: ["LatestN(1)"]}
