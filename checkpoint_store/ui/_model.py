@@ -395,14 +395,25 @@ def _read_config(fs: Any, path: str) -> CheckpointConfig | None:
 
 
 def _records(metas: Mapping[str, Mapping[str, Any]]) -> list[CheckpointRecord]:
-    return [CheckpointRecord(m["index"], n, m.get("metrics") or {}) for n, m in metas.items()]
+    return [CheckpointRecord(m["index"], n, m.get("metrics") or {}, _number_or_none(m))
+            for n, m in metas.items()]
+
+
+def _number_or_none(meta: Mapping[str, Any]) -> float | None:
+    value = meta.get("created_at")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        else None
 
 
 def _top(metas: Mapping[str, Mapping[str, Any]], config: CheckpointConfig,
          k: int) -> list[CheckpointRecord]:
     """The best ``k`` committed checkpoints by the retention manager's own ranking."""
     missing = "worst" if config.missing_score == "raise" else config.missing_score
-    rules = dataclasses.replace(config, num_to_keep=k, keep_latest=False, missing_score=missing)
+    # The ranking fields only: a recorded policy decides what is kept, not what is best.
+    rules = CheckpointConfig(num_to_keep=k,
+                             checkpoint_score_attribute=config.checkpoint_score_attribute,
+                             checkpoint_score_order=config.checkpoint_score_order,
+                             keep_latest=False, missing_score=missing)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a missing score is shown, not warned about
         try:

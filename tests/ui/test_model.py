@@ -203,3 +203,24 @@ def test_location_must_hold_trials(local_store: Store) -> None:
     with pytest.raises(InvalidConfigError, match="checkpoint"):
         StoreView(ckpt)
     assert CONFIG.num_to_keep == NUM_TO_KEEP
+
+
+def test_a_trial_under_a_policy_shows_its_best_and_kept(tmp_path: Any) -> None:
+    """A recorded ``CheckpointConfig(policy=...)`` (issue 14): the page ranks by the
+    policy's BestN and marks what the policy kept."""
+    from checkpoint_store import Checkpoint, CheckpointConfig, session
+    from checkpoint_store.retention import AnyOf, BestN, EveryNSteps
+
+    root = str(tmp_path / "store")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.bin").write_bytes(b"w" * 32)
+    cfg = CheckpointConfig(policy=AnyOf(BestN(2, "loss", "min"), EveryNSteps(4)))
+    with session.start(storage_path=root, experiment_name="e", trial_name="t",
+                       checkpoint_config=cfg):
+        for loss in [5, 4, 6, 3, 7, 8, 2, 9, 9, 9]:
+            session.report({"loss": loss}, checkpoint=Checkpoint.from_directory(src))
+    trial = StoreView(root).trial("e", "t")
+    kept = [c["name"] for c in trial["checkpoints"] if c["kind"] != "evicted"]
+    assert kept == [f"checkpoint_{i:06d}" for i in (3, 6, 7, 9)]  # steps 4, 7, 8, 10
+    assert [c["name"] for c in trial["checkpoints"] if c["is_best"]] == ["checkpoint_000006"]
