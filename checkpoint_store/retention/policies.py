@@ -162,13 +162,13 @@ class BestN:
 
     def preserve(self, checkpoints: Sequence[PolicyCheckpoint]) -> set[int]:
         order = self.order if self.attribute is not None else "max"
-        scored = [(self.score(c), c.index) for c in checkpoints]
         keep_missing = self.missing_score == "keep" and self.attribute is not None
-        ranked = [(s, i) for s, i in scored if not keep_missing or s is not None]
-        ranked.sort(key=lambda si: rank_key(si[0], si[1], order), reverse=True)
-        kept = {i for _, i in ranked[: self.n]}
-        if keep_missing:
-            kept.update(i for s, i in scored if s is None)
+        missing = [c for c in checkpoints if keep_missing and self.score(c) is None]
+        ranked = [c for c in checkpoints if c not in missing] if missing else list(checkpoints)
+        # The manager runs this at every registration: no temporary tuples beyond the keys.
+        ranked.sort(key=lambda c: rank_key(self.score(c), c.index, order), reverse=True)
+        kept = {c.index for c in ranked[: self.n]}
+        kept.update(c.index for c in missing)
         return kept
 
     def to_json(self) -> dict[str, Any]:

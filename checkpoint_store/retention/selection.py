@@ -20,7 +20,12 @@ from typing import Any
 
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.retention.config import CheckpointConfig, ScoreOrder
-from checkpoint_store.retention.policies import PolicyCheckpoint, check_metrics, evaluate
+from checkpoint_store.retention.policies import (
+    PolicyCheckpoint,
+    RetentionPolicy,
+    check_metrics,
+    evaluate,
+)
 from checkpoint_store.retention.scoring import RankKey, config_score, rank_key
 
 __all__ = ["CheckpointRecord", "Entry", "Selection", "check_report", "explain_kept", "select_kept"]
@@ -65,10 +70,10 @@ def _order(config: CheckpointConfig) -> ScoreOrder:
     return config.checkpoint_score_order if config.checkpoint_score_attribute else "max"
 
 
-def _preserved(config: CheckpointConfig, kept: Mapping[str, Entry]) -> set[str]:
-    """The names some policy of ``config`` preserves (:func:`evaluate`)."""
+def _preserved(policy: RetentionPolicy, kept: Mapping[str, Entry]) -> set[str]:
+    """The names some part of ``policy`` preserves (:func:`evaluate`)."""
     by_index = {e.index: n for n, e in kept.items()}
-    keep = evaluate(config.effective_policy(), (e.view() for e in kept.values()))
+    keep = evaluate(policy, [e.view() for e in kept.values()])
     return {by_index[i] for i in keep}
 
 
@@ -82,6 +87,7 @@ class Selection:
 
     def __init__(self, config: CheckpointConfig):
         self.config = config
+        self._policy = config.effective_policy()
         self._order = _order(config)
         self.kept: dict[str, Entry] = {}
         self.latest_index: int | None = None
@@ -105,7 +111,7 @@ class Selection:
         kept = self.kept
         if self.config.policy is None and (k is None or len(kept) <= k):
             return []
-        keep = _preserved(self.config, kept)
+        keep = _preserved(self._policy, kept)
         evicted = [kept.pop(n) for n in list(kept) if n not in keep]
         evicted.sort(key=lambda e: e.index)
         return evicted
