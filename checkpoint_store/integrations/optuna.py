@@ -167,7 +167,8 @@ def _metric_value(result: Mapping[str, Any], metric: str) -> float | None:
     try:
         return score_of(result, metric)
     except InvalidConfigError as exc:
-        raise InvalidConfigError(f"{exc}; Optuna needs a number") from None
+        # The same type (AmbiguousMetricError stays one), with what Optuna needs added.
+        raise type(exc)(f"{exc}; Optuna needs a number") from None
 
 
 def _record(trial: Any, runner: Any) -> None:

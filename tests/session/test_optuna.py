@@ -98,3 +98,28 @@ def test_objective_errors(tmp_path):
     with pytest.raises(ZeroDivisionError, match="train_fn failed"):
         objective(boom, storage_path=str(tmp_path), experiment_name="e2", metric="m")(
             study.ask())
+
+
+def test_objective_finds_flattened_metrics_and_refuses_ambiguous_ones(tmp_path):
+    """Ray's lookup (issue 14): ``"nested/sub/attr"`` finds the value whichever way the
+    keys split; two different values under one name are an error naming both."""
+    from checkpoint_store import AmbiguousMetricError
+
+    def train(config):
+        session.report({"nested": {"sub/attr": 1.0}})
+        session.report({"nested/sub": {"attr": 5.0}})
+
+    study = optuna.create_study(direction="maximize")
+    study.optimize(objective(train, lambda t: {}, storage_path=str(tmp_path / "a"),
+                             experiment_name="e", metric="nested/sub/attr", mode="max"),
+                   n_trials=1)
+    assert study.best_value == 5.0
+
+    def ambiguous(config):
+        session.report({"nested": {"sub/attr": 1.0}, "nested/sub": {"attr": 2.0}})
+
+    study = optuna.create_study(direction="maximize")
+    with pytest.raises(AmbiguousMetricError, match=r"\['nested'\]\['sub/attr'\].*\['nested/sub'\]"):
+        study.optimize(objective(ambiguous, lambda t: {}, storage_path=str(tmp_path / "b"),
+                                 experiment_name="e", metric="nested/sub/attr", mode="max"),
+                       n_trials=1)
