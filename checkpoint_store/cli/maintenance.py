@@ -41,12 +41,17 @@ from checkpoint_store.errors import TrialInUseError
 __all__ = ["gc_cmd", "prune_cmd", "refuse_if_live"]
 
 
-def refuse_if_live(trial: Location, force: bool, what: str) -> None:
+def refuse_if_live(trial: Location, force: bool | None, what: str) -> None:
     """Refuse to ``what`` a trial whose checkpoint manager holds a live lease.
 
     A running session renews ``<trial>/.cs_manager_lease.json``; deleting
-    behind its back would fight its own retention. The liveness rule is the
-    managers' own (:func:`checkpoint_store.retention.live_lease`).
+    behind its back would fight its own retention, and writing a checkpoint
+    into it would take the index its next report writes. The liveness rule is
+    the managers' own (:func:`checkpoint_store.retention.live_lease`).
+
+    Args:
+        force: True skips the check; None means the command has no ``--force``
+            (writes into a live trial are never safe), and the message offers none.
 
     Raises:
         TrialInUseError: a live lease, unless ``force``.
@@ -62,8 +67,9 @@ def refuse_if_live(trial: Location, force: bool, what: str) -> None:
     raise TrialInUseError(
         f"a running job manages {trial.uri} (host {lease.get('host')!r}, pid "
         f"{lease.get('pid')}; lease renewed until {fmt_time(lease['expires_at'])} UTC): "
-        f"refusing to {what} behind its back; let it finish, or pass --force if that job "
-        "is gone"
+        f"refusing to {what} behind its back; let it finish"
+        + (", or pass --force if that job is gone" if force is not None else
+           " (or, if that job is gone, wait for its lease to expire)")
     )
 
 

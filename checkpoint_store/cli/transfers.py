@@ -37,17 +37,20 @@ from checkpoint_store.cli.locations import (
     committed_checkpoints,
     list_entries,
     manifest_size,
+    not_committed,
     read_internal,
     require_checkpoint,
     resolve_location,
     trials_under,
 )
+from checkpoint_store.cli.maintenance import refuse_if_live
 from checkpoint_store.cli.output import fmt_size, one_line
 from checkpoint_store.cli.progress import counting_location, expected_files, progress_bar
 from checkpoint_store.errors import (
     CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    InvalidConfigError,
 )
 
 __all__ = ["CopyOutcome", "checkpoint_destination", "cp_cmd", "download_cmd", "upload_cmd"]
@@ -146,6 +149,36 @@ def _require_trial_target(dst: Location) -> None:
         )
 
 
+def _place(loc: Location) -> str:
+    """One spelling of where ``loc`` is, for overlap checks: the real path on a
+    local disk (symlinks and ``..`` resolved), else the URI."""
+    local = _fsutil.local_path(loc.fs, loc.path)
+    return os.path.realpath(local) if local is not None else loc.uri.rstrip("/")
+
+
+def _inside(path: str, base: str) -> bool:
+    return path == base or path.startswith(base.rstrip("/") + "/")
+
+
+def refuse_overlap(src: Location, dst: Location, verb: str) -> None:
+    """Refuse, before the first write, a destination inside the source or a
+    source inside the destination: the write would change the source while it
+    is read (a committed checkpoint would no longer match its manifest).
+
+    Raises:
+        InvalidConfigError: the two overlap (exit code 2, a usage error).
+    """
+    s, d = _place(src), _place(dst)
+    if not (_inside(d, s) or _inside(s, d)):
+        return
+    how = ("is the source" if s == d else "lies inside the source" if _inside(d, s)
+           else "holds the source")
+    raise InvalidConfigError(
+        f"cannot {verb} {src.uri} to {dst.uri}: the destination {how}; choose a "
+        "destination outside it (nothing was written)"
+    )
+
+
 # -- download -------------------------------------------------------------------------
 
 
@@ -171,6 +204,7 @@ def download_cmd(checkpoint: str, dest: str, storage_options: dict[str, Any],
     from checkpoint_store.checkpoint import Checkpoint
 
     loc = resolve_location(checkpoint, storage_options)
+    refuse_overlap(loc, resolve_location(os.path.abspath(dest), {}), "download")
     meta = require_checkpoint(loc)
     total = manifest_size(meta)
     tracked = set(expected_files(loc, meta))
@@ -224,8 +258,13 @@ def upload_cmd(directory: str, uri: str, storage_options: dict[str, Any],
 
     metrics = _parse_metrics(metrics_json)
     src = resolve_location(os.path.abspath(directory), {})
-    dst, index = checkpoint_destination(resolve_location(uri, storage_options), None)
+    target = resolve_location(uri, storage_options)
+    refuse_overlap(src, target, "upload")
+    dst, index = checkpoint_destination(target, None)
     _require_fitting_names(dst, dst.parent)
+    # The running job's next report would take the same index: refused, and
+    # no --force, since a write into a live trial is never safe.
+    refuse_if_live(dst.parent, None, "upload a checkpoint into it")
     # Every name checked before the first write.
     files = source_files(src.fs, src.path, dest_caps=dst.backend.capabilities,
                          dest_name=dst.backend.name or dst.backend.scheme)
@@ -337,8 +376,19 @@ def _copy_trial_files(src: Location, dst: Location) -> None:
                             dst.backend.capabilities)
 
 
-def _plan_copy(s: Location, d: Location) -> tuple[list[_CopyJob], list[tuple[Location, Location]]]:
-    """``(checkpoints to copy, (source trial, destination trial) pairs)`` of ``cp s d``.
+@dataclasses.dataclass
+class _CopyPlan:
+    """What ``cp s d`` does: the checkpoints to copy, the (source trial,
+    destination trial) pairs whose trial files follow, and the corrupt source
+    checkpoints (a marker whose files do not match it) that fail the copy."""
+
+    jobs: list[_CopyJob]
+    trial_pairs: list[tuple[Location, Location]]
+    corrupt: list[CheckpointCorruptError]
+
+
+def _plan_copy(s: Location, d: Location) -> _CopyPlan:
+    """What ``cp s d`` copies; nothing is written yet.
 
     Raises:
         CheckpointNotFoundError: nothing to copy under ``s``.
@@ -349,6 +399,7 @@ def _plan_copy(s: Location, d: Location) -> tuple[list[_CopyJob], list[tuple[Loc
     kind = classify(s)
     jobs: list[_CopyJob] = []
     trial_pairs: list[tuple[Location, Location]] = []
+    corrupt: list[CheckpointCorruptError] = []
     if kind == "checkpoint":
         meta = require_checkpoint(s)
         target, index = checkpoint_destination(d, s.name)
@@ -358,8 +409,16 @@ def _plan_copy(s: Location, d: Location) -> tuple[list[_CopyJob], list[tuple[Loc
             rel = posixpath.relpath(trial.path, s.path)
             dt = d if rel == "." else d.child(rel)
             trial_pairs.append((trial, dt))
-            for ckpt, cmeta in committed_checkpoints(trial):
+            committed = committed_checkpoints(trial)
+            for ckpt, cmeta in committed:
                 jobs.append(_CopyJob(ckpt, cmeta, dt.child(ckpt.name), int(cmeta["index"])))
+            # A marker whose files do not match it (say one extra file) is not
+            # committed, but it is not an unfinished write either: a backup
+            # that left it out silently would lose it.
+            bad, _ = not_committed(trial, [c.name for c, _ in committed])
+            corrupt.extend(CheckpointCorruptError(
+                f"checkpoint {trial.child(name).uri} is corrupt: {found.reason}",
+                path=trial.child(name).path, file=found.file) for name, found in bad)
     elif kind in ("uncommitted", "corrupt"):
         require_checkpoint(s)  # raises, saying which
     else:
@@ -371,7 +430,16 @@ def _plan_copy(s: Location, d: Location) -> tuple[list[_CopyJob], list[tuple[Loc
                                (str(e["path"]) for e in job.meta.get("manifest", [])))
     for _, dt in trial_pairs:
         _require_fitting_names(dt, dt)
-    return jobs, trial_pairs
+    return _CopyPlan(jobs, trial_pairs, corrupt)
+
+
+def _refuse_live_targets(plan: _CopyPlan) -> None:
+    """Refuse a copy into any trial whose running job holds the lease: its next
+    report would meet a checkpoint it did not write (and `best` would pick it)."""
+    trials = {j.dst.parent.path: j.dst.parent for j in plan.jobs}
+    trials.update((dt.path, dt) for _, dt in plan.trial_pairs)
+    for trial in trials.values():
+        refuse_if_live(trial, None, "copy checkpoints into it")
 
 
 def _copy_all(jobs: list[_CopyJob], on_bytes: Callable[[int], None]) -> _CopyTally:
@@ -432,12 +500,17 @@ def cp_cmd(src: str, dst: str, storage_options: dict[str, Any], src_options: dic
     """
     s = resolve_location(src, {**storage_options, **src_options}, options_if_remote=True)
     d = resolve_location(dst, {**storage_options, **dst_options}, options_if_remote=True)
-    jobs, trial_pairs = _plan_copy(s, d)
-    total = sum(manifest_size(j.meta) for j in jobs)
+    refuse_overlap(s, d, "copy")
+    plan = _plan_copy(s, d)
+    _refuse_live_targets(plan)
+    total = sum(manifest_size(j.meta) for j in plan.jobs)
     with progress_bar(f"cp {s.name}", total) as bar:
-        tally = _copy_all(jobs, bar.advance)
-    for trial, dt in trial_pairs:
+        tally = _copy_all(plan.jobs, bar.advance)
+    for trial, dt in plan.trial_pairs:
         _copy_trial_files(trial, dt)
+    for exc in plan.corrupt:
+        echo_info(f"skipped corrupt {one_line(str(exc))}")
+    tally.corrupt[:0] = plan.corrupt
     echo_info(f"copied {tally.copied} checkpoints ({fmt_size(tally.copied_bytes)}) to {d.uri}"
               + (f", {tally.skipped} already there" if tally.skipped else ""))
     if tally.corrupt:

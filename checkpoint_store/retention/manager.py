@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from checkpoint_store import _json
-from checkpoint_store._layout import MANAGER_STATE
-from checkpoint_store._manifest import read_internal_metadata
+from checkpoint_store._layout import MANAGER_STATE, parse_checkpoint_dir_name
+from checkpoint_store._manifest import inspect_checkpoint, read_internal_metadata
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     CheckpointConflictError,
@@ -68,6 +68,7 @@ class _Scan:
     present: set[str] = field(default_factory=set)
     highest_dir_index: int = -1
     uncommitted: list[str] = field(default_factory=list)
+    corrupt: dict[str, str] = field(default_factory=dict)  # name -> what is wrong
 
 
 def _scan(storage: StorageContext) -> _Scan:
@@ -76,12 +77,15 @@ def _scan(storage: StorageContext) -> _Scan:
     for dir_index, name in storage.checkpoint_dirs():
         scan.present.add(name)
         scan.highest_dir_index = max(scan.highest_dir_index, dir_index)
-        meta = read_internal_metadata(storage.filesystem,
-                                      posixpath.join(storage.trial_path, name))
-        if meta is None:
-            scan.uncommitted.append(name)
+        insp = inspect_checkpoint(storage.filesystem, posixpath.join(storage.trial_path, name))
+        if insp.state == "committed" and insp.meta is not None:
+            scan.committed.append(_Committed(insp.meta["index"], name, insp.meta))
+        elif insp.state == "invalid":
+            # A commit marker whose files no longer match it (a file added,
+            # removed or resized): corrupt, not an unfinished write.
+            scan.corrupt[name] = insp.reason or "does not match its manifest"
         else:
-            scan.committed.append(_Committed(meta["index"], name, meta))
+            scan.uncommitted.append(name)
     scan.committed.sort(key=lambda c: c.index)
     return scan
 
@@ -490,6 +494,28 @@ class CheckpointManager:
             following.append(state.next_index)
         self._next_index = max(following)
 
+    def _warn_corrupt(self, scan: _Scan) -> None:
+        """Name each corrupt checkpoint and why; say so louder when it is the
+        newest, since resume then falls back to an older one."""
+        if not scan.corrupt:
+            return
+        storage = self._storage
+        trial = storage.uri(storage.trial_path)
+        newest = max(scan.corrupt, key=lambda n: parse_checkpoint_dir_name(n) or -1)
+        if (parse_checkpoint_dir_name(newest) or -1) == scan.highest_dir_index:
+            fallback = (f"resume falls back to {scan.committed[-1].dir_name}"
+                        if scan.committed else "no committed checkpoint is left to resume from")
+            warnings.warn(
+                f"the newest checkpoint of trial {trial}, {newest}, is corrupt "
+                f"({scan.corrupt[newest]}): {fallback}; `checkpoint-store verify {trial}` "
+                "names every fault", RuntimeWarning, stacklevel=5,
+            )
+        logger.warning(
+            "trial %s holds corrupt checkpoints (files not matching their manifest), ignored "
+            "and never deleted by retention: %s", trial,
+            "; ".join(f"{n} ({why})" for n, why in sorted(scan.corrupt.items())),
+        )
+
     def _log_restore(self, scan: _Scan, state: ManagerState | None, problem: str) -> None:
         storage = self._storage
         if state is None and scan.committed:
@@ -504,6 +530,7 @@ class CheckpointManager:
                 "trial %s holds checkpoints of another run, left alone: %s",
                 storage.uri(storage.trial_path), ", ".join(self._foreign),
             )
+        self._warn_corrupt(scan)
         if self._uncommitted:
             logger.warning(
                 "trial %s holds uncommitted checkpoint directories, ignored and never deleted "

@@ -79,8 +79,8 @@ def test_download_into_the_checkpoint_itself_is_refused(tmp_path):
     before = sorted(os.listdir(ck))
     result = invoke(["download", store.join("exp", "t1", "checkpoint_000000"),
                      os.path.join(ck, "restore")])
-    assert result.exit_code == 1, result.output
-    assert "inside the checkpoint" in result.stderr
+    assert result.exit_code == 2, result.output  # a usage error, as for cp and upload
+    assert "lies inside the source" in result.stderr
     assert sorted(os.listdir(ck)) == before
     assert committed_names(ctx) == ["checkpoint_000000"]
 
