@@ -260,6 +260,39 @@ def join(path: str, *parts: str) -> str:
     return posixpath.join(path, *parts)
 
 
+_TRUE_WORDS = frozenset({"true", "1", "yes"})
+_FALSE_WORDS = frozenset({"false", "0", "no"})
+
+
+def bool_option(key: str, value: Any) -> bool:
+    """A boolean storage option (``anonymous``, ``anon`` ...), parsed strictly.
+
+    Args:
+        key: the option's name, for the error message.
+        value: a bool, or one of ``true/false/1/0/yes/no`` (any case; the CLI's
+            ``-o KEY=VALUE`` passes strings).
+
+    Raises:
+        InvalidConfigError: any other value; a lenient reading would take
+            ``anonymous=maybe`` for true and drop the credentials.
+    """
+    from checkpoint_store.errors import InvalidConfigError
+
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS:
+        return False
+    raise InvalidConfigError(
+        f"storage option {key!r} must be a boolean: true/false, 1/0 or yes/no, "
+        f"not {value!r}"
+    )
+
+
 _OBJECT_STORE_TYPES = frozenset({"s3", "gcs", "abfs"})
 
 

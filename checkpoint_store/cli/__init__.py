@@ -6,9 +6,10 @@ credentials) come from ``-o/--storage-option KEY=VALUE`` or from the usual
 environment variables each backend reads (``AWS_*``, ``AZURE_STORAGE_*``,
 ``GOOGLE_APPLICATION_CREDENTIALS``).
 
-Exit codes: 0 success, 1 failure (not found, corrupt, I/O), 2 usage error
-(bad arguments, unknown scheme, invalid configuration). Errors print as one
-line with a hint; ``--debug`` adds the traceback.
+Exit codes: 0 success, 1 failure (not found, corrupt, conflict, I/O), 2
+usage error (bad arguments, unknown scheme, invalid configuration, a location
+of the wrong kind), 141 when stdout's reader went away (as SIGPIPE would).
+Errors print as one line with a hint; ``--debug`` adds the traceback.
 
 This module owns the command group :func:`main`, the options every command
 shares (:func:`common_options`, :func:`storage_option`) and the mapping of
@@ -29,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterable
@@ -52,6 +54,7 @@ from checkpoint_store.errors import (
 )
 
 __all__ = [
+    "EXIT_BROKEN_PIPE",
     "EXIT_FAILURE",
     "EXIT_OK",
     "EXIT_USAGE",
@@ -67,6 +70,9 @@ __all__ = [
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+#: The reader of stdout went away (``... | head -1``): the status of a process
+#: that SIGPIPE ended (128 + 13), as ``yes | head -1`` leaves it; nothing printed.
+EXIT_BROKEN_PIPE = 141
 
 
 # -- errors -------------------------------------------------------------------------
@@ -161,6 +167,16 @@ class _OneLineLogHandler(logging.Handler):
             self.handleError(record)
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: the pipe's reader is gone, and the flush at
+    exit would otherwise raise BrokenPipeError again (Python's signal docs)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout (a test runner's capture)
+        pass
+
+
 class _Group(click.Group):
     """Turns every error of a command into one line and an exit code."""
 
@@ -180,6 +196,9 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             ctx.exit(130)
+        except BrokenPipeError:
+            _silence_stdout()
+            ctx.exit(EXIT_BROKEN_PIPE)
         except Exception as exc:  # noqa: BLE001 - the one place errors become exit codes
             if _debugging(ctx):
                 traceback.print_exc()

@@ -341,8 +341,15 @@ def require_checkpoint(loc: Location) -> dict[str, Any]:
 
     Raises:
         CheckpointCorruptError: a commit marker is there but the files do not match it.
-        CheckpointNotFoundError: anything else.
+        CheckpointNotFoundError: nothing there, an empty directory, or an
+            uncommitted ``checkpoint_NNNNNN`` directory.
+        InvalidConfigError: a location of another kind (a trial, a file ...),
+            named in the message.
     """
+    if _fsutil.info(loc.fs, loc.path).type == _fsutil.pafs.FileType.File:
+        # A listing of a file fails as a storage error on some backends.
+        raise InvalidConfigError(f"{loc.uri} is a file, not a checkpoint; pass a "
+                                 "checkpoint_NNNNNN directory")
     found = inspect_location(loc)
     if found.state == "committed" and found.meta is not None:
         return found.meta
@@ -357,7 +364,11 @@ def require_checkpoint(loc: Location) -> dict[str, Any]:
             "interrupted write, which `checkpoint-store gc` removes, or a directory made by "
             "hand, which gc reports and leaves alone"
         )
-    raise CheckpointNotFoundError(
-        f"{loc.uri} is {describe_kind(classify(loc))}, not a checkpoint; pass a "
+    kind = classify(loc)
+    if kind == "empty":
+        raise CheckpointNotFoundError(f"{loc.uri} is empty: no checkpoint there")
+    # A location of another kind is a wrong argument (exit 2), as in require_trial.
+    raise InvalidConfigError(
+        f"{loc.uri} is {describe_kind(kind)}, not a checkpoint; pass a "
         "checkpoint_NNNNNN directory"
     )

@@ -26,6 +26,7 @@ import ipaddress
 import json
 import logging
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -170,6 +171,26 @@ def create_app(view: StoreView, *, refresh_s: float = 2.0, host: str = "127.0.0.
     return app
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``.
+
+    Raises:
+        OSError: the port is in use or the address cannot be bound; the
+            message names both and says what to do.
+    """
+    from werkzeug.serving import select_address_family
+
+    family = select_address_family(host, port)
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        err = OSError(f"cannot serve on {host}:{port}: {why}; choose another --port "
+                      "(--port 0 picks a free one)")
+        err.errno = exc.errno  # one line when printed, the cause still testable
+        raise err from None
+
+
 class Server:
     """The app on a werkzeug server in a background thread (for tests and `ui`).
 
@@ -185,7 +206,13 @@ class Server:
 
         self._port = 0
         app = create_app(view, refresh_s=refresh_s, host=host, port_of=lambda: self._port)
-        self._server = make_server(host, port, app, threaded=True)
+        sock = _listen(host, port)
+        try:
+            # werkzeug binds a port itself only to print two lines and sys.exit(1)
+            # when it is busy; a socket we bound raises a plain OSError instead.
+            self._server = make_server(host, port, app, threaded=True, fd=sock.fileno())
+        finally:
+            sock.close()  # werkzeug serves a duplicate of it
         self._port = self._server.server_port
         self.host = host
         self._thread: Any = None

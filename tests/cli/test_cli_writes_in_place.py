@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import os
 import posixpath
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 from cli_helpers import Store, committed_names, invoke, make_trial, write_tree
 
 from checkpoint_store import Checkpoint, CheckpointConfig, _fsutil, session
-from checkpoint_store.cli import EXIT_FAILURE, EXIT_USAGE
+from checkpoint_store.cli import EXIT_BROKEN_PIPE, EXIT_FAILURE, EXIT_USAGE
 
 pytestmark = pytest.mark.filterwarnings("ignore:retention state .* is missing:RuntimeWarning")
 
@@ -110,3 +114,100 @@ def test_resume_warns_when_the_newest_checkpoint_is_corrupt(near_store: Store, t
                           trial_name="t1"):
         ck = session.get_checkpoint()
     assert ck is not None and posixpath.basename(ck.path) == "checkpoint_000001"
+
+
+# -- exit codes and messages of the same family ----------------------------------------
+
+
+def _exe() -> str:
+    return os.path.join(os.path.dirname(sys.executable), "checkpoint-store")
+
+
+@pytest.mark.parametrize("args", [["show", "{ck}"], ["ls", "{trial}", "--json"]])
+def test_a_closed_stdout_ends_quietly(tmp_path, args) -> None:
+    """`checkpoint-store show CKPT | head -1` printed `error: [Errno 32] Broken pipe`."""
+    store = Store(str(tmp_path / "s"))
+    make_trial(store, tmp_path, [0.5, 0.4])
+    trial = store.join("exp", "t1")
+    argv = [a.format(ck=f"{trial}/checkpoint_000000", trial=trial) for a in args]
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the first byte, as after `head -1`
+    try:
+        proc = subprocess.run([_exe(), *argv], stdout=w, stderr=subprocess.PIPE, text=True,
+                              timeout=120)
+    finally:
+        os.close(w)
+    assert proc.returncode == EXIT_BROKEN_PIPE
+    assert proc.stderr == ""
+
+
+def test_ui_on_a_busy_port_is_one_error_line(tmp_path) -> None:
+    pytest.importorskip("flask")
+    busy = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = busy.getsockname()[1]
+        res = invoke(["ui", str(tmp_path), "--port", str(port)])
+    finally:
+        busy.close()
+    assert res.exit_code == EXIT_FAILURE, res.output
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot serve on 127.0.0.1:")
+    assert "--port" in lines[0]
+
+
+def test_a_location_of_the_wrong_kind_is_a_usage_error_for_every_command(
+        near_store: Store, tmp_path) -> None:
+    make_trial(near_store, tmp_path, [0.5, 0.4])
+    trial = near_store.join("exp", "t1")
+    ck = f"{trial}/checkpoint_000000"
+    ctx = near_store.ctx("exp", "t1")
+    _fsutil.write_bytes(ctx.filesystem, posixpath.join(ctx.trial_path, "notes.txt"), b"n",
+                        ctx.backend.capabilities)
+    for args in (["best", ck, "--metric", "loss"], ["prune", ck, "--keep", "1"],
+                 ["download", trial, str(tmp_path / "d")], ["show", trial],
+                 ["show", near_store.join("exp")], ["show", f"{trial}/notes.txt"],
+                 ["download", f"{trial}/notes.txt", str(tmp_path / "d")]):
+        res = invoke(args)
+        assert res.exit_code == EXIT_USAGE, (args, res.output)
+        assert "not a" in res.stderr
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("scheme,key", [("s3", "anonymous"), ("s3", "anon"),
+                                        ("az", "anon")])
+def test_a_boolean_option_parses_strictly(scheme, key) -> None:
+    res = invoke(["ls", f"{scheme}://bucket/runs", "-o", f"{key}=maybe"])
+    assert res.exit_code == EXIT_USAGE, res.output
+    # S3 names its alias ``anon`` by the canonical ``anonymous``.
+    assert "must be a boolean" in res.stderr and key in res.stderr
+    assert "maybe" in res.stderr
+
+
+@pytest.mark.parametrize("engine", ["pyarrow", "s3fs"])
+def test_an_s3_endpoint_without_a_scheme_is_refused_at_once(engine) -> None:
+    started = time.monotonic()
+    res = invoke(["ls", "s3://bucket/runs", "-o", "endpoint_url=127.0.0.1:9", "-o",
+                  f"engine={engine}", "-o", "access_key_id=a", "-o", "secret_access_key=b"])
+    assert res.exit_code == EXIT_USAGE, res.output
+    assert "has no scheme" in res.stderr and "http://" in res.stderr
+    assert time.monotonic() - started < 5  # no connection attempts, no retries
+
+
+def test_library_boolean_options_parse_strictly() -> None:
+    from checkpoint_store import StorageContext
+    from checkpoint_store.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match="'anonymous' must be a boolean"):
+        StorageContext("s3://bucket/runs", "e", "t", storage_options={"anonymous": "maybe"})
+
+
+def test_demo_checks_for_a_live_demo_before_it_says_it_starts_fresh(tmp_path) -> None:
+    pytest.importorskip("sklearn")
+    storage = str(tmp_path / "demo")
+    src = write_tree(str(tmp_path / "c"), {"model.bin": b"x"})
+    with session.start(storage_path=storage, experiment_name="digits-demo", trial_name="mlp"):
+        session.report({"val_accuracy": 0.5}, checkpoint=Checkpoint.from_directory(src))
+        res = invoke(["demo", "--storage", storage, "--epochs", "1"])
+        assert res.exit_code == EXIT_FAILURE, res.output
+        assert "Starting fresh" not in res.stdout and "running job" in res.stderr
+        assert os.path.isdir(tmp_path / "demo" / "digits-demo" / "mlp" / "checkpoint_000000")

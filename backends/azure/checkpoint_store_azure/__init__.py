@@ -52,6 +52,7 @@ from checkpoint_store.backends.base import (
     Backend,
     Capabilities,
     MarkerFreeDeletesHandler,
+    bool_option,
     wrap_fsspec,
 )
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
@@ -167,6 +168,8 @@ def _options(uri: str, storage_options: Mapping[str, Any]) -> tuple[dict[str, An
             f"unknown Azure engine {engine!r}: use one of {', '.join(_ENGINES)}"
         )
     ours["engine"] = engine
+    if "anon" in ours:
+        ours["anon"] = bool_option("anon", ours["anon"])
     account = _account_from_uri(uri)
     if account and not ours.get("account_name"):
         ours["account_name"] = account

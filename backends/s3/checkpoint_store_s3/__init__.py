@@ -51,6 +51,7 @@ from checkpoint_store.backends.base import (
     Backend,
     Capabilities,
     MarkerFreeDeletesHandler,
+    bool_option,
     wrap_fsspec,
 )
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
@@ -111,6 +112,8 @@ def _normalise(storage_options: Mapping[str, Any]) -> tuple[dict[str, Any], dict
             ours[canonical] = value
         else:
             extra[key] = value
+    if "anonymous" in ours:
+        ours["anonymous"] = bool_option("anonymous", ours["anonymous"])
     env = os.environ
     ours.setdefault("endpoint_url", env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"))
     ours.setdefault("region", env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"))
@@ -128,8 +131,19 @@ def _normalise(storage_options: Mapping[str, Any]) -> tuple[dict[str, Any], dict
 
 
 def _split_endpoint(endpoint_url: str) -> tuple[str, str]:
-    """``http://h:p`` -> ``("http", "h:p")``; a bare ``h:p`` means https."""
-    parsed = urllib.parse.urlsplit(endpoint_url if "://" in endpoint_url else f"https://{endpoint_url}")
+    """``http://h:p`` -> ``("http", "h:p")``.
+
+    Raises:
+        InvalidConfigError: no ``http://`` or ``https://`` in front. Guessing
+            one would try TLS (three times, with retries) against a local
+            plain-HTTP server and fail late with a network error.
+    """
+    if "://" not in endpoint_url:
+        raise InvalidConfigError(
+            f"S3 endpoint_url {endpoint_url!r} has no scheme: add http:// (a local or "
+            "plain-HTTP server) or https:// in front"
+        )
+    parsed = urllib.parse.urlsplit(endpoint_url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise InvalidConfigError(
             f"S3 endpoint_url {endpoint_url!r} is not http(s)://host[:port]"
