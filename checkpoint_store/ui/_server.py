@@ -213,7 +213,7 @@ class Server:
             self._server = make_server(host, port, app, threaded=True, fd=sock.fileno())
         finally:
             sock.close()  # werkzeug serves a duplicate of it
-        self._port = self._server.server_port
+        self._port = self._server.server_address[1]
         self.host = host
         self._thread: Any = None
 
