@@ -34,6 +34,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import google_crc32c
@@ -540,7 +541,7 @@ class _Runner:
         if route == "local":
             out = []
             for rel, _ in items:
-                size, crc = self.call(lambda rel=rel: self._copy_local_whole(rel), f"copy {rel}")
+                size, crc = self.call(partial(self._copy_local_whole, rel), f"copy {rel}")
                 out.append(FileResult(rel, size, crc))
             return out
         nbytes = sum(s for _, s in items)
@@ -586,8 +587,7 @@ class _Runner:
                 # on a *stream* goes 16 KiB at a time: a request each on S3.)
                 with self.src_fs.open_input_file(self._src(rel)) as f:
                     return f.read_buffer()
-            datas = [(rel, self.call(lambda rel=rel, size=size: get(rel, size),
-                                     f"download {rel}"))
+            datas = [(rel, self.call(partial(get, rel, size), f"download {rel}"))
                      for rel, size in items]
         for rel, data in datas:
             self._write_local(rel, data)
@@ -644,7 +644,8 @@ class _Runner:
         # An fsspec file is opened directly with one chunk per block, so each
         # write uploads one block: it holds the chunk in its buffer and again
         # in the block it sends (4 copies in all, measured with VmHWM on adlfs).
-        fsspec_out = isinstance(self.dst_fs, pafs.PyFileSystem) and self.dst_fsspec is not None
+        dst_fsspec = self.dst_fsspec if isinstance(self.dst_fs, pafs.PyFileSystem) else None
+        fsspec_out = dst_fsspec is not None
         # pyarrow's S3 stream: ours, the part it uploads in the background, and
         # the freed part its memory pool still holds (RSS reached 100 MiB with 2).
         copies = 4 if fsspec_out else _REMOTE_COPIES + 1
@@ -670,8 +671,8 @@ class _Runner:
             else:
                 reader = self.src_fs.open_input_stream(self._src(rel))
             try:
-                if fsspec_out:
-                    out = self.dst_fsspec.open(self._dst(rel), "wb", block_size=chunk)
+                if dst_fsspec is not None:
+                    out = dst_fsspec.open(self._dst(rel), "wb", block_size=chunk)
                 else:
                     out = self.dst_fs.open_output_stream(self._dst(rel))
                 try:

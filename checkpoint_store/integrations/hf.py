@@ -81,6 +81,8 @@ _HF_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 def _run_dir(args: TrainingArguments, state: TrainerState) -> str:
     """Where the Trainer saves: ``output_dir``, or ``output_dir/<trial name>``
     during a hyperparameter search (``Trainer._get_output_dir``)."""
+    # Typed Optional, but TrainingArguments.__post_init__ replaces None.
+    assert args.output_dir is not None
     if state.trial_name:
         return os.path.join(args.output_dir, state.trial_name)
     return args.output_dir

@@ -43,8 +43,10 @@ try:
     from lightning.pytorch import Callback as _Callback
 except ImportError:
     try:
-        from lightning_fabric.plugins import CheckpointIO as _CheckpointIO
-        from pytorch_lightning import Callback as _Callback
+        # The standalone packages ship the same classes; mypy sees each
+        # import as a distinct type, so the fallback cannot type-check.
+        from lightning_fabric.plugins import CheckpointIO as _CheckpointIO  # type: ignore[assignment]
+        from pytorch_lightning import Callback as _Callback  # type: ignore[assignment]
     except ImportError:
         raise ImportError(
             "checkpoint_store.integrations.lightning needs PyTorch Lightning: pip install "

@@ -227,8 +227,11 @@ class StorageWriter(FileSystemWriter):
             thread_count=thread_count, per_thread_copy_ahead=per_thread_copy_ahead,
             overwrite=overwrite,
         )
-        self.fs = _backend_for(path, filesystem, storage_options)
-        self.path = self.fs.init_path(path)
+        self._store_fs = _backend_for(path, filesystem, storage_options)
+        # DCP's own code needs only FileSystemBase, but the base __init__'s
+        # `self.fs = FileSystem()` makes mypy infer the narrower local class.
+        self.fs = self._store_fs  # type: ignore[assignment]
+        self.path = self._store_fs.init_path(path)
 
     def _record_part(self) -> str:
         rank = getattr(self, "rank", None)
@@ -240,10 +243,10 @@ class StorageWriter(FileSystemWriter):
         """Every rank, before writing: drop this rank's record of an earlier
         save into the same directory, so a stale one can never vouch for files."""
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-        self.fs.written.clear()
+        self._store_fs.written.clear()
         stale = posixpath.join(str(self.path), written_record_name(self._record_part()))
-        if _fsutil.exists(self.fs.backend.filesystem, stale):
-            _fsutil.delete_file(self.fs.backend.filesystem, stale)
+        if _fsutil.exists(self._store_fs.backend.filesystem, stale):
+            _fsutil.delete_file(self._store_fs.backend.filesystem, stale)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         """Every rank: write its files (DCP), then the record of their checksums."""
@@ -255,18 +258,18 @@ class StorageWriter(FileSystemWriter):
     def finish(self, metadata: Any, results: Any) -> None:
         """The coordinator, after every rank wrote: ``.metadata`` (DCP's own
         marker, written last), then its record."""
-        before = set(self.fs.written)
+        before = set(self._store_fs.written)
         super().finish(metadata, results)
-        self._write_record("metadata", only=set(self.fs.written) - before)
+        self._write_record("metadata", only=set(self._store_fs.written) - before)
 
     def _write_record(self, part: str, only: set[str] | None = None) -> None:
         root = str(self.path)
         files = [
             {"path": _fsutil.relative(root, p), "size": size, "crc32c": crc}
-            for p, (size, crc) in sorted(self.fs.written.items())
+            for p, (size, crc) in sorted(self._store_fs.written.items())
             if (only is None or p in only) and p.startswith(root.rstrip("/") + "/")
         ]
-        backend = self.fs.backend
+        backend = self._store_fs.backend
         _fsutil.write_bytes(backend.filesystem, posixpath.join(root, written_record_name(part)),
                             _json.dumps({"files": files}), backend.capabilities)
 
@@ -292,5 +295,8 @@ class StorageReader(FileSystemReader):
         storage_options: Mapping[str, Any] | None = None,
     ):
         super().__init__("")
-        self.fs = _backend_for(path, filesystem, storage_options)
-        self.path = self.fs.init_path(path)
+        self._store_fs = _backend_for(path, filesystem, storage_options)
+        # DCP's own code needs only FileSystemBase, but the base __init__'s
+        # `self.fs = FileSystem()` makes mypy infer the narrower local class.
+        self.fs = self._store_fs  # type: ignore[assignment]
+        self.path = self._store_fs.init_path(path)

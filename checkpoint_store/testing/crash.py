@@ -182,11 +182,14 @@ def check_trial(
                        f"committed step is {newest_step}")
         # Retention (keep the newest num_to_keep) may evict a checkpoint only once
         # num_to_keep newer ones were committed; indices grow with time.
-        present = sorted(parse_checkpoint_dir_name(n) for n in steps)
+        present = sorted(i for i in map(parse_checkpoint_dir_name, steps) if i is not None)
         for name in sorted(set(ack["kept"]) | {ack["dir"]}):
             if name in steps:
                 continue
             index = parse_checkpoint_dir_name(name)
+            if index is None:
+                bad.append(f"the log acknowledged {name!r}, which is no checkpoint directory name")
+                continue
             newer = sum(1 for i in present if i > index)
             if newer < cfg.num_to_keep:
                 bad.append(f"{name} was committed and kept by retention, and only {newer} newer "

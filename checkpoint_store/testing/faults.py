@@ -331,9 +331,8 @@ def read_call_log(directory: str) -> dict[int, list[tuple[str, str]]]:
     for name in sorted(os.listdir(directory)):
         if name.startswith("calls-") and name.endswith(".txt"):
             with open(os.path.join(directory, name)) as f:
-                out[int(name[6:-4])] = [
-                    tuple(line.rstrip("\n").split("\t", 1)) for line in f if "\t" in line
-                ]
+                rows = (line.rstrip("\n").split("\t", 1) for line in f if "\t" in line)
+                out[int(name[6:-4])] = [(method, path) for method, path in rows]
     return out
 
 
