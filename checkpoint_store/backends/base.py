@@ -20,6 +20,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from checkpoint_store.backends.forwarding import ForwardingHandler
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -528,7 +530,7 @@ def _modified(info: Mapping[str, Any]) -> datetime.datetime | None:
     return None
 
 
-class MarkerFreeDeletesHandler(pafs.FileSystemHandler):
+class MarkerFreeDeletesHandler(ForwardingHandler):
     """A native pyarrow filesystem for everything but deletes, an fsspec one for deletes.
 
     pyarrow's object-store filesystems (S3, Azure) write an empty ``parent/``
@@ -545,33 +547,21 @@ class MarkerFreeDeletesHandler(pafs.FileSystemHandler):
     """
 
     def __init__(self, native: pafs.FileSystem, deleter: Any, type_name: str):
-        self.native = native
+        super().__init__(native)
         self.deleter = deleter
         self.type_name = type_name
 
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, MarkerFreeDeletesHandler)
-            and self.native.equals(other.native)
-        )
-
-    def __hash__(self) -> int:
-        return hash(type(self))
+    @property
+    def native(self) -> pafs.FileSystem:
+        """The pyarrow filesystem: reads and writes may bypass this handler
+        and go to it directly (see ``_plan._native_of``)."""
+        return self.inner
 
     def get_type_name(self) -> str:
         return self.type_name
 
     def normalize_path(self, path: str) -> str:
         return self.native.normalize_path(path).strip("/")
-
-    def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
-        return self.native.get_file_info(paths)
-
-    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
-        return self.native.get_file_info(selector)
-
-    def create_dir(self, path: str, recursive: bool) -> None:
-        self.native.create_dir(path, recursive=recursive)
 
     def delete_dir(self, path: str) -> None:
         if self.native.get_file_info(path).type == pafs.FileType.NotFound:
@@ -606,21 +596,6 @@ class MarkerFreeDeletesHandler(pafs.FileSystemHandler):
             self.delete_file(src)
             return
         self.native.move(src, dest)
-
-    def copy_file(self, src: str, dest: str) -> None:
-        self.native.copy_file(src, dest)
-
-    def open_input_stream(self, path: str) -> Any:
-        return self.native.open_input_stream(path)
-
-    def open_input_file(self, path: str) -> Any:
-        return self.native.open_input_file(path)
-
-    def open_output_stream(self, path: str, metadata: Any) -> Any:
-        return self.native.open_output_stream(path, metadata=metadata)
-
-    def open_append_stream(self, path: str, metadata: Any) -> Any:
-        return self.native.open_append_stream(path, metadata=metadata)
 
 
 def wrap_fsspec(fs: Any) -> pafs.FileSystem:

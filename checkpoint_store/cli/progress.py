@@ -25,6 +25,7 @@ import google_crc32c
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from checkpoint_store.backends.forwarding import ForwardingHandler
 from checkpoint_store.cli import quiet
 from checkpoint_store.cli.locations import Location
 from checkpoint_store.errors import CheckpointCorruptError
@@ -155,8 +156,8 @@ class _CountingRandomReader(_CountedFile):
         return True
 
 
-class _CountingHandler(pafs.FileSystemHandler):
-    """Delegates everything to ``fs``; reads through :class:`_CountingReader`.
+class _CountingHandler(ForwardingHandler):
+    """Forwards everything to ``fs``; reads through :class:`_CountingReader`.
 
     Args:
         fs: the real filesystem.
@@ -172,49 +173,13 @@ class _CountingHandler(pafs.FileSystemHandler):
         expected: Expected | None = None,
         track: Callable[[str], bool] | None = None,
     ):
-        self.fs = fs
+        super().__init__(fs)
         self.on_bytes = on_bytes
         self.expected = dict(expected) if expected is not None else None
         self.track = track
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _CountingHandler) and self.fs.equals(other.fs)
-
-    def __ne__(self, other: object) -> bool:
-        return not self == other
-
     def get_type_name(self) -> str:
-        return f"counting+{self.fs.type_name}"
-
-    def normalize_path(self, path: str) -> str:
-        return self.fs.normalize_path(path)
-
-    def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
-        return self.fs.get_file_info(paths)
-
-    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
-        return self.fs.get_file_info(selector)
-
-    def create_dir(self, path: str, recursive: bool) -> None:
-        self.fs.create_dir(path, recursive=recursive)
-
-    def delete_dir(self, path: str) -> None:
-        self.fs.delete_dir(path)
-
-    def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
-        self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
-
-    def delete_root_dir_contents(self) -> None:
-        self.fs.delete_dir_contents("/", accept_root_dir=True)
-
-    def delete_file(self, path: str) -> None:
-        self.fs.delete_file(path)
-
-    def move(self, src: str, dest: str) -> None:
-        self.fs.move(src, dest)
-
-    def copy_file(self, src: str, dest: str) -> None:
-        self.fs.copy_file(src, dest)
+        return f"counting+{self.inner.type_name}"
 
     def _counted(self, path: str) -> tuple[bool, Any]:
         """Whether reads of ``path`` are counted, and its expected manifest entry."""
@@ -224,24 +189,18 @@ class _CountingHandler(pafs.FileSystemHandler):
         return (self.track(path) if self.track is not None else True), None
 
     def open_input_stream(self, path: str) -> pa.NativeFile:
-        inner = self.fs.open_input_stream(path)
+        inner = self.inner.open_input_stream(path)
         counted, exp = self._counted(path)
         if not counted:
             return inner
         return pa.PythonFile(_CountingReader(inner, path, self.on_bytes, exp), mode="r")
 
     def open_input_file(self, path: str) -> pa.NativeFile:
-        inner = self.fs.open_input_file(path)
+        inner = self.inner.open_input_file(path)
         counted, exp = self._counted(path)
         if not counted:
             return inner
         return pa.PythonFile(_CountingRandomReader(inner, path, self.on_bytes, exp), mode="r")
-
-    def open_output_stream(self, path: str, metadata: Any) -> pa.NativeFile:
-        return self.fs.open_output_stream(path, metadata=metadata)
-
-    def open_append_stream(self, path: str, metadata: Any) -> pa.NativeFile:
-        return self.fs.open_append_stream(path, metadata=metadata)
 
 
 def counting_filesystem(

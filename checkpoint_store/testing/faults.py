@@ -49,6 +49,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from checkpoint_store.backends.base import Backend
+from checkpoint_store.backends.forwarding import ForwardingHandler
 
 __all__ = [
     "FaultPlan",
@@ -157,7 +158,7 @@ class FaultPlan:
             object.__setattr__(self, "transient_ops", frozenset(self.transient_ops))
 
 
-class FaultInjectingHandler(pafs.FileSystemHandler):
+class FaultInjectingHandler(ForwardingHandler):
     """A ``pyarrow.fs.FileSystemHandler`` that forwards to ``inner`` and injects
     the faults of ``plan``. Use :func:`faulty_filesystem` to get a filesystem.
 
@@ -170,7 +171,7 @@ class FaultInjectingHandler(pafs.FileSystemHandler):
     """
 
     def __init__(self, inner: pafs.FileSystem, plan: FaultPlan | None = None):
-        self.inner = inner
+        super().__init__(inner)
         self.plan = plan or FaultPlan()
         self.calls: Counter[str] = Counter()
         self.injected: Counter[str] = Counter()
@@ -245,11 +246,9 @@ class FaultInjectingHandler(pafs.FileSystemHandler):
     def get_type_name(self) -> str:
         return f"faulty+{self.inner.type_name}"
 
-    def equals(self, other: Any) -> bool:
-        return isinstance(other, FaultInjectingHandler) and other.inner.equals(self.inner)
-
-    def normalize_path(self, path: str) -> str:
-        return self.inner.normalize_path(path)
+    # Each injector has its own plan and counters: equal only to itself.
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
     def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
         for p in paths:
