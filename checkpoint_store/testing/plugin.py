@@ -32,6 +32,10 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("true", "1", "yes")
 
 
+# The three server fixtures below stay written out rather than made by one
+# factory: each has its own set-up step (S3's metadata-probe switch, Azurite's
+# executable lookup, gcsfs's environment), and a plugin author reading this
+# file should find `def s3_server` and what it does. What they share is here.
 def _start(cls: type[_Server], what: str, **kwargs: Any) -> Any:
     try:
         return cls.start(**kwargs)
