@@ -81,6 +81,13 @@ _SECRET_RE = re.compile(
     r"(secret|key|token|passw|credential|connection_string|(^|_)sas|signature|authorization)",
     re.IGNORECASE,
 )
+# Values that name how to authenticate rather than carry a credential: gcsfs's
+# ``token="anon"`` (no credentials: public buckets, the emulator) and its
+# other lookup methods. Under a credential-looking name they still travel, or
+# workers would fall back to default credentials. Any other value (a key
+# file's path included: it is this machine's, and a str under such a name may
+# as well be the token itself) is kept back.
+_AUTH_METHODS = frozenset({"anon", "google_default", "cloud", "cache", "browser"})
 # Credentials given in this process, by handler token, so that a handler
 # unpickled in the same process (Ray copies its filesystem around) keeps them.
 # Other processes read the backend's usual environment variables instead.
@@ -94,8 +101,19 @@ def _split_secrets(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
     for k, v in options.items():
         if not isinstance(k, str):
             raise InvalidConfigError(f"storage option names must be strings, got {k!r}")
-        (secret if _SECRET_RE.search(k) else public)[k] = v
+        (secret if _is_secret(k, v) else public)[k] = v
     return public, secret
+
+
+def _is_secret(key: str, value: Any) -> bool:
+    """Whether option ``key=value`` holds a credential (kept out of pickles)."""
+    if not _SECRET_RE.search(key):
+        return False
+    return not (
+        value is None
+        or isinstance(value, bool)
+        or (isinstance(value, str) and value in _AUTH_METHODS)
+    )
 
 
 def _picklable_option(key: str, value: Any) -> None:
@@ -134,9 +152,12 @@ class CheckpointStoreHandler(pafs.FileSystemHandler):
     Pickling keeps the configuration only: the URI, the storage options
     whose names do not look like credentials (no ``key``, ``secret``,
     ``token``, ``password``, ``credential``, ``connection_string``, ``sas``
-    ...), the retry policy and, for a scheme registered in code by dotted
-    path, that path. No client and no credential is in the bytes. In the
-    process that built it, an unpickled copy reuses the credentials given;
+    ...) unless their value is None, a bool or one of gcsfs's authentication
+    methods (``token="anon"``, ``"google_default"``, ``"cloud"``, ``"cache"``,
+    ``"browser"``: configuration, not a secret), the retry policy and, for a
+    scheme registered in code by dotted path, that path. No client and no
+    credential is in the bytes. In the process that built it, an unpickled
+    copy reuses the credentials given;
     elsewhere (Ray workers) the backend reads its usual environment
     variables (``AWS_*``, ``AZURE_STORAGE_*`` ...; pass them with
     ``runtime_env={"env_vars": ...}`` or use instance credentials). Two

@@ -291,3 +291,44 @@ def test_only_credential_options_stay_behind() -> None:
         "region",
     ]
     assert len(secret) == 9
+
+
+def test_auth_method_sentinels_travel_but_gcs_credentials_do_not(gcs_server, gcs_bucket) -> None:
+    """``token="anon"`` names how to authenticate (here: not at all, the
+    emulator): it travels, and a copy unpickled in a fresh process reaches
+    the bucket with it instead of falling back to default credentials."""
+    opts = gcs_server.storage_options()
+    assert opts["token"] == "anon"
+    fs, root = ray_filesystem(f"gs://{gcs_bucket}/runs", **opts)
+    with fs.open_output_stream(f"{root}/hello.txt") as out:
+        out.write(b"from the driver")
+    blob = pickle.dumps(fs)
+    assert b"anon" in blob
+    code = (
+        "import pickle, sys\n"
+        "fs = pickle.loads(sys.stdin.buffer.read())\n"
+        f"print(fs.open_input_stream({root + '/hello.txt'!r}).read().decode())\n"
+    )
+    # No emulator variable and no Google credentials: only the pickle says where and how.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("STORAGE_EMULATOR", "GOOGLE_", "GCE_"))
+    }
+    env["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=blob, capture_output=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert out.stdout.decode().strip() == "from the driver"
+
+    # A real credential under the same name stays behind (the handler alone:
+    # building the backend would check these made-up keys): a service-account
+    # dict, or a string that is not one of the methods (a key file's path, a token).
+    uri = f"gs://{gcs_bucket}/runs"
+    key = {"type": "service_account", "private_key": "-----sEcReT-" + uuid.uuid4().hex}
+    raw = "ya29.tOkEn-" + uuid.uuid4().hex
+    for credential, needle in ((key, key["private_key"]), (raw, raw), ("/keys/sa.json", "sa.json")):
+        handler = CheckpointStoreHandler(uri, {**opts, "token": credential})
+        assert needle.encode() not in pickle.dumps(handler)
+        assert handler != fs.handler  # the method is configuration, a secret is not
