@@ -213,6 +213,14 @@ class _OrderedQueue:
     (the checkpoint a remove would make redundant may be the failed one), so
     the newest committed checkpoint is never removed for a save that did not
     happen. The worker ends when the queue is empty; the next submit starts one.
+
+    The worker is joined by ``wait()`` and is not a daemon, so the interpreter
+    waits for it before finalising. A daemon worker still dropping a queued
+    snapshot's tensors when the process exits is killed by ``pthread_exit``
+    inside torch's (noexcept) tensor destructor as it takes the GIL back,
+    which aborts the process (``terminate called without an active
+    exception``, SIGABRT). For the same reason each job, and the snapshot it
+    holds, is released on the worker before the job is reported done.
     """
 
     def __init__(self, max_pending_saves: int):
@@ -223,7 +231,8 @@ class _OrderedQueue:
         self._saves = 0
         self._error: BaseException | None = None
         self._save_failed = False
-        self._thread: threading.Thread | None = None
+        self._running = False  # a worker is taking jobs
+        self._thread: threading.Thread | None = None  # the last worker started
 
     def submit(self, kind: Literal["save", "remove"], key: str, job: Callable[[], None]) -> None:
         """Queue ``job``; a save blocks while ``max_pending_saves`` saves are queued."""
@@ -233,16 +242,17 @@ class _OrderedQueue:
             self._jobs.append((kind, key, job))
             self._pending[key] += 1
             self._saves += kind == "save"
-            if self._thread is None:
+            if not self._running:
+                self._running = True
                 self._thread = threading.Thread(target=self._run, name="cs-lightning-io",
-                                                daemon=True)
+                                                daemon=False)
                 self._thread.start()
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 if not self._jobs:
-                    self._thread = None
+                    self._running = False
                     self._cond.notify_all()
                     return
                 kind, key, job = self._jobs[0]
@@ -257,6 +267,7 @@ class _OrderedQueue:
                     with self._cond:
                         self._error = self._error or exc
                         self._save_failed |= kind == "save"
+            job = None  # type: ignore[assignment]  # the deque's copy goes below
             with self._cond:
                 self._jobs.popleft()
                 self._pending[key] -= 1
@@ -266,10 +277,14 @@ class _OrderedQueue:
                 self._cond.notify_all()
 
     def wait(self, key: str | None = None) -> None:
-        """Until every queued job (or every job for ``key``) has run."""
+        """Until every queued job (or every job for ``key``) has run; without
+        ``key``, also until the worker thread has ended."""
         with self._cond:
             while self._pending[key] if key is not None else self._jobs:
                 self._cond.wait()
+            thread = self._thread if key is None else None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
     def take_error(self) -> BaseException | None:
         """The first error of a job since the last call (each error is raised once)."""
