@@ -145,15 +145,28 @@ def list_entries(loc: Location) -> list[tuple[str, bool]]:
     return sorted(out)
 
 
-def looks_like_trial(entries: Iterable[tuple[str, bool]]) -> bool:
+def looks_like_trial(entries: Iterable[tuple[str, bool]], loc: Location | None = None) -> bool:
     """Whether a directory with these :func:`list_entries` is a trial: it holds a
-    trial file, a checkpoint being written or a ``checkpoint_NNNNNN`` directory."""
+    trial file, a checkpoint being written or a ``checkpoint_NNNNNN`` directory;
+    given its ``loc``, also one holding a directory with a commit marker under
+    any other name (Ray Train names the checkpoints ``CommitCallback`` commits)."""
+    entries = list(entries)
     for name, is_dir in entries:
         if name in TRIAL_FILES or parse_staging_dir_name(name) is not None:
             return True
         if is_dir and parse_checkpoint_dir_name(name) is not None:
             return True
-    return False
+    return loc is not None and any(True for _ in _otherwise_named(loc, entries))
+
+
+def _otherwise_named(loc: Location, entries: Iterable[tuple[str, bool]]) -> Iterable[str]:
+    """Names of the child directories of ``loc`` holding a commit marker although
+    not named ``checkpoint_NNNNNN``: the marker, not the name, makes a checkpoint."""
+    for name, is_dir in entries:
+        if is_dir and not name.startswith(INTERNAL_PREFIX) \
+                and parse_checkpoint_dir_name(name) is None \
+                and _fsutil.exists(loc.fs, posixpath.join(loc.path, name, INTERNAL_METADATA)):
+            yield name
 
 
 def read_internal(loc: Location) -> dict[str, Any] | None:
@@ -211,10 +224,10 @@ def classify(loc: Location) -> LocationKind:
         if fi.type == _fsutil.pafs.FileType.File:
             return "file"
         return "empty"
-    if looks_like_trial(entries):
+    if looks_like_trial(entries, loc):
         return "trial"
     for name, is_dir in entries:
-        if is_dir and looks_like_trial(list_entries(loc.child(name))):
+        if is_dir and looks_like_trial(list_entries(loc.child(name)), loc.child(name)):
             return "experiment"
     return "root"
 
@@ -253,7 +266,7 @@ def trials_under(loc: Location, kind: LocationKind) -> list[Location]:
         return [loc]
     if kind == "experiment":
         return [loc.child(n) for n, d in list_entries(loc)
-                if d and looks_like_trial(list_entries(loc.child(n)))]
+                if d and looks_like_trial(list_entries(loc.child(n)), loc.child(n))]
     if kind in ("root", "empty"):
         out: list[Location] = []
         for name, is_dir in list_entries(loc):
@@ -299,18 +312,26 @@ def committed_checkpoints(trial: Location) -> list[tuple[Location, dict[str, Any
     """Committed checkpoints of a trial with their internal metadata, oldest first.
 
     Same rule as ``StorageContext.committed_checkpoints``: a directory counts
-    only with a valid ``.internal_metadata.json``; order is the recorded index.
+    only with a valid ``.internal_metadata.json``; order is the recorded index
+    (then the commit time). Directories named otherwise count too when their
+    marker and manifest are valid (Ray Train's ``checkpoint_<time>`` ones).
     """
+    entries = list_entries(trial)
     ctx = storage_context(trial, strict=False)
+    out: list[tuple[Location, dict[str, Any]]] = []
     if ctx is not None:
-        return [(Location(trial.backend, c.path), meta) for c, meta in ctx.committed_checkpoints()]
-    out = []
-    for name, is_dir in list_entries(trial):
-        if is_dir and parse_checkpoint_dir_name(name) is not None:
-            meta = read_internal(trial.child(name))
-            if meta is not None:
-                out.append((trial.child(name), meta))
-    return sorted(out, key=lambda lm: lm[1]["index"])
+        out = [(Location(trial.backend, c.path), meta) for c, meta in ctx.committed_checkpoints()]
+    else:
+        for name, is_dir in entries:
+            if is_dir and parse_checkpoint_dir_name(name) is not None:
+                meta = read_internal(trial.child(name))
+                if meta is not None:
+                    out.append((trial.child(name), meta))
+    for name in _otherwise_named(trial, entries):
+        found = inspect_location(trial.child(name))
+        if found.state == "committed" and found.meta is not None:
+            out.append((trial.child(name), found.meta))
+    return sorted(out, key=lambda lm: (lm[1]["index"], lm[1].get("created_at", 0.0)))
 
 
 def manifest_size(meta: Mapping[str, Any]) -> int:

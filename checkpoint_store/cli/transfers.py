@@ -78,9 +78,13 @@ def _checkpoint_meta_for(dest: Location, base: Mapping[str, Any] | None,
     return meta
 
 
-def checkpoint_destination(dst: Location, default_name: str | None) -> tuple[Location, int]:
+def checkpoint_destination(
+    dst: Location, default_name: str | None, recorded_index: int | None = None
+) -> tuple[Location, int]:
     """``dst`` itself when named ``checkpoint_NNNNNN``, else a checkpoint inside the
-    trial directory ``dst`` (``default_name``, or the next free index).
+    trial directory ``dst`` (``default_name``, or the next free index). A
+    ``default_name`` of another form (Ray Train's ``checkpoint_<time>``) keeps
+    the source's ``recorded_index``.
 
     Returns:
         ``(checkpoint location, its index)``.
@@ -93,7 +97,9 @@ def checkpoint_destination(dst: Location, default_name: str | None) -> tuple[Loc
         return dst, index
     if default_name is not None:
         parsed = parse_checkpoint_dir_name(default_name)
-        assert parsed is not None
+        if parsed is None:
+            assert recorded_index is not None
+            parsed = recorded_index
         return dst.child(default_name), parsed
     _require_trial_target(dst)
     dirs = [parse_checkpoint_dir_name(n) for n, d in list_entries(dst)]
@@ -402,7 +408,7 @@ def _plan_copy(s: Location, d: Location) -> _CopyPlan:
     corrupt: list[CheckpointCorruptError] = []
     if kind == "checkpoint":
         meta = require_checkpoint(s)
-        target, index = checkpoint_destination(d, s.name)
+        target, index = checkpoint_destination(d, s.name, int(meta["index"]))
         jobs.append(_CopyJob(s, meta, target, index))
     elif kind in ("trial", "experiment", "root"):
         for trial in trials_under(s, kind):
