@@ -163,7 +163,7 @@ def _otherwise_named(loc: Location, entries: Iterable[tuple[str, bool]]) -> Iter
     """Names of the child directories of ``loc`` holding a commit marker although
     not named ``checkpoint_NNNNNN``: the marker, not the name, makes a checkpoint."""
     for name, is_dir in entries:
-        if is_dir and not name.startswith(INTERNAL_PREFIX) \
+        if is_dir and not is_internal_name(name) \
                 and parse_checkpoint_dir_name(name) is None \
                 and _fsutil.exists(loc.fs, posixpath.join(loc.path, name, INTERNAL_METADATA)):
             yield name

@@ -179,17 +179,20 @@ class StoreView:
         result = entries.get(RESULT_FILE)
         _read_new_rows(fs, posixpath.join(ctx.trial_path, RESULT_FILE),
                        result.size if result is not None else 0, cache)
-        dirs = {n for n, fi in entries.items() if fi.type != _fsutil.pafs.FileType.File
-                and parse_checkpoint_dir_name(n) is not None}
-        for gone in set(cache.metas) - dirs:
+        subdirs = {n for n, fi in entries.items()
+                   if fi.type != _fsutil.pafs.FileType.File and not is_internal_name(n)}
+        dirs = {n for n in subdirs if parse_checkpoint_dir_name(n) is not None}
+        for gone in set(cache.metas) - subdirs:
             del cache.metas[gone]
         cache.uncommitted = set()
-        for name in sorted(dirs - set(cache.metas)):
+        for name in sorted(subdirs - set(cache.metas)):
+            # The marker makes a checkpoint, whatever the name (Ray Train's
+            # checkpoint_<time>); only checkpoint_NNNNNN ones count as unfinished.
             meta = read_internal_metadata(fs, posixpath.join(ctx.trial_path, name))
-            if meta is None:
-                cache.uncommitted.add(name)
-            else:
+            if meta is not None:
                 cache.metas[name] = meta
+            elif name in dirs:
+                cache.uncommitted.add(name)
         if cache.params is None and PARAMS_FILE in entries:
             cache.params = _read_json(fs, posixpath.join(ctx.trial_path, PARAMS_FILE))
         if (cache.config is None or full) and MANAGER_STATE in entries:
@@ -280,7 +283,7 @@ class StoreView:
         """One checkpoint: state, manifest, user and internal metadata, snippets.
 
         Raises:
-            InvalidConfigError: ``name`` is not a ``checkpoint_NNNNNN`` name.
+            InvalidConfigError: ``name`` is not one path component, or is ours (``.cs_*``).
             CheckpointNotFoundError: no such directory in the trial.
         """
         ctx = self.storage(experiment, trial)
@@ -332,9 +335,11 @@ class StoreView:
 
 
 def _require_checkpoint_name(name: str) -> None:
+    # Any one component but our own files: a checkpoint is a directory with a
+    # valid marker whatever its name (docs/format.md), which the callers check.
     validate_component(name, "checkpoint")
-    if parse_checkpoint_dir_name(name) is None:
-        raise InvalidConfigError(f"{name!r} is not a checkpoint_NNNNNN directory name")
+    if is_internal_name(name):
+        raise InvalidConfigError(f"{name!r} is one of checkpoint-store's own files")
 
 
 def _read_new_rows(fs: Any, path: str, size: int | None, cache: _TrialCache) -> None:

@@ -18,12 +18,12 @@ import pytest
 
 pytest.importorskip("ray")
 
+from checkpoint_store._manifest import inspect_checkpoint  # noqa: E402
 from checkpoint_store.integrations.ray import (  # noqa: E402
     CommitCallback,
     _upload_rank,
     ray_filesystem,
 )
-from checkpoint_store.transfer import inspect_checkpoint  # noqa: E402
 from tests.cli.cli_helpers import invoke  # noqa: E402
 
 RAY_NAMES = ["checkpoint_2026-11-30_17-00-00.000001", "checkpoint_2026-11-30_17-00-05.000002"]
@@ -103,3 +103,15 @@ def test_a_single_ray_named_checkpoint_verifies_and_copies(tmp_path) -> None:
         pafs.LocalFileSystem(), str(tmp_path / "restore" / "my_run" / RAY_NAMES[1])
     )
     assert found.state == "committed" and found.meta["metrics"]["loss"] == 0.5
+
+
+def test_the_web_page_shows_and_verifies_ray_named_checkpoints(tmp_path) -> None:
+    from checkpoint_store.ui._model import StoreView
+
+    storage, run = write_ray_run(tmp_path)
+    view = StoreView(storage)  # the storage_path is an experiment of runs
+    assert view.experiments() == {"ray_results": ["my_run"]}
+    rows = view.trial("ray_results", "my_run")["checkpoints"]
+    assert [(r["name"], r["index"]) for r in rows] == [(RAY_NAMES[0], 0), (RAY_NAMES[1], 1)]
+    assert view.verify("ray_results", "my_run", RAY_NAMES[1])["ok"] is True
+    assert view.checkpoint("ray_results", "my_run", RAY_NAMES[0])["name"] == RAY_NAMES[0]
