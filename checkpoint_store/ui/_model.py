@@ -33,7 +33,7 @@ import shlex
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from checkpoint_store import _fsutil, _json
@@ -168,6 +168,11 @@ class StoreView:
 
     # -- trials ------------------------------------------------------------------------
 
+    def _marked(self, ctx: StorageContext) -> list[str]:
+        """Committed directories of the trial, whatever their names."""
+        with self._lock:
+            return list(self._refresh(ctx, False).metas)
+
     def _refresh(self, ctx: StorageContext, full: bool) -> _TrialCache:
         key = (ctx.experiment_name, ctx.trial_name)
         cache = self._caches.get(key)
@@ -283,11 +288,12 @@ class StoreView:
         """One checkpoint: state, manifest, user and internal metadata, snippets.
 
         Raises:
-            InvalidConfigError: ``name`` is not one path component, or is ours (``.cs_*``).
+            InvalidConfigError: ``name`` is not a ``checkpoint_NNNNNN`` name nor a
+                committed directory of the trial under another name.
             CheckpointNotFoundError: no such directory in the trial.
         """
         ctx = self.storage(experiment, trial)
-        _require_checkpoint_name(name)
+        _require_checkpoint_name(name, self._marked(ctx))
         ckpt = ctx.checkpoint(name)
         insp = inspect_checkpoint(ctx.filesystem, ckpt.path)
         if insp.state == "missing":
@@ -316,7 +322,7 @@ class StoreView:
             failed, relative to the checkpoint, when one did).
         """
         ctx = self.storage(experiment, trial)
-        _require_checkpoint_name(name)
+        _require_checkpoint_name(name, self._marked(ctx))
         ckpt = ctx.checkpoint(name)
         start = time.monotonic()
         try:
@@ -334,12 +340,14 @@ class StoreView:
 # -- helpers ---------------------------------------------------------------------------
 
 
-def _require_checkpoint_name(name: str) -> None:
-    # Any one component but our own files: a checkpoint is a directory with a
-    # valid marker whatever its name (docs/format.md), which the callers check.
+def _require_checkpoint_name(name: str, marked: Iterable[str] = ()) -> None:
+    """A ``checkpoint_NNNNNN`` name, or one of ``marked`` (directories of the
+    trial with a commit marker under another name, as Ray Train names them)."""
     validate_component(name, "checkpoint")
-    if is_internal_name(name):
-        raise InvalidConfigError(f"{name!r} is one of checkpoint-store's own files")
+    if parse_checkpoint_dir_name(name) is None and name not in set(marked):
+        raise InvalidConfigError(
+            f"{name!r} is neither a checkpoint_NNNNNN directory name nor a directory "
+            "with a commit marker")
 
 
 def _read_new_rows(fs: Any, path: str, size: int | None, cache: _TrialCache) -> None:

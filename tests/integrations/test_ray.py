@@ -8,6 +8,7 @@ through the pickled filesystem.
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import re
@@ -350,6 +351,20 @@ def test_torch_trainer_commits_both_shards_failed_rank_never_committed(
     assert len(written) == 4 and len(written - committed) == 1, (written, committed)
     [failed] = written - committed
     assert raw.get_file_info(failed).type == pafs.FileType.NotFound
+
+    # The command line sees the Ray-named committed checkpoint (the marker decides).
+    from click.testing import CliRunner
+
+    from checkpoint_store.cli import main
+
+    opts = [a for k, v in s3_server.storage_options("pyarrow").items() for a in ("-o", f"{k}={v}")]
+    run_uri = f"s3://{posixpath.join(s3_bucket, 'train', 'shards')}"
+    listed = CliRunner().invoke(main, ["ls", "--json", *opts, run_uri], catch_exceptions=False)
+    assert listed.exit_code == 0, listed.output
+    shown = [c["name"] for c in json.loads(listed.output)["checkpoints"]]
+    assert shown == [posixpath.basename(result.checkpoint.path)]
+    checked = CliRunner().invoke(main, ["verify", *opts, run_uri], catch_exceptions=False)
+    assert checked.exit_code == 0, checked.output
 
 
 # -- the demo's function, unchanged, under TrialRunner and under a Ray Tuner ---------------
