@@ -75,7 +75,7 @@ from checkpoint_store.errors import (
     CheckpointNotFoundError,
     InvalidConfigError,
 )
-from checkpoint_store.registry import resolve
+from checkpoint_store.registry import local_path_from_uri, resolve
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.testing.servers import StorageLocation
 
@@ -172,10 +172,15 @@ class BackendTests:
 
     @staticmethod
     def _base_uri(loc: StorageLocation) -> str:
-        """The URI the store prints for ``loc`` (a plain local path becomes ``file://``)."""
-        if "://" in loc.uri:
+        """The URI the store prints for ``loc``: a plain local path becomes ``file://``,
+        with ``%`` escaped as ``%25`` (file URIs are percent-decoded when read back)."""
+        if loc.uri.startswith(("file://", "local://")):
+            path = local_path_from_uri(loc.uri)
+        elif "://" in loc.uri:
             return loc.uri.rstrip("/")
-        return "file://" + os.path.abspath(loc.uri).rstrip("/")
+        else:
+            path = os.path.abspath(loc.uri)
+        return "file://" + path.rstrip("/").replace("%", "%25")
 
     def _context(self, loc: StorageLocation, uri: str | None = None,
                  trial: str = "trial") -> StorageContext:

@@ -28,6 +28,7 @@ WORKER = textwrap.dedent("""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.api import CheckpointException
     from checkpoint_store import Checkpoint, session
+    from checkpoint_store._layout import is_internal_name
 
     class FailingWriter(FileSystemWriter):
         def finish(self, metadata, results):
