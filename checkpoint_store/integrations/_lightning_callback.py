@@ -1,0 +1,170 @@
+"""The body of ``ReportCheckpointCallback``: Lightning checkpoints reported to a session."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from checkpoint_store.errors import InvalidConfigError
+from checkpoint_store.integrations._lightning_io import _StoreIO
+from checkpoint_store.integrations._lightning_resume import _first_verified, _pick
+from checkpoint_store.integrations._lightning_state import STATE_FILE, _to_float
+
+__all__ = ["_ReportCallback"]
+
+# The name the integration has always logged under, so filters set on it
+# keep working now that it spans several modules.
+logger = logging.getLogger("checkpoint_store.integrations._lightning")
+
+
+class _ReportCallback:
+    """The body of ``ReportCheckpointCallback`` (see its docstring in lightning.py)."""
+
+    def __init__(
+        self,
+        monitor: str | None = None,
+        mode: Literal["min", "max"] = "min",
+        num_to_keep: int | None = None,
+        *,
+        storage_path: str | os.PathLike[str] | None = None,
+        experiment_name: str = "default",
+        trial_name: str = "default",
+        storage_options: Mapping[str, Any] | None = None,
+        storage_filesystem: Any = None,
+    ):
+        from checkpoint_store.retention import CheckpointConfig
+
+        super().__init__()
+        if mode not in ("min", "max"):
+            raise InvalidConfigError(f"mode must be 'min' or 'max', got {mode!r}")
+        self.monitor = monitor
+        self.mode = mode
+        self.num_to_keep = num_to_keep
+        self._storage = None
+        if storage_path is None:
+            if monitor is not None or num_to_keep is not None:
+                raise InvalidConfigError(
+                    "without storage_path the callback reports into the active session, whose "
+                    "checkpoint_config decides retention: pass monitor/num_to_keep to "
+                    "session.start(checkpoint_config=...), or give storage_path here"
+                )
+            self._config = None
+        else:
+            # Validates now, in the main process, before any rank starts.
+            self._config = CheckpointConfig(
+                num_to_keep=num_to_keep, checkpoint_score_attribute=monitor,
+                checkpoint_score_order=mode,
+            )
+            self._storage = dict(
+                storage_path=storage_path, experiment_name=experiment_name,
+                trial_name=trial_name, storage_options=storage_options,
+                storage_filesystem=storage_filesystem,
+            )
+        self._active: Any = None
+        self._session: Any = None
+        self.stopped_by_session = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_active"] = state["_session"] = None
+        return state
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        from checkpoint_store import session
+
+        if isinstance(trainer.strategy.checkpoint_io, _StoreIO):
+            raise InvalidConfigError(
+                "ReportCheckpointCallback saves through the trainer into a temporary local "
+                "file and reports it; it cannot be combined with CheckpointStoreIO. Use one: "
+                "the callback (our retention), or CheckpointStoreIO with ModelCheckpoint"
+            )
+        if self._storage is None:
+            self._session = session.get_session()
+            return
+        self._active = session.start(
+            **self._storage, checkpoint_config=self._config,
+            world_rank=trainer.global_rank, world_size=trainer.world_size,
+            local_rank=trainer.local_rank,
+        )
+        self._session = self._active.session
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.sanity_checking or self._session is None:
+            return
+        from checkpoint_store.checkpoint import Checkpoint
+        from checkpoint_store.session import TrialStopped
+
+        metrics = {k: v for k, v in ((str(k), _to_float(v))
+                                     for k, v in trainer.callback_metrics.items())
+                   if v is not None}
+        metrics.update(epoch=trainer.current_epoch, step=trainer.global_step)
+        tmp = tempfile.mkdtemp(prefix="cs-lightning-")
+        try:
+            state = os.path.join(tmp, STATE_FILE)
+            trainer.save_checkpoint(state)  # every rank: sharded strategies gather here
+            ckpt = Checkpoint.from_directory(tmp) if os.path.exists(state) else None
+            try:
+                self._session.report(metrics, checkpoint=ckpt)
+            except TrialStopped:
+                # The row and its checkpoint are in; end fit() cleanly.
+                self.stopped_by_session = True
+                trainer.should_stop = True
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        active, self._active, self._session = self._active, None, None
+        if active is not None:
+            active.end()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # Lightning skips teardown hooks when fit() raises: end the session
+        # here, or its lease and this thread's session would outlive the run.
+        active, self._active, self._session = self._active, None, None
+        if active is not None:
+            try:
+                active.end(exception)  # recorded in the trial's error.txt
+            except Exception as exc:  # noqa: BLE001 - the run's own error comes first
+                logger.warning("ending the session after %r failed: %s", exception, exc)
+
+    def resume_path(
+        self, local_dir: str | os.PathLike[str] | None = None, *, best: bool = False
+    ) -> str | None:
+        """Download the newest (or, with ``best``, the best by ``monitor``)
+        committed checkpoint that verifies and return its local ``.ckpt`` file
+        for ``trainer.fit(ckpt_path=...)``; None when the trial has none.
+
+        Call it before ``fit``, on every rank (each downloads its own copy).
+        ``local_dir`` (default: a new temporary directory, left for the caller
+        to remove) receives the files.
+        """
+        from checkpoint_store.storage import StorageContext
+
+        if self._storage is None:
+            from checkpoint_store import session
+
+            storage = session.get_context().storage
+        else:
+            s = self._storage
+            storage = StorageContext(
+                s["storage_path"], s["experiment_name"], s["trial_name"],
+                storage_filesystem=s["storage_filesystem"], storage_options=s["storage_options"],
+            )
+        if best and self.monitor is None:
+            raise InvalidConfigError("resume_path(best=True) needs monitor= on the callback")
+        committed = storage.committed_checkpoints()
+        order = _pick(committed, self.monitor if best else None, self.mode)
+        chosen = _first_verified(order, lambda c: c.uri, lambda c: c.verify())
+        if chosen is None:
+            return None
+        target = chosen.to_directory(local_dir if local_dir is not None else
+                                     tempfile.mkdtemp(prefix="cs-lightning-resume-"))
+        return os.path.join(target, STATE_FILE)

@@ -1,0 +1,321 @@
+"""The body of the ``CheckpointStoreIO`` plugin: Lightning's save, load and remove.
+
+Each Lightning path names a checkpoint directory committed by our protocol
+(see :mod:`checkpoint_store.integrations._lightning`); with ``async_save``
+saves and removes run in order on :class:`._lightning_async._OrderedQueue`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import posixpath
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from checkpoint_store import _fsutil, _retry
+from checkpoint_store._commit import delete_checkpoint_dir, protocol_for
+from checkpoint_store._layout import deleting_dir_name, is_internal_name, replace_dir_name
+from checkpoint_store._manifest import inspect_checkpoint
+from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._runs import new_writer_id
+from checkpoint_store.backends.base import Backend
+from checkpoint_store.errors import InvalidConfigError
+from checkpoint_store.integrations._lightning_async import _OrderedQueue
+from checkpoint_store.integrations._lightning_state import (
+    STATE_FILE,
+    _checkpoint_metrics,
+    _stream_state,
+    verified_state,
+)
+from checkpoint_store.registry import resolve
+
+__all__ = ["_StoreIO"]
+
+# The name the integration has always logged under, so filters set on it
+# keep working now that it spans several modules.
+logger = logging.getLogger("checkpoint_store.integrations._lightning")
+
+
+def _split(path: Any) -> tuple[str, str]:
+    """``(parent, name)`` of a Lightning path (local path or URI)."""
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text.strip("/"):
+        raise InvalidConfigError(f"checkpoint path must be a non-empty path or URI, got {path!r}")
+    parent, _, name = text.rstrip("/").rpartition("/")
+    if not name or name in (".", ".."):
+        raise InvalidConfigError(f"checkpoint path {text!r} has no file name")
+    return parent or ("/" if text.startswith("/") else "."), name
+
+
+class _Locator:
+    """Resolves Lightning's paths to ``(backend, path)``, one backend per
+    parent directory (building an S3 client per save would be slow)."""
+
+    def __init__(self, storage_options: Mapping[str, Any] | None, storage_filesystem: Any):
+        self.storage_options = dict(storage_options) if storage_options else None
+        self.storage_filesystem = storage_filesystem
+        self._cache: dict[str, tuple[Backend, str]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, path: Any) -> tuple[Backend, str]:
+        parent, name = _split(path)
+        with self._lock:
+            hit = self._cache.get(parent)
+            if hit is None:
+                hit = resolve(parent, filesystem=self.storage_filesystem,
+                              storage_options=self.storage_options)
+                self._cache[parent] = hit
+        backend, parent_path = hit
+        return backend, posixpath.join(parent_path, name)
+
+
+
+class _StoreIO:
+    """The body of ``CheckpointStoreIO`` (see its docstring in lightning.py)."""
+
+    def __init__(
+        self,
+        *,
+        async_save: bool = False,
+        max_pending_saves: int = 2,
+        root: str | os.PathLike[str] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        storage_filesystem: Any = None,
+        fsync: bool = True,
+        retry: RetryPolicy | None = None,
+    ):
+        if not isinstance(async_save, bool):
+            raise InvalidConfigError(f"async_save must be True or False, got {async_save!r}")
+        if isinstance(max_pending_saves, bool) or not isinstance(max_pending_saves, int) \
+                or max_pending_saves < 1:
+            raise InvalidConfigError(
+                f"max_pending_saves must be an int >= 1, got {max_pending_saves!r}")
+        super().__init__()
+        self.async_save = async_save
+        self.max_pending_saves = max_pending_saves
+        self.fsync = fsync
+        self.retry = retry
+        #: Written into each checkpoint's internal metadata; removes refuse any
+        #: checkpoint with another run id (one this run did not write).
+        self.run_id = uuid.uuid4().hex[:16]
+        self._locate = _Locator(storage_options, storage_filesystem)
+        self._root: str | None = None
+        if root is not None:
+            backend, path = self._locate(posixpath.join(os.fspath(root), "_"))
+            self._root = backend.uri_for(posixpath.dirname(path))
+        self._queue: _OrderedQueue | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent to spawned ranks (ddp_spawn): without threads, locks or clients.
+        state = dict(self.__dict__)
+        state["_queue"] = None
+        state["_locate"] = (self._locate.storage_options, self._locate.storage_filesystem)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        options, filesystem = state.pop("_locate")
+        self.__dict__.update(state)
+        self._locate = _Locator(options, filesystem)
+
+    @property
+    def root(self) -> str | None:
+        """URI of the directory this plugin may delete in (default: the
+        directory of the first checkpoint it saved), or None before that."""
+        return self._root
+
+    def _queue_or_none(self) -> _OrderedQueue | None:
+        if not self.async_save:
+            return None
+        if self._queue is None:
+            self._queue = _OrderedQueue(self.max_pending_saves)
+        return self._queue
+
+    def _raise_pending_error(self) -> None:
+        error = self._queue.take_error() if self._queue is not None else None
+        if error is not None:
+            raise error
+
+    # -- save -------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise InvalidConfigError(
+                "CheckpointStoreIO takes its storage options when it is built "
+                "(CheckpointStoreIO(storage_options=...)), not per save_checkpoint() call"
+            )
+        backend, fs_path = self._locate(path)
+        uri = backend.uri_for(fs_path)
+        if self._root is None:
+            self._root = backend.uri_for(posixpath.dirname(fs_path))
+        queue = self._queue_or_none()
+        if queue is None:
+            self._save(checkpoint, backend, fs_path)
+            return
+        self._raise_pending_error()
+        # The training thread goes on changing parameters and optimizer state
+        # in place: the background save works on a copy taken now.
+        snapshot = _snapshot(checkpoint)
+        queue.submit("save", uri, lambda: self._save(snapshot, backend, fs_path))
+
+    def _save(self, checkpoint: Mapping[str, Any], backend: Backend, fs_path: str) -> None:
+        started = time.monotonic()
+        swap = self._clear_for_save(backend, fs_path)
+        metrics = _checkpoint_metrics(checkpoint)
+        internal = {
+            # Lightning's step, so "newest" means what it means to the user.
+            "index": int(metrics.get("step", 0)),
+            "created_at": time.time(),
+            "run_id": self.run_id,
+            "world_size": 1,
+            "metrics": metrics,
+            "lightning": {"state_file": STATE_FILE},
+        }
+        write = _stream_state(checkpoint, self.fsync and backend.capabilities.needs_fsync,
+                              self.retry)
+        writer = new_writer_id(self.run_id)
+        parent, name = posixpath.split(fs_path)
+        target = posixpath.join(parent, replace_dir_name(name, writer)) if swap else fs_path
+        protocol = protocol_for(backend, fsync=self.fsync, retry=self.retry)
+        _retry.with_rebuild(backend, lambda: protocol.commit(
+            None, None, target, internal, writer_id=writer, write=write,
+        ), what=f"save {backend.uri_for(fs_path)}")
+        if swap:
+            self._swap_in(backend, target, fs_path, writer)
+        logger.info("committed %s in %.2f s", backend.uri_for(fs_path),
+                    time.monotonic() - started)
+
+    def _clear_for_save(self, backend: Backend, fs_path: str) -> bool:
+        """Make way for a new save at ``fs_path``; True when a committed
+        checkpoint there is to be swapped out once the new one is committed.
+
+        Lightning saves to the same path again (``last.ckpt``). Where
+        directories rename atomically the old checkpoint stays until the new
+        one is committed beside it, then two renames swap them. Elsewhere the
+        old one is uncommitted and deleted first: a crash in between leaves
+        no checkpoint at that path (never a half-replaced one listed as
+        committed). A save that died half-way (after a resume, training
+        reaches the same ``epoch=..-step=..`` name again) left a directory of
+        our traces whose claim would hold off this save for
+        ``claim_timeout``: removed. Saves of one plugin run one at a time, so
+        no live writer of ours is in there.
+        """
+        fs = backend.filesystem
+        kind = _fsutil.info(fs, fs_path, retry=self.retry).type
+        if kind == pafs.FileType.File:
+            _fsutil.delete_file(fs, fs_path, retry=self.retry)  # a legacy plain file
+            return False
+        if kind != pafs.FileType.Directory:
+            return False
+        insp = inspect_checkpoint(fs, fs_path, retry=self.retry)
+        if insp.state == "committed":
+            if backend.capabilities.atomic_rename:
+                return True
+            delete_checkpoint_dir(backend, fs_path, writer_id=new_writer_id(self.run_id),
+                                  retry=self.retry)
+        elif insp.state == "absent" and _left_by_a_writer(insp.files or {}):
+            _fsutil.delete_dir(fs, fs_path, retry=self.retry)
+        return False
+
+    def _swap_in(self, backend: Backend, new: str, fs_path: str, writer: str) -> None:
+        """Rename the old checkpoint away and the committed ``new`` into its
+        place (local disks): no moment without a committed copy but the one
+        between the two renames."""
+        fs = backend.filesystem
+        parent, name = posixpath.split(fs_path)
+        trash = posixpath.join(parent, deleting_dir_name(name, writer))
+        _fsutil.move(fs, fs_path, trash, retry=self.retry)
+        _fsutil.move(fs, new, fs_path, retry=self.retry)
+        if self.fsync:
+            parent_os = _fsutil.local_path(fs, parent)
+            if parent_os is not None:
+                _fsutil.fsync_dir(parent_os)
+        _fsutil.delete_dir(fs, trash, retry=self.retry)
+
+    # -- load -------------------------------------------------------------------------
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        import torch
+
+        backend, fs_path = self._locate(path)
+        if self._queue is not None:
+            self._queue.wait(backend.uri_for(fs_path))
+            self._raise_pending_error()
+        state = verified_state(backend, fs_path, retry=self.retry)
+        return torch.load(state if isinstance(state, str) else io.BytesIO(state),
+                          map_location=map_location, weights_only=weights_only, **kwargs)
+
+    # -- remove -----------------------------------------------------------------------
+
+    def remove_checkpoint(self, path: Any) -> None:
+        backend, fs_path = self._locate(path)
+        queue = self._queue_or_none()
+        if queue is None:
+            self._remove(backend, fs_path)
+            return
+        self._raise_pending_error()
+        queue.submit("remove", backend.uri_for(fs_path), lambda: self._remove(backend, fs_path))
+
+    def _remove(self, backend: Backend, fs_path: str) -> None:
+        uri = backend.uri_for(fs_path)
+        if self._root is None or not uri.startswith(self._root.rstrip("/") + "/"):
+            _refuse(f"not removing {uri}: it is outside this run's checkpoint directory "
+                    f"{self._root}")
+            return
+        fs = backend.filesystem
+        kind = _fsutil.info(fs, fs_path, retry=self.retry).type
+        if kind == pafs.FileType.NotFound:
+            return
+        insp = inspect_checkpoint(fs, fs_path, retry=self.retry) \
+            if kind == pafs.FileType.Directory else None
+        run_id = (insp.meta or {}).get("run_id") if insp is not None else None
+        if insp is None or insp.state != "committed" or run_id != self.run_id:
+            _refuse(f"not removing {uri}: this run did not write it (it may be the checkpoint "
+                    "the run resumed from, or another run's); delete it yourself if unneeded")
+            return
+        # Uncommits first: an interrupted delete never leaves a listed checkpoint.
+        delete_checkpoint_dir(backend, fs_path, writer_id=new_writer_id(self.run_id),
+                              retry=self.retry)
+
+    # -- end ----------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until every queued save and remove has run; raise the first error."""
+        if self._queue is not None:
+            self._queue.wait()
+            self._queue.reset()
+        self._raise_pending_error()
+
+    def teardown(self) -> None:
+        self.wait()
+
+
+def _left_by_a_writer(files: Mapping[str, int]) -> bool:
+    """Uncommitted files holding a trace of our writers (a claim, a delete
+    tombstone): what a save or delete cut short leaves. Anything else is
+    somebody's data, and the commit refuses to write over it."""
+    return any(is_internal_name(rel.rsplit("/", 1)[-1]) for rel in files)
+
+
+def _refuse(message: str) -> None:
+    logger.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _snapshot(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().clone())

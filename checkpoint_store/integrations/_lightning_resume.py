@@ -1,0 +1,113 @@
+"""Finding the checkpoint to resume from: ``resume_path`` and its ordering."""
+
+from __future__ import annotations
+
+import math
+import os
+import posixpath
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import pyarrow.fs as pafs
+
+from checkpoint_store import _fsutil
+from checkpoint_store._manifest import inspect_checkpoint
+from checkpoint_store.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    InvalidConfigError,
+)
+from checkpoint_store.integrations._lightning_state import _to_float, verified_state
+from checkpoint_store.registry import resolve
+
+__all__ = ["_first_verified", "_pick", "resume_path"]
+
+
+def _pick(
+    candidates: Sequence[tuple[Any, Mapping[str, Any]]], monitor: str | None, mode: str,
+) -> list[Any]:
+    """Candidates in preference order: newest first (index, then created_at),
+    or with ``monitor`` best first (missing or NaN scores last, ties: newer)."""
+    def newness(meta: Mapping[str, Any]) -> tuple[int, float]:
+        return meta.get("index", 0), float(meta.get("created_at", 0.0))
+
+    if monitor is None:
+        return [c for c, _ in sorted(candidates, key=lambda cm: newness(cm[1]), reverse=True)]
+    if mode not in ("min", "max"):
+        raise InvalidConfigError(f"mode must be 'min' or 'max', got {mode!r}")
+    from checkpoint_store.retention import rank_key
+
+    def key(cm: tuple[Any, Mapping[str, Any]]) -> tuple[int, float, tuple[int, float]]:
+        score = _to_float((cm[1].get("metrics") or {}).get(monitor))
+        if score is not None and math.isnan(score):
+            score = None
+        return rank_key(score, newness(cm[1]), mode)
+
+    return [c for c, _ in sorted(candidates, key=key, reverse=True)]
+
+
+def _first_verified(checkpoints: list[Any], describe: Callable[[Any], str],
+                    verify: Callable[[Any], object]) -> Any | None:
+    for c in checkpoints:
+        try:
+            verify(c)
+        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+            warnings.warn(f"skipping checkpoint {describe(c)}: it does not verify ({exc})",
+                          RuntimeWarning, stacklevel=3)
+            continue
+        return c
+    return None
+
+
+def resume_path(
+    dirpath: str | os.PathLike[str],
+    *,
+    monitor: str | None = None,
+    mode: Literal["min", "max"] = "min",
+    storage_options: Mapping[str, Any] | None = None,
+    storage_filesystem: Any = None,
+) -> str | None:
+    """The ``ckpt_path`` to give ``trainer.fit`` to resume from ``dirpath``.
+
+    Lists the committed checkpoint directories that :class:`CheckpointStoreIO`
+    wrote in ``dirpath`` (``ModelCheckpoint(dirpath=...)``) and returns the
+    newest (highest ``global_step``, then latest commit) whose files verify
+    (size and CRC32C). A directory without a commit marker (a save cut short)
+    is never a candidate; one that fails verification is skipped with a
+    warning. Lightning's own ``ckpt_path="last"`` goes by names and
+    modification times instead.
+
+    Args:
+        dirpath: the checkpoint directory (local path or URI).
+        monitor: pick the best by this metric (recorded at save from each
+            ``ModelCheckpoint``'s monitored value) instead of the newest.
+        mode: ``"min"`` or ``"max"`` for ``monitor``.
+        storage_options, storage_filesystem: as for :class:`CheckpointStoreIO`.
+
+    Returns:
+        ``dirpath`` joined with the chosen directory's name (load it with
+        ``CheckpointStoreIO``), or None when there is no committed checkpoint.
+
+    Raises:
+        InvalidConfigError: a bad ``mode`` or location.
+    """
+    backend, root = resolve(dirpath, filesystem=storage_filesystem,
+                            storage_options=storage_options)
+    fs = backend.filesystem
+    found: list[tuple[str, Mapping[str, Any]]] = []
+    for fi in _fsutil.list_dir(fs, root):
+        name = posixpath.basename(fi.path.rstrip("/"))
+        if fi.type != pafs.FileType.Directory or name.startswith("."):
+            continue
+        insp = inspect_checkpoint(fs, posixpath.join(root, name))
+        if insp.state == "committed" and insp.meta is not None:
+            found.append((name, insp.meta))
+    chosen = _first_verified(
+        _pick(found, monitor, mode), lambda n: backend.uri_for(posixpath.join(root, n)),
+        lambda n: verified_state(backend, posixpath.join(root, n), keep=False),
+    )
+    if chosen is None:
+        return None
+    base = os.fspath(dirpath)
+    return f"{base.rstrip('/')}/{chosen}" if "://" in base else os.path.join(base, chosen)

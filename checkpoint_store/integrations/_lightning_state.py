@@ -1,0 +1,202 @@
+"""A Lightning checkpoint's state file: written, read and verified on storage.
+
+``torch.save`` streams Lightning's checkpoint dict into ``checkpoint.ckpt``
+inside the checkpoint directory, CRC32C computed on the way; a load checks the
+file against the manifest as it reads. Also what the index and metrics of a
+checkpoint are taken from (``epoch``, ``global_step``, monitored values).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import posixpath
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import google_crc32c
+import pyarrow.fs as pafs
+
+from checkpoint_store import _fsutil, _retry
+from checkpoint_store._manifest import ManifestEntry, inspect_checkpoint, verify_files
+from checkpoint_store._retry import RetryPolicy
+from checkpoint_store.backends.base import Backend
+from checkpoint_store.errors import CheckpointCorruptError, CheckpointNotFoundError
+
+__all__ = [
+    "STATE_FILE",
+    "_checkpoint_metrics",
+    "_stream_state",
+    "_to_float",
+    "verified_state",
+]
+
+#: The file inside a checkpoint directory that holds Lightning's checkpoint dict.
+STATE_FILE = "checkpoint.ckpt"
+
+_CHUNK = 8 * 1024 * 1024
+
+
+class _CrcWriter:
+    """A binary file-like that forwards writes and keeps size and CRC32C."""
+
+    def __init__(self, raw: Any):
+        self._raw = raw
+        self.size = 0
+        self.crc = 0
+
+    def write(self, data: Any) -> int:
+        chunk = data if isinstance(data, bytes) else memoryview(data).cast("B").tobytes()
+        self._raw.write(chunk)
+        self.crc = google_crc32c.extend(self.crc, chunk)
+        self.size += len(chunk)
+        return len(chunk)
+
+    def flush(self) -> None:
+        flush = getattr(self._raw, "flush", None)
+        if flush is not None:
+            flush()
+
+
+def _stream_state(
+    checkpoint: Mapping[str, Any], fsync: bool, retry: RetryPolicy | None
+) -> Callable[[pafs.FileSystem, str], list[ManifestEntry]]:
+    """The ``write`` of :meth:`CommitProtocol.commit`: ``torch.save`` straight into
+    the backend's output stream (no local copy), CRC32C computed on the way."""
+    import torch
+
+    def write_once(fs: pafs.FileSystem, directory: str) -> list[ManifestEntry]:
+        path = posixpath.join(directory, STATE_FILE)
+        local = _fsutil.local_path(fs, path)
+        if local is not None:
+            with open(local, "wb") as f:
+                w = _CrcWriter(f)
+                torch.save(checkpoint, w)  # type: ignore[arg-type]  # any object with write()
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            if fsync:
+                _fsutil.fsync_dir(os.path.dirname(local))
+        else:
+            with fs.open_output_stream(path) as out:
+                w = _CrcWriter(out)
+                torch.save(checkpoint, w)  # type: ignore[arg-type]  # any object with write()
+        return [ManifestEntry(STATE_FILE, w.size, f"{w.crc:08x}")]
+
+    def write(fs: pafs.FileSystem, directory: str) -> list[ManifestEntry]:
+        return _retry.call(lambda: write_once(fs, directory), policy=retry,
+                           what=f"write {directory}/{STATE_FILE}")
+
+    return write
+
+
+def _to_float(value: Any) -> float | None:
+    """A Python float for a number or one-element tensor, else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    numel = getattr(value, "numel", None)
+    if callable(numel) and numel() == 1:
+        try:
+            return float(value.item())
+        except (TypeError, ValueError, RuntimeError):
+            return None
+    return None
+
+
+def _checkpoint_metrics(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """``epoch``, ``step`` (global step) and each ``ModelCheckpoint``'s monitored
+    value (its ``current_score``) from Lightning's checkpoint dict."""
+    metrics: dict[str, Any] = {}
+    for key, out in (("epoch", "epoch"), ("global_step", "step")):
+        value = checkpoint.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            metrics[out] = value
+    callbacks = checkpoint.get("callbacks")
+    if isinstance(callbacks, Mapping):
+        for state in callbacks.values():
+            if not isinstance(state, Mapping):
+                continue
+            monitor = state.get("monitor")
+            score = _to_float(state.get("current_score"))
+            if isinstance(monitor, str) and score is not None and math.isfinite(score):
+                metrics[monitor] = score
+    return metrics
+
+
+def _read_state(
+    fs: pafs.FileSystem, path: str, expect: Mapping[str, Any] | None, keep: bool = True
+) -> bytes:
+    """Read a whole file (returned when ``keep``, else ``b""``); with ``expect``
+    (a manifest entry) check its size and CRC32C on the way."""
+    crc, size, chunks = 0, 0, []
+    with fs.open_input_stream(path) as f:
+        while True:
+            buf = f.read(_CHUNK)
+            if not buf:
+                break
+            crc = google_crc32c.extend(crc, buf)
+            size += len(buf)
+            if keep:
+                chunks.append(buf)
+    if expect is not None and (size != expect["size"] or f"{crc:08x}" != expect["crc32c"]):
+        raise CheckpointCorruptError(
+            f"{path}: {size} bytes with CRC32C {crc:08x}, the manifest says "
+            f"{expect['size']} bytes with {expect['crc32c']}; the checkpoint is damaged, "
+            "resume from another one", path=posixpath.dirname(path), file=STATE_FILE,
+        )
+    return b"".join(chunks)
+
+
+def verified_state(backend: Backend, fs_path: str, *, retry: RetryPolicy | None = None,
+                   keep: bool = True) -> str | bytes:
+    """The state of a committed checkpoint directory (every file checked
+    against its manifest) or of a plain legacy ``.ckpt`` file (unchecked).
+
+    Returns:
+        On the local disk, the state file's OS path (checked by one streaming
+        read; ``torch.load`` reads it again, from the page cache). Elsewhere
+        its bytes, checked as they arrived (``b""`` unless ``keep``).
+
+    Raises:
+        CheckpointNotFoundError: nothing at the path, or a directory that is not
+            a committed checkpoint (an interrupted save).
+        CheckpointCorruptError: a file does not match the manifest.
+    """
+    fs = backend.filesystem
+    uri = backend.uri_for(fs_path)
+    kind = _fsutil.info(fs, fs_path, retry=retry).type
+    if kind == pafs.FileType.NotFound:
+        raise CheckpointNotFoundError(f"checkpoint {uri} does not exist")
+    if kind == pafs.FileType.File:
+        local = _fsutil.local_path(fs, fs_path)
+        if local is not None:
+            return local
+        return _retry.call(lambda: _read_state(fs, fs_path, None, keep), policy=retry,
+                           what=f"read {uri}")
+    insp = inspect_checkpoint(fs, fs_path, retry=retry)
+    if insp.state == "invalid":
+        raise CheckpointCorruptError(f"checkpoint {uri} is corrupt: {insp.reason}",
+                                     path=fs_path, file=insp.file)
+    if insp.state != "committed":
+        raise CheckpointNotFoundError(
+            f"{uri} is not a committed checkpoint (no commit marker): a save that did not "
+            "finish. Resume from another one (checkpoint_store.integrations.lightning."
+            "resume_path finds the newest complete one)"
+        )
+    assert insp.meta is not None
+    manifest = insp.meta["manifest"]
+    state_file = (insp.meta.get("lightning") or {}).get("state_file", STATE_FILE)
+    entry = next((e for e in manifest if e["path"] == state_file), None)
+    if entry is None:
+        raise CheckpointCorruptError(f"checkpoint {uri} has no {state_file} in its manifest",
+                                     path=fs_path, file=state_file)
+    others = [e for e in manifest if e is not entry]
+    if others:
+        verify_files(fs, fs_path, others, retry=retry)
+    path = posixpath.join(fs_path, state_file)
+    local = _fsutil.local_path(fs, path)
+    data = _retry.call(lambda: _read_state(fs, path, entry, keep and local is None),
+                       policy=retry, what=f"read {uri}")
+    return local if local is not None else data
