@@ -18,6 +18,13 @@ from checkpoint_store._layout import checkpoint_dir_name
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError, TrialStopped
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
+from checkpoint_store.session._args import (
+    check_checkpoint_config,
+    check_timeout,
+    check_upload_config,
+    int_from,
+    resume_source,
+)
 from checkpoint_store.session._multirank import Coordinator
 from checkpoint_store.storage import ResultLog, StorageContext
 
@@ -81,90 +88,6 @@ class SessionContext:
 #: The ``params.json`` key recording the checkpoint a trial started from
 #: (``session.start(resume_from=...)``): its URI, index, run id, experiment and trial.
 RESUME_FROM_KEY = "_resume_from"
-
-
-def _int_from(value: int | None, env: str, default: int, what: str) -> int:
-    if value is None:
-        raw = os.environ.get(env)
-        if raw is None or raw == "":
-            return default
-        try:
-            value = int(raw)
-        except ValueError:
-            raise InvalidConfigError(
-                f"environment variable {env}={raw!r} is not an integer"
-            ) from None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidConfigError(f"{what} must be an int >= 0, got {value!r}")
-    return value
-
-
-def _check_checkpoint_config(value: Any) -> CheckpointConfig:
-    if value is None:
-        return CheckpointConfig()
-    if not isinstance(value, CheckpointConfig):
-        hint = " (build one: CheckpointConfig(**that_dict))" if isinstance(value, Mapping) else ""
-        raise InvalidConfigError(
-            f"checkpoint_config must be a CheckpointConfig or None, got "
-            f"{type(value).__name__}{hint}"
-        )
-    return value
-
-
-def _check_upload_config(value: Any, checkpoint_config: CheckpointConfig) -> UploadConfig:
-    """``value``, else the deprecated upload keywords of ``checkpoint_config``, else
-    the defaults."""
-    legacy = checkpoint_config.legacy_upload_config()
-    if value is None:
-        return legacy or UploadConfig()
-    if not isinstance(value, UploadConfig):
-        raise InvalidConfigError(
-            f"upload_config must be an UploadConfig or None, got {type(value).__name__}"
-        )
-    if legacy is not None and legacy != value:
-        raise InvalidConfigError(
-            "upload settings given twice, in upload_config and in CheckpointConfig("
-            "upload_mode=..., max_pending_uploads=..., staging=...); give only upload_config"
-        )
-    return value
-
-
-def _check_timeout(value: Any, what: str = "sync_timeout_s") -> float:
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value) or value <= 0):
-        raise InvalidConfigError(f"{what} must be a number > 0, got {value!r}")
-    return float(value)
-
-
-def _resume_source(value: Any, storage: StorageContext, verify: bool) -> Checkpoint | None:
-    """The checkpoint of another run this trial starts from, checked before
-    anything is written.
-
-    Raises:
-        InvalidConfigError: not a Checkpoint, path or URI, or a checkpoint of
-            this very trial (its own checkpoints resume without it).
-        CheckpointNotFoundError: missing, or not committed.
-        CheckpointCorruptError: a file fails its size or CRC32C (``verify``).
-    """
-    if value is None:
-        return None
-    if not isinstance(value, Checkpoint) and isinstance(value, (str, os.PathLike)):
-        value = Checkpoint(value)
-    if not isinstance(value, Checkpoint):
-        raise InvalidConfigError(
-            f"resume_from must be a Checkpoint, a path or a URI, got {type(value).__name__}"
-        )
-    trial = storage.uri(storage.trial_path).rstrip("/") + "/"
-    if value.uri.startswith(trial):
-        raise InvalidConfigError(
-            f"resume_from {value.uri} is a checkpoint of this trial; get_checkpoint() resumes "
-            "from this trial's own checkpoints without it (resume_from is for another run's)"
-        )
-    if verify:
-        value.verify()  # every byte against the manifest: never start from a torn copy
-    elif not value.is_committed:
-        value.verify()  # raises the typed error naming what is wrong
-    return value
 
 
 def _valid_iteration(value: Any) -> int | None:
@@ -234,20 +157,20 @@ class Session:
                 f"storage must be a StorageContext, got {type(storage).__name__}"
             )
         self.storage = storage
-        self.checkpoint_config = _check_checkpoint_config(checkpoint_config)
-        self.upload_config = _check_upload_config(upload_config, self.checkpoint_config)
+        self.checkpoint_config = check_checkpoint_config(checkpoint_config)
+        self.upload_config = check_upload_config(upload_config, self.checkpoint_config)
         self.config = _json.to_json_object(config or {}, "config")
-        self.world_rank = _int_from(world_rank, "RANK", 0, "world_rank")
-        self.world_size = _int_from(world_size, "WORLD_SIZE", 1, "world_size")
-        self.local_rank = _int_from(local_rank, "LOCAL_RANK", 0, "local_rank")
+        self.world_rank = int_from(world_rank, "RANK", 0, "world_rank")
+        self.world_size = int_from(world_size, "WORLD_SIZE", 1, "world_size")
+        self.local_rank = int_from(local_rank, "LOCAL_RANK", 0, "local_rank")
         if self.world_size < 1 or self.world_rank >= self.world_size:
             raise InvalidConfigError(
                 f"world_rank {self.world_rank} must be in [0, world_size={self.world_size})"
             )
-        sync_timeout_s = _check_timeout(sync_timeout_s)
+        sync_timeout_s = check_timeout(sync_timeout_s)
         # Read only, never registered, moved or deleted by this trial: it lives
         # outside the trial directory, where retention never looks.
-        self._resume_from = _resume_source(resume_from, storage, verify=self.world_rank == 0)
+        self._resume_from = resume_source(resume_from, storage, verify=self.world_rank == 0)
         self._lock = threading.Lock()
         self._closed = False
         # Background uploads of upload_mode="async" (created on first use).

@@ -21,10 +21,10 @@ from checkpoint_store._layout import check_run_name
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError, TrialStopped
 from checkpoint_store.retention import CheckpointConfig
-from checkpoint_store.session._session import (
-    _check_checkpoint_config,
-    _check_timeout,
-    _check_upload_config,
+from checkpoint_store.session._args import (
+    check_checkpoint_config,
+    check_timeout,
+    check_upload_config,
 )
 
 _IDLE, _RUNNING, _FINISHED, _STOPPED, _PAUSED = "idle", "running", "finished", "stopped", "paused"
@@ -103,7 +103,7 @@ class TrialRunner:
         self._config = _json.to_json_object(config or {}, "config")
         check_run_name(experiment_name, "experiment_name")
         check_run_name(trial_name, "trial_name")
-        _check_upload_config(upload_config, _check_checkpoint_config(checkpoint_config))
+        check_upload_config(upload_config, check_checkpoint_config(checkpoint_config))
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise InvalidConfigError(
                 f"storage_options must be a dict or None, got {type(storage_options).__name__}"
@@ -122,7 +122,7 @@ class TrialRunner:
             "resume_from": resume_from,
         }
         self._sync = synchronous_result_reporting
-        self._stop_timeout_s = _check_timeout(stop_timeout_s, "stop_timeout_s")
+        self._stop_timeout_s = check_timeout(stop_timeout_s, "stop_timeout_s")
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._session: Any = None
