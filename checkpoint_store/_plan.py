@@ -27,7 +27,6 @@ concurrency; a single chunk larger than the limit is still allowed, alone.
 
 from __future__ import annotations
 
-import errno
 import os
 import posixpath
 import threading
@@ -37,28 +36,26 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-import google_crc32c
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from checkpoint_store._budget import DEFAULT_MEMORY_LIMIT, _Budget
+from checkpoint_store._crc32c import _crc, crc32c_combine
+from checkpoint_store._localcopy import _O_BINARY, _LocalDisk, flush_files
+
+__all__ = [
+    "DEFAULT_MEMORY_LIMIT",
+    "FileResult",
+    "Plan",
+    "Previous",
+    "crc32c_combine",
+    "plan",
+    "run",
+    "server_copy",
+]
+
 T = TypeVar("T")
 
-
-
-def _default_memory_limit() -> int:
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        ram = 8 * 1024**3
-    return max(32 * 1024 * 1024, min(256 * 1024 * 1024, ram // 16))
-
-
-#: Bytes of file data held in memory at once by one transfer (all its threads)
-#: when the storage sets no ``memory_budget``: 256 MiB, at most 1/16 of RAM.
-#: Enough for 8 ranged GETs of 16 MiB or 4 upload parts of 21 MiB in flight
-#: (each counted twice or three times, see _REMOTE_COPIES), the point past
-#: which more parallel requests stopped paying on S3 and Azure (docs/benchmarks.md).
-DEFAULT_MEMORY_LIMIT = _default_memory_limit()
 #: Parts of large files a transfer aims to keep in flight at once (ranged GETs
 #: for downloads, multipart parts for uploads); the budget sets the part size.
 PARTS_IN_FLIGHT = 8
@@ -68,10 +65,6 @@ MIN_PART = 5 * 1024 * 1024
 _PYARROW_PART = 10 * 1024 * 1024
 #: S3 allows 10000 parts per upload; parts grow so a file never needs more.
 MAX_PARTS = 9000
-#: Local-to-local copies read into per-thread buffers this large (the page
-#: cache is the source; 1-4 MiB buffers were fastest, larger ones fell out of
-#: the CPU caches).
-LOCAL_BUFFER = 4 * 1024 * 1024
 #: A local copy splits files larger than this into parallel parts.
 LOCAL_PART = 64 * 1024 * 1024
 #: Remote transfers count each byte twice against the memory limit: the HTTP
@@ -81,155 +74,6 @@ _REMOTE_COPIES = 2
 BATCH_FILES = 64
 #: ... and this many bytes.
 BATCH_BYTES = 16 * 1024 * 1024
-
-_O_BINARY = getattr(os, "O_BINARY", 0)
-
-# -- local copies inside the kernel ---------------------------------------------
-
-#: ``FICLONE`` (linux/fs.h): make the destination share the source's extents
-#: (btrfs, XFS, bcachefs, OCFS2). Copy-on-write: a later write to either file
-#: does not show in the other, so a checkpoint never shares data the user can
-#: change (unlike a hard link, which we never make).
-_FICLONE = 0x40049409
-#: Whether ``os.copy_file_range`` may still be tried (cleared on ENOSYS).
-_COPY_FILE_RANGE = [hasattr(os, "copy_file_range")]
-#: errnos meaning "no kernel copy between these two files", never a data error.
-_NO_KERNEL_COPY = frozenset(
-    e for e in (errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP,
-                getattr(errno, "ENOTSUP", errno.EOPNOTSUPP), errno.ENOTTY, errno.EBADF)
-)
-#: ``(source device, destination device)`` pairs where FICLONE was refused.
-_NO_REFLINK: set[tuple[int, int]] = set()
-
-
-def _reflink(src: int, dst: int) -> bool:
-    """Clone ``src`` into the empty ``dst`` (True), or False where the
-    filesystem cannot (ext4, tmpfs, two filesystems), remembered per device pair."""
-    if not hasattr(os, "copy_file_range"):  # not Linux
-        return False
-    key = (os.fstat(src).st_dev, os.fstat(dst).st_dev)
-    if key in _NO_REFLINK:
-        return False
-    import fcntl
-
-    try:
-        fcntl.ioctl(dst, _FICLONE, src)
-    except OSError as exc:
-        if exc.errno not in _NO_KERNEL_COPY:
-            raise
-        _NO_REFLINK.add(key)
-        return False
-    return True
-
-
-def _stamp(fd: int) -> tuple[int, int]:
-    """Size and modification time (ns) of an open file."""
-    st = os.fstat(fd)
-    return st.st_size, st.st_mtime_ns
-
-
-def _syncfs(fd: int) -> bool:
-    """``syncfs(2)`` on the filesystem of ``fd``; False where unavailable."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.syncfs
-    except (OSError, AttributeError):
-        return False
-    if fn(fd) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return True
-
-
-# -- CRC32C ---------------------------------------------------------------------
-
-_POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a * b modulo the CRC polynomial (reflected bit order)."""
-    m = 1 << 31
-    p = 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                break
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-    return p
-
-
-def _x2n_table() -> list[int]:
-    p = 1 << 30  # x^1
-    table = [p]
-    for _ in range(1, 32):
-        p = _multmodp(p, p)
-        table.append(p)
-    return table
-
-
-_X2N = _x2n_table()
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32C of ``A + B`` from ``crc1 = crc(A)``, ``crc2 = crc(B)`` and ``len(B)``.
-
-    Same method as zlib's ``crc32_combine`` (multiply by x^(8*len2) modulo the
-    polynomial); costs microseconds, so parts of a file can be checksummed in
-    parallel.
-    """
-    if len2 <= 0:
-        return crc1
-    # x^(8 * len2): walk the bits of len2, starting at x^(2^3).
-    p = 1 << 31
-    k = 3
-    n = len2
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return _multmodp(p, crc1) ^ crc2
-
-
-def _crc(crc: int, data: Any) -> int:
-    # google_crc32c takes bytes or pyarrow buffers, not memoryviews.
-    return google_crc32c.extend(crc, data)
-
-
-# -- memory budget -------------------------------------------------------------
-
-
-class _Budget:
-    """A byte semaphore: at most ``limit`` bytes held at once (one oversize
-    request is let through when nothing else is held)."""
-
-    def __init__(self, limit: int):
-        self.limit = max(1, limit)
-        self._held = 0
-        self._cond = threading.Condition()
-
-    def try_acquire(self, n: int) -> bool:
-        with self._cond:
-            if self._held == 0 or self._held + n <= self.limit:
-                self._held += n
-                return True
-            return False
-
-    def acquire(self, n: int) -> None:
-        with self._cond:
-            while not (self._held == 0 or self._held + n <= self.limit):
-                self._cond.wait()
-            self._held += n
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self._held -= n
-            self._cond.notify_all()
-
 
 # -- filesystem kinds ---------------------------------------------------------
 
@@ -372,7 +216,7 @@ def _call_plain(fn: Callable[[], T], what: str) -> T:
     return fn()
 
 
-class _Runner:
+class _Runner(_LocalDisk):
     def __init__(
         self,
         p: Plan,
@@ -408,131 +252,6 @@ class _Runner:
 
     def _dst(self, rel: str) -> str:
         return posixpath.join(self.dst_root, rel)
-
-    def _src_os(self, rel: str) -> str:
-        assert self.src_os is not None
-        return os.path.join(self.src_os, *rel.split("/"))
-
-    def _dst_os(self, rel: str) -> str:
-        assert self.dst_os is not None
-        return os.path.join(self.dst_os, *rel.split("/"))
-
-    def _buffer(self) -> tuple[pa.Buffer, memoryview]:
-        buf = getattr(self._tls, "buf", None)
-        if buf is None:
-            buf = pa.allocate_buffer(min(self.read_chunk, LOCAL_BUFFER))
-            self._tls.buf = buf
-            self._tls.mv = memoryview(buf)
-        return buf, self._tls.mv
-
-    # -- local disk primitives
-
-    def _copy_local_range(self, rel: str, offset: int, length: int) -> int:
-        """Copy ``length`` bytes at ``offset`` of a local file to the same offset
-        of the destination, returning the CRC32C of those bytes as written."""
-        src = os.open(self._src_os(rel), os.O_RDONLY | _O_BINARY)
-        try:
-            before = _stamp(src)
-            dst = os.open(self._dst_os(rel), os.O_WRONLY | _O_BINARY)
-            try:
-                self._kernel_copy(rel, src, dst, offset, length)
-            finally:
-                os.close(dst)
-            crc = self._crc_range(src, offset, length)
-            self._unchanged(rel, src, before)
-            return crc
-        finally:
-            os.close(src)
-
-    def _copy_local_whole(self, rel: str) -> tuple[int, int]:
-        src = os.open(self._src_os(rel), os.O_RDONLY | _O_BINARY)
-        try:
-            before = _stamp(src)
-            size = before[0]
-            dst = os.open(self._dst_os(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY,
-                          0o644)
-            try:
-                if not (size and _reflink(src, dst)):
-                    self._kernel_copy(rel, src, dst, 0, size)
-            finally:
-                os.close(dst)
-            crc = self._crc_range(src, 0, size)
-            self._unchanged(rel, src, before)
-        finally:
-            os.close(src)
-        return size, crc
-
-    def _unchanged(self, rel: str, fd: int, before: tuple[int, int]) -> None:
-        """The source was copied by the kernel and checksummed by a second
-        read: both saw the same bytes only if it did not change in between."""
-        if _stamp(fd) != before:
-            raise OSError(
-                f"{self._src_os(rel)} changed while it was being copied; write the "
-                "checkpoint completely before reporting it"
-            )
-
-    def _kernel_copy(self, rel: str, src: int, dst: int, offset: int, length: int) -> None:
-        """Copy a byte range inside the kernel (``copy_file_range``: no byte
-        passes through this process; a reflink where the filesystem shares
-        extents), else through a user-space buffer."""
-        pos, end = offset, offset + length
-        while pos < end and _COPY_FILE_RANGE[0]:
-            try:
-                n = os.copy_file_range(src, dst, end - pos, pos, pos)
-            except OSError as exc:
-                if exc.errno not in _NO_KERNEL_COPY:
-                    raise
-                # Not between these filesystems (or not in this kernel): the
-                # rest goes through the buffer.
-                if exc.errno in (errno.ENOSYS,):
-                    _COPY_FILE_RANGE[0] = False
-                break
-            if n == 0:
-                raise OSError(f"{self._src_os(rel)} shrank while it was being copied")
-            pos += n
-        if pos < end:
-            self._buffer_copy(rel, src, dst, pos, end - pos)
-
-    def _buffer_copy(self, rel: str, src: int, dst: int, offset: int, length: int) -> None:
-        _, mv = self._buffer()
-        pos, end = offset, offset + length
-        while pos < end:
-            n = os.preadv(src, [mv[: min(len(mv), end - pos)]], pos)
-            if n <= 0:
-                raise OSError(f"{self._src_os(rel)} shrank while it was being copied")
-            w = 0
-            while w < n:
-                w += os.pwrite(dst, mv[w:n], pos + w)
-            pos += n
-
-    def _crc_range(self, fd: int, offset: int, length: int) -> int:
-        """CRC32C of ``length`` bytes at ``offset`` of ``fd`` (a source the
-        kernel copy has just read: from the page cache)."""
-        buf, mv = self._buffer()
-        cap = len(mv)
-        crc = 0
-        pos, end = offset, offset + length
-        while pos < end:
-            n = os.preadv(fd, [mv[: min(cap, end - pos)]], pos)
-            if n <= 0:
-                raise OSError(f"short read at {pos} of a file being checksummed")
-            crc = _crc(crc, buf if n == cap else buf.slice(0, n))
-            pos += n
-        return crc
-
-    def _write_local(self, rel: str, data: Any) -> None:
-        dst = os.open(self._dst_os(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY, 0o644)
-        try:
-            mv = memoryview(data)
-            w = 0
-            while w < len(mv):
-                w += os.write(dst, mv[w:])
-        finally:
-            os.close(dst)
-
-    def _read_local(self, rel: str) -> bytes:
-        with open(self._src_os(rel), "rb", buffering=0) as f:
-            return f.read()
 
     # -- tasks
 
@@ -704,28 +423,6 @@ class _Runner:
                 self.budget.release(held)
         return FileResult(rel, size, crc)
 
-    def reflinks(self, rel: str) -> bool:
-        """Whether the filesystem clones ``rel`` into its destination (tried on
-        that file; the answer is kept per pair of devices)."""
-        src = os.open(self._src_os(rel), os.O_RDONLY | _O_BINARY)
-        try:
-            dst = os.open(self._dst_os(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY,
-                          0o644)
-            try:
-                return _reflink(src, dst)
-            finally:
-                os.close(dst)
-        finally:
-            os.close(src)
-
-    def prepare_local(self, rel: str, size: int) -> None:
-        """Create the destination of a part-wise download at its final size."""
-        fd = os.open(self._dst_os(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY, 0o644)
-        try:
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
-
 
 
 @dataclass(frozen=True)
@@ -794,40 +491,6 @@ def _reuse_previous(r: _Runner, previous: Previous,
     workers = max(1, min(r.p.concurrency, len(candidates)))
     with ThreadPoolExecutor(workers, thread_name_prefix="cs-reuse") as pool:
         return [fr for fr in pool.map(one, candidates) if fr is not None]
-
-
-#: How :func:`flush_files` makes a copy durable: ``"fsync"`` (every file,
-#: in parallel threads) or ``"syncfs"`` (one ``syncfs(2)`` of the target
-#: filesystem, which also writes back other processes' dirty pages).
-DURABILITY = "fsync"
-
-
-def flush_files(root: str, rels: Sequence[str], workers: int) -> None:
-    """Make the files ``rels`` under the local directory ``root`` durable
-    (data and size; their directory entries are the caller's), all at once
-    rather than one ``fsync`` after each file: the disk sees one queue of writes.
-    """
-    if DURABILITY == "syncfs":
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            if _syncfs(fd):
-                return
-        finally:
-            os.close(fd)
-
-    def one(rel: str) -> None:
-        fd = os.open(os.path.join(root, *rel.split("/")), os.O_RDONLY | _O_BINARY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    if workers <= 1 or len(rels) <= 1:
-        for rel in rels:
-            one(rel)
-        return
-    with ThreadPoolExecutor(min(workers * 2, len(rels)), thread_name_prefix="cs-fsync") as pool:
-        list(pool.map(one, rels))
 
 
 def run(

@@ -73,7 +73,7 @@ def copy_tree(
     the destination's ``Capabilities.chunk_size``), ``concurrency`` (threads;
     default its ``Capabilities.concurrency``) and ``memory_limit`` (bytes
     buffered at once; default its ``Capabilities.memory_budget``, else
-    :data:`checkpoint_store._plan.DEFAULT_MEMORY_LIMIT`) tune the transfer
+    :data:`checkpoint_store._budget.DEFAULT_MEMORY_LIMIT`) tune the transfer
     plan of :mod:`checkpoint_store._plan`. CRC32Cs are computed on the bytes
     in flight (local copies: read again from the page cache). ``previous`` (a
     :class:`checkpoint_store._plan.Previous`): files equal to that committed

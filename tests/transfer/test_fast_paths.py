@@ -15,7 +15,7 @@ import google_crc32c
 import pyarrow.fs as pafs
 import pytest
 
-from checkpoint_store import Checkpoint, StorageContext, _plan
+from checkpoint_store import Checkpoint, StorageContext, _localcopy, _plan
 from checkpoint_store.backends.base import LOCAL_CAPABILITIES
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.transfer import copy_tree
@@ -79,7 +79,7 @@ def test_tmpfs_has_no_reflink_and_the_copy_falls_back(shm_dir, monkeypatch, fsyn
     entries = copy_tree(LOCAL, src, LOCAL, dst, LOCAL_CAPABILITIES, fsync=fsync)
     _assert_copied(entries, src, dst, want)
     dev = os.stat(src).st_dev
-    assert (dev, dev) in _plan._NO_REFLINK
+    assert (dev, dev) in _localcopy._NO_REFLINK
 
 
 @pytest.mark.parametrize("err", [errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP])
@@ -89,8 +89,8 @@ def test_without_copy_file_range_the_buffer_copies(shm_dir, tmp_path, monkeypatc
     def refuse(*args, **kwargs):
         raise OSError(err, os.strerror(err))
 
-    monkeypatch.setattr(_plan.os, "copy_file_range", refuse, raising=False)
-    monkeypatch.setattr(_plan, "_COPY_FILE_RANGE", [True])
+    monkeypatch.setattr(_localcopy.os, "copy_file_range", refuse, raising=False)
+    monkeypatch.setattr(_localcopy, "_COPY_FILE_RANGE", [True])
     src, dst = os.path.join(shm_dir, "src"), str(tmp_path / "dst")  # tmpfs -> disk
     want = _tree(src, SHAPES)
     entries = copy_tree(LOCAL, src, LOCAL, dst, LOCAL_CAPABILITIES, fsync=True)
@@ -98,7 +98,7 @@ def test_without_copy_file_range_the_buffer_copies(shm_dir, tmp_path, monkeypatc
 
 
 def test_syncfs_durability_copies_the_same(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(_plan, "DURABILITY", "syncfs")
+    monkeypatch.setattr(_localcopy, "DURABILITY", "syncfs")
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     want = _tree(src, SHAPES)
     _assert_copied(copy_tree(LOCAL, src, LOCAL, dst, LOCAL_CAPABILITIES, fsync=True),

@@ -12,7 +12,7 @@ import google_crc32c
 import pyarrow.fs as pafs
 import pytest
 
-from checkpoint_store import _plan
+from checkpoint_store import _budget, _plan
 from checkpoint_store.backends.base import LOCAL_CAPABILITIES, Capabilities
 from checkpoint_store.registry import resolve
 from checkpoint_store.transfer import copy_tree
@@ -102,7 +102,7 @@ def test_a_vanished_source_file_fails_the_copy(tmp_path) -> None:
 
 
 def test_budget_never_holds_more_than_its_limit() -> None:
-    budget = _plan._Budget(100)
+    budget = _budget._Budget(100)
     held = []
     peak = [0]
     lock = threading.Lock()

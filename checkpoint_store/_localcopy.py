@@ -1,0 +1,290 @@
+"""Disk-to-disk copies and their durability.
+
+Owns the routes by which a local file is copied inside the kernel (a reflink
+via ``FICLONE`` where the filesystem shares extents, else
+``copy_file_range``, else a user-space buffer), the check that a source did
+not change while it was copied, the per-thread buffers of local reads, and
+how a copied tree is made durable (:func:`flush_files`, :data:`DURABILITY`).
+:class:`_LocalDisk` holds the local-disk primitives of the transfer runner in
+:mod:`checkpoint_store._plan`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pyarrow as pa
+
+from checkpoint_store._crc32c import _crc
+
+__all__ = [
+    "DURABILITY",
+    "LOCAL_BUFFER",
+    "_COPY_FILE_RANGE",
+    "_NO_REFLINK",
+    "_O_BINARY",
+    "_LocalDisk",
+    "_reflink",
+    "_syncfs",
+    "flush_files",
+]
+
+#: Local-to-local copies read into per-thread buffers this large (the page
+#: cache is the source; 1-4 MiB buffers were fastest, larger ones fell out of
+#: the CPU caches).
+LOCAL_BUFFER = 4 * 1024 * 1024
+
+_O_BINARY = getattr(os, "O_BINARY", 0)
+
+
+#: ``FICLONE`` (linux/fs.h): make the destination share the source's extents
+#: (btrfs, XFS, bcachefs, OCFS2). Copy-on-write: a later write to either file
+#: does not show in the other, so a checkpoint never shares data the user can
+#: change (unlike a hard link, which we never make).
+_FICLONE = 0x40049409
+#: Whether ``os.copy_file_range`` may still be tried (cleared on ENOSYS).
+_COPY_FILE_RANGE = [hasattr(os, "copy_file_range")]
+#: errnos meaning "no kernel copy between these two files", never a data error.
+_NO_KERNEL_COPY = frozenset(
+    e for e in (errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP,
+                getattr(errno, "ENOTSUP", errno.EOPNOTSUPP), errno.ENOTTY, errno.EBADF)
+)
+#: ``(source device, destination device)`` pairs where FICLONE was refused.
+_NO_REFLINK: set[tuple[int, int]] = set()
+
+
+def _reflink(src: int, dst: int) -> bool:
+    """Clone ``src`` into the empty ``dst`` (True), or False where the
+    filesystem cannot (ext4, tmpfs, two filesystems), remembered per device pair."""
+    if not hasattr(os, "copy_file_range"):  # not Linux
+        return False
+    key = (os.fstat(src).st_dev, os.fstat(dst).st_dev)
+    if key in _NO_REFLINK:
+        return False
+    import fcntl
+
+    try:
+        fcntl.ioctl(dst, _FICLONE, src)
+    except OSError as exc:
+        if exc.errno not in _NO_KERNEL_COPY:
+            raise
+        _NO_REFLINK.add(key)
+        return False
+    return True
+
+
+def _stamp(fd: int) -> tuple[int, int]:
+    """Size and modification time (ns) of an open file."""
+    st = os.fstat(fd)
+    return st.st_size, st.st_mtime_ns
+
+
+def _syncfs(fd: int) -> bool:
+    """``syncfs(2)`` on the filesystem of ``fd``; False where unavailable."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.syncfs
+    except (OSError, AttributeError):
+        return False
+    if fn(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return True
+
+
+#: How :func:`flush_files` makes a copy durable: ``"fsync"`` (every file,
+#: in parallel threads) or ``"syncfs"`` (one ``syncfs(2)`` of the target
+#: filesystem, which also writes back other processes' dirty pages).
+DURABILITY = "fsync"
+
+
+def flush_files(root: str, rels: Sequence[str], workers: int) -> None:
+    """Make the files ``rels`` under the local directory ``root`` durable
+    (data and size; their directory entries are the caller's), all at once
+    rather than one ``fsync`` after each file: the disk sees one queue of writes.
+    """
+    if DURABILITY == "syncfs":
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            if _syncfs(fd):
+                return
+        finally:
+            os.close(fd)
+
+    def one(rel: str) -> None:
+        fd = os.open(os.path.join(root, *rel.split("/")), os.O_RDONLY | _O_BINARY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    if workers <= 1 or len(rels) <= 1:
+        for rel in rels:
+            one(rel)
+        return
+    with ThreadPoolExecutor(min(workers * 2, len(rels)), thread_name_prefix="cs-fsync") as pool:
+        list(pool.map(one, rels))
+
+
+class _LocalDisk:
+    """Local-disk primitives of a transfer runner: paths under the local
+    roots, per-thread buffers, and copies, reads and writes of local files."""
+
+    src_os: str | None
+    dst_os: str | None
+    read_chunk: int
+    _tls: threading.local
+
+    def _src_os(self, rel: str) -> str:
+        assert self.src_os is not None
+        return os.path.join(self.src_os, *rel.split("/"))
+
+    def _dst_os(self, rel: str) -> str:
+        assert self.dst_os is not None
+        return os.path.join(self.dst_os, *rel.split("/"))
+
+    def _buffer(self) -> tuple[pa.Buffer, memoryview]:
+        buf = getattr(self._tls, "buf", None)
+        if buf is None:
+            buf = pa.allocate_buffer(min(self.read_chunk, LOCAL_BUFFER))
+            self._tls.buf = buf
+            self._tls.mv = memoryview(buf)
+        return buf, self._tls.mv
+
+    # -- local disk primitives
+
+    def _copy_local_range(self, rel: str, offset: int, length: int) -> int:
+        """Copy ``length`` bytes at ``offset`` of a local file to the same offset
+        of the destination, returning the CRC32C of those bytes as written."""
+        src = os.open(self._src_os(rel), os.O_RDONLY | _O_BINARY)
+        try:
+            before = _stamp(src)
+            dst = os.open(self._dst_os(rel), os.O_WRONLY | _O_BINARY)
+            try:
+                self._kernel_copy(rel, src, dst, offset, length)
+            finally:
+                os.close(dst)
+            crc = self._crc_range(src, offset, length)
+            self._unchanged(rel, src, before)
+            return crc
+        finally:
+            os.close(src)
+
+    def _copy_local_whole(self, rel: str) -> tuple[int, int]:
+        src = os.open(self._src_os(rel), os.O_RDONLY | _O_BINARY)
+        try:
+            before = _stamp(src)
+            size = before[0]
+            dst = os.open(self._dst_os(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY,
+                          0o644)
+            try:
+                if not (size and _reflink(src, dst)):
+                    self._kernel_copy(rel, src, dst, 0, size)
+            finally:
+                os.close(dst)
+            crc = self._crc_range(src, 0, size)
+            self._unchanged(rel, src, before)
+        finally:
+            os.close(src)
+        return size, crc
+
+    def _unchanged(self, rel: str, fd: int, before: tuple[int, int]) -> None:
+        """The source was copied by the kernel and checksummed by a second
+        read: both saw the same bytes only if it did not change in between."""
+        if _stamp(fd) != before:
+            raise OSError(
+                f"{self._src_os(rel)} changed while it was being copied; write the "
+                "checkpoint completely before reporting it"
+            )
+
+    def _kernel_copy(self, rel: str, src: int, dst: int, offset: int, length: int) -> None:
+        """Copy a byte range inside the kernel (``copy_file_range``: no byte
+        passes through this process; a reflink where the filesystem shares
+        extents), else through a user-space buffer."""
+        pos, end = offset, offset + length
+        while pos < end and _COPY_FILE_RANGE[0]:
+            try:
+                n = os.copy_file_range(src, dst, end - pos, pos, pos)
+            except OSError as exc:
+                if exc.errno not in _NO_KERNEL_COPY:
+                    raise
+                # Not between these filesystems (or not in this kernel): the
+                # rest goes through the buffer.
+                if exc.errno in (errno.ENOSYS,):
+                    _COPY_FILE_RANGE[0] = False
+                break
+            if n == 0:
+                raise OSError(f"{self._src_os(rel)} shrank while it was being copied")
+            pos += n
+        if pos < end:
+            self._buffer_copy(rel, src, dst, pos, end - pos)
+
+    def _buffer_copy(self, rel: str, src: int, dst: int, offset: int, length: int) -> None:
+        _, mv = self._buffer()
+        pos, end = offset, offset + length
+        while pos < end:
+            n = os.preadv(src, [mv[: min(len(mv), end - pos)]], pos)
+            if n <= 0:
+                raise OSError(f"{self._src_os(rel)} shrank while it was being copied")
+            w = 0
+            while w < n:
+                w += os.pwrite(dst, mv[w:n], pos + w)
+            pos += n
+
+    def _crc_range(self, fd: int, offset: int, length: int) -> int:
+        """CRC32C of ``length`` bytes at ``offset`` of ``fd`` (a source the
+        kernel copy has just read: from the page cache)."""
+        buf, mv = self._buffer()
+        cap = len(mv)
+        crc = 0
+        pos, end = offset, offset + length
+        while pos < end:
+            n = os.preadv(fd, [mv[: min(cap, end - pos)]], pos)
+            if n <= 0:
+                raise OSError(f"short read at {pos} of a file being checksummed")
+            crc = _crc(crc, buf if n == cap else buf.slice(0, n))
+            pos += n
+        return crc
+
+    def _write_local(self, rel: str, data: Any) -> None:
+        dst = os.open(self._dst_os(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY, 0o644)
+        try:
+            mv = memoryview(data)
+            w = 0
+            while w < len(mv):
+                w += os.write(dst, mv[w:])
+        finally:
+            os.close(dst)
+
+    def _read_local(self, rel: str) -> bytes:
+        with open(self._src_os(rel), "rb", buffering=0) as f:
+            return f.read()
+
+    def reflinks(self, rel: str) -> bool:
+        """Whether the filesystem clones ``rel`` into its destination (tried on
+        that file; the answer is kept per pair of devices)."""
+        src = os.open(self._src_os(rel), os.O_RDONLY | _O_BINARY)
+        try:
+            dst = os.open(self._dst_os(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY,
+                          0o644)
+            try:
+                return _reflink(src, dst)
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+
+    def prepare_local(self, rel: str, size: int) -> None:
+        """Create the destination of a part-wise download at its final size."""
+        fd = os.open(self._dst_os(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY, 0o644)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
