@@ -1,0 +1,285 @@
+"""Level 2 of :mod:`checkpoint_store.integrations.ray`: committed checkpoints from Ray Train.
+
+Owns the worker side, :func:`upload_fn` (each rank uploads its files with our
+transfer and writes its rank marker), and the controller side,
+``CommitCallback`` (built on first use by :func:`_commit_callback_class`, as
+it subclasses ``ray.train.UserCallback``), which commits a directory from
+its rank markers. Ray is imported only inside those calls. Import the public
+names from :mod:`checkpoint_store.integrations.ray`.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from checkpoint_store import _fsutil, _json, _retry
+from checkpoint_store._commit import delete_checkpoint_dir, protocol_for
+from checkpoint_store._layout import (
+    INTERNAL_METADATA,
+    USER_METADATA,
+    is_internal_file,
+    parse_rank_marker_name,
+    rank_marker_name,
+)
+from checkpoint_store._manifest import read_internal_metadata
+from checkpoint_store._retry import RetryPolicy
+from checkpoint_store.backends.base import Backend
+from checkpoint_store.errors import CheckpointStoreError
+from checkpoint_store.integrations._ray_fs import backend_of
+from checkpoint_store.transfer import copy_tree
+
+__all__ = ["upload_fn"]
+
+# Named for the public module, as before the split: logging configuration and
+# filters that select "checkpoint_store.integrations.ray" keep working.
+logger = logging.getLogger("checkpoint_store.integrations.ray")
+
+
+def upload_fn() -> Callable[[Any, str], Any]:
+    """The ``checkpoint_upload_fn`` for ``ray.train.report`` (Ray Train workers).
+
+    Each worker copies its checkpoint's files with our transfer (parallel,
+    CRC32C computed on the bytes in flight, retried per file) into the
+    directory Ray names, on Ray's storage filesystem, then writes its rank
+    marker ``.cs_rank-<rank>.json`` listing them. Rank 0 alone contributes
+    ``.user_metadata.json``. :class:`CommitCallback` commits the directory
+    once Ray has every rank's report; without it nothing is committed.
+
+    Returns:
+        ``fn(checkpoint, checkpoint_dir_name) -> ray.train.Checkpoint`` on
+        Ray's filesystem object (Ray compares it with its own).
+
+    Raises (from the returned function):
+        CheckpointNotFoundError: the local checkpoint directory is gone.
+        TransientBackendError, PermanentBackendError: storage failed; the
+            rank's marker then records the failure, and the checkpoint is
+            never committed (Ray fails the worker and, with
+            ``FailureConfig(max_failures=...)``, resumes from the previous one).
+    """
+
+    def _upload(checkpoint: Any, checkpoint_dir_name: str) -> Any:
+        import ray.train
+
+        ctx = ray.train.get_context()
+        storage = ctx.get_storage()
+        fs = storage.storage_filesystem
+        dest = storage.build_checkpoint_path_from_name(checkpoint_dir_name)
+        _upload_rank(checkpoint.filesystem, checkpoint.path, fs, dest, ctx.get_world_rank())
+        return ray.train.Checkpoint(path=dest, filesystem=fs)
+
+    return _upload
+
+
+def _upload_rank(
+    src_fs: pafs.FileSystem, src: str, fs: pafs.FileSystem, dest: str, rank: int
+) -> list[dict[str, Any]]:
+    """One rank's share: files, then its marker (also when the copy failed)."""
+    backend, retry = backend_of(fs)
+
+    def include(rel: str) -> bool:
+        return not is_internal_file(rel) and (rank == 0 or rel != USER_METADATA)
+
+    files: list[dict[str, Any]] = []
+    error: BaseException | None = None
+    try:
+        entries = copy_tree(
+            src_fs,
+            src,
+            backend.filesystem,
+            dest,
+            backend.capabilities,
+            include=include,
+            retry=retry,
+        )
+        files = [e.to_json() for e in entries]
+    except Exception as exc:
+        error = exc
+    marker = {
+        "rank": rank,
+        "ok": error is None,
+        "files": files,
+        "time": time.time(),
+        "error": None if error is None else f"{type(error).__name__}: {error}",
+    }
+    _fsutil.write_bytes(
+        backend.filesystem,
+        posixpath.join(dest, rank_marker_name(rank)),
+        _json.dumps(marker),
+        backend.capabilities,
+        retry=retry,
+    )
+    if error is not None:
+        raise error
+    return files
+
+
+def _commit_from_markers(
+    backend: Backend,
+    path: str,
+    internal: dict[str, Any],
+    world_size: int,
+    retry: RetryPolicy | None,
+) -> dict[str, Any] | None:
+    """Commit ``path`` from its rank markers; None (and a warning) when a rank failed.
+
+    Every marker present must report success and no path may come from two
+    ranks. The markers are deleted after the commit marker is written.
+    """
+    from checkpoint_store.session._multirank import merge_rank_files
+
+    fs = backend.filesystem
+    markers: dict[int, dict[str, Any]] = {}
+    for fi in _fsutil.list_dir(fs, path, retry=retry):
+        rank = parse_rank_marker_name(posixpath.basename(fi.path))
+        if rank is not None and fi.type == pafs.FileType.File:
+            body = _json.loads(_fsutil.read_bytes(fs, fi.path, retry=retry))
+            markers[rank] = body if isinstance(body, dict) else {"ok": False}
+    where = backend.uri_for(path)
+    failed = {r: b.get("error") for r, b in markers.items() if not b.get("ok")}
+    if not markers or failed:
+        logger.warning(
+            "%s is not committed: %s",
+            where,
+            f"ranks failed: {failed}" if failed else "no rank uploaded with upload_fn()",
+        )
+        return None
+    merged = merge_rank_files(markers)
+    if merged.clash is not None:
+        logger.warning("%s is not committed: ranks %d and %d both wrote %r", where, *merged.clash)
+        return None
+    meta = dict(internal)
+    meta["world_size"] = world_size
+    meta["ranks"] = merged.ranks
+    protocol = protocol_for(backend, retry=retry)
+    written = _retry.with_rebuild(
+        backend,
+        lambda: protocol.finalize(path, path, meta, merged.manifest),
+        what=f"commit {where}",
+    )
+    for r in markers:
+        try:
+            _fsutil.delete_file(fs, posixpath.join(path, rank_marker_name(r)), retry=retry)
+        except OSError:
+            pass  # an internal file: a leftover changes nothing
+    return written
+
+
+def _remove_failed(
+    backend: Backend, parent: str, before: float, retry: RetryPolicy | None
+) -> list[str]:
+    """Delete the uncommitted directories under ``parent`` where a rank recorded a
+    failed upload before ``before`` (the time Ray saw a worker fail, after which
+    it replaced every worker, so nobody writes there any more). Returns their paths."""
+    fs = backend.filesystem
+    removed = []
+    for fi in _fsutil.list_dir(fs, parent, retry=retry):
+        if fi.type != pafs.FileType.Directory:
+            continue
+        names = {
+            posixpath.basename(e.path): e.path for e in _fsutil.list_tree(fs, fi.path, retry=retry)
+        }
+        if INTERNAL_METADATA in names:
+            continue
+        for name, full in names.items():
+            if parse_rank_marker_name(name) is None:
+                continue
+            body = _json.loads(_fsutil.read_bytes(fs, full, retry=retry))
+            if isinstance(body, dict) and not body.get("ok") and body.get("time", 0) < before:
+                delete_checkpoint_dir(backend, fi.path, retry=retry)
+                removed.append(fi.path)
+                break
+    return removed
+
+
+def _next_index(backend: Backend, parent: str, retry: RetryPolicy | None) -> int:
+    """One past the highest index committed under ``parent`` (one listing and
+    one read per directory, once per run)."""
+    best = -1
+    for fi in _fsutil.list_dir(backend.filesystem, parent, retry=retry):
+        if fi.type != pafs.FileType.Directory:
+            continue
+        meta = read_internal_metadata(backend.filesystem, fi.path, retry=retry)
+        if meta is not None:
+            best = max(best, int(meta["index"]))
+    return best + 1
+
+
+def _commit_callback_class() -> type:
+    import ray.train
+
+    class CommitCallback(ray.train.UserCallback):
+        """Commits each Ray Train checkpoint uploaded with :func:`upload_fn`.
+
+        Runs in Ray Train's controller (``after_report``), which Ray calls
+        once every rank's ``ray.train.report`` has returned. Writes
+        ``.internal_metadata.json`` last: the manifest is the union of the
+        ranks' markers, the metrics are rank 0's, the index counts on past
+        the highest committed one in the run directory. A checkpoint with a
+        failed or conflicting rank is left uncommitted (a warning names it);
+        after Ray has replaced the failed workers, the next commit removes
+        the directories where a rank recorded a failed upload.
+
+        Ray's ``CheckpointConfig`` keeps the top K and deletes the rest,
+        through the storage filesystem; with :func:`ray_filesystem` those
+        deletes remove the marker first. Ray registers (and may delete older
+        checkpoints) before this callback commits the new one, so for that
+        moment the newest committed checkpoint is the one before.
+        """
+
+        def __init__(self) -> None:
+            self._index: int | None = None
+            self._failed_at: float | None = None
+
+        def after_exception(self, run_context: Any, worker_exceptions: dict) -> None:
+            # Cleaned at the next commit, when Ray has replaced the failed workers.
+            self._failed_at = time.time()
+
+        def after_report(
+            self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any
+        ) -> None:
+            if checkpoint is None:
+                return
+            backend, retry = backend_of(checkpoint.filesystem)
+            path = checkpoint.path.rstrip("/")
+            parent = posixpath.dirname(path)
+            if self._index is None:
+                self._index = _next_index(backend, parent, retry)
+            if self._failed_at is not None:
+                for gone in _remove_failed(backend, parent, self._failed_at, retry):
+                    logger.info("removed %s: a rank failed to upload it", backend.uri_for(gone))
+                self._failed_at = None
+            name = run_context.run_config.name or posixpath.basename(posixpath.dirname(path))
+            row = _json_safe(metrics[0] if metrics else {})
+            row["checkpoint_dir_name"] = posixpath.basename(path)
+            internal = {
+                "index": self._index,
+                "metrics": row,
+                "experiment_name": name,
+                "trial_name": name,
+                "created_at": time.time(),
+            }
+            if _commit_from_markers(backend, path, internal, len(metrics), retry) is not None:
+                self._index += 1
+
+    # Pickled by reference to the public module, whose __getattr__ rebuilds it.
+    CommitCallback.__module__ = "checkpoint_store.integrations.ray"
+    CommitCallback.__qualname__ = "CommitCallback"
+    return CommitCallback
+
+
+def _json_safe(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Rank 0's metrics as a JSON object; values JSON cannot hold are dropped
+    (Ray accepts any picklable metric)."""
+    out: dict[str, Any] = {}
+    for k, v in dict(metrics).items():
+        try:
+            out.update(_json.to_json_object({k: v}, "metrics"))
+        except CheckpointStoreError:
+            logger.debug("metric %r is not JSON; left out of the internal metadata", k)
+    return out
