@@ -132,21 +132,31 @@ class _Backoff:
         return True
 
 
-def _torch_group(world_rank: int, world_size: int) -> Any:
-    """The gloo process group to synchronise on, or None without torch.distributed.
+def _torch_group(world_rank: int, world_size: int) -> tuple[bool, Any]:
+    """Whether to synchronise over torch.distributed, and on which group.
+
+    Returns ``(False, None)`` without a process group, ``(True, None)`` for the
+    default group when it is gloo (None is how torch names the default group),
+    and ``(True, subgroup)`` for a gloo subgroup made here when the default
+    group is another backend (NCCL), because object collectives on NCCL need a
+    CUDA device.
+
+    No reference to the default group is kept: torch frees it in
+    ``destroy_process_group()`` only when nothing else holds it, and a group
+    freed later, while the interpreter shuts down, aborts the process
+    ("terminate called without an active exception" from gloo's threads).
 
     torch is never imported here: only a process that already imported it can
-    have a process group. A non-gloo default group (NCCL) gets a gloo
-    subgroup, because object collectives on NCCL need a CUDA device.
+    have a process group.
     """
     if "torch" not in sys.modules:
-        return None
+        return False, None
     try:
         import torch.distributed as dist
     except ImportError:
-        return None
+        return False, None
     if not (dist.is_available() and dist.is_initialized()):
-        return None
+        return False, None
     if dist.get_world_size() != world_size or dist.get_rank() != world_rank:
         raise InvalidConfigError(
             f"session rank {world_rank}/{world_size} disagrees with the torch.distributed "
@@ -154,8 +164,8 @@ def _torch_group(world_rank: int, world_size: int) -> Any:
             "process group's rank and size, or none at all"
         )
     if dist.get_backend() == "gloo":
-        return dist.group.WORLD
-    return dist.new_group(backend="gloo")
+        return True, None
+    return True, dist.new_group(backend="gloo")
 
 
 def _env_attempt_id() -> str | None:
@@ -195,14 +205,19 @@ class Coordinator:
         self.rank = world_rank
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
-        self._group = _torch_group(world_rank, world_size)
+        self._uses_torch, self._group = _torch_group(world_rank, world_size)
         self.attempt_id = self._agree_attempt_id(attempt_id)
 
     # -- collectives --------------------------------------------------------------
 
     @property
     def uses_torch(self) -> bool:
-        return self._group is not None
+        return self._uses_torch
+
+    def close(self) -> None:
+        """Drop the gloo subgroup made for an NCCL job (the session has ended),
+        so that ``destroy_process_group()`` frees it."""
+        self._group = None
 
     def _broadcast(self, value: Any) -> Any:
         import torch.distributed as dist
@@ -217,7 +232,7 @@ class Coordinator:
         dist.barrier(group=self._group)
 
     def _agree_attempt_id(self, attempt_id: str | None) -> str:
-        if attempt_id is None and self._group is not None:
+        if attempt_id is None and self._uses_torch:
             attempt_id = self._broadcast(uuid.uuid4().hex[:16])
         if attempt_id is None:
             attempt_id = _env_attempt_id()
@@ -255,7 +270,7 @@ class Coordinator:
                 ):
                     _fsutil.delete_file(fs, fi.path)
             index = compute()
-        if self._group is not None:
+        if self._uses_torch:
             return int(self._broadcast(index))
         path = posixpath.join(trial, attempt_file_name(self.attempt_id))
         body: Any
@@ -297,7 +312,7 @@ class Coordinator:
         round trip per report, so there every rank must pass a checkpoint to
         the same report() (an empty directory is fine) or none must.
         """
-        if self._group is None:
+        if not self._uses_torch:
             return has_checkpoint
         import torch.distributed as dist
 
@@ -349,16 +364,16 @@ class Coordinator:
         storage.ensure_trial_dir()
         copy = None if in_place else checkpoint
         own_error = self._write_part(index, copy, target, own_error)
-        if self._group is not None:
+        if self._uses_torch:
             self._barrier()
         if self.rank == 0:
             outcome, rank0_error = self._decide(index, dir_name, target, final, internal,
                                                 in_place)
-            if self._group is not None:
+            if self._uses_torch:
                 self._broadcast(outcome)
         else:
             rank0_error = None
-            if self._group is not None:
+            if self._uses_torch:
                 outcome = self._broadcast(None)
             else:
                 outcome = self._await_outcome(index, dir_name, final)
@@ -473,7 +488,7 @@ class Coordinator:
         fs = self.storage.filesystem
         # After a barrier every rank has tried to write its marker: one missing
         # now failed to write, so only a listing's lag is worth waiting for.
-        timeout_s = min(self.timeout_s, 10.0) if self._group is not None else self.timeout_s
+        timeout_s = min(self.timeout_s, 10.0) if self._uses_torch else self.timeout_s
         backoff = _Backoff(timeout_s)
         while True:
             present = set()
@@ -517,7 +532,7 @@ class Coordinator:
                 _fsutil.delete_dir(storage.filesystem, target)
             except OSError:
                 pass  # an uncommitted directory is ignored by readers; cleanup retries
-        if self._group is None:
+        if not self._uses_torch:
             _fsutil.write_bytes(
                 storage.filesystem,
                 posixpath.join(storage.trial_path, abort_file_name(dir_name, self.attempt_id)),

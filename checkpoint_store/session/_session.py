@@ -577,6 +577,8 @@ class Session:
         finally:
             # Releases the trial's retention lease (also when an exception ends the session).
             self.manager.close()
+            if self._coordinator is not None:
+                self._coordinator.close()
         if upload_error is not None:
             raise upload_error
 

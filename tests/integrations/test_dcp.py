@@ -56,6 +56,11 @@ WORKER = textwrap.dedent("""
             result["save_error"] = type(exc).__name__
         result["failed"] = failed
     dist.destroy_process_group()
+    # The session keeps no reference to the group: destroying it stops gloo's
+    # threads now (a group freed at interpreter exit aborts the process).
+    result["gloo_threads"] = sum(
+        open(f"/proc/self/task/{t}/comm").read().startswith("pt_gloo")
+        for t in os.listdir("/proc/self/task"))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 """)
@@ -74,6 +79,7 @@ def test_two_ranks_save_in_place_without_a_copy(tmp_path):
     assert r0["where"] == r1["where"] == str(store / "e" / "t" / "checkpoint_000000")
     assert r0["failed"] == r1["failed"] == str(store / "e" / "t" / "checkpoint_000001")
     assert r0["save_error"] == r1["save_error"] == "CheckpointException"
+    assert r0["gloo_threads"] == r1["gloo_threads"] == 0
 
     where = r0["where"]
     # DCP's files, our marker, nothing else; and the very same files (no copy).
