@@ -168,6 +168,9 @@ class StorageContext:
         self = cls.__new__(cls)
         self.experiment_name = validate_component(experiment_name, "experiment_name")
         self.trial_name = validate_component(trial_name, "trial_name")
+        # Names from elsewhere (a Ray trial's) meet the same store limits as ours.
+        backend.check_name(self.experiment_name, "experiment_name")
+        backend.check_name(self.trial_name, "trial_name")
         self.backend = backend
         self.storage_path = storage_path
         self.fsync = fsync

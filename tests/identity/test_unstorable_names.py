@@ -129,3 +129,23 @@ def test_copy_tree_checks_names_against_the_destination(tmp_path):
     assert not dst.exists()
     copy_tree(local, str(src), local, str(dst), Capabilities(directories=True))
     assert (dst / "b~c").read_bytes() == b"b"
+
+
+def test_storage_context_from_backend_checks_names_against_the_store(tmp_path):
+    # The path integrations take (a Ray trial's name, the UI's listing): the
+    # backend's limits apply as they do to StorageContext(...).
+    import dataclasses
+
+    from checkpoint_store.registry import resolve
+
+    backend, root = resolve(str(tmp_path))
+    caps = dataclasses.replace(backend.capabilities, unsupported_name_characters="~",
+                               unsupported_name_hint="rename it")
+    strict = dataclasses.replace(backend, capabilities=caps)
+    with pytest.raises(InvalidConfigError, match=r"trial_name 't~1' holds '~'.*rename it"):
+        StorageContext.from_backend(strict, root, "exp", "t~1")
+    with pytest.raises(InvalidConfigError, match=r"experiment_name 'e~'"):
+        StorageContext.from_backend(strict, root, "e~", "t")
+    ctx = StorageContext.from_backend(strict, root, "exp", "t_1")
+    assert ctx.trial_path == f"{root}/exp/t_1"
+    assert list(tmp_path.iterdir()) == []
