@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -48,6 +48,7 @@ __all__ = [
     "FileResult",
     "Plan",
     "Previous",
+    "Route",
     "crc32c_combine",
     "plan",
     "run",
@@ -55,6 +56,14 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+#: How :func:`plan` moves a tree, from where its two sides live: ``"local"``
+#: disk to disk, ``"download"`` remote to disk, ``"upload"`` disk to remote,
+#: ``"stream"`` remote to remote (through this process).
+Route = Literal["local", "download", "upload", "stream"]
+#: The routes whose destination is the local disk: large files go in parts
+#: written at their offsets (``pwrite``), so the file is made first.
+_TO_DISK: tuple[Route, ...] = ("local", "download")
 
 #: Parts of large files a transfer aims to keep in flight at once (ranged GETs
 #: for downloads, multipart parts for uploads); the budget sets the part size.
@@ -129,8 +138,7 @@ class Plan:
     """How a tree is moved; see :func:`plan`. All sizes in bytes.
 
     Attributes:
-        route: ``"local"`` (disk to disk), ``"download"`` (remote to disk),
-            ``"upload"`` (disk to remote) or ``"stream"`` (anything else).
+        route: how the bytes move (a :data:`Route`).
         chunk_size: bytes per request / read call; large files are cut in
             parts of this size.
         concurrency: threads moving data at once.
@@ -139,12 +147,22 @@ class Plan:
         large: files moved part by part (or streamed, for uploads).
     """
 
-    route: str
+    route: Route
     chunk_size: int
     concurrency: int
     memory_limit: int
     batches: list[list[tuple[str, int]]]
     large: list[tuple[str, int]]
+
+
+def _route(src_local: bool, dst_local: bool) -> Route:
+    if src_local and dst_local:
+        return "local"
+    if dst_local:
+        return "download"
+    if src_local:
+        return "upload"
+    return "stream"
 
 
 def plan(
@@ -159,16 +177,8 @@ def plan(
     memory_limit: int | None = None,
 ) -> Plan:
     """Choose the route and cut ``files`` (``(relpath, size)``) into tasks."""
-    src_local = _local_path(src_fs, src_root) is not None
-    dst_local = _local_path(dst_fs, dst_root) is not None
-    if src_local and dst_local:
-        route = "local"
-    elif dst_local:
-        route = "download"
-    elif src_local:
-        route = "upload"
-    else:
-        route = "stream"
+    route = _route(_local_path(src_fs, src_root) is not None,
+                   _local_path(dst_fs, dst_root) is not None)
     limit = memory_limit if memory_limit is not None else DEFAULT_MEMORY_LIMIT
     part = LOCAL_PART if route == "local" else chunk_size
     small_max = min(part, BATCH_BYTES)
@@ -556,7 +566,7 @@ def run(
         batches = [[f] for f in large] + batches
         large = []
     for rel, size in large:
-        if p.route in ("local", "download"):
+        if p.route in _TO_DISK:
             r.prepare_local(rel, size)
             for off in range(0, size, p.chunk_size):
                 parts.append((rel, off, min(p.chunk_size, size - off)))

@@ -7,7 +7,9 @@ import os
 import random
 import threading
 import time
+from typing import get_args
 
+import fsspec
 import google_crc32c
 import pyarrow.fs as pafs
 import pytest
@@ -89,6 +91,18 @@ def test_plan_cuts_large_files_in_parts_and_batches_small_ones(tmp_path) -> None
     assert p.large == [("big", 20 * 2**20)]
     assert sum(len(b) for b in p.batches) == 202
     assert all(len(b) <= _plan.BATCH_FILES for b in p.batches)
+
+
+@pytest.mark.parametrize(("src_local", "dst_local", "route"), [
+    (True, True, "local"), (False, True, "download"), (True, False, "upload"),
+    (False, False, "stream"),
+])
+def test_plan_route_follows_where_each_side_lives(src_local, dst_local, route) -> None:
+    remote = pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("memory")))
+    p = _plan.plan(LOCAL if src_local else remote, "/x", LOCAL if dst_local else remote, "/y",
+                   [("f", 10)], chunk_size=2**20, concurrency=1)
+    assert p.route == route
+    assert route in get_args(_plan.Route)
 
 
 def test_a_vanished_source_file_fails_the_copy(tmp_path) -> None:
