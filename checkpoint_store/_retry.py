@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from checkpoint_store.errors import (
     CheckpointStoreError,
@@ -56,6 +56,11 @@ T = TypeVar("T")
 
 ENV_ATTEMPTS = "CHECKPOINT_STORE_RETRY_ATTEMPTS"
 ENV_MAX_DELAY = "CHECKPOINT_STORE_RETRY_MAX_DELAY"
+
+#: What a failed storage call calls for, as :func:`classify` answers:
+#: ``"transient"`` try again after a backoff, ``"expired"`` rebuild the
+#: filesystem with fresh credentials, ``"permanent"`` give up at once.
+RetryKind = Literal["transient", "expired", "permanent"]
 
 
 @dataclass(frozen=True)
@@ -138,8 +143,8 @@ _EXPIRED_RE = re.compile(
 _TRANSIENT_TYPE_NAMES = re.compile(r"(Timeout|Connection|Throttl|ServerDisconnected)")
 
 
-def classify(exc: BaseException) -> str:
-    """``"transient"``, ``"expired"`` or ``"permanent"`` for one exception."""
+def classify(exc: BaseException) -> RetryKind:
+    """The :data:`RetryKind` of one exception (see the module docstring)."""
     if isinstance(exc, TransientBackendError):
         return "transient"
     if isinstance(exc, (CheckpointStoreError, FileNotFoundError, ValueError, TypeError)):
@@ -219,14 +224,23 @@ def with_rebuild(backend: Backend, fn: Callable[[], T], *, what: str = "storage 
     except CredentialsExpiredError:
         if backend.rebuild is None:
             raise
-        old = backend.filesystem
-        logger.warning("%s: credentials expired; rebuilding the filesystem", what)
-        with _rebuild_lock:
-            if backend.filesystem is old:
-                # Backend is frozen for users; the one field we swap is the
-                # filesystem, so every holder of the backend sees fresh credentials.
-                object.__setattr__(backend, "filesystem", backend.rebuild())
+        _rebuild(backend, backend.rebuild, backend.filesystem, what)
     return fn()
+
+
+def _rebuild(
+    backend: Backend, rebuild: Callable[[], pafs.FileSystem], old: pafs.FileSystem | None,
+    what: str,
+) -> None:
+    """Give ``backend`` a filesystem from ``rebuild`` (its factory: fresh
+    credentials), unless another thread replaced ``old``, the one that failed,
+    meanwhile."""
+    logger.warning("%s: credentials expired; rebuilding the filesystem", what)
+    with _rebuild_lock:
+        if backend.filesystem is old:
+            # Backend is frozen for users; the one field we swap is the
+            # filesystem, so every holder of the backend sees fresh credentials.
+            object.__setattr__(backend, "filesystem", rebuild())
 
 
 def _run(
@@ -247,12 +261,7 @@ def _run(
             if kind == "expired":
                 if backend is not None and backend.rebuild is not None and not rebuilt:
                     rebuilt = True
-                    logger.warning("%s: credentials expired; rebuilding the filesystem", what)
-                    with _rebuild_lock:
-                        if backend.filesystem is fs:
-                            # Backend is frozen for users; the one field we swap is
-                            # the filesystem, so every holder sees fresh credentials.
-                            object.__setattr__(backend, "filesystem", backend.rebuild())
+                    _rebuild(backend, backend.rebuild, fs, what)
                     continue
                 raise CredentialsExpiredError(
                     f"{what} failed: the storage credentials have expired ({exc}). Refresh "

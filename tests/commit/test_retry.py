@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import random
+from typing import get_args
 
+import pyarrow.fs as pafs
 import pytest
 
-from checkpoint_store._retry import RetryPolicy, call, classify
+from checkpoint_store._retry import RetryKind, RetryPolicy, call, classify, with_rebuild
+from checkpoint_store.backends.base import LOCAL_CAPABILITIES, Backend
 from checkpoint_store.errors import (
+    CredentialsExpiredError,
     InvalidConfigError,
     PermanentBackendError,
     TransientBackendError,
@@ -28,11 +32,44 @@ FAST = RetryPolicy(attempts=4, base_delay=0.0, max_delay=0.0)
     (OSError("AWS Error ACCESS_DENIED: 403 Forbidden"), "permanent"),
     (OSError("[Errno 28] No space left on device"), "permanent"),
     (OSError("ExpiredToken: the provided token has expired"), "expired"),
+    (OSError("invalid_grant: Token has been expired or revoked."), "expired"),
+    (ConnectionRefusedError("[Errno 111] Connection refused"), "transient"),
+    (IsADirectoryError("a directory"), "permanent"),
     (ValueError("bad"), "permanent"),
     (KeyboardInterrupt(), "permanent"),
 ])
 def test_classify(exc, kind):
+    assert kind in get_args(RetryKind)
     assert classify(exc) == kind
+
+
+def _expiring_op(backend: Backend, seen: list[pafs.FileSystem]):
+    def op() -> str:
+        seen.append(backend.filesystem)
+        backend.filesystem.get_file_info("/")
+        if len(seen) == 1:
+            raise CredentialsExpiredError("the storage credentials have expired")
+        return "done"
+    return op
+
+
+def test_with_rebuild_runs_the_operation_again_on_a_fresh_filesystem(tmp_path):
+    first = pafs.LocalFileSystem()
+    fresh = pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem())
+    backend = Backend(first, scheme="file", capabilities=LOCAL_CAPABILITIES,
+                      rebuild=lambda: fresh)
+    seen: list[pafs.FileSystem] = []
+    assert with_rebuild(backend, _expiring_op(backend, seen), what="op") == "done"
+    assert seen == [first, fresh]
+    assert backend.filesystem is fresh
+
+
+def test_with_rebuild_without_a_factory_raises_the_expiry():
+    backend = Backend(pafs.LocalFileSystem(), scheme="file", capabilities=LOCAL_CAPABILITIES)
+    seen: list[pafs.FileSystem] = []
+    with pytest.raises(CredentialsExpiredError, match="expired"):
+        with_rebuild(backend, _expiring_op(backend, seen), what="op")
+    assert len(seen) == 1
 
 
 def test_backoff_grows_and_is_capped():
