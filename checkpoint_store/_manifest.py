@@ -3,8 +3,8 @@
 Owns the internal-metadata marker ``.internal_metadata.json`` (docs/format.md):
 :func:`internal_metadata` is the one place it is built, :func:`inspect_checkpoint`
 the one place it is read and checked against a listing, and
-:func:`verify_files` / :func:`check_entry` the one place file bytes are
-compared with it. Also :func:`compute_manifest` for files already in place.
+:func:`verify_files` / :func:`read_checked` / :func:`check_entry` the one place
+file bytes are compared with it. Also :func:`compute_manifest` for files already in place.
 
 Thread use: every function here is safe to call from any thread or rank; the
 readers fan out over a bounded pool of their own.
@@ -47,7 +47,9 @@ __all__ = [
     "inspect_checkpoint",
     "internal_metadata",
     "is_checkpoint_data",
+    "read_checked",
     "read_internal_metadata",
+    "read_with_crc",
     "verify_files",
     "written_crcs",
 ]
@@ -253,7 +255,10 @@ def verify_files(
 
     def one(e: dict[str, Any]) -> tuple[int, str] | None:
         try:
-            return _read_crc(fs, posixpath.join(checkpoint_path, e["path"]), chunk_size, retry)
+            size, crc, _ = read_with_crc(
+                fs, posixpath.join(checkpoint_path, e["path"]), chunk_size=chunk_size, retry=retry
+            )
+            return size, crc
         except FileNotFoundError:
             return None
 
@@ -267,13 +272,23 @@ def verify_files(
         check_entry(checkpoint_path, e, got)
 
 
-def _read_crc(
-    fs: pafs.FileSystem, path: str, chunk_size: int, retry: RetryPolicy | None
-) -> tuple[int, str]:
-    """``(size, crc32c)`` of one file, read once in ``chunk_size`` pieces (retried)."""
+def read_with_crc(
+    fs: pafs.FileSystem,
+    path: str,
+    *,
+    chunk_size: int = 8 * 1024 * 1024,
+    keep: bool = False,
+    retry: RetryPolicy | None = None,
+) -> tuple[int, str, bytes]:
+    """``(size, crc32c, data)`` of one file, read once in ``chunk_size`` pieces
+    (retried as a whole); ``data`` is the file's bytes when ``keep``, else ``b""``.
 
-    def _read() -> tuple[int, str]:
-        crc, size = 0, 0
+    Raises:
+        FileNotFoundError: no such file.
+    """
+
+    def _read() -> tuple[int, str, bytes]:
+        crc, size, chunks = 0, 0, []
         with fs.open_input_stream(path) as f:
             while True:
                 buf = f.read(chunk_size)
@@ -281,9 +296,38 @@ def _read_crc(
                     break
                 crc = google_crc32c.extend(crc, buf)
                 size += len(buf)
-        return size, crc_hex(crc)
+                if keep:
+                    chunks.append(buf)
+        return size, crc_hex(crc), b"".join(chunks)
 
     return _retry.call(_read, policy=retry, what=f"read {path}")
+
+
+def read_checked(
+    fs: pafs.FileSystem,
+    checkpoint_path: str,
+    entry: Mapping[str, Any],
+    *,
+    keep: bool = True,
+    retry: RetryPolicy | None = None,
+) -> bytes:
+    """One manifest file's bytes (``b""`` unless ``keep``), its size and CRC32C
+    checked against ``entry`` by :func:`check_entry` on the same single read.
+
+    Raises:
+        CheckpointCorruptError: the file is missing or differs; ``.file`` names it.
+    """
+    got: tuple[int, str] | None = None
+    data = b""
+    try:
+        size, crc, data = read_with_crc(
+            fs, posixpath.join(checkpoint_path, entry["path"]), keep=keep, retry=retry
+        )
+        got = (size, crc)
+    except FileNotFoundError:
+        pass  # check_entry reports the file as missing
+    check_entry(checkpoint_path, entry, got)
+    return data
 
 
 def compute_manifest(
@@ -308,7 +352,9 @@ def compute_manifest(
             raise CheckpointCorruptError(f"{rel!r} under {root!r} {why}", path=root, file=rel)
 
     def one(rel: str) -> dict[str, Any]:
-        size, crc = _read_crc(fs, posixpath.join(root, rel), caps.chunk_size, retry)
+        size, crc, _ = read_with_crc(
+            fs, posixpath.join(root, rel), chunk_size=caps.chunk_size, retry=retry
+        )
         return {"path": rel, "size": size, "crc32c": crc}
 
     workers = max(1, min(caps.concurrency, len(rels)))

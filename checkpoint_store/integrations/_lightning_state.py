@@ -18,7 +18,13 @@ import google_crc32c
 import pyarrow.fs as pafs
 
 from checkpoint_store import _fsutil, _retry
-from checkpoint_store._manifest import ManifestEntry, inspect_checkpoint, verify_files
+from checkpoint_store._manifest import (
+    ManifestEntry,
+    inspect_checkpoint,
+    read_checked,
+    read_with_crc,
+    verify_files,
+)
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -33,8 +39,6 @@ __all__ = [
 
 #: The file inside a checkpoint directory that holds Lightning's checkpoint dict.
 STATE_FILE = "checkpoint.ckpt"
-
-_CHUNK = 8 * 1024 * 1024
 
 
 class _CrcWriter:
@@ -125,30 +129,6 @@ def _checkpoint_metrics(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     return metrics
 
 
-def _read_state(
-    fs: pafs.FileSystem, path: str, expect: Mapping[str, Any] | None, keep: bool = True
-) -> bytes:
-    """Read a whole file (returned when ``keep``, else ``b""``); with ``expect``
-    (a manifest entry) check its size and CRC32C on the way."""
-    crc, size, chunks = 0, 0, []
-    with fs.open_input_stream(path) as f:
-        while True:
-            buf = f.read(_CHUNK)
-            if not buf:
-                break
-            crc = google_crc32c.extend(crc, buf)
-            size += len(buf)
-            if keep:
-                chunks.append(buf)
-    if expect is not None and (size != expect["size"] or f"{crc:08x}" != expect["crc32c"]):
-        raise CheckpointCorruptError(
-            f"{path}: {size} bytes with CRC32C {crc:08x}, the manifest says "
-            f"{expect['size']} bytes with {expect['crc32c']}; the checkpoint is damaged, "
-            "resume from another one", path=posixpath.dirname(path), file=STATE_FILE,
-        )
-    return b"".join(chunks)
-
-
 def verified_state(backend: Backend, fs_path: str, *, retry: RetryPolicy | None = None,
                    keep: bool = True) -> str | bytes:
     """The state of a committed checkpoint directory (every file checked
@@ -162,7 +142,8 @@ def verified_state(backend: Backend, fs_path: str, *, retry: RetryPolicy | None 
     Raises:
         CheckpointNotFoundError: nothing at the path, or a directory that is not
             a committed checkpoint (an interrupted save).
-        CheckpointCorruptError: a file does not match the manifest.
+        CheckpointCorruptError: a file is missing or does not match the manifest
+            (:func:`checkpoint_store._manifest.check_entry` says which and how).
     """
     fs = backend.filesystem
     uri = backend.uri_for(fs_path)
@@ -173,8 +154,7 @@ def verified_state(backend: Backend, fs_path: str, *, retry: RetryPolicy | None 
         local = _fsutil.local_path(fs, fs_path)
         if local is not None:
             return local
-        return _retry.call(lambda: _read_state(fs, fs_path, None, keep), policy=retry,
-                           what=f"read {uri}")
+        return read_with_crc(fs, fs_path, keep=keep, retry=retry)[2]
     insp = inspect_checkpoint(fs, fs_path, retry=retry)
     if insp.state == "invalid":
         raise CheckpointCorruptError(f"checkpoint {uri} is corrupt: {insp.reason}",
@@ -195,8 +175,6 @@ def verified_state(backend: Backend, fs_path: str, *, retry: RetryPolicy | None 
     others = [e for e in manifest if e is not entry]
     if others:
         verify_files(fs, fs_path, others, retry=retry)
-    path = posixpath.join(fs_path, state_file)
-    local = _fsutil.local_path(fs, path)
-    data = _retry.call(lambda: _read_state(fs, path, entry, keep and local is None),
-                       policy=retry, what=f"read {uri}")
+    local = _fsutil.local_path(fs, posixpath.join(fs_path, state_file))
+    data = read_checked(fs, fs_path, entry, keep=keep and local is None, retry=retry)
     return local if local is not None else data

@@ -17,6 +17,7 @@ import time
 import uuid
 import warnings
 
+import google_crc32c
 import pyarrow.fs as pafs
 import pytest
 
@@ -189,16 +190,43 @@ def test_load_verifies_and_accepts_legacy_file(tmp_path):
     torch.save({"global_step": 1, "w": torch.ones(2)}, legacy)
     assert io.load_checkpoint(str(legacy), weights_only=True)["global_step"] == 1
 
-    state = tmp_path / "ck" / "a.ckpt" / STATE_FILE
-    data = bytearray(state.read_bytes())
-    data[-30] ^= 0xFF  # same size, other bytes: only the checksum can tell
-    state.write_bytes(bytes(data))
-    from checkpoint_store import CheckpointCorruptError
-
-    with pytest.raises(CheckpointCorruptError, match="CRC32C"):
-        io.load_checkpoint(path)
+    backend, fs_path = resolve(path)
+    _expect_damaged_state_refused(io, path, backend, fs_path)
     with pytest.raises(FileNotFoundError):  # CheckpointNotFoundError, as Lightning expects
         io.load_checkpoint(str(tmp_path / "nothing.ckpt"))
+
+
+def _expect_damaged_state_refused(io, path, backend, fs_path) -> None:
+    """Flip one byte of the committed state file (same size: only the CRC32C
+    can tell) and check that loading it fails with the manifest's verdict."""
+    from checkpoint_store import CheckpointCorruptError
+
+    fs = backend.filesystem
+    state = posixpath.join(fs_path, STATE_FILE)
+    with fs.open_input_stream(state) as f:
+        data = bytearray(f.read())
+    (entry,) = inspect_checkpoint(fs, fs_path).meta["manifest"]
+    data[-30] ^= 0xFF
+    with fs.open_output_stream(state) as f:
+        f.write(bytes(data))
+    damaged = f"{google_crc32c.value(bytes(data)):08x}"
+    assert damaged != entry["crc32c"]
+    with pytest.raises(CheckpointCorruptError, match="does not match its manifest") as err:
+        io.load_checkpoint(path)
+    assert (err.value.path, err.value.file) == (fs_path, STATE_FILE)
+    assert f"size {len(data)} vs {entry['size']}" in str(err.value)
+    assert f"crc32c {damaged} vs {entry['crc32c']}" in str(err.value)
+
+
+def test_load_refuses_a_damaged_state_read_into_memory():
+    # Off the local disk the state comes back as bytes, checked on the same read.
+    io = CheckpointStoreIO()
+    path = f"memory://lt-{uuid.uuid4().hex[:8]}/ck/a.ckpt"
+    io.save_checkpoint({"global_step": 3, "w": torch.arange(4.0)}, path)
+    backend, fs_path = resolve(path)
+    assert isinstance(verified_state(backend, fs_path), bytes)
+    assert torch.equal(io.load_checkpoint(path)["w"], torch.arange(4.0))
+    _expect_damaged_state_refused(io, path, backend, fs_path)
 
 
 def test_remove_refuses_outside_root_and_other_runs(tmp_path):
