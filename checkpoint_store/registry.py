@@ -50,8 +50,8 @@ from checkpoint_store.backends.base import (
     OBJECT_STORE_CAPABILITIES,
     Backend,
     Capabilities,
-    wrap_filesystem,
 )
+from checkpoint_store.backends.handlers import wrap_filesystem
 from checkpoint_store.errors import (
     BackendUnavailableError,
     InvalidConfigError,

@@ -13,8 +13,8 @@ from checkpoint_store.backends.base import (
     BackendFactory,
     Capabilities,
     join,
-    wrap_filesystem,
 )
+from checkpoint_store.backends.handlers import wrap_filesystem
 
 __all__ = [
     "Backend",

@@ -2,7 +2,7 @@
 
 Its contents are shared by every ``memory://`` URI in the process, as in
 fsspec; they vanish when the process ends. Meant for tests and notebooks.
-Wrapped with :class:`~checkpoint_store.backends.base.LiteralFSSpecHandler`:
+Wrapped with :class:`~checkpoint_store.backends.handlers.LiteralFSSpecHandler`:
 names are literal, and each reader gets its own view of a file.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from checkpoint_store.backends.base import MEMORY_CAPABILITIES, Backend, wrap_fsspec
+from checkpoint_store.backends.base import MEMORY_CAPABILITIES, Backend
+from checkpoint_store.backends.handlers import wrap_fsspec
 
 
 def memory_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:

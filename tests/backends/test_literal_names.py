@@ -19,7 +19,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, _fsutil, session
-from checkpoint_store.backends.base import LiteralFSSpecHandler
+from checkpoint_store.backends.handlers import LiteralFSSpecHandler
 from checkpoint_store.errors import InvalidConfigError, PermanentBackendError
 from checkpoint_store.testing import StorageLocation
 

@@ -32,7 +32,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store.backends.base import Backend, Capabilities, wrap_fsspec
+from checkpoint_store.backends.base import Backend, Capabilities
+from checkpoint_store.backends.handlers import wrap_fsspec
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
 __all__ = ["GCS_CAPABILITIES", "gcs_backend"]

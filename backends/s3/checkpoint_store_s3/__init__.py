@@ -47,13 +47,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store.backends.base import (
-    Backend,
-    Capabilities,
-    MarkerFreeDeletesHandler,
-    bool_option,
-    wrap_fsspec,
-)
+from checkpoint_store.backends.base import Backend, Capabilities, bool_option
+from checkpoint_store.backends.handlers import MarkerFreeDeletesHandler, wrap_fsspec
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
 __all__ = ["S3_CAPABILITIES", "MarkerFreeS3Handler", "s3_backend"]

@@ -1,0 +1,322 @@
+"""The ``pyarrow.fs`` handlers a backend puts around fsspec clients.
+
+pyarrow's stock ``FSSpecHandler`` reads ``[``, ``*`` and ``?`` in a name as a
+glob pattern on deletes, copies and moves, shares one file object between the
+readers of fsspec's memory filesystem, and lists a whole subtree on stores
+that ignore ``maxdepth``; :class:`LiteralFSSpecHandler` does none of these.
+pyarrow's own S3 and Azure filesystems leave a directory-marker object after
+every delete; :class:`MarkerFreeDeletesHandler` deletes through the store's
+fsspec client instead. :func:`wrap_filesystem` turns any filesystem a user
+passes into the ``pyarrow.fs.FileSystem`` a :class:`~checkpoint_store.backends.Backend`
+holds.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from glob import has_magic
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from checkpoint_store.backends.forwarding import ForwardingHandler
+
+__all__ = [
+    "LiteralFSSpecHandler",
+    "MarkerFreeDeletesHandler",
+    "wrap_filesystem",
+    "wrap_fsspec",
+]
+
+
+def _literal_rm_files(fs: Any, paths: list[str]) -> None:
+    """Delete exactly the files ``paths`` through fsspec, whatever their names hold.
+
+    fsspec's ``rm`` expands a path holding ``[``, ``*`` or ``?`` as a glob
+    pattern, so deleting ``t[x]/a`` would delete ``tx/a``. Paths without
+    such characters go to ``rm`` in one call (one bulk request on S3 and
+    GCS); the others one by one through ``rm_file``, which never expands.
+    """
+    plain = [p for p in paths if not has_magic(p)]
+    magic = [p for p in paths if has_magic(p)]
+    if plain:
+        fs.rm(plain)
+    if len(magic) == 1:
+        fs.rm_file(magic[0])
+    elif magic:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(fs.rm_file, magic))
+
+
+def _literal_rm_tree(fs: Any, files: Iterable[str], dirs: Iterable[str]) -> None:
+    """Delete ``files``, then the ``dirs`` that still exist, deepest first
+    (stores with real directories; on object stores they vanish with their files)."""
+    _literal_rm_files(fs, list(files))
+    for d in sorted(dirs, key=lambda p: p.count("/"), reverse=True):
+        if fs.exists(d):
+            fs.rmdir(d)
+
+
+class LiteralFSSpecHandler(pafs.FSSpecHandler):
+    """``pyarrow.fs.FSSpecHandler`` for our use: names are literal, readers
+    independent, listings one level deep.
+
+    * Literal names. The stock handler deletes, copies and moves through
+      fsspec calls that read ``[``, ``*`` and ``?`` as glob patterns: deleting
+      trial ``t[x]`` deleted trial ``tx``. Paths holding those characters
+      take literal calls here (``find``, ``rm_file``, ``cp_file``).
+    * Independent readers. fsspec's memory filesystem hands every reader of
+      a path the same file object, so concurrent readers moved each other's
+      position; each reader here gets its own immutable buffer.
+    * One-level listings. pyarrow lists a directory with
+      ``fs.find(path, maxdepth=1)``; some fsspec filesystems (adlfs) ignore
+      ``maxdepth`` and walk the whole subtree. A delimiter listing (``fs.ls``)
+      costs one request per 5000 entries instead.
+    * One spelling: :meth:`normalize_path` gives a path as this store's
+      listings spell it.
+    """
+
+    def __eq__(self, other: object) -> bool:
+        # fsspec compares instances by a token that differs after a pickle
+        # round trip; the class and the options are what identify the store.
+        if not isinstance(other, pafs.FSSpecHandler):
+            return NotImplemented
+        a, b = self.fs, other.fs
+        if a is b or a == b:
+            return True
+        opts = getattr(a, "storage_options", None)
+        return type(a) is type(b) and opts is not None and opts == getattr(
+            b, "storage_options", None
+        )
+
+    def __hash__(self) -> int:
+        return hash(type(self.fs))
+
+    @staticmethod
+    def _create_file_info(path: str, info: dict[str, Any]) -> pafs.FileInfo:
+        # pyarrow reads only "mtime"; s3fs says "LastModified", adlfs
+        # "last_modified". Decisions shared between machines judge ages by
+        # these stamps, the store's own clock (checkpoint_store._clock).
+        fi = pafs.FSSpecHandler._create_file_info(path, info)
+        if fi.mtime is not None or fi.type != pafs.FileType.File:
+            return fi
+        stamp = _modified(info)
+        if stamp is None:
+            return fi
+        return pafs.FileInfo(fi.path, fi.type, size=fi.size, mtime=stamp)
+
+    def normalize_path(self, path: str) -> str:
+        # Only the protocol prefix is cut here: implementations' own
+        # _strip_protocol also parse '?' or '#' (versions) out of a key.
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (
+            self.fs.protocol,)
+        for proto in protocols:
+            if path.startswith(f"{proto}://"):
+                path = path[len(proto) + 3:]
+                break
+        stripped = path.strip("/")
+        root = getattr(self.fs, "root_marker", "") or ""
+        return root + stripped if stripped else root or "/"
+
+    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
+        if selector.recursive:
+            return super().get_file_info_selector(selector)
+        base = selector.base_dir
+        try:
+            entries = self.fs.ls(base, detail=True)
+        except FileNotFoundError:
+            entries = []
+        stripped = base.strip("/")
+        infos = [
+            self._create_file_info(e["name"], e)
+            for e in entries
+            if e["name"].strip("/") != stripped
+        ]
+        if not infos and not self.fs.isdir(base):
+            if self.fs.exists(base):
+                raise NotADirectoryError(base)
+            if selector.allow_not_found:
+                return []
+            raise FileNotFoundError(base)
+        return infos
+
+    def delete_dir(self, path: str) -> None:
+        if not has_magic(path):
+            return super().delete_dir(path)
+        if not self.fs.isdir(path):
+            raise FileNotFoundError(path)
+        found = self.fs.find(path, withdirs=True, detail=True)
+        files = [p for p, i in found.items() if i.get("type") != "directory"]
+        dirs = [p for p, i in found.items() if i.get("type") == "directory"]
+        _literal_rm_tree(self.fs, files, [*dirs, path])
+
+    def _delete_dir_contents(self, path: str, missing_dir_ok: bool) -> None:
+        try:
+            found = self.fs.find(path, withdirs=True, detail=True)
+        except FileNotFoundError:
+            found = {}
+        if not found and not self.fs.isdir(path):
+            if missing_dir_ok:
+                return
+            raise FileNotFoundError(path)
+        stripped = path.strip("/")
+        found = {p: i for p, i in found.items() if p.strip("/") != stripped}
+        files = [p for p, i in found.items() if i.get("type") != "directory"]
+        dirs = [p for p, i in found.items() if i.get("type") == "directory"]
+        _literal_rm_tree(self.fs, files, dirs)
+
+    def delete_file(self, path: str) -> None:
+        if not self.fs.isfile(path):
+            raise FileNotFoundError(path)
+        self.fs.rm_file(path)
+
+    def move(self, src: str, dest: str) -> None:
+        if not (has_magic(src) or has_magic(dest)):
+            return super().move(src, dest)
+        if self.fs.isfile(src):
+            self.fs.cp_file(src, dest)
+            self.fs.rm_file(src)
+            return
+        found = self.fs.find(src, detail=True)
+        if not found:
+            raise FileNotFoundError(src)
+        prefix = src.rstrip("/") + "/"
+        for p in found:
+            self.fs.cp_file(p, dest.rstrip("/") + "/" + p[len(prefix):])
+        self.delete_dir(src)
+
+    def copy_file(self, src: str, dest: str) -> None:
+        if not (has_magic(src) or has_magic(dest)):
+            return super().copy_file(src, dest)
+        if not self.fs.isfile(src):
+            raise FileNotFoundError(src)
+        self.fs.cp_file(src, dest)
+
+    def _own_view(self, path: str) -> Any:
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        if isinstance(self.fs, MemoryFileSystem):
+            # cat_file copies the bytes; the shared file object is never touched.
+            return pa.BufferReader(self.fs.cat_file(path))
+        return None
+
+    def open_input_stream(self, path: str) -> Any:
+        view = self._own_view(path)
+        return view if view is not None else super().open_input_stream(path)
+
+    def open_input_file(self, path: str) -> Any:
+        view = self._own_view(path)
+        return view if view is not None else super().open_input_file(path)
+
+
+def _modified(info: Mapping[str, Any]) -> datetime.datetime | None:
+    """The modification time in an fsspec ``info`` dict, whatever its key and type."""
+    for key in ("LastModified", "last_modified", "updated", "mtime"):
+        value = info.get(key)
+        if isinstance(value, datetime.datetime):
+            return value if value.tzinfo else value.replace(tzinfo=datetime.timezone.utc)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return datetime.datetime.fromtimestamp(value, datetime.timezone.utc)
+        if isinstance(value, str):
+            try:
+                parsed = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+            return parsed if parsed.tzinfo else parsed.replace(tzinfo=datetime.timezone.utc)
+    return None
+
+
+class MarkerFreeDeletesHandler(ForwardingHandler):
+    """A native pyarrow filesystem for everything but deletes, an fsspec one for deletes.
+
+    pyarrow's object-store filesystems (S3, Azure) write an empty ``parent/``
+    directory-marker object after every delete so that the parent keeps
+    "existing". That costs a request per delete, leaves zero-byte objects, and
+    fails on stores that reject them. The fsspec client of the same store
+    deletes just the keys, so deletes go through it; reads, writes and
+    listings stay on pyarrow's C++ client.
+
+    Args:
+        native: the pyarrow filesystem.
+        deleter: an fsspec filesystem on the same store and credentials.
+        type_name: what ``type_name`` reports (``"s3"``, ``"abfs"``).
+    """
+
+    def __init__(self, native: pafs.FileSystem, deleter: Any, type_name: str):
+        super().__init__(native)
+        self.deleter = deleter
+        self.type_name = type_name
+
+    @property
+    def native(self) -> pafs.FileSystem:
+        """The pyarrow filesystem: reads and writes may bypass this handler
+        and go to it directly (see ``_plan._native_of``)."""
+        return self.inner
+
+    def get_type_name(self) -> str:
+        return self.type_name
+
+    def normalize_path(self, path: str) -> str:
+        return self.native.normalize_path(path).strip("/")
+
+    def delete_dir(self, path: str) -> None:
+        if self.native.get_file_info(path).type == pafs.FileType.NotFound:
+            raise FileNotFoundError(path)
+        if not has_magic(path):
+            self.deleter.rm(path.rstrip("/"), recursive=True)
+            return
+        # fsspec would read the name as a glob pattern: list (pyarrow lists
+        # literally) and delete each key by its name.
+        self.delete_dir_contents(path)
+
+    def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
+        infos = self.native.get_file_info(
+            pafs.FileSelector(path, allow_not_found=missing_dir_ok, recursive=True)
+        )
+        _literal_rm_files(self.deleter, [fi.path for fi in infos
+                                         if fi.type == pafs.FileType.File])
+
+    def delete_root_dir_contents(self) -> None:
+        raise OSError("refusing to delete every bucket or container of an account")
+
+    def delete_file(self, path: str) -> None:
+        if self.native.get_file_info(path).type != pafs.FileType.File:
+            raise FileNotFoundError(path)
+        self.deleter.rm_file(path)
+
+    def move(self, src: str, dest: str) -> None:
+        # A copy and a delete on object stores; the delete must not leave a marker either.
+        info = self.native.get_file_info(src)
+        if info.type == pafs.FileType.File:
+            self.native.copy_file(src, dest)
+            self.delete_file(src)
+            return
+        self.native.move(src, dest)
+
+
+def wrap_fsspec(fs: Any) -> pafs.FileSystem:
+    """``pyarrow.fs.PyFileSystem(LiteralFSSpecHandler(fs))`` for an fsspec filesystem."""
+    return pafs.PyFileSystem(LiteralFSSpecHandler(fs))
+
+
+def wrap_filesystem(filesystem: Any) -> pafs.FileSystem:
+    """Return ``filesystem`` as a ``pyarrow.fs.FileSystem``.
+
+    Raises:
+        TypeError: it is neither a pyarrow nor an fsspec filesystem.
+    """
+    if isinstance(filesystem, pafs.FileSystem):
+        return filesystem
+    try:
+        import fsspec
+    except ImportError:  # pragma: no cover - fsspec is a core dependency
+        fsspec = None
+    if fsspec is not None and isinstance(filesystem, fsspec.AbstractFileSystem):
+        return wrap_fsspec(filesystem)
+    raise TypeError(
+        f"filesystem must be a pyarrow.fs.FileSystem or an fsspec AbstractFileSystem, "
+        f"got {type(filesystem).__name__}"
+    )
