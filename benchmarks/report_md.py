@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 OURS_PREFIX = "checkpoint-store"
@@ -215,6 +216,9 @@ def render(res: dict[str, Any]) -> str:
         w("From `benchmarks/bench_retention.py` (registrations with K=3):\n")
         w("```json\n" + json.dumps(ret, indent=1, sort_keys=True)[:3000] + "\n```\n")
 
+    if res.get("scale"):
+        w(scale_section(res["scale"]))
+
     w("## Targets\n")
     w("| target | measured | met |")
     w("|---|---|---|")
@@ -360,6 +364,239 @@ def targets(res: dict[str, Any]) -> list[tuple[str, str, str]]:
         rows.append(("import checkpoint_store ≤ 150 ms", _fmt_s(imp["checkpoint_store_s"]),
                      yes(imp["checkpoint_store_s"] <= 0.150)))
     return rows
+
+
+# -- cost against history (benchmarks/bench_scale.py) -------------------------------------
+
+SCALE_PLOT = "images/bench-scale.png"  # relative to docs/
+MB = 1_000_000
+
+
+def _fmt_b(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    if x >= 1024 * 1024:
+        return f"{x / 1024 / 1024:.1f} MiB"
+    if x >= 1024:
+        return f"{x / 1024:.1f} KiB"
+    return f"{x:.0f} B"
+
+
+def _fmt_n(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:,.0f}"
+
+
+def _scale_rows(run: dict[str, Any], backend: str, series: str) -> dict[int, dict[str, Any]]:
+    key = "n" if series == "n" else "m"
+    rows = ((run.get("backends") or {}).get(backend) or {}).get(series) or []
+    return {r[key]: r for r in rows}
+
+
+def _get(row: dict[str, Any] | None, *path: str) -> Any:
+    cur: Any = row
+    for p in path:
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(p)
+    return cur
+
+
+def _scale_table(runs: dict[str, dict[str, Any]], backend: str, series: str,
+                 cols: list[tuple[str, Any]]) -> list[str]:
+    labels = list(runs)
+    by_label = {lb: _scale_rows(runs[lb], backend, series) for lb in labels}
+    xs = sorted({x for rows in by_label.values() for x in rows})
+    if not xs:
+        return []
+    out = ["| " + ("N" if series == "n" else "M") + " | " + " | ".join(c[0] for c in cols) + " |",
+           "|---|" + "---|" * len(cols)]
+    for x in xs:
+        cells = []
+        for _, fn in cols:
+            vals = [fn(by_label[lb].get(x)) if x in by_label[lb] else "—" for lb in labels]
+            cells.append(" → ".join(vals))
+        out.append(f"| {x:,} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _start_cell(row: dict[str, Any] | None, op: str = "start") -> str:
+    cell = _get(row, op) or {}
+    if cell.get("error"):
+        return "failed"
+    return _fmt_s(cell.get("wall_s"))
+
+
+def _req(row: dict[str, Any] | None, op: str) -> str:
+    cell = _get(row, op) or {}
+    if cell.get("error"):
+        return "failed"
+    return _fmt_n(cell.get("requests_total"))
+
+
+def _rss(row: dict[str, Any] | None, op: str = "start") -> str:
+    v = _get(row, op, "rss_growth_mib")
+    return "n/a" if v is None else f"{v:.1f} MiB"
+
+
+def scale_targets(runs: dict[str, dict[str, Any]]) -> list[tuple[str, list[str], str]]:
+    """Issue 19's targets: ``(target, [measured per run label], met in the last run)``."""
+
+    def at(run: dict[str, Any], backend: str, series: str, x: int) -> dict[str, Any] | None:
+        return _scale_rows(run, backend, series).get(x)
+
+    def biggest(run: dict[str, Any], backend: str) -> int | None:
+        rows = _scale_rows(run, backend, "n")
+        return max(rows) if rows else None
+
+    def over_n(run: dict[str, Any], backend: str, *path: str) -> float | None:
+        vals = [_get(r, *path) for r in _scale_rows(run, backend, "n").values()]
+        vals = [v for v in vals if v is not None]
+        return max(vals) if vals else None
+
+    checks: list[tuple[str, Callable[[dict[str, Any]], float | None], Callable[[float], str],
+                       float]] = [
+        ("moto S3, keep-all: session.start at N = 10,000 ≤ 60 requests",
+         lambda r: _get(at(r, "s3", "n", 10_000), "start", "requests_total"), _fmt_n, 60),
+        ("moto S3, keep-all: session.start at N = 10,000 ≤ 2 s",
+         lambda r: _get(at(r, "s3", "n", 10_000), "start", "wall_s"), _fmt_s, 2.0),
+        ("moto S3: a checkpoint report writes ≤ 16 KB besides the checkpoint's files, any N",
+         lambda r: over_n(r, "s3", "ckpt_report", "bytes_outside_checkpoint_max"), _fmt_b,
+         16 * 1024),
+        ("moto S3: a metrics-only report PUTs ≤ 4 KB amortised, any N",
+         lambda r: over_n(r, "s3", "metrics_report", "bytes_amortised"), _fmt_b, 4 * 1024),
+        ("local: session.start at N = 100,000 ≤ 0.5 s",
+         lambda r: _get(at(r, "local", "n", 100_000), "start", "wall_s"), _fmt_s, 0.5),
+        ("local: session.start after 1,000,000 metrics-only reports ≤ 0.5 s",
+         lambda r: _get(at(r, "local", "m", 1_000_000), "start", "wall_s"), _fmt_s, 0.5),
+        ("local: session.start after 1,000,000 metrics-only reports ≤ 20 MB RSS above an "
+         "empty trial's",
+         lambda r: _rss_above_empty(r, 1_000_000), lambda v: f"{v / MB:.1f} MB", 20 * MB),
+        ("CLI best of a trial with 10,000 checkpoints on moto ≤ 60 requests",
+         lambda r: _get(at(r, "s3", "n", 10_000), "cli_best", "requests_total"), _fmt_n, 60),
+        ("CLI show of a trial with 10,000 checkpoints on moto ≤ 60 requests",
+         lambda r: _get(at(r, "s3", "n", 10_000), "cli_show", "requests_total"), _fmt_n, 60),
+    ]
+    out: list[tuple[str, list[str], str]] = []
+    labels = list(runs)
+    for name, fn, fmt, limit in checks:
+        measured, last_ok = [], None
+        for lb in labels:
+            v = fn(runs[lb])
+            if v is None:
+                big = biggest(runs[lb], "s3" if "moto" in name else "local")
+                measured.append("not measured" + (f" (largest N {big:,})" if big else ""))
+                last_ok = None
+            else:
+                measured.append(fmt(v))
+                last_ok = v <= limit
+        out.append((name, measured, "n/a" if last_ok is None else ("yes" if last_ok
+                                                                   else "**no**")))
+    return out
+
+
+def _rss_above_empty(run: dict[str, Any], m: int) -> float | None:
+    rows = _scale_rows(run, "local", "m")
+    a, e = _get(rows.get(m), "start", "rss_growth_mib"), _get(rows.get(0), "start",
+                                                               "rss_growth_mib")
+    return None if a is None or e is None else (a - e) * 1024 * 1024
+
+
+def scale_section(runs: dict[str, dict[str, Any]]) -> str:
+    """The "Cost against history" section: per-row tables of every labelled run
+    (cells read ``first → last``), the plot, and issue 19's targets."""
+    labels = list(runs)
+    out: list[str] = []
+    w = out.append
+    w("## Cost against history (N checkpoints, M result rows)\n")
+    w("From `benchmarks/bench_scale.py` (`python -m benchmarks.run --only scale --merge "
+      "--scale-label LABEL`). One keep-all trial per backend (checkpoints of one 64-byte "
+      "file, scored by `loss`) grows from one N to the next; at each N: `session.start` + "
+      "`get_checkpoint()` (`start`), one checkpoint `report()` (bytes written outside the "
+      "new checkpoint's directory: retention state, result rows, leases; median of 5), a "
+      "metrics-only `report()` (bytes amortised over 50, counting the rows flushed by the "
+      "next checkpoint report), `checkpoint-store best` / `show` (newest checkpoint) / "
+      "`ls` of the trial, and a read-only `CheckpointManager`. Reads run in a fresh "
+      "interpreter each. Requests are calls through a counting pyarrow "
+      "`FileSystemHandler` around the backend's filesystem (one call may be more than "
+      "one HTTP request, e.g. a directory's `get_file_info` on S3); on the local disk the "
+      "library writes with os calls past such a wrapper, so local bytes come from the "
+      "trial's files (inode and size before and after) and requests are not counted. "
+      "RSS: growth of peak RSS (Linux VmHWM) during the operation.\n")
+    for lb in labels:
+        r = runs[lb]
+        big = {f"{b} {series}": max(_scale_rows(r, b, series), default=None)
+               for b in ("local", "s3") for series in ("n", "m")}
+        reach = ", ".join(f"N ≤ {v:,} {k.split()[0]}" if k.endswith("n") else f"M ≤ {v:,}"
+                          for k, v in big.items() if v)
+        w(f"- **{lb}**: commit `{r.get('commit')}`, {r.get('started_utc')}, "
+          f"{r.get('wall_s', 0):.0f} s; {reach.replace(' s3', ' moto')}; load average at "
+          f"start {(r.get('machine') or {}).get('load_avg_at_start', '?')}")
+    if len(labels) > 1:
+        w(f"\nEvery cell reads {' → '.join(labels)}.")
+    w("")
+    w(f"![cost against N, log-log]({SCALE_PLOT})\n")
+    w("### Targets (issue 19)\n")
+    w("| target | " + " | ".join(labels) + " | met |")
+    w("|---|" + "---|" * (len(labels) + 1))
+    for name, measured, met in scale_targets(runs):
+        w(f"| {name} | " + " | ".join(measured) + f" | {met} |")
+    w("")
+    filled = [(lb, b, row["n"], row["grow"]["bulk"]) for lb in labels
+              for b in ("local", "s3") for row in _scale_rows(runs[lb], b, "n").values()
+              if (row.get("grow") or {}).get("bulk")]
+    if filled:
+        w("> Note: growing a trial through `report()` took too long here for these phases; "
+          "the rest was committed through `StorageContext.persist_checkpoint` and adopted "
+          "by the next `session.start`: "
+          + "; ".join(f"{lb} {b} up to N = {n:,}: {k:,} checkpoints" for lb, b, n, k in filled)
+          + ".\n")
+    common = [
+        ("start", lambda r: _start_cell(r)),
+        ("start RSS", lambda r: _rss(r)),
+        ("end", lambda r: _fmt_s(_get(r, "start", "end", "wall_s"))),
+        ("ckpt report", lambda r: _fmt_s(_get(r, "ckpt_report", "wall_s"))),
+        ("ckpt report bytes besides the checkpoint",
+         lambda r: _fmt_b(_get(r, "ckpt_report", "bytes_outside_checkpoint"))),
+        ("metrics report", lambda r: _fmt_s(_get(r, "metrics_report", "wall_s"))),
+        ("metrics report bytes (amortised)",
+         lambda r: _fmt_b(_get(r, "metrics_report", "bytes_amortised"))),
+        ("CLI best", lambda r: _start_cell(r, "cli_best")),
+        ("CLI show", lambda r: _start_cell(r, "cli_show")),
+        ("CLI ls", lambda r: _start_cell(r, "cli_ls")),
+        ("read-only manager", lambda r: _start_cell(r, "manager")),
+    ]
+    table = _scale_table(runs, "local", "n", common)
+    if table:
+        w("### Local disk: cost against N checkpoints\n")
+        out.extend(table)
+        w("")
+    reqs = [
+        ("start requests", lambda r: _req(r, "start")),
+        ("ckpt report requests", lambda r: _fmt_n(_get(r, "ckpt_report", "requests_total"))),
+        ("CLI best requests", lambda r: _req(r, "cli_best")),
+        ("CLI show requests", lambda r: _req(r, "cli_show")),
+        ("CLI ls requests", lambda r: _req(r, "cli_ls")),
+        ("manager requests", lambda r: _req(r, "manager")),
+    ]
+    table = _scale_table(runs, "s3", "n", common[:1] + reqs[:1] + common[1:] + reqs[1:])
+    if table:
+        w("### moto S3: cost against N checkpoints\n")
+        out.extend(table)
+        w("")
+    table = _scale_table(runs, "local", "m", [
+        ("start", lambda r: _start_cell(r)),
+        ("start RSS", lambda r: _rss(r)),
+        ("metrics report", lambda r: _fmt_s(_get(r, "metrics_report", "wall_s"))),
+        ("metrics report bytes", lambda r: _fmt_b(_get(r, "metrics_report",
+                                                       "bytes_amortised"))),
+    ])
+    if table:
+        w("### Local disk: `session.start` after M metrics-only reports\n")
+        w("M = 0 is an empty trial; each metrics report cell is the mean of 1,000 reports "
+          "made after the M.\n")
+        out.extend(table)
+        w("")
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":  # re-render from a JSON file

@@ -4,6 +4,9 @@ Usage (from the repository root; see the README's "Benchmarks" section)::
 
     .venv/bin/python -m benchmarks.run            # full run, ~25 min on 2 cores
     .venv/bin/python -m benchmarks.run --quick    # 1/16 of the data, ~3 min
+    .venv/bin/python -m benchmarks.run --only scale --merge --scale-label after
+        # cost against a trial's history only (benchmarks/bench_scale.py), kept
+        # beside the runs of other labels (e.g. "before") already in the JSON
 
 It installs the optional tools it compares against (the ``benchmarks``
 extra: Ray, s3fs, adlfs) unless ``--no-install``, starts moto and Azurite on
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
     ap.add_argument("--only",
                     default="local,s3,azure,s3-link,azure-link,incremental,report,async,rss,"
-                            "import,retention",
+                            "import,retention,scale",
                     help="comma-separated parts to run (the -link parts go through a "
                          "delaying proxy, see benchmarks/latency_link.py)")
     ap.add_argument("--link-rtt-ms", type=float, default=10.0,
@@ -77,6 +80,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="bandwidth of the -link parts' link (Mbit/s, shared by all connections)")
     ap.add_argument("--shapes", default=None,
                     help="comma-separated shape names to run (e.g. '4 x 256 MiB'), default all")
+    ap.add_argument("--scale-label", default="current",
+                    help="name of the scale run (e.g. before, after): with --merge, runs of "
+                         "other labels stay and the page shows them side by side")
+    ap.add_argument("--scale-args", default="",
+                    help="extra arguments for benchmarks/bench_scale.py, e.g. "
+                         "'--max-n 10000 --backends local'")
+    ap.add_argument("--scale-from", default=None, metavar="FILE",
+                    help="with --only scale: take the scale run from FILE (the JSON "
+                         "`python -m benchmarks.bench_scale` printed) instead of running it")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks.md"))
     ap.add_argument("--json", default=os.path.join(ROOT, "docs", "benchmarks.json"))
     ap.add_argument("--data-dir", default=None, help="where test data is generated (reused)")
@@ -102,9 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [s for s in shapes if s.name in wanted] or shapes
     data_root = args.data_dir or os.path.join(tempfile.gettempdir(), "cs-bench-data")
     os.makedirs(data_root, exist_ok=True)
-    _log("generating data ...")
-    data = {s.name: make_tree(os.path.join(data_root, s.name.replace(" ", "")), s)
-            for s in shapes}
+    data: dict[str, str] = {}
+    if parts & {"local", "s3", "azure", "s3-link", "azure-link", "async", "rss"}:
+        _log("generating data ...")
+        data = {s.name: make_tree(os.path.join(data_root, s.name.replace(" ", "")), s)
+                for s in shapes}
     big = shapes[-1]
     work = tempfile.mkdtemp(prefix="cs-bench-")
     results: dict[str, Any] = {"machine": machine(), "quick": quick, "reps": reps,
@@ -285,6 +299,22 @@ def main(argv: list[str] | None = None) -> int:
         results["retention"] = guarded("retention", lambda: bench_misc.retention(quick))
         _log(f"retention: {results['retention']}")
 
+    if "scale" in parts:
+        import shlex
+
+        from benchmarks import bench_scale
+
+        scale_argv = [*(["--quick"] if quick else []), "--label", args.scale_label,
+                      *shlex.split(args.scale_args)]
+        if args.scale_from:
+            with open(args.scale_from) as f:
+                scale = json.load(f)
+            args.scale_label = scale.get("label", args.scale_label)
+        else:
+            scale = guarded("scale", lambda: bench_scale.main(scale_argv, log=_log))
+        if scale is not None:
+            results["scale"] = {args.scale_label: scale}
+
     results["wall_s"] = time.time() - t_start
     from benchmarks.report_md import render
 
@@ -299,17 +329,28 @@ def main(argv: list[str] | None = None) -> int:
             elif key in ("report", "async", "rss", "import", "retention", "incremental",
                          "link"):
                 old[key] = value
+            elif key == "scale":
+                from benchmarks.bench_scale import merge_runs
+
+                merge_runs(old.setdefault("scale", {}), value)
             elif key == "errors":
                 old.setdefault("errors", {}).update(value)
-        old.setdefault("notes", []).append(
-            f"Re-measured in a second run started at {stamp} (--only {args.only}), after a "
-            "change to the code those rows exercise; the other parts keep their numbers "
-            "from the earlier run(s).")
+        if parts != {"scale"}:  # the scale section dates each of its runs itself
+            old.setdefault("notes", []).append(
+                f"Re-measured in a second run started at {stamp} (--only {args.only}), after "
+                "a change to the code those rows exercise; the other parts keep their "
+                "numbers from the earlier run(s).")
         old["wall_s"] = old.get("wall_s", 0) + results["wall_s"]
         results = old
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1, sort_keys=True)
+    if results.get("scale"):
+        from benchmarks import bench_scale
+        from benchmarks.report_md import SCALE_PLOT
+
+        guarded("scale plot", lambda: bench_scale.plot(
+            results["scale"], os.path.join(os.path.dirname(args.out), SCALE_PLOT)))
     with open(args.out, "w") as f:
         f.write(render(results))
     _log(f"wrote {args.out} and {args.json} in {results['wall_s']:.0f} s")
