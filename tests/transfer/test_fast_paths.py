@@ -15,7 +15,7 @@ import google_crc32c
 import pyarrow.fs as pafs
 import pytest
 
-from checkpoint_store import Checkpoint, StorageContext, _localcopy, _plan
+from checkpoint_store import Checkpoint, StorageContext, _localcopy, _plan, _tasks
 from checkpoint_store.backends.base import LOCAL_CAPABILITIES
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.transfer import copy_tree
@@ -107,7 +107,7 @@ def test_syncfs_durability_copies_the_same(tmp_path, monkeypatch) -> None:
 
 def _fail_after(monkeypatch, n_ok: int, method: str) -> None:
     """Make the runner's ``method`` fail after ``n_ok`` successful calls."""
-    real = getattr(_plan._Runner, method)
+    real = getattr(_tasks._Runner, method)
     calls = [0]
 
     def flaky(self, *args, **kwargs):
@@ -116,7 +116,7 @@ def _fail_after(monkeypatch, n_ok: int, method: str) -> None:
             raise PermissionError(errno.EACCES, "injected failure half-way")
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(_plan._Runner, method, flaky)
+    monkeypatch.setattr(_tasks._Runner, method, flaky)
 
 
 def test_a_local_copy_failing_half_way_commits_nothing(tmp_path, monkeypatch) -> None:
@@ -314,14 +314,14 @@ def test_a_source_changing_during_the_copy_fails_it(tmp_path, monkeypatch) -> No
     # rewritten in between would get a manifest that does not describe it.
     src = str(tmp_path / "src")
     _tree(src, {"w.bin": 300_000})
-    real = _plan._Runner._kernel_copy
+    real = _tasks._Runner._kernel_copy
 
     def then_write(self, rel, s, d, offset, length):
         real(self, rel, s, d, offset, length)
         with open(os.path.join(src, rel), "ab") as f:
             f.write(b"late")
 
-    monkeypatch.setattr(_plan._Runner, "_kernel_copy", then_write)
+    monkeypatch.setattr(_tasks._Runner, "_kernel_copy", then_write)
     ctx = StorageContext(str(tmp_path / "store"), "exp", "trial")
     with pytest.raises(OSError, match="changed while it was being copied"):
         ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})

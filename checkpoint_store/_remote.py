@@ -1,0 +1,69 @@
+"""The remote side of a transfer: which client really moves the bytes.
+
+A backend's filesystem may be a thin Python handler in front of a C++
+filesystem (the object-store plugins' marker-free handler keeps it as
+``handler.native``) or in front of an fsspec client
+(``PyFileSystem(LiteralFSSpecHandler(fs))``). The transfer plan
+(:mod:`checkpoint_store._plan`) and its tasks (:mod:`checkpoint_store._tasks`)
+look through the handler: bytes then move without a Python call per read or
+write, a batch of small files is one concurrent fsspec call, and a copy inside
+one store (:func:`server_copy`) sends no byte through this process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow.fs as pafs
+
+__all__ = ["_fsspec_of", "_is_async", "_native_of", "server_copy"]
+
+
+def _native_of(fs: pafs.FileSystem) -> pafs.FileSystem:
+    """The C++ filesystem behind a thin Python handler that keeps it as
+    ``handler.native`` (the S3 plugin's marker-free handler), else ``fs``:
+    data then moves without a Python call per read or write."""
+    if isinstance(fs, pafs.PyFileSystem):
+        native = getattr(fs.handler, "native", None)
+        if isinstance(native, pafs.FileSystem):
+            return native
+    return fs
+
+
+def _fsspec_of(fs: pafs.FileSystem) -> Any | None:
+    """The fsspec filesystem behind ``PyFileSystem(FSSpecHandler(...))`` (or the
+    s3fs client a plugin's handler keeps as ``deleter``), else None."""
+    if isinstance(fs, pafs.PyFileSystem):
+        handler = fs.handler
+        for attr in ("fs", "deleter"):
+            inner = getattr(handler, attr, None)
+            if inner is not None and hasattr(inner, "cat_file") and hasattr(inner, "pipe"):
+                return inner
+    return None
+
+
+def _is_async(fsspec_fs: Any) -> bool:
+    """Whether an fsspec client runs its calls on an event loop (s3fs, adlfs,
+    gcsfs): a batch of files is then one call that fsspec runs concurrently."""
+    return bool(getattr(fsspec_fs, "async_impl", False))
+
+
+#: S3's CopyObject copies at most 5 GiB; larger objects need UploadPartCopy.
+_COPY_OBJECT_MAX = 5 * 1024**3
+
+
+def server_copy(fs: pafs.FileSystem, src: str, dst: str, size: int) -> None:
+    """Copy one object of ``size`` bytes inside its store: no byte passes
+    through this process.
+
+    A native pyarrow filesystem copies with one request (S3 CopyObject, Azure
+    Copy Blob; local and memory copies); objects over 5 GiB, and filesystems
+    pyarrow only wraps, go through the fsspec client's ``cp_file`` (s3fs uses
+    UploadPartCopy for large objects, adlfs Copy Blob, gcsfs rewrite).
+    """
+    native = _native_of(fs)
+    fss = _fsspec_of(fs)
+    if fss is None or (not isinstance(native, pafs.PyFileSystem) and size <= _COPY_OBJECT_MAX):
+        native.copy_file(src, dst)
+    else:
+        fss.cp_file(src, dst)

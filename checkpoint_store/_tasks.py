@@ -1,0 +1,280 @@
+"""The tasks of a transfer: each moves one batch of small files, one part of
+a large file, or one file through an output stream, and returns CRC32Cs of
+the bytes as they passed.
+
+:func:`checkpoint_store._plan.run` cuts a tree into these tasks and runs them
+on a thread pool; :class:`_Runner` holds what they share (both sides, the
+memory budget, the retry wrapper ``call``). Bytes go through the C++
+filesystem behind a Python handler where there is one, and through the fsspec
+client's concurrent calls for batches where it is async
+(:mod:`checkpoint_store._remote`). The local-disk half (kernel copies,
+``pwrite`` of parts) is :class:`~checkpoint_store._localcopy._LocalDisk`.
+
+Memory: every buffer is taken from the transfer's :class:`~checkpoint_store._budget._Budget`
+before it is filled, counted as often as it exists at once (ours, the HTTP
+client's, the part an output stream uploads in the background).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from checkpoint_store import _fsutil
+from checkpoint_store._budget import _Budget
+from checkpoint_store._crc32c import _crc
+from checkpoint_store._localcopy import _O_BINARY, _LocalDisk
+from checkpoint_store._remote import _fsspec_of, _is_async, _native_of
+
+if TYPE_CHECKING:  # pragma: no cover
+    from checkpoint_store._plan import Plan
+
+__all__ = ["PARTS_IN_FLIGHT", "FileResult", "_REMOTE_COPIES", "_Runner"]
+
+#: Parts of large files a transfer aims to keep in flight at once (ranged GETs
+#: for downloads, multipart parts for uploads); the budget sets the part size.
+PARTS_IN_FLIGHT = 8
+#: Remote transfers count each byte twice against the memory limit: the HTTP
+#: client holds its own copy while ours is in flight (measured with VmHWM).
+_REMOTE_COPIES = 2
+#: Smallest part of a multipart upload S3 accepts (and the smallest part we cut).
+MIN_PART = 5 * 1024 * 1024
+#: pyarrow's S3 output stream buffers smaller writes into parts this large.
+_PYARROW_PART = 10 * 1024 * 1024
+#: S3 allows 10000 parts per upload; parts grow so a file never needs more.
+MAX_PARTS = 9000
+
+
+@dataclass(frozen=True)
+class FileResult:
+    """What one copied file was: relative path, size in bytes, CRC32C (int)."""
+
+    path: str
+    size: int
+    crc32c: int
+    #: True when the store copied it from the previous checkpoint (no upload).
+    reused: bool = False
+
+
+class _Runner(_LocalDisk):
+    """The tasks of one transfer (plan ``p``) and what they share.
+
+    Each task method runs on a worker thread of :func:`checkpoint_store._plan.run`
+    and passes every storage call through ``call(fn, what)`` (the retry
+    policy). ``p`` may be replaced before the tasks start (after a reuse of
+    the previous checkpoint's files leaves fewer to move).
+    """
+
+    def __init__(
+        self,
+        p: Plan,
+        src_fs: pafs.FileSystem,
+        src_root: str,
+        dst_fs: pafs.FileSystem,
+        dst_root: str,
+        *,
+        fsync: bool,
+        call: Callable[[Callable[[], Any], str], Any],
+        read_chunk: int,
+    ):
+        self.p = p
+        self.src_fs, self.src_root = src_fs, src_root
+        self.dst_fs, self.dst_root = dst_fs, dst_root
+        self.src_os = _fsutil.local_path(src_fs, src_root)
+        self.dst_os = _fsutil.local_path(dst_fs, dst_root)
+        self.src_fsspec = _fsspec_of(src_fs)
+        self.dst_fsspec = _fsspec_of(dst_fs)
+        self.dst_fs_outer = dst_fs
+        # Bytes go through the C++ filesystem where a Python handler wraps one.
+        self.src_fs = _native_of(src_fs)
+        self.dst_fs = _native_of(dst_fs)
+        self.fsync = fsync
+        self.call = call
+        self.read_chunk = read_chunk
+        self.budget = _Budget(p.memory_limit)
+        self._tls = threading.local()
+
+    # paths
+    def _src(self, rel: str) -> str:
+        return posixpath.join(self.src_root, rel)
+
+    def _dst(self, rel: str) -> str:
+        return posixpath.join(self.dst_root, rel)
+
+    # -- tasks
+
+    def batch(self, items: list[tuple[str, int]]) -> list[FileResult]:
+        route = self.p.route
+        if route == "local":
+            out = []
+            for rel, _ in items:
+                size, crc = self.call(partial(self._copy_local_whole, rel), f"copy {rel}")
+                out.append(FileResult(rel, size, crc))
+            return out
+        nbytes = sum(s for _, s in items)
+        nbytes *= _REMOTE_COPIES
+        self.budget.acquire(nbytes)
+        try:
+            if route == "upload":
+                return self._upload_batch(items)
+            if route == "download":
+                return self._download_batch(items)
+            return [self.stream(rel, size, budgeted=False) for rel, size in items]
+        finally:
+            self.budget.release(nbytes)
+
+    def _upload_batch(self, items: list[tuple[str, int]]) -> list[FileResult]:
+        datas = {rel: self._read_local(rel) for rel, _ in items}
+        out = [FileResult(rel, len(d), _crc(0, d)) for rel, d in datas.items()]
+        fss = self.dst_fsspec
+        if fss is not None and _is_async(fss):
+            payload = {self._dst(rel): d for rel, d in datas.items()}
+            self.call(lambda: fss.pipe(payload), f"upload {len(payload)} files")
+        else:
+            for rel, d in datas.items():
+                def put(rel: str = rel, d: bytes = d) -> None:
+                    with self.dst_fs.open_output_stream(self._dst(rel)) as f:
+                        f.write(d)
+                self.call(put, f"upload {rel}")
+        return out
+
+    def _download_batch(self, items: list[tuple[str, int]]) -> list[FileResult]:
+        fss = self.src_fsspec
+        out = []
+        if fss is not None and _is_async(fss):
+            paths = [self._src(rel) for rel, _ in items]
+            # cat_ranges, not cat: cat reads [, * and ? in a name as a glob
+            # pattern (and may return another file's bytes under that name).
+            got = self.call(lambda: fss.cat_ranges(paths, None, None, on_error="raise"),
+                            f"download {len(paths)} files")
+            datas = [(rel, data) for (rel, _), data in zip(items, got, strict=True)]
+        else:
+            def get(rel: str, size: int) -> Any:
+                # A random-access file knows its size: one ranged GET. (read()
+                # on a *stream* goes 16 KiB at a time: a request each on S3.)
+                with self.src_fs.open_input_file(self._src(rel)) as f:
+                    return f.read_buffer()
+            datas = [(rel, self.call(partial(get, rel, size), f"download {rel}"))
+                     for rel, size in items]
+        for rel, data in datas:
+            self._write_local(rel, data)
+            out.append(FileResult(rel, len(data), _crc(0, data)))
+        return out
+
+    def part(self, rel: str, offset: int, length: int) -> int:
+        """Move bytes ``[offset, offset+length)`` of a large file; returns their CRC32C."""
+        if self.p.route == "local":
+            return self.call(
+                lambda: self._copy_local_range(rel, offset, length),
+                f"copy {rel}@{offset}",
+            )
+        # download
+        self.budget.acquire(length * _REMOTE_COPIES)
+        try:
+            fss = self.src_fsspec
+            if fss is not None:
+                data = self.call(
+                    lambda: fss.cat_file(self._src(rel), start=offset, end=offset + length),
+                    f"download {rel}@{offset}",
+                )
+            else:
+                def ranged() -> Any:
+                    with self.src_fs.open_input_file(self._src(rel)) as f:
+                        return f.read_at(length, offset)
+                data = self.call(ranged, f"download {rel}@{offset}")
+            if len(data) != length:
+                raise OSError(
+                    f"{self._src(rel)}: read {len(data)} bytes at offset {offset}, expected "
+                    f"{length} (the file changed while it was being downloaded?)"
+                )
+            crc = _crc(0, data)
+            fd = os.open(self._dst_os(rel), os.O_WRONLY | _O_BINARY)
+            try:
+                mv = memoryview(data)
+                w = 0
+                while w < length:
+                    w += os.pwrite(fd, mv[w:], offset + w)
+            finally:
+                os.close(fd)
+            del data, mv
+            return crc
+        finally:
+            self.budget.release(length * _REMOTE_COPIES)
+
+    def stream(self, rel: str, size: int, *, budgeted: bool = True) -> FileResult:
+        """Copy one file through an output stream, chunk by chunk."""
+        return self.call(lambda: self._stream_once(rel, size, budgeted), f"copy {rel}")
+
+    def _stream_once(self, rel: str, size: int, budgeted: bool) -> FileResult:
+        # Chunks sized so that one in flight (counted twice: the client's
+        # copy and ours) stays within the memory limit.
+        # An fsspec file is opened directly with one chunk per block, so each
+        # write uploads one block: it holds the chunk in its buffer and again
+        # in the block it sends (4 copies in all, measured with VmHWM on adlfs).
+        dst_fsspec = self.dst_fsspec if isinstance(self.dst_fs, pafs.PyFileSystem) else None
+        fsspec_out = dst_fsspec is not None
+        # pyarrow's S3 stream: ours, the part it uploads in the background, and
+        # the freed part its memory pool still holds (RSS reached 100 MiB with 2).
+        copies = 4 if fsspec_out else _REMOTE_COPIES + 1
+        # Several parts in flight (pyarrow uploads them in the background),
+        # each at least S3's smallest part, and few enough for S3's limit.
+        in_flight = 1 if fsspec_out else min(self.p.concurrency, PARTS_IN_FLIGHT) // 2 or 1
+        chunk = min(self.p.chunk_size, self.p.memory_limit // (copies * in_flight))
+        # pyarrow's S3 stream buffers writes smaller than its part size (10
+        # MiB) unseen by the budget: write at least that much at a time.
+        chunk = max(chunk, MIN_PART if fsspec_out else _PYARROW_PART, -(-size // MAX_PARTS))
+        charge = chunk * copies
+        crc = 0
+        size = 0
+        held = 0
+        # The first chunk's share is taken before the stream opens: a stream
+        # waiting for the budget holds no buffer.
+        if budgeted:
+            self.budget.acquire(charge)
+            held = charge
+        try:
+            if self.src_os is not None:
+                reader: Any = pa.OSFile(self._src_os(rel), "rb")
+            else:
+                reader = self.src_fs.open_input_stream(self._src(rel))
+            try:
+                if dst_fsspec is not None:
+                    out = dst_fsspec.open(self._dst(rel), "wb", block_size=chunk)
+                else:
+                    out = self.dst_fs.open_output_stream(self._dst(rel))
+                try:
+                    while True:
+                        buf = reader.read_buffer(chunk)
+                        n = buf.size
+                        if not n:
+                            break
+                        crc = _crc(crc, buf)
+                        size += n
+                        out.write(buf)
+                        del buf
+                        if budgeted and not self.budget.try_acquire(charge):
+                            # Before waiting for others, finish what this stream
+                            # holds (pyarrow's S3 stream keeps the parts it
+                            # uploads in the background until flush).
+                            out.flush()
+                            self.budget.release(held)
+                            held = 0
+                            self.budget.acquire(charge)
+                        if budgeted:
+                            held += charge
+                finally:
+                    out.close()
+            finally:
+                reader.close()
+        finally:
+            if held:
+                self.budget.release(held)
+        return FileResult(rel, size, crc)
