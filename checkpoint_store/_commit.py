@@ -213,6 +213,22 @@ class CommitProtocol(abc.ABC):
                 our writers (somebody else's files); nothing is deleted.
         """
 
+    def remove_leftover(self, path: str, writer_id: str | None = None) -> None:
+        """Remove the uncommitted directory (or ``.cs_*`` file) ``path`` so that
+        a removal cut short leaves what is left recognisably ours: a directory
+        is renamed away first where directories rename atomically, else its
+        data files go before the claims, rank markers and tombstone that tell
+        cleanup whose it is. Absent is fine. Callers checked it is not
+        committed (:func:`~checkpoint_store._scan.scan_trial`)."""
+        if is_internal_name(posixpath.basename(path.rstrip("/"))):
+            # A staging or deleting directory, a temporary file: its name is the trace.
+            _fsutil.delete_dir(self.fs, path, retry=self.retry)
+            return
+        self._remove_tree(path, writer_id)
+
+    @abc.abstractmethod
+    def _remove_tree(self, path: str, writer_id: str | None) -> None: ...
+
     def claim_in_place(self, dest_dir: str, writer_id: str) -> None:
         """Create ``dest_dir`` for a writer that fills it in place, with a claim
         ``.cs_claim-<ns>-<writer_id>`` in it.
@@ -352,6 +368,9 @@ class RenameCommit(CommitProtocol):
         return meta
 
     def delete(self, path: str, writer_id: str | None = None) -> None:
+        self._remove_tree(path, writer_id)
+
+    def _remove_tree(self, path: str, writer_id: str | None) -> None:
         parent, name = posixpath.split(path.rstrip("/"))
         trash = posixpath.join(parent, deleting_dir_name(name, writer_id or new_writer_id()))
         try:
@@ -373,14 +392,18 @@ class RenameCommit(CommitProtocol):
             now = self.inspect(dest_dir)
             if now.state == "committed":
                 raise _conflict(self.dest, dest_dir, by_other=True)
+            if now.state == "invalid":
+                raise CheckpointConflictError(
+                    f"{self.dest.uri_for(dest_dir)} holds a commit marker this version cannot "
+                    f"use ({now.reason}); commit under another index"
+                )
             if now.state != "missing":
-                if not _is_ours(now):
-                    raise CheckpointConflictError(
-                        f"{self.dest.uri_for(dest_dir)} exists and is not a checkpoint of this "
-                        f"tool ({now.reason or 'no internal metadata'}); adopt it, move it "
-                        "away, or commit under another index"
-                    )
-                # Our own uncommitted leftover: rename it away (atomic), then drop it.
+                # No marker: a writer that died before its commit (with or
+                # without a claim yet), or a removal cut short. A live writer
+                # of this trial writes into its own staging directory (or, in
+                # place, under this run's lease), never here: rename the
+                # leftover away (atomic), then drop it.
+                _warn_replacing(self.dest, dest_dir, now.files or {})
                 trash = posixpath.join(parent, deleting_dir_name(name, writer or new_writer_id()))
                 _fsutil.move(self.fs, dest_dir, trash, retry=self.retry)
                 _fsutil.delete_dir(self.fs, trash, retry=self.retry)
@@ -415,8 +438,11 @@ class MarkerLastCommit(CommitProtocol):
             # Alone, and the listing after our claim showed no marker: nobody can
             # commit this directory before we do. Data a dead writer (or an
             # earlier attempt of ours) left would not match our manifest.
-            self._delete_files(dest_dir, [rel for rel in sorted(listed) if rel != mine
-                                          and not _is_claim(rel.split("/")[-1])])
+            stale = [rel for rel in sorted(listed)
+                     if rel != mine and not _is_claim(rel.split("/")[-1])]
+            if stale:
+                _warn_replacing(self.dest, dest_dir, stale)
+            self._delete_files(dest_dir, stale)
             meta = self._write_contents(contents, dest_dir, internal)
         except Exception:
             _cleanup_quietly(lambda: self._undo(dest_dir, claim_path))
@@ -464,18 +490,15 @@ class MarkerLastCommit(CommitProtocol):
 
     def _refuse_taken(self, dest_dir: str, listed: Mapping[str, pafs.FileInfo], mine: str,
                       claim_path: str) -> None:
-        """Withdraw our claim and raise when ``dest_dir`` is committed or foreign."""
-        traces = [rel for rel in listed if rel != mine and is_internal_name(rel.split("/")[-1])]
-        foreign = not traces and any(is_checkpoint_data(rel) for rel in listed)
-        if INTERNAL_METADATA not in listed and not foreign:
+        """Withdraw our claim and raise when ``dest_dir`` is committed.
+
+        Data files without a marker are no reason to refuse, with or without
+        a claim beside them: a writer died before its commit, or a removal
+        was cut short. Once we are alone they are replaced (:meth:`_commit`)."""
+        if INTERNAL_METADATA not in listed:
             return
         _cleanup_quietly(lambda: _fsutil.delete_file(self.fs, claim_path, retry=self.retry))
-        if INTERNAL_METADATA in listed:
-            raise _conflict(self.dest, dest_dir, by_other=False)
-        raise CheckpointConflictError(
-            f"{self.dest.uri_for(dest_dir)} exists and is not a checkpoint of this tool (files "
-            "without internal metadata); adopt it, move it away, or commit under another index"
-        )
+        raise _conflict(self.dest, dest_dir, by_other=False)
 
     def _undo(self, dest_dir: str, claim_path: str) -> None:
         # Data first, claim last: until the claim goes, the leftovers stay
@@ -511,6 +534,23 @@ class MarkerLastCommit(CommitProtocol):
             raise CheckpointConflictError(
                 f"{self.dest.uri_for(path)} is not a checkpoint of this tool; not deleting it"
             )
+        self._remove_tree(path, writer_id, files - {INTERNAL_METADATA})
+
+    def _remove_tree(self, path: str, writer_id: str | None,
+                     files: Iterable[str] | None = None) -> None:
+        """Data files first, our ``.cs_*`` files last, then the directory: one
+        batched delete per data subdirectory, one DELETE per top-level file. A
+        removal cut short at any point leaves the tombstone, claims or rank
+        markers that make the rest ours to clean (never foreign)."""
+        if files is None:
+            files = [_fsutil.relative(path, fi.path)
+                     for fi in _fsutil.list_tree(self.fs, path, retry=self.retry)
+                     if fi.type == pafs.FileType.File]
+        data = sorted(rel for rel in files if not is_internal_name(rel.split("/")[-1]))
+        subdirs = sorted({rel.split("/", 1)[0] for rel in data if "/" in rel})
+        for sub in subdirs:
+            _fsutil.delete_dir(self.fs, posixpath.join(path, sub), retry=self.retry)
+        self._delete_files(path, [rel for rel in data if "/" not in rel])
         _fsutil.delete_dir(self.fs, path, retry=self.retry)
 
 
@@ -565,8 +605,11 @@ def commit_checkpoint(
 
     Raises:
         CheckpointConflictError: ``dest_dir`` is already committed (by an
-            earlier or a concurrent writer), or is a directory that is not ours
-            (copied in by hand: adopt or remove it); nothing of it was changed.
+            earlier or a concurrent writer), holds a commit marker this
+            version cannot use, or another writer's live claim outlasted
+            ``claim_timeout``; nothing of it was changed. Files there without
+            a marker (a writer killed before its commit, with or without its
+            claim) are replaced, with a warning naming them.
         CheckpointNotFoundError: ``src_dir`` does not exist.
         UnsafePathError: a source file's name or link cannot be committed as
             it is (see :func:`~checkpoint_store.transfer.source_files`); checked
@@ -596,13 +639,12 @@ def delete_checkpoint_dir(
 
 # -- helpers -------------------------------------------------------------------------
 
-def _is_ours(insp: Inspection) -> bool:
-    """An uncommitted directory this tool's writers left: empty, or holding one
-    of our ``.cs_*`` files (claims, rank markers, delete tombstones)."""
-    if insp.state not in ("absent", "missing"):
-        return False
-    files = insp.files or {}
-    return not files or any(is_internal_name(rel.split("/")[-1]) for rel in files)
+def _warn_replacing(dest: Backend, dest_dir: str, files: Iterable[str]) -> None:
+    names = sorted(files)
+    if any(is_checkpoint_data(rel) for rel in names):
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        logger.warning("%s held an uncommitted leftover (%s); replacing it with this commit",
+                       dest.uri_for(dest_dir), shown)
 
 
 def _conflict(dest: Backend, dest_dir: str, by_other: bool) -> CheckpointConflictError:

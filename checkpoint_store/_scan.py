@@ -45,8 +45,12 @@ class ScanResult:
         active: the subset of ``uncommitted`` that belongs to the current run
             (another rank may still be writing it): never removed.
         foreign: directories that are neither committed nor ours (copied in
-            by hand, or a marker we cannot read): never removed automatically;
-            :meth:`StorageContext.adopt` turns a complete one into a checkpoint.
+            by hand, or a marker we cannot read): never removed by cleanup;
+            :meth:`StorageContext.adopt` turns a complete one into a
+            checkpoint. One without a marker does not block a commit to its
+            index, which replaces it (:mod:`checkpoint_store._commit`); our
+            writers and removals keep a trace until their last data file is
+            written or gone, so no leftover of theirs lands here.
     """
 
     committed: list[str] = field(default_factory=list)

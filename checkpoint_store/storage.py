@@ -411,8 +411,8 @@ class StorageContext:
         for name in found.uncommitted:
             if name in active:
                 continue
-            _fsutil.delete_dir(self.filesystem, posixpath.join(self.trial_path, name),
-                               retry=self.retry)
+            # Traces (claims, markers) last: a removal cut short stays ours to clean.
+            self.commit_protocol.remove_leftover(posixpath.join(self.trial_path, name))
             removed.append(name)
         if removed:
             logger.info("removed uncommitted directories from %s: %s",

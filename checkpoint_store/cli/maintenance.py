@@ -256,6 +256,8 @@ def _collect(loc: Location, ours: list[str], min_age: float,
              dry_run: bool) -> tuple[list[str], list[str]]:
     """Remove (unless ``dry_run``) the directories in ``ours`` untouched for
     ``min_age`` seconds; returns ``(removed, too young)``."""
+    from checkpoint_store._commit import protocol_for
+
     removed, too_young = [], []
     # Ages on the storage's clock, never this machine's: a clock running ahead
     # would make a live upload look abandoned.
@@ -270,7 +272,8 @@ def _collect(loc: Location, ours: list[str], min_age: float,
             too_young.append(name)
             continue
         if not dry_run:
-            _fsutil.delete_dir(loc.fs, loc.child(name).path)
+            # Traces (claims, markers) last: a gc cut short leaves a leftover, never foreign data.
+            protocol_for(loc.backend).remove_leftover(loc.child(name).path)
         removed.append(name)
     return removed, too_young
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from checkpoint_store import _fsutil, _json
+from checkpoint_store import _json
 from checkpoint_store._layout import checkpoint_dir_name
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import CheckpointStoreError
@@ -128,9 +128,11 @@ def _commit_for_tune(sess: Any, checkpoint: Checkpoint, row: dict[str, Any]) -> 
     """Commit ``checkpoint`` where Tune will record this report's checkpoint:
     ``<trial dir>/checkpoint_<Tune's index + 1>``. Sets ``row["checkpoint_dir_name"]``.
 
-    A directory already there is one Tune never recorded (a trial that died
-    between our commit and Tune's record reuses the index after a restore):
-    it is deleted, marker first, and committed again.
+    A committed directory already there is one Tune never recorded (a trial
+    that died between our commit and Tune's record reuses the index after a
+    restore): it is deleted, marker first, and committed again. An
+    uncommitted one (a report killed before its marker) is replaced by the
+    commit.
 
     Raises:
         CheckpointStoreError: this Ray version numbers Tune checkpoints differently.
@@ -157,11 +159,13 @@ def _commit_for_tune(sess: Any, checkpoint: Checkpoint, row: dict[str, Any]) -> 
         retry=retry,
         run_id=f"ray_{sess.trial_id}",
     )
-    if _fsutil.exists(backend.filesystem, ours.checkpoint_path(index), retry=retry):
+    if ours.checkpoint(name).is_committed:
         logger.warning(
             "%s was never recorded by Tune; replacing it", ours.uri(ours.checkpoint_path(index))
         )
         ours.delete_checkpoint(name)
+    # An uncommitted leftover there (a writer killed before its marker) is
+    # replaced by the commit itself.
     return ours.persist_checkpoint(
         checkpoint, index, {"metrics": row, "world_size": 1, "run_id": ours.run_id}
     )

@@ -45,12 +45,14 @@ from checkpoint_store._layout import (
     abort_file_name,
     attempt_file_name,
     checkpoint_dir_name,
+    claim_name,
     is_abort_file_name,
     is_attempt_file_name,
     is_internal_file,
     parse_rank_marker_name,
     rank_marker_name,
 )
+from checkpoint_store._runs import new_writer_id
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     CheckpointAbortedError,
@@ -393,8 +395,10 @@ class Coordinator:
         storage = self.storage
         fs, caps = storage.filesystem, storage.backend.capabilities
         files: list[dict[str, Any]] = []
+        claim = None
         if own_error is None and checkpoint is not None:
             try:
+                claim = self._claim_before_data(index, target)
                 entries = copy_tree(
                     checkpoint.filesystem, checkpoint.path, fs, target, caps,
                     include=self._include, fsync=storage.fsync,
@@ -419,7 +423,28 @@ class Coordinator:
             # Without a marker rank 0 reports this rank missing; keep the
             # collectives in step so no rank hangs.
             own_error = own_error or exc
+        if claim is not None and own_error is None:
+            # The rank marker is now this rank's trace; a claim left behind
+            # (this delete failing) is an internal file and changes nothing.
+            try:
+                _fsutil.delete_file(fs, claim)
+            except OSError:
+                pass
         return own_error
+
+    def _claim_before_data(self, index: int, target: str) -> str | None:
+        """Where ranks copy straight into ``checkpoint_<index>`` (marker-last
+        stores), PUT this rank's claim there first: a rank killed before its
+        marker then leaves data cleanup knows is this attempt's (active while
+        it runs, removed by a later one), never foreign-looking files. A
+        staging directory's name is trace enough. Returns the claim's path."""
+        if target != self.storage.checkpoint_path(index):
+            return None
+        claim = posixpath.join(target, claim_name(time.time_ns(),
+                                                  new_writer_id(self.attempt_id)))
+        _fsutil.write_bytes(self.storage.filesystem, claim, f"rank {self.rank}".encode(),
+                            self.storage.backend.capabilities, fsync=False)
+        return claim
 
     def _include(self, rel: str) -> bool:
         if is_internal_file(rel):
@@ -529,7 +554,7 @@ class Coordinator:
         outcome: Outcome = {"ok": False, "kind": kind, "ranks": ranks, "error": str(exc)}
         if target is not None:
             try:
-                _fsutil.delete_dir(storage.filesystem, target)
+                storage.commit_protocol.remove_leftover(target)
             except OSError:
                 pass  # an uncommitted directory is ignored by readers; cleanup retries
         if not self._uses_torch:

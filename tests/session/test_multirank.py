@@ -333,9 +333,11 @@ def test_storage_calls_per_commit_grow_linearly(ranks, tmp_path, n):
     markers = [c for c in ck if ".cs_rank" in c[1]]
     # Each marker written once, read once (by rank 0) and deleted once.
     assert sorted(w for w, _ in markers) == ["delete"] * n + ["read"] * n + ["write"] * n
-    # Data: n files; the commit marker: one. No call grows with n squared.
+    # Data, rank markers and the claims each rank puts before its data: n
+    # each; the commit marker: one. No call grows with n squared.
     writes = [p for w, p in ck if w == "write"]
-    assert len(writes) == 2 * n + 1
+    assert len([p for p in writes if ".cs_claim-" in p]) == n
+    assert len(writes) == 3 * n + 1
 
 
 def test_rank_markers_mark_an_interrupted_commit_as_ours_not_foreign():
