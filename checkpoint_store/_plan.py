@@ -244,82 +244,111 @@ def run(
         OSError: the first error of any task; the others are cancelled (a
             partial copy is left for the caller's commit protocol to discard).
     """
+    if not files:
+        return []
     p = plan(src_fs, src_root, dst_fs, dst_root, files, chunk_size=chunk_size,
              concurrency=concurrency, memory_limit=memory_limit)
     r = _Runner(p, src_fs, src_root, dst_fs, dst_root, fsync=fsync,
                 call=call or _call_plain, read_chunk=chunk_size)
     results: dict[str, FileResult] = {}
-    if not files:
-        return []
     if previous is not None and p.route == "upload":
-        for fr in _reuse_previous(r, previous, files):
-            results[fr.path] = fr
+        results = {fr.path: fr for fr in _reuse_previous(r, previous, files)}
         if results:
             rest = [f for f in files if f[0] not in results]
-            p = plan(src_fs, src_root, dst_fs, dst_root, rest, chunk_size=chunk_size,
-                     concurrency=concurrency, memory_limit=memory_limit)
-            r.p = p
+            r.p = p = plan(src_fs, src_root, dst_fs, dst_root, rest, chunk_size=chunk_size,
+                           concurrency=concurrency, memory_limit=memory_limit)
+    work = _work_items(p, r)
+    sequential = p.concurrency == 1 or work.count == 1
+    moved, part_crcs = (_run_in_turn if sequential else _run_on_pool)(r, work)
+    results.update(moved)
+    if fsync and r.dst_os is not None:
+        flush_files(r.dst_os, [rel for rel, _ in files], p.concurrency)
+    results.update(_combine_parts(part_crcs))
+    return [results[rel] for rel, _ in files]
 
-    # Work items: batches, then parts of large files (largest first).
-    parts: list[tuple[str, int, int]] = []
-    streamed: list[tuple[str, int]] = []
+
+@dataclass
+class _Work:
+    """The tasks of one plan: batches (lists of ``(relpath, size)``), parts of
+    large files (``(relpath, offset, length)``), files streamed whole."""
+
+    batches: list[list[tuple[str, int]]]
+    parts: list[tuple[str, int, int]]
+    streamed: list[tuple[str, int]]
+
+    @property
+    def count(self) -> int:
+        return len(self.batches) + len(self.parts) + len(self.streamed)
+
+
+#: ``{relpath: [(offset, length, CRC32C of the part)]}`` of the files moved in parts.
+_PartCrcs = dict[str, list[tuple[int, int, int]]]
+
+
+def _work_items(p: Plan, r: _Runner) -> _Work:
+    """Cut ``p`` into tasks: batches, then parts of large files (largest
+    first), or whole large files where parts would not pay. The local files
+    that parts are written into are made here, before any part runs."""
     batches = list(p.batches)
     large = sorted(p.large, key=lambda f: -f[1])
     if p.route == "local" and large and r.reflinks(large[0][0]):
         # Clones cost no data blocks and no time per byte: whole files.
-        batches = [[f] for f in large] + batches
-        large = []
+        batches, large = [[f] for f in large] + batches, []
     if p.route == "local" and len(large) >= p.concurrency:
         # Enough large files to keep every thread busy: whole files, one per
         # task. Parts of one file would only queue on its inode's write lock.
-        batches = [[f] for f in large] + batches
-        large = []
+        batches, large = [[f] for f in large] + batches, []
+    work = _Work(batches, [], [])
     for rel, size in large:
         if p.route in _TO_DISK:
             r.prepare_local(rel, size)
             for off in range(0, size, p.chunk_size):
-                parts.append((rel, off, min(p.chunk_size, size - off)))
+                work.parts.append((rel, off, min(p.chunk_size, size - off)))
         else:
-            streamed.append((rel, size))
+            work.streamed.append((rel, size))
+    return work
 
-    workers = p.concurrency
-    sequential = workers == 1 or (len(batches) + len(parts) + len(streamed)) == 1
-    if sequential:
-        for b in batches:
-            for fr in r.batch(b):
-                results[fr.path] = fr
-        part_crcs: dict[str, list[tuple[int, int, int]]] = {}
-        for rel, off, length in parts:
-            part_crcs.setdefault(rel, []).append((off, length, r.part(rel, off, length)))
-        for rel, size in streamed:
-            results[rel] = r.stream(rel, size)
-    else:
-        with ThreadPoolExecutor(workers, thread_name_prefix="cs-transfer") as pool:
-            futs: list[Future[Any]] = []
-            stream_futs = [pool.submit(r.stream, rel, size) for rel, size in streamed]
-            part_futs = [
-                (rel, off, length, pool.submit(r.part, rel, off, length))
-                for rel, off, length in parts
-            ]
-            batch_futs = [pool.submit(r.batch, b) for b in batches]
-            futs = stream_futs + [f for *_, f in part_futs] + batch_futs
-            done, pending = wait(futs, return_when=FIRST_EXCEPTION)
-            for f in pending:
-                f.cancel()
-            for f in futs:
-                if f.done() and not f.cancelled() and f.exception() is not None:
-                    raise f.exception()  # type: ignore[misc]
-            for f in stream_futs:
-                fr = f.result()
-                results[fr.path] = fr
-            for f in batch_futs:
-                for fr in f.result():
-                    results[fr.path] = fr
-            part_crcs = {}
-            for rel, off, length, f in part_futs:
-                part_crcs.setdefault(rel, []).append((off, length, f.result()))
-    if fsync and r.dst_os is not None:
-        flush_files(r.dst_os, [rel for rel, _ in files], workers)
+
+def _run_in_turn(r: _Runner, work: _Work) -> tuple[dict[str, FileResult], _PartCrcs]:
+    """Run every task on this thread (one worker, or one task)."""
+    results = {fr.path: fr for b in work.batches for fr in r.batch(b)}
+    part_crcs: _PartCrcs = {}
+    for rel, off, length in work.parts:
+        part_crcs.setdefault(rel, []).append((off, length, r.part(rel, off, length)))
+    for rel, size in work.streamed:
+        results[rel] = r.stream(rel, size)
+    return results, part_crcs
+
+
+def _run_on_pool(r: _Runner, work: _Work) -> tuple[dict[str, FileResult], _PartCrcs]:
+    """Run the tasks on ``r.p.concurrency`` threads; the first error cancels
+    the tasks not started yet and is raised once the running ones end."""
+    with ThreadPoolExecutor(r.p.concurrency, thread_name_prefix="cs-transfer") as pool:
+        stream_futs = [pool.submit(r.stream, rel, size) for rel, size in work.streamed]
+        part_futs = [
+            (rel, off, length, pool.submit(r.part, rel, off, length))
+            for rel, off, length in work.parts
+        ]
+        batch_futs = [pool.submit(r.batch, b) for b in work.batches]
+        futs: list[Future[Any]] = stream_futs + [f for *_, f in part_futs] + batch_futs
+        _, pending = wait(futs, return_when=FIRST_EXCEPTION)
+        for f in pending:
+            f.cancel()
+        for f in futs:
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        results = {fr.path: fr for fr in (f.result() for f in stream_futs)}
+        results.update((fr.path, fr) for f in batch_futs for fr in f.result())
+        part_crcs: _PartCrcs = {}
+        for rel, off, length, f in part_futs:
+            part_crcs.setdefault(rel, []).append((off, length, f.result()))
+    return results, part_crcs
+
+
+def _combine_parts(part_crcs: _PartCrcs) -> dict[str, FileResult]:
+    """One :class:`FileResult` per file moved in parts: its parts' CRC32Cs
+    combined in offset order (:func:`crc32c_combine`), no byte read again."""
+    out = {}
     for rel, pieces in part_crcs.items():
         pieces.sort()
         crc = 0
@@ -327,5 +356,5 @@ def run(
         for _, length, c in pieces:
             crc = crc32c_combine(crc, c, length) if total else c
             total += length
-        results[rel] = FileResult(rel, total, crc)
-    return [results[rel] for rel, _ in files]
+        out[rel] = FileResult(rel, total, crc)
+    return out
