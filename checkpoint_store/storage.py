@@ -165,10 +165,20 @@ class StorageContext:
         max_concurrency: int | None = None, memory_budget: int | None = None,
         incremental: bool = True,
     ) -> StorageContext:
+        """A StorageContext on a backend already resolved (an integration's or
+        the UI's), with ``storage_path`` in the backend's own spelling.
+
+        Names from elsewhere (a Ray trial's) pass the same checks as in the
+        constructor: one path component, not reserved, storable by the backend.
+
+        Raises:
+            InvalidConfigError: a bad or unstorable name.
+        """
         self = cls.__new__(cls)
-        self.experiment_name = validate_component(experiment_name, "experiment_name")
-        self.trial_name = validate_component(trial_name, "trial_name")
-        # Names from elsewhere (a Ray trial's) meet the same store limits as ours.
+        self.experiment_name = check_run_name(experiment_name, "experiment_name")
+        self.trial_name = check_run_name(trial_name, "trial_name")
+        for part in storage_path.split("/"):
+            backend.check_name(part, "storage_path component")
         backend.check_name(self.experiment_name, "experiment_name")
         backend.check_name(self.trial_name, "trial_name")
         self.backend = backend

@@ -149,3 +149,7 @@ def test_storage_context_from_backend_checks_names_against_the_store(tmp_path):
     ctx = StorageContext.from_backend(strict, root, "exp", "t_1")
     assert ctx.trial_path == f"{root}/exp/t_1"
     assert list(tmp_path.iterdir()) == []
+    with pytest.raises(InvalidConfigError, match=r"storage_path component 'r~'"):
+        StorageContext.from_backend(strict, f"{root}/r~", "exp", "t")
+    with pytest.raises(InvalidConfigError, match="a name checkpoint-store uses inside a trial"):
+        StorageContext.from_backend(strict, root, "exp", "checkpoint_000001")
