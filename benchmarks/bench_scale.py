@@ -39,8 +39,9 @@ pyarrow wrapper, so local rows count bytes from the trial directory's files
 Building a trial through ``report()`` costs what the benchmark measures: when
 a phase would take longer than ``--grow-budget-s``, the rest of it is filled
 through ``StorageContext.persist_checkpoint`` (the commit protocol without the
-session; the next ``session.start`` adopts those checkpoints) and the row says
-how many were filled that way.
+session, several commits at once; the next ``session.start`` adopts those
+checkpoints and is measured as ``grow.adopt_start``) and the row says how many
+were filled that way.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
@@ -463,8 +465,11 @@ def _grow(t: Target, trial: str, have: int, want: int, rows: int, budget_s: floa
         run_id = mgr.run_id
         mgr.close()
         src = Checkpoint.from_directory(t.src)
-        for j in range(i, want):
-            st.persist_checkpoint(src, j, {"metrics": _metrics(j), "run_id": run_id})
+        # Several commits in flight: object-store requests wait on round trips.
+        workers = 2 if t.local_root is not None else 8
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(lambda j: st.persist_checkpoint(
+                src, j, {"metrics": _metrics(j), "run_id": run_id}), range(i, want)))
         info["bulk"] = want - i
         info["bulk_s"] = time.perf_counter() - t1
         # The first start after that adopts them: measured, as what a bulk fill costs.
@@ -510,12 +515,14 @@ def _measure_reports(t: Target, trial: str, first: int, n_ckpt: int,
     return ck, mr
 
 
-def series_n(t: Target, ns: list[int], budget_s: float,
-             log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The checkpoint series on one backend: grow, then measure at each N."""
+def series_n(t: Target, ns: list[int], budget_s: float, log: Callable[[str], None],
+             out: list[dict[str, Any]] | None = None,
+             on_row: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
+    """The checkpoint series on one backend: grow, then measure at each N (each row
+    appended to ``out`` as it is measured, then ``on_row()``)."""
     trial = "ckpts"
     have = rows = 0
-    out: list[dict[str, Any]] = []
+    out = [] if out is None else out
     for n in ns:
         t0 = time.perf_counter()
         have, rows, grew = _grow(t, trial, have, n, rows, budget_s, log)
@@ -533,6 +540,7 @@ def series_n(t: Target, ns: list[int], budget_s: float,
         have += n_ck + 1
         rows += n_ck + n_m + 1
         out.append(row)
+        on_row()
         s = row["start"]
         log(f"  {t.name} N={n}: start {s.get('wall_s', float('nan')):.3f} s "
             f"{s.get('requests_total')} req; ckpt report "
@@ -543,10 +551,13 @@ def series_n(t: Target, ns: list[int], budget_s: float,
     return out
 
 
-def series_m(t: Target, ms: list[int], log: Callable[[str], None]) -> list[dict[str, Any]]:
+def series_m(t: Target, ms: list[int], log: Callable[[str], None],
+             out: list[dict[str, Any]] | None = None,
+             on_row: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
     """The metrics-only series: ``session.start`` after M reports (M=0: empty trial)."""
     trial = "rows"
-    out = [{"m": 0, "start": t.probe("start", trial)}]
+    out = [] if out is None else out
+    out.append({"m": 0, "start": t.probe("start", trial)})
     have = 0
     for m in ms:
         t0 = time.perf_counter()
@@ -565,6 +576,7 @@ def series_m(t: Target, ms: list[int], log: Callable[[str], None]) -> list[dict[
                "metrics_report": {"n": n_batch, "wall_s": batch.result["wall_s"] / n_batch,
                                   "bytes_amortised": batch.result["bytes_written"] / n_batch}}
         out.append(row)
+        on_row()
         s = row["start"]
         log(f"  {t.name} M={m}: start {s.get('wall_s', float('nan')):.3f} s, "
             f"RSS +{s.get('rss_growth_mib') or 0:.1f} MiB (grow {grow_s:.0f} s)")
@@ -621,6 +633,9 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] | None = None
                    help="time for growing a trial by report() from one N to the next; "
                         "the rest is committed directly")
     p.add_argument("--label", default="current", help="name of this run (before, after ...)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="also write the result here, rewritten after every measured row "
+                        "(a run stopped early leaves what it measured, marked partial)")
     args = p.parse_args(argv)
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     max_n, max_n_s3, max_rows = args.max_n, args.max_n_s3, args.max_rows
@@ -637,6 +652,15 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] | None = None
         "machine": machine(), "backends": {},
     }
     t_start = time.perf_counter()
+
+    def save(partial: bool = True) -> None:
+        result["wall_s"] = time.perf_counter() - t_start
+        result["partial"] = partial
+        if args.out:
+            with open(args.out + ".tmp", "w") as f:
+                json.dump(result, f, sort_keys=True)
+            os.replace(args.out + ".tmp", args.out)
+
     work = tempfile.mkdtemp(prefix="cs-bench-scale-")
     try:
         src = os.path.join(work, "src")
@@ -648,18 +672,19 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] | None = None
             root = os.path.join(work, "store")
             t = Target("local", root, None, root, src)
             say(f"local: N = {_decades(args.min_n, max_n)}")
-            res: dict[str, Any] = {"n": series_n(t, _decades(args.min_n, max_n),
-                                                 args.grow_budget_s, say)}
+            res: dict[str, Any] = result["backends"].setdefault("local", {"n": []})
+            series_n(t, _decades(args.min_n, max_n), args.grow_budget_s, say, res["n"], save)
             if max_rows:
                 say(f"local: M = {_decades(10, max_rows)}")
-                res["m"] = series_m(t, _decades(10, max_rows), say)
-            result["backends"]["local"] = res
+                series_m(t, _decades(10, max_rows), say, res.setdefault("m", []), save)
             shutil.rmtree(root, ignore_errors=True)
         if "s3" in backends and max_n_s3 >= args.min_n:
             with _s3_target(work, src) as t:
                 say(f"s3: N = {_decades(args.min_n, max_n_s3)}")
-                result["backends"]["s3"] = {"n": series_n(t, _decades(args.min_n, max_n_s3),
-                                                          args.grow_budget_s, say)}
+                res = result["backends"].setdefault("s3", {"n": []})
+                series_n(t, _decades(args.min_n, max_n_s3), args.grow_budget_s, say,
+                         res["n"], save)
+        save(partial=False)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["wall_s"] = time.perf_counter() - t_start
@@ -754,7 +779,7 @@ def plot(runs: Mapping[str, Mapping[str, Any]], path: str) -> str:
                         label=f"{name} ({label})")
                 drew = True
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("M (result rows)" if series == "m" else "N (checkpoints)")
+        ax.set_xlabel("M (result rows; M = 0 drawn at 1)" if series == "m" else "N (checkpoints)")
         if drew:
             ax.set_xscale("log")
             ax.set_yscale("log")

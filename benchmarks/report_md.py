@@ -530,7 +530,8 @@ def scale_section(runs: dict[str, dict[str, Any]]) -> str:
                           for k, v in big.items() if v)
         w(f"- **{lb}**: commit `{r.get('commit')}`, {r.get('started_utc')}, "
           f"{r.get('wall_s', 0):.0f} s; {reach.replace(' s3', ' moto')}; load average at "
-          f"start {(r.get('machine') or {}).get('load_avg_at_start', '?')}")
+          f"start {(r.get('machine') or {}).get('load_avg_at_start', '?')}"
+          + (" (stopped early: what it measured by then)" if r.get("partial") else ""))
     if len(labels) > 1:
         w(f"\nEvery cell reads {' → '.join(labels)}.")
     w("")
@@ -570,17 +571,25 @@ def scale_section(runs: dict[str, dict[str, Any]]) -> str:
         w("### Local disk: cost against N checkpoints\n")
         out.extend(table)
         w("")
-    reqs = [
-        ("start requests", lambda r: _req(r, "start")),
-        ("ckpt report requests", lambda r: _fmt_n(_get(r, "ckpt_report", "requests_total"))),
-        ("CLI best requests", lambda r: _req(r, "cli_best")),
-        ("CLI show requests", lambda r: _req(r, "cli_show")),
-        ("CLI ls requests", lambda r: _req(r, "cli_ls")),
-        ("manager requests", lambda r: _req(r, "manager")),
+    def timed(op: str, path: tuple[str, ...] = ()) -> Callable[[dict[str, Any] | None], str]:
+        def cell(r: dict[str, Any] | None) -> str:
+            c = _get(r, op, *path) or {}
+            if c.get("error"):
+                return "failed"
+            req = c.get("requests_total")
+            return _fmt_s(c.get("wall_s")) + ("" if req is None else f" · {req:,} req")
+        return cell
+
+    s3_cols = [
+        ("start", timed("start")), common[1], ("end", timed("start", ("end",))),
+        ("ckpt report", timed("ckpt_report")), common[4], common[5], common[6],
+        ("CLI best", timed("cli_best")), ("CLI show", timed("cli_show")),
+        ("CLI ls", timed("cli_ls")), ("read-only manager", timed("manager")),
     ]
-    table = _scale_table(runs, "s3", "n", common[:1] + reqs[:1] + common[1:] + reqs[1:])
+    table = _scale_table(runs, "s3", "n", s3_cols)
     if table:
         w("### moto S3: cost against N checkpoints\n")
+        w("Time · storage requests (calls through the counting handler).\n")
         out.extend(table)
         w("")
     table = _scale_table(runs, "local", "m", [

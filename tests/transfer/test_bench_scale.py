@@ -70,7 +70,8 @@ def test_scale_section_states_each_target_for_each_run() -> None:
     local = targets["local: session.start at N = 100,000 ≤ 0.5 s"]
     assert local[1:] == (["not measured", "not measured"], "n/a")
     md = report_md.scale_section(runs)
-    assert "90,000 → 40" in md and "Every cell reads before → after." in md
+    assert "90.00 s · 90,000 req → 1.50 s · 40 req" in md
+    assert "Every cell reads before → after." in md
     runs["after"]["backends"]["s3"]["n"][0]["start"]["requests_total"] = 61
     assert report_md.scale_targets(runs)[0][2] == "**no**"
 
