@@ -25,6 +25,7 @@ __all__ = [
     "INTERNAL_PREFIX",
     "LEASE_FILE",
     "MANAGER_STATE",
+    "STATE_FORMAT_VERSION",
     "NAME_MAX",
     "PARAMS_FILE",
     "RESULT_FILE",
@@ -49,6 +50,8 @@ __all__ = [
     "is_legacy_temp_file_name",
     "is_written_record",
     "parse_checkpoint_dir_name",
+    "parse_state_chunk_name",
+    "parse_state_log_name",
     "parse_claim_name",
     "parse_download_helper_name",
     "parse_rank_marker_name",
@@ -58,6 +61,8 @@ __all__ = [
     "refuse_reserved",
     "replace_dir_name",
     "staging_dir_name",
+    "state_chunk_name",
+    "state_log_name",
     "temp_file_name",
     "validate_component",
     "written_record_name",
@@ -280,6 +285,40 @@ DELETE_TOMBSTONE = f"{INTERNAL_PREFIX}deleting"
 COMMIT_LOCK = f"{INTERNAL_PREFIX}commit.lock"
 #: The retention manager's lease (``<trial>/.cs_manager_lease.json``).
 LEASE_FILE = f"{INTERNAL_PREFIX}manager_lease.json"
+
+
+# -- retention state: log records and snapshot chunks ---------------------------
+# Beside ``.checkpoint_manager.json`` (the snapshot root) in the trial directory,
+# so the one listing a restart makes of the trial finds them too
+# (docs/format.md, "Retention state").
+
+#: Version of the retention state (root, log records, chunks); 1 was a single file.
+STATE_FORMAT_VERSION = 2
+_STATE_LOG_RE = re.compile(rf"^{re.escape(INTERNAL_PREFIX)}state-log-(\d{{12,}})\.json$")
+_STATE_CHUNK_RE = re.compile(rf"^{re.escape(INTERNAL_PREFIX)}state-chunk-(\d{{12,}})-(\d+)\.json$")
+
+
+def state_log_name(seq: int) -> str:
+    """``.cs_state-log-<seq, 12 digits>.json``: one retention log record."""
+    return f"{INTERNAL_PREFIX}state-log-{seq:012d}.json"
+
+
+def parse_state_log_name(name: str) -> int | None:
+    """The sequence number of a :func:`state_log_name`, or None for any other name."""
+    m = _STATE_LOG_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def state_chunk_name(seq: int, part: int) -> str:
+    """``.cs_state-chunk-<seq>-<part>.json``: an immutable chunk of kept entries
+    written by the compaction that made snapshot ``seq``."""
+    return f"{INTERNAL_PREFIX}state-chunk-{seq:012d}-{part}.json"
+
+
+def parse_state_chunk_name(name: str) -> tuple[int, int] | None:
+    """``(seq, part)`` of a :func:`state_chunk_name`, or None for any other name."""
+    m = _STATE_CHUNK_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def staging_dir_name(name: str, writer: str) -> str:

@@ -11,6 +11,7 @@ reads, so any thread may call it.
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
@@ -60,7 +61,8 @@ class ScanResult:
 
 
 def scan_trial(
-    fs: pafs.FileSystem, trial_path: str, runs: set[str], *, retry: RetryPolicy | None = None
+    fs: pafs.FileSystem, trial_path: str, runs: set[str], *, retry: RetryPolicy | None = None,
+    known: Mapping[str, int] | None = None,
 ) -> ScanResult:
     """Classify every entry of the trial directory ``trial_path``: committed,
     uncommitted (ours), active (ours, of one of ``runs``) or foreign.
@@ -68,10 +70,14 @@ def scan_trial(
     Args:
         runs: run ids whose writers may still be writing (their leftovers are
             ``active``).
+        known: committed checkpoints the caller already knows (directory name
+            to index, say from the retention state): taken as committed
+            without being inspected.
 
     Costs one listing of the trial directory plus one recursive listing
-    (and at most one small read) per directory.
+    (and at most one small read) per directory not in ``known``.
     """
+    known = known or {}
     result = ScanResult()
     committed: list[tuple[int, str]] = []
     for fi in _fsutil.list_dir(fs, trial_path, retry=retry):
@@ -90,6 +96,9 @@ def scan_trial(
         else:
             if is_internal_name(name):
                 continue  # some other internal directory: not a checkpoint candidate
+            if name in known:
+                committed.append((known[name], name))
+                continue
             path = posixpath.join(trial_path, name)
             insp = inspect_checkpoint(fs, path, retry=retry)
             if insp.state == "committed":

@@ -383,23 +383,27 @@ class StorageContext:
 
     # -- orphans ------------------------------------------------------------------
 
-    def scan(self, run_id: str | None = None) -> ScanResult:
+    def scan(self, run_id: str | None = None, *,
+             known: Mapping[str, int] | None = None) -> ScanResult:
         """Classify every directory of this trial: committed, uncommitted (ours),
         active (ours, current run) or foreign (:func:`~checkpoint_store._scan.scan_trial`).
 
         Args:
             run_id: a run id to protect besides this context's ``run_id`` (a
                 multi-rank attempt id, say).
+            known: committed checkpoints already known (directory name to
+                index, from the retention state): not inspected again.
 
         Costs one listing of the trial directory plus one recursive listing
-        (and at most one small read) per directory.
+        (and at most one small read) per directory not in ``known``.
         """
         runs = {self.run_id}
         if run_id:
             runs |= {run_id, sanitize_run_id(run_id)}
-        return scan_trial(self.filesystem, self.trial_path, runs, retry=self.retry)
+        return scan_trial(self.filesystem, self.trial_path, runs, retry=self.retry, known=known)
 
-    def remove_uncommitted(self, run_id: str | None = None) -> list[str]:
+    def remove_uncommitted(self, run_id: str | None = None, *,
+                           known: Mapping[str, int] | None = None) -> list[str]:
         """Remove what this tool's writers left unfinished in this trial.
 
         Removes staging and deleting directories and partial uploads of other
@@ -415,7 +419,7 @@ class StorageContext:
             TransientBackendError, PermanentBackendError: storage failed;
                 what was removed so far stays removed.
         """
-        found = self.scan(run_id)
+        found = self.scan(run_id, known=known)
         active = set(found.active)
         removed = []
         for name in found.uncommitted:

@@ -24,7 +24,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint_store import _json
+import pyarrow.fs as pafs
+
+from checkpoint_store import _fsutil, _json
 from checkpoint_store._layout import MANAGER_STATE, parse_checkpoint_dir_name
 from checkpoint_store._manifest import inspect_checkpoint, read_internal_metadata
 from checkpoint_store.checkpoint import Checkpoint
@@ -38,12 +40,8 @@ from checkpoint_store.retention.lease import Lease
 from checkpoint_store.retention.policies import PolicyCheckpoint, check_metrics, evaluate
 from checkpoint_store.retention.scoring import config_score, missing_score_error, score_of
 from checkpoint_store.retention.selection import Entry, Selection, check_report
-from checkpoint_store.retention.state import (
-    ManagerState,
-    StoredCheckpoint,
-    load_state,
-    save_state,
-)
+from checkpoint_store.retention.state import LogRecord, ManagerState, StoredCheckpoint
+from checkpoint_store.retention.statelog import StateLog
 from checkpoint_store.storage import StorageContext
 
 __all__ = ["CheckpointManager"]
@@ -61,6 +59,26 @@ class _Committed:
 
 
 @dataclass
+class _Listing:
+    """One listing of the trial directory: all a restart lists."""
+
+    files: set[str] = field(default_factory=set)
+    dirs: dict[str, int] = field(default_factory=dict)  # checkpoint_NNNNNN -> index
+
+    @classmethod
+    def of(cls, storage: StorageContext) -> _Listing:
+        listing = cls()
+        for fi in _fsutil.list_dir(storage.filesystem, storage.trial_path, retry=storage.retry):
+            name = posixpath.basename(fi.path.rstrip("/"))
+            index = parse_checkpoint_dir_name(name)
+            if fi.type == pafs.FileType.File:
+                listing.files.add(name)
+            elif index is not None:
+                listing.dirs[name] = index
+        return listing
+
+
+@dataclass
 class _Scan:
     """What a trial directory holds, as restore sees it."""
 
@@ -71,13 +89,14 @@ class _Scan:
     corrupt: dict[str, str] = field(default_factory=dict)  # name -> what is wrong
 
 
-def _scan(storage: StorageContext) -> _Scan:
-    """The trial's ``checkpoint_NNNNNN`` directories, committed or not."""
-    scan = _Scan()
-    for dir_index, name in storage.checkpoint_dirs():
-        scan.present.add(name)
-        scan.highest_dir_index = max(scan.highest_dir_index, dir_index)
-        insp = inspect_checkpoint(storage.filesystem, posixpath.join(storage.trial_path, name))
+def _scan(storage: StorageContext, listing: _Listing, names: list[str]) -> _Scan:
+    """Inspect the ``checkpoint_NNNNNN`` directories ``names`` of ``listing``:
+    committed, corrupt, or not committed."""
+    scan = _Scan(present=set(listing.dirs), highest_dir_index=max(listing.dirs.values(),
+                                                                  default=-1))
+    for name in sorted(names, key=listing.dirs.__getitem__):
+        insp = inspect_checkpoint(storage.filesystem, posixpath.join(storage.trial_path, name),
+                                  retry=storage.retry)
         if insp.state == "committed" and insp.meta is not None:
             scan.committed.append(_Committed(insp.meta["index"], name, insp.meta))
         elif insp.state == "invalid":
@@ -163,6 +182,7 @@ class CheckpointManager:
         self._uncommitted: list[str] = []
         self._next_index = 0
         self._closed = False
+        self._log = StateLog(storage)
         self.run_id: str = ""
         self._lease: Lease | None = None
         if not self._read_only:
@@ -268,7 +288,9 @@ class CheckpointManager:
         self._pending.extend(n for n in names if n not in self._pending)
         if self.read_only:  # lease lost: remember, never write or delete
             return names
-        if self._save_state():
+        record = LogRecord(0, StoredCheckpoint(index, dir_name, score, clean, created_at),
+                           evict=tuple(names), next_index=self._next_index)
+        if self._log.append(record, self._state):
             self._delete_pending()
         return names
 
@@ -350,6 +372,27 @@ class CheckpointManager:
         the index when ranking by recency)."""
         return {e.dir_name: e.score for e in self._sel.ordered()}
 
+    def resume_candidates(self) -> list[tuple[Checkpoint, dict[str, Any]]]:
+        """The checkpoints a resume may load, oldest first, with what is known of
+        them (``index``, ``metrics``): the kept ones and the committed ones of
+        another run found at restore. Their files are not checked here: the
+        caller verifies the one it hands out
+        (:meth:`StorageContext.latest_verified_checkpoint`)."""
+        out = [(e.index, e.dir_name, {"index": e.index, "metrics": dict(e.metrics)})
+               for e in self._sel.ordered()]
+        out += [(i, n, {"index": i}) for n in self._foreign
+                if (i := parse_checkpoint_dir_name(n)) is not None]
+        return [(self._storage.checkpoint(n), meta) for _, n, meta in sorted(out)]
+
+    def known_committed(self) -> dict[str, int]:
+        """``dir_name -> index`` of the committed checkpoints this manager knows
+        (kept, and another run's found at restore), for a cleanup that need not
+        inspect them again."""
+        known = {e.dir_name: e.index for e in self._sel.ordered()}
+        known.update((n, i) for n in self._foreign
+                     if (i := parse_checkpoint_dir_name(n)) is not None)
+        return known
+
     @property
     def pending_deletes(self) -> list[str]:
         """Evicted directory names whose delete failed and will be retried."""
@@ -381,15 +424,16 @@ class CheckpointManager:
             config=self.config.to_json(),
             latest_index=self._sel.latest_index,
             next_index=self._next_index,
-            checkpoints={e.dir_name: StoredCheckpoint(e.index, e.dir_name, e.score, e.metrics)
+            checkpoints={e.dir_name: StoredCheckpoint(e.index, e.dir_name, e.score, e.metrics,
+                                                      e.created_at)
                          for e in self._sel.ordered()},
             pending_deletes=tuple(self._pending),
         )
 
     def _save_state(self) -> bool:
-        """Write the state atomically; False (logged) when storage refused it, in
+        """Write a snapshot of the state; False (logged) when storage refused it, in
         which case nothing may be deleted yet."""
-        return save_state(self._storage, self.state_path, self._state())
+        return self._log.compact(self._state())
 
     def _is_ours(self, meta: Mapping[str, Any]) -> bool:
         owner = meta.get("run_id")
@@ -406,8 +450,9 @@ class CheckpointManager:
             return
         remaining = [name for name in self._pending if not self._delete_evicted(name)]
         if remaining != self._pending:
+            done = tuple(n for n in self._pending if n not in remaining)
             self._pending = remaining
-            self._save_state()
+            self._log.append(LogRecord(0, deleted=done), self._state)
 
     def _delete_evicted(self, name: str) -> bool:
         """Delete one evicted checkpoint; False (logged) to retry it later. True also
@@ -437,46 +482,70 @@ class CheckpointManager:
     # -- restore -----------------------------------------------------------------------------
 
     def _restore(self) -> None:
-        """Take over the trial: its state file (or, without a usable one, its
-        committed checkpoints), then resume any deletes that were due."""
-        state, problem = load_state(self._storage, self.state_path)
-        scan = _scan(self._storage)
+        """Take over the trial from its stored state, checking only what can have
+        changed since its last record: one listing of the trial, and an
+        inspection of each directory the state does not know (newer
+        checkpoints, leftovers, foreign ones) and of the newest kept one (the
+        one a resume loads). Without a usable state, every committed
+        checkpoint's internal metadata rebuilds it. Then resume any deletes
+        that were due."""
+        listing = _Listing.of(self._storage)
+        state, problem = self._log.load(listing.files)
+        trusted = ({} if state is None else
+                   {n: e for n, e in state.checkpoints.items() if n in listing.dirs})
+        pending_before = set(state.pending_deletes) if state is not None else set()
+        unknown = [n for n in listing.dirs if n not in trusted and n not in pending_before]
+        if trusted:
+            unknown.append(max(trusted.values(), key=lambda e: e.index).dir_name)
+        scan = _scan(self._storage, listing, unknown)
+        for name in scan.corrupt.keys() | set(scan.uncommitted):
+            trusted.pop(name, None)
         self.run_id = (state.run_id if state is not None
                        else _run_id_of(scan.committed, self._storage.trial_name))
-        evicted = self._rebuild_selection(scan, state)
+        evicted = self._rebuild_selection(scan, state, trusted)
         self._continue_numbering(scan, state)
         self._log_restore(scan, state, problem)
         if self._read_only:
             return
+        learned = any(c.dir_name not in trusted and self._is_ours(c.meta) and
+                      c.dir_name not in pending_before for c in scan.committed)
         needs_write = (state is None and bool(scan.committed) or bool(evicted)
-                       or bool(self._pending)
-                       or (state is not None and state.config != self.config.to_json()))
+                       or bool(self._pending) or learned
+                       or (state is not None and (state.config != self.config.to_json()
+                                                  or trusted.keys() != state.checkpoints.keys())))
         if needs_write and self._save_state():
             self._delete_pending()
+        elif not needs_write:
+            self._log.collect_garbage()
 
-    def _rebuild_selection(self, scan: _Scan, state: ManagerState | None) -> list[Entry]:
-        """Register this run's committed checkpoints again; returns those the config
+    def _rebuild_selection(self, scan: _Scan, state: ManagerState | None,
+                           trusted: Mapping[str, StoredCheckpoint]) -> list[Entry]:
+        """Register the kept checkpoints of the state (``trusted``) and this run's
+        committed checkpoints found by ``scan`` again; returns those the config
         evicts now (queued for deletion with the deletes the state had pending)."""
         pending_before = set(state.pending_deletes) if state is not None else set()
         stored = state.checkpoints if state is not None else {}
         # Pending deletes resume, also for half-deleted directories (marker gone).
         self._pending = [n for n in sorted(pending_before) if n in scan.present]
         self._uncommitted = [n for n in scan.uncommitted if n not in pending_before]
-        evicted: list[Entry] = []
+        found: dict[str, tuple[int, Mapping[str, Any], float | None]] = {
+            n: (e.index, e.metrics, e.created_at) for n, e in trusted.items()}
         for c in scan.committed:
-            index, name, meta = c.index, c.dir_name, c.meta
-            if not self._is_ours(meta):
-                self._foreign.append(name)
+            if not self._is_ours(c.meta):
+                self._foreign.append(c.dir_name)
                 continue
-            if name in pending_before:
+            if c.dir_name in pending_before:
                 continue
-            metrics = meta.get("metrics")
+            metrics = c.meta.get("metrics")
             if not isinstance(metrics, Mapping):
-                metrics = stored[name].metrics if name in stored else {}
+                metrics = stored[c.dir_name].metrics if c.dir_name in stored else {}
+            found[c.dir_name] = (c.index, metrics, _created_at(c.meta))
+        evicted: list[Entry] = []
+        for name, (index, metrics, created_at) in sorted(found.items(),
+                                                         key=lambda kv: kv[1][0]):
             score = config_score(self.config, metrics, index, self._warned, lenient=True,
                                  stacklevel=6)
-            evicted.extend(self._sel.add(Entry(index, name, score, dict(metrics),
-                                               _created_at(meta))))
+            evicted.extend(self._sel.add(Entry(index, name, score, dict(metrics), created_at)))
         for e in evicted:
             if e.dir_name not in self._pending:
                 self._pending.append(e.dir_name)
@@ -503,8 +572,9 @@ class CheckpointManager:
         trial = storage.uri(storage.trial_path)
         newest = max(scan.corrupt, key=lambda n: parse_checkpoint_dir_name(n) or -1)
         if (parse_checkpoint_dir_name(newest) or -1) == scan.highest_dir_index:
-            fallback = (f"resume falls back to {scan.committed[-1].dir_name}"
-                        if scan.committed else "no committed checkpoint is left to resume from")
+            kept = self._sel.ordered()
+            fallback = (f"resume falls back to {kept[-1].dir_name}"
+                        if kept else "no committed checkpoint is left to resume from")
             warnings.warn(
                 f"the newest checkpoint of trial {trial}, {newest}, is corrupt "
                 f"({scan.corrupt[newest]}): {fallback}; `checkpoint-store verify {trial}` "

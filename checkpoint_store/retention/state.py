@@ -1,44 +1,94 @@
-"""The manager state file, ``<trial>/.checkpoint_manager.json``: its fields, read and write.
+"""The retention state of one trial as values: what a manager decided, and the
+log records that change it.
 
-Owns :class:`ManagerState` (what a manager writes before it deletes anything,
-so a new process can take over), its JSON form, the checks a file must pass
-to be trusted (anything else is rebuilt from the checkpoints' internal
-metadata by the manager), and the atomic write. Files of every earlier
-release read back; a file of a newer format is refused.
+Owns :class:`ManagerState` (the kept checkpoints, the deletes still due, the
+numbering; what a new process needs to take over), :class:`LogRecord` (one
+report's change to it) and :func:`apply`, the pure fold of a record into a
+state, plus the JSON forms and the checks a stored object must pass to be
+trusted (anything else is rebuilt from the checkpoints' internal metadata by
+the manager). Where these live on storage, and when a snapshot is written,
+is :mod:`~checkpoint_store.retention.statelog`.
+
+Version-1 files (one ``.checkpoint_manager.json`` rewritten at every report)
+read back; an object of a newer format is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint_store import _fsutil, _json
-from checkpoint_store._layout import FORMAT_VERSION
+from checkpoint_store._layout import STATE_FORMAT_VERSION
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.storage import StorageContext
 
-__all__ = ["ManagerState", "StoredCheckpoint", "load_state", "save_state"]
+__all__ = [
+    "LogRecord",
+    "ManagerState",
+    "StoredCheckpoint",
+    "apply",
+    "check_version",
+    "load_state",
+    "save_state",
+]
 
 logger = logging.getLogger(__name__)
 
-_STATE_KIND = "checkpoint_manager_state"
+STATE_KIND = "checkpoint_manager_state"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float when it is a JSON number, else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 @dataclass(frozen=True)
 class StoredCheckpoint:
-    """One kept checkpoint as the state file records it."""
+    """One kept checkpoint as the state records it.
+
+    Attributes:
+        index: its checkpoint index.
+        dir_name: its directory name inside the trial.
+        score: its score under the config (None: NaN or missing).
+        metrics: the metrics reported with it (what policies read).
+        created_at: its ``created_at`` (seconds since the epoch), if known.
+    """
 
     index: int
     dir_name: str
     score: float | None
     metrics: Mapping[str, Any]
+    created_at: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "dir_name": self.dir_name, "score": self.score,
-                "metrics": dict(self.metrics)}
+        out = {"index": self.index, "dir_name": self.dir_name, "score": self.score,
+               "metrics": dict(self.metrics)}
+        if self.created_at is not None:
+            out["created_at"] = self.created_at
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> StoredCheckpoint | None:
+        """The entry of a parsed object, or None when it is not what a manager writes."""
+        if not (isinstance(obj, dict) and isinstance(obj.get("dir_name"), str)
+                and _is_int(obj.get("index"))):
+            return None
+        score, metrics, created = obj.get("score"), obj.get("metrics"), obj.get("created_at")
+        return cls(
+            obj["index"], obj["dir_name"],
+            _number(score),
+            metrics if isinstance(metrics, Mapping) else {},
+            _number(created),
+        )
 
 
 @dataclass(frozen=True)
@@ -52,6 +102,7 @@ class ManagerState:
         next_index: the next checkpoint index to use (None: not recorded).
         checkpoints: the kept checkpoints, by directory name.
         pending_deletes: evicted directory names whose delete is still due.
+        seq: the last log record folded into this state (0: none; version-1 files).
     """
 
     run_id: str
@@ -60,108 +111,172 @@ class ManagerState:
     next_index: int | None = None
     checkpoints: Mapping[str, StoredCheckpoint] = field(default_factory=dict)
     pending_deletes: tuple[str, ...] = ()
+    seq: int = 0
 
     def to_json(self) -> dict[str, Any]:
+        """The snapshot root's fields, every kept checkpoint inline (a root
+        written with chunks replaces ``checkpoints`` by the open ones)."""
         return {
-            "kind": _STATE_KIND,
-            "format_version": FORMAT_VERSION,
+            "kind": STATE_KIND,
+            "format_version": STATE_FORMAT_VERSION,
             "run_id": self.run_id,
             "config": dict(self.config or {}),
             "latest_index": self.latest_index,
             "next_index": self.next_index,
             "checkpoints": [c.to_json() for c in self.checkpoints.values()],
             "pending_deletes": list(self.pending_deletes),
-            "updated_at": time.time(),
+            "seq": self.seq,
         }
 
     @classmethod
     def from_json(cls, state: Mapping[str, Any]) -> ManagerState | None:
-        """The state of a parsed file, or None when its fields are not what a
-        manager writes (the caller rebuilds from the checkpoints then)."""
+        """The state of a parsed root (its inline checkpoints only), or None when
+        its fields are not what a manager writes (the caller rebuilds from the
+        checkpoints then). Reads format versions 1 and 2."""
         if not _well_formed(state):
             return None
-        latest, following = state.get("latest_index"), state.get("next_index")
+        entries = [StoredCheckpoint.from_json(c) for c in state["checkpoints"]]
+        latest, following, seq = (state.get("latest_index"), state.get("next_index"),
+                                  state.get("seq", 0))
         config = state.get("config")
         return cls(
             run_id=state["run_id"],
             config=config if isinstance(config, Mapping) else None,
-            latest_index=latest if isinstance(latest, int) else None,
-            next_index=following if isinstance(following, int) else None,
-            checkpoints={
-                c["dir_name"]: StoredCheckpoint(c["index"], c["dir_name"], c.get("score"),
-                                                _metrics_of(c))
-                for c in state["checkpoints"]
-            },
+            latest_index=latest if _is_int(latest) else None,
+            next_index=following if _is_int(following) else None,
+            checkpoints={e.dir_name: e for e in entries if e is not None},
             pending_deletes=tuple(state.get("pending_deletes", [])),
+            seq=seq if _is_int(seq) and seq >= 0 else 0,
         )
 
 
-def _metrics_of(stored: Mapping[str, Any]) -> Mapping[str, Any]:
-    metrics = stored.get("metrics")
-    return metrics if isinstance(metrics, Mapping) else {}
-
-
 def _well_formed(state: Mapping[str, Any]) -> bool:
-    def is_entry(c: Any) -> bool:
-        return (isinstance(c, dict) and isinstance(c.get("dir_name"), str)
-                and isinstance(c.get("index"), int) and not isinstance(c.get("index"), bool))
-
     return bool(
-        state.get("format_version") == FORMAT_VERSION
+        state.get("format_version") in (1, STATE_FORMAT_VERSION)
         and isinstance(state.get("run_id"), str) and state["run_id"]
         and isinstance(state.get("checkpoints"), list)
-        and all(is_entry(c) for c in state["checkpoints"])
+        and all(StoredCheckpoint.from_json(c) is not None for c in state["checkpoints"])
+        and isinstance(state.get("pending_deletes", []), list)
         and all(isinstance(n, str) for n in state.get("pending_deletes", []))
     )
 
 
-def load_state(storage: StorageContext, path: str) -> tuple[ManagerState | None, str]:
-    """``(state, problem)``: the state at ``path``, or None with why (``"missing"``,
-    ``"unreadable (...)"``, ``"corrupt (...)"``; problem is ``""`` with a state).
+@dataclass(frozen=True)
+class LogRecord:
+    """One change to the state: a registration with what it evicted, or deletes
+    that are done. Applied in ``seq`` order by :func:`apply`.
+
+    Attributes:
+        seq: its sequence number (1, 2, ...; the trial's single writer, the
+            lease holder, numbers them).
+        register: the checkpoint registered, if any.
+        evict: directory names evicted (their deletes become due).
+        deleted: directory names whose delete is done.
+        next_index: the next checkpoint index after this change, if known.
+    """
+
+    seq: int
+    register: StoredCheckpoint | None = None
+    evict: tuple[str, ...] = ()
+    deleted: tuple[str, ...] = ()
+    next_index: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": "checkpoint_manager_log", "format_version":
+                               STATE_FORMAT_VERSION, "seq": self.seq}
+        if self.register is not None:
+            out["register"] = self.register.to_json()
+        if self.evict:
+            out["evict"] = list(self.evict)
+        if self.deleted:
+            out["deleted"] = list(self.deleted)
+        if self.next_index is not None:
+            out["next_index"] = self.next_index
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> LogRecord | None:
+        """The record of a parsed object, or None when it is not what a manager writes."""
+        if not (isinstance(obj, dict) and obj.get("format_version") == STATE_FORMAT_VERSION
+                and _is_int(obj.get("seq"))):
+            return None
+        register = None
+        if "register" in obj:
+            register = StoredCheckpoint.from_json(obj["register"])
+            if register is None:
+                return None
+        evict, deleted = obj.get("evict", []), obj.get("deleted", [])
+        following = obj.get("next_index")
+        if not (isinstance(evict, list) and isinstance(deleted, list)
+                and all(isinstance(n, str) for n in evict + deleted)):
+            return None
+        return cls(obj["seq"], register, tuple(evict), tuple(deleted),
+                   following if _is_int(following) else None)
+
+
+def apply(state: ManagerState, record: LogRecord) -> ManagerState:
+    """``state`` with ``record`` folded in; ``state`` itself when the record is
+    already in it (``record.seq <= state.seq``: a record the snapshot folded in
+    and whose delete was cut short)."""
+    if record.seq <= state.seq:
+        return state
+    kept = dict(state.checkpoints)
+    pending = list(state.pending_deletes)
+    latest = state.latest_index
+    if record.register is not None:
+        entry = record.register
+        kept.pop(entry.dir_name, None)
+        kept[entry.dir_name] = entry
+        if entry.dir_name in pending:
+            pending.remove(entry.dir_name)
+        latest = entry.index if latest is None else max(latest, entry.index)
+    for name in record.evict:
+        kept.pop(name, None)
+        if name not in pending:
+            pending.append(name)
+    done = set(record.deleted)
+    pending = [n for n in pending if n not in done]
+    following = state.next_index
+    if record.next_index is not None:
+        following = (record.next_index if following is None
+                     else max(following, record.next_index))
+    return dataclasses.replace(state, checkpoints=kept, pending_deletes=tuple(pending),
+                               latest_index=latest, next_index=following, seq=record.seq)
+
+
+def check_version(storage: StorageContext, path: str, obj: Mapping[str, Any]) -> None:
+    """Refuse an object of a newer format than this release reads.
 
     Raises:
-        InvalidConfigError: the file has a newer format than this release reads.
+        InvalidConfigError: its ``format_version`` is newer; upgrade checkpoint-store.
     """
-    fs = storage.filesystem
-    try:
-        raw = _fsutil.read_bytes(fs, path)
-    except FileNotFoundError:
-        return None, "missing"
-    except OSError as exc:
-        if not _fsutil.exists(fs, path):
-            return None, "missing"
-        return None, f"unreadable ({exc})"
-    try:
-        obj = _json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None, "corrupt (not JSON)"
-    if not isinstance(obj, dict):
-        return None, "corrupt (not a JSON object)"
     version = obj.get("format_version")
-    if isinstance(version, int) and version > FORMAT_VERSION:
+    if isinstance(version, int) and not isinstance(version, bool) \
+            and version > STATE_FORMAT_VERSION:
         raise InvalidConfigError(
             f"{storage.uri(path)} has format version {version}, newer "
-            f"than this checkpoint-store reads ({FORMAT_VERSION}); upgrade checkpoint-store"
+            f"than this checkpoint-store reads ({STATE_FORMAT_VERSION}); upgrade checkpoint-store"
         )
-    state = ManagerState.from_json(obj)
-    if state is None:
-        return None, "corrupt (unexpected fields)"
-    return state, ""
+
+
+def load_state(storage: StorageContext, path: str | None = None
+               ) -> tuple[ManagerState | None, str]:
+    """``(state, problem)``: the trial's retention state (snapshot and log), or
+    None with why (``"missing"``, ``"unreadable (...)"``, ``"corrupt (...)"``;
+    problem is ``""`` with a state). ``path`` is the root's (default
+    ``<trial>/.checkpoint_manager.json``).
+
+    Raises:
+        InvalidConfigError: a stored object has a newer format than this release reads.
+    """
+    from checkpoint_store.retention.statelog import StateLog
+
+    return StateLog(storage, path).load()
 
 
 def save_state(storage: StorageContext, path: str, state: ManagerState) -> bool:
-    """Write ``state`` to ``path`` atomically; False (logged) when storage refused
-    it, in which case nothing may be deleted yet."""
-    try:
-        storage.ensure_trial_dir()
-        _fsutil.write_bytes(
-            storage.filesystem, path, _json.dumps(state.to_json()),
-            storage.backend.capabilities, fsync=storage.fsync,
-        )
-        return True
-    except Exception as exc:
-        logger.warning(
-            "could not write retention state %s (deletes postponed, retried at the next "
-            "report): %s", storage.uri(path), exc,
-        )
-        return False
+    """Write ``state`` as a snapshot root at ``path`` (every entry inline, no log)
+    atomically; False (logged) when storage refused it."""
+    from checkpoint_store.retention.statelog import StateLog
+
+    return StateLog(storage, path).compact(state)

@@ -206,17 +206,21 @@ class Session:
                 # now is an earlier attempt's. A rank > 0 must never clean (it
                 # would delete a staging directory another rank is filling).
                 try:
-                    storage.remove_uncommitted(self.attempt_id)
+                    # The checkpoints the retention state knows are committed
+                    # (and the newest was inspected at restore): not inspected again.
+                    storage.remove_uncommitted(self.attempt_id,
+                                               known=self.manager.known_committed())
                 except Exception as exc:  # cleanup must never stop a run from starting
                     logging.getLogger(__name__).warning("cleanup of %s failed: %s",
                                                         storage.uri(storage.trial_path), exc)
-            committed = storage.committed_checkpoints()
+            # From the retention state, not a scan of every checkpoint.
+            committed = self.manager.resume_candidates()
             self._latest: Checkpoint | None = committed[-1][0] if committed else None
             # get_checkpoint() verifies these lazily, newest first (resume only).
             self._resume_candidates: list[tuple[Checkpoint, dict[str, Any]]] | None = committed
             if self._coordinator is None:
                 # Numbering continues past every index the retention state remembers.
-                self._next_index = max(storage.next_checkpoint_index(), self.manager.next_index)
+                self._next_index = self.manager.next_index  # past every directory listed
             else:
                 self._next_index = self._coordinator.agree_start_index(
                     lambda: max(storage.next_checkpoint_index(), self.manager.next_index)

@@ -1,4 +1,5 @@
-"""A hypothesis state machine that checks :class:`CheckpointManager` against a model.
+"""Hypothesis state machines that check :class:`CheckpointManager` and its stored
+state (:class:`StateLogMachine`: log records, snapshots, chunks) against models.
 
 :class:`RetentionMachine` registers checkpoints with random scores (NaN,
 ``±inf``, missing, ties), under random ``num_to_keep`` / ``keep_latest`` /
@@ -40,10 +41,18 @@ from checkpoint_store import _fsutil
 from checkpoint_store._layout import MANAGER_STATE, checkpoint_dir_name
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
+from checkpoint_store.retention.state import LogRecord, ManagerState, StoredCheckpoint
+from checkpoint_store.retention.statelog import StateLog
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.testing import strategies as cst
 
-__all__ = ["MemoryRetentionMachine", "RetentionMachine", "RetentionModel"]
+__all__ = [
+    "MemoryRetentionMachine",
+    "RetentionMachine",
+    "RetentionModel",
+    "StateLogMachine",
+    "StateLogModel",
+]
 
 
 class RetentionModel:
@@ -274,3 +283,187 @@ class MemoryRetentionMachine(RetentionMachine):
 
     def make_storage(self) -> StorageContext:
         return StorageContext(f"memory://cs-retention-{uuid.uuid4().hex}", "exp", "trial")
+
+
+class StateLogModel:
+    """The reference for :class:`StateLogMachine`: the kept entries, the deletes
+    due and the numbering in plain containers, changed as docs/format.md
+    ("Retention state") says a record changes them."""
+
+    def __init__(self) -> None:
+        self.kept: dict[str, StoredCheckpoint] = {}
+        self.pending: list[str] = []
+        self.latest: int | None = None
+        self.next_index = 0
+
+    def register(self, entry: StoredCheckpoint, evict: list[str]) -> None:
+        self.kept.pop(entry.dir_name, None)
+        self.kept[entry.dir_name] = entry
+        if entry.dir_name in self.pending:
+            self.pending.remove(entry.dir_name)
+        self.latest = entry.index if self.latest is None else max(self.latest, entry.index)
+        self.next_index = max(self.next_index, entry.index + 1)
+        for name in evict:
+            del self.kept[name]
+            self.pending.append(name)
+
+    def deleted(self, names: list[str]) -> None:
+        self.pending = [n for n in self.pending if n not in names]
+
+    def state(self) -> ManagerState:
+        return ManagerState("run", {}, self.latest, self.next_index, dict(self.kept),
+                            tuple(self.pending))
+
+    def copy(self) -> StateLogModel:
+        other = StateLogModel()
+        other.kept, other.pending = dict(self.kept), list(self.pending)
+        other.latest, other.next_index = self.latest, self.next_index
+        return other
+
+
+class StateLogMachine(RuleBasedStateMachine):
+    """Drives a :class:`~checkpoint_store.retention.statelog.StateLog` (records,
+    snapshots, chunks sealed, merged and retired, with small thresholds) and a
+    :class:`StateLogModel` side by side. Writes randomly fail (the change stays
+    in memory, as in a manager, and is durable only after the next write that
+    succeeds); restarts read the state back; records a snapshot folded in
+    reappear (a delete cut short). After every step, what a new reader loads
+    must equal the model as of the last write that succeeded.
+
+    Run it in pytest::
+
+        TestStateLog = StateLogMachine.TestCase
+        TestStateLog.settings = settings(max_examples=1000, deadline=None)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storage = StorageContext(f"memory://cs-statelog-{uuid.uuid4().hex}", "exp", "trial")
+        self.model = StateLogModel()
+        self.durable = StateLogModel()
+        self.folded: dict[str, bytes] = {}  # record name -> its bytes, once written
+        self.params: dict[str, Any] = {}
+        self.log: StateLog | None = None
+        self.fail_writes = False
+
+    @initialize(compact_every=st.integers(1, 5), chunk_entries=st.integers(1, 4),
+                fanout=st.integers(2, 3))
+    def setup(self, compact_every: int, chunk_entries: int, fanout: int) -> None:
+        self.params = {"compact_every": compact_every, "chunk_entries": chunk_entries,
+                       "fanout": fanout}
+        note(f"StateLog({self.params})")
+        self.log = StateLog(self.storage, **self.params)
+
+    def _wrote(self, ok: bool) -> None:
+        if ok:
+            self.durable = self.model.copy()
+        fs, trial = self.storage.filesystem, self.storage.trial_path
+        for fi in _fsutil.list_dir(fs, trial):
+            name = posixpath.basename(fi.path)
+            if name.startswith(".cs_state-log-") and name not in self.folded:
+                self.folded[name] = _fsutil.read_bytes(fs, fi.path)
+
+    def _write(self, fn: Any) -> bool:
+        if not self.fail_writes:
+            return bool(fn())
+        real = _fsutil.write_bytes
+
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            raise OSError("injected: write refused")
+
+        _fsutil.write_bytes = refuse  # type: ignore[assignment]
+        try:
+            return bool(fn())
+        finally:
+            _fsutil.write_bytes = real  # type: ignore[assignment]
+
+    @rule(score=st.one_of(st.none(), st.floats(-10, 10)), evict=st.lists(st.integers(0, 30),
+                                                                          max_size=3),
+          again=st.booleans())
+    def register(self, score: float | None, evict: list[int], again: bool) -> None:
+        assert self.log is not None
+        names = sorted(self.model.kept)
+        if again and names:  # the same directory registered a second time
+            index = self.model.kept[names[-1]].index
+        else:
+            index = self.model.next_index
+        entry = StoredCheckpoint(index, checkpoint_dir_name(index), score, {"s": score})
+        chosen = sorted({names[i % len(names)] for i in evict} - {entry.dir_name}) if names else []
+        note(f"register {entry.dir_name} score={score} evict={chosen} "
+             f"(writes {'fail' if self.fail_writes else 'work'})")
+        self.model.register(entry, chosen)
+        record = LogRecord(0, entry, tuple(chosen), next_index=self.model.next_index)
+        self._wrote(self._write(lambda: self.log.append(record, self.model.state)))
+
+    @rule(picks=st.lists(st.integers(0, 30), min_size=1, max_size=3))
+    def deleted(self, picks: list[int]) -> None:
+        assert self.log is not None
+        if not self.model.pending:
+            return
+        names = sorted({self.model.pending[i % len(self.model.pending)] for i in picks})
+        note(f"deleted {names}")
+        self.model.deleted(names)
+        self._wrote(self._write(lambda: self.log.append(LogRecord(0, deleted=tuple(names)),
+                                                         self.model.state)))
+
+    @rule()
+    def compact(self) -> None:
+        assert self.log is not None
+        note("compact")
+        self._wrote(self._write(lambda: self.log.compact(self.model.state())))
+
+    @rule(fail=st.booleans())
+    def set_write_failures(self, fail: bool) -> None:
+        note(f"writes {'fail' if fail else 'work'} from now on")
+        self.fail_writes = fail
+
+    @rule()
+    def restart(self) -> None:
+        """A new writer: it reads the durable state and carries on from there."""
+        note("restart")
+        self.log = StateLog(self.storage, **self.params)
+        state, problem = self.log.load()
+        assert state is not None or problem == "missing", problem
+        self.model = self.durable.copy()
+        self.log.collect_garbage()
+
+    @rule(pick=st.integers(0, 1000))
+    def folded_record_reappears(self, pick: int) -> None:
+        """A record a snapshot folded in is back (its delete was cut short)."""
+        root, _ = StateLog(self.storage)._read_root()
+        seq = root["seq"] if root else 0
+        old = sorted(n for n in self.folded if int(n[len(".cs_state-log-"):-5]) <= seq)
+        if not old:
+            return
+        name = old[pick % len(old)]
+        note(f"{name} reappears")
+        with self.storage.filesystem.open_output_stream(
+                posixpath.join(self.storage.trial_path, name)) as f:
+            f.write(self.folded[name])
+
+    @invariant()
+    def reader_sees_the_durable_state(self) -> None:
+        if self.log is None:
+            return
+        state, problem = StateLog(self.storage).load()
+        want = self.durable
+        if state is None:
+            assert problem == "missing" and not want.kept and not want.pending, problem
+            return
+        assert dict(state.checkpoints) == want.kept, (sorted(state.checkpoints), sorted(want.kept))
+        assert list(state.pending_deletes) == want.pending
+        assert state.latest_index == want.latest
+        assert state.next_index == want.next_index
+
+    @invariant()
+    def chunks_stay_few(self) -> None:
+        """O(fanout * log N) chunks: never more than fanout per level."""
+        if self.log is None:
+            return
+        levels: dict[int, int] = {}
+        for c in self.log._chunks:
+            levels[c.level] = levels.get(c.level, 0) + 1
+        assert all(n <= self.log.fanout for n in levels.values()), levels
+
+    def teardown(self) -> None:
+        _fsutil.delete_dir(self.storage.filesystem, self.storage.storage_path)

@@ -25,6 +25,7 @@ from checkpoint_store import (
     session,
 )
 from checkpoint_store.retention import LEASE_FILE
+from checkpoint_store.retention.state import load_state
 
 FAST = pytest.mark.parametrize("backend_name", ["local", "memory"])
 
@@ -159,7 +160,7 @@ def test_lost_lease_makes_the_manager_read_only(make_storage, source_dir):
     storage = make_storage()
     m = CheckpointManager(CheckpointConfig(1, keep_latest=False), storage)
     save(m, storage, source_dir, {})
-    state_before = _fsutil.read_bytes(storage.filesystem, m.state_path)
+    state_before = load_state(storage)[0]
     # Another process took the trial over (say, after this one hung past expiry).
     _write_lease(storage, {"holder": "usurper", "host": "other", "pid": 1,
                            "trial": storage.uri(storage.trial_path),
@@ -169,14 +170,14 @@ def test_lost_lease_makes_the_manager_read_only(make_storage, source_dir):
     assert committed_names(storage) == ["checkpoint_000000", "checkpoint_000001"]
     # The state was written before the deletion was refused; nothing is deleted
     # and nothing more is written from now on.
-    assert _fsutil.read_bytes(storage.filesystem, m.state_path) != state_before
-    frozen = _fsutil.read_bytes(storage.filesystem, m.state_path)
+    assert load_state(storage)[0] != state_before
+    frozen = load_state(storage)[0]
     save(m, storage, source_dir, {})
     assert committed_names(storage) == ["checkpoint_000000", "checkpoint_000001",
                                         "checkpoint_000002"]
     m.close()
     assert _lease(storage)["holder"] == "usurper"  # not released: not ours
-    assert _fsutil.read_bytes(storage.filesystem, m.state_path) == frozen
+    assert load_state(storage)[0] == frozen
 
 
 def test_bad_lease_ttl_is_refused(tmp_path):

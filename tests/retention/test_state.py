@@ -25,14 +25,19 @@ from checkpoint_store import (
 from checkpoint_store._layout import MANAGER_STATE
 from checkpoint_store.backends.base import MEMORY_CAPABILITIES, Backend
 from checkpoint_store.retention import LEASE_FILE
+from checkpoint_store.retention.state import load_state
 
 FAST = pytest.mark.parametrize("backend_name", ["local", "memory"])
 K2MAX = CheckpointConfig(2, "score", "max")
 
 
 def _read_state(storage: StorageContext) -> dict:
-    raw = _fsutil.read_bytes(storage.filesystem, posixpath.join(storage.trial_path, MANAGER_STATE))
-    return json.loads(raw)
+    """The stored state (snapshot and log folded), in the snapshot's JSON form."""
+    state, problem = load_state(storage)
+    assert state is not None, problem
+    out = state.to_json()
+    out["checkpoints"].sort(key=lambda c: c["index"])
+    return out
 
 
 def _write_raw(storage: StorageContext, name: str, data: bytes) -> None:
@@ -189,8 +194,8 @@ def test_state_file_is_relative_and_names_the_run(make_storage, source_dir):
     for v in [1.0, 2.0, 3.0]:
         save(m, storage, source_dir, {"score": v})
     raw = _fsutil.read_bytes(storage.filesystem, m.state_path).decode()
-    state = json.loads(raw)
-    assert state["format_version"] == 1
+    assert json.loads(raw)["format_version"] == 2
+    state = _read_state(storage)
     assert state["run_id"] == m.run_id
     assert [c["dir_name"] for c in state["checkpoints"]] == ["checkpoint_000001",
                                                              "checkpoint_000002"]
@@ -432,7 +437,7 @@ def test_state_write_failure_postpones_deletes_and_never_fails_report(
     real = _fsutil.write_bytes
 
     def refuse_state(fs, path, *a, **kw):
-        if path.endswith(MANAGER_STATE):
+        if path.endswith(MANAGER_STATE) or "/.cs_state-" in path:  # snapshot or log
             raise OSError("injected: state not writable")
         return real(fs, path, *a, **kw)
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, settings
 
-from checkpoint_store.testing.stateful import MemoryRetentionMachine, RetentionMachine
+from checkpoint_store.testing.stateful import (
+    MemoryRetentionMachine,
+    RetentionMachine,
+    StateLogMachine,
+)
 
 _HC = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
@@ -25,4 +29,15 @@ class TestRetention1000(RetentionMachine.TestCase):
 @pytest.mark.slow
 class TestRetentionMemory(MemoryRetentionMachine.TestCase):
     settings = settings(max_examples=60, stateful_step_count=15, deadline=None,
+                        suppress_health_check=_HC)
+
+
+class TestStateLogQuick(StateLogMachine.TestCase):
+    settings = settings(max_examples=60, stateful_step_count=25, deadline=None,
+                        suppress_health_check=_HC)
+
+
+@pytest.mark.slow
+class TestStateLog1000(StateLogMachine.TestCase):
+    settings = settings(max_examples=1000, stateful_step_count=30, deadline=None,
                         suppress_health_check=_HC)
