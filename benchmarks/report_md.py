@@ -444,51 +444,61 @@ def scale_targets(runs: dict[str, dict[str, Any]]) -> list[tuple[str, list[str],
     def at(run: dict[str, Any], backend: str, series: str, x: int) -> dict[str, Any] | None:
         return _scale_rows(run, backend, series).get(x)
 
-    def biggest(run: dict[str, Any], backend: str) -> int | None:
-        rows = _scale_rows(run, backend, "n")
-        return max(rows) if rows else None
-
     def over_n(run: dict[str, Any], backend: str, *path: str) -> float | None:
         vals = [_get(r, *path) for r in _scale_rows(run, backend, "n").values()]
         vals = [v for v in vals if v is not None]
         return max(vals) if vals else None
 
-    checks: list[tuple[str, Callable[[dict[str, Any]], float | None], Callable[[float], str],
-                       float]] = [
+    Where = tuple[str, str, tuple[str, ...]]  # backend, series, path to the value
+    Value = Callable[[dict[str, Any]], float | None]
+
+    def point(backend: str, series: str, x: int, *path: str) -> tuple[Value, Where]:
+        return (lambda r: _get(at(r, backend, series, x), *path)), (backend, series, path)
+
+    Check = tuple[str, Value, Where | None, Callable[[float], str], float]
+    checks: list[Check] = [
         ("moto S3, keep-all: session.start at N = 10,000 ≤ 60 requests",
-         lambda r: _get(at(r, "s3", "n", 10_000), "start", "requests_total"), _fmt_n, 60),
+         *point("s3", "n", 10_000, "start", "requests_total"), _fmt_n, 60),
         ("moto S3, keep-all: session.start at N = 10,000 ≤ 2 s",
-         lambda r: _get(at(r, "s3", "n", 10_000), "start", "wall_s"), _fmt_s, 2.0),
+         *point("s3", "n", 10_000, "start", "wall_s"), _fmt_s, 2.0),
         ("moto S3: a checkpoint report writes ≤ 16 KB besides the checkpoint's files, any N",
-         lambda r: over_n(r, "s3", "ckpt_report", "bytes_outside_checkpoint_max"), _fmt_b,
-         16 * 1024),
+         lambda r: over_n(r, "s3", "ckpt_report", "bytes_outside_checkpoint_max"), None,
+         _fmt_b, 16 * 1024),
         ("moto S3: a metrics-only report PUTs ≤ 4 KB amortised, any N",
-         lambda r: over_n(r, "s3", "metrics_report", "bytes_amortised"), _fmt_b, 4 * 1024),
+         lambda r: over_n(r, "s3", "metrics_report", "bytes_amortised"), None, _fmt_b,
+         4 * 1024),
         ("local: session.start at N = 100,000 ≤ 0.5 s",
-         lambda r: _get(at(r, "local", "n", 100_000), "start", "wall_s"), _fmt_s, 0.5),
+         *point("local", "n", 100_000, "start", "wall_s"), _fmt_s, 0.5),
         ("local: session.start after 1,000,000 metrics-only reports ≤ 0.5 s",
-         lambda r: _get(at(r, "local", "m", 1_000_000), "start", "wall_s"), _fmt_s, 0.5),
+         *point("local", "m", 1_000_000, "start", "wall_s"), _fmt_s, 0.5),
         ("local: session.start after 1,000,000 metrics-only reports ≤ 20 MB RSS above an "
          "empty trial's",
-         lambda r: _rss_above_empty(r, 1_000_000), lambda v: f"{v / MB:.1f} MB", 20 * MB),
+         lambda r: _rss_above_empty(r, 1_000_000), None, lambda v: f"{v / MB:.1f} MB",
+         20 * MB),
         ("CLI best of a trial with 10,000 checkpoints on moto ≤ 60 requests",
-         lambda r: _get(at(r, "s3", "n", 10_000), "cli_best", "requests_total"), _fmt_n, 60),
+         *point("s3", "n", 10_000, "cli_best", "requests_total"), _fmt_n, 60),
         ("CLI show of a trial with 10,000 checkpoints on moto ≤ 60 requests",
-         lambda r: _get(at(r, "s3", "n", 10_000), "cli_show", "requests_total"), _fmt_n, 60),
+         *point("s3", "n", 10_000, "cli_show", "requests_total"), _fmt_n, 60),
     ]
     out: list[tuple[str, list[str], str]] = []
     labels = list(runs)
-    for name, fn, fmt, limit in checks:
+    for name, fn, fallback, fmt, limit in checks:
         measured, last_ok = [], None
         for lb in labels:
             v = fn(runs[lb])
-            if v is None:
-                big = biggest(runs[lb], "s3" if "moto" in name else "local")
-                measured.append("not measured" + (f" (largest N {big:,})" if big else ""))
-                last_ok = None
-            else:
+            if v is not None:
                 measured.append(fmt(v))
                 last_ok = v <= limit
+                continue
+            last_ok = None
+            text = "not measured"
+            if fallback is not None:
+                backend, series, path = fallback
+                rows = _scale_rows(runs[lb], backend, series)
+                got = _get(rows[max(rows)], *path) if rows else None
+                if got is not None:
+                    text += f"; {fmt(got)} at {series.upper()} = {max(rows):,}"
+            measured.append(text)
         out.append((name, measured, "n/a" if last_ok is None else ("yes" if last_ok
                                                                    else "**no**")))
     return out

@@ -74,6 +74,10 @@ def test_scale_section_states_each_target_for_each_run() -> None:
     assert "Every cell reads before → after." in md
     runs["after"]["backends"]["s3"]["n"][0]["start"]["requests_total"] = 61
     assert report_md.scale_targets(runs)[0][2] == "**no**"
+    # A run that did not reach the target's N says what it measured at its largest.
+    runs["after"]["backends"]["s3"]["n"][0]["n"] = 1000
+    start_req = report_md.scale_targets(runs)[0]
+    assert start_req[1:] == (["90,000", "not measured; 61 at N = 1,000"], "n/a")
 
 
 @pytest.mark.slow
