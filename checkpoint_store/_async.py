@@ -386,4 +386,5 @@ def report_async(
                         staged.cleanup, row["checkpoint_dir_name"])
         if session._results is not None:
             session._results.append(row)
+            session._results.flush()  # a checkpoint report: its row goes out now
     return row, None

@@ -29,6 +29,7 @@ __all__ = [
     "NAME_MAX",
     "PARAMS_FILE",
     "RESULT_FILE",
+    "RESULT_SEGMENTS_DIR",
     "USER_METADATA",
     "DownloadHelperKind",
     "abort_file_name",
@@ -55,11 +56,13 @@ __all__ = [
     "parse_claim_name",
     "parse_download_helper_name",
     "parse_rank_marker_name",
+    "parse_result_segment_name",
     "parse_staging_dir_name",
     "parse_temp_file_name",
     "rank_marker_name",
     "refuse_reserved",
     "replace_dir_name",
+    "result_segment_name",
     "staging_dir_name",
     "state_chunk_name",
     "state_log_name",
@@ -207,6 +210,27 @@ def clock_probe_name(token: str) -> str:
     """``.cs_clock-<token>``: a probe object written to read the store's clock
     (see :mod:`checkpoint_store._clock`); deleted at once, harmless if left."""
     return f"{CLOCK_PROBE_PREFIX}{token}"
+
+
+# -- result.json segments (object stores: no append) -------------------------------
+
+#: ``<trial>/.cs_results/``: rows of ``result.json`` not yet assembled into it,
+#: one immutable object per flush (docs/format.md, "result.json segments").
+RESULT_SEGMENTS_DIR = f"{INTERNAL_PREFIX}results"
+_SEGMENT_RE = re.compile(r"^(\d{12,})-(\d{12,})-([0-9a-f]{8,})\.jsonl$")
+
+
+def result_segment_name(first: int, last: int, token: str) -> str:
+    """``<first>-<last>-<token>.jsonl``: a segment holding the rows whose
+    ``training_iteration`` runs from ``first`` to ``last`` (12 or more digits
+    each, so names sort by ``first``); ``token`` (hex) is the writer's."""
+    return f"{first:012d}-{last:012d}-{token}.jsonl"
+
+
+def parse_result_segment_name(name: str) -> tuple[int, int] | None:
+    """``(first, last)`` of a :func:`result_segment_name`, or None for any other name."""
+    m = _SEGMENT_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 #: The files a trial directory holds besides its checkpoints.

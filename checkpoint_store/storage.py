@@ -26,7 +26,6 @@ from checkpoint_store._layout import (
     ERROR_FILE,
     FORMAT_VERSION,
     PARAMS_FILE,
-    RESULT_FILE,
     check_run_name,
     checkpoint_dir_name,
     is_internal_file,
@@ -38,6 +37,7 @@ from checkpoint_store._manifest import (
     read_internal_metadata,
 )
 from checkpoint_store._plan import Previous
+from checkpoint_store._results import ResultLog, parse_result_rows, read_results
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store._runs import default_run_id, new_writer_id, sanitize_run_id
 from checkpoint_store._scan import ScanResult, scan_trial
@@ -557,82 +557,8 @@ class StorageContext:
         return raw.decode("utf-8", errors="replace")
 
     def read_results(self) -> list[dict[str, Any]]:
-        """Rows of ``result.json`` (one JSON object per line); ``[]`` if absent.
-        A torn last line (a crash mid-append) is ignored."""
-        path = posixpath.join(self.trial_path, RESULT_FILE)
-        try:
-            raw = _fsutil.read_bytes(self.filesystem, path)
-        except (FileNotFoundError, OSError):
-            return []
-        return parse_result_rows(raw)
-
-
-def parse_result_rows(raw: bytes) -> list[dict[str, Any]]:
-    """The JSON-object rows of ``result.json`` bytes; lines that are blank, torn or
-    not an object are skipped (a reader of a growing file may pass it any whole
-    lines, e.g. only the ones appended since its last read)."""
-    rows = []
-    for line in raw.decode("utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = _json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
-class ResultLog:
-    """Appends rows to a trial's ``result.json``.
-
-    Local disks append in place through one unbuffered handle kept open until
-    :meth:`close` (opening the file per row was half of ``report()``'s cost);
-    each row is one ``write`` call, so a killed process loses at most the row
-    being written. Object stores cannot append, so the rows written so far are
-    kept and the whole file is rewritten with one PUT per row (a reader always
-    sees a whole file).
-    """
-
-    def __init__(self, storage: StorageContext, existing: list[dict[str, Any]] | None = None):
-        self._storage = storage
-        self._path = posixpath.join(storage.trial_path, RESULT_FILE)
-        self._local = _fsutil.local_path(storage.filesystem, self._path)
-        self._lines: list[bytes] | None = None
-        self._handle: Any = None
-        if self._local is None:
-            rows = existing if existing is not None else storage.read_results()
-            self._lines = [_json.dumps_line(r) for r in rows]
-
-    def _open_local(self, path: str) -> Any:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        handle = open(path, "ab", buffering=0)
-        # A row torn by an earlier crash has no newline: end it, so the next
-        # row starts a line of its own instead of being glued to the torn one.
-        if handle.tell() > 0:
-            with open(path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    handle.write(b"\n")
-        return handle
-
-    def append(self, row: Mapping[str, Any]) -> None:
-        line = _json.dumps_line(row)
-        if self._local is not None:
-            if self._handle is None:
-                self._handle = self._open_local(self._local)
-            self._handle.write(line)
-            return
-        assert self._lines is not None
-        self._lines.append(line)
-        _fsutil.write_bytes(
-            self._storage.filesystem, self._path, b"".join(self._lines),
-            self._storage.backend.capabilities,
-        )
-
-    def close(self) -> None:
-        """Close the local handle; a later :meth:`append` reopens it."""
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        """Every row of the trial, oldest first: ``result.json``'s (one JSON
+        object per line; a torn last line, a crash mid-append, is ignored),
+        then those a live or killed run left in segments on object stores
+        (:func:`checkpoint_store._results.read_results`). ``[]`` if none."""
+        return read_results(self.filesystem, self.trial_path, retry=self.retry)

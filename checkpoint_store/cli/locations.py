@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from checkpoint_store import _fsutil
 from checkpoint_store._layout import (
     INTERNAL_METADATA,
+    RESULT_SEGMENTS_DIR,
     TRIAL_FILES,
     is_internal_name,
     parse_checkpoint_dir_name,
@@ -147,12 +148,15 @@ def list_entries(loc: Location) -> list[tuple[str, bool]]:
 
 def looks_like_trial(entries: Iterable[tuple[str, bool]], loc: Location | None = None) -> bool:
     """Whether a directory with these :func:`list_entries` is a trial: it holds a
-    trial file, a checkpoint being written or a ``checkpoint_NNNNNN`` directory;
+    trial file, ``result.json`` segments, a checkpoint being written or a
+    ``checkpoint_NNNNNN`` directory;
     given its ``loc``, also one holding a directory with a commit marker under
     any other name (Ray Train names the checkpoints ``CommitCallback`` commits)."""
     entries = list(entries)
     for name, is_dir in entries:
         if name in TRIAL_FILES or parse_staging_dir_name(name) is not None:
+            return True
+        if is_dir and name == RESULT_SEGMENTS_DIR:  # a run that died before result.json
             return True
         if is_dir and parse_checkpoint_dir_name(name) is not None:
             return True

@@ -22,12 +22,14 @@ import click
 from checkpoint_store import _fsutil
 from checkpoint_store._layout import (
     INTERNAL_METADATA,
+    RESULT_FILE,
     check_name_length,
     checkpoint_dir_name,
     is_internal_file,
     parse_checkpoint_dir_name,
     refuse_reserved,
 )
+from checkpoint_store._results import assembled_result_bytes
 from checkpoint_store.cli import common_options, echo_info, storage_option
 from checkpoint_store.cli.locations import (
     TRIAL_FILES,
@@ -370,10 +372,17 @@ def _copy_checkpoint(job: _CopyJob, on_bytes: Callable[[int], None]) -> CopyOutc
 
 
 def _copy_trial_files(src: Location, dst: Location) -> None:
+    """Copy the trial files; ``result.json`` goes out assembled with the rows a
+    live or killed run left in segments (object stores), which are not copied."""
     for name in sorted(TRIAL_FILES):
         path = posixpath.join(src.path, name)
         try:
-            data = _fsutil.read_bytes(src.fs, path)
+            if name == RESULT_FILE:
+                data = assembled_result_bytes(src.fs, src.path)[0]
+                if data is None:
+                    continue
+            else:
+                data = _fsutil.read_bytes(src.fs, path)
         except (FileNotFoundError, OSError):
             if _fsutil.exists(src.fs, path):
                 raise

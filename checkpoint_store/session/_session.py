@@ -15,6 +15,7 @@ from typing import Any
 from checkpoint_store import _fsutil, _json
 from checkpoint_store._async import AsyncUploader, UploadConfig
 from checkpoint_store._layout import checkpoint_dir_name
+from checkpoint_store._results import ResultLog, last_result_rows, valid_iteration
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError, TrialStopped
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
@@ -26,7 +27,7 @@ from checkpoint_store.session._args import (
     resume_source,
 )
 from checkpoint_store.session._multirank import Coordinator
-from checkpoint_store.storage import ResultLog, StorageContext
+from checkpoint_store.storage import StorageContext
 
 AUTO_FILLED = (
     "training_iteration",
@@ -90,16 +91,10 @@ class SessionContext:
 RESUME_FROM_KEY = "_resume_from"
 
 
-def _valid_iteration(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        value = int(value)
-    return value if isinstance(value, int) and value >= 0 else None
-
-
 def _resume_counters(rows: list[dict[str, Any]], where: str) -> tuple[int, float]:
-    """The iteration and total time to continue from, given ``result.json``'s rows.
+    """The iteration and total time to continue from, given the trial's last
+    rows (:func:`~checkpoint_store._results.last_result_rows`: back to the last
+    row holding a valid ``training_iteration``).
 
     A row another tool (or a hand edit) left with a value that is not a count
     (``"abc"``, ``[1]``) must not make the trial impossible to resume: such
@@ -108,7 +103,7 @@ def _resume_counters(rows: list[dict[str, Any]], where: str) -> tuple[int, float
     """
     iteration, total, bad = 0, 0.0, 0
     for row in rows:
-        it = _valid_iteration(row.get("training_iteration"))
+        it = valid_iteration(row.get("training_iteration"))
         if it is None and row.get("training_iteration") is not None:
             bad += 1
         iteration = max(iteration, it or 0)
@@ -187,13 +182,15 @@ class Session:
             )
         is_writer = self.world_rank == 0
         storage.ensure_trial_dir()
-        rows = storage.read_results()
+        # Only the last rows: a start costs the same after a million reports.
         self._iteration, self._time_offset = _resume_counters(
-            rows, storage.uri(storage.trial_path))
-        self._results = ResultLog(storage, rows) if is_writer else None
+            last_result_rows(storage), storage.uri(storage.trial_path))
+        self._results: ResultLog | None = None
         # Only rank 0 keeps the retention state and the trial's lease.
         self.manager = CheckpointManager(self.checkpoint_config, storage, read_only=not is_writer)
         try:
+            if is_writer:  # after the lease: it may fold a copied trial's segments
+                self._results = ResultLog(storage)
             # After the lease: a start refused because another session holds
             # the trial leaves that session's params.json alone.
             if (self.config or self._resume_from is not None) and is_writer:
@@ -467,6 +464,8 @@ class Session:
             self._accept_row(row)
             assert self._results is not None
             self._results.append(row)
+            if checkpoint is not None:
+                self._results.flush()  # a checkpoint's row is on storage with it
             return row, persisted
 
     def _report_multirank(
@@ -502,6 +501,8 @@ class Session:
             self._accept_row(row)
             if self._results is not None:
                 self._results.append(row)
+                if persisted is not None:
+                    self._results.flush()  # a checkpoint's row is on storage with it
             return row, persisted
 
     def _report_with_uploader(
@@ -567,9 +568,13 @@ class Session:
         if up is not None and first_close:
             up.wait()  # finish queued uploads before retention's lease is released
         self._closed = True
-        if self._results is not None:
-            self._results.close()
+        results_error: Exception | None = None
         try:
+            if self._results is not None:
+                try:  # the last rows, and result.json assembled, under the lease
+                    self._results.close()
+                except Exception as exc:
+                    results_error = exc
             upload_error: BaseException | None = None
             if up is not None:
                 try:
@@ -585,6 +590,8 @@ class Session:
                 self._coordinator.close()
         if upload_error is not None:
             raise upload_error
+        if results_error is not None:
+            raise results_error
 
     def _record_end(self, error: BaseException | None) -> None:
         clean = (error is None or isinstance(error, (TrialStopped, GeneratorExit))

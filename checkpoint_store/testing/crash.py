@@ -11,6 +11,9 @@ delay and, after every kill, checks the trial:
 * every checkpoint the child was told was committed and that retention did
   not evict (or may not have evicted by the next save) still loads and
   verifies, and nothing newer than the last acknowledged one was lost;
+* ``result.json`` (with the segments a killed run left on object stores)
+  holds the row of every acknowledged save, and no row twice, before and
+  after the next session assembles it;
 * a new session's ``get_checkpoint()`` returns the newest committed one, and
   its start leaves no uncommitted leftovers; nothing is ever classified as
   foreign (all leftovers are recognisably ours).
@@ -194,6 +197,8 @@ def check_trial(
             if newer < cfg.num_to_keep:
                 bad.append(f"{name} was committed and kept by retention, and only {newer} newer "
                            "checkpoint(s) exist, but it is gone or broken")
+    rows = storage.read_results()
+    bad.extend(_check_rows(rows, cfg.log_path))
     found = storage.scan()
     if found.foreign:
         bad.append(f"directories not recognisable as ours: {found.foreign}")
@@ -213,7 +218,33 @@ def check_trial(
     after = storage.scan()
     if after.uncommitted:
         bad.append(f"a session start left uncommitted directories: {after.uncommitted}")
+    if storage.read_results() != rows:
+        bad.append("the rows of result.json changed when a session assembled them")
     return bad, newest_step
+
+
+def _check_rows(rows: list[dict[str, Any]], log_path: str) -> list[str]:
+    """``result.json`` after a kill (segments included, on object stores): no row
+    twice (iterations strictly increase), and the row of every acknowledged
+    save is there (a checkpoint report writes its row before it returns)."""
+    bad = []
+    its = [r.get("training_iteration") for r in rows]
+    if any(not isinstance(i, int) for i in its) or its != sorted(set(its)):
+        bad.append(f"result.json rows do not have strictly increasing iterations: {its[-20:]}")
+    reported = {r.get("step") for r in rows}
+    try:
+        with open(log_path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        lines = []
+    for line in lines:
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError):
+            continue  # torn by the kill
+        if step not in reported:
+            bad.append(f"the row of acknowledged step {step} is missing from result.json")
+    return bad
 
 
 @dataclass

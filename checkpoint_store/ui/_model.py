@@ -8,8 +8,10 @@ experiments, trials or checkpoints listed under LOCATION, so no request
 reaches a path outside it.
 
 Live refresh reads only what changed: ``result.json`` from the byte offset
-already parsed (a ranged read, also on object stores, where a rewrite keeps
-the earlier rows as its prefix), and the internal metadata of checkpoint
+already parsed (a ranged read, also on object stores, where the assembly at a
+session's end keeps the earlier rows as its prefix), the ``result.json``
+segments a live run on an object store has written since the last poll
+(:mod:`checkpoint_store._results`), and the internal metadata of checkpoint
 directories not seen before. A full refresh (``full=True``, a page load)
 reads everything again.
 
@@ -43,11 +45,18 @@ from checkpoint_store._layout import (
     MANAGER_STATE,
     PARAMS_FILE,
     RESULT_FILE,
+    RESULT_SEGMENTS_DIR,
     is_internal_name,
     parse_checkpoint_dir_name,
     validate_component,
 )
 from checkpoint_store._manifest import inspect_checkpoint, read_internal_metadata
+from checkpoint_store._results import (
+    Segment,
+    list_segments,
+    parse_result_rows,
+    unfolded_rows,
+)
 from checkpoint_store.cli.locations import (
     classify,
     describe_kind,
@@ -68,7 +77,7 @@ from checkpoint_store.retention import (
     score_or_none,
     select_kept,
 )
-from checkpoint_store.storage import StorageContext, parse_result_rows
+from checkpoint_store.storage import StorageContext
 
 # Kinds of a checkpoint on the chart and in the tables.
 BEST = "best"  # committed, among the best num_to_keep by the trial's score attribute
@@ -83,7 +92,11 @@ class _TrialCache:
     """What was read of one trial, so that a poll reads only what changed."""
 
     offset: int = 0  # bytes of result.json parsed (always at a line end)
-    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    file_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # Segments not yet folded into result.json, by name, with their rows.
+    segments: dict[str, tuple[Segment, list[dict[str, Any]]]] = dataclasses.field(
+        default_factory=dict)
+    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # both, in order
     metas: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     uncommitted: set[str] = dataclasses.field(default_factory=set)
     params: dict[str, Any] | None = None
@@ -184,6 +197,7 @@ class StoreView:
         result = entries.get(RESULT_FILE)
         _read_new_rows(fs, posixpath.join(ctx.trial_path, RESULT_FILE),
                        result.size if result is not None else 0, cache)
+        _read_new_segments(fs, ctx.trial_path, RESULT_SEGMENTS_DIR in entries, cache)
         subdirs = {n for n, fi in entries.items()
                    if fi.type != _fsutil.pafs.FileType.File and not is_internal_name(n)}
         dirs = {n for n in subdirs if parse_checkpoint_dir_name(n) is not None}
@@ -358,7 +372,7 @@ def _read_new_rows(fs: Any, path: str, size: int | None, cache: _TrialCache) -> 
     """
     size = int(size or 0)
     if size < cache.offset:
-        cache.offset, cache.rows = 0, []
+        cache.offset, cache.file_rows = 0, []
     if size == cache.offset:
         return
     try:
@@ -369,8 +383,27 @@ def _read_new_rows(fs: Any, path: str, size: int | None, cache: _TrialCache) -> 
     end = data.rfind(b"\n")
     if end < 0:
         return
-    cache.rows.extend(parse_result_rows(data[: end + 1]))
+    cache.file_rows.extend(parse_result_rows(data[: end + 1]))
     cache.offset += end + 1
+
+
+def _read_new_segments(fs: Any, trial_path: str, present: bool, cache: _TrialCache) -> None:
+    """Read the segments not seen before (a segment never changes), forget the
+    ones assembled away, and set ``cache.rows``: ``result.json``'s rows, then
+    the segments' rows it does not hold yet."""
+    listed = list_segments(fs, trial_path) if present else []
+    kept: dict[str, tuple[Segment, list[dict[str, Any]]]] = {}
+    for seg in listed:
+        if seg.name in cache.segments:
+            kept[seg.name] = cache.segments[seg.name]
+            continue
+        try:
+            kept[seg.name] = (seg, parse_result_rows(_fsutil.read_bytes(fs, seg.path)))
+        except FileNotFoundError:
+            continue  # assembled into result.json since the listing: read there next poll
+    cache.segments = kept
+    cache.rows = cache.file_rows + unfolded_rows(
+        [kept[s.name] for s in listed if s.name in kept], cache.file_rows)
 
 
 def _read_error(fs: Any, path: str, info: Any, cache: _TrialCache) -> None:

@@ -1,0 +1,453 @@
+"""A trial's ``result.json``: writing rows without rewrites, reading only what is needed.
+
+Local disks append each row in place (one unbuffered handle). Object stores
+cannot append, and rewriting the whole file per row made a report cost
+O(rows): there the rows are buffered and PUT as small immutable *segments*
+``<trial>/.cs_results/<first>-<last>-<token>.jsonl`` (at each checkpoint
+report, at the session's end, and at least every :data:`FLUSH_INTERVAL_ENV`
+seconds), and ``result.json`` is assembled once, at the session's end.
+
+Segments are named by the ``training_iteration`` of their first and last
+rows, and a trial's iterations only grow; so the rows of ``result.json``
+tell which segments it already holds: a segment whose last iteration is at
+most that of ``result.json``'s last row is folded. Assembly writes the new
+``result.json`` first and deletes the segments after it, so a crash at any
+step leaves either segments not yet folded (read from the segments) or
+segments already folded (skipped), never a lost or doubled row. The layout is
+documented in docs/format.md ("result.json segments").
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import posixpath
+import threading
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from checkpoint_store import _fsutil, _json, _retry
+from checkpoint_store._layout import (
+    RESULT_FILE,
+    RESULT_SEGMENTS_DIR,
+    parse_result_segment_name,
+    result_segment_name,
+)
+from checkpoint_store._retry import RetryPolicy
+
+if TYPE_CHECKING:
+    import pyarrow.fs as pafs
+
+    from checkpoint_store.storage import StorageContext
+
+__all__ = [
+    "FLUSH_INTERVAL_ENV",
+    "ResultLog",
+    "Segment",
+    "assemble_results",
+    "assembled_result_bytes",
+    "last_result_rows",
+    "list_segments",
+    "parse_result_rows",
+    "read_results",
+    "unfolded_rows",
+    "valid_iteration",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds rows may wait in memory before they are PUT as a segment (object
+#: stores; default 5): what a process killed between flushes can lose.
+FLUSH_INTERVAL_ENV = "CHECKPOINT_STORE_RESULT_FLUSH_S"
+_DEFAULT_FLUSH_S = 5.0
+# A buffer this large is flushed at once: bounds memory and a segment's size.
+_SEGMENT_MAX_BYTES = 1 << 20
+# First tail read; doubled while the bytes read hold no row with an iteration.
+_TAIL_CHUNK = 8192
+
+
+def valid_iteration(value: Any) -> int | None:
+    """``value`` as a ``training_iteration`` count (an int >= 0, or a float
+    equal to one), else None (``"abc"``, ``True``, ``-3``, ``[1]``)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    return value if isinstance(value, int) and value >= 0 else None
+
+
+def _row_iteration(row: Mapping[str, Any]) -> int | None:
+    return valid_iteration(row.get("training_iteration"))
+
+
+def parse_result_rows(raw: bytes) -> list[dict[str, Any]]:
+    """The JSON-object rows of ``result.json`` bytes; lines that are blank, torn or
+    not an object are skipped (a reader of a growing file may pass it any whole
+    lines, e.g. only the ones appended since its last read)."""
+    rows = []
+    for line in raw.decode("utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = _json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _last_iteration(rows: Iterable[Mapping[str, Any]]) -> int:
+    """The ``training_iteration`` of the last row holding a valid one; 0 if none."""
+    for row in reversed(list(rows)):
+        it = _row_iteration(row)
+        if it is not None:
+            return it
+    return 0
+
+
+# -- segments ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One segment object: its name, path and the iterations it spans."""
+
+    name: str
+    path: str
+    first: int
+    last: int
+
+
+def list_segments(fs: pafs.FileSystem, trial_path: str, *,
+                  retry: RetryPolicy | None = None) -> list[Segment]:
+    """The trial's segments in row order (by first iteration, then the widest
+    first); one listing. Names that are not segments are ignored (a newer
+    format's, or a local disk's ``.cs_tmp-*``)."""
+    out = []
+    for fi in _fsutil.list_dir(fs, posixpath.join(trial_path, RESULT_SEGMENTS_DIR), retry=retry):
+        name = posixpath.basename(fi.path.rstrip("/"))
+        span = parse_result_segment_name(name)
+        if span is not None and fi.type == _fsutil.pafs.FileType.File:
+            out.append(Segment(name, fi.path, span[0], span[1]))
+    return sorted(out, key=lambda s: (s.first, -s.last, s.name))
+
+
+def _read_or_empty(fs: pafs.FileSystem, path: str, retry: RetryPolicy | None) -> bytes:
+    try:
+        return _fsutil.read_bytes(fs, path, retry=retry)
+    except FileNotFoundError:
+        return b""
+
+
+def _unfolded_lines(fs: pafs.FileSystem, segments: list[Segment], after: int,
+                    retry: RetryPolicy | None) -> list[tuple[bytes, dict[str, Any]]]:
+    """``(line, row)`` of the segments' rows not yet in ``result.json``, whose
+    last row with an iteration has ``after``. A segment deleted since it was
+    listed (assembled by its writer meanwhile) is skipped: its rows are then
+    in ``result.json``, which the caller read before listing."""
+    out = []
+    for seg in segments:
+        if seg.last <= after:
+            continue  # folded into result.json already (a crash before its delete)
+        for line in _read_or_empty(fs, seg.path, retry).splitlines(keepends=True):
+            rows = parse_result_rows(line)
+            if not rows:
+                continue
+            it = _row_iteration(rows[0])
+            if it is None or it > after:
+                out.append((line if line.endswith(b"\n") else line + b"\n", rows[0]))
+        after = max(after, seg.last)
+    return out
+
+
+def unfolded_rows(
+    segments: Iterable[tuple[Segment, list[dict[str, Any]]]], rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The rows of ``segments`` (in :func:`list_segments` order, each with its
+    parsed rows) that ``result.json``, whose rows are ``rows``, does not hold
+    yet: the same rule as :func:`read_results`, for a reader that caches
+    what it read (the UI's live refresh)."""
+    after, out = _last_iteration(rows), []
+    for seg, seg_rows in segments:
+        if seg.last <= after:
+            continue
+        for row in seg_rows:
+            it = _row_iteration(row)
+            if it is None or it > after:
+                out.append(row)
+        after = max(after, seg.last)
+    return out
+
+
+def read_results(fs: pafs.FileSystem, trial_path: str, *,
+                 retry: RetryPolicy | None = None) -> list[dict[str, Any]]:
+    """Every row of the trial: ``result.json``'s, then those of segments not
+    yet assembled into it (a live run's, or a killed run's). ``[]`` when the
+    trial has none. Costs one read of ``result.json``, one listing and one
+    read per segment."""
+    rows = parse_result_rows(_read_or_empty(fs, posixpath.join(trial_path, RESULT_FILE), retry))
+    segments = list_segments(fs, trial_path, retry=retry)
+    if segments:
+        rows.extend(row for _, row in _unfolded_lines(fs, segments, _last_iteration(rows), retry))
+    return rows
+
+
+def assembled_result_bytes(fs: pafs.FileSystem, trial_path: str, *,
+                           retry: RetryPolicy | None = None) -> tuple[bytes | None, list[Segment]]:
+    """``(bytes, segments)``: ``result.json``'s bytes with the rows of the
+    segments not yet in it appended, and the segments read (None and ``[]``
+    when the trial has neither). ``result.json``'s own bytes are kept as they
+    are, odd lines included."""
+    path = posixpath.join(trial_path, RESULT_FILE)
+    try:
+        raw: bytes | None = _fsutil.read_bytes(fs, path, retry=retry)
+    except FileNotFoundError:
+        raw = None
+    segments = list_segments(fs, trial_path, retry=retry)
+    if not segments:
+        return raw, []
+    base = raw or b""
+    after = _last_iteration(_tail_rows_of(base))
+    lines = [line for line, _ in _unfolded_lines(fs, segments, after, retry)]
+    if base and not base.endswith(b"\n"):
+        base += b"\n"  # end a torn last line: the next row starts a line of its own
+    return base + b"".join(lines), segments
+
+
+def assemble_results(storage: StorageContext) -> int:
+    """Fold the trial's segments into ``result.json``: one write of the whole
+    file, then the segments are deleted (in that order, so a crash in between
+    leaves folded segments that readers skip). Call only while holding the
+    trial (its lease): a concurrent writer's new segment would be deleted.
+
+    Returns:
+        The number of segments folded (0: nothing to do, nothing written).
+    """
+    fs, retry = storage.filesystem, storage.retry
+    data, segments = assembled_result_bytes(fs, storage.trial_path, retry=retry)
+    if not segments:
+        return 0
+    assert data is not None
+    _fsutil.write_bytes(fs, posixpath.join(storage.trial_path, RESULT_FILE), data,
+                        storage.backend.capabilities, fsync=storage.fsync, retry=retry)
+    for seg in segments:
+        _fsutil.delete_file(fs, seg.path, retry=retry)
+    return len(segments)
+
+
+# -- the tail: what session.start needs -----------------------------------------------
+
+
+def _tail_rows_of(raw: bytes) -> list[dict[str, Any]]:
+    """The rows of ``raw``'s last lines, back to the last row with a valid
+    iteration (all rows when none has one)."""
+    end = len(raw)
+    while end > 0:
+        start = raw.rfind(b"\n", 0, max(end - _TAIL_CHUNK, 0)) + 1
+        rows = parse_result_rows(raw[start:])
+        if start == 0 or any(_row_iteration(r) is not None for r in rows):
+            return rows
+        end = start - 1
+    return []
+
+
+def _tail_of_file(fs: pafs.FileSystem, path: str,
+                  retry: RetryPolicy | None) -> list[dict[str, Any]]:
+    """The last rows of ``path`` (see :func:`_tail_rows_of`) by ranged reads
+    from its end: 8 KiB first, doubled while they hold no row with a valid
+    iteration. ``[]`` when absent."""
+
+    def _read() -> list[dict[str, Any]]:
+        with fs.open_input_file(path) as f:
+            size = f.size()
+            chunk, start = _TAIL_CHUNK, size
+            while True:
+                start = max(size - chunk, 0)
+                data = f.read_at(size - start, start)
+                if start > 0:
+                    cut = data.find(b"\n")  # the first line may be cut: drop it
+                    data = data[cut + 1:] if cut >= 0 else b""
+                rows = parse_result_rows(data)
+                if start == 0 or any(_row_iteration(r) is not None for r in rows):
+                    return rows
+                chunk *= 2
+
+    try:
+        return _retry.call(_read, policy=retry, what=f"read the end of {path}")
+    except FileNotFoundError:
+        return []
+
+
+def last_result_rows(storage: StorageContext) -> list[dict[str, Any]]:
+    """The trial's last rows, enough to hold its last valid ``training_iteration``
+    (what ``session.start`` continues from): a ranged read of ``result.json``'s
+    end, plus the last segment's rows when segments are there (one listing,
+    object stores). Cost independent of the number of rows."""
+    fs, retry = storage.filesystem, storage.retry
+    rows = _tail_of_file(fs, posixpath.join(storage.trial_path, RESULT_FILE), retry)
+    segments = list_segments(fs, storage.trial_path, retry=retry)
+    if segments:
+        last = max(segments, key=lambda s: (s.last, s.first))
+        rows.extend(parse_result_rows(_read_or_empty(fs, last.path, retry)))
+    return rows
+
+
+# -- writing ---------------------------------------------------------------------------
+
+
+def flush_interval_from_env() -> float:
+    """:data:`FLUSH_INTERVAL_ENV` in seconds (default 5; a bad value warns and
+    falls back to it)."""
+    raw = os.environ.get(FLUSH_INTERVAL_ENV)
+    if raw is None:
+        return _DEFAULT_FLUSH_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value <= 0:
+        logger.warning("%s=%r is not a positive number of seconds; using %s",
+                       FLUSH_INTERVAL_ENV, raw, _DEFAULT_FLUSH_S)
+        return _DEFAULT_FLUSH_S
+    return value
+
+
+class ResultLog:
+    """Writes a trial's rows (one writer per trial: the session holding its lease).
+
+    Local disks append in place through one unbuffered handle kept open until
+    :meth:`close`; each row is one ``write`` call, so a killed process loses at
+    most the row being written. Object stores buffer the rows and PUT them as
+    one segment per :meth:`flush`: called by the session at each checkpoint
+    report, by a timer at most ``flush_interval`` seconds after a row was
+    buffered, when the buffer reaches 1 MiB, and by :meth:`close`, which then
+    assembles ``result.json``. A process killed between flushes loses the rows
+    of the last ``flush_interval`` seconds; a segment is whole or absent.
+
+    Thread-safety: :meth:`append` and :meth:`flush` may be called from any
+    thread; flushes are serialised, and an append never waits for a PUT.
+
+    Args:
+        storage: the trial.
+        flush_interval: seconds (default :func:`flush_interval_from_env`).
+    """
+
+    def __init__(self, storage: StorageContext, *, flush_interval: float | None = None):
+        self._storage = storage
+        self._path = posixpath.join(storage.trial_path, RESULT_FILE)
+        self._local = _fsutil.local_path(storage.filesystem, self._path)
+        self._handle: Any = None
+        self._interval = flush_interval if flush_interval is not None else flush_interval_from_env()
+        self._token = uuid.uuid4().hex[:8]
+        self._buf_lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self._lines: list[bytes] = []
+        self._span: tuple[int, int] | None = None  # first and last iteration buffered
+        self._size = 0
+        self._timer: threading.Timer | None = None
+        self._last = 0  # iteration of the last row appended (names rows without one)
+        if self._local is not None and os.path.isdir(
+                os.path.join(os.path.dirname(self._local), RESULT_SEGMENTS_DIR)):
+            # Segments on a local disk came with a copy of an object-store trial:
+            # fold them before appending, or appended rows would hide them.
+            assemble_results(storage)
+
+    @property
+    def buffered(self) -> int:
+        """Rows waiting for the next flush (always 0 on local disks)."""
+        with self._buf_lock:
+            return len(self._lines)
+
+    def _open_local(self, path: str) -> Any:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        handle = open(path, "ab", buffering=0)
+        # A row torn by an earlier crash has no newline: end it, so the next
+        # row starts a line of its own instead of being glued to the torn one.
+        if handle.tell() > 0:
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    handle.write(b"\n")
+        return handle
+
+    def append(self, row: Mapping[str, Any]) -> None:
+        """Write ``row`` (local disks) or buffer it for the next flush."""
+        line = _json.dumps_line(row)
+        if self._local is not None:
+            if self._handle is None:
+                self._handle = self._open_local(self._local)
+            self._handle.write(line)
+            return
+        it = _row_iteration(row)
+        full = False
+        with self._buf_lock:
+            it = self._last if it is None else it
+            self._last = it
+            self._lines.append(line)
+            self._size += len(line)
+            self._span = (self._span[0] if self._span else it, it)
+            full = self._size >= _SEGMENT_MAX_BYTES
+            if not full and self._timer is None:
+                self._timer = threading.Timer(self._interval, self._flush_on_timer)
+                self._timer.daemon = True
+                self._timer.start()
+        if full:
+            self.flush()
+
+    def _flush_on_timer(self) -> None:
+        try:
+            self.flush()
+        except Exception as exc:  # kept buffered: the next flush tries again
+            logger.warning("could not write the rows of %s yet (kept in memory, retried at "
+                           "the next flush): %s", self._storage.uri(self._path), exc)
+
+    def flush(self) -> None:
+        """PUT the buffered rows as one segment (nothing on local disks or when
+        none is buffered). On failure the rows stay buffered.
+
+        Raises:
+            TransientBackendError, PermanentBackendError: the PUT failed.
+        """
+        if self._local is not None:
+            return
+        with self._flush_lock:
+            with self._buf_lock:
+                lines, span = self._lines, self._span
+                self._lines, self._span, self._size = [], None, 0
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
+            if not lines or span is None:
+                return
+            name = result_segment_name(span[0], span[1], self._token)
+            path = posixpath.join(self._storage.trial_path, RESULT_SEGMENTS_DIR, name)
+            try:
+                _fsutil.write_bytes(self._storage.filesystem, path, b"".join(lines),
+                                    self._storage.backend.capabilities,
+                                    fsync=self._storage.fsync, retry=self._storage.retry)
+            except BaseException:
+                with self._buf_lock:  # in front of rows appended meanwhile
+                    self._lines = lines + self._lines
+                    self._size += sum(map(len, lines))
+                    self._span = (span[0], self._span[1] if self._span else span[1])
+                raise
+
+    def close(self) -> None:
+        """Flush and assemble ``result.json`` (object stores), or close the local
+        handle; a later :meth:`append` starts again.
+
+        Raises:
+            TransientBackendError, PermanentBackendError: the last flush failed
+                (those rows are lost) or the assembly did (the rows stay in
+                their segments, where readers find them).
+        """
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+        if self._local is None:
+            self.flush()
+            assemble_results(self._storage)
