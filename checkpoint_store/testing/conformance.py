@@ -422,6 +422,29 @@ class BackendTests:
             assert resumed is not None
             assert resumed.internal_metadata["index"] == 2
 
+    def test_rows_of_a_killed_run_are_read_once_and_folded(
+        self, storage_location: StorageLocation
+    ) -> None:
+        """Rows a run flushed before it died (segments on stores without append)
+        are all read, once; the next session continues after them and its end
+        leaves one ``result.json`` holding every row (docs/format.md)."""
+        from checkpoint_store import session
+        from checkpoint_store._results import ResultLog, list_segments
+
+        ctx = self._context(storage_location, trial="killed")
+        log = ResultLog(ctx, flush_interval=3600)
+        for i in range(5):
+            log.append({"i": i, "training_iteration": i + 1})
+            if i in (1, 4):
+                log.flush()  # then the process "dies": no close, no assembly
+        assert [r["i"] for r in ctx.read_results()] == list(range(5))
+        with session.start(storage_path=storage_location.uri,
+                           storage_options=dict(storage_location.storage_options),
+                           experiment_name="exp", trial_name="killed") as s:
+            assert s.report({"i": 5})["training_iteration"] == 6
+        assert [r["i"] for r in ctx.read_results()] == list(range(6))
+        assert list_segments(ctx.filesystem, ctx.trial_path) == []
+
     # -- one place, one spelling ----------------------------------------------------------
 
     @staticmethod

@@ -72,3 +72,20 @@ def test_checker_catches_a_lost_or_broken_checkpoint(tmp_path):
     open(os.path.join(storage.trial_path, "checkpoint_999999", "x.bin"), "wb").write(b"x")
     bad, _ = check_trial(cfg)
     assert any("not recognisable" in v for v in bad), bad
+
+
+def test_checker_catches_a_lost_or_doubled_row(tmp_path):
+    """The rows check must be able to fail: a missing acknowledged row, a row twice."""
+    import os
+
+    cfg = CrashConfig(storage_path=str(tmp_path / "store"), log_path=str(tmp_path / "acks.log"))
+    report = CrashHarness(cfg, seed=4, min_delay=0.9, max_delay=1.0).run(1)
+    assert report.violations == [] and report.saves_acknowledged >= 2, report.summary()
+    path = os.path.join(cfg.storage_path, cfg.experiment_name, cfg.trial_name, "result.json")
+    lines = open(path, "rb").read().splitlines(keepends=True)
+    open(path, "wb").write(b"".join(lines + lines[-1:]))
+    bad, _ = check_trial(cfg)
+    assert any("strictly increasing" in v for v in bad), bad
+    open(path, "wb").write(b"".join(lines[1:]))
+    bad, _ = check_trial(cfg)
+    assert any("is missing from result.json" in v for v in bad), bad

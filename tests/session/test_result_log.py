@@ -295,6 +295,8 @@ def _write_segments(root, rows_per_segment: list[int], start: int = 1,
     return written
 
 
+@pytest.mark.parametrize(
+    "object_root", ["memory", "s3", pytest.param("s3fs", marks=pytest.mark.slow)], indirect=True)
 def test_crash_at_every_step_of_the_assembly_loses_and_doubles_nothing(object_root):
     """Kill (SimulatedCrash) before each storage write of an assembly, each time
     from the same state: readers see every row exactly once, and the next
@@ -349,7 +351,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", pytest.param("s3", marks=pytest.mark.slow)])
 def test_a_killed_runs_rows_are_all_readable(request, tmp_path, kind):
     """SIGKILL a reporting process after its last flush (before any assembly):
     every row is readable, a new run continues after them, and its end
