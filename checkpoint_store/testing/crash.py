@@ -229,7 +229,8 @@ def _check_rows(rows: list[dict[str, Any]], log_path: str) -> list[str]:
     save is there (a checkpoint report writes its row before it returns)."""
     bad = []
     its = [r.get("training_iteration") for r in rows]
-    if any(not isinstance(i, int) for i in its) or its != sorted(set(its)):
+    ints = [i for i in its if isinstance(i, int)]
+    if len(ints) != len(its) or ints != sorted(set(ints)):
         bad.append(f"result.json rows do not have strictly increasing iterations: {its[-20:]}")
     reported = {r.get("step") for r in rows}
     try:
