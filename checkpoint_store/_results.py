@@ -146,14 +146,17 @@ def _read_or_empty(fs: pafs.FileSystem, path: str, retry: RetryPolicy | None) ->
 def _unfolded_lines(fs: pafs.FileSystem, segments: list[Segment], after: int,
                     retry: RetryPolicy | None) -> list[tuple[bytes, dict[str, Any]]]:
     """``(line, row)`` of the segments' rows not yet in ``result.json``, whose
-    last row with an iteration has ``after``. A segment deleted since it was
-    listed (assembled by its writer meanwhile) is skipped: its rows are then
-    in ``result.json``, which the caller read before listing."""
+    last row with an iteration has ``after``.
+
+    Raises:
+        FileNotFoundError: a segment was deleted since it was listed (its
+            writer assembled it meanwhile).
+    """
     out = []
     for seg in segments:
         if seg.last <= after:
             continue  # folded into result.json already (a crash before its delete)
-        for line in _read_or_empty(fs, seg.path, retry).splitlines(keepends=True):
+        for line in _fsutil.read_bytes(fs, seg.path, retry=retry).splitlines(keepends=True):
             rows = parse_result_rows(line)
             if not rows:
                 continue
@@ -162,6 +165,35 @@ def _unfolded_lines(fs: pafs.FileSystem, segments: list[Segment], after: int,
                 out.append((line if line.endswith(b"\n") else line + b"\n", rows[0]))
         after = max(after, seg.last)
     return out
+
+
+def _snapshot(fs: pafs.FileSystem, trial_path: str, retry: RetryPolicy | None
+              ) -> tuple[bytes | None, list[Segment], list[tuple[bytes, dict[str, Any]]]]:
+    """``(result.json's bytes or None, the segments, their unfolded lines)``, as
+    of one moment.
+
+    The segments are listed *before* ``result.json`` is read: an assembly
+    writes ``result.json`` before it deletes, so a listed segment that is gone
+    when read means the file read may predate the assembly, and the whole
+    read starts again (three tries; then the segment's rows are left out of
+    this answer, to be found in ``result.json`` by the next read).
+    """
+    for attempt in range(3):
+        segments = list_segments(fs, trial_path, retry=retry)
+        try:
+            raw: bytes | None = _fsutil.read_bytes(
+                fs, posixpath.join(trial_path, RESULT_FILE), retry=retry)
+        except FileNotFoundError:
+            raw = None
+        after = _last_iteration(_tail_rows_of(raw or b""))
+        try:
+            return raw, segments, _unfolded_lines(fs, segments, after, retry)
+        except FileNotFoundError:
+            if attempt == 2:
+                live = {s.name for s in list_segments(fs, trial_path, retry=retry)}
+                kept = [s for s in segments if s.name in live]
+                return raw, kept, _unfolded_lines(fs, kept, after, retry)
+    raise AssertionError("unreachable")
 
 
 def unfolded_rows(
@@ -187,13 +219,11 @@ def read_results(fs: pafs.FileSystem, trial_path: str, *,
                  retry: RetryPolicy | None = None) -> list[dict[str, Any]]:
     """Every row of the trial: ``result.json``'s, then those of segments not
     yet assembled into it (a live run's, or a killed run's). ``[]`` when the
-    trial has none. Costs one read of ``result.json``, one listing and one
-    read per segment."""
-    rows = parse_result_rows(_read_or_empty(fs, posixpath.join(trial_path, RESULT_FILE), retry))
-    segments = list_segments(fs, trial_path, retry=retry)
-    if segments:
-        rows.extend(row for _, row in _unfolded_lines(fs, segments, _last_iteration(rows), retry))
-    return rows
+    trial has none. Costs one listing, one read of ``result.json`` and one
+    read per segment; a live run's assembly in between never hides or
+    doubles a row (:func:`_snapshot`)."""
+    raw, _, lines = _snapshot(fs, trial_path, retry)
+    return parse_result_rows(raw or b"") + [row for _, row in lines]
 
 
 def assembled_result_bytes(fs: pafs.FileSystem, trial_path: str, *,
@@ -202,20 +232,13 @@ def assembled_result_bytes(fs: pafs.FileSystem, trial_path: str, *,
     segments not yet in it appended, and the segments read (None and ``[]``
     when the trial has neither). ``result.json``'s own bytes are kept as they
     are, odd lines included."""
-    path = posixpath.join(trial_path, RESULT_FILE)
-    try:
-        raw: bytes | None = _fsutil.read_bytes(fs, path, retry=retry)
-    except FileNotFoundError:
-        raw = None
-    segments = list_segments(fs, trial_path, retry=retry)
+    raw, segments, lines = _snapshot(fs, trial_path, retry)
     if not segments:
         return raw, []
     base = raw or b""
-    after = _last_iteration(_tail_rows_of(base))
-    lines = [line for line, _ in _unfolded_lines(fs, segments, after, retry)]
     if base and not base.endswith(b"\n"):
         base += b"\n"  # end a torn last line: the next row starts a line of its own
-    return base + b"".join(lines), segments
+    return base + b"".join(line for line, _ in lines), segments
 
 
 def assemble_results(storage: StorageContext) -> int:

@@ -195,9 +195,18 @@ class StoreView:
         entries = {posixpath.basename(fi.path.rstrip("/")): fi
                    for fi in _fsutil.list_dir(fs, ctx.trial_path)}
         result = entries.get(RESULT_FILE)
-        _read_new_rows(fs, posixpath.join(ctx.trial_path, RESULT_FILE),
-                       result.size if result is not None else 0, cache)
-        _read_new_segments(fs, ctx.trial_path, RESULT_SEGMENTS_DIR in entries, cache)
+        # Segments are listed before result.json is read: an assembly writes the
+        # file before it deletes them, so no row falls between the two reads.
+        listed = (list_segments(fs, ctx.trial_path) if RESULT_SEGMENTS_DIR in entries
+                  else [])
+        result_path = posixpath.join(ctx.trial_path, RESULT_FILE)
+        _read_new_rows(fs, result_path, _fsutil.info(fs, result_path).size if listed
+                       else (result.size if result is not None else 0), cache)
+        if not _read_new_segments(fs, listed, cache):
+            # A segment was assembled away after the file was read: the file
+            # now holds its rows.
+            _read_new_rows(fs, result_path, _fsutil.info(fs, result_path).size, cache)
+            _read_new_segments(fs, [s for s in listed if s.name in cache.segments], cache)
         subdirs = {n for n, fi in entries.items()
                    if fi.type != _fsutil.pafs.FileType.File and not is_internal_name(n)}
         dirs = {n for n in subdirs if parse_checkpoint_dir_name(n) is not None}
@@ -387,11 +396,12 @@ def _read_new_rows(fs: Any, path: str, size: int | None, cache: _TrialCache) -> 
     cache.offset += end + 1
 
 
-def _read_new_segments(fs: Any, trial_path: str, present: bool, cache: _TrialCache) -> None:
-    """Read the segments not seen before (a segment never changes), forget the
-    ones assembled away, and set ``cache.rows``: ``result.json``'s rows, then
-    the segments' rows it does not hold yet."""
-    listed = list_segments(fs, trial_path) if present else []
+def _read_new_segments(fs: Any, listed: list[Segment], cache: _TrialCache) -> bool:
+    """Read the ``listed`` segments not seen before (a segment never changes),
+    forget the ones assembled away, and set ``cache.rows``: ``result.json``'s
+    rows, then the segments' rows it does not hold yet. False when a listed
+    segment was gone when read."""
+    whole = True
     kept: dict[str, tuple[Segment, list[dict[str, Any]]]] = {}
     for seg in listed:
         if seg.name in cache.segments:
@@ -400,10 +410,11 @@ def _read_new_segments(fs: Any, trial_path: str, present: bool, cache: _TrialCac
         try:
             kept[seg.name] = (seg, parse_result_rows(_fsutil.read_bytes(fs, seg.path)))
         except FileNotFoundError:
-            continue  # assembled into result.json since the listing: read there next poll
+            whole = False  # assembled into result.json since the listing
     cache.segments = kept
     cache.rows = cache.file_rows + unfolded_rows(
         [kept[s.name] for s in listed if s.name in kept], cache.file_rows)
+    return whole
 
 
 def _read_error(fs: Any, path: str, info: Any, cache: _TrialCache) -> None:

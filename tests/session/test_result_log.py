@@ -378,3 +378,25 @@ def test_a_killed_runs_rows_are_all_readable(request, tmp_path, kind):
         assert s.report({"i": 40})["training_iteration"] == 41
     assert [r["i"] for r in _ctx(root).read_results()] == list(range(41))
     assert _segments(root) == []
+
+
+def test_a_read_racing_the_assembly_sees_every_row_once(object_root, monkeypatch):
+    """The writer's end assembles between a reader's read of result.json and its
+    read of the segments: the reader reads again instead of losing those rows."""
+    from checkpoint_store import _results
+
+    _write(_ctx(object_root), RESULT_FILE, b'{"training_iteration": 1}\n')
+    _write_segments(object_root, [2, 2], start=2)
+    real = _results._fsutil.read_bytes
+    raced = []
+
+    def read_then_assemble(fs, path, **kwargs):
+        data = real(fs, path, **kwargs)
+        if path.endswith("/" + RESULT_FILE) and not raced:
+            raced.append(path)
+            assemble_results(_ctx(object_root))  # the writer's end, right now
+        return data
+
+    monkeypatch.setattr(_results._fsutil, "read_bytes", read_then_assemble)
+    assert _iters(_ctx(object_root).read_results()) == [1, 2, 3, 4, 5]
+    assert raced and _segments(object_root) == []
