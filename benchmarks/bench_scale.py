@@ -633,6 +633,8 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] | None = None
                    help="time for growing a trial by report() from one N to the next; "
                         "the rest is committed directly")
     p.add_argument("--label", default="current", help="name of this run (before, after ...)")
+    p.add_argument("--note", action="append", default=[],
+                   help="a sentence for the results page about this run (repeatable)")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="also write the result here, rewritten after every measured row "
                         "(a run stopped early leaves what it measured, marked partial)")
@@ -649,7 +651,7 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] | None = None
         "started_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "args": {"max_n": max_n, "max_n_s3": max_n_s3, "max_rows": max_rows,
                  "backends": args.backends, "grow_budget_s": args.grow_budget_s},
-        "machine": machine(), "backends": {},
+        "machine": machine(), "backends": {}, "notes": list(args.note),
     }
     t_start = time.perf_counter()
 
@@ -709,6 +711,7 @@ def merge_runs(old: dict[str, Any], new: Mapping[str, Mapping[str, Any]]) -> dic
         if prev.get("commit") != run.get("commit"):
             merged["commit"] = f"{prev.get('commit')}, {run.get('commit')}"
         merged["started_utc"] = f"{prev.get('started_utc')}; {run.get('started_utc')}"
+        merged["notes"] = [*(prev.get("notes") or []), *(run.get("notes") or [])]
         old[label] = merged
     return old
 
@@ -750,7 +753,7 @@ def plot(runs: Mapping[str, Mapping[str, Any]], path: str) -> str:
         (axes[0][2], "s3", "n", "requests", "moto S3: storage requests"),
         (axes[1][0], "local", "n", "bytes", "bytes written per report (besides the checkpoint)"),
         (axes[1][1], "s3", "n", "bytes", "moto S3: bytes PUT per report (besides the checkpoint)"),
-        (axes[1][2], "local", "m", "time", "local: session.start after M metrics reports"),
+        (axes[1][2], "local", "m", "time", "local: session.start after M metrics reports (s; MiB)"),
     ]
     labels = list(runs)
     colours = ["C0", "C1", "C2", "C3", "C4", "C5"]
@@ -760,7 +763,8 @@ def plot(runs: Mapping[str, Mapping[str, Any]], path: str) -> str:
             rows = ((runs[label].get("backends") or {}).get(backend) or {}).get(series) or []
             style = "-" if li == len(labels) - 1 else "--"
             if series == "m":
-                ops: tuple[tuple[str, str], ...] = (("start", "session.start"),)
+                ops: tuple[tuple[str, str], ...] = (
+                    ("start", "session.start, s"), ("start_rss", "its peak RSS growth, MiB"))
                 xkey = "m"
             elif what == "bytes":
                 ops = (("ckpt_report", "checkpoint report"),
@@ -770,7 +774,8 @@ def plot(runs: Mapping[str, Mapping[str, Any]], path: str) -> str:
                 ops = _OPS
                 xkey = "n"
             for oi, (op, name) in enumerate(ops):
-                pts = [(max(r[xkey], 1), _value(r, op, what)) for r in rows]
+                kind = "rss" if op == "start_rss" else what
+                pts = [(max(r[xkey], 1), _value(r, op.removesuffix("_rss"), kind)) for r in rows]
                 pts = [(x, y) for x, y in pts if y is not None and y > 0]
                 if not pts:
                     continue

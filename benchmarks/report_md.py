@@ -544,6 +544,9 @@ def scale_section(runs: dict[str, dict[str, Any]]) -> str:
           + (" (stopped early: what it measured by then)" if r.get("partial") else ""))
     if len(labels) > 1:
         w(f"\nEvery cell reads {' → '.join(labels)}.")
+    for lb in labels:
+        for note in runs[lb].get("notes") or []:
+            w(f"\n> Note ({lb}): {note}")
     w("")
     w(f"![cost against N, log-log]({SCALE_PLOT})\n")
     w("### Targets (issue 19)\n")
