@@ -26,6 +26,7 @@ import posixpath
 import threading
 import uuid
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,10 @@ FLUSH_INTERVAL_ENV = "CHECKPOINT_STORE_RESULT_FLUSH_S"
 _DEFAULT_FLUSH_S = 5.0
 # A buffer this large is flushed at once: bounds memory and a segment's size.
 _SEGMENT_MAX_BYTES = 1 << 20
+# Every this many segments a writer merges its last ones into one, unless
+# they hold more than _MERGE_MAX_BYTES together (then they are few enough).
+_MERGE_COUNT = 64
+_MERGE_MAX_BYTES = 8 << 20
 # First tail read; doubled while the bytes read hold no row with an iteration.
 _TAIL_CHUNK = 8192
 
@@ -152,18 +157,31 @@ def _unfolded_lines(fs: pafs.FileSystem, segments: list[Segment], after: int,
         FileNotFoundError: a segment was deleted since it was listed (its
             writer assembled it meanwhile).
     """
-    out = []
+    # Which segments to read (and the R each is read against) follows from
+    # the names alone, so they can be fetched at once.
+    todo: list[tuple[Segment, int]] = []
     for seg in segments:
         if seg.last <= after:
             continue  # folded into result.json already (a crash before its delete)
-        for line in _fsutil.read_bytes(fs, seg.path, retry=retry).splitlines(keepends=True):
+        todo.append((seg, after))
+        after = max(after, seg.last)
+    def read(item: tuple[Segment, int]) -> bytes:
+        return _fsutil.read_bytes(fs, item[0].path, retry=retry)
+
+    if len(todo) > 1:
+        with ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:
+            blobs = list(pool.map(read, todo))
+    else:
+        blobs = [read(t) for t in todo]
+    out = []
+    for (_, before), blob in zip(todo, blobs, strict=True):
+        for line in blob.splitlines(keepends=True):
             rows = parse_result_rows(line)
             if not rows:
                 continue
             it = _row_iteration(rows[0])
-            if it is None or it > after:
+            if it is None or it > before:
                 out.append((line if line.endswith(b"\n") else line + b"\n", rows[0]))
-        after = max(after, seg.last)
     return out
 
 
@@ -366,6 +384,10 @@ class ResultLog:
         self._handle: Any = None
         self._interval = flush_interval if flush_interval is not None else flush_interval_from_env()
         self._token = uuid.uuid4().hex[:8]
+        self._seq = 0  # segments written (names)
+        # Segments written since the last merge: (path, span, bytes).
+        self._written: list[tuple[str, tuple[int, int], bytes]] = []
+        self._written_bytes = 0
         self._buf_lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._lines: list[bytes] = []
@@ -446,18 +468,49 @@ class ResultLog:
                     self._timer = None
             if not lines or span is None:
                 return
-            name = result_segment_name(span[0], span[1], self._token)
-            path = posixpath.join(self._storage.trial_path, RESULT_SEGMENTS_DIR, name)
+            data = b"".join(lines)
             try:
-                _fsutil.write_bytes(self._storage.filesystem, path, b"".join(lines),
-                                    self._storage.backend.capabilities,
-                                    fsync=self._storage.fsync, retry=self._storage.retry)
+                path = self._put_segment(span, data)
             except BaseException:
                 with self._buf_lock:  # in front of rows appended meanwhile
                     self._lines = lines + self._lines
-                    self._size += sum(map(len, lines))
+                    self._size += len(data)
                     self._span = (span[0], self._span[1] if self._span else span[1])
                 raise
+            self._note_written(path, span, data)
+
+    def _put_segment(self, span: tuple[int, int], data: bytes) -> str:
+        # A sequence number in the token: no two segments of a writer share a
+        # name, even with equal spans (rows without an iteration).
+        self._seq += 1
+        name = result_segment_name(span[0], span[1], f"{self._token}{self._seq:08x}")
+        path = posixpath.join(self._storage.trial_path, RESULT_SEGMENTS_DIR, name)
+        _fsutil.write_bytes(self._storage.filesystem, path, data,
+                            self._storage.backend.capabilities,
+                            fsync=self._storage.fsync, retry=self._storage.retry)
+        return path
+
+    def _note_written(self, path: str, span: tuple[int, int], data: bytes) -> None:
+        """Merge every :data:`_MERGE_COUNT` small segments into one (then delete
+        them), so that a long run leaves a few hundred segments a day to list
+        and assemble, not one per flush. A crash between the merged PUT and the
+        deletes leaves segments the merged one covers: readers skip them."""
+        self._written.append((path, span, data))
+        self._written_bytes += len(data)
+        if self._written_bytes > _MERGE_MAX_BYTES:
+            self._written, self._written_bytes = [], 0  # segments this big are few
+            return
+        if len(self._written) < _MERGE_COUNT:
+            return
+        merged = (self._written[0][1][0], self._written[-1][1][1])
+        small, self._written, self._written_bytes = self._written, [], 0
+        try:
+            self._put_segment(merged, b"".join(d for _, _, d in small))
+            for old, _, _ in small:
+                _fsutil.delete_file(self._storage.filesystem, old, retry=self._storage.retry)
+        except Exception as exc:  # the small segments still hold the rows
+            logger.warning("could not merge the result.json segments of %s: %s",
+                           self._storage.uri(self._path), exc)
 
     def close(self) -> None:
         """Flush and assemble ``result.json`` (object stores), or close the local
