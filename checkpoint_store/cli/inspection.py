@@ -27,6 +27,7 @@ from checkpoint_store.cli.locations import (
     list_entries,
     manifest_size,
     not_committed,
+    recorded_checkpoints,
     require_checkpoint,
     require_trial,
     resolve_location,
@@ -320,7 +321,10 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
     require_trial(loc)
     metric, order = resolve_metric(loc, metric, mode, required=True)
     assert metric is not None
-    committed = committed_checkpoints(loc)
+    # The retention state records every kept checkpoint's metrics: no need to
+    # read each one's metadata (the full walk is for trials without a state).
+    recorded = recorded_checkpoints(loc)
+    committed = recorded if recorded is not None else committed_checkpoints(loc)
     if not committed:
         raise CheckpointNotFoundError(f"trial {loc.uri} has no committed checkpoint")
     scored = [(ckpt, meta, stored_score(ckpt, stored_metrics(ckpt, meta), metric))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import posixpath
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -53,6 +54,7 @@ __all__ = [
     "manifest_size",
     "not_committed",
     "read_internal",
+    "recorded_checkpoints",
     "require_checkpoint",
     "require_trial",
     "resolve_location",
@@ -336,6 +338,41 @@ def committed_checkpoints(trial: Location) -> list[tuple[Location, dict[str, Any
         if found.state == "committed" and found.meta is not None:
             out.append((trial.child(name), found.meta))
     return sorted(out, key=lambda lm: (lm[1]["index"], lm[1].get("created_at", 0.0)))
+
+
+def recorded_checkpoints(trial: Location) -> list[tuple[Location, dict[str, Any]]] | None:
+    """The trial's committed checkpoints as its retention state records them
+    (``index``, ``metrics``, ``created_at``; no manifest), oldest first, or None
+    when it has no usable state (then :func:`committed_checkpoints` reads
+    every checkpoint's metadata).
+
+    A read-only :class:`~checkpoint_store.retention.CheckpointManager` under
+    the recorded config restores it as a new session would: the state, one
+    listing, and an inspection of each directory the state does not name,
+    whatever the trial's history (docs/format.md, "Retention state").
+    """
+    from checkpoint_store.cli.scores import recorded_config
+    from checkpoint_store.errors import CheckpointStoreError
+    from checkpoint_store.retention import CheckpointConfig, CheckpointManager
+
+    ctx = storage_context(trial, strict=False)
+    if ctx is None:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the full path names every fault
+            manager = CheckpointManager(recorded_config(trial) or CheckpointConfig(), ctx,
+                                        read_only=True)
+    except CheckpointStoreError:
+        return None
+    if not manager.restored_from_state:
+        return None
+    out = [(Location(trial.backend, c.path), meta) for c, meta in manager.resume_candidates()]
+    for name in _otherwise_named(trial, list_entries(trial)):
+        found = inspect_location(trial.child(name))
+        if found.state == "committed" and found.meta is not None:
+            out.append((trial.child(name), found.meta))
+    return sorted(out, key=lambda lm: (lm[1]["index"], lm[1].get("created_at") or 0.0))
 
 
 def manifest_size(meta: Mapping[str, Any]) -> int:

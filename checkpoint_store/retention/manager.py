@@ -179,6 +179,8 @@ class CheckpointManager:
         self._warned: set[str] = set()
         self._pending: list[str] = []
         self._foreign: list[str] = []
+        self._foreign_meta: dict[str, Mapping[str, Any]] = {}
+        self.restored_from_state = False
         self._uncommitted: list[str] = []
         self._next_index = 0
         self._closed = False
@@ -378,9 +380,10 @@ class CheckpointManager:
         another run found at restore. Their files are not checked here: the
         caller verifies the one it hands out
         (:meth:`StorageContext.latest_verified_checkpoint`)."""
-        out = [(e.index, e.dir_name, {"index": e.index, "metrics": dict(e.metrics)})
+        out = [(e.index, e.dir_name, {"index": e.index, "metrics": dict(e.metrics),
+                                      "created_at": e.created_at})
                for e in self._sel.ordered()]
-        out += [(i, n, {"index": i}) for n in self._foreign
+        out += [(i, n, dict(self._foreign_meta.get(n) or {"index": i})) for n in self._foreign
                 if (i := parse_checkpoint_dir_name(n)) is not None]
         return [(self._storage.checkpoint(n), meta) for _, n, meta in sorted(out)]
 
@@ -491,6 +494,7 @@ class CheckpointManager:
         that were due."""
         listing = _Listing.of(self._storage)
         state, problem = self._log.load(listing.files)
+        self.restored_from_state = state is not None
         trusted = ({} if state is None else
                    {n: e for n, e in state.checkpoints.items() if n in listing.dirs})
         pending_before = set(state.pending_deletes) if state is not None else set()
@@ -533,6 +537,7 @@ class CheckpointManager:
         for c in scan.committed:
             if not self._is_ours(c.meta):
                 self._foreign.append(c.dir_name)
+                self._foreign_meta[c.dir_name] = c.meta
                 continue
             if c.dir_name in pending_before:
                 continue

@@ -1,0 +1,72 @@
+"""`best` of a trial reads the retention state, not every checkpoint (issue 19)."""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+
+import pytest
+from cli_helpers import invoke
+
+from checkpoint_store import Checkpoint, CheckpointConfig, _fsutil, session
+from checkpoint_store._layout import MANAGER_STATE
+
+
+def _trial(tmp_path, losses: list[float], config: CheckpointConfig) -> str:
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    (src / "w.bin").write_bytes(b"w" * 64)
+    root = str(tmp_path / "runs")
+    with session.start(storage_path=root, experiment_name="exp", trial_name="t",
+                       checkpoint_config=config):
+        for loss in losses:
+            session.report({"loss": loss}, checkpoint=Checkpoint(str(src)))
+    return os.path.join(root, "exp", "t")
+
+
+def _metadata_reads(monkeypatch) -> list[str]:
+    reads: list[str] = []
+    real = _fsutil.read_bytes
+
+    def spy(fs, path, **kw):
+        if path.endswith(".internal_metadata.json"):
+            reads.append(path)
+        return real(fs, path, **kw)
+
+    monkeypatch.setattr(_fsutil, "read_bytes", spy)
+    return reads
+
+
+@pytest.mark.parametrize("config", [CheckpointConfig(),
+                                    CheckpointConfig(3, "loss", "min")])
+def test_best_reads_the_state_and_agrees_with_the_full_walk(tmp_path, monkeypatch, config):
+    losses = [0.9, 0.4, 0.7, 0.2, 0.8, 0.5, 0.3, 0.6] * 3
+    trial = _trial(tmp_path, losses, config)
+    reads = _metadata_reads(monkeypatch)
+    res = invoke(["best", trial, "--metric", "loss", "--mode", "min", "--json"])
+    assert res.exit_code == 0, res.output
+    from_state = json.loads(res.stdout)
+    assert from_state["score"] == 0.2 and from_state["metrics"]["loss"] == 0.2
+    assert len(reads) <= 1, reads  # the newest kept one, checked at restore
+    # Without the state, every checkpoint is read: same answer.
+    os.remove(os.path.join(trial, MANAGER_STATE))
+    reads.clear()
+    res = invoke(["best", trial, "--metric", "loss", "--mode", "min", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["uri"] == from_state["uri"]
+    assert len(reads) >= len(os.listdir(trial)) - 4
+
+
+def test_best_sees_a_checkpoint_committed_after_the_last_record(tmp_path):
+    trial = _trial(tmp_path, [0.5, 0.4], CheckpointConfig())
+    from checkpoint_store import StorageContext
+
+    ctx = StorageContext(str(tmp_path / "runs"), "exp", "t")
+    run_id = json.loads(_fsutil.read_bytes(ctx.filesystem, posixpath.join(
+        trial, MANAGER_STATE)))["run_id"]
+    ctx.persist_checkpoint(Checkpoint(str(tmp_path / "src")), 2,
+                           {"metrics": {"loss": 0.1}, "run_id": run_id})
+    res = invoke(["best", trial, "--metric", "loss", "--mode", "min"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines()[0].endswith("checkpoint_000002")
