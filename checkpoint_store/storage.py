@@ -16,7 +16,7 @@ import posixpath
 import time
 import traceback
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -487,7 +487,7 @@ class StorageContext:
         return Checkpoint._from_backend(self.backend, path)
 
     def latest_verified_checkpoint(
-        self, committed: list[tuple[Checkpoint, dict[str, Any]]] | None = None
+        self, committed: Sequence[tuple[Checkpoint, dict[str, Any]]] | None = None
     ) -> Checkpoint | None:
         """The newest committed checkpoint whose files all verify, or None.
 

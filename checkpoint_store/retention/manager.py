@@ -20,9 +20,9 @@ import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import pyarrow.fs as pafs
 
@@ -124,6 +124,35 @@ def _run_id_of(committed: list[_Committed], trial_name: str) -> str:
             if c.meta.get("trial_name") in (None, trial_name)
             and isinstance(c.meta.get("run_id"), str)]
     return mine[-1] if mine else uuid.uuid4().hex
+
+
+class _Candidates(Sequence[tuple[Checkpoint, dict[str, Any]]]):
+    """``(Checkpoint, meta)`` pairs built on first read, the same object after."""
+
+    def __init__(self, storage: StorageContext, items: list[tuple[str, dict[str, Any]]]):
+        self._storage = storage
+        self._items = items
+        self._built: dict[int, tuple[Checkpoint, dict[str, Any]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[Checkpoint, dict[str, Any]]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[Checkpoint, dict[str, Any]]]: ...
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        j = i + len(self._items) if i < 0 else i
+        if not 0 <= j < len(self._items):
+            raise IndexError(i)
+        if j not in self._built:
+            name, meta = self._items[j]
+            self._built[j] = (self._storage.checkpoint(name), dict(meta))
+        return self._built[j]
 
 
 class CheckpointManager:
@@ -374,18 +403,20 @@ class CheckpointManager:
         the index when ranking by recency)."""
         return {e.dir_name: e.score for e in self._sel.ordered()}
 
-    def resume_candidates(self) -> list[tuple[Checkpoint, dict[str, Any]]]:
+    def resume_candidates(self) -> Sequence[tuple[Checkpoint, dict[str, Any]]]:
         """The checkpoints a resume may load, oldest first, with what is known of
-        them (``index``, ``metrics``): the kept ones and the committed ones of
-        another run found at restore. Their files are not checked here: the
-        caller verifies the one it hands out
-        (:meth:`StorageContext.latest_verified_checkpoint`)."""
-        out = [(e.index, e.dir_name, {"index": e.index, "metrics": dict(e.metrics),
+        them (``index``, ``metrics``, ``created_at``): the kept ones and the
+        committed ones of another run found at restore. Their files are not
+        checked here: the caller verifies the one it hands out
+        (:meth:`StorageContext.latest_verified_checkpoint`). Each item is built
+        when first read (a resume reads the newest one or two of them)."""
+        out = [(e.index, e.dir_name, {"index": e.index, "metrics": e.metrics,
                                       "created_at": e.created_at})
                for e in self._sel.ordered()]
         out += [(i, n, dict(self._foreign_meta.get(n) or {"index": i})) for n in self._foreign
                 if (i := parse_checkpoint_dir_name(n)) is not None]
-        return [(self._storage.checkpoint(n), meta) for _, n, meta in sorted(out)]
+        out.sort(key=lambda t: (t[0], t[1]))
+        return _Candidates(self._storage, [(n, meta) for _, n, meta in out])
 
     def known_committed(self) -> dict[str, int]:
         """``dir_name -> index`` of the committed checkpoints this manager knows

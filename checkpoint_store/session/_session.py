@@ -8,7 +8,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,7 +214,8 @@ class Session:
             committed = self.manager.resume_candidates()
             self._latest: Checkpoint | None = committed[-1][0] if committed else None
             # get_checkpoint() verifies these lazily, newest first (resume only).
-            self._resume_candidates: list[tuple[Checkpoint, dict[str, Any]]] | None = committed
+            self._resume_candidates: Sequence[tuple[Checkpoint, dict[str, Any]]] | None = (
+                committed)
             if self._coordinator is None:
                 # Numbering continues past every index the retention state remembers.
                 self._next_index = self.manager.next_index  # past every directory listed

@@ -89,3 +89,25 @@ def test_checker_catches_a_lost_or_doubled_row(tmp_path):
     open(path, "wb").write(b"".join(lines[1:]))
     bad, _ = check_trial(cfg)
     assert any("is missing from result.json" in v for v in bad), bad
+
+
+@pytest.mark.parametrize("num_to_keep", [2, None])
+def test_a_crash_at_every_step_of_the_retention_state_leaves_it_whole(tmp_path, num_to_keep):
+    """Every mutating call of 8 reports (uploads, commits, log records, snapshot
+    chunks and roots, deletes of folded parts and of evicted checkpoints) is a
+    crash point; the next manager must find a whole state each time."""
+    from checkpoint_store.testing.crash import sweep_state_crashes
+
+    report = sweep_state_crashes(str(tmp_path), reports=8, num_to_keep=num_to_keep)
+    assert report.violations == [], "\n".join(report.violations)
+    assert report.points >= 8 * 4  # at least the commits and records of every report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_to_keep", [3, None])
+def test_a_crash_at_every_step_of_thirty_reports(tmp_path, num_to_keep):
+    from checkpoint_store.testing.crash import sweep_state_crashes
+
+    report = sweep_state_crashes(str(tmp_path), reports=30, num_to_keep=num_to_keep,
+                                 compact_every=4, chunk_entries=3, fanout=2)
+    assert report.violations == [], "\n".join(report.violations)
