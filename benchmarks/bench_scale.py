@@ -439,6 +439,7 @@ def _grow(t: Target, trial: str, have: int, want: int, rows: int, budget_s: floa
     the rest with ``StorageContext.persist_checkpoint``. Returns the new
     checkpoint count, the new row count and how the phase went."""
     from checkpoint_store import Checkpoint, CheckpointManager, StorageContext
+    from checkpoint_store.errors import CheckpointConflictError, CheckpointStoreError
 
     info: dict[str, Any] = {"by_report": 0, "bulk": 0}
     t0 = time.perf_counter()
@@ -465,11 +466,25 @@ def _grow(t: Target, trial: str, have: int, want: int, rows: int, budget_s: floa
         run_id = mgr.run_id
         mgr.close()
         src = Checkpoint.from_directory(t.src)
+
+        def commit(j: int) -> None:
+            for attempt in range(4):
+                try:
+                    st.persist_checkpoint(src, j, {"metrics": _metrics(j), "run_id": run_id})
+                    return
+                except CheckpointConflictError:  # an earlier attempt committed it
+                    return
+                except CheckpointStoreError:
+                    # moto, busy with several commits at once on a loaded machine,
+                    # sometimes answers 500: another attempt, as a user would.
+                    if attempt == 3:
+                        raise
+                    time.sleep(1.0 + attempt)
+
         # Several commits in flight: object-store requests wait on round trips.
-        workers = 2 if t.local_root is not None else 8
+        workers = 2 if t.local_root is not None else 4
         with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda j: st.persist_checkpoint(
-                src, j, {"metrics": _metrics(j), "run_id": run_id}), range(i, want)))
+            list(pool.map(commit, range(i, want)))
         info["bulk"] = want - i
         info["bulk_s"] = time.perf_counter() - t1
         # The first start after that adopts them: measured, as what a bulk fill costs.
@@ -524,31 +539,44 @@ def series_n(t: Target, ns: list[int], budget_s: float, log: Callable[[str], Non
     have = rows = 0
     out = [] if out is None else out
     for n in ns:
-        t0 = time.perf_counter()
-        have, rows, grew = _grow(t, trial, have, n, rows, budget_s, log)
-        grew["grow_s"] = time.perf_counter() - t0
-        row: dict[str, Any] = {"n": n, "rows": rows, "grow": grew}
-        row["start"] = t.probe("start", trial)
-        row["manager"] = t.probe("manager", trial)
-        trial_uri = _join(t.uri, EXPERIMENT, trial)
-        last = f"{trial_uri}/checkpoint_{n - 1:06d}"
-        row["cli_best"] = t.probe("cli", trial, args=["best", trial_uri])
-        row["cli_show"] = t.probe("cli", trial, args=["show", last])
-        row["cli_ls"] = t.probe("cli", trial, args=["ls", trial_uri])
-        n_ck, n_m = 5, 50
-        row["ckpt_report"], row["metrics_report"] = _measure_reports(t, trial, have, n_ck, n_m)
-        have += n_ck + 1
-        rows += n_ck + n_m + 1
-        out.append(row)
+        try:
+            have, rows = _row_at(t, trial, n, have, rows, budget_s, log, out)
+        except Exception as exc:  # a failed phase ends the series; what came before stays
+            log(f"  {t.name} N={n}: FAILED {type(exc).__name__}: {exc}"[:600])
+            out.append({"n": n, "error": f"{type(exc).__name__}: {exc}"[:600]})
+            on_row()
+            break
         on_row()
-        s = row["start"]
-        log(f"  {t.name} N={n}: start {s.get('wall_s', float('nan')):.3f} s "
-            f"{s.get('requests_total')} req; ckpt report "
-            f"{row['ckpt_report']['bytes_outside_checkpoint']} B; metrics report "
-            f"{row['metrics_report']['bytes_amortised']:.0f} B; best "
-            f"{row['cli_best'].get('requests_total')} req "
-            f"{row['cli_best'].get('wall_s', float('nan')):.2f} s (grow {grew['grow_s']:.0f} s)")
     return out
+
+
+def _row_at(t: Target, trial: str, n: int, have: int, rows: int, budget_s: float,
+            log: Callable[[str], None], out: list[dict[str, Any]]) -> tuple[int, int]:
+    """Grow the trial to ``n`` checkpoints and measure every operation there."""
+    t0 = time.perf_counter()
+    have, rows, grew = _grow(t, trial, have, n, rows, budget_s, log)
+    grew["grow_s"] = time.perf_counter() - t0
+    row: dict[str, Any] = {"n": n, "rows": rows, "grow": grew}
+    row["start"] = t.probe("start", trial)
+    row["manager"] = t.probe("manager", trial)
+    trial_uri = _join(t.uri, EXPERIMENT, trial)
+    last = f"{trial_uri}/checkpoint_{n - 1:06d}"
+    row["cli_best"] = t.probe("cli", trial, args=["best", trial_uri])
+    row["cli_show"] = t.probe("cli", trial, args=["show", last])
+    row["cli_ls"] = t.probe("cli", trial, args=["ls", trial_uri])
+    n_ck, n_m = 5, 50
+    row["ckpt_report"], row["metrics_report"] = _measure_reports(t, trial, have, n_ck, n_m)
+    have += n_ck + 1
+    rows += n_ck + n_m + 1
+    out.append(row)
+    s = row["start"]
+    log(f"  {t.name} N={n}: start {s.get('wall_s', float('nan')):.3f} s "
+        f"{s.get('requests_total')} req; ckpt report "
+        f"{row['ckpt_report']['bytes_outside_checkpoint']} B; metrics report "
+        f"{row['metrics_report']['bytes_amortised']:.0f} B; best "
+        f"{row['cli_best'].get('requests_total')} req "
+        f"{row['cli_best'].get('wall_s', float('nan')):.2f} s (grow {grew['grow_s']:.0f} s)")
+    return have, rows
 
 
 def series_m(t: Target, ms: list[int], log: Callable[[str], None],
