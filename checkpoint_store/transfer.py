@@ -104,11 +104,13 @@ def copy_tree(
     # or a batch of small ones) is the unit of retry.
     from checkpoint_store import _plan
 
+    # Resolved once, not per task: thousands of small files, thousands of calls.
+    policy = retry or RetryPolicy.from_env()
     results = _plan.run(
         src_fs, src_root, dst_fs, dst_root, files,
         chunk_size=chunk, concurrency=concurrency or dst_caps.concurrency, fsync=do_fsync,
         memory_limit=memory_limit if memory_limit is not None else dst_caps.memory_budget,
-        call=lambda fn, what: _retry.call(fn, policy=retry, what=what), previous=previous,
+        call=lambda fn, what: _retry.call(fn, policy=policy, what=what), previous=previous,
     )
     entries = [ManifestEntry(r.path, r.size, crc_hex(r.crc32c)) for r in results]
     if do_fsync:

@@ -82,6 +82,18 @@ def test_tmpfs_has_no_reflink_and_the_copy_falls_back(shm_dir, monkeypatch, fsyn
     assert (dev, dev) in _localcopy._NO_REFLINK
 
 
+def test_files_around_the_buffer_size_copy_whole(tmp_path, monkeypatch) -> None:
+    # At most one buffer: one read feeds the write and the checksum; one byte
+    # more: the kernel copy and a second read. Both edges, and an empty file.
+    buf = 64 * 1024
+    monkeypatch.setattr(_localcopy, "LOCAL_BUFFER", buf)
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    want = _tree(src, {"empty": 0, "under": buf - 1, "exact": buf, "over": buf + 1,
+                       "many/x": 3, "many/y": buf // 2})
+    _assert_copied(copy_tree(LOCAL, src, LOCAL, dst, LOCAL_CAPABILITIES, fsync=False),
+                   src, dst, want)
+
+
 @pytest.mark.parametrize("err", [errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP])
 def test_without_copy_file_range_the_buffer_copies(shm_dir, tmp_path, monkeypatch, err) -> None:
     # A kernel without copy_file_range (ENOSYS), or a pair of filesystems it
@@ -309,19 +321,25 @@ def test_memory_budget_holds_under_8_large_files(tmp_path, request, location) ->
             src / f"shard_{i}.bin").read_bytes()
 
 
-def test_a_source_changing_during_the_copy_fails_it(tmp_path, monkeypatch) -> None:
-    # The kernel copies the bytes and a second read checksums them: a file
-    # rewritten in between would get a manifest that does not describe it.
+@pytest.mark.parametrize("route", ["_kernel_copy", "_copy_through_buffer"])
+def test_a_source_changing_during_the_copy_fails_it(tmp_path, monkeypatch, route) -> None:
+    # The kernel copies the bytes and a second read checksums them (files
+    # larger than the thread's buffer), or one read feeds both the write and
+    # the checksum (smaller files): a file rewritten meanwhile would get a
+    # manifest that does not describe it.
     src = str(tmp_path / "src")
     _tree(src, {"w.bin": 300_000})
-    real = _tasks._Runner._kernel_copy
+    if route == "_kernel_copy":
+        monkeypatch.setattr(_localcopy, "LOCAL_BUFFER", 64 * 1024)
+    real = getattr(_tasks._Runner, route)
 
-    def then_write(self, rel, s, d, offset, length):
-        real(self, rel, s, d, offset, length)
+    def then_write(self, rel, *args):
+        out = real(self, rel, *args)
         with open(os.path.join(src, rel), "ab") as f:
             f.write(b"late")
+        return out
 
-    monkeypatch.setattr(_tasks._Runner, "_kernel_copy", then_write)
+    monkeypatch.setattr(_tasks._Runner, route, then_write)
     ctx = StorageContext(str(tmp_path / "store"), "exp", "trial")
     with pytest.raises(OSError, match="changed while it was being copied"):
         ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
