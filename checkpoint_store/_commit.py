@@ -36,12 +36,13 @@ import posixpath
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _clock, _fsutil, _json
+from checkpoint_store import _clock, _fsutil, _json, _retry
 from checkpoint_store._layout import (
     COMMIT_LOCK,
     DELETE_TOMBSTONE,
@@ -63,6 +64,7 @@ from checkpoint_store._manifest import (
     written_crcs,
 )
 from checkpoint_store._plan import Previous
+from checkpoint_store._remote import _fsspec_of, _is_async
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store._runs import new_writer_id
 from checkpoint_store.backends.base import Backend, Capabilities
@@ -507,6 +509,14 @@ class MarkerLastCommit(CommitProtocol):
                                       if not _is_claim(rel.split("/")[-1])])
         _fsutil.delete_file(self.fs, claim_path, retry=self.retry)
 
+    def _delete_batch(self, fss: Any, paths: list[str]) -> None:
+        try:
+            _retry.call(lambda: fss.rm(paths), policy=self.retry,
+                        what=f"delete {len(paths)} files")
+        except FileNotFoundError:  # some already gone (adlfs): the rest one by one
+            for p in paths:
+                _fsutil.delete_file(self.fs, p, retry=self.retry)
+
     def workdir(self, dest_dir: str, writer: str) -> str:
         return dest_dir
 
@@ -539,18 +549,37 @@ class MarkerLastCommit(CommitProtocol):
     def _remove_tree(self, path: str, writer_id: str | None,
                      files: Iterable[str] | None = None) -> None:
         """Data files first, our ``.cs_*`` files last, then the directory: one
-        batched delete per data subdirectory, one DELETE per top-level file. A
-        removal cut short at any point leaves the tombstone, claims or rank
-        markers that make the rest ours to clean (never foreign)."""
+        batched delete per data subdirectory, one DELETE per top-level file
+        (``capabilities.concurrency`` at a time). A removal cut short at any
+        point leaves the tombstone, claims or rank markers that make the rest
+        ours to clean (never foreign)."""
         if files is None:
             files = [_fsutil.relative(path, fi.path)
                      for fi in _fsutil.list_tree(self.fs, path, retry=self.retry)
                      if fi.type == pafs.FileType.File]
         data = sorted(rel for rel in files if not is_internal_name(rel.split("/")[-1]))
         subdirs = sorted({rel.split("/", 1)[0] for rel in data if "/" in rel})
-        for sub in subdirs:
-            _fsutil.delete_dir(self.fs, posixpath.join(path, sub), retry=self.retry)
-        self._delete_files(path, [rel for rel in data if "/" not in rel])
+        tasks = [lambda sub=sub: _fsutil.delete_dir(self.fs, posixpath.join(path, sub),
+                                                     retry=self.retry) for sub in subdirs]
+        top = [posixpath.join(path, rel) for rel in data if "/" not in rel]
+        fss = _fsspec_of(self.fs)
+        if fss is not None and _is_async(fss):
+            # s3fs, adlfs, gcsfs: one batched call (S3 DeleteObjects, 1000 keys
+            # each). fsspec reads *, ? and [ as a glob: such names go one by one.
+            globs = [p for p in top if any(c in p for c in "*?[")]
+            plain = [p for p in top if p not in globs] if globs else top
+            top = globs
+            if plain:
+                tasks.append(lambda: self._delete_batch(fss, plain))
+        tasks += [lambda p=p: _fsutil.delete_file(self.fs, p, retry=self.retry) for p in top]
+        if len(tasks) > 1 and self.caps.concurrency > 1:
+            with ThreadPoolExecutor(min(self.caps.concurrency, len(tasks)),
+                                    thread_name_prefix="cs-delete") as pool:
+                for f in [pool.submit(t) for t in tasks]:
+                    f.result()  # every data delete done (or raised) before the traces go
+        else:
+            for t in tasks:
+                t()
         _fsutil.delete_dir(self.fs, path, retry=self.retry)
 
 

@@ -125,3 +125,20 @@ def test_a_rank_killed_before_its_marker_leaves_its_attempts_data(where, tmp_pat
     # Rank 0 of the next attempt cleans it; the index is free again.
     assert storage.remove_uncommitted("job_r1") == found.uncommitted
     assert storage.scan().uncommitted == [] and storage.scan().foreign == []
+
+
+def test_delete_with_glob_like_names_removes_exactly_the_checkpoint(where, tmp_path):
+    # Object stores delete top-level data files in one batched call; names
+    # fsspec would read as a glob go one by one, and the neighbour stays.
+    storage = where.storage()
+    storage.ensure_trial_dir()
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a*", "b[1]", "c?", "plain.bin"):
+        (src / name).write_bytes(name.encode())
+    storage.persist_checkpoint(Checkpoint.from_directory(str(src)), 0, {})
+    keep = storage.persist_checkpoint(Checkpoint.from_directory(str(src)), 1, {})
+    storage.delete_checkpoint("checkpoint_000000")
+    assert not _fsutil.exists(storage.filesystem, storage.checkpoint_path(0))
+    assert storage.scan().committed == ["checkpoint_000001"]
+    keep.verify()
