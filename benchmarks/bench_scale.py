@@ -764,8 +764,8 @@ def plot(runs: Mapping[str, Mapping[str, Any]], path: str) -> str:
     """Draw cost against N (and M) of each labelled run, log-log, into ``path`` (PNG).
 
     Args:
-        runs: ``{label: result of main()}``; the first label is drawn dashed
-            (the earlier run), the last solid.
+        runs: ``{label: result of main()}``; earlier runs are drawn dashed, the
+            latest solid.
     Returns:
         ``path``.
     """
@@ -783,7 +783,9 @@ def plot(runs: Mapping[str, Mapping[str, Any]], path: str) -> str:
         (axes[1][1], "s3", "n", "bytes", "moto S3: bytes PUT per report (besides the checkpoint)"),
         (axes[1][2], "local", "m", "time", "local: session.start after M metrics reports (s; MiB)"),
     ]
-    labels = list(runs)
+    from benchmarks.report_md import run_order
+
+    labels = run_order(dict(runs))
     colours = ["C0", "C1", "C2", "C3", "C4", "C5"]
     for ax, backend, series, what, title in panels:
         drew = False

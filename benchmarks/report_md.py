@@ -386,6 +386,11 @@ def _fmt_n(x: float | None) -> str:
     return "n/a" if x is None else f"{x:,.0f}"
 
 
+def run_order(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """Labels of the scale runs, earliest first (the JSON keeps keys sorted by name)."""
+    return sorted(runs, key=lambda lb: str(runs[lb].get("started_utc") or ""))
+
+
 def _scale_rows(run: dict[str, Any], backend: str, series: str) -> dict[int, dict[str, Any]]:
     key = "n" if series == "n" else "m"
     rows = ((run.get("backends") or {}).get(backend) or {}).get(series) or []
@@ -403,7 +408,7 @@ def _get(row: dict[str, Any] | None, *path: str) -> Any:
 
 def _scale_table(runs: dict[str, dict[str, Any]], backend: str, series: str,
                  cols: list[tuple[str, Any]]) -> list[str]:
-    labels = list(runs)
+    labels = run_order(runs)
     by_label = {lb: _scale_rows(runs[lb], backend, series) for lb in labels}
     xs = sorted({x for rows in by_label.values() for x in rows})
     if not xs:
@@ -481,7 +486,7 @@ def scale_targets(runs: dict[str, dict[str, Any]]) -> list[tuple[str, list[str],
          *point("s3", "n", 10_000, "cli_show", "requests_total"), _fmt_n, 60),
     ]
     out: list[tuple[str, list[str], str]] = []
-    labels = list(runs)
+    labels = run_order(runs)
     for name, fn, fallback, fmt, limit in checks:
         measured, last_ok = [], None
         for lb in labels:
@@ -514,7 +519,7 @@ def _rss_above_empty(run: dict[str, Any], m: int) -> float | None:
 def scale_section(runs: dict[str, dict[str, Any]]) -> str:
     """The "Cost against history" section: per-row tables of every labelled run
     (cells read ``first → last``), the plot, and issue 19's targets."""
-    labels = list(runs)
+    labels = run_order(runs)
     out: list[str] = []
     w = out.append
     w("## Cost against history (N checkpoints, M result rows)\n")

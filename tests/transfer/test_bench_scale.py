@@ -55,12 +55,14 @@ def _run(n: int, start_s: float, start_req: int, ckpt_b: int, rows_b: float) -> 
            "metrics_report": {"bytes_amortised": rows_b},
            "cli_best": {"requests_total": start_req}, "cli_show": {"requests_total": 7}}
     return {"args": {"max_n": n, "max_n_s3": n, "max_rows": 0}, "commit": "abc",
+            "started_utc": f"2026-11-30 {20 if start_s < 60 else 19}:00 UTC",
             "backends": {"s3": {"n": [row]}}}
 
 
 def test_scale_section_states_each_target_for_each_run() -> None:
-    runs = {"before": _run(10_000, 90.0, 90_000, 3_000_000, 1_200_000.0),
-            "after": _run(10_000, 1.5, 40, 2_000, 300.0)}
+    # Keyed as the JSON keeps them (sorted): the page orders runs by start time.
+    runs = {"after": _run(10_000, 1.5, 40, 2_000, 300.0),
+            "before": _run(10_000, 90.0, 90_000, 3_000_000, 1_200_000.0)}
     targets = {t[0]: t for t in report_md.scale_targets(runs)}
     start_req = targets["moto S3, keep-all: session.start at N = 10,000 ≤ 60 requests"]
     assert start_req[1:] == (["90,000", "40"], "yes")
