@@ -62,7 +62,7 @@ class ScanResult:
 
 def scan_trial(
     fs: pafs.FileSystem, trial_path: str, runs: set[str], *, retry: RetryPolicy | None = None,
-    known: Mapping[str, int] | None = None,
+    known: Mapping[str, int] | None = None, listing: list[pafs.FileInfo] | None = None,
 ) -> ScanResult:
     """Classify every entry of the trial directory ``trial_path``: committed,
     uncommitted (ours), active (ours, of one of ``runs``) or foreign.
@@ -73,6 +73,8 @@ def scan_trial(
         known: committed checkpoints the caller already knows (directory name
             to index, say from the retention state): taken as committed
             without being inspected.
+        listing: the trial directory's listing, if the caller just made it
+            (else listed here).
 
     Costs one listing of the trial directory plus one recursive listing
     (and at most one small read) per directory not in ``known``.
@@ -80,7 +82,8 @@ def scan_trial(
     known = known or {}
     result = ScanResult()
     committed: list[tuple[int, str]] = []
-    for fi in _fsutil.list_dir(fs, trial_path, retry=retry):
+    entries = listing if listing is not None else _fsutil.list_dir(fs, trial_path, retry=retry)
+    for fi in entries:
         name = posixpath.basename(fi.path.rstrip("/"))
         if fi.type != pafs.FileType.Directory:
             if _dead_writer_tmp(name):

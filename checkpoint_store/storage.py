@@ -357,16 +357,28 @@ class StorageContext:
     def previous_checkpoint(self, index: int) -> Previous | None:
         """The latest committed checkpoint below ``index`` as a
         :class:`~checkpoint_store._plan.Previous` (its path and manifest), or
-        None. Looks at the three highest directories only: one listing of the
-        trial plus one inspection each."""
-        below = [name for i, name in self.checkpoint_dirs() if i < index]
+        None. Reads ``checkpoint_<index - 1>`` first (numbering is contiguous
+        and the newest is kept, so that is the usual answer, whatever the
+        trial's history); else looks at the three highest directories: one
+        listing of the trial plus one inspection each."""
+        if index > 0:
+            found = self._previous_at(checkpoint_dir_name(index - 1))
+            if found is not None:
+                return found
+        below = [name for i, name in self.checkpoint_dirs() if i < index - 1]
         for name in reversed(below[-3:]):
-            path = posixpath.join(self.trial_path, name)
-            meta = read_internal_metadata(self.filesystem, path, retry=self.retry)
-            if meta is not None:
-                return Previous(path, {e["path"]: (e["size"], int(e["crc32c"], 16))
-                                       for e in meta["manifest"]})
+            found = self._previous_at(name)
+            if found is not None:
+                return found
         return None
+
+    def _previous_at(self, name: str) -> Previous | None:
+        path = posixpath.join(self.trial_path, name)
+        meta = read_internal_metadata(self.filesystem, path, retry=self.retry)
+        if meta is None:
+            return None
+        return Previous(path, {e["path"]: (e["size"], int(e["crc32c"], 16))
+                               for e in meta["manifest"]})
 
     def delete_checkpoint(self, dir_name: str) -> None:
         """Delete a checkpoint directory of this trial; absent is fine.
@@ -383,8 +395,8 @@ class StorageContext:
 
     # -- orphans ------------------------------------------------------------------
 
-    def scan(self, run_id: str | None = None, *,
-             known: Mapping[str, int] | None = None) -> ScanResult:
+    def scan(self, run_id: str | None = None, *, known: Mapping[str, int] | None = None,
+             listing: list[_fsutil.pafs.FileInfo] | None = None) -> ScanResult:
         """Classify every directory of this trial: committed, uncommitted (ours),
         active (ours, current run) or foreign (:func:`~checkpoint_store._scan.scan_trial`).
 
@@ -393,6 +405,8 @@ class StorageContext:
                 multi-rank attempt id, say).
             known: committed checkpoints already known (directory name to
                 index, from the retention state): not inspected again.
+            listing: the trial directory's listing, when the caller just made
+                it (the session's start: its manager's restore).
 
         Costs one listing of the trial directory plus one recursive listing
         (and at most one small read) per directory not in ``known``.
@@ -400,10 +414,12 @@ class StorageContext:
         runs = {self.run_id}
         if run_id:
             runs |= {run_id, sanitize_run_id(run_id)}
-        return scan_trial(self.filesystem, self.trial_path, runs, retry=self.retry, known=known)
+        return scan_trial(self.filesystem, self.trial_path, runs, retry=self.retry, known=known,
+                          listing=listing)
 
     def remove_uncommitted(self, run_id: str | None = None, *,
-                           known: Mapping[str, int] | None = None) -> list[str]:
+                           known: Mapping[str, int] | None = None,
+                           listing: list[_fsutil.pafs.FileInfo] | None = None) -> list[str]:
         """Remove what this tool's writers left unfinished in this trial.
 
         Removes staging and deleting directories and partial uploads of other
@@ -419,7 +435,7 @@ class StorageContext:
             TransientBackendError, PermanentBackendError: storage failed;
                 what was removed so far stays removed.
         """
-        found = self.scan(run_id, known=known)
+        found = self.scan(run_id, known=known, listing=listing)
         active = set(found.active)
         removed = []
         for name in found.uncommitted:

@@ -64,11 +64,14 @@ class _Listing:
 
     files: set[str] = field(default_factory=set)
     dirs: dict[str, int] = field(default_factory=dict)  # checkpoint_NNNNNN -> index
+    entries: list[pafs.FileInfo] = field(default_factory=list)
 
     @classmethod
     def of(cls, storage: StorageContext) -> _Listing:
         listing = cls()
-        for fi in _fsutil.list_dir(storage.filesystem, storage.trial_path, retry=storage.retry):
+        listing.entries = _fsutil.list_dir(storage.filesystem, storage.trial_path,
+                                           retry=storage.retry)
+        for fi in listing.entries:
             name = posixpath.basename(fi.path.rstrip("/"))
             index = parse_checkpoint_dir_name(name)
             if fi.type == pafs.FileType.File:
@@ -210,6 +213,9 @@ class CheckpointManager:
         self._foreign: list[str] = []
         self._foreign_meta: dict[str, Mapping[str, Any]] = {}
         self.restored_from_state = False
+        #: The trial directory's listing made at restore, for the start's cleanup
+        #: to reuse; None when the restore deleted a checkpoint since.
+        self.restore_listing: list[pafs.FileInfo] | None = None
         self._uncommitted: list[str] = []
         self._next_index = 0
         self._closed = False
@@ -524,6 +530,7 @@ class CheckpointManager:
         checkpoint's internal metadata rebuilds it. Then resume any deletes
         that were due."""
         listing = _Listing.of(self._storage)
+        self.restore_listing = listing.entries
         state, problem = self._log.load(listing.files)
         self.restored_from_state = state is not None
         trusted = ({} if state is None else
@@ -549,6 +556,8 @@ class CheckpointManager:
                        or (state is not None and (state.config != self.config.to_json()
                                                   or trusted.keys() != state.checkpoints.keys())))
         if needs_write and self._save_state():
+            if self._pending:
+                self.restore_listing = None
             self._delete_pending()
         elif not needs_write:
             self._log.collect_garbage()

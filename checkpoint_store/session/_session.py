@@ -206,7 +206,8 @@ class Session:
                     # The checkpoints the retention state knows are committed
                     # (and the newest was inspected at restore): not inspected again.
                     storage.remove_uncommitted(self.attempt_id,
-                                               known=self.manager.known_committed())
+                                               known=self.manager.known_committed(),
+                                               listing=self.manager.restore_listing)
                 except Exception as exc:  # cleanup must never stop a run from starting
                     logging.getLogger(__name__).warning("cleanup of %s failed: %s",
                                                         storage.uri(storage.trial_path), exc)

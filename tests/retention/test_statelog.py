@@ -254,3 +254,23 @@ def test_a_record_of_a_newer_format_is_refused(make_storage, source_dir):
     _write(storage, state_log_name(99), b'{"format_version": 3, "seq": 99}')
     with pytest.raises(InvalidConfigError, match="newer than this checkpoint-store reads"):
         CheckpointManager(KEEP_ALL, make_storage(), read_only=True)
+
+
+@FAST
+def test_the_previous_checkpoint_of_a_report_is_found_without_a_listing(make_storage,
+                                                                       source_dir,
+                                                                       monkeypatch):
+    storage = make_storage()
+    for i in (0, 1, 2):
+        storage.persist_checkpoint(Checkpoint(source_dir), i, {"metrics": {}})
+    listings: list[int] = []
+    real = StorageContext.checkpoint_dirs
+    monkeypatch.setattr(StorageContext, "checkpoint_dirs",
+                        lambda self: listings.append(1) or real(self))
+    found = storage.previous_checkpoint(3)
+    assert found is not None and found.root.endswith("checkpoint_000002") and listings == []
+    # A gap below (the previous one evicted): the listing finds the one before.
+    _fsutil.delete_dir(storage.filesystem, posixpath.join(storage.trial_path,
+                                                          "checkpoint_000002"))
+    found = storage.previous_checkpoint(3)
+    assert found is not None and found.root.endswith("checkpoint_000001") and listings == [1]
