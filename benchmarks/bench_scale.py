@@ -468,7 +468,7 @@ def _grow(t: Target, trial: str, have: int, want: int, rows: int, budget_s: floa
         src = Checkpoint.from_directory(t.src)
 
         def commit(j: int) -> None:
-            for attempt in range(4):
+            for attempt in range(6):
                 try:
                     st.persist_checkpoint(src, j, {"metrics": _metrics(j), "run_id": run_id})
                     return
@@ -477,12 +477,12 @@ def _grow(t: Target, trial: str, have: int, want: int, rows: int, budget_s: floa
                 except CheckpointStoreError:
                     # moto, busy with several commits at once on a loaded machine,
                     # sometimes answers 500: another attempt, as a user would.
-                    if attempt == 3:
+                    if attempt == 5:
                         raise
-                    time.sleep(1.0 + attempt)
+                    time.sleep(2.0 * (attempt + 1))
 
-        # Several commits in flight: object-store requests wait on round trips.
-        workers = 2 if t.local_root is not None else 4
+        # Two commits in flight: moto, one process, fails more requests with more.
+        workers = 2
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(commit, range(i, want)))
         info["bulk"] = want - i
