@@ -499,7 +499,8 @@ def scale_targets(runs: dict[str, dict[str, Any]]) -> list[tuple[str, list[str],
             text = "not measured"
             if fallback is not None:
                 backend, series, path = fallback
-                rows = _scale_rows(runs[lb], backend, series)
+                rows = {x: r for x, r in _scale_rows(runs[lb], backend, series).items()
+                        if not r.get("error")}
                 got = _get(rows[max(rows)], *path) if rows else None
                 if got is not None:
                     text += f"; {fmt(got)} at {series.upper()} = {max(rows):,}"
@@ -539,7 +540,8 @@ def scale_section(runs: dict[str, dict[str, Any]]) -> str:
       "RSS: growth of peak RSS (Linux VmHWM) during the operation.\n")
     for lb in labels:
         r = runs[lb]
-        big = {f"{b} {series}": max(_scale_rows(r, b, series), default=None)
+        big = {f"{b} {series}": max((x for x, row in _scale_rows(r, b, series).items()
+                                     if not row.get("error")), default=None)
                for b in ("local", "s3") for series in ("n", "m")}
         reach = ", ".join(f"N ≤ {v:,} {k.split()[0]}" if k.endswith("n") else f"M ≤ {v:,}"
                           for k, v in big.items() if v)
@@ -552,6 +554,10 @@ def scale_section(runs: dict[str, dict[str, Any]]) -> str:
     for lb in labels:
         for note in runs[lb].get("notes") or []:
             w(f"\n> Note ({lb}): {note}")
+        for b in ("local", "s3"):
+            for x, row in _scale_rows(runs[lb], b, "n").items():
+                if row.get("error"):
+                    w(f"\n> Failed ({lb}, {b}, N = {x:,}): {row['error'][:300]}")
     w("")
     w(f"![cost against N, log-log]({SCALE_PLOT})\n")
     w("### Targets (issue 19)\n")
