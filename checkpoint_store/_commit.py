@@ -559,8 +559,10 @@ class MarkerLastCommit(CommitProtocol):
                      if fi.type == pafs.FileType.File]
         data = sorted(rel for rel in files if not is_internal_name(rel.split("/")[-1]))
         subdirs = sorted({rel.split("/", 1)[0] for rel in data if "/" in rel})
-        tasks = [lambda sub=sub: _fsutil.delete_dir(self.fs, posixpath.join(path, sub),
-                                                     retry=self.retry) for sub in subdirs]
+        tasks: list[Callable[..., None]] = [
+            lambda sub=sub: _fsutil.delete_dir(self.fs, posixpath.join(path, sub),
+                                               retry=self.retry)
+            for sub in subdirs]
         top = [posixpath.join(path, rel) for rel in data if "/" not in rel]
         fss = _fsspec_of(self.fs)
         if fss is not None and _is_async(fss):

@@ -276,7 +276,12 @@ def assemble_results(storage: StorageContext) -> int:
     _fsutil.write_bytes(fs, posixpath.join(storage.trial_path, RESULT_FILE), data,
                         storage.backend.capabilities, fsync=storage.fsync, retry=retry)
     for seg in segments:
-        _fsutil.delete_file(fs, seg.path, retry=retry)
+        try:
+            _fsutil.delete_file(fs, seg.path, retry=retry)
+        except Exception as exc:
+            # Folded already: readers skip it, and the next session end retries.
+            logger.warning("could not delete folded result.json segment %s: %s",
+                           storage.uri(seg.path), exc)
     return len(segments)
 
 
