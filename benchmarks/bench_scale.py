@@ -66,6 +66,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from benchmarks._common import _hwm_growth, _hwm_reset
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.backends.forwarding import ForwardingHandler
 
@@ -276,26 +277,7 @@ def _local_written(before: dict[str, tuple[int, int]], after: dict[str, tuple[in
 # -- RSS --------------------------------------------------------------------------------
 
 
-def _status_kib(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _rss_reset() -> int | None:
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kib("VmRSS")
-
-
-def _rss_growth_mib(base: int | None) -> float | None:
-    peak = _status_kib("VmHWM")
-    return None if base is None or peak is None else max(0, peak - base) / 1024
+# Peak-RSS reset and growth: benchmarks._common (_hwm_reset, _hwm_growth).
 
 
 # -- probes: one read operation in a fresh interpreter ----------------------------------
@@ -311,13 +293,13 @@ class _Measure:
     def __enter__(self) -> _Measure:
         self._files = _local_files(self.local_trial) if self.local_trial else None
         TALLY.reset()
-        self._base = _rss_reset()
+        self._base = _hwm_reset()
         self._t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self._t0
-        rss = _rss_growth_mib(self._base)
+        rss = _hwm_growth(self._base)
         self.result = {"wall_s": wall, "rss_growth_mib": rss}
         if self.local_trial:
             written = _local_written(self._files or {}, _local_files(self.local_trial))
