@@ -61,21 +61,39 @@ __all__ = ["best_cmd", "ls_cmd", "show_cmd", "verify_cmd"]
 # -- ls -----------------------------------------------------------------------------
 
 
-def _ls_trial(trial: Location, metric: str | None) -> dict[str, Any]:
+def _listed_checkpoints(trial: Location, long: bool) -> list[tuple[Location, dict[str, Any]]]:
+    """The trial's committed checkpoints with what ``ls`` shows of them, oldest first.
+
+    With ``long`` each one's internal metadata (its manifest: sizes, files) is
+    read, about two requests per checkpoint. Without, the retention state
+    names them (``index``, ``metrics``, ``created_at``) and one listing finds
+    what it does not name, whatever the trial's history; a trial without a
+    usable state (written without a manager, or by another tool) falls back
+    to reading every checkpoint's metadata.
+    """
+    if not long:
+        recorded = recorded_checkpoints(trial)
+        if recorded is not None:
+            return recorded
+    return committed_checkpoints(trial)
+
+
+def _ls_trial(trial: Location, metric: str | None, long: bool) -> dict[str, Any]:
     if metric is None:
         metric, _ = score_attribute(trial)
     rows = []
-    for ckpt, meta in committed_checkpoints(trial):
+    for ckpt, meta in _listed_checkpoints(trial, long):
         metrics = stored_metrics(ckpt, meta)
-        rows.append({
+        row = {
             "index": meta["index"],
             "name": ckpt.name,
             "uri": ckpt.uri,
             "created_at": meta.get("created_at"),
-            "size": manifest_size(meta),
-            "files": len(meta.get("manifest", [])),
             "score": metric_value(metrics, metric) if metric else None,
-        })
+        }
+        if long:
+            row.update(size=manifest_size(meta), files=len(meta.get("manifest", [])))
+        rows.append(row)
     corrupt, uncommitted = not_committed(trial, (r["name"] for r in rows))
     return {"kind": "trial", "uri": trial.uri, "metric": metric, "checkpoints": rows,
             "error": _last_error(trial), "uncommitted": len(uncommitted),
@@ -93,18 +111,20 @@ def _last_error(trial: Location) -> str | None:
     return lines[-1] if lines else None
 
 
-def _ls_experiment(exp: Location) -> dict[str, Any]:
+def _ls_experiment(exp: Location, long: bool) -> dict[str, Any]:
     rows = []
     for trial in trials_under(exp, "experiment"):
-        committed = committed_checkpoints(trial)
-        rows.append({
+        committed = _listed_checkpoints(trial, long)
+        row = {
             "name": trial.name,
             "uri": trial.uri,
             "checkpoints": len(committed),
             "latest_index": committed[-1][1]["index"] if committed else None,
             "latest_created_at": committed[-1][1].get("created_at") if committed else None,
-            "size": sum(manifest_size(m) for _, m in committed),
-        })
+        }
+        if long:
+            row["size"] = sum(manifest_size(m) for _, m in committed)
+        rows.append(row)
     return {"kind": "experiment", "uri": exp.uri, "trials": rows}
 
 
@@ -127,14 +147,16 @@ def _ls_checkpoint(loc: Location, meta: Mapping[str, Any]) -> dict[str, Any]:
             "files": files}
 
 
-def _ls_data(loc: Location, kind: LocationKind, metric: str | None) -> dict[str, Any]:
-    """What ``ls`` lists at ``loc``, as the JSON it prints with ``--json``."""
+def _ls_data(loc: Location, kind: LocationKind, metric: str | None,
+             long: bool = False) -> dict[str, Any]:
+    """What ``ls`` lists at ``loc``, as the JSON it prints with ``--json``; sizes
+    and file counts of checkpoints only with ``long``."""
     if kind in ("checkpoint", "corrupt"):
         return _ls_checkpoint(loc, require_checkpoint(loc))
     if kind == "trial":
-        return _ls_trial(loc, metric)
+        return _ls_trial(loc, metric, long)
     if kind == "experiment":
-        return _ls_experiment(loc)
+        return _ls_experiment(loc, long)
     if kind in ("root", "empty"):
         return _ls_root(loc)
     if kind == "uncommitted":
@@ -145,12 +167,18 @@ def _ls_data(loc: Location, kind: LocationKind, metric: str | None) -> dict[str,
     raise InvalidConfigError(f"{loc.uri} is a file, not a directory of checkpoints")
 
 
-def _print_ls_trial(trial: Location, data: Mapping[str, Any]) -> None:
+def _print_ls_trial(trial: Location, data: Mapping[str, Any], long: bool) -> None:
     score_header = f"SCORE ({data['metric']})" if data["metric"] else "SCORE"
-    table(["INDEX", "CHECKPOINT", "CREATED (UTC)", "SIZE", score_header],
-          [[str(r["index"]), r["name"], fmt_time(r["created_at"]), fmt_size(r["size"]),
-            fmt_value(r["score"])] for r in data["checkpoints"]],
-          right=[0, 3])
+    if long:
+        table(["INDEX", "CHECKPOINT", "CREATED (UTC)", "SIZE", score_header],
+              [[str(r["index"]), r["name"], fmt_time(r["created_at"]), fmt_size(r["size"]),
+                fmt_value(r["score"])] for r in data["checkpoints"]],
+              right=[0, 3])
+    else:
+        table(["INDEX", "CHECKPOINT", "CREATED (UTC)", score_header],
+              [[str(r["index"]), r["name"], fmt_time(r["created_at"]), fmt_value(r["score"])]
+               for r in data["checkpoints"]],
+              right=[0])
     if data["uncommitted"] and not quiet():
         click.echo(f"({data['uncommitted']} uncommitted directories not listed; "
                    "`checkpoint-store gc` removes those this tool left and reports "
@@ -163,18 +191,26 @@ def _print_ls_trial(trial: Location, data: Mapping[str, Any]) -> None:
                    f"its traceback is in {trial.child(ERROR_FILE).uri})", err=True)
 
 
-def _print_ls(loc: Location, kind: LocationKind, data: Mapping[str, Any]) -> None:
+def _print_ls_experiment(data: Mapping[str, Any], long: bool) -> None:
+    header = ["TRIAL", "CHECKPOINTS", "LATEST", "LATEST CREATED (UTC)"]
+    rows = [[r["name"], str(r["checkpoints"]), fmt_value(r["latest_index"]),
+             fmt_time(r["latest_created_at"])] for r in data["trials"]]
+    if long:
+        header.append("SIZE")
+        for row, r in zip(rows, data["trials"], strict=True):
+            row.append(fmt_size(r["size"]))
+    table(header, rows, right=[1, 2, 4] if long else [1, 2])
+
+
+def _print_ls(loc: Location, kind: LocationKind, data: Mapping[str, Any], long: bool) -> None:
     if kind == "checkpoint":
         table(["SIZE", "CRC32C", "FILE"],
               [[fmt_size(f["size"]), f.get("crc32c", "-"), f["path"]] for f in data["files"]],
               right=[0])
     elif kind == "trial":
-        _print_ls_trial(loc, data)
+        _print_ls_trial(loc, data, long)
     elif kind == "experiment":
-        table(["TRIAL", "CHECKPOINTS", "LATEST", "LATEST CREATED (UTC)", "SIZE"],
-              [[r["name"], str(r["checkpoints"]), fmt_value(r["latest_index"]),
-                fmt_time(r["latest_created_at"]), fmt_size(r["size"])]
-               for r in data["trials"]], right=[1, 2, 4])
+        _print_ls_experiment(data, long)
     else:
         table(["EXPERIMENT", "TRIALS"],
               [[r["name"], str(r["trials"])] for r in data["experiments"]], right=[1])
@@ -186,31 +222,40 @@ def _print_ls(loc: Location, kind: LocationKind, data: Mapping[str, Any]) -> Non
 @click.option("--metric", default=None, metavar="M",
               help="Metric shown as SCORE for checkpoints (default: the trial's retention "
                    "score attribute). Nested metrics use '/', e.g. eval/loss.")
+@click.option("-l", "--long", "long", is_flag=True,
+              help="Also show each checkpoint's size (and, with --json, its file count); "
+                   "reads every checkpoint's metadata.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @common_options
-def ls_cmd(uri: str, storage_options: dict[str, Any], metric: str | None, as_json: bool) -> None:
+def ls_cmd(uri: str, storage_options: dict[str, Any], metric: str | None, long: bool,
+           as_json: bool) -> None:
     """List experiments, trials or checkpoints under URI.
 
     What is listed depends on what URI is: a storage root lists its
     experiments, an experiment its trials, a trial its committed checkpoints
-    (index, creation time in UTC, size, score), a checkpoint its files.
+    (index, creation time in UTC, score), a checkpoint its files.
     Uncommitted directories (interrupted writes) are never listed as
     checkpoints; their count is reported on stderr.
+
+    A trial's checkpoints come from its retention state and one listing, at a
+    cost that does not grow with the number of checkpoints; --long adds their
+    sizes by reading each one's metadata (about two requests per checkpoint).
 
     \b
     Examples:
       checkpoint-store ls ./results
       checkpoint-store ls ./results/exp/trial1 --metric val/accuracy
+      checkpoint-store ls ./results/exp/trial1 --long
       checkpoint-store ls s3://bucket/runs -o endpoint_url=http://127.0.0.1:9000
       checkpoint-store ls az://container/runs/exp --json
     """
     loc = resolve_location(uri, storage_options)
     kind = classify(loc)
-    data = _ls_data(loc, kind, metric)
+    data = _ls_data(loc, kind, metric, long)
     if as_json:
         print_json(data)
     else:
-        _print_ls(loc, kind, data)
+        _print_ls(loc, kind, data, long)
 
 
 # -- show ---------------------------------------------------------------------------

@@ -40,12 +40,16 @@ def test_ls_trial_lists_exactly_the_committed_checkpoints(store: Store, tmp_path
     assert "checkpoint_000003" not in res.stdout
     assert "1 uncommitted" in res.stderr
 
-    res = invoke(["ls", trial, *store.opt_args(), "--json"])
+    res = invoke(["ls", trial, *store.opt_args(), "--json", "--long"])
     data = json.loads(res.stdout)
     assert data["kind"] == "trial"
     assert [c["index"] for c in data["checkpoints"]] == [0, 1, 2]
     assert [c["size"] for c in data["checkpoints"]] == [3003, 3106, 3209]
+    assert [c["files"] for c in data["checkpoints"]] == [2, 2, 2]
     assert data["uncommitted"] == 1
+    short = json.loads(invoke(["ls", trial, *store.opt_args(), "--json"]).stdout)
+    assert [c["index"] for c in short["checkpoints"]] == [0, 1, 2]
+    assert "size" not in short["checkpoints"][0] and short["uncommitted"] == 1
 
 
 def test_ls_trial_names_the_error_of_its_last_run(store: Store, tmp_path) -> None:

@@ -65,7 +65,7 @@ def test_ls_verify_cp_see_ray_named_checkpoints(tmp_path) -> None:
     assert listed.exit_code == 0, listed.output
     [trial] = json.loads(listed.output)["trials"]
     assert (trial["uri"].rsplit("/", 1)[-1], trial["checkpoints"]) == ("my_run", 2)
-    listed = invoke(["ls", "--json", run])
+    listed = invoke(["ls", "--json", "--long", run])
     assert listed.exit_code == 0, listed.output
     shown = json.loads(listed.output)
     assert shown["kind"] == "trial"
