@@ -22,13 +22,21 @@ import pyarrow.fs as pafs
 
 from checkpoint_store import _fsutil, _retry
 from checkpoint_store._commit import delete_checkpoint_dir, protocol_for
-from checkpoint_store._layout import deleting_dir_name, is_internal_name, replace_dir_name
+from checkpoint_store._layout import is_internal_name
 from checkpoint_store._manifest import inspect_checkpoint
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store._runs import new_writer_id
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.integrations._lightning_async import _OrderedQueue
+from checkpoint_store.integrations._lightning_replace import (
+    POINTER_FILE,
+    current_dir,
+    has_pointer,
+    replacement_dir,
+    replacements,
+    traces,
+)
 from checkpoint_store.integrations._lightning_state import (
     STATE_FILE,
     _checkpoint_metrics,
@@ -169,7 +177,7 @@ class _StoreIO:
 
     def _save(self, checkpoint: Mapping[str, Any], backend: Backend, fs_path: str) -> None:
         started = time.monotonic()
-        swap = self._clear_for_save(backend, fs_path)
+        replacing = self._clear_for_save(backend, fs_path)
         metrics = _checkpoint_metrics(checkpoint)
         internal = {
             # Lightning's step, so "newest" means what it means to the user.
@@ -183,63 +191,81 @@ class _StoreIO:
         write = _stream_state(checkpoint, self.fsync and backend.capabilities.needs_fsync,
                               self.retry)
         writer = new_writer_id(self.run_id)
-        parent, name = posixpath.split(fs_path)
-        target = posixpath.join(parent, replace_dir_name(name, writer)) if swap else fs_path
+        target = replacement_dir(fs_path, writer) if replacing else fs_path
         protocol = protocol_for(backend, fsync=self.fsync, retry=self.retry)
         _retry.with_rebuild(backend, lambda: protocol.commit(
             None, None, target, internal, writer_id=writer, write=write,
         ), what=f"save {backend.uri_for(fs_path)}")
-        if swap:
-            self._swap_in(backend, target, fs_path, writer)
+        if replacing:
+            self._switch_to(backend, fs_path, target, writer)
         logger.info("committed %s in %.2f s", backend.uri_for(fs_path),
                     time.monotonic() - started)
 
     def _clear_for_save(self, backend: Backend, fs_path: str) -> bool:
-        """Make way for a new save at ``fs_path``; True when a committed
-        checkpoint there is to be swapped out once the new one is committed.
+        """Make way for a new save at ``fs_path``; True when a checkpoint there
+        is to be replaced once the new one is committed beside it.
 
-        Lightning saves to the same path again (``last.ckpt``). Where
-        directories rename atomically the old checkpoint stays until the new
-        one is committed beside it, then two renames swap them. Elsewhere the
-        old one is uncommitted and deleted first: a crash in between leaves
-        no checkpoint at that path (never a half-replaced one listed as
-        committed). A save that died half-way (after a resume, training
-        reaches the same ``epoch=..-step=..`` name again) left a directory of
-        our traces whose claim would hold off this save for
-        ``claim_timeout``: removed. Saves of one plugin run one at a time, so
-        no live writer of ours is in there.
+        Lightning saves to the same path again (``last.ckpt``): the new
+        checkpoint is committed under a replacement sibling, then
+        :meth:`_switch_to` makes it current and removes the old one, so a
+        crash at any point leaves the old or the new one readable at the path
+        (:mod:`._lightning_replace`). A save that died half-way (after a
+        resume, training reaches the same ``epoch=..-step=..`` name again)
+        left a directory of our traces whose claim would hold off this save
+        for ``claim_timeout``: removed. Saves of one plugin run one at a time,
+        so no live writer of ours is in there.
         """
         fs = backend.filesystem
+        if has_pointer(backend, fs_path, self.retry):
+            return True
+        insp = None
         kind = _fsutil.info(fs, fs_path, retry=self.retry).type
         if kind == pafs.FileType.File:
-            _fsutil.delete_file(fs, fs_path, retry=self.retry)  # a legacy plain file
-            return False
-        if kind != pafs.FileType.Directory:
-            return False
-        insp = inspect_checkpoint(fs, fs_path, retry=self.retry)
-        if insp.state == "committed":
-            if backend.capabilities.atomic_rename:
+            return True  # a legacy plain file
+        if kind == pafs.FileType.Directory:
+            insp = inspect_checkpoint(fs, fs_path, retry=self.retry)
+            if insp.state == "committed":
                 return True
-            delete_checkpoint_dir(backend, fs_path, writer_id=new_writer_id(self.run_id),
-                                  retry=self.retry)
-        elif insp.state == "absent" and _left_by_a_writer(insp.files or {}):
+            if insp.state != "absent":
+                return False  # "invalid": the commit refuses it, saying why
+        if current_dir(backend, fs_path, self.retry) != fs_path:
+            return True  # only a replacement sibling is left: a switch cut short
+        if insp is not None and _left_by_a_writer(insp.files or {}):
             _fsutil.delete_dir(fs, fs_path, retry=self.retry)
         return False
 
-    def _swap_in(self, backend: Backend, new: str, fs_path: str, writer: str) -> None:
-        """Rename the old checkpoint away and the committed ``new`` into its
-        place (local disks): no moment without a committed copy but the one
-        between the two renames."""
+    def _switch_to(self, backend: Backend, fs_path: str, new: str, writer: str) -> None:
+        """Make the committed ``new`` the checkpoint at ``fs_path``, then remove
+        the old one. Each step leaves a complete checkpoint for readers: the
+        old checkpoint at ``fs_path`` goes (uncommitted first) only while
+        ``new`` is the newest committed sibling, the pointer is one atomic
+        write, and the siblings it no longer names go after it."""
         fs = backend.filesystem
-        parent, name = posixpath.split(fs_path)
-        trash = posixpath.join(parent, deleting_dir_name(name, writer))
-        _fsutil.move(fs, fs_path, trash, retry=self.retry)
-        _fsutil.move(fs, new, fs_path, retry=self.retry)
-        if self.fsync:
-            parent_os = _fsutil.local_path(fs, parent)
-            if parent_os is not None:
-                _fsutil.fsync_dir(parent_os)
-        _fsutil.delete_dir(fs, trash, retry=self.retry)
+        if not has_pointer(backend, fs_path, self.retry):
+            kind = _fsutil.info(fs, fs_path, retry=self.retry).type
+            if kind == pafs.FileType.File:
+                _fsutil.delete_file(fs, fs_path, retry=self.retry)
+            elif kind == pafs.FileType.Directory:
+                delete_checkpoint_dir(backend, fs_path, writer_id=writer, retry=self.retry)
+        _fsutil.write_bytes(fs, posixpath.join(fs_path, POINTER_FILE),
+                            f"{posixpath.basename(new)}\n".encode(), backend.capabilities,
+                            fsync=self.fsync, retry=self.retry)
+        self._drop_replacements(backend, fs_path, keep=new, writer=writer)
+
+    def _drop_replacements(self, backend: Backend, fs_path: str, keep: str | None,
+                           writer: str) -> None:
+        """Remove the replacement siblings of ``fs_path`` but ``keep``: committed
+        ones uncommitted first, leftovers of saves cut short as they are."""
+        for path in traces(backend, fs_path, self.retry):
+            _fsutil.delete_dir(backend.filesystem, path, retry=self.retry)
+        for path in replacements(backend, fs_path, self.retry):
+            if path == keep:
+                continue
+            if inspect_checkpoint(backend.filesystem, path, retry=self.retry).state \
+                    == "committed":
+                delete_checkpoint_dir(backend, path, writer_id=writer, retry=self.retry)
+            else:
+                _fsutil.delete_dir(backend.filesystem, path, retry=self.retry)
 
     # -- load -------------------------------------------------------------------------
 
@@ -275,19 +301,23 @@ class _StoreIO:
                     f"{self._root}")
             return
         fs = backend.filesystem
-        kind = _fsutil.info(fs, fs_path, retry=self.retry).type
-        if kind == pafs.FileType.NotFound:
+        holder = current_dir(backend, fs_path, self.retry)
+        kind = _fsutil.info(fs, holder, retry=self.retry).type
+        if kind == pafs.FileType.NotFound and holder == fs_path:
             return
-        insp = inspect_checkpoint(fs, fs_path, retry=self.retry) \
+        insp = inspect_checkpoint(fs, holder, retry=self.retry) \
             if kind == pafs.FileType.Directory else None
         run_id = (insp.meta or {}).get("run_id") if insp is not None else None
         if insp is None or insp.state != "committed" or run_id != self.run_id:
             _refuse(f"not removing {uri}: this run did not write it (it may be the checkpoint "
                     "the run resumed from, or another run's); delete it yourself if unneeded")
             return
+        writer = new_writer_id(self.run_id)
         # Uncommits first: an interrupted delete never leaves a listed checkpoint.
-        delete_checkpoint_dir(backend, fs_path, writer_id=new_writer_id(self.run_id),
-                              retry=self.retry)
+        delete_checkpoint_dir(backend, holder, writer_id=writer, retry=self.retry)
+        if holder != fs_path:
+            self._drop_replacements(backend, fs_path, keep=None, writer=writer)
+            _fsutil.delete_dir(fs, fs_path, retry=self.retry)  # the pointer, last
 
     # -- end ----------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from checkpoint_store.errors import (
     CheckpointNotFoundError,
     InvalidConfigError,
 )
+from checkpoint_store.integrations._lightning_replace import current_dir, orphaned_names
 from checkpoint_store.integrations._lightning_state import _to_float, verified_state
 from checkpoint_store.registry import resolve
 
@@ -96,11 +97,12 @@ def resume_path(
                             storage_options=storage_options)
     fs = backend.filesystem
     found: list[tuple[str, Mapping[str, Any]]] = []
-    for fi in _fsutil.list_dir(fs, root):
-        name = posixpath.basename(fi.path.rstrip("/"))
-        if fi.type != pafs.FileType.Directory or name.startswith("."):
-            continue
-        insp = inspect_checkpoint(fs, posixpath.join(root, name))
+    listed = {posixpath.basename(fi.path.rstrip("/")): fi.type
+              for fi in _fsutil.list_dir(fs, root)}
+    names = {n for n, t in listed.items()
+             if t == pafs.FileType.Directory and not n.startswith(".")}
+    for name in sorted(names | orphaned_names(set(listed), list(listed))):
+        insp = inspect_checkpoint(fs, current_dir(backend, posixpath.join(root, name)))
         if insp.state == "committed" and insp.meta is not None:
             found.append((name, insp.meta))
     chosen = _first_verified(

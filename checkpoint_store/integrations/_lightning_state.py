@@ -28,6 +28,7 @@ from checkpoint_store._manifest import (
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import CheckpointCorruptError, CheckpointNotFoundError
+from checkpoint_store.integrations._lightning_replace import current_dir
 
 __all__ = [
     "STATE_FILE",
@@ -133,6 +134,8 @@ def verified_state(backend: Backend, fs_path: str, *, retry: RetryPolicy | None 
                    keep: bool = True) -> str | bytes:
     """The state of a committed checkpoint directory (every file checked
     against its manifest) or of a plain legacy ``.ckpt`` file (unchecked).
+    ``fs_path`` is a Lightning path: one a re-save replaced is followed to
+    the directory holding its checkpoint (:func:`._lightning_replace.current_dir`).
 
     Returns:
         On the local disk, the state file's OS path (checked by one streaming
@@ -146,6 +149,8 @@ def verified_state(backend: Backend, fs_path: str, *, retry: RetryPolicy | None 
             (:func:`checkpoint_store._manifest.check_entry` says which and how).
     """
     fs = backend.filesystem
+    # A path replaced by a re-save names its checkpoint by a pointer.
+    fs_path = current_dir(backend, fs_path, retry)
     uri = backend.uri_for(fs_path)
     kind = _fsutil.info(fs, fs_path, retry=retry).type
     if kind == pafs.FileType.NotFound:

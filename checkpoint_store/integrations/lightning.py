@@ -66,9 +66,12 @@ class CheckpointStoreIO(_StoreIO, _CheckpointIO):
       as one file, :data:`STATE_FILE`, streamed to the backend by
       ``torch.save`` with its CRC32C computed on the way (no local copy), and
       the directory is committed by our protocol (rename on local disks,
-      marker last elsewhere). Saving to a path that holds a committed
-      checkpoint (``last.ckpt``) replaces it: swapped in by two renames once
-      committed on local disks, else the old one is uncommitted and deleted first.
+      marker last elsewhere). Saving to a path that holds a checkpoint
+      (``last.ckpt``) replaces it with no moment without a complete one: the
+      new one is committed beside it (``.cs_replace-<name>-<writer>``), a
+      pointer file ``<path>/.cs_current`` is switched to it in one write,
+      then the old one is removed; loads and :func:`resume_path` follow the
+      pointer.
     * ``load_checkpoint(path, map_location=None, weights_only=None, **kwargs)``:
       checks the state file's size and CRC32C against the manifest before
       ``torch.load`` (``kwargs`` go to it); also loads a plain legacy ``.ckpt``

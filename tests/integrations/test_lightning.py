@@ -31,6 +31,7 @@ from checkpoint_store import CheckpointNotFoundError, StorageContext  # noqa: E4
 from checkpoint_store._layout import COMMIT_LOCK  # noqa: E402
 from checkpoint_store._manifest import inspect_checkpoint  # noqa: E402
 from checkpoint_store.integrations._lightning import verified_state  # noqa: E402
+from checkpoint_store.integrations._lightning_replace import current_dir  # noqa: E402
 from checkpoint_store.integrations.lightning import (  # noqa: E402
     STATE_FILE,
     CheckpointStoreIO,
@@ -253,8 +254,8 @@ def test_remove_refuses_outside_root_and_other_runs(tmp_path):
 
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_save_overwrites_same_path(tmp_path, where):
-    """Lightning saves last.ckpt again and again: each save replaces it (on
-    local disks by a swap after the new one is committed), leaving nothing else."""
+    """Lightning saves last.ckpt again and again: each save replaces it (the
+    new one committed beside it, then pointed at), leaving nothing else."""
     if where == "local":
         io, backend, root = CheckpointStoreIO(), *resolve(str(tmp_path / "ck"))
     else:
@@ -266,8 +267,10 @@ def test_save_overwrites_same_path(tmp_path, where):
     state = io.load_checkpoint(path)
     assert state["global_step"] == 2 and torch.equal(state["w"], torch.ones(2))
     names = {fi.base_name for fi in backend.filesystem.get_file_info(pafs.FileSelector(root))}
-    assert names - {COMMIT_LOCK} == {"last.ckpt"}
-    assert committed(backend, root)["last.ckpt"]["index"] == 2
+    sibling = posixpath.basename(current_dir(backend, path))
+    assert sibling.startswith(".cs_replace-last.ckpt-")
+    assert names - {COMMIT_LOCK} == {"last.ckpt", sibling}
+    assert inspect_checkpoint(backend.filesystem, f"{root}/{sibling}").meta["index"] == 2
 
 
 @pytest.mark.parametrize("crash_at", [STATE_FILE, ".internal_metadata.json"])
