@@ -17,7 +17,9 @@ Each has ``commit`` (copy or stream a tree and commit it), ``finalize``
 ``CommitCallback``), ``commit_in_place``/``adopt`` (commit files already at
 the final path), ``delete`` (the commit in reverse) and ``inspect``. The
 marker itself is built by :func:`~checkpoint_store._manifest.internal_metadata`
-alone.
+alone; how marker-last writers take turns is :mod:`checkpoint_store._claims`,
+how a directory is removed so that a removal cut short stays ours is
+:mod:`checkpoint_store._removal`.
 
 Who calls what: the single-rank session, ``StorageContext.adopt`` and the
 Lightning plugin call ``commit``/``adopt`` from the training thread (or the
@@ -33,25 +35,20 @@ from __future__ import annotations
 import abc
 import logging
 import posixpath
-import random
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _clock, _fsutil, _json, _retry
+from checkpoint_store import _fsutil, _json
+from checkpoint_store._claims import CLAIM_STALE_S, is_claim, own_claims, put_claim, take_turn
 from checkpoint_store._layout import (
     COMMIT_LOCK,
     DELETE_TOMBSTONE,
     INTERNAL_METADATA,
-    claim_name,
-    deleting_dir_name,
     is_internal_name,
     is_written_record,
-    parse_claim_name,
     staging_dir_name,
 )
 from checkpoint_store._manifest import (
@@ -64,7 +61,7 @@ from checkpoint_store._manifest import (
     written_crcs,
 )
 from checkpoint_store._plan import Previous
-from checkpoint_store._remote import _fsspec_of, _is_async
+from checkpoint_store._removal import remove_in_order, rename_away
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store._runs import new_writer_id
 from checkpoint_store.backends.base import Backend, Capabilities
@@ -95,9 +92,6 @@ logger = logging.getLogger(__name__)
 WriteContents = Callable[[pafs.FileSystem, str], "list[ManifestEntry]"]
 
 CommitKind = Literal["rename", "marker_last"]
-
-#: A claim older than this (seconds) is a dead writer's: ignored by other writers.
-CLAIM_STALE_S = 3600.0
 
 #: torch.distributed.checkpoint's own commit marker: its coordinator writes it
 #: after every rank's data files (``*.distcp``) are written.
@@ -240,8 +234,7 @@ class CommitProtocol(abc.ABC):
         before :meth:`commit_in_place` leaves a directory a later run removes.
         """
         _fsutil.ensure_dir(self.fs, dest_dir, self.caps, retry=self.retry)
-        self._put(posixpath.join(dest_dir, claim_name(time.time_ns(), writer_id)),
-                  writer_id.encode())
+        put_claim(self.dest, dest_dir, writer_id, self.retry)
 
     def commit_in_place(self, dest_dir: str, internal: Mapping[str, Any]) -> dict[str, Any]:
         """Commit the files already written into ``dest_dir``; no byte is copied.
@@ -275,7 +268,7 @@ class CommitProtocol(abc.ABC):
         if self.fsync and self.caps.needs_fsync:
             _fsutil.fsync_tree(self.fs, dest_dir, data)
         meta = self._write_marker(dest_dir, internal_metadata(internal, entries))
-        drop = [rel for rel in listed if _is_claim(rel.rsplit("/", 1)[-1])
+        drop = [rel for rel in listed if is_claim(rel.rsplit("/", 1)[-1])
                 or is_written_record(rel.rsplit("/", 1)[-1])]
         _cleanup_quietly(lambda: self._delete_files(dest_dir, drop))
         return meta
@@ -294,13 +287,7 @@ class CommitProtocol(abc.ABC):
         """``(every file, the user's files)`` of ``path``, which must hold user
         files and no marker."""
         insp = self.inspect(path)
-        if insp.state == "committed":
-            raise _conflict(self.dest, path, by_other=False)
-        if insp.state == "invalid":
-            raise CheckpointConflictError(
-                f"{self.dest.uri_for(path)} holds a commit marker this version cannot use "
-                f"({insp.reason}); commit under another index"
-            )
+        _refuse_marked(self.dest, path, insp, by_other=False)
         listed = insp.files or {}
         data = {rel: size for rel, size in listed.items() if is_checkpoint_data(rel)}
         if not data:
@@ -373,32 +360,16 @@ class RenameCommit(CommitProtocol):
         self._remove_tree(path, writer_id)
 
     def _remove_tree(self, path: str, writer_id: str | None) -> None:
-        parent, name = posixpath.split(path.rstrip("/"))
-        trash = posixpath.join(parent, deleting_dir_name(name, writer_id or new_writer_id()))
-        try:
-            _fsutil.move(self.fs, path, trash, retry=self.retry)
-        except FileNotFoundError:
-            return
-        except OSError:
-            if not _fsutil.exists(self.fs, path, retry=self.retry):
-                return
-            raise
-        _fsutil.delete_dir(self.fs, trash, retry=self.retry)
+        rename_away(self.dest, path, writer_id, self.retry)
 
     def _move_in(self, staging: str, dest_dir: str, writer: str | None) -> None:
         """Rename the complete ``staging`` to ``dest_dir`` under the commit lock,
         first moving away an uncommitted leftover of ours found there."""
-        parent, name = posixpath.split(dest_dir)
+        parent = posixpath.dirname(dest_dir)
         # Serialises the check-then-rename of commits into ``parent``.
         with _fsutil.dir_lock(self.fs, parent, COMMIT_LOCK):
             now = self.inspect(dest_dir)
-            if now.state == "committed":
-                raise _conflict(self.dest, dest_dir, by_other=True)
-            if now.state == "invalid":
-                raise CheckpointConflictError(
-                    f"{self.dest.uri_for(dest_dir)} holds a commit marker this version cannot "
-                    f"use ({now.reason}); commit under another index"
-                )
+            _refuse_marked(self.dest, dest_dir, now, by_other=True)
             if now.state != "missing":
                 # No marker: a writer that died before its commit (with or
                 # without a claim yet), or a removal cut short. A live writer
@@ -406,9 +377,7 @@ class RenameCommit(CommitProtocol):
                 # place, under this run's lease), never here: rename the
                 # leftover away (atomic), then drop it.
                 _warn_replacing(self.dest, dest_dir, now.files or {})
-                trash = posixpath.join(parent, deleting_dir_name(name, writer or new_writer_id()))
-                _fsutil.move(self.fs, dest_dir, trash, retry=self.retry)
-                _fsutil.delete_dir(self.fs, trash, retry=self.retry)
+                rename_away(self.dest, dest_dir, writer, self.retry)
             _fsutil.move(self.fs, staging, dest_dir, retry=self.retry)
             if self.fsync and self.caps.needs_fsync:
                 parent_os = _fsutil.local_path(self.fs, parent)
@@ -420,11 +389,9 @@ class MarkerLastCommit(CommitProtocol):
     """Data first, marker last, behind a claim (stores without atomic rename).
 
     Each writer PUTs its own claim object, then lists the directory, and
-    writes only if its claim is the only live one. With read-after-write
-    consistent listings (S3, GCS, Azure, memory) two writers can never both
-    see themselves alone: whoever lists second sees the other's claim. A
-    writer that is not alone withdraws its claim, backs off with jitter and
-    tries again, until the marker appears (conflict) or ``claim_timeout``.
+    writes only if its claim is the only live one
+    (:func:`~checkpoint_store._claims.take_turn`); one that is not alone
+    tries again until the marker appears (conflict) or ``claim_timeout``.
     Claims older than :data:`CLAIM_STALE_S` belong to dead writers and are
     ignored. A commit costs: one PUT and one listing for the claim, one PUT
     per file, one PUT for the marker, one DELETE for the claim.
@@ -434,14 +401,21 @@ class MarkerLastCommit(CommitProtocol):
 
     def _commit(self, contents: _Contents, dest_dir: str, internal: Mapping[str, Any],
                 writer_id: str, claim_timeout: float) -> dict[str, Any]:
-        mine, listed = self._claim(dest_dir, writer_id, claim_timeout)
+        mine, listed = take_turn(self.dest, dest_dir, writer_id, timeout=claim_timeout,
+                                 retry=self.retry)
         claim_path = posixpath.join(dest_dir, mine)
+        if INTERNAL_METADATA in listed:
+            # Data files without a marker are no reason to refuse (a writer
+            # died before its commit, or a removal was cut short): once we are
+            # alone they are replaced, below.
+            _cleanup_quietly(lambda: _fsutil.delete_file(self.fs, claim_path, retry=self.retry))
+            raise _conflict(self.dest, dest_dir, by_other=False)
         try:
             # Alone, and the listing after our claim showed no marker: nobody can
             # commit this directory before we do. Data a dead writer (or an
             # earlier attempt of ours) left would not match our manifest.
             stale = [rel for rel in sorted(listed)
-                     if rel != mine and not _is_claim(rel.split("/")[-1])]
+                     if rel != mine and not is_claim(rel.split("/")[-1])]
             if stale:
                 _warn_replacing(self.dest, dest_dir, stale)
             self._delete_files(dest_dir, stale)
@@ -449,73 +423,16 @@ class MarkerLastCommit(CommitProtocol):
         except Exception:
             _cleanup_quietly(lambda: self._undo(dest_dir, claim_path))
             raise
-        # Our claims: this one and any of an earlier attempt of this writer.
-        ours = [c for c in listed if "/" not in c and _is_claim(c)
-                and (c == mine or c.endswith(f"-{writer_id}"))]
+        ours = own_claims(listed, mine, writer_id)
         _cleanup_quietly(lambda: self._delete_files(dest_dir, ours))
         return meta
-
-    def _claim(self, dest_dir: str, writer_id: str, claim_timeout: float
-               ) -> tuple[str, dict[str, pafs.FileInfo]]:
-        """Claim ``dest_dir`` and wait until ours is the only live claim.
-
-        Returns:
-            ``(our claim's name, the listing that showed us alone)``.
-        """
-        deadline = time.monotonic() + claim_timeout
-        rng, delay = random.Random(), 0.01
-        while True:
-            mine = claim_name(time.time_ns(), writer_id)
-            claim_path = posixpath.join(dest_dir, mine)
-            # The claim goes first: a crash from here on leaves a directory that
-            # cleanup recognises as ours. Never empty: some S3-compatible stores
-            # reject zero-byte objects.
-            self._put(claim_path, writer_id.encode())
-            listed = {_fsutil.relative(dest_dir, fi.path): fi
-                      for fi in _fsutil.list_tree(self.fs, dest_dir, retry=self.retry)
-                      if fi.type == pafs.FileType.File}
-            self._refuse_taken(dest_dir, listed, mine, claim_path)
-            others = [c for c in listed if "/" not in c and _is_claim(c)
-                      and not c.endswith(f"-{writer_id}")
-                      and _claim_age(listed, c, mine) < CLAIM_STALE_S]
-            if not others:
-                return mine, listed
-            _fsutil.delete_file(self.fs, claim_path, retry=self.retry)
-            if time.monotonic() > deadline:
-                raise CheckpointConflictError(
-                    f"another writer ({others[0]}) has been committing "
-                    f"{self.dest.uri_for(dest_dir)} for more than {claim_timeout:.0f}s; retry "
-                    "later or commit another index"
-                )
-            time.sleep(delay * (0.5 + rng.random()))
-            delay = min(delay * 2, 0.5)
-
-    def _refuse_taken(self, dest_dir: str, listed: Mapping[str, pafs.FileInfo], mine: str,
-                      claim_path: str) -> None:
-        """Withdraw our claim and raise when ``dest_dir`` is committed.
-
-        Data files without a marker are no reason to refuse, with or without
-        a claim beside them: a writer died before its commit, or a removal
-        was cut short. Once we are alone they are replaced (:meth:`_commit`)."""
-        if INTERNAL_METADATA not in listed:
-            return
-        _cleanup_quietly(lambda: _fsutil.delete_file(self.fs, claim_path, retry=self.retry))
-        raise _conflict(self.dest, dest_dir, by_other=False)
 
     def _undo(self, dest_dir: str, claim_path: str) -> None:
         # Data first, claim last: until the claim goes, the leftovers stay
         # recognisable as ours.
         self._delete_files(dest_dir, [rel for rel in sorted(self.inspect(dest_dir).files or {})
-                                      if not _is_claim(rel.split("/")[-1])])
+                                      if not is_claim(rel.split("/")[-1])])
         _fsutil.delete_file(self.fs, claim_path, retry=self.retry)
-
-    def _delete_batch(self, fss: Any, paths: list[str]) -> None:
-        try:
-            _retry.call(lambda: fss.rm(paths), policy=self.retry,
-                        what=f"delete {len(paths)} files")
-        except FileNotFoundError:  # some already gone (adlfs): the rest one by one
-            for p in paths:
-                _fsutil.delete_file(self.fs, p, retry=self.retry)
 
     def workdir(self, dest_dir: str, writer: str) -> str:
         return dest_dir
@@ -548,41 +465,7 @@ class MarkerLastCommit(CommitProtocol):
 
     def _remove_tree(self, path: str, writer_id: str | None,
                      files: Iterable[str] | None = None) -> None:
-        """Data files first, our ``.cs_*`` files last, then the directory: one
-        batched delete per data subdirectory, one DELETE per top-level file
-        (``capabilities.concurrency`` at a time). A removal cut short at any
-        point leaves the tombstone, claims or rank markers that make the rest
-        ours to clean (never foreign)."""
-        if files is None:
-            files = [_fsutil.relative(path, fi.path)
-                     for fi in _fsutil.list_tree(self.fs, path, retry=self.retry)
-                     if fi.type == pafs.FileType.File]
-        data = sorted(rel for rel in files if not is_internal_name(rel.split("/")[-1]))
-        subdirs = sorted({rel.split("/", 1)[0] for rel in data if "/" in rel})
-        tasks: list[Callable[..., None]] = [
-            lambda sub=sub: _fsutil.delete_dir(self.fs, posixpath.join(path, sub),
-                                               retry=self.retry)
-            for sub in subdirs]
-        top = [posixpath.join(path, rel) for rel in data if "/" not in rel]
-        fss = _fsspec_of(self.fs)
-        if fss is not None and _is_async(fss):
-            # s3fs, adlfs, gcsfs: one batched call (S3 DeleteObjects, 1000 keys
-            # each). fsspec reads *, ? and [ as a glob: such names go one by one.
-            globs = [p for p in top if any(c in p for c in "*?[")]
-            plain = [p for p in top if p not in globs] if globs else top
-            top = globs
-            if plain:
-                tasks.append(lambda: self._delete_batch(fss, plain))
-        tasks += [lambda p=p: _fsutil.delete_file(self.fs, p, retry=self.retry) for p in top]
-        if len(tasks) > 1 and self.caps.concurrency > 1:
-            with ThreadPoolExecutor(min(self.caps.concurrency, len(tasks)),
-                                    thread_name_prefix="cs-delete") as pool:
-                for f in [pool.submit(t) for t in tasks]:
-                    f.result()  # every data delete done (or raised) before the traces go
-        else:
-            for t in tasks:
-                t()
-        _fsutil.delete_dir(self.fs, path, retry=self.retry)
+        remove_in_order(self.dest, path, files, self.retry)
 
 
 # -- the two calls most callers need -----------------------------------------------
@@ -687,6 +570,17 @@ def _conflict(dest: Backend, dest_dir: str, by_other: bool) -> CheckpointConflic
     )
 
 
+def _refuse_marked(dest: Backend, path: str, insp: Inspection, by_other: bool) -> None:
+    """Raise when ``path`` (as ``insp`` found it) holds a commit marker."""
+    if insp.state == "committed":
+        raise _conflict(dest, path, by_other)
+    if insp.state == "invalid":
+        raise CheckpointConflictError(
+            f"{dest.uri_for(path)} holds a commit marker this version cannot use "
+            f"({insp.reason}); commit under another index"
+        )
+
+
 def _refuse_unfinished_dcp(dest: Backend, dest_dir: str, data: Mapping[str, int]) -> None:
     if DCP_METADATA not in data and any(rel.endswith(".distcp") for rel in data):
         raise CheckpointCorruptError(
@@ -704,20 +598,3 @@ def _cleanup_quietly(fn: Callable[[], None]) -> None:
         fn()
     except Exception as exc:  # noqa: BLE001
         logger.warning("could not clean up after a failed commit: %s", exc)
-
-
-def _is_claim(name: str) -> bool:
-    return parse_claim_name(name) is not None
-
-
-def _claim_age(listed: Mapping[str, pafs.FileInfo], claim: str, mine: str) -> float:
-    """Seconds since ``claim`` was written, on the storage's clock: our own claim,
-    written a moment ago, stamps the store's "now". Only a store without
-    modification times falls back to the time in the claim's name against
-    the local clock (:mod:`checkpoint_store._clock`)."""
-    theirs = _clock.mtime_of(listed[claim])
-    now = _clock.mtime_of(listed[mine]) if mine in listed else None
-    if theirs is not None and now is not None:
-        return now - theirs
-    parsed = parse_claim_name(claim)
-    return _clock.local_time() - (parsed[0] if parsed is not None else 0.0)
