@@ -42,7 +42,7 @@ from checkpoint_store._budget import DEFAULT_MEMORY_LIMIT
 from checkpoint_store._crc32c import crc32c_combine
 from checkpoint_store._fsutil import local_path
 from checkpoint_store._localcopy import _O_BINARY, flush_files
-from checkpoint_store._remote import _fsspec_of, _is_async, server_copy
+from checkpoint_store._remote import _fsspec_of, _is_async, can_stream_ranges, server_copy
 from checkpoint_store._tasks import _REMOTE_COPIES, PARTS_IN_FLIGHT, FileResult, _Runner
 
 __all__ = [
@@ -68,6 +68,11 @@ _TO_DISK: tuple[Route, ...] = ("local", "download")
 
 #: A local copy splits files larger than this into parallel parts.
 LOCAL_PART = 64 * 1024 * 1024
+#: A streamed download part (one ranged GET read piece by piece) is read this
+#: many bytes at a time (less where the memory limit needs it).
+STREAM_PIECE = 8 * 1024 * 1024
+#: ... and covers at most this many bytes (a failed part is fetched again whole).
+MAX_STREAM_PART = 512 * 1024 * 1024
 #: A batch of small files holds at most this many files ...
 BATCH_FILES = 64
 #: ... and this many bytes.
@@ -86,6 +91,10 @@ class Plan:
         memory_limit: bytes of file data buffered at once, all threads together.
         batches: lists of small files, each moved by one task.
         large: files moved part by part (or streamed, for uploads).
+        piece: for a download whose client streams ranges
+            (:func:`~checkpoint_store._remote.can_stream_ranges`), bytes read
+            at a time from each part's one request (parts are then large:
+            see :func:`_stream_part_size`); 0 when each part is one buffer.
     """
 
     route: Route
@@ -94,6 +103,7 @@ class Plan:
     memory_limit: int
     batches: list[list[tuple[str, int]]]
     large: list[tuple[str, int]]
+    piece: int = 0
 
 
 def _route(src_local: bool, dst_local: bool) -> Route:
@@ -152,12 +162,34 @@ def plan(
         flat = [f for b in batches for f in b]
         per = max(1, -(-len(flat) // workers))
         batches = [flat[i : i + per] for i in range(0, len(flat), per)]
-    if route == "download":
+    piece = 0
+    if route == "download" and can_stream_ranges(remote_fsspec):
+        piece = max(1024 * 1024, min(STREAM_PIECE, limit // (_REMOTE_COPIES * workers)))
+        part = _stream_part_size(large, workers, part)
+    elif route == "download":
         # A ranged GET's bytes exist twice for a moment (the HTTP client's
         # buffer and ours): parts of at most half the memory limit.
         part = max(1024 * 1024, min(part, limit // (_REMOTE_COPIES * min(workers,
                                                                           PARTS_IN_FLIGHT))))
-    return Plan(route, part, workers, limit, batches, large)
+    return Plan(route, part, workers, limit, batches, large, piece)
+
+
+def _stream_part_size(large: Sequence[tuple[str, int]], workers: int, chunk: int) -> int:
+    """Bytes per streamed ranged GET of a download: the large files' bytes
+    shared evenly by the workers (at least a chunk, at most
+    :data:`MAX_STREAM_PART`), so there are about as many requests as workers
+    and never more than the data needs. With as many large files as
+    workers, each file is one GET, as the raw clients do; fewer files are
+    cut so every worker still has a request in flight. Servers that re-read
+    the object for every ranged GET (moto) pay per request, so no part is
+    cut smaller than needed; memory does not grow with the part (each is
+    read :data:`STREAM_PIECE` at a time)."""
+    total = sum(size for _, size in large)
+    if not total:
+        return chunk
+    mib = 1024 * 1024
+    even = -(-total // (workers * mib)) * mib
+    return max(chunk, min(MAX_STREAM_PART, even))
 
 
 @dataclass(frozen=True)

@@ -67,3 +67,64 @@ def server_copy(fs: pafs.FileSystem, src: str, dst: str, size: int) -> None:
         native.copy_file(src, dst)
     else:
         fss.cp_file(src, dst)
+
+
+class RangeStream:
+    """Bytes ``[start, end)`` of one object, fetched with ONE request and read
+    piece by piece (:meth:`read`), so a large range costs one GET and holds
+    only a piece in memory. Built by :func:`open_range`; close it when done."""
+
+    def __init__(self, fss: Any, body: Any):
+        self._fss = fss
+        self._body = body
+
+    def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes (fewer only at the end of the range)."""
+        from fsspec.asyn import sync
+
+        return sync(self._fss.loop, _read_exactly, self._body, n)
+
+    def close(self) -> None:
+        try:
+            self._body.close()
+        except Exception:  # a body already read to its end or broken: nothing to free
+            pass
+
+
+async def _read_exactly(body: Any, n: int) -> bytes:
+    pieces = []
+    got = 0
+    while got < n:
+        piece = await body.read(n - got)
+        if not piece:
+            break
+        pieces.append(piece)
+        got += len(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def can_stream_ranges(fss: Any | None) -> bool:
+    """Whether :func:`open_range` streams from this fsspec client (s3fs: one
+    ``GetObject`` with a ``Range`` header, its body read piece by piece)."""
+    return fss is not None and _is_async(fss) and hasattr(fss, "_call_s3")
+
+
+def open_range(fss: Any, path: str, start: int, end: int) -> RangeStream:
+    """Open bytes ``[start, end)`` of ``path`` as one streamed ranged GET
+    (``fss`` must pass :func:`can_stream_ranges`).
+
+    Raises:
+        FileNotFoundError: no such object (s3fs translates the error).
+        OSError: any other request error.
+    """
+    from fsspec.asyn import sync
+
+    bucket, key, version = fss.split_path(path)
+    kw = {"VersionId": version} if version else {}
+
+    async def get() -> Any:
+        resp = await fss._call_s3("get_object", Bucket=bucket, Key=key,
+                                  Range=f"bytes={start}-{end - 1}", **kw)
+        return resp["Body"]
+
+    return RangeStream(fss, sync(fss.loop, get))

@@ -14,7 +14,7 @@ import google_crc32c
 import pyarrow.fs as pafs
 import pytest
 
-from checkpoint_store import _budget, _plan
+from checkpoint_store import _budget, _plan, _remote, _retry
 from checkpoint_store.backends.base import LOCAL_CAPABILITIES, Capabilities
 from checkpoint_store.registry import resolve
 from checkpoint_store.transfer import copy_tree
@@ -174,3 +174,94 @@ def test_s3fs_batched_upload_and_download(tmp_path, s3fs_location) -> None:
 @pytest.mark.slow
 def test_azure_adlfs_batched_upload_and_download(tmp_path, azure_location) -> None:
     _roundtrip(tmp_path, azure_location.uri, azure_location.storage_options)
+
+
+# -- downloads from S3: few requests, each streamed (issue 17) ---------------------
+
+MiB = 2**20
+
+
+@pytest.mark.parametrize("engine", ["s3_location", "s3fs_location"])
+@pytest.mark.parametrize(("files", "part"), [
+    ([(f"shard{i}", 256 * MiB) for i in range(4)], 128 * MiB),  # 2 GETs per file
+    ([(f"shard{i}", 256 * MiB) for i in range(8)], 256 * MiB),  # one GET per file
+    ([("model", 1024 * MiB)], 128 * MiB),  # every worker still has a GET
+    ([("model", 10 * 1024 * MiB)], _plan.MAX_STREAM_PART),  # a retry refetches at most this
+])
+def test_s3_download_plan_streams_one_large_range_per_worker(
+        request, engine, files, part) -> None:
+    backend, root = resolve(request.getfixturevalue(engine).uri,
+                            storage_options=request.getfixturevalue(engine).storage_options)
+    p = _plan.plan(backend.filesystem, root, LOCAL, "/tmp/x", files, chunk_size=64 * MiB,
+                   concurrency=8, memory_limit=256 * MiB)
+    assert (p.route, p.chunk_size) == ("download", part)
+    # Memory does not grow with the part: each worker holds one piece (twice).
+    assert p.piece * 2 * p.concurrency <= p.memory_limit
+    small = _plan.plan(backend.filesystem, root, LOCAL, "/tmp/x", files, chunk_size=64 * MiB,
+                       concurrency=8, memory_limit=16 * MiB)
+    assert small.chunk_size == part and small.piece == MiB
+
+
+def test_azure_download_plan_keeps_parts_within_the_budget(azure_location) -> None:
+    # adlfs has no streamed range here: each part is one buffer, sized by the budget.
+    backend, root = resolve(azure_location.uri, storage_options=azure_location.storage_options)
+    p = _plan.plan(backend.filesystem, root, LOCAL, "/tmp/x", [("m", 1024 * MiB)],
+                   chunk_size=64 * MiB, concurrency=8, memory_limit=256 * MiB)
+    assert p.piece == 0 and p.chunk_size * 2 * _plan.PARTS_IN_FLIGHT <= 256 * MiB
+
+
+def _moto_requests(s3_server, bucket: str, since: int) -> list[str]:
+    time.sleep(0.2)  # moto logs a request after answering it
+    with open(s3_server.log_path, "rb") as f:
+        f.seek(since)
+        lines = f.read().decode("utf-8", "replace").splitlines()
+    return [ln.split('"')[1].split(" HTTP")[0] for ln in lines
+            if f" /{bucket}/" in ln or f" /{bucket}?" in ln]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["s3_location", "s3fs_location"])
+def test_s3_download_asks_each_file_once(tmp_path, request, s3_server, s3_bucket,
+                                         engine) -> None:
+    # The raw clients GET each file once: so do we, with no HEAD per file
+    # (s3fs asks an object's size before an unbounded read), and a large
+    # file is one ranged GET per worker, streamed, however small the budget.
+    loc = request.getfixturevalue(engine)
+    backend, root = resolve(loc.uri, storage_options=loc.storage_options)
+    sizes = {**{f"small/s{i:02d}": 1000 + i for i in range(40)}, "empty.bin": 0,
+             "big0.bin": 6 * MiB + 3, "big1.bin": 6 * MiB}
+    want = _make_tree(str(tmp_path / "src"), sizes)
+    up = copy_tree(LOCAL, str(tmp_path / "src"), backend.filesystem, root, backend.capabilities)
+    since = os.path.getsize(s3_server.log_path)
+    caps = Capabilities(directories=True, chunk_size=2 * MiB, concurrency=4)
+    down = copy_tree(backend.filesystem, root, LOCAL, str(tmp_path / "dst"), caps,
+                     fsync=False, memory_limit=4 * MiB)
+    _check(down, LOCAL, str(tmp_path / "dst"), want)
+    assert [(e.path, e.crc32c) for e in down] == [(e.path, e.crc32c) for e in up]
+    reqs = _moto_requests(s3_server, s3_bucket, since)
+    gets = [r for r in reqs if r.startswith("GET") and "list-type" not in r]
+    heads = [r for r in reqs if r.startswith("HEAD")]
+    # 12 MiB over 4 workers: ranges of 4 MiB, 2 per large file; one GET per small file.
+    assert len(gets) == 41 + 2 + 2, reqs
+    assert len(heads) <= 2, heads  # the listing's directory checks, not one per file
+
+
+@pytest.mark.slow
+def test_s3_streamed_range_shorter_than_listed_fails(tmp_path, s3_location, monkeypatch) -> None:
+    # A file cut short between the listing and its download must not be
+    # reported (and written) as complete.
+    backend, root = resolve(s3_location.uri, storage_options=s3_location.storage_options)
+    _make_tree(str(tmp_path / "src"), {"big.bin": 6 * MiB})
+    copy_tree(LOCAL, str(tmp_path / "src"), backend.filesystem, root, backend.capabilities)
+    real = _remote.RangeStream.read
+
+    def short(self, n: int) -> bytes:
+        data = real(self, n)
+        return data[: len(data) // 2] if len(data) > 1 else b""
+
+    monkeypatch.setattr(_remote.RangeStream, "read", short)
+    caps = Capabilities(directories=True, chunk_size=2 * MiB, concurrency=2)
+    with pytest.raises(OSError, match="changed while it was being downloaded"):
+        copy_tree(backend.filesystem, root, LOCAL, str(tmp_path / "dst"), caps, fsync=False,
+                  memory_limit=4 * MiB, files=[("big.bin", 6 * MiB)],
+                  retry=_retry.RetryPolicy(attempts=1))
