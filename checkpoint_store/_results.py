@@ -19,12 +19,14 @@ documented in docs/format.md ("result.json segments").
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
 import posixpath
 import threading
 import uuid
+import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -72,6 +74,9 @@ _MERGE_COUNT = 64
 _MERGE_MAX_BYTES = 8 << 20
 # First tail read; doubled while the bytes read hold no row with an iteration.
 _TAIL_CHUNK = 8192
+# Seconds an interpreter exit waits for the last flush of buffered rows: a
+# store that does not answer must not hang the exit of a finished script.
+_EXIT_FLUSH_TIMEOUT_S = 10.0
 
 
 def valid_iteration(value: Any) -> int | None:
@@ -362,6 +367,65 @@ def flush_interval_from_env() -> float:
     return value
 
 
+# -- flush at interpreter exit ------------------------------------------------------
+
+# Writers holding buffered rows, flushed when the interpreter exits: a script
+# that ends (or calls sys.exit, or dies of an uncaught exception) without ending
+# its session would otherwise lose the rows of its last flush interval. Weak: a
+# writer nobody else holds is not kept alive for this.
+_BUFFERING: weakref.WeakSet[ResultLog] = weakref.WeakSet()
+_BUFFERING_LOCK = threading.Lock()
+_exit_hook_registered = False
+
+
+def _track(log: ResultLog) -> None:
+    """Have :func:`_flush_at_exit` flush ``log``; registers it with ``atexit``
+    once, at the first use, so that it runs before the ``atexit`` handlers
+    registered earlier (pyarrow's S3 finalisation among them)."""
+    global _exit_hook_registered
+    with _BUFFERING_LOCK:
+        _BUFFERING.add(log)
+        if not _exit_hook_registered:
+            atexit.register(_flush_at_exit)
+            _exit_hook_registered = True
+
+
+def _untrack(log: ResultLog) -> None:
+    with _BUFFERING_LOCK:
+        _BUFFERING.discard(log)
+
+
+def _flush_at_exit(timeout: float | None = None) -> None:
+    """Flush every open writer of this process, waiting at most ``timeout``
+    seconds (:data:`_EXIT_FLUSH_TIMEOUT_S`) in all; failures are logged, never
+    raised. A forked child skips its parent's writers: their rows are the
+    parent's to write, and the same segment names would collide."""
+    with _BUFFERING_LOCK:
+        logs = [log for log in _BUFFERING if log._pid == os.getpid()]
+    if not logs:
+        return
+
+    def flush_all() -> None:
+        for log in logs:
+            try:
+                log.flush()
+            except Exception as exc:  # one store's failure must not cost the others
+                logger.warning("could not write the last rows of %s at exit (lost): %s",
+                               log.uri, exc)
+
+    # A daemon thread, so that a store that never answers is left behind.
+    thread = threading.Thread(target=flush_all, name="checkpoint-store-exit-flush",
+                              daemon=True)
+    thread.start()
+    thread.join(_EXIT_FLUSH_TIMEOUT_S if timeout is None else timeout)
+    if thread.is_alive():
+        logger.warning("gave up writing the last buffered result.json rows of %s after "
+                       "%.0f s at exit (lost); end the session (session.end(), or "
+                       "`with session.start(...)`) to write them before exiting",
+                       ", ".join(log.uri for log in logs), _EXIT_FLUSH_TIMEOUT_S
+                       if timeout is None else timeout)
+
+
 class ResultLog:
     """Writes a trial's rows (one writer per trial: the session holding its lease).
 
@@ -370,9 +434,12 @@ class ResultLog:
     most the row being written. Object stores buffer the rows and PUT them as
     one segment per :meth:`flush`: called by the session at each checkpoint
     report, by a timer at most ``flush_interval`` seconds after a row was
-    buffered, when the buffer reaches 1 MiB, and by :meth:`close`, which then
-    assembles ``result.json``. A process killed between flushes loses the rows
-    of the last ``flush_interval`` seconds; a segment is whole or absent.
+    buffered, when the buffer reaches 1 MiB, by :meth:`close`, which then
+    assembles ``result.json``, and at interpreter exit for a writer never
+    closed (a script that ends, calls ``sys.exit`` or dies of an uncaught
+    exception without ending its session; waiting at most 10 s). A process
+    killed between flushes (SIGKILL, ``os._exit``, a lost machine) loses the
+    rows of the last ``flush_interval`` seconds; a segment is whole or absent.
 
     Thread-safety: :meth:`append` and :meth:`flush` may be called from any
     thread; flushes are serialised, and an append never waits for a PUT.
@@ -389,6 +456,7 @@ class ResultLog:
         self._handle: Any = None
         self._interval = flush_interval if flush_interval is not None else flush_interval_from_env()
         self._token = uuid.uuid4().hex[:8]
+        self._pid = os.getpid()
         self._seq = 0  # segments written (names)
         # Segments written since the last merge: (path, span, bytes).
         self._written: list[tuple[str, tuple[int, int], bytes]] = []
@@ -405,6 +473,11 @@ class ResultLog:
             # Segments on a local disk came with a copy of an object-store trial:
             # fold them before appending, or appended rows would hide them.
             assemble_results(storage)
+
+    @property
+    def uri(self) -> str:
+        """The trial's ``result.json``, as a URI (for messages)."""
+        return self._storage.uri(self._path)
 
     @property
     def buffered(self) -> int:
@@ -441,10 +514,13 @@ class ResultLog:
             self._size += len(line)
             self._span = (self._span[0] if self._span else it, it)
             full = self._size >= _SEGMENT_MAX_BYTES
-            if not full and self._timer is None:
+            first = self._timer is None  # the first row since the last flush
+            if not full and first:
                 self._timer = threading.Timer(self._interval, self._flush_on_timer)
                 self._timer.daemon = True
                 self._timer.start()
+        if first:
+            _track(self)
         if full:
             self.flush()
 
@@ -531,4 +607,5 @@ class ResultLog:
             self._handle = None
         if self._local is None:
             self.flush()
+            _untrack(self)
             assemble_results(self._storage)
