@@ -15,6 +15,7 @@ import posixpath
 import re
 import threading
 import uuid
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,16 +24,18 @@ import pyarrow.fs as pafs
 from checkpoint_store import _fsutil, _retry, registry
 from checkpoint_store._commit import delete_checkpoint_dir
 from checkpoint_store._layout import INTERNAL_METADATA
+from checkpoint_store._manifest import read_internal_metadata
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store._runs import new_writer_id
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint
-from checkpoint_store.errors import InvalidConfigError
+from checkpoint_store.errors import CheckpointNotFoundError, InvalidConfigError
 
 __all__ = [
     "CheckpointStoreHandler",
     "as_checkpoint",
     "backend_of",
+    "committed_checkpoint",
     "ray_filesystem",
 ]
 
@@ -393,3 +396,55 @@ def as_checkpoint(ray_checkpoint: Any) -> Checkpoint:
     backend (``verify()``, ``internal_metadata``, verified downloads)."""
     backend, _ = backend_of(ray_checkpoint.filesystem)
     return Checkpoint._from_backend(backend, ray_checkpoint.path)
+
+
+def committed_checkpoint(ray_checkpoint: Any) -> Checkpoint:
+    """The checkpoint to resume from when Ray hands ``ray_checkpoint`` back
+    (``ray.train.get_checkpoint()``, ``ray.tune.get_checkpoint()``,
+    ``Result.checkpoint``): it as ours when it is committed, else the newest
+    committed checkpoint (highest index, then latest commit) beside it, with
+    a ``RuntimeWarning`` naming both.
+
+    Ray Train registers a reported checkpoint (its latest, written to the
+    run's ``checkpoint_manager_snapshot.json``, and older ones beyond
+    ``num_to_keep`` deleted) before ``CommitCallback`` writes its commit
+    marker. A controller that dies in between, or a commit that was refused
+    (a rank's upload failed, two ranks wrote one file), leaves Ray's latest
+    checkpoint uncommitted: possibly incomplete, never to be loaded.
+
+    Raises:
+        CheckpointNotFoundError: ``ray_checkpoint`` is not committed and no
+            committed checkpoint is beside it (with ``num_to_keep=1`` Ray
+            deleted the previous one when it registered this one).
+    """
+    ours = as_checkpoint(ray_checkpoint)
+    if ours.is_committed:
+        return ours
+    backend, retry = backend_of(ray_checkpoint.filesystem)
+    path = ray_checkpoint.path.rstrip("/")
+    parent = posixpath.dirname(path)
+    best: tuple[int, float, str] | None = None
+    for fi in _fsutil.list_dir(backend.filesystem, parent, retry=retry):
+        if fi.type != pafs.FileType.Directory or fi.path.rstrip("/") == path:
+            continue
+        meta = read_internal_metadata(backend.filesystem, fi.path, retry=retry)
+        if meta is not None:
+            key = (int(meta["index"]), float(meta.get("created_at", 0.0)), fi.path)
+            best = key if best is None or key > best else best
+    if best is None:
+        raise CheckpointNotFoundError(
+            f"Ray restored {ours.uri}, which is not a committed checkpoint (no commit "
+            "marker: Ray registered it before CommitCallback committed it, and the commit "
+            f"never happened or was refused), and {backend.uri_for(parent)} holds no "
+            "committed checkpoint to resume from instead. Start the run afresh (a new "
+            "RunConfig(name)), or keep more than one checkpoint (CheckpointConfig(num_to_keep=2))"
+        )
+    chosen = Checkpoint._from_backend(backend, best[2])
+    warnings.warn(
+        f"Ray restored {ours.uri}, which is not a committed checkpoint (Ray registered it "
+        "before CommitCallback committed it, and the commit never happened or was "
+        f"refused); resuming from {chosen.uri}, the newest committed one beside it",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return chosen

@@ -20,7 +20,7 @@ from checkpoint_store import _json
 from checkpoint_store._layout import checkpoint_dir_name
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import CheckpointStoreError
-from checkpoint_store.integrations._ray_fs import as_checkpoint, backend_of
+from checkpoint_store.integrations._ray_fs import as_checkpoint, backend_of, committed_checkpoint
 from checkpoint_store.integrations._ray_train import upload_fn
 
 __all__ = ["RaySession", "active_session"]
@@ -112,7 +112,10 @@ class RaySession:
         return row
 
     def get_checkpoint(self) -> Checkpoint | None:
-        """Ray's restored checkpoint as ours (None when Ray has none)."""
+        """Ray's restored checkpoint as ours (None when Ray has none); when Ray
+        hands one that is not committed, the newest committed one beside it
+        (:func:`~checkpoint_store.integrations.ray.committed_checkpoint`,
+        which also says what it raises)."""
         if self.kind == "train":
             import ray.train
 
@@ -121,7 +124,7 @@ class RaySession:
             import ray.tune
 
             ray_ckpt = ray.tune.get_checkpoint()
-        return None if ray_ckpt is None else as_checkpoint(ray_ckpt)
+        return None if ray_ckpt is None else committed_checkpoint(ray_ckpt)
 
 
 def _commit_for_tune(sess: Any, checkpoint: Checkpoint, row: dict[str, Any]) -> Checkpoint:

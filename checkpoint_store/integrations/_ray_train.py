@@ -227,9 +227,14 @@ def _commit_callback_class() -> type:
 
         Ray's ``CheckpointConfig`` keeps the top K and deletes the rest,
         through the storage filesystem; with :func:`ray_filesystem` those
-        deletes remove the marker first. Ray registers (and may delete older
-        checkpoints) before this callback commits the new one, so for that
-        moment the newest committed checkpoint is the one before.
+        deletes remove the marker first. Ray registers a checkpoint (its
+        latest, in the run's snapshot, with older ones beyond ``num_to_keep``
+        deleted) before this callback commits it; a controller that dies in
+        between, or a refused commit, leaves Ray's latest uncommitted. Resume
+        with ``checkpoint_store.session.get_checkpoint()`` or
+        :func:`~checkpoint_store.integrations.ray.committed_checkpoint`
+        (``ray.train.get_checkpoint()``), which never hand out an uncommitted
+        checkpoint: they fall back to the newest committed one.
         """
 
         def __init__(self) -> None:

@@ -40,6 +40,7 @@ from checkpoint_store.integrations._ray_fs import (
     CheckpointStoreHandler,
     as_checkpoint,
     backend_of,
+    committed_checkpoint,
     ray_filesystem,
 )
 from checkpoint_store.integrations._ray_fs import _restore_handler as _restore_handler
@@ -60,6 +61,7 @@ __all__ = [
     "active_session",
     "as_checkpoint",
     "backend_of",
+    "committed_checkpoint",
     "ray_filesystem",
     "upload_fn",
 ]

@@ -367,6 +367,65 @@ def test_torch_trainer_commits_both_shards_failed_rank_never_committed(
     assert checked.exit_code == 0, checked.output
 
 
+def test_torch_trainer_restart_never_resumes_from_an_uncommitted_checkpoint(
+    ray_cluster, tmp_path
+):
+    """Ray registers epoch 2's checkpoint as its latest, then the commit never
+    happens (the controller 'dies' between the two: the callback skips it) and
+    the worker fails. Ray restarts the worker with that uncommitted checkpoint;
+    session.get_checkpoint() resumes from epoch 1's committed one instead."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    flag = tmp_path / "died-once"
+
+    class DiesBeforeCommit(cs_ray.CommitCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            if metrics and metrics[0]["epoch"] == 2 and metrics[0]["attempt"] == 0:
+                return  # registered by Ray, never committed
+            super().after_report(run_context, metrics, checkpoint)
+
+    def train(config):
+        import time
+
+        attempt = 1 if flag.exists() else 0
+        start = session.get_checkpoint()
+        done = 0
+        if start is not None:
+            start.verify()
+            done = int(start.internal_metadata["metrics"]["epoch"])
+        for epoch in range(done + 1, 4):
+            tmp = tempfile.mkdtemp()
+            Path(tmp, "weights.bin").write_bytes(bytes([epoch]) * 4096)
+            metrics = {"epoch": epoch, "attempt": attempt, "resumed_from": done}
+            session.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
+            shutil.rmtree(tmp, ignore_errors=True)
+            if epoch == 2 and attempt == 0:
+                time.sleep(5)  # Ray registers the report meanwhile
+                flag.write_text("x")
+                raise RuntimeError("worker dies after Ray registered epoch 2")
+
+    fs, path = cs_ray.ray_filesystem(f"file://{tmp_path / 'store'}")
+    result = TorchTrainer(
+        train,
+        scaling_config=ray.train.ScalingConfig(num_workers=1),
+        run_config=ray.train.RunConfig(
+            name="uncommitted",
+            storage_path=path,
+            storage_filesystem=fs,
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            failure_config=ray.train.FailureConfig(max_failures=1),
+            callbacks=[DiesBeforeCommit()],
+        ),
+    ).fit()
+    assert result.error is None, result.error
+    assert flag.exists()
+    assert result.metrics["resumed_from"] == 1  # not 2: that one was never committed
+    ours = cs_ray.as_checkpoint(result.checkpoint)
+    ours.verify()
+    assert ours.internal_metadata["metrics"]["epoch"] == 3
+
+
 # -- the demo's function, unchanged, under TrialRunner and under a Ray Tuner ---------------
 
 
