@@ -111,3 +111,55 @@ def test_a_crash_at_every_step_of_thirty_reports(tmp_path, num_to_keep):
     report = sweep_state_crashes(str(tmp_path), reports=30, num_to_keep=num_to_keep,
                                  compact_every=4, chunk_entries=3, fanout=2)
     assert report.violations == [], "\n".join(report.violations)
+
+
+# -- the lease ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stale", ["expired", "dead", None])
+def test_a_crash_at_every_step_of_the_lease_leaves_one_holder_at_most(tmp_path, stale):
+    """Every mutating call of a lease's life (the storage clock's probe, taking
+    over an expired lease or a dead holder's, two renewals, the release) is a
+    crash point: the next writer takes the trial once the dead holder's lease
+    expires and not before, never alongside a live holder, and nothing but the
+    lease file is ever touched."""
+    from checkpoint_store._layout import CLOCK_PROBE_PREFIX, LEASE_FILE
+    from checkpoint_store.testing.crash import sweep_lease_crashes
+
+    report = sweep_lease_crashes(str(tmp_path), stale=stale)
+    assert report.violations == [], "\n".join(report.violations)
+    assert report.points == len(report.crashed_before) + 1  # the last run ran through
+    ops = [c.split()[0] for c in report.crashed_before if c.endswith("/" + LEASE_FILE)]
+    # The lease's write at acquire and at each of two renewals, then its delete.
+    assert ops == ["open_output_stream"] * 3 + ["delete_file"], report.crashed_before
+    # Judging another holder's unexpired-looking lease reads the storage's clock.
+    probes = [c for c in report.crashed_before if CLOCK_PROBE_PREFIX in c]
+    assert bool(probes) == (stale == "expired"), report.crashed_before
+
+
+def test_the_lease_sweep_catches_a_takeover_of_a_live_lease(tmp_path, monkeypatch):
+    """The checks can fail: a lease that takes every other holder for dead lets
+    two writers hold the trial, and the sweep says so."""
+    from checkpoint_store.retention.lease import Lease
+    from checkpoint_store.testing.crash import sweep_lease_crashes
+
+    monkeypatch.setattr(Lease, "_seconds_left", lambda self, cur, mtime: None)
+    report = sweep_lease_crashes(str(tmp_path), stale=None)
+    assert any("two live holders" in v for v in report.violations), report.violations
+    assert any("third writer took the lease" in v for v in report.violations)
+
+
+def test_the_lease_sweep_catches_a_release_that_deletes_another_holders_lease(
+        tmp_path, monkeypatch):
+    from checkpoint_store import _fsutil
+    from checkpoint_store.retention.lease import Lease
+    from checkpoint_store.testing.crash import sweep_lease_crashes
+
+    def careless_release(self):  # deletes without checking whose lease it is
+        self.stop_renewing()
+        _fsutil.delete_file(self._storage.filesystem, self.path)
+
+    monkeypatch.setattr(Lease, "release", careless_release)
+    monkeypatch.setattr(Lease, "_seconds_left", lambda self, cur, mtime: None)
+    report = sweep_lease_crashes(str(tmp_path), stale="expired")
+    assert report.violations, "a careless lease went unnoticed"
