@@ -265,3 +265,15 @@ def test_s3_streamed_range_shorter_than_listed_fails(tmp_path, s3_location, monk
         copy_tree(backend.filesystem, root, LOCAL, str(tmp_path / "dst"), caps, fsync=False,
                   memory_limit=4 * MiB, files=[("big.bin", 6 * MiB)],
                   retry=_retry.RetryPolicy(attempts=1))
+
+
+def test_azure_adlfs_engine_moves_bytes_through_pyarrow(azure_location) -> None:
+    # adlfs keeps names, listings, deletes and the marker; file bytes of a
+    # transfer go through pyarrow's C++ client on the same account.
+    backend, _ = resolve(azure_location.uri, storage_options=azure_location.storage_options)
+    assert isinstance(_remote._native_of(backend.filesystem), pafs.AzureFileSystem)
+    assert _remote._fsspec_of(backend.filesystem) is not None
+    # Options only adlfs understands: pyarrow could not reach the store the same way.
+    other, _ = resolve(azure_location.uri,
+                       storage_options={**azure_location.storage_options, "max_concurrency": 2})
+    assert _remote._native_of(other.filesystem) is other.filesystem
