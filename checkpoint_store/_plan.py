@@ -294,7 +294,8 @@ def run(
     moved, part_crcs = (_run_in_turn if sequential else _run_on_pool)(r, work)
     results.update(moved)
     if fsync and r.dst_os is not None:
-        flush_files(r.dst_os, [rel for rel, _ in files], p.concurrency)
+        flush_files(r.dst_os, [rel for rel, _ in files], p.concurrency,
+                    sum(size for _, size in files))
     results.update(_combine_parts(part_crcs))
     return [results[rel] for rel, _ in files]
 

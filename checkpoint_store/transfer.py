@@ -294,8 +294,13 @@ def _refuse_unsafe_manifest(checkpoint_path: str, manifest: Iterable[dict[str, A
 def _refuse_links_out(checkpoint_path: str, root: str, files: list[tuple[str, int]]) -> None:
     """A file whose parent, under ``root``, is a symlink leading out of ``root`` is refused."""
     real_root = os.path.realpath(root)
+    # Resolved once per directory, not per file: realpath costs an lstat per
+    # path component (2000 files in 4 directories: 0.27 s of a 0.85 s download).
+    firsts: dict[str, str] = {}
     for rel, _ in files:
-        if not _inside(os.path.realpath(os.path.dirname(os.path.join(root, rel))), real_root):
+        firsts.setdefault(posixpath.dirname(rel), rel)
+    for d, rel in firsts.items():
+        if not _inside(os.path.realpath(os.path.join(root, *d.split("/"))), real_root):
             raise UnsafePathError(
                 f"writing {rel!r} would leave the target directory {root!r} through a symlink "
                 "there; refusing", path=checkpoint_path, file=rel,

@@ -344,3 +344,129 @@ def test_a_source_changing_during_the_copy_fails_it(tmp_path, monkeypatch, route
     with pytest.raises(OSError, match="changed while it was being copied"):
         ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
     assert ctx.committed_checkpoints() == []
+
+
+def _count_flushes(monkeypatch) -> dict[str, int]:
+    """Count ``syncfs`` calls and per-file fsyncs of :func:`_localcopy.flush_files`
+    (both still run)."""
+    seen = {"syncfs": 0, "fsync": 0}
+    real_syncfs, real_fsync = _localcopy._syncfs, os.fsync
+
+    def syncfs(fd: int) -> bool:
+        seen["syncfs"] += 1
+        return real_syncfs(fd)
+
+    def fsync(fd: int) -> None:
+        seen["fsync"] += 1
+        real_fsync(fd)
+
+    monkeypatch.setattr(_localcopy, "_syncfs", syncfs)
+    monkeypatch.setattr(_localcopy.os, "fsync", fsync)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("n_files", "other_dirty", "kernel_ok", "want"),
+    [
+        (200, 0, True, "syncfs"),  # many files, nothing else to write back
+        (200, 1 << 40, True, "fsync"),  # syncfs would wait for others' terabyte
+        (200, 0, False, "fsync"),  # syncfs hides writeback errors before Linux 5.8
+        (3, 0, True, "fsync"),  # few files: fsyncs cost no more
+    ],
+)
+def test_auto_durability_takes_syncfs_only_where_it_pays(
+    tmp_path, monkeypatch, n_files, other_dirty, kernel_ok, want
+) -> None:
+    root = str(tmp_path / "t")
+    sizes = {f"d{i % 3}/f{i:03d}": 100 + i for i in range(n_files)}
+    _tree(root, sizes)
+    nbytes = sum(sizes.values())
+    monkeypatch.setattr(_localcopy, "DURABILITY", "auto")
+    monkeypatch.setattr(_localcopy, "_machine_dirty_bytes", lambda: nbytes + other_dirty)
+    if not kernel_ok:
+        monkeypatch.setattr(_localcopy, "_SYNCFS_KERNEL", (10_000, 0))
+    seen = _count_flushes(monkeypatch)
+    _localcopy.flush_files(root, sorted(sizes), 4, nbytes)
+    if want == "syncfs":
+        assert seen == {"syncfs": 1, "fsync": 0}
+    else:
+        assert seen == {"syncfs": 0, "fsync": n_files}
+
+
+def test_machine_dirty_bytes_reads_meminfo() -> None:
+    if not os.path.exists("/proc/meminfo"):
+        pytest.skip("no /proc/meminfo")
+    got = _localcopy._machine_dirty_bytes()
+    assert got is not None and got >= 0 and got % 1024 == 0
+
+
+def test_a_failed_syncfs_commits_nothing(tmp_path, monkeypatch) -> None:
+    # A writeback error reported by syncfs means the bytes may not be on disk:
+    # the checkpoint must not be committed (and its staging is removed).
+    def failing(fd: int) -> bool:
+        raise OSError(errno.EIO, "injected writeback error")
+
+    monkeypatch.setattr(_localcopy, "DURABILITY", "syncfs")
+    monkeypatch.setattr(_localcopy, "_syncfs", failing)
+    src = str(tmp_path / "src")
+    _tree(src, {f"f{i:03d}": 1000 for i in range(100)})
+    ctx = StorageContext(str(tmp_path / "store"), "exp", "trial", fsync=True)
+    with pytest.raises(OSError, match="injected writeback error"):
+        ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
+    assert ctx.committed_checkpoints() == []
+    scan = ctx.scan()
+    assert (scan.committed, scan.uncommitted) == ([], [])
+
+
+@pytest.mark.parametrize("durability", ["auto", "fsync", "syncfs"])
+def test_data_is_flushed_before_the_commit_marker(tmp_path, monkeypatch, durability) -> None:
+    # fsync=True: every file's bytes are made durable (flush_files) before the
+    # marker that commits them is written, whichever way they are flushed.
+    from checkpoint_store import _fsutil
+    from checkpoint_store._layout import INTERNAL_METADATA
+
+    monkeypatch.setattr(_localcopy, "DURABILITY", durability)
+    events: list[str] = []
+    real_flush, real_write = _plan.flush_files, _fsutil.write_bytes
+
+    def flush(root, rels, workers, nbytes=0):
+        real_flush(root, rels, workers, nbytes)
+        events.append(f"flush {len(rels)}")
+
+    def write_bytes(fs, path, data, caps, **kwargs):
+        if path.endswith("/" + INTERNAL_METADATA):
+            events.append(f"marker fsync={kwargs.get('fsync')}")
+        return real_write(fs, path, data, caps, **kwargs)
+
+    monkeypatch.setattr(_plan, "flush_files", flush)
+    monkeypatch.setattr(_fsutil, "write_bytes", write_bytes)
+    src = str(tmp_path / "src")
+    want = _tree(src, {**{f"s/f{i:03d}": 700 for i in range(80)}, "big": 5 * 1024 * 1024})
+    ctx = StorageContext(str(tmp_path / "store"), "exp", "trial", fsync=True)
+    ck = ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
+    assert events == ["flush 81", "marker fsync=True"]
+    ck.verify()
+    out = ck.to_directory(str(tmp_path / "out"))
+    for rel, data in want.items():
+        with open(os.path.join(out, *rel.split("/")), "rb") as f:
+            assert f.read() == data
+
+
+def test_a_download_through_a_linked_directory_out_of_the_target_is_refused(tmp_path) -> None:
+    # Many files share a directory (checked once); the refusal names one of them.
+    from checkpoint_store.errors import UnsafePathError
+    from checkpoint_store.transfer import download_tree
+
+    src = str(tmp_path / "src")
+    _tree(src, {**{f"ok/f{i:03d}": 10 for i in range(50)}, **{f"out/g{i}": 10 for i in range(3)}})
+    ctx = StorageContext(str(tmp_path / "store"), "exp", "trial")
+    ck = ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
+    target = tmp_path / "target"
+    target.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, target / "out")
+    with pytest.raises(UnsafePathError, match="'out/g0' would leave the target"):
+        download_tree(ck.filesystem, ck.path, LOCAL_CAPABILITIES, str(target),
+                      manifest=None)
+    assert os.listdir(elsewhere) == [] and os.listdir(target) == ["out"]
