@@ -41,19 +41,23 @@ the program if there was one (``sys.last_exc``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
 import filelock
 import pyarrow.fs as pafs
 
+from checkpoint_store._layout import is_internal_file
 from checkpoint_store._manifest import verify_files
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import CheckpointCorruptError, CheckpointStoreError
@@ -88,14 +92,69 @@ def _run_dir(args: TrainingArguments, state: TrainerState) -> str:
     return args.output_dir
 
 
-def _barrier() -> None:
-    """Wait for every rank's part of the save (sharded optimizer states, say)."""
+def _process_group() -> Any:
+    """``torch.distributed`` when a process group is initialised, else None."""
     try:
         import torch.distributed as dist
     except ImportError:
+        return None
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _local_files(directory: str) -> dict[str, int]:
+    """``{relative POSIX path: size}`` of the user files under ``directory``
+    as this rank sees it (empty when it does not exist here)."""
+    out: dict[str, int] = {}
+    for dirpath, _, names in os.walk(directory):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, directory).replace(os.sep, "/")
+            if os.path.isfile(full) and not is_internal_file(rel):
+                out[rel] = os.path.getsize(full)
+    return out
+
+
+def _owned_files(dist: Any, directory: str, rank: int, world_size: int) -> list[str]:
+    """The files of ``directory`` this rank uploads: each relative path that
+    any rank sees goes to the lowest such rank. On a shared filesystem rank 0
+    owns them all; on node-local disks each node's shards (DeepSpeed ZeRO
+    partitions, FSDP shards, ``rng_state_<rank>.pth``) go from the lowest
+    rank of that node; a file several nodes wrote (``save_on_each_node``)
+    goes once."""
+    seen: list[Any] = [None] * world_size
+    dist.all_gather_object(seen, sorted(_local_files(directory)))
+    owner: dict[str, int] = {}
+    for r, rels in enumerate(seen):
+        for rel in rels:
+            owner.setdefault(rel, r)
+    return sorted(rel for rel, r in owner.items() if r == rank)
+
+
+@contextlib.contextmanager
+def _share(directory: str, rels: list[str]) -> Iterator[Checkpoint | None]:
+    """A checkpoint of ``rels`` of ``directory`` alone: the directory itself
+    when they are all of it, else a sibling of hard links (copies across
+    devices), removed afterwards."""
+    if not rels:
+        yield None
         return
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    if set(rels) == set(_local_files(directory)):
+        yield Checkpoint.from_directory(directory)
+        return
+    parent, name = os.path.split(directory.rstrip(os.sep))
+    # Not "checkpoint-*": out of reach of HF's resume lookup and rotation.
+    share = tempfile.mkdtemp(prefix=f".cs-share-{name}-", dir=parent)
+    try:
+        for rel in rels:
+            src, dst = os.path.join(directory, rel), os.path.join(share, rel)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+        yield Checkpoint.from_directory(share)
+    finally:
+        shutil.rmtree(share, ignore_errors=True)
 
 
 class CheckpointStoreCallback(TrainerCallback):
@@ -121,10 +180,17 @@ class CheckpointStoreCallback(TrainerCallback):
     docs/sessions.md) and releases the trial's lease. A session still open
     when the interpreter exits is ended then, with the exception that ended
     the program, if any. Every rank calls
-    ``on_save``: after a barrier (when ``torch.distributed`` is initialised)
-    rank 0 uploads ``checkpoint-<global_step>`` of the run directory, the
-    other ranks report metrics only; the checkpoint is committed once it is
-    complete, so a crash mid-upload never lists it. Errors of the upload
+    ``on_save``. Alone, rank 0 uploads ``checkpoint-<global_step>`` of the
+    run directory. With several ranks (``torch.distributed`` initialised),
+    after a barrier the ranks exchange the lists of files each sees in its
+    ``checkpoint-<global_step>``, and every rank uploads the files no lower
+    rank sees: per-rank shards written on node-local disks (DeepSpeed ZeRO
+    partitions, FSDP shards, ``rng_state_<rank>.pth``) all land in the one
+    checkpoint, each file once (on a shared filesystem rank 0 uploads them
+    all). Rank 0 commits it once every rank's part is in
+    (:mod:`checkpoint_store.session._multirank`), so a crash mid-upload on
+    any rank never lists it; a rank whose upload fails makes every rank's
+    ``report`` raise and nothing is committed. Errors of the upload
     (``CheckpointStoreError`` and subclasses, ``OSError``) propagate out of
     ``trainer.train()``.
 
@@ -194,15 +260,24 @@ class CheckpointStoreCallback(TrainerCallback):
                 "CheckpointStoreCallback.on_save ran before on_train_begin; pass the callback "
                 "to Trainer(callbacks=[...]) rather than calling it by hand"
             )
-        _barrier()
+        dist = _process_group()
+        if dist is not None:
+            dist.barrier()  # every rank's part of the save is on its disk
         step = state.global_step
         # The directory this save just wrote, by name: listing the run directory
         # could pick a newer leftover of an earlier run.
         local = os.path.join(_run_dir(args, state), f"checkpoint-{step}")
-        checkpoint = Checkpoint.from_directory(local) if state.is_world_process_zero else None
         metrics = {**self._metrics, STEP_METRIC: step, "epoch": state.epoch}
         self._metrics = {}
-        sess.report(metrics, checkpoint=checkpoint)
+        if dist is None or args.world_size <= 1:
+            checkpoint = Checkpoint.from_directory(local) if state.is_world_process_zero else None
+            sess.report(metrics, checkpoint=checkpoint)
+            return
+        # Each rank uploads the files only it sees into the one checkpoint,
+        # which rank 0 commits once every rank's part is in.
+        rels = _owned_files(dist, local, args.process_index, args.world_size)
+        with _share(local, rels) as checkpoint:
+            sess.report(metrics, checkpoint=checkpoint)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
