@@ -27,7 +27,7 @@ import posixpath
 import threading
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -379,15 +379,32 @@ _exit_hook_registered = False
 
 
 def _track(log: ResultLog) -> None:
-    """Have :func:`_flush_at_exit` flush ``log``; registers it with ``atexit``
-    once, at the first use, so that it runs before the ``atexit`` handlers
-    registered earlier (pyarrow's S3 finalisation among them)."""
+    """Have :func:`_flush_at_exit` flush ``log``; registers it once, at the
+    first use, as a hook of the interpreter's exit (:func:`_register_exit_hook`)."""
     global _exit_hook_registered
     with _BUFFERING_LOCK:
         _BUFFERING.add(log)
         if not _exit_hook_registered:
-            atexit.register(_flush_at_exit)
+            _register_exit_hook(_flush_at_exit)
             _exit_hook_registered = True
+
+
+def _register_exit_hook(hook: Callable[[], None]) -> None:
+    """Run ``hook`` when the main thread ends, before ``concurrent.futures``
+    stops taking work: the async clients (adlfs, gcsfs, s3fs) run their I/O
+    through executors that refuse it after that, so an ``atexit`` hook is
+    too late for them. The threading module's exit hooks (what
+    ``concurrent.futures`` itself uses) run last-registered first, so ours,
+    registered after those libraries were imported, runs before theirs;
+    ``atexit`` where that hook does not exist (other interpreters)."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(hook)
+        return
+    try:
+        register(hook)
+    except RuntimeError:  # the interpreter is already shutting down
+        atexit.register(hook)
 
 
 def _untrack(log: ResultLog) -> None:
@@ -416,7 +433,11 @@ def _flush_at_exit(timeout: float | None = None) -> None:
     # A daemon thread, so that a store that never answers is left behind.
     thread = threading.Thread(target=flush_all, name="checkpoint-store-exit-flush",
                               daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError:  # an interpreter that starts no thread this late: unbounded
+        flush_all()
+        return
     thread.join(_EXIT_FLUSH_TIMEOUT_S if timeout is None else timeout)
     if thread.is_alive():
         logger.warning("gave up writing the last buffered result.json rows of %s after "
