@@ -291,7 +291,10 @@ def run(
                            concurrency=concurrency, memory_limit=memory_limit)
     work = _work_items(p, r)
     sequential = p.concurrency == 1 or work.count == 1
-    moved, part_crcs = (_run_in_turn if sequential else _run_on_pool)(r, work)
+    try:
+        moved, part_crcs = (_run_in_turn if sequential else _run_on_pool)(r, work)
+    finally:
+        r.close_inputs()
     results.update(moved)
     if fsync and r.dst_os is not None:
         flush_files(r.dst_os, [rel for rel, _ in files], p.concurrency,

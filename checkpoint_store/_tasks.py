@@ -101,6 +101,10 @@ class _Runner(_LocalDisk):
         self.read_chunk = read_chunk
         self.budget = _Budget(p.memory_limit)
         self._tls = threading.local()
+        # Parts of one file share one open handle: opening costs a request
+        # (a HEAD on S3, GetProperties on Azure) per part otherwise.
+        self._inputs: dict[str, Any] = {}
+        self._inputs_lock = threading.Lock()
 
     # paths
     def _src(self, rel: str) -> str:
@@ -192,10 +196,8 @@ class _Runner(_LocalDisk):
                     f"download {rel}@{offset}",
                 )
             else:
-                def ranged() -> Any:
-                    with self.src_fs.open_input_file(self._src(rel)) as f:
-                        return f.read_at(length, offset)
-                data = self.call(ranged, f"download {rel}@{offset}")
+                data = self.call(lambda: self._read_at(rel, offset, length),
+                                 f"download {rel}@{offset}")
             if len(data) != length:
                 raise OSError(
                     f"{self._src(rel)}: read {len(data)} bytes at offset {offset}, expected "
@@ -242,6 +244,29 @@ class _Runner(_LocalDisk):
             return crc
         finally:
             self.budget.release(charge)
+
+    def _read_at(self, rel: str, offset: int, length: int) -> Any:
+        """``length`` bytes at ``offset`` of a remote file, through a handle
+        shared by its parts (Arrow's ``ReadAt`` is safe from many threads);
+        a handle that failed is dropped, so a retry opens the file again."""
+        with self._inputs_lock:
+            f = self._inputs.get(rel)
+            if f is None:
+                f = self._inputs[rel] = self.src_fs.open_input_file(self._src(rel))
+        try:
+            return f.read_at(length, offset)
+        except BaseException:
+            with self._inputs_lock:
+                if self._inputs.get(rel) is f:
+                    del self._inputs[rel]
+            raise
+
+    def close_inputs(self) -> None:
+        """Close the handles :meth:`_read_at` kept open."""
+        with self._inputs_lock:
+            inputs, self._inputs = list(self._inputs.values()), {}
+        for f in inputs:
+            f.close()
 
     def stream(self, rel: str, size: int, *, budgeted: bool = True) -> FileResult:
         """Copy one file through an output stream, chunk by chunk."""
