@@ -18,6 +18,7 @@ __all__ = [
     "new_writer_id",
     "run_of_writer",
     "sanitize_run_id",
+    "torchrun_attempt",
 ]
 
 
@@ -39,13 +40,23 @@ def default_run_id() -> tuple[str, bool]:
     value = os.environ.get("CHECKPOINT_STORE_RUN_ID")
     if value:
         return sanitize_run_id(value), True
-    value = os.environ.get("TORCHELASTIC_RUN_ID")
-    if value and value.lower() != "none":
-        # Same rendezvous id on every restart of an elastic job; the restart
-        # count tells attempts apart, so a new attempt cleans the old one's leftovers.
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return sanitize_run_id(f"{value}_r{restart}"), True
+    launch = torchrun_attempt()
+    if launch is not None:
+        # A new attempt cleans the old one's leftovers.
+        return sanitize_run_id(f"{launch[0]}_r{launch[1]}"), True
     return _PROCESS_RUN_ID, False
+
+
+def torchrun_attempt() -> tuple[str, str] | None:
+    """``(rendezvous id, restart count)`` of a torchrun launch, from
+    ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT``; None outside
+    one, or where the id is torchrun's default ``none`` (the same for every
+    launch). The rendezvous id is the same on every restart of an elastic
+    job; the restart count tells its attempts apart."""
+    value = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not value or value.lower() == "none":
+        return None
+    return value, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 def new_writer_id(run_id: str | None = None) -> str:

@@ -22,15 +22,13 @@ past every ``checkpoint_*`` directory already present, so a committed
 checkpoint never mixes files from two attempts. Rank 0 decides the first
 index of an attempt and
 shares it (broadcast, or ``<trial>/.cs_attempt-R.json``) before any rank writes.
+How the ranks meet (the attempt id, the process group, the backoff of polls)
+is :mod:`checkpoint_store.session._rendezvous`.
 """
 
 from __future__ import annotations
 
-import os
 import posixpath
-import re
-import sys
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,13 +37,13 @@ from typing import Any, Literal, TypedDict
 import pyarrow.fs as pafs
 
 from checkpoint_store import _fsutil, _json
+from checkpoint_store._claims import put_claim
 from checkpoint_store._layout import (
     INTERNAL_METADATA,
     USER_METADATA,
     abort_file_name,
     attempt_file_name,
     checkpoint_dir_name,
-    claim_name,
     is_abort_file_name,
     is_attempt_file_name,
     is_internal_file,
@@ -62,11 +60,9 @@ from checkpoint_store.errors import (
     InvalidConfigError,
     RankTimeoutError,
 )
+from checkpoint_store.session._rendezvous import Backoff, checked_attempt_id, torch_group
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.transfer import copy_tree
-
-_ATTEMPT_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,96}$")
-
 
 #: Why rank 0 did not commit: a rank missing, a rank failed, two ranks wrote
 #: one path, or the commit itself failed.
@@ -117,70 +113,6 @@ def merge_rank_files(markers: Mapping[int, Mapping[str, Any]]) -> RankFiles:
     return RankFiles(manifest, ranks, None)
 
 
-class _Backoff:
-    """Sleeps 5 ms, doubling up to 0.5 s, until a deadline."""
-
-    def __init__(self, timeout_s: float):
-        self.deadline = time.monotonic() + timeout_s
-        self.delay = 0.005
-
-    def sleep(self) -> bool:
-        """Sleep once; False when the deadline has passed (nothing slept)."""
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            return False
-        time.sleep(min(self.delay, left))
-        self.delay = min(self.delay * 2, 0.5)
-        return True
-
-
-def _torch_group(world_rank: int, world_size: int) -> tuple[bool, Any]:
-    """Whether to synchronise over torch.distributed, and on which group.
-
-    Returns ``(False, None)`` without a process group, ``(True, None)`` for the
-    default group when it is gloo (None is how torch names the default group),
-    and ``(True, subgroup)`` for a gloo subgroup made here when the default
-    group is another backend (NCCL), because object collectives on NCCL need a
-    CUDA device.
-
-    No reference to the default group is kept: torch frees it in
-    ``destroy_process_group()`` only when nothing else holds it, and a group
-    freed later, while the interpreter shuts down, aborts the process
-    ("terminate called without an active exception" from gloo's threads).
-
-    torch is never imported here: only a process that already imported it can
-    have a process group.
-    """
-    if "torch" not in sys.modules:
-        return False, None
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return False, None
-    if not (dist.is_available() and dist.is_initialized()):
-        return False, None
-    if dist.get_world_size() != world_size or dist.get_rank() != world_rank:
-        raise InvalidConfigError(
-            f"session rank {world_rank}/{world_size} disagrees with the torch.distributed "
-            f"process group (rank {dist.get_rank()}/{dist.get_world_size()}); pass the "
-            "process group's rank and size, or none at all"
-        )
-    if dist.get_backend() == "gloo":
-        return True, None
-    return True, dist.new_group(backend="gloo")
-
-
-def _env_attempt_id() -> str | None:
-    rdzv = os.environ.get("TORCHELASTIC_RUN_ID")
-    if not rdzv or rdzv.lower() == "none":
-        # torchrun's default --rdzv-id is "none" for every launch: not unique.
-        return None
-    # The rendezvous id is the same for every restart of an elastic job; the
-    # restart count tells attempts apart.
-    raw = f"{rdzv}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return re.sub(r"[^A-Za-z0-9_.\-]", "_", raw)[:96]
-
-
 class Coordinator:
     """Rendezvous and commit for one rank of a multi-rank session.
 
@@ -207,7 +139,7 @@ class Coordinator:
         self.rank = world_rank
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
-        self._uses_torch, self._group = _torch_group(world_rank, world_size)
+        self._uses_torch, self._group = torch_group(world_rank, world_size)
         self.attempt_id = self._agree_attempt_id(attempt_id)
 
     # -- collectives --------------------------------------------------------------
@@ -236,20 +168,7 @@ class Coordinator:
     def _agree_attempt_id(self, attempt_id: str | None) -> str:
         if attempt_id is None and self._uses_torch:
             attempt_id = self._broadcast(uuid.uuid4().hex[:16])
-        if attempt_id is None:
-            attempt_id = _env_attempt_id()
-        if attempt_id is None:
-            raise InvalidConfigError(
-                f"a session with world_size={self.world_size} needs a attempt id shared by all "
-                "ranks of this launch and unique per launch: pass attempt_id=... to "
-                "session.start(), launch with torchrun, or call "
-                "torch.distributed.init_process_group() before session.start()"
-            )
-        if not isinstance(attempt_id, str) or not _ATTEMPT_ID_RE.match(attempt_id):
-            raise InvalidConfigError(
-                f"attempt_id {attempt_id!r} must be 1-96 letters, digits, '_', '.' or '-'"
-            )
-        return attempt_id
+        return checked_attempt_id(attempt_id, self.world_size)
 
     def agree_start_index(self, compute: Callable[[], int]) -> int:
         """Rank 0 computes the attempt's first checkpoint index; every rank gets it.
@@ -281,7 +200,7 @@ class Coordinator:
                     "start_index": index}
             _fsutil.write_bytes(fs, path, _json.dumps(body), caps, fsync=self.storage.fsync)
             return int(index)  # type: ignore[arg-type]
-        backoff = _Backoff(self.timeout_s)
+        backoff = Backoff(self.timeout_s)
         while True:
             try:
                 body = _json.loads(_fsutil.read_bytes(fs, path))
@@ -440,11 +359,8 @@ class Coordinator:
         staging directory's name is trace enough. Returns the claim's path."""
         if target != self.storage.checkpoint_path(index):
             return None
-        claim = posixpath.join(target, claim_name(time.time_ns(),
-                                                  new_writer_id(self.attempt_id)))
-        _fsutil.write_bytes(self.storage.filesystem, claim, f"rank {self.rank}".encode(),
-                            self.storage.backend.capabilities, fsync=False)
-        return claim
+        writer = new_writer_id(self.attempt_id)
+        return posixpath.join(target, put_claim(self.storage.backend, target, writer))
 
     def _include(self, rel: str) -> bool:
         if is_internal_file(rel):
@@ -514,7 +430,7 @@ class Coordinator:
         # After a barrier every rank has tried to write its marker: one missing
         # now failed to write, so only a listing's lag is worth waiting for.
         timeout_s = min(self.timeout_s, 10.0) if self._uses_torch else self.timeout_s
-        backoff = _Backoff(timeout_s)
+        backoff = Backoff(timeout_s)
         while True:
             present = set()
             for fi in _fsutil.list_dir(fs, target):
@@ -575,7 +491,7 @@ class Coordinator:
         # Rank 0 waits up to timeout_s for the slowest rank and then publishes
         # which ranks were missing; wait past that to report its verdict.
         wait_s = 2 * self.timeout_s + 1.0
-        backoff = _Backoff(wait_s)
+        backoff = Backoff(wait_s)
         while True:
             meta_info, abort_info = fs.get_file_info([meta_path, abort_path])
             if abort_info.type == pafs.FileType.File:
