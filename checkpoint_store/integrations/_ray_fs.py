@@ -435,7 +435,8 @@ def committed_checkpoint(ray_checkpoint: Any) -> Checkpoint:
         raise CheckpointNotFoundError(
             f"Ray restored {ours.uri}, which is not a committed checkpoint (no commit "
             "marker: Ray registered it before CommitCallback committed it, and the commit "
-            f"never happened or was refused), and {backend.uri_for(parent)} holds no "
+            "never happened or was refused; or the RunConfig has no CommitCallback), and "
+            f"{backend.uri_for(parent)} holds no "
             "committed checkpoint to resume from instead. Start the run afresh (a new "
             "RunConfig(name)), or keep more than one checkpoint (CheckpointConfig(num_to_keep=2))"
         )
@@ -443,7 +444,7 @@ def committed_checkpoint(ray_checkpoint: Any) -> Checkpoint:
     warnings.warn(
         f"Ray restored {ours.uri}, which is not a committed checkpoint (Ray registered it "
         "before CommitCallback committed it, and the commit never happened or was "
-        f"refused); resuming from {chosen.uri}, the newest committed one beside it",
+        f"refused); resuming from {chosen.uri}, the newest committed one beside it, instead",
         RuntimeWarning,
         stacklevel=2,
     )
