@@ -222,19 +222,52 @@ class _LocalDisk:
 
     # -- local disk primitives
 
-    def _copy_local_range(self, rel: str, offset: int, length: int) -> int:
-        """Copy ``length`` bytes at ``offset`` of a local file to the same offset
-        of the destination, returning the CRC32C of those bytes as written."""
+    def source_stamp(self, rel: str) -> tuple[int, int, int]:
+        """Inode, size and modification time (ns) of a local source file, taken
+        before any task of a large file's copy starts (:meth:`copy_local_file`,
+        :meth:`crc_local_range`)."""
+        st = os.stat(self._src_os(rel))
+        return st.st_ino, st.st_size, st.st_mtime_ns
+
+    def _same_source(self, rel: str, fd: int, stamp: tuple[int, int, int]) -> None:
+        st = os.fstat(fd)
+        if (st.st_ino, st.st_size, st.st_mtime_ns) != stamp:
+            raise OSError(
+                f"{self._src_os(rel)} changed while it was being copied; write the "
+                "checkpoint completely before reporting it"
+            )
+
+    def copy_local_file(self, rel: str, stamp: tuple[int, int, int]) -> None:
+        """Copy a large file whole inside the kernel, one sequential writer as
+        ``cp`` is, while :meth:`crc_local_range` checksums its parts from the
+        page cache on the other threads. Every task checks at its end that
+        the source still has ``stamp``: a write between the first task's start
+        and the last one's end fails the copy, so the bytes copied and the
+        bytes checksummed are the same."""
         src = os.open(self._src_os(rel), os.O_RDONLY | _O_BINARY)
         try:
-            before = _stamp(src)
-            dst = os.open(self._dst_os(rel), os.O_WRONLY | _O_BINARY)
+            self._same_source(rel, src, stamp)
+            dst = os.open(
+                self._dst_os(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY, 0o644
+            )
             try:
-                self._kernel_copy(rel, src, dst, offset, length)
+                self._kernel_copy(rel, src, dst, 0, stamp[1])
             finally:
                 os.close(dst)
+            self._same_source(rel, src, stamp)
+        finally:
+            os.close(src)
+
+    def crc_local_range(
+        self, rel: str, offset: int, length: int, stamp: tuple[int, int, int]
+    ) -> int:
+        """CRC32C of ``length`` bytes at ``offset`` of a local source whose
+        whole copy :meth:`copy_local_file` makes (see there)."""
+        src = os.open(self._src_os(rel), os.O_RDONLY | _O_BINARY)
+        try:
+            self._same_source(rel, src, stamp)
             crc = self._crc_range(src, offset, length)
-            self._unchanged(rel, src, before)
+            self._same_source(rel, src, stamp)
             return crc
         finally:
             os.close(src)

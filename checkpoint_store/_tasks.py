@@ -111,6 +111,9 @@ class _Runner(_LocalDisk):
         # (a HEAD on S3, GetProperties on Azure) per part otherwise.
         self._inputs: dict[str, Any] = {}
         self._inputs_lock = threading.Lock()
+        #: ``{relpath: (inode, size, mtime_ns)}`` of the local sources copied
+        #: whole while their parts are checksummed (see ``_plan._work_items``).
+        self.stamps: dict[str, tuple[int, int, int]] = {}
 
     # paths
     def _src(self, rel: str) -> str:
@@ -186,9 +189,10 @@ class _Runner(_LocalDisk):
     def part(self, rel: str, offset: int, length: int) -> int:
         """Move bytes ``[offset, offset+length)`` of a large file; returns their CRC32C."""
         if self.p.route == "local":
+            # The bytes are copied whole by copy_whole; this checksums them.
             return self.call(
-                lambda: self._copy_local_range(rel, offset, length),
-                f"copy {rel}@{offset}",
+                lambda: self.crc_local_range(rel, offset, length, self.stamps[rel]),
+                f"checksum {rel}@{offset}",
             )
         if self.p.piece:
             return self.call(lambda: self._stream_range(rel, offset, length),
@@ -276,6 +280,11 @@ class _Runner(_LocalDisk):
             inputs, self._inputs = list(self._inputs.values()), {}
         for f in inputs:
             f.close()
+
+    def copy_whole(self, rel: str) -> None:
+        """Copy a large local file whole (route ``"local"``; its CRC32C comes
+        from the :meth:`part` tasks of the same file)."""
+        self.call(lambda: self.copy_local_file(rel, self.stamps[rel]), f"copy {rel}")
 
     def stream(self, rel: str, size: int, *, budgeted: bool = True) -> FileResult:
         """Copy one file through an output stream, chunk by chunk."""
