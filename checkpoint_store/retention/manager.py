@@ -17,18 +17,16 @@ import logging
 import math
 import posixpath
 import time
-import uuid
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil, _json
+from checkpoint_store import _json
 from checkpoint_store._layout import MANAGER_STATE, parse_checkpoint_dir_name
-from checkpoint_store._manifest import inspect_checkpoint, read_internal_metadata
+from checkpoint_store._manifest import read_internal_metadata
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     CheckpointConflictError,
@@ -38,9 +36,23 @@ from checkpoint_store.errors import (
 from checkpoint_store.retention.config import CheckpointConfig
 from checkpoint_store.retention.lease import Lease
 from checkpoint_store.retention.policies import PolicyCheckpoint, check_metrics, evaluate
+from checkpoint_store.retention.restore import (
+    Candidates,
+    Listing,
+    Scan,
+    created_at,
+    run_id_of,
+    scan,
+    warn_corrupt,
+)
 from checkpoint_store.retention.scoring import config_score, missing_score_error, score_of
 from checkpoint_store.retention.selection import Entry, Selection, check_report
-from checkpoint_store.retention.state import LogRecord, ManagerState, StoredCheckpoint
+from checkpoint_store.retention.state import (
+    LazyEntries,
+    LogRecord,
+    ManagerState,
+    StoredCheckpoint,
+)
 from checkpoint_store.retention.statelog import StateLog
 from checkpoint_store.storage import StorageContext
 
@@ -49,113 +61,9 @@ __all__ = ["CheckpointManager"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class _Committed:
-    """A committed checkpoint directory found at restore."""
-
-    index: int
-    dir_name: str
-    meta: Mapping[str, Any]
-
-
-@dataclass
-class _Listing:
-    """One listing of the trial directory: all a restart lists."""
-
-    files: set[str] = field(default_factory=set)
-    dirs: dict[str, int] = field(default_factory=dict)  # checkpoint_NNNNNN -> index
-    entries: list[pafs.FileInfo] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, storage: StorageContext) -> _Listing:
-        listing = cls()
-        listing.entries = _fsutil.list_dir(storage.filesystem, storage.trial_path,
-                                           retry=storage.retry)
-        for fi in listing.entries:
-            name = posixpath.basename(fi.path.rstrip("/"))
-            index = parse_checkpoint_dir_name(name)
-            if fi.type == pafs.FileType.File:
-                listing.files.add(name)
-            elif index is not None:
-                listing.dirs[name] = index
-        return listing
-
-
-@dataclass
-class _Scan:
-    """What a trial directory holds, as restore sees it."""
-
-    committed: list[_Committed] = field(default_factory=list)  # oldest first
-    present: set[str] = field(default_factory=set)
-    highest_dir_index: int = -1
-    uncommitted: list[str] = field(default_factory=list)
-    corrupt: dict[str, str] = field(default_factory=dict)  # name -> what is wrong
-
-
-def _scan(storage: StorageContext, listing: _Listing, names: list[str]) -> _Scan:
-    """Inspect the ``checkpoint_NNNNNN`` directories ``names`` of ``listing``:
-    committed, corrupt, or not committed."""
-    scan = _Scan(present=set(listing.dirs), highest_dir_index=max(listing.dirs.values(),
-                                                                  default=-1))
-    for name in sorted(names, key=listing.dirs.__getitem__):
-        insp = inspect_checkpoint(storage.filesystem, posixpath.join(storage.trial_path, name),
-                                  retry=storage.retry)
-        if insp.state == "committed" and insp.meta is not None:
-            scan.committed.append(_Committed(insp.meta["index"], name, insp.meta))
-        elif insp.state == "invalid":
-            # A commit marker whose files no longer match it (a file added,
-            # removed or resized): corrupt, not an unfinished write.
-            scan.corrupt[name] = insp.reason or "does not match its manifest"
-        else:
-            scan.uncommitted.append(name)
-    scan.committed.sort(key=lambda c: c.index)
-    return scan
-
-
-def _created_at(meta: Mapping[str, Any]) -> float | None:
-    """``created_at`` of internal metadata, when it is a number."""
-    value = meta.get("created_at")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
-def _run_id_of(committed: list[_Committed], trial_name: str) -> str:
-    """Without a state file: the run id of the newest committed checkpoint of this
-    trial, else a new one."""
-    mine = [c.meta["run_id"] for c in committed
-            if c.meta.get("trial_name") in (None, trial_name)
-            and isinstance(c.meta.get("run_id"), str)]
-    return mine[-1] if mine else uuid.uuid4().hex
-
-
-class _Candidates(Sequence[tuple[Checkpoint, dict[str, Any]]]):
-    """``(Checkpoint, meta)`` pairs built on first read, the same object after."""
-
-    def __init__(self, storage: StorageContext, items: list[tuple[str, dict[str, Any]]]):
-        self._storage = storage
-        self._items = items
-        self._built: dict[int, tuple[Checkpoint, dict[str, Any]]] = {}
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    @overload
-    def __getitem__(self, i: int) -> tuple[Checkpoint, dict[str, Any]]: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[tuple[Checkpoint, dict[str, Any]]]: ...
-
-    def __getitem__(self, i: int | slice) -> Any:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        j = i + len(self._items) if i < 0 else i
-        if not 0 <= j < len(self._items):
-            raise IndexError(i)
-        if j not in self._built:
-            name, meta = self._items[j]
-            self._built[j] = (self._storage.checkpoint(name), dict(meta))
-        return self._built[j]
+def _holds(kept: Mapping[str, StoredCheckpoint], name: str, index: int) -> bool:
+    """``name in kept``, without reading a lazy state's chunks for it."""
+    return bool(kept.knows(name, index)) if isinstance(kept, LazyEntries) else name in kept
 
 
 class CheckpointManager:
@@ -216,6 +124,9 @@ class CheckpointManager:
         #: The trial directory's listing made at restore, for the start's cleanup
         #: to reuse; None when the restore deleted a checkpoint since.
         self.restore_listing: list[pafs.FileInfo] | None = None
+        #: ``dir_name -> index`` of the committed checkpoints in ``restore_listing``
+        #: (inspected at restore): a cleanup need not inspect them again.
+        self.restore_known: dict[str, int] = {}
         self._uncommitted: list[str] = []
         self._next_index = 0
         self._closed = False
@@ -318,14 +229,14 @@ class CheckpointManager:
         dir_name = posixpath.basename(checkpoint.path.rstrip("/"))
         if dir_name in self._pending:
             self._pending.remove(dir_name)
-        created_at = _created_at(checkpoint.internal_metadata)
-        evicted = self._sel.add(Entry(index, dir_name, score, clean, created_at))
+        created = created_at(checkpoint.internal_metadata)
+        evicted = self._sel.add(Entry(index, dir_name, score, clean, created))
         self._next_index = max(self._next_index, index + 1)
         names = [e.dir_name for e in evicted]
         self._pending.extend(n for n in names if n not in self._pending)
         if self.read_only:  # lease lost: remember, never write or delete
             return names
-        record = LogRecord(0, StoredCheckpoint(index, dir_name, score, clean, created_at),
+        record = LogRecord(0, StoredCheckpoint(index, dir_name, score, clean, created),
                            evict=tuple(names), next_index=self._next_index)
         if self._log.append(record, self._state):
             self._delete_pending()
@@ -368,8 +279,8 @@ class CheckpointManager:
         With ``keep_latest=True`` (the default) it is the newest registered
         one; a checkpoint that was evicted is never returned.
         """
-        kept = self._sel.ordered()
-        return self._storage.checkpoint(kept[-1].dir_name) if kept else None
+        top = self._sel.newest()
+        return self._storage.checkpoint(top.dir_name) if top is not None else None
 
     @property
     def latest_index(self) -> int | None:
@@ -416,13 +327,22 @@ class CheckpointManager:
         checked here: the caller verifies the one it hands out
         (:meth:`StorageContext.latest_verified_checkpoint`). Each item is built
         when first read (a resume reads the newest one or two of them)."""
-        out = [(e.index, e.dir_name, {"index": e.index, "metrics": e.metrics,
-                                      "created_at": e.created_at})
-               for e in self._sel.ordered()]
-        out += [(i, n, dict(self._foreign_meta.get(n) or {"index": i})) for n in self._foreign
-                if (i := parse_checkpoint_dir_name(n)) is not None]
-        out.sort(key=lambda t: (t[0], t[1]))
-        return _Candidates(self._storage, [(n, meta) for _, n, meta in out])
+        def meta(e: Entry) -> dict[str, Any]:
+            return {"index": e.index, "metrics": e.metrics, "created_at": e.created_at}
+
+        foreign = [(i, n, dict(self._foreign_meta.get(n) or {"index": i})) for n in self._foreign
+                   if (i := parse_checkpoint_dir_name(n)) is not None]
+
+        def items() -> list[tuple[str, dict[str, Any]]]:
+            out = [(e.index, e.dir_name, meta(e)) for e in self._sel.ordered()] + foreign
+            out.sort(key=lambda t: (t[0], t[1]))
+            return [(n, m) for _, n, m in out]
+
+        top = self._sel.newest()  # without reading a lazy state's chunks
+        tops = foreign + ([(top.index, top.dir_name, meta(top))] if top is not None else [])
+        newest = max(tops, key=lambda t: (t[0], t[1]), default=None)
+        return Candidates(self._storage, items,
+                          None if newest is None else (newest[1], newest[2]))
 
     def known_committed(self) -> dict[str, int]:
         """``dir_name -> index`` of the committed checkpoints this manager knows
@@ -529,32 +449,40 @@ class CheckpointManager:
         one a resume loads). Without a usable state, every committed
         checkpoint's internal metadata rebuilds it. Then resume any deletes
         that were due."""
-        listing = _Listing.of(self._storage)
-        self.restore_listing = listing.entries
-        state, problem = self._log.load(listing.files)
+        listing = Listing.of(self._storage)
+        keep_all = self.config.num_to_keep is None and self.config.policy is None
+        state, problem = self._log.load(listing.files, lazy=keep_all)
         self.restored_from_state = state is not None
-        trusted = ({} if state is None else
-                   {n: e for n, e in state.checkpoints.items() if n in listing.dirs})
         pending_before = set(state.pending_deletes) if state is not None else set()
-        unknown = [n for n in listing.dirs if n not in trusted and n not in pending_before]
-        if trusted:
-            unknown.append(max(trusted.values(), key=lambda e: e.index).dir_name)
-        scan = _scan(self._storage, listing, unknown)
-        for name in scan.corrupt.keys() | set(scan.uncommitted):
+        trusted, unknown = self._trusted(state, listing, pending_before)
+        if isinstance(trusted, LazyEntries) or trusted:  # a lazy one's len() reads it
+            top = (trusted.newest() if isinstance(trusted, LazyEntries)
+                   else max(trusted.values(), key=lambda e: e.index))
+            if top is not None:
+                unknown.append(top.dir_name)
+        found = scan(self._storage, listing, unknown)
+        lost = found.corrupt.keys() | set(found.uncommitted)
+        for name in lost:
             trusted.pop(name, None)
+        self.restore_listing = listing.entries_except(
+            self._storage, {*unknown, *pending_before, *lost})
+        self.restore_known = {c.dir_name: c.index for c in found.committed}
         self.run_id = (state.run_id if state is not None
-                       else _run_id_of(scan.committed, self._storage.trial_name))
-        evicted = self._rebuild_selection(scan, state, trusted)
-        self._continue_numbering(scan, state)
-        self._log_restore(scan, state, problem)
+                       else run_id_of(found.committed, self._storage.trial_name))
+        evicted = self._rebuild_selection(found, state, trusted)
+        self._continue_numbering(found, state)
+        self._log_restore(found, state, problem)
         if self._read_only:
             return
-        learned = any(c.dir_name not in trusted and self._is_ours(c.meta) and
-                      c.dir_name not in pending_before for c in scan.committed)
-        needs_write = (state is None and bool(scan.committed) or bool(evicted)
-                       or bool(self._pending) or learned
-                       or (state is not None and (state.config != self.config.to_json()
-                                                  or trusted.keys() != state.checkpoints.keys())))
+        learned = any(not _holds(trusted, c.dir_name, c.index) and self._is_ours(c.meta) and
+                      c.dir_name not in pending_before for c in found.committed)
+        if isinstance(trusted, LazyEntries):
+            changed = bool(lost) or any(n not in listing.dirs for n in trusted.recent())
+        else:
+            changed = state is not None and trusted.keys() != state.checkpoints.keys()
+        needs_write = (state is None and bool(found.committed) or bool(evicted)
+                       or bool(self._pending) or learned or changed
+                       or (state is not None and state.config != self.config.to_json()))
         if needs_write and self._save_state():
             if self._pending:
                 self.restore_listing = None
@@ -562,7 +490,23 @@ class CheckpointManager:
         elif not needs_write:
             self._log.collect_garbage()
 
-    def _rebuild_selection(self, scan: _Scan, state: ManagerState | None,
+    def _trusted(self, state: ManagerState | None, listing: Listing, pending: set[str]
+                 ) -> tuple[dict[str, StoredCheckpoint] | LazyEntries[StoredCheckpoint], list[str]]:
+        """The state's kept entries whose directories are listed, and the listed
+        checkpoint directories the state does not know (to inspect). A lazy
+        state (keep-all, same config) stays unread when the root places every
+        listed name; else it is read here."""
+        if state is None:
+            return {}, [n for n in listing.dirs if n not in pending]
+        kept = state.checkpoints
+        if isinstance(kept, LazyEntries) and state.config == self.config.to_json():
+            unknown = kept.not_kept(listing.dirs, pending)
+            if unknown is not None:
+                return kept.map(lambda e: e, listing.dirs.__contains__), unknown
+        trusted = {n: e for n, e in kept.items() if n in listing.dirs}
+        return trusted, [n for n in listing.dirs if n not in trusted and n not in pending]
+
+    def _rebuild_selection(self, scan: Scan, state: ManagerState | None,
                            trusted: Mapping[str, StoredCheckpoint]) -> list[Entry]:
         """Register the kept checkpoints of the state (``trusted``) and this run's
         committed checkpoints found by ``scan`` again; returns those the config
@@ -572,8 +516,17 @@ class CheckpointManager:
         # Pending deletes resume, also for half-deleted directories (marker gone).
         self._pending = [n for n in sorted(pending_before) if n in scan.present]
         self._uncommitted = [n for n in scan.uncommitted if n not in pending_before]
-        found: dict[str, tuple[int, Mapping[str, Any], float | None]] = {
-            n: (e.index, e.metrics, e.created_at) for n, e in trusted.items()}
+        found: dict[str, tuple[int, Mapping[str, Any], float | None]] = {}
+        if isinstance(trusted, LazyEntries):
+            # Keep-all under the same config: the stored scores stand, and the
+            # entries are read from the state's chunks when first asked for.
+            self._sel.kept = trusted.map(lambda e: Entry(e.index, e.dir_name, e.score,
+                                                         dict(e.metrics), e.created_at),
+                                         lambda n: True)
+            top = self._sel.newest()
+            self._sel.latest_index = top.index if top is not None else None
+        else:
+            found.update((n, (e.index, e.metrics, e.created_at)) for n, e in trusted.items())
         for c in scan.committed:
             if not self._is_ours(c.meta):
                 self._foreign.append(c.dir_name)
@@ -584,19 +537,18 @@ class CheckpointManager:
             metrics = c.meta.get("metrics")
             if not isinstance(metrics, Mapping):
                 metrics = stored[c.dir_name].metrics if c.dir_name in stored else {}
-            found[c.dir_name] = (c.index, metrics, _created_at(c.meta))
+            found[c.dir_name] = (c.index, metrics, created_at(c.meta))
         evicted: list[Entry] = []
-        for name, (index, metrics, created_at) in sorted(found.items(),
-                                                         key=lambda kv: kv[1][0]):
+        for name, (index, metrics, created) in sorted(found.items(), key=lambda kv: kv[1][0]):
             score = config_score(self.config, metrics, index, self._warned, lenient=True,
                                  stacklevel=6)
-            evicted.extend(self._sel.add(Entry(index, name, score, dict(metrics), created_at)))
+            evicted.extend(self._sel.add(Entry(index, name, score, dict(metrics), created)))
         for e in evicted:
             if e.dir_name not in self._pending:
                 self._pending.append(e.dir_name)
         return evicted
 
-    def _continue_numbering(self, scan: _Scan, state: ManagerState | None) -> None:
+    def _continue_numbering(self, scan: Scan, state: ManagerState | None) -> None:
         """Numbering continues past every index a directory, a registration or the
         state remembers (also a latest that was deleted by hand)."""
         following = [self._next_index, scan.highest_dir_index + 1]
@@ -608,30 +560,7 @@ class CheckpointManager:
             following.append(state.next_index)
         self._next_index = max(following)
 
-    def _warn_corrupt(self, scan: _Scan) -> None:
-        """Name each corrupt checkpoint and why; say so louder when it is the
-        newest, since resume then falls back to an older one."""
-        if not scan.corrupt:
-            return
-        storage = self._storage
-        trial = storage.uri(storage.trial_path)
-        newest = max(scan.corrupt, key=lambda n: parse_checkpoint_dir_name(n) or -1)
-        if (parse_checkpoint_dir_name(newest) or -1) == scan.highest_dir_index:
-            kept = self._sel.ordered()
-            fallback = (f"resume falls back to {kept[-1].dir_name}"
-                        if kept else "no committed checkpoint is left to resume from")
-            warnings.warn(
-                f"the newest checkpoint of trial {trial}, {newest}, is corrupt "
-                f"({scan.corrupt[newest]}): {fallback}; `checkpoint-store verify {trial}` "
-                "names every fault", RuntimeWarning, stacklevel=5,
-            )
-        logger.warning(
-            "trial %s holds corrupt checkpoints (files not matching their manifest), ignored "
-            "and never deleted by retention: %s", trial,
-            "; ".join(f"{n} ({why})" for n, why in sorted(scan.corrupt.items())),
-        )
-
-    def _log_restore(self, scan: _Scan, state: ManagerState | None, problem: str) -> None:
+    def _log_restore(self, scan: Scan, state: ManagerState | None, problem: str) -> None:
         storage = self._storage
         if state is None and scan.committed:
             warnings.warn(
@@ -645,7 +574,8 @@ class CheckpointManager:
                 "trial %s holds checkpoints of another run, left alone: %s",
                 storage.uri(storage.trial_path), ", ".join(self._foreign),
             )
-        self._warn_corrupt(scan)
+        top = self._sel.newest()
+        warn_corrupt(storage, scan, top.dir_name if top is not None else None)
         if self._uncommitted:
             logger.warning(
                 "trial %s holds uncommitted checkpoint directories, ignored and never deleted "

@@ -27,6 +27,7 @@ from checkpoint_store.retention.policies import (
     evaluate,
 )
 from checkpoint_store.retention.scoring import RankKey, config_score, rank_key
+from checkpoint_store.retention.state import LazyEntries
 
 __all__ = ["CheckpointRecord", "Entry", "Selection", "check_report", "explain_kept", "select_kept"]
 
@@ -89,7 +90,8 @@ class Selection:
         self.config = config
         self._policy = config.effective_policy()
         self._order = _order(config)
-        self.kept: dict[str, Entry] = {}
+        # A LazyEntries after a keep-all restart: read from the state on first need.
+        self.kept: dict[str, Entry] | LazyEntries[Entry] = {}
         self.latest_index: int | None = None
 
     def key(self, entry: Entry) -> RankKey[int]:
@@ -112,9 +114,15 @@ class Selection:
         if self.config.policy is None and (k is None or len(kept) <= k):
             return []
         keep = _preserved(self._policy, kept)
-        evicted = [kept.pop(n) for n in list(kept) if n not in keep]
+        evicted: list[Entry] = [kept.pop(n) for n in list(kept) if n not in keep]
         evicted.sort(key=lambda e: e.index)
         return evicted
+
+    def newest(self) -> Entry | None:
+        """The kept entry of highest index (a lazy kept set stays unread when it can)."""
+        if isinstance(self.kept, LazyEntries):
+            return self.kept.newest()
+        return max(self.kept.values(), key=lambda e: e.index, default=None)
 
     def ordered(self) -> list[Entry]:
         """The kept entries, oldest first."""

@@ -15,17 +15,19 @@ read back; an object of a newer format is refused.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
-from checkpoint_store._layout import STATE_FORMAT_VERSION
+from checkpoint_store._layout import STATE_FORMAT_VERSION, checkpoint_dir_name
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.storage import StorageContext
 
 __all__ = [
+    "LazyEntries",
     "LogRecord",
     "ManagerState",
     "StoredCheckpoint",
@@ -150,6 +152,165 @@ class ManagerState:
         )
 
 
+class _Named(Protocol):
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def dir_name(self) -> str: ...
+
+
+V = TypeVar("V", bound=_Named)
+W = TypeVar("W", bound=_Named)
+
+
+class LazyEntries(Mapping[str, V]):
+    """Kept entries whose sealed part (the snapshot's chunks) is read on first need.
+
+    A restart of a keep-all trial (every checkpoint kept: tens of thousands of
+    entries) answers its start from what it holds without the chunks: the open
+    entries and the log records after the snapshot (``overlay``), and which
+    indexes each chunk covers (``covered``, from the root). Anything that needs
+    the whole set (iterating, ``len``, a name the root cannot place) reads the
+    chunks once through ``load``, then answers from memory.
+
+    Args:
+        load: reads the sealed entries (chunks, minus the root's ``dropped``).
+        overlay: entries newer than any chunk's, applied over the sealed ones.
+        covered: inclusive, sorted, disjoint ``(first, last)`` runs of the
+            indexes of the sealed entries, each named ``checkpoint_<index>``.
+        removed: names the chunks hold that are not kept (the root's ``dropped``).
+    """
+
+    def __init__(self, load: Callable[[], dict[str, V]],
+                 overlay: Mapping[str, V],
+                 covered: Sequence[tuple[int, int]], removed: Iterable[str] = ()):
+        self._load = load
+        self._overlay = dict(overlay)
+        self._removed = set(removed)
+        self._covered = list(covered)
+        self._starts = [lo for lo, _ in self._covered]
+        self._full: dict[str, V] | None = None
+
+    @property
+    def loaded(self) -> bool:
+        """True once the chunks were read."""
+        return self._full is not None
+
+    def _all(self) -> dict[str, V]:
+        if self._full is None:
+            full = {n: e for n, e in self._load().items() if n not in self._removed}
+            for n, e in self._overlay.items():
+                full.pop(n, None)
+                full[n] = e
+            self._full = full
+        return self._full
+
+    def map(self, fn: Callable[[V], W], keep: Callable[[str], bool]) -> LazyEntries[W]:
+        """A lazy mapping of ``fn(entry)`` for the entries whose name ``keep``
+        accepts (the chunks still read once, on first need)."""
+        return LazyEntries(lambda: {n: fn(e) for n, e in self._all().items() if keep(n)},
+                           {n: fn(e) for n, e in self._overlay.items() if keep(n)},
+                           self._covered, self._removed)
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        """Remove ``name``; its entry, else ``default``."""
+        value = self.get(name, default) if self._full is not None or name in self._overlay \
+            else default
+        self.discard(name)
+        return value
+
+    def __setitem__(self, name: str, entry: Any) -> None:
+        self.put(entry)
+
+    def copy(self) -> LazyEntries[V]:
+        """An independent copy, sharing the (read-once) chunks."""
+        out = LazyEntries(self._load, self._overlay, self._covered, self._removed)
+        out._full = dict(self._full) if self._full is not None else None
+        return out
+
+    def put(self, entry: V) -> None:
+        """Add or replace ``entry`` (by directory name), newest last."""
+        if self._full is not None:
+            self._full.pop(entry.dir_name, None)
+            self._full[entry.dir_name] = entry
+        self._overlay.pop(entry.dir_name, None)
+        self._overlay[entry.dir_name] = entry
+
+    def discard(self, name: str) -> None:
+        """Remove ``name`` if kept."""
+        if self._full is not None:
+            self._full.pop(name, None)
+        self._overlay.pop(name, None)
+        self._removed.add(name)
+
+    def recent(self) -> list[str]:
+        """Names of the entries held besides the chunks (open ones, logged ones)."""
+        return list(self._overlay)
+
+    def knows(self, name: str, index: int) -> bool | None:
+        """Whether ``name`` (of ``index``) is kept, or None when only the chunks can tell."""
+        if self._full is not None:
+            return name in self._full
+        if name in self._overlay:
+            return True
+        if name in self._removed:
+            return False
+        i = bisect.bisect_right(self._starts, index) - 1
+        if i >= 0 and index <= self._covered[i][1] and name == checkpoint_dir_name(index):
+            return True
+        return None
+
+    def not_kept(self, dirs: Mapping[str, int], skip: Collection[str]) -> list[str] | None:
+        """The names of ``dirs`` (``name -> index``) but ``skip`` that are not
+        kept, or None when only the chunks can tell (one pass, no chunk read)."""
+        if self._full is not None:
+            return [n for n in dirs if n not in skip and n not in self._full]
+        covered: set[int] = set()
+        for lo, hi in self._covered:
+            covered.update(range(lo, hi + 1))
+        out = []
+        overlay, removed = self._overlay, self._removed
+        for n, i in dirs.items():
+            if n in overlay or n in skip:
+                continue
+            if n in removed or i not in covered:
+                out.append(n)
+            elif len(n) != 17 and n[11] == "0":  # checkpoint_0000042: not the name of 42
+                return None
+        return out
+
+    @property
+    def sealed_max(self) -> int:
+        """The highest index a chunk holds (-1: none)."""
+        return self._covered[-1][1] if self._covered else -1
+
+    def newest(self) -> V | None:
+        """The kept entry of highest index, read from the chunks only when no
+        newer one was logged after them."""
+        if self._full is None:
+            top = max(self._overlay.values(), key=lambda e: e.index, default=None)
+            if top is not None and top.index > self.sealed_max:
+                return top
+        return max(self._all().values(), key=lambda e: e.index, default=None)
+
+    def __getitem__(self, name: str) -> V:
+        if self._full is None and name in self._overlay:
+            return self._overlay[name]
+        return self._all()[name]
+
+    def __contains__(self, name: object) -> bool:
+        if self._full is None and name in self._overlay:
+            return True
+        return name in self._all()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
 def _well_formed(state: Mapping[str, Any]) -> bool:
     return bool(
         state.get("format_version") in (1, STATE_FORMAT_VERSION)
@@ -220,18 +381,26 @@ def apply(state: ManagerState, record: LogRecord) -> ManagerState:
     and whose delete was cut short)."""
     if record.seq <= state.seq:
         return state
-    kept = dict(state.checkpoints)
+    kept: dict[str, StoredCheckpoint] | LazyEntries[StoredCheckpoint] = (
+        state.checkpoints.copy() if isinstance(state.checkpoints, LazyEntries)
+        else dict(state.checkpoints))
     pending = list(state.pending_deletes)
     latest = state.latest_index
     if record.register is not None:
         entry = record.register
-        kept.pop(entry.dir_name, None)
-        kept[entry.dir_name] = entry
+        if isinstance(kept, LazyEntries):
+            kept.put(entry)
+        else:
+            kept.pop(entry.dir_name, None)
+            kept[entry.dir_name] = entry
         if entry.dir_name in pending:
             pending.remove(entry.dir_name)
         latest = entry.index if latest is None else max(latest, entry.index)
     for name in record.evict:
-        kept.pop(name, None)
+        if isinstance(kept, LazyEntries):
+            kept.discard(name)
+        else:
+            kept.pop(name, None)
         if name not in pending:
             pending.append(name)
     done = set(record.deleted)

@@ -45,12 +45,15 @@ from checkpoint_store import _fsutil, _json
 from checkpoint_store._layout import (
     MANAGER_STATE,
     STATE_FORMAT_VERSION,
+    checkpoint_dir_name,
     parse_state_chunk_name,
     parse_state_log_name,
     state_chunk_name,
     state_log_name,
 )
+from checkpoint_store.errors import CheckpointStoreError
 from checkpoint_store.retention.state import (
+    LazyEntries,
     LogRecord,
     ManagerState,
     StoredCheckpoint,
@@ -75,11 +78,24 @@ FANOUT = 8
 
 @dataclass(frozen=True)
 class _Chunk:
-    """A sealed chunk the current root names."""
+    """A sealed chunk the current root names (``members``: None until read)."""
 
     name: str
     level: int
-    members: frozenset[str]
+    members: frozenset[str] | None
+    runs: tuple[tuple[int, int], ...] | None = None  # see _index_runs
+
+    @property
+    def names(self) -> frozenset[str]:
+        assert self.members is not None, "chunk not read (StateLog._members first)"
+        return self.members
+
+    @property
+    def last(self) -> int | None:
+        """The highest index it holds, when the root says so."""
+        if self.runs is None:
+            return None
+        return self.runs[-1][1] if self.runs else -1
 
 
 class _Vanished(Exception):
@@ -122,16 +138,23 @@ class StateLog:
         self._stale: set[str] = set()  # re-registered while a chunk holds an older entry
         self._garbage: set[str] = set()  # names to delete after the next snapshot
         self._dirty = True  # no version-2 root yet, or a write failed: snapshot next
+        self._unread: Callable[[], dict[str, StoredCheckpoint]] | None = None  # lazy chunks
 
     # -- reading ---------------------------------------------------------------------------
 
-    def load(self, names: Collection[str] | None = None) -> tuple[ManagerState | None, str]:
+    def load(self, names: Collection[str] | None = None, *, lazy: bool = False
+             ) -> tuple[ManagerState | None, str]:
         """``(state, problem)``: the stored state, or None with why (``"missing"``,
         ``"unreadable (...)"``, ``"corrupt (...)"``).
 
         Args:
             names: the file names of the trial directory's listing (listed
                 here when None). Records are found there, never probed for.
+            lazy: leave the chunks unread when the root says which index each
+                of their entries has: the state's ``checkpoints`` is then a
+                :class:`~checkpoint_store.retention.state.LazyEntries` that
+                reads them on first need (for a reader without the lease, from
+                the newer state if a writer compacted them away meanwhile).
 
         Raises:
             InvalidConfigError: a part has a newer format than this release reads.
@@ -140,7 +163,7 @@ class StateLog:
             if names is None or attempt:
                 names = self._list()
             try:
-                return self._load(names)
+                return self._load(names, lazy)
             except _Vanished:
                 continue
             except _Corrupt as exc:
@@ -156,7 +179,8 @@ class StateLog:
             self._storage.filesystem, self._dir, retry=self._storage.retry)
             if fi.type == pafs.FileType.File]
 
-    def _load(self, names: Collection[str]) -> tuple[ManagerState | None, str]:
+    def _load(self, names: Collection[str], lazy: bool = False
+              ) -> tuple[ManagerState | None, str]:
         records = sorted(s for s in map(parse_state_log_name, names) if s is not None)
         chunk_seqs = {n: parsed[0] for n in names
                       if (parsed := parse_state_chunk_name(n)) is not None}
@@ -171,14 +195,18 @@ class StateLog:
         if state is None or refs is None:
             raise _Corrupt("unexpected fields")
         dropped = set(root.get("dropped") or ())
-        entries: dict[str, StoredCheckpoint] = {}
-        self._chunks = []
-        for name, level in refs:
-            chunk = self._read_chunk(name, state.seq)
-            entries.update((e.dir_name, e) for e in chunk if e.dir_name not in dropped)
-            self._chunks.append(_Chunk(name, level, frozenset(e.dir_name for e in chunk)))
-        entries.update(state.checkpoints)  # open entries are newer than any chunk's
-        state = dataclasses.replace(state, checkpoints=entries)
+        self._chunks = [_Chunk(name, level, None, runs) for name, level, runs in refs]
+        # Lazy only when the listing shows every chunk the root names: a missing
+        # one is found now, and the state rebuilt, as with an eager read.
+        if lazy and all(c.runs is not None and c.name in chunk_files for c in self._chunks):
+            covered = sorted(r for c in self._chunks for r in c.runs or ())
+            lazy_entries = LazyEntries(self._lazy_sealed(state.seq, dropped),
+                                       state.checkpoints, covered, dropped)
+            state = dataclasses.replace(state, checkpoints=lazy_entries)
+        else:
+            entries = self._read_chunks(state.seq, dropped)
+            entries.update(state.checkpoints)  # open entries are newer than any chunk's
+            state = dataclasses.replace(state, checkpoints=entries)
         after = [s for s in records if s > state.seq]
         for seq in after:
             state = apply(state, self._read_record(seq, root["seq"]))
@@ -186,7 +214,7 @@ class StateLog:
         self._records = after
         self._stale = set()
         self._garbage = ({state_log_name(s) for s in records if s <= root["seq"]}
-                         | (chunk_files - {n for n, _ in refs}))
+                         | (chunk_files - {n for n, _, _ in refs}))
         self._dirty = root.get("format_version") != STATE_FORMAT_VERSION
         return state, ""
 
@@ -230,6 +258,54 @@ class StateLog:
             raise _Corrupt(f"{name} is not a JSON object")
         return obj
 
+    def _read_chunks(self, root_seq: int, dropped: Collection[str]
+                     ) -> dict[str, StoredCheckpoint]:
+        """The entries of every chunk the root names but ``dropped``; fills in
+        the chunks' members."""
+        entries: dict[str, StoredCheckpoint] = {}
+        chunks = []
+        for c in self._chunks:
+            if c.members is None:
+                body = self._read_chunk(c.name, root_seq)
+                entries.update((e.dir_name, e) for e in body if e.dir_name not in dropped)
+                c = dataclasses.replace(c, members=frozenset(e.dir_name for e in body))
+            chunks.append(c)
+        self._chunks = chunks
+        return entries
+
+    def _lazy_sealed(self, root_seq: int, dropped: Collection[str]
+                     ) -> Callable[[], dict[str, StoredCheckpoint]]:
+        """The loader of a lazy state's sealed entries: reads the chunks once."""
+        cache: list[dict[str, StoredCheckpoint]] = []
+
+        def load() -> dict[str, StoredCheckpoint]:
+            if not cache:
+                try:
+                    cache.append(self._read_chunks(root_seq, dropped))
+                except _Vanished:
+                    # A reader without the lease: the writer compacted since (it
+                    # only adds under keep-all), so the newer state holds ours.
+                    fresh, problem = StateLog(self._storage, self.root_path).load()
+                    if fresh is None:
+                        raise CheckpointStoreError(
+                            f"retention state of {self._storage.uri(self._dir)} changed "
+                            f"while read and is now {problem}") from None
+                    cache.append(dict(fresh.checkpoints))
+                except _Corrupt as exc:
+                    raise CheckpointStoreError(
+                        f"retention state of {self._storage.uri(self._dir)} cannot be read "
+                        f"({exc}); delete {posixpath.basename(self.root_path)} there to rebuild "
+                        "it from the checkpoints") from None
+            return dict(cache[0])
+
+        self._unread = load
+        return load
+
+    def _members(self) -> None:
+        """Read the chunks a lazy load left unread (a snapshot needs their members)."""
+        if self._unread is not None and any(c.members is None for c in self._chunks):
+            self._unread()
+
     def _read_chunk(self, name: str, root_seq: int) -> list[StoredCheckpoint]:
         obj = self._read_part(name, root_seq)
         raw = obj.get("checkpoints")
@@ -258,7 +334,10 @@ class StateLog:
             is a snapshot.
         """
         self._seq += 1
-        if record.register is not None and any(record.register.dir_name in c.members
+        if record.register is not None and any(
+                c.last is None or record.register.index <= c.last for c in self._chunks):
+            self._members()
+        if record.register is not None and any(record.register.dir_name in (c.members or ())
                                                for c in self._chunks):
             self._stale.add(record.register.dir_name)
         if self._dirty or len(self._records) + 1 >= self.compact_every:
@@ -288,24 +367,28 @@ class StateLog:
                 logger.debug("could not delete %s: %s", name, exc)
 
     def _snapshot(self, state: ManagerState, seq: int) -> bool:
+        self._members()
         kept = state.checkpoints
         live, retired = self._live_chunks(kept)
-        sealed = set().union(*(c.members for c in live)) - self._stale
+        sealed = set().union(*(c.names for c in live)) - self._stale
         open_ = sorted((e for n, e in kept.items() if n not in sealed), key=lambda e: e.index)
         new: dict[str, list[StoredCheckpoint]] = {}
-        if len(open_) >= self.chunk_entries:
-            live, retired = self._seal(open_, live, retired, new, kept, seq)
-            open_ = []
+        if len(open_) > self.chunk_entries:
+            # The newest entry stays open: a restart finds the checkpoint it
+            # resumes from in the root, without reading a chunk.
+            live, retired = self._seal(open_[:-1], live, retired, new, kept, seq)
+            open_ = open_[-1:]
         for name, entries in new.items():
             body = {"kind": _CHUNK_KIND, "format_version": STATE_FORMAT_VERSION, "seq": seq,
                     "checkpoints": [e.to_json() for e in entries]}
             if not self._write(name, body):
                 self._garbage |= set(new)
                 return False
-        members = set().union(*(c.members for c in live))
+        members = set().union(*(c.names for c in live))
         root = dataclasses.replace(state, seq=seq).to_json()
         root["checkpoints"] = [e.to_json() for e in open_]
-        root["chunks"] = [{"name": c.name, "level": c.level, "count": len(c.members)}
+        root["chunks"] = [{"name": c.name, "level": c.level, "count": len(c.names),
+                           **({"runs": [list(r) for r in c.runs]} if c.runs is not None else {})}
                           for c in live]
         root["dropped"] = sorted(members - kept.keys())
         if not self._write(posixpath.basename(self.root_path), root, root=True):
@@ -327,8 +410,8 @@ class StateLog:
         live: list[_Chunk] = []
         retired: list[_Chunk] = []
         for c in self._chunks:
-            alive = len((c.members & kept.keys()) - self._stale)
-            (live if 2 * alive >= len(c.members) else retired).append(c)
+            alive = len((c.names & kept.keys()) - self._stale)
+            (live if 2 * alive >= len(c.names) else retired).append(c)
         return live, retired
 
     def _seal(self, open_: list[StoredCheckpoint], live: list[_Chunk], retired: list[_Chunk],
@@ -341,7 +424,8 @@ class StateLog:
         def add(entries: list[StoredCheckpoint], level: int) -> None:
             name = state_chunk_name(seq, len(new))
             new[name] = entries
-            live.append(_Chunk(name, level, frozenset(e.dir_name for e in entries)))
+            live.append(_Chunk(name, level, frozenset(e.dir_name for e in entries),
+                               _index_runs(entries)))
 
         add(open_, 0)
         while True:
@@ -349,7 +433,7 @@ class StateLog:
             same = [c for c in live if c.level == level]
             if len(same) < self.fanout:
                 return live, retired
-            names = set().union(*(c.members for c in same)) & kept.keys()
+            names = set().union(*(c.names for c in same)) & kept.keys()
             for c in same:
                 live.remove(c)
                 if new.pop(c.name, None) is None:
@@ -374,8 +458,38 @@ class StateLog:
             return False
 
 
-def _chunk_refs(root: Mapping[str, Any]) -> list[tuple[str, int]] | None:
-    """``(name, level)`` of each chunk the root names, or None when malformed."""
+def _index_runs(entries: list[StoredCheckpoint]) -> tuple[tuple[int, int], ...] | None:
+    """Inclusive ``(first, last)`` runs of the indexes of ``entries`` (sorted by
+    index), or None when an entry is not named ``checkpoint_<index>``: what
+    lets a lazy load place a name in a chunk without reading it."""
+    runs: list[list[int]] = []
+    for e in entries:
+        if e.dir_name != checkpoint_dir_name(e.index):
+            return None
+        if runs and e.index == runs[-1][1] + 1:
+            runs[-1][1] = e.index
+        elif not runs or e.index > runs[-1][1]:
+            runs.append([e.index, e.index])
+        else:
+            return None
+    return tuple((a, b) for a, b in runs)
+
+
+def _parse_runs(value: Any) -> tuple[tuple[int, int], ...] | None:
+    if not isinstance(value, list) or not all(
+            isinstance(r, list) and len(r) == 2 and all(type(i) is int for i in r)
+            and r[0] <= r[1] for r in value):
+        return None
+    runs = tuple((r[0], r[1]) for r in value)
+    return runs if all(a[1] < b[0] for a, b in zip(runs, runs[1:], strict=False)) else None
+
+
+_Runs = tuple[tuple[int, int], ...]
+
+
+def _chunk_refs(root: Mapping[str, Any]) -> list[tuple[str, int, _Runs | None]] | None:
+    """``(name, level, runs)`` of each chunk the root names (runs: None when
+    the root does not say), or None when malformed."""
     chunks = root.get("chunks", [])
     dropped = root.get("dropped", [])
     if not isinstance(chunks, list) or not isinstance(dropped, list):
@@ -386,5 +500,5 @@ def _chunk_refs(root: Mapping[str, Any]) -> list[tuple[str, int]] | None:
                 and parse_state_chunk_name(c["name"]) is not None
                 and isinstance(c.get("level"), int)):
             return None
-        refs.append((c["name"], c["level"]))
+        refs.append((c["name"], c["level"], _parse_runs(c.get("runs"))))
     return refs

@@ -203,11 +203,13 @@ class Session:
                 # now is an earlier attempt's. A rank > 0 must never clean (it
                 # would delete a staging directory another rank is filling).
                 try:
-                    # The checkpoints the retention state knows are committed
-                    # (and the newest was inspected at restore): not inspected again.
-                    storage.remove_uncommitted(self.attempt_id,
-                                               known=self.manager.known_committed(),
-                                               listing=self.manager.restore_listing)
+                    # The restore's listing leaves out the checkpoints the retention
+                    # state vouches for (committed), and names those it inspected.
+                    listing = self.manager.restore_listing
+                    storage.remove_uncommitted(
+                        self.attempt_id, listing=listing,
+                        known=(self.manager.restore_known if listing is not None
+                               else self.manager.known_committed()))
                 except Exception as exc:  # cleanup must never stop a run from starting
                     logging.getLogger(__name__).warning("cleanup of %s failed: %s",
                                                         storage.uri(storage.trial_path), exc)

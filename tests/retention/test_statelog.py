@@ -20,7 +20,7 @@ from checkpoint_store import (
     _fsutil,
 )
 from checkpoint_store._layout import MANAGER_STATE, state_log_name
-from checkpoint_store.retention import manager as manager_mod
+from checkpoint_store.retention import restore as manager_mod
 from checkpoint_store.retention.state import LogRecord, ManagerState, StoredCheckpoint, load_state
 from checkpoint_store.retention.statelog import StateLog
 from checkpoint_store.testing.faults import faulty_backend
