@@ -115,7 +115,8 @@ def test_a_lazy_restart_finds_what_changed_since_the_last_record(make_storage, s
     assert state is not None and sorted(state.checkpoints) == _eager(storage)[0]
 
 
-@FAST
+@pytest.mark.parametrize("backend_name", [
+    "local", "memory", pytest.param("s3", marks=pytest.mark.slow)])
 def test_a_lazy_restart_costs_the_same_at_any_number_of_checkpoints(
         make_storage, source_dir, small_chunks, monkeypatch):
     """Storage calls of a restart (lease, state, newest checkpoint): equal at 12 and 60
