@@ -29,7 +29,7 @@ from checkpoint_store._layout import (
     parse_checkpoint_dir_name,
     refuse_reserved,
 )
-from checkpoint_store._results import assembled_result_bytes
+from checkpoint_store._result_rows import assembled_result_bytes
 from checkpoint_store.cli import common_options, echo_info, storage_option
 from checkpoint_store.cli.locations import (
     TRIAL_FILES,
