@@ -12,7 +12,8 @@ The fixture names are listed in :mod:`checkpoint_store.testing`.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -32,10 +33,6 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("true", "1", "yes")
 
 
-# The three server fixtures below stay written out rather than made by one
-# factory: each has its own set-up step (S3's metadata-probe switch, Azurite's
-# executable lookup, gcsfs's environment), and a plugin author reading this
-# file should find `def s3_server` and what it does. What they share is here.
 def _start(cls: type[_Server], what: str, **kwargs: Any) -> Any:
     try:
         return cls.start(**kwargs)
@@ -45,46 +42,99 @@ def _start(cls: type[_Server], what: str, **kwargs: Any) -> Any:
         pytest.skip(f"{what} could not start: {exc}")
 
 
-# -- S3 (moto) ----------------------------------------------------------------
+# One factory makes the six fixtures of each server family: the families differ
+# only in the data of a _Family and a set-up step before the server starts (S3's
+# metadata-probe switch, Azurite's executable lookup, gcsfs's environment), so a
+# fix to the fixtures reaches all three. The names are bound at the bottom.
+@dataclass(frozen=True)
+class _Family:
+    """One server family and the set-up its server needs before it starts."""
+
+    prefix: str  # fixture names: <prefix>_server, <prefix>_<place>, ...
+    server: type[_Server]
+    what: str  # in skip and failure messages
+    scheme: str  # of the URIs
+    place: str  # "bucket" or "container": the server has create_<place>/delete_<place>
+    # Run before the server starts; returns the keyword arguments of its start().
+    prepare: Callable[[pytest.FixtureRequest], dict[str, Any]]
 
 
-@pytest.fixture(scope="session")
-def s3_server() -> Iterator[S3Server]:
-    """A moto S3 server for the whole session (:class:`S3Server`: ``endpoint_url``,
-    ``access_key_id``, ``secret_access_key``, ``region``, ``storage_options()``, ``env()``)."""
+def _fixtures(f: _Family) -> tuple[Any, ...]:
+    """The six fixtures of a family: ``<prefix>_server`` (session), then a fresh
+    ``<prefix>_<place>`` per test, ``_storage_options``, ``_uri``, ``_location``
+    and ``_env`` (see :mod:`checkpoint_store.testing` for what each holds)."""
+    p, server_of = f.prefix, f"{f.prefix}_server"
+
+    @pytest.fixture(scope="session", name=server_of)
+    def server(request: pytest.FixtureRequest) -> Iterator[_Server]:
+        """The family's server for the whole session (its ``storage_options()``, ``env()``)."""
+        started = _start(f.server, f.what, **f.prepare(request))
+        yield started
+        started.stop()
+
+    @pytest.fixture(name=f"{p}_{f.place}")
+    def place(request: pytest.FixtureRequest) -> Iterator[str]:
+        """A fresh, empty bucket (container on Azure); deleted after the test."""
+        srv = request.getfixturevalue(server_of)
+        name = getattr(srv, f"create_{f.place}")()
+        yield name
+        getattr(srv, f"delete_{f.place}")(name)
+
+    @pytest.fixture(name=f"{p}_storage_options")
+    def storage_options(request: pytest.FixtureRequest) -> dict[str, Any]:
+        """storage_options pointing at the server (S3: the pyarrow engine)."""
+        return request.getfixturevalue(server_of).storage_options()
+
+    @pytest.fixture(name=f"{p}_uri")
+    def uri(request: pytest.FixtureRequest) -> str:
+        """``<scheme>://<fresh bucket or container>/ckpt``, with ``<prefix>_storage_options``."""
+        return f"{f.scheme}://{request.getfixturevalue(f'{p}_{f.place}')}/ckpt"
+
+    @pytest.fixture(name=f"{p}_location")
+    def location(request: pytest.FixtureRequest) -> StorageLocation:
+        """A fresh location: ``.uri``, ``.storage_options``, ``.env``."""
+        srv = request.getfixturevalue(server_of)
+        return StorageLocation(request.getfixturevalue(f"{p}_uri"), srv.storage_options(),
+                               srv.env())
+
+    @pytest.fixture(name=f"{p}_env")
+    def env(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+        """Sets the server's variables (credentials, endpoint) in this process for the
+        test; returns them for child processes."""
+        variables = request.getfixturevalue(server_of).env()
+        for k, v in variables.items():
+            monkeypatch.setenv(k, v)
+        return variables
+
+    return server, place, storage_options, uri, location, env
+
+
+def _s3_prepare(request: pytest.FixtureRequest) -> dict[str, Any]:
     # Before any S3 client exists: clients otherwise probe the instance-metadata host.
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-    server = _start(S3Server, "moto S3 server")
-    yield server
-    server.stop()
+    return {}
 
 
-@pytest.fixture
-def s3_bucket(s3_server: S3Server) -> Iterator[str]:
-    """A fresh, empty bucket on :func:`s3_server`; deleted after the test."""
-    name = s3_server.create_bucket()
-    yield name
-    s3_server.delete_bucket(name)
+def _azure_prepare(request: pytest.FixtureRequest) -> dict[str, Any]:
+    from checkpoint_store.testing.servers import find_azurite
+
+    return {"executable": find_azurite(request.config.rootpath)}
 
 
-@pytest.fixture
-def s3_storage_options(s3_server: S3Server) -> dict[str, Any]:
-    """storage_options for the pyarrow engine pointing at :func:`s3_server`."""
-    return s3_server.storage_options("pyarrow")
+def _gcs_prepare(request: pytest.FixtureRequest) -> dict[str, Any]:
+    prepare_gcsfs_env()
+    return {}
 
 
-@pytest.fixture
-def s3_uri(s3_bucket: str) -> str:
-    """``s3://<fresh bucket>/ckpt``: use with :func:`s3_storage_options`."""
-    return f"s3://{s3_bucket}/ckpt"
-
-
-@pytest.fixture
-def s3_location(s3_server: S3Server, s3_bucket: str) -> StorageLocation:
-    """A fresh S3 location (pyarrow engine): ``.uri``, ``.storage_options``, ``.env``."""
-    return StorageLocation(
-        f"s3://{s3_bucket}/ckpt", s3_server.storage_options("pyarrow"), s3_server.env()
-    )
+# S3 (moto): storage_options and location use the pyarrow engine.
+s3_server, s3_bucket, s3_storage_options, s3_uri, s3_location, s3_env = _fixtures(
+    _Family("s3", S3Server, "moto S3 server", "s3", "bucket", _s3_prepare))
+# Azure (Azurite's blob service): storage_options hold a connection string.
+azure_server, azure_container, azure_storage_options, azure_uri, azure_location, azure_env = (
+    _fixtures(_Family("azure", AzureServer, "Azurite", "az", "container", _azure_prepare)))
+# GCS (gcp-storage-emulator).
+gcs_server, gcs_bucket, gcs_storage_options, gcs_uri, gcs_location, gcs_env = _fixtures(
+    _Family("gcs", GCSServer, "GCS emulator", "gs", "bucket", _gcs_prepare))
 
 
 @pytest.fixture
@@ -93,115 +143,3 @@ def s3fs_location(s3_server: S3Server, s3_bucket: str) -> StorageLocation:
     return StorageLocation(
         f"s3://{s3_bucket}/ckpt", s3_server.storage_options("s3fs"), s3_server.env()
     )
-
-
-@pytest.fixture
-def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """Sets the standard AWS_* variables (credentials, region, AWS_ENDPOINT_URL) for
-    :func:`s3_server` in this process for the test; returns them for child processes."""
-    env = s3_server.env()
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    return env
-
-
-# -- Azure (Azurite) ------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def azure_server(request: pytest.FixtureRequest) -> Iterator[AzureServer]:
-    """Azurite's blob service for the whole session (:class:`AzureServer`:
-    ``connection_string``, ``account_name``, ``account_key``, ``storage_options()``, ``env()``)."""
-    from checkpoint_store.testing.servers import find_azurite
-
-    exe = find_azurite(request.config.rootpath)
-    server = _start(AzureServer, "Azurite", executable=exe)
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def azure_container(azure_server: AzureServer) -> Iterator[str]:
-    """A fresh, empty container on :func:`azure_server`; deleted after the test."""
-    name = azure_server.create_container()
-    yield name
-    azure_server.delete_container(name)
-
-
-@pytest.fixture
-def azure_storage_options(azure_server: AzureServer) -> dict[str, Any]:
-    """storage_options (a connection string) pointing at :func:`azure_server`."""
-    return azure_server.storage_options()
-
-
-@pytest.fixture
-def azure_uri(azure_container: str) -> str:
-    """``az://<fresh container>/ckpt``: use with :func:`azure_storage_options`."""
-    return f"az://{azure_container}/ckpt"
-
-
-@pytest.fixture
-def azure_location(azure_server: AzureServer, azure_container: str) -> StorageLocation:
-    """A fresh Azure location: ``.uri`` (``az://``), ``.storage_options``, ``.env``."""
-    return StorageLocation(
-        f"az://{azure_container}/ckpt", azure_server.storage_options(), azure_server.env()
-    )
-
-
-@pytest.fixture
-def azure_env(azure_server: AzureServer, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """Sets AZURE_STORAGE_CONNECTION_STRING for :func:`azure_server` for the test."""
-    env = azure_server.env()
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    return env
-
-
-# -- GCS (gcp-storage-emulator) ------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def gcs_server() -> Iterator[GCSServer]:
-    """A GCS emulator for the whole session (:class:`GCSServer`: ``endpoint_url``,
-    ``storage_options()``, ``env()``)."""
-    prepare_gcsfs_env()
-    server = _start(GCSServer, "GCS emulator")
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def gcs_bucket(gcs_server: GCSServer) -> Iterator[str]:
-    """A fresh, empty bucket on :func:`gcs_server`; deleted after the test."""
-    name = gcs_server.create_bucket()
-    yield name
-    gcs_server.delete_bucket(name)
-
-
-@pytest.fixture
-def gcs_storage_options(gcs_server: GCSServer) -> dict[str, Any]:
-    """storage_options pointing at :func:`gcs_server`."""
-    return gcs_server.storage_options()
-
-
-@pytest.fixture
-def gcs_uri(gcs_bucket: str) -> str:
-    """``gs://<fresh bucket>/ckpt``: use with :func:`gcs_storage_options`."""
-    return f"gs://{gcs_bucket}/ckpt"
-
-
-@pytest.fixture
-def gcs_location(gcs_server: GCSServer, gcs_bucket: str) -> StorageLocation:
-    """A fresh GCS location: ``.uri`` (``gs://``), ``.storage_options``, ``.env``."""
-    return StorageLocation(
-        f"gs://{gcs_bucket}/ckpt", gcs_server.storage_options(), gcs_server.env()
-    )
-
-
-@pytest.fixture
-def gcs_env(gcs_server: GCSServer, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """Sets the emulator variables for :func:`gcs_server` for the test."""
-    env = gcs_server.env()
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    return env
