@@ -30,7 +30,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,29 @@ def _http(
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+def _list_pages(url: str, token_param: str, what: str,
+                page: Callable[[bytes], tuple[dict[str, int], str]]) -> dict[str, int]:
+    """``{name: size}`` of a listing read page by page: ``page`` turns a
+    response body into its entries and the next page's token ("" at the end),
+    sent back as the query parameter ``token_param``.
+
+    Raises:
+        OSError: a page did not answer 200.
+    """
+    out: dict[str, int] = {}
+    token = ""
+    sep = "&" if "?" in url else "?"
+    while True:
+        query = f"{sep}{token_param}={urllib.parse.quote(token, safe='')}" if token else ""
+        status, body = _http("GET", url + query)
+        if status != 200:
+            raise OSError(f"listing {what} failed: {status} {body[:200]!r}")
+        items, token = page(body)
+        out.update(items)
+        if not token:
+            return out
 
 
 @dataclass
@@ -298,22 +321,17 @@ class S3Server(_Server):
         (``key/``) included, read with raw ListObjectsV2 behind the backend's back."""
         import xml.etree.ElementTree as ET
 
-        out: dict[str, int] = {}
-        token = ""
-        while True:
-            url = f"{self.endpoint_url}/{bucket}?list-type=2"
-            if token:
-                url += "&continuation-token=" + urllib.parse.quote(token, safe="")
-            status, body = _http("GET", url)
-            if status != 200:
-                raise OSError(f"listing bucket {bucket!r} failed: {status} {body[:200]!r}")
+        def page(body: bytes) -> tuple[dict[str, int], str]:
             root = ET.fromstring(body)
             ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
-            for item in root.iter(f"{ns}Contents"):
-                out[item.findtext(f"{ns}Key") or ""] = int(item.findtext(f"{ns}Size") or 0)
+            items = {item.findtext(f"{ns}Key") or "": int(item.findtext(f"{ns}Size") or 0)
+                     for item in root.iter(f"{ns}Contents")}
             token = root.findtext(f"{ns}NextContinuationToken") or ""
-            if (root.findtext(f"{ns}IsTruncated") or "false").lower() != "true" or not token:
-                return out
+            truncated = (root.findtext(f"{ns}IsTruncated") or "false").lower() == "true"
+            return items, token if truncated else ""
+
+        return _list_pages(f"{self.endpoint_url}/{bucket}?list-type=2", "continuation-token",
+                           f"bucket {bucket!r}", page)
 
     def reset(self) -> None:
         """Empty the whole server (every bucket)."""
@@ -475,21 +493,14 @@ class GCSServer(_Server):
 
     def list_objects(self, bucket: str) -> dict[str, int]:
         """``{object name: size}`` in ``bucket``, read behind the backend's back."""
-        out: dict[str, int] = {}
-        token = ""
-        while True:
-            url = f"{self.endpoint_url}/storage/v1/b/{bucket}/o"
-            if token:
-                url += "?pageToken=" + urllib.parse.quote(token, safe="")
-            status, body = _http("GET", url)
-            if status != 200:
-                raise OSError(f"listing {bucket!r} failed: {status}")
+
+        def page(body: bytes) -> tuple[dict[str, int], str]:
             doc = json.loads(body or b"{}")
-            for item in doc.get("items", []):
-                out[item["name"]] = int(item.get("size", 0))
-            token = doc.get("nextPageToken", "")
-            if not token:
-                return out
+            items = {item["name"]: int(item.get("size", 0)) for item in doc.get("items", [])}
+            return items, doc.get("nextPageToken", "")
+
+        return _list_pages(f"{self.endpoint_url}/storage/v1/b/{bucket}/o", "pageToken",
+                           f"bucket {bucket!r}", page)
 
     def delete_bucket(self, name: str) -> None:
         with contextlib.suppress(Exception):
