@@ -23,7 +23,8 @@ def _default_memory_limit() -> int:
 
 #: Bytes of file data held in memory at once by one transfer (all its threads)
 #: when the storage sets no ``memory_budget``: 256 MiB, at most 1/16 of RAM.
-#: Enough for 8 ranged GETs of 16 MiB or 4 upload parts of 21 MiB in flight
+#: Enough for 8 streamed ranged GETs read 8 MiB at a time (S3), 8 ranged
+#: GETs of 16 MiB (other stores) or 4 upload parts of 21 MiB in flight
 #: (each counted twice or three times, see _REMOTE_COPIES), the point past
 #: which more parallel requests stopped paying on S3 and Azure (docs/benchmarks.md).
 DEFAULT_MEMORY_LIMIT = _default_memory_limit()
