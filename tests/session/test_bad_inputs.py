@@ -31,6 +31,7 @@ from checkpoint_store import (
 )
 from checkpoint_store._fsutil import pafs
 from checkpoint_store._layout import RESULT_FILE
+from checkpoint_store._results import FLUSH_INTERVAL_ENV
 from checkpoint_store.session import TrialRunner
 
 
@@ -39,6 +40,15 @@ def _deep(n: int) -> dict[str, Any]:
     for _ in range(n):
         d = {"k": d}
     return d
+
+
+@pytest.fixture(autouse=True)
+def _no_timed_result_flush(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of accepted reports reach object stores at the latest 5 s later (a
+    timer). These tests compare the files before and after a refused report,
+    so a timed flush of an earlier row would look like a write of the refused
+    one; session end still flushes every row."""
+    monkeypatch.setenv(FLUSH_INTERVAL_ENV, "3600")
 
 
 @pytest.fixture(params=["local", "memory", "s3", "s3fs"])
