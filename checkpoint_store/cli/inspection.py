@@ -27,6 +27,7 @@ from checkpoint_store.cli.locations import (
     list_entries,
     manifest_size,
     not_committed,
+    read_internal,
     recorded_checkpoints,
     require_checkpoint,
     require_trial,
@@ -56,6 +57,9 @@ from checkpoint_store.errors import (
 )
 
 __all__ = ["best_cmd", "ls_cmd", "show_cmd", "verify_cmd"]
+
+#: A checkpoint, its metadata and its score (None: not numeric or absent).
+_Scored = tuple[Location, Mapping[str, Any], float | None]
 
 
 # -- ls -----------------------------------------------------------------------------
@@ -374,8 +378,12 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
         raise CheckpointNotFoundError(f"trial {loc.uri} has no committed checkpoint")
     scored = [(ckpt, meta, stored_score(ckpt, stored_metrics(ckpt, meta), metric))
               for ckpt, meta in committed]
-    best_ckpt, best_meta, best_score = max(
-        scored, key=lambda t: rank_key(t[2], t[1]["index"], order))
+    scored.sort(key=lambda t: rank_key(t[2], t[1]["index"], order), reverse=True)
+    if recorded is not None:
+        scored = _still_committed(scored)
+    if not scored:
+        raise CheckpointNotFoundError(f"trial {loc.uri} has no committed checkpoint")
+    best_ckpt, best_meta, best_score = scored[0]
     if best_score is None:
         click.echo(f"warning: no checkpoint of {loc.uri} has a numeric {metric!r}; "
                    "picked the newest", err=True)
@@ -387,6 +395,19 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
     click.echo(best_ckpt.uri)
     for key, value in sorted(metrics.items()):
         click.echo(f"  {key}: {fmt_value(value)}")
+
+
+def _still_committed(ranked: list[_Scored]) -> list[_Scored]:
+    """``ranked`` from the first whose commit marker is still there: the state
+    records what was committed, and a marker deleted by hand since (the
+    directory is uncommitted now) must not be the answer. One read in the
+    usual case, not one per checkpoint."""
+    for i, (ckpt, _meta, _score) in enumerate(ranked):
+        if read_internal(ckpt) is not None:
+            return ranked[i:]
+        click.echo(f"warning: {ckpt.uri} is in the retention state but has no valid "
+                   "commit marker now (changed by hand?); skipped", err=True)
+    return []
 
 
 # -- verify -------------------------------------------------------------------------

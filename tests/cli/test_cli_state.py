@@ -48,7 +48,8 @@ def test_best_reads_the_state_and_agrees_with_the_full_walk(tmp_path, monkeypatc
     assert res.exit_code == 0, res.output
     from_state = json.loads(res.stdout)
     assert from_state["score"] == 0.2 and from_state["metrics"]["loss"] == 0.2
-    assert len(reads) <= 1, reads  # the newest kept one, checked at restore
+    # The newest kept one, checked at restore, and the answer's marker.
+    assert len(reads) <= 2, reads
     # Without the state, every checkpoint is read: same answer.
     os.remove(os.path.join(trial, MANAGER_STATE))
     reads.clear()
@@ -70,3 +71,22 @@ def test_best_sees_a_checkpoint_committed_after_the_last_record(tmp_path):
     res = invoke(["best", trial, "--metric", "loss", "--mode", "min"])
     assert res.exit_code == 0, res.output
     assert res.stdout.splitlines()[0].endswith("checkpoint_000002")
+
+
+def test_best_skips_a_checkpoint_whose_marker_was_deleted_by_hand(tmp_path):
+    """The state records what was committed; a commit marker removed since
+    makes the directory uncommitted, and `best` must not name it (`download`
+    would refuse it)."""
+    trial = _trial(tmp_path, [0.5, 0.1, 0.3, 0.4], CheckpointConfig())
+    os.remove(os.path.join(trial, "checkpoint_000001", ".internal_metadata.json"))
+    res = invoke(["best", trial, "--metric", "loss", "--mode", "min", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["uri"].endswith("checkpoint_000002") and out["score"] == 0.3
+    assert "checkpoint_000001" in res.stderr and "commit marker" in res.stderr
+    os.remove(os.path.join(trial, "checkpoint_000002", ".internal_metadata.json"))
+    os.remove(os.path.join(trial, "checkpoint_000003", ".internal_metadata.json"))
+    os.remove(os.path.join(trial, "checkpoint_000000", ".internal_metadata.json"))
+    res = invoke(["best", trial, "--metric", "loss", "--mode", "min"])
+    assert res.exit_code != 0
+    assert "no committed checkpoint" in res.output
