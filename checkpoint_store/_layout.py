@@ -282,10 +282,22 @@ def check_run_name(value: str, what: str) -> str:
     """An experiment or trial name: one path component (:func:`validate_component`)
     that is not reserved (:func:`refuse_reserved`).
 
+    Control characters (U+0000 to U+001F, U+007F) are refused too: a run name
+    is printed one per line by the CLI and stored in object keys, and S3's
+    XML listings cannot carry most of them.
+
     Raises:
-        InvalidConfigError: see both.
+        InvalidConfigError: see both, or a control character.
     """
-    return refuse_reserved(validate_component(value, what), what)
+    from checkpoint_store.errors import InvalidConfigError
+
+    value = validate_component(value, what)
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
+        raise InvalidConfigError(
+            f"{what} {value!r} holds a control character (newline, tab, ...): "
+            "choose a name of printable characters"
+        )
+    return refuse_reserved(value, what)
 
 
 # -- helper names of a commit ---------------------------------------------------

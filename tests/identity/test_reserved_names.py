@@ -119,3 +119,23 @@ def test_cp_refuses_a_reserved_destination_trial(store, src, tmp_path) -> None:
     assert res.exit_code != 0
     assert "'params.json'" in res.output
     assert _nothing_written(store)
+
+
+@pytest.mark.parametrize("name", ["a\nb", "tab\there", "bell\x07", "del\x7f", "\r"])
+def test_run_names_with_control_characters_are_refused(tmp_path, name) -> None:
+    """A newline in a trial name broke `ls` (one trial per line) and S3's XML
+    listings cannot carry most control characters: refused everywhere a run
+    name comes in, before anything is written."""
+    root = str(tmp_path / "store")
+    for field in ("experiment_name", "trial_name"):
+        names = {"experiment_name": "exp", "trial_name": "t", field: name}
+        with pytest.raises(InvalidConfigError, match="control character"):
+            session.start(storage_path=root, **names)
+        with pytest.raises(InvalidConfigError, match="control character"):
+            StorageContext(root, names["experiment_name"], names["trial_name"])
+        with pytest.raises(InvalidConfigError, match="control character"):
+            TrialRunner(lambda config: None, storage_path=root, **names)
+    assert not (tmp_path / "store").exists()
+    # Printable non-ASCII names stay fine.
+    with session.start(storage_path=root, experiment_name="exp", trial_name="trial é ü 試"):
+        session.report({"a": 1})
