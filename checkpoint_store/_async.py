@@ -237,9 +237,14 @@ class AsyncUploader:
         max_pending: jobs queued or running at once; :meth:`reserve` blocks
             while this many are pending.
 
-    The worker thread is not a daemon (an interpreter exit waits for queued
-    uploads rather than dropping them) and ends whenever the queue is empty,
-    so an idle uploader never keeps a process alive.
+    The worker thread ends whenever the queue is empty, so an idle uploader
+    never keeps a process alive. It is not a daemon, but that alone does not
+    save the uploads of a process that exits without ending its session: the
+    interpreter joins non-daemon threads only after ``concurrent.futures``
+    stopped taking work, and every transfer runs on a thread pool. The
+    session's exit hook (``Session._finish_at_exit``, run by
+    :mod:`checkpoint_store._results` before it flushes the rows) waits for them
+    first.
     """
 
     def __init__(self, max_pending: int = 1):
@@ -252,6 +257,8 @@ class AsyncUploader:
         #: Seconds :meth:`reserve` spent waiting, summed (for benchmarks and logs).
         self.blocked_s = 0.0
         self.committed = 0
+        # A forked child inherits the counters, not the worker thread.
+        self.pid = os.getpid()
 
     @property
     def pending(self) -> int:
@@ -259,23 +266,21 @@ class AsyncUploader:
         with self._cond:
             return self._pending
 
+    def take_errors(self) -> list[tuple[str, BaseException]]:
+        """The errors of finished background uploads, as ``(checkpoint_dir_name,
+        exception)`` in report order, each returned once."""
+        with self._cond:
+            errors, self._errors = self._errors, []
+        return errors
+
     def raise_error(self) -> None:
         """Raise the first error of a finished background upload, once.
 
         Later errors of the same batch are logged, not raised.
         """
-        with self._cond:
-            errors, self._errors = self._errors, []
-        if not errors:
-            return
-        what, exc = errors[0]
-        for other_what, other in errors[1:]:
-            logger.error("background upload of %s also failed: %r", other_what, other)
-        note = (f"raised by the background upload of {what} (upload_mode='async'); "
-                "that checkpoint was not committed")
-        if hasattr(exc, "add_note"):
-            exc.add_note(note)
-        raise exc
+        exc = first_error(self.take_errors())
+        if exc is not None:
+            raise exc
 
     def reserve(self, max_pending: int | None = None) -> float:
         """Wait until fewer than ``max_pending`` uploads are pending.
@@ -347,6 +352,21 @@ class AsyncUploader:
                 self._cond.notify_all()
 
 
+def first_error(errors: list[tuple[str, BaseException]]) -> BaseException | None:
+    """The first of ``errors`` (from :meth:`AsyncUploader.take_errors`), noted as a
+    background upload's; the others are logged. None when there is none."""
+    if not errors:
+        return None
+    what, exc = errors[0]
+    for other_what, other in errors[1:]:
+        logger.error("background upload of %s also failed: %r", other_what, other)
+    note = (f"raised by the background upload of {what} (upload_mode='async'); "
+            "that checkpoint was not committed")
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    return exc
+
+
 def report_async(
     session: Any, uploader: AsyncUploader, metrics: Any, checkpoint: Any, staging: str
 ) -> tuple[dict[str, Any], None]:
@@ -355,9 +375,14 @@ def report_async(
     Only the staging and the queueing live here; the row, the counters and
     what a commit does to retention and ``get_checkpoint()`` are the
     session's, shared with the sync path. The result row is written at once,
-    naming the checkpoint directory the upload will commit; the row of a
-    checkpoint whose upload fails names a directory that is never committed
-    (readers skip it), and the error is raised by the next ``report()``.
+    naming the checkpoint directory the upload will commit: a row's
+    ``checkpoint_dir_name`` says which checkpoint the report asked for, not
+    that it is committed (only the commit marker says that; retention,
+    ``get_checkpoint()`` and every reader go by it). The row of a checkpoint
+    whose upload fails names a directory that is never committed (readers
+    skip it); the error is raised by the next ``report()``, ``wait()`` or the
+    end of the session, and logged, naming the checkpoint, by the exit of a
+    process that never ended its session.
     """
     from checkpoint_store.checkpoint import Checkpoint
     from checkpoint_store.errors import CheckpointStoreError

@@ -99,18 +99,47 @@ def flush_interval_from_env() -> float:
 # writer nobody else holds is not kept alive for this.
 _BUFFERING: weakref.WeakSet[ResultLog] = weakref.WeakSet()
 _BUFFERING_LOCK = threading.Lock()
+# Owners of work that must finish before the rows are flushed (sessions with
+# background uploads: their rows name checkpoints those uploads commit). Each
+# has a ``_finish_at_exit()`` that waits for it and logs, never raises.
+_FINISHING: weakref.WeakSet[Any] = weakref.WeakSet()
 _exit_hook_registered = False
 
 
-def _track(log: ResultLog) -> None:
-    """Have :func:`_flush_at_exit` flush ``log``; registers it once, at the
-    first use, as a hook of the interpreter's exit (:func:`_register_exit_hook`)."""
+def _ensure_exit_hook() -> None:
+    """Register :func:`_at_exit` once (caller holds ``_BUFFERING_LOCK``)."""
     global _exit_hook_registered
+    if not _exit_hook_registered:
+        _register_exit_hook(_at_exit)
+        _exit_hook_registered = True
+
+
+def _track(log: ResultLog) -> None:
+    """Have :func:`_flush_at_exit` flush ``log``; registers the exit hook once,
+    at the first use (:func:`_register_exit_hook`)."""
     with _BUFFERING_LOCK:
         _BUFFERING.add(log)
-        if not _exit_hook_registered:
-            _register_exit_hook(_flush_at_exit)
-            _exit_hook_registered = True
+        _ensure_exit_hook()
+
+
+def finish_before_exit_flush(owner: Any) -> None:
+    """Have the exit hook call ``owner._finish_at_exit()`` (held weakly) before
+    it flushes the rows: one hook, so the order holds whichever registered first."""
+    with _BUFFERING_LOCK:
+        _FINISHING.add(owner)
+        _ensure_exit_hook()
+
+
+def _at_exit() -> None:
+    """The interpreter-exit hook: finish pending work (uploads), then flush rows."""
+    with _BUFFERING_LOCK:
+        owners = list(_FINISHING)
+    for owner in owners:
+        try:
+            owner._finish_at_exit()
+        except Exception as exc:  # one owner's failure must not cost the rows
+            logger.error("could not finish the pending work of %r at exit: %s", owner, exc)
+    _flush_at_exit()
 
 
 def _register_exit_hook(hook: Callable[[], None]) -> None:
@@ -121,6 +150,7 @@ def _register_exit_hook(hook: Callable[[], None]) -> None:
     ``concurrent.futures`` itself uses) run last-registered first, so ours,
     registered after those libraries were imported, runs before theirs;
     ``atexit`` where that hook does not exist (other interpreters)."""
+    import concurrent.futures.thread  # noqa: F401  its hook first, so it runs after ours
     register = getattr(threading, "_register_atexit", None)
     if register is None:
         atexit.register(hook)

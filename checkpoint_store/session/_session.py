@@ -13,9 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpoint_store import _fsutil, _json
-from checkpoint_store._async import AsyncUploader, UploadConfig
+from checkpoint_store._async import AsyncUploader, UploadConfig, first_error
 from checkpoint_store._layout import checkpoint_dir_name
-from checkpoint_store._results import ResultLog, last_result_rows, valid_iteration
+from checkpoint_store._results import (
+    ResultLog,
+    finish_before_exit_flush,
+    last_result_rows,
+    valid_iteration,
+)
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError, TrialStopped
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
@@ -28,6 +33,8 @@ from checkpoint_store.session._args import (
 )
 from checkpoint_store.session._multirank import Coordinator
 from checkpoint_store.storage import StorageContext
+
+_logger = logging.getLogger(__name__)
 
 AUTO_FILLED = (
     "training_iteration",
@@ -522,6 +529,8 @@ class Session:
             )
         if self._uploader is None:
             self._uploader = AsyncUploader(self.upload_config.max_pending_uploads)
+            # A process that exits without ending the session still commits them.
+            finish_before_exit_flush(self)
         up = self._uploader
         up.raise_error()
         if checkpoint is None:
@@ -549,6 +558,39 @@ class Session:
             raise TimeoutError(f"{up.pending} checkpoint upload(s) still pending after {timeout} s")
         up.raise_error()
 
+    def _drain_uploads(self, wait: bool = True) -> list[tuple[str, BaseException]]:
+        """Wait for every background upload (the end of the session, and the exit
+        of a process that never ended it), then take their errors:
+        ``(checkpoint_dir_name, exception)``, each checkpoint not committed."""
+        up = self._uploader
+        if up is None:
+            return []
+        if wait:
+            up.wait()
+        return up.take_errors()
+
+    def _finish_at_exit(self) -> None:
+        """Called at interpreter exit, before the rows are flushed
+        (:func:`~checkpoint_store._results.finish_before_exit_flush`), for a
+        session never ended: commit its pending uploads, waiting as long as they
+        take (each bounded by the retry policy); log, never raise, what was lost."""
+        up = self._uploader
+        if self._closed or up is None or up.pid != os.getpid():
+            return  # ended; or a forked child, whose parent owns the uploads
+        where = self.storage.uri(self.storage.trial_path)
+        if up.pending:
+            _logger.warning(
+                "the session of %s was not ended (session.end(), or `with "
+                "session.start(...)`); finishing its %d pending checkpoint upload(s) "
+                "before the process exits", where, up.pending)
+        errors = self._drain_uploads()
+        if errors:
+            _logger.error(
+                "at exit, the background upload of %s failed: not committed (lost); the "
+                "result.json rows naming them point to no checkpoint, and "
+                "get_checkpoint() returns an older one. First error: %r",
+                ", ".join(what for what, _ in errors), errors[0][1])
+
     def close(self, error: BaseException | None = None) -> None:
         """End the session: finish background uploads, record how it ended,
         release the trial's lease.
@@ -567,10 +609,9 @@ class Session:
         count as clean ends. Recording never replaces ``error``: a failure to
         write the file is logged.
         """
-        up = self._uploader
         first_close = not self._closed
-        if up is not None and first_close:
-            up.wait()  # finish queued uploads before retention's lease is released
+        # Queued uploads finish before retention's lease is released.
+        upload_errors = self._drain_uploads(wait=first_close)
         self._closed = True
         results_error: Exception | None = None
         try:
@@ -579,12 +620,7 @@ class Session:
                     self._results.close()
                 except Exception as exc:
                     results_error = exc
-            upload_error: BaseException | None = None
-            if up is not None:
-                try:
-                    up.raise_error()
-                except Exception as exc:
-                    upload_error = exc
+            upload_error = first_error(upload_errors)
             if first_close and self.world_rank == 0:
                 self._record_end(error if error is not None else upload_error)
         finally:
