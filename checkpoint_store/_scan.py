@@ -27,6 +27,7 @@ from checkpoint_store._layout import (
     parse_temp_file_name,
 )
 from checkpoint_store._manifest import Inspection, inspect_checkpoint
+from checkpoint_store._pointer import POINTER_FILE, pointed_path
 from checkpoint_store._proc import writer_tag_alive
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store._runs import run_of_writer
@@ -104,6 +105,18 @@ def scan_trial(
                 continue
             path = posixpath.join(trial_path, name)
             insp = inspect_checkpoint(fs, path, retry=retry)
+            if insp.state == "absent" and POINTER_FILE in (insp.files or {}):
+                # A re-saved path (Lightning's last.ckpt): its checkpoint is
+                # the sibling the pointer names, committed (never ours to
+                # remove, and the .cs_replace-* sibling is never scanned).
+                insp = inspect_checkpoint(fs, pointed_path(fs, path, retry) or path,
+                                          retry=retry)
+                if insp.state == "committed":
+                    assert insp.meta is not None
+                    committed.append((insp.meta["index"], name))
+                else:
+                    result.foreign.append(name)
+                continue
             if insp.state == "committed":
                 assert insp.meta is not None
                 committed.append((insp.meta["index"], name))

@@ -48,6 +48,7 @@ __all__ = [
     "classify",
     "committed_checkpoints",
     "describe_kind",
+    "follow",
     "inspect_location",
     "list_entries",
     "looks_like_trial",
@@ -82,6 +83,9 @@ class Location:
 
     backend: Backend
     path: str
+    #: The path the user names when ``path`` is the sibling a re-saved path's
+    #: pointer names (:func:`follow`): ``uri`` and ``name`` show it, reads use ``path``.
+    shown_as: str | None = None
 
     @property
     def fs(self) -> Any:
@@ -91,12 +95,12 @@ class Location:
     @property
     def uri(self) -> str:
         """The location as a URI a user can pass back to a command."""
-        return self.backend.uri_for(self.path)
+        return self.backend.uri_for(self.shown_as or self.path)
 
     @property
     def name(self) -> str:
-        """The last path component."""
-        return posixpath.basename(self.path.rstrip("/"))
+        """The last path component (of the path the user names)."""
+        return posixpath.basename((self.shown_as or self.path).rstrip("/"))
 
     @property
     def parent(self) -> Location:
@@ -132,7 +136,21 @@ def resolve_location(
     if options_if_remote and _is_local(text):
         opts = {}
     backend, path = resolve(text, storage_options=opts or None)
-    return Location(backend, path)
+    return follow(Location(backend, path))
+
+
+def follow(loc: Location) -> Location:
+    """``loc``, or, when it holds a pointer (``.cs_current``: a path saved
+    again and again, Lightning's ``last.ckpt``), the sibling holding its
+    checkpoint, shown under ``loc``'s name (:mod:`checkpoint_store._pointer`).
+
+    Raises:
+        CheckpointCorruptError: a pointer naming no replacement of ``loc``.
+    """
+    from checkpoint_store._pointer import pointed_path
+
+    target = pointed_path(loc.fs, loc.path)
+    return loc if target is None else Location(loc.backend, target, shown_as=loc.path)
 
 
 def list_entries(loc: Location) -> list[tuple[str, bool]]:
@@ -167,11 +185,15 @@ def looks_like_trial(entries: Iterable[tuple[str, bool]], loc: Location | None =
 
 def _otherwise_named(loc: Location, entries: Iterable[tuple[str, bool]]) -> Iterable[str]:
     """Names of the child directories of ``loc`` holding a commit marker although
-    not named ``checkpoint_NNNNNN``: the marker, not the name, makes a checkpoint."""
+    not named ``checkpoint_NNNNNN``: the marker, not the name, makes a checkpoint.
+    A directory holding a pointer (:func:`follow`) counts too."""
+    from checkpoint_store._pointer import POINTER_FILE
+
     for name, is_dir in entries:
         if is_dir and not is_internal_name(name) \
                 and parse_checkpoint_dir_name(name) is None \
-                and _fsutil.exists(loc.fs, posixpath.join(loc.path, name, INTERNAL_METADATA)):
+                and any(_fsutil.exists(loc.fs, posixpath.join(loc.path, name, f))
+                        for f in (INTERNAL_METADATA, POINTER_FILE)):
             yield name
 
 
@@ -334,9 +356,10 @@ def committed_checkpoints(trial: Location) -> list[tuple[Location, dict[str, Any
                 if meta is not None:
                     out.append((trial.child(name), meta))
     for name in _otherwise_named(trial, entries):
-        found = inspect_location(trial.child(name))
+        ckpt = follow(trial.child(name))
+        found = inspect_location(ckpt)
         if found.state == "committed" and found.meta is not None:
-            out.append((trial.child(name), found.meta))
+            out.append((ckpt, found.meta))
     return sorted(out, key=lambda lm: (lm[1]["index"], lm[1].get("created_at", 0.0)))
 
 
@@ -369,9 +392,10 @@ def recorded_checkpoints(trial: Location) -> list[tuple[Location, dict[str, Any]
         return None
     out = [(Location(trial.backend, c.path), meta) for c, meta in manager.resume_candidates()]
     for name in _otherwise_named(trial, list_entries(trial)):
-        found = inspect_location(trial.child(name))
+        ckpt = follow(trial.child(name))
+        found = inspect_location(ckpt)
         if found.state == "committed" and found.meta is not None:
-            out.append((trial.child(name), found.meta))
+            out.append((ckpt, found.meta))
     return sorted(out, key=lambda lm: (lm[1]["index"], lm[1].get("created_at") or 0.0))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -67,6 +68,10 @@ class _ReportCallback:
         self._active: Any = None
         self._session: Any = None
         self.stopped_by_session = False
+        #: Temporary directories :meth:`resume_path` downloaded into: removed
+        #: once the trainer has loaded the checkpoint (:meth:`on_train_start`),
+        #: else at teardown, on an exception, or at interpreter exit.
+        self._resume_copies: list[str] = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -93,6 +98,16 @@ class _ReportCallback:
             local_rank=trainer.local_rank,
         )
         self._session = self._active.session
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # fit() has restored the model, optimizers and loops from ckpt_path
+        # (resume_end) before this hook: the downloaded copy is not read again.
+        self._drop_resume_copies()
+
+    def _drop_resume_copies(self) -> None:
+        copies, self._resume_copies = getattr(self, "_resume_copies", []), []
+        for path in copies:
+            shutil.rmtree(path, ignore_errors=True)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if trainer.sanity_checking or self._session is None:
@@ -121,6 +136,7 @@ class _ReportCallback:
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
+        self._drop_resume_copies()
         active, self._active, self._session = self._active, None, None
         if active is not None:
             active.end()
@@ -128,6 +144,7 @@ class _ReportCallback:
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # Lightning skips teardown hooks when fit() raises: end the session
         # here, or its lease and this thread's session would outlive the run.
+        self._drop_resume_copies()
         active, self._active, self._session = self._active, None, None
         if active is not None:
             try:
@@ -143,8 +160,10 @@ class _ReportCallback:
         for ``trainer.fit(ckpt_path=...)``; None when the trial has none.
 
         Call it before ``fit``, on every rank (each downloads its own copy).
-        ``local_dir`` (default: a new temporary directory, left for the caller
-        to remove) receives the files.
+        ``local_dir`` receives the files (the caller's to remove). Without it
+        they go to a new temporary directory that this callback removes once
+        ``fit`` has loaded the checkpoint (``on_train_start``), or at
+        teardown, on an exception, or at interpreter exit if ``fit`` never runs.
         """
         from checkpoint_store.storage import StorageContext
 
@@ -165,6 +184,10 @@ class _ReportCallback:
         chosen = _first_verified(order, lambda c: c.uri, lambda c: c.verify())
         if chosen is None:
             return None
-        target = chosen.to_directory(local_dir if local_dir is not None else
-                                     tempfile.mkdtemp(prefix="cs-lightning-resume-"))
+        if local_dir is None:
+            local_dir = tempfile.mkdtemp(prefix="cs-lightning-resume-")
+            self._resume_copies.append(local_dir)
+            # A resume_path() whose fit() never runs must not leave a model copy.
+            atexit.register(shutil.rmtree, local_dir, True)
+        target = chosen.to_directory(local_dir)
         return os.path.join(target, STATE_FILE)

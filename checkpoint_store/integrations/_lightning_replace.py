@@ -27,15 +27,14 @@ import pyarrow.fs as pafs
 
 from checkpoint_store import _fsutil
 from checkpoint_store._layout import (
-    INTERNAL_PREFIX,
     deleting_dir_name,
     replace_dir_name,
     staging_dir_name,
 )
 from checkpoint_store._manifest import inspect_checkpoint
+from checkpoint_store._pointer import POINTER_FILE, is_replacement_of, pointed_name, stem
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
-from checkpoint_store.errors import CheckpointCorruptError
 
 __all__ = [
     "POINTER_FILE",
@@ -46,9 +45,6 @@ __all__ = [
     "replacements",
     "traces",
 ]
-
-#: Inside a Lightning path: the name of the sibling that holds its checkpoint.
-POINTER_FILE = f"{INTERNAL_PREFIX}current"
 
 _PREFIX = replace_dir_name("", "")[:-1]  # ".cs_replace-"
 # What a rename commit or delete cut short leaves beside a directory.
@@ -61,32 +57,8 @@ def replacement_dir(fs_path: str, writer: str) -> str:
     return posixpath.join(parent, replace_dir_name(name, writer))
 
 
-def _stem(sibling: str) -> str:
-    # Writer ids hold no "-" (``run.pid.random``, the run id in hex).
-    return sibling.rsplit("-", 1)[0]
-
-
-def _is_replacement_of(sibling: str, name: str) -> bool:
-    return _stem(sibling) == _stem(replace_dir_name(name, "w"))
-
-
 def _pointed(backend: Backend, fs_path: str, retry: RetryPolicy | None) -> str | None:
-    """The sibling name in ``fs_path``'s pointer file, or None without one."""
-    if _fsutil.info(backend.filesystem, fs_path, retry=retry).type != pafs.FileType.Directory:
-        return None  # also a legacy plain file: never a pointer inside
-    try:
-        raw = _fsutil.read_bytes(backend.filesystem, posixpath.join(fs_path, POINTER_FILE),
-                                 retry=retry)
-    except FileNotFoundError:
-        return None
-    name = posixpath.basename(fs_path)
-    target = raw.decode("utf-8", "replace").strip()
-    if "/" in target or not _is_replacement_of(target, name):
-        raise CheckpointCorruptError(
-            f"{backend.uri_for(posixpath.join(fs_path, POINTER_FILE))} names {target!r}, "
-            f"not a replacement of {name}: it was not written by checkpoint-store",
-            path=fs_path, file=POINTER_FILE)
-    return target
+    return pointed_name(backend.filesystem, fs_path, retry)
 
 
 def has_pointer(backend: Backend, fs_path: str, retry: RetryPolicy | None = None) -> bool:
@@ -100,7 +72,7 @@ def replacements(backend: Backend, fs_path: str, retry: RetryPolicy | None = Non
     return [fi.path.rstrip("/") for fi in _fsutil.list_dir(backend.filesystem, parent,
                                                            retry=retry)
             if fi.type == pafs.FileType.Directory
-            and _is_replacement_of(posixpath.basename(fi.path.rstrip("/")), name)]
+            and is_replacement_of(posixpath.basename(fi.path.rstrip("/")), name)]
 
 
 def traces(backend: Backend, fs_path: str, retry: RetryPolicy | None = None) -> list[str]:
@@ -113,7 +85,7 @@ def traces(backend: Backend, fs_path: str, retry: RetryPolicy | None = None) -> 
         for prefix in _TRACES:
             if base.startswith(prefix) and "-" in base[len(prefix):]:
                 of = base[len(prefix):].rsplit("-", 1)[0]
-                if of == name or _is_replacement_of(of, name):
+                if of == name or is_replacement_of(of, name):
                     out.append(fi.path.rstrip("/"))
     return out
 
@@ -160,7 +132,7 @@ def orphaned_names(names: set[str], siblings: list[str]) -> set[str]:
     out = set()
     for s in siblings:
         if s.startswith(_PREFIX):
-            name = _stem(s)[len(_PREFIX):]
+            name = stem(s)[len(_PREFIX):]
             if name and name not in names:
                 out.add(name)
     return out

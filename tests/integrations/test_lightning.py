@@ -458,6 +458,28 @@ def test_report_callback_keeps_best_two_and_resumes(tmp_path):
     assert rows[-1]["step"] == 10
 
 
+def test_report_callback_resume_copy_removed_after_fit_loads_it(tmp_path):
+    """resume_path() without local_dir downloads into a temporary directory:
+    gone once fit() has restored from it, not left as a model copy in /tmp."""
+    cb_args = dict(num_to_keep=1, storage_path=str(tmp_path / "runs"),
+                   experiment_name="exp", trial_name="t0")
+    trainer(tmp_path, max_epochs=2, enable_checkpointing=False,
+            callbacks=[ReportCheckpointCallback(**cb_args)]).fit(Tiny())
+    cb = ReportCheckpointCallback(**cb_args)
+    path = cb.resume_path()
+    assert path is not None and os.path.isfile(path)
+    t = trainer(tmp_path, max_epochs=3, enable_checkpointing=False, callbacks=[cb])
+    t.fit(Tiny(), ckpt_path=path)
+    assert t.global_step == 6  # resumed at step 4, then one more epoch
+    assert not os.path.exists(os.path.dirname(path))
+    # Never fit: the copy goes at teardown of a later fit or at exit, not before.
+    cb3 = ReportCheckpointCallback(**cb_args)
+    kept = cb3.resume_path()
+    assert kept is not None and os.path.isfile(kept)
+    cb3._drop_resume_copies()  # what the atexit hook and teardown run
+    assert not os.path.exists(os.path.dirname(kept))
+
+
 def test_report_callback_failed_save_then_resume(tmp_path):
     """The third checkpoint's commit fails at its marker (data written): fit()
     raises, the session ends (Lightning runs no teardown hooks then), only the
