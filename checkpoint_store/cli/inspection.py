@@ -376,8 +376,9 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
     committed = recorded if recorded is not None else committed_checkpoints(loc)
     if not committed:
         raise CheckpointNotFoundError(f"trial {loc.uri} has no committed checkpoint")
-    scored = [(ckpt, meta, stored_score(ckpt, stored_metrics(ckpt, meta), metric))
-              for ckpt, meta in committed]
+    scored: list[_Scored] = [
+        (ckpt, meta, stored_score(ckpt, stored_metrics(ckpt, meta), metric))
+        for ckpt, meta in committed]
     scored.sort(key=lambda t: rank_key(t[2], t[1]["index"], order), reverse=True)
     if recorded is not None:
         scored = _still_committed(scored)
