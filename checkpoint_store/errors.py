@@ -23,6 +23,7 @@ __all__ = [
     "CredentialsExpiredError",
     "InvalidConfigError",
     "MetadataError",
+    "NestedCheckpointError",
     "PermanentBackendError",
     "RankTimeoutError",
     "TransientBackendError",
@@ -93,6 +94,18 @@ class UnsafePathError(CheckpointCorruptError, InvalidConfigError):
 
     Raised before the first byte is written; the source is unchanged.
     ``.file`` names the entry at fault (relative to ``.path``).
+    """
+
+
+class NestedCheckpointError(UnsafePathError):
+    """A write destination (a ``storage_path``'s trial directory, a Lightning
+    ``.ckpt``, an upload or copy target, a DCP checkpoint directory) lies
+    inside a committed checkpoint: files written there would corrupt it (its
+    manifest does not list them). Choose a destination outside every
+    committed checkpoint.
+
+    Raised before the first byte is written. ``.path`` is the committed
+    checkpoint, ``.file`` the destination relative to it.
     """
 
 

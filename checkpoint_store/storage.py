@@ -36,6 +36,7 @@ from checkpoint_store._manifest import (
     inspect_checkpoint,
     read_internal_metadata,
 )
+from checkpoint_store._nesting import refuse_inside_checkpoint
 from checkpoint_store._plan import Previous
 from checkpoint_store._results import ResultLog, parse_result_rows, read_results
 from checkpoint_store._retry import RetryPolicy
@@ -238,8 +239,31 @@ class StorageContext:
         return Checkpoint._from_backend(self.backend, posixpath.join(self.trial_path, dir_name))
 
     def ensure_trial_dir(self) -> None:
+        """Create the trial directory (and the directories above it).
+
+        Raises:
+            NestedCheckpointError: the trial directory would lie inside a committed
+                checkpoint (see :meth:`refuse_inside_checkpoint`); nothing written.
+        """
+        self.refuse_inside_checkpoint()
         _fsutil.ensure_dir(self.filesystem, self.trial_path, self.backend.capabilities,
                            retry=self.retry)
+
+    def refuse_inside_checkpoint(self) -> None:
+        """Refuse a ``storage_path``/experiment/trial inside a committed
+        checkpoint: files written there would corrupt it (its manifest does
+        not list them). One stat per directory level, made once per
+        StorageContext, before its first write (every write goes through
+        :meth:`ensure_trial_dir`).
+
+        Raises:
+            NestedCheckpointError: a committed checkpoint holds the trial directory.
+        """
+        if getattr(self, "_outside_checked", False):
+            return
+        refuse_inside_checkpoint(self.backend, self.trial_path, "the trial directory",
+                                 retry=self.retry)
+        self._outside_checked = True
 
     # -- checkpoints ------------------------------------------------------------
 
@@ -303,6 +327,8 @@ class StorageContext:
         Raises:
             CheckpointConflictError: that index is already committed.
             CheckpointNotFoundError: the source directory is gone.
+            NestedCheckpointError: the trial directory lies inside a committed
+                checkpoint; nothing written.
         """
         dest = self.checkpoint_path(index)
         meta = self.internal_metadata(index, internal)

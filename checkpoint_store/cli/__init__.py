@@ -46,6 +46,7 @@ from checkpoint_store.errors import (
     CheckpointNotFoundError,
     CheckpointStoreError,
     InvalidConfigError,
+    NestedCheckpointError,
     PermanentBackendError,
     TransientBackendError,
     TrialInUseError,
@@ -96,6 +97,8 @@ def _hint_for(exc: BaseException, subcommand: str | None = None) -> str | None:
         return "`checkpoint-store backends` lists the installed schemes"
     if isinstance(exc, BackendUnavailableError):
         return "install the plugin named above, then `checkpoint-store backends` to check"
+    if isinstance(exc, NestedCheckpointError):
+        return "choose a destination outside every committed checkpoint; nothing was written"
     if isinstance(exc, UnsafePathError):
         return "rename, replace or remove the file named above; nothing was written"
     if isinstance(exc, InvalidConfigError):

@@ -282,9 +282,21 @@ def not_committed(
                 corrupt.append((name, found))
             elif found.state != "committed":
                 uncommitted.append(name)
+        elif _marked_but_not_committed(trial.child(name)):
+            # A checkpoint under another name (Lightning's ``a.ckpt``) that
+            # fails its manifest: reported, never silently left out.
+            corrupt.append((name, inspect_location(trial.child(name))))
         elif parse_staging_dir_name(name) is not None:
             uncommitted.append(name)
     return corrupt, uncommitted
+
+
+def _marked_but_not_committed(loc: Location) -> bool:
+    """``loc`` carries the commit marker but does not pass its manifest."""
+    if is_internal_name(loc.name) or not _fsutil.exists(
+            loc.fs, posixpath.join(loc.path, INTERNAL_METADATA)):
+        return False
+    return inspect_location(loc).state == "invalid"
 
 
 def trials_under(loc: Location, kind: LocationKind) -> list[Location]:

@@ -29,6 +29,7 @@ from checkpoint_store._layout import (
     parse_checkpoint_dir_name,
     refuse_reserved,
 )
+from checkpoint_store._nesting import refuse_inside_checkpoint
 from checkpoint_store._result_rows import assembled_result_bytes
 from checkpoint_store.cli import common_options, echo_info, storage_option
 from checkpoint_store.cli.locations import (
@@ -269,6 +270,7 @@ def upload_cmd(directory: str, uri: str, storage_options: dict[str, Any],
     target = resolve_location(uri, storage_options)
     refuse_overlap(src, target, "upload")
     dst, index = checkpoint_destination(target, None)
+    refuse_inside_checkpoint(dst.backend, dst.parent.path, "upload destination")
     _require_fitting_names(dst, dst.parent)
     # The running job's next report would take the same index: refused, and
     # no --force, since a write into a live trial is never safe.
@@ -516,6 +518,8 @@ def cp_cmd(src: str, dst: str, storage_options: dict[str, Any], src_options: dic
     s = resolve_location(src, {**storage_options, **src_options}, options_if_remote=True)
     d = resolve_location(dst, {**storage_options, **dst_options}, options_if_remote=True)
     refuse_overlap(s, d, "copy")
+    # Above d only: d itself may be a committed checkpoint a rerun skips.
+    refuse_inside_checkpoint(d.backend, posixpath.dirname(d.path), "copy destination")
     plan = _plan_copy(s, d)
     _refuse_live_targets(plan)
     total = sum(manifest_size(j.meta) for j in plan.jobs)

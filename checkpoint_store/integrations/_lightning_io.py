@@ -24,6 +24,7 @@ from checkpoint_store import _fsutil, _retry
 from checkpoint_store._commit import delete_checkpoint_dir, protocol_for
 from checkpoint_store._layout import is_internal_name
 from checkpoint_store._manifest import inspect_checkpoint
+from checkpoint_store._nesting import refuse_inside_checkpoint
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store._runs import new_writer_id
 from checkpoint_store.backends.base import Backend
@@ -120,6 +121,8 @@ class _StoreIO:
             backend, path = self._locate(posixpath.join(os.fspath(root), "_"))
             self._root = backend.uri_for(posixpath.dirname(path))
         self._queue: _OrderedQueue | None = None
+        # Parent directories already found outside every committed checkpoint.
+        self._outside: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
         # Sent to spawned ranks (ddp_spawn): without threads, locks or clients.
@@ -162,6 +165,7 @@ class _StoreIO:
                 "(CheckpointStoreIO(storage_options=...)), not per save_checkpoint() call"
             )
         backend, fs_path = self._locate(path)
+        self._refuse_inside_checkpoint(backend, fs_path)
         uri = backend.uri_for(fs_path)
         if self._root is None:
             self._root = backend.uri_for(posixpath.dirname(fs_path))
@@ -174,6 +178,18 @@ class _StoreIO:
         # in place: the background save works on a copy taken now.
         snapshot = _snapshot(checkpoint)
         queue.submit("save", uri, lambda: self._save(snapshot, backend, fs_path))
+
+    def _refuse_inside_checkpoint(self, backend: Backend, fs_path: str) -> None:
+        """A ``.ckpt`` inside a committed checkpoint (``a.ckpt/inner.ckpt``)
+        would corrupt it: refused before anything is written, once per parent
+        directory (Lightning saves many checkpoints into one)."""
+        parent = posixpath.dirname(fs_path)
+        key = backend.uri_for(parent)
+        if key in self._outside:
+            return
+        refuse_inside_checkpoint(backend, parent, f"the parent of {backend.uri_for(fs_path)}",
+                                 retry=self.retry)
+        self._outside.add(key)
 
     def _save(self, checkpoint: Mapping[str, Any], backend: Backend, fs_path: str) -> None:
         started = time.monotonic()

@@ -50,6 +50,7 @@ import pyarrow as pa
 
 from checkpoint_store import _fsutil, _json
 from checkpoint_store._layout import written_record_name
+from checkpoint_store._nesting import refuse_inside_checkpoint
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.registry import resolve
@@ -243,6 +244,10 @@ class StorageWriter(FileSystemWriter):
         """Every rank, before writing: drop this rank's record of an earlier
         save into the same directory, so a stale one can never vouch for files."""
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        # The checkpoint directory itself is ours to fill; one above it that
+        # is committed would be corrupted by these files.
+        refuse_inside_checkpoint(self._store_fs.backend, posixpath.dirname(str(self.path)),
+                                 "the parent of the DCP checkpoint directory")
         self._store_fs.written.clear()
         stale = posixpath.join(str(self.path), written_record_name(self._record_part()))
         if _fsutil.exists(self._store_fs.backend.filesystem, stale):

@@ -60,3 +60,9 @@ def near_store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
     """Local disk and memory only: for cases whose refusal comes before any
     backend is reached, or that the ``store`` tests cover elsewhere."""
     return make_store(request.param, request, tmp_path)
+
+
+@pytest.fixture
+def make_store_for(request: pytest.FixtureRequest, tmp_path: Any) -> Any:
+    """``make_store`` as a fixture: tests that pick their own backends."""
+    return lambda kind: make_store(kind, request, tmp_path)

@@ -1,0 +1,82 @@
+"""Refuse a write destination that lies inside a committed checkpoint.
+
+A committed checkpoint is immutable (docs/format.md): its manifest lists every
+file it holds. A trial directory, a Lightning ``.ckpt`` or an upload target
+placed inside one would add files the manifest does not list, so ``verify``
+reports the checkpoint corrupt and a resume no longer trusts it. Every write
+entry point asks :func:`refuse_inside_checkpoint` once, before its first write.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+import pyarrow.fs as pafs
+
+from checkpoint_store import _retry
+from checkpoint_store._layout import INTERNAL_METADATA
+from checkpoint_store._retry import RetryPolicy
+from checkpoint_store.backends.base import Backend
+from checkpoint_store.errors import NestedCheckpointError
+
+__all__ = ["ancestors", "refuse_inside_checkpoint"]
+
+
+def ancestors(path: str) -> list[str]:
+    """``path`` and each directory above it, nearest first, up to (not
+    including) the filesystem root; for object stores the bucket is the last."""
+    out: list[str] = []
+    current = path.rstrip("/")
+    while current and current not in ("/", "."):
+        out.append(current)
+        parent = posixpath.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    return out
+
+
+def refuse_inside_checkpoint(
+    backend: Backend,
+    path: str,
+    what: str,
+    *,
+    retry: RetryPolicy | None = None,
+) -> None:
+    """Raise if ``path`` or a directory above it is a committed checkpoint.
+
+    One stat per level (of ``<ancestor>/.internal_metadata.json``, the commit
+    marker), all in one ``get_file_info`` call; paths are shallow, so this is
+    a handful of requests, made once per destination.
+
+    Args:
+        backend: the storage ``path`` is on.
+        path: the destination directory (or the parent of a destination file),
+            in ``backend.filesystem``'s spelling.
+        what: names the destination in the message (``"storage_path"``).
+        retry: retry policy for the stats.
+
+    Raises:
+        NestedCheckpointError: a committed checkpoint holds ``path``; ``.path`` is
+            that checkpoint, ``.file`` the destination relative to it.
+            Nothing was written.
+    """
+    levels = ancestors(path)
+    if not levels:
+        return
+    markers = [posixpath.join(level, INTERNAL_METADATA) for level in levels]
+    infos = _retry.call(
+        lambda: backend.filesystem.get_file_info(markers),
+        policy=retry,
+        what=f"stat the directories above {backend.uri_for(path)}",
+    )
+    for level, fi in zip(levels, infos, strict=True):
+        if fi.type == pafs.FileType.File:
+            rel = posixpath.relpath(path.rstrip("/"), level)
+            raise NestedCheckpointError(
+                f"{what} {backend.uri_for(path)} lies inside the committed checkpoint "
+                f"{backend.uri_for(level)}; writing there would corrupt it. Choose a "
+                "destination outside every committed checkpoint",
+                path=level,
+                file=None if rel == "." else rel,
+            )
