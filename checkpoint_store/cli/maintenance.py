@@ -201,7 +201,7 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int | None,
     if not dry_run:
         refuse_if_live(loc, force, "prune it")
         for i in evicted:
-            ctx.delete_checkpoint(committed[i][0].name)
+            _delete(ctx, committed[i][0])
             deleted.append(describe(i))
     if as_json:
         print_json({"uri": loc.uri, "dry_run": dry_run, "metric": metric, "mode": order,
@@ -211,6 +211,22 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int | None,
         return
     _print_prune("would delete" if dry_run else "deleted", metric,
                  (describe(i) for i in evicted), (describe(i) for i in kept))
+
+
+def _delete(ctx: Any, ckpt: Location) -> None:
+    """Delete one evicted checkpoint, marker first. A re-saved path
+    (Lightning's ``last.ckpt``, see :func:`~checkpoint_store.cli.locations.follow`)
+    goes as the Lightning plugin removes it: the pointed sibling, then the
+    pointer; deleting the pointer alone would let readers fall back to the
+    sibling and bring the checkpoint back."""
+    if ckpt.shown_as is None:
+        ctx.delete_checkpoint(ckpt.name)
+        return
+    from checkpoint_store._commit import delete_checkpoint_dir
+    from checkpoint_store._runs import new_writer_id
+
+    delete_checkpoint_dir(ckpt.backend, ckpt.path, writer_id=new_writer_id())
+    _fsutil.delete_dir(ckpt.fs, ckpt.shown_as)
 
 
 # -- gc -------------------------------------------------------------------------------
