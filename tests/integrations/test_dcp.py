@@ -16,7 +16,12 @@ torch = pytest.importorskip("torch")
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
-from checkpoint_store import Checkpoint, StorageContext, session  # noqa: E402
+from checkpoint_store import (  # noqa: E402
+    Checkpoint,
+    NestedCheckpointError,
+    StorageContext,
+    session,
+)
 from checkpoint_store._layout import INTERNAL_METADATA  # noqa: E402
 from checkpoint_store.integrations.torch import StorageReader, StorageWriter  # noqa: E402
 
@@ -204,3 +209,20 @@ def test_crash_mid_write_leaves_nothing_listed_and_resume_continues(tmp_path):
         dcp.save({"w": torch.full((3,), 2.0)}, storage_writer=StorageWriter(third))
         row = s.report({"step": 2}, checkpoint=Checkpoint(third))
     assert row["training_iteration"] == 2  # step counting continues past the crash
+
+
+def test_storage_writer_inside_a_committed_checkpoint_is_refused(tmp_path):
+    """A DCP directory under a committed checkpoint would add files its manifest
+    does not list: refused before DCP writes a byte; the checkpoint verifies."""
+    store = tmp_path / "store"
+    with session.start(storage_path=store, experiment_name="e", trial_name="t") as s:
+        where = s.next_checkpoint_dir()
+        dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(where))
+        s.report({"loss": 0.5}, checkpoint=Checkpoint(where))
+    before = sorted(p.relative_to(store) for p in store.rglob("*"))
+    inner = os.path.join(where, "nested")
+    with pytest.raises((NestedCheckpointError, CheckpointException),
+                       match="inside the committed checkpoint"):
+        dcp.save({"w": torch.zeros(3)}, storage_writer=StorageWriter(inner))
+    assert sorted(p.relative_to(store) for p in store.rglob("*")) == before
+    Checkpoint(where).verify()
