@@ -15,11 +15,16 @@ import pyarrow.fs as pafs
 
 from checkpoint_store import _retry
 from checkpoint_store._layout import INTERNAL_METADATA
+from checkpoint_store._pointer import POINTER_FILE
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import NestedCheckpointError
 
 __all__ = ["ancestors", "refuse_inside_checkpoint"]
+
+# What makes a directory a committed checkpoint: its marker, or the pointer
+# naming the current replacement of a checkpoint saved again under one name.
+_MARKERS = (INTERNAL_METADATA, POINTER_FILE)
 
 
 def ancestors(path: str) -> list[str]:
@@ -45,9 +50,11 @@ def refuse_inside_checkpoint(
 ) -> None:
     """Raise if ``path`` or a directory above it is a committed checkpoint.
 
-    One stat per level (of ``<ancestor>/.internal_metadata.json``, the commit
-    marker), all in one ``get_file_info`` call; paths are shallow, so this is
-    a handful of requests, made once per destination.
+    Two stats per level, all in one ``get_file_info`` call: the commit marker
+    ``<ancestor>/.internal_metadata.json`` and the pointer ``.cs_current`` of
+    a checkpoint saved again under one name (Lightning's ``last.ckpt``,
+    :mod:`._pointer`). Paths are shallow, so this is a handful of requests,
+    made once per destination.
 
     Args:
         backend: the storage ``path`` is on.
@@ -64,14 +71,15 @@ def refuse_inside_checkpoint(
     levels = ancestors(path)
     if not levels:
         return
-    markers = [posixpath.join(level, INTERNAL_METADATA) for level in levels]
+    markers = [posixpath.join(level, name) for level in levels for name in _MARKERS]
     infos = _retry.call(
         lambda: backend.filesystem.get_file_info(markers),
         policy=retry,
         what=f"stat the directories above {backend.uri_for(path)}",
     )
-    for level, fi in zip(levels, infos, strict=True):
-        if fi.type == pafs.FileType.File:
+    found = [fi.type == pafs.FileType.File for fi in infos]
+    for i, level in enumerate(levels):
+        if any(found[i * len(_MARKERS) : (i + 1) * len(_MARKERS)]):
             rel = posixpath.relpath(path.rstrip("/"), level)
             raise NestedCheckpointError(
                 f"{what} {backend.uri_for(path)} lies inside the committed checkpoint "

@@ -105,3 +105,20 @@ def test_verify_names_a_corrupt_lightning_checkpoint(nstore):
     assert result.exit_code == 1, result.output
     assert "CORRUPT" in result.output and "a.ckpt" in result.output
     assert "1 corrupt" in result.output
+
+
+def test_lightning_ckpt_inside_a_resaved_ckpt_is_refused(nstore):
+    """Saved twice, ``a.ckpt`` is a pointer to its current replacement: still a
+    committed checkpoint, so nothing may be written under it."""
+    io = CheckpointStoreIO(storage_options=nstore.options or None)
+    outer = nstore.join("ck", "a.ckpt")
+    io.save_checkpoint({"step": 1, "state_dict": {}}, outer)
+    io.save_checkpoint({"step": 2, "state_dict": {}}, outer)
+    before = _tree(nstore)
+    with pytest.raises(NestedCheckpointError):
+        io.save_checkpoint({"step": 3, "state_dict": {}}, nstore.join("ck", "a.ckpt", "in.ckpt"))
+    with pytest.raises(NestedCheckpointError):
+        session.start(storage_path=outer, experiment_name="exp", trial_name="t",
+                      storage_options=nstore.options or None)
+    assert _tree(nstore) == before
+    assert io.load_checkpoint(outer)["step"] == 2
