@@ -68,7 +68,9 @@ def parse_result_rows(raw: bytes) -> list[dict[str, Any]]:
     not an object are skipped (a reader of a growing file may pass it any whole
     lines, e.g. only the ones appended since its last read)."""
     rows = []
-    for line in raw.decode("utf-8", errors="replace").splitlines():
+    # Rows end at b"\n" only: str.splitlines() would also cut a row at a
+    # U+0085 or U+2028 inside a metric's string, which JSON writes unescaped.
+    for line in raw.decode("utf-8", errors="replace").split("\n"):
         if not line.strip():
             continue
         try:
