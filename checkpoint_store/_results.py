@@ -103,6 +103,10 @@ _BUFFERING_LOCK = threading.Lock()
 # background uploads: their rows name checkpoints those uploads commit). Each
 # has a ``_finish_at_exit()`` that waits for it and logs, never raises.
 _FINISHING: weakref.WeakSet[Any] = weakref.WeakSet()
+# Held at exit (a session never ended), released after the rows are flushed,
+# while the stores' clients still take work: each has a ``release()`` that
+# logs, never raises. (A later finalizer would find s3fs's executor shut down.)
+_RELEASING: weakref.WeakSet[Any] = weakref.WeakSet()
 _exit_hook_registered = False
 
 
@@ -130,8 +134,24 @@ def finish_before_exit_flush(owner: Any) -> None:
         _ensure_exit_hook()
 
 
+def release_after_exit_flush(owner: Any) -> None:
+    """Have the exit hook call ``owner.release()`` (held weakly) after it
+    flushed the rows (a lease: the trial is free once its rows are stored)."""
+    with _BUFFERING_LOCK:
+        _RELEASING.add(owner)
+        _ensure_exit_hook()
+
+
+def forget_at_exit(owner: Any) -> None:
+    """Undo :func:`finish_before_exit_flush` / :func:`release_after_exit_flush`."""
+    with _BUFFERING_LOCK:
+        _FINISHING.discard(owner)
+        _RELEASING.discard(owner)
+
+
 def _at_exit() -> None:
-    """The interpreter-exit hook: finish pending work (uploads), then flush rows."""
+    """The interpreter-exit hook: finish pending work (uploads), flush rows,
+    then release what is still held (leases)."""
     with _BUFFERING_LOCK:
         owners = list(_FINISHING)
     for owner in owners:
@@ -140,6 +160,13 @@ def _at_exit() -> None:
         except Exception as exc:  # one owner's failure must not cost the rows
             logger.error("could not finish the pending work of %r at exit: %s", owner, exc)
     _flush_at_exit()
+    with _BUFFERING_LOCK:
+        held = list(_RELEASING)
+    for owner in held:
+        try:
+            owner.release()
+        except Exception as exc:  # release() logs its own failures; belt and braces
+            logger.warning("could not release %r at exit: %s", owner, exc)
 
 
 def _register_exit_hook(hook: Callable[[], None]) -> None:

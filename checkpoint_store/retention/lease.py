@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import TypedDict, cast
 
-from checkpoint_store import _clock, _fsutil, _json
+from checkpoint_store import _clock, _fsutil, _json, _results
 from checkpoint_store._layout import FORMAT_VERSION, LEASE_FILE
 from checkpoint_store._proc import process_alive, process_token
 from checkpoint_store.backends.base import canonical_uri_text
@@ -238,6 +238,9 @@ class Lease:
         if back is None or back.get("holder") != self.holder:
             raise self._conflict(back or {}, self.ttl_s)
         _KEEPER.add(self)
+        # Released at interpreter exit if nobody ended the session, while the
+        # store's client still works (see _results._at_exit).
+        _results.release_after_exit_flush(self)
 
     def renew(self) -> bool:
         """Extend the lease; returns False (and marks it lost) when another holder
@@ -286,10 +289,13 @@ class Lease:
         """Stop renewing and delete the lease file if it is still ours. Idempotent;
         never raises (it runs while an exception may be propagating)."""
         self.stop_renewing()
+        if os.getpid() != self.pid:
+            return  # a forked child: the lease is its parent's to release
         with self._lock:
             if self._released:
                 return
             self._released = True
+            _results.forget_at_exit(self)
             if self.lost:
                 return
             try:

@@ -241,3 +241,22 @@ def test_live_lease_reports_a_live_manager_and_ignores_a_copied_lease(tmp_path):
     finally:
         manager.close()
     assert live_lease(storage) is None
+
+
+@FAST
+def test_a_forked_child_never_releases_its_parents_lease(make_storage):
+    """A child forked while a manager lives holds a copy of the lease object; its
+    exit (or its close) must not delete the lease the parent still holds."""
+    storage = make_storage()
+    m = CheckpointManager(CheckpointConfig(2), storage)
+    holder = _lease(storage)["holder"]
+    lease = m._lease
+    assert lease is not None
+    real_pid, lease.pid = lease.pid, -1  # what a forked child sees: not its pid
+    try:
+        lease.release()
+        assert _lease(storage)["holder"] == holder
+    finally:
+        lease.pid = real_pid
+    m.close()
+    assert _lease(storage) is None

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from checkpoint_store import StorageContext
-from checkpoint_store._layout import RESULT_FILE
+from checkpoint_store._layout import LEASE_FILE, RESULT_FILE
 from checkpoint_store._results import (
     _BUFFERING,
     FLUSH_INTERVAL_ENV,
@@ -93,6 +93,10 @@ def _assert_written_at_exit(s3_location: Any, tmp_path: Any, how: str, code: int
     assert [r["training_iteration"] for r in ctx.read_results()] == list(range(1, 26))
     assert not ctx.filesystem.get_file_info(f"{ctx.trial_path}/{RESULT_FILE}").is_file
     assert len(list_segments(ctx.filesystem, ctx.trial_path)) == 2  # checkpoint report + exit
+    # The lease is released after the rows, while the client still works:
+    # the trial is free at once, and no warning about it.
+    assert "could not release the lease" not in proc.stderr, proc.stderr
+    assert not ctx.filesystem.get_file_info(f"{ctx.trial_path}/{LEASE_FILE}").is_file
 
 
 @pytest.mark.slow
