@@ -164,6 +164,11 @@ class _StoreIO:
                 "CheckpointStoreIO takes its storage options when it is built "
                 "(CheckpointStoreIO(storage_options=...)), not per save_checkpoint() call"
             )
+        if not isinstance(checkpoint, Mapping):
+            raise InvalidConfigError(
+                "save_checkpoint takes the checkpoint dict Lightning builds (state_dict, "
+                f"optimizer states, ...), got {type(checkpoint).__name__}; nothing was written"
+            )
         backend, fs_path = self._locate(path)
         self._refuse_inside_checkpoint(backend, fs_path)
         uri = backend.uri_for(fs_path)

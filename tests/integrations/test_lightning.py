@@ -586,3 +586,15 @@ def test_report_callback_ddp_spawn_two_ranks(tmp_path):
     for ckpt, meta in kept:
         assert meta["world_size"] == 2
         ckpt.verify()
+
+
+@pytest.mark.parametrize("bad", [[1, 2], None, "state", b"bytes"])
+def test_save_checkpoint_of_something_not_a_dict_is_a_typed_error(tmp_path, bad):
+    """What Lightning hands CheckpointIO is a dict; anything else was an
+    AttributeError from deep inside. Nothing is written."""
+    from checkpoint_store import InvalidConfigError
+
+    io = CheckpointStoreIO()
+    with pytest.raises(InvalidConfigError, match="checkpoint dict"):
+        io.save_checkpoint(bad, str(tmp_path / "ck" / "a.ckpt"))
+    assert not (tmp_path / "ck").exists()
