@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
-import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from checkpoint_store import _fsutil, _json
@@ -19,7 +16,6 @@ from checkpoint_store._results import (
     ResultLog,
     finish_before_exit_flush,
     last_result_rows,
-    valid_iteration,
 )
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError, TrialStopped
@@ -31,6 +27,7 @@ from checkpoint_store.session._args import (
     int_from,
     resume_source,
 )
+from checkpoint_store.session._context import RESUME_FROM_KEY, SessionContext, resume_counters
 from checkpoint_store.session._multirank import Coordinator
 from checkpoint_store.storage import StorageContext
 
@@ -44,86 +41,6 @@ AUTO_FILLED = (
     "trial_id",
     "checkpoint_dir_name",
 )
-
-
-@dataclass(frozen=True)
-class SessionContext:
-    """What the code inside a session may ask about where it runs.
-
-    Attributes:
-        experiment_name, trial_name: the layout names.
-        trial_id: ``"<experiment_name>/<trial_name>"``.
-        world_rank, world_size, local_rank: this process's place in a
-            multi-worker job (0, 1, 0 for a single process).
-        trial_dir: URI of the trial directory.
-        storage: the :class:`StorageContext` (filesystem and layout).
-        config: the trial config, as given to ``start``.
-    """
-
-    experiment_name: str
-    trial_name: str
-    trial_id: str
-    world_rank: int
-    world_size: int
-    local_rank: int
-    trial_dir: str
-    storage: StorageContext
-    config: Mapping[str, Any]
-
-    # The accessors of Ray Train's TrainContext, so code written for it runs as is.
-    def get_world_rank(self) -> int:
-        return self.world_rank
-
-    def get_world_size(self) -> int:
-        return self.world_size
-
-    def get_local_rank(self) -> int:
-        return self.local_rank
-
-    def get_experiment_name(self) -> str:
-        return self.experiment_name
-
-    def get_trial_name(self) -> str:
-        return self.trial_name
-
-    def get_trial_id(self) -> str:
-        return self.trial_id
-
-    def get_trial_dir(self) -> str:
-        return self.trial_dir
-
-
-#: The ``params.json`` key recording the checkpoint a trial started from
-#: (``session.start(resume_from=...)``): its URI, index, run id, experiment and trial.
-RESUME_FROM_KEY = "_resume_from"
-
-
-def _resume_counters(rows: list[dict[str, Any]], where: str) -> tuple[int, float]:
-    """The iteration and total time to continue from, given the trial's last
-    rows (:func:`~checkpoint_store._results.last_result_rows`: back to the last
-    row holding a valid ``training_iteration``).
-
-    A row another tool (or a hand edit) left with a value that is not a count
-    (``"abc"``, ``[1]``) must not make the trial impossible to resume: such
-    values are skipped with one warning, and counting continues after the
-    highest valid ``training_iteration``.
-    """
-    iteration, total, bad = 0, 0.0, 0
-    for row in rows:
-        it = valid_iteration(row.get("training_iteration"))
-        if it is None and row.get("training_iteration") is not None:
-            bad += 1
-        iteration = max(iteration, it or 0)
-        t = row.get("time_total_s")
-        if not isinstance(t, bool) and isinstance(t, (int, float)) and math.isfinite(t):
-            total = max(total, float(t))
-    if bad:
-        warnings.warn(
-            f"{where}: {bad} row(s) hold a training_iteration that is not a count; "
-            f"ignored them, continuing after iteration {iteration}",
-            RuntimeWarning, stacklevel=4,
-        )
-    return iteration, total
 
 
 class Session:
@@ -190,7 +107,7 @@ class Session:
         is_writer = self.world_rank == 0
         storage.ensure_trial_dir()
         # Only the last rows: a start costs the same after a million reports.
-        self._iteration, self._time_offset = _resume_counters(
+        self._iteration, self._time_offset = resume_counters(
             last_result_rows(storage), storage.uri(storage.trial_path))
         self._results: ResultLog | None = None
         # Only rank 0 keeps the retention state and the trial's lease.
