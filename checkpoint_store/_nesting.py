@@ -50,7 +50,7 @@ def refuse_inside_checkpoint(
 ) -> None:
     """Raise if ``path`` or a directory above it is a committed checkpoint.
 
-    Two stats per level, all in one ``get_file_info`` call: the commit marker
+    Two stats per level, nearest level first: the commit marker
     ``<ancestor>/.internal_metadata.json`` and the pointer ``.cs_current`` of
     a checkpoint saved again under one name (Lightning's ``last.ckpt``,
     :mod:`._pointer`). Paths are shallow, so this is a handful of requests,
@@ -68,18 +68,8 @@ def refuse_inside_checkpoint(
             that checkpoint, ``.file`` the destination relative to it.
             Nothing was written.
     """
-    levels = ancestors(path)
-    if not levels:
-        return
-    markers = [posixpath.join(level, name) for level in levels for name in _MARKERS]
-    infos = _retry.call(
-        lambda: backend.filesystem.get_file_info(markers),
-        policy=retry,
-        what=f"stat the directories above {backend.uri_for(path)}",
-    )
-    found = [fi.type == pafs.FileType.File for fi in infos]
-    for i, level in enumerate(levels):
-        if any(found[i * len(_MARKERS) : (i + 1) * len(_MARKERS)]):
+    for level in ancestors(path):
+        if any(_is_file(backend, posixpath.join(level, name), retry) for name in _MARKERS):
             rel = posixpath.relpath(path.rstrip("/"), level)
             raise NestedCheckpointError(
                 f"{what} {backend.uri_for(path)} lies inside the committed checkpoint "
@@ -88,3 +78,12 @@ def refuse_inside_checkpoint(
                 path=level,
                 file=None if rel == "." else rel,
             )
+
+
+def _is_file(backend: Backend, path: str, retry: RetryPolicy | None) -> bool:
+    # One stat per call: each is retried on its own (a stat of many paths
+    # fails whole when any one request does), and through the backend, so
+    # expired credentials rebuild its filesystem as every storage call does.
+    info = _retry.call_fs(backend, lambda fs: fs.get_file_info(path), policy=retry,
+                          what=f"stat {backend.uri_for(path)}")
+    return info.type == pafs.FileType.File
