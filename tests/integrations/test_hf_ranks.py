@@ -44,6 +44,10 @@ WORKER = textwrap.dedent("""
     callback = CheckpointStoreCallback(store, "e", "t", sync_timeout_s=120)
     with callback:
         Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    # As torch asks of every script that made a process group (the Trainer made
+    # this one and leaves it): a group freed while the interpreter shuts down
+    # can abort the process from gloo's threads, about one run in ten here.
+    torch.distributed.destroy_process_group()
     local = {}
     for name in sorted(os.listdir(run_dir)):
         if name.startswith("checkpoint-"):
