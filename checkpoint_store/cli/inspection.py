@@ -65,7 +65,9 @@ _Scored = tuple[Location, Mapping[str, Any], float | None]
 # -- ls -----------------------------------------------------------------------------
 
 
-def _listed_checkpoints(trial: Location, long: bool) -> list[tuple[Location, dict[str, Any]]]:
+def _listed_checkpoints(
+    trial: Location, long: bool
+) -> tuple[list[tuple[Location, dict[str, Any]]], list[tuple[str, bool]] | None]:
     """The trial's committed checkpoints with what ``ls`` shows of them, oldest first.
 
     With ``long`` each one's internal metadata (its manifest: sizes, files) is
@@ -73,20 +75,22 @@ def _listed_checkpoints(trial: Location, long: bool) -> list[tuple[Location, dic
     names them (``index``, ``metrics``, ``created_at``) and one listing finds
     what it does not name, whatever the trial's history; a trial without a
     usable state (written without a manager, or by another tool) falls back
-    to reading every checkpoint's metadata.
+    to reading every checkpoint's metadata. Also the trial's listing when
+    one was made that :func:`not_committed` may reuse.
     """
     if not long:
         recorded = recorded_checkpoints(trial)
         if recorded is not None:
-            return recorded
-    return committed_checkpoints(trial)
+            return recorded.checkpoints, recorded.entries
+    return committed_checkpoints(trial), None
 
 
 def _ls_trial(trial: Location, metric: str | None, long: bool) -> dict[str, Any]:
     if metric is None:
         metric, _ = score_attribute(trial)
     rows = []
-    for ckpt, meta in _listed_checkpoints(trial, long):
+    checkpoints, entries = _listed_checkpoints(trial, long)
+    for ckpt, meta in checkpoints:
         metrics = stored_metrics(ckpt, meta)
         row = {
             "index": meta["index"],
@@ -98,7 +102,7 @@ def _ls_trial(trial: Location, metric: str | None, long: bool) -> dict[str, Any]
         if long:
             row.update(size=manifest_size(meta), files=len(meta.get("manifest", [])))
         rows.append(row)
-    corrupt, uncommitted = not_committed(trial, (r["name"] for r in rows))
+    corrupt, uncommitted = not_committed(trial, (r["name"] for r in rows), entries)
     return {"kind": "trial", "uri": trial.uri, "metric": metric, "checkpoints": rows,
             "error": _last_error(trial), "uncommitted": len(uncommitted),
             "corrupt": [{"name": n, "file": st.file, "reason": st.reason} for n, st in corrupt]}
@@ -118,7 +122,7 @@ def _last_error(trial: Location) -> str | None:
 def _ls_experiment(exp: Location, long: bool) -> dict[str, Any]:
     rows = []
     for trial in trials_under(exp, "experiment"):
-        committed = _listed_checkpoints(trial, long)
+        committed, _ = _listed_checkpoints(trial, long)
         row = {
             "name": trial.name,
             "uri": trial.uri,
@@ -373,7 +377,7 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
     # The retention state records every kept checkpoint's metrics: no need to
     # read each one's metadata (the full walk is for trials without a state).
     recorded = recorded_checkpoints(loc)
-    committed = recorded if recorded is not None else committed_checkpoints(loc)
+    committed = recorded.checkpoints if recorded is not None else committed_checkpoints(loc)
     if not committed:
         raise CheckpointNotFoundError(f"trial {loc.uri} has no committed checkpoint")
     scored: list[_Scored] = [

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from checkpoint_store import _fsutil
 from checkpoint_store._layout import (
     INTERNAL_METADATA,
+    MANAGER_STATE,
     RESULT_SEGMENTS_DIR,
     TRIAL_FILES,
     is_internal_name,
@@ -55,6 +56,7 @@ __all__ = [
     "manifest_size",
     "not_committed",
     "read_internal",
+    "Recorded",
     "recorded_checkpoints",
     "require_checkpoint",
     "require_trial",
@@ -244,6 +246,10 @@ def classify(loc: Location) -> LocationKind:
         kind = _checkpoint_kind(loc)
         if kind is not None:
             return kind
+    if _fsutil.is_file(loc.fs, posixpath.join(loc.path, MANAGER_STATE)):
+        # Only a trial holds a retention state: one stat instead of listing a
+        # trial of any size.
+        return "trial"
     entries = list_entries(loc)
     if not entries:
         fi = _fsutil.info(loc.fs, loc.path)
@@ -266,14 +272,17 @@ def describe_kind(kind: LocationKind) -> str:
 
 
 def not_committed(
-    trial: Location, committed: Iterable[str]
+    trial: Location, committed: Iterable[str],
+    entries: list[tuple[str, bool]] | None = None,
 ) -> tuple[list[tuple[str, Inspection]], list[str]]:
     """Checkpoint directories of ``trial`` that are not committed:
-    ``([(name, inspection) of corrupt ones], [names of uncommitted ones])``."""
+    ``([(name, inspection) of corrupt ones], [names of uncommitted ones])``;
+    ``entries`` is a listing of the trial already made (:func:`list_entries`
+    form; committed checkpoint directories may be left out of it)."""
     done = set(committed)
     corrupt: list[tuple[str, Inspection]] = []
     uncommitted: list[str] = []
-    for name, is_dir in list_entries(trial):
+    for name, is_dir in list_entries(trial) if entries is None else entries:
         if not is_dir or name in done:
             continue
         if parse_checkpoint_dir_name(name) is not None:
@@ -375,16 +384,29 @@ def committed_checkpoints(trial: Location) -> list[tuple[Location, dict[str, Any
     return sorted(out, key=lambda lm: (lm[1]["index"], lm[1].get("created_at", 0.0)))
 
 
-def recorded_checkpoints(trial: Location) -> list[tuple[Location, dict[str, Any]]] | None:
-    """The trial's committed checkpoints as its retention state records them
-    (``index``, ``metrics``, ``created_at``; no manifest), oldest first, or None
-    when it has no usable state (then :func:`committed_checkpoints` reads
-    every checkpoint's metadata).
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """A trial as its retention state records it (:func:`recorded_checkpoints`)."""
+
+    #: ``(checkpoint, meta)``, oldest first; meta has ``index``, ``metrics``,
+    #: ``created_at`` (no manifest).
+    checkpoints: list[tuple[Location, dict[str, Any]]]
+    #: The trial's listing (:func:`list_entries` form) without the committed
+    #: checkpoint directories the state vouches for.
+    entries: list[tuple[str, bool]]
+
+
+def recorded_checkpoints(trial: Location) -> Recorded | None:
+    """The trial's committed checkpoints as its retention state records them,
+    or None when it has no usable state (then :func:`committed_checkpoints`
+    reads every checkpoint's metadata).
 
     A read-only :class:`~checkpoint_store.retention.CheckpointManager` under
     the recorded config restores it as a new session would: the state, one
     listing, and an inspection of each directory the state does not name,
-    whatever the trial's history (docs/format.md, "Retention state").
+    whatever the trial's history (docs/format.md, "Retention state"). That
+    listing is the only one: it also finds the checkpoints committed under
+    other names and serves :func:`not_committed`.
     """
     from checkpoint_store.cli.scores import recorded_config
     from checkpoint_store.errors import CheckpointStoreError
@@ -402,13 +424,19 @@ def recorded_checkpoints(trial: Location) -> list[tuple[Location, dict[str, Any]
         return None
     if not manager.restored_from_state:
         return None
-    out = [(Location(trial.backend, c.path), meta) for c, meta in manager.resume_candidates()]
-    for name in _otherwise_named(trial, list_entries(trial)):
+    # Pairs, not Checkpoint objects: a ranking of 100,000 builds one Location each.
+    out = [(trial.child(name), meta) for name, meta in manager.resume_candidates().named()]
+    listed = manager.restore_listing  # a read-only restore deletes nothing: always there
+    entries = (list_entries(trial) if listed is None else sorted(
+        (posixpath.basename(fi.path.rstrip("/")), fi.type == _fsutil.pafs.FileType.Directory)
+        for fi in listed))
+    for name in _otherwise_named(trial, entries):
         ckpt = follow(trial.child(name))
         found = inspect_location(ckpt)
         if found.state == "committed" and found.meta is not None:
             out.append((ckpt, found.meta))
-    return sorted(out, key=lambda lm: (lm[1]["index"], lm[1].get("created_at") or 0.0))
+    out.sort(key=lambda lm: (lm[1]["index"], lm[1].get("created_at") or 0.0))
+    return Recorded(out, entries)
 
 
 def manifest_size(meta: Mapping[str, Any]) -> int:

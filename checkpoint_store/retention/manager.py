@@ -19,7 +19,7 @@ import posixpath
 import time
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -320,7 +320,7 @@ class CheckpointManager:
         the index when ranking by recency)."""
         return {e.dir_name: e.score for e in self._sel.ordered()}
 
-    def resume_candidates(self) -> Sequence[tuple[Checkpoint, dict[str, Any]]]:
+    def resume_candidates(self) -> Candidates:
         """The checkpoints a resume may load, oldest first, with what is known of
         them (``index``, ``metrics``, ``created_at``): the kept ones and the
         committed ones of another run found at restore. Their files are not

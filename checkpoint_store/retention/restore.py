@@ -168,6 +168,11 @@ class Candidates(Sequence[tuple[Checkpoint, dict[str, Any]]]):
             self._built[name] = (self._storage.checkpoint(name), dict(meta))
         return self._built[name]
 
+    def named(self) -> list[tuple[str, dict[str, Any]]]:
+        """``(dir_name, meta)`` of every candidate, oldest first, building no
+        :class:`Checkpoint` (a CLI ranking a trial of 100,000 needs one of them)."""
+        return list(self._all())
+
     def __bool__(self) -> bool:
         return self._newest is not None or bool(self._all())
 

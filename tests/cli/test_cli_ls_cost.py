@@ -149,3 +149,41 @@ def test_ls_without_long_lists_a_checkpoint_the_state_does_not_name(
     data = json.loads(res.stdout)
     assert [r["name"] for r in data["checkpoints"]] == [f"checkpoint_{i:06d}" for i in range(4)]
     assert data["uncommitted"] == 1
+
+
+@pytest.fixture
+def call_log(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> str:
+    """Every call of a command on its locations, logged as ``(method, path)``."""
+    from checkpoint_store.testing.faults import FaultPlan
+
+    log = tmp_path / "calls"
+    log.mkdir()
+
+    def resolve(text: str, options: Any, **kwargs: Any) -> Location:
+        loc = resolve_location(text, options, **kwargs)
+        return Location(faulty_backend(loc.backend, FaultPlan(call_log=str(log))), loc.path)
+
+    monkeypatch.setattr(inspection, "resolve_location", resolve)
+    return str(log)
+
+
+@pytest.mark.parametrize("command", [["best", "--metric", "loss", "--mode", "min"], ["ls"]])
+def test_a_trial_is_listed_once_per_command(
+    store: Store, tmp_path: Any, call_log: str, command: list[str]
+) -> None:
+    """Telling a trial from other directories needs no listing when it holds a
+    retention state, and the restore's listing serves the search for
+    checkpoints under other names: a trial of 100,000 checkpoints is listed
+    once, not three times."""
+    from checkpoint_store.testing.faults import read_call_log
+
+    _trial(store, tmp_path, "t", 3)
+    trial = store.join("exp", "t")
+    res = invoke([command[0], trial, *command[1:], *store.opt_args(), "--json"])
+    assert res.exit_code == 0, res.output
+    calls = [c for per_pid in read_call_log(call_log).values() for c in per_pid]
+    listings = [p.rstrip("/") for m, p in calls if m == "get_file_info_selector"]
+    trial_path = resolve_location(trial, store.options).path.rstrip("/")
+    assert listings.count(trial_path) == 1, listings
+    if command[0] == "best":
+        assert json.loads(res.stdout)["index"] == 2  # the lowest loss: the newest
