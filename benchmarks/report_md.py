@@ -478,7 +478,9 @@ def _rss(row: dict[str, Any] | None, op: str = "start") -> str:
 
 
 def scale_targets(runs: dict[str, dict[str, Any]]) -> list[tuple[str, list[str], str]]:
-    """Issue 19's targets: ``(target, [measured per run label], met in the last run)``."""
+    """Issue 19's targets: ``(target, [measured per run label], met)``; met is
+    judged by the newest run that measured the target, named when it is not
+    the newest run (a run of one backend leaves the other's rows unmeasured)."""
 
     def at(run: dict[str, Any], backend: str, series: str, x: int) -> dict[str, Any] | None:
         return _scale_rows(run, backend, series).get(x)
@@ -512,7 +514,7 @@ def scale_targets(runs: dict[str, dict[str, Any]]) -> list[tuple[str, list[str],
          *point("local", "m", 1_000_000, "start", "wall_s"), _fmt_s, 0.5),
         ("local: session.start after 1,000,000 metrics-only reports ≤ 20 MB RSS above an "
          "empty trial's",
-         lambda r: _rss_above_empty(r, 1_000_000), None, lambda v: f"{v / MB:.1f} MB",
+         lambda r: _rss_above_empty(r, 1_000_000), None, lambda v: f"{max(v, 0.0) / MB:.1f} MB",
          20 * MB),
         ("CLI best of a trial with 10,000 checkpoints on moto ≤ 60 requests",
          *point("s3", "n", 10_000, "cli_best", "requests_total"), _fmt_n, 60),
@@ -522,14 +524,13 @@ def scale_targets(runs: dict[str, dict[str, Any]]) -> list[tuple[str, list[str],
     out: list[tuple[str, list[str], str]] = []
     labels = run_order(runs)
     for name, fn, fallback, fmt, limit in checks:
-        measured, last_ok = [], None
+        measured, last_ok, judged_by = [], None, None
         for lb in labels:
             v = fn(runs[lb])
             if v is not None:
                 measured.append(fmt(v))
-                last_ok = v <= limit
+                last_ok, judged_by = v <= limit, lb
                 continue
-            last_ok = None
             text = "not measured"
             if fallback is not None:
                 backend, series, path = fallback
@@ -539,8 +540,10 @@ def scale_targets(runs: dict[str, dict[str, Any]]) -> list[tuple[str, list[str],
                 if got is not None:
                     text += f"; {fmt(got)} at {series.upper()} = {max(rows):,}"
             measured.append(text)
-        out.append((name, measured, "n/a" if last_ok is None else ("yes" if last_ok
-                                                                   else "**no**")))
+        met = "n/a" if last_ok is None else ("yes" if last_ok else "**no**")
+        if last_ok is not None and labels and judged_by != labels[-1]:
+            met += f" ({judged_by})"
+        out.append((name, measured, met))
     return out
 
 
