@@ -42,6 +42,8 @@ __all__ = [
 LOCAL_BUFFER = 4 * 1024 * 1024
 
 _O_BINARY = getattr(os, "O_BINARY", 0)
+#: Whether files can be opened relative to a directory descriptor (POSIX).
+_DIR_FD = os.open in os.supports_dir_fd
 
 
 #: ``FICLONE`` (linux/fs.h): make the destination share the source's extents
@@ -203,6 +205,9 @@ class _LocalDisk:
     #: to ``copy_file_range`` (two ``fstat`` calls fewer per file; a clone
     #: refused for one file of a tree is refused for its siblings).
     _no_clone: bool = False
+    #: Descriptors of the source and destination roots (:meth:`_root_fds`).
+    _fds: tuple[int, int] | None = None
+    _fds_lock: threading.Lock
 
     def _src_os(self, rel: str) -> str:
         assert self.src_os is not None
@@ -219,6 +224,42 @@ class _LocalDisk:
             self._tls.buf = buf
             self._tls.mv = memoryview(buf)
         return buf, self._tls.mv
+
+    def _root_fds(self) -> tuple[int, int] | None:
+        """Open descriptors of the two local roots, opened on first use (None
+        where ``open`` takes no ``dir_fd``): a file opened relative to its
+        root costs the kernel one path lookup below the root instead of one
+        per component of the whole path (2000 x 64 KiB: 6-8 components each)."""
+        if self._fds is None and _DIR_FD:
+            with self._fds_lock:
+                if self._fds is None:
+                    assert self.src_os is not None and self.dst_os is not None
+                    src = os.open(self.src_os, os.O_RDONLY | os.O_DIRECTORY)
+                    try:
+                        dst = os.open(self.dst_os, os.O_RDONLY | os.O_DIRECTORY)
+                    except BaseException:
+                        os.close(src)
+                        raise
+                    self._fds = (src, dst)
+        return self._fds
+
+    def close_roots(self) -> None:
+        """Close the descriptors :meth:`_root_fds` opened."""
+        fds, self._fds = self._fds, None
+        for fd in fds or ():
+            os.close(fd)
+
+    def _open_rel(self, dst: bool, rel: str, flags: int) -> int:
+        """Open ``rel`` under the destination (``dst``) or source root; an
+        error names the whole path."""
+        fds = self._root_fds()
+        if fds is None:
+            return os.open(self._dst_os(rel) if dst else self._src_os(rel), flags, 0o644)
+        try:
+            return os.open(rel, flags, 0o644, dir_fd=fds[dst])
+        except OSError as exc:
+            exc.filename = self._dst_os(rel) if dst else self._src_os(rel)
+            raise
 
     # -- local disk primitives
 
@@ -273,12 +314,11 @@ class _LocalDisk:
             os.close(src)
 
     def _copy_local_whole(self, rel: str) -> tuple[int, int]:
-        src = os.open(self._src_os(rel), os.O_RDONLY | _O_BINARY)
+        src = self._open_rel(False, rel, os.O_RDONLY | _O_BINARY)
         try:
             before = _stamp(src)
             size = before[0]
-            dst = os.open(self._dst_os(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY,
-                          0o644)
+            dst = self._open_rel(True, rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY)
             try:
                 if size and self._clone(src, dst):
                     crc = self._crc_range(src, 0, size)

@@ -14,6 +14,8 @@ docs/benchmarks.md):
   pool, so the per-task cost of the pool is paid per batch. Where the remote
   side is an fsspec *async* filesystem (s3fs, adlfs, gcsfs) a batch is one
   ``pipe``/``cat`` call that fsspec runs concurrently on its event loop.
+  Disk to disk, all small files are one batch copied in turn by one thread
+  (beside the large files' tasks): more threads measured slower.
 * **large files** are split in parts of one chunk. A download reads each part
   with one ranged request (``read_at`` / ``cat_file(start, end)``) and writes
   it at its offset (``pwrite``); a local copy does the same with ``pread``.
@@ -144,11 +146,18 @@ def plan(
     large: list[tuple[str, int]] = []
     cur: list[tuple[str, int]] = []
     cur_bytes = 0
+    # Disk to disk, the small files are one batch, copied in turn by one
+    # thread, as cp does: each costs a few system calls, and more threads
+    # only queue on the directory's lock and hand the GIL back and forth
+    # (2000 x 64 KiB, 2 cores, alternating: 1 thread 1.04x cp on ext4 and
+    # 0.75x on tmpfs; 4 threads 0.88x and 0.52x).
+    one_batch = route == "local"
     for rel, size in files:
         if size > small_max:
             large.append((rel, size))
             continue
-        if cur and (len(cur) >= BATCH_FILES or cur_bytes + size > BATCH_BYTES):
+        if cur and not one_batch and (len(cur) >= BATCH_FILES
+                                      or cur_bytes + size > BATCH_BYTES):
             batches.append(cur)
             cur, cur_bytes = [], 0
         cur.append((rel, size))
@@ -158,7 +167,7 @@ def plan(
     # Small files spread over every worker: with few files a batch each.
     workers = max(1, concurrency)
     n_small = sum(len(b) for b in batches)
-    if batches and len(batches) < workers and n_small > len(batches):
+    if not one_batch and batches and len(batches) < workers and n_small > len(batches):
         flat = [f for b in batches for f in b]
         per = max(1, -(-len(flat) // workers))
         batches = [flat[i : i + per] for i in range(0, len(flat), per)]

@@ -107,6 +107,7 @@ class _Runner(_LocalDisk):
         self.read_chunk = read_chunk
         self.budget = _Budget(p.memory_limit)
         self._tls = threading.local()
+        self._fds_lock = threading.Lock()
         # Parts of one file share one open handle: opening costs a request
         # (a HEAD on S3, GetProperties on Azure) per part otherwise.
         self._inputs: dict[str, Any] = {}
@@ -275,7 +276,8 @@ class _Runner(_LocalDisk):
             raise
 
     def close_inputs(self) -> None:
-        """Close the handles :meth:`_read_at` kept open."""
+        """Close the handles :meth:`_read_at` kept open, and the roots' descriptors."""
+        self.close_roots()
         with self._inputs_lock:
             inputs, self._inputs = list(self._inputs.values()), {}
         for f in inputs:

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import google_crc32c
 import pyarrow.fs as pafs
@@ -556,3 +557,45 @@ def test_a_large_local_copy_failing_half_way_commits_nothing(tmp_path, monkeypat
     assert ctx.committed_checkpoints() == []
     scan = ctx.scan()
     assert (scan.committed, scan.uncommitted) == ([], [])
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_small_local_files_are_copied_in_turn_by_one_thread(tmp_path, monkeypatch) -> None:
+    # Disk to disk, small files go through one thread (the caller's when
+    # nothing else runs): more threads measured slower (directory lock, GIL).
+    threads: set[int] = set()
+    real = _tasks._Runner._copy_local_whole
+
+    def spy(self, rel):
+        threads.add(threading.get_ident())
+        return real(self, rel)
+
+    monkeypatch.setattr(_tasks._Runner, "_copy_local_whole", spy)
+    small = {rel: size for rel, size in SHAPES.items() if rel != "big.bin"}
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    want = _tree(src, small)
+    entries = copy_tree(LOCAL, src, LOCAL, dst, LOCAL_CAPABILITIES, fsync=True)
+    _assert_copied(entries, src, dst, want)
+    assert threads == {threading.get_ident()}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_a_local_copy_leaves_no_descriptor_open_and_names_a_vanished_file(tmp_path) -> None:
+    # Files are opened relative to descriptors of the two roots: those are
+    # closed after the copy, also a failed one, and an error names the
+    # source file's whole path, not its path under the root.
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    want = _tree(src, {"a/x": 10, "y": 20})
+    before = _open_fds()
+    entries = copy_tree(LOCAL, src, LOCAL, dst, LOCAL_CAPABILITIES, fsync=False)
+    _assert_copied(entries, src, dst, want)
+    assert _open_fds() == before
+    os.makedirs(tmp_path / "dst2" / "a")
+    with pytest.raises(FileNotFoundError) as info:
+        _plan.run(LOCAL, src, LOCAL, str(tmp_path / "dst2"), [("a/gone", 10), ("y", 20)],
+                  chunk_size=2**20, concurrency=4, fsync=False)
+    assert info.value.filename == os.path.join(src, "a", "gone")
+    assert _open_fds() == before

@@ -89,8 +89,14 @@ def test_plan_cuts_large_files_in_parts_and_batches_small_ones(tmp_path) -> None
                    chunk_size=2**20, concurrency=4)
     assert p.route == "local"
     assert p.large == [("big", 20 * 2**20)]
+    # Disk to disk, the small files are one batch (one thread copies them in turn).
+    assert [len(b) for b in p.batches] == [202]
+    remote = pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("memory")))
+    p = _plan.plan(LOCAL, "/x", remote, "/y", files, chunk_size=2**20, concurrency=4)
+    assert p.route == "upload"
     assert sum(len(b) for b in p.batches) == 202
     assert all(len(b) <= _plan.BATCH_FILES for b in p.batches)
+    assert len(p.batches) >= 4
 
 
 @pytest.mark.parametrize(("src_local", "dst_local", "route"), [
