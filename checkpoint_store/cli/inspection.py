@@ -44,6 +44,7 @@ from checkpoint_store.cli.output import (
 )
 from checkpoint_store.cli.progress import counting_location, expected_files, progress_bar
 from checkpoint_store.cli.scores import (
+    UnreadableStateError,
     metric_value,
     resolve_metric,
     score_attribute,
@@ -87,7 +88,10 @@ def _listed_checkpoints(
 
 def _ls_trial(trial: Location, metric: str | None, long: bool) -> dict[str, Any]:
     if metric is None:
-        metric, _ = score_attribute(trial)
+        try:
+            metric, _ = score_attribute(trial)
+        except UnreadableStateError as exc:  # a listing still helps; ranking commands refuse
+            click.echo(f"warning: {exc}; scores not shown", err=True)
     rows = []
     checkpoints, entries = _listed_checkpoints(trial, long)
     for ckpt, meta in checkpoints:
@@ -350,8 +354,8 @@ def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) ->
               help="Metric to rank by; nested metrics use '/'. Default: the trial's "
                    "retention score attribute.")
 @click.option("--mode", type=click.Choice(["min", "max"]), default=None,
-              help="min: lower is better; max: higher is better (default max, or the "
-                   "trial's recorded order).")
+              help="min: lower is better; max: higher is better (default: the trial's "
+                   "recorded order when ranking by its recorded metric, else max).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @common_options
 def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mode: str | None,

@@ -151,7 +151,8 @@ def _print_prune(verb: str, metric: str | None, evicted: Iterable[dict[str, Any]
               help="Metric to rank by; nested metrics use '/'. Without it (and without a "
                    "recorded retention attribute) the N most recent are kept.")
 @click.option("--mode", type=click.Choice(["min", "max"]), default=None,
-              help="min: lower is better; max: higher is better (default max).")
+              help="min: lower is better; max: higher is better (default: the trial's "
+                   "recorded order when ranking by its recorded metric, else max).")
 @click.option("--keep-latest/--no-keep-latest", default=True, show_default=True,
               help="Also keep the newest checkpoint (resume needs it), as the manager does.")
 @click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")

@@ -10,19 +10,20 @@ named as a fault of the data rather than of the arguments.
 
 from __future__ import annotations
 
-import json
 import posixpath
 from collections.abc import Mapping
 from typing import Any
 
 import click
 
-from checkpoint_store import _fsutil
+from checkpoint_store import _fsutil, _json
 from checkpoint_store._layout import MANAGER_STATE
 from checkpoint_store.cli.locations import Location
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
 
 __all__ = [
+    "UnreadableStateError",
+    "recorded_config",
     "metric_value",
     "resolve_metric",
     "score_attribute",
@@ -31,48 +32,92 @@ __all__ = [
 ]
 
 
+class UnreadableStateError(CheckpointStoreError):
+    """The trial's retention state exists but cannot be read as one: it no
+    longer says which metric, order and policy the trial ranks by."""
+
+
+def _recorded_json(trial: Location) -> dict[str, Any] | None:
+    """The ``config`` object of the trial's retention state, or None when the
+    trial has no state (``.checkpoint_manager.json`` absent).
+
+    Raises:
+        UnreadableStateError: the file is there but is not JSON, not an object,
+            or holds no ``config`` object (truncated, overwritten by hand).
+        CheckpointStoreError: the store refused the read (access denied ...);
+            never taken for "no state", which would change the ranking.
+    """
+    path = posixpath.join(trial.path, MANAGER_STATE)
+    try:
+        raw = _fsutil.read_bytes(trial.fs, path)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        if not _fsutil.exists(trial.fs, path):
+            return None
+        raise
+    try:
+        config = _json.loads(raw)["config"]
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        config, why = None, f"{type(exc).__name__}: {exc}"
+    else:
+        why = f"'config' is a {type(config).__name__}, not an object"
+    if isinstance(config, dict):
+        return config
+    raise UnreadableStateError(
+        f"the retention state {trial.child(MANAGER_STATE).uri} is unreadable ({why}), so "
+        "the metric, order and policy this trial ranks by are unknown; pass them "
+        "(--metric and --mode, and --keep for prune). The trial's next session.start "
+        "rebuilds the state from its checkpoints"
+    )
+
+
 def score_attribute(trial: Location) -> tuple[str | None, str | None]:
     """The ``(checkpoint_score_attribute, checkpoint_score_order)`` recorded in the
-    trial's retention state; ``(None, None)`` when there is none or it is unreadable."""
-    try:
-        raw = _fsutil.read_bytes(trial.fs, posixpath.join(trial.path, MANAGER_STATE))
-        config = json.loads(raw)["config"]
-        return config.get("checkpoint_score_attribute"), config.get("checkpoint_score_order")
-    except (OSError, ValueError, KeyError, TypeError):
+    trial's retention state; ``(None, None)`` when it has none.
+
+    Raises:
+        UnreadableStateError: a state that is there but unreadable: a guess
+            (no attribute: the newest first) would rank, and prune, wrongly.
+    """
+    config = _recorded_json(trial)
+    if config is None:
         return None, None
+    return config.get("checkpoint_score_attribute"), config.get("checkpoint_score_order")
 
 
 def recorded_config(trial: Location) -> Any:
     """The :class:`~checkpoint_store.retention.CheckpointConfig` recorded in the
-    trial's retention state (its policy included), or None when there is none
-    or it is unreadable.
+    trial's retention state (its policy included), or None when it has none.
 
     Raises:
+        UnreadableStateError: the state is there but unreadable.
         CheckpointStoreError: the recorded config or policy is invalid.
     """
     from checkpoint_store.retention import CheckpointConfig
 
-    try:
-        raw = _fsutil.read_bytes(trial.fs, posixpath.join(trial.path, MANAGER_STATE))
-        config = json.loads(raw)["config"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return CheckpointConfig.from_json(config) if isinstance(config, dict) else None
+    config = _recorded_json(trial)
+    return None if config is None else CheckpointConfig.from_json(config)
 
 
 def resolve_metric(trial: Location, metric: str | None, mode: str | None,
                    required: bool) -> tuple[str | None, str]:
     """``(metric, mode)`` from the arguments, else the trial's recorded score
-    attribute and order; the mode defaults to ``"max"``. A recorded order is
-    passed on as stored: the retention layer names a bad one.
+    attribute and order. Without ``mode``, the recorded order applies to the
+    recorded attribute (``--metric loss`` on a trial ranking ``loss`` by
+    ``min`` ranks by ``min``), else ``"max"``. A recorded order is passed on as
+    stored: the retention layer names a bad one.
 
     Raises:
         click.UsageError: ``required`` and neither gives a metric.
+        UnreadableStateError: the state that would decide is unreadable.
     """
-    if metric is None:
+    if metric is None or mode is None:
         recorded, recorded_mode = score_attribute(trial)
-        metric = recorded
-        mode = mode or recorded_mode
+        if metric is None:
+            metric = recorded
+        if mode is None and metric is not None and metric == recorded:
+            mode = recorded_mode
         if metric is None and required:
             raise click.UsageError(
                 "--metric is required: this trial records no retention score attribute"

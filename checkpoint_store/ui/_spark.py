@@ -74,10 +74,13 @@ def checkpoint_score_line(backend: Any, checkpoint_path: str, *,
     """The :func:`score_line` of the trial holding the checkpoint at ``checkpoint_path``,
     by the trial's recorded score attribute; None when there is none or no report."""
     from checkpoint_store.cli.locations import Location, storage_context
-    from checkpoint_store.cli.scores import score_attribute
+    from checkpoint_store.cli.scores import UnreadableStateError, score_attribute
 
     trial = Location(backend, posixpath.dirname(checkpoint_path.rstrip("/")))
-    metric, _ = score_attribute(trial)
+    try:
+        metric, _ = score_attribute(trial)
+    except UnreadableStateError:  # a decoration: `ls` and `best` name the fault
+        return None
     ctx = storage_context(trial, strict=False)
     if metric is None or ctx is None:
         return None

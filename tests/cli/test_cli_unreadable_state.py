@@ -1,0 +1,118 @@
+"""`best`, `prune` and `ls` never take an unreadable retention state for "no
+state", and `--mode` follows the order the trial records for its metric.
+
+Taking a truncated `.checkpoint_manager.json` for "nothing recorded" made
+`prune --keep 1` rank by recency and delete the best checkpoint; `--metric
+loss` without `--mode` on a trial keeping the lowest loss ranked by `max` and
+deleted it too.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import uuid
+from typing import Any
+
+import pytest
+from cli_helpers import Store, committed_names, get, invoke, put
+
+from checkpoint_store import Checkpoint, CheckpointConfig, session
+from checkpoint_store._layout import MANAGER_STATE
+
+LOSSES = [0.8, 0.3, 0.5, 0.4]  # best by min: checkpoint_000001; newest: checkpoint_000003
+
+
+@pytest.fixture(params=["local", "memory", "s3", "s3fs", "azure", "gcs"])
+def every_store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
+    kind = request.param
+    if kind == "local":
+        return Store(str(tmp_path / "store"))
+    if kind == "memory":
+        return Store(f"memory://cli-{uuid.uuid4().hex[:10]}/store")
+    loc = request.getfixturevalue(f"{kind}_location")
+    return Store(loc.uri, dict(loc.storage_options))
+
+
+def _trial(store: Store, tmp_path: Any) -> tuple[Any, str]:
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    (src / "w.bin").write_bytes(b"w" * 64)
+    config = CheckpointConfig(num_to_keep=None, checkpoint_score_attribute="loss",
+                              checkpoint_score_order="min")
+    with session.start(storage_path=store.uri, experiment_name="exp", trial_name="t1",
+                       checkpoint_config=config, storage_options=dict(store.options) or None):
+        for loss in LOSSES:
+            session.report({"loss": loss}, checkpoint=Checkpoint(str(src)))
+    ctx = store.ctx()
+    return ctx, store.join("exp", "t1")
+
+
+def _spoil_state(ctx: Any, how: str) -> None:
+    path = posixpath.join(ctx.trial_path, MANAGER_STATE)
+    raw = get(ctx, path)
+    spoiled = {"truncated": raw[:100], "empty": b"", "not-an-object": b"[1, 2]",
+               "no-config": b'{"format_version": 2}',
+               "config-not-object": json.dumps({**json.loads(raw), "config": "x"}).encode()}
+    put(ctx, path, spoiled[how])
+
+
+@pytest.mark.parametrize("how", ["truncated", "config-not-object"])
+def test_prune_and_best_refuse_to_guess_over_an_unreadable_state(every_store, tmp_path, how):
+    ctx, trial = _trial(every_store, tmp_path)
+    _spoil_state(ctx, how)
+    before = committed_names(ctx)
+    opts = every_store.opt_args()
+    for args in (["prune", trial, "--keep", "1"], ["prune", trial], ["best", trial],
+                 ["best", trial, "--metric", "loss"]):
+        res = invoke([*args, *opts])
+        assert res.exit_code == 1, (args, res.output)
+        assert MANAGER_STATE in res.stderr and "unreadable" in res.stderr, res.stderr
+    assert committed_names(ctx) == before  # nothing deleted on a guess
+    res = invoke(["ls", trial, *opts])
+    assert res.exit_code == 0, res.output
+    assert "unreadable" in res.stderr and "checkpoint_000001" in res.stdout
+    # Told how to rank, both work, and agree with the recorded order.
+    res = invoke(["best", trial, "--metric", "loss", "--mode", "min", *opts])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines()[0].endswith("checkpoint_000001")
+    res = invoke(["prune", trial, "--keep", "1", "--metric", "loss", "--mode", "min", *opts])
+    assert res.exit_code == 0, res.output
+    assert committed_names(ctx) == ["checkpoint_000001", "checkpoint_000003"]
+
+
+@pytest.mark.parametrize("how", ["empty", "not-an-object", "no-config"])
+def test_other_unreadable_states_are_refused_too(tmp_path, how):
+    store = Store(str(tmp_path / "store"))
+    ctx, trial = _trial(store, tmp_path)
+    _spoil_state(ctx, how)
+    res = invoke(["prune", trial, "--keep", "1", "--json"])
+    assert res.exit_code == 1 and "unreadable" in res.stderr, res.output
+    assert len(committed_names(ctx)) == len(LOSSES)
+
+
+def test_a_trial_without_state_still_ranks_by_recency(tmp_path):
+    """No state at all is not a fault: `--keep` without `--metric` keeps the newest,
+    as documented."""
+    store = Store(str(tmp_path / "store"))
+    ctx, trial = _trial(store, tmp_path)
+    ctx.filesystem.delete_file(posixpath.join(ctx.trial_path, MANAGER_STATE))
+    res = invoke(["prune", trial, "--keep", "1", "--no-keep-latest"])
+    assert res.exit_code == 0, res.output
+    assert committed_names(ctx) == ["checkpoint_000003"]
+
+
+def test_metric_without_mode_ranks_by_the_recorded_order(every_store, tmp_path):
+    ctx, trial = _trial(every_store, tmp_path)
+    opts = every_store.opt_args()
+    res = invoke(["best", trial, "--metric", "loss", "--json", *opts])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["score"] == 0.3
+    assert json.loads(res.stdout)["mode"] == "min"
+    res = invoke(["prune", trial, "--keep", "1", "--metric", "loss", *opts])
+    assert res.exit_code == 0, res.output
+    assert committed_names(ctx) == ["checkpoint_000001", "checkpoint_000003"]
+    # Another metric without --mode: max, as documented.
+    res = invoke(["best", trial, "--metric", "training_iteration", "--json", *opts])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["mode"] == "max"
