@@ -298,7 +298,7 @@ class Checkpoint:
         insp = self._inspect_for_download()
         manifest = insp.meta["manifest"] if insp.meta else None
         if path is None:
-            return self._download_to_temp(manifest, verify)
+            return self._download_to_temp(manifest, verify, insp.files)
         target = os.path.abspath(os.path.expanduser(os.fspath(path)))
         parent, base = os.path.split(target)
         # Every refusal below comes before the first write (the lock included).
@@ -323,7 +323,7 @@ class Checkpoint:
             ):
                 return target
             self._download_and_swap(target, marker, identity, _owned_files(target, previous),
-                                    manifest, verify)
+                                    manifest, verify, insp.files)
         return target
 
     def _inspect_for_download(self) -> Inspection:
@@ -337,12 +337,13 @@ class Checkpoint:
             )
         return insp
 
-    def _download_to_temp(self, manifest: list[dict[str, Any]] | None, verify: bool) -> str:
+    def _download_to_temp(self, manifest: list[dict[str, Any]] | None, verify: bool,
+                          listed: Mapping[str, int] | None) -> str:
         """Download into a new temporary directory (removed again on failure)."""
         tmp = tempfile.mkdtemp(prefix="checkpoint-")
         try:
             download_tree(self.filesystem, self.path, self._backend.capabilities, tmp,
-                          manifest=manifest, verify=verify)
+                          manifest=manifest, verify=verify, listed=listed)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -360,14 +361,14 @@ class Checkpoint:
 
     def _download_and_swap(
         self, target: str, marker: str, identity: dict[str, Any] | None, old_files: list[str],
-        manifest: list[dict[str, Any]] | None, verify: bool,
+        manifest: list[dict[str, Any]] | None, verify: bool, listed: Mapping[str, int] | None,
     ) -> None:
         """Under the target's lock: download into a staging sibling, then swap it in."""
         parent, base = os.path.split(target)
         staging = _new_sibling_dir(parent, "download", base)
         try:
             written = download_tree(self.filesystem, self.path, self._backend.capabilities,
-                                    staging, manifest=manifest, verify=verify)
+                                    staging, manifest=manifest, verify=verify, listed=listed)
             _swap_in(staging, target, marker, identity, old_files, written)
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -130,6 +130,7 @@ def source_files(
     retry: RetryPolicy | None = None,
     dest_caps: Capabilities | None = None,
     dest_name: str = "the destination",
+    listed: Mapping[str, int] | None = None,
 ) -> list[tuple[str, int]]:
     """``(relative posix path, size in bytes)`` of every file under ``src_root``
     that ``include`` keeps, sorted, each name checked so the copy stays in its place.
@@ -141,6 +142,15 @@ def source_files(
     ``dest_caps`` (the destination store's, named ``dest_name`` in messages),
     a name holding a character that store cannot keep
     (:attr:`Capabilities.unsupported_name_characters`) is refused too.
+
+    ``listed`` (``{relative path: size}`` of files under ``src_root`` from
+    a listing the caller made, such as
+    :attr:`checkpoint_store._manifest.Inspection.files`): a local tree is
+    still walked (its links, files come and gone) but takes the sizes of
+    files that are not links from it instead of a ``stat`` each. The copy
+    reads each file's real size: a listed size gone stale (the file changed
+    since) at worst misplans it, or fails the copy as a file changing
+    during it does. Ignored for a remote source.
 
     Raises:
         CheckpointNotFoundError: ``src_root`` is not a directory.
@@ -156,11 +166,11 @@ def source_files(
         raise CheckpointNotFoundError(f"source directory {src_root!r} does not exist")
     root_os = _fsutil.local_path(src_fs, src_root)
     if root_os is not None:
-        listed = _local_files(root_os, src_root, confine_links)
+        found = _local_files(root_os, src_root, confine_links, listed)
     else:
-        listed = list(_fsutil.walk_files(src_fs, src_root, retry=retry))
+        found = list(_fsutil.walk_files(src_fs, src_root, retry=retry))
     out = []
-    for rel, size in listed:
+    for rel, size in found:
         why = check_relpath(rel) or _name_problem(rel) or _unstorable(rel, dest_caps, dest_name)
         if why is not None:
             raise UnsafePathError(
@@ -193,9 +203,13 @@ def _name_problem(rel: str) -> str | None:
     return None
 
 
-def _local_files(root: str, src_root: str, confine_links: bool) -> list[tuple[str, int]]:
+def _local_files(
+    root: str, src_root: str, confine_links: bool, sizes: Mapping[str, int] | None = None
+) -> list[tuple[str, int]]:
     """Walk a local tree following symlinks, refusing cycles (and, with
-    ``confine_links``, links out of ``root``)."""
+    ``confine_links``, links out of ``root``). A file that is no link takes
+    its size from ``sizes`` where listed there, else from a ``stat``."""
+    sizes = sizes or {}
     real_root = os.path.realpath(root)
     out: list[tuple[str, int]] = []
 
@@ -221,7 +235,8 @@ def _local_files(root: str, src_root: str, confine_links: bool) -> list[tuple[st
             if entry.is_dir():  # follows links
                 walk(entry.path, f"{rel}/", (*ancestors, os.path.realpath(entry.path)))
             elif entry.is_file():
-                out.append((rel, entry.stat().st_size))
+                size = None if entry.is_symlink() else sizes.get(rel)
+                out.append((rel, entry.stat().st_size if size is None else size))
 
     walk(root, "", (real_root,))
     return out
@@ -243,8 +258,13 @@ def download_tree(
     manifest: Iterable[dict[str, Any]] | None,
     verify: bool = True,
     retry: RetryPolicy | None = None,
+    listed: Mapping[str, int] | None = None,
 ) -> list[str]:
     """Copy a checkpoint's user files (and ``.user_metadata.json``) into ``local_dir``.
+
+    ``listed``: ``{relative path: size}`` of the checkpoint's files from the
+    inspection that read ``manifest``: a local checkpoint is walked without
+    a ``stat`` per file (see :func:`source_files`).
 
     Files are only ever written under ``local_dir``: a source entry or a
     manifest entry with ``..``, an absolute path, or a symlink leading out of
@@ -268,7 +288,7 @@ def download_tree(
     root = os.path.abspath(local_dir)
     # Listed (and every name checked) before the target is touched.
     files = source_files(fs, checkpoint_path, include=is_checkpoint_data, confine_links=True,
-                         retry=retry)
+                         retry=retry, listed=listed)
     os.makedirs(root, exist_ok=True)
     _refuse_links_out(checkpoint_path, root, files)
     got = copy_tree(fs, checkpoint_path, local, root, local_caps, files=files, fsync=False,

@@ -599,3 +599,49 @@ def test_a_local_copy_leaves_no_descriptor_open_and_names_a_vanished_file(tmp_pa
                   chunk_size=2**20, concurrency=4, fsync=False)
     assert info.value.filename == os.path.join(src, "a", "gone")
     assert _open_fds() == before
+
+
+def _committed(tmp_path, sizes: dict[str, int]):
+    src = str(tmp_path / "src")
+    want = _tree(src, sizes)
+    ctx = StorageContext(str(tmp_path / "store"), "exp", "trial")
+    return ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {}), want
+
+
+def test_a_download_takes_sizes_from_the_inspection_and_still_reads_real_ones(tmp_path) -> None:
+    # to_directory passes the inspection's listing on, so a local checkpoint
+    # is not stat'ed twice; a listed size gone stale only misplans: the copy
+    # reads the real bytes and the manifest check passes.
+    from checkpoint_store._manifest import inspect_checkpoint
+    from checkpoint_store.transfer import download_tree
+
+    ck, want = _committed(tmp_path, {"a/x": 10, "y": 3 * 1024 * 1024 + 1})
+    insp = inspect_checkpoint(ck.filesystem, ck.path)
+    assert insp.files is not None and insp.files["y"] == 3 * 1024 * 1024 + 1
+    stale = {rel: 1 for rel in insp.files}
+    out = str(tmp_path / "out")
+    written = download_tree(ck.filesystem, ck.path, LOCAL_CAPABILITIES, out,
+                            manifest=insp.meta["manifest"], listed=stale)
+    assert written == ["a/x", "y"]
+    for rel, data in want.items():
+        with open(os.path.join(out, *rel.split("/")), "rb") as f:
+            assert f.read() == data
+    assert ck.to_directory(str(tmp_path / "out2")) == str(tmp_path / "out2")
+    with open(tmp_path / "out2" / "y", "rb") as f:
+        assert f.read() == want["y"]
+
+
+def test_a_link_out_of_a_checkpoint_is_refused_also_with_sizes_listed(tmp_path) -> None:
+    from checkpoint_store._manifest import inspect_checkpoint
+    from checkpoint_store.errors import UnsafePathError
+    from checkpoint_store.transfer import download_tree
+
+    ck, _ = _committed(tmp_path, {"x": 10})
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not yours")
+    os.symlink(secret, os.path.join(ck.path, "leak"))
+    listed = dict(inspect_checkpoint(ck.filesystem, ck.path).files or {})
+    with pytest.raises(UnsafePathError, match="leading out of the checkpoint"):
+        download_tree(ck.filesystem, ck.path, LOCAL_CAPABILITIES, str(tmp_path / "out"),
+                      manifest=None, listed={**listed, "leak": 9})
+    assert not os.path.exists(tmp_path / "out" / "leak")
