@@ -435,8 +435,29 @@ def recorded_checkpoints(trial: Location) -> Recorded | None:
         found = inspect_location(ckpt)
         if found.state == "committed" and found.meta is not None:
             out.append((ckpt, found.meta))
+    out += _still_there(trial, manager.pending_deletes, entries)
     out.sort(key=lambda lm: (lm[1]["index"], lm[1].get("created_at") or 0.0))
     return Recorded(out, entries)
+
+
+def _still_there(trial: Location, pending: Iterable[str], entries: list[tuple[str, bool]]
+                 ) -> list[tuple[Location, dict[str, Any]]]:
+    """The committed ones among ``pending``: checkpoints the read-only restore
+    evicts (one committed after the state's last record: an upload, a crash
+    before registration) or whose delete is still due. They stay on storage
+    until a writer deletes them, so a listing shows them and a ranking may
+    name them (one read each, usually none). Each joins ``entries`` too, where
+    :func:`not_committed` counts a half-deleted one."""
+    out = []
+    listed = {name for name, _ in entries}
+    for name in pending:
+        if name not in listed:
+            entries.append((name, True))
+        meta = read_internal(trial.child(name))
+        if meta is not None:
+            out.append((trial.child(name), meta))
+    entries.sort()
+    return out
 
 
 def manifest_size(meta: Mapping[str, Any]) -> int:

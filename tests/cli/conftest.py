@@ -39,3 +39,15 @@ def near_store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
     if request.param == "local":
         return Store(str(tmp_path / "store"))
     return Store(f"memory://cli-{uuid.uuid4().hex[:10]}/store")
+
+
+@pytest.fixture(params=["local", "memory", "s3", "s3fs", "azure", "gcs"])
+def every_store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
+    """Every backend, S3 with both engines and GCS included."""
+    kind = request.param
+    if kind == "local":
+        return Store(str(tmp_path / "store"))
+    if kind == "memory":
+        return Store(f"memory://cli-{uuid.uuid4().hex[:10]}/store")
+    loc = request.getfixturevalue(f"{kind}_location")
+    return Store(loc.uri, dict(loc.storage_options))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import posixpath
-import uuid
 from typing import Any
 
 import pytest
@@ -21,17 +20,6 @@ from checkpoint_store import Checkpoint, CheckpointConfig, session
 from checkpoint_store._layout import MANAGER_STATE
 
 LOSSES = [0.8, 0.3, 0.5, 0.4]  # best by min: checkpoint_000001; newest: checkpoint_000003
-
-
-@pytest.fixture(params=["local", "memory", "s3", "s3fs", "azure", "gcs"])
-def every_store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
-    kind = request.param
-    if kind == "local":
-        return Store(str(tmp_path / "store"))
-    if kind == "memory":
-        return Store(f"memory://cli-{uuid.uuid4().hex[:10]}/store")
-    loc = request.getfixturevalue(f"{kind}_location")
-    return Store(loc.uri, dict(loc.storage_options))
 
 
 def _trial(store: Store, tmp_path: Any) -> tuple[Any, str]:
