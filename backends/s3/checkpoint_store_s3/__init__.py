@@ -28,6 +28,8 @@ option                meaning                                     environment
 ``secret_access_key`` (alias ``secret``)                          ``AWS_SECRET_ACCESS_KEY``
 ``session_token``     (alias ``token``)                           ``AWS_SESSION_TOKEN``
 ``anonymous``         no credentials (public buckets)
+``request_timeout``   seconds a request may wait for the server's
+                      next byte (default :data:`REQUEST_TIMEOUT_S`)
 ===================== =========================================== ===========================
 
 Any other option is passed to the engine's constructor unchanged
@@ -51,7 +53,20 @@ from checkpoint_store.backends.base import Backend, Capabilities, bool_option
 from checkpoint_store.backends.handlers import MarkerFreeDeletesHandler, wrap_fsspec
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
-__all__ = ["S3_CAPABILITIES", "MarkerFreeS3Handler", "s3_backend"]
+__all__ = ["REQUEST_TIMEOUT_S", "S3_CAPABILITIES", "MarkerFreeS3Handler", "s3_backend"]
+
+#: Seconds a request may wait for the server's next byte before the client
+#: gives up and sends it again (botocore's own default). The engines' defaults
+#: are shorter than a store may take to answer CompleteMultipartUpload, which
+#: sends nothing until the object is assembled: pyarrow's AWS SDK gives up
+#: after 3 s without a byte (curl's low-speed limit, Linux included), s3fs
+#: after 15 s. The request sent again then races the first one still running:
+#: moto 5.2 answers 500 (INTERNAL_FAILURE: the first one closed the parts the
+#: second is reading), or NoSuchUpload once the first has finished; either way
+#: the upload fails. Real S3 keeps a slow CompleteMultipartUpload alive with
+#: whitespace, so a longer wait costs nothing there but a dead connection's
+#: detection time.
+REQUEST_TIMEOUT_S = 60.0
 
 # Each ranged GET is a full request (and against some servers a re-read of the
 # object), so large chunks: 64 MiB reads were 30x faster than pyarrow's 1 MiB
@@ -196,6 +211,7 @@ def _build_pyarrow(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.Fi
     # A small file then costs one PUT instead of three multipart requests
     # (2.4x faster for 100-byte files against moto); errors surface at close.
     kwargs["allow_delayed_open"] = True
+    kwargs["request_timeout"] = REQUEST_TIMEOUT_S
     kwargs.update(extra)
     try:
         native = cls(**kwargs)
@@ -214,7 +230,8 @@ def _build_pyarrow(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.Fi
         # leaves its directory markers).
         return native
     try:
-        deleter = _s3fs_instance(ours, {})
+        # The same patience as the reads and writes (see REQUEST_TIMEOUT_S).
+        deleter = _s3fs_instance(ours, {k: v for k, v in extra.items() if k == "request_timeout"})
     except BackendUnavailableError:
         return native
     return pafs.PyFileSystem(MarkerFreeS3Handler(native, deleter))
@@ -238,6 +255,9 @@ def _s3fs_instance(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
         _split_endpoint(ours["endpoint_url"])
         kwargs["endpoint_url"] = ours["endpoint_url"]
     client_kwargs = dict(extra.get("client_kwargs") or {})
+    config_kwargs = dict(extra.get("config_kwargs") or {})
+    config_kwargs.setdefault("read_timeout", extra.get("request_timeout", REQUEST_TIMEOUT_S))
+    kwargs["config_kwargs"] = config_kwargs
     if ours.get("region"):
         client_kwargs.setdefault("region_name", ours["region"])
     if client_kwargs:
@@ -249,7 +269,8 @@ def _s3fs_instance(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
             kwargs["token"] = ours["session_token"]
     if ours.get("anonymous"):
         kwargs["anon"] = True
-    kwargs.update({k: v for k, v in extra.items() if k != "client_kwargs"})
+    kwargs.update({k: v for k, v in extra.items()
+                   if k not in ("client_kwargs", "config_kwargs", "request_timeout")})
     try:
         fs = s3fs.S3FileSystem(**kwargs)
     except TypeError as exc:

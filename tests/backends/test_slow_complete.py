@@ -1,0 +1,140 @@
+"""A store slow to answer CompleteMultipartUpload: the upload completes once.
+
+moto, like S3, assembles a multipart object before it answers
+CompleteMultipartUpload, and sends nothing meanwhile (4 x 256 MiB took
+longer than 3 s under load). A client that gives up on the silence sends
+the request again while the first still runs; moto then answers 500
+(INTERNAL_FAILURE: the first request closed the parts the second reads) or
+NoSuchUpload, and the checkpoint upload failed (the s3-link benchmark row).
+Here a proxy in front of the real moto server holds every
+CompleteMultipartUpload answer longer than the engines' default patience
+(pyarrow's AWS SDK: 3 s without a byte; s3fs: 15 s) and counts the requests.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from checkpoint_store import Checkpoint, StorageContext
+
+MiB = 1024 * 1024
+
+
+class _SlowCompleteProxy:
+    """TCP proxy on 127.0.0.1 to ``target_port``: holds the answer to the
+    first CompleteMultipartUpload (``POST ...?uploadId=``) of each upload
+    ``hold_s`` seconds (a request sent again is answered at once: the test
+    then fails on the count, not after a long wait) and records the request
+    lines in ``completes``."""
+
+    def __init__(self, target_port: int, hold_s: float):
+        self.target_port = target_port
+        self.hold_s = hold_s
+        self.completes: list[bytes] = []
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            waiting = threading.Event()  # a Complete request awaits its answer
+            threading.Thread(target=self._up, args=(client, upstream, waiting),
+                             daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, client, waiting),
+                             daemon=True).start()
+
+    def _up(self, client: socket.socket, upstream: socket.socket,
+            waiting: threading.Event) -> None:
+        # Clients send a request only after the previous answer (no HTTP
+        # pipelining), so each request line starts a chunk.
+        for data in _chunks(client):
+            line = data.split(b"\r\n", 1)[0]
+            if line.startswith(b"POST ") and b"uploadId=" in line:
+                if line not in self.completes:
+                    waiting.set()
+                self.completes.append(line)
+            upstream.sendall(data)
+        _close(upstream)
+
+    def _down(self, upstream: socket.socket, client: socket.socket,
+              waiting: threading.Event) -> None:
+        for data in _chunks(upstream):
+            if waiting.is_set():
+                time.sleep(self.hold_s)
+                waiting.clear()
+            try:
+                client.sendall(data)
+            except OSError:  # the client gave up on this connection
+                break
+        _close(client)
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def _chunks(sock: socket.socket):
+    while True:
+        try:
+            data = sock.recv(1 << 16)
+        except OSError:
+            return
+        if not data:
+            return
+        yield data
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+@pytest.fixture
+def big_checkpoint(tmp_path):
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    # Above the 16 MiB a 32 MiB budget sends in one PUT: a multipart upload.
+    (src / "model.bin").write_bytes(os.urandom(24 * MiB))
+    (src / "meta.json").write_bytes(b"{}")
+    return src
+
+
+def _upload_through(proxy: _SlowCompleteProxy, s3_server, s3_bucket: str, engine: str,
+                    src) -> Checkpoint:
+    options = {**s3_server.storage_options(engine), "endpoint_url": proxy.url}
+    st = StorageContext(f"s3://{s3_bucket}/slow", "exp", "t", storage_options=options,
+                        memory_budget=32 * MiB)
+    return st.persist_checkpoint(Checkpoint.from_directory(str(src)), 0, {"metrics": {}})
+
+
+@pytest.mark.parametrize("engine,hold_s", [
+    pytest.param("pyarrow", 4.0, id="pyarrow"),
+    pytest.param("s3fs", 20.0, id="s3fs", marks=pytest.mark.slow),
+])
+def test_slow_complete_is_sent_once_and_the_checkpoint_verifies(
+        s3_server, s3_bucket, big_checkpoint, tmp_path, engine, hold_s):
+    proxy = _SlowCompleteProxy(s3_server.port, hold_s)
+    dst = tmp_path / "back"
+    try:
+        ckpt = _upload_through(proxy, s3_server, s3_bucket, engine, big_checkpoint)
+        # One upload, one CompleteMultipartUpload: not sent again while the
+        # store was still assembling the object.
+        assert len(proxy.completes) == 1, proxy.completes
+        ckpt.to_directory(str(dst))  # verifies every checksum
+    finally:
+        proxy.close()
+    keys = s3_server.list_keys(s3_bucket)
+    assert keys["slow/exp/t/checkpoint_000000/model.bin"] == 24 * MiB
+    assert (dst / "model.bin").read_bytes() == (big_checkpoint / "model.bin").read_bytes()
