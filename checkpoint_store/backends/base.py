@@ -95,8 +95,11 @@ class Capabilities:
 def unstorable_character(name: str, caps: Capabilities) -> str | None:
     """The first character of ``name`` that a store with ``caps`` cannot keep
     in a name (:attr:`Capabilities.unsupported_name_characters`), or None."""
+    bad = caps.unsupported_name_characters
+    if not bad:  # most stores: no loop over every character of every name
+        return None
     for char in name:
-        if char in caps.unsupported_name_characters:
+        if char in bad:
             return char
     return None
 
