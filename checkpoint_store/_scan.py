@@ -31,6 +31,7 @@ from checkpoint_store._pointer import POINTER_FILE, pointed_path
 from checkpoint_store._proc import writer_tag_alive
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store._runs import run_of_writer
+from checkpoint_store.errors import CheckpointCorruptError
 
 __all__ = ["ScanResult", "scan_trial", "writer_in"]
 
@@ -109,8 +110,12 @@ def scan_trial(
                 # A re-saved path (Lightning's last.ckpt): its checkpoint is
                 # the sibling the pointer names, committed (never ours to
                 # remove, and the .cs_replace-* sibling is never scanned).
-                insp = inspect_checkpoint(fs, pointed_path(fs, path, retry) or path,
-                                          retry=retry)
+                try:
+                    target = pointed_path(fs, path, retry) or path
+                except CheckpointCorruptError:  # a pointer we did not write: not ours
+                    result.foreign.append(name)
+                    continue
+                insp = inspect_checkpoint(fs, target, retry=retry)
                 if insp.state == "committed":
                     assert insp.meta is not None
                     committed.append((insp.meta["index"], name))

@@ -295,9 +295,26 @@ def not_committed(
             # A checkpoint under another name (Lightning's ``a.ckpt``) that
             # fails its manifest: reported, never silently left out.
             corrupt.append((name, inspect_location(trial.child(name))))
+        elif (fault := _pointer_fault(trial.child(name))) is not None:
+            corrupt.append((name, fault))
         elif parse_staging_dir_name(name) is not None:
             uncommitted.append(name)
     return corrupt, uncommitted
+
+
+def _pointer_fault(loc: Location) -> Inspection | None:
+    """An ``"invalid"`` inspection of ``loc`` when its pointer (``.cs_current``)
+    names no replacement of it: another tool or a hand edit wrote it."""
+    from checkpoint_store._manifest import Inspection
+    from checkpoint_store._pointer import POINTER_FILE
+
+    if not _fsutil.exists(loc.fs, posixpath.join(loc.path, POINTER_FILE)):
+        return None
+    try:
+        follow(loc)
+    except CheckpointCorruptError as exc:
+        return Inspection("invalid", None, reason=str(exc), file=POINTER_FILE)
+    return None
 
 
 def _marked_but_not_committed(loc: Location) -> bool:
@@ -376,12 +393,26 @@ def committed_checkpoints(trial: Location) -> list[tuple[Location, dict[str, Any
                 meta = read_internal(trial.child(name))
                 if meta is not None:
                     out.append((trial.child(name), meta))
+    out += _committed_otherwise_named(trial, entries)
+    return sorted(out, key=lambda lm: (lm[1]["index"], lm[1].get("created_at", 0.0)))
+
+
+def _committed_otherwise_named(trial: Location, entries: Iterable[tuple[str, bool]]
+                               ) -> list[tuple[Location, dict[str, Any]]]:
+    """The committed checkpoints among :func:`_otherwise_named`, a pointer
+    followed. A pointer naming no replacement is left out here and named by
+    :func:`not_committed`: one bad entry never fails the listing, ``verify``
+    or ``cp`` of everything else."""
+    out = []
     for name in _otherwise_named(trial, entries):
-        ckpt = follow(trial.child(name))
+        try:
+            ckpt = follow(trial.child(name))
+        except CheckpointCorruptError:
+            continue
         found = inspect_location(ckpt)
         if found.state == "committed" and found.meta is not None:
             out.append((ckpt, found.meta))
-    return sorted(out, key=lambda lm: (lm[1]["index"], lm[1].get("created_at", 0.0)))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,11 +461,7 @@ def recorded_checkpoints(trial: Location) -> Recorded | None:
     entries = (list_entries(trial) if listed is None else sorted(
         (posixpath.basename(fi.path.rstrip("/")), fi.type == _fsutil.pafs.FileType.Directory)
         for fi in listed))
-    for name in _otherwise_named(trial, entries):
-        ckpt = follow(trial.child(name))
-        found = inspect_location(ckpt)
-        if found.state == "committed" and found.meta is not None:
-            out.append((ckpt, found.meta))
+    out += _committed_otherwise_named(trial, entries)
     out += _still_there(trial, manager.pending_deletes, entries)
     out.sort(key=lambda lm: (lm[1]["index"], lm[1].get("created_at") or 0.0))
     return Recorded(out, entries)

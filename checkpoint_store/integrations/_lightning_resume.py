@@ -75,8 +75,9 @@ def resume_path(
     wrote in ``dirpath`` (``ModelCheckpoint(dirpath=...)``) and returns the
     newest (highest ``global_step``, then latest commit) whose files verify
     (size and CRC32C). A directory without a commit marker (a save cut short)
-    is never a candidate; one that fails verification is skipped with a
-    warning. Lightning's own ``ckpt_path="last"`` goes by names and
+    is never a candidate; one that fails verification, or whose pointer
+    (``.cs_current``) names no replacement of it, is skipped with a
+    ``RuntimeWarning``. Lightning's own ``ckpt_path="last"`` goes by names and
     modification times instead.
 
     Args:
@@ -102,7 +103,13 @@ def resume_path(
     names = {n for n, t in listed.items()
              if t == pafs.FileType.Directory and not n.startswith(".")}
     for name in sorted(names | orphaned_names(set(listed), list(listed))):
-        insp = inspect_checkpoint(fs, current_dir(backend, posixpath.join(root, name)))
+        try:
+            target = current_dir(backend, posixpath.join(root, name))
+        except CheckpointCorruptError as exc:  # a pointer we did not write: skipped
+            warnings.warn(f"skipping checkpoint {backend.uri_for(posixpath.join(root, name))}: "
+                          f"{exc}", RuntimeWarning, stacklevel=2)
+            continue
+        insp = inspect_checkpoint(fs, target)
         if insp.state == "committed" and insp.meta is not None:
             found.append((name, insp.meta))
     chosen = _first_verified(

@@ -129,3 +129,23 @@ def test_prune_of_last_ckpt_removes_sibling_and_pointer(root):
         assert kind == pafs.FileType.NotFound, name
     names = {c["name"] for c in json.loads(_cli(["ls", ck, "--json"], opts).output)["checkpoints"]}
     assert names == {"s1.ckpt"}
+
+
+def test_resume_path_skips_a_pointer_it_did_not_write(root):
+    """A `.cs_current` naming no replacement of its directory is one corrupt
+    entry: `resume_path` skips it with a warning, as it skips a checkpoint that
+    does not verify, instead of failing the resume."""
+    from checkpoint_store.integrations.lightning import resume_path
+
+    uri, opts = root
+    backend, ck, _ = _resaved(uri, opts)
+    _, path = resolve(ck, storage_options=opts or None)
+    fs = backend.filesystem
+    if backend.capabilities.directories:
+        fs.create_dir(f"{path}/x.ckpt", recursive=True)
+    with fs.open_output_stream(f"{path}/x.ckpt/{POINTER_FILE}") as f:
+        f.write(b"garbage\n")
+    with pytest.warns(RuntimeWarning, match="x.ckpt"):
+        chosen = resume_path(ck, storage_options=opts or None)
+    assert chosen is not None and chosen.endswith("/last.ckpt")
+    assert _load(chosen, opts) == 3
