@@ -250,7 +250,14 @@ def classify(loc: Location) -> LocationKind:
         # Only a trial holds a retention state: one stat instead of listing a
         # trial of any size.
         return "trial"
-    entries = list_entries(loc)
+    try:
+        entries = list_entries(loc)
+    except OSError:
+        # Listing a file fails as a storage error on some backends (local
+        # disks: "Not a directory", with a hint at credentials).
+        if _fsutil.info(loc.fs, loc.path).type == _fsutil.pafs.FileType.File:
+            return "file"
+        raise
     if not entries:
         fi = _fsutil.info(loc.fs, loc.path)
         if fi.type == _fsutil.pafs.FileType.NotFound:
@@ -327,7 +334,13 @@ def _marked_but_not_committed(loc: Location) -> bool:
 
 def trials_under(loc: Location, kind: LocationKind) -> list[Location]:
     """Trial directories at or under ``loc`` (a trial, experiment or storage root
-    of the given ``kind``); ``[]`` for any other kind."""
+    of the given ``kind``); ``[]`` for any other kind.
+
+    Raises:
+        InvalidConfigError: ``loc`` is a file.
+    """
+    if kind == "file":
+        raise InvalidConfigError(f"{loc.uri} is a file, not a directory of checkpoints")
     if kind == "trial":
         return [loc]
     if kind == "experiment":

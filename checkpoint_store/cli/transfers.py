@@ -436,7 +436,7 @@ def _plan_copy(s: Location, d: Location) -> _CopyPlan:
             corrupt.extend(CheckpointCorruptError(
                 f"checkpoint {trial.child(name).uri} is corrupt: {found.reason}",
                 path=trial.child(name).path, file=found.file) for name, found in bad)
-    elif kind in ("uncommitted", "corrupt"):
+    elif kind in ("uncommitted", "corrupt", "file"):
         require_checkpoint(s)  # raises, saying which
     else:
         raise CheckpointNotFoundError(f"no checkpoints under {s.uri}")
