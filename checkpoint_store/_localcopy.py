@@ -33,7 +33,9 @@ __all__ = [
     "_LocalDisk",
     "_reflink",
     "_syncfs",
+    "creates_locally",
     "flush_files",
+    "fs_type",
 ]
 
 #: Local-to-local copies read into per-thread buffers this large (the page
@@ -121,6 +123,53 @@ SYNCFS_MAX_OTHER_DIRTY = 128 * 1024 * 1024
 #: ``syncfs`` reports writeback errors only from Linux 5.8 on; before, a
 #: failed write would go unnoticed and the commit would claim durability.
 _SYNCFS_KERNEL = (5, 8)
+
+
+#: Filesystems on a local device or in memory, where creating a file costs
+#: no network round trip: small files go fastest through one thread there
+#: (see :func:`checkpoint_store._plan.plan`). On others (NFS, Lustre, FUSE
+#: ...) and where the type is unknown, small files keep the thread pool.
+_LOCAL_FS_TYPES = frozenset(
+    {"ext2", "ext3", "ext4", "xfs", "btrfs", "bcachefs", "f2fs", "tmpfs", "ramfs"}
+)
+#: ``st_dev`` -> filesystem type (None: unknown), read once per device.
+_FS_TYPES: dict[int, str | None] = {}
+
+
+def fs_type(path: str) -> str | None:
+    """Type of the filesystem holding ``path`` (``ext4``, ``nfs4`` ...) from
+    ``/proc/self/mountinfo``, or None where unknown (not Linux, a device
+    the mount table does not name, such as a btrfs subvolume)."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    if dev not in _FS_TYPES:
+        _FS_TYPES[dev] = _mounted_type(dev)
+    return _FS_TYPES[dev]
+
+
+def _mounted_type(dev: int) -> str | None:
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        try:
+            major, minor = left.split()[2].split(":")
+            if os.makedev(int(major), int(minor)) == dev:
+                return right.split()[0]
+        except (IndexError, ValueError):
+            continue
+    return None
+
+
+def creates_locally(path: str) -> bool:
+    """Whether ``path`` lies on a local-device or in-memory filesystem
+    (:data:`_LOCAL_FS_TYPES`)."""
+    return fs_type(path) in _LOCAL_FS_TYPES
 
 
 def _kernel_at_least(version: tuple[int, int]) -> bool:

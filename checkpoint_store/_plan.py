@@ -14,8 +14,9 @@ docs/benchmarks.md):
   pool, so the per-task cost of the pool is paid per batch. Where the remote
   side is an fsspec *async* filesystem (s3fs, adlfs, gcsfs) a batch is one
   ``pipe``/``cat`` call that fsspec runs concurrently on its event loop.
-  Disk to disk, all small files are one batch copied in turn by one thread
-  (beside the large files' tasks): more threads measured slower.
+  Disk to disk onto a local-device or in-memory filesystem, all small files
+  are one batch copied in turn by one thread (beside the large files'
+  tasks): more threads measured slower.
 * **large files** are split in parts of one chunk. A download reads each part
   with one ranged request (``read_at`` / ``cat_file(start, end)``) and writes
   it at its offset (``pwrite``); a local copy does the same with ``pread``.
@@ -43,7 +44,7 @@ import pyarrow.fs as pafs
 from checkpoint_store._budget import DEFAULT_MEMORY_LIMIT
 from checkpoint_store._crc32c import crc32c_combine
 from checkpoint_store._fsutil import local_path
-from checkpoint_store._localcopy import _O_BINARY, flush_files
+from checkpoint_store._localcopy import _O_BINARY, creates_locally, flush_files
 from checkpoint_store._remote import _fsspec_of, _is_async, can_stream_ranges, server_copy
 from checkpoint_store._tasks import _REMOTE_COPIES, PARTS_IN_FLIGHT, FileResult, _Runner
 
@@ -130,8 +131,8 @@ def plan(
     memory_limit: int | None = None,
 ) -> Plan:
     """Choose the route and cut ``files`` (``(relpath, size)``) into tasks."""
-    route = _route(local_path(src_fs, src_root) is not None,
-                   local_path(dst_fs, dst_root) is not None)
+    dst_os = local_path(dst_fs, dst_root)
+    route = _route(local_path(src_fs, src_root) is not None, dst_os is not None)
     limit = memory_limit if memory_limit is not None else DEFAULT_MEMORY_LIMIT
     part = LOCAL_PART if route == "local" else chunk_size
     small_max = min(part, BATCH_BYTES)
@@ -150,8 +151,10 @@ def plan(
     # thread, as cp does: each costs a few system calls, and more threads
     # only queue on the directory's lock and hand the GIL back and forth
     # (2000 x 64 KiB, 2 cores, alternating: 1 thread 1.04x cp on ext4 and
-    # 0.75x on tmpfs; 4 threads 0.88x and 0.52x).
-    one_batch = route == "local"
+    # 0.75x on tmpfs; 4 threads 0.88x and 0.52x). Not onto a network
+    # filesystem, where each file's close waits for the server: there
+    # several files stay in flight.
+    one_batch = route == "local" and dst_os is not None and creates_locally(dst_os)
     for rel, size in files:
         if size > small_max:
             large.append((rel, size))

@@ -574,12 +574,30 @@ def test_small_local_files_are_copied_in_turn_by_one_thread(tmp_path, monkeypatc
         return real(self, rel)
 
     monkeypatch.setattr(_tasks._Runner, "_copy_local_whole", spy)
+    if not _localcopy.creates_locally(str(tmp_path)):
+        pytest.skip(f"{tmp_path} is on {_localcopy.fs_type(str(tmp_path))!r}")
     small = {rel: size for rel, size in SHAPES.items() if rel != "big.bin"}
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     want = _tree(src, small)
     entries = copy_tree(LOCAL, src, LOCAL, dst, LOCAL_CAPABILITIES, fsync=True)
     _assert_copied(entries, src, dst, want)
     assert threads == {threading.get_ident()}
+    # Onto a filesystem of another kind (NFS, Lustre ...: each close waits
+    # for the server) the small files keep several threads.
+    threads.clear()
+    monkeypatch.setattr(_plan, "creates_locally", lambda path: False)
+    entries = copy_tree(LOCAL, src, LOCAL, str(tmp_path / "dst2"), LOCAL_CAPABILITIES,
+                        fsync=False)
+    _assert_copied(entries, src, str(tmp_path / "dst2"), want)
+    assert threads and threading.get_ident() not in threads  # the pool's threads
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mountinfo"), reason="needs Linux")
+def test_fs_type_reads_the_mount_table(shm_dir, tmp_path) -> None:
+    assert _localcopy.fs_type(shm_dir) == "tmpfs"
+    assert _localcopy.creates_locally(shm_dir)
+    assert _localcopy.fs_type(str(tmp_path / "missing")) is None
+    assert not _localcopy.creates_locally(str(tmp_path / "missing"))
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
