@@ -22,6 +22,7 @@ import click
 from checkpoint_store import _fsutil
 from checkpoint_store._layout import (
     INTERNAL_METADATA,
+    MANAGER_STATE,
     RESULT_FILE,
     check_name_length,
     checkpoint_dir_name,
@@ -44,6 +45,7 @@ from checkpoint_store.cli.locations import (
     read_internal,
     require_checkpoint,
     resolve_location,
+    storage_context,
     trials_under,
 )
 from checkpoint_store.cli.maintenance import refuse_if_live
@@ -53,6 +55,7 @@ from checkpoint_store.errors import (
     CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    CheckpointStoreError,
     InvalidConfigError,
 )
 
@@ -375,8 +378,12 @@ def _copy_checkpoint(job: _CopyJob, on_bytes: Callable[[int], None]) -> CopyOutc
 
 def _copy_trial_files(src: Location, dst: Location) -> None:
     """Copy the trial files; ``result.json`` goes out assembled with the rows a
-    live or killed run left in segments (object stores), which are not copied."""
+    live or killed run left in segments (object stores), which are not copied,
+    and the retention state whole (:func:`_copy_state`)."""
+    state_copied = _copy_state(src, dst)
     for name in sorted(TRIAL_FILES):
+        if name == MANAGER_STATE and state_copied:
+            continue
         path = posixpath.join(src.path, name)
         try:
             if name == RESULT_FILE:
@@ -391,6 +398,32 @@ def _copy_trial_files(src: Location, dst: Location) -> None:
             continue
         _fsutil.write_bytes(dst.fs, posixpath.join(dst.path, name), data,
                             dst.backend.capabilities)
+
+
+def _copy_state(src: Location, dst: Location) -> bool:
+    """Copy the source trial's retention state as one snapshot at ``dst``; False
+    when there is none to read that way (then its root is copied as stored).
+
+    The state is a root plus the log records and chunks after it
+    (docs/format.md, "Retention state"); the root alone is the state as of its
+    last snapshot, up to 16 reports old, and a run resumed from such a copy
+    numbered its next checkpoint with an index the source had already used.
+    The destination's own parts from an earlier copy are replaced.
+    """
+    from checkpoint_store.retention.statelog import StateLog
+
+    src_ctx = storage_context(src, strict=False)
+    dst_ctx = storage_context(dst, strict=False)
+    if src_ctx is None or dst_ctx is None:
+        return False
+    state, _ = StateLog(src_ctx).load()
+    if state is None:
+        return False
+    log = StateLog(dst_ctx)
+    log.load()  # numbering past the destination's parts; they go after the snapshot
+    if not log.compact(state):
+        raise CheckpointStoreError(f"could not write the retention state of {dst.uri}")
+    return True
 
 
 @dataclasses.dataclass
