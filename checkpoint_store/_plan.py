@@ -21,9 +21,13 @@ docs/benchmarks.md):
   with one ranged request (``read_at`` / ``cat_file(start, end)``) and writes
   it at its offset (``pwrite``); a local copy does the same with ``pread``.
   Parts run in parallel; their CRC32Cs are combined (:func:`crc32c_combine`).
-* **uploads of large files** stream each file through one output stream
-  (pyarrow's S3 stream uploads multipart parts in the background; fsspec
-  streams upload a block per chunk). Files go in parallel.
+* **uploads of large files** to S3 through s3fs (the s3fs engine, an s3fs
+  filesystem passed in) are multipart uploads whose parts run in parallel
+  like a download's, each read with ``pread`` and checksummed as it is sent;
+  the upload completes once every part is in. Elsewhere each file streams
+  through one output stream (pyarrow's S3 stream uploads its parts in the
+  background; other fsspec streams upload a block per chunk). Files go in
+  parallel.
 
 Memory: at most ``memory_limit`` bytes of file data are buffered at once
 (default :data:`DEFAULT_MEMORY_LIMIT`), whatever the chunk size and
@@ -45,8 +49,22 @@ from checkpoint_store._budget import DEFAULT_MEMORY_LIMIT
 from checkpoint_store._crc32c import crc32c_combine
 from checkpoint_store._fsutil import local_path
 from checkpoint_store._localcopy import _O_BINARY, creates_locally, flush_files
-from checkpoint_store._remote import _fsspec_of, _is_async, can_stream_ranges, server_copy
-from checkpoint_store._tasks import _REMOTE_COPIES, PARTS_IN_FLIGHT, FileResult, _Runner
+from checkpoint_store._remote import (
+    _fsspec_of,
+    _is_async,
+    can_stream_ranges,
+    part_upload_client,
+    server_copy,
+)
+from checkpoint_store._tasks import (
+    _PART_UPLOAD_COPIES,
+    _REMOTE_COPIES,
+    MAX_PARTS,
+    MIN_PART,
+    PARTS_IN_FLIGHT,
+    FileResult,
+    _Runner,
+)
 
 __all__ = [
     "DEFAULT_MEMORY_LIMIT",
@@ -178,6 +196,12 @@ def plan(
     if route == "download" and can_stream_ranges(remote_fsspec):
         piece = max(1024 * 1024, min(STREAM_PIECE, limit // (_REMOTE_COPIES * workers)))
         part = _stream_part_size(large, workers, part)
+    elif route == "upload" and part_upload_client(dst_fs) is not None:
+        # A part in flight on every worker (each held _PART_UPLOAD_COPIES
+        # times), at least S3's smallest part, few enough for its limit.
+        biggest = max((size for _, size in large), default=0)
+        part = max(MIN_PART, -(-biggest // MAX_PARTS),
+                   min(part, limit // (_PART_UPLOAD_COPIES * min(workers, PARTS_IN_FLIGHT))))
     elif route == "download":
         # A ranged GET's bytes exist twice for a moment (the HTTP client's
         # buffer and ours): parts of at most half the memory limit.
@@ -301,10 +325,15 @@ def run(
             rest = [f for f in files if f[0] not in results]
             r.p = p = plan(src_fs, src_root, dst_fs, dst_root, rest, chunk_size=chunk_size,
                            concurrency=concurrency, memory_limit=memory_limit)
-    work = _work_items(p, r)
-    sequential = p.concurrency == 1 or work.count == 1
     try:
+        # Multipart uploads start here: inside, so a failure aborts them all.
+        work = _work_items(p, r)
+        sequential = p.concurrency == 1 or work.count == 1
         moved, part_crcs = (_run_in_turn if sequential else _run_on_pool)(r, work)
+        r.finish_uploads(dict(files))
+    except BaseException:
+        r.abort_uploads()
+        raise
     finally:
         r.close_inputs()
     results.update(moved)
@@ -370,8 +399,11 @@ def _work_items(p: Plan, r: _Runner) -> _Work:
             work.copies.append((rel, size))
             for off in range(0, size, p.chunk_size):
                 work.parts.append((rel, off, min(p.chunk_size, size - off)))
-        elif p.route in _TO_DISK:
-            r.prepare_local(rel, size)
+        elif p.route in _TO_DISK or (p.route == "upload" and r.part_client is not None):
+            if p.route == "upload":
+                r.start_upload(rel, size)
+            else:
+                r.prepare_local(rel, size)
             for off in range(0, size, p.chunk_size):
                 work.parts.append((rel, off, min(p.chunk_size, size - off)))
         else:

@@ -16,7 +16,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-__all__ = ["_fsspec_of", "_is_async", "_native_of", "server_copy"]
+__all__ = ["S3Multipart", "_fsspec_of", "_is_async", "_native_of", "part_upload_client",
+           "server_copy"]
 
 
 def _native_of(fs: pafs.FileSystem) -> pafs.FileSystem:
@@ -101,6 +102,72 @@ async def _read_exactly(body: Any, n: int) -> bytes:
         pieces.append(piece)
         got += len(piece)
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def part_upload_client(fs: pafs.FileSystem) -> Any | None:
+    """The s3fs client that uploads a large file to ``fs`` in parallel parts
+    (:class:`S3Multipart`), or None.
+
+    Only where s3fs is the whole client (the s3fs engine, an s3fs filesystem
+    passed in): a file stream of s3fs sends one part at a time. A C++ client
+    behind the handler (the pyarrow engine) uploads its stream's parts in the
+    background already and keeps it."""
+    if _native_of(fs) is not fs:
+        return None
+    fss = _fsspec_of(fs)
+    return fss if can_stream_ranges(fss) else None
+
+
+class S3Multipart:
+    """One S3 multipart upload through an s3fs client ``fss``: parts sent from
+    any thread, in any order, then completed in part-number order.
+
+    Raises (every method): OSError as s3fs translates the store's errors.
+    """
+
+    def __init__(self, fss: Any, path: str):
+        self._fss = fss
+        self._bucket, self._key, _ = fss.split_path(path)
+        self.upload_id: str | None = None
+        self._etags: dict[int, str] = {}
+
+    def _s3(self, method: str, **kwargs: Any) -> Any:
+        from fsspec.asyn import sync
+
+        return sync(self._fss.loop, self._fss._call_s3, method, Bucket=self._bucket,
+                    Key=self._key, **kwargs)
+
+    def start(self) -> None:
+        self.upload_id = self._s3("create_multipart_upload")["UploadId"]
+
+    def put_part(self, number: int, data: Any) -> None:
+        """Upload part ``number`` (1-based); sent again, it replaces the part."""
+        resp = self._s3("upload_part", UploadId=self.upload_id, PartNumber=number, Body=data)
+        self._etags[number] = resp["ETag"]
+
+    def complete(self, parts: int) -> None:
+        """Assemble the object from parts 1..``parts``, each sent exactly once
+        more recently than any failure.
+
+        Raises:
+            OSError: a part is missing (a bug: nothing is assembled).
+        """
+        missing = [n for n in range(1, parts + 1) if n not in self._etags]
+        if missing:
+            raise OSError(f"s3://{self._bucket}/{self._key}: parts {missing} were not "
+                          "uploaded; the upload is not completed")
+        self._s3("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={
+            "Parts": [{"PartNumber": n, "ETag": self._etags[n]} for n in range(1, parts + 1)]})
+        self.upload_id = None
+
+    def abort(self) -> None:
+        """Drop the parts of an upload not completed (best effort)."""
+        if self.upload_id is not None:
+            try:
+                self._s3("abort_multipart_upload", UploadId=self.upload_id)
+            except Exception:  # the store will expire it; the commit never saw it
+                pass
+            self.upload_id = None
 
 
 def can_stream_ranges(fss: Any | None) -> bool:

@@ -32,12 +32,19 @@ from checkpoint_store import _fsutil
 from checkpoint_store._budget import _Budget
 from checkpoint_store._crc32c import _crc
 from checkpoint_store._localcopy import _O_BINARY, _LocalDisk
-from checkpoint_store._remote import _fsspec_of, _is_async, _native_of, open_range
+from checkpoint_store._remote import (
+    S3Multipart,
+    _fsspec_of,
+    _is_async,
+    _native_of,
+    open_range,
+    part_upload_client,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from checkpoint_store._plan import Plan
 
-__all__ = ["PARTS_IN_FLIGHT", "FileResult", "_REMOTE_COPIES", "_Runner"]
+__all__ = ["PARTS_IN_FLIGHT", "FileResult", "_PART_UPLOAD_COPIES", "_REMOTE_COPIES", "_Runner"]
 
 #: Parts of large files a transfer aims to keep in flight at once (ranged GETs
 #: for downloads, multipart parts for uploads); the budget sets the part size.
@@ -45,6 +52,10 @@ PARTS_IN_FLIGHT = 8
 #: Remote transfers count each byte twice against the memory limit: the HTTP
 #: client holds its own copy while ours is in flight (measured with VmHWM).
 _REMOTE_COPIES = 2
+#: A part of a parallel multipart upload through s3fs is held three times at
+#: its peak: our bytes, botocore's request body and aiohttp's send buffer
+#: (4 x 256 MiB with two copies counted: VmHWM grew 369 MiB on a 256 MiB budget).
+_PART_UPLOAD_COPIES = 3
 #: Stores whose C++ client (pyarrow's, behind the handler) downloads small
 #: files faster than the async fsspec client next to it, whose every request
 #: is signed and parsed in Python on one event-loop thread: S3 (2000 x 64 KiB
@@ -99,6 +110,10 @@ class _Runner(_LocalDisk):
         self.src_fsspec = _fsspec_of(src_fs)
         self.dst_fsspec = _fsspec_of(dst_fs)
         self.dst_fs_outer = dst_fs
+        #: Large files go up in parallel parts through this s3fs client, if any.
+        self.part_client = part_upload_client(dst_fs)
+        #: ``{relpath: its multipart upload}``, started before any part runs.
+        self.uploads: dict[str, S3Multipart] = {}
         # Bytes go through the C++ filesystem where a Python handler wraps one.
         self.src_fs = _native_of(src_fs)
         self.dst_fs = _native_of(dst_fs)
@@ -195,6 +210,9 @@ class _Runner(_LocalDisk):
                 lambda: self.crc_local_range(rel, offset, length, self.stamps[rel]),
                 f"checksum {rel}@{offset}",
             )
+        if self.p.route == "upload":
+            return self.call(lambda: self._upload_part(rel, offset, length),
+                             f"upload {rel}@{offset}")
         if self.p.piece:
             return self.call(lambda: self._stream_range(rel, offset, length),
                              f"download {rel}@{offset}")
@@ -230,6 +248,53 @@ class _Runner(_LocalDisk):
             return crc
         finally:
             self.budget.release(length * _REMOTE_COPIES)
+
+    def start_upload(self, rel: str, size: int) -> None:
+        """Start the multipart upload of a large local file (parts then run
+        on any thread, :meth:`part`); the source's stamp is taken first."""
+        stamp = self.stamps[rel] = self.source_stamp(rel)
+        if stamp[1] != size:
+            raise OSError(f"{self._src_os(rel)} changed while it was being uploaded; write "
+                          "the checkpoint completely before reporting it")
+        assert self.part_client is not None
+        upload = S3Multipart(self.part_client, self._dst(rel))
+        self.call(upload.start, f"start the upload of {rel}")
+        self.uploads[rel] = upload
+
+    def _upload_part(self, rel: str, offset: int, length: int) -> int:
+        """Upload bytes ``[offset, offset+length)`` of a local file as its
+        part ``offset // chunk_size + 1``; returns the CRC32C of exactly the
+        bytes sent (a retry reads them again, from the same unchanged file)."""
+        self.budget.acquire(length * _PART_UPLOAD_COPIES)
+        try:
+            fd = os.open(self._src_os(rel), os.O_RDONLY | _O_BINARY)
+            try:
+                self._same_source(rel, fd, self.stamps[rel])
+                data = _pread_all(fd, offset, length)
+                self._same_source(rel, fd, self.stamps[rel])
+            finally:
+                os.close(fd)
+            if len(data) != length:
+                raise OSError(f"{self._src_os(rel)}: read {len(data)} bytes at offset {offset}, "
+                              f"expected {length} (the file changed while it was being uploaded?)")
+            crc = _crc(0, data)
+            self.uploads[rel].put_part(offset // self.p.chunk_size + 1, data)
+            del data
+            return crc
+        finally:
+            self.budget.release(length * _PART_UPLOAD_COPIES)
+
+    def finish_uploads(self, sizes: dict[str, int]) -> None:
+        """Complete every multipart upload (all its parts are done)."""
+        for rel, upload in self.uploads.items():
+            parts = -(-sizes[rel] // self.p.chunk_size)
+            self.call(lambda upload=upload, parts=parts: upload.complete(parts),
+                      f"complete the upload of {rel}")
+
+    def abort_uploads(self) -> None:
+        """Drop the parts of every upload not completed (after a failure)."""
+        for upload in self.uploads.values():
+            upload.abort()
 
     def _stream_range(self, rel: str, offset: int, length: int) -> int:
         """Download bytes ``[offset, offset+length)`` with one streamed ranged
@@ -357,6 +422,19 @@ class _Runner(_LocalDisk):
             if held:
                 self.budget.release(held)
         return FileResult(rel, size, crc)
+
+
+def _pread_all(fd: int, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset`` (fewer only at the end of the file)."""
+    pieces = []
+    got = 0
+    while got < length:
+        piece = os.pread(fd, length - got, offset + got)
+        if not piece:
+            break
+        pieces.append(piece)
+        got += len(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
