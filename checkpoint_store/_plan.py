@@ -14,8 +14,8 @@ docs/benchmarks.md):
   pool, so the per-task cost of the pool is paid per batch. Where the remote
   side is an fsspec *async* filesystem (s3fs, adlfs, gcsfs) a batch is one
   ``pipe``/``cat`` call that fsspec runs concurrently on its event loop.
-  Disk to disk onto a local-device or in-memory filesystem, all small files
-  are one batch copied in turn by one thread (beside the large files'
+  Disk to disk between local-device or in-memory filesystems, all small
+  files are one batch copied in turn by one thread (beside the large files'
   tasks): more threads measured slower.
 * **large files** are split in parts of one chunk. A download reads each part
   with one ranged request (``read_at`` / ``cat_file(start, end)``) and writes
@@ -149,8 +149,8 @@ def plan(
     memory_limit: int | None = None,
 ) -> Plan:
     """Choose the route and cut ``files`` (``(relpath, size)``) into tasks."""
-    dst_os = local_path(dst_fs, dst_root)
-    route = _route(local_path(src_fs, src_root) is not None, dst_os is not None)
+    src_os, dst_os = local_path(src_fs, src_root), local_path(dst_fs, dst_root)
+    route = _route(src_os is not None, dst_os is not None)
     limit = memory_limit if memory_limit is not None else DEFAULT_MEMORY_LIMIT
     part = LOCAL_PART if route == "local" else chunk_size
     small_max = min(part, BATCH_BYTES)
@@ -169,10 +169,11 @@ def plan(
     # thread, as cp does: each costs a few system calls, and more threads
     # only queue on the directory's lock and hand the GIL back and forth
     # (2000 x 64 KiB, 2 cores, alternating: 1 thread 1.04x cp on ext4 and
-    # 0.75x on tmpfs; 4 threads 0.88x and 0.52x). Not onto a network
-    # filesystem, where each file's close waits for the server: there
-    # several files stay in flight.
-    one_batch = route == "local" and dst_os is not None and creates_locally(dst_os)
+    # 0.75x on tmpfs; 4 threads 0.88x and 0.52x). Not from or onto a
+    # network filesystem (a storage_path on NFS, say), where each open and
+    # close waits for the server: there several files stay in flight.
+    one_batch = (route == "local" and src_os is not None and dst_os is not None
+                 and creates_locally(src_os) and creates_locally(dst_os))
     for rel, size in files:
         if size > small_max:
             large.append((rel, size))

@@ -582,14 +582,16 @@ def test_small_local_files_are_copied_in_turn_by_one_thread(tmp_path, monkeypatc
     entries = copy_tree(LOCAL, src, LOCAL, dst, LOCAL_CAPABILITIES, fsync=True)
     _assert_copied(entries, src, dst, want)
     assert threads == {threading.get_ident()}
-    # Onto a filesystem of another kind (NFS, Lustre ...: each close waits
-    # for the server) the small files keep several threads.
-    threads.clear()
-    monkeypatch.setattr(_plan, "creates_locally", lambda path: False)
-    entries = copy_tree(LOCAL, src, LOCAL, str(tmp_path / "dst2"), LOCAL_CAPABILITIES,
-                        fsync=False)
-    _assert_copied(entries, src, str(tmp_path / "dst2"), want)
-    assert threads and threading.get_ident() not in threads  # the pool's threads
+    # From or onto a filesystem of another kind (NFS, Lustre ...: each open
+    # and close waits for the server) the small files keep several threads.
+    for remote in ("source", "destination"):
+        threads.clear()
+        dst2 = str(tmp_path / f"dst-{remote}")
+        side = src if remote == "source" else dst2
+        monkeypatch.setattr(_plan, "creates_locally", lambda path, side=side: path != side)
+        entries = copy_tree(LOCAL, src, LOCAL, dst2, LOCAL_CAPABILITIES, fsync=False)
+        _assert_copied(entries, src, dst2, want)
+        assert threads and threading.get_ident() not in threads  # the pool's threads
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/mountinfo"), reason="needs Linux")

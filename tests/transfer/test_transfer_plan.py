@@ -89,11 +89,12 @@ def test_plan_cuts_large_files_in_parts_and_batches_small_ones(tmp_path) -> None
                    chunk_size=2**20, concurrency=4)
     assert p.route == "local"
     assert p.large == [("big", 20 * 2**20)]
-    # "/y" does not exist (its filesystem is unknown): batches for the pool.
+    # "/x" and "/y" do not exist (their filesystem is unknown): batches for the pool.
     assert sum(len(b) for b in p.batches) == 202 and len(p.batches) >= 4
-    # Onto a local-device filesystem, the small files are one batch (one
+    # Between local-device filesystems, the small files are one batch (one
     # thread copies them in turn).
-    p = _plan.plan(LOCAL, "/x", LOCAL, str(tmp_path), files, chunk_size=2**20, concurrency=4)
+    p = _plan.plan(LOCAL, str(tmp_path), LOCAL, str(tmp_path), files, chunk_size=2**20,
+                   concurrency=4)
     if _localcopy.creates_locally(str(tmp_path)):
         assert [len(b) for b in p.batches] == [202]
     remote = pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("memory")))
