@@ -30,8 +30,10 @@ from checkpoint_store.cli.locations import (
 )
 from checkpoint_store.cli.output import fmt_time, fmt_value, print_json
 from checkpoint_store.cli.scores import (
+    UnreadableStateError,
     metric_value,
     recorded_config,
+    recorded_run_id,
     resolve_metric,
     stored_metrics,
     stored_score,
@@ -92,6 +94,28 @@ def _select(committed: list[tuple[Location, dict[str, Any]]], config: Any,
     position = {ckpt.name: i for i, (ckpt, _) in enumerate(committed)}
     return ([position[r.dir_name] for r in kept], [position[r.dir_name] for r in evicted],
             {position[name]: labels for name, labels in why.items()})
+
+
+def _split_foreign(loc: Location, committed: list[tuple[Location, dict[str, Any]]]
+                   ) -> tuple[list[tuple[Location, dict[str, Any]]],
+                              list[tuple[Location, dict[str, Any]]]]:
+    """``(ours, foreign)``: a checkpoint naming another run (its ``run_id`` is not
+    the one the trial's retention state records) or, without run ids, another
+    trial is never ranked or deleted, by the manager's own rule
+    (docs/retention.md, "What may retention delete?")."""
+    try:
+        run_id = recorded_run_id(loc)
+    except UnreadableStateError:  # the caller was told how to rank: trial names decide
+        run_id = None
+    ours, foreign = [], []
+    for ckpt, meta in committed:
+        owner = meta.get("run_id")
+        if run_id is not None and owner is not None:
+            mine = owner == run_id
+        else:
+            mine = meta.get("trial_name") in (None, loc.name)
+        (ours if mine else foreign).append((ckpt, meta))
+    return ours, foreign
 
 
 def _created_at(meta: dict[str, Any]) -> float | None:
@@ -187,7 +211,10 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int | None,
     loc = resolve_location(trial, storage_options)
     require_trial(loc)
     config, metric, order = _prune_config(loc, keep, metric, mode, keep_latest)
-    committed = committed_checkpoints(loc)
+    committed, foreign = _split_foreign(loc, committed_checkpoints(loc))
+    for ckpt, _ in foreign:
+        click.echo(f"warning: {ckpt.uri} was written by another run or trial (copied in?): "
+                   "left alone and not ranked, as the retention manager does", err=True)
     kept, evicted, why = _select(committed, config, metric)
 
     def describe(i: int) -> dict[str, Any]:
@@ -208,7 +235,7 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int | None,
         print_json({"uri": loc.uri, "dry_run": dry_run, "metric": metric, "mode": order,
                     "kept": [describe(i) for i in kept],
                     "evicted": [describe(i) for i in evicted],
-                    "deleted": deleted})
+                    "deleted": deleted, "foreign": [c.uri for c, _ in foreign]})
         return
     _print_prune("would delete" if dry_run else "deleted", metric,
                  (describe(i) for i in evicted), (describe(i) for i in kept))

@@ -24,6 +24,7 @@ from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
 __all__ = [
     "UnreadableStateError",
     "recorded_config",
+    "recorded_run_id",
     "metric_value",
     "resolve_metric",
     "score_attribute",
@@ -35,6 +36,19 @@ __all__ = [
 class UnreadableStateError(CheckpointStoreError):
     """The trial's retention state exists but cannot be read as one: it no
     longer says which metric, order and policy the trial ranks by."""
+
+
+def recorded_run_id(trial: Location) -> str | None:
+    """The run id the trial's retention state records; None without a state.
+
+    Raises:
+        UnreadableStateError: the state is there but unreadable.
+    """
+    if _recorded_json(trial) is None:
+        return None
+    root = _json.loads(_fsutil.read_bytes(trial.fs, posixpath.join(trial.path, MANAGER_STATE)))
+    run_id = root.get("run_id")
+    return run_id if isinstance(run_id, str) else None
 
 
 def _recorded_json(trial: Location) -> dict[str, Any] | None:

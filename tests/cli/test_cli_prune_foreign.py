@@ -1,0 +1,71 @@
+"""`prune` never ranks or deletes a checkpoint of another run or trial, by the
+retention manager's own rule (docs/retention.md, "What may retention delete?").
+
+It ranked every committed checkpoint: two checkpoints copied in from another
+run made `prune --keep 1` delete the trial's own best and its newest one (the
+checkpoint a resume starts from), keeping the copies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from cli_helpers import Store, committed_names, invoke
+
+from checkpoint_store import Checkpoint, CheckpointConfig, session
+
+
+def _session_trial(store: Store, tmp_path) -> object:
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    (src / "w.bin").write_bytes(b"w" * 64)
+    with session.start(storage_path=store.uri, experiment_name="exp", trial_name="t1",
+                       checkpoint_config=CheckpointConfig(2, "loss", "min"),
+                       storage_options=dict(store.options) or None):
+        for loss in [0.8, 0.3, 0.5, 0.4]:
+            session.report({"loss": loss}, checkpoint=Checkpoint(str(src)))
+    return store.ctx()
+
+
+def test_prune_leaves_another_runs_checkpoints_alone(every_store, tmp_path):
+    ctx = _session_trial(every_store, tmp_path)
+    for index, loss in ((9, 0.01), (10, 0.02)):  # copied in from another run
+        ctx.persist_checkpoint(Checkpoint(str(tmp_path / "src")), index,
+                               {"metrics": {"loss": loss}, "run_id": "another-run"})
+    trial = every_store.join("exp", "t1")
+    res = invoke(["prune", trial, "--keep", "1", "--json", *every_store.opt_args()])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert [os.path.basename(u) for u in out["foreign"]] == [
+        "checkpoint_000009", "checkpoint_000010"]
+    assert [d["name"] for d in out["kept"]] == ["checkpoint_000001", "checkpoint_000003"]
+    assert "another run" in res.stderr
+    assert committed_names(ctx) == ["checkpoint_000001", "checkpoint_000003",
+                                    "checkpoint_000009", "checkpoint_000010"]
+
+
+def test_without_a_state_a_checkpoint_naming_another_trial_stays(near_store, tmp_path):
+    ctx = near_store.ctx()
+    for index, loss in ((0, 0.5), (1, 0.4), (2, 0.6)):
+        ctx.persist_checkpoint(Checkpoint(str(_src(tmp_path))), index, {"metrics": {"loss": loss}})
+    other = near_store.ctx(trial="t2")
+    other.persist_checkpoint(Checkpoint(str(_src(tmp_path))), 0, {"metrics": {"loss": 0.1}})
+    src_dir = other.checkpoint_path(0)
+    dst_dir = ctx.checkpoint_path(7)
+    for rel in (".internal_metadata.json", "w.bin"):  # a hand copy, names and all
+        ctx.filesystem.create_dir(dst_dir, recursive=True)
+        with other.filesystem.open_input_stream(f"{src_dir}/{rel}") as f, \
+                ctx.filesystem.open_output_stream(f"{dst_dir}/{rel}") as out:
+            out.write(f.read())
+    res = invoke(["prune", near_store.join("exp", "t1"), "--keep", "1", "--metric", "loss",
+                  "--mode", "min", "--no-keep-latest"])
+    assert res.exit_code == 0, res.output
+    assert sorted(committed_names(ctx)) == ["checkpoint_000001", "checkpoint_000007"]
+
+
+def _src(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    (src / "w.bin").write_bytes(b"w" * 64)
+    return src
