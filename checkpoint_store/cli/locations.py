@@ -229,10 +229,20 @@ def _checkpoint_kind(loc: Location) -> LocationKind | None:
     if state == "invalid":
         return "corrupt"
     if state == "missing":
-        raise CheckpointNotFoundError(f"nothing exists at {loc.uri}")
+        raise CheckpointNotFoundError(_missing(loc))
     if parse_checkpoint_dir_name(loc.name) is not None:
         return "uncommitted"
     return None
+
+
+def _missing(loc: Location) -> str:
+    """Why nothing is at ``loc``: a pointer followed to a sibling that is gone
+    (a removal cut short after the sibling went) is named as such."""
+    if loc.shown_as is None:
+        return f"nothing exists at {loc.uri}"
+    return (f"{loc.uri} holds a pointer to {posixpath.basename(loc.path)}, which is gone "
+            "(a removal of this checkpoint cut short): it holds no checkpoint; "
+            "delete the directory")
 
 
 def classify(loc: Location) -> LocationKind:
@@ -261,7 +271,7 @@ def classify(loc: Location) -> LocationKind:
     if not entries:
         fi = _fsutil.info(loc.fs, loc.path)
         if fi.type == _fsutil.pafs.FileType.NotFound:
-            raise CheckpointNotFoundError(f"nothing exists at {loc.uri}")
+            raise CheckpointNotFoundError(_missing(loc))
         if fi.type == _fsutil.pafs.FileType.File:
             return "file"
         return "empty"
@@ -544,7 +554,7 @@ def require_checkpoint(loc: Location) -> dict[str, Any]:
         raise CheckpointCorruptError(f"checkpoint {loc.uri} is corrupt: {found.reason}",
                                      path=loc.path, file=found.file)
     if found.state == "missing":
-        raise CheckpointNotFoundError(f"nothing exists at {loc.uri}")
+        raise CheckpointNotFoundError(_missing(loc))
     if parse_checkpoint_dir_name(loc.name) is not None:
         raise CheckpointNotFoundError(
             f"{loc.uri} is not a committed checkpoint (no {INTERNAL_METADATA}): an "

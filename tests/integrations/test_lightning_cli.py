@@ -149,3 +149,19 @@ def test_resume_path_skips_a_pointer_it_did_not_write(root):
         chosen = resume_path(ck, storage_options=opts or None)
     assert chosen is not None and chosen.endswith("/last.ckpt")
     assert _load(chosen, opts) == 3
+
+
+def test_a_pointer_to_a_sibling_that_is_gone_is_named(root, tmp_path):
+    """A removal cut short after the sibling went leaves `last.ckpt` holding only
+    its pointer: `show`, `ls` and `download` say so, instead of "nothing
+    exists" at a path that does."""
+    uri, opts = root
+    backend, ck, sibling = _resaved(uri, opts)
+    _, path = resolve(ck, storage_options=opts or None)
+    backend.filesystem.delete_dir(f"{path}/{sibling}")
+    cli_opts = [a for k, v in opts.items() for a in ("-o", f"{k}={v}")]
+    for args in (["show", f"{ck}/last.ckpt"], ["ls", f"{ck}/last.ckpt"],
+                 ["download", f"{ck}/last.ckpt", str(tmp_path / "dl")]):
+        out = invoke([*args, *cli_opts])
+        assert out.exit_code == 1, out.output
+        assert "holds a pointer to" in out.stderr and "nothing exists" not in out.stderr
