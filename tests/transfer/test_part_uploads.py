@@ -42,6 +42,9 @@ def _open_uploads(s3_server, bucket: str) -> list[str]:
 
 
 def _storage(how: str, s3_server, bucket: str) -> StorageContext:
+    if how == "pyarrow engine":
+        return StorageContext(f"s3://{bucket}/ckpt", "exp", "t", memory_budget=BUDGET,
+                              storage_options=s3_server.storage_options("pyarrow"))
     if how == "s3fs engine":
         return StorageContext(f"s3://{bucket}/ckpt", "exp", "t", memory_budget=BUDGET,
                               storage_options=s3_server.storage_options("s3fs"))
@@ -65,7 +68,7 @@ class _PartSpy:
         monkeypatch.setattr(S3Multipart, "put_part", spy)
 
 
-@pytest.mark.parametrize("how", ["s3fs engine", "s3fs filesystem passed"])
+@pytest.mark.parametrize("how", ["pyarrow engine", "s3fs engine", "s3fs filesystem passed"])
 def test_large_files_go_up_in_parallel_parts_and_verify(
         tmp_path, monkeypatch, s3_server, s3_bucket, how) -> None:
     want = _tree(tmp_path / "src", SIZES)
@@ -85,7 +88,7 @@ def test_large_files_go_up_in_parallel_parts_and_verify(
         assert (tmp_path / "back" / rel).read_bytes() == data, rel
 
 
-@pytest.mark.parametrize("how", ["s3fs engine", "s3fs filesystem passed"])
+@pytest.mark.parametrize("how", ["pyarrow engine", "s3fs engine", "s3fs filesystem passed"])
 def test_a_part_failing_aborts_every_upload_and_commits_nothing(
         tmp_path, monkeypatch, s3_server, s3_bucket, how) -> None:
     _tree(tmp_path / "src", SIZES)
