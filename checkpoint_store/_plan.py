@@ -22,8 +22,9 @@ docs/benchmarks.md):
   it at its offset (``pwrite``); a local copy does the same with ``pread``.
   Parts run in parallel; their CRC32Cs are combined (:func:`crc32c_combine`).
 * **uploads of large files** to S3 where an s3fs client is at hand (both
-  engines of the S3 backend, an s3fs filesystem passed in) are multipart uploads whose parts run in parallel
-  like a download's, each read with ``pread`` and checksummed as it is sent;
+  engines of the S3 backend, an s3fs filesystem passed in) are multipart
+  uploads whose parts run in parallel like a download's, each read with
+  ``pread`` and checksummed as it is sent;
   the upload completes once every part is in. Elsewhere each file streams
   through one output stream (pyarrow's S3 stream uploads its parts in the
   background; other fsspec streams upload a block per chunk). Files go in
