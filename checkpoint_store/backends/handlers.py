@@ -122,26 +122,39 @@ class LiteralFSSpecHandler(pafs.FSSpecHandler):
         return root + stripped if stripped else root or "/"
 
     def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
-        if selector.recursive:
-            return super().get_file_info_selector(selector)
         base = selector.base_dir
-        try:
-            entries = self.fs.ls(base, detail=True)
-        except FileNotFoundError:
-            entries = []
         stripped = base.strip("/")
+        if selector.recursive:
+            try:
+                found = self.fs.find(base, withdirs=True, detail=True)
+            except FileNotFoundError:
+                found = {}
+            entries = [dict(info, name=path) for path, info in found.items()]
+        else:
+            try:
+                entries = self.fs.ls(base, detail=True)
+            except FileNotFoundError:
+                entries = []
         infos = [
             self._create_file_info(e["name"], e)
             for e in entries
             if e["name"].strip("/") != stripped
         ]
-        if not infos and not self.fs.isdir(base):
-            if self.fs.exists(base):
-                raise NotADirectoryError(base)
-            if selector.allow_not_found:
-                return []
+        if infos:
+            return infos
+        # Empty, absent or a file: one question, answered from one state of
+        # the store. Asked as two (is it a directory? does it exist?, as
+        # pyarrow's handler does), a writer creating the directory's first
+        # entry between them made an absent directory look like a file.
+        try:
+            kind = self.fs.info(base).get("type")
+        except FileNotFoundError:
+            kind = None
+        if kind == "file":
+            raise NotADirectoryError(base)
+        if kind is None and not selector.allow_not_found:
             raise FileNotFoundError(base)
-        return infos
+        return []
 
     def delete_dir(self, path: str) -> None:
         if not has_magic(path):

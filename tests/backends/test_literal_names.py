@@ -152,3 +152,77 @@ def test_eviction_that_deletes_nothing_stays_pending(deaf_fs, tmp_path, caplog):
     assert "could not delete checkpoint_000000" in caplog.text
     # Still on storage, as the state says: retried at the next report, never counted as gone.
     assert _fsutil.exists(fs, f"{root}/e/t/checkpoint_000000/m.bin")
+
+
+# -- a listing racing the first write under its directory -----------------------------
+
+
+class _WriterLandsMidway(MemoryFileSystem):
+    """A store another process writes to: the first entry of a directory named
+    ``segments`` lands right after the ``after``-th question about it was
+    answered (a writer flushing its first result segment while a reader polls
+    for it)."""
+
+    after = 1
+    asked = 0
+
+    def _asked(self, path: str) -> None:
+        if path.rstrip("/").endswith("/segments"):
+            cls = type(self)
+            cls.asked += 1
+            if cls.asked == cls.after:
+                self.pipe_file(f"{path.rstrip('/')}/seg-000000.jsonl", b"{}\n")
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
+        try:
+            return super().ls(path, detail=detail, **kwargs)
+        finally:
+            self._asked(path)
+
+    def info(self, path: str, **kwargs: Any) -> Any:
+        try:
+            return super().info(path, **kwargs)
+        finally:
+            self._asked(path)
+
+    def isdir(self, path: str) -> bool:
+        try:
+            return super().isdir(path)
+        finally:
+            self._asked(path)
+
+    def exists(self, path: str, **kwargs: Any) -> bool:
+        try:
+            return super().exists(path, **kwargs)
+        finally:
+            self._asked(path)
+
+
+@pytest.mark.parametrize("after", [1, 2, 3])
+def test_a_listing_racing_the_first_write_is_an_empty_directory_not_a_file(after: int) -> None:
+    """Found in a full run: s3fs listed an absent ``.cs_results`` while the
+    session's timer flushed its first segment; the directory was absent, then
+    present, which the listing read as a file (NotADirectoryError, a
+    PermanentBackendError for the reader)."""
+    _WriterLandsMidway.after, _WriterLandsMidway.asked = after, 0
+    fs = pafs.PyFileSystem(LiteralFSSpecHandler(_WriterLandsMidway()))
+    seg = f"/race-{uuid.uuid4().hex[:8]}/segments"
+    assert [fi.base_name for fi in _fsutil.list_dir(fs, seg)] in ([], ["seg-000000.jsonl"])
+    if _WriterLandsMidway.asked < after:  # this listing asked fewer questions
+        _WriterLandsMidway().pipe_file(f"{seg}/seg-000000.jsonl", b"{}\n")
+    _WriterLandsMidway.after = 0
+    assert [fi.base_name for fi in _fsutil.list_dir(fs, seg)] == ["seg-000000.jsonl"]
+
+
+def test_a_listing_of_a_file_or_of_nothing_still_says_which() -> None:
+    fs = pafs.PyFileSystem(LiteralFSSpecHandler(MemoryFileSystem()))
+    root = f"/which-{uuid.uuid4().hex[:8]}"
+    with fs.open_output_stream(f"{root}/f.bin") as out:
+        out.write(b"x")
+    with pytest.raises(NotADirectoryError):
+        fs.get_file_info(pafs.FileSelector(f"{root}/f.bin"))
+    with pytest.raises(FileNotFoundError):
+        fs.get_file_info(pafs.FileSelector(f"{root}/absent"))
+    assert fs.get_file_info(pafs.FileSelector(f"{root}/absent", allow_not_found=True)) == []
+    fs.create_dir(f"{root}/empty")
+    assert fs.get_file_info(pafs.FileSelector(f"{root}/empty")) == []
