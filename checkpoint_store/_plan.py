@@ -441,7 +441,16 @@ def _run_on_pool(r: _Runner, work: _Work) -> tuple[dict[str, FileResult], _PartC
         futs: list[Future[Any]] = (
             copy_futs + stream_futs + [f for *_, f in part_futs] + batch_futs
         )
-        _, pending = wait(futs, return_when=FIRST_EXCEPTION)
+        try:
+            _, pending = wait(futs, return_when=FIRST_EXCEPTION)
+        except BaseException:
+            # Ctrl-C (or another signal's exception) while waiting: start no
+            # other task; leaving the pool waits for the running ones, so the
+            # caller's clean-up (aborting multipart uploads, closing the
+            # roots' descriptors) runs after the last of them.
+            for f in futs:
+                f.cancel()
+            raise
         for f in pending:
             f.cancel()
         for f in futs:

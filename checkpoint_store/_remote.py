@@ -161,13 +161,21 @@ class S3Multipart:
         self.upload_id = None
 
     def abort(self) -> None:
-        """Drop the parts of an upload not completed (best effort)."""
+        """Drop the parts of an upload not completed.
+
+        Raises:
+            OSError: the store refused or could not be reached; the upload
+                (``upload_id``) stays open. S3 keeps its parts, billed and
+                not listed as objects, until an AbortMultipartUpload or a
+                bucket lifecycle rule for incomplete uploads removes them.
+        """
         if self.upload_id is not None:
-            try:
-                self._s3("abort_multipart_upload", UploadId=self.upload_id)
-            except Exception:  # the store will expire it; the commit never saw it
-                pass
+            self._s3("abort_multipart_upload", UploadId=self.upload_id)
             self.upload_id = None
+
+    def describe(self) -> str:
+        """``s3://bucket/key (upload id ...)``, for a message (no credential)."""
+        return f"s3://{self._bucket}/{self._key} (upload id {self.upload_id})"
 
 
 def can_stream_ranges(fss: Any | None) -> bool:

@@ -17,6 +17,7 @@ client's, the part an output stream uploads in the background).
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import threading
@@ -43,6 +44,8 @@ from checkpoint_store._remote import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from checkpoint_store._plan import Plan
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["PARTS_IN_FLIGHT", "FileResult", "_PART_UPLOAD_COPIES", "_REMOTE_COPIES", "_Runner"]
 
@@ -288,13 +291,22 @@ class _Runner(_LocalDisk):
         """Complete every multipart upload (all its parts are done)."""
         for rel, upload in self.uploads.items():
             parts = -(-sizes[rel] // self.p.chunk_size)
-            self.call(lambda upload=upload, parts=parts: upload.complete(parts),
-                      f"complete the upload of {rel}")
+            self.call(partial(upload.complete, parts), f"complete the upload of {rel}")
 
     def abort_uploads(self) -> None:
-        """Drop the parts of every upload not completed (after a failure)."""
-        for upload in self.uploads.values():
-            upload.abort()
+        """Drop the parts of every upload not completed (after a failure),
+        each abort retried as any request; one that still fails is logged
+        with its upload id (S3 keeps such parts until aborted or expired by a
+        lifecycle rule), never raised over the failure that led here."""
+        for rel, upload in self.uploads.items():
+            try:
+                self.call(upload.abort, f"abort the upload of {rel}")
+            except Exception as exc:
+                logger.warning(
+                    "could not abort the multipart upload %s: %s. Its parts stay stored "
+                    "(not as an object) until `aws s3api abort-multipart-upload` or a "
+                    "bucket lifecycle rule for incomplete multipart uploads removes them",
+                    upload.describe(), exc)
 
     def _stream_range(self, rel: str, offset: int, length: int) -> int:
         """Download bytes ``[offset, offset+length)`` with one streamed ranged

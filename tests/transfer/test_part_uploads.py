@@ -135,3 +135,113 @@ def test_a_source_changing_during_a_part_upload_fails_it(
         st.persist_checkpoint(Checkpoint.from_directory(str(src)), 0, {})
     assert st.committed_checkpoints() == []
     assert _open_uploads(s3_server, s3_bucket) == []
+
+
+def _fail_after(monkeypatch, parts_in: int) -> None:
+    """Parts after the first ``parts_in`` fail with a permanent error."""
+    real = _tasks._Runner._upload_part
+    calls = [0]
+    lock = threading.Lock()
+
+    def flaky(self, rel, offset, length):
+        with lock:
+            calls[0] += 1
+            n = calls[0]
+        if n > parts_in:
+            raise PermissionError(errno.EACCES, "injected failure half-way")
+        return real(self, rel, offset, length)
+
+    monkeypatch.setattr(_tasks._Runner, "_upload_part", flaky)
+
+
+def test_an_abort_the_store_refuses_once_is_retried(
+        tmp_path, monkeypatch, s3_server, s3_bucket) -> None:
+    # The outage that failed the upload often fails its abort too; S3 keeps
+    # the parts of an upload never aborted (billed, not listed as objects).
+    _tree(tmp_path / "src", SIZES)
+    _fail_after(monkeypatch, 3)
+    real_abort = S3Multipart.abort
+    refused = []
+
+    def abort_once_refused(upload: S3Multipart) -> None:
+        if not refused:
+            refused.append(upload.upload_id)
+            raise ConnectionResetError(errno.ECONNRESET, "injected: connection reset")
+        real_abort(upload)
+
+    monkeypatch.setattr(S3Multipart, "abort", abort_once_refused)
+    st = _storage("s3fs engine", s3_server, s3_bucket)
+    with pytest.raises(OSError, match="injected failure"):
+        st.persist_checkpoint(Checkpoint.from_directory(str(tmp_path / "src")), 0, {})
+    assert refused
+    assert _open_uploads(s3_server, s3_bucket) == []
+
+
+def test_an_abort_that_keeps_failing_names_the_upload_and_raises_the_first_error(
+        tmp_path, monkeypatch, s3_server, s3_bucket, caplog) -> None:
+    _tree(tmp_path / "src", SIZES)
+    _fail_after(monkeypatch, 3)
+
+    def abort_refused(upload: S3Multipart) -> None:
+        raise PermissionError(errno.EACCES, "injected: abort denied")
+
+    monkeypatch.setattr(S3Multipart, "abort", abort_refused)
+    st = _storage("s3fs engine", s3_server, s3_bucket)
+    with caplog.at_level("WARNING", logger="checkpoint_store._tasks"), \
+            pytest.raises(OSError, match="injected failure"):
+        st.persist_checkpoint(Checkpoint.from_directory(str(tmp_path / "src")), 0, {})
+    left = _open_uploads(s3_server, s3_bucket)
+    assert left  # the store kept them: the log is all that names them
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    for key in left:
+        assert key in warned
+    assert "upload id" in warned and "lifecycle rule" in warned
+    assert s3_server.secret_access_key not in warned
+    assert st.committed_checkpoints() == []
+
+
+def test_ctrl_c_while_parts_upload_starts_no_other_part_and_aborts(
+        tmp_path, monkeypatch, s3_server, s3_bucket) -> None:
+    from checkpoint_store import _plan
+
+    _tree(tmp_path / "src", SIZES)
+    sent = []
+    real = _tasks._Runner._upload_part
+
+    def count(self, rel, offset, length):
+        sent.append((rel, offset))
+        return real(self, rel, offset, length)
+
+    def interrupted_wait(futs, return_when):
+        while not any(f.done() for f in futs):  # a part or two is in
+            threading.Event().wait(0.01)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_tasks._Runner, "_upload_part", count)
+    monkeypatch.setattr(_plan, "wait", interrupted_wait)
+    st = StorageContext(f"s3://{s3_bucket}/ckpt", "exp", "t", memory_budget=BUDGET,
+                        max_concurrency=2, storage_options=s3_server.storage_options("s3fs"))
+    with pytest.raises(KeyboardInterrupt):
+        st.persist_checkpoint(Checkpoint.from_directory(str(tmp_path / "src")), 0, {})
+    total = sum(-(-size // (5 * MiB)) for size in SIZES.values() if size > 5 * MiB)
+    assert len(sent) < total  # the queued parts were never sent
+    assert _open_uploads(s3_server, s3_bucket) == []
+    assert st.committed_checkpoints() == []
+
+
+def test_default_metadata_reaches_large_files_too(tmp_path, s3_server, s3_bucket) -> None:
+    # pyarrow's default_metadata (an ACL a cross-account bucket needs, a
+    # content type) is pyarrow's alone: objects written by the s3fs client
+    # (a large file's parallel parts) would lack it.
+    _tree(tmp_path / "src", SIZES)
+    opts = {**s3_server.storage_options("pyarrow"),
+            "default_metadata": {"Content-Type": "application/x-checkpoint"}}
+    st = StorageContext(f"s3://{s3_bucket}/ckpt", "exp", "t", memory_budget=BUDGET,
+                        storage_options=opts)
+    ckpt = st.persist_checkpoint(Checkpoint.from_directory(str(tmp_path / "src")), 0, {})
+    raw = _raw_s3fs(s3_server)
+    for rel in SIZES:
+        key = f"ckpt/exp/t/checkpoint_000000/{rel}"
+        head = raw.call_s3("head_object", Bucket=s3_bucket, Key=key)
+        assert head["ContentType"] == "application/x-checkpoint", rel
+    ckpt.to_directory(str(tmp_path / "back"))

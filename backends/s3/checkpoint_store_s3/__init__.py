@@ -101,6 +101,10 @@ _PYARROW_ONLY_ACCESS = frozenset({
     "role_arn", "session_name", "external_id", "load_frequency", "proxy_options",
     "tls_ca_file_path", "scheme", "force_virtual_addressing",
 })
+#: pyarrow-only options that shape what is written (an ACL or content type on
+#: every object): every byte then goes through pyarrow, since objects the
+#: s3fs client wrote (a large file's parallel parts) would lack them.
+_PYARROW_ONLY_WRITES = frozenset({"default_metadata"})
 _ENGINES = ("pyarrow", "s3fs")
 
 
@@ -225,9 +229,10 @@ def _build_pyarrow(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.Fi
             f"pyarrow's S3 support cannot be used ({exc}); use the s3fs engine: "
             "storage_options={'engine': 's3fs'}"
         ) from None
-    if _PYARROW_ONLY_ACCESS & set(extra):
-        # s3fs could not reach the store the same way: pyarrow deletes too (and
-        # leaves its directory markers).
+    if (_PYARROW_ONLY_ACCESS | _PYARROW_ONLY_WRITES) & set(extra):
+        # s3fs could not reach the store the same way, or would write objects
+        # without the metadata asked for: pyarrow deletes and writes everything
+        # (and leaves its directory markers).
         return native
     try:
         # The same patience as the reads and writes (see REQUEST_TIMEOUT_S).
