@@ -105,9 +105,16 @@ def _split_foreign(loc: Location, committed: list[tuple[Location, dict[str, Any]
     (docs/retention.md, "What may retention delete?")."""
     try:
         run_id = recorded_run_id(loc)
-    except UnreadableStateError:  # the caller was told how to rank: trial names decide
+    except UnreadableStateError:  # the caller was told how to rank
         run_id = None
-    ours, foreign = [], []
+    if run_id is None:
+        # No usable state: the run is the newest checkpoint's of this trial,
+        # as a manager rebuilding the state decides (retention.restore.run_id_of).
+        mine_ids = [m["run_id"] for _, m in committed
+                    if m.get("trial_name") in (None, loc.name) and isinstance(m.get("run_id"), str)]
+        run_id = mine_ids[-1] if mine_ids else None
+    ours: list[tuple[Location, dict[str, Any]]] = []
+    foreign: list[tuple[Location, dict[str, Any]]] = []
     for ckpt, meta in committed:
         owner = meta.get("run_id")
         if run_id is not None and owner is not None:

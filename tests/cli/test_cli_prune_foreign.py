@@ -69,3 +69,23 @@ def _src(tmp_path):
     src.mkdir(exist_ok=True)
     (src / "w.bin").write_bytes(b"w" * 64)
     return src
+
+
+def test_without_a_state_another_run_of_the_same_trial_is_foreign(near_store, tmp_path):
+    # As a manager rebuilding a lost state decides: the run is the newest
+    # checkpoint's of this trial; another run_id, even under the same trial
+    # name (a copy of an earlier run), is neither ranked nor deleted.
+    ctx = near_store.ctx()
+    for index, loss, run in ((0, 0.05, "old-run"), (1, 0.06, "old-run"),
+                             (5, 0.5, "this-run"), (6, 0.4, "this-run"), (7, 0.6, "this-run")):
+        ctx.persist_checkpoint(Checkpoint(str(_src(tmp_path))), index,
+                               {"metrics": {"loss": loss}, "run_id": run, "trial_name": "t1"})
+    res = invoke(["prune", near_store.join("exp", "t1"), "--keep", "1", "--metric", "loss",
+                  "--mode", "min", "--no-keep-latest", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert [os.path.basename(u) for u in out["foreign"]] == [
+        "checkpoint_000000", "checkpoint_000001"]
+    # Ranked among this run's alone: the old run's lower losses did not evict them all.
+    assert sorted(committed_names(ctx)) == [
+        "checkpoint_000000", "checkpoint_000001", "checkpoint_000006"]
