@@ -44,16 +44,23 @@ def recorded_run_id(trial: Location) -> str | None:
     Raises:
         UnreadableStateError: the state is there but unreadable.
     """
-    if _recorded_json(trial) is None:
+    root = _recorded_root(trial)
+    if root is None:
         return None
-    root = _json.loads(_fsutil.read_bytes(trial.fs, posixpath.join(trial.path, MANAGER_STATE)))
     run_id = root.get("run_id")
     return run_id if isinstance(run_id, str) else None
 
 
 def _recorded_json(trial: Location) -> dict[str, Any] | None:
     """The ``config`` object of the trial's retention state, or None when the
-    trial has no state (``.checkpoint_manager.json`` absent).
+    trial has no state; raises as :func:`_recorded_root`."""
+    root = _recorded_root(trial)
+    return None if root is None else root["config"]
+
+
+def _recorded_root(trial: Location) -> dict[str, Any] | None:
+    """The trial's retention state root, read once, holding a ``config``
+    object; None when the trial has no state (``.checkpoint_manager.json`` absent).
 
     Raises:
         UnreadableStateError: the file is there but is not JSON, not an object,
@@ -71,13 +78,14 @@ def _recorded_json(trial: Location) -> dict[str, Any] | None:
             return None
         raise
     try:
-        config = _json.loads(raw)["config"]
+        root = _json.loads(raw)
+        config = root["config"]
     except (ValueError, UnicodeDecodeError, KeyError, TypeError) as exc:
         config, why = None, f"{type(exc).__name__}: {exc}"
     else:
         why = f"'config' is a {type(config).__name__}, not an object"
     if isinstance(config, dict):
-        return config
+        return root  # type: ignore[no-any-return]
     raise UnreadableStateError(
         f"the retention state {trial.child(MANAGER_STATE).uri} is unreadable ({why}), so "
         "the metric, order and policy this trial ranks by are unknown; pass them "
