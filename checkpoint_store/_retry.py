@@ -4,7 +4,10 @@ Every storage call made by the commit, listing, delete and download paths
 goes through :func:`call` (or :func:`call_fs`, which also rebuilds a
 filesystem whose credentials expired). Errors fall into three kinds:
 
-* transient (connection reset, timeouts, HTTP 5xx, throttling, and
+* transient (connection reset, timeouts, HTTP 5xx, throttling, an
+  in-process store's table changing under a listing that copies it
+  (``RuntimeError: dictionary changed size during iteration`` from fsspec's
+  memory filesystem while another thread writes), and
   :class:`~checkpoint_store.errors.TransientBackendError`): retried up to
   ``RetryPolicy.attempts`` times in all, sleeping ``base_delay * 2**k``
   (capped at ``max_delay``) with "equal jitter" between tries; when they run
@@ -141,6 +144,10 @@ _EXPIRED_RE = re.compile(
     re.IGNORECASE,
 )
 _TRANSIENT_TYPE_NAMES = re.compile(r"(Timeout|Connection|Throttl|ServerDisconnected)")
+#: A store held in the process (fsspec's memory filesystem) lists by copying
+#: its dict; a writer in another thread can change it mid-copy. Asked again,
+#: the listing succeeds.
+_CHANGED_DURING_ITERATION = re.compile(r"changed size during iteration")
 
 
 def classify(exc: BaseException) -> RetryKind:
@@ -157,6 +164,8 @@ def classify(exc: BaseException) -> RetryKind:
     if isinstance(exc, (PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)):
         return "permanent"
     if isinstance(exc, (ConnectionError, TimeoutError)):
+        return "transient"
+    if isinstance(exc, RuntimeError) and _CHANGED_DURING_ITERATION.search(str(exc)):
         return "transient"
     if _TRANSIENT_TYPE_NAMES.search(type(exc).__name__) or _TRANSIENT_RE.search(str(exc)):
         return "transient"

@@ -37,6 +37,8 @@ FAST = RetryPolicy(attempts=4, base_delay=0.0, max_delay=0.0)
     (IsADirectoryError("a directory"), "permanent"),
     (ValueError("bad"), "permanent"),
     (KeyboardInterrupt(), "permanent"),
+    (RuntimeError("dictionary changed size during iteration"), "transient"),
+    (RuntimeError("cannot schedule new futures after shutdown"), "permanent"),
 ])
 def test_classify(exc, kind):
     assert kind in get_args(RetryKind)
@@ -138,3 +140,35 @@ def test_policy_validation_and_environment(monkeypatch):
     monkeypatch.setenv("CHECKPOINT_STORE_RETRY_ATTEMPTS", "many")
     with pytest.raises(InvalidConfigError, match="CHECKPOINT_STORE_RETRY_ATTEMPTS"):
         RetryPolicy.from_env()
+
+
+
+@pytest.mark.parametrize("listing", ["list_tree", "list_dir"])
+def test_a_memory_listing_racing_a_writer_is_asked_again(monkeypatch, listing):
+    """fsspec's memory filesystem lists by copying its dict; a writer in
+    another thread that lands mid-copy makes the copy raise. Seen in a full
+    run: two threads committing one checkpoint on ``memory://``, the loser's
+    claim listing died with that RuntimeError instead of a conflict."""
+    import uuid
+
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from checkpoint_store import _fsutil
+    from checkpoint_store.registry import resolve
+
+    backend, root = resolve(f"memory://race-{uuid.uuid4().hex[:8]}/t")
+    _fsutil.write_bytes(backend.filesystem, f"{root}/a/f.bin", b"x", backend.capabilities)
+    left = [2]
+    for name in ("find", "ls"):
+        real = getattr(MemoryFileSystem, name)
+
+        def raced(fs, path, *args, _real=real, **kwargs):
+            if left[0]:
+                left[0] -= 1
+                raise RuntimeError("dictionary changed size during iteration")
+            return _real(fs, path, *args, **kwargs)
+
+        monkeypatch.setattr(MemoryFileSystem, name, raced)
+    got = getattr(_fsutil, listing)(backend.filesystem, root, retry=FAST)
+    assert left[0] == 0
+    assert [fi.base_name for fi in got if fi.type == pafs.FileType.Directory] == ["a"]
