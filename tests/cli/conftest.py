@@ -17,6 +17,11 @@ from cli_helpers import Store
 @pytest.fixture(params=["local", "memory", "s3", "azure"])
 def store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
     """A fresh storage root on each backend the CLI must serve."""
+    return _store_of(request, tmp_path)
+
+
+def _store_of(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
+    """A fresh storage root on the backend ``request.param`` names."""
     kind = request.param
     if kind == "local":
         return Store(str(tmp_path / "store"))
@@ -44,10 +49,4 @@ def near_store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
 @pytest.fixture(params=["local", "memory", "s3", "s3fs", "azure", "gcs"])
 def every_store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
     """Every backend, S3 with both engines and GCS included."""
-    kind = request.param
-    if kind == "local":
-        return Store(str(tmp_path / "store"))
-    if kind == "memory":
-        return Store(f"memory://cli-{uuid.uuid4().hex[:10]}/store")
-    loc = request.getfixturevalue(f"{kind}_location")
-    return Store(loc.uri, dict(loc.storage_options))
+    return _store_of(request, tmp_path)

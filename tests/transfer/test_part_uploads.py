@@ -88,10 +88,8 @@ def test_large_files_go_up_in_parallel_parts_and_verify(
         assert (tmp_path / "back" / rel).read_bytes() == data, rel
 
 
-@pytest.mark.parametrize("how", ["pyarrow engine", "s3fs engine", "s3fs filesystem passed"])
-def test_a_part_failing_aborts_every_upload_and_commits_nothing(
-        tmp_path, monkeypatch, s3_server, s3_bucket, how) -> None:
-    _tree(tmp_path / "src", SIZES)
+def _fail_after(monkeypatch, parts_in: int) -> None:
+    """Parts after the first ``parts_in`` fail with a permanent error."""
     real = _tasks._Runner._upload_part
     calls = [0]
     lock = threading.Lock()
@@ -100,11 +98,18 @@ def test_a_part_failing_aborts_every_upload_and_commits_nothing(
         with lock:
             calls[0] += 1
             n = calls[0]
-        if n > 3:  # some parts of both files are in, then a permanent error
+        if n > parts_in:
             raise PermissionError(errno.EACCES, "injected failure half-way")
         return real(self, rel, offset, length)
 
     monkeypatch.setattr(_tasks._Runner, "_upload_part", flaky)
+
+
+@pytest.mark.parametrize("how", ["pyarrow engine", "s3fs engine", "s3fs filesystem passed"])
+def test_a_part_failing_aborts_every_upload_and_commits_nothing(
+        tmp_path, monkeypatch, s3_server, s3_bucket, how) -> None:
+    _tree(tmp_path / "src", SIZES)
+    _fail_after(monkeypatch, 3)  # some parts of both files are in, then a permanent error
     st = _storage(how, s3_server, s3_bucket)
     with pytest.raises(OSError, match="injected"):
         st.persist_checkpoint(Checkpoint.from_directory(str(tmp_path / "src")), 0, {})
@@ -135,23 +140,6 @@ def test_a_source_changing_during_a_part_upload_fails_it(
         st.persist_checkpoint(Checkpoint.from_directory(str(src)), 0, {})
     assert st.committed_checkpoints() == []
     assert _open_uploads(s3_server, s3_bucket) == []
-
-
-def _fail_after(monkeypatch, parts_in: int) -> None:
-    """Parts after the first ``parts_in`` fail with a permanent error."""
-    real = _tasks._Runner._upload_part
-    calls = [0]
-    lock = threading.Lock()
-
-    def flaky(self, rel, offset, length):
-        with lock:
-            calls[0] += 1
-            n = calls[0]
-        if n > parts_in:
-            raise PermissionError(errno.EACCES, "injected failure half-way")
-        return real(self, rel, offset, length)
-
-    monkeypatch.setattr(_tasks._Runner, "_upload_part", flaky)
 
 
 def test_an_abort_the_store_refuses_once_is_retried(
