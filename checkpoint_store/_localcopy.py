@@ -483,15 +483,25 @@ class _LocalDisk:
 
     def reflinks(self, rel: str) -> bool:
         """Whether the filesystem clones ``rel`` into its destination (tried on
-        that file; the answer is kept per pair of devices)."""
+        that file; the answer is kept per pair of devices).
+
+        Where the clone is refused, the empty file the attempt made is removed
+        again, so the copy that follows creates it. Reopening an existing file
+        with ``O_TRUNC`` would make ext4 (``auto_da_alloc``, on by default)
+        start writing it back when it is closed, and wait: 1 GiB copied with
+        ``copy_file_range`` took 0.27 s, and its ``close`` 0.29 s more.
+        """
         src = os.open(self._src_os(rel), os.O_RDONLY | _O_BINARY)
         try:
             dst = os.open(self._dst_os(rel), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY,
                           0o644)
             try:
-                return _reflink(src, dst)
+                cloned = _reflink(src, dst)
             finally:
                 os.close(dst)
+            if not cloned:
+                os.unlink(self._dst_os(rel))
+            return cloned
         finally:
             os.close(src)
 

@@ -88,8 +88,13 @@ Route = Literal["local", "download", "upload", "stream"]
 #: written at their offsets (``pwrite``), so the file is made first.
 _TO_DISK: tuple[Route, ...] = ("local", "download")
 
-#: A local copy splits files larger than this into parallel parts.
-LOCAL_PART = 64 * 1024 * 1024
+#: A large file copied on the local disk is checksummed in parts of this
+#: many bytes, one task each, beside its kernel copy: in effect one part per
+#: file. One thread reads the page cache and checksums at about 12 GB/s, three
+#: times the kernel copy's 4 GB/s, so more checksum threads only take CPU and
+#: memory bandwidth from the copy (1 GiB on ext4, 2 cores, 7 alternating runs:
+#: 285 ms with one checksum task, 308 ms with 64 MiB parts, ``cp`` 276 ms).
+LOCAL_PART = 1 << 40
 #: A streamed download part (one ranged GET read piece by piece) is read this
 #: many bytes at a time (less where the memory limit needs it).
 STREAM_PIECE = 8 * 1024 * 1024
@@ -374,11 +379,10 @@ def _work_items(p: Plan, r: _Runner) -> _Work:
 
     A large file copied on the local disk is one kernel copy of the whole
     file (one writer, as ``cp``: parallel writers of one file queue on its
-    inode lock) and a CRC32C task per part read from the page cache on the
-    other threads, all checked against the source's stamp taken here. The
-    copy is then the critical path: the checksums end with it (1 GiB, timed
-    per task: copy 1.4-2.0 s, checksum tasks 0.8-2.4 s summed, all done
-    when the copy is).
+    inode lock) and a CRC32C task per part (:data:`LOCAL_PART`) read from
+    the page cache on another thread, all checked against the source's stamp
+    taken here. The copy is then the critical path: the checksum ends before
+    it (1 GiB on 2 idle cores, timed per task: copy 0.28 s, checksum 0.09 s).
     """
     batches = list(p.batches)
     large = sorted(p.large, key=lambda f: -f[1])

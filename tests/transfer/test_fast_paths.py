@@ -546,6 +546,31 @@ def test_a_large_local_file_is_copied_whole_and_checksummed_in_parts(
         assert f.read() == want["big.bin"]
 
 
+@pytest.mark.parametrize("where", ["tmp", "shm"])
+def test_a_refused_clone_leaves_the_copy_a_new_file(tmp_path, shm_dir, monkeypatch,
+                                                    where) -> None:
+    # The clone is tried on the largest file first. Where it is refused
+    # (ext4, tmpfs), the copy must still create that file itself: reopening
+    # the probe's empty file with O_TRUNC makes ext4 write the whole file
+    # back when it is closed (auto_da_alloc), doubling a 1 GiB copy's time.
+    base = str(tmp_path) if where == "tmp" else shm_dir
+    src, dst = os.path.join(base, "src"), os.path.join(base, "dst")
+    want = _tree(src, {"big.bin": 40 * 1024 * 1024 + 1, "small": 10})
+    existed: list[bool] = []
+    real = _tasks._Runner.copy_local_file
+
+    def spy(self, rel, stamp):
+        existed.append(os.path.exists(self._dst_os(rel)))
+        return real(self, rel, stamp)
+
+    monkeypatch.setattr(_tasks._Runner, "copy_local_file", spy)
+    entries = copy_tree(LOCAL, src, LOCAL, dst, LOCAL_CAPABILITIES, fsync=False)
+    _assert_copied(entries, src, dst, want)
+    if (os.stat(src).st_dev, os.stat(src).st_dev) not in _localcopy._NO_REFLINK:
+        pytest.skip("this filesystem clones: the probe is the copy")
+    assert existed == [False]
+
+
 def test_a_large_local_copy_failing_half_way_commits_nothing(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(_plan, "LOCAL_PART", 1024 * 1024)
     src = str(tmp_path / "src")
