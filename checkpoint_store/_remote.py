@@ -12,12 +12,14 @@ one store (:func:`server_copy`) sends no byte through this process.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 import pyarrow.fs as pafs
 
 __all__ = ["S3Multipart", "_fsspec_of", "_is_async", "_native_of", "part_upload_client",
-           "server_copy"]
+           "server_copy", "writer_of"]
 
 
 def _native_of(fs: pafs.FileSystem) -> pafs.FileSystem:
@@ -29,6 +31,55 @@ def _native_of(fs: pafs.FileSystem) -> pafs.FileSystem:
         if isinstance(native, pafs.FileSystem):
             return native
     return fs
+
+
+#: ``id(user's S3FileSystem) -> (weak reference to it, its twin)``, see :func:`writer_of`.
+_TWINS: dict[int, tuple[weakref.ref[Any], pafs.FileSystem]] = {}
+_TWINS_LOCK = threading.Lock()
+
+
+def writer_of(fs: pafs.FileSystem) -> pafs.FileSystem:
+    """The filesystem a transfer writes files through: ``fs`` itself, except
+    for a pyarrow ``S3FileSystem`` made without ``allow_delayed_open``.
+
+    Such a filesystem starts a multipart upload when an output stream opens,
+    so every small file costs three requests (CreateMultipartUpload,
+    UploadPart, CompleteMultipartUpload) instead of one PutObject; a Ray
+    user's ``storage_filesystem`` usually is one. The transfer then writes
+    through a twin made from the same options (credentials, endpoint,
+    timeouts, metadata ...: pyarrow's own pickling state) with only
+    ``allow_delayed_open=True``, kept as long as ``fs`` lives. A write still
+    fails as it would, only at its first part or its close rather than at
+    its open. 2000 x 64 KiB to moto, 3 alternating runs: 21.5 s -> 7.8 s.
+    """
+    if type(fs) is not pafs.S3FileSystem:
+        return fs
+    key = id(fs)
+    with _TWINS_LOCK:
+        held = _TWINS.get(key)
+        if held is not None and held[0]() is fs:
+            return held[1]
+    try:
+        options = dict(fs.__reduce__()[1][0])
+    except (AttributeError, IndexError, KeyError, TypeError):  # another pyarrow's state
+        return fs
+    if options.get("allow_delayed_open", True):
+        return fs
+    options["allow_delayed_open"] = True
+    try:
+        twin = pafs.S3FileSystem(**options)
+    except (TypeError, ValueError):
+        return fs
+    with _TWINS_LOCK:
+        _TWINS[key] = (weakref.ref(fs, lambda _ref: _forget_twin(key, _ref)), twin)
+    return twin
+
+
+def _forget_twin(key: int, ref: weakref.ref[Any]) -> None:
+    with _TWINS_LOCK:
+        held = _TWINS.get(key)
+        if held is not None and held[0] is ref:
+            del _TWINS[key]
 
 
 def _fsspec_of(fs: pafs.FileSystem) -> Any | None:

@@ -40,6 +40,7 @@ from checkpoint_store._remote import (
     _native_of,
     open_range,
     part_upload_client,
+    writer_of,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -119,7 +120,7 @@ class _Runner(_LocalDisk):
         self.uploads: dict[str, S3Multipart] = {}
         # Bytes go through the C++ filesystem where a Python handler wraps one.
         self.src_fs = _native_of(src_fs)
-        self.dst_fs = _native_of(dst_fs)
+        self.dst_fs = writer_of(_native_of(dst_fs))
         self.fsync = fsync
         self.call = call
         self.read_chunk = read_chunk

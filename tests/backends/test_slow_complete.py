@@ -9,6 +9,10 @@ NoSuchUpload, and the checkpoint upload failed (the s3-link benchmark row).
 Here a proxy in front of the real moto server holds every
 CompleteMultipartUpload answer longer than the engines' default patience
 (pyarrow's AWS SDK: 3 s without a byte; s3fs: 15 s) and counts the requests.
+
+The same proxy, holding nothing, counts the requests a small file costs
+when the user passes a pyarrow ``S3FileSystem`` made without
+``allow_delayed_open``: one PutObject, not a multipart upload of three.
 """
 
 from __future__ import annotations
@@ -30,12 +34,13 @@ class _SlowCompleteProxy:
     first CompleteMultipartUpload (``POST ...?uploadId=``) of each upload
     ``hold_s`` seconds (a request sent again is answered at once: the test
     then fails on the count, not after a long wait) and records the request
-    lines in ``completes``."""
+    lines in ``completes`` (every request line in ``requests``)."""
 
     def __init__(self, target_port: int, hold_s: float):
         self.target_port = target_port
         self.hold_s = hold_s
         self.completes: list[bytes] = []
+        self.requests: list[bytes] = []
         self._server = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -59,6 +64,8 @@ class _SlowCompleteProxy:
         # pipelining), so each request line starts a chunk.
         for data in _chunks(client):
             line = data.split(b"\r\n", 1)[0]
+            if line.split(b" ", 1)[0] in (b"GET", b"PUT", b"POST", b"HEAD", b"DELETE"):
+                self.requests.append(line)
             if line.startswith(b"POST ") and b"uploadId=" in line:
                 if line not in self.completes:
                     waiting.set()
@@ -138,3 +145,33 @@ def test_slow_complete_is_sent_once_and_the_checkpoint_verifies(
     keys = s3_server.list_keys(s3_bucket)
     assert keys["slow/exp/t/checkpoint_000000/model.bin"] == 24 * MiB
     assert (dst / "model.bin").read_bytes() == (big_checkpoint / "model.bin").read_bytes()
+
+
+def test_small_files_are_one_put_each_through_a_pyarrow_filesystem_passed_in(
+        s3_server, s3_bucket, tmp_path):
+    import pyarrow.fs as pafs
+
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    for i in range(12):
+        (src / f"shard_{i:02d}.bin").write_bytes(os.urandom(1000 + i))
+    proxy = _SlowCompleteProxy(s3_server.port, 0.0)
+    try:
+        # As a Ray user builds it: allow_delayed_open is False by default.
+        user_fs = pafs.S3FileSystem(
+            endpoint_override=proxy.url.split("://", 1)[1], scheme="http",
+            access_key=s3_server.access_key_id, secret_key=s3_server.secret_access_key,
+            region="us-east-1")
+        st = StorageContext(f"{s3_bucket}/passed", "exp", "t", storage_filesystem=user_fs)
+        ckpt = st.persist_checkpoint(Checkpoint.from_directory(str(src)), 0, {"metrics": {}})
+        shard_requests = [line for line in proxy.requests if b"/shard_" in line]
+        assert sorted(line.split(b" ")[0] for line in shard_requests) == [b"PUT"] * 12, (
+            shard_requests)
+        # The user's filesystem is the checkpoint's, as given.
+        assert ckpt.filesystem is user_fs or ckpt.filesystem.equals(user_fs)
+        ckpt.to_directory(str(tmp_path / "back"))  # verifies every checksum
+    finally:
+        proxy.close()
+    for i in range(12):
+        got = (tmp_path / "back" / f"shard_{i:02d}.bin").read_bytes()
+        assert got == (src / f"shard_{i:02d}.bin").read_bytes()

@@ -1,0 +1,40 @@
+"""The filesystem a transfer writes through (``_remote.writer_of``): a pyarrow
+S3FileSystem made without ``allow_delayed_open`` gets a twin with it, the same
+in every other option; every other filesystem is used as given."""
+
+from __future__ import annotations
+
+import gc
+
+import pyarrow.fs as pafs
+
+from checkpoint_store import _remote
+
+
+def _options(fs: pafs.S3FileSystem) -> dict:
+    return dict(fs.__reduce__()[1][0])
+
+
+def _s3(**kw) -> pafs.S3FileSystem:
+    return pafs.S3FileSystem(endpoint_override="127.0.0.1:9", scheme="http", access_key="k",
+                             secret_key="s", region="us-east-1", **kw)
+
+
+def test_other_filesystems_are_used_as_given() -> None:
+    local = pafs.LocalFileSystem()
+    assert _remote.writer_of(local) is local
+    delayed = _s3(allow_delayed_open=True)
+    assert _remote.writer_of(delayed) is delayed
+
+
+def test_a_twin_differs_only_in_delayed_open_and_is_kept_while_the_original_lives() -> None:
+    user = _s3(request_timeout=7.0, default_metadata={"owner": "me"})
+    twin = _remote.writer_of(user)
+    assert twin is not user and _remote.writer_of(user) is twin
+    want = {**_options(user), "allow_delayed_open": True}
+    assert _options(twin) == want
+    key = id(user)
+    assert key in _remote._TWINS
+    del user, twin
+    gc.collect()
+    assert key not in _remote._TWINS
