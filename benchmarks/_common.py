@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,7 +128,7 @@ def _hwm_growth(base: int | None) -> float | None:
 
 
 def alternate(
-    candidates: dict[str, Callable[[int], float | None]],
+    candidates: Mapping[str, Callable[[int], float | None]],
     reps: int,
     *,
     budget_s: float | None = None,
@@ -213,20 +213,3 @@ def run_json_subprocess(code: str, env: dict[str, str] | None = None, timeout: f
         raise RuntimeError(f"subprocess failed ({proc.returncode}): {proc.stderr[-800:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
-
-RSS_PRELUDE = r'''
-import json, os, time
-def _status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-def rss_reset():
-    # Writing 5 to clear_refs resets the peak (VmHWM) to the current RSS (Linux).
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-def rss_now():
-    return _status("VmRSS")
-def rss_peak():
-    return _status("VmHWM")
-'''

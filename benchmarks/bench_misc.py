@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -12,7 +13,11 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks._common import RSS_PRELUDE, run_json_subprocess
+import pyarrow.fs as pafs
+
+from benchmarks._common import _hwm_growth, _hwm_reset, _status_kib, run_json_subprocess
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # -- report() overhead -------------------------------------------------------------
 
@@ -152,46 +157,121 @@ def async_blocked(src: str, uri: str, options: dict[str, Any], reps: int, log) -
     return {k: statistics.median(v) for k, v in res.items() if v}
 
 
-# -- peak RSS ----------------------------------------------------------------------------
+# -- peak RSS, each candidate in a fresh interpreter ---------------------------------------
+#
+# In the timed rows every candidate runs in one process, one after the other; an
+# allocator that keeps freed memory (pyarrow's jemalloc/mimalloc pool) shows
+# little growth on its later runs there. Here each candidate moves the bytes once
+# in an interpreter of its own: imports, clients and set-up first, then the
+# baseline, then the transfer.
 
-_RSS_CODE = RSS_PRELUDE + r'''
-import sys, tempfile, shutil
-from checkpoint_store import Checkpoint, StorageContext
-src, uri, direction = sys.argv[1], sys.argv[2], sys.argv[3]
-options = json.loads(os.environ.get("BENCH_OPTIONS", "{}"))
-st = StorageContext(uri, "exp", "t", storage_options=options or None)
-st.ensure_trial_dir()
-if direction == "download":
-    ckpt = st.persist_checkpoint(Checkpoint.from_directory(src), 0, {"metrics": {}})
-    # A warm-up download of a tiny checkpoint sets up clients and pools.
-dst = tempfile.mkdtemp()
-base = rss_now()
-rss_reset()
-t0 = time.perf_counter()
-if direction == "upload":
-    st.persist_checkpoint(Checkpoint.from_directory(src), 1, {"metrics": {}})
-else:
-    ckpt.to_directory(os.path.join(dst, "d"))
-dt = time.perf_counter() - t0
-peak = rss_peak()
-shutil.rmtree(dst, ignore_errors=True)
-for c, _ in st.committed_checkpoints():
-    st.filesystem.delete_dir(c.path)
-print(json.dumps({"baseline_mib": base / 2**20, "peak_mib": peak / 2**20,
-                  "delta_mib": (peak - base) / 2**20, "seconds": dt}))
-'''
+# cp (and cp + sync) are left out: they run as a child process, and a child
+# forked from this interpreter carries the interpreter's RSS into its
+# ``getrusage(RUSAGE_CHILDREN).ru_maxrss`` (176-178 MiB for cp of 3 MiB here,
+# the parent's size, not cp's).
 
 
-def peak_rss(src: str, uri: str, options: dict[str, Any] | None, direction: str) -> dict:
-    """Peak RSS above the process's baseline during one transfer of ``src``, in a
-    fresh interpreter (Linux ``/proc/self/clear_refs`` resets the peak)."""
+def fresh_rss(backend: str, direction: str, src: str, work: str,
+              remote_spec: dict[str, str] | None, log) -> dict[str, dict[str, Any]]:
+    """Peak RSS of one transfer of ``src`` by our headline candidate and each
+    in-process raw client of the ``backend`` row (bench_transfer's candidates, same calls), each
+    in a fresh interpreter.
+
+    Args:
+        backend: ``local``, or the kind of ``remote_spec`` (see bench_transfer.connect).
+        direction: ``upload`` or ``download`` (a committed checkpoint of ``src``,
+            written here first, is the source).
+        work: a local scratch directory.
+
+    Returns:
+        Candidate name -> ``{"baseline_mib", "peak_mib", "delta_mib", "seconds",
+        "bytes"}`` (``bytes``: what arrived at the destination), or
+        ``{"error": ...}``. Tools run as a child process (cp) are left out.
+    """
+    from benchmarks import bench_transfer as bt
+
+    remote = bt.connect(remote_spec) if remote_spec else None
+    ckpt, store = None, None
+    if direction == bt.DOWNLOAD:
+        if remote is None:
+            store = tempfile.mkdtemp(prefix="rss-store-", dir=work)
+            ckpt = bt.committed_checkpoint(src, store, fsync=False)
+        else:
+            store = bt.new_name()
+            ckpt = bt.committed_checkpoint(src, f"{remote.uri_root}/{store}",
+                                           storage_options=remote.options)
+    cands = (bt.local_candidates(direction, ckpt) if remote is None
+             else bt.remote_candidates(remote, direction, ckpt))
+    names = list(cands)
+    wanted = [names[0]] + [n for n, prep in cands.items() if not n.startswith("checkpoint-store")
+                           and not getattr(prep, bt.SUBPROCESS, False)]
+    job = {"backend": backend, "direction": direction, "source": src, "work": work,
+           "remote": remote_spec, "checkpoint": ckpt.uri if ckpt else None}
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        for name in wanted:
+            try:
+                out[name] = _run_fresh({**job, "candidate": name})
+            except Exception as exc:  # a failing tool is a cell note, not a lost table
+                out[name] = {"error": f"{type(exc).__name__}: {str(exc)[-300:]}"}
+            log(f"  rss {backend} {direction} {name}: {out[name]}")
+    finally:
+        if store and remote is None:
+            shutil.rmtree(store, ignore_errors=True)
+        elif store and remote is not None:
+            remote.drop(remote.path(store))
+    return out
+
+
+def _run_fresh(job: dict[str, Any]) -> dict[str, Any]:
+    # The job travels in the environment: it may hold the test server's keys.
     proc = subprocess.run(
-        [sys.executable, "-c", _RSS_CODE, src, uri, direction], capture_output=True,
-        text=True, timeout=900, env={**os.environ, "BENCH_OPTIONS": json.dumps(options or {})},
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"RSS run failed: {proc.stderr[-600:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        [sys.executable, "-m", "benchmarks.bench_misc", "--fresh-rss"], capture_output=True,
+        text=True, timeout=900, cwd=_ROOT, env={**os.environ, "BENCH_RSS_JOB": json.dumps(job)})
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"exit {proc.returncode}, no result: {proc.stderr[-600:]}")
+    return json.loads(lines[-1])
+
+
+def _fresh_child(job: dict[str, Any]) -> dict[str, Any]:
+    """One transfer by ``job["candidate"]`` in this (fresh) interpreter."""
+    from benchmarks import bench_transfer as bt
+    from checkpoint_store import Checkpoint
+
+    remote = bt.connect(job["remote"]) if job["remote"] else None
+    ckpt, source = None, job["source"]
+    if job["direction"] == bt.DOWNLOAD:
+        ckpt = Checkpoint(job["checkpoint"], storage_options=remote.options if remote else None)
+        source = ckpt.path
+    cands = (bt.local_candidates(job["direction"], ckpt) if remote is None
+             else bt.remote_candidates(remote, job["direction"], ckpt))
+    prepare = cands[job["candidate"]]
+    to_remote = remote is not None and job["direction"] == bt.UPLOAD
+    scratch = tempfile.mkdtemp(prefix="rss-", dir=job["work"])
+    dst = bt.new_name() if to_remote else os.path.join(scratch, "d")
+    transfer = prepare(source, dst)
+    base = _hwm_reset()
+    t0 = time.perf_counter()
+    transfer()
+    seconds = time.perf_counter() - t0
+    grew = _hwm_growth(base)
+    peak = _status_kib("VmHWM")
+    if base is None or grew is None or peak is None:
+        raise RuntimeError("peak RSS needs Linux /proc/self/clear_refs and VmHWM")
+    res: dict[str, Any] = {"baseline_mib": base / 1024, "peak_mib": peak / 1024,
+                           "delta_mib": grew, "seconds": seconds}
+    if to_remote:
+        assert remote is not None
+        infos = remote.raw_pyarrow.get_file_info(
+            pafs.FileSelector(remote.path(dst), recursive=True))
+        res["bytes"] = sum(i.size for i in infos if i.type == pafs.FileType.File)
+        remote.drop(remote.path(dst))
+    else:
+        res["bytes"] = sum(os.path.getsize(os.path.join(d, n))
+                           for d, _, ns in os.walk(dst) for n in ns)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return res
 
 
 # -- import time ------------------------------------------------------------------------
@@ -232,3 +312,7 @@ def retention(quick: bool) -> dict[str, Any]:
     except ValueError:
         lines = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()]
         return {"output": "\n".join(lines[-20:])}
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--fresh-rss"]:
+    print(json.dumps(_fresh_child(json.loads(os.environ["BENCH_RSS_JOB"]))))

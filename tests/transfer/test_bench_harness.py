@@ -111,3 +111,86 @@ def test_report_renders_link_incremental_and_rss_rows() -> None:
     assert ("| incremental, s3 16 x 4 MiB, one file changed: ≥ 5× a full upload | 6.00× | yes |"
             in md)
     assert "≥ 1.0× best of the raw clients and Ray (s3fs put) | 2.00× | yes" in md
+
+
+def _fresh_results(ours: float | None, ray: float | None) -> dict:
+    """A results dict whose S3 row shows the in-process pooled-allocator effect
+    (Ray's path 0 MiB, ours 190 MiB) and fresh-interpreter numbers beside it."""
+    row = {
+        "checkpoint-store": {"times_s": [2.0], "median_s": 2.0, "error": None,
+                             "peak_rss_mib": 190.0},
+        "s3fs put": {"times_s": [3.0], "median_s": 3.0, "error": None, "peak_rss_mib": 900.0},
+        "Ray upload path": {"times_s": [1.0], "median_s": 1.0, "error": None,
+                            "peak_rss_mib": 0.0},
+    }
+    fresh: dict = {}
+    if ours is not None:
+        fresh["checkpoint-store"] = {"baseline_mib": 100.0, "peak_mib": 100.0 + ours,
+                                     "delta_mib": ours, "seconds": 2.0, "bytes": 1}
+    if ray is not None:
+        fresh["Ray upload path"] = {"baseline_mib": 150.0, "peak_mib": 150.0 + ray,
+                                    "delta_mib": ray, "seconds": 1.0, "bytes": 1}
+    fresh["s3fs put"] = {"error": "RuntimeError: exit 1"}
+    return {
+        "machine": {"cpus": 2}, "reps": 1, "shapes": ["4 x 256 MiB"],
+        "transfers": {"s3": {"4 x 256 MiB": {"upload": row}}},
+        "rss": {"data": "4 x 256 MiB", "s3 upload (4 x 256 MiB)": {
+            "backend": "s3", "shape": "4 x 256 MiB", "direction": "upload",
+            "candidates": fresh}},
+    }
+
+
+def test_rss_targets_compare_fresh_interpreter_numbers() -> None:
+    res = _fresh_results(ours=204.0, ray=1090.0)
+    targets = {t[0]: t for t in report_md.targets(res)}
+    row = targets["s3 4 x 256 MiB upload: peak RSS ≤ Ray upload path's"]
+    # In one shared process Ray's path showed 0 MiB; fresh, 1090 MiB.
+    assert row[1:] == ("204 vs 1090 MiB (fresh interpreters)", "yes")
+    budget = ("peak RSS, s3 upload (4 x 256 MiB): ≤ the default memory budget (256 MiB) "
+              "above baseline")
+    assert targets[budget][1:] == ("204 MiB", "yes")
+    md = report_md.render(res)
+    assert ("| s3 upload (4 x 256 MiB) | **204 MiB** · 2.00 s | s3fs put: failed "
+            "| 1090 MiB · 1.00 s |") in md
+    assert "- failed: s3fs put: RuntimeError: exit 1" in md
+    assert "pyarrow's jemalloc/mimalloc pool" in md  # what the in-process cells are
+
+
+def test_rss_target_falls_back_to_in_process_growth_labelled() -> None:
+    res = _fresh_results(ours=204.0, ray=None)  # Ray's fresh run missing
+    row = {t[0]: t for t in report_md.targets(res)}[
+        "s3 4 x 256 MiB upload: peak RSS ≤ Ray upload path's"]
+    assert row[1:] == ("190 vs 0 MiB (in-process growth, shared process)", "**no**")
+
+
+def test_rss_of_the_earlier_layout_reads_as_ours() -> None:
+    res = _fresh_results(ours=None, ray=None)
+    res["rss"] = {"data": "4 x 256 MiB", "s3 upload (4 x 256 MiB)": {
+        "baseline_mib": 99.0, "peak_mib": 303.0, "delta_mib": 204.0, "seconds": 10.0}}
+    assert report_md.fresh_rss(res) == {
+        ("s3", "4 x 256 MiB", "upload"): {"checkpoint-store": res["rss"][
+            "s3 upload (4 x 256 MiB)"]}}
+    assert "| s3 upload (4 x 256 MiB) | **204 MiB** · 10.00 s |" in report_md.render(res)
+
+
+@pytest.mark.slow  # five fresh interpreters, each importing Ray: ~20 s here
+
+def test_fresh_rss_measures_each_local_candidate_in_a_child(tmp_path) -> None:
+    from benchmarks import bench_misc
+
+    shape = Shape("3 x 256 KiB", 3, 256 * 1024)
+    src = make_tree(str(tmp_path / "data"), shape)
+    work = tmp_path / "work"
+    work.mkdir()
+    got = bench_misc.fresh_rss("local", "download", src, str(work), None, lambda m: None)
+    names = list(got)
+    assert names[0] == "checkpoint-store (verify)"
+    assert {"pyarrow copy_files 64 MiB", "fsspec get"} <= set(names)
+    assert "cp -r" not in names  # a child process: its RSS is not measured here
+    for name, v in got.items():
+        assert v.get("error") is None, (name, v)
+        assert set(v) == {"baseline_mib", "peak_mib", "delta_mib", "seconds", "bytes"}
+        assert v["delta_mib"] >= 0 and v["peak_mib"] >= v["baseline_mib"] > 0
+        # The checkpoint's files (and for raw copies its manifest) arrived.
+        assert v["bytes"] >= shape.total, (name, v)
+    assert list(work.iterdir()) == []  # destinations and the source store removed
