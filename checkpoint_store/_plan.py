@@ -253,14 +253,15 @@ def _call_plain(fn: Callable[[], T], what: str) -> T:
     return fn()
 
 
-def _reuse_previous(r: _Runner, previous: Previous,
-                    files: Sequence[tuple[str, int]]) -> list[FileResult]:
-    """Copy server-side every file equal (size and CRC32C) to the previous
-    checkpoint's; what does not match, or cannot be copied, is left out."""
+def _unchanged(r: _Runner, previous: Previous,
+               files: Sequence[tuple[str, int]]) -> list[tuple[str, int, int]]:
+    """``(relpath, size, CRC32C)`` of the files equal in size and CRC32C to
+    the same path of the previous checkpoint (checksummed in parallel, from
+    the page cache where the user just wrote them)."""
     candidates = [(rel, size) for rel, size in files
                   if previous.files.get(rel, (-1, 0))[0] == size]
 
-    def one(item: tuple[str, int]) -> FileResult | None:
+    def one(item: tuple[str, int]) -> tuple[str, int, int] | None:
         rel, size = item
         fd = os.open(r._src_os(rel), os.O_RDONLY | _O_BINARY)
         try:
@@ -269,21 +270,40 @@ def _reuse_previous(r: _Runner, previous: Previous,
                 return None
         finally:
             os.close(fd)
-        if crc != previous.files[rel][1]:
-            return None
-        try:
-            r.call(lambda: server_copy(r.dst_fs_outer, posixpath.join(previous.root, rel),
-                                       r._dst(rel), size),
-                   f"copy {rel} from the previous checkpoint")
-        except OSError:
-            return None  # gone meanwhile (deleted by retention, say): upload it
-        return FileResult(rel, size, crc, reused=True)
+        return (rel, size, crc) if crc == previous.files[rel][1] else None
 
     if not candidates:
         return []
     workers = max(1, min(r.p.concurrency, len(candidates)))
     with ThreadPoolExecutor(workers, thread_name_prefix="cs-reuse") as pool:
-        return [fr for fr in pool.map(one, candidates) if fr is not None]
+        return [u for u in pool.map(one, candidates) if u is not None]
+
+
+def _copy_from_previous(r: _Runner, previous: Previous, rel: str, size: int,
+                        crc: int) -> FileResult | None:
+    """Copy one unchanged file inside the store; None where that failed (the
+    previous checkpoint was deleted meanwhile, by retention say): the caller
+    uploads it."""
+    try:
+        r.call(lambda: server_copy(r.dst_fs_outer, posixpath.join(previous.root, rel),
+                                   r._dst(rel), size),
+               f"copy {rel} from the previous checkpoint")
+    except OSError:
+        return None
+    return FileResult(rel, size, crc, reused=True)
+
+
+def _move(r: _Runner, p: Plan, sizes: Mapping[str, int]) -> tuple[dict[str, FileResult],
+                                                                   _PartCrcs]:
+    """Run the tasks of ``p`` and complete its multipart uploads."""
+    r.p = p
+    # Multipart uploads start here: the caller aborts them if anything fails.
+    work = _work_items(p, r)
+    sequential = p.concurrency == 1 or work.count == 1
+    moved, part_crcs = (_run_in_turn if sequential else _run_on_pool)(r, work)
+    r.finish_uploads(dict(sizes))
+    r.uploads.clear()  # completed: nothing left to abort
+    return moved, part_crcs
 
 
 def run(
@@ -309,8 +329,9 @@ def run(
     on the destination store. A file whose size and CRC32C equal those of the
     same path there is copied by the store itself
     (:func:`~checkpoint_store._remote.server_copy`) instead
-    of uploaded; if that copy fails (the previous checkpoint was deleted
-    meanwhile, say), the file is uploaded.
+    of uploaded, while the other files go up; if that copy fails (the
+    previous checkpoint was deleted meanwhile, say), the file is uploaded
+    after them.
 
     Returns:
         One :class:`FileResult` per file, in the order of ``files``.
@@ -326,26 +347,45 @@ def run(
     r = _Runner(p, src_fs, src_root, dst_fs, dst_root, fsync=fsync,
                 call=call or _call_plain, read_chunk=chunk_size)
     results: dict[str, FileResult] = {}
-    if previous is not None and p.route == "upload":
-        results = {fr.path: fr for fr in _reuse_previous(r, previous, files)}
-        if results:
-            rest = [f for f in files if f[0] not in results]
-            r.p = p = plan(src_fs, src_root, dst_fs, dst_root, rest, chunk_size=chunk_size,
-                           concurrency=concurrency, memory_limit=memory_limit)
+    sizes = dict(files)
+    rest = list(files)
+    copies: dict[str, Future[FileResult | None]] = {}
+    copier: ThreadPoolExecutor | None = None
     try:
-        # Multipart uploads start here: inside, so a failure aborts them all.
-        work = _work_items(p, r)
-        sequential = p.concurrency == 1 or work.count == 1
-        moved, part_crcs = (_run_in_turn if sequential else _run_on_pool)(r, work)
-        r.finish_uploads(dict(files))
+        if previous is not None and p.route == "upload":
+            same = _unchanged(r, previous, files)
+            if same:
+                # The store copies the unchanged files while the changed ones
+                # go up: the report costs the longer of the two, not the sum.
+                copier = ThreadPoolExecutor(min(p.concurrency, len(same)),
+                                            thread_name_prefix="cs-reuse")
+                copies = {rel: copier.submit(_copy_from_previous, r, previous, rel, size, crc)
+                          for rel, size, crc in same}
+                rest = [f for f in files if f[0] not in copies]
+                p = plan(src_fs, src_root, dst_fs, dst_root, rest, chunk_size=chunk_size,
+                         concurrency=concurrency, memory_limit=memory_limit)
+        moved, part_crcs = _move(r, p, sizes) if rest else ({}, {})
+        copied = {rel: f.result() for rel, f in copies.items()}
+        failed = [(rel, sizes[rel]) for rel, fr in copied.items() if fr is None]
+        results.update((rel, fr) for rel, fr in copied.items() if fr is not None)
+        if failed:
+            more, more_crcs = _move(r, plan(src_fs, src_root, dst_fs, dst_root, failed,
+                                            chunk_size=chunk_size, concurrency=concurrency,
+                                            memory_limit=memory_limit), sizes)
+            moved.update(more)
+            part_crcs.update(more_crcs)
     except BaseException:
         r.abort_uploads()
         raise
     finally:
+        if copier is not None:
+            # After a failure (or Ctrl-C): start no other copy, wait for the
+            # running ones, whose objects the commit protocol then discards.
+            copier.shutdown(wait=True, cancel_futures=True)
         r.close_inputs()
     results.update(moved)
     if fsync and r.dst_os is not None:
-        flush_files(r.dst_os, [rel for rel, _ in files], p.concurrency,
+        flush_files(r.dst_os, [rel for rel, _ in files], concurrency,
                     sum(size for _, size in files))
     results.update(_combine_parts(part_crcs))
     return [results[rel] for rel, _ in files]

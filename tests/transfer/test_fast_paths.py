@@ -239,6 +239,36 @@ def test_previous_deleted_mid_report_falls_back_to_a_full_upload(
             assert f.read() == data
 
 
+def test_unchanged_files_are_copied_while_the_changed_ones_go_up(tmp_path, monkeypatch) -> None:
+    # Each copy inside the store waits (up to 20 s) for the changed file's
+    # upload to start: run one after the other, every copy would time out.
+    src = str(tmp_path / "src")
+    _tree(src, {"a.bin": 50_000, "b.bin": 60_000, "changed.bin": 70_000})
+    ctx = StorageContext("memory://overlap", "exp", "trial")
+    ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
+    with open(os.path.join(src, "changed.bin"), "r+b") as f:
+        f.write(b"new bytes")
+    uploading = threading.Event()
+    real_batch = _tasks._Runner._upload_batch
+    real_copy = _plan.server_copy
+    overlapped: list[bool] = []
+
+    def batch(self, items):
+        uploading.set()
+        return real_batch(self, items)
+
+    def copy(fs, src_path, dst_path, size):
+        overlapped.append(uploading.wait(20))
+        real_copy(fs, src_path, dst_path, size)
+
+    monkeypatch.setattr(_tasks._Runner, "_upload_batch", batch)
+    monkeypatch.setattr(_plan, "server_copy", copy)
+    second = ctx.persist_checkpoint(Checkpoint.from_directory(src), 1, {})
+    assert overlapped == [True, True]
+    ctx.delete_checkpoint("checkpoint_000000")
+    second.verify()
+
+
 @pytest.mark.parametrize("bad", [0, -5, 1.5, True, "1GB"])
 def test_transfer_settings_are_checked(tmp_path, bad) -> None:
     with pytest.raises(InvalidConfigError, match="max_concurrency"):
