@@ -47,10 +47,14 @@ def writer_of(fs: pafs.FileSystem) -> pafs.FileSystem:
     UploadPart, CompleteMultipartUpload) instead of one PutObject; a Ray
     user's ``storage_filesystem`` usually is one. The transfer then writes
     through a twin made from the same options (credentials, endpoint,
-    timeouts, metadata ...: pyarrow's own pickling state) with only
-    ``allow_delayed_open=True``, kept as long as ``fs`` lives. A write still
-    fails as it would, only at its first part or its close rather than at
-    its open. 2000 x 64 KiB to moto, 3 alternating runs: 21.5 s -> 7.8 s.
+    timeouts, metadata ...: pyarrow's own pickling state, which is also what
+    a Ray worker receives of a pickled filesystem) with only
+    ``allow_delayed_open=True``, kept as long as ``fs`` lives. That state
+    leaves out a custom ``retry_strategy``: the twin has pyarrow's default
+    (3 attempts), and every transfer task is retried by our own policy on
+    top (:mod:`checkpoint_store._retry`). A write still fails as it would,
+    only at its first part or its close rather than at its open. 2000 x 64
+    KiB to moto, 3 alternating runs: 21.5 s -> 7.8 s.
     """
     if type(fs) is not pafs.S3FileSystem:
         return fs
