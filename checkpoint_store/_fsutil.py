@@ -21,6 +21,7 @@ import pyarrow.fs as pafs
 from checkpoint_store import _retry
 from checkpoint_store._layout import temp_file_name
 from checkpoint_store._proc import writer_tag
+from checkpoint_store._remote import writer_of
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Capabilities
 
@@ -261,7 +262,9 @@ def write_bytes(
         return
 
     def _put() -> None:
-        with fs.open_output_stream(path) as out:
+        # One PUT, not a multipart upload of three requests, through a
+        # pyarrow S3FileSystem the user passed in (see writer_of).
+        with writer_of(fs).open_output_stream(path) as out:
             out.write(data)
 
     _retry.call(_put, policy=retry, what=f"write {path}")

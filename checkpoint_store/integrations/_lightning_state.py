@@ -25,6 +25,7 @@ from checkpoint_store._manifest import (
     read_with_crc,
     verify_files,
 )
+from checkpoint_store._remote import writer_of
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -83,7 +84,7 @@ def _stream_state(
             if fsync:
                 _fsutil.fsync_dir(os.path.dirname(local))
         else:
-            with fs.open_output_stream(path) as out:
+            with writer_of(fs).open_output_stream(path) as out:
                 w = _CrcWriter(out)
                 torch.save(checkpoint, w)  # type: ignore[arg-type]  # any object with write()
         return [ManifestEntry(STATE_FILE, w.size, f"{w.crc:08x}")]

@@ -51,6 +51,7 @@ import pyarrow as pa
 from checkpoint_store import _fsutil, _json
 from checkpoint_store._layout import written_record_name
 from checkpoint_store._nesting import refuse_inside_checkpoint
+from checkpoint_store._remote import writer_of
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.registry import resolve
@@ -124,7 +125,7 @@ class _BackendFileSystem(FileSystemBase):
                 with self._lock:
                     self.written[p] = (size, crc)
 
-            stream = _CrcStream(fs.open_output_stream(p), record)
+            stream = _CrcStream(writer_of(fs).open_output_stream(p), record)
             try:
                 yield stream  # type: ignore[misc]
             except BaseException:

@@ -167,6 +167,9 @@ def test_small_files_are_one_put_each_through_a_pyarrow_filesystem_passed_in(
         shard_requests = [line for line in proxy.requests if b"/shard_" in line]
         assert sorted(line.split(b" ")[0] for line in shard_requests) == [b"PUT"] * 12, (
             shard_requests)
+        # Nor does any metadata file of the commit (claim, manifest) start a
+        # multipart upload.
+        assert [line for line in proxy.requests if b"?uploads" in line] == []
         # The user's filesystem is the checkpoint's, as given.
         assert ckpt.filesystem is user_fs or ckpt.filesystem.equals(user_fs)
         ckpt.to_directory(str(tmp_path / "back"))  # verifies every checksum
