@@ -21,14 +21,15 @@ docs/benchmarks.md):
   with one ranged request (``read_at`` / ``cat_file(start, end)``) and writes
   it at its offset (``pwrite``); a local copy does the same with ``pread``.
   Parts run in parallel; their CRC32Cs are combined (:func:`crc32c_combine`).
-* **uploads of large files** to S3 where an s3fs client is at hand (both
-  engines of the S3 backend, an s3fs filesystem passed in) are multipart
-  uploads whose parts run in parallel like a download's, each read with
-  ``pread`` and checksummed as it is sent;
-  the upload completes once every part is in. Elsewhere each file streams
-  through one output stream (pyarrow's S3 stream uploads its parts in the
-  background; other fsspec streams upload a block per chunk). Files go in
-  parallel.
+* **uploads of large files** go up in parts that run in parallel like a
+  download's, each read with ``pread`` and checksummed as it is sent, where
+  the store's fsspec client is at hand: S3 multipart uploads through s3fs
+  (both engines of the S3 backend, an s3fs filesystem passed in), Azure
+  blocks staged and committed through adlfs (both engines of the Azure
+  backend, an adlfs filesystem passed in). The upload completes once every
+  part is in. Elsewhere each file streams through one output stream
+  (pyarrow's S3 stream uploads its parts in the background; other fsspec
+  streams upload a block per chunk). Files go in parallel.
 
 Memory: at most ``memory_limit`` bytes of file data are buffered at once
 (default :data:`DEFAULT_MEMORY_LIMIT`), whatever the chunk size and
@@ -60,7 +61,6 @@ from checkpoint_store._remote import (
 from checkpoint_store._tasks import (
     _PART_UPLOAD_COPIES,
     _REMOTE_COPIES,
-    MAX_PARTS,
     MIN_PART,
     PARTS_IN_FLIGHT,
     FileResult,
@@ -203,12 +203,15 @@ def plan(
     if route == "download" and can_stream_ranges(remote_fsspec):
         piece = max(1024 * 1024, min(STREAM_PIECE, limit // (_REMOTE_COPIES * workers)))
         part = _stream_part_size(large, workers, part)
-    elif route == "upload" and part_upload_client(dst_fs) is not None:
+    elif route == "upload" and (uploader := part_upload_client(dst_fs)) is not None:
         # A part in flight on every worker (each held _PART_UPLOAD_COPIES
-        # times), at least S3's smallest part, few enough for its limit.
+        # times), at least S3's smallest part, few enough for the store's
+        # limit on parts (S3 10,000, Azure 50,000 blocks) and none larger
+        # than it allows (S3 5 GiB, Azure 4000 MiB).
         biggest = max((size for _, size in large), default=0)
-        part = max(MIN_PART, -(-biggest // MAX_PARTS),
-                   min(part, limit // (_PART_UPLOAD_COPIES * min(workers, PARTS_IN_FLIGHT))))
+        part = min(uploader.max_part, max(
+            MIN_PART, -(-biggest // uploader.max_parts),
+            min(part, limit // (_PART_UPLOAD_COPIES * min(workers, PARTS_IN_FLIGHT)))))
     elif route == "download":
         # A ranged GET's bytes exist twice for a moment (the HTTP client's
         # buffer and ours): parts of at most half the memory limit.

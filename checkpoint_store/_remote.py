@@ -12,14 +12,18 @@ one store (:func:`server_copy`) sends no byte through this process.
 
 from __future__ import annotations
 
+import errno
+import sys
 import threading
+import uuid
 import weakref
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import pyarrow.fs as pafs
 
-__all__ = ["S3Multipart", "_fsspec_of", "_is_async", "_native_of", "part_upload_client",
-           "server_copy", "writer_of"]
+__all__ = ["AzureBlocks", "PartUpload", "PartUploader", "S3Multipart", "_fsspec_of",
+           "_is_async", "_native_of", "part_upload_client", "server_copy", "writer_of"]
 
 
 def _native_of(fs: pafs.FileSystem) -> pafs.FileSystem:
@@ -159,18 +163,83 @@ async def _read_exactly(body: Any, n: int) -> bytes:
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
-def part_upload_client(fs: pafs.FileSystem) -> Any | None:
-    """The s3fs client that uploads a large file to ``fs`` in parallel parts
-    (:class:`S3Multipart`), or None.
+class PartUpload(Protocol):
+    """One large file going up in parts sent from any thread, in any order
+    (:class:`S3Multipart`, :class:`AzureBlocks`); the object appears only at
+    :meth:`complete`. Every method raises OSError for a failed request."""
 
-    The s3fs engine, an s3fs filesystem passed in, and the pyarrow engine
-    (through the s3fs client that deletes for it): one stream per file sent
-    one part at a time through s3fs, and through pyarrow's stream as many
-    parts as the budget lets it buffer before a flush (4 x 256 MiB from
-    moto, one run: pyarrow stream 16.8 s, parallel parts 12.4 s). None for
-    a pyarrow S3 filesystem passed in (no s3fs client to use)."""
+    #: Most parts one upload may have, and most bytes in one part (the store's limits).
+    MAX_PARTS: ClassVar[int]
+    MAX_PART: ClassVar[int]
+
+    def start(self) -> None:
+        """Begin the upload (before any part)."""
+
+    def put_part(self, number: int, data: Any) -> None:
+        """Send part ``number`` (1-based, ``data`` bytes-like); sent again, it replaces the part."""
+
+    def complete(self, parts: int) -> None:
+        """Assemble the object from parts 1..``parts``, in that order."""
+
+    def abort(self) -> None:
+        """Drop what an upload not completed has sent."""
+
+    def describe(self) -> str:
+        """Where the upload goes, for a message (no credential)."""
+
+
+@dataclass(frozen=True)
+class PartUploader:
+    """How large files go up in parallel parts to one store: the fsspec
+    client ``fss`` and the :class:`PartUpload` class that drives it."""
+
+    fss: Any
+    kind: type[S3Multipart] | type[AzureBlocks]
+
+    def open(self, path: str) -> PartUpload:
+        """The upload of one file to ``path`` (not started yet)."""
+        return self.kind(self.fss, path)
+
+    @property
+    def max_parts(self) -> int:
+        return self.kind.MAX_PARTS
+
+    @property
+    def max_part(self) -> int:
+        return self.kind.MAX_PART
+
+
+def part_upload_client(fs: pafs.FileSystem) -> PartUploader | None:
+    """How a large file goes up to ``fs`` in parallel parts, or None (one
+    stream per file).
+
+    S3 (:class:`S3Multipart`): the s3fs engine, an s3fs filesystem passed
+    in, and the pyarrow engine (through the s3fs client that deletes for
+    it). One stream per file is sent one part at a time through s3fs, and
+    through pyarrow's stream as many parts as the budget lets it buffer
+    before a flush (4 x 256 MiB from moto, one run: pyarrow stream 16.8 s,
+    parallel parts 12.4 s). None for a pyarrow S3 filesystem passed in (no
+    s3fs client to use).
+
+    Azure (:class:`AzureBlocks`): the adlfs engine, the pyarrow engine
+    (through the adlfs client that deletes for it) and an adlfs filesystem
+    passed in. A stream per file sends one block at a time (pyarrow's
+    AzureFileSystem and adlfs alike). None for a pyarrow AzureFileSystem
+    passed in.
+    """
     fss = _fsspec_of(fs)
-    return fss if can_stream_ranges(fss) else None
+    if can_stream_ranges(fss):
+        return PartUploader(fss, S3Multipart)
+    if _is_adlfs(fss):
+        return PartUploader(fss, AzureBlocks)
+    return None
+
+
+def _is_adlfs(fss: Any | None) -> bool:
+    """Whether ``fss`` is adlfs's ``AzureBlobFileSystem`` (or a subclass);
+    adlfs is not imported for it (an instance exists only once it is)."""
+    adlfs = sys.modules.get("adlfs")
+    return fss is not None and adlfs is not None and isinstance(fss, adlfs.AzureBlobFileSystem)
 
 
 class S3Multipart:
@@ -179,6 +248,10 @@ class S3Multipart:
 
     Raises (every method): OSError as s3fs translates the store's errors.
     """
+
+    #: S3 allows 10,000 parts of at most 5 GiB (the planner has kept below 10,000).
+    MAX_PARTS: ClassVar[int] = 9000
+    MAX_PART: ClassVar[int] = 5 * 1024**3
 
     def __init__(self, fss: Any, path: str):
         self._fss = fss
@@ -231,6 +304,130 @@ class S3Multipart:
     def describe(self) -> str:
         """``s3://bucket/key (upload id ...)``, for a message (no credential)."""
         return f"s3://{self._bucket}/{self._key} (upload id {self.upload_id})"
+
+
+class AzureBlocks:
+    """One Azure block-blob upload through an adlfs client ``fss`` (its async
+    azure-storage-blob clients, on its event loop): blocks staged from any
+    thread, in any order (Put Block), then committed in part order with one
+    Put Block List. The blob appears only then, whole (or replaces the
+    previous blob of that name whole).
+
+    Block ids are a random prefix of this upload followed by the part
+    number, 32 characters in all (Azure wants the ids of one blob's blocks
+    of one length; adlfs's own writes use 32 too): blocks staged under the
+    same name by another writer, or left by a failed upload, never enter
+    this blob.
+
+    The path is cut at its first ``/`` into container and blob name,
+    literally, as pyarrow's AzureFileSystem names blobs (adlfs's
+    ``split_path`` drops a ``?`` that ends a name, which the pyarrow engine
+    stores).
+
+    Raises (every method): OSError for a failed request, the Azure SDK's
+    errors translated: FileNotFoundError (no such container),
+    PermissionError (authentication or authorization refused),
+    ConnectionError (unreachable, timed out, or the service answered 408,
+    429 or 5xx: worth retrying), OSError otherwise.
+    """
+
+    #: Azure allows 50,000 blocks of at most 4000 MiB per block blob.
+    MAX_PARTS: ClassVar[int] = 50_000
+    MAX_PART: ClassVar[int] = 4000 * 1024**2
+
+    def __init__(self, fss: Any, path: str):
+        self._fss = fss
+        self._container, _, self._blob = path.strip("/").partition("/")
+        self._prefix = ""
+        self._staged: set[int] = set()
+
+    def _block_id(self, number: int) -> str:
+        return f"{self._prefix}{number:05d}"
+
+    def _run(self, fn: Any) -> Any:
+        """``await fn(blob_client)`` on adlfs's event loop; Azure errors as OSError."""
+        from azure.core.exceptions import AzureError
+        from fsspec.asyn import sync
+
+        async def go() -> Any:
+            async with self._fss.service_client.get_blob_client(self._container,
+                                                                self._blob) as bc:
+                return await fn(bc)
+
+        try:
+            return sync(self._fss.loop, go)
+        except AzureError as exc:
+            raise _azure_os_error(exc, self.describe()) from exc
+
+    def start(self) -> None:
+        self._prefix = uuid.uuid4().hex[:27]
+        self._staged = set()
+
+    def put_part(self, number: int, data: Any) -> None:
+        """Stage part ``number`` (1-based, at most :data:`MAX_PARTS`) as a
+        block; staged again, the block is replaced."""
+        block_id = self._block_id(number)
+        self._run(lambda bc: bc.stage_block(block_id, data, length=len(data)))
+        self._staged.add(number)
+
+    def complete(self, parts: int) -> None:
+        """Commit parts 1..``parts`` as the blob, in that order (the blocks
+        staged and not listed are dropped by the service).
+
+        Raises:
+            OSError: a part is missing (a bug: nothing is committed).
+        """
+        from azure.storage.blob import BlobBlock
+
+        missing = [n for n in range(1, parts + 1) if n not in self._staged]
+        if missing:
+            raise OSError(f"{self.describe()}: parts {missing} were not staged; the blob "
+                          "is not committed")
+        blocks = [BlobBlock(self._block_id(n)) for n in range(1, parts + 1)]
+        self._run(lambda bc: bc.commit_block_list(blocks))
+        self._staged = set()
+
+    def abort(self) -> None:
+        """Forget the staged blocks. Azure has no request that deletes
+        uncommitted blocks: they stay invisible (no blob exists until a
+        commit) and the service drops them after 7 days, or at once when a
+        blob of that name is next committed (an upload that succeeds)."""
+        self._staged = set()
+
+    def describe(self) -> str:
+        """``az://container/blob``, for a message (no credential)."""
+        return f"az://{self._container}/{self._blob}"
+
+
+#: HTTP statuses of an Azure answer worth trying again (timeout, throttling, server side).
+_AZURE_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def _azure_os_error(exc: Exception, where: str) -> OSError:
+    """The OSError for an Azure SDK error, typed so the retry policy
+    (:mod:`checkpoint_store._retry`) tells transient from permanent."""
+    from azure.core.exceptions import (
+        ClientAuthenticationError,
+        HttpResponseError,
+        ResourceNotFoundError,
+        ServiceRequestError,
+        ServiceResponseError,
+    )
+
+    status = getattr(exc, "status_code", None)
+    code = getattr(exc, "error_code", None)
+    first = (getattr(exc, "message", None) or str(exc)).strip().splitlines()
+    text = f"{where}: {type(exc).__name__}: {first[0] if first else ''}"
+    if status is not None:
+        text += f" (HTTP {status}{', ' + code if code else ''})"
+    if isinstance(exc, ResourceNotFoundError):
+        return FileNotFoundError(errno.ENOENT, text)
+    if isinstance(exc, ClientAuthenticationError) or status == 403:
+        return PermissionError(errno.EACCES, text)
+    if isinstance(exc, (ServiceRequestError, ServiceResponseError)) or (
+            isinstance(exc, HttpResponseError) and status in _AZURE_RETRY_STATUSES):
+        return ConnectionError(text)
+    return OSError(text)
 
 
 def can_stream_ranges(fss: Any | None) -> bool:

@@ -34,7 +34,7 @@ from checkpoint_store._budget import _Budget
 from checkpoint_store._crc32c import _crc
 from checkpoint_store._localcopy import _O_BINARY, _LocalDisk
 from checkpoint_store._remote import (
-    S3Multipart,
+    PartUpload,
     _fsspec_of,
     _is_async,
     _native_of,
@@ -59,6 +59,7 @@ _REMOTE_COPIES = 2
 #: A part of a parallel multipart upload through s3fs is held three times at
 #: its peak: our bytes, botocore's request body and aiohttp's send buffer
 #: (4 x 256 MiB with two copies counted: VmHWM grew 369 MiB on a 256 MiB budget).
+#: Azure's staged blocks are counted alike (ours, the SDK's request, aiohttp's).
 _PART_UPLOAD_COPIES = 3
 #: Stores whose C++ client (pyarrow's, behind the handler) downloads small
 #: files faster than the async fsspec client next to it, whose every request
@@ -114,10 +115,11 @@ class _Runner(_LocalDisk):
         self.src_fsspec = _fsspec_of(src_fs)
         self.dst_fsspec = _fsspec_of(dst_fs)
         self.dst_fs_outer = dst_fs
-        #: Large files go up in parallel parts through this s3fs client, if any.
+        #: Large files go up in parallel parts through this client, if any
+        #: (S3 multipart uploads, Azure staged blocks).
         self.part_client = part_upload_client(dst_fs)
-        #: ``{relpath: its multipart upload}``, started before any part runs.
-        self.uploads: dict[str, S3Multipart] = {}
+        #: ``{relpath: its upload in parts}``, started before any part runs.
+        self.uploads: dict[str, PartUpload] = {}
         # Bytes go through the C++ filesystem where a Python handler wraps one.
         self.src_fs = _native_of(src_fs)
         self.dst_fs = writer_of(_native_of(dst_fs))
@@ -254,14 +256,15 @@ class _Runner(_LocalDisk):
             self.budget.release(length * _REMOTE_COPIES)
 
     def start_upload(self, rel: str, size: int) -> None:
-        """Start the multipart upload of a large local file (parts then run
-        on any thread, :meth:`part`); the source's stamp is taken first."""
+        """Start the upload in parts of a large local file (S3 multipart,
+        Azure staged blocks; parts then run on any thread, :meth:`part`);
+        the source's stamp is taken first."""
         stamp = self.stamps[rel] = self.source_stamp(rel)
         if stamp[1] != size:
             raise OSError(f"{self._src_os(rel)} changed while it was being uploaded; write "
                           "the checkpoint completely before reporting it")
         assert self.part_client is not None
-        upload = S3Multipart(self.part_client, self._dst(rel))
+        upload = self.part_client.open(self._dst(rel))
         self.call(upload.start, f"start the upload of {rel}")
         self.uploads[rel] = upload
 
@@ -289,7 +292,7 @@ class _Runner(_LocalDisk):
             self.budget.release(length * _PART_UPLOAD_COPIES)
 
     def finish_uploads(self, sizes: dict[str, int]) -> None:
-        """Complete every multipart upload (all its parts are done)."""
+        """Complete every upload in parts (all its parts are done)."""
         for rel, upload in self.uploads.items():
             parts = -(-sizes[rel] // self.p.chunk_size)
             self.call(partial(upload.complete, parts), f"complete the upload of {rel}")
