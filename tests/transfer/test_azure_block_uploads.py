@@ -240,3 +240,21 @@ def test_a_missing_container_is_file_not_found(azure_server) -> None:
         up.put_part(1, b"x")
     with pytest.raises(OSError, match=r"parts \[1\] were not staged"):
         up.complete(1)
+
+
+@pytest.mark.parametrize("status, kind, retry", [
+    (503, ConnectionError, "transient"), (429, ConnectionError, "transient"),
+    (403, PermissionError, "permanent"), (400, OSError, "permanent")])
+def test_azure_errors_become_oserrors_the_retry_policy_tells_apart(status, kind, retry) -> None:
+    from azure.core.exceptions import HttpResponseError
+
+    from checkpoint_store._remote import _azure_os_error
+    from checkpoint_store._retry import classify
+
+    exc = HttpResponseError(message="The server said no.\nRequestId:abc")
+    exc.status_code = status
+    got = _azure_os_error(exc, "az://c/b")
+    assert type(got) is kind
+    assert "az://c/b: HttpResponseError: The server said no." in str(got)
+    assert f"HTTP {status}" in str(got) and "RequestId" not in str(got)
+    assert classify(got) == retry
