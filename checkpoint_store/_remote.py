@@ -191,13 +191,19 @@ class PartUpload(Protocol):
 @dataclass(frozen=True)
 class PartUploader:
     """How large files go up in parallel parts to one store: the fsspec
-    client ``fss`` and the :class:`PartUpload` class that drives it."""
+    client ``fss`` and the :class:`PartUpload` class that drives it.
+    ``literal_names``: Azure blob names as pyarrow's AzureFileSystem,
+    which writes the backend's other files, spells them (see
+    :class:`AzureBlocks`)."""
 
     fss: Any
     kind: type[S3Multipart] | type[AzureBlocks]
+    literal_names: bool = False
 
     def open(self, path: str) -> PartUpload:
         """The upload of one file to ``path`` (not started yet)."""
+        if self.kind is AzureBlocks:
+            return AzureBlocks(self.fss, path, literal=self.literal_names)
         return self.kind(self.fss, path)
 
     @property
@@ -231,7 +237,8 @@ def part_upload_client(fs: pafs.FileSystem) -> PartUploader | None:
     if can_stream_ranges(fss):
         return PartUploader(fss, S3Multipart)
     if _is_adlfs(fss):
-        return PartUploader(fss, AzureBlocks)
+        native = not isinstance(_native_of(fs), pafs.PyFileSystem)
+        return PartUploader(fss, AzureBlocks, literal_names=native)
     return None
 
 
@@ -319,10 +326,12 @@ class AzureBlocks:
     same name by another writer, or left by a failed upload, never enter
     this blob.
 
-    The path is cut at its first ``/`` into container and blob name,
-    literally, as pyarrow's AzureFileSystem names blobs (adlfs's
-    ``split_path`` drops a ``?`` that ends a name, which the pyarrow engine
-    stores).
+    The blob is named as the client that writes the backend's other files
+    names it: with ``literal=True`` (pyarrow's AzureFileSystem writes them)
+    the path is cut at its first ``/`` into container and blob name, as
+    is; else by adlfs's ``split_path``, which drops a ``?`` that ends a
+    name (the adlfs engine refuses such names; the pyarrow engine stores
+    them).
 
     Raises (every method): OSError for a failed request, the Azure SDK's
     errors translated: FileNotFoundError (no such container),
@@ -335,9 +344,12 @@ class AzureBlocks:
     MAX_PARTS: ClassVar[int] = 50_000
     MAX_PART: ClassVar[int] = 4000 * 1024**2
 
-    def __init__(self, fss: Any, path: str):
+    def __init__(self, fss: Any, path: str, *, literal: bool = False):
         self._fss = fss
-        self._container, _, self._blob = path.strip("/").partition("/")
+        if literal:
+            self._container, _, self._blob = path.strip("/").partition("/")
+        else:
+            self._container, self._blob, _ = fss.split_path(path)
         self._prefix = ""
         self._staged: set[int] = set()
 

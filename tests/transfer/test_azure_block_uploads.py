@@ -79,6 +79,20 @@ def test_every_engine_picks_staged_blocks(azure_server, azure_container, how) ->
     assert isinstance(uploader, PartUploader) and uploader.kind is AzureBlocks
 
 
+@pytest.mark.parametrize("how, blob", [
+    ("adlfs engine", "x/a b?"),  # the engine refuses such names; pyarrow writes its bytes
+    ("pyarrow engine", "x/a b?"),
+    ("adlfs filesystem passed", "x/a b"),  # as adlfs's own writes and reads spell it
+])
+def test_blocks_name_the_blob_as_the_backends_writer_does(
+        azure_server, azure_container, how, blob) -> None:
+    st = _storage(how, azure_server, azure_container)
+    uploader = part_upload_client(st.backend.filesystem)
+    assert uploader is not None
+    up = uploader.open(f"{azure_container}/x/a b?")
+    assert (up._container, up._blob) == (azure_container, blob)
+
+
 @pytest.mark.parametrize("how", HOWS)
 def test_large_files_go_up_in_parallel_blocks_and_verify(
         tmp_path, monkeypatch, azure_server, azure_container, how) -> None:
