@@ -5,6 +5,7 @@ in every other option; every other filesystem is used as given."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import pyarrow.fs as pafs
 
@@ -37,4 +38,31 @@ def test_a_twin_differs_only_in_delayed_open_and_is_kept_while_the_original_live
     assert key in _remote._TWINS
     del user, twin
     gc.collect()
+    assert key not in _remote._TWINS
+
+
+def test_a_user_filesystem_collected_while_the_twins_are_locked_does_not_deadlock() -> None:
+    # The cycle collector can run on any allocation, also inside writer_of's
+    # locked section (the weakref and tuple it makes there); a filesystem held
+    # only by a garbage cycle (a StorageContext of a finished trial, say) then
+    # has its weakref callback run on that same thread, under the lock.
+    user = _s3()
+    _remote.writer_of(user)
+    holder: dict = {"fs": user}
+    holder["self"] = holder  # collectable only by the cycle collector
+    key = id(user)
+    del user, holder
+    done = threading.Event()
+
+    def collect_under_the_lock() -> None:
+        with _remote._TWINS_LOCK:
+            gc.collect()
+        done.set()
+
+    gc.disable()  # no collection before the one under the lock
+    try:
+        threading.Thread(target=collect_under_the_lock, daemon=True).start()
+        assert done.wait(10), "the weakref callback waited for a lock its own thread held"
+    finally:
+        gc.enable()
     assert key not in _remote._TWINS
