@@ -39,7 +39,11 @@ def _native_of(fs: pafs.FileSystem) -> pafs.FileSystem:
 
 #: ``id(user's S3FileSystem) -> (weak reference to it, its twin)``, see :func:`writer_of`.
 _TWINS: dict[int, tuple[weakref.ref[Any], pafs.FileSystem]] = {}
-_TWINS_LOCK = threading.Lock()
+#: Reentrant: the cycle collector may run on any allocation, also inside a
+#: section holding this lock, and collect a user's filesystem there; its
+#: weakref callback (:func:`_forget_twin`) then takes the lock on the same
+#: thread. A plain lock would wait for itself forever.
+_TWINS_LOCK = threading.RLock()
 
 
 def writer_of(fs: pafs.FileSystem) -> pafs.FileSystem:
