@@ -16,7 +16,7 @@ import google_crc32c
 import pyarrow.fs as pafs
 import pytest
 
-from checkpoint_store import Checkpoint, StorageContext, _localcopy, _plan, _tasks
+from checkpoint_store import Checkpoint, StorageContext, _localcopy, _plan, _retry, _tasks
 from checkpoint_store.backends.base import LOCAL_CAPABILITIES
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.transfer import copy_tree
@@ -265,6 +265,55 @@ def test_unchanged_files_are_copied_while_the_changed_ones_go_up(tmp_path, monke
     monkeypatch.setattr(_plan, "server_copy", copy)
     second = ctx.persist_checkpoint(Checkpoint.from_directory(src), 1, {})
     assert overlapped == [True, True]
+    ctx.delete_checkpoint("checkpoint_000000")
+    second.verify()
+
+
+class _InFlight:
+    """Counts the storage requests of a transfer running at once (each held
+    open a moment, so that overlapping ones meet): every one goes through
+    the retry policy's ``call``."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.now = self.most = 0
+        self.lock = threading.Lock()
+        real = _retry.call
+
+        def call(fn, **kwargs):
+            with self:
+                return real(fn, **kwargs)
+
+        monkeypatch.setattr(_retry, "call", call)
+
+    def __enter__(self) -> None:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        threading.Event().wait(0.1)
+
+    def __exit__(self, *exc) -> None:
+        with self.lock:
+            self.now -= 1
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_incremental_uploads_keep_max_concurrency_requests_in_flight(
+    tmp_path, monkeypatch, object_store, limit
+) -> None:
+    # The copies of unchanged files share max_concurrency with the uploads of
+    # the changed ones: together they keep at most that many requests in flight.
+    uri, opts = object_store
+    src = str(tmp_path / "src")
+    _tree(src, {**{f"same{i}.bin": 1000 + i for i in range(6)},
+                **{f"changed{i}.bin": 2000 + i for i in range(4)}})
+    ctx = StorageContext(uri, "exp", "trial", storage_options=opts, max_concurrency=limit)
+    ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
+    for i in range(4):
+        with open(os.path.join(src, f"changed{i}.bin"), "r+b") as f:
+            f.write(b"new bytes")
+    spy = _InFlight(monkeypatch)
+    second = ctx.persist_checkpoint(Checkpoint.from_directory(src), 1, {})
+    assert spy.most == limit
     ctx.delete_checkpoint("checkpoint_000000")
     second.verify()
 
