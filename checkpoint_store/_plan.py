@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -282,6 +283,17 @@ def _unchanged(r: _Runner, previous: Previous,
         return [u for u in pool.map(one, candidates) if u is not None]
 
 
+def _sharing(call: Callable[[Callable[[], Any], str], Any],
+             slots: threading.BoundedSemaphore) -> Callable[[Callable[[], Any], str], Any]:
+    """``call`` holding one of ``slots`` for each storage task (with its retries)."""
+
+    def bounded(fn: Callable[[], Any], what: str) -> Any:
+        with slots:
+            return call(fn, what)
+
+    return bounded
+
+
 def _copy_from_previous(r: _Runner, previous: Previous, rel: str, size: int,
                         crc: int) -> FileResult | None:
     """Copy one unchanged file inside the store; None where that failed (the
@@ -332,9 +344,10 @@ def run(
     on the destination store. A file whose size and CRC32C equal those of the
     same path there is copied by the store itself
     (:func:`~checkpoint_store._remote.server_copy`) instead
-    of uploaded, while the other files go up; if that copy fails (the
-    previous checkpoint was deleted meanwhile, say), the file is uploaded
-    after them.
+    of uploaded, while the other files go up; the copies and the uploads
+    share ``concurrency`` (the copies take at most half of it). If that copy
+    fails (the previous checkpoint was deleted meanwhile, say), the file is
+    uploaded after them.
 
     Returns:
         One :class:`FileResult` per file, in the order of ``files``.
@@ -360,7 +373,10 @@ def run(
             if same:
                 # The store copies the unchanged files while the changed ones
                 # go up: the report costs the longer of the two, not the sum.
-                copier = ThreadPoolExecutor(min(p.concurrency, len(same)),
+                # Both draw on the same max_concurrency slots; the copies get
+                # at most half of them, the uploads the rest and any a copy frees.
+                r.call = _sharing(r.call, threading.BoundedSemaphore(p.concurrency))
+                copier = ThreadPoolExecutor(max(1, min(p.concurrency // 2, len(same))),
                                             thread_name_prefix="cs-reuse")
                 copies = {rel: copier.submit(_copy_from_previous, r, previous, rel, size, crc)
                           for rel, size, crc in same}

@@ -244,7 +244,8 @@ def test_unchanged_files_are_copied_while_the_changed_ones_go_up(tmp_path, monke
     # upload to start: run one after the other, every copy would time out.
     src = str(tmp_path / "src")
     _tree(src, {"a.bin": 50_000, "b.bin": 60_000, "changed.bin": 70_000})
-    ctx = StorageContext("memory://overlap", "exp", "trial")
+    # Two slots: one for the copies, one for the upload (with one, they take turns).
+    ctx = StorageContext("memory://overlap", "exp", "trial", max_concurrency=2)
     ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
     with open(os.path.join(src, "changed.bin"), "r+b") as f:
         f.write(b"new bytes")
