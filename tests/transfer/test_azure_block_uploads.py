@@ -8,31 +8,26 @@ behind by a failed upload (not for speed)."""
 from __future__ import annotations
 
 import errno
-import os
 import threading
 
 import adlfs
 import pytest
 from azure.storage.blob import BlobServiceClient
 
-from checkpoint_store import Checkpoint, StorageContext, _tasks
+from checkpoint_store import Checkpoint, StorageContext
 from checkpoint_store._remote import AzureBlocks, PartUploader, part_upload_client
+from tests.transfer.part_upload_cases import (
+    BUDGET,
+    DENIED,
+    SIZES,
+    MiB,
+    fail_parts_after,
+    rewrite_between_parts,
+)
+from tests.transfer.part_upload_cases import make_tree as _tree
 
-MiB = 1024 * 1024
-#: With this budget the parts are the smallest we cut (5 MiB): several per file.
-BUDGET = 32 * MiB
-SIZES = {"model.bin": 23 * MiB + 7, "optim.bin": 17 * MiB + 3, "meta.json": 100}
 HOWS = ["adlfs engine", "pyarrow engine", "adlfs filesystem passed"]
 PREFIX = "ckpt/exp/t/checkpoint_000000/"
-
-
-def _tree(root, sizes: dict[str, int]) -> dict[str, bytes]:
-    out = {}
-    for rel, size in sizes.items():
-        out[rel] = os.urandom(size)
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_bytes(out[rel])
-    return out
 
 
 def _adlfs(azure_server) -> adlfs.AzureBlobFileSystem:
@@ -141,35 +136,12 @@ def test_names_with_spaces_and_url_characters_land_where_the_backend_reads(
         assert (tmp_path / "back" / rel).read_bytes() == data, rel
 
 
-def _fail_after(monkeypatch, parts_in: int, exc: OSError) -> list[int]:
-    """Parts after the first ``parts_in`` raise ``exc`` (once each when it is
-    transient: the retry then sends them); returns the call count."""
-    real = _tasks._Runner._upload_part
-    calls = [0]
-    failed: set[tuple[str, int]] = set()
-    lock = threading.Lock()
-
-    def flaky(self, rel, offset, length):
-        with lock:
-            calls[0] += 1
-            n = calls[0]
-            fail = n > parts_in and (not isinstance(exc, ConnectionError)
-                                     or (rel, offset) not in failed)
-            failed.add((rel, offset))
-        if fail:
-            raise exc
-        return real(self, rel, offset, length)
-
-    monkeypatch.setattr(_tasks._Runner, "_upload_part", flaky)
-    return calls
-
-
 @pytest.mark.parametrize("how", HOWS)
 def test_a_block_failing_commits_nothing_and_leaves_no_blob(
         tmp_path, monkeypatch, azure_server, azure_container, how) -> None:
     _tree(tmp_path / "src", SIZES)
     # Some blocks of both files are staged, then a permanent error.
-    _fail_after(monkeypatch, 3, PermissionError(errno.EACCES, "injected failure half-way"))
+    fail_parts_after(monkeypatch, 3, DENIED)
     spy = _PartSpy(monkeypatch)
     st = _storage(how, azure_server, azure_container)
     with pytest.raises(OSError, match="injected"):
@@ -189,8 +161,8 @@ def test_a_block_failing_commits_nothing_and_leaves_no_blob(
 def test_a_block_failing_once_is_staged_again_and_the_blob_verifies(
         tmp_path, monkeypatch, azure_server, azure_container) -> None:
     want = _tree(tmp_path / "src", SIZES)
-    calls = _fail_after(monkeypatch, 2, ConnectionResetError(errno.ECONNRESET,
-                                                             "injected: connection reset"))
+    reset = ConnectionResetError(errno.ECONNRESET, "injected: connection reset")
+    calls = fail_parts_after(monkeypatch, 2, reset)
     st = _storage("adlfs engine", azure_server, azure_container)
     ckpt = st.persist_checkpoint(Checkpoint.from_directory(str(tmp_path / "src")), 0, {})
     parts = sum(-(-size // (5 * MiB)) for size in SIZES.values() if size > 5 * MiB)
@@ -202,21 +174,9 @@ def test_a_block_failing_once_is_staged_again_and_the_blob_verifies(
 
 def test_a_source_changing_between_blocks_fails_the_upload(
         tmp_path, monkeypatch, azure_server, azure_container) -> None:
-    # Each block is read on its own: a file rewritten between two blocks
-    # would be stored as a mix of both versions under a checksum of neither.
     src = tmp_path / "src"
     _tree(src, SIZES)
-    real = _tasks._Runner._upload_part
-    done = threading.Event()
-
-    def write_first(self, rel, offset, length):
-        if rel == "model.bin" and offset and not done.is_set():
-            done.set()
-            with open(src / rel, "ab") as f:
-                f.write(b"late")
-        return real(self, rel, offset, length)
-
-    monkeypatch.setattr(_tasks._Runner, "_upload_part", write_first)
+    done = rewrite_between_parts(src, monkeypatch)
     st = _storage("pyarrow engine", azure_server, azure_container)
     with pytest.raises(OSError, match="changed while it was being"):
         st.persist_checkpoint(Checkpoint.from_directory(str(src)), 0, {})

@@ -7,7 +7,6 @@ no multipart upload left behind (not for speed)."""
 from __future__ import annotations
 
 import errno
-import os
 import threading
 
 import pytest
@@ -15,20 +14,15 @@ import s3fs
 
 from checkpoint_store import Checkpoint, StorageContext, _tasks
 from checkpoint_store._remote import S3Multipart
-
-MiB = 1024 * 1024
-#: With this budget the parts are S3's smallest (5 MiB): several per file.
-BUDGET = 32 * MiB
-SIZES = {"model.bin": 23 * MiB + 7, "optim.bin": 17 * MiB + 3, "meta.json": 100}
-
-
-def _tree(root, sizes: dict[str, int]) -> dict[str, bytes]:
-    root.mkdir()
-    out = {}
-    for rel, size in sizes.items():
-        out[rel] = os.urandom(size)
-        (root / rel).write_bytes(out[rel])
-    return out
+from tests.transfer.part_upload_cases import (
+    BUDGET,
+    DENIED,
+    SIZES,
+    MiB,
+    fail_parts_after,
+    rewrite_between_parts,
+)
+from tests.transfer.part_upload_cases import make_tree as _tree
 
 
 def _raw_s3fs(s3_server) -> s3fs.S3FileSystem:
@@ -88,28 +82,12 @@ def test_large_files_go_up_in_parallel_parts_and_verify(
         assert (tmp_path / "back" / rel).read_bytes() == data, rel
 
 
-def _fail_after(monkeypatch, parts_in: int) -> None:
-    """Parts after the first ``parts_in`` fail with a permanent error."""
-    real = _tasks._Runner._upload_part
-    calls = [0]
-    lock = threading.Lock()
-
-    def flaky(self, rel, offset, length):
-        with lock:
-            calls[0] += 1
-            n = calls[0]
-        if n > parts_in:
-            raise PermissionError(errno.EACCES, "injected failure half-way")
-        return real(self, rel, offset, length)
-
-    monkeypatch.setattr(_tasks._Runner, "_upload_part", flaky)
-
-
 @pytest.mark.parametrize("how", ["pyarrow engine", "s3fs engine", "s3fs filesystem passed"])
 def test_a_part_failing_aborts_every_upload_and_commits_nothing(
         tmp_path, monkeypatch, s3_server, s3_bucket, how) -> None:
     _tree(tmp_path / "src", SIZES)
-    _fail_after(monkeypatch, 3)  # some parts of both files are in, then a permanent error
+    # Some parts of both files are in, then a permanent error.
+    fail_parts_after(monkeypatch, 3, DENIED)
     st = _storage(how, s3_server, s3_bucket)
     with pytest.raises(OSError, match="injected"):
         st.persist_checkpoint(Checkpoint.from_directory(str(tmp_path / "src")), 0, {})
@@ -120,24 +98,13 @@ def test_a_part_failing_aborts_every_upload_and_commits_nothing(
 
 def test_a_source_changing_during_a_part_upload_fails_it(
         tmp_path, monkeypatch, s3_server, s3_bucket) -> None:
-    # Each part is read on its own: a file rewritten between two parts would
-    # be stored as a mix of both versions under a checksum of neither.
     src = tmp_path / "src"
     _tree(src, SIZES)
-    real = _tasks._Runner._upload_part
-    done = threading.Event()
-
-    def write_first(self, rel, offset, length):
-        if rel == "model.bin" and offset and not done.is_set():
-            done.set()
-            with open(src / rel, "ab") as f:
-                f.write(b"late")
-        return real(self, rel, offset, length)
-
-    monkeypatch.setattr(_tasks._Runner, "_upload_part", write_first)
+    done = rewrite_between_parts(src, monkeypatch)
     st = _storage("s3fs engine", s3_server, s3_bucket)
     with pytest.raises(OSError, match="changed while it was being"):
         st.persist_checkpoint(Checkpoint.from_directory(str(src)), 0, {})
+    assert done.is_set()
     assert st.committed_checkpoints() == []
     assert _open_uploads(s3_server, s3_bucket) == []
 
@@ -147,7 +114,7 @@ def test_an_abort_the_store_refuses_once_is_retried(
     # The outage that failed the upload often fails its abort too; S3 keeps
     # the parts of an upload never aborted (billed, not listed as objects).
     _tree(tmp_path / "src", SIZES)
-    _fail_after(monkeypatch, 3)
+    fail_parts_after(monkeypatch, 3, DENIED)
     real_abort = S3Multipart.abort
     refused = []
 
@@ -168,7 +135,7 @@ def test_an_abort_the_store_refuses_once_is_retried(
 def test_an_abort_that_keeps_failing_names_the_upload_and_raises_the_first_error(
         tmp_path, monkeypatch, s3_server, s3_bucket, caplog) -> None:
     _tree(tmp_path / "src", SIZES)
-    _fail_after(monkeypatch, 3)
+    fail_parts_after(monkeypatch, 3, DENIED)
 
     def abort_refused(upload: S3Multipart) -> None:
         raise PermissionError(errno.EACCES, "injected: abort denied")
