@@ -38,6 +38,7 @@ concurrency; a single chunk larger than the limit is still allowed, alone.
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import threading
@@ -67,6 +68,8 @@ from checkpoint_store._tasks import (
     FileResult,
     _Runner,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_MEMORY_LIMIT",
@@ -295,16 +298,16 @@ def _sharing(call: Callable[[Callable[[], Any], str], Any],
 
 
 def _copy_from_previous(r: _Runner, previous: Previous, rel: str, size: int,
-                        crc: int) -> FileResult | None:
-    """Copy one unchanged file inside the store; None where that failed (the
-    previous checkpoint was deleted meanwhile, by retention say): the caller
-    uploads it."""
+                        crc: int) -> FileResult | OSError:
+    """Copy one unchanged file inside the store; the error where that failed
+    (the previous checkpoint was deleted meanwhile, by retention say): the
+    caller uploads it."""
     try:
         r.call(lambda: server_copy(r.dst_fs_outer, posixpath.join(previous.root, rel),
                                    r._dst(rel), size),
                f"copy {rel} from the previous checkpoint")
-    except OSError:
-        return None
+    except OSError as exc:
+        return exc
     return FileResult(rel, size, crc, reused=True)
 
 
@@ -365,7 +368,7 @@ def run(
     results: dict[str, FileResult] = {}
     sizes = dict(files)
     rest = list(files)
-    copies: dict[str, Future[FileResult | None]] = {}
+    copies: dict[str, Future[FileResult | OSError]] = {}
     copier: ThreadPoolExecutor | None = None
     try:
         if previous is not None and p.route == "upload":
@@ -385,9 +388,15 @@ def run(
                          concurrency=concurrency, memory_limit=memory_limit)
         moved, part_crcs = _move(r, p, sizes) if rest else ({}, {})
         copied = {rel: f.result() for rel, f in copies.items()}
-        failed = [(rel, sizes[rel]) for rel, fr in copied.items() if fr is None]
-        results.update((rel, fr) for rel, fr in copied.items() if fr is not None)
+        errors = {rel: fr for rel, fr in copied.items() if isinstance(fr, OSError)}
+        failed = [(rel, sizes[rel]) for rel in errors]
+        results.update((rel, fr) for rel, fr in copied.items() if isinstance(fr, FileResult))
         if failed:
+            rel, exc = next(iter(errors.items()))
+            logger.info("%d of %d unchanged files could not be copied from the previous "
+                        "checkpoint %s inside the store (%s: %s: %s); uploading them",
+                        len(failed), len(copied), previous.root, rel,
+                        type(exc).__name__, exc)
             more, more_crcs = _move(r, plan(src_fs, src_root, dst_fs, dst_root, failed,
                                             chunk_size=chunk_size, concurrency=concurrency,
                                             memory_limit=memory_limit), sizes)

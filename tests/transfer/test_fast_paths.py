@@ -212,7 +212,7 @@ def test_incremental_copies_only_what_is_unchanged(tmp_path, monkeypatch, object
 
 
 def test_previous_deleted_mid_report_falls_back_to_a_full_upload(
-    tmp_path, monkeypatch, object_store
+    tmp_path, monkeypatch, caplog, object_store
 ) -> None:
     uri, opts = object_store
     src = str(tmp_path / "src")
@@ -229,8 +229,13 @@ def test_previous_deleted_mid_report_falls_back_to_a_full_upload(
 
     monkeypatch.setattr(StorageContext, "previous_checkpoint", then_delete)
     spy = _CopySpy(monkeypatch)
-    second = ctx.persist_checkpoint(Checkpoint.from_directory(src), 1, {})
+    with caplog.at_level("INFO", logger="checkpoint_store._plan"):
+        second = ctx.persist_checkpoint(Checkpoint.from_directory(src), 1, {})
     assert spy.copied == []  # every copy failed: all uploaded
+    # ... and the user is told why this report moved every byte.
+    assert [r.getMessage() for r in caplog.records
+            if "could not be copied from the previous checkpoint" in r.getMessage()
+            and r.getMessage().startswith("2 of 2 ")], caplog.text
     assert [m["index"] for _, m in ctx.committed_checkpoints()] == [1]
     second.verify()
     out = second.to_directory(str(tmp_path / "out"))
