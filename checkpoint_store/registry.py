@@ -32,6 +32,7 @@ listing the registered schemes.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import re
@@ -271,6 +272,17 @@ _OBJECT_STORE_PROTOCOLS = frozenset({
 })
 
 
+#: Name characters an fsspec client passed in as a filesystem object cannot
+#: keep, by the client's top-level module: (characters, what to do instead).
+#: adlfs parses every path as a URL, so a '?' or '#' ending a name starts an
+#: empty query or fragment and is dropped ("d/a?" is written as "d/a"): the
+#: same limit as the Azure plugin's adlfs engine, which documents the details.
+_FSSPEC_NAME_LIMITS: dict[str, tuple[str, str]] = {
+    "adlfs": ("?#", "for '?', give the location as az://container/path with "
+                    "storage_options={'engine': 'pyarrow'}, which stores it"),
+}
+
+
 def _generic_capabilities(protocol: str) -> Capabilities:
     """Conservative capabilities for a store nobody wrote a backend for."""
     if protocol in _OBJECT_STORE_PROTOCOLS:
@@ -422,11 +434,12 @@ def _describe(fs: pafs.FileSystem) -> dict[str, Any]:
             # existing one instead of failing, so no rename commit.
             caps = Capabilities(directories=True, concurrency=4)
             return {"scheme": "file", "capabilities": caps, "name": "fsspec:local"}
-        return {
-            "scheme": proto,
-            "capabilities": _generic_capabilities(proto),
-            "name": f"fsspec:{proto}",
-        }
+        caps = _generic_capabilities(proto)
+        limits = _FSSPEC_NAME_LIMITS.get(type(inner).__module__.partition(".")[0])
+        if limits is not None:
+            caps = dataclasses.replace(caps, unsupported_name_characters=limits[0],
+                                       unsupported_name_hint=limits[1])
+        return {"scheme": proto, "capabilities": caps, "name": f"fsspec:{proto}"}
     scheme = {"s3": "s3", "gcs": "gs", "abfs": "abfs"}.get(fs.type_name, fs.type_name)
     return {"scheme": scheme, "capabilities": OBJECT_STORE_CAPABILITIES, "name": fs.type_name}
 

@@ -153,3 +153,29 @@ def test_storage_context_from_backend_checks_names_against_the_store(tmp_path):
         StorageContext.from_backend(strict, f"{root}/r~", "exp", "t")
     with pytest.raises(InvalidConfigError, match="a name checkpoint-store uses inside a trial"):
         StorageContext.from_backend(strict, root, "exp", "checkpoint_000001")
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["adlfs", "PyFileSystem(adlfs)"])
+def test_an_adlfs_filesystem_passed_in_refuses_what_adlfs_drops(
+        azure_server, azure_container, tmp_path, wrap):
+    # The same client as the adlfs engine, handed over as an object: its
+    # limits are the engine's ("d/a?" would be written as the blob "d/a").
+    import adlfs
+
+    fs = adlfs.AzureBlobFileSystem(connection_string=azure_server.connection_string,
+                                   skip_instance_cache=True)
+    if wrap:
+        fs = pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+    root = f"{azure_container}/runs"
+    ctx = StorageContext(root, "exp", "t", storage_filesystem=fs)
+    ctx.persist_checkpoint(Checkpoint.from_directory(_src(tmp_path, {"w.bin": b"w"})), 0, {})
+    before = dict(azure_server.list_blobs(azure_container))
+    for char in REFUSED["adlfs"]:
+        src = _src(tmp_path, {"a.bin": b"a", f"sub/opt{char}": b"o"}, f"bad{char}")
+        with pytest.raises(UnsafePathError, match=re.escape(f"'sub/opt{char}'")
+                           + f".*holds {char!r}.*engine': 'pyarrow'"):
+            ctx.persist_checkpoint(Checkpoint.from_directory(src), 1, {})
+        with pytest.raises(InvalidConfigError, match=re.escape(f"trial_name 't{char}'")):
+            StorageContext(root, "exp", f"t{char}", storage_filesystem=fs)
+    assert dict(azure_server.list_blobs(azure_container)) == before
+    assert [m["index"] for _, m in ctx.committed_checkpoints()] == [0]
