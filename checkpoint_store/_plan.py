@@ -392,6 +392,7 @@ def run(
         failed = [(rel, sizes[rel]) for rel in errors]
         results.update((rel, fr) for rel, fr in copied.items() if isinstance(fr, FileResult))
         if failed:
+            assert previous is not None  # copies exist only with a previous checkpoint
             rel, exc = next(iter(errors.items()))
             logger.info("%d of %d unchanged files could not be copied from the previous "
                         "checkpoint %s inside the store (%s: %s: %s); uploading them",
