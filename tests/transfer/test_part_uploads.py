@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import threading
 
+import pyarrow.fs as pafs
 import pytest
 import s3fs
 
@@ -23,6 +24,8 @@ from tests.transfer.part_upload_cases import (
     rewrite_between_parts,
 )
 from tests.transfer.part_upload_cases import make_tree as _tree
+
+HOWS = ["pyarrow engine", "s3fs engine", "s3fs filesystem passed", "pyarrow filesystem passed"]
 
 
 def _raw_s3fs(s3_server) -> s3fs.S3FileSystem:
@@ -42,8 +45,20 @@ def _storage(how: str, s3_server, bucket: str) -> StorageContext:
     if how == "s3fs engine":
         return StorageContext(f"s3://{bucket}/ckpt", "exp", "t", memory_budget=BUDGET,
                               storage_options=s3_server.storage_options("s3fs"))
+    if how == "pyarrow filesystem passed":
+        return StorageContext(f"{bucket}/ckpt", "exp", "t", memory_budget=BUDGET,
+                              storage_filesystem=_raw_pyarrow(s3_server))
     return StorageContext(f"{bucket}/ckpt", "exp", "t", memory_budget=BUDGET,
                           storage_filesystem=_raw_s3fs(s3_server))
+
+
+def _raw_pyarrow(s3_server, **kw) -> pafs.S3FileSystem:
+    """What a Ray user passes as storage_filesystem (pyarrow's defaults)."""
+    scheme, _, netloc = s3_server.endpoint_url.partition("://")
+    return pafs.S3FileSystem(access_key=s3_server.access_key_id,
+                             secret_key=s3_server.secret_access_key,
+                             endpoint_override=netloc, scheme=scheme,
+                             region=s3_server.region, **kw)
 
 
 class _PartSpy:
@@ -62,7 +77,7 @@ class _PartSpy:
         monkeypatch.setattr(S3Multipart, "put_part", spy)
 
 
-@pytest.mark.parametrize("how", ["pyarrow engine", "s3fs engine", "s3fs filesystem passed"])
+@pytest.mark.parametrize("how", HOWS)
 def test_large_files_go_up_in_parallel_parts_and_verify(
         tmp_path, monkeypatch, s3_server, s3_bucket, how) -> None:
     want = _tree(tmp_path / "src", SIZES)
@@ -82,7 +97,7 @@ def test_large_files_go_up_in_parallel_parts_and_verify(
         assert (tmp_path / "back" / rel).read_bytes() == data, rel
 
 
-@pytest.mark.parametrize("how", ["pyarrow engine", "s3fs engine", "s3fs filesystem passed"])
+@pytest.mark.parametrize("how", HOWS)
 def test_a_part_failing_aborts_every_upload_and_commits_nothing(
         tmp_path, monkeypatch, s3_server, s3_bucket, how) -> None:
     _tree(tmp_path / "src", SIZES)
@@ -200,3 +215,27 @@ def test_default_metadata_reaches_large_files_too(tmp_path, s3_server, s3_bucket
         head = raw.call_s3("head_object", Bucket=s3_bucket, Key=key)
         assert head["ContentType"] == "application/x-checkpoint", rel
     ckpt.to_directory(str(tmp_path / "back"))
+
+
+def test_a_pyarrow_filesystem_passed_in_gets_an_s3fs_client_only_where_it_writes_alike(
+        s3_server) -> None:
+    # pyarrow cannot send one object's parts from several threads; s3fs can,
+    # when it reaches the same store as the same user.
+    from checkpoint_store._remote import _s3fs_twin_of, part_upload_client
+
+    fs = _raw_pyarrow(s3_server, request_timeout=7)
+    uploader = part_upload_client(fs)
+    assert uploader is not None and uploader.kind is S3Multipart
+    twin = uploader.fss
+    assert _s3fs_twin_of(fs) is twin  # made once per filesystem
+    assert twin.endpoint_url == s3_server.endpoint_url and twin.key == s3_server.access_key_id
+    assert twin.config_kwargs["read_timeout"] == 7
+    # Anything s3fs would not do the same way keeps pyarrow's stream: the
+    # default credential chain, virtual addressing, metadata on every object,
+    # a proxy.
+    scheme, _, netloc = s3_server.endpoint_url.partition("://")
+    for other in (pafs.S3FileSystem(endpoint_override=netloc, scheme=scheme),
+                  _raw_pyarrow(s3_server, force_virtual_addressing=True),
+                  _raw_pyarrow(s3_server, default_metadata={"Content-Type": "x/y"}),
+                  _raw_pyarrow(s3_server, proxy_options="http://127.0.0.1:1")):
+        assert part_upload_client(other) is None, other.__reduce__()[1][0]
