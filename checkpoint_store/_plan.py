@@ -311,16 +311,14 @@ def _copy_from_previous(r: _Runner, previous: Previous, rel: str, size: int,
     return FileResult(rel, size, crc, reused=True)
 
 
-def _move(r: _Runner, p: Plan, sizes: Mapping[str, int]) -> tuple[dict[str, FileResult],
-                                                                   _PartCrcs]:
-    """Run the tasks of ``p`` and complete its multipart uploads."""
+def _move(r: _Runner, p: Plan) -> tuple[dict[str, FileResult], _PartCrcs]:
+    """Run the tasks of ``p``; its uploads in parts are completed by then."""
     r.p = p
     # Multipart uploads start here: the caller aborts them if anything fails.
     work = _work_items(p, r)
     sequential = p.concurrency == 1 or work.count == 1
     moved, part_crcs = (_run_in_turn if sequential else _run_on_pool)(r, work)
-    r.finish_uploads(dict(sizes))
-    r.uploads.clear()  # completed: nothing left to abort
+    r.finish_uploads()
     return moved, part_crcs
 
 
@@ -386,7 +384,7 @@ def run(
                 rest = [f for f in files if f[0] not in copies]
                 p = plan(src_fs, src_root, dst_fs, dst_root, rest, chunk_size=chunk_size,
                          concurrency=concurrency, memory_limit=memory_limit)
-        moved, part_crcs = _move(r, p, sizes) if rest else ({}, {})
+        moved, part_crcs = _move(r, p) if rest else ({}, {})
         copied = {rel: f.result() for rel, f in copies.items()}
         errors = {rel: fr for rel, fr in copied.items() if isinstance(fr, OSError)}
         failed = [(rel, sizes[rel]) for rel in errors]
@@ -400,7 +398,7 @@ def run(
                         type(exc).__name__, exc)
             more, more_crcs = _move(r, plan(src_fs, src_root, dst_fs, dst_root, failed,
                                             chunk_size=chunk_size, concurrency=concurrency,
-                                            memory_limit=memory_limit), sizes)
+                                            memory_limit=memory_limit))
             moved.update(more)
             part_crcs.update(more_crcs)
     except BaseException:

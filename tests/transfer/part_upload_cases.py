@@ -71,3 +71,40 @@ def rewrite_between_parts(src, monkeypatch, rel: str = "model.bin") -> threading
 
     monkeypatch.setattr(_tasks._Runner, "_upload_part", write_first)
     return done
+
+
+def record_part_events(monkeypatch, kind: type) -> list[tuple[str, str]]:
+    """Patch ``kind`` (S3Multipart or AzureBlocks) to record, in order,
+    ``("part", file name)`` for each part sent and ``("complete", file
+    name)`` for each completion; the requests still go."""
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    real_put, real_complete = kind.put_part, kind.complete
+
+    def name(upload) -> str:
+        return upload.describe().split(" ")[0].rsplit("/", 1)[-1]
+
+    def put_part(upload, number, data):
+        real_put(upload, number, data)
+        with lock:
+            events.append(("part", name(upload)))
+
+    def complete(upload, parts):
+        real_complete(upload, parts)
+        with lock:
+            events.append(("complete", name(upload)))
+
+    monkeypatch.setattr(kind, "put_part", put_part)
+    monkeypatch.setattr(kind, "complete", complete)
+    return events
+
+
+def assert_each_upload_completes_after_its_last_part(events: list[tuple[str, str]]) -> None:
+    """With one worker (parts in file order): each file's upload completes
+    right after its own last part, before the next file's first part."""
+    files = [n for kind, n in events if kind == "part"]
+    order = list(dict.fromkeys(files))
+    assert len(order) == 2, events
+    want = [("part", order[0])] * files.count(order[0]) + [("complete", order[0])]
+    want += [("part", order[1])] * files.count(order[1]) + [("complete", order[1])]
+    assert events == want

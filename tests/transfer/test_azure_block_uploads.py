@@ -21,7 +21,9 @@ from tests.transfer.part_upload_cases import (
     DENIED,
     SIZES,
     MiB,
+    assert_each_upload_completes_after_its_last_part,
     fail_parts_after,
+    record_part_events,
     rewrite_between_parts,
 )
 from tests.transfer.part_upload_cases import make_tree as _tree
@@ -232,3 +234,15 @@ def test_azure_errors_become_oserrors_the_retry_policy_tells_apart(status, kind,
     assert "az://c/b: HttpResponseError: The server said no." in str(got)
     assert f"HTTP {status}" in str(got) and "RequestId" not in str(got)
     assert classify(got) == retry
+
+
+def test_each_blob_is_committed_as_its_last_block_is_in(
+        tmp_path, monkeypatch, azure_server, azure_container) -> None:
+    want = _tree(tmp_path / "src", SIZES)
+    events = record_part_events(monkeypatch, AzureBlocks)
+    st = _storage("adlfs engine", azure_server, azure_container, max_concurrency=1)
+    ckpt = st.persist_checkpoint(Checkpoint.from_directory(str(tmp_path / "src")), 0, {})
+    assert_each_upload_completes_after_its_last_part(events)
+    ckpt.to_directory(str(tmp_path / "back"))
+    for rel, data in want.items():
+        assert (tmp_path / "back" / rel).read_bytes() == data, rel

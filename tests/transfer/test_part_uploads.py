@@ -20,7 +20,9 @@ from tests.transfer.part_upload_cases import (
     DENIED,
     SIZES,
     MiB,
+    assert_each_upload_completes_after_its_last_part,
     fail_parts_after,
+    record_part_events,
     rewrite_between_parts,
 )
 from tests.transfer.part_upload_cases import make_tree as _tree
@@ -239,3 +241,19 @@ def test_a_pyarrow_filesystem_passed_in_gets_an_s3fs_client_only_where_it_writes
                   _raw_pyarrow(s3_server, default_metadata={"Content-Type": "x/y"}),
                   _raw_pyarrow(s3_server, proxy_options="http://127.0.0.1:1")):
         assert part_upload_client(other) is None, other.__reduce__()[1][0]
+
+
+def test_each_upload_completes_as_its_last_part_is_in(
+        tmp_path, monkeypatch, s3_server, s3_bucket) -> None:
+    # The store assembles an object at CompleteMultipartUpload (seconds for a
+    # large one, answering nothing meanwhile): done while the next file's
+    # parts go, not after the last byte of all of them.
+    want = _tree(tmp_path / "src", SIZES)
+    events = record_part_events(monkeypatch, S3Multipart)
+    st = StorageContext(f"s3://{s3_bucket}/ckpt", "exp", "t", memory_budget=BUDGET,
+                        max_concurrency=1, storage_options=s3_server.storage_options("s3fs"))
+    ckpt = st.persist_checkpoint(Checkpoint.from_directory(str(tmp_path / "src")), 0, {})
+    assert_each_upload_completes_after_its_last_part(events)
+    ckpt.to_directory(str(tmp_path / "back"))
+    for rel, data in want.items():
+        assert (tmp_path / "back" / rel).read_bytes() == data, rel
