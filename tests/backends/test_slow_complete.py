@@ -12,7 +12,9 @@ CompleteMultipartUpload answer longer than the engines' default patience
 
 The same proxy, holding nothing, counts the requests a small file costs
 when the user passes a pyarrow ``S3FileSystem`` made without
-``allow_delayed_open``: one PutObject, not a multipart upload of three.
+``allow_delayed_open``: one PutObject, not a multipart upload of three;
+and the requests a small file's download costs with the pyarrow engine:
+one GET, no HEAD before it.
 """
 
 from __future__ import annotations
@@ -178,3 +180,33 @@ def test_small_files_are_one_put_each_through_a_pyarrow_filesystem_passed_in(
     for i in range(12):
         got = (tmp_path / "back" / f"shard_{i:02d}.bin").read_bytes()
         assert got == (src / f"shard_{i:02d}.bin").read_bytes()
+
+
+@pytest.mark.parametrize("engine", ["pyarrow", "s3fs"])
+def test_small_files_download_with_one_get_each(s3_server, s3_bucket, tmp_path, engine):
+    # pyarrow's Python API asks an object's size (HEAD) before every read;
+    # the listing already gave it. Both engines read small files through
+    # their s3fs client: one ranged GET per file.
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    for i in range(12):
+        (src / f"shard_{i:02d}.bin").write_bytes(os.urandom(1000 + i))
+    (src / "empty.bin").write_bytes(b"")
+    st = StorageContext(f"s3://{s3_bucket}/dl", "exp", "t",
+                        storage_options=s3_server.storage_options(engine))
+    st.persist_checkpoint(Checkpoint.from_directory(str(src)), 0, {"metrics": {}})
+    proxy = _SlowCompleteProxy(s3_server.port, 0.0)
+    try:
+        options = {**s3_server.storage_options(engine), "endpoint_url": proxy.url}
+        ckpt = Checkpoint(f"s3://{s3_bucket}/dl/exp/t/checkpoint_000000",
+                          storage_options=options)
+        ckpt.to_directory(str(tmp_path / "back"))  # verifies every checksum
+        shard_requests = [line for line in proxy.requests if b"/shard_" in line]
+        assert sorted(line.split(b" ")[0] for line in shard_requests) == [b"GET"] * 12, (
+            shard_requests)
+    finally:
+        proxy.close()
+    for i in range(12):
+        got = (tmp_path / "back" / f"shard_{i:02d}.bin").read_bytes()
+        assert got == (src / f"shard_{i:02d}.bin").read_bytes()
+    assert (tmp_path / "back" / "empty.bin").read_bytes() == b""
