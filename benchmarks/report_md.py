@@ -80,9 +80,13 @@ def render(res: dict[str, Any]) -> str:
     w("## Machine\n")
     w(f"- CPU: {m.get('cpu', '?')} ({m.get('cpus', '?')} cores), memory "
       f"{m.get('memory_gib', '?')} GiB, Python {m.get('python', '?')}, {m.get('platform', '?')}")
+    load = m.get("load_avg_at_start") or ["?"]
+    busy = isinstance(load[0], (int, float)) and load[0] > 1.0
     w(f"- temp filesystem: {m.get('tmp_filesystem', '?')}; load average at start "
-      f"{m.get('load_avg_at_start', '?')} (the machine was shared with other jobs: "
-      "absolute numbers are noisy, ratios within a run less so)")
+      f"{load} " + ("(the machine was shared with other jobs: absolute numbers are "
+                    "noisy, ratios within a run less so)" if busy else
+                    "(no other job ran; the storage servers share the cores with the "
+                    "client)"))
     w("- versions: " + ", ".join(f"{k} {v}" for k, v in sorted(m.get("versions", {}).items())))
     w(f"- servers: moto (S3) and Azurite (Azure Blob) on 127.0.0.1; total wall time "
       f"{res.get('wall_s', 0):.0f} s\n")
@@ -239,90 +243,59 @@ def render(res: dict[str, Any]) -> str:
 # rows above). Keyed by a substring of the target's name.
 WHY: list[tuple[str, str]] = [
     ("upload, fsync", "with fsync on, the bytes are flushed before the commit marker is "
-     "written: fsync of every file in parallel threads for a few large files, one "
-     "syncfs(2) of the target filesystem from 64 files on (2000 x 64 KiB alone: 0.13 s "
-     "against 0.38 s for 8 fsync threads) while the machine holds at most 128 MiB of "
-     "other dirty pages (else parallel fsyncs); `cp -r + sync` pays the same disk "
-     "writes. The rest of the gap is the no-fsync copy below (1 x 1 GiB: 1.39 s with or "
-     "without fsync)."),
-    ("no fsync", "our local copy is copy_file_range (a reflink where the filesystem "
-     "clones) plus a CRC32C read of every byte from the page cache; `cp -r` does the "
-     "copy only. Per GiB here: the kernel copy ~0.27 s (`strace -c` of cp on an idle "
-     "moment), the CRC32C read 0.12-0.17 s of CPU more. A large file is copied whole "
-     "by one thread while 3 others checksum its parts, so with a free core the "
-     "checksum ends with the copy (timed per task); on these 2 cores, shared with "
-     "other jobs (load average 12-21 during this run), the checksum threads take CPU "
-     "from the copy and the two add up: about 0.5x cp. Small files: ours and cp's "
-     "system calls per file are the same (`strace -c`: ~85 % of both in `open`, file "
-     "creation); in this run the times of every candidate grew 2-10x from rep 0 to "
-     "rep 2 (2000 x 64 KiB: ours 0.94 s, 5.42 s, 5.18 s; cp 0.38 s, 4.11 s, 1.81 s). "
-     "A side test with 1, 2 and 4 copy threads on 2000 x 64 KiB (cp/ours 1.08x, "
-     "0.94x, 0.76x, 5 alternating runs) suggests fewer threads for small files on a "
-     "loaded machine: next step, with a quiet machine to confirm it."),
-    ("download (verify)", "a download reads every byte once for its CRC32C and checks it "
-     "against the manifest (a corrupt file raises `CheckpointCorruptError`): the same "
-     "kernel copy plus CRC32C read as an upload, limited the same way (4 x 256 MiB met "
-     "it in this run, 1 GiB and 2000 files did not). The check for links out of the "
-     "target used to resolve each file's directory (0.27 s of a 0.85 s download of "
-     "2000 files under cProfile); it resolves each directory once."),
-    ("best of the raw clients", "moto and Azurite are single Python / Node processes "
-     "sharing the 2 cores with the client (load average 12-18 during these runs), so "
-     "the rows are bound by server and client CPU and a row measured once (the 100 s "
-     "budget) moves by 1.5x between runs. Requests counted in moto's log, 4 x 256 MiB "
-     "download: 65 GETs of 16 MiB before issue 17 (moto re-reads the whole object for "
-     "every ranged GET: 16 GiB read to serve 1 GiB) against copy_files' 16; now 8 "
-     "streamed ranged GETs of 128 MiB (one per worker, one per file once there are as "
-     "many files as workers), read 8 MiB at a time, peak RSS 157 MiB against "
-     "copy_files' 247 MiB. 2000 x 64 KiB download: s3fs asked every object's size "
-     "first (2000 HEADs); small files now come through pyarrow's C++ client where the "
-     "backend has one (its HEAD + GET per file cost less client CPU than s3fs's "
-     "Python: 25-28 s against 32-34 s alternating), 54.8 s -> 14.2 s on moto. What "
-     "is left is ours alone: a download lists the checkpoint twice and reads the "
-     "manifest before the first byte (3.5 s of 33 s for 2000 files, profiled), an "
-     "upload adds the commit's claim, manifest, marker and read-back. Large uploads "
-     "went in about 21 MiB parts with one part in flight per file (the rows below "
-     "were measured then); since, a large file is one multipart upload whose ~10 MiB "
-     "parts run on every worker (both S3 engines and an s3fs filesystem passed in; "
-     "4 x 256 MiB upload, one run each under load: 1.17x s3fs put by URI, 1.35x with "
-     "an s3fs filesystem passed, 1.12-1.17x through the link, peak RSS 98-252 MiB "
-     "against s3fs put's 2 GiB; a pyarrow S3FileSystem passed in keeps its stream, "
-     "0.87x). The s3-link 4 x 256 MiB failure (INTERNAL_FAILURE on "
-     "CompleteMultipartUpload) was a client timeout: moto answers a Complete only "
-     "once the object is assembled, sending nothing meanwhile, which under load "
-     "outlasts pyarrow's 3 s no-progress limit (and s3fs's 15 s read timeout for "
-     "1 GiB); the client sent the Complete again and moto failed the repeat. Both "
-     "engines now default to a 60 s request timeout (botocore's); the benchmark's "
-     "raw pyarrow client keeps its default, hence the 1 x 1 GiB S3 row left out. "
-     "Azure: the adlfs engine now moves large files' bytes through pyarrow's "
-     "AzureFileSystem (adlfs runs every byte through one event-loop thread); small "
-     "files still go through adlfs (not measured against pyarrow yet). Azure large "
-     "uploads were one stream per file (pyarrow's or adlfs's); since, a large file's "
-     "~10 MiB blocks are staged on every worker and committed with one Put Block List "
-     "(both engines and an adlfs filesystem passed in). 4 x 256 MiB upload, "
-     "alternating, 3 runs each, medians: through the 10 ms / 1 Gbit/s link (8.6 s "
-     "of wire time) 12.0 -> 10.3 s by URI, 11.0 -> 10.5 s with the pyarrow engine, "
-     "17.7 -> 9.2 s with an adlfs filesystem passed; on loopback Azurite's single "
-     "Node process sets the pace (5-9 s for every client, runs spread 2x), adlfs "
-     "filesystem passed 8.8-13.0 -> 6.2-8.0 s; peak RSS 116-174 MiB on the 256 MiB "
-     "budget."),
+     "written: the files of a few large files by parallel fsync threads, from 64 files on "
+     "by one syncfs(2) of the target filesystem (2000 x 64 KiB alone: 0.13 s against "
+     "0.38 s for 8 fsync threads) while the machine holds at most 128 MiB of other dirty "
+     "pages; `cp -r + sync` pays the same disk writes. The rest is the no-fsync copy "
+     "below."),
+    ("no fsync", "a large local file is one kernel copy (`copy_file_range`, as `cp` "
+     "does; a reflink where the filesystem clones) while one other thread reads its "
+     "CRC32C from the page cache; the commit adds the manifest, the marker and a rename "
+     "(a few ms). One file is not copied faster than `cp` copies it: parallel writers of "
+     "one ext4 inode queue on its lock, so 1 x 1 GiB stays at parity, within the run's "
+     "noise; several large files are copied in parallel (4 x 256 MiB). Small files: "
+     "each costs an `open` that creates an inode, about 90 % of both our time and "
+     "`cp`'s under `strace -c`."),
+    ("download (verify)", "a download is the same kernel copy plus a check of every "
+     "byte's CRC32C against the manifest (a corrupt file raises "
+     "`CheckpointCorruptError`): on one large file the checksum thread takes a share of "
+     "the 2 cores from the copy, and 2000 small files are bound by inode creation as "
+     "above."),
+    ("best of the raw clients", "moto (one Python process) and Azurite (one Node "
+     "process) run on the same 2 cores as the client, so these rows are bound by server "
+     "CPU, and Azurite's move by up to 2x between repetitions. How checkpoint-store "
+     "moves each shape: small files in batches, one request per file through the async "
+     "client (on S3 a GET ranged by the listed size, no HEAD: 2000 x 64 KiB 7.8 s -> "
+     "5.6 s against pyarrow's HEAD + GET, 9.6 s -> 5.9 s through the link; on Azure "
+     "adlfs, which through the link is 1.9x faster than pyarrow's per-file read, and "
+     "1.15x slower on loopback); a large file as one multipart upload (S3) or staged-block "
+     "blob (Azure) whose ~10 MiB parts run on every worker, each file completed as soon "
+     "as its last part is in (moto answers a Complete only once it assembled the "
+     "object: 4 x 256 MiB through the link 14.4 s -> 10.8 s); large downloads as ranged "
+     "GETs streamed 8 MiB at a time. A pyarrow `S3FileSystem` passed in gets the same "
+     "parallel parts through an s3fs client made from its options where those are "
+     "explicit keys and an endpoint (docs/backends.md). What remains ours alone: the "
+     "manifest read before a download's first byte; the claim, manifest, marker and "
+     "read-back of an upload's commit."),
     ("incremental", "moto's CopyObject copies the object's bytes inside its single "
-     "Python process (about 0.5 s per 64 MiB here, against 1.2 s for a PUT), one copy "
-     "at a time, so on moto a copy saves little of an upload's cost; real stores copy "
-     "server-side without that cost, and through the link a copy saves the bytes on "
-     "the wire."),
-    ("Ray", "Ray's upload path is pyarrow.fs.copy_files with 64 MiB chunks "
-     "(single-threaded to S3); on small files our batched PUTs through the async "
-     "client win, on large files both are bound by the server."),
+     "Python process (about 3-4.5 s for the 15 unchanged 64 MiB files here, against "
+     "about 12 s to upload all 16), so on moto the copies, not the changed file's "
+     "upload, set the time of an incremental report; a real store copies inside "
+     "itself, and through the link a copy saves the bytes on the wire."),
+    ("Ray", "Ray's upload path is pyarrow.fs.copy_files with 64 MiB chunks; on small "
+     "files our batched requests through the async client win, on large files both are "
+     "bound by the server."),
     ("report() metrics only ≤ 20 µs", "cProfile of 3000 reports: about half of each "
      "call opens, appends to and closes result.json (plus a makedirs), a third encodes "
-     "the JSON row; keeping the file open in ResultLog would remove the first part."),
+     "the JSON row."),
     ("import checkpoint_store", "`import pyarrow.fs` alone (which imports numpy) takes "
-     "most of it, see the Import time section; only a lazy import of pyarrow in "
-     "`checkpoint_store/__init__.py` (PEP 562 `__getattr__`) would get under 150 ms."),
-    ("peak RSS", "each byte in flight exists in our buffer and in the HTTP client's "
-     "(and, for fsspec output streams, in their write buffer); the plan counts 2-4 "
-     "copies against `memory_budget` (default 256 MiB); glibc's per-thread malloc "
-     "arenas can keep freed buffers in RSS on top (`MALLOC_ARENA_MAX=2` removes that)."),
+     "most of it, see the Import time section."),
+    ("peak RSS", "each byte in flight exists in our buffer and in the HTTP client's; "
+     "the plan counts 2-3 copies of each part against `memory_budget` (default "
+     "256 MiB), so a transfer stays within it but may use most of it; a smaller "
+     "`memory_budget` trades speed for memory (Azure 1 GiB download: 128 MiB gives "
+     "about half the peak, 1.4 s against 1.2 s). glibc's per-thread malloc arenas can "
+     "keep freed buffers in RSS on top (`MALLOC_ARENA_MAX=2` removes that)."),
     ("async", "async staging copies the checkpoint on the local disk (page cache "
      "speed); with `staging=\"hardlink\"` nothing is copied."),
 ]
