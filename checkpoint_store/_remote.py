@@ -17,6 +17,7 @@ import sys
 import threading
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -37,13 +38,50 @@ def _native_of(fs: pafs.FileSystem) -> pafs.FileSystem:
     return fs
 
 
-#: ``id(user's S3FileSystem) -> (weak reference to it, its twin)``, see :func:`writer_of`.
-_TWINS: dict[int, tuple[weakref.ref[Any], pafs.FileSystem]] = {}
+#: ``(what, id(user's S3FileSystem)) -> (weak reference to it, what was made
+#: of it or None)``: the twins of :func:`writer_of` and :func:`_s3fs_twin_of`,
+#: kept as long as the user's filesystem lives.
+_TWINS: dict[tuple[str, int], tuple[weakref.ref[Any], Any]] = {}
 #: Reentrant: the cycle collector may run on any allocation, also inside a
 #: section holding this lock, and collect a user's filesystem there; its
 #: weakref callback (:func:`_forget_twin`) then takes the lock on the same
 #: thread. A plain lock would wait for itself forever.
 _TWINS_LOCK = threading.RLock()
+
+
+def _twin(what: str, fs: pafs.FileSystem, make: Callable[[dict[str, Any]], Any]) -> Any:
+    """``make(options)`` for a pyarrow ``S3FileSystem`` ``fs`` (its pickled
+    options: what pyarrow, and a Ray worker, rebuilds it from), made once
+    per filesystem and kept while ``fs`` lives; None for any other
+    filesystem, for a state this pyarrow does not pickle so, or where
+    ``make`` returns None."""
+    try:
+        s3_type = pafs.S3FileSystem
+    except ImportError:  # a pyarrow built without S3: no such filesystem to twin
+        return None
+    if type(fs) is not s3_type:
+        return None
+    key = (what, id(fs))
+    with _TWINS_LOCK:
+        held = _TWINS.get(key)
+        if held is not None and held[0]() is fs:
+            return held[1]
+    try:
+        options = dict(fs.__reduce__()[1][0])
+    except (AttributeError, IndexError, KeyError, TypeError):  # another pyarrow's state
+        made = None
+    else:
+        made = make(options)
+    with _TWINS_LOCK:
+        _TWINS[key] = (weakref.ref(fs, lambda _ref: _forget_twin(key, _ref)), made)
+    return made
+
+
+def _forget_twin(key: tuple[str, int], ref: weakref.ref[Any]) -> None:
+    with _TWINS_LOCK:
+        held = _TWINS.get(key)
+        if held is not None and held[0] is ref:
+            del _TWINS[key]
 
 
 def writer_of(fs: pafs.FileSystem) -> pafs.FileSystem:
@@ -64,46 +102,19 @@ def writer_of(fs: pafs.FileSystem) -> pafs.FileSystem:
     only at its first part or its close rather than at its open. 2000 x 64
     KiB to moto, 3 alternating runs: 21.5 s -> 7.8 s.
     """
-    try:
-        s3_type = pafs.S3FileSystem
-    except ImportError:  # a pyarrow built without S3: no such filesystem to twin
-        return fs
-    if type(fs) is not s3_type:
-        return fs
-    key = id(fs)
-    with _TWINS_LOCK:
-        held = _TWINS.get(key)
-        if held is not None and held[0]() is fs:
-            return held[1]
-    try:
-        options = dict(fs.__reduce__()[1][0])
-    except (AttributeError, IndexError, KeyError, TypeError):  # another pyarrow's state
-        return fs
+    twin = _twin("writer", fs, _make_writer_twin)
+    return fs if twin is None else twin
+
+
+def _make_writer_twin(options: dict[str, Any]) -> pafs.FileSystem | None:
     if options.get("allow_delayed_open", True):
-        return fs
-    options["allow_delayed_open"] = True
+        return None
     try:
-        twin = s3_type(**options)
+        return pafs.S3FileSystem(**{**options, "allow_delayed_open": True})
     except (TypeError, ValueError):
-        return fs
-    with _TWINS_LOCK:
-        _TWINS[key] = (weakref.ref(fs, lambda _ref: _forget_twin(key, _ref)), twin)
-    return twin
+        return None
 
 
-def _forget_twin(key: int, ref: weakref.ref[Any]) -> None:
-    with _TWINS_LOCK:
-        held = _TWINS.get(key)
-        if held is not None and held[0] is ref:
-            del _TWINS[key]
-        held_s3fs = _S3FS_TWINS.get(key)
-        if held_s3fs is not None and held_s3fs[0] is ref:
-            del _S3FS_TWINS[key]
-
-
-#: ``id(user's S3FileSystem) -> (weak reference to it, s3fs client or None)``,
-#: see :func:`_s3fs_twin_of`.
-_S3FS_TWINS: dict[int, tuple[weakref.ref[Any], Any]] = {}
 #: Options of pyarrow's S3FileSystem (its pickled state) an s3fs client is
 #: given the same way: what they must hold for one to be made. Any other
 #: option set to anything but these values (a role to assume, a proxy, a CA
@@ -134,28 +145,10 @@ def _s3fs_twin_of(fs: pafs.FileSystem) -> Any | None:
     not honour the same way (:data:`_S3FS_EQUIVALENT_DEFAULTS`), or without
     s3fs installed, large files keep pyarrow's stream.
     """
-    try:
-        s3_type = pafs.S3FileSystem
-    except ImportError:  # a pyarrow built without S3
-        return None
-    if type(fs) is not s3_type:
-        return None
-    key = id(fs)
-    with _TWINS_LOCK:
-        held = _S3FS_TWINS.get(key)
-        if held is not None and held[0]() is fs:
-            return held[1]
-    client = _make_s3fs_twin(fs)
-    with _TWINS_LOCK:
-        _S3FS_TWINS[key] = (weakref.ref(fs, lambda _ref: _forget_twin(key, _ref)), client)
-    return client
+    return _twin("s3fs", fs, _make_s3fs_twin)
 
 
-def _make_s3fs_twin(fs: pafs.FileSystem) -> Any | None:
-    try:
-        options = dict(fs.__reduce__()[1][0])
-    except (AttributeError, IndexError, KeyError, TypeError):  # another pyarrow's state
-        return None
+def _make_s3fs_twin(options: dict[str, Any]) -> Any | None:
     known = {"access_key", "secret_key", "session_token", "anonymous", "endpoint_override",
              "scheme", "region", "request_timeout", "connect_timeout", "default_metadata",
              *_S3FS_EQUIVALENT_DEFAULTS, *_S3FS_IRRELEVANT}

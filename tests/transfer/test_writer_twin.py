@@ -34,7 +34,7 @@ def test_a_twin_differs_only_in_delayed_open_and_is_kept_while_the_original_live
     assert twin is not user and _remote.writer_of(user) is twin
     want = {**_options(user), "allow_delayed_open": True}
     assert _options(twin) == want
-    key = id(user)
+    key = ("writer", id(user))
     assert key in _remote._TWINS
     del user, twin
     gc.collect()
@@ -50,7 +50,7 @@ def test_a_user_filesystem_collected_while_the_twins_are_locked_does_not_deadloc
     _remote.writer_of(user)
     holder: dict = {"fs": user}
     holder["self"] = holder  # collectable only by the cycle collector
-    key = id(user)
+    key = ("writer", id(user))
     del user, holder
     done = threading.Event()
 
