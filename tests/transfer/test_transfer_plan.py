@@ -236,10 +236,10 @@ def _moto_requests(s3_server, bucket: str, since: int) -> list[str]:
 def test_s3_download_asks_each_file_once(tmp_path, request, s3_server, s3_bucket,
                                          engine) -> None:
     # The raw clients GET each file once: so do we, and a large file is one
-    # ranged GET per worker, streamed, however small the budget. Through
-    # s3fs no HEAD per file (it asks an object's size before an unbounded
-    # read); pyarrow's client, faster for small files despite it, opens each
-    # small file with a HEAD, as pyarrow's copy_files does.
+    # ranged GET per worker, streamed, however small the budget. No HEAD per
+    # file with either engine: small files are read through the engine's
+    # s3fs client with a range from the listing (s3fs asks an object's size
+    # before an unbounded read; pyarrow's client opens each file with one).
     loc = request.getfixturevalue(engine)
     backend, root = resolve(loc.uri, storage_options=loc.storage_options)
     sizes = {**{f"small/s{i:02d}": 1000 + i for i in range(40)}, "empty.bin": 0,
@@ -255,11 +255,10 @@ def test_s3_download_asks_each_file_once(tmp_path, request, s3_server, s3_bucket
     reqs = _moto_requests(s3_server, s3_bucket, since)
     gets = [r for r in reqs if r.startswith("GET") and "list-type" not in r]
     heads = [r for r in reqs if r.startswith("HEAD")]
-    # 12 MiB over 4 workers: ranges of 4 MiB, 2 per large file; one GET per small file.
-    # (pyarrow reads the empty file from its HEAD alone)
-    assert len(gets) == (40 if engine == "s3_location" else 41) + 2 + 2, reqs
-    per_file = 41 if engine == "s3_location" else 0
-    assert len(heads) <= 2 + per_file, heads  # + the listing's directory checks
+    # 12 MiB over 4 workers: ranges of 4 MiB, 2 per large file; one GET per
+    # small file, the empty one included.
+    assert len(gets) == 41 + 2 + 2, reqs
+    assert len(heads) <= 2, heads  # the listing's directory checks
 
 
 @pytest.mark.slow
