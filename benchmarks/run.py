@@ -311,8 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         stamp = time.strftime("%H:%M UTC", time.gmtime(t_start))
         for key, value in results.items():
             if key == "transfers":
+                # Shape by shape: a run of some shapes (--shapes) keeps the others.
                 for backend, rows in value.items():
-                    old.setdefault("transfers", {})[backend] = rows
+                    old.setdefault("transfers", {}).setdefault(backend, {}).update(rows)
             elif key in ("report", "async", "rss", "import", "retention", "incremental",
                          "link"):
                 old[key] = value
