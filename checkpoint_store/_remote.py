@@ -143,7 +143,9 @@ def _s3fs_twin_of(fs: pafs.FileSystem) -> Any | None:
     from explicit keys (or ``anonymous``), endpoint, scheme, region and
     timeouts: with the default credential chain, or any option s3fs would
     not honour the same way (:data:`_S3FS_EQUIVALENT_DEFAULTS`), or without
-    s3fs installed, large files keep pyarrow's stream.
+    the S3 plugin's s3fs engine (the client is the one that engine builds,
+    through the registry: the same timeouts and caching as by URI), large
+    files keep pyarrow's stream.
     """
     return _twin("s3fs", fs, _make_s3fs_twin)
 
@@ -157,40 +159,41 @@ def _make_s3fs_twin(options: dict[str, Any]) -> Any | None:
         return None
     if options.get("default_metadata") is not None and len(options["default_metadata"]):
         return None  # metadata on every object: parts through s3fs would lack it
-    kwargs: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
+    # The S3 plugin's s3fs engine, given the same store and credentials. Every
+    # option is given, None included, so that no AWS_* variable fills one in
+    # that the user's filesystem did not have.
+    scheme = options.get("scheme") or "https"
+    override = options.get("endpoint_override")
+    if not override and scheme != "https":
+        return None
+    storage_options: dict[str, Any] = {
+        "engine": "s3fs",
+        "endpoint_url": f"{scheme}://{override}" if override else None,
+        "region": options.get("region") or None,
+    }
     if options.get("anonymous"):
-        kwargs["anon"] = True
+        storage_options["anonymous"] = True
     elif options.get("access_key") and options.get("secret_key"):
-        kwargs["key"], kwargs["secret"] = options["access_key"], options["secret_key"]
+        storage_options["access_key_id"] = options["access_key"]
+        storage_options["secret_access_key"] = options["secret_key"]
         if options.get("session_token"):
-            kwargs["token"] = options["session_token"]
+            storage_options["session_token"] = options["session_token"]
     else:  # the default chain: pyarrow's (the AWS C++ SDK's) may find other keys
         return None
-    scheme = options.get("scheme") or "https"
-    if options.get("endpoint_override"):
-        kwargs["endpoint_url"] = f"{scheme}://{options['endpoint_override']}"
-    elif scheme != "https":
-        return None
-    if options.get("region"):
-        kwargs["client_kwargs"] = {"region_name": options["region"]}
-    # s3fs waits 15 s for an answer by default, pyarrow (unset) 3 s without
-    # progress; a CompleteMultipartUpload of a large object can take longer
-    # (the S3 plugin's engines use botocore's 60 s for the same reason).
-    config: dict[str, Any] = {"read_timeout": 60.0}
-    for ours, theirs in (("request_timeout", "read_timeout"),
-                         ("connect_timeout", "connect_timeout")):
-        value = options.get(ours)
-        if isinstance(value, (int, float)) and value > 0:
-            config[theirs] = value
-    kwargs["config_kwargs"] = config
+    timeout = options.get("request_timeout")
+    if isinstance(timeout, (int, float)) and timeout > 0:  # else the plugin's 60 s
+        storage_options["request_timeout"] = timeout
+    connect = options.get("connect_timeout")
+    if isinstance(connect, (int, float)) and connect > 0:
+        storage_options["config_kwargs"] = {"connect_timeout": connect}
+    from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
+    from checkpoint_store.registry import backend_for_scheme
+
     try:
-        import s3fs
-    except ImportError:
+        backend = backend_for_scheme("s3", "s3://", storage_options)
+    except (BackendUnavailableError, InvalidConfigError):  # no S3 plugin, or no s3fs
         return None
-    try:
-        return s3fs.S3FileSystem(**kwargs)
-    except (TypeError, ValueError):
-        return None
+    return _fsspec_of(backend.filesystem)
 
 
 def _fsspec_of(fs: pafs.FileSystem) -> Any | None:
