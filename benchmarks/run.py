@@ -65,6 +65,14 @@ def _cells_json(rows: dict[str, Cell]) -> dict[str, Any]:
             for name, c in rows.items()}
 
 
+def merge_transfers(old: dict[str, Any], new: dict[str, Any]) -> None:
+    """Put the transfer rows of a ``--merge`` run (backend -> shape -> direction
+    -> cells) into ``old``, shape by shape: a run of some shapes (``--shapes``)
+    replaces those and keeps the backend's other shapes."""
+    for backend, rows in new.items():
+        old.setdefault(backend, {}).update(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="1/16 of the data, one repetition")
@@ -311,9 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         stamp = time.strftime("%H:%M UTC", time.gmtime(t_start))
         for key, value in results.items():
             if key == "transfers":
-                # Shape by shape: a run of some shapes (--shapes) keeps the others.
-                for backend, rows in value.items():
-                    old.setdefault("transfers", {}).setdefault(backend, {}).update(rows)
+                merge_transfers(old.setdefault("transfers", {}), value)
             elif key in ("report", "async", "rss", "import", "retention", "incremental",
                          "link"):
                 old[key] = value

@@ -194,3 +194,15 @@ def test_fresh_rss_measures_each_local_candidate_in_a_child(tmp_path) -> None:
         # The checkpoint's files (and for raw copies its manifest) arrived.
         assert v["bytes"] >= shape.total, (name, v)
     assert list(work.iterdir()) == []  # destinations and the source store removed
+
+
+def test_a_merged_run_of_one_shape_keeps_the_other_shapes() -> None:
+    from benchmarks.run import merge_transfers
+
+    old = {"azure": {"1 x 1 GiB": {"upload": "old"}, "4 x 256 MiB": {"upload": "kept"}},
+           "s3": {"4 x 256 MiB": {"upload": "s3"}}}
+    merge_transfers(old, {"azure": {"1 x 1 GiB": {"upload": "new"}},
+                          "local": {"1 x 1 GiB": {"upload": "local"}}})
+    assert old == {"azure": {"1 x 1 GiB": {"upload": "new"}, "4 x 256 MiB": {"upload": "kept"}},
+                   "s3": {"4 x 256 MiB": {"upload": "s3"}},
+                   "local": {"1 x 1 GiB": {"upload": "local"}}}
