@@ -135,7 +135,11 @@ def alternate(
     log: Callable[[str], None] = print,
     label: str = "",
 ) -> dict[str, Cell]:
-    """Run each candidate ``reps`` times, round-robin (A B C A B C ...).
+    """Run each candidate ``reps`` times, round-robin, each round starting one
+    candidate later (A B C, B C A, C A B, ...): no candidate always runs first,
+    right after the set-up or the last round's clean-up (an emulator's garbage
+    collection, writeback of a deleted destination), whose cost otherwise
+    falls on the same candidate in every round.
 
     A candidate is ``fn(rep) -> seconds`` (it times its own critical part and
     cleans up outside it). An exception marks the candidate failed for the
@@ -143,8 +147,11 @@ def alternate(
     """
     cells = {name: Cell(name) for name in candidates}
     t_start = time.perf_counter()
+    names = list(candidates)
     for rep in range(reps):
-        for name, fn in candidates.items():
+        shift = rep % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            fn = candidates[name]
             cell = cells[name]
             if cell.error is not None:
                 continue

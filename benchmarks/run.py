@@ -165,7 +165,6 @@ def main(argv: list[str] | None = None) -> int:
             if az:
                 servers.append(az)
     try:
-        remote_reps = reps if quick else min(reps, 2)
         budget = None if quick else 100.0
         # moto answers CompleteMultipartUpload of a 1 GiB object only once it has
         # assembled it, sending nothing meanwhile: the raw clients' default
@@ -197,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             remote = bench_transfer.connect(spec)
             for s in part_shapes:
                 rows = guarded(f"{key} {s.name}", lambda s=s: bench_transfer.remote_rows(
-                    key, data[s.name], s, work, remote_reps, _log, remote=remote,
+                    key, data[s.name], s, work, reps, _log, remote=remote,
                     budget_s=budget))
                 if rows:
                     for direction, cells in rows.items():
@@ -233,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             def inc_part(key: str, endpoint_url: str) -> None:
                 bucket = s3.create_bucket()
                 rows = guarded(f"incremental {key}", lambda: bench_transfer.incremental_rows(
-                    key, inc_src, inc, work, remote_reps, _log, uri_root=f"s3://{bucket}",
+                    key, inc_src, inc, work, reps, _log, uri_root=f"s3://{bucket}",
                     options={**s3.storage_options(), "endpoint_url": endpoint_url},
                     changed_size=inc.size))
                 if rows:
