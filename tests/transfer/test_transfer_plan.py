@@ -220,6 +220,11 @@ def test_azure_download_plan_keeps_parts_within_the_budget(azure_location) -> No
     p = _plan.plan(backend.filesystem, root, LOCAL, "/tmp/x", [("m", 1024 * MiB)],
                    chunk_size=64 * MiB, concurrency=8, memory_limit=256 * MiB)
     assert p.piece == 0 and p.chunk_size * 2 * _plan.PARTS_IN_FLIGHT <= 256 * MiB
+    # A larger budget or fewer workers does not make parts that pyarrow's pool
+    # maps afresh for every read (32 MiB parts: every page faulted in again).
+    roomy = _plan.plan(backend.filesystem, root, LOCAL, "/tmp/x", [("m", 1024 * MiB)],
+                       chunk_size=64 * MiB, concurrency=4, memory_limit=1024 * MiB)
+    assert roomy.chunk_size == _plan.MAX_READ_PART == 16 * MiB
 
 
 def _moto_requests(s3_server, bucket: str, since: int) -> list[str]:
