@@ -1,8 +1,9 @@
 """Disk-to-disk copies and their durability.
 
-Owns the routes by which a local file is copied inside the kernel (a reflink
-via ``FICLONE`` where the filesystem shares extents, else
-``copy_file_range``, else a user-space buffer), the check that a source did
+Owns the routes by which a local file is copied (a reflink via ``FICLONE``
+where the filesystem shares extents; else, between local disks, through
+user space on two threads, checksummed as it is read; to or from a network
+filesystem ``copy_file_range``, else a user-space buffer), the check that a source did
 not change while it was copied, the per-thread buffers of local reads, and
 how a copied tree is made durable (:func:`flush_files`, :data:`DURABILITY`).
 :class:`_LocalDisk` holds the local-disk primitives of the transfer runner in
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +44,17 @@ __all__ = [
 #: cache is the source; 1-4 MiB buffers were fastest, larger ones fell out of
 #: the CPU caches).
 LOCAL_BUFFER = 4 * 1024 * 1024
+
+#: A large file copied disk to disk through user space (:meth:`_LocalDisk._pipe_copy`)
+#: moves in pieces this large, :data:`PIPE_BUFFERS` of them in flight: small
+#: enough that the writer's read of a piece finds it still in the CPU caches
+#: where the reader (and its checksum) left it. 1 GiB on ext4 (kernel 6.18),
+#: 2 cores, 10 alternating runs, CRC32C included: 1 MiB x 4 0.19 s, 256 KiB x 8
+#: 0.23 s, 4 MiB x 4 0.65 s; ``cp`` (copy_file_range) 0.30 s. Several large
+#: files are copied at once, one per worker (4 x 256 MiB, 9 alternating runs:
+#: four at once 0.19 s, one at a time 0.24 s, ``cp -r`` 0.31 s).
+PIPE_PIECE = 1024 * 1024
+PIPE_BUFFERS = 4
 
 _O_BINARY = getattr(os, "O_BINARY", 0)
 #: Whether files can be opened relative to a directory descriptor (POSIX).
@@ -254,6 +267,10 @@ class _LocalDisk:
     #: to ``copy_file_range`` (two ``fstat`` calls fewer per file; a clone
     #: refused for one file of a tree is refused for its siblings).
     _no_clone: bool = False
+    #: Whether large files go through :meth:`_pipe_copy` (both roots on a
+    #: local-device or in-memory filesystem, :func:`creates_locally`) rather
+    #: than a kernel copy and a second read for the checksum.
+    pipe_copies: bool = False
     #: Descriptors of the source and destination roots (:meth:`_root_fds`).
     _fds: tuple[int, int] | None = None
     _fds_lock: threading.Lock
@@ -373,6 +390,8 @@ class _LocalDisk:
                     crc = self._crc_range(src, 0, size)
                 elif size <= len(self._buffer()[1]):
                     crc = self._copy_through_buffer(rel, src, dst, size)
+                elif self.pipe_copies:
+                    crc = self._pipe_copy(rel, src, dst, size)
                 else:
                     self._kernel_copy(rel, src, dst, 0, size)
                     crc = self._crc_range(src, 0, size)
@@ -400,6 +419,61 @@ class _LocalDisk:
         while w < size:
             w += os.write(dst, mv[w:size])
         return _crc(0, buf if size == len(mv) else buf.slice(0, size))
+
+    def _pipe_copy(self, rel: str, src: int, dst: int, size: int) -> int:
+        """Copy a large file between two local disks through user space, in
+        two stages on two threads: this one reads a piece and checksums it,
+        a writer thread writes it, :data:`PIPE_BUFFERS` pieces of
+        :data:`PIPE_PIECE` bytes in flight. Returns the CRC32C of exactly the
+        bytes written, read once.
+
+        Where the filesystem cannot clone, this beats ``copy_file_range``
+        (which ``cp`` uses, one piece at a time on one thread) and the
+        checksum's second read of the page cache: see :data:`PIPE_PIECE`.
+        Not between network filesystems, where the kernel copy may happen
+        on the server (:attr:`pipe_copies`).
+
+        Raises:
+            OSError: a read or write failed, or the source shrank; the first
+                error, after the writer stopped.
+        """
+        free: queue.SimpleQueue[pa.Buffer] = queue.SimpleQueue()
+        full: queue.SimpleQueue[tuple[pa.Buffer, int, int] | None] = queue.SimpleQueue()
+        for _ in range(PIPE_BUFFERS):
+            free.put(pa.allocate_buffer(PIPE_PIECE))
+        failed: list[BaseException] = []
+
+        def write_pieces() -> None:
+            # Every piece goes back to ``free``, written or not (after an
+            # error): the reader never waits for a buffer that cannot come.
+            while (item := full.get()) is not None:
+                buf, n, pos = item
+                if not failed:
+                    try:
+                        _pwrite_all(dst, memoryview(buf)[:n], pos)
+                    except BaseException as exc:
+                        failed.append(exc)
+                free.put(buf)
+
+        writer = threading.Thread(target=write_pieces, name="cs-copy-writer", daemon=True)
+        writer.start()
+        crc = pos = 0
+        try:
+            while pos < size and not failed:
+                buf = free.get()
+                n = os.preadv(src, [memoryview(buf)[: min(PIPE_PIECE, size - pos)]], pos)
+                if n <= 0:
+                    free.put(buf)
+                    raise OSError(f"{self._src_os(rel)} shrank while it was being copied")
+                crc = _crc(crc, buf if n == PIPE_PIECE else buf.slice(0, n))
+                full.put((buf, n, pos))
+                pos += n
+        finally:
+            full.put(None)
+            writer.join()
+        if failed:
+            raise failed[0]
+        return crc
 
     def _clone(self, src: int, dst: int) -> bool:
         if self._no_clone:
@@ -512,3 +586,11 @@ class _LocalDisk:
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
+
+
+def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+    """Write all of ``data`` (bytes-like) at ``offset`` (``pwrite`` may write less)."""
+    mv = memoryview(data)
+    done = 0
+    while done < len(mv):
+        done += os.pwrite(fd, mv[done:], offset + done)

@@ -452,7 +452,9 @@ def _work_items(p: Plan, r: _Runner) -> _Work:
     first), or whole large files where parts would not pay. The files that
     downloaded parts are written into are made here, before any part runs.
 
-    A large file copied on the local disk is one kernel copy of the whole
+    A large file copied between local disks is one task: a reader that
+    checksums and a writer thread (:meth:`_LocalDisk._pipe_copy`). To or
+    from a network filesystem it is one kernel copy of the whole
     file (one writer, as ``cp``: parallel writers of one file queue on its
     inode lock) and a CRC32C task per part (:data:`LOCAL_PART`) read from
     the page cache on another thread, all checked against the source's stamp
@@ -464,9 +466,12 @@ def _work_items(p: Plan, r: _Runner) -> _Work:
     if p.route == "local" and large and r.reflinks(large[0][0]):
         # Clones cost no data blocks and no time per byte: whole files.
         batches, large = [[f] for f in large] + batches, []
-    if p.route == "local" and len(large) >= p.concurrency:
+    if p.route == "local" and (len(large) >= p.concurrency or r.pipe_copies):
         # Enough large files to keep every thread busy: whole files, one per
         # task. Parts of one file would only queue on its inode's write lock.
+        # Between local disks each large file is one copy through user space
+        # that checksums what it reads, with a writer thread of its own
+        # (_LocalDisk._pipe_copy): no second read.
         batches, large = [[f] for f in large] + batches, []
     work = _Work(batches, [], [])
     for rel, size in large:

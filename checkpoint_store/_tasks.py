@@ -32,7 +32,7 @@ import pyarrow.fs as pafs
 from checkpoint_store import _fsutil
 from checkpoint_store._budget import _Budget
 from checkpoint_store._crc32c import _crc
-from checkpoint_store._localcopy import _O_BINARY, _LocalDisk
+from checkpoint_store._localcopy import _O_BINARY, _LocalDisk, _pwrite_all, creates_locally
 from checkpoint_store._remote import (
     PartUpload,
     _fsspec_of,
@@ -106,6 +106,9 @@ class _Runner(_LocalDisk):
         self.dst_fs, self.dst_root = dst_fs, dst_root
         self.src_os = _fsutil.local_path(src_fs, src_root)
         self.dst_os = _fsutil.local_path(dst_fs, dst_root)
+        self.pipe_copies = (p.route == "local" and self.src_os is not None
+                            and self.dst_os is not None and creates_locally(self.src_os)
+                            and creates_locally(self.dst_os))
         self.src_fsspec = _fsspec_of(src_fs)
         self.dst_fsspec = _fsspec_of(dst_fs)
         self.dst_fs_outer = dst_fs
@@ -481,14 +484,6 @@ def _pread_all(fd: int, offset: int, length: int) -> bytes:
         pieces.append(piece)
         got += len(piece)
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    """Write all of ``data`` at ``offset`` (``pwrite`` may write less)."""
-    mv = memoryview(data)
-    done = 0
-    while done < len(mv):
-        done += os.pwrite(fd, mv[done:], offset + done)
 
 
 def _whole_file_ranges(fss: Any, items: list[tuple[str, int]]

@@ -70,6 +70,14 @@ def shm_dir(tmp_path):
     shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.fixture
+def network_disks(monkeypatch) -> None:
+    """Copies as between network filesystems (NFS, Lustre ...): a large file
+    is one kernel copy, which may run on the server, and its checksum a
+    second read, instead of the two-thread copy through user space."""
+    monkeypatch.setattr(_tasks, "creates_locally", lambda path: False)
+
+
 @pytest.mark.parametrize("fsync", [True, False])
 def test_tmpfs_has_no_reflink_and_the_copy_falls_back(shm_dir, monkeypatch, fsync) -> None:
     # tmpfs refuses FICLONE: the copy goes through copy_file_range (or the
@@ -407,16 +415,19 @@ def test_memory_budget_holds_under_8_large_files(tmp_path, request, location) ->
             src / f"shard_{i}.bin").read_bytes()
 
 
-@pytest.mark.parametrize("route", ["_kernel_copy", "_copy_through_buffer"])
+@pytest.mark.parametrize("route", ["_kernel_copy", "_copy_through_buffer", "_pipe_copy"])
 def test_a_source_changing_during_the_copy_fails_it(tmp_path, monkeypatch, route) -> None:
-    # The kernel copies the bytes and a second read checksums them (files
-    # larger than the thread's buffer), or one read feeds both the write and
-    # the checksum (smaller files): a file rewritten meanwhile would get a
-    # manifest that does not describe it.
+    # Files larger than the thread's buffer: two threads copy through user
+    # space, checksumming what they read (local disks), or the kernel copies
+    # the bytes and a second read checksums them (network filesystems).
+    # Smaller files: one read feeds both the write and the checksum. A file
+    # rewritten meanwhile would get a manifest that does not describe it.
     src = str(tmp_path / "src")
     _tree(src, {"w.bin": 300_000})
-    if route == "_kernel_copy":
+    if route != "_copy_through_buffer":
         monkeypatch.setattr(_localcopy, "LOCAL_BUFFER", 64 * 1024)
+    if route == "_kernel_copy":
+        monkeypatch.setattr(_tasks, "creates_locally", lambda path: False)
     real = getattr(_tasks._Runner, route)
 
     def then_write(self, rel, *args):
@@ -561,10 +572,10 @@ def test_a_download_through_a_linked_directory_out_of_the_target_is_refused(tmp_
 @pytest.mark.parametrize("task", ["copy_local_file", "crc_local_range"])
 @pytest.mark.parametrize("change", ["append", "replace_same_size"])
 def test_a_large_file_changing_between_its_copy_and_its_checksums_fails(
-    tmp_path, monkeypatch, task, change
+    tmp_path, monkeypatch, network_disks, task, change
 ) -> None:
-    # A large local file is copied whole by the kernel while its parts are
-    # checksummed by other tasks: a write (or a rename of another file of the
+    # Between network filesystems a large file is copied whole by the kernel
+    # while its parts are checksummed by other tasks: a write (or a rename of another file of the
     # same size over it) after one task read it is caught by the next.
     # Two workers planned, run on this thread so the order is fixed: the
     # copy, then the parts.
@@ -600,11 +611,11 @@ def test_a_large_file_changing_between_its_copy_and_its_checksums_fails(
 
 @pytest.mark.parametrize("concurrency", [2, 4])
 def test_a_large_local_file_is_copied_whole_and_checksummed_in_parts(
-    tmp_path, monkeypatch, concurrency
+    tmp_path, monkeypatch, network_disks, concurrency
 ) -> None:
-    # The route of a single large file on a disk without reflinks: one kernel
-    # copy, the CRC32C combined from its parts; also through to_directory,
-    # whose verification reads the same way.
+    # The route of a single large file between network filesystems: one
+    # kernel copy, the CRC32C combined from its parts; also through
+    # to_directory, whose verification reads the same way.
     monkeypatch.setattr(_plan, "LOCAL_PART", 1024 * 1024)
     calls: list[str] = []
     real = _tasks._Runner.copy_local_file
@@ -642,13 +653,14 @@ def test_a_refused_clone_leaves_the_copy_a_new_file(tmp_path, shm_dir, monkeypat
     src, dst = os.path.join(base, "src"), os.path.join(base, "dst")
     want = _tree(src, {"big.bin": 40 * 1024 * 1024 + 1, "small": 10})
     existed: list[bool] = []
-    real = _tasks._Runner.copy_local_file
+    real = _tasks._Runner._copy_local_whole
 
-    def spy(self, rel, stamp):
-        existed.append(os.path.exists(self._dst_os(rel)))
-        return real(self, rel, stamp)
+    def spy(self, rel):
+        if rel == "big.bin":
+            existed.append(os.path.exists(self._dst_os(rel)))
+        return real(self, rel)
 
-    monkeypatch.setattr(_tasks._Runner, "copy_local_file", spy)
+    monkeypatch.setattr(_tasks._Runner, "_copy_local_whole", spy)
     entries = copy_tree(LOCAL, src, LOCAL, dst, LOCAL_CAPABILITIES, fsync=False)
     _assert_copied(entries, src, dst, want)
     if (os.stat(src).st_dev, os.stat(src).st_dev) not in _localcopy._NO_REFLINK:
@@ -656,11 +668,15 @@ def test_a_refused_clone_leaves_the_copy_a_new_file(tmp_path, shm_dir, monkeypat
     assert existed == [False]
 
 
-def test_a_large_local_copy_failing_half_way_commits_nothing(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("task", ["copy_local_file", "_pipe_copy"])
+def test_a_large_local_copy_failing_half_way_commits_nothing(tmp_path, monkeypatch,
+                                                             task) -> None:
     monkeypatch.setattr(_plan, "LOCAL_PART", 1024 * 1024)
+    if task == "copy_local_file":  # between network filesystems
+        monkeypatch.setattr(_tasks, "creates_locally", lambda path: False)
     src = str(tmp_path / "src")
-    _tree(src, {"big.bin": 3 * 1024 * 1024, "b.bin": 2 * 1024 * 1024 + 1})
-    _fail_after(monkeypatch, 1, "copy_local_file")
+    _tree(src, {"big.bin": 5 * 1024 * 1024, "b.bin": 6 * 1024 * 1024 + 1})
+    _fail_after(monkeypatch, 1, task)
     ctx = StorageContext(str(tmp_path / "store"), "exp", "trial")
     with pytest.raises(OSError, match="injected"):
         ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
@@ -775,3 +791,86 @@ def test_a_link_out_of_a_checkpoint_is_refused_also_with_sizes_listed(tmp_path) 
         download_tree(ck.filesystem, ck.path, LOCAL_CAPABILITIES, str(tmp_path / "out"),
                       manifest=None, listed={**listed, "leak": 9})
     assert not os.path.exists(tmp_path / "out" / "leak")
+
+
+# -- large files between local disks: two threads through user space ----------------------
+
+PIECE = 64 * 1024
+
+
+@pytest.fixture
+def small_pipe(monkeypatch) -> None:
+    """Files over 64 KiB take the two-thread copy, in 64 KiB pieces, two in flight."""
+    monkeypatch.setattr(_localcopy, "LOCAL_BUFFER", PIECE)
+    monkeypatch.setattr(_localcopy, "PIPE_PIECE", PIECE)
+    monkeypatch.setattr(_localcopy, "PIPE_BUFFERS", 2)
+
+
+def _writers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "cs-copy-writer"]
+
+
+@pytest.mark.parametrize("where", ["tmp", "shm"])
+def test_large_local_files_are_copied_by_a_reader_and_a_writer(tmp_path, shm_dir, small_pipe,
+                                                               monkeypatch, where) -> None:
+    # Sizes at and around a whole number of pieces: every byte written once,
+    # the CRC32C of exactly those bytes; on ext4 and on tmpfs, uploads and
+    # downloads (to_directory verifies against the manifest).
+    base = str(tmp_path) if where == "tmp" else shm_dir
+    if not _localcopy.creates_locally(base):
+        pytest.skip(f"{base} is on {_localcopy.fs_type(base)!r}")
+    piped: list[str] = []
+    real = _tasks._Runner._pipe_copy
+
+    def spy(self, rel, *args):
+        piped.append(rel)
+        return real(self, rel, *args)
+
+    monkeypatch.setattr(_tasks._Runner, "_pipe_copy", spy)
+    sizes = {"exact": 4 * PIECE, "over": 4 * PIECE + 1, "under": 4 * PIECE - 1,
+             "one_more": PIECE + 1, "d/big": 37 * PIECE + 123, "small": 100}
+    src = os.path.join(base, "src")
+    want = _tree(src, sizes)
+    entries = copy_tree(LOCAL, src, LOCAL, os.path.join(base, "dst"), LOCAL_CAPABILITIES,
+                        fsync=True)
+    if (os.stat(src).st_dev,) * 2 not in _localcopy._NO_REFLINK:
+        pytest.skip("this filesystem clones: large files are clones")
+    _assert_copied(entries, src, os.path.join(base, "dst"), want)
+    assert sorted(piped) == sorted(r for r in sizes if r != "small")
+    piped.clear()
+    ctx = StorageContext(os.path.join(base, "store"), "exp", "trial", fsync=False)
+    ck = ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
+    out = ck.to_directory(os.path.join(base, "out"))
+    for rel, data in want.items():
+        with open(os.path.join(out, *rel.split("/")), "rb") as f:
+            assert f.read() == data, rel
+    assert len(piped) == 2 * (len(sizes) - 1)
+    assert _writers() == []
+
+
+@pytest.mark.parametrize("side", ["write", "read"])
+def test_a_failing_two_thread_copy_raises_and_leaves_no_thread(tmp_path, small_pipe,
+                                                                monkeypatch, side) -> None:
+    # A write failing on the writer thread (a full disk) or a read failing on
+    # the reader's: the first error is raised, the other thread stops (no
+    # hang waiting for a buffer), nothing is committed.
+    calls = [0]
+    target = "_pwrite_all" if side == "write" else "_crc"
+    real = getattr(_localcopy, target)
+
+    def fail_third(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise OSError(errno.ENOSPC, f"injected {side} failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_localcopy, target, fail_third)
+    src = str(tmp_path / "src")
+    _tree(src, {"big.bin": 40 * PIECE + 5})
+    ctx = StorageContext(str(tmp_path / "store"), "exp", "trial",
+                         retry=_retry.RetryPolicy(attempts=1))
+    with pytest.raises(OSError, match=f"injected {side} failure"):
+        ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
+    assert ctx.committed_checkpoints() == []
+    assert _writers() == []
+
