@@ -329,10 +329,11 @@ def main(argv: list[str] | None = None) -> int:
             elif key == "errors":
                 old.setdefault("errors", {}).update(value)
         if parts != {"scale"}:  # the scale section dates each of its runs itself
+            load = results.get("machine", {}).get("load_avg_at_start", "?")
             old.setdefault("notes", []).append(
-                f"Re-measured in a second run started at {stamp} (--only {args.only}), after "
-                "a change to the code those rows exercise; the other parts keep their "
-                "numbers from the earlier run(s).")
+                f"Re-measured in a second run started at {stamp} (--only {args.only}; load "
+                f"average at its start {load}), after a change to the code those rows "
+                "exercise; the other parts keep their numbers from the earlier run(s).")
         old["wall_s"] = old.get("wall_s", 0) + results["wall_s"]
         results = old
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
