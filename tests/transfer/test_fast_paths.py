@@ -804,10 +804,12 @@ PIECE = 64 * 1024
 
 @pytest.fixture
 def small_pipe(monkeypatch) -> None:
-    """Files over 64 KiB take the two-thread copy, in 64 KiB pieces, two in flight."""
+    """Files over 64 KiB take the two-thread copy, in 64 KiB pieces, two in
+    flight, each written in 16 KiB calls."""
     monkeypatch.setattr(_localcopy, "LOCAL_BUFFER", PIECE)
     monkeypatch.setattr(_localcopy, "PIPE_PIECE", PIECE)
     monkeypatch.setattr(_localcopy, "PIPE_BUFFERS", 2)
+    monkeypatch.setattr(_localcopy, "PIPE_WRITE", 16 * 1024)
 
 
 def _writers() -> list[threading.Thread]:
@@ -858,13 +860,13 @@ def test_a_failing_two_thread_copy_raises_and_leaves_no_thread(tmp_path, small_p
     # A write failing on the writer thread (a full disk) or a read failing on
     # the reader's: the first error is raised, the other thread stops (no
     # hang waiting for a buffer), nothing is committed.
-    calls = [0]
+    calls = [0]  # the 7th: inside the second piece's writes, or its checksum
     target = "_pwrite_all" if side == "write" else "_crc"
     real = getattr(_localcopy, target)
 
     def fail_third(*args, **kwargs):
         calls[0] += 1
-        if calls[0] == 3:
+        if calls[0] == 7:
             raise OSError(errno.ENOSPC, f"injected {side} failure")
         return real(*args, **kwargs)
 
