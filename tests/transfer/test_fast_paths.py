@@ -1,6 +1,7 @@
-"""The fast paths of transfer planning (issue 17): kernel copies and their
-fallbacks, durability, incremental uploads and the memory budget, each
-checked for correct bytes, checksums and commits (not for speed)."""
+"""The fast paths of transfer planning (issue 17): local copies (two
+threads, or the kernel) and their fallbacks, durability, incremental
+uploads and the memory budget, each checked for correct bytes, checksums
+and commits (not for speed)."""
 
 from __future__ import annotations
 
@@ -80,9 +81,8 @@ def network_disks(monkeypatch) -> None:
 
 @pytest.mark.parametrize("fsync", [True, False])
 def test_tmpfs_has_no_reflink_and_the_copy_falls_back(shm_dir, monkeypatch, fsync) -> None:
-    # tmpfs refuses FICLONE: the copy goes through copy_file_range (or the
-    # buffer), with parts of 1 MiB so that the large file is cut.
-    monkeypatch.setattr(_plan, "LOCAL_PART", 1024 * 1024)
+    # tmpfs refuses FICLONE: a large file takes the two-thread copy (small
+    # ones the buffer), and the same tree still arrives whole.
     src, dst = os.path.join(shm_dir, "src"), os.path.join(shm_dir, "dst")
     want = _tree(src, SHAPES)
     entries = copy_tree(LOCAL, src, LOCAL, dst, LOCAL_CAPABILITIES, fsync=fsync)
@@ -93,7 +93,7 @@ def test_tmpfs_has_no_reflink_and_the_copy_falls_back(shm_dir, monkeypatch, fsyn
 
 def test_files_around_the_buffer_size_copy_whole(tmp_path, monkeypatch) -> None:
     # At most one buffer: one read feeds the write and the checksum; one byte
-    # more: the kernel copy and a second read. Both edges, and an empty file.
+    # more: the two-thread copy. Both edges, and an empty file.
     buf = 64 * 1024
     monkeypatch.setattr(_localcopy, "LOCAL_BUFFER", buf)
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
@@ -104,10 +104,15 @@ def test_files_around_the_buffer_size_copy_whole(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("err", [errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP])
-def test_without_copy_file_range_the_buffer_copies(shm_dir, tmp_path, monkeypatch, err) -> None:
-    # A kernel without copy_file_range (ENOSYS), or a pair of filesystems it
-    # does not join (EXDEV): the user-space loop moves the same bytes.
+def test_without_copy_file_range_the_buffer_copies(shm_dir, tmp_path, monkeypatch,
+                                                   network_disks, err) -> None:
+    # Where large files take the kernel copy (network filesystems): a kernel
+    # without copy_file_range (ENOSYS), or a pair of filesystems it does not
+    # join (EXDEV), and the user-space loop moves the same bytes.
+    tried = [0]
+
     def refuse(*args, **kwargs):
+        tried[0] += 1
         raise OSError(err, os.strerror(err))
 
     monkeypatch.setattr(_localcopy.os, "copy_file_range", refuse, raising=False)
@@ -116,6 +121,7 @@ def test_without_copy_file_range_the_buffer_copies(shm_dir, tmp_path, monkeypatc
     want = _tree(src, SHAPES)
     entries = copy_tree(LOCAL, src, LOCAL, dst, LOCAL_CAPABILITIES, fsync=True)
     _assert_copied(entries, src, dst, want)
+    assert tried[0] >= 1
 
 
 def test_syncfs_durability_copies_the_same(tmp_path, monkeypatch) -> None:
