@@ -117,6 +117,8 @@ def test_without_copy_file_range_the_buffer_copies(shm_dir, tmp_path, monkeypatc
 
     monkeypatch.setattr(_localcopy.os, "copy_file_range", refuse, raising=False)
     monkeypatch.setattr(_localcopy, "_COPY_FILE_RANGE", [True])
+    # Files over 64 KiB are large: big.bin and deep.bin take the kernel copy.
+    monkeypatch.setattr(_localcopy, "LOCAL_BUFFER", 64 * 1024)
     src, dst = os.path.join(shm_dir, "src"), str(tmp_path / "dst")  # tmpfs -> disk
     want = _tree(src, SHAPES)
     entries = copy_tree(LOCAL, src, LOCAL, dst, LOCAL_CAPABILITIES, fsync=True)
