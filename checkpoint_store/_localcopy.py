@@ -274,9 +274,9 @@ class _LocalDisk:
     #: to ``copy_file_range`` (two ``fstat`` calls fewer per file; a clone
     #: refused for one file of a tree is refused for its siblings).
     _no_clone: bool = False
-    #: Whether large files go through :meth:`_pipe_copy` (both roots on a
-    #: local-device or in-memory filesystem, :func:`creates_locally`) rather
-    #: than a kernel copy and a second read for the checksum.
+    #: Whether large files go through :meth:`_pipe_copy` (the plan's
+    #: ``local_disks``: both roots on a local-device or in-memory filesystem)
+    #: rather than a kernel copy and a second read for the checksum.
     pipe_copies: bool = False
     #: Descriptors of the source and destination roots (:meth:`_root_fds`).
     _fds: tuple[int, int] | None = None
@@ -530,9 +530,7 @@ class _LocalDisk:
             n = os.preadv(src, [mv[: min(len(mv), end - pos)]], pos)
             if n <= 0:
                 raise OSError(f"{self._src_os(rel)} shrank while it was being copied")
-            w = 0
-            while w < n:
-                w += os.pwrite(dst, mv[w:n], pos + w)
+            _pwrite_all(dst, mv[:n], pos)
             pos += n
 
     def _crc_range(self, fd: int, offset: int, length: int) -> int:

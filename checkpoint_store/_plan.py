@@ -134,6 +134,10 @@ class Plan:
             (:func:`~checkpoint_store._remote.can_stream_ranges`), bytes read
             at a time from each part's one request (parts are then large:
             see :func:`_stream_part_size`); 0 when each part is one buffer.
+        local_disks: route ``"local"`` with both roots on a local-device or
+            in-memory filesystem (:func:`creates_locally`): small files are
+            one batch, and a large file is one copy through user space
+            (:meth:`~checkpoint_store._localcopy._LocalDisk._pipe_copy`).
     """
 
     route: Route
@@ -143,6 +147,7 @@ class Plan:
     batches: list[list[tuple[str, int]]]
     large: list[tuple[str, int]]
     piece: int = 0
+    local_disks: bool = False
 
 
 def _route(src_local: bool, dst_local: bool) -> Route:
@@ -190,13 +195,13 @@ def plan(
     # 0.75x on tmpfs; 4 threads 0.88x and 0.52x). Not from or onto a
     # network filesystem (a storage_path on NFS, say), where each open and
     # close waits for the server: there several files stay in flight.
-    one_batch = (route == "local" and src_os is not None and dst_os is not None
-                 and creates_locally(src_os) and creates_locally(dst_os))
+    local_disks = (route == "local" and src_os is not None and dst_os is not None
+                   and creates_locally(src_os) and creates_locally(dst_os))
     for rel, size in files:
         if size > small_max:
             large.append((rel, size))
             continue
-        if cur and not one_batch and (len(cur) >= BATCH_FILES
+        if cur and not local_disks and (len(cur) >= BATCH_FILES
                                       or cur_bytes + size > BATCH_BYTES):
             batches.append(cur)
             cur, cur_bytes = [], 0
@@ -207,7 +212,7 @@ def plan(
     # Small files spread over every worker: with few files a batch each.
     workers = max(1, concurrency)
     n_small = sum(len(b) for b in batches)
-    if not one_batch and batches and len(batches) < workers and n_small > len(batches):
+    if not local_disks and batches and len(batches) < workers and n_small > len(batches):
         flat = [f for b in batches for f in b]
         per = max(1, -(-len(flat) // workers))
         batches = [flat[i : i + per] for i in range(0, len(flat), per)]
@@ -229,7 +234,7 @@ def plan(
         # buffer and ours): parts of at most half the memory limit.
         part = max(1024 * 1024, min(part, MAX_READ_PART,
                                     limit // (_REMOTE_COPIES * min(workers, PARTS_IN_FLIGHT))))
-    return Plan(route, part, workers, limit, batches, large, piece)
+    return Plan(route, part, workers, limit, batches, large, piece, local_disks)
 
 
 def _stream_part_size(large: Sequence[tuple[str, int]], workers: int, chunk: int) -> int:
@@ -466,7 +471,7 @@ def _work_items(p: Plan, r: _Runner) -> _Work:
     if p.route == "local" and large and r.reflinks(large[0][0]):
         # Clones cost no data blocks and no time per byte: whole files.
         batches, large = [[f] for f in large] + batches, []
-    if p.route == "local" and (len(large) >= p.concurrency or r.pipe_copies):
+    if p.route == "local" and (len(large) >= p.concurrency or p.local_disks):
         # Enough large files to keep every thread busy: whole files, one per
         # task. Parts of one file would only queue on its inode's write lock.
         # Between local disks each large file is one copy through user space

@@ -32,7 +32,7 @@ import pyarrow.fs as pafs
 from checkpoint_store import _fsutil
 from checkpoint_store._budget import _Budget
 from checkpoint_store._crc32c import _crc
-from checkpoint_store._localcopy import _O_BINARY, _LocalDisk, _pwrite_all, creates_locally
+from checkpoint_store._localcopy import _O_BINARY, _LocalDisk, _pwrite_all
 from checkpoint_store._remote import (
     PartUpload,
     _fsspec_of,
@@ -106,9 +106,7 @@ class _Runner(_LocalDisk):
         self.dst_fs, self.dst_root = dst_fs, dst_root
         self.src_os = _fsutil.local_path(src_fs, src_root)
         self.dst_os = _fsutil.local_path(dst_fs, dst_root)
-        self.pipe_copies = (p.route == "local" and self.src_os is not None
-                            and self.dst_os is not None and creates_locally(self.src_os)
-                            and creates_locally(self.dst_os))
+        self.pipe_copies = p.local_disks
         self.src_fsspec = _fsspec_of(src_fs)
         self.dst_fsspec = _fsspec_of(dst_fs)
         self.dst_fs_outer = dst_fs
@@ -260,13 +258,10 @@ class _Runner(_LocalDisk):
             crc = _crc(0, data)
             fd = os.open(self._dst_os(rel), os.O_WRONLY | _O_BINARY)
             try:
-                mv = memoryview(data)
-                w = 0
-                while w < length:
-                    w += os.pwrite(fd, mv[w:], offset + w)
+                _pwrite_all(fd, data, offset)
             finally:
                 os.close(fd)
-            del data, mv
+            del data
             return crc
         finally:
             self.budget.release(length * _REMOTE_COPIES)

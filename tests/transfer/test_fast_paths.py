@@ -76,7 +76,7 @@ def network_disks(monkeypatch) -> None:
     """Copies as between network filesystems (NFS, Lustre ...): a large file
     is one kernel copy, which may run on the server, and its checksum a
     second read, instead of the two-thread copy through user space."""
-    monkeypatch.setattr(_tasks, "creates_locally", lambda path: False)
+    monkeypatch.setattr(_plan, "creates_locally", lambda path: False)
 
 
 @pytest.mark.parametrize("fsync", [True, False])
@@ -439,7 +439,7 @@ def test_a_source_changing_during_the_copy_fails_it(tmp_path, monkeypatch, route
     if route != "_copy_through_buffer":
         monkeypatch.setattr(_localcopy, "LOCAL_BUFFER", 64 * 1024)
     if route == "_kernel_copy":
-        monkeypatch.setattr(_tasks, "creates_locally", lambda path: False)
+        monkeypatch.setattr(_plan, "creates_locally", lambda path: False)
     real = getattr(_tasks._Runner, route)
 
     def then_write(self, rel, *args):
@@ -685,7 +685,7 @@ def test_a_large_local_copy_failing_half_way_commits_nothing(tmp_path, monkeypat
                                                              task) -> None:
     monkeypatch.setattr(_plan, "LOCAL_PART", 1024 * 1024)
     if task == "copy_local_file":  # between network filesystems
-        monkeypatch.setattr(_tasks, "creates_locally", lambda path: False)
+        monkeypatch.setattr(_plan, "creates_locally", lambda path: False)
     src = str(tmp_path / "src")
     _tree(src, {"big.bin": 5 * 1024 * 1024, "b.bin": 6 * 1024 * 1024 + 1})
     _fail_after(monkeypatch, 1, task)
