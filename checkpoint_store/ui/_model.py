@@ -29,6 +29,7 @@ a session writes when it ends with an exception
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import posixpath
 import shlex
@@ -50,7 +51,7 @@ from checkpoint_store._layout import (
     parse_checkpoint_dir_name,
     validate_component,
 )
-from checkpoint_store._manifest import inspect_checkpoint, read_internal_metadata
+from checkpoint_store._manifest import inspect_checkpoint
 from checkpoint_store._result_rows import (
     Segment,
     list_segments,
@@ -74,6 +75,7 @@ from checkpoint_store.retention import (
     CheckpointConfig,
     CheckpointRecord,
     live_lease,
+    rank_key,
     score_or_none,
     select_kept,
 )
@@ -85,6 +87,11 @@ LATEST = "latest"  # committed, the newest, kept for resume though not among the
 KEPT = "kept"  # committed, neither (no score attribute, another run's, pending delete)
 EVICTED = "evicted"  # reported with a checkpoint that retention has deleted since
 UNCOMMITTED = "uncommitted"  # the directory is there without a commit marker (yet)
+INVALID = "invalid"  # a commit marker that does not match the directory (damaged after commit)
+
+# A chart line has at most this many points by default: 4 per bucket (first, last,
+# lowest, highest), so a spike survives decimation; markers are never decimated.
+SERIES_POINTS = 2000
 
 
 @dataclasses.dataclass
@@ -98,12 +105,42 @@ class _TrialCache:
         default_factory=dict)
     rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # both, in order
     metas: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # Directories whose marker is there but does not match them: name -> (the
+    # marker's JSON when it parsed, the reason).
+    invalid: dict[str, tuple[dict[str, Any], str]] = dataclasses.field(default_factory=dict)
     uncommitted: set[str] = dataclasses.field(default_factory=set)
     params: dict[str, Any] | None = None
     config: CheckpointConfig | None = None
     status: str = "finished"
     error: str | None = None  # the last line of error.txt: "ValueError: loss is nan"
     error_size: int = -1  # bytes of error.txt when ``error`` was read
+    # (metric, x) -> (rows seen, [(x, y, row index)]): a metric switch reads no row twice.
+    columns: dict[tuple[str, str], tuple[int, list[tuple[float, float, int]]]] = \
+        dataclasses.field(default_factory=dict)
+
+    # Numeric metric names of rows[:metrics_seen], in first-seen order.
+    metric_names: dict[str, None] = dataclasses.field(default_factory=dict)
+    metrics_seen: int = 0
+
+    def metrics(self) -> list[str]:
+        """Numeric metric names in the rows (nested keys joined by ``/``); only
+        rows not seen before are read."""
+        if self.metrics_seen > len(self.rows):
+            self.metric_names, self.metrics_seen = {}, 0
+        for row in self.rows[self.metrics_seen:]:
+            for key, value in _flatten(row).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.metric_names.setdefault(key, None)
+        self.metrics_seen = len(self.rows)
+        return list(self.metric_names)
+
+    def version(self) -> str:
+        """A token that changes whenever anything shown of the trial changes (an
+        HTTP ETag: a poll with nothing new is answered 304 without a body)."""
+        key = (self.offset, tuple(sorted(self.segments)), tuple(sorted(self.metas)),
+               tuple(sorted(self.invalid.items())), tuple(sorted(self.uncommitted)),
+               self.status, self.error, self.config.to_json() if self.config else None)
+        return hashlib.blake2b(repr(key).encode(), digest_size=8).hexdigest()
 
 
 class StoreView:
@@ -212,13 +249,17 @@ class StoreView:
         dirs = {n for n in subdirs if parse_checkpoint_dir_name(n) is not None}
         for gone in set(cache.metas) - subdirs:
             del cache.metas[gone]
-        cache.uncommitted = set()
+        cache.uncommitted, cache.invalid = set(), {}
         for name in sorted(subdirs - set(cache.metas)):
             # The marker makes a checkpoint, whatever the name (Ray Train's
             # checkpoint_<time>); only checkpoint_NNNNNN ones count as unfinished.
-            meta = read_internal_metadata(fs, posixpath.join(ctx.trial_path, name))
-            if meta is not None:
-                cache.metas[name] = meta
+            insp = inspect_checkpoint(fs, posixpath.join(ctx.trial_path, name))
+            if insp.state == "committed" and insp.meta is not None:
+                cache.metas[name] = insp.meta
+            elif insp.state == "invalid":
+                # Committed once, damaged since (a file removed or added): the
+                # same "invalid" as `ls` and the checkpoint page, never "not committed".
+                cache.invalid[name] = (insp.meta or {}, insp.reason or "invalid")
             elif name in dirs:
                 cache.uncommitted.add(name)
         if cache.params is None and PARAMS_FILE in entries:
@@ -235,26 +276,78 @@ class StoreView:
             cache.status = "errored" if cache.error is not None else "finished"
         return cache
 
-    def trial(self, experiment: str, trial: str, *, since: int = 0,
+    def trial(self, experiment: str, trial: str, *, since: int | None = 0,
               full: bool = False) -> dict[str, Any]:
         """One trial: its summary, ``result.json`` rows from row ``since`` on, and
-        every checkpoint (committed, uncommitted, or reported and evicted since).
+        every checkpoint (committed, invalid, uncommitted, or reported and evicted since).
+
+        Args:
+            since: the first row to return; None returns no rows (the page asks
+                for decimated :meth:`series` instead) and reads only what changed.
 
         Returns:
-            The :meth:`summary` fields plus ``rows`` (``rows[since:]``),
-            ``total_rows``, ``checkpoints`` (see :func:`_checkpoint_rows`),
-            ``metrics`` (numeric metric names in the rows) and ``config``.
+            The :meth:`summary` fields plus ``rows`` (``rows[since:]``, absent when
+            ``since`` is None), ``total_rows``, ``checkpoints`` (see
+            :func:`_checkpoint_rows`), ``metrics`` (numeric metric names in the
+            rows), ``config`` and ``version`` (see :meth:`version`).
         """
         ctx = self.storage(experiment, trial)
         with self._lock:
             cache = self._refresh(ctx, full or since == 0)
             out = self._summary(ctx, cache)
-            out["rows"] = cache.rows[max(since, 0):]
+            if since is not None:
+                out["rows"] = cache.rows[max(since, 0):]
             out["total_rows"] = len(cache.rows)
             out["checkpoints"] = _checkpoint_rows(cache)
-            out["metrics"] = _numeric_metrics(cache.rows)
+            out["metrics"] = cache.metrics()
             out["config"] = cache.config.to_json() if cache.config else None
+            out["version"] = cache.version()
         return out
+
+    def version(self, experiment: str, trial: str) -> str:
+        """The trial's :meth:`_TrialCache.version` after reading what changed: equal
+        tokens mean equal answers of :meth:`trial` and :meth:`series`."""
+        ctx = self.storage(experiment, trial)
+        with self._lock:
+            return self._refresh(ctx, False).version()
+
+    def series(self, experiment: str, trial: str, metric: str, *,
+               x: str = "training_iteration", points: int = SERIES_POINTS,
+               x_min: float | None = None, x_max: float | None = None) -> dict[str, Any]:
+        """One metric of a trial as a chart line, decimated on the server.
+
+        The rows with a number for both ``x`` and ``metric`` (the retention
+        manager's lookup: a literal key first, else a ``/``-separated path),
+        inside ``[x_min, x_max]`` when given, cut into ``points // 4`` buckets of
+        consecutive rows; each bucket keeps its first, last, lowest and highest
+        point, so a spike stays visible. Fewer rows than ``points`` are all kept.
+
+        Returns:
+            ``metric``, ``x``, ``total`` (rows in range), ``points`` (``[[x, y],
+            ...]`` in row order), ``markers`` (``[{name, x, y}]``: every report
+            that named a checkpoint, exact, never decimated) and ``version``.
+
+        Raises:
+            InvalidConfigError: ``points`` under 4.
+        """
+        if points < 4:
+            raise InvalidConfigError(f"points must be at least 4, got {points}")
+        ctx = self.storage(experiment, trial)
+        with self._lock:
+            cache = self._refresh(ctx, False)
+            column = _column(cache, metric, x)
+            version = cache.version()
+            rows = cache.rows
+        inside = [p for p in column if (x_min is None or p[0] >= x_min)
+                  and (x_max is None or p[0] <= x_max)]
+        markers = []
+        for px, py, i in inside:
+            name = rows[i].get("checkpoint_dir_name")
+            if isinstance(name, str):
+                markers.append({"name": name, "x": px, "y": py})
+        return {"metric": metric, "x": x, "total": len(inside),
+                "points": [[px, py] for px, py, _ in _decimate(inside, points)],
+                "markers": markers, "version": version}
 
     def summary(self, experiment: str, trial: str, *, full: bool = False) -> dict[str, Any]:
         """One row of the experiments table.
@@ -286,7 +379,8 @@ class StoreView:
             "status": cache.status,
             "error": cache.error,
             "reports": len(cache.rows),
-            "committed": len(cache.metas),
+            "committed": len(cache.metas) + len(cache.invalid),
+            "invalid": len(cache.invalid),
             "metric": config.checkpoint_score_attribute if config else None,
             "mode": config.checkpoint_score_order if config else None,
             "best_checkpoint": best[0] if best else None,
@@ -303,7 +397,53 @@ class StoreView:
             rows = [self.summary(exp, t, full=full) for t in trials]
             params = sorted({k for r in rows for k in r["params"]})
             experiments.append({"name": exp, "trials": rows, "params": params})
-        return {"uri": self.uri, "kind": self.kind, "experiments": experiments}
+        out = {"uri": self.uri, "kind": self.kind, "experiments": experiments}
+        if not experiments and self.scope_experiment is None:
+            out["stores_below"] = self.stores_below()
+        return out
+
+    def stores_below(self) -> list[str]:
+        """URIs of the directories right under the location that are storage roots
+        themselves (a folder of stores, ``runs/`` and ``tune/``): where to point
+        ``ui`` instead, when the location holds no trial of its own."""
+        out = []
+        for name, is_dir in list_entries(self._root):
+            if not is_dir or is_internal_name(name):
+                continue
+            child = self._root.child(name)
+            try:
+                if trials_under(child, "root"):
+                    out.append(child.uri)
+            except (OSError, InvalidConfigError, CheckpointNotFoundError):
+                continue  # unreadable: not a hint worth an error
+        return out
+
+    def csv_rows(self, experiment: str, trial: str) -> list[dict[str, Any]]:
+        """Every ``result.json`` row of the trial, nested keys joined by ``/`` (the
+        rows of a CSV export, oldest first)."""
+        ctx = self.storage(experiment, trial)
+        with self._lock:
+            rows = list(self._refresh(ctx, False).rows)
+        return [_flatten(r) for r in rows]
+
+    def best_rows(self, experiment: str) -> list[dict[str, Any]]:
+        """One row per trial of ``experiment``: its name, status, best checkpoint and
+        score, parameters (``param/NAME``), and the metrics of the report that
+        named the best checkpoint (a sweep's CSV export)."""
+        out = []
+        for trial in self.experiments().get(experiment, []):
+            ctx = self.storage(experiment, trial)
+            with self._lock:
+                cache = self._refresh(ctx, False)
+                summary = self._summary(ctx, cache)
+                best = summary["best_checkpoint"]
+                row: dict[str, Any] = next((r for r in reversed(cache.rows)
+                            if best is not None and r.get("checkpoint_dir_name") == best), {})
+            out.append({"trial": trial, "status": summary["status"],
+                        "best_checkpoint": best, "best_score": summary["best_score"],
+                        **{f"param/{k}": v for k, v in summary["params"].items()},
+                        **_flatten(row)})
+        return out
 
     # -- one checkpoint ----------------------------------------------------------------
 
@@ -327,9 +467,18 @@ class StoreView:
         except CheckpointCorruptError as exc:
             user = {"(unreadable)": str(exc)}
         internal = {k: v for k, v in meta.items() if k != "manifest"}
+        with self._lock:
+            cache = self._refresh(ctx, False)
+            rows = _checkpoint_rows(cache)
+        row = next((r for r in rows if r["name"] == name), {})
         return {
             "experiment": experiment, "trial": trial, "name": name, "uri": ckpt.uri,
             "state": insp.state, "reason": insp.reason, "file": insp.file,
+            # Why retention keeps it: its kind and rank on the trial's page.
+            "kind": row.get("kind"), "rank": row.get("rank"), "score": row.get("score"),
+            "is_latest": row.get("is_latest", False),
+            "ranked": sum(1 for r in rows if r.get("rank") is not None),
+            "score_attribute": cache.config.checkpoint_score_attribute if cache.config else None,
             "manifest": list(meta.get("manifest", [])),
             "size": manifest_size(meta),
             "user_metadata": user, "internal_metadata": internal,
@@ -492,9 +641,11 @@ def _best(metas: Mapping[str, Mapping[str, Any]],
 
 def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
     """Every checkpoint the trial has or had, oldest first: ``name``, ``index``,
-    ``kind`` (best, latest, kept, evicted, uncommitted), ``is_best`` (ranked
-    first), ``is_latest``, ``score``, ``size``, ``files``, ``created_at`` and
-    ``iteration`` (the ``training_iteration`` of the report that named it)."""
+    ``kind`` (best, latest, kept, invalid, evicted, uncommitted), ``is_best``
+    (ranked first), ``rank`` (1 for the best by the score attribute, None when
+    unranked), ``is_latest``, ``score``, ``size``, ``files``, ``created_at``,
+    ``iteration`` (the ``training_iteration`` of the report that named it) and,
+    for ``invalid``, ``reason`` (what does not match, naming the file)."""
     config = cache.config
     attr = config.checkpoint_score_attribute if config else None
     best_k: set[str] = set()
@@ -503,6 +654,7 @@ def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
         best_k = {r.dir_name for r in _top(cache.metas, config, config.num_to_keep or 1)}
         top1 = _top(cache.metas, config, 1)
         first = top1[0].dir_name if top1 else None
+    ranks = _ranks(cache.metas, config)
     latest = max(cache.metas, key=lambda n: cache.metas[n]["index"]) if cache.metas else None
     reported = {r["checkpoint_dir_name"]: r for r in cache.rows
                 if isinstance(r.get("checkpoint_dir_name"), str)}
@@ -512,33 +664,94 @@ def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
         row = reported.get(name, {})
         out.append({
             "name": name, "index": meta["index"], "kind": kind, "is_best": name == first,
-            "is_latest": name == latest,
+            "rank": ranks.get(name), "is_latest": name == latest,
             "score": score_or_none(meta.get("metrics") or {}, attr),
             "size": manifest_size(meta), "files": len(meta.get("manifest", [])),
             "created_at": meta.get("created_at"),
             "iteration": row.get("training_iteration"),
         })
+    for name, (meta, reason) in cache.invalid.items():
+        row = reported.get(name, {})
+        index = meta.get("index") if isinstance(meta.get("index"), int) else \
+            parse_checkpoint_dir_name(name)
+        out.append({
+            "name": name, "index": index, "kind": INVALID, "is_best": False, "rank": None,
+            "is_latest": False, "score": score_or_none(meta.get("metrics") or row, attr),
+            "size": manifest_size(meta) if meta.get("manifest") else None,
+            "files": len(meta.get("manifest", [])) or None,
+            "created_at": meta.get("created_at"), "iteration": row.get("training_iteration"),
+            "reason": reason,
+        })
     for name, row in reported.items():
-        if name in cache.metas:
+        if name in cache.metas or name in cache.invalid:
             continue
         index = parse_checkpoint_dir_name(name)
         out.append({
             "name": name, "index": index,
             "kind": UNCOMMITTED if name in cache.uncommitted else EVICTED,
-            "is_best": False, "is_latest": False, "score": score_or_none(row, attr), "size": None,
-            "files": None, "created_at": None, "iteration": row.get("training_iteration"),
+            "is_best": False, "rank": None, "is_latest": False,
+            "score": score_or_none(row, attr), "size": None, "files": None, "created_at": None,
+            "iteration": row.get("training_iteration"),
         })
     out.sort(key=lambda c: (c["index"] is None, c["index"] or 0))
     return out
 
 
-def _numeric_metrics(rows: list[dict[str, Any]]) -> list[str]:
-    names: dict[str, None] = {}
-    for row in rows:
-        for key, value in _flatten(row).items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                names.setdefault(key, None)
-    return list(names)
+def _ranks(metas: Mapping[str, Mapping[str, Any]],
+           config: CheckpointConfig | None) -> dict[str, int]:
+    """``name -> 1, 2, ...``: committed checkpoints with a score, best first, in the
+    retention manager's order (:func:`~checkpoint_store.retention.rank_key`)."""
+    attr = config.checkpoint_score_attribute if config else None
+    if config is None or attr is None:
+        return {}
+    scored = [(score_or_none(m.get("metrics") or {}, attr), m["index"], n)
+              for n, m in metas.items()]
+    order = config.checkpoint_score_order
+    ranked = sorted((s for s in scored if s[0] is not None),
+                    key=lambda s: rank_key(s[0], s[1], order), reverse=True)
+    return {name: i + 1 for i, (_, _, name) in enumerate(ranked)}
+
+
+def _column(cache: _TrialCache, metric: str, x: str) -> list[tuple[float, float, int]]:
+    """``[(x, y, row index)]`` of the rows with a number for both; extended, not
+    recomputed, as rows arrive (a replaced ``result.json`` starts it again)."""
+    seen, points = cache.columns.get((metric, x), (0, []))
+    if seen > len(cache.rows):
+        seen, points = 0, []
+    points = list(points)
+    for i in range(seen, len(cache.rows)):
+        row = cache.rows[i]
+        px, py = _number(row.get(x)), score_or_none(row, metric)
+        if px is not None and py is not None:
+            points.append((px, py, i))
+    cache.columns[(metric, x)] = (len(cache.rows), points)
+    return points
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return None
+    return float(value)
+
+
+def _decimate(points: list[tuple[float, float, int]],
+              limit: int) -> list[tuple[float, float, int]]:
+    """At most ``limit`` of ``points``, in order: for each of ``limit // 4`` runs of
+    consecutive points its first, last, lowest and highest (the M4 rule, which
+    draws the same line as every point at the chart's width)."""
+    if len(points) <= limit:
+        return points
+    buckets = limit // 4
+    out: list[tuple[float, float, int]] = []
+    for b in range(buckets):
+        run = points[b * len(points) // buckets:(b + 1) * len(points) // buckets]
+        if not run:
+            continue
+        keep = {0, len(run) - 1,
+                min(range(len(run)), key=lambda i: run[i][1]),
+                max(range(len(run)), key=lambda i: run[i][1])}
+        out.extend(run[i] for i in sorted(keep))
+    return out
 
 
 def _flatten(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -22,6 +22,26 @@ MARKERS: dict[str, dict[str, Any]] = {
     "uncommitted": {"marker": "_", "s": 90, "color": "#d6604d", "label": "not committed"},
 }
 FORMATS = (".png", ".svg", ".pdf")
+# The page's trial colours (app.js trialColor): ten categorical ones, then hues a
+# golden angle apart at three lightnesses and two saturations: no two of 50 trials
+# share a colour (the closest two are 32 apart in RGB).
+BASE_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
+               "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
+
+
+def trial_color(i: int) -> str:
+    """The colour of the ``i``-th trial of a comparison, as ``#rrggbb``."""
+    import colorsys
+
+    if i < len(BASE_COLORS):
+        return BASE_COLORS[i]
+    hue = (i * 137.508) % 360
+    # Hues come back near each other every 34 and 55 steps: lightness and
+    # saturation cycle on other periods, so such neighbours still differ.
+    light = (50, 32, 66)[i % 3] / 100
+    sat = (0.8, 0.5)[(i // 3) % 2]
+    r, g, b = colorsys.hls_to_rgb(hue / 360, light, sat)
+    return "#" + "".join(f"{round(c * 255):02x}" for c in (r, g, b))
 
 
 def _number(value: Any) -> float | None:
@@ -52,6 +72,10 @@ def plot_trials(trials: Sequence[Mapping[str, Any]], output: str, *, metric: str
                 x_key: str = "training_iteration") -> int:
     """Write one chart of ``metric`` for ``trials`` (``StoreView.trial`` answers) to ``output``.
 
+    One trial: its curve, and each checkpoint marked by kind (shape and colour).
+    Several: one colour per trial (its curve and its markers; the shape says the
+    kind), one legend entry per trial, outside the axes so it hides no point.
+
     Returns:
         How many trials had the metric (and were drawn).
 
@@ -60,15 +84,28 @@ def plot_trials(trials: Sequence[Mapping[str, Any]], output: str, *, metric: str
             given nor recorded, or no trial reporting it (the message lists
             the metrics there are).
     """
-    from matplotlib.figure import Figure
-
     ext = os.path.splitext(output)[1].lower()
     if ext not in FORMATS:
         raise InvalidConfigError(f"-o {output!r}: the image must end in {', '.join(FORMATS)}")
+    fig, drawn = figure(trials, metric=metric, x_key=x_key)
+    fig.savefig(output)
+    return drawn
+
+
+def figure(trials: Sequence[Mapping[str, Any]], *, metric: str | None = None,
+           x_key: str = "training_iteration") -> tuple[Any, int]:
+    """The matplotlib ``Figure`` of :func:`plot_trials` and how many trials it drew.
+
+    Raises:
+        InvalidConfigError: as :func:`plot_trials`, but for the extension.
+    """
+    from matplotlib.figure import Figure
+
     metric = metric or next((t["metric"] for t in trials if t.get("metric")), None)
     if metric is None:
         raise InvalidConfigError("--metric is required: no trial records a score attribute")
-    fig = Figure(figsize=(9, 4.8), dpi=100, layout="constrained")
+    several = len(trials) > 1
+    fig = Figure(figsize=(9 + (2.4 if several else 0), 4.8), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     drawn, seen_kinds = 0, set()
     for i, trial in enumerate(trials):
@@ -76,16 +113,18 @@ def plot_trials(trials: Sequence[Mapping[str, Any]], output: str, *, metric: str
         if not xs:
             continue
         drawn += 1
-        label = trial["trial"] if len(trials) > 1 else metric
-        (line,) = ax.plot(xs, ys, "-", marker=".", lw=1.6, ms=4, label=label, zorder=1,
-                          color=f"C{i % 10}")
+        color = trial_color(i) if several else "C0"
+        ax.plot(xs, ys, "-", marker="." if len(xs) <= 200 else None, lw=1.6, ms=4,
+                label=trial["trial"] if several else metric, zorder=1, color=color)
         for kind, points in marks.items():
             if not points:
                 continue
             style = dict(MARKERS[kind])
+            # Several trials: the marker takes its trial's colour; one trial: its kind's.
+            label = None if several or kind in seen_kinds else style["label"]
             ax.scatter([p[0] for p in points], [p[1] for p in points], marker=style["marker"],
-                       s=style["s"], color=style["color"], zorder=3, linewidths=1.5,
-                       label=style["label"] if kind not in seen_kinds else None,
+                       s=style["s"], color=color if several else style["color"], zorder=3,
+                       linewidths=1.5 if kind != "best" else 0.8, label=label,
                        edgecolors="black" if kind == "best" else None)
             seen_kinds.add(kind)
     if not drawn:
@@ -95,10 +134,13 @@ def plot_trials(trials: Sequence[Mapping[str, Any]], output: str, *, metric: str
             f"{', '.join(have) or '(none)'}")
     ax.set_xlabel("report (training_iteration)" if x_key == "training_iteration" else "time (s)")
     ax.set_ylabel(metric)
-    title = (f"{trials[0]['experiment']}/{trials[0]['trial']}" if len(trials) == 1
-             else f"{len(trials)} trials")
+    title = (f"{trials[0]['experiment']}/{trials[0]['trial']}" if not several
+             else f"{len(trials)} trials (star: best, triangle: latest, diamond: kept)")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="best", fontsize="small")
-    fig.savefig(output)
-    return drawn
+    if several:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
+                  ncols=1 if drawn <= 25 else 2, frameon=False)
+    else:
+        ax.legend(loc="best", fontsize="small")
+    return fig, drawn

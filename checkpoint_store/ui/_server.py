@@ -5,8 +5,16 @@ Chart.js, all shipped in the package: the page works without internet) and a
 small JSON API it polls:
 
 - ``GET /api/overview``: every experiment and trial under LOCATION.
-- ``GET /api/trial?experiment=E&trial=T&since=N``: the trial, with its
-  ``result.json`` rows from row N on (a poll sends the count it has).
+- ``GET /api/trial?experiment=E&trial=T[&since=N]``: the trial's summary and
+  checkpoints; with ``since``, its ``result.json`` rows from row N on.
+- ``GET /api/series?experiment=E&trial=T&metric=M[&x=X&points=N&x_min=A&x_max=B]``:
+  one metric as a chart line, decimated on the server (every checkpoint marker exact).
+- ``GET /api/csv?experiment=E&trial=T``: the trial's rows as CSV;
+  ``GET /api/csv?experiment=E``: the best row of each trial of the experiment.
+
+The trial, series and overview answers carry an ``ETag``: a poll that sends it
+back in ``If-None-Match`` gets ``304 Not Modified`` with no body while nothing
+changed (the version is computed from what was read, before any answer is built).
 - ``GET /api/checkpoint?experiment=E&trial=T&checkpoint=C``: one checkpoint.
 - ``POST /api/verify`` (JSON ``{experiment, trial, checkpoint}``): the one
   action that is not a plain read; it still writes nothing.
@@ -22,6 +30,7 @@ line: responses carry URIs, names, metadata and library messages only.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import logging
@@ -38,7 +47,7 @@ from checkpoint_store.errors import (
     CheckpointStoreError,
     InvalidConfigError,
 )
-from checkpoint_store.ui._model import StoreView
+from checkpoint_store.ui._model import SERIES_POINTS, StoreView
 
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 VERIFY_HEADER = "X-Checkpoint-Store"
@@ -53,6 +62,46 @@ def _reply(obj: Any, status: int = 200) -> Response:
     # Strict JSON: a NaN metric becomes null (the browser's JSON.parse rejects NaN).
     body = json.dumps(json_safe(obj), allow_nan=False)
     return Response(body, status=status, mimetype="application/json")
+
+
+def _conditional(version: str, build: Callable[[], Any]) -> Response:
+    """``304`` when the client holds ``version`` already, else ``build()`` as JSON,
+    tagged with it."""
+    etag = f'"{version}"'
+    if request.headers.get("If-None-Match") == etag:
+        resp = Response(status=304)
+    else:
+        resp = _reply(build())
+    resp.headers["ETag"] = etag
+    return resp
+
+
+def _number_arg(name: str, kind: Callable[[str], Any], default: Any = None) -> Any:
+    value = request.args.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return kind(value)
+    except ValueError:
+        raise InvalidConfigError(f"{name} must be a number, got {value!r}") from None
+
+
+def _csv(rows: list[dict[str, Any]], filename: str) -> Response:
+    """``rows`` (flat dicts) as a CSV download; columns in first-seen order."""
+    import csv
+    import io
+
+    columns: dict[str, None] = {}
+    for row in rows:
+        columns.update(dict.fromkeys(row))
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore",
+                            lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in filename)[:120]
+    return Response(buf.getvalue(), mimetype="text/csv",
+                    headers={"Content-Disposition": f'attachment; filename="{safe}.csv"'})
 
 
 def _error(exc: BaseException, status: int) -> Response:
@@ -147,16 +196,38 @@ def create_app(view: StoreView, *, refresh_s: float = 2.0, host: str = "127.0.0.
 
     @app.get("/api/overview")
     def overview() -> Response:
-        return _reply(view.overview(full=request.args.get("full") == "1"))
+        body = json_safe(view.overview(full=request.args.get("full") == "1"))
+        # Built to be compared: the overview's cost is the listing, not the reply.
+        text = json.dumps(body, allow_nan=False, sort_keys=True)
+        return _conditional(hashlib.blake2b(text.encode(), digest_size=8).hexdigest(),
+                            lambda: body)
 
     @app.get("/api/trial")
     def trial() -> Response:
         experiment, trial_name = _args("experiment", "trial")
-        try:
-            since = max(int(request.args.get("since", "0")), 0)
-        except ValueError:
-            raise InvalidConfigError("since must be a row count (an integer)") from None
-        return _reply(view.trial(experiment, trial_name, since=since))
+        since = _number_arg("since", int)
+        if since is not None:
+            return _reply(view.trial(experiment, trial_name, since=max(since, 0)))
+        return _conditional(view.version(experiment, trial_name),
+                            lambda: view.trial(experiment, trial_name, since=None))
+
+    @app.get("/api/series")
+    def series() -> Response:
+        experiment, trial_name, metric = _args("experiment", "trial", "metric")
+        x = request.args.get("x") or "training_iteration"
+        kwargs = {"x": x, "points": _number_arg("points", int, SERIES_POINTS),
+                  "x_min": _number_arg("x_min", float), "x_max": _number_arg("x_max", float)}
+        key = repr((view.version(experiment, trial_name), metric, sorted(kwargs.items())))
+        return _conditional(hashlib.blake2b(key.encode(), digest_size=8).hexdigest(),
+                            lambda: view.series(experiment, trial_name, metric, **kwargs))
+
+    @app.get("/api/csv")
+    def csv_export() -> Response:
+        (experiment,) = _args("experiment")
+        trial_name = request.args.get("trial")
+        if trial_name:
+            return _csv(view.csv_rows(experiment, trial_name), f"{experiment}-{trial_name}")
+        return _csv(view.best_rows(experiment), f"{experiment}-best")
 
     @app.get("/api/checkpoint")
     def checkpoint() -> Response:

@@ -224,3 +224,50 @@ def test_a_trial_under_a_policy_shows_its_best_and_kept(tmp_path: Any) -> None:
     kept = [c["name"] for c in trial["checkpoints"] if c["kind"] != "evicted"]
     assert kept == [f"checkpoint_{i:06d}" for i in (3, 6, 7, 9)]  # steps 4, 7, 8, 10
     assert [c["name"] for c in trial["checkpoints"] if c["is_best"]] == ["checkpoint_000006"]
+
+
+def test_decimation_keeps_each_run_extremes_and_ends() -> None:
+    from checkpoint_store.ui._model import _decimate
+
+    points = [(float(i), float((i * 7919) % 1000), i) for i in range(10_000)]
+    kept = _decimate(points, 400)
+    assert len(kept) <= 400 and kept[0] == points[0] and kept[-1] == points[-1]
+    assert [p[2] for p in kept] == sorted(p[2] for p in kept)  # row order
+    for b in range(100):  # every run of 100 points keeps its lowest and highest
+        run = points[b * 100:(b + 1) * 100]
+        inside = [p for p in kept if run[0][2] <= p[2] <= run[-1][2]]
+        assert min(p[1] for p in run) in [p[1] for p in inside]
+        assert max(p[1] for p in run) in [p[1] for p in inside]
+    assert _decimate(points[:300], 400) == points[:300]  # short lines are whole
+
+
+def test_series_marks_every_checkpoint_and_follows_the_zoom(local_store: Store) -> None:
+    view = StoreView(local_store.uri)
+    series = view.series("sweep", "lr-0.1", "val/accuracy")
+    assert series["points"] == [[i + 1, s] for i, s in enumerate(LAYOUT["sweep"]["lr-0.1"][0])]
+    assert [m["name"] for m in series["markers"]] == [f"checkpoint_{i:06d}" for i in range(6)]
+    zoomed = view.series("sweep", "lr-0.1", "val/accuracy", x_min=2, x_max=4)
+    assert [p[0] for p in zoomed["points"]] == [2, 3, 4] and zoomed["total"] == 3
+    with pytest.raises(InvalidConfigError):
+        view.series("sweep", "lr-0.1", "val/accuracy", points=3)
+
+
+def test_an_unchanged_poll_is_a_304_without_a_body(serve: Any, tmp_path: Any) -> None:
+    store = Store(str(tmp_path / "s"))
+    report_trial(store, "exp", "t", [0.2, 0.3], [True, True], {})
+    server = serve(store.uri)
+    etags = {}
+    for path in ("api/trial?experiment=exp&trial=t", "api/overview",
+                 "api/series?experiment=exp&trial=t&metric=loss"):
+        with urllib.request.urlopen(server.url + path) as resp:
+            etags[path] = resp.headers["ETag"]
+            json.load(resp)
+        req = urllib.request.Request(server.url + path, headers={"If-None-Match": etags[path]})
+        with pytest.raises(urllib.error.HTTPError) as info:  # urllib raises on 304
+            urllib.request.urlopen(req)
+        assert info.value.code == 304 and info.value.read() == b""
+    report_trial(store, "exp", "t", [0.4], [True], {})  # a new report: a new answer
+    first = "api/trial?experiment=exp&trial=t"
+    req = urllib.request.Request(server.url + first, headers={"If-None-Match": etags[first]})
+    with urllib.request.urlopen(req) as resp:
+        assert json.load(resp)["total_rows"] == 3

@@ -1,7 +1,8 @@
-// checkpoint-store ui: one page, three views (experiments, trial, checkpoint) and a
-// comparison of trials. Every element is built with the DOM API and every name or
+// checkpoint-store ui: one page, four views (experiments, trial, checkpoint, parameters)
+// and a comparison of trials. Every element is built with the DOM API and every name or
 // value from storage goes in as text (never as HTML), so a trial named
-// "<img src=x onerror=alert(1)>" shows as exactly that.
+// "<img src=x onerror=alert(1)>" shows as exactly that. Names are isolated (<bdi>), so
+// a right-to-left override inside one never reorders the text around it.
 (function () {
   "use strict";
 
@@ -9,16 +10,26 @@
     best: { label: "kept (best)", color: "#1a9850", style: "star", radius: 11 },
     latest: { label: "kept (latest)", color: "#2166ac", style: "triangle", radius: 9 },
     kept: { label: "kept", color: "#e08214", style: "rectRot", radius: 8 },
+    invalid: { label: "committed, invalid", color: "#b2182b", style: "rect", radius: 8 },
     evicted: { label: "reported, then evicted", color: "#888888", style: "crossRot", radius: 7 },
     uncommitted: { label: "not committed (yet)", color: "#d6604d", style: "dash", radius: 8 },
   };
-  const PALETTE = ["#4575b4", "#d73027", "#1a9850", "#984ea3", "#ff7f00", "#a65628",
-    "#f781bf", "#666666"];
+  // Where a kept checkpoint sorts in the checkpoints table: the ones a user resumes
+  // from or ships first, evicted ones last (and hidden unless asked for).
+  const KIND_ORDER = { best: 0, latest: 1, kept: 2, invalid: 3, uncommitted: 4, evicted: 5 };
+  // Ten categorical colours, then hues a golden angle apart at three lightnesses and
+  // two saturations: 50 trials get 50 colours, the closest two 32 apart in RGB.
+  const BASE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
+    "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"];
   const X_AXES = { training_iteration: "report (training_iteration)", time_total_s: "time (s)" };
+  const AUTO = new Set(["training_iteration", "timestamp", "time_total_s", "time_this_iter_s"]);
+  const STATUSES = ["running", "finished", "pruned", "errored", "interrupted"];
 
-  // Read by the browser tests: the current view's data and chart.
-  const state = { config: null, timer: null, chart: null, view: null, trial: null,
-    trials: {}, sort: {}, selected: {}, metric: null, x: "training_iteration", polls: 0 };
+  // Read by the browser tests: the current view's data and charts.
+  const state = { config: null, timer: null, chart: null, charts: [], view: null, trial: null,
+    trials: [], sort: {}, selected: {}, metric: null, panels: [], x: "training_iteration",
+    polls: 0, smooth: 0, log: false, zoom: null, showEvicted: false, etags: {},
+    filter: { text: "", status: "", group: "" }, overview: null, param: null };
   window.csUI = state;
 
   // -- small helpers ------------------------------------------------------------------
@@ -38,8 +49,29 @@
     return e;
   }
 
+  // A name from storage: isolated from the text around it, cut to the cell's width
+  // with the whole name on hover.
+  function name(text, cls) {
+    return el("bdi", { class: cls || "name", title: text }, text);
+  }
+
   function route(...parts) {
     return "#/" + parts.map(encodeURIComponent).join("/");
+  }
+
+  function trialColor(i) {
+    if (i < BASE.length) return BASE[i];
+    // Hues come back near each other every 34 and 55 steps: lightness and saturation
+    // cycle on other periods, so such neighbours still differ (_plot.trial_color).
+    const hue = (i * 137.508) % 360;
+    const light = [50, 32, 66][i % 3];
+    return `hsl(${hue.toFixed(3)}, ${[80, 50][Math.floor(i / 3) % 2]}%, ${light}%)`;
+  }
+
+  // The raw curve under a smoothed one: the same hue, a third as opaque.
+  function faded(color) {
+    if (color.startsWith("#")) return color + "55";
+    return color.replace(/^hsl\((.*)\)$/, "hsla($1, 0.33)");
   }
 
   function fmtSize(n) {
@@ -65,24 +97,33 @@
     return String(v);
   }
 
-  // The retention manager's lookup: a literal key first, else a "/"-separated path.
-  function metricOf(row, name) {
-    if (row && Object.prototype.hasOwnProperty.call(row, name)) return row[name];
-    let node = row;
-    for (const part of name.split("/")) {
-      if (node === null || typeof node !== "object" || !(part in node)) return undefined;
-      node = node[part];
-    }
-    return node;
+  function query(params) {
+    const q = new URLSearchParams(params || {}).toString();
+    return q ? "?" + q : "";
   }
 
   async function api(path, params, init) {
-    const query = new URLSearchParams(params || {}).toString();
-    const resp = await fetch(`api/${path}${query ? "?" + query : ""}`, init);
+    const resp = await fetch(`api/${path}${query(params)}`, init);
     let body;
     try { body = await resp.json(); } catch (e) { body = { error: resp.statusText }; }
     if (!resp.ok) throw new Error(body.error || `HTTP ${resp.status}`);
     return body;
+  }
+
+  // A GET answered 304 while nothing changed: the server's ETag is sent back, so a poll
+  // of a finished trial costs a few hundred bytes. Returns {body, changed}.
+  async function apiCached(path, params) {
+    const key = path + query(params);
+    const prev = state.etags[key];
+    const headers = prev ? { "If-None-Match": prev.etag } : {};
+    const resp = await fetch(`api/${key}`, { headers, cache: "no-store" });
+    if (resp.status === 304 && prev) return { body: prev.body, changed: false };
+    let body;
+    try { body = await resp.json(); } catch (e) { body = { error: resp.statusText }; }
+    if (!resp.ok) throw new Error(body.error || `HTTP ${resp.status}`);
+    const etag = resp.headers.get("ETag");
+    if (etag) state.etags[key] = { etag, body };
+    return { body, changed: true };
   }
 
   function setMain(...children) {
@@ -96,16 +137,33 @@
 
   function statusBadge(status, error) {
     const attrs = { class: `badge status-${status}` };
-    if (status === "errored" && error) attrs.title = error;
+    if ((status === "errored" || status === "pruned") && error) attrs.title = error;
     return el("span", attrs, status);
   }
 
   function breadcrumb(...items) {
     const parts = [el("a", { href: "#/" }, "experiments")];
     for (const [text, href] of items) {
-      parts.push(" › ", href ? el("a", { href }, text) : el("span", {}, text));
+      parts.push(" › ", href ? el("a", { href }, name(text, "crumb")) : name(text, "crumb"));
     }
     return el("nav", { class: "crumbs" }, parts);
+  }
+
+  // Make `old` look like `fresh` by changing only what differs, so a text selection
+  // (a trial name being copied) or a focused box survives a refresh that changed
+  // another row.
+  function patch(old, fresh) {
+    if (old.isEqualNode(fresh)) return;
+    if (old.nodeType !== fresh.nodeType || old.nodeName !== fresh.nodeName ||
+        old.childNodes.length !== fresh.childNodes.length || old.nodeType !== 1) {
+      old.replaceWith(fresh);
+      return;
+    }
+    for (const a of [...old.attributes]) if (!fresh.hasAttribute(a.name)) old.removeAttribute(a.name);
+    for (const a of fresh.attributes) if (old.getAttribute(a.name) !== a.value) old.setAttribute(a.name, a.value);
+    if (old.type === "checkbox") old.checked = fresh.checked;
+    const olds = [...old.childNodes], news = [...fresh.childNodes];
+    news.forEach((n, i) => patch(olds[i], n));
   }
 
   // -- the experiments table ----------------------------------------------------------
@@ -128,11 +186,55 @@
     return String(a).localeCompare(String(b), undefined, { numeric: true });
   }
 
+  // "lr=0.1 resnet": every word must match; NAME=VALUE a parameter, other words
+  // a part of the trial's name (any case).
+  function matches(t, filter) {
+    if (filter.status && t.status !== filter.status) return false;
+    for (const word of filter.text.trim().split(/\s+/).filter(Boolean)) {
+      const eq = word.indexOf("=");
+      if (eq > 0) {
+        const key = word.slice(0, eq), want = word.slice(eq + 1);
+        if (!(key in t.params) || fmtValue(t.params[key]) !== want) return false;
+      } else if (!t.trial.toLowerCase().includes(word.toLowerCase())) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  function sortedTrials(exp) {
+    const sort = state.sort[exp.name] || { key: "trial", dir: 1 };
+    return exp.trials.filter((t) => matches(t, state.filter)).sort(
+      (a, b) => sort.dir * compare(cellValue(a, sort.key), cellValue(b, sort.key)));
+  }
+
+  function trialRow(exp, t, cols) {
+    const selected = state.selected[exp.name];
+    const box = el("input", { type: "checkbox", "aria-label": `select ${t.trial}`,
+      checked: selected.has(t.trial),
+      onchange: (ev) => { ev.target.checked ? selected.add(t.trial) : selected.delete(t.trial); } });
+    const cells = cols.map(([key]) => {
+      const v = cellValue(t, key);
+      if (key === "trial") return el("td", { class: "name-cell" }, el("a", { href: route("trial", exp.name, t.trial) }, name(t.trial)));
+      if (key === "status") return el("td", {}, statusBadge(v, t.error));
+      if (key === "size") return el("td", { class: "num", title: `${v} bytes` }, fmtSize(v));
+      if (key === "last_report") return el("td", {}, fmtTime(v));
+      if (key === "committed") {
+        return el("td", { class: "num" }, String(v), t.invalid ? el("span", { class: "error-line" }, ` (${t.invalid} invalid)`) : "");
+      }
+      if (key === "best_checkpoint") {
+        return el("td", {}, v ? el("a", { href: route("checkpoint", exp.name, t.trial, v) }, name(v)) : "-");
+      }
+      if (typeof v === "string") return el("td", { class: "name-cell" }, name(v));
+      return el("td", { class: typeof v === "number" ? "num" : null }, fmtValue(v));
+    });
+    return el("tr", { "data-trial": t.trial }, el("td", {}, box), cells);
+  }
+
   function experimentTable(exp) {
     const sort = state.sort[exp.name] || { key: "trial", dir: 1 };
-    const selected = state.selected[exp.name] || (state.selected[exp.name] = new Set());
-    const rows = exp.trials.slice().sort(
-      (a, b) => sort.dir * compare(cellValue(a, sort.key), cellValue(b, sort.key)));
+    state.selected[exp.name] = state.selected[exp.name] || new Set();
+    const rows = sortedTrials(exp);
     const metric = exp.trials.map((t) => t.metric).find((m) => m) || null;
     const cols = COLUMNS.map(([k, label]) =>
       [k, k === "best_score" && metric ? `best ${metric}` : label]);
@@ -140,110 +242,178 @@
 
     const head = el("tr", {}, el("th", {}, ""), cols.map(([key, label]) => el("th", {
       class: "sortable" + (sort.key === key ? (sort.dir > 0 ? " asc" : " desc") : ""),
-      "data-key": key,
+      "data-key": key, title: label,
       onclick: () => {
-        state.sort[exp.name] = { key, dir: sort.key === key ? -sort.dir : 1 };
+        const cur = state.sort[exp.name] || { key: "trial", dir: 1 };
+        state.sort[exp.name] = { key, dir: cur.key === key ? -cur.dir : 1 };
         renderOverview(state.overview);
       },
-    }, label)));
-    const body = rows.map((t) => {
-      const box = el("input", { type: "checkbox", "aria-label": `select ${t.trial}`,
-        checked: selected.has(t.trial),
-        onchange: (ev) => { ev.target.checked ? selected.add(t.trial) : selected.delete(t.trial); } });
-      const cells = cols.map(([key]) => {
-        const v = cellValue(t, key);
-        if (key === "trial") return el("td", {}, el("a", { href: route("trial", exp.name, t.trial) }, t.trial));
-        if (key === "status") return el("td", {}, statusBadge(v, t.error));
-        if (key === "size") return el("td", { class: "num", title: `${v} bytes` }, fmtSize(v));
-        if (key === "last_report") return el("td", {}, fmtTime(v));
-        if (key === "best_checkpoint") {
-          return el("td", {}, v ? el("a", { href: route("checkpoint", exp.name, t.trial, v) }, v) : "-");
-        }
-        return el("td", { class: typeof v === "number" ? "num" : null }, fmtValue(v));
-      });
-      return el("tr", { "data-trial": t.trial }, el("td", {}, box), cells);
-    });
+    }, name(label, "head"))));
+    const group = state.filter.group && exp.params.includes(state.filter.group) ? state.filter.group : "";
+    const body = [];
+    let last;
+    for (const t of group ? rows.slice().sort((a, b) => compare(a.params[group], b.params[group])) : rows) {
+      const key = group ? fmtValue(t.params[group]) : null;
+      if (group && key !== last) {
+        const n = rows.filter((r) => fmtValue(r.params[group]) === key).length;
+        body.push(el("tr", { class: "group" }, el("td", { colspan: cols.length + 1 },
+          name(group, "head"), ` = ${key} (${n})`)));
+        last = key;
+      }
+      body.push(trialRow(exp, t, cols));
+    }
     const compareButton = el("button", { type: "button", class: "compare", onclick: () => {
-      const names = rows.map((t) => t.trial).filter((n) => selected.has(n));
-      location.hash = route("compare", exp.name, ...(names.length ? names : rows.map((t) => t.trial)));
+      const shown = sortedTrials(exp).map((t) => t.trial);
+      const names = shown.filter((n) => state.selected[exp.name].has(n));
+      location.hash = route("compare", exp.name, ...(names.length ? names : shown));
     } }, "Compare selected trials");
+    const links = el("span", { class: "links" },
+      el("a", { href: route("params", exp.name), class: "params-link" }, "parameters vs best score"),
+      " · ", el("a", { href: `api/csv${query({ experiment: exp.name })}`, class: "csv-best", download: "" },
+        "best rows (CSV)"));
+    const hidden = exp.trials.length - rows.length;
     return el("section", { class: "experiment", "data-experiment": exp.name },
-      el("h2", {}, exp.name, " ", el("span", { class: "muted" }, `${rows.length} trial(s)`)),
+      el("h2", {}, name(exp.name, "head"), " ", el("span", { class: "muted count" },
+        `${rows.length} trial(s)` + (hidden ? `, ${hidden} hidden by the filter` : ""))),
       el("div", { class: "table-wrap" }, el("table", { class: "trials" }, el("thead", {}, head),
         el("tbody", {}, body))),
-      compareButton);
+      el("div", { class: "below-table" }, compareButton, links));
+  }
+
+  function toolbar(data) {
+    const params = [...new Set(data.experiments.flatMap((e) => e.params))].sort();
+    const rerender = () => renderOverview(state.overview);
+    return el("div", { class: "controls toolbar", id: "toolbar" },
+      el("label", {}, "filter ", el("input", { type: "search", id: "filter", value: state.filter.text,
+        placeholder: "name or param=value", oninput: (e) => { state.filter.text = e.target.value; rerender(); } })),
+      el("label", {}, "status ", el("select", { id: "status-filter",
+        onchange: (e) => { state.filter.status = e.target.value; rerender(); } },
+      el("option", { value: "" }, "any"),
+      STATUSES.map((s) => el("option", { value: s, selected: s === state.filter.status }, s)))),
+      el("label", {}, "group by ", el("select", { id: "group-by",
+        onchange: (e) => { state.filter.group = e.target.value; rerender(); } },
+      el("option", { value: "" }, "nothing"),
+      params.map((p) => el("option", { value: p, selected: p === state.filter.group }, p)))));
   }
 
   function renderOverview(data) {
     state.overview = data;
     if (!data.experiments.length) {
-      setMain(el("p", { class: "muted" }, "No trials under this location yet."));
+      const below = data.stores_below || [];
+      setMain(el("p", { class: "muted", id: "empty" }, "No trials under this location yet."),
+        below.length ? el("p", { id: "stores-below" },
+          "Stores one level down (start `checkpoint-store ui` on one of them): ",
+          below.flatMap((u, i) => [i ? ", " : "", el("code", {}, name(u, "uri"))])) : null);
       return;
     }
-    setMain(data.experiments.map(experimentTable));
+    const main = document.getElementById("main");
+    const sections = data.experiments.map(experimentTable);
+    if (!document.getElementById("toolbar")) {
+      setMain(toolbar(data), sections);
+      return;
+    }
+    // Refresh in place: the toolbar keeps its focus, the tables their selections.
+    const old = [...main.querySelectorAll("section.experiment")];
+    if (old.length !== sections.length ||
+        old.some((s, i) => s.dataset.experiment !== sections[i].dataset.experiment)) {
+      old.forEach((s) => s.remove());
+      main.append(...sections);
+      return;
+    }
+    old.forEach((s, i) => patch(s, sections[i]));
   }
 
-  async function showOverview(first) {
-    const data = await api("overview", first ? { full: "1" } : {});
-    if (state.view === "overview") renderOverview(data);
+  async function showOverview() {
+    const { body, changed } = await apiCached("overview", {});
+    if (state.view !== "overview") return;
+    if (changed || !document.getElementById("toolbar")) renderOverview(body);
   }
 
   // -- charts -------------------------------------------------------------------------
 
-  // Shape and colour say the kind; comparing trials, the colour says the trial instead.
+  // TensorBoard's smoothing: an exponential moving average, debiased at the start.
+  function smoothed(points, weight) {
+    let last = 0, n = 0;
+    return points.map((p) => {
+      n += 1;
+      last = last * weight + (1 - weight) * p.y;
+      return { x: p.x, y: last / (1 - Math.pow(weight, n)) };
+    });
+  }
+
   function markerDataset(label, kind, points, color) {
     const k = KINDS[kind];
     return { type: "scatter", label, kind, data: points, pointStyle: k.style,
-      pointRadius: k.radius, pointHoverRadius: k.radius + 3, borderColor: color || k.color,
-      backgroundColor: color || k.color, borderWidth: 2, order: 0 };
+      pointRadius: k.radius, pointHoverRadius: k.radius + 3, borderColor: kind === "best" && color ? "#000" : (color || k.color),
+      backgroundColor: color || k.color, borderWidth: kind === "best" && color ? 1 : 2, order: 0 };
   }
 
-  // One trial as chart datasets: its curve, then one dataset per checkpoint kind.
-  function trialDatasets(trial, metric, xKey, color, prefix, kinds) {
+  // One trial's series as chart datasets: its line (smoothed on top when asked), then one
+  // dataset per checkpoint kind. In a comparison the colour says the trial, the shape the kind.
+  function trialDatasets(trial, series, color, prefix, kinds) {
     const cps = Object.fromEntries(trial.checkpoints.map((c) => [c.name, c]));
-    const line = [];
+    const line = series.points.map(([x, y]) => ({ x, y }));
     const markers = Object.fromEntries(Object.keys(KINDS).map((k) => [k, []]));
-    for (const row of trial.rows) {
-      const y = metricOf(row, metric), x = row[xKey];
-      if (typeof y !== "number" || typeof x !== "number") continue;
-      line.push({ x, y });
-      const name = row.checkpoint_dir_name;
-      if (typeof name !== "string") continue;
-      const c = cps[name] || { kind: "evicted", size: null };
-      markers[c.kind].push({ x, y, name, size: c.size, score: c.score, kind: c.kind,
-        trial: trial.trial, experiment: trial.experiment });
+    for (const m of series.markers) {
+      const c = cps[m.name] || { kind: "evicted", size: null };
+      markers[c.kind].push({ x: m.x, y: m.y, name: m.name, size: c.size, score: c.score,
+        rank: c.rank, kind: c.kind, trial: trial.trial, experiment: trial.experiment,
+        attribute: trial.metric });
     }
-    const sets = [{ type: "line", label: prefix + metric, data: line, borderColor: color,
-      backgroundColor: color, pointRadius: 2, borderWidth: 2, tension: 0, order: 1,
-      trialName: trial.trial }];
+    const many = line.length > 200;
+    const sets = [{ type: "line", label: prefix ? trial.trial : series.metric, data: line,
+      borderColor: color, backgroundColor: color, pointRadius: many ? 0 : 2,
+      pointHitRadius: many ? 0 : 4, borderWidth: state.smooth > 0 ? 1 : 2, tension: 0, order: 1,
+      trialName: trial.trial, spanGaps: true,
+      ...(state.smooth > 0 ? { borderColor: faded(color) } : {}) }];
+    if (state.smooth > 0) {
+      sets.push({ type: "line", kind: "smoothed", label: `${prefix ? trial.trial : series.metric} (smoothed)`,
+        data: smoothed(line, state.smooth), borderColor: color, backgroundColor: color,
+        pointRadius: 0, pointHitRadius: 0, borderWidth: 2, tension: 0, order: 1,
+        trialName: trial.trial, inLegend: false });
+    }
     for (const kind of kinds) {
       if (markers[kind].length || !prefix) {
-        sets.push(markerDataset(prefix + KINDS[kind].label, kind, markers[kind], prefix ? color : null));
+        sets.push({ ...markerDataset(KINDS[kind].label, kind, markers[kind], prefix ? color : null),
+          trialName: trial.trial });
       }
     }
     return sets;
   }
 
-  function chartOptions(metric, xKey) {
+  function tooltipLabel(ctx, metric) {
+    const p = ctx.raw;
+    if (p.name) {
+      const rank = p.rank ? `, rank ${p.rank}` : "";
+      const why = p.attribute && (p.kind === "best" || p.rank)
+        ? ` (score ${p.attribute} ${fmtValue(p.score)}${rank})` : "";
+      return `${p.trial} ${p.name} (${KINDS[p.kind].label}): ${metric} ${fmtValue(p.y)}${why}, ` +
+        `size ${fmtSize(p.size)}`;
+    }
+    return `${ctx.dataset.label}: ${fmtValue(p.y)} at ${fmtValue(p.x)}`;
+  }
+
+  function chartOptions(metric, xKey, compareMode) {
     return {
       animation: false, responsive: true, maintainAspectRatio: false, parsing: true,
       interaction: { mode: "nearest", intersect: true },
       scales: {
         x: { type: "linear", title: { display: true, text: X_AXES[xKey] || xKey },
-          ticks: xKey === "training_iteration" ? { precision: 0 } : {} },
-        y: { type: "linear", title: { display: true, text: metric } },
+          ticks: xKey === "training_iteration" ? { precision: 0 } : {},
+          min: state.zoom ? state.zoom[0] : undefined, max: state.zoom ? state.zoom[1] : undefined },
+        y: { type: state.log ? "logarithmic" : "linear", title: { display: true, text: metric } },
       },
       plugins: {
-        legend: { position: "bottom", labels: { usePointStyle: true,
-          filter: (item, data) => data.datasets[item.datasetIndex].data.length > 0 } },
-        tooltip: { callbacks: { label: (ctx) => {
-          const p = ctx.raw;
-          if (p.name) {
-            return `${p.trial} ${p.name} (${KINDS[p.kind].label}): ${metric} ${fmtValue(p.y)}, ` +
-              `size ${fmtSize(p.size)}`;
-          }
-          return `${ctx.dataset.label}: ${fmtValue(p.y)} at ${fmtValue(p.x)}`;
-        } } },
+        // A comparison lists each trial once (its line); one trial lists its markers.
+        legend: { position: compareMode ? "right" : "bottom", labels: { usePointStyle: true,
+          boxWidth: 10, filter: (item, data) => {
+            const d = data.datasets[item.datasetIndex];
+            if (d.inLegend === false) return false;
+            return compareMode ? d.type === "line" : d.data.length > 0;
+          } },
+        onHover: compareMode ? (e, item, legend) => highlight(legend.chart, item.text) : undefined,
+        onLeave: compareMode ? (e, item, legend) => highlight(legend.chart, null) : undefined },
+        tooltip: { callbacks: { label: (ctx) => tooltipLabel(ctx, metric) } },
       },
       onClick: (ev, elements, chart) => {
         for (const e of elements) {
@@ -257,119 +427,334 @@
     };
   }
 
-  function drawChart(canvas, datasets, metric, xKey) {
-    if (state.chart) state.chart.destroy();
-    state.chart = new Chart(canvas, { type: "scatter", data: { datasets },
-      options: chartOptions(metric, xKey) });
+  // Hovering a trial in the legend fades every other trial.
+  function highlight(chart, trialName) {
+    state.highlighted = trialName;
+    for (const d of chart.data.datasets) {
+      if (d.baseColor === undefined) {
+        d.baseColor = d.borderColor; d.baseWidth = d.borderWidth; d.baseBackground = d.backgroundColor;
+      }
+      const dim = trialName !== null && d.trialName !== trialName;
+      d.borderColor = dim ? "rgba(160,160,160,0.25)" : d.baseColor;
+      d.backgroundColor = dim ? "rgba(160,160,160,0.25)" : d.baseBackground;
+      d.borderWidth = !dim && trialName !== null && d.type === "line" ? d.baseWidth + 1.5 : d.baseWidth;
+    }
+    chart.update("none");
   }
 
-  function controls(metrics, onChange) {
+  // Drag across a chart to zoom its x axis (every panel follows), shift-drag to pan,
+  // double-click to zoom out. A zoom asks the server for the range at full resolution.
+  function zoomable(canvas, box, onZoom) {
+    const band = el("div", { class: "zoom-band" });
+    box.append(band);
+    let start = null, pan = false;
+    const scale = () => state.charts.find((c) => c.canvas === canvas)?.scales.x;
+    canvas.addEventListener("mousedown", (e) => {
+      if (e.button !== 0) return;
+      start = e.offsetX; pan = e.shiftKey;
+      if (!pan) Object.assign(band.style, { left: `${start}px`, width: "0px", display: "block" });
+    });
+    canvas.addEventListener("mousemove", (e) => {
+      if (start === null || pan) return;
+      Object.assign(band.style, { left: `${Math.min(start, e.offsetX)}px`, width: `${Math.abs(e.offsetX - start)}px` });
+    });
+    window.addEventListener("mouseup", (e) => {
+      if (start === null) return;
+      band.style.display = "none";
+      const sx = scale(), end = e.target === canvas ? e.offsetX : start;
+      const from = start; start = null;
+      if (!sx || Math.abs(end - from) < 5) return;
+      const a = sx.getValueForPixel(from), b = sx.getValueForPixel(end);
+      if (pan) {
+        const shift = a - b;
+        onZoom([sx.min + shift, sx.max + shift]);
+      } else {
+        onZoom([Math.min(a, b), Math.max(a, b)]);
+      }
+    });
+    canvas.addEventListener("dblclick", () => { if (state.zoom) onZoom(null); });
+  }
+
+  function destroyCharts() {
+    for (const c of state.charts) c.destroy();
+    state.charts = [];
+    state.chart = null;
+  }
+
+  function drawChart(canvas, datasets, metric, xKey, compareMode) {
+    const old = state.charts.findIndex((c) => c.canvas === canvas);
+    if (old >= 0) { state.charts[old].destroy(); state.charts.splice(old, 1); }
+    const chart = new Chart(canvas, { type: "scatter", data: { datasets },
+      options: chartOptions(metric, xKey, compareMode) });
+    state.charts.push(chart);
+    state.chart = state.charts.find((c) => c.canvas.id === "chart") || state.charts[0];
+    return chart;
+  }
+
+  function chartControls(metrics, onChange, { panels = true } = {}) {
     const metricSel = el("select", { id: "metric", onchange: (e) => { state.metric = e.target.value; onChange(); } },
       metrics.map((m) => el("option", { value: m, selected: m === state.metric }, m)));
-    const xSel = el("select", { id: "xaxis", onchange: (e) => { state.x = e.target.value; onChange(); } },
+    const xSel = el("select", { id: "xaxis", onchange: (e) => { state.x = e.target.value; state.zoom = null; onChange(); } },
       Object.entries(X_AXES).map(([k, label]) => el("option", { value: k, selected: k === state.x }, label)));
-    return el("div", { class: "controls" }, el("label", {}, "metric ", metricSel),
-      el("label", {}, "x axis ", xSel));
+    const add = panels ? el("select", { id: "add-panel", onchange: (e) => {
+      if (e.target.value && !state.panels.includes(e.target.value)) state.panels.push(e.target.value);
+      onChange();
+    } }, el("option", { value: "" }, "+ another metric…"),
+    metrics.filter((m) => m !== state.metric && !state.panels.includes(m)).map((m) => el("option", { value: m }, m))) : null;
+    const smooth = el("input", { type: "range", id: "smoothing", min: 0, max: 0.99, step: 0.01,
+      value: state.smooth, onchange: (e) => { state.smooth = Number(e.target.value); onChange(); } });
+    const log = el("input", { type: "checkbox", id: "log-scale", checked: state.log,
+      onchange: (e) => { state.log = e.target.checked; onChange(); } });
+    const reset = el("button", { type: "button", id: "reset-zoom", disabled: !state.zoom,
+      onclick: () => { state.zoom = null; onChange(); } }, "reset zoom");
+    return el("div", { class: "controls", id: "chart-controls" }, el("label", {}, "metric ", metricSel),
+      add, el("label", {}, "x axis ", xSel), el("label", {}, "smoothing ", smooth),
+      el("label", {}, log, " log scale"), reset,
+      el("span", { class: "muted hint" }, "drag to zoom, shift-drag to pan, double-click to zoom out"));
   }
 
   function defaultMetric(trial) {
     if (state.metric && trial.metrics.includes(state.metric)) return state.metric;
     if (trial.metric && trial.metrics.includes(trial.metric)) return trial.metric;
-    const skip = new Set(["training_iteration", "timestamp", "time_total_s", "time_this_iter_s"]);
-    return trial.metrics.find((m) => !skip.has(m)) || trial.metrics[0] || null;
+    return trial.metrics.find((m) => !AUTO.has(m)) || trial.metrics[0] || null;
+  }
+
+  function seriesParams(t, metric) {
+    const p = { experiment: t.experiment, trial: t.trial, metric, x: state.x };
+    if (state.zoom) { p.x_min = state.zoom[0]; p.x_max = state.zoom[1]; }
+    return p;
+  }
+
+  async function fetchSeries(t, metric) {
+    return (await apiCached("series", seriesParams(t, metric))).body;
   }
 
   // -- a trial ------------------------------------------------------------------------
 
+  function checkpointRows(trial) {
+    return trial.checkpoints.slice().sort((a, b) => (KIND_ORDER[a.kind] - KIND_ORDER[b.kind]) ||
+      ((a.rank || 1e12) - (b.rank || 1e12)) || ((b.index || 0) - (a.index || 0)));
+  }
+
   function checkpointTable(trial) {
     const metric = trial.metric;
-    return el("table", { class: "checkpoints", id: "checkpoints" },
-      el("thead", {}, el("tr", {}, ["checkpoint", "kind", metric ? metric : "score",
-        "report", "size", "files", "created"].map((h) => el("th", {}, h)))),
-      el("tbody", {}, trial.checkpoints.map((c) => el("tr", { "data-checkpoint": c.name, "data-kind": c.kind },
-        el("td", {}, c.kind === "evicted" ? c.name
-          : el("a", { href: route("checkpoint", trial.experiment, trial.trial, c.name) }, c.name)),
+    const rows = checkpointRows(trial);
+    const evicted = rows.filter((c) => c.kind === "evicted").length;
+    const shown = state.showEvicted ? rows : rows.filter((c) => c.kind !== "evicted");
+    const toggle = el("label", { class: "muted" }, el("input", { type: "checkbox", id: "show-evicted",
+      checked: state.showEvicted, onchange: (e) => {
+        state.showEvicted = e.target.checked;
+        document.getElementById("checkpoints-box").replaceWith(checkpointTable(state.trial));
+      } }), ` show ${evicted} evicted`);
+    return el("div", { id: "checkpoints-box" }, toggle,
+      el("table", { class: "checkpoints", id: "checkpoints" },
+        el("thead", {}, el("tr", {}, ["checkpoint", "kind", "rank", metric ? metric : "score",
+          "report", "size", "files", "created"].map((h) => el("th", {}, h)))),
+        el("tbody", {}, shown.map((c) => el("tr", { "data-checkpoint": c.name, "data-kind": c.kind,
+          title: c.reason || null },
+        el("td", {}, c.kind === "evicted" ? name(c.name)
+          : el("a", { href: route("checkpoint", trial.experiment, trial.trial, c.name) }, name(c.name))),
         el("td", {}, el("span", { class: `badge kind-${c.kind}` },
           KINDS[c.kind].label + (c.is_best ? ", best" : "") + (c.is_latest && c.kind !== "latest" ? ", latest" : ""))),
+        el("td", { class: "num" }, fmtValue(c.rank)),
         el("td", { class: "num" }, fmtValue(c.score)),
         el("td", { class: "num" }, fmtValue(c.iteration)),
         el("td", { class: "num" }, fmtSize(c.size)),
         el("td", { class: "num" }, fmtValue(c.files)),
-        el("td", {}, fmtTime(c.created_at))))));
+        el("td", {}, fmtTime(c.created_at)))))));
   }
 
   function trialSummary(t) {
     const best = t.best_checkpoint
       ? el("span", {}, `best ${t.metric} ${fmtValue(t.best_score)} at `,
-        el("a", { href: route("checkpoint", t.experiment, t.trial, t.best_checkpoint) }, t.best_checkpoint))
+        el("a", { href: route("checkpoint", t.experiment, t.trial, t.best_checkpoint) }, name(t.best_checkpoint)))
       : el("span", {}, "no score attribute recorded");
-    const error = t.status === "errored" && t.error
-      ? el("span", { class: "error-line" }, ` (last run raised ${t.error}; see error.txt) `) : "";
+    const error = (t.status === "errored" || t.status === "pruned") && t.error
+      ? el("span", { class: "error-line" }, ` (${t.status === "pruned" ? "" : "last run raised "}${t.error}) `) : "";
+    const invalid = t.invalid ? el("span", { class: "error-line" }, ` ${t.invalid} invalid;`) : "";
     return el("p", { class: "summary", id: "summary" }, statusBadge(t.status, t.error), error,
-      ` ${t.total_rows} report(s), ${t.committed} committed checkpoint(s), ${fmtSize(t.size)}; `, best);
+      ` ${t.total_rows} report(s), ${t.committed} committed checkpoint(s),`, invalid,
+      ` ${fmtSize(t.size)}; `, best, " · ",
+      el("a", { href: `api/csv${query({ experiment: t.experiment, trial: t.trial })}`, id: "csv", download: "" },
+        "rows as CSV"));
+  }
+
+  async function drawTrialCharts(t) {
+    const metrics = [state.metric, ...state.panels.filter((m) => m !== state.metric)];
+    const all = await Promise.all(metrics.map((m) => fetchSeries(t, m)));
+    if (state.view !== "trial" || state.trial.trial !== t.trial) return;
+    const box = document.getElementById("panels");
+    const have = new Map([...box.querySelectorAll("canvas")].map((c) => [c.dataset.metric, c]));
+    for (const [m, canvas] of have) {
+      if (!metrics.includes(m)) {
+        const i = state.charts.findIndex((c) => c.canvas === canvas);
+        if (i >= 0) { state.charts[i].destroy(); state.charts.splice(i, 1); }
+        canvas.closest(".chart-box").remove();
+      }
+    }
+    metrics.forEach((m, i) => {
+      let canvas = have.get(m);
+      if (!canvas) {
+        canvas = el("canvas", { id: i === 0 ? "chart" : `chart-${i}`, "data-metric": m });
+        const close = i === 0 ? null : el("button", { type: "button", class: "close-panel",
+          title: `remove the ${m} chart`, onclick: () => {
+            state.panels = state.panels.filter((p) => p !== m); drawTrialCharts(state.trial);
+          } }, "×");
+        const chartBox = el("div", { class: "chart-box" + (i ? " small" : "") }, canvas, close);
+        box.append(chartBox);
+        zoomable(canvas, chartBox, (range) => { state.zoom = range; renderTrialCharts(); });
+      }
+      const sets = trialDatasets(t, all[i], BASE[0], "", Object.keys(KINDS));
+      const chart = state.charts.find((c) => c.canvas === canvas);
+      if (chart && chart.options.scales.y.type === (state.log ? "logarithmic" : "linear")) {
+        chart.data.datasets = sets;
+        chart.options.scales.x.min = state.zoom ? state.zoom[0] : undefined;
+        chart.options.scales.x.max = state.zoom ? state.zoom[1] : undefined;
+        chart.options.scales.x.title.text = X_AXES[state.x] || state.x;
+        chart.update("none");
+      } else {
+        drawChart(canvas, sets, m, state.x, false);
+      }
+    });
+    state.chart = state.charts.find((c) => c.canvas.id === "chart") || null;
+  }
+
+  function renderTrialCharts() {
+    const controls = document.getElementById("chart-controls");
+    if (controls) controls.replaceWith(chartControls(state.trial.metrics, renderTrialCharts));
+    return drawTrialCharts(state.trial);
   }
 
   function renderTrial() {
     const t = state.trial;
     state.metric = defaultMetric(t);
-    const canvas = el("canvas", { id: "chart" });
-    const redraw = () => drawChart(canvas,
-      trialDatasets(t, state.metric, state.x, PALETTE[0], "", Object.keys(KINDS)), state.metric, state.x);
     setMain(breadcrumb([t.experiment, null], [t.trial, null]),
-      el("h1", {}, t.trial),
+      el("h1", {}, name(t.trial, "title")),
       el("p", { class: "muted uri" }, t.uri),
       trialSummary(t),
-      controls(t.metrics, redraw),
-      el("div", { class: "chart-box" }, canvas),
+      chartControls(t.metrics, renderTrialCharts),
+      el("div", { id: "panels" }),
       el("h2", {}, "Checkpoints"), checkpointTable(t));
-    if (state.metric) redraw();
+    if (state.metric) return drawTrialCharts(t);
+    return null;
   }
 
   async function showTrial(experiment, trial) {
-    state.trial = await api("trial", { experiment, trial, since: 0 });
-    renderTrial();
+    state.trial = (await apiCached("trial", { experiment, trial })).body;
+    state.zoom = null;
+    await renderTrial();
   }
 
   async function pollTrial() {
     const t = state.trial;
-    const upd = await api("trial", { experiment: t.experiment, trial: t.trial, since: t.rows.length });
-    if (state.view !== "trial" || state.trial !== t) return;
-    const grew = upd.rows.length > 0;
-    const changed = JSON.stringify(upd.checkpoints) !== JSON.stringify(t.checkpoints) ||
-      upd.status !== t.status;
-    upd.rows = t.rows.concat(upd.rows);
-    state.trial = upd;
-    if (!grew && !changed) return;
-    document.getElementById("summary").replaceWith(trialSummary(upd));
-    document.getElementById("checkpoints").replaceWith(checkpointTable(upd));
-    if (state.chart && state.metric) {
-      const sets = trialDatasets(upd, state.metric, state.x, PALETTE[0], "", Object.keys(KINDS));
-      state.chart.data.datasets.forEach((d, i) => { d.data = sets[i].data; });
-      state.chart.update("none");
-    } else {
-      renderTrial();
-    }
+    const { body, changed } = await apiCached("trial", { experiment: t.experiment, trial: t.trial });
+    if (!changed || state.view !== "trial" || state.trial !== t) return;
+    state.trial = body;
+    document.getElementById("summary").replaceWith(trialSummary(body));
+    document.getElementById("checkpoints-box").replaceWith(checkpointTable(body));
+    if (!state.metric) { await renderTrial(); return; }
+    await drawTrialCharts(body);
   }
 
   // -- several trials -----------------------------------------------------------------
 
+  async function drawCompare() {
+    const trials = state.trials;
+    const all = await Promise.all(trials.map((t) => fetchSeries(t, state.metric)));
+    if (state.view !== "compare") return;
+    const sets = trials.flatMap((t, i) => trialDatasets(t, all[i], trialColor(i), `${t.trial}: `,
+      ["best", "latest", "kept"]));
+    const chart = state.chart;
+    if (chart && chart.options.scales.y.type === (state.log ? "logarithmic" : "linear") &&
+        chart.options.scales.y.title.text === state.metric) {
+      chart.data.datasets = sets;
+      chart.options.scales.x.min = state.zoom ? state.zoom[0] : undefined;
+      chart.options.scales.x.max = state.zoom ? state.zoom[1] : undefined;
+      chart.update("none");
+      if (state.highlighted) highlight(chart, state.highlighted);
+    } else {
+      drawChart(document.getElementById("chart"), sets, state.metric, state.x, true);
+    }
+  }
+
+  function renderCompareControls() {
+    const metrics = [...new Set(state.trials.flatMap((t) => t.metrics))];
+    document.getElementById("chart-controls").replaceWith(
+      chartControls(metrics, () => { renderCompareControls(); drawCompare(); }, { panels: false }));
+  }
+
   async function showCompare(experiment, names) {
-    const trials = await Promise.all(names.map((trial) => api("trial", { experiment, trial, since: 0 })));
+    const trials = await Promise.all(names.map(async (trial) =>
+      (await apiCached("trial", { experiment, trial })).body));
     state.trials = trials;
+    state.zoom = null;
     const metrics = [...new Set(trials.flatMap((t) => t.metrics))];
     state.metric = defaultMetric({ metrics, metric: trials.map((t) => t.metric).find((m) => m) });
     const canvas = el("canvas", { id: "chart" });
-    const redraw = () => {
-      const sets = trials.flatMap((t, i) => trialDatasets(t, state.metric, state.x,
-        PALETTE[i % PALETTE.length], `${t.trial}: `, ["best", "latest", "kept"]));
-      drawChart(canvas, sets, state.metric, state.x);
-    };
+    const chartBox = el("div", { class: "chart-box tall" }, canvas);
     setMain(breadcrumb([experiment, null], ["compare", null]),
-      el("h1", {}, `${experiment}: ${trials.length} trial(s)`),
-      el("p", { class: "muted" }, "Curves of each trial; markers are the checkpoints each one keeps."),
-      controls(metrics, redraw),
-      el("div", { class: "chart-box tall" }, canvas));
-    if (state.metric) redraw();
+      el("h1", {}, name(experiment, "title"), `: ${trials.length} trial(s)`),
+      el("p", { class: "muted" }, "Curves of each trial, one colour each; markers are the checkpoints " +
+        "each one keeps (star: best, triangle: latest). Hover a trial in the legend to bring it forward."),
+      el("div", { id: "chart-controls" }),
+      chartBox);
+    renderCompareControls();
+    zoomable(canvas, chartBox, (range) => { state.zoom = range; renderCompareControls(); drawCompare(); });
+    if (state.metric) await drawCompare();
+  }
+
+  async function pollCompare() {
+    const answers = await Promise.all(state.trials.map((t) =>
+      apiCached("trial", { experiment: t.experiment, trial: t.trial })));
+    if (state.view !== "compare" || !answers.some((a) => a.changed)) return;
+    state.trials = answers.map((a) => a.body);
+    await drawCompare();
+  }
+
+  // -- parameters against the best score ----------------------------------------------
+
+  async function showParams(experiment) {
+    const data = (await apiCached("overview", {})).body;
+    const exp = data.experiments.find((e) => e.name === experiment);
+    if (!exp) throw new Error(`no experiment ${JSON.stringify(experiment)} under this location`);
+    const metric = exp.trials.map((t) => t.metric).find((m) => m) || "best score";
+    if (!state.param || !exp.params.includes(state.param)) state.param = exp.params[0] || null;
+    const canvas = el("canvas", { id: "chart" });
+    const draw = () => {
+      const trials = exp.trials.filter((t) => typeof t.best_score === "number" && state.param in t.params);
+      const values = trials.map((t) => t.params[state.param]);
+      const numeric = values.every((v) => typeof v === "number");
+      const cats = numeric ? [] : [...new Set(values.map(fmtValue))].sort(compare);
+      const points = trials.map((t, i) => ({ x: numeric ? values[i] : cats.indexOf(fmtValue(values[i])),
+        y: t.best_score, trial: t.trial, value: values[i], checkpoint: t.best_checkpoint }));
+      const positive = numeric && values.length > 0 && values.every((v) => v > 0);
+      const logX = positive && Math.max(...values) / Math.min(...values) >= 100;
+      drawChart(canvas, [{ type: "scatter", label: `${metric} by ${state.param}`, data: points,
+        pointRadius: 6, pointHoverRadius: 9, backgroundColor: BASE[0], borderColor: BASE[0] }],
+      metric, state.param, false);
+      const chart = state.chart;
+      chart.options.scales.x = { type: logX ? "logarithmic" : "linear",
+        title: { display: true, text: state.param },
+        ticks: numeric ? {} : { stepSize: 1, callback: (v) => cats[v] ?? "" } };
+      chart.options.plugins.legend.display = false;
+      chart.options.plugins.tooltip.callbacks.label = (ctx) =>
+        `${ctx.raw.trial}: ${state.param} ${fmtValue(ctx.raw.value)}, best ${metric} ${fmtValue(ctx.raw.y)}`;
+      chart.options.onClick = (ev, elements) => {
+        const p = elements.length ? points[elements[0].index] : null;
+        if (p) location.hash = route("trial", experiment, p.trial);
+      };
+      chart.update("none");
+    };
+    const sel = el("select", { id: "param", onchange: (e) => { state.param = e.target.value; draw(); } },
+      exp.params.map((p) => el("option", { value: p, selected: p === state.param }, p)));
+    setMain(breadcrumb([experiment, null], ["parameters", null]),
+      el("h1", {}, name(experiment, "title"), `: best ${metric} by parameter`),
+      el("p", { class: "muted" }, "One point per trial: a parameter's value against the trial's best score. " +
+        "Click a point to open the trial."),
+      exp.params.length ? el("div", { class: "controls" }, el("label", {}, "parameter ", sel))
+        : el("p", { class: "muted" }, "No trial of this experiment records parameters (params.json)."),
+      el("div", { class: "chart-box" }, canvas));
+    if (state.param) draw();
   }
 
   // -- a checkpoint -------------------------------------------------------------------
@@ -408,16 +793,28 @@
     }
   }
 
-  async function showCheckpoint(experiment, trial, name) {
-    const c = await api("checkpoint", { experiment, trial, checkpoint: name });
+  function retentionLine(c) {
+    if (!c.kind) return null;
+    const parts = [el("span", { class: `badge kind-${c.kind}`, id: "kind" }, KINDS[c.kind].label)];
+    if (c.score_attribute) {
+      parts.push(` ${c.score_attribute} ${fmtValue(c.score)}`);
+      parts.push(c.rank ? `, rank ${c.rank} of ${c.ranked}` : ", not ranked");
+    }
+    if (c.is_latest) parts.push(" · the newest committed checkpoint (a resume starts here)");
+    return el("p", { class: "summary", id: "retention" }, parts);
+  }
+
+  async function showCheckpoint(experiment, trial, cname) {
+    const c = await api("checkpoint", { experiment, trial, checkpoint: cname });
     const out = el("div", { id: "verify-result", class: "verify" });
     const button = el("button", { type: "button", id: "verify", onclick: () => verify(c, out, button) },
       "Verify");
     const state_ = c.state === "committed" ? null
       : el("p", { class: "error" }, `${c.state}${c.file ? ` (${c.file})` : ""}: ${c.reason || "not committed"}`);
-    setMain(breadcrumb([experiment, null], [trial, route("trial", experiment, trial)], [name, null]),
-      el("h1", {}, name),
+    setMain(breadcrumb([experiment, null], [trial, route("trial", experiment, trial)], [cname, null]),
+      el("h1", {}, name(cname, "title")),
       el("p", { class: "muted uri" }, c.uri),
+      retentionLine(c),
       state_,
       el("div", { class: "verify-row" }, button, out),
       el("h2", {}, `Manifest: ${c.manifest.length} file(s), ${fmtSize(c.size)}`),
@@ -436,15 +833,16 @@
   // -- routing and live refresh ---------------------------------------------------------
 
   async function onRoute() {
-    if (state.chart) { state.chart.destroy(); state.chart = null; }
+    destroyCharts();
     const parts = location.hash.replace(/^#\/?/, "").split("/").filter((p) => p !== "")
       .map(decodeURIComponent);
     const [view, ...args] = parts;
     state.view = view || "overview";
     try {
-      if (!view) await showOverview(true);
+      if (!view) { document.getElementById("main").replaceChildren(); await showOverview(); }
       else if (view === "trial" && args.length === 2) await showTrial(args[0], args[1]);
       else if (view === "compare" && args.length >= 2) await showCompare(args[0], args.slice(1));
+      else if (view === "params" && args.length === 1) await showParams(args[0]);
       else if (view === "checkpoint" && args.length === 3) await showCheckpoint(...args);
       else throw new Error("unknown page: " + location.hash);
     } catch (err) {
@@ -452,19 +850,24 @@
     }
   }
 
-  async function poll() {
+  function setLive(text, stale) {
     const live = document.getElementById("live");
+    live.textContent = text;
+    live.title = text;
+    live.classList.toggle("stale", stale);
+  }
+
+  async function poll() {
     if (state.busy) return;  // a slow storage: never stack polls
     state.busy = true;
     try {
-      if (state.view === "overview") await showOverview(false);
+      if (state.view === "overview") await showOverview();
       else if (state.view === "trial" && state.trial) await pollTrial();
+      else if (state.view === "compare" && state.trials.length) await pollCompare();
       state.polls += 1;
-      live.textContent = `live · ${new Date().toLocaleTimeString()}`;
-      live.classList.remove("stale");
+      setLive(`live · ${new Date().toLocaleTimeString()}`, false);
     } catch (err) {
-      live.textContent = `not refreshed: ${err.message}`;
-      live.classList.add("stale");
+      setLive(`not refreshed: ${err.message}`, true);
     } finally {
       state.busy = false;
     }
@@ -477,7 +880,9 @@
       showError(err);
       return;
     }
-    document.getElementById("location").textContent = state.config.uri;
+    const loc = document.getElementById("location");
+    loc.textContent = state.config.uri;
+    loc.title = state.config.uri;
     window.addEventListener("hashchange", onRoute);
     await onRoute();
     state.timer = setInterval(poll, state.config.refresh_ms);
