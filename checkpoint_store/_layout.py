@@ -20,6 +20,7 @@ __all__ = [
     "COMMIT_LOCK",
     "DELETE_TOMBSTONE",
     "ERROR_FILE",
+    "STOPPED_FILE",
     "FORMAT_VERSION",
     "INTERNAL_METADATA",
     "INTERNAL_PREFIX",
@@ -82,6 +83,10 @@ PARAMS_FILE = "params.json"
 #: ``Failure # N (occurred at ...)`` blocks). Absent: no run of it raised, or
 #: a later one ended cleanly.
 ERROR_FILE = "error.txt"
+#: Why the trial's last run was ended early by its driver (a pruner, a
+#: scheduler): ``{"status": "pruned" | "stopped", "reason": ..., "time": ...}``.
+#: Absent: the last run was not stopped with a reason.
+STOPPED_FILE = "stopped.json"
 # Every other file or directory we create starts with this prefix: staging
 # directories, per-rank markers, download markers. Users' files never do.
 INTERNAL_PREFIX = ".cs_"
@@ -234,7 +239,7 @@ def parse_result_segment_name(name: str) -> tuple[int, int] | None:
 
 
 #: The files a trial directory holds besides its checkpoints.
-TRIAL_FILES = frozenset({RESULT_FILE, PARAMS_FILE, MANAGER_STATE, ERROR_FILE})
+TRIAL_FILES = frozenset({RESULT_FILE, PARAMS_FILE, MANAGER_STATE, ERROR_FILE, STOPPED_FILE})
 
 
 def is_reserved_name(name: str) -> bool:

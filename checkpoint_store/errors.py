@@ -183,4 +183,16 @@ class TrialStopped(BaseException):
     ``except Exception:`` in user code does not swallow it: the function
     unwinds, its ``finally`` blocks run, and the trial runner ends the thread
     quietly. Do not catch it.
+
+    Attributes:
+        status: ``"pruned"`` or ``"stopped"`` when the driver gave a reason
+            (:meth:`TrialRunner.stop`), recorded in the trial's ``stopped.json``
+            so pages and listings tell an early stop from a finished run; None
+            for a pause or a stop without a reason.
+        reason: the driver's one line, or None.
     """
+
+    def __init__(self, reason: str | None = None, status: str | None = None) -> None:
+        super().__init__(*(() if reason is None else (reason,)))
+        self.reason = reason
+        self.status = status if reason is not None else None

@@ -26,6 +26,7 @@ from checkpoint_store._layout import (
     ERROR_FILE,
     FORMAT_VERSION,
     PARAMS_FILE,
+    STOPPED_FILE,
     check_run_name,
     checkpoint_dir_name,
     is_internal_file,
@@ -589,6 +590,42 @@ class StorageContext:
         """Remove ``error.txt``: a run of the trial ended cleanly, which supersedes
         the failures of earlier runs (nothing happens if there is none)."""
         _fsutil.delete_file(self.filesystem, posixpath.join(self.trial_path, ERROR_FILE))
+
+    def record_stop(self, status: str, reason: str, *, now: float | None = None) -> None:
+        """Write the trial's ``stopped.json``: its last run was ended early by its
+        driver (rank 0, when a session ends with a :class:`TrialStopped` that
+        carries a reason). One PUT on object stores, an atomic replace on local disks.
+
+        Args:
+            status: ``"pruned"`` (a pruner judged the trial hopeless, as Optuna's
+                ``TrialPruned``) or ``"stopped"`` (any other early stop).
+            reason: one line for people, e.g. ``"pruned at training_iteration 3"``.
+
+        Raises:
+            InvalidConfigError: another ``status``.
+        """
+        if status not in ("pruned", "stopped"):
+            raise InvalidConfigError(f"status must be 'pruned' or 'stopped', got {status!r}")
+        body = {"status": status, "reason": str(reason),
+                "time": time.time() if now is None else now}
+        _fsutil.write_bytes(self.filesystem, posixpath.join(self.trial_path, STOPPED_FILE),
+                            _json.dumps(body), self.backend.capabilities)
+
+    def clear_stop(self) -> None:
+        """Remove ``stopped.json``: a later run ended otherwise (nothing happens if
+        there is none)."""
+        _fsutil.delete_file(self.filesystem, posixpath.join(self.trial_path, STOPPED_FILE))
+
+    def read_stop(self) -> dict[str, Any] | None:
+        """``stopped.json`` as a dict, or None when the trial has none (or it is
+        unreadable)."""
+        try:
+            raw = _fsutil.read_bytes(self.filesystem,
+                                     posixpath.join(self.trial_path, STOPPED_FILE))
+            body = _json.loads(raw)
+        except (FileNotFoundError, OSError, ValueError):
+            return None
+        return body if isinstance(body, dict) else None
 
     def read_error(self) -> str | None:
         """The text of ``error.txt``, or None when the trial has none."""

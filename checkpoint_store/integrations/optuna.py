@@ -141,11 +141,10 @@ def objective(
                 values.append(v)
                 trial.report(v, step=int(result["training_iteration"]))
                 if trial.should_prune():
-                    runner.stop()
-                    raise optuna.TrialPruned(
-                        f"pruned at training_iteration {result['training_iteration']} "
-                        f"({metric}={v})"
-                    )
+                    why = (f"pruned at training_iteration {result['training_iteration']} "
+                           f"({metric}={v})")
+                    runner.stop(reason=why, status="pruned")  # the trial shows as pruned
+                    raise optuna.TrialPruned(why)
         finally:
             runner.stop()
             _record(trial, runner)

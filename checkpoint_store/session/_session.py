@@ -554,6 +554,10 @@ class Session:
         clean = (error is None or isinstance(error, (TrialStopped, GeneratorExit))
                  or (isinstance(error, SystemExit) and error.code in (0, None)))
         try:
+            if isinstance(error, TrialStopped) and error.status is not None:
+                self.storage.record_stop(error.status, error.reason or "")
+            elif self.storage.read_stop() is not None:
+                self.storage.clear_stop()  # this run ended otherwise
             if clean:
                 self.storage.clear_error()
             else:

@@ -140,6 +140,7 @@ class TrialRunner:
         self._taken = 0
         self._released = 0
         self._stop_requested = False
+        self._stop_reason: tuple[str, str] | None = None  # (status, reason) of stop()
         self._error: BaseException | None = None
         self._thread_done = False
 
@@ -185,6 +186,7 @@ class TrialRunner:
             self._new_attempt()
             self._generation += 1
             self._status = _RUNNING
+            self._stop_reason = None
             self._thread = threading.Thread(
                 target=self._run, args=(self._generation,),
                 name=f"cs-trial-{self.trial_name}", daemon=True,
@@ -233,28 +235,34 @@ class TrialRunner:
 
     # -- the handoff (called from the trial thread through _Hook) ------------------------
 
+    def _stopped(self) -> TrialStopped:
+        if self._status == _STOPPED and self._stop_reason is not None:
+            status, reason = self._stop_reason
+            return TrialStopped(reason, status)
+        return TrialStopped()
+
     def _before_report(self, generation: int) -> None:
         with self._cv:
             if self._stop_requested or generation != self._generation:
-                raise TrialStopped()
+                raise self._stopped()
 
     def _after_report(self, generation: int, row: dict[str, Any], ckpt: Checkpoint | None) -> None:
         result = dict(row)
         result["checkpoint"] = ckpt
         with self._cv:
             if self._stop_requested or generation != self._generation:
-                raise TrialStopped()
+                raise self._stopped()
             self._slot = result
             self._put += 1
             n = self._put
             self._cv.notify_all()
             while True:
                 if generation != self._generation:
-                    raise TrialStopped()
+                    raise self._stopped()
                 if (self._released if self._sync else self._taken) >= n:
                     return
                 if self._stop_requested:
-                    raise TrialStopped()
+                    raise self._stopped()
                 self._cv.wait()
 
     # -- the driver's API --------------------------------------------------------------
@@ -338,7 +346,8 @@ class TrialRunner:
         thread.join(self._stop_timeout_s if timeout is None else timeout)
         return not thread.is_alive()
 
-    def stop(self, timeout: float | None = None) -> bool:
+    def stop(self, timeout: float | None = None, *, reason: str | None = None,
+             status: str = "stopped") -> bool:
         """End the trial: the blocked (or next) ``report()`` raises
         :class:`~checkpoint_store.session.TrialStopped` inside ``train_fn``, so
         it unwinds and its ``finally`` blocks run; the thread is joined.
@@ -348,12 +357,26 @@ class TrialRunner:
 
         Args:
             timeout: seconds to wait for the thread (default ``stop_timeout_s``).
+            reason: why, in one line (``"pruned at training_iteration 3"``): the
+                session records it in the trial's ``stopped.json`` with
+                ``status``, so ``ui`` shows the trial as pruned or stopped, not
+                finished (as Ray Tune tells an early-stopped trial from a
+                finished one). Without a reason nothing is recorded.
+            status: ``"stopped"`` or ``"pruned"`` (a pruner's verdict).
+
+        Raises:
+            InvalidConfigError: another ``status``.
 
         Returns:
             True when the thread has ended (or never ran); False if it is still
             running after ``timeout`` (it is a daemon thread and stops at its
             next report()).
         """
+        if status not in ("stopped", "pruned"):
+            raise InvalidConfigError(f"status must be 'stopped' or 'pruned', got {status!r}")
+        with self._cv:
+            if reason is not None and self._status in (_RUNNING, _IDLE, _PAUSED):
+                self._stop_reason = (status, str(reason))
         return self._end_thread(_STOPPED, timeout)
 
     def pause(self, timeout: float | None = None) -> bool:

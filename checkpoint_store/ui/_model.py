@@ -47,6 +47,7 @@ from checkpoint_store._layout import (
     PARAMS_FILE,
     RESULT_FILE,
     RESULT_SEGMENTS_DIR,
+    STOPPED_FILE,
     is_internal_name,
     parse_checkpoint_dir_name,
     validate_component,
@@ -114,6 +115,7 @@ class _TrialCache:
     status: str = "finished"
     error: str | None = None  # the last line of error.txt: "ValueError: loss is nan"
     error_size: int = -1  # bytes of error.txt when ``error`` was read
+    stop: tuple[str, str, int | None] | None = None  # stopped.json: status, reason, size
     # (metric, x) -> (rows seen, [(x, y, row index)]): a metric switch reads no row twice.
     columns: dict[tuple[str, str], tuple[int, list[tuple[float, float, int]]]] = \
         dataclasses.field(default_factory=dict)
@@ -270,10 +272,18 @@ class StoreView:
                     cache)
         # A lease outranks error.txt: a run holding one (live or crashed) is
         # newer than the failure recorded by an earlier run.
+        stop = _read_stop(fs, posixpath.join(ctx.trial_path, STOPPED_FILE),
+                          entries.get(STOPPED_FILE), cache)
         if LEASE_FILE in entries:
             cache.status = "running" if live_lease(ctx) is not None else "interrupted"
+        elif cache.error is not None:
+            cache.status = "errored"
+        elif stop is not None:
+            # Ended early by its driver (a pruner): not "finished".
+            cache.status = stop[0]
+            cache.error = stop[1]
         else:
-            cache.status = "errored" if cache.error is not None else "finished"
+            cache.status = "finished"
         return cache
 
     def trial(self, experiment: str, trial: str, *, since: int | None = 0,
@@ -356,8 +366,12 @@ class StoreView:
             ``experiment``, ``trial``, ``uri``, ``status`` (``running``: a live
             lease; ``interrupted``: a lease left by a process that is gone;
             ``errored``: no lease and an ``error.txt``, the last run ended with
-            an exception; ``finished``), ``error`` (the last line of
-            ``error.txt``, e.g. ``"ValueError: loss is nan"``, or None), ``reports``,
+            an exception; ``pruned`` or ``stopped``: its driver ended the last
+            run early and said why (``stopped.json``: an Optuna pruner, a
+            scheduler); ``finished``), ``error`` (the last line of
+            ``error.txt``, e.g. ``"ValueError: loss is nan"``, or the stop's
+            reason, or None), ``invalid`` (committed checkpoints that no longer
+            match their manifest, counted in ``committed`` too), ``reports``,
             ``committed`` (checkpoints), ``metric``
             and ``mode`` (the recorded score attribute and order), ``best_score``
             and ``best_checkpoint``, ``size`` (bytes in committed checkpoints'
@@ -582,6 +596,23 @@ def _read_error(fs: Any, path: str, info: Any, cache: _TrialCache) -> None:
     lines = [line for line in text.splitlines() if line.strip()]
     cache.error = lines[-1].strip() if lines else "(error.txt is empty)"
     cache.error_size = info.size if info.size is not None else -1
+
+
+def _read_stop(fs: Any, path: str, info: Any,
+               cache: _TrialCache) -> tuple[str, str] | None:
+    """``(status, reason)`` of ``stopped.json`` (read again only when its size
+    changed), or None when there is none."""
+    if info is None:
+        cache.stop = None
+        return None
+    if cache.stop is None or cache.stop[2] != info.size:
+        body = _read_json(fs, path)
+        status = body.get("status") if isinstance(body, dict) else None
+        if status not in ("pruned", "stopped"):
+            cache.stop = None
+            return None
+        cache.stop = (status, str(body.get("reason") or status), info.size)
+    return cache.stop[0], cache.stop[1]
 
 
 def _read_json(fs: Any, path: str) -> Any:

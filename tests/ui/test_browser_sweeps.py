@@ -319,6 +319,7 @@ def test_20000_reports_are_decimated_with_every_marker_exact(
              what="two polls")
     trial_polls = [r for r in _resources(browser) if "/api/trial?" in r["name"]][1:]
     assert trial_polls and all(r["status"] == 304 and r["size"] <= 1024 for r in trial_polls)
+    screenshot(browser, "ui-long-trial")
     # Switching the metric asks for that one series only.
     before = len(_resources(browser))
     from selenium.webdriver.support.ui import Select
@@ -329,7 +330,6 @@ def test_20000_reports_are_decimated_with_every_marker_exact(
     new = [r["name"] for r in _resources(browser)[before:] if "/api/" in r["name"]]
     assert [n for n in new if "series" in n] and not [n for n in new if "/api/trial" in n
                                                        and "since=" in n]
-    screenshot(browser, "ui-long-trial")
 
 
 def test_marker_tooltip_and_checkpoint_page_say_why_it_is_kept(

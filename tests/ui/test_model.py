@@ -271,3 +271,53 @@ def test_an_unchanged_poll_is_a_304_without_a_body(serve: Any, tmp_path: Any) ->
     req = urllib.request.Request(server.url + first, headers={"If-None-Match": etags[first]})
     with urllib.request.urlopen(req) as resp:
         assert json.load(resp)["total_rows"] == 3
+
+
+def test_a_pruned_trial_is_pruned_until_a_run_ends_otherwise(tmp_path: Any) -> None:
+    optuna = pytest.importorskip("optuna")
+    from checkpoint_store import session
+    from checkpoint_store.integrations.optuna import objective
+
+    root = str(tmp_path / "s")
+
+    def train(config: dict[str, Any]) -> None:
+        for step in range(6):
+            session.report({"acc": config["base"] + 0.01 * step})
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.ThresholdPruner(
+        lower=0.5, n_warmup_steps=1))
+    bases = iter([0.9, 0.1])
+    study.optimize(objective(train, lambda t: {"base": next(bases)}, storage_path=root,
+                             experiment_name="sweep", metric="acc", mode="max"), n_trials=2)
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "PRUNED"]
+    view = StoreView(root)
+    rows = {t["trial"]: t for t in view.overview()["experiments"][0]["trials"]}
+    assert rows["trial_00000"]["status"] == "finished"
+    assert rows["trial_00001"]["status"] == "pruned"
+    assert rows["trial_00001"]["error"] == "pruned at training_iteration 1 (acc=0.1)"
+    # A later run of the trial that ends on its own is finished again.
+    with session.start(storage_path=root, experiment_name="sweep", trial_name="trial_00001"):
+        session.report({"acc": 0.2})
+    assert view.summary("sweep", "trial_00001")["status"] == "finished"
+
+
+def test_a_stop_without_reason_records_nothing(tmp_path: Any) -> None:
+    from checkpoint_store import TrialRunner, session
+
+    def train(config: dict[str, Any]) -> None:
+        for step in range(10):
+            session.report({"acc": 0.1 * step})
+
+    root = str(tmp_path / "s")
+    for name, reason in (("plain", None), ("asked", "stopped by the scheduler")):
+        runner = TrialRunner(train, {}, storage_path=root, experiment_name="e", trial_name=name)
+        runner.step()
+        runner.stop(reason=reason)
+    view = StoreView(root)
+    assert view.summary("e", "plain")["status"] == "finished"
+    asked = view.summary("e", "asked")
+    assert (asked["status"], asked["error"]) == ("stopped", "stopped by the scheduler")
+    with pytest.raises(InvalidConfigError):
+        TrialRunner(train, {}, storage_path=root, experiment_name="e",
+                    trial_name="x").stop(reason="r", status="done")

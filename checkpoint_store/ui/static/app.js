@@ -437,9 +437,11 @@
       const dim = trialName !== null && d.trialName !== trialName;
       d.borderColor = dim ? "rgba(160,160,160,0.25)" : d.baseColor;
       d.backgroundColor = dim ? "rgba(160,160,160,0.25)" : d.baseBackground;
+      d.pointBorderColor = d.borderColor;
+      d.pointBackgroundColor = d.backgroundColor;
       d.borderWidth = !dim && trialName !== null && d.type === "line" ? d.baseWidth + 1.5 : d.baseWidth;
     }
-    chart.update("none");
+    chart.update();  // "none" keeps the points' cached colours
   }
 
   // Drag across a chart to zoom its x axis (every panel follows), shift-drag to pan,
