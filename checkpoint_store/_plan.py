@@ -13,7 +13,10 @@ docs/benchmarks.md):
 * **small files** (at most one chunk) go in batches through a bounded thread
   pool, so the per-task cost of the pool is paid per batch. Where the remote
   side is an fsspec *async* filesystem (s3fs, adlfs, gcsfs) a batch is one
-  ``pipe``/``cat`` call that fsspec runs concurrently on its event loop.
+  ``pipe``/``cat`` call that fsspec runs concurrently on its event loop
+  (also beside a C++ client: the S3 and Azure plugins' pyarrow engines, and
+  the s3fs twin of a pyarrow S3 filesystem passed in, see
+  :func:`~checkpoint_store._remote._client_of`).
   Disk to disk between local-device or in-memory filesystems, all small
   files are one batch copied in turn by one thread (beside the large files'
   tasks): more threads measured slower.
@@ -24,9 +27,9 @@ docs/benchmarks.md):
 * **uploads of large files** go up in parts that run in parallel like a
   download's, each read with ``pread`` and checksummed as it is sent, where
   the store's fsspec client is at hand: S3 multipart uploads through s3fs
-  (both engines of the S3 backend, an s3fs filesystem passed in), Azure
-  blocks staged and committed through adlfs (both engines of the Azure
-  backend, an adlfs filesystem passed in). The upload completes once every
+  (both engines of the S3 backend, an s3fs or pyarrow S3 filesystem passed
+  in), Azure blocks staged and committed through adlfs (both engines of the
+  Azure backend, an adlfs filesystem passed in). The upload completes once every
   part is in. Elsewhere each file streams through one output stream
   (pyarrow's S3 stream uploads its parts in the background; other fsspec
   streams upload a block per chunk). Files go in parallel.
@@ -54,7 +57,7 @@ from checkpoint_store._crc32c import crc32c_combine
 from checkpoint_store._fsutil import local_path
 from checkpoint_store._localcopy import _O_BINARY, creates_locally, flush_files
 from checkpoint_store._remote import (
-    _fsspec_of,
+    _client_of,
     _is_async,
     can_stream_ranges,
     part_upload_client,
@@ -181,7 +184,7 @@ def plan(
     # chunk is one PUT / GET (s3fs puts below 100 MiB in one request; a
     # multipart upload costs several), run concurrently by fsspec.
     remote = dst_fs if route == "upload" else src_fs if route == "download" else None
-    remote_fsspec = _fsspec_of(remote) if remote is not None else None
+    remote_fsspec = _client_of(remote) if remote is not None else None
     if remote_fsspec is not None and _is_async(remote_fsspec):
         small_max = min(part, limit // _REMOTE_COPIES)
     batches: list[list[tuple[str, int]]] = []

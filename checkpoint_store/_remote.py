@@ -23,8 +23,9 @@ from typing import Any, ClassVar, Protocol
 
 import pyarrow.fs as pafs
 
-__all__ = ["AzureBlocks", "PartUpload", "PartUploader", "S3Multipart", "_fsspec_of",
-           "_is_async", "_native_of", "part_upload_client", "server_copy", "writer_of"]
+__all__ = ["AzureBlocks", "PartUpload", "PartUploader", "S3Multipart", "_client_of",
+           "_fsspec_of", "_is_async", "_native_of", "part_upload_client", "server_copy",
+           "writer_of"]
 
 
 def _native_of(fs: pafs.FileSystem) -> pafs.FileSystem:
@@ -208,6 +209,26 @@ def _fsspec_of(fs: pafs.FileSystem) -> Any | None:
     return None
 
 
+def _client_of(fs: pafs.FileSystem) -> Any | None:
+    """The fsspec client a transfer moves bytes through beside ``fs``: the
+    one behind its handler (:func:`_fsspec_of`), else for a pyarrow
+    ``S3FileSystem`` the user passed in its s3fs twin
+    (:func:`_s3fs_twin_of`), else None.
+
+    Through it every transfer feature works for such a filesystem as for
+    the S3 plugin's pyarrow engine by URI (which keeps an s3fs client to
+    delete with): small files in one concurrent batch, downloads in
+    streamed ranged GETs, large uploads in parallel parts, and copies of
+    objects over 5 GiB inside the store (UploadPartCopy; pyarrow's
+    CopyObject stops at 5 GiB). Where no twin can be made (credentials from
+    the default chain, options s3fs would not honour alike), pyarrow's own
+    client does it all: one request per small file, one stream per large
+    upload, ranged reads of at most 16 MiB.
+    """
+    fss = _fsspec_of(fs)
+    return fss if fss is not None else _s3fs_twin_of(fs)
+
+
 def _is_async(fsspec_fs: Any) -> bool:
     """Whether an fsspec client runs its calls on an event loop (s3fs, adlfs,
     gcsfs): a batch of files is then one call that fsspec runs concurrently."""
@@ -228,7 +249,7 @@ def server_copy(fs: pafs.FileSystem, src: str, dst: str, size: int) -> None:
     UploadPartCopy for large objects, adlfs Copy Blob, gcsfs rewrite).
     """
     native = _native_of(fs)
-    fss = _fsspec_of(fs)
+    fss = _client_of(fs)
     if fss is None or (not isinstance(native, pafs.PyFileSystem) and size <= _COPY_OBJECT_MAX):
         native.copy_file(src, dst)
     else:
@@ -340,9 +361,7 @@ def part_upload_client(fs: pafs.FileSystem) -> PartUploader | None:
     AzureFileSystem and adlfs alike). None for a pyarrow AzureFileSystem
     passed in.
     """
-    fss = _fsspec_of(fs)
-    if fss is None:
-        fss = _s3fs_twin_of(fs)
+    fss = _client_of(fs)
     if can_stream_ranges(fss):
         return PartUploader(fss, S3Multipart)
     if _is_adlfs(fss):

@@ -35,7 +35,7 @@ from checkpoint_store._crc32c import _crc
 from checkpoint_store._localcopy import _O_BINARY, _LocalDisk, _pwrite_all
 from checkpoint_store._remote import (
     PartUpload,
-    _fsspec_of,
+    _client_of,
     _is_async,
     _native_of,
     open_range,
@@ -107,8 +107,10 @@ class _Runner(_LocalDisk):
         self.src_os = _fsutil.local_path(src_fs, src_root)
         self.dst_os = _fsutil.local_path(dst_fs, dst_root)
         self.pipe_copies = p.local_disks
-        self.src_fsspec = _fsspec_of(src_fs)
-        self.dst_fsspec = _fsspec_of(dst_fs)
+        # Beside a C++ client too (see _client_of): batches of small files
+        # and streamed ranges go through the fsspec client.
+        self.src_fsspec = _client_of(src_fs)
+        self.dst_fsspec = _client_of(dst_fs)
         self.dst_fs_outer = dst_fs
         #: Large files go up in parallel parts through this client, if any
         #: (S3 multipart uploads, Azure staged blocks).

@@ -283,8 +283,20 @@ _FSSPEC_NAME_LIMITS: dict[str, tuple[str, str]] = {
 }
 
 
+#: Stores whose every client copies an object inside the store
+#: (``copy_file`` / fsspec's ``cp_file``: S3 CopyObject, or UploadPartCopy
+#: through s3fs; Azure Copy Blob; GCS rewrite), by fsspec protocol and by
+#: pyarrow's ``type_name``: a filesystem of these passed in keeps the
+#: incremental uploads its store's plugin has by URI.
+_SERVER_COPY_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+_SERVER_COPY_CAPABILITIES = dataclasses.replace(OBJECT_STORE_CAPABILITIES, server_side_copy=True)
+
+
 def _generic_capabilities(protocol: str) -> Capabilities:
-    """Conservative capabilities for a store nobody wrote a backend for."""
+    """Conservative capabilities for a store nobody wrote a backend for
+    (an fsspec filesystem, or a pyarrow one of ``type_name`` ``protocol``)."""
+    if protocol in _SERVER_COPY_STORES:
+        return _SERVER_COPY_CAPABILITIES
     if protocol in _OBJECT_STORE_PROTOCOLS:
         return OBJECT_STORE_CAPABILITIES
     return Capabilities(directories=True, chunk_size=8 * 1024 * 1024, concurrency=4)
@@ -441,7 +453,9 @@ def _describe(fs: pafs.FileSystem) -> dict[str, Any]:
                                        unsupported_name_hint=limits[1])
         return {"scheme": proto, "capabilities": caps, "name": f"fsspec:{proto}"}
     scheme = {"s3": "s3", "gcs": "gs", "abfs": "abfs"}.get(fs.type_name, fs.type_name)
-    return {"scheme": scheme, "capabilities": OBJECT_STORE_CAPABILITIES, "name": fs.type_name}
+    caps = (_generic_capabilities(fs.type_name) if fs.type_name in _SERVER_COPY_STORES
+            else OBJECT_STORE_CAPABILITIES)
+    return {"scheme": scheme, "capabilities": caps, "name": fs.type_name}
 
 
 def _fspath(location: Any) -> Any:

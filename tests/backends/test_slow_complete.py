@@ -20,94 +20,13 @@ one GET, no HEAD before it.
 from __future__ import annotations
 
 import os
-import socket
-import threading
-import time
 
 import pytest
 
 from checkpoint_store import Checkpoint, StorageContext
+from tests.backends.relay import CountingRelay
 
 MiB = 1024 * 1024
-
-
-class _SlowCompleteProxy:
-    """TCP proxy on 127.0.0.1 to ``target_port``: holds the answer to the
-    first CompleteMultipartUpload (``POST ...?uploadId=``) of each upload
-    ``hold_s`` seconds (a request sent again is answered at once: the test
-    then fails on the count, not after a long wait) and records the request
-    lines in ``completes`` (every request line in ``requests``)."""
-
-    def __init__(self, target_port: int, hold_s: float):
-        self.target_port = target_port
-        self.hold_s = hold_s
-        self.completes: list[bytes] = []
-        self.requests: list[bytes] = []
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._server.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            waiting = threading.Event()  # a Complete request awaits its answer
-            threading.Thread(target=self._up, args=(client, upstream, waiting),
-                             daemon=True).start()
-            threading.Thread(target=self._down, args=(upstream, client, waiting),
-                             daemon=True).start()
-
-    def _up(self, client: socket.socket, upstream: socket.socket,
-            waiting: threading.Event) -> None:
-        # Clients send a request only after the previous answer (no HTTP
-        # pipelining), so each request line starts a chunk.
-        for data in _chunks(client):
-            line = data.split(b"\r\n", 1)[0]
-            if line.split(b" ", 1)[0] in (b"GET", b"PUT", b"POST", b"HEAD", b"DELETE"):
-                self.requests.append(line)
-            if line.startswith(b"POST ") and b"uploadId=" in line:
-                if line not in self.completes:
-                    waiting.set()
-                self.completes.append(line)
-            upstream.sendall(data)
-        _close(upstream)
-
-    def _down(self, upstream: socket.socket, client: socket.socket,
-              waiting: threading.Event) -> None:
-        for data in _chunks(upstream):
-            if waiting.is_set():
-                time.sleep(self.hold_s)
-                waiting.clear()
-            try:
-                client.sendall(data)
-            except OSError:  # the client gave up on this connection
-                break
-        _close(client)
-
-    def close(self) -> None:
-        self._server.close()
-
-
-def _chunks(sock: socket.socket):
-    while True:
-        try:
-            data = sock.recv(1 << 16)
-        except OSError:
-            return
-        if not data:
-            return
-        yield data
-
-
-def _close(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
 
 
 @pytest.fixture
@@ -120,7 +39,7 @@ def big_checkpoint(tmp_path):
     return src
 
 
-def _upload_through(proxy: _SlowCompleteProxy, s3_server, s3_bucket: str, engine: str,
+def _upload_through(proxy: CountingRelay, s3_server, s3_bucket: str, engine: str,
                     src) -> Checkpoint:
     options = {**s3_server.storage_options(engine), "endpoint_url": proxy.url}
     st = StorageContext(f"s3://{s3_bucket}/slow", "exp", "t", storage_options=options,
@@ -134,7 +53,7 @@ def _upload_through(proxy: _SlowCompleteProxy, s3_server, s3_bucket: str, engine
 ])
 def test_slow_complete_is_sent_once_and_the_checkpoint_verifies(
         s3_server, s3_bucket, big_checkpoint, tmp_path, engine, hold_s):
-    proxy = _SlowCompleteProxy(s3_server.port, hold_s)
+    proxy = CountingRelay(s3_server.port, hold_s)
     dst = tmp_path / "back"
     try:
         ckpt = _upload_through(proxy, s3_server, s3_bucket, engine, big_checkpoint)
@@ -157,7 +76,7 @@ def test_small_files_are_one_put_each_through_a_pyarrow_filesystem_passed_in(
     src.mkdir()
     for i in range(12):
         (src / f"shard_{i:02d}.bin").write_bytes(os.urandom(1000 + i))
-    proxy = _SlowCompleteProxy(s3_server.port, 0.0)
+    proxy = CountingRelay(s3_server.port, 0.0)
     try:
         # As a Ray user builds it: allow_delayed_open is False by default.
         user_fs = pafs.S3FileSystem(
@@ -195,7 +114,7 @@ def test_small_files_download_with_one_get_each(s3_server, s3_bucket, tmp_path, 
     st = StorageContext(f"s3://{s3_bucket}/dl", "exp", "t",
                         storage_options=s3_server.storage_options(engine))
     st.persist_checkpoint(Checkpoint.from_directory(str(src)), 0, {"metrics": {}})
-    proxy = _SlowCompleteProxy(s3_server.port, 0.0)
+    proxy = CountingRelay(s3_server.port, 0.0)
     try:
         options = {**s3_server.storage_options(engine), "endpoint_url": proxy.url}
         ckpt = Checkpoint(f"s3://{s3_bucket}/dl/exp/t/checkpoint_000000",
