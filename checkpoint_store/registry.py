@@ -458,6 +458,25 @@ def _describe(fs: pafs.FileSystem) -> dict[str, Any]:
     return {"scheme": scheme, "capabilities": caps, "name": fs.type_name}
 
 
+def local_location(location: Any) -> str:
+    """A URI as given, or a plain local path (str or PathLike; ``~``
+    expanded) made absolute, as :func:`resolve` reads it: text that names
+    the same place in any process started elsewhere (a Ray worker).
+
+    Raises:
+        InvalidConfigError: not a non-empty str or PathLike of str, or a
+            malformed URI (``s3:/bucket``).
+    """
+    path = _fspath(location)
+    if not isinstance(path, str):
+        raise InvalidConfigError(f"location must be a str or PathLike of str, got {path!r}")
+    if not path:
+        raise InvalidConfigError("location must be a non-empty path or URI")
+    if split_scheme(path) is None:
+        return os.path.abspath(os.path.expanduser(path))
+    return path
+
+
 def _fspath(location: Any) -> Any:
     try:
         return os.fspath(location)
@@ -505,17 +524,12 @@ def resolve(
             path = local._strip_protocol(path)  # fsspec's spelling: "file://", "~"
         backend = backend_for_filesystem(filesystem)
         return backend, backend.normalize_path(path)
-    path = _fspath(location)
-    if not isinstance(path, str):
-        raise InvalidConfigError(f"location must be a str or PathLike of str, got {path!r}")
-    if not path:
-        raise InvalidConfigError("location must be a non-empty path or URI")
+    path = local_location(location)
     scheme = split_scheme(path)
     if scheme is None:
         if storage_options:
             raise InvalidConfigError("storage_options were given for a local path")
-        backend = backend_for_scheme("file", "file://", None)
-        return backend, os.path.abspath(os.path.expanduser(path))
+        return backend_for_scheme("file", "file://", None), path
     backend = backend_for_scheme(scheme, path, storage_options)
     if scheme in ("file", "local"):
         fs_path = local_path_from_uri(path)

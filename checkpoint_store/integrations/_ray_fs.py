@@ -11,6 +11,7 @@ Imports pyarrow only, never Ray. Import the public names from
 from __future__ import annotations
 
 import functools
+import os
 import posixpath
 import re
 import threading
@@ -131,18 +132,15 @@ class CheckpointStoreHandler(pafs.FileSystemHandler):
 
     def __init__(
         self,
-        uri: str,
+        uri: str | os.PathLike[str],
         storage_options: Mapping[str, Any] | None = None,
         *,
         retry: RetryPolicy | None = None,
         _token: str | None = None,
         _factory: str | None = None,
     ):
-        if not isinstance(uri, str) or registry.split_scheme(uri) is None:
-            raise InvalidConfigError(
-                f"ray_filesystem needs a URI with a scheme (s3://, az://, gs://, file:// ...), "
-                f"got {uri!r}"
-            )
+        # Absolute before it is pickled: a worker resolves it in its own directory.
+        uri = registry.local_location(uri)
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise InvalidConfigError(f"retry must be a RetryPolicy, got {type(retry).__name__}")
         public, secret = _split_secrets(dict(storage_options or {}))
@@ -347,14 +345,15 @@ def _restore_handler(
 
 
 def ray_filesystem(
-    uri: str, *, retry: RetryPolicy | None = None, **storage_options: Any
+    uri: str | os.PathLike[str], *, retry: RetryPolicy | None = None, **storage_options: Any
 ) -> tuple[pafs.PyFileSystem, str]:
     """Our backend for ``uri`` as a filesystem Ray can use.
 
     Args:
-        uri: a storage URI with a scheme (``s3://bucket/prefix``,
-            ``az://container/prefix``, ``gs://...``, ``file:///abs/path``,
-            or a plugin's scheme).
+        uri: a storage URI (``s3://bucket/prefix``, ``az://container/prefix``,
+            ``gs://...``, ``file:///abs/path``, or a plugin's scheme) or a
+            local path (str or PathLike; ``~`` expanded, a relative path made
+            absolute here, as Ray's own ``storage_path`` takes it).
         retry: retry policy for every storage call (default
             :meth:`RetryPolicy.from_env`).
         **storage_options: the backend's options (endpoint, engine,
@@ -368,8 +367,9 @@ def ray_filesystem(
         ``Tuner.restore(path, ..., storage_filesystem=filesystem)``.
 
     Raises:
-        InvalidConfigError: no scheme, or an option that cannot travel to
-            workers (not a str, number, bool or list of them).
+        InvalidConfigError: an empty location or a malformed URI
+            (``s3:/bucket``), or an option that cannot travel to workers
+            (not a str, number, bool or list of them).
         UnknownSchemeError, BackendUnavailableError: as for any URI.
     """
     handler = CheckpointStoreHandler(uri, storage_options, retry=retry)

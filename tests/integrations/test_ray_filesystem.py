@@ -232,10 +232,37 @@ def test_session_start_on_the_ray_filesystem_uses_the_real_backend(tmp_path) -> 
     assert (tmp_path / "runs/e/t/checkpoint_000000/.internal_metadata.json").is_file()
 
 
+@pytest.mark.parametrize("spell", ["absolute", "relative", "home", "pathlike"])
+def test_a_plain_local_path_works_as_for_every_other_entry_point(
+        spell, tmp_path, monkeypatch) -> None:
+    # As Ray's own storage_path and session.start take it: the same place
+    # as a file:// URI, made absolute here (a worker has another directory).
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    where = {"absolute": str(tmp_path / "runs"), "relative": "runs", "home": "~/runs",
+             "pathlike": tmp_path / "runs"}[spell]
+    fs, root = ray_filesystem(where)
+    assert root == str(tmp_path / "runs")
+    assert fs.type_name == "py::checkpoint_store+file"
+    ckpt = _committed(fs, root)
+    assert (tmp_path / "runs/exp/t/checkpoint_000000/.internal_metadata.json").is_file()
+    # The returned filesystem, as Ray uses it, and a copy of it unpickled in
+    # another directory, both name that place.
+    monkeypatch.chdir("/")
+    again = pickle.loads(pickle.dumps(fs))
+    assert again == fs
+    info = again.get_file_info(f"{root}/exp/t/checkpoint_000000/w.bin")
+    assert info.type == pafs.FileType.File and info.size == len(b"weights")
+    assert backend_of(again)[0].capabilities.atomic_rename
+    Checkpoint(ckpt.path).verify()  # raises unless every file is whole
+
+
 @pytest.mark.parametrize(
     "bad",
     [
-        lambda: ray_filesystem("relative/path"),
+        lambda: ray_filesystem(""),
+        lambda: ray_filesystem(b"/bytes/path"),
+        lambda: ray_filesystem("s3:/one-slash"),
         lambda: ray_filesystem("memory://b/x", client=object()),
         lambda: ray_filesystem("memory://b/x", retry=3),
     ],
