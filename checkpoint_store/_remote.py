@@ -17,15 +17,15 @@ import sys
 import threading
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import pyarrow.fs as pafs
 
 __all__ = ["AzureBlocks", "PartUpload", "PartUploader", "S3Multipart", "_client_of",
-           "_fsspec_of", "_is_async", "_native_of", "part_upload_client", "server_copy",
-           "writer_of"]
+           "_fsspec_of", "_is_async", "_native_of", "keeps_names", "part_upload_client",
+           "server_copy", "writer_of"]
 
 
 def _native_of(fs: pafs.FileSystem) -> pafs.FileSystem:
@@ -227,6 +227,15 @@ def _client_of(fs: pafs.FileSystem) -> Any | None:
     """
     fss = _fsspec_of(fs)
     return fss if fss is not None else _s3fs_twin_of(fs)
+
+
+def keeps_names(fss: Any, paths: Iterable[str]) -> bool:
+    """Whether the fsspec client ``fss`` reads and writes each of ``paths``
+    under that very name. Not adlfs for a path holding ``?`` or ``#``: it
+    parses paths as URLs and drops such a character ending a name (``opt?``
+    is written as ``opt``, and ``opt`` read for it). The Azure plugin's
+    pyarrow engine stores ``?``; its files then go through pyarrow's client."""
+    return not _is_adlfs(fss) or not any("?" in p or "#" in p for p in paths)
 
 
 def _is_async(fsspec_fs: Any) -> bool:

@@ -38,6 +38,7 @@ from checkpoint_store._remote import (
     _client_of,
     _is_async,
     _native_of,
+    keeps_names,
     open_range,
     part_upload_client,
     writer_of,
@@ -173,8 +174,8 @@ class _Runner(_LocalDisk):
         datas = {rel: self._read_local(rel) for rel, _ in items}
         out = [FileResult(rel, len(d), _crc(0, d)) for rel, d in datas.items()]
         fss = self.dst_fsspec
-        if fss is not None and _is_async(fss):
-            payload = {self._dst(rel): d for rel, d in datas.items()}
+        payload = {self._dst(rel): d for rel, d in datas.items()}
+        if fss is not None and _is_async(fss) and keeps_names(fss, payload):
             self.call(lambda: fss.pipe(payload), f"upload {len(payload)} files")
         else:
             for rel, d in datas.items():
@@ -192,8 +193,8 @@ class _Runner(_LocalDisk):
         # in flight at once, where pyarrow's Python API sends a HEAD before
         # each GET. 2000 x 64 KiB from moto, alternating: pyarrow 7.8 s,
         # s3fs 5.6 s; through a 10 ms / 1 Gbit/s link 9.6 s against 5.9 s.
-        if fss is not None and _is_async(fss):
-            paths = [self._src(rel) for rel, _ in items]
+        paths = [self._src(rel) for rel, _ in items]
+        if fss is not None and _is_async(fss) and keeps_names(fss, paths):
             starts, ends = _whole_file_ranges(fss, items)
             # cat_ranges, not cat: cat reads [, * and ? in a name as a glob
             # pattern (and may return another file's bytes under that name).
