@@ -39,9 +39,9 @@ def _native_of(fs: pafs.FileSystem) -> pafs.FileSystem:
     return fs
 
 
-#: ``(what, id(user's S3FileSystem)) -> (weak reference to it, what was made
-#: of it or None)``: the twins of :func:`writer_of` and :func:`_s3fs_twin_of`,
-#: kept as long as the user's filesystem lives.
+#: ``(what, id(user's pyarrow filesystem)) -> (weak reference to it, what was
+#: made of it or None)``: the twins of :func:`writer_of`, :func:`_s3fs_twin_of`
+#: and :func:`_adlfs_twin_of`, kept as long as the user's filesystem lives.
 _TWINS: dict[tuple[str, int], tuple[weakref.ref[Any], Any]] = {}
 #: Reentrant: the cycle collector may run on any allocation, also inside a
 #: section holding this lock, and collect a user's filesystem there; its
@@ -50,17 +50,18 @@ _TWINS: dict[tuple[str, int], tuple[weakref.ref[Any], Any]] = {}
 _TWINS_LOCK = threading.RLock()
 
 
-def _twin(what: str, fs: pafs.FileSystem, make: Callable[[dict[str, Any]], Any]) -> Any:
-    """``make(options)`` for a pyarrow ``S3FileSystem`` ``fs`` (its pickled
-    options: what pyarrow, and a Ray worker, rebuilds it from), made once
-    per filesystem and kept while ``fs`` lives; None for any other
-    filesystem, for a state this pyarrow does not pickle so, or where
-    ``make`` returns None."""
+def _twin(what: str, fs: pafs.FileSystem, make: Callable[[dict[str, Any]], Any],
+          kind: str = "S3FileSystem") -> Any:
+    """``make(options)`` for a pyarrow filesystem ``fs`` of class ``kind``
+    (``S3FileSystem``, ``AzureFileSystem``) from its pickled options (what
+    pyarrow, and a Ray worker, rebuilds it from), made once per filesystem
+    and kept while ``fs`` lives; None for any other filesystem, for a state
+    this pyarrow does not pickle so, or where ``make`` returns None."""
     try:
-        s3_type = pafs.S3FileSystem
-    except ImportError:  # a pyarrow built without S3: no such filesystem to twin
+        cls = getattr(pafs, kind)
+    except (AttributeError, ImportError):  # a pyarrow built without it: nothing to twin
         return None
-    if type(fs) is not s3_type:
+    if type(fs) is not cls:
         return None
     key = (what, id(fs))
     with _TWINS_LOCK:
@@ -197,6 +198,43 @@ def _make_s3fs_twin(options: dict[str, Any]) -> Any | None:
     return _fsspec_of(backend.filesystem)
 
 
+def _adlfs_twin_of(fs: pafs.FileSystem) -> Any | None:
+    """An adlfs client on the account and key (or SAS token) of a pyarrow
+    ``AzureFileSystem`` the user passed in, made once per filesystem, else
+    None: the client the Azure plugin's adlfs engine builds from a
+    connection string naming the same blob endpoint. Through it large files
+    go up in staged blocks and small files in batches, as with the pyarrow
+    engine by URI. Not made for a service principal or the default
+    credential chain (``client_id``, ``tenant_id``, no key): pyarrow's
+    client then moves every byte."""
+    return _twin("adlfs", fs, _make_adlfs_twin, kind="AzureFileSystem")
+
+
+def _make_adlfs_twin(options: dict[str, Any]) -> Any | None:
+    account = options.get("account_name")
+    key, sas = options.get("account_key"), options.get("sas_token")
+    if (not account or not (key or sas)
+            or any(options.get(k) for k in ("client_id", "client_secret", "tenant_id"))):
+        return None
+    scheme = options.get("blob_storage_scheme") or "https"
+    authority = options.get("blob_storage_authority") or ".blob.core.windows.net"
+    # As pyarrow addresses the account: a host suffix after the account's
+    # name, or a host (an emulator's) with the account as the first path part.
+    endpoint = (f"{scheme}://{account}{authority}" if authority.startswith(".")
+                else f"{scheme}://{authority}/{account}")
+    secret = f"AccountKey={key}" if key else f"SharedAccessSignature={sas}"
+    conn = (f"DefaultEndpointsProtocol={scheme};AccountName={account};{secret};"
+            f"BlobEndpoint={endpoint};")
+    from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
+    from checkpoint_store.registry import backend_for_scheme
+
+    try:
+        backend = backend_for_scheme("az", "az://", {"engine": "adlfs", "connection_string": conn})
+    except (BackendUnavailableError, InvalidConfigError):  # no Azure plugin, or no adlfs
+        return None
+    return _fsspec_of(backend.filesystem)
+
+
 def _fsspec_of(fs: pafs.FileSystem) -> Any | None:
     """The fsspec filesystem behind ``PyFileSystem(FSSpecHandler(...))`` (or the
     s3fs client a plugin's handler keeps as ``deleter``), else None."""
@@ -211,22 +249,24 @@ def _fsspec_of(fs: pafs.FileSystem) -> Any | None:
 
 def _client_of(fs: pafs.FileSystem) -> Any | None:
     """The fsspec client a transfer moves bytes through beside ``fs``: the
-    one behind its handler (:func:`_fsspec_of`), else for a pyarrow
-    ``S3FileSystem`` the user passed in its s3fs twin
-    (:func:`_s3fs_twin_of`), else None.
+    one behind its handler (:func:`_fsspec_of`), else the twin of a pyarrow
+    ``S3FileSystem`` (:func:`_s3fs_twin_of`) or ``AzureFileSystem``
+    (:func:`_adlfs_twin_of`) the user passed in, else None.
 
     Through it every transfer feature works for such a filesystem as for
-    the S3 plugin's pyarrow engine by URI (which keeps an s3fs client to
-    delete with): small files in one concurrent batch, downloads in
-    streamed ranged GETs, large uploads in parallel parts, and copies of
-    objects over 5 GiB inside the store (UploadPartCopy; pyarrow's
+    the plugin's pyarrow engine by URI (which keeps an fsspec client to
+    delete with): small files in one concurrent batch, large uploads in
+    parallel parts, and on S3 downloads in streamed ranged GETs and copies
+    of objects over 5 GiB inside the store (UploadPartCopy; pyarrow's
     CopyObject stops at 5 GiB). Where no twin can be made (credentials from
-    the default chain, options s3fs would not honour alike), pyarrow's own
-    client does it all: one request per small file, one stream per large
-    upload, ranged reads of at most 16 MiB.
+    a default chain, options the fsspec client would not honour alike),
+    pyarrow's own client does it all: one request per small file, one
+    stream per large upload, ranged reads of at most 16 MiB.
     """
     fss = _fsspec_of(fs)
-    return fss if fss is not None else _s3fs_twin_of(fs)
+    if fss is None:
+        fss = _s3fs_twin_of(fs)
+    return fss if fss is not None else _adlfs_twin_of(fs)
 
 
 def keeps_names(fss: Any, paths: Iterable[str]) -> bool:
@@ -366,9 +406,10 @@ def part_upload_client(fs: pafs.FileSystem) -> PartUploader | None:
 
     Azure (:class:`AzureBlocks`): the adlfs engine, the pyarrow engine
     (through the adlfs client that deletes for it) and an adlfs filesystem
-    passed in. A stream per file sends one block at a time (pyarrow's
-    AzureFileSystem and adlfs alike). None for a pyarrow AzureFileSystem
-    passed in.
+    passed in, and a pyarrow AzureFileSystem passed in (through an adlfs
+    client made from its account and key, :func:`_adlfs_twin_of`). A stream
+    per file sends one block at a time (pyarrow's AzureFileSystem and adlfs
+    alike).
     """
     fss = _client_of(fs)
     if can_stream_ranges(fss):

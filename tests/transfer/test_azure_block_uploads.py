@@ -11,6 +11,7 @@ import errno
 import threading
 
 import adlfs
+import pyarrow.fs as pafs
 import pytest
 from azure.storage.blob import BlobServiceClient
 
@@ -28,7 +29,8 @@ from tests.transfer.part_upload_cases import (
 )
 from tests.transfer.part_upload_cases import make_tree as _tree
 
-HOWS = ["adlfs engine", "pyarrow engine", "adlfs filesystem passed"]
+HOWS = ["adlfs engine", "pyarrow engine", "adlfs filesystem passed",
+        "pyarrow filesystem passed"]
 PREFIX = "ckpt/exp/t/checkpoint_000000/"
 
 
@@ -37,10 +39,20 @@ def _adlfs(azure_server) -> adlfs.AzureBlobFileSystem:
                                      skip_instance_cache=True)
 
 
+def _pyarrow_azure(azure_server) -> pafs.AzureFileSystem:
+    """What a user passes in: pyarrow's client on the account and its key."""
+    host = azure_server.endpoint_url.split("://", 1)[1]
+    return pafs.AzureFileSystem(
+        account_name=azure_server.account_name, account_key=azure_server.account_key,
+        blob_storage_authority=host, blob_storage_scheme="http",
+        dfs_storage_authority=host, dfs_storage_scheme="http")
+
+
 def _storage(how: str, azure_server, container: str, **kw) -> StorageContext:
-    if how == "adlfs filesystem passed":
+    if how.endswith("filesystem passed"):
+        fs = _adlfs(azure_server) if how.startswith("adlfs") else _pyarrow_azure(azure_server)
         return StorageContext(f"{container}/ckpt", "exp", "t", memory_budget=BUDGET,
-                              storage_filesystem=_adlfs(azure_server), **kw)
+                              storage_filesystem=fs, **kw)
     engine = how.split()[0]
     return StorageContext(f"az://{container}/ckpt", "exp", "t", memory_budget=BUDGET,
                           storage_options=azure_server.storage_options(engine), **kw)
@@ -80,6 +92,7 @@ def test_every_engine_picks_staged_blocks(azure_server, azure_container, how) ->
     ("adlfs engine", "x/a b?"),  # the engine refuses such names; pyarrow writes its bytes
     ("pyarrow engine", "x/a b?"),
     ("adlfs filesystem passed", "x/a b"),  # as adlfs's own writes and reads spell it
+    ("pyarrow filesystem passed", "x/a b?"),
 ])
 def test_blocks_name_the_blob_as_the_backends_writer_does(
         azure_server, azure_container, how, blob) -> None:
@@ -118,6 +131,8 @@ NAMES = {
     "adlfs engine": ["big file ü.bin", "sub dir/a+b%20c;d=e&f.bin"],
     "pyarrow engine": ["big file ü.bin", "sub dir/a+b%20c.bin", "ends in?"],
     "adlfs filesystem passed": ["big file ü.bin", "sub dir/a+b%20c;d=e&f.bin"],
+    "pyarrow filesystem passed": ["big file ü.bin", "sub dir/a+b%20c;d=e&f.bin", "ends in?",
+                                  "ends in#"],
 }
 
 

@@ -128,8 +128,6 @@ FEATURES: dict[str, tuple[bool, type | None, bool, bool]] = {
                     (True, S3Multipart, True, True)),
     **dict.fromkeys([f for f, (store, _) in FORMS.items() if store == "azure"],
                     (True, AzureBlocks, True, False)),
-    # pyarrow's Azure client alone: no fsspec client to send blocks or batches.
-    "pyarrow AzureFileSystem": (True, None, False, False),
     **dict.fromkeys([f for f, (store, _) in FORMS.items() if store == "gcs"],
                     (True, None, True, False)),
 }
@@ -192,9 +190,8 @@ def test_every_form_of_a_store_has_its_features(form) -> None:
 def test_small_files_download_with_one_request_each(form, tmp_path) -> None:
     # pyarrow's Python API asks an object's size (HEAD, Get Blob Properties)
     # before it reads; the listing already said it. Through an async fsspec
-    # client (the one behind the handler, or the s3fs twin of a pyarrow
-    # S3FileSystem passed in) each small file is one GET, all in flight at
-    # once. A pyarrow AzureFileSystem passed in has no such client.
+    # client (the one behind the handler, or the twin of a pyarrow
+    # filesystem passed in) each small file is one GET, all in flight at once.
     name, st, relay = form
     src = tmp_path / "src"
     src.mkdir()
@@ -229,3 +226,14 @@ def test_small_files_keep_a_question_mark_ending_their_name(form, tmp_path) -> N
     ckpt.to_directory(str(tmp_path / "back"))  # verifies every checksum
     for rel, data in want.items():
         assert (tmp_path / "back" / rel).read_bytes() == data, rel
+
+
+@pytest.mark.parametrize("options", [
+    {"account_name": "acct"},  # Azure's default credential chain: pyarrow's alone
+    {"account_name": "acct", "client_id": "app", "tenant_id": "t", "client_secret": "s"},
+])
+def test_a_pyarrow_azure_filesystem_without_a_key_keeps_its_own_client(options) -> None:
+    # An adlfs client would authenticate another way than the user's.
+    fs = pafs.AzureFileSystem(**options)
+    assert _client_of(fs) is None
+    assert part_upload_client(fs) is None
