@@ -51,6 +51,10 @@ from checkpoint_store.backends.base import (
     OBJECT_STORE_CAPABILITIES,
     Backend,
     Capabilities,
+    canonical_path,
+    check_location_text,
+    redact_uri,
+    typed_options,
 )
 from checkpoint_store.backends.handlers import wrap_filesystem
 from checkpoint_store.errors import (
@@ -234,19 +238,46 @@ def _call_factory(factory: Factory, label: str, uri: str, options: Mapping[str, 
     return backend
 
 
+#: fsspec protocols that cannot hold checkpoints, and why: read-only
+#: (checkpoints are written), listing nothing a commit can trust, or a cache
+#: in front of another store (what it writes may never reach that store).
+#: Refused with the reason before any filesystem is built.
+UNUSABLE_FSSPEC_PROTOCOLS: dict[str, str] = {
+    **dict.fromkeys(("http", "https"), "web servers are read-only to fsspec and list only "
+                    "the links a page happens to hold"),
+    **dict.fromkeys(("zip", "tar", "libarchive"), "archives open read-only (a new zip "
+                    "takes no delete or rename), so nothing can be committed or evicted"),
+    **dict.fromkeys(("github", "git", "reference", "data"), "it is read-only"),
+    **dict.fromkeys(("simplecache", "filecache", "blockcache", "cached"),
+                    "it is a local cache in front of another store: name that store instead"),
+}
+
+
+def _refuse_unusable(scheme: str, uri: str) -> None:
+    reason = UNUSABLE_FSSPEC_PROTOCOLS.get(scheme)
+    if reason is not None:
+        raise InvalidConfigError(
+            f"{redact_uri(uri) or scheme + '://'!r}: fsspec's {scheme!r} filesystem cannot "
+            f"hold checkpoints ({reason}); write them to a local path or a writable store "
+            "(s3://, az://, gs://, file://) and copy them there"
+        )
+
+
 def _fsspec_fallback(scheme: str, uri: str, options: Mapping[str, Any]) -> Backend | None:
     import fsspec
 
     # Both fsspec's table of known implementations and its runtime registrations.
     if scheme not in fsspec.available_protocols() and scheme not in fsspec.registry:
         return None
+    _refuse_unusable(scheme, uri)
     warnings.warn(
         f"no checkpoint-store backend is registered for {scheme!r}; using the generic "
         "fsspec backend, which is untested for this store",
         stacklevel=4,
     )
     try:
-        fs = fsspec.filesystem(scheme, **dict(options))
+        cls = fsspec.get_filesystem_class(scheme)
+        fs = cls(**_typed_by_signature(cls, options, scheme))
     except ImportError as exc:
         raise BackendUnavailableError(
             f"scheme {scheme!r} needs a package that is not installed: {exc}"
@@ -261,6 +292,22 @@ def _fsspec_fallback(scheme: str, uri: str, options: Mapping[str, Any]) -> Backe
         capabilities=_generic_capabilities(scheme),
         name=f"fsspec:{scheme}",
     )
+
+
+def _typed_by_signature(cls: Any, options: Mapping[str, Any], scheme: str) -> dict[str, Any]:
+    """``options`` with strings converted by the types of the defaults of
+    ``cls.__init__`` (``port=22`` for sftp, ``anon=False``): a generic fsspec
+    store declares its options no other way, and the command line's ``-o``
+    gives strings."""
+    import inspect
+
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError, ImportError):  # a class without a signature
+        return dict(options)
+    types = {name: type(p.default) for name, p in params.items()
+             if type(p.default) in (bool, int, float)}
+    return typed_options(options, types, f"fsspec {scheme!r}")
 
 
 # fsspec protocols of flat object stores: no real directories, so we never
@@ -290,6 +337,11 @@ _FSSPEC_NAME_LIMITS: dict[str, tuple[str, str]] = {
 #: incremental uploads its store's plugin has by URI.
 _SERVER_COPY_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 _SERVER_COPY_CAPABILITIES = dataclasses.replace(OBJECT_STORE_CAPABILITIES, server_side_copy=True)
+
+#: Strings an fsspec client passed in as a filesystem object reads out of a
+#: name wherever they appear (:attr:`Capabilities.unsupported_name_parts`):
+#: s3fs takes "?versionId=" as an object version, as in the S3 plugin.
+_FSSPEC_NAME_PARTS: dict[str, tuple[str, ...]] = {"s3fs": ("?versionId=",)}
 
 
 def _generic_capabilities(protocol: str) -> Capabilities:
@@ -348,7 +400,7 @@ def local_path_from_uri(uri: str) -> str:
             f"For a local absolute path write {scheme}:///{host}/{path} (three slashes) or "
             f"the plain path /{host}/{path}; for a relative path, no scheme at all"
         )
-    return ("/" + path).rstrip("/") or "/"
+    return canonical_path(pafs.LocalFileSystem(), "/" + path)
 
 
 def backend_for_scheme(
@@ -385,7 +437,7 @@ def backend_for_scheme(
         return fallback
     known = ", ".join(sorted(available_backends()))
     raise UnknownSchemeError(
-        f"unknown storage scheme {scheme!r} in {uri!r}. Registered schemes: {known}. "
+        f"unknown storage scheme {scheme!r} in {redact_uri(uri)!r}. Registered schemes: {known}. "
         "Install a plugin for it or call checkpoint_store.register_backend()"
     )
 
@@ -406,6 +458,9 @@ def backend_for_filesystem(filesystem: Any) -> Backend:
     if _fsspec_local_disk(filesystem) is not None:
         return backend_for_scheme("file", "file://", None)
     fs = wrap_filesystem(filesystem)
+    if isinstance(fs, pafs.PyFileSystem) and isinstance(fs.handler, pafs.FSSpecHandler):
+        protocol = fs.handler.fs.protocol
+        _refuse_unusable(protocol if isinstance(protocol, str) else protocol[0], "")
     # A handler over one of our backends (checkpoint_store.integrations.ray)
     # says which: its real capabilities, not a guess from the wrapper's type.
     if isinstance(fs, pafs.PyFileSystem):
@@ -447,10 +502,13 @@ def _describe(fs: pafs.FileSystem) -> dict[str, Any]:
             caps = Capabilities(directories=True, concurrency=4)
             return {"scheme": "file", "capabilities": caps, "name": "fsspec:local"}
         caps = _generic_capabilities(proto)
-        limits = _FSSPEC_NAME_LIMITS.get(type(inner).__module__.partition(".")[0])
+        client = type(inner).__module__.partition(".")[0]
+        limits = _FSSPEC_NAME_LIMITS.get(client)
         if limits is not None:
             caps = dataclasses.replace(caps, unsupported_name_characters=limits[0],
                                        unsupported_name_hint=limits[1])
+        if client in _FSSPEC_NAME_PARTS:
+            caps = dataclasses.replace(caps, unsupported_name_parts=_FSSPEC_NAME_PARTS[client])
         return {"scheme": proto, "capabilities": caps, "name": f"fsspec:{proto}"}
     scheme = {"s3": "s3", "gcs": "gs", "abfs": "abfs"}.get(fs.type_name, fs.type_name)
     caps = (_generic_capabilities(fs.type_name) if fs.type_name in _SERVER_COPY_STORES
@@ -506,11 +564,29 @@ def resolve(
         storage_options: passed to the backend factory (credentials,
             endpoint ...). Not allowed together with ``filesystem``.
 
+    Which locations are refused (docs/backends.md, "Locations"): a control
+    character anywhere; in a URI, credentials before ``@``, a URL query
+    (``?versionId=1``), a bucket holding ``@`` or ``:`` (``s3://b:9000``), a
+    ``..`` component off local disks, an fsspec scheme that cannot hold
+    checkpoints (``http``, ``zip`` ...). Empty and ``.`` components are
+    dropped: ``memory://u/a//b`` and ``memory://u/a/b`` are one place, for
+    the data, the lease and every listing. Every message shows the location
+    with credentials and query values hidden.
+
     Raises:
-        InvalidConfigError: malformed URI, conflicting arguments, or a URI
-            given as the path inside a local filesystem.
+        InvalidConfigError: malformed or refused location, conflicting
+            arguments, ``storage_options`` that is not a mapping, or a URI
+            given as the path inside a local filesystem. Nothing is built
+            or written.
         UnknownSchemeError, BackendUnavailableError: see :func:`backend_for_scheme`.
     """
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        # Never echoed: "secret_access_key=..." given as one string is a credential.
+        raise InvalidConfigError(
+            f"storage_options must be a mapping of option names to values, got "
+            f"{type(storage_options).__name__}: pass a dict such as "
+            "{'endpoint_url': 'http://127.0.0.1:9000'}"
+        )
     if filesystem is not None:
         if storage_options:
             raise InvalidConfigError(
@@ -519,6 +595,7 @@ def resolve(
         path = _fspath(location)
         if not isinstance(path, str) or not path:
             raise InvalidConfigError("storage path inside the given filesystem must be non-empty")
+        check_location_text(path, uri="://" in path)
         local = _fsspec_local_disk(filesystem)
         if local is not None:
             path = local._strip_protocol(path)  # fsspec's spelling: "file://", "~"
@@ -526,15 +603,17 @@ def resolve(
         return backend, backend.normalize_path(path)
     path = local_location(location)
     scheme = split_scheme(path)
+    check_location_text(path, uri=scheme is not None)
     if scheme is None:
         if storage_options:
             raise InvalidConfigError("storage_options were given for a local path")
-        return backend_for_scheme("file", "file://", None), path
+        backend = backend_for_scheme("file", "file://", None)
+        return backend, backend.normalize_path(path)
     backend = backend_for_scheme(scheme, path, storage_options)
     if scheme in ("file", "local"):
         fs_path = local_path_from_uri(path)
     else:
         fs_path = backend.normalize_path(backend.path_from_uri(path))
     if not fs_path.strip("/") and not backend.capabilities.directories:
-        raise InvalidConfigError(f"URI {path!r} names no bucket or container")
+        raise InvalidConfigError(f"URI {redact_uri(path)!r} names no bucket or container")
     return backend, fs_path

@@ -43,7 +43,7 @@ from checkpoint_store._results import ResultLog, parse_result_rows, read_results
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store._runs import default_run_id, new_writer_id, sanitize_run_id
 from checkpoint_store._scan import ScanResult, scan_trial
-from checkpoint_store.backends.base import Backend, local_absolute
+from checkpoint_store.backends.base import Backend, clean_components, local_absolute
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     CheckpointConflictError,
@@ -64,8 +64,10 @@ class StorageContext:
     Args:
         storage_path: local path (relative paths made absolute, ``~``
             expanded) or URI (``file://``, ``memory://``, ``s3://`` ...). With
-            ``storage_filesystem``, a path inside that filesystem, used as given
-            apart from a trailing ``/``.
+            ``storage_filesystem``, a path inside that filesystem. Either way
+            spelled once (:func:`checkpoint_store.registry.resolve`): empty and
+            ``.`` components dropped, ``..`` refused off local disks, and URIs
+            holding credentials, a query or a port refused.
         experiment_name, trial_name: one path component each (no ``/``,
             ``\\``, ``.`` or ``..``), not a name our layout uses inside a
             trial (:func:`~checkpoint_store._layout.is_reserved_name`:
@@ -171,14 +173,17 @@ class StorageContext:
         the UI's), with ``storage_path`` in the backend's own spelling.
 
         Names from elsewhere (a Ray trial's) pass the same checks as in the
-        constructor: one path component, not reserved, storable by the backend.
+        constructor: one path component, not reserved, storable by the backend;
+        ``storage_path`` loses empty and ``.`` components
+        (:func:`~checkpoint_store.backends.base.clean_components`).
 
         Raises:
-            InvalidConfigError: a bad or unstorable name.
+            InvalidConfigError: a bad or unstorable name, or a ``..`` component.
         """
         self = cls.__new__(cls)
         self.experiment_name = check_run_name(experiment_name, "experiment_name")
         self.trial_name = check_run_name(trial_name, "trial_name")
+        storage_path = clean_components(storage_path)
         for part in storage_path.split("/"):
             backend.check_name(part, "storage_path component")
         backend.check_name(self.experiment_name, "experiment_name")

@@ -6,15 +6,20 @@ A :class:`Backend` adds both. The commit protocol, transfer planning and
 durability code test :class:`Capabilities` instead of concrete classes.
 
 Also the one spelling of a path or URI of a backend (:func:`canonical_path`,
-:func:`canonical_uri_text`) and strict parsing of boolean storage options.
+:func:`canonical_uri_text`, :func:`clean_components`), the refusal of
+locations no store can serve as written (:func:`check_location_text`,
+:func:`redact_uri`) and strict parsing of typed storage options
+(:func:`bool_option`, :func:`typed_options`).
 The pyarrow handlers a backend wraps around fsspec clients live in
 :mod:`checkpoint_store.backends.handlers`.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import posixpath
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,8 +45,13 @@ __all__ = [
     "bool_option",
     "canonical_path",
     "canonical_uri_text",
+    "check_location_text",
+    "clean_components",
     "join",
     "local_absolute",
+    "redact_uri",
+    "refuse_authority",
+    "typed_options",
     "unstorable_character",
     "unstorable_reason",
 ]
@@ -78,6 +88,10 @@ class Capabilities:
             anything is written (:func:`unstorable_character`).
         unsupported_name_hint: what to do instead, appended to that refusal
             (e.g. another engine that stores the character).
+        unsupported_name_parts: strings the client reads out of a name
+            wherever they appear (s3fs takes ``?versionId=`` as an object
+            version, and writes ``x?versionId=1/f`` as the object ``x``);
+            a name holding one is refused the same way.
     """
 
     atomic_rename: bool = False
@@ -90,6 +104,7 @@ class Capabilities:
     memory_budget: int | None = None
     unsupported_name_characters: str = ""
     unsupported_name_hint: str = ""
+    unsupported_name_parts: tuple[str, ...] = ()
 
 
 def unstorable_character(name: str, caps: Capabilities) -> str | None:
@@ -204,21 +219,36 @@ class Backend:
                 name, the character and the fix. Nothing has been written.
         """
         char = unstorable_character(name, self.capabilities)
+        store = self.name or self.scheme
         if char is not None:
             from checkpoint_store.errors import InvalidConfigError
 
-            store = self.name or self.scheme
             raise InvalidConfigError(
                 f"{what} {name!r} {unstorable_reason(char, self.capabilities, store)}"
             )
+        for part in self.capabilities.unsupported_name_parts:
+            if part in name:
+                from checkpoint_store.errors import InvalidConfigError
+
+                raise InvalidConfigError(
+                    f"{what} {name!r} holds {part!r}, which {store} reads as a URL query "
+                    f"(its files would be written under another name); choose a name "
+                    f"without {part!r}"
+                )
         return name
 
     def path_from_uri(self, uri: str) -> str:
         """The filesystem path for ``uri`` (``s3://b/k`` -> ``b/k``).
 
         Local-style backends (real directories) keep a leading ``/``.
+
+        Raises:
+            InvalidConfigError: the first component (bucket, container) holds
+                ``@`` (a user part) or ``:`` (a port): a bucket name holds
+                neither, and a server's address goes in the storage options.
         """
         rest = uri.split("://", 1)[1] if "://" in uri else uri
+        refuse_authority(uri, rest.partition("/")[0], allow_user=False)
         rest = rest.rstrip("/")
         if self.capabilities.directories and not rest.startswith("/"):
             rest = "/" + rest
@@ -271,6 +301,189 @@ def canonical_uri_text(uri: str) -> str:
     scheme = SCHEME_ALIASES.get(scheme, scheme)
     parts = [p for p in rest.split("/") if p not in ("", ".")]
     return f"{scheme}://" + ("/" if scheme == "file" else "") + "/".join(parts)
+
+
+# A URL query as clients and users write one: s3fs reads "?versionId=" as an
+# object version, gcsfs "?generation=", and signed URLs carry their
+# credentials there ("?sig=", "?X-Amz-Signature="). A '?' not followed by
+# NAME= stays a literal character of a name (a trial "t*1?").
+_QUERY_RE = re.compile(r"\?([A-Za-z_][\w.\-]*)=")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+# Query parameter names that carry credentials (SAS tokens, signed URLs, keys).
+_SECRET_PARAM_RE = re.compile(
+    r"key|secret|sig|token|sas|passw|credential|auth|^(sv|se|sp|st|sr|spr)$", re.IGNORECASE)
+
+
+def _userinfo_span(text: str) -> tuple[int, int] | None:
+    """Where the user part of a ``scheme://user[:password]@host/...`` URI
+    lies in ``text`` (``@`` excluded), or None."""
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return None
+    host = rest.partition("/")[0]
+    at = host.rfind("@")
+    if at < 0:
+        return None
+    start = len(scheme) + len(sep)
+    return start, start + at
+
+
+def redact_uri(text: str) -> str:
+    """``text`` as messages show it: a user part (``user:password@``) becomes
+    ``<credentials hidden>@`` and the value of every URL query parameter
+    ``<hidden>``, whatever its name. Anything else is kept."""
+    span = _userinfo_span(text)
+    if span is not None:
+        text = text[:span[0]] + "<credentials hidden>" + text[span[1]:]
+    if _QUERY_RE.search(text):
+        head, _, query = text.partition("?")
+        names = [p.partition("=")[0] for p in query.split("&")]
+        text = head + "?" + "&".join(f"{n}=<hidden>" for n in names)
+    return text
+
+
+def check_location_text(text: str, *, uri: bool) -> None:
+    """Refuse a location (a URI, or a path inside a given filesystem) no
+    store can serve as written, before anything is built or written.
+
+    Args:
+        text: the location as the user gave it.
+        uri: whether ``text`` is a URI (``scheme://...``); a URI's user part
+            and query are refused, a path's characters are literal.
+
+    Raises:
+        InvalidConfigError: ``text`` holds a control character (NUL, newline
+            ...: no store keeps one in a name, pyarrow refuses NUL); or, for
+            a URI, credentials before ``@`` (``s3://KEY:SECRET@bucket``) or a
+            URL query (``?versionId=1``, ``?sig=...``: no backend honours
+            one; credentials go in the storage options). The message shows
+            the location with credentials and query values hidden.
+    """
+    from checkpoint_store.errors import InvalidConfigError
+
+    shown = redact_uri(text) if uri else text
+    control = _CONTROL_RE.search(text)
+    if control is not None:
+        raise InvalidConfigError(
+            f"location {shown!r} holds the control character {control.group()!r}: no store "
+            "keeps one in a name; remove it"
+        )
+    if not uri:
+        return
+    span = _userinfo_span(text)
+    if span is not None and ":" in text[span[0]:span[1]]:
+        raise InvalidConfigError(
+            f"location {shown!r} carries credentials before '@': pass them as storage "
+            "options (storage_options={...}, or -o KEY=VALUE on the command line) or the "
+            "backend's environment variables, never in the URI"
+        )
+    query = _QUERY_RE.search(text)
+    if query is not None:
+        secret = _SECRET_PARAM_RE.search(query.group(1)) is not None
+        raise InvalidConfigError(
+            f"location {shown!r} holds a URL query ({query.group(1)!r}): checkpoint-store "
+            "locations take none (no object versions, no signed URLs); "
+            + ("pass credentials as storage options or environment variables"
+               if secret else "give the location without '?...'")
+        )
+
+
+def refuse_authority(uri: str, authority: str, *, allow_user: bool) -> None:
+    """Refuse a URI whose first component (bucket, container) reads as
+    ``user@host`` or ``host:port`` (``s3://bucket:9000/x``).
+
+    Args:
+        uri: the whole URI, for the message (shown through :func:`redact_uri`).
+        authority: its first component.
+        allow_user: a ``name@host`` form without ``:`` before the ``@`` is the
+            backend's own (Azure's ``container@account.dfs.core.windows.net``).
+
+    Raises:
+        InvalidConfigError: naming the URI and what to write instead.
+    """
+    from checkpoint_store.errors import InvalidConfigError
+
+    user, at, host = authority.rpartition("@")
+    if at and not allow_user:
+        raise InvalidConfigError(
+            f"{redact_uri(uri)!r} holds a user part before '@': a bucket name holds no "
+            "'@'; pass credentials as storage options or environment variables"
+        )
+    if ":" in host or ":" in user:
+        raise InvalidConfigError(
+            f"{redact_uri(uri)!r} names the bucket {host!r}, which holds ':' (a port?): for "
+            "a server at host:port pass its address as the endpoint_url storage option "
+            "(-o endpoint_url=http://host:port) and the bucket alone in the URI"
+        )
+
+
+def clean_components(path: str) -> str:
+    """``path`` of a store without real parent links, in its one spelling:
+    empty and ``.`` components dropped (``b//k/./x`` is ``b/k/x``, as the lease
+    compares it, :func:`canonical_uri_text`), a leading ``/`` kept, no
+    trailing ``/``.
+
+    Raises:
+        InvalidConfigError: a ``..`` component. Object keys hold it
+            literally, pyarrow refuses it and fsspec resolves it, so
+            ``s3://bucket-a/../b/x`` would write into bucket ``b`` by one
+            client and ``bucket-a`` by another; write the location without it.
+    """
+    parts = path.split("/")
+    if ".." in parts:
+        from checkpoint_store.errors import InvalidConfigError
+
+        raise InvalidConfigError(
+            f"path {path!r} holds a '..' component: off local disks it would name a place "
+            "outside the one written; write the location without '..'"
+        )
+    kept = [p for p in parts if p not in ("", ".")]
+    return ("/" if path.startswith("/") else "") + "/".join(kept)
+
+
+def typed_options(options: Mapping[str, Any], types: Mapping[str, type], store: str
+                  ) -> dict[str, Any]:
+    """``options`` with each string value of a declared option converted to
+    its type: the CLI's ``-o KEY=VALUE`` (and environment-driven configs)
+    pass strings.
+
+    Args:
+        options: the storage options as given.
+        types: option name -> ``bool``, ``int``, ``float`` or ``str``; options
+            not named here pass unchanged.
+        store: the backend's name, for messages.
+
+    Returns:
+        A new dict; values that are already of the type, or not strings, are kept.
+
+    Raises:
+        InvalidConfigError: a string that does not parse as the declared type
+            (``request_timeout=soon``), or a NaN or infinite number. The
+            message names the option and its type.
+    """
+    out = dict(options)
+    for key, value in options.items():
+        kind = types.get(key, str)
+        if isinstance(value, str) and kind is not str:
+            out[key] = _parse_typed(key, value, kind, store)
+    return out
+
+
+def _parse_typed(key: str, value: str, kind: type, store: str) -> Any:
+    from checkpoint_store.errors import InvalidConfigError
+
+    if kind is bool:
+        return bool_option(key, value)
+    try:
+        number = kind(value.strip())
+    except ValueError:
+        number = None
+    if number is None or (isinstance(number, float) and not math.isfinite(number)):
+        what = "an integer" if kind is int else "a finite number"
+        raise InvalidConfigError(
+            f"{store} storage option {key!r} must be {what}, not {value!r}"
+        ) from None
+    return number
 
 
 def local_absolute(fs: pafs.FileSystem, path: str) -> str:
@@ -333,12 +546,15 @@ def canonical_path(fs: pafs.FileSystem, path: str) -> str:
     ``/``. fsspec filesystems: stripped of their protocol, with fsspec's own
     root marker (``/`` for memory, nothing for buckets) in front. Any other
     handler: its own ``normalize_path``, without a trailing ``/``. Off local
-    disks ``.`` components are dropped too: the stores read ``b/./k`` as
-    ``b/k``, so keeping them would give one object two spellings.
+    disks empty and ``.`` components are dropped too and ``..`` is refused
+    (:func:`clean_components`): the stores read ``b/./k`` as ``b/k``, and
+    the lease compares ``b//k`` as ``b/k``, so keeping them would give one
+    place two spellings.
+
+    Raises:
+        InvalidConfigError: a URI given to a local filesystem, or a ``..``
+            component off local disks.
     """
-    if not isinstance(fs, pafs.LocalFileSystem) and "/./" in f"/{path}/":
-        lead = "/" if path.startswith("/") else ""
-        path = lead + "/".join(p for p in path.split("/") if p != ".")
     if isinstance(fs, pafs.LocalFileSystem):
         if "://" in path:
             from checkpoint_store.errors import InvalidConfigError
@@ -347,7 +563,16 @@ def canonical_path(fs: pafs.FileSystem, path: str) -> str:
                 f"{path!r} is a URI; a local filesystem takes a path. Pass the URI as "
                 "storage_path without a filesystem instance, or give the path alone"
             )
-        return os.path.abspath(os.path.expanduser(path))
+        absolute = os.path.abspath(os.path.expanduser(path))
+        # POSIX keeps a leading "//" apart; Linux and macOS read it as "/".
+        return "/" + absolute.lstrip("/") if absolute.startswith("//") else absolute
+    return clean_components(_store_spelling(fs, path))
+
+
+def _store_spelling(fs: pafs.FileSystem, path: str) -> str:
+    """``path`` as the store ``fs`` (not a local disk) spells it, before
+    :func:`clean_components`: a protocol is stripped first, so that the
+    ``//`` of ``memory://`` is not taken for an empty component."""
     if isinstance(fs, pafs.SubTreeFileSystem):
         return path.strip("/")
     if isinstance(fs, pafs.PyFileSystem):

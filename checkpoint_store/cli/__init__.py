@@ -233,17 +233,14 @@ def common_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
-def _coerce_option(value: str) -> Any:
-    low = value.strip().lower()
-    if low in ("true", "yes", "on"):
-        return True
-    if low in ("false", "no", "off"):
-        return False
-    return value
-
-
 def parse_storage_options(items: Iterable[str]) -> dict[str, Any]:
-    """``["KEY=VALUE", ...]`` -> dict; ``true``/``false`` become booleans.
+    """``["KEY=VALUE", ...]`` -> ``{KEY: "VALUE"}``, every value a string.
+
+    The backend converts each to the type it declares for the option
+    (``request_timeout=3`` -> 3.0, ``anonymous=yes`` -> True; see
+    :func:`checkpoint_store.backends.base.typed_options`), the same for
+    every command: the command line cannot know a value's type, and
+    guessing one here would turn a numeric access key id into an int.
 
     Raises:
         click.BadParameter: an item without ``=`` or with an empty key. The
@@ -258,7 +255,7 @@ def parse_storage_options(items: Iterable[str]) -> dict[str, Any]:
                 f"{_redacted_option(item)} is not KEY=VALUE (the value is not shown; "
                 "e.g. -o endpoint_url=http://127.0.0.1:9000)"
             )
-        out[key.strip()] = _coerce_option(value)
+        out[key.strip()] = value
     return out
 
 

@@ -34,6 +34,8 @@ Anything else (``tenant_id``, ``client_id``, ``client_secret``, ``credential``,
 ``account_host`` ...) goes to ``adlfs.AzureBlobFileSystem`` unchanged. Without
 key, SAS or connection string, adlfs uses Azure's default credential chain.
 Credentials are never printed: ``repr(backend)`` names the engine only.
+A string given for an option of :data:`OPTION_TYPES` (the command line's
+``-o KEY=VALUE`` gives strings) is converted to that option's type.
 """
 
 from __future__ import annotations
@@ -48,11 +50,18 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store.backends.base import Backend, Capabilities, bool_option
+from checkpoint_store.backends.base import (
+    Backend,
+    Capabilities,
+    bool_option,
+    refuse_authority,
+    typed_options,
+)
 from checkpoint_store.backends.handlers import MarkerFreeDeletesHandler, wrap_fsspec
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
-__all__ = ["AZURE_CAPABILITIES", "AzureBackend", "azure_backend", "engine_capabilities"]
+__all__ = ["AZURE_CAPABILITIES", "OPTION_TYPES", "AzureBackend", "azure_backend",
+           "engine_capabilities"]
 
 AZURE_CAPABILITIES = Capabilities(
     atomic_rename=False,  # flat namespace: no directory rename at all
@@ -91,6 +100,20 @@ def engine_capabilities(engine: str) -> Capabilities:
 
 
 _ENGINES = ("adlfs", "pyarrow")
+#: Every storage option the Azure backend knows, with its type: ours (see the
+#: module docstring), then those of adlfs and pyarrow a user sets most.
+OPTION_TYPES: dict[str, type] = {
+    "engine": str, "connection_string": str, "account_name": str, "account_key": str,
+    "sas_token": str, "anon": bool,
+    # adlfs.AzureBlobFileSystem
+    "tenant_id": str, "client_id": str, "client_secret": str, "account_host": str,
+    "blocksize": int, "max_concurrency": int, "version_aware": bool,
+    "assume_container_exists": bool, "timeout": float, "connection_timeout": float,
+    "read_timeout": float,
+    # pyarrow.fs.AzureFileSystem
+    "blob_storage_authority": str, "dfs_storage_authority": str,
+    "blob_storage_scheme": str, "dfs_storage_scheme": str,
+}
 _ENV = {
     "connection_string": ("AZURE_STORAGE_CONNECTION_STRING",),
     "account_name": ("AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT"),
@@ -113,6 +136,7 @@ class AzureBackend(Backend):
     def path_from_uri(self, uri: str) -> str:
         rest = uri.split("://", 1)[1] if "://" in uri else uri
         container, sep, key = rest.partition("/")
+        refuse_authority(uri, container, allow_user=True)
         if "@" in container:
             container = container.split("@", 1)[0]
         return f"{container}{sep}{key}".rstrip("/") or "/"
@@ -151,7 +175,7 @@ def _account_from_uri(uri: str) -> str | None:
 def _options(uri: str, storage_options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     ours: dict[str, Any] = {}
     extra: dict[str, Any] = {}
-    for k, v in storage_options.items():
+    for k, v in typed_options(storage_options, OPTION_TYPES, "Azure").items():
         if k in ("engine", "connection_string", "account_name", "account_key", "sas_token",
                  "anon"):
             ours[k] = v

@@ -21,10 +21,15 @@ endpoint, gcsfs's core class is used even where ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPP
 selected its hierarchical-namespace variant: emulators cannot answer that
 variant's bucket probe, and each bucket call would wait 60 s.
 Tokens are never printed: ``repr(backend)`` names the engine only.
+A string given for an option of :data:`OPTION_TYPES` (the command line's
+``-o KEY=VALUE`` gives strings) is converted to that option's type. With
+``version_aware`` on, gcsfs reads ``#`` in a name as an object generation:
+names holding ``#`` or ``?generation=`` are then refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Mapping
@@ -32,11 +37,11 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store.backends.base import Backend, Capabilities
+from checkpoint_store.backends.base import Backend, Capabilities, bool_option, typed_options
 from checkpoint_store.backends.handlers import wrap_fsspec
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
-__all__ = ["GCS_CAPABILITIES", "gcs_backend"]
+__all__ = ["GCS_CAPABILITIES", "OPTION_TYPES", "gcs_backend"]
 
 GCS_CAPABILITIES = Capabilities(
     atomic_rename=False,
@@ -47,6 +52,16 @@ GCS_CAPABILITIES = Capabilities(
     chunk_size=32 * 1024 * 1024,
     concurrency=8,
 )
+
+
+#: Every storage option the GCS backend knows, with its type: ours (see the
+#: module docstring), then those of ``gcsfs.GCSFileSystem`` a user sets most.
+OPTION_TYPES: dict[str, type] = {
+    "endpoint_url": str, "token": str, "project": str,
+    "access": str, "consistency": str, "requester_pays": bool, "version_aware": bool,
+    "block_size": int, "cache_timeout": float, "timeout": float, "check_connection": bool,
+    "default_location": str,
+}
 
 
 def _build(options: Mapping[str, Any]) -> pafs.FileSystem:
@@ -111,10 +126,17 @@ def gcs_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:
         BackendUnavailableError: gcsfs is not installed.
     """
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else "gs"
-    options = dict(storage_options)
+    options = typed_options(storage_options, OPTION_TYPES, "GCS")
+    caps = GCS_CAPABILITIES
+    if bool_option("version_aware", options.get("version_aware", False)):
+        # gcsfs then splits "#<generation>" and "?generation=" off every path.
+        caps = dataclasses.replace(caps, unsupported_name_characters="#",
+                                   unsupported_name_hint="gcsfs reads it as an object "
+                                   "generation with version_aware on",
+                                   unsupported_name_parts=("?generation=",))
 
     # A partial, not a closure: Checkpoints pickle with their backend.
     build = functools.partial(_build, options)
     return Backend(
-        build(), scheme=scheme, capabilities=GCS_CAPABILITIES, name="GCS (gcsfs)", rebuild=build
+        build(), scheme=scheme, capabilities=caps, name="GCS (gcsfs)", rebuild=build
     )

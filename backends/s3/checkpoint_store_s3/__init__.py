@@ -33,7 +33,11 @@ option                meaning                                     environment
 ===================== =========================================== ===========================
 
 Any other option is passed to the engine's constructor unchanged
-(``pyarrow.fs.S3FileSystem`` or ``s3fs.S3FileSystem``). Credentials not given
+(``pyarrow.fs.S3FileSystem`` or ``s3fs.S3FileSystem``). A string given for
+an option of :data:`OPTION_TYPES` (the command line's ``-o KEY=VALUE`` gives
+strings) is converted to that option's type: ``-o request_timeout=3`` is 3.0.
+Names holding ``?versionId=`` are refused: s3fs, which both engines delete
+with, reads it as an object version wherever it appears in a key. Credentials not given
 come from the engine's default AWS chain (variables, ``~/.aws``, instance
 role). They are never printed: ``repr(backend)`` names the engine only.
 """
@@ -49,11 +53,12 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store.backends.base import Backend, Capabilities, bool_option
+from checkpoint_store.backends.base import Backend, Capabilities, bool_option, typed_options
 from checkpoint_store.backends.handlers import MarkerFreeDeletesHandler, wrap_fsspec
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
-__all__ = ["REQUEST_TIMEOUT_S", "S3_CAPABILITIES", "MarkerFreeS3Handler", "s3_backend"]
+__all__ = ["OPTION_TYPES", "REQUEST_TIMEOUT_S", "S3_CAPABILITIES", "MarkerFreeS3Handler",
+           "s3_backend"]
 
 #: Seconds a request may wait for the server's next byte before the client
 #: gives up and sends it again (botocore's own default). The engines' defaults
@@ -79,6 +84,7 @@ S3_CAPABILITIES = Capabilities(
     directories=False,
     chunk_size=64 * 1024 * 1024,
     concurrency=8,
+    unsupported_name_parts=("?versionId=",),
 )
 
 _ALIASES = {
@@ -95,6 +101,24 @@ _ALIASES = {
     "region_name": "region",
     "anon": "anonymous",
 }
+#: Every storage option the S3 backend knows, with its type: ours (see the
+#: module docstring), then those of the engines' constructors that a user
+#: sets most (``pyarrow.fs.S3FileSystem``, ``s3fs.S3FileSystem``). Aliases
+#: take the type of the option they name.
+OPTION_TYPES: dict[str, type] = {
+    "engine": str, "endpoint_url": str, "region": str, "access_key_id": str,
+    "secret_access_key": str, "session_token": str, "anonymous": bool,
+    "request_timeout": float,
+    # pyarrow.fs.S3FileSystem
+    "connect_timeout": float, "role_arn": str, "session_name": str, "external_id": str,
+    "load_frequency": int, "scheme": str, "tls_ca_file_path": str,
+    "force_virtual_addressing": bool, "background_writes": bool,
+    "allow_bucket_creation": bool, "allow_bucket_deletion": bool,
+    "check_directory_existence_before_creation": bool, "allow_delayed_open": bool,
+    # s3fs.S3FileSystem
+    "use_ssl": bool, "requester_pays": bool, "version_aware": bool, "cache_regions": bool,
+    "max_concurrency": int, "default_block_size": int, "fixed_upload_size": bool,
+}
 # pyarrow options that change how requests are authenticated or routed, which
 # an s3fs client could not mirror: with any of them, pyarrow also deletes.
 _PYARROW_ONLY_ACCESS = frozenset({
@@ -105,14 +129,17 @@ _PYARROW_ONLY_ACCESS = frozenset({
 #: every object): every byte then goes through pyarrow, since objects the
 #: s3fs client wrote (a large file's parallel parts) would lack them.
 _PYARROW_ONLY_WRITES = frozenset({"default_metadata"})
+_TYPES_WITH_ALIASES = {**{a: OPTION_TYPES[c] for a, c in _ALIASES.items()}, **OPTION_TYPES}
 _ENGINES = ("pyarrow", "s3fs")
 
 
 def _normalise(storage_options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split into (our options under canonical names, engine pass-through options)."""
+    """Split into (our options under canonical names, engine pass-through options),
+    strings of typed options converted (:data:`OPTION_TYPES`)."""
     ours: dict[str, Any] = {}
     extra: dict[str, Any] = {}
-    for key, value in storage_options.items():
+    typed = typed_options(storage_options, _TYPES_WITH_ALIASES, "S3")
+    for key, value in typed.items():
         canonical = _ALIASES.get(key, key)
         if canonical in (
             "engine", "endpoint_url", "region", "access_key_id", "secret_access_key",
@@ -222,7 +249,7 @@ def _build_pyarrow(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.Fi
     except TypeError as exc:
         raise InvalidConfigError(
             f"pyarrow.fs.S3FileSystem rejected the storage options ({exc}); "
-            f"known options: {', '.join(sorted(set(_ALIASES.values()) | {'engine'}))}"
+            f"known options: {', '.join(sorted(OPTION_TYPES))}"
         ) from None
     except ImportError as exc:  # a pyarrow whose S3 support fails only when used
         raise BackendUnavailableError(
