@@ -161,19 +161,23 @@ def start(
             ``Checkpoint(uri, storage_options=...)`` for backend options) to
             start from, the way Ray starts a trial from another run's
             checkpoint: ``get_checkpoint()`` returns it until this trial
-            commits its own. It is verified (sizes and CRC32C) before anything
-            is written, recorded in ``params.json`` under ``"_resume_from"``,
-            and never registered, moved or deleted by this trial, whatever its
+            commits its own. A starting point, read once: a trial that has
+            checkpoints of its own resumes from them and never reads it again
+            (it may be gone by then); a trial without is refused unless it is
+            committed and verifies (sizes and CRC32C), before anything is
+            written. Recorded in ``params.json`` under ``"_resume_from"``, and
+            never registered, moved or deleted by this trial, whatever its
             retention. This trial's indexes start at 0 as usual.
 
     Raises:
         InvalidConfigError: bad names, location, config or ranks, or several
             ranks and no attempt id; ``resume_from`` is not a checkpoint
             reference, or is one of this trial; nothing is written.
-        CheckpointNotFoundError: ``resume_from`` is missing or not committed;
-            nothing is written.
-        CheckpointCorruptError: ``resume_from`` fails verification; nothing
-            is written.
+        CheckpointNotFoundError: the trial has no checkpoint of its own and
+            ``resume_from`` is missing or not committed; nothing is written
+            to a new trial.
+        CheckpointCorruptError: the same, and ``resume_from`` fails
+            verification.
         CheckpointStoreError: a session is already active in this thread.
         CheckpointConflictError: another live session holds the trial (rank 0).
         RankTimeoutError: a rank > 0 waited ``sync_timeout_s`` for rank 0 to start.

@@ -3,8 +3,8 @@
 ``Session`` and ``TrialRunner`` run these on what they were given, so a
 refused start writes nothing (no trial directory, no ``params.json``). Each
 returns the checked value or raises :class:`InvalidConfigError` saying what
-to pass instead; ``resume_source`` also checks that the checkpoint it names
-exists and is committed.
+to pass instead; ``check_resume_source`` reads the checkpoint ``resume_from``
+names, which a session does only for a trial without checkpoints of its own.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from checkpoint_store.storage import StorageContext
 
 __all__ = [
     "check_checkpoint_config",
+    "check_resume_source",
     "check_timeout",
     "check_upload_config",
     "int_from",
@@ -82,15 +83,14 @@ def check_timeout(value: Any, what: str = "sync_timeout_s") -> float:
     return float(value)
 
 
-def resume_source(value: Any, storage: StorageContext, verify: bool) -> Checkpoint | None:
-    """The checkpoint of another run this trial starts from, checked before
-    anything is written.
+def resume_source(value: Any, storage: StorageContext) -> Checkpoint | None:
+    """The checkpoint of another run this trial starts from, checked by its
+    type and location only: nothing is read (:func:`check_resume_source` reads
+    it, once the session knows the trial has no checkpoint of its own).
 
     Raises:
         InvalidConfigError: not a Checkpoint, path or URI, or a checkpoint of
             this very trial (its own checkpoints resume without it).
-        CheckpointNotFoundError: missing, or not committed.
-        CheckpointCorruptError: a file fails its size or CRC32C (``verify``).
     """
     if value is None:
         return None
@@ -106,8 +106,18 @@ def resume_source(value: Any, storage: StorageContext, verify: bool) -> Checkpoi
             f"resume_from {value.uri} is a checkpoint of this trial; get_checkpoint() resumes "
             "from this trial's own checkpoints without it (resume_from is for another run's)"
         )
-    if verify:
-        value.verify()  # every byte against the manifest: never start from a torn copy
-    elif not value.is_committed:
-        value.verify()  # raises the typed error naming what is wrong
     return value
+
+
+def check_resume_source(source: Checkpoint, verify: bool) -> None:
+    """Check that ``source`` can be started from: committed and, with
+    ``verify``, every file's size and CRC32C (rank 0 reads every byte; the
+    other ranks only see that it is committed).
+
+    Raises:
+        CheckpointNotFoundError: missing, or not committed.
+        CheckpointCorruptError: a file fails its size or CRC32C (``verify``),
+            or does not match the manifest.
+    """
+    if verify or not source.is_committed:
+        source.verify()  # raises the typed error naming what is wrong

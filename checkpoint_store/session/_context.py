@@ -4,15 +4,18 @@ resumed trial's counters continue from."""
 from __future__ import annotations
 
 import math
+import posixpath
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from checkpoint_store import _fsutil, _json
+from checkpoint_store._layout import PARAMS_FILE
 from checkpoint_store._results import valid_iteration
 from checkpoint_store.storage import StorageContext
 
-__all__ = ["RESUME_FROM_KEY", "SessionContext", "resume_counters"]
+__all__ = ["RESUME_FROM_KEY", "SessionContext", "recorded_resume_from", "resume_counters"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,24 @@ class SessionContext:
 #: The ``params.json`` key recording the checkpoint a trial started from
 #: (``session.start(resume_from=...)``): its URI, index, run id, experiment and trial.
 RESUME_FROM_KEY = "_resume_from"
+
+
+def recorded_resume_from(storage: StorageContext, uri: str) -> dict[str, Any]:
+    """The ``"_resume_from"`` record of the trial's ``params.json`` when it names
+    ``uri`` (what the trial's first start read of its source), else ``{"uri": uri}``.
+
+    A restart of a trial with checkpoints of its own keeps this record rather
+    than read the source again (it may be gone by then)."""
+    try:
+        params = _json.loads(_fsutil.read_bytes(
+            storage.filesystem, posixpath.join(storage.trial_path, PARAMS_FILE),
+            retry=storage.retry))
+    except (OSError, ValueError):
+        params = None
+    record = params.get(RESUME_FROM_KEY) if isinstance(params, dict) else None
+    if isinstance(record, dict) and record.get("uri") == uri:
+        return record
+    return {"uri": uri}
 
 
 def resume_counters(rows: list[dict[str, Any]], where: str) -> tuple[int, float]:

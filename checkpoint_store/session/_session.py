@@ -20,14 +20,21 @@ from checkpoint_store._results import (
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError, TrialStopped
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
+from checkpoint_store.retention.restore import Listing
 from checkpoint_store.session._args import (
     check_checkpoint_config,
+    check_resume_source,
     check_timeout,
     check_upload_config,
     int_from,
     resume_source,
 )
-from checkpoint_store.session._context import RESUME_FROM_KEY, SessionContext, resume_counters
+from checkpoint_store.session._context import (
+    RESUME_FROM_KEY,
+    SessionContext,
+    recorded_resume_from,
+    resume_counters,
+)
 from checkpoint_store.session._multirank import Coordinator
 from checkpoint_store.storage import StorageContext
 
@@ -88,8 +95,13 @@ class Session:
             )
         sync_timeout_s = check_timeout(sync_timeout_s)
         # Read only, never registered, moved or deleted by this trial: it lives
-        # outside the trial directory, where retention never looks.
-        self._resume_from = resume_source(resume_from, storage, verify=self.world_rank == 0)
+        # outside the trial directory, where retention never looks. A starting
+        # point, read once: a trial with checkpoints of its own never reads it
+        # (another run's retention may have deleted it since).
+        self._resume_from = resume_source(resume_from, storage)
+        self._resume_checked = False
+        if self._resume_from is not None and not Listing.of(storage).dirs:
+            self._check_resume_from()  # a new trial: refused before anything is written
         self._lock = threading.Lock()
         self._closed = False
         # Background uploads of upload_mode="async" (created on first use).
@@ -115,6 +127,10 @@ class Session:
         try:
             if is_writer:  # after the lease: it may fold a copied trial's segments
                 self._results = ResultLog(storage)
+            # From the retention state, not a scan of every checkpoint.
+            committed = self.manager.resume_candidates()
+            if not committed:
+                self._check_resume_from()
             # After the lease: a start refused because another session holds
             # the trial leaves that session's params.json alone.
             if (self.config or self._resume_from is not None) and is_writer:
@@ -137,8 +153,6 @@ class Session:
                 except Exception as exc:  # cleanup must never stop a run from starting
                     logging.getLogger(__name__).warning("cleanup of %s failed: %s",
                                                         storage.uri(storage.trial_path), exc)
-            # From the retention state, not a scan of every checkpoint.
-            committed = self.manager.resume_candidates()
             self._latest: Checkpoint | None = committed[-1][0] if committed else None
             # get_checkpoint() verifies these lazily, newest first (resume only).
             self._resume_candidates: Sequence[tuple[Checkpoint, dict[str, Any]]] | None = (
@@ -187,17 +201,34 @@ class Session:
         A checkpoint found at session start is verified (sizes and CRC32C)
         on the first call; one that fails is skipped with a warning naming
         it, falling back to the newest one that verifies.
+
+        Raises:
+            CheckpointNotFoundError, CheckpointCorruptError: the trial has no
+                checkpoint of its own that verifies, and ``resume_from`` (not
+                read at start, since the trial had checkpoints then) is missing,
+                not committed or corrupt.
         """
         cands, self._resume_candidates = self._resume_candidates, None
         if cands and self._latest is cands[-1][0]:
             self._latest = self.storage.latest_verified_checkpoint(cands)
-        return self._latest if self._latest is not None else self._resume_from
+        return self._latest if self._latest is not None else self._check_resume_from()
+
+    def _check_resume_from(self) -> Checkpoint | None:
+        """The ``resume_from`` checkpoint, checked the first time it is needed
+        (:func:`~checkpoint_store.session._args.check_resume_source`)."""
+        source = self._resume_from
+        if source is not None and not self._resume_checked:
+            check_resume_source(source, verify=self.world_rank == 0)
+            self._resume_checked = True
+        return source
 
     def _params(self) -> dict[str, Any]:
         """``params.json``: the config, plus where the trial started from."""
         params = dict(self.config)
         source = self._resume_from
-        if source is not None:
+        if source is not None and not self._resume_checked:
+            params[RESUME_FROM_KEY] = recorded_resume_from(self.storage, source.uri)
+        elif source is not None:
             meta = source.internal_metadata
             params[RESUME_FROM_KEY] = {
                 "uri": source.uri, "index": meta.get("index"), "run_id": meta.get("run_id"),

@@ -58,7 +58,8 @@ class TrialRunner:
             the thread to end, in seconds.
         resume_from: another run's committed checkpoint to start from, as for
             :func:`checkpoint_store.session.start` (checked when the thread
-            starts, before anything is written).
+            starts, before anything is written, unless the trial has
+            checkpoints of its own: then it is not read at all).
 
     Raises:
         InvalidConfigError: ``train_fn`` is not callable, ``config`` is not a

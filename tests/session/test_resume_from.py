@@ -197,3 +197,149 @@ def test_own_checkpoint_or_not_a_checkpoint_is_refused(tmp_path):
     with pytest.raises(InvalidConfigError, match="resume_from must be"):
         session.start(storage_path=root, experiment_name="exp", trial_name="B", resume_from=5)
     _nothing_written(root)
+
+
+# -- a starting point, read once ------------------------------------------------------
+
+
+def _start_b(storage_path, options, source, **kw):
+    return session.start(storage_path=storage_path, storage_options=options,
+                         experiment_name="exp", trial_name="B", resume_from=source, **kw)
+
+
+def _donor_evicts(tmp_path, storage_path, options) -> Checkpoint:
+    """Donor A keeps one checkpoint; returns its checkpoint_000000 (still there)."""
+    kw = dict(storage_path=storage_path, storage_options=options, experiment_name="exp",
+              trial_name="A", checkpoint_config=CheckpointConfig(num_to_keep=1))
+    with session.start(**kw):
+        session.report({"loss": 1.0}, checkpoint=_src(tmp_path, 1))
+    a = StorageContext(storage_path, "exp", "A", storage_options=options)
+    return Checkpoint(a.uri(posixpath.join(a.trial_path, "checkpoint_000000")),
+                      storage_options=options)
+
+
+def test_relaunch_after_the_donor_evicted_the_source_resumes_from_its_own(root, tmp_path):
+    storage_path, options = root
+    source = _donor_evicts(tmp_path, storage_path, options)
+    with _start_b(storage_path, options, source):
+        assert session.get_checkpoint().uri == source.uri
+        session.report({"loss": 0.5}, checkpoint=_src(tmp_path, 2))
+    # The donor's K=1 retention evicts (deletes) the source.
+    with session.start(storage_path=storage_path, storage_options=options,
+                       experiment_name="exp", trial_name="A",
+                       checkpoint_config=CheckpointConfig(num_to_keep=1)):
+        session.report({"loss": 0.9}, checkpoint=_src(tmp_path, 3))
+    assert not source.is_committed
+    with _start_b(storage_path, options, source):  # the same command again
+        got = session.get_checkpoint()
+        assert got.path.endswith("B/checkpoint_000000")
+        with got.as_directory() as d:
+            assert open(os.path.join(d, "model.bin"), "rb").read() == bytes([2]) * 64
+        session.report({"loss": 0.4}, checkpoint=_src(tmp_path, 4))
+    b = StorageContext(storage_path, "exp", "B", storage_options=options)
+    assert _names(b) == ["checkpoint_000000", "checkpoint_000001"]
+    params = json.loads(
+        b.filesystem.open_input_stream(posixpath.join(b.trial_path, "params.json")).read())
+    # What the first start read of the source is kept, not read again.
+    assert params["_resume_from"]["uri"] == source.uri
+    assert params["_resume_from"]["index"] == 0
+    assert params["_resume_from"]["trial_name"] == "A"
+
+
+def _counting_local_fs(prefix: str):
+    """A local fsspec filesystem counting every call that touches ``prefix``."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    class Counting(LocalFileSystem):
+        calls: list[str] = []
+
+        def _count(self, path) -> None:
+            if str(self._strip_protocol(path)).startswith(prefix):
+                Counting.calls.append(str(path))
+
+        def info(self, path, **kw):
+            self._count(path)
+            return super().info(path, **kw)
+
+        def ls(self, path, detail=False, **kw):
+            self._count(path)
+            return super().ls(path, detail=detail, **kw)
+
+        def find(self, path, *args, **kw):
+            self._count(path)
+            return super().find(path, *args, **kw)
+
+        def _open(self, path, mode="rb", **kw):
+            self._count(path)
+            return super()._open(path, mode=mode, **kw)
+
+    return Counting(skip_instance_cache=True)
+
+
+def test_the_source_is_not_opened_at_a_restart_of_a_trial_with_its_own(tmp_path):
+    root = str(tmp_path / "runs")
+    a = _run_a(tmp_path, root, None, n=2)
+    path = os.path.join(a.trial_path, "checkpoint_000001")
+    fs = _counting_local_fs(path)
+    source = Checkpoint(path, filesystem=fs)
+    with _start_b(root, None, source):
+        assert session.get_checkpoint() == source
+        session.report({"loss": 1.0}, checkpoint=_src(tmp_path, 5))
+    assert fs.calls  # the first start read it (verified every byte)
+    fs.calls.clear()
+    with _start_b(root, None, source, config={"lr": 0.1}):
+        assert session.get_checkpoint().path.endswith("B/checkpoint_000000")
+        session.report({"loss": 0.5}, checkpoint=_src(tmp_path, 6))
+    assert fs.calls == []
+    with TrialRunner(lambda c: session.report({"loss": 0.2}, checkpoint=_src(tmp_path, 7)),
+                     storage_path=root, experiment_name="exp", trial_name="B",
+                     resume_from=source) as runner:
+        while runner.step() is not None:
+            pass
+    assert runner.error is None and fs.calls == []
+
+
+def test_a_trial_without_its_own_checkpoint_and_a_missing_source_is_refused(root, tmp_path):
+    storage_path, options = root
+    source = _donor_evicts(tmp_path, storage_path, options)
+    with _start_b(storage_path, options, source):
+        session.report({"loss": 0.5})  # metrics only: no checkpoint of its own
+    source_ctx = StorageContext(storage_path, "exp", "A", storage_options=options)
+    source_ctx.delete_checkpoint("checkpoint_000000")
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        _start_b(storage_path, options, source)
+    b = StorageContext(storage_path, "exp", "B", storage_options=options)
+    # An uncommitted leftover is not a checkpoint of its own either; the refusal
+    # comes after the restore then, and releases the trial again.
+    b.filesystem.create_dir(posixpath.join(b.trial_path, "checkpoint_000000"))
+    with b.filesystem.open_output_stream(
+            posixpath.join(b.trial_path, "checkpoint_000000", "model.bin")) as f:
+        f.write(b"partial")
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        _start_b(storage_path, options, source)
+    with pytest.raises(CheckpointNotFoundError):
+        TrialRunner(lambda c: None, storage_path=storage_path, storage_options=options,
+                    experiment_name="exp", trial_name="B", resume_from=source).step()
+    with session.start(storage_path=storage_path, storage_options=options,
+                       experiment_name="exp", trial_name="B"):
+        assert session.get_checkpoint() is None
+
+
+def test_own_checkpoints_failing_verification_fall_back_to_a_checked_source(tmp_path):
+    root = str(tmp_path / "runs")
+    a = _run_a(tmp_path, root, None, n=2)
+    path = os.path.join(a.trial_path, "checkpoint_000001")
+    with _start_b(root, None, path):
+        session.report({"loss": 1.0}, checkpoint=_src(tmp_path, 5))
+    own = os.path.join(root, "exp", "B", "checkpoint_000000", "model.bin")
+    with open(own, "r+b") as f:
+        f.write(b"\xff")  # same size: only the CRC32C tells
+    with _start_b(root, None, path):
+        with pytest.warns(RuntimeWarning, match="does not verify"):
+            assert session.get_checkpoint().path == path  # read now, and verified
+    with open(os.path.join(path, "model.bin"), "r+b") as f:
+        f.write(b"\xff")
+    with _start_b(root, None, path):
+        with pytest.warns(RuntimeWarning, match="does not verify"), \
+                pytest.raises(CheckpointCorruptError):
+            session.get_checkpoint()
