@@ -22,10 +22,12 @@ from checkpoint_store.errors import (
     NestedCheckpointError,
     PermanentBackendError,
     RankTimeoutError,
+    StorageFullError,
     TransientBackendError,
     TrialInUseError,
     TrialStopped,
     UnknownSchemeError,
+    UnreadableSourceError,
     UnsafePathError,
 )
 
@@ -59,6 +61,7 @@ __all__ = [
     "NestedCheckpointError",
     "PermanentBackendError",
     "RankTimeoutError",
+    "StorageFullError",
     "RetryPolicy",
     "ScanResult",
     "StorageContext",
@@ -66,6 +69,7 @@ __all__ = [
     "TrialRunner",
     "TrialStopped",
     "UnknownSchemeError",
+    "UnreadableSourceError",
     "UnsafePathError",
     "UploadConfig",
     "available_backends",

@@ -251,12 +251,16 @@ def write_bytes(
                     f.flush()
                     os.fsync(f.fileno())
             os.replace(tmp, osp)
-        except BaseException:
+        except BaseException as exc:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
-            raise
+            # A full disk says so (StorageFullError), as a copy that fails does.
+            typed = _retry.typed_permanent(exc, f"write {osp}")
+            if typed is exc:
+                raise
+            raise typed from exc
         if fsync and caps.needs_fsync:
             fsync_dir(os.path.dirname(osp))
         return

@@ -30,6 +30,7 @@ explicit ``retry=RetryPolicy(...)``.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -45,6 +46,7 @@ from checkpoint_store.errors import (
     CredentialsExpiredError,
     InvalidConfigError,
     PermanentBackendError,
+    StorageFullError,
     TransientBackendError,
 )
 
@@ -175,9 +177,31 @@ def classify(exc: BaseException) -> RetryKind:
 _rebuild_lock = threading.Lock()
 
 
-def _typed_permanent(exc: BaseException, what: str) -> BaseException:
+#: How a full disk or a used-up quota reads where a client keeps only the
+#: message (pyarrow's local filesystem, fsspec wrappers): ENOSPC, EDQUOT.
+_FULL_RE = re.compile(r"\[Errno (28|122)\]|No space left on device|Disk quota exceeded")
+
+
+def is_storage_full(exc: BaseException) -> bool:
+    """True for ENOSPC / EDQUOT, by errno or by the message that carries it."""
+    if getattr(exc, "errno", None) in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+        return True
+    return bool(_FULL_RE.search(str(exc)))
+
+
+def typed_permanent(exc: BaseException, what: str) -> BaseException:
+    """``exc`` (an error retrying will not fix, of a call described by ``what``)
+    as the typed error a caller can act on: :class:`StorageFullError` for a
+    full disk, :class:`PermanentBackendError` for any other ``OSError``;
+    ours, ``FileNotFoundError`` and non-OS errors unchanged."""
     if isinstance(exc, (CheckpointStoreError, FileNotFoundError)) or not isinstance(exc, OSError):
         return exc
+    if is_storage_full(exc):
+        return StorageFullError(
+            f"{what} failed: the destination disk is full or its quota used up ({exc}). "
+            "Free space there (or raise the quota) and try again; nothing was committed.",
+            cause=exc,
+        )
     return PermanentBackendError(
         f"{what} failed with an error retrying will not fix: {exc}. Check the path, "
         "bucket and permissions (credentials, IAM policy, container access).",
@@ -278,7 +302,7 @@ def _run(
                     cause=exc,
                 ) from exc
             if kind == "permanent":
-                typed = _typed_permanent(exc, what)
+                typed = typed_permanent(exc, what)
                 if typed is exc:
                     raise
                 raise typed from exc

@@ -26,9 +26,11 @@ __all__ = [
     "NestedCheckpointError",
     "PermanentBackendError",
     "RankTimeoutError",
+    "StorageFullError",
     "TransientBackendError",
     "TrialStopped",
     "UnknownSchemeError",
+    "UnreadableSourceError",
     "UnsafePathError",
 ]
 
@@ -97,6 +99,24 @@ class UnsafePathError(CheckpointCorruptError, InvalidConfigError):
     """
 
 
+class UnreadableSourceError(CheckpointStoreError, OSError):
+    """A directory of a source tree cannot be listed (permission denied, or
+    another error of the local disk): the checkpoint would silently miss its
+    files. Make it readable, or move it out of the source, and try again.
+
+    Raised while the source is walked, before the first byte is written.
+
+    Attributes:
+        path: the source directory handed in.
+        file: the entry at fault, relative to ``path`` (``""``: ``path`` itself).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, file: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.file = file
+
+
 class NestedCheckpointError(UnsafePathError):
     """A write destination (a ``storage_path``'s trial directory, a Lightning
     ``.ckpt``, an upload or copy target, a DCP checkpoint directory) lies
@@ -134,6 +154,12 @@ class PermanentBackendError(CheckpointStoreError, OSError):
     def __init__(self, message: str, *, cause: BaseException | None = None):
         super().__init__(message)
         self.cause = cause
+
+
+class StorageFullError(PermanentBackendError):
+    """The destination's disk is full, or its quota used up (``ENOSPC``,
+    ``EDQUOT``). Free space there (or raise the quota) and try again; what was
+    written of the failed checkpoint is never committed."""
 
 
 class CredentialsExpiredError(PermanentBackendError):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+import stat
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -23,13 +24,17 @@ import pyarrow.fs as pafs
 
 from checkpoint_store import _fsutil, _retry
 from checkpoint_store._layout import (
+    INTERNAL_METADATA,
+    INTERNAL_PREFIX,
     NAME_MAX,
+    is_internal_file,
 )
 from checkpoint_store._manifest import (
     ManifestEntry,
     check_entry,
     check_relpath,
     crc_hex,
+    inspect_checkpoint,
     is_checkpoint_data,
 )
 from checkpoint_store._retry import RetryPolicy
@@ -40,6 +45,7 @@ from checkpoint_store.backends.base import (
 )
 from checkpoint_store.errors import (
     CheckpointNotFoundError,
+    UnreadableSourceError,
     UnsafePathError,
 )
 
@@ -160,7 +166,14 @@ def source_files(
             S3 and a way out on disk), not UTF-8, or longer than
             :data:`~checkpoint_store._layout.NAME_MAX` bytes; a symlink cycle;
             a broken symlink; with ``confine_links``, a link leading out; with
-            ``dest_caps``, a character the destination cannot store.
+            ``dest_caps``, a character the destination cannot store; a
+            fifo, socket or device (linked to or not); unless
+            ``confine_links`` (the source is a checkpoint, whose internal
+            files are skipped) or the source is a committed checkpoint, a
+            file taking a name of ours (``.internal_metadata.json`` at the
+            top, ``.cs_*`` anywhere).
+        UnreadableSourceError: a local directory of the tree cannot be listed
+            (permission denied, say); names it.
     """
     if not _fsutil.is_dir(src_fs, src_root, retry=retry):
         raise CheckpointNotFoundError(f"source directory {src_root!r} does not exist")
@@ -169,6 +182,8 @@ def source_files(
         found = _local_files(root_os, src_root, confine_links, listed)
     else:
         found = list(_fsutil.walk_files(src_fs, src_root, retry=retry))
+    if not confine_links:
+        _refuse_reserved(src_fs, src_root, [rel for rel, _ in found], retry)
     out = []
     for rel, size in found:
         why = check_relpath(rel) or _name_problem(rel) or _unstorable(rel, dest_caps, dest_name)
@@ -180,6 +195,27 @@ def source_files(
         if include(rel):
             out.append((rel, size))
     return sorted(out)
+
+
+def _refuse_reserved(src_fs: pafs.FileSystem, src_root: str, rels: list[str],
+                     retry: RetryPolicy | None) -> None:
+    """Refuse a user's file that takes a name of ours (``.internal_metadata.json``
+    at the root, ``.cs_*`` anywhere: :func:`~checkpoint_store._layout.is_internal_file`):
+    a commit would drop or overwrite it. A committed checkpoint's own files are
+    fine: its internal files are not copied."""
+    reserved = [rel for rel in rels if is_internal_file(rel)]
+    if not reserved:
+        return
+    if INTERNAL_METADATA in reserved and \
+            inspect_checkpoint(src_fs, src_root, retry=retry).state == "committed":
+        return
+    rel = reserved[0]
+    raise UnsafePathError(
+        f"{rel!r} under {src_root!r} takes a name checkpoint-store reserves for its own "
+        f"files ({INTERNAL_METADATA!r} at the top, {INTERNAL_PREFIX}* anywhere), so the "
+        "checkpoint would not hold it as handed in; nothing was written. Rename it and try "
+        "again", path=src_root, file=rel,
+    )
 
 
 def _unstorable(rel: str, caps: Capabilities | None, store: str) -> str | None:
@@ -207,39 +243,84 @@ def _local_files(
     root: str, src_root: str, confine_links: bool, sizes: Mapping[str, int] | None = None
 ) -> list[tuple[str, int]]:
     """Walk a local tree following symlinks, refusing cycles (and, with
-    ``confine_links``, links out of ``root``). A file that is no link takes
-    its size from ``sizes`` where listed there, else from a ``stat``."""
+    ``confine_links``, links out of ``root``), fifos, sockets and devices
+    (linked to or not), and directories that cannot be listed. A file that
+    is no link takes its size from ``sizes`` where listed there, else from a
+    ``stat``. The walk keeps its own stack: no depth limit but the disk's."""
     sizes = sizes or {}
     real_root = os.path.realpath(root)
     out: list[tuple[str, int]] = []
-
-    def refuse(rel: str, why: str) -> UnsafePathError:
-        return UnsafePathError(
-            f"{rel!r} under {src_root!r} {why}; nothing was written. Remove or replace the "
-            "link and try again", path=src_root, file=rel,
-        )
-
-    def walk(path: str, rel_dir: str, ancestors: tuple[str, ...]) -> None:
-        with os.scandir(path) as it:
-            entries = sorted(it, key=lambda e: e.name)
-        for entry in entries:
+    # (directory, its relative prefix, the real paths of it and its ancestors)
+    stack: list[tuple[str, str, tuple[str, ...]]] = [(root, "", (real_root,))]
+    while stack:
+        path, rel_dir, ancestors = stack.pop()
+        for entry in _listed(path, rel_dir, src_root):
             rel = f"{rel_dir}{entry.name}"
             if entry.is_symlink():
-                real = os.path.realpath(entry.path)
-                if not os.path.exists(real):
-                    raise refuse(rel, f"is a broken symlink (to {os.readlink(entry.path)!r})")
-                if confine_links and not _inside(real, real_root):
-                    raise refuse(rel, f"is a symlink leading out of the checkpoint (to {real!r})")
-                if os.path.isdir(real) and any(_inside(a, real) for a in ancestors):
-                    raise refuse(rel, f"is a symlink cycle (it leads back to {real!r})")
+                _check_link(entry, rel, src_root, real_root, ancestors, confine_links)
             if entry.is_dir():  # follows links
-                walk(entry.path, f"{rel}/", (*ancestors, os.path.realpath(entry.path)))
+                stack.append((entry.path, f"{rel}/", (*ancestors, os.path.realpath(entry.path))))
             elif entry.is_file():
                 size = None if entry.is_symlink() else sizes.get(rel)
                 out.append((rel, entry.stat().st_size if size is None else size))
-
-    walk(root, "", (real_root,))
+            else:
+                raise _refuse_entry(rel, src_root, f"is {_special_kind(entry.path)}, not a "
+                                    "regular file: its bytes cannot be stored as a file")
     return out
+
+
+def _refuse_entry(rel: str, src_root: str, why: str,
+                  fix: str = "Remove or replace it (or move it out of the directory)"
+                  ) -> UnsafePathError:
+    return UnsafePathError(f"{rel!r} under {src_root!r} {why}; nothing was written. {fix} "
+                           "and try again", path=src_root, file=rel)
+
+
+def _listed(path: str, rel_dir: str, src_root: str) -> list[os.DirEntry[str]]:
+    """The entries of one source directory, sorted by name.
+
+    Raises:
+        UnreadableSourceError: it cannot be listed (names it and the errno's text).
+    """
+    try:
+        with os.scandir(path) as it:
+            return sorted(it, key=lambda e: e.name)
+    except OSError as exc:
+        rel = rel_dir.rstrip("/")
+        where = f"{rel!r} under {src_root!r}" if rel else repr(src_root)
+        raise UnreadableSourceError(
+            f"cannot list the source directory {where}: {exc.strerror or exc}; nothing was "
+            "written. Make it readable (its permissions), or move it out of the source, "
+            "and try again", path=src_root, file=rel,
+        ) from exc
+
+
+def _check_link(entry: os.DirEntry[str], rel: str, src_root: str, real_root: str,
+                ancestors: tuple[str, ...], confine_links: bool) -> None:
+    """Refuse a broken link, a cycle, and (``confine_links``) a link out of the root."""
+    real = os.path.realpath(entry.path)
+    fix = "Remove or replace the link"
+    if not os.path.exists(real):
+        raise _refuse_entry(rel, src_root,
+                            f"is a broken symlink (to {os.readlink(entry.path)!r})", fix)
+    if confine_links and not _inside(real, real_root):
+        raise _refuse_entry(rel, src_root,
+                            f"is a symlink leading out of the checkpoint (to {real!r})", fix)
+    if os.path.isdir(real) and any(_inside(a, real) for a in ancestors):
+        raise _refuse_entry(rel, src_root,
+                            f"is a symlink cycle (it leads back to {real!r})", fix)
+
+
+def _special_kind(path: str) -> str:
+    """``"a fifo"``, ``"a socket"``, ``"a character device"``, ... for a
+    message (what ``path``, links followed, is)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    kinds = ((stat.S_ISFIFO, "a fifo (named pipe)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((what for test, what in kinds if test(mode)), "a special file")
 
 
 def _inside(path: str, base: str) -> bool:

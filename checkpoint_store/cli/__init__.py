@@ -38,6 +38,7 @@ from typing import Any
 
 import click
 
+from checkpoint_store._retry import is_storage_full
 from checkpoint_store.cli.output import one_line
 from checkpoint_store.errors import (
     BackendUnavailableError,
@@ -48,9 +49,11 @@ from checkpoint_store.errors import (
     InvalidConfigError,
     NestedCheckpointError,
     PermanentBackendError,
+    StorageFullError,
     TransientBackendError,
     TrialInUseError,
     UnknownSchemeError,
+    UnreadableSourceError,
     UnsafePathError,
 )
 
@@ -110,6 +113,11 @@ def _hint_for(exc: BaseException, subcommand: str | None = None) -> str | None:
         return "`checkpoint-store ls` on the parent location shows what is there"
     if isinstance(exc, CheckpointConflictError):
         return "choose another destination, or delete the existing checkpoint first"
+    if isinstance(exc, StorageFullError) or (isinstance(exc, OSError)
+                                             and is_storage_full(exc)):
+        return "the disk is full: free space on it (or raise its quota), then retry"
+    if isinstance(exc, UnreadableSourceError):
+        return "make the directory named above readable, or move it out; nothing was written"
     if isinstance(exc, (PermissionError, PermanentBackendError)):
         return ("check the credentials and the bucket: --storage-option KEY=VALUE or the "
                 "backend's environment variables")

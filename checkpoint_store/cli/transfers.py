@@ -357,7 +357,8 @@ def _copy_checkpoint(job: _CopyJob, on_bytes: Callable[[int], None]) -> CopyOutc
     counted = counting_location(src, on_bytes, expected=expected_files(src, job.meta))
     try:
         written = commit_checkpoint(counted.fs, src.path, dst.backend, dst.path,
-                                    _checkpoint_meta_for(dst, job.meta, job.index))
+                                    _checkpoint_meta_for(dst, job.meta, job.index),
+                                    confine_links=True)
     except CheckpointCorruptError as exc:
         raise CheckpointCorruptError(
             f"source {src.uri} is corrupt: {exc}; nothing was committed at {dst.uri}",
