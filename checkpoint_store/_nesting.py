@@ -9,18 +9,19 @@ entry point asks :func:`refuse_inside_checkpoint` once, before its first write.
 
 from __future__ import annotations
 
+import os
 import posixpath
 
 import pyarrow.fs as pafs
 
 from checkpoint_store import _retry
-from checkpoint_store._layout import INTERNAL_METADATA
+from checkpoint_store._layout import INTERNAL_METADATA, MANAGER_STATE, RESULT_FILE
 from checkpoint_store._pointer import POINTER_FILE
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
-from checkpoint_store.errors import NestedCheckpointError
+from checkpoint_store.errors import InvalidConfigError, NestedCheckpointError
 
-__all__ = ["ancestors", "refuse_inside_checkpoint"]
+__all__ = ["ancestors", "refuse_inside_checkpoint", "refuse_local_store_target"]
 
 # What makes a directory a committed checkpoint: its marker, or the pointer
 # naming the current replacement of a checkpoint saved again under one name.
@@ -87,3 +88,39 @@ def _is_file(backend: Backend, path: str, retry: RetryPolicy | None) -> bool:
     info = _retry.call_fs(backend, lambda fs: fs.get_file_info(path), policy=retry,
                           what=f"stat {backend.uri_for(path)}")
     return info.type == pafs.FileType.File
+
+
+#: What makes a local directory a trial of a store: its result log or its
+#: retention state.
+_TRIAL_FILES = (RESULT_FILE, MANAGER_STATE)
+
+
+def refuse_local_store_target(path: str, what: str, *, trials: bool = True) -> None:
+    """Refuse a local write target (a download directory, a plot's folder)
+    that is, or lies inside, a committed checkpoint or a store's trial
+    directory: files written there would corrupt the checkpoint, or land
+    among the files a trial's readers and retention own. One or two stats
+    per directory level; writes nothing.
+
+    Args:
+        path: the local directory that would be written (it may not exist yet).
+        what: names it in the message (``"download directory"``).
+        trials: also refuse a trial directory (a download replaces its
+            target whole; a single file beside a trial's own is harmless).
+
+    Raises:
+        NestedCheckpointError: a committed checkpoint holds ``path``.
+        InvalidConfigError: a trial directory holds ``path`` (or is it).
+    """
+    from checkpoint_store.registry import resolve
+
+    real = os.path.realpath(path)
+    backend, spelled = resolve(real)
+    refuse_inside_checkpoint(backend, spelled, what)
+    for level in ancestors(real) if trials else ():
+        if any(os.path.isfile(os.path.join(level, name)) for name in _TRIAL_FILES):
+            raise InvalidConfigError(
+                f"{what} {path!r} {'is' if level == real else 'lies inside'} the trial "
+                f"directory {level!r} of a checkpoint store; writing there would mix files "
+                "into the trial. Choose a directory outside every trial (nothing was written)"
+            )

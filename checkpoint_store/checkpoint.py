@@ -41,6 +41,7 @@ from checkpoint_store._manifest import (
     read_internal_metadata,
     verify_files,
 )
+from checkpoint_store._nesting import refuse_local_store_target
 from checkpoint_store.backends.base import LOCAL_CAPABILITIES, Backend
 from checkpoint_store.errors import (
     CheckpointConflictError,
@@ -358,6 +359,7 @@ class Checkpoint:
                 "choose a directory path"
             )
         self._refuse_target_overlap(target)
+        refuse_local_store_target(target, "download directory")
 
     def _download_and_swap(
         self, target: str, marker: str, identity: dict[str, Any] | None, old_files: list[str],

@@ -38,7 +38,7 @@ from checkpoint_store.cli.scores import (
     stored_metrics,
     stored_score,
 )
-from checkpoint_store.errors import TrialInUseError
+from checkpoint_store.errors import InvalidConfigError, TrialInUseError
 
 __all__ = ["gc_cmd", "prune_cmd", "refuse_if_live"]
 
@@ -222,6 +222,7 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int | None,
     for ckpt, _ in foreign:
         click.echo(f"warning: {ckpt.uri} was written by another run or trial (copied in?): "
                    "left alone and not ranked, as the retention manager does", err=True)
+    _refuse_unrecorded_metric(loc, committed, metric)
     kept, evicted, why = _select(committed, config, metric)
 
     def describe(i: int) -> dict[str, Any]:
@@ -246,6 +247,29 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int | None,
         return
     _print_prune("would delete" if dry_run else "deleted", metric,
                  (describe(i) for i in evicted), (describe(i) for i in kept))
+
+
+def _refuse_unrecorded_metric(loc: Location, committed: list[tuple[Location, dict[str, Any]]],
+                              metric: str | None) -> None:
+    """Refuse, before anything is deleted, a metric no checkpoint records (a
+    typo, say): every score would be missing, so the ranking would keep the
+    newest N and delete the best.
+
+    Raises:
+        InvalidConfigError: naming the metric and those the newest checkpoint records.
+    """
+    if metric is None or not committed:
+        return
+    if any(metric_value(stored_metrics(c, m, warn=False), metric) is not None
+           for c, m in committed):
+        return
+    known = sorted(stored_metrics(*committed[-1], warn=False))
+    raise InvalidConfigError(
+        f"no checkpoint of {loc.uri} records the metric {metric!r}, so every score would "
+        f"be missing and pruning would delete the best ones; nothing was deleted. The "
+        f"newest checkpoint records: {', '.join(known) or '(no metrics)'}; nested metrics "
+        "use '/'"
+    )
 
 
 def _delete(ctx: Any, ckpt: Location) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 from typing import Any
 
 import click
@@ -120,7 +121,12 @@ def plot_cmd(trials: tuple[str, ...], storage_options: dict[str, Any], metric: s
       checkpoint-store plot ./results/sweep/t0 ./results/sweep/t1 --metric loss -o sweep.svg
     """
     _require("matplotlib")
+    from checkpoint_store._nesting import refuse_local_store_target
     from checkpoint_store.ui._model import StoreView
+
+    # Before any trial is read: an image inside a checkpoint would corrupt it.
+    refuse_local_store_target(os.path.dirname(os.path.abspath(output)), "plot output folder",
+                              trials=False)
     from checkpoint_store.ui._plot import plot_trials
 
     data = []
