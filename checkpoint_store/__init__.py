@@ -9,6 +9,7 @@ and :mod:`~checkpoint_store.transfer`, :mod:`~checkpoint_store.storage`,
 from typing import TYPE_CHECKING, Any
 
 from checkpoint_store.errors import (
+    AmbiguousCommitError,
     AmbiguousMetricError,
     BackendUnavailableError,
     CheckpointAbortedError,
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AmbiguousCommitError",
     "BackendUnavailableError",
     "Checkpoint",
     "CheckpointAbortedError",

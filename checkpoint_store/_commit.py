@@ -66,6 +66,7 @@ from checkpoint_store._retry import RetryPolicy
 from checkpoint_store._runs import new_writer_id
 from checkpoint_store.backends.base import Backend, Capabilities
 from checkpoint_store.errors import (
+    AmbiguousCommitError,
     CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -165,6 +166,9 @@ class CommitProtocol(abc.ABC):
         See :func:`commit_checkpoint` for the arguments, return value and errors.
         """
         writer_id = writer_id or new_writer_id()
+        # Names the writer in the marker, so that a commit whose outcome a
+        # failure left unknown is settled by reading it back.
+        internal = {**internal, "writer_id": writer_id}
         files: list[tuple[str, int]] = []
         if write is None:
             assert src_fs is not None and src_dir is not None
@@ -312,9 +316,60 @@ class CommitProtocol(abc.ABC):
         return self._write_marker(target, meta)
 
     def _write_marker(self, target: str, meta: dict[str, Any]) -> dict[str, Any]:
-        _fsutil.write_bytes(self.fs, posixpath.join(target, INTERNAL_METADATA),
-                            _json.dumps(meta), self.caps, fsync=self.fsync, retry=self.retry)
+        """Write the commit marker ``meta`` into ``target``.
+
+        A write that failed may still have landed (the store took the PUT,
+        its answer was lost): the marker is read back, and the commit stands
+        when it holds our bytes.
+
+        Raises:
+            AmbiguousCommitError: the write failed and reading it back failed too.
+            The write's own error: the marker is not ours (nothing committed).
+        """
+        data = _json.dumps(meta)
+        try:
+            _fsutil.write_bytes(self.fs, posixpath.join(target, INTERNAL_METADATA), data,
+                                self.caps, fsync=self.fsync, retry=self.retry)
+        except Exception as exc:
+            if not self._landed(target, data, exc):
+                raise
         return meta
+
+    def _landed(self, target: str, data: bytes, exc: BaseException) -> bool:
+        """Whether ``target``'s marker is ``data`` after a commit step failed with ``exc``.
+
+        Raises:
+            AmbiguousCommitError: the marker cannot be read either.
+        """
+        try:
+            found = _fsutil.read_bytes(self.fs, posixpath.join(target, INTERNAL_METADATA),
+                                       retry=self.retry)
+        except FileNotFoundError:
+            return False
+        except Exception as read_exc:
+            uri = self.dest.uri_for(target)
+            raise AmbiguousCommitError(
+                f"committing {uri} failed ({exc}) and reading its commit marker back failed "
+                f"too ({read_exc}): it may have been committed. A session's next report "
+                "uses the next index and settles this one; elsewhere, inspect it "
+                "(checkpoint-store ls) before committing that index again.",
+                path=uri,
+            ) from exc
+        if found == data:
+            logger.warning("committing %s reported an error (%s), but its commit marker is "
+                           "ours: committed", self.dest.uri_for(target), exc)
+            return True
+        return False
+
+    def _ours(self, insp: Inspection, internal: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The marker ``insp`` found when an earlier try of this same writer
+        wrote it (a commit run again after a failure whose outcome was unknown)."""
+        meta = insp.meta
+        if insp.state != "committed" or meta is None or "writer_id" not in internal:
+            return None
+        same = (meta.get("writer_id"), meta.get("index")) == (internal["writer_id"],
+                                                               internal.get("index"))
+        return meta if same else None
 
     def _put(self, path: str, data: bytes) -> None:
         _fsutil.write_bytes(self.fs, path, data, self.caps, fsync=False, retry=self.retry)
@@ -331,16 +386,32 @@ class RenameCommit(CommitProtocol):
 
     def _commit(self, contents: _Contents, dest_dir: str, internal: Mapping[str, Any],
                 writer_id: str, claim_timeout: float) -> dict[str, Any]:
-        if self.inspect(dest_dir).state == "committed":
+        insp = self.inspect(dest_dir)
+        earlier = self._ours(insp, internal)
+        if earlier is not None:
+            return earlier
+        if insp.state == "committed":
             raise _conflict(self.dest, dest_dir, by_other=False)
         staging = self.workdir(dest_dir, writer_id)
         try:
             meta = self._write_contents(contents, staging, internal)
-            self._move_in(staging, dest_dir, writer_id)
+            self._settled_move(staging, dest_dir, writer_id, meta)
             return meta
         except Exception:
             _cleanup_quietly(lambda: _fsutil.delete_dir(self.fs, staging, retry=self.retry))
             raise
+
+    def _settled_move(self, staging: str, dest_dir: str, writer: str | None,
+                      meta: dict[str, Any]) -> None:
+        """:meth:`_move_in`; a rename that failed but landed (our marker at
+        ``dest_dir``: a network filesystem lost its answer) stands."""
+        try:
+            self._move_in(staging, dest_dir, writer)
+        except CheckpointConflictError:
+            raise
+        except Exception as exc:
+            if not self._landed(dest_dir, _json.dumps(meta), exc):
+                raise
 
     def workdir(self, dest_dir: str, writer: str) -> str:
         parent, name = posixpath.split(dest_dir)
@@ -353,7 +424,7 @@ class RenameCommit(CommitProtocol):
             raise _conflict(self.dest, dest_dir, by_other=False)
         meta = self._write_marker(workdir, internal_metadata(internal, manifest))
         if workdir != dest_dir:
-            self._move_in(workdir, dest_dir, writer)
+            self._settled_move(workdir, dest_dir, writer, meta)
         return meta
 
     def delete(self, path: str, writer_id: str | None = None) -> None:
@@ -405,6 +476,11 @@ class MarkerLastCommit(CommitProtocol):
                                  retry=self.retry)
         claim_path = posixpath.join(dest_dir, mine)
         if INTERNAL_METADATA in listed:
+            earlier = self._ours(self.inspect(dest_dir), internal)
+            if earlier is not None:  # an earlier try of ours landed: done
+                ours = own_claims(listed, mine, writer_id)
+                _cleanup_quietly(lambda: self._delete_files(dest_dir, ours))
+                return earlier
             # Data files without a marker are no reason to refuse (a writer
             # died before its commit, or a removal was cut short): once we are
             # alone they are replaced, below.

@@ -74,6 +74,9 @@ class Checkpoint:
     for a local directory that must exist.
     """
 
+    # The marker the commit that made this object wrote (see _from_backend).
+    _written: Mapping[str, Any] | None = None
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -86,10 +89,16 @@ class Checkpoint:
         self.path: str = fs_path
 
     @classmethod
-    def _from_backend(cls, backend: Backend, path: str) -> Checkpoint:
+    def _from_backend(cls, backend: Backend, path: str,
+                      written: Mapping[str, Any] | None = None) -> Checkpoint:
+        """A checkpoint at ``path`` of ``backend``; ``written``: the marker a
+        commit just wrote there, which retention registers without reading
+        it back (:func:`written_metadata`)."""
         self = cls.__new__(cls)
         self._backend = backend
         self.path = path
+        if written is not None:
+            self._written = types.MappingProxyType(dict(written))
         return self
 
     @classmethod
@@ -420,6 +429,15 @@ class Checkpoint:
             yield tmp
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def written_metadata(checkpoint: Checkpoint) -> Mapping[str, Any]:
+    """The internal metadata of ``checkpoint``: the marker its commit wrote
+    when this object came from that commit (no storage call: a commit that
+    landed stands even if the store cannot be read right after it), else
+    :attr:`Checkpoint.internal_metadata` read from storage."""
+    known = checkpoint._written
+    return known if known is not None else checkpoint.internal_metadata
 
 
 def _inside(path: str, base: str) -> bool:

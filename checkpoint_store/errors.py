@@ -12,6 +12,7 @@ so that every exception checkpoint-store raises has one home; it derives from
 from __future__ import annotations
 
 __all__ = [
+    "AmbiguousCommitError",
     "AmbiguousMetricError",
     "BackendUnavailableError",
     "CheckpointAbortedError",
@@ -141,6 +142,25 @@ class TrialInUseError(CheckpointConflictError):
 
 class TransientBackendError(CheckpointStoreError, OSError):
     """A backend error worth retrying (connection reset, timeout, 5xx, throttling)."""
+
+
+class AmbiguousCommitError(TransientBackendError):
+    """Storage failed at the commit itself (the marker's write, or reading it
+    back to settle whether that write landed), so the checkpoint may be
+    committed.
+
+    A session never reuses that index: its next report takes the next free
+    one and first settles this one (registered with retention if our marker
+    is there, left for cleanup otherwise). Any other error of a report means
+    nothing was committed.
+
+    Attributes:
+        path: the checkpoint directory's URI.
+    """
+
+    def __init__(self, message: str, *, path: str):
+        super().__init__(message)
+        self.path = path
 
 
 class PermanentBackendError(CheckpointStoreError, OSError):

@@ -50,6 +50,8 @@ from checkpoint_store.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     InvalidConfigError,
+    PermanentBackendError,
+    TransientBackendError,
 )
 from checkpoint_store.registry import resolve
 
@@ -318,7 +320,8 @@ class StorageContext:
         }
 
     def persist_checkpoint(
-        self, checkpoint: Checkpoint, index: int, internal: Mapping[str, Any]
+        self, checkpoint: Checkpoint, index: int, internal: Mapping[str, Any], *,
+        writer_id: str | None = None,
     ) -> Checkpoint:
         """Upload ``checkpoint`` as ``checkpoint_<index>`` of this trial and commit it.
 
@@ -326,6 +329,10 @@ class StorageContext:
             checkpoint: where the files are (any filesystem, usually local).
             index: the checkpoint index (>= 0).
             internal: extra fields for the internal metadata (metrics ...).
+            writer_id: who commits (default: a new writer id of this run). One
+                writer committing an index again finds its own claims and its
+                own marker there as its own: a session passes the same one to
+                every report.
 
         Returns:
             The committed Checkpoint on this storage.
@@ -335,17 +342,30 @@ class StorageContext:
             CheckpointNotFoundError: the source directory is gone.
             NestedCheckpointError: the trial directory lies inside a committed
                 checkpoint; nothing written.
+            AmbiguousCommitError: writing the commit marker failed and reading
+                it back failed too: it may be committed.
+            TransientBackendError, PermanentBackendError: storage failed;
+                nothing was committed.
         """
         dest = self.checkpoint_path(index)
         meta = self.internal_metadata(index, internal)
         self.ensure_trial_dir()
-        writer = new_writer_id(self.run_id)
-        previous = self.previous_checkpoint(index) if self._reuses(checkpoint) else None
-        _retry.with_rebuild(self.backend, lambda: self.commit_protocol.commit(
+        writer = writer_id or new_writer_id(self.run_id)
+        previous = self._previous_quietly(index) if self._reuses(checkpoint) else None
+        written = _retry.with_rebuild(self.backend, lambda: self.commit_protocol.commit(
             checkpoint.filesystem, checkpoint.path, dest, meta, writer_id=writer,
             previous=previous,
         ), what=f"commit {self.uri(dest)}")
-        return Checkpoint._from_backend(self.backend, dest)
+        return Checkpoint._from_backend(self.backend, dest, written)
+
+    def _previous_quietly(self, index: int) -> Previous | None:
+        # Reuse saves bytes, it is not needed: a store that cannot be read
+        # right now gets every file uploaded.
+        try:
+            return self.previous_checkpoint(index)
+        except (TransientBackendError, PermanentBackendError) as exc:
+            logger.warning("not reusing files of the previous checkpoint: %s", exc)
+            return None
 
     def reserve_in_place(self, index: int) -> str:
         """Create ``checkpoint_<index>`` for a writer that fills it in place
@@ -374,10 +394,10 @@ class StorageContext:
         """
         dest = self.checkpoint_path(index)
         meta = self.internal_metadata(index, internal)
-        _retry.with_rebuild(self.backend, lambda: self.commit_protocol.commit_in_place(
+        written = _retry.with_rebuild(self.backend, lambda: self.commit_protocol.commit_in_place(
             dest, meta
         ), what=f"commit {self.uri(dest)} in place")
-        return Checkpoint._from_backend(self.backend, dest)
+        return Checkpoint._from_backend(self.backend, dest, written)
 
     def _reuses(self, checkpoint: Checkpoint) -> bool:
         # Where the store renames directories (local disks) a copy from the

@@ -27,7 +27,7 @@ import pyarrow.fs as pafs
 from checkpoint_store import _json
 from checkpoint_store._layout import MANAGER_STATE, parse_checkpoint_dir_name
 from checkpoint_store._manifest import read_internal_metadata
-from checkpoint_store.checkpoint import Checkpoint
+from checkpoint_store.checkpoint import Checkpoint, written_metadata
 from checkpoint_store.errors import (
     CheckpointConflictError,
     CheckpointStoreError,
@@ -229,7 +229,7 @@ class CheckpointManager:
         dir_name = posixpath.basename(checkpoint.path.rstrip("/"))
         if dir_name in self._pending:
             self._pending.remove(dir_name)
-        created = created_at(checkpoint.internal_metadata)
+        created = created_at(written_metadata(checkpoint))
         evicted = self._sel.add(Entry(index, dir_name, score, clean, created))
         self._next_index = max(self._next_index, index + 1)
         names = [e.dir_name for e in evicted]
@@ -255,7 +255,7 @@ class CheckpointManager:
                 f"checkpoint {checkpoint.uri} is not a directory of trial "
                 f"{self._storage.uri(trial)}; persist it with StorageContext.persist_checkpoint"
             )
-        meta = checkpoint.internal_metadata
+        meta = written_metadata(checkpoint)
         index = meta.get("index")
         if isinstance(index, bool) or not isinstance(index, int):
             raise InvalidConfigError(

@@ -51,7 +51,7 @@ from checkpoint_store._layout import (
     rank_marker_name,
 )
 from checkpoint_store._runs import new_writer_id
-from checkpoint_store.checkpoint import Checkpoint
+from checkpoint_store.checkpoint import Checkpoint, written_metadata
 from checkpoint_store.errors import (
     CheckpointAbortedError,
     CheckpointConflictError,
@@ -141,6 +141,8 @@ class Coordinator:
         self.timeout_s = float(timeout_s)
         self._uses_torch, self._group = torch_group(world_rank, world_size)
         self.attempt_id = self._agree_attempt_id(attempt_id)
+        # The marker rank 0's last commit wrote (rank 0 only).
+        self._written: dict[str, Any] | None = None
 
     # -- collectives --------------------------------------------------------------
 
@@ -304,7 +306,9 @@ class Coordinator:
             raise rank0_error
         if not outcome["ok"]:
             raise _error_from_outcome(outcome, index)
-        return Checkpoint._from_backend(storage.backend, final)
+        # Rank 0 registers the marker it wrote, without reading it back.
+        written, self._written = self._written, None
+        return Checkpoint._from_backend(storage.backend, final, written)
 
     def _write_part(self, index: int, checkpoint: Checkpoint | None, target: str,
                     own_error: BaseException | None) -> BaseException | None:
@@ -408,11 +412,11 @@ class Coordinator:
             meta["world_size"] = self.world_size
             meta["attempt_id"] = self.attempt_id
             if in_place:
-                storage.commit_in_place(index, meta)
+                self._written = dict(written_metadata(storage.commit_in_place(index, meta)))
             else:
                 meta["ranks"] = merged.ranks
-                storage.commit_protocol.finalize(target, final, meta, merged.manifest,
-                                                 self.attempt_id)
+                self._written = storage.commit_protocol.finalize(
+                    target, final, meta, merged.manifest, self.attempt_id)
         except Exception as exc:
             return self._abort(dir_name, exc, "error", [], None), exc
         # Markers go only after the commit: until then they are what tells

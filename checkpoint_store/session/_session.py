@@ -12,13 +12,20 @@ from typing import Any
 from checkpoint_store import _fsutil, _json
 from checkpoint_store._async import AsyncUploader, UploadConfig, first_error
 from checkpoint_store._layout import checkpoint_dir_name
+from checkpoint_store._manifest import read_internal_metadata
 from checkpoint_store._results import (
     ResultLog,
     finish_before_exit_flush,
     last_result_rows,
 )
+from checkpoint_store._runs import new_writer_id
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
-from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError, TrialStopped
+from checkpoint_store.errors import (
+    AmbiguousCommitError,
+    CheckpointStoreError,
+    InvalidConfigError,
+    TrialStopped,
+)
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
 from checkpoint_store.retention.restore import Listing
 from checkpoint_store.session._args import (
@@ -108,6 +115,12 @@ class Session:
         self._uploader: AsyncUploader | None = None
         # The index next_checkpoint_dir() reserved (created and claimed), if any.
         self._reserved: int | None = None
+        # One writer id for every commit of this session: a claim or a marker
+        # an earlier report left is then recognisably this session's own.
+        self._writer_id = new_writer_id(storage.run_id)
+        # Indexes whose commit may have landed (AmbiguousCommitError), with
+        # their rows: never reused, settled by the next report.
+        self._unsettled: list[tuple[int, dict[str, Any]]] = []
         # Set by a TrialRunner: called at the start and the end of report().
         self._runner_hook: Any = None
         self._coordinator: Coordinator | None = None
@@ -325,6 +338,14 @@ class Session:
             CheckpointConflictError: two ranks wrote the same file (names both).
             CheckpointAbortedError: another rank failed; nothing is committed.
             RankTimeoutError: some rank did not finish within ``sync_timeout_s``.
+            AmbiguousCommitError: storage failed while the commit marker was
+                written, and reading it back failed too: the checkpoint may be
+                committed. Its row is recorded; the next report uses the next
+                index and first settles this one (registered with retention
+                if committed). Any other error: nothing was committed, and the
+                next report uses the same index.
+            TransientBackendError, PermanentBackendError: storage failed
+                before the commit; nothing was committed.
             CheckpointStoreError: the session has ended.
             TrialStopped: the trial runner of this session was stopped or paused.
         """
@@ -391,13 +412,49 @@ class Session:
     def _commit(self, source: Checkpoint, index: int, internal: Mapping[str, Any],
                 row: Mapping[str, Any]) -> Checkpoint:
         """Upload and commit ``source`` as ``checkpoint_<index>``, then record it.
-        Runs on the reporting thread (sync) or the upload thread (async)."""
-        if self._in_place(source, index):
-            persisted = self.storage.commit_in_place(index, internal)
-        else:
-            persisted = self.storage.persist_checkpoint(source, index, internal)
+        Runs on the upload thread (async), whose caller already moved past ``index``."""
+        persisted = self._persist(source, index, internal, row)
         self._record_commit(persisted, row)
         return persisted
+
+    def _persist(self, source: Checkpoint, index: int, internal: Mapping[str, Any],
+                 row: Mapping[str, Any]) -> Checkpoint:
+        """Upload and commit ``source`` as ``checkpoint_<index>``.
+
+        Raises:
+            AmbiguousCommitError: it may be committed; ``index`` is remembered
+                for :meth:`_settle` and must not be used again.
+            Any other error of the commit: nothing was committed.
+        """
+        try:
+            if self._in_place(source, index):
+                return self.storage.commit_in_place(index, internal)
+            return self.storage.persist_checkpoint(source, index, internal,
+                                                   writer_id=self._writer_id)
+        except AmbiguousCommitError:
+            self._unsettled.append((index, dict(row)))
+            raise
+
+    def _settle(self) -> None:
+        """Settle the indexes whose commit may have landed: a marker of this
+        session's writer there is registered with retention; anything else is
+        left for cleanup. An index that still cannot be read stays unsettled;
+        none is ever reused. Never raises."""
+        for index, row in list(self._unsettled):
+            path = self.storage.checkpoint_path(index)
+            try:
+                meta = read_internal_metadata(self.storage.filesystem, path,
+                                              retry=self.storage.retry)
+                self._unsettled.remove((index, row))
+                if meta is None or meta.get("writer_id") != self._writer_id:
+                    _logger.warning("%s was not committed (its report failed)",
+                                    self.storage.uri(path))
+                    continue
+                self._record_commit(Checkpoint._from_backend(self.storage.backend, path, meta),
+                                    row)
+            except Exception as exc:  # settled at the next report, or by cleanup
+                _logger.warning("could not settle whether %s was committed: %s",
+                                self.storage.uri(path), exc)
 
     def _record_commit(self, persisted: Checkpoint, row: Mapping[str, Any]) -> None:
         self._latest = persisted
@@ -416,16 +473,31 @@ class Session:
             row = self._prepare_row(metrics, checkpoint, validate_score=True)
             persisted = None
             if checkpoint is not None:
+                self._settle()
                 index = self._next_index
-                persisted = self._commit(checkpoint, index,
-                                         self._checkpoint_internal(row, index), row)
+                internal = self._checkpoint_internal(row, index)
+                try:
+                    persisted = self._persist(checkpoint, index, internal, row)
+                except AmbiguousCommitError:
+                    # It may be committed: its row is kept (it names the
+                    # directory), the next report settles it and moves on.
+                    self._next_index = index + 1
+                    self._accept_row(row)
+                    self._append_row(row, flush=False)
+                    raise
+                # Committed: from here on nothing may hand this index out again.
                 self._next_index = index + 1
+                self._record_commit(persisted, row)
             self._accept_row(row)
-            assert self._results is not None
-            self._results.append(row)
-            if checkpoint is not None:
-                self._results.flush()  # a checkpoint's row is on storage with it
+            # A checkpoint's row is on storage with it.
+            self._append_row(row, flush=checkpoint is not None)
             return row, persisted
+
+    def _append_row(self, row: Mapping[str, Any], *, flush: bool) -> None:
+        assert self._results is not None
+        self._results.append(row)
+        if flush:
+            self._results.flush()
 
     def _report_multirank(
         self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None
@@ -560,6 +632,9 @@ class Session:
         first_close = not self._closed
         # Queued uploads finish before retention's lease is released.
         upload_errors = self._drain_uploads(wait=first_close)
+        if first_close:
+            with self._lock:
+                self._settle()
         self._closed = True
         results_error: Exception | None = None
         try:
