@@ -397,6 +397,8 @@ class RenameCommit(CommitProtocol):
             meta = self._write_contents(contents, staging, internal)
             self._settled_move(staging, dest_dir, writer_id, meta)
             return meta
+        except AmbiguousCommitError:
+            raise  # perhaps committed: nothing of it may go
         except Exception:
             _cleanup_quietly(lambda: _fsutil.delete_dir(self.fs, staging, retry=self.retry))
             raise
@@ -496,6 +498,8 @@ class MarkerLastCommit(CommitProtocol):
                 _warn_replacing(self.dest, dest_dir, stale)
             self._delete_files(dest_dir, stale)
             meta = self._write_contents(contents, dest_dir, internal)
+        except AmbiguousCommitError:
+            raise  # perhaps committed: nothing of it may go
         except Exception:
             _cleanup_quietly(lambda: self._undo(dest_dir, claim_path))
             raise

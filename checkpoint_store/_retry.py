@@ -22,6 +22,16 @@ filesystem whose credentials expired). Errors fall into three kinds:
   and other permanent storage errors become
   :class:`~checkpoint_store.errors.PermanentBackendError`.
 
+A call is not retried once it has been failing for ``RetryPolicy.max_elapsed``
+seconds (default 60): a store that stopped answering makes each try last as
+long as the client's timeouts allow (the S3 plugin: three engine attempts
+of up to 20 s each), so a fixed number of tries alone does not bound the
+wait. Such a call also opens a breaker: for the next ``max_elapsed``
+seconds, or until a call already in flight succeeds, every new call fails
+at once with :class:`~checkpoint_store.errors.TransientBackendError`. A
+report whose store stalls thus fails within about two minutes, cleanup after
+it included, and ending the session takes no longer.
+
 The default policy comes from ``CHECKPOINT_STORE_RETRY_ATTEMPTS`` (default 3)
 and ``CHECKPOINT_STORE_RETRY_MAX_DELAY`` (seconds, default 5) so a launcher
 can tune it without code; :class:`~checkpoint_store.StorageContext` takes an
@@ -78,6 +88,8 @@ class RetryPolicy:
         base_delay: seconds before the second try; doubled for each further
             try (>= 0).
         max_delay: upper bound in seconds of any single sleep (>= 0).
+        max_elapsed: seconds after the first try of a call after which no
+            retry starts (> 0; default 60); see the module docstring.
 
     Raises:
         InvalidConfigError: a value out of range.
@@ -90,6 +102,7 @@ class RetryPolicy:
     attempts: int = 3
     base_delay: float = 0.05
     max_delay: float = 5.0
+    max_elapsed: float = 60.0
 
     def __post_init__(self) -> None:
         if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or (
@@ -100,6 +113,9 @@ class RetryPolicy:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise InvalidConfigError(f"retry {name} must be a number >= 0 seconds, got {v!r}")
+        v = self.max_elapsed
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise InvalidConfigError(f"retry max_elapsed must be a number > 0 seconds, got {v!r}")
 
     def delay(self, retry_number: int, rng: random.Random | None = None) -> float:
         """Seconds to sleep before retry ``retry_number`` (0 for the first retry)."""
@@ -175,6 +191,28 @@ def classify(exc: BaseException) -> RetryKind:
 
 
 _rebuild_lock = threading.Lock()
+
+
+class _Breaker:
+    """Opened by a call that kept failing for ``max_elapsed`` seconds (the
+    store stopped answering), so that the calls after it (cleanup, the end
+    of the session) fail at once instead of waiting as long each; closed by
+    any call that succeeds, or when its time is up."""
+
+    def __init__(self) -> None:
+        self.open_until = 0.0
+
+    def is_open(self) -> bool:
+        return time.monotonic() < self.open_until
+
+    def open(self, seconds: float) -> None:
+        self.open_until = time.monotonic() + seconds
+
+    def close(self) -> None:
+        self.open_until = 0.0
+
+
+_breaker = _Breaker()
 
 
 #: How a full disk or a used-up quota reads where a client keeps only the
@@ -285,10 +323,19 @@ def _run(
     policy = policy or RetryPolicy.from_env()
     rebuilt = False
     retry_number = 0
+    started = time.monotonic()
+    if _breaker.is_open():
+        raise TransientBackendError(
+            f"{what} not tried: the storage stopped answering (a call kept failing for "
+            f"{policy.max_elapsed:.0f}s); calls fail at once until one succeeds or "
+            f"{policy.max_elapsed:.0f}s pass"
+        )
     while True:
         fs = backend.filesystem if backend is not None else None
         try:
-            return fn(fs)  # type: ignore[arg-type]
+            result = fn(fs)  # type: ignore[arg-type]
+            _breaker.close()
+            return result
         except BaseException as exc:
             kind = classify(exc)
             if kind == "expired":
@@ -306,6 +353,14 @@ def _run(
                 if typed is exc:
                     raise
                 raise typed from exc
+            elapsed = time.monotonic() - started
+            if elapsed >= policy.max_elapsed:
+                _breaker.open(policy.max_elapsed)
+                raise TransientBackendError(
+                    f"{what} still failing after {elapsed:.0f}s ({retry_number + 1} "
+                    f"attempt(s)): {exc}. The storage stopped answering; retry later, or "
+                    "raise the backend's request_timeout if it is only slow."
+                ) from exc
             if retry_number + 1 >= policy.attempts:
                 raise TransientBackendError(
                     f"{what} still failing after {policy.attempts} attempts: {exc}. The "

@@ -145,7 +145,7 @@ class FaultRelay:
         while self._running():
             try:
                 client, _ = self._listener.accept()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -242,6 +242,10 @@ class _Pipe:
         return True
 
     def _from_upstream(self, data: bytes) -> bool:
+        if data.startswith(b"HTTP/1.1 100 "):
+            # An interim "100 Continue": the request's body is still to come.
+            self.client.sendall(data)
+            return True
         self.answered = True
         if self.pending == "lose_answer":
             return False

@@ -30,7 +30,14 @@ option                meaning                                     environment
 ``anonymous``         no credentials (public buckets)
 ``request_timeout``   seconds a request may wait for the server's
                       next byte (default :data:`REQUEST_TIMEOUT_S`)
+``connect_timeout``   seconds to open a connection (default
+                      :data:`CONNECT_TIMEOUT_S`)
 ===================== =========================================== ===========================
+
+Both timeouts must be numbers > 0 (else :class:`InvalidConfigError`). Each
+engine tries a request :data:`ENGINE_ATTEMPTS` times, so a store that stops
+answering fails a storage call after about a minute; checkpoint-store's own
+retry policy then stops retrying (``RetryPolicy.max_elapsed``).
 
 Any other option is passed to the engine's constructor unchanged
 (``pyarrow.fs.S3FileSystem`` or ``s3fs.S3FileSystem``). A string given for
@@ -57,21 +64,34 @@ from checkpoint_store.backends.base import Backend, Capabilities, bool_option, t
 from checkpoint_store.backends.handlers import MarkerFreeDeletesHandler, wrap_fsspec
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
-__all__ = ["OPTION_TYPES", "REQUEST_TIMEOUT_S", "S3_CAPABILITIES", "MarkerFreeS3Handler",
-           "s3_backend"]
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "ENGINE_ATTEMPTS",
+    "OPTION_TYPES",
+    "REQUEST_TIMEOUT_S",
+    "S3_CAPABILITIES",
+    "MarkerFreeS3Handler",
+    "s3_backend",
+]
 
 #: Seconds a request may wait for the server's next byte before the client
-#: gives up and sends it again (botocore's own default). The engines' defaults
-#: are shorter than a store may take to answer CompleteMultipartUpload, which
-#: sends nothing until the object is assembled: pyarrow's AWS SDK gives up
-#: after 3 s without a byte (curl's low-speed limit, Linux included), s3fs
-#: after 15 s. The request sent again then races the first one still running:
-#: moto 5.2 answers 500 (INTERNAL_FAILURE: the first one closed the parts the
-#: second is reading), or NoSuchUpload once the first has finished; either way
-#: the upload fails. Real S3 keeps a slow CompleteMultipartUpload alive with
-#: whitespace, so a longer wait costs nothing there but a dead connection's
-#: detection time.
-REQUEST_TIMEOUT_S = 60.0
+#: gives up and sends it again. The engines' defaults are shorter than a
+#: store may take to answer CompleteMultipartUpload, which sends nothing
+#: until the object is assembled: pyarrow's AWS SDK gives up after 3 s
+#: without a byte (curl's low-speed limit, Linux included), s3fs after 15 s.
+#: The request sent again then races the first one still running: moto 5.2
+#: answers 500 (INTERNAL_FAILURE: the first one closed the parts the second
+#: is reading), or NoSuchUpload once the first has finished; either way the
+#: upload fails. Real S3 keeps a slow CompleteMultipartUpload alive with
+#: whitespace. Longer (botocore's 60 s) would let a store that stopped
+#: answering hold each storage call for ENGINE_ATTEMPTS minutes.
+REQUEST_TIMEOUT_S = 20.0
+#: Seconds to open a connection (both engines).
+CONNECT_TIMEOUT_S = 10.0
+#: Tries per request inside the engine (pyarrow's AWS SDK, botocore), before
+#: checkpoint-store's own retries (botocore's legacy mode would make 5).
+ENGINE_ATTEMPTS = 3
+_TIMEOUTS = ("request_timeout", "connect_timeout")
 
 # Each ranged GET is a full request (and against some servers a re-read of the
 # object), so large chunks: 64 MiB reads were 30x faster than pyarrow's 1 MiB
@@ -155,6 +175,9 @@ def _normalise(storage_options: Mapping[str, Any]) -> tuple[dict[str, Any], dict
             extra[key] = value
     if "anonymous" in ours:
         ours["anonymous"] = bool_option("anonymous", ours["anonymous"])
+    for name in _TIMEOUTS:
+        if name in extra:
+            extra[name] = _check_timeout(name, extra[name])
     env = os.environ
     ours.setdefault("endpoint_url", env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"))
     ours.setdefault("region", env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"))
@@ -169,6 +192,21 @@ def _normalise(storage_options: Mapping[str, Any]) -> tuple[dict[str, Any], dict
             "to use the AWS default chain: AWS_* variables, ~/.aws, instance role)"
         )
     return ours, extra
+
+
+def _check_timeout(name: str, value: Any) -> float:
+    """``value`` as seconds > 0.
+
+    Raises:
+        InvalidConfigError: not a number, or not > 0 (0 would mean "no limit"
+            to one engine and "fail at once" to the other).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+        raise InvalidConfigError(
+            f"S3 storage option {name}={value!r} must be a number of seconds > 0 "
+            f"(default {REQUEST_TIMEOUT_S if name == 'request_timeout' else CONNECT_TIMEOUT_S:g})"
+        )
+    return float(value)
 
 
 def _split_endpoint(endpoint_url: str) -> tuple[str, str]:
@@ -243,6 +281,8 @@ def _build_pyarrow(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.Fi
     # (2.4x faster for 100-byte files against moto); errors surface at close.
     kwargs["allow_delayed_open"] = True
     kwargs["request_timeout"] = REQUEST_TIMEOUT_S
+    kwargs["connect_timeout"] = CONNECT_TIMEOUT_S
+    kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=ENGINE_ATTEMPTS)
     kwargs.update(extra)
     try:
         native = cls(**kwargs)
@@ -263,7 +303,7 @@ def _build_pyarrow(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.Fi
         return native
     try:
         # The same patience as the reads and writes (see REQUEST_TIMEOUT_S).
-        deleter = _s3fs_instance(ours, {k: v for k, v in extra.items() if k == "request_timeout"})
+        deleter = _s3fs_instance(ours, {k: v for k, v in extra.items() if k in _TIMEOUTS})
     except BackendUnavailableError:
         return native
     return pafs.PyFileSystem(MarkerFreeS3Handler(native, deleter))
@@ -289,6 +329,8 @@ def _s3fs_instance(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
     client_kwargs = dict(extra.get("client_kwargs") or {})
     config_kwargs = dict(extra.get("config_kwargs") or {})
     config_kwargs.setdefault("read_timeout", extra.get("request_timeout", REQUEST_TIMEOUT_S))
+    config_kwargs.setdefault("connect_timeout", extra.get("connect_timeout", CONNECT_TIMEOUT_S))
+    config_kwargs.setdefault("retries", {"max_attempts": ENGINE_ATTEMPTS, "mode": "standard"})
     kwargs["config_kwargs"] = config_kwargs
     if ours.get("region"):
         client_kwargs.setdefault("region_name", ours["region"])
@@ -302,7 +344,7 @@ def _s3fs_instance(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
     if ours.get("anonymous"):
         kwargs["anon"] = True
     kwargs.update({k: v for k, v in extra.items()
-                   if k not in ("client_kwargs", "config_kwargs", "request_timeout")})
+                   if k not in ("client_kwargs", "config_kwargs", *_TIMEOUTS)})
     try:
         fs = s3fs.S3FileSystem(**kwargs)
     except TypeError as exc:
