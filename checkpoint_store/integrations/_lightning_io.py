@@ -42,7 +42,7 @@ from checkpoint_store.integrations._lightning_state import (
     STATE_FILE,
     _checkpoint_metrics,
     _stream_state,
-    verified_state,
+    verified,
 )
 from checkpoint_store.registry import resolve
 
@@ -113,8 +113,15 @@ class _StoreIO:
         self.fsync = fsync
         self.retry = retry
         #: Written into each checkpoint's internal metadata; removes refuse any
-        #: checkpoint with another run id (one this run did not write).
+        #: checkpoint of another run. A load of a checkpoint this plugin class
+        #: wrote (a resume) continues that checkpoint's run (:meth:`_continue`).
         self.run_id = uuid.uuid4().hex[:16]
+        # Every run id this run answers to: its own, and those it continued.
+        self._runs = {self.run_id}
+        self._saved = False
+        # URIs of the checkpoints loaded (the one fit() resumed from): kept, as
+        # Lightning keeps the resumed-from checkpoint on local disks.
+        self._resumed_from: set[str] = set()
         self._locate = _Locator(storage_options, storage_filesystem)
         self._root: str | None = None
         if root is not None:
@@ -174,6 +181,7 @@ class _StoreIO:
         uri = backend.uri_for(fs_path)
         if self._root is None:
             self._root = backend.uri_for(posixpath.dirname(fs_path))
+        self._saved = True
         queue = self._queue_or_none()
         if queue is None:
             self._save(checkpoint, backend, fs_path)
@@ -300,9 +308,29 @@ class _StoreIO:
         if self._queue is not None:
             self._queue.wait(backend.uri_for(fs_path))
             self._raise_pending_error()
-        state = verified_state(backend, fs_path, retry=self.retry)
-        return torch.load(state if isinstance(state, str) else io.BytesIO(state),
-                          map_location=map_location, weights_only=weights_only, **kwargs)
+        state, meta = verified(backend, fs_path, retry=self.retry)
+        loaded = torch.load(state if isinstance(state, str) else io.BytesIO(state),
+                            map_location=map_location, weights_only=weights_only, **kwargs)
+        self._continue(backend.uri_for(fs_path), meta)
+        return loaded
+
+    def _continue(self, uri: str, meta: Mapping[str, Any] | None) -> None:
+        """After a load of ``uri``, a checkpoint this plugin class wrote: this
+        run continues that checkpoint's run. ``fit(ckpt_path=...)`` restores
+        ``ModelCheckpoint``'s top-K from it, so the checkpoints of the run
+        resumed through are this run's to evict, all but ``uri`` itself when
+        loaded before the first save, which Lightning promises to keep (on
+        local disks it never asks to remove it); a checkpoint of a run never resumed through stays
+        protected. Before the first save the run takes that run id on, so a
+        later resume from any of its checkpoints continues the same run
+        again, however many restarts there were."""
+        run_id = (meta or {}).get("run_id")
+        if not isinstance(run_id, str) or "lightning" not in (meta or {}):
+            return
+        self._runs.add(run_id)
+        if not self._saved:  # a restart; later loads read what this run wrote
+            self._resumed_from.add(uri)
+            self.run_id = run_id
 
     # -- remove -----------------------------------------------------------------------
 
@@ -321,6 +349,10 @@ class _StoreIO:
             _refuse(f"not removing {uri}: it is outside this run's checkpoint directory "
                     f"{self._root}")
             return
+        if uri in self._resumed_from:
+            _refuse(f"not removing {uri}: this run resumed from it (Lightning keeps the "
+                    "checkpoint given to fit(ckpt_path=...)); delete it yourself if unneeded")
+            return
         fs = backend.filesystem
         holder = current_dir(backend, fs_path, self.retry)
         kind = _fsutil.info(fs, holder, retry=self.retry).type
@@ -329,9 +361,10 @@ class _StoreIO:
         insp = inspect_checkpoint(fs, holder, retry=self.retry) \
             if kind == pafs.FileType.Directory else None
         run_id = (insp.meta or {}).get("run_id") if insp is not None else None
-        if insp is None or insp.state != "committed" or run_id != self.run_id:
-            _refuse(f"not removing {uri}: this run did not write it (it may be the checkpoint "
-                    "the run resumed from, or another run's); delete it yourself if unneeded")
+        if insp is None or insp.state != "committed" or run_id not in self._runs:
+            _refuse(f"not removing {uri}: this run did not write it (another run's, one this "
+                    "run did not resume through, or no checkpoint of this plugin); delete it "
+                    "yourself if unneeded")
             return
         writer = new_writer_id(self.run_id)
         # Uncommits first: an interrupted delete never leaves a listed checkpoint.

@@ -36,6 +36,7 @@ __all__ = [
     "_checkpoint_metrics",
     "_stream_state",
     "_to_float",
+    "verified",
     "verified_state",
 ]
 
@@ -133,15 +134,23 @@ def _checkpoint_metrics(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
 
 def verified_state(backend: Backend, fs_path: str, *, retry: RetryPolicy | None = None,
                    keep: bool = True) -> str | bytes:
+    """:func:`verified`'s state alone."""
+    return verified(backend, fs_path, retry=retry, keep=keep)[0]
+
+
+def verified(backend: Backend, fs_path: str, *, retry: RetryPolicy | None = None,
+             keep: bool = True) -> tuple[str | bytes, Mapping[str, Any] | None]:
     """The state of a committed checkpoint directory (every file checked
     against its manifest) or of a plain legacy ``.ckpt`` file (unchecked).
     ``fs_path`` is a Lightning path: one a re-save replaced is followed to
     the directory holding its checkpoint (:func:`._lightning_replace.current_dir`).
 
     Returns:
-        On the local disk, the state file's OS path (checked by one streaming
-        read; ``torch.load`` reads it again, from the page cache). Elsewhere
-        its bytes, checked as they arrived (``b""`` unless ``keep``).
+        ``(state, internal metadata)``: the state is, on the local disk, the
+        state file's OS path (checked by one streaming read; ``torch.load``
+        reads it again, from the page cache), elsewhere its bytes, checked as
+        they arrived (``b""`` unless ``keep``); the metadata is None for a
+        legacy file.
 
     Raises:
         CheckpointNotFoundError: nothing at the path, or a directory that is not
@@ -159,8 +168,8 @@ def verified_state(backend: Backend, fs_path: str, *, retry: RetryPolicy | None 
     if kind == pafs.FileType.File:
         local = _fsutil.local_path(fs, fs_path)
         if local is not None:
-            return local
-        return read_with_crc(fs, fs_path, keep=keep, retry=retry)[2]
+            return local, None
+        return read_with_crc(fs, fs_path, keep=keep, retry=retry)[2], None
     insp = inspect_checkpoint(fs, fs_path, retry=retry)
     if insp.state == "invalid":
         raise CheckpointCorruptError(f"checkpoint {uri} is corrupt: {insp.reason}",
@@ -183,4 +192,4 @@ def verified_state(backend: Backend, fs_path: str, *, retry: RetryPolicy | None 
         verify_files(fs, fs_path, others, retry=retry)
     local = _fsutil.local_path(fs, posixpath.join(fs_path, state_file))
     data = read_checked(fs, fs_path, entry, keep=keep and local is None, retry=retry)
-    return local if local is not None else data
+    return (local if local is not None else data), insp.meta

@@ -5,8 +5,9 @@ Two ways to plug in (``pip install 'checkpoint-store[lightning]'``):
 * :class:`CheckpointStoreIO`, a ``CheckpointIO`` plugin, with Lightning's own
   ``ModelCheckpoint`` (which owns top-K). Each ``.ckpt`` path names a committed
   checkpoint directory on any backend; loads verify; removes never touch
-  what this run did not write. :func:`resume_path` gives ``fit(ckpt_path=...)``
-  the newest (or best) complete checkpoint.
+  what this run did not write (a run resumed from a checkpoint is that
+  checkpoint's run). :func:`resume_path` gives ``fit(ckpt_path=...)`` the
+  newest (or best) complete checkpoint.
 * :class:`ReportCheckpointCallback` with ``enable_checkpointing=False``: each
   validation is a ``report()`` to a session, so our retention, ``result.json``
   and resume apply.
@@ -79,10 +80,14 @@ class CheckpointStoreIO(_StoreIO, _CheckpointIO):
       ``FileNotFoundError``) for nothing there or an uncommitted directory,
       :class:`~checkpoint_store.CheckpointCorruptError` for a mismatch.
     * ``remove_checkpoint(path)``: uncommits, then deletes. Refuses (a
-      ``RuntimeWarning``, the checkpoint kept) anything outside :attr:`root`
-      and anything this run did not write (another run's, the one it resumed
-      from, a plain file): Lightning's ``ModelCheckpoint`` deletes those on
-      remote filesystems (Lightning #21813).
+      ``RuntimeWarning``, the checkpoint kept) anything outside :attr:`root`,
+      the checkpoint this run resumed from (Lightning keeps it on local disks
+      and deletes it on remote ones, Lightning #21813), and anything this run
+      did not write (another run's, a plain file). A run that loaded a
+      checkpoint of this plugin (``fit(ckpt_path=...)``) continues that
+      checkpoint's run: the checkpoints written before the restart are its
+      own, so ``ModelCheckpoint``'s top-K holds on storage after any number
+      of restarts.
 
     Lightning's ``ModelCheckpoint`` owns top-K; this plugin never evicts on its own.
 
@@ -110,7 +115,9 @@ class CheckpointStoreIO(_StoreIO, _CheckpointIO):
 
     Attributes:
         run_id: recorded in each checkpoint this plugin writes; what "written
-            by this run" means.
+            by this run" means. A new id per plugin; a load of a checkpoint
+            this plugin class wrote, before the first save, takes that
+            checkpoint's run id on (the resumed run is the same run).
 
     Raises:
         InvalidConfigError: a bad argument; ``storage_options`` passed to

@@ -49,6 +49,9 @@ class _TinyBody:
     """A 4->1 linear model logging a fixed val_loss per epoch (no LightningModule
     base, so the old ``pytorch_lightning`` name can use it too)."""
 
+    #: val_loss by epoch (cycled).
+    losses = VAL_LOSS
+
     def __init__(self) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(4, 1)
@@ -58,7 +61,7 @@ class _TinyBody:
         return torch.nn.functional.mse_loss(self.layer(x), y)
 
     def validation_step(self, batch, batch_idx):
-        self.log("val_loss", VAL_LOSS[self.current_epoch % len(VAL_LOSS)])
+        self.log("val_loss", self.losses[self.current_epoch % len(self.losses)])
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -77,6 +80,12 @@ class _TinyBody:
 
 class Tiny(_TinyBody, L.LightningModule):
     pass
+
+
+class Improving(Tiny):
+    """val_loss falls every epoch: the best K are always the newest K."""
+
+    losses = [1.0 / (epoch + 1) for epoch in range(20)]
 
 
 def memory_fs(**faults):
@@ -109,6 +118,18 @@ def committed(backend, dirpath: str) -> dict[str, dict]:
             insp = inspect_checkpoint(fs, fi.path)
             if insp.state == "committed":
                 out[fi.base_name] = insp.meta
+    return out
+
+
+def held(backend, dirpath: str) -> set[str]:
+    """Names of the Lightning paths in ``dirpath`` that hold a committed
+    checkpoint, a replaced one (``last.ckpt``) followed to its pointer."""
+    out = set()
+    for fi in backend.filesystem.get_file_info(pafs.FileSelector(dirpath)):
+        if fi.type == pafs.FileType.Directory and not fi.base_name.startswith("."):
+            if inspect_checkpoint(backend.filesystem,
+                                  current_dir(backend, fi.path)).state == "committed":
+                out.add(fi.base_name)
     return out
 
 
@@ -153,15 +174,17 @@ def test_model_checkpoint_top2_local_and_resume(tmp_path):
     newest = resume_path(dirpath)
     assert best == newest == os.path.join(dirpath, "epoch=3-step=8.ckpt")
     io2 = CheckpointStoreIO()
-    t2 = trainer(tmp_path, max_epochs=5, plugins=[io2],
-                 callbacks=[ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=2)])
-    with pytest.warns(RuntimeWarning, match="did not write"):
+    mc2 = ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=2)
+    t2 = trainer(tmp_path, max_epochs=5, plugins=[io2], callbacks=[mc2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
         t2.fit(Tiny(), ckpt_path=best)
     assert t2.global_step == 10  # continued from step 8, not restarted
-    # Epoch 4 (0.15) enters the top 2 and ModelCheckpoint asks to remove epoch 1
-    # (0.2), which the earlier run wrote: refused (Lightning #21813).
-    assert set(committed(backend, root)) == {"epoch=1-step=4.ckpt", "epoch=3-step=8.ckpt",
-                                             "epoch=4-step=10.ckpt"}
+    # Epoch 4 (0.15) enters the top 2 and ModelCheckpoint evicts epoch 1 (0.2),
+    # which the process before wrote: the resumed run is the same run.
+    assert io2.run_id == io.run_id
+    assert set(committed(backend, root)) == basenames(mc2.best_k_models) == {
+        "epoch=3-step=8.ckpt", "epoch=4-step=10.ckpt"}
 
 
 def found_metrics(backend, root):
@@ -179,6 +202,141 @@ def test_model_checkpoint_top2_s3(tmp_path, s3_bucket, s3_storage_options, s3_en
     assert best == f"{dirpath}/epoch=3-step=8.ckpt"
     state = CheckpointStoreIO(storage_options=s3_storage_options).load_checkpoint(best)
     assert state["global_step"] == 8
+
+
+# -- restarts: a resumed run is the same run ------------------------------------------------
+
+
+def _top2_min(dirpath: str, **kw) -> ModelCheckpoint:
+    return ModelCheckpoint(dirpath=dirpath, monitor="val_loss", mode="min", save_top_k=2, **kw)
+
+
+def _no_refusals():
+    """Fails the test on a refused remove of a checkpoint the run resumed through."""
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.filterwarnings("error", "not removing .*did not write", RuntimeWarning)
+    return ctx
+
+
+def _fit_3_then_6(tmp_path, dirpath: str, options) -> tuple[ModelCheckpoint, str]:
+    t1 = trainer(tmp_path, max_epochs=3, plugins=[CheckpointStoreIO(storage_options=options)],
+                 callbacks=[_top2_min(dirpath)])
+    t1.fit(Improving())
+    ckpt = resume_path(dirpath, storage_options=options)
+    mc = _top2_min(dirpath)
+    t2 = trainer(tmp_path, max_epochs=6, plugins=[CheckpointStoreIO(storage_options=options)],
+                 callbacks=[mc])
+    ctx = _no_refusals()
+    try:
+        t2.fit(Improving(), ckpt_path=ckpt)
+    finally:
+        ctx.__exit__(None, None, None)
+    assert t2.global_step == 12
+    return mc, ckpt
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_resumed_fit_keeps_model_checkpoint_top_k_on_storage(tmp_path, where, request):
+    """Fit 3 epochs, then a new process (new plugin) resumes to 6 from epoch
+    2: storage holds ModelCheckpoint's top 2 (epochs 4 and 5) and the
+    checkpoint fit resumed from, which Lightning keeps (on local disks it
+    never asks to remove it), not also epoch 1, whose remove was refused
+    because the earlier process wrote it."""
+    if where == "local":
+        dirpath, options = str(tmp_path / "ckpts"), None
+    else:
+        pytest.importorskip("s3fs")
+        request.getfixturevalue("s3_env")  # Lightning's own fsspec lists the dirpath
+        dirpath = f"s3://{request.getfixturevalue('s3_bucket')}/run/ckpts"
+        options = request.getfixturevalue("s3_storage_options")
+    mc, ckpt = _fit_3_then_6(tmp_path, dirpath, options)
+    assert ckpt.endswith("epoch=2-step=6.ckpt")
+    backend, root = resolve(dirpath, storage_options=options)
+    assert basenames(mc.best_k_models) == {"epoch=4-step=10.ckpt", "epoch=5-step=12.ckpt"}
+    assert set(committed(backend, root)) == basenames(mc.best_k_models) | {
+        "epoch=2-step=6.ckpt"}
+    # Evicted ones are gone, not only uncommitted; one run id throughout.
+    names = {posixpath.basename(fi.path) for fi in _fsutil_list(backend, root)}
+    assert names & {f"epoch={e}-step={2 * e + 2}.ckpt" for e in (0, 1, 3)} == set()
+    assert len({m["run_id"] for m in committed(backend, root).values()}) == 1
+
+
+def _fsutil_list(backend, root):
+    return backend.filesystem.get_file_info(pafs.FileSelector(root, recursive=False))
+
+
+class _KillAt(L.Callback):
+    """Ends fit with an error after epoch ``epoch``'s checkpoints are saved,
+    as a preemption would."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch == self.epoch:
+            raise SimulatedCrash(f"killed after epoch {self.epoch}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True])
+def test_kill_resume_cycles_keep_top_k_and_last(tmp_path, async_save):
+    """10 epochs in 5 processes (killed after epochs 1, 3, 5, 7): storage ends
+    with ModelCheckpoint's top 2 and last.ckpt, as one uninterrupted fit
+    leaves, instead of all 10 epochs."""
+    dirpath = str(tmp_path / "ckpts")
+    kills = [1, 3, 5, 7]
+    mc = None
+    for cycle in range(len(kills) + 1):
+        mc = _top2_min(dirpath, save_last=True)
+        cbs = [mc] + ([_KillAt(kills[cycle])] if cycle < len(kills) else [])
+        t = trainer(tmp_path, max_epochs=10, callbacks=cbs,
+                    plugins=[CheckpointStoreIO(async_save=async_save)])
+        ctx = _no_refusals()
+        try:
+            if cycle < len(kills):
+                with pytest.raises(SimulatedCrash):
+                    t.fit(Improving(), ckpt_path=resume_path(dirpath))
+            else:
+                t.fit(Improving(), ckpt_path=resume_path(dirpath))
+        finally:
+            ctx.__exit__(None, None, None)
+    assert t.global_step == 20
+    backend, root = resolve(dirpath)
+    assert held(backend, root) == basenames(mc.best_k_models) | {"last.ckpt"} == {
+        "epoch=8-step=18.ckpt", "epoch=9-step=20.ckpt", "last.ckpt"}
+
+
+def test_resume_owns_only_the_run_it_resumed_through(tmp_path):
+    """A plugin that loaded run A's checkpoint (a resume) may remove A's
+    checkpoints; a checkpoint of run C in the same directory, never resumed
+    through, stays, as does everything for a plugin that resumed nothing."""
+    ck = tmp_path / "ck"
+    run_a, run_c = CheckpointStoreIO(), CheckpointStoreIO()
+    run_a.save_checkpoint({"global_step": 1}, str(ck / "a1.ckpt"))
+    run_a.save_checkpoint({"global_step": 2}, str(ck / "a2.ckpt"))
+    run_c.save_checkpoint({"global_step": 1}, str(ck / "c1.ckpt"))
+    fresh = CheckpointStoreIO()
+    fresh.save_checkpoint({"global_step": 3}, str(ck / "f3.ckpt"))
+    with pytest.warns(RuntimeWarning, match="did not write"):
+        fresh.remove_checkpoint(str(ck / "a1.ckpt"))
+
+    resumed = CheckpointStoreIO()
+    assert resumed.load_checkpoint(str(ck / "a2.ckpt"))["global_step"] == 2
+    assert resumed.run_id == run_a.run_id
+    resumed.save_checkpoint({"global_step": 3}, str(ck / "a3.ckpt"))
+    resumed.remove_checkpoint(str(ck / "a1.ckpt"))
+    with pytest.warns(RuntimeWarning, match="did not write"):
+        resumed.remove_checkpoint(str(ck / "c1.ckpt"))
+    # A legacy plain file records no run: loading it continues nothing.
+    legacy = ck / "legacy.ckpt"
+    torch.save({"global_step": 0}, legacy)
+    other = CheckpointStoreIO(root=str(ck))
+    other.load_checkpoint(str(legacy))
+    with pytest.warns(RuntimeWarning, match="did not write"):
+        other.remove_checkpoint(str(ck / "a2.ckpt"))
+    backend, root = resolve(str(ck))
+    assert set(committed(backend, root)) == {"a2.ckpt", "a3.ckpt", "c1.ckpt", "f3.ckpt"}
 
 
 def test_load_verifies_and_accepts_legacy_file(tmp_path):
@@ -239,7 +397,7 @@ def test_remove_refuses_outside_root_and_other_runs(tmp_path):
     run1.save_checkpoint({"global_step": 1}, elsewhere)  # root stays tmp_path/ck
     run2.save_checkpoint({"global_step": 2}, b)
     with pytest.warns(RuntimeWarning, match="did not write"):
-        run2.remove_checkpoint(a)  # the previous run's (e.g. the one resumed from)
+        run2.remove_checkpoint(a)  # another run's (run2 resumed nothing)
     with pytest.warns(RuntimeWarning, match="outside"):
         run1.remove_checkpoint(elsewhere)
     legacy = tmp_path / "ck" / "legacy.ckpt"
@@ -456,6 +614,29 @@ def test_report_callback_keeps_best_two_and_resumes(tmp_path):
     rows = storage.read_results()
     assert [r["training_iteration"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[-1]["step"] == 10
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
+def test_report_callback_keeps_best_two_across_resumes(tmp_path, where, request):
+    """Three processes (to 2, 4 and 6 epochs), each resuming the one before:
+    our retention keeps the best two of all six epochs, whichever process
+    wrote them, and the iterations run on."""
+    if where == "local":
+        where_args = dict(storage_path=str(tmp_path / "runs"))
+    else:
+        where_args = dict(storage_path=request.getfixturevalue("s3_uri"),
+                          storage_options=request.getfixturevalue("s3_storage_options"))
+    cb_args = dict(monitor="val_loss", mode="min", num_to_keep=2, experiment_name="exp",
+                   trial_name="t0", **where_args)
+    for max_epochs in (2, 4, 6):
+        cb = ReportCheckpointCallback(**cb_args)
+        t = trainer(tmp_path, max_epochs=max_epochs, enable_checkpointing=False, callbacks=[cb])
+        t.fit(Improving(), ckpt_path=cb.resume_path())
+        assert t.global_step == 2 * max_epochs
+    storage = StorageContext(where_args["storage_path"], "exp", "t0",
+                             storage_options=where_args.get("storage_options"))
+    assert [r["training_iteration"] for r in storage.read_results()] == [1, 2, 3, 4, 5, 6]
+    assert sorted(m["metrics"]["step"] for _, m in storage.committed_checkpoints()) == [10, 12]
 
 
 def test_report_callback_resume_copy_removed_after_fit_loads_it(tmp_path):
