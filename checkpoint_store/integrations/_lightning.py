@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from checkpoint_store.integrations._lightning_callback import _ReportCallback
 from checkpoint_store.integrations._lightning_io import _StoreIO
-from checkpoint_store.integrations._lightning_resume import resume_path
+from checkpoint_store.integrations._lightning_resume import checkpoint_file, resume_path
 from checkpoint_store.integrations._lightning_state import STATE_FILE, verified_state
 
-__all__ = ["STATE_FILE", "_ReportCallback", "_StoreIO", "resume_path", "verified_state"]
+__all__ = ["STATE_FILE", "_ReportCallback", "_StoreIO", "checkpoint_file", "resume_path",
+           "verified_state"]

@@ -164,24 +164,11 @@ class _ReportCallback:
         they go to a new temporary directory that this callback removes once
         ``fit`` has loaded the checkpoint (``on_train_start``), or at
         teardown, on an exception, or at interpreter exit if ``fit`` never runs.
+
+        Raises:
+            InvalidConfigError: ``best`` without ``monitor`` on the callback.
         """
-        from checkpoint_store.storage import StorageContext
-
-        if self._storage is None:
-            from checkpoint_store import session
-
-            storage = session.get_context().storage
-        else:
-            s = self._storage
-            storage = StorageContext(
-                s["storage_path"], s["experiment_name"], s["trial_name"],
-                storage_filesystem=s["storage_filesystem"], storage_options=s["storage_options"],
-            )
-        if best and self.monitor is None:
-            raise InvalidConfigError("resume_path(best=True) needs monitor= on the callback")
-        committed = storage.committed_checkpoints()
-        order = _pick(committed, self.monitor if best else None, self.mode)
-        chosen = _first_verified(order, lambda c: c.uri, lambda c: c.verify())
+        chosen = self._chosen(best)
         if chosen is None:
             return None
         if local_dir is None:
@@ -191,3 +178,53 @@ class _ReportCallback:
             atexit.register(shutil.rmtree, local_dir, True)
         target = chosen.to_directory(local_dir)
         return os.path.join(target, STATE_FILE)
+
+    def best_path(self, local_dir: str | os.PathLike[str] | None = None) -> str | None:
+        """The best checkpoint by ``monitor`` (``mode``) as a local ``.ckpt``
+        file: ``resume_path(local_dir, best=True)``. What Lightning's
+        ``ckpt_path="best"`` is for a ``ModelCheckpoint`` (which this callback
+        is not, so Lightning refuses ``"best"`` here)::
+
+            trainer.test(model, ckpt_path=callback.best_path())
+            model = MyModel.load_from_checkpoint(callback.best_path())
+
+        The file is verified, and removed as :meth:`resume_path` says (pass
+        ``local_dir`` to keep it).
+
+        Raises:
+            InvalidConfigError: the callback has no ``monitor``.
+        """
+        return self.resume_path(local_dir, best=True)
+
+    def best_checkpoint(self) -> Any:
+        """The best committed checkpoint by ``monitor`` that verifies, as a
+        :class:`~checkpoint_store.Checkpoint` on storage (nothing downloaded:
+        ``.uri``, ``.internal_metadata["metrics"]``, ``.to_directory()``), or
+        None when the trial has none.
+
+        Raises:
+            InvalidConfigError: the callback has no ``monitor``.
+        """
+        return self._chosen(best=True)
+
+    def _chosen(self, best: bool) -> Any:
+        """The newest (or best) committed checkpoint of the trial that verifies."""
+        if best and self.monitor is None:
+            raise InvalidConfigError(
+                "the best checkpoint needs monitor= on the callback (the metric to rank by)")
+        committed = self._trial_storage().committed_checkpoints()
+        order = _pick(committed, self.monitor if best else None, self.mode)
+        return _first_verified(order, lambda c: c.uri, lambda c: c.verify())
+
+    def _trial_storage(self) -> Any:
+        from checkpoint_store.storage import StorageContext
+
+        if self._storage is None:
+            from checkpoint_store import session
+
+            return session.get_context().storage
+        s = self._storage
+        return StorageContext(
+            s["storage_path"], s["experiment_name"], s["trial_name"],
+            storage_filesystem=s["storage_filesystem"], storage_options=s["storage_options"],
+        )

@@ -42,6 +42,7 @@ from checkpoint_store.integrations._lightning_state import (
     STATE_FILE,
     _checkpoint_metrics,
     _stream_state,
+    state_file,
     verified,
 )
 from checkpoint_store.registry import resolve
@@ -304,15 +305,28 @@ class _StoreIO:
     ) -> dict[str, Any]:
         import torch
 
+        backend, fs_path = self._verified(path)
+        state, meta = verified(backend, fs_path, retry=self.retry)
+        loaded = torch.load(state_file(state), map_location=map_location,
+                            weights_only=weights_only, **kwargs)
+        self._continue(backend.uri_for(fs_path), meta)
+        return loaded
+
+    def checkpoint_file(self, path: Any) -> str | io.BytesIO:
+        """What ``torch.load`` and ``LightningModule.load_from_checkpoint`` take
+        for the checkpoint at Lightning path ``path`` (``best_model_path``),
+        verified; see :func:`checkpoint_store.integrations.lightning.checkpoint_file`.
+        With ``async_save``, waits for pending saves of ``path`` first."""
+        backend, fs_path = self._verified(path)
+        return state_file(verified(backend, fs_path, retry=self.retry)[0])
+
+    def _verified(self, path: Any) -> tuple[Backend, str]:
+        """``(backend, path)`` of ``path``, once no queued save of it is pending."""
         backend, fs_path = self._locate(path)
         if self._queue is not None:
             self._queue.wait(backend.uri_for(fs_path))
             self._raise_pending_error()
-        state, meta = verified(backend, fs_path, retry=self.retry)
-        loaded = torch.load(state if isinstance(state, str) else io.BytesIO(state),
-                            map_location=map_location, weights_only=weights_only, **kwargs)
-        self._continue(backend.uri_for(fs_path), meta)
-        return loaded
+        return backend, fs_path
 
     def _continue(self, uri: str, meta: Mapping[str, Any] | None) -> None:
         """After a load of ``uri``, a checkpoint this plugin class wrote: this

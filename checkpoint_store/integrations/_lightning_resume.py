@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import posixpath
@@ -18,11 +19,17 @@ from checkpoint_store.errors import (
     CheckpointNotFoundError,
     InvalidConfigError,
 )
+from checkpoint_store.integrations._lightning_io import _Locator
 from checkpoint_store.integrations._lightning_replace import current_dir, orphaned_names
-from checkpoint_store.integrations._lightning_state import _to_float, verified_state
+from checkpoint_store.integrations._lightning_state import (
+    _to_float,
+    state_file,
+    verified,
+    verified_state,
+)
 from checkpoint_store.registry import resolve
 
-__all__ = ["_first_verified", "_pick", "resume_path"]
+__all__ = ["_first_verified", "_pick", "checkpoint_file", "resume_path"]
 
 
 def _pick(
@@ -120,3 +127,42 @@ def resume_path(
         return None
     base = os.fspath(dirpath)
     return f"{base.rstrip('/')}/{chosen}" if "://" in base else os.path.join(base, chosen)
+
+
+def checkpoint_file(
+    path: str | os.PathLike[str],
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    storage_filesystem: Any = None,
+) -> str | io.BytesIO:
+    """The checkpoint at Lightning path ``path``, verified, as ``torch.load``
+    and ``LightningModule.load_from_checkpoint`` take it.
+
+    ``path`` is what Lightning hands out (``ModelCheckpoint.best_model_path``,
+    ``best_k_models``, ``last_model_path``, :func:`resume_path`): with
+    :class:`CheckpointStoreIO` it names a directory, which those calls cannot
+    open (``IsADirectoryError`` on a local disk, ``EOFError`` on S3)::
+
+        model = MyModel.load_from_checkpoint(checkpoint_file(mc.best_model_path))
+        state = torch.load(checkpoint_file(mc.best_model_path), weights_only=False)
+
+    A plain legacy ``.ckpt`` file is taken as it is (unchecked); a path a
+    re-save replaced (``last.ckpt``) is followed to its current checkpoint.
+
+    Args:
+        path: the checkpoint (local path or URI).
+        storage_options, storage_filesystem: as for :class:`CheckpointStoreIO`.
+
+    Returns:
+        On the local disk, the state file's path (read once to check its
+        size and CRC32C); elsewhere an in-memory binary file of its bytes,
+        checked as they arrived (the whole state is held in memory).
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``path``, or a directory that is
+            not a committed checkpoint (a save cut short).
+        CheckpointCorruptError: the state does not match its manifest.
+        InvalidConfigError: a bad location.
+    """
+    backend, fs_path = _Locator(storage_options, storage_filesystem)(path)
+    return state_file(verified(backend, fs_path)[0])

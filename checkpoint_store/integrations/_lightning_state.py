@@ -8,6 +8,7 @@ checkpoint are taken from (``epoch``, ``global_step``, monitored values).
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import posixpath
@@ -36,6 +37,7 @@ __all__ = [
     "_checkpoint_metrics",
     "_stream_state",
     "_to_float",
+    "state_file",
     "verified",
     "verified_state",
 ]
@@ -130,6 +132,12 @@ def _checkpoint_metrics(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
             if isinstance(monitor, str) and score is not None and math.isfinite(score):
                 metrics[monitor] = score
     return metrics
+
+
+def state_file(state: str | bytes) -> str | io.BytesIO:
+    """A :func:`verified` state as ``torch.load`` and Lightning's loaders take
+    it: the local file's path, or the bytes as an in-memory binary file."""
+    return state if isinstance(state, str) else io.BytesIO(state)
 
 
 def verified_state(backend: Backend, fs_path: str, *, retry: RetryPolicy | None = None,

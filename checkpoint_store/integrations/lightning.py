@@ -10,7 +10,11 @@ Two ways to plug in (``pip install 'checkpoint-store[lightning]'``):
   newest (or best) complete checkpoint.
 * :class:`ReportCheckpointCallback` with ``enable_checkpointing=False``: each
   validation is a ``report()`` to a session, so our retention, ``result.json``
-  and resume apply.
+  and resume apply; ``callback.best_path()`` is the best checkpoint.
+
+The paths Lightning hands out (``best_model_path``) name checkpoint
+directories: :func:`checkpoint_file` turns one into what ``torch.load`` and
+``LightningModule.load_from_checkpoint`` take.
 
 Usage::
 
@@ -36,6 +40,7 @@ from checkpoint_store.integrations._lightning import (
     STATE_FILE,
     _ReportCallback,
     _StoreIO,
+    checkpoint_file,
     resume_path,
 )
 
@@ -54,7 +59,13 @@ except ImportError:
             "'checkpoint-store[lightning]'"
         ) from None
 
-__all__ = ["STATE_FILE", "CheckpointStoreIO", "ReportCheckpointCallback", "resume_path"]
+__all__ = [
+    "STATE_FILE",
+    "CheckpointStoreIO",
+    "ReportCheckpointCallback",
+    "checkpoint_file",
+    "resume_path",
+]
 
 
 class CheckpointStoreIO(_StoreIO, _CheckpointIO):
@@ -76,7 +87,8 @@ class CheckpointStoreIO(_StoreIO, _CheckpointIO):
     * ``load_checkpoint(path, map_location=None, weights_only=None, **kwargs)``:
       checks the state file's size and CRC32C against the manifest before
       ``torch.load`` (``kwargs`` go to it); also loads a plain legacy ``.ckpt``
-      file. Raises :class:`~checkpoint_store.CheckpointNotFoundError` (a
+      file. ``checkpoint_file(path)`` gives the verified state as
+      ``torch.load`` and ``load_from_checkpoint`` take it. Raises :class:`~checkpoint_store.CheckpointNotFoundError` (a
       ``FileNotFoundError``) for nothing there or an uncommitted directory,
       :class:`~checkpoint_store.CheckpointCorruptError` for a mismatch.
     * ``remove_checkpoint(path)``: uncommits, then deletes. Refuses (a
@@ -134,7 +146,11 @@ class ReportCheckpointCallback(_ReportCallback, _Callback):
     directory and calls ``report()`` with ``trainer.callback_metrics`` (as
     floats; non-scalars dropped) plus ``epoch`` and ``step`` (the global
     step). Our retention, ``result.json`` and resume then apply; the
-    committed checkpoint holds :data:`STATE_FILE`. When the session is asked
+    committed checkpoint holds :data:`STATE_FILE`. :meth:`resume_path` (the
+    newest), :meth:`best_path` (the best by ``monitor``, downloaded: Lightning's
+    ``ckpt_path="best"`` needs a ``ModelCheckpoint``) and
+    :meth:`best_checkpoint` (on storage) reach the trial's checkpoints from
+    any process. When the session is asked
     to stop (a :class:`~checkpoint_store.TrialRunner` stopped by a tuner), the
     callback sets ``trainer.should_stop`` and ``fit`` ends after that epoch.
 

@@ -11,6 +11,7 @@ from checkpoint_store.integrations._lightning import (
     STATE_FILE,
     _ReportCallback,
     _StoreIO,
+    checkpoint_file,
     resume_path,
 )
 
@@ -24,7 +25,13 @@ except ImportError:
         "'lightning' package)"
     ) from None
 
-__all__ = ["STATE_FILE", "CheckpointStoreIO", "ReportCheckpointCallback", "resume_path"]
+__all__ = [
+    "STATE_FILE",
+    "CheckpointStoreIO",
+    "ReportCheckpointCallback",
+    "checkpoint_file",
+    "resume_path",
+]
 
 
 class CheckpointStoreIO(_StoreIO, _CheckpointIO):

@@ -27,7 +27,11 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from checkpoint_store import CheckpointNotFoundError, StorageContext  # noqa: E402
+from checkpoint_store import (  # noqa: E402
+    CheckpointNotFoundError,
+    InvalidConfigError,
+    StorageContext,
+)
 from checkpoint_store._layout import COMMIT_LOCK  # noqa: E402
 from checkpoint_store._manifest import inspect_checkpoint  # noqa: E402
 from checkpoint_store.integrations._lightning import verified_state  # noqa: E402
@@ -36,6 +40,7 @@ from checkpoint_store.integrations.lightning import (  # noqa: E402
     STATE_FILE,
     CheckpointStoreIO,
     ReportCheckpointCallback,
+    checkpoint_file,
     resume_path,
 )
 from checkpoint_store.registry import resolve  # noqa: E402
@@ -337,6 +342,117 @@ def test_resume_owns_only_the_run_it_resumed_through(tmp_path):
         other.remove_checkpoint(str(ck / "a2.ckpt"))
     backend, root = resolve(str(ck))
     assert set(committed(backend, root)) == {"a2.ckpt", "a3.ckpt", "c1.ckpt", "f3.ckpt"}
+
+
+# -- the best checkpoint, and Lightning's and torch's own loaders ------------------------------
+
+
+def _where(tmp_path, where: str, request) -> tuple[str, dict | None]:
+    """A ModelCheckpoint dirpath on the local disk or on moto S3, and its options."""
+    if where == "local":
+        return str(tmp_path / "ckpts"), None
+    pytest.importorskip("s3fs")
+    request.getfixturevalue("s3_env")  # Lightning's own fsspec lists the dirpath
+    return (f"s3://{request.getfixturevalue('s3_bucket')}/run/ckpts",
+            request.getfixturevalue("s3_storage_options"))
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_best_model_path_loads_with_lightning_and_torch(tmp_path, where, request):
+    """best_model_path names our checkpoint directory, which
+    load_from_checkpoint and torch.load cannot open (IsADirectoryError
+    locally, EOFError on S3); checkpoint_file(best_model_path) is what they
+    take, verified. ckpt_path="best" goes through the plugin."""
+    dirpath, options = _where(tmp_path, where, request)
+    io = CheckpointStoreIO(storage_options=options)
+    t, mc = _fit_top2(tmp_path, dirpath, io)
+    best = mc.best_model_path
+    assert best.endswith("epoch=3-step=8.ckpt")
+    expected = io.load_checkpoint(best)["state_dict"]
+
+    model = Tiny.load_from_checkpoint(checkpoint_file(best, storage_options=options))
+    assert torch.equal(model.layer.weight, expected["layer.weight"])
+    state = torch.load(checkpoint_file(best, storage_options=options), weights_only=False)
+    assert (state["epoch"], state["global_step"]) == (3, 8)
+    assert torch.load(io.checkpoint_file(best), weights_only=False)["global_step"] == 8
+
+    t.validate(Tiny(), ckpt_path="best")  # Lightning's "best", loaded by the plugin
+    assert t.ckpt_path == best
+
+
+def test_checkpoint_file_follows_replacements_and_takes_legacy_files(tmp_path):
+    from checkpoint_store import CheckpointCorruptError
+
+    fs, backend, root = memory_fs()
+    io = CheckpointStoreIO(storage_filesystem=fs)
+    io.save_checkpoint({"global_step": 1}, f"{root}/last.ckpt")
+    io.save_checkpoint({"global_step": 2}, f"{root}/last.ckpt")  # replaced: a pointer
+    f = checkpoint_file(f"{root}/last.ckpt", storage_filesystem=fs)
+    assert torch.load(f)["global_step"] == 2
+    assert torch.load(io.checkpoint_file(f"{root}/last.ckpt"))["global_step"] == 2
+
+    legacy = tmp_path / "legacy.ckpt"
+    torch.save({"global_step": 7}, legacy)
+    assert checkpoint_file(str(legacy)) == str(legacy)
+
+    local = str(tmp_path / "ck" / "a.ckpt")
+    CheckpointStoreIO().save_checkpoint({"global_step": 3, "w": torch.ones(64)}, local)
+    assert checkpoint_file(local) == os.path.join(local, STATE_FILE)
+    with open(os.path.join(local, STATE_FILE), "r+b") as out:
+        out.seek(-30, os.SEEK_END)
+        byte = out.read(1)
+        out.seek(-30, os.SEEK_END)
+        out.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointCorruptError, match="does not match its manifest"):
+        checkpoint_file(local)
+    with pytest.raises(CheckpointNotFoundError):
+        checkpoint_file(str(tmp_path / "ck" / "nothing.ckpt"))
+
+
+class _StartStep(L.Callback):
+    """Records the global step fit starts from (after it restored ckpt_path)."""
+
+    step = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.step = trainer.global_step
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
+def test_report_callback_best_checkpoint_reachable(tmp_path, where, request):
+    """The callback is no ModelCheckpoint, so Lightning refuses
+    ckpt_path="best"; best_path() is the best checkpoint as a local file
+    (for ckpt_path= and load_from_checkpoint), best_checkpoint() the one on
+    storage, in this process and in a new one."""
+    if where == "local":
+        loc = dict(storage_path=str(tmp_path / "runs"))
+    else:
+        loc = dict(storage_path=request.getfixturevalue("s3_uri"),
+                   storage_options=request.getfixturevalue("s3_storage_options"))
+    cb_args = dict(monitor="val_loss", mode="min", num_to_keep=3, experiment_name="exp",
+                   trial_name="t0", **loc)
+    cb = ReportCheckpointCallback(**cb_args)
+    t = trainer(tmp_path, max_epochs=5, enable_checkpointing=False, callbacks=[cb])
+    t.fit(Tiny())  # val_loss 0.5, 0.2, 0.4, 0.1, 0.15: epoch 3 best, epoch 4 newest
+    with pytest.raises(ValueError, match="best"):
+        t.validate(Tiny(), ckpt_path="best")
+    best = cb.best_checkpoint()
+    assert best.internal_metadata["metrics"]["step"] == 8
+    path = cb.best_path(tmp_path / "best")
+    state = torch.load(path, weights_only=False)
+    assert (state["epoch"], state["global_step"]) == (3, 8)
+    model = Tiny.load_from_checkpoint(path)
+    assert torch.equal(model.layer.weight, state["state_dict"]["layer.weight"])
+    t.validate(Tiny(), ckpt_path=path)
+
+    cb2 = ReportCheckpointCallback(**cb_args)  # a new process
+    start = _StartStep()
+    t2 = trainer(tmp_path, max_epochs=6, enable_checkpointing=False, callbacks=[cb2, start])
+    t2.fit(Tiny(), ckpt_path=cb2.best_path())
+    assert (start.step, t2.global_step) == (8, 12)  # from the best, not the newest (10)
+    with pytest.raises(InvalidConfigError, match="monitor"):
+        ReportCheckpointCallback(storage_path=loc["storage_path"],
+                                 storage_options=loc.get("storage_options")).best_path()
 
 
 def test_load_verifies_and_accepts_legacy_file(tmp_path):
