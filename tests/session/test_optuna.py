@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 
 import pytest
 
@@ -123,3 +124,73 @@ def test_objective_finds_flattened_metrics_and_refuses_ambiguous_ones(tmp_path):
         study.optimize(objective(ambiguous, lambda t: {}, storage_path=str(tmp_path / "b"),
                                  experiment_name="e", metric="nested/sub/attr", mode="max"),
                        n_trials=1)
+
+
+class _Preempted(Exception):
+    """The machine went away mid-trial."""
+
+
+def _resumable_train(tmp_path, scores: dict[int, float], stop_after: set[int]):
+    """A trial function that continues from its newest checkpoint, reports
+    ``scores[step]`` with a checkpoint per step, and is cut off after a step
+    in ``stop_after`` (once)."""
+
+    def train(config):
+        ckpt = session.get_checkpoint()
+        start = ckpt.internal_metadata["metrics"]["step"] if ckpt else 0
+        for step in range(start + 1, max(scores) + 1):
+            d = tmp_path / "src" / uuid.uuid4().hex
+            d.mkdir(parents=True)
+            (d / "w.txt").write_text(str(scores[step]))
+            session.report({"loss": scores[step], "step": step},
+                           checkpoint=Checkpoint.from_directory(d))
+            if step in stop_after:
+                stop_after.discard(step)
+                raise _Preempted(f"preempted after step {step}")
+
+    return train
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_resumed_trial_returns_the_best_of_its_whole_history(tmp_path, request, where):
+    if where == "s3":
+        loc = request.getfixturevalue("s3_location")
+        kw = {"storage_path": loc.uri, "storage_options": loc.storage_options}
+    else:
+        kw = {"storage_path": str(tmp_path / "store")}
+    scores = {1: 0.5, 2: 0.2, 3: 0.4, 4: 0.6, 5: 0.7}
+    train = _resumable_train(tmp_path, scores, stop_after={3})
+    f = objective(train, storage_path=kw["storage_path"], experiment_name="sweep",
+                  storage_options=kw.get("storage_options"), metric="loss", mode="min",
+                  trial_name=lambda t: "the-trial")
+    study = optuna.create_study(direction="minimize")
+    study.optimize(f, n_trials=1, catch=(_Preempted,))   # steps 1-3, then preempted
+    assert study.trials[0].state == optuna.trial.TrialState.FAIL
+    study.optimize(f, n_trials=1)                        # resumed: steps 4-5
+    resumed = study.trials[1]
+    assert resumed.intermediate_values == {4: 0.6, 5: 0.7}
+    best = Checkpoint(resumed.user_attrs[ATTR_BEST_CHECKPOINT],
+                      storage_options=kw.get("storage_options"))
+    assert best.internal_metadata["metrics"]["loss"] == 0.2
+    # The value is the best of the trial's history (step 2), as the checkpoint named.
+    assert resumed.value == 0.2
+    assert study.best_value == 0.2
+
+
+def test_resumed_trial_with_nothing_left_to_run_returns_its_history(tmp_path):
+    store = str(tmp_path / "store")
+    scores = {1: 0.3, 2: 0.9, 3: 0.5}
+    kw = {"storage_path": store, "experiment_name": "sweep", "metric": "loss",
+          "trial_name": lambda t: "the-trial"}
+    study = optuna.create_study(direction="maximize")
+    study.optimize(objective(_resumable_train(tmp_path, scores, set()), **kw), n_trials=1)
+    assert study.best_value == 0.9
+    # Run again (a restart after the study's own record was lost): the function
+    # finds its last checkpoint at the end and reports nothing new.
+    study2 = optuna.create_study(direction="maximize")
+    study2.optimize(objective(_resumable_train(tmp_path, scores, set()), **kw), n_trials=1)
+    assert study2.best_value == 0.9
+    study3 = optuna.create_study(direction="maximize")
+    study3.optimize(objective(_resumable_train(tmp_path, scores, set()), value="last", **kw),
+                    n_trials=1)
+    assert study3.best_value == 0.5
