@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import re
@@ -57,7 +58,7 @@ from typing import Any
 import filelock
 import pyarrow.fs as pafs
 
-from checkpoint_store._layout import is_internal_file
+from checkpoint_store._layout import download_lock_name, download_marker_name, is_internal_file
 from checkpoint_store._manifest import verify_files
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import CheckpointCorruptError, CheckpointStoreError
@@ -66,7 +67,13 @@ from checkpoint_store.session import Session
 from checkpoint_store.storage import StorageContext
 
 try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer import TRAINER_STATE_NAME
 except ImportError:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "checkpoint_store.integrations.hf needs transformers: pip install "
@@ -80,6 +87,7 @@ logger = logging.getLogger(__name__)
 #: The metric under which each report records the Trainer's ``global_step``.
 STEP_METRIC = "global_step"
 _HF_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+_RESTORE_LOCK = ".checkpoint-store-restore.lock"
 
 
 def _run_dir(args: TrainingArguments, state: TrainerState) -> str:
@@ -242,6 +250,28 @@ class CheckpointStoreCallback(TrainerCallback):
                 sync_timeout_s=self._sync_timeout_s,
             )
             _OPEN.add(self)
+        if args.load_best_model_at_end:
+            self._find_best(args, state)
+
+    def _find_best(self, args: TrainingArguments, state: TrainerState) -> None:
+        """Point ``state.best_model_checkpoint`` at a local copy of the best
+        checkpoint the resumed state records, fetched from storage into
+        ``<run dir>/checkpoint-<best step>`` when it is not there. HF has
+        dropped a recorded path that does not exist here (another machine,
+        another ``output_dir``), and would end with the last weights."""
+        step = getattr(state, "best_global_step", None)
+        best = state.best_model_checkpoint
+        if not step or (best is not None and os.path.isdir(best)):
+            return
+        run_dir = _run_dir(args, state)
+        local = os.path.join(run_dir, f"checkpoint-{step}")
+        if not os.path.isdir(local):
+            root = os.path.abspath(run_dir)
+            os.makedirs(root, exist_ok=True)
+            with _restore_lock(root):
+                _restore_best(root, step, self._storage.committed_checkpoints())
+        if os.path.isdir(local):
+            state.best_model_checkpoint = local
 
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -342,8 +372,14 @@ def restore_latest(
     lookup would pick although nothing says they are complete (transformers
     #35782), are renamed to ``uncommitted-checkpoint-<N>-<unix time>`` (kept,
     and out of reach of HF's rotation, which globs ``checkpoint-*``) with a
-    warning. Safe to call from every rank at once (a file lock in
-    ``output_dir`` serialises them).
+    warning. When its ``trainer_state.json`` names a best checkpoint of
+    another step (``load_best_model_at_end``), that one is restored the same
+    way beside it, as ``output_dir/checkpoint-<best step>``, if it is on
+    storage (else a warning: HF will then end with the last weights).
+    Safe to call from every rank at once (a lock file in ``output_dir``
+    serialises them). When it returns, ``output_dir`` holds nothing of ours:
+    the lock and the download's bookkeeping files are removed; a restore
+    that was killed part-way is finished by the next call.
 
     Returns:
         The local checkpoint directory, or None when the trial has no
@@ -371,15 +407,104 @@ def restore_latest(
         )
     root = os.path.abspath(os.fspath(output_dir))
     os.makedirs(root, exist_ok=True)
-    target = os.path.join(root, f"checkpoint-{step}")
-    with filelock.FileLock(os.path.join(root, ".checkpoint-store-restore.lock")):
+    with _restore_lock(root):
         _move_aside_newer(root, step)
+        target = _restore_step(root, step, latest)
+        best = _best_step(target)
+        if best is not None and best != step:
+            _restore_best(root, best, committed)
+    return target
+
+
+def _restore_step(root: str, step: int, checkpoint: Checkpoint) -> str:
+    """``root/checkpoint-<step>`` holding exactly ``checkpoint``'s files: kept
+    when it matches, else set aside and downloaded. Under :func:`_restore_lock`."""
+    name = f"checkpoint-{step}"
+    target = os.path.join(root, name)
+    try:
         if os.path.isdir(target):
-            if _matches(target, latest.internal_metadata["manifest"]):
+            if _matches(target, checkpoint.internal_metadata["manifest"]):
                 return target
             _move_aside(target, "incomplete", "does not match the committed checkpoint of that "
                         "step (a file is missing or differs); downloading it again")
-        return latest.to_directory(target)
+        return checkpoint.to_directory(target)
+    finally:
+        # The download's lock and marker beside the target: restore_latest
+        # checks a local copy against the manifest, never by the marker.
+        for helper in (download_lock_name(name), download_marker_name(name)):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(root, helper))
+
+
+def _best_step(checkpoint_dir: str) -> int | None:
+    """The step of the best checkpoint the ``trainer_state.json`` in
+    ``checkpoint_dir`` records (``load_best_model_at_end``), or None."""
+    try:
+        with open(os.path.join(checkpoint_dir, TRAINER_STATE_NAME), "rb") as f:
+            state = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict):
+        return None
+    step = state.get("best_global_step")
+    if isinstance(step, int) and not isinstance(step, bool) and step > 0:
+        return step
+    m = _HF_CHECKPOINT_RE.match(os.path.basename(str(state.get("best_model_checkpoint") or "")))
+    return int(m.group(1)) if m else None
+
+
+def _restore_best(root: str, step: int,
+                  committed: list[tuple[Checkpoint, dict[str, Any]]]) -> str | None:
+    """Restore the committed checkpoint of ``step`` into ``root/checkpoint-<step>``
+    (the newest of that step); None, with a warning, when storage has none."""
+    found = [c for c, meta in committed if meta.get("metrics", {}).get(STEP_METRIC) == step]
+    if not found:
+        logger.warning(
+            "the best checkpoint (step %d) that trainer_state.json records is not on storage "
+            "(retention did not keep it); load_best_model_at_end will end with the last "
+            "weights. Keep it with a checkpoint_config scoring the Trainer's "
+            "metric_for_best_model", step)
+        return None
+    return _restore_step(root, step, found[-1])
+
+
+@contextlib.contextmanager
+def _restore_lock(root: str) -> Iterator[None]:
+    """Exclusive among the processes restoring into ``root`` (every rank,
+    every node sharing it), through ``root/.checkpoint-store-restore.lock``,
+    which the holder removes before it lets go. A waiter that then wins the
+    lock of the removed file sees it is no longer the one at that path and
+    takes the lock again, so two holders never overlap."""
+    path = os.path.join(root, _RESTORE_LOCK)
+    if fcntl is None:  # pragma: no cover - Windows: the lock file stays
+        with filelock.FileLock(path):
+            yield
+        return
+    while True:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _same_file(fd, path):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        os.close(fd)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 def _matches(local: str, manifest: list[dict[str, Any]]) -> bool:

@@ -233,3 +233,94 @@ def test_a_raising_train_without_with_is_recorded_at_exit(tmp_path):
     assert text is not None and "RuntimeError: step 5 failed" in text
     lease = [n for n in os.listdir(storage.trial_path) if "lease" in n]
     assert lease == [], lease
+
+
+# An eval score scripted per step (lower is better): the best is step 8, and
+# no later step beats it.
+_SCORES = {2: 0.5, 4: 0.4, 6: 0.3, 8: 0.1, 10: 0.3, 12: 0.4, 14: 0.35, 16: 0.45}
+_BEST_CONFIG = CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="eval_score",
+                                checkpoint_score_order="min")
+
+
+def _train_best(output_dir, callback, *, max_steps: int, resume: bool = False) -> Trainer:
+    """A Trainer with ``load_best_model_at_end`` on the scripted eval score."""
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, num_labels=2))
+    args = TrainingArguments(
+        output_dir=str(output_dir), max_steps=max_steps, per_device_train_batch_size=8,
+        per_device_eval_batch_size=32, learning_rate=5e-3, eval_strategy="steps", eval_steps=2,
+        save_strategy="steps", save_steps=2, save_total_limit=2, logging_steps=2,
+        load_best_model_at_end=True, metric_for_best_model="score", greater_is_better=False,
+        report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=_data(64, 1),
+                      eval_dataset=_data(32, 2), callbacks=[callback],
+                      compute_metrics=lambda _: {"score": _SCORES[trainer.state.global_step]})
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    return trainer
+
+
+def _assert_weights_of_step(trainer: Trainer, storage: StorageContext, step: int, tmp) -> None:
+    from safetensors.torch import load_file
+
+    [ckpt] = [c for c, m in storage.committed_checkpoints()
+              if m["metrics"]["global_step"] == step]
+    saved = load_file(os.path.join(ckpt.to_directory(tmp / f"saved-{step}"), "model.safetensors"))
+    live = trainer.model.state_dict()
+    assert saved and all(torch.equal(live[k].cpu(), v) for k, v in saved.items())
+    last = [c for c, m in storage.committed_checkpoints() if m["metrics"]["global_step"] == 16]
+    other = load_file(os.path.join(last[0].to_directory(tmp / "saved-16"), "model.safetensors"))
+    assert not all(torch.equal(live[k].cpu(), v) for k, v in other.items())
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_best_model_at_end_after_a_new_machine(tmp_path, request, where):
+    if where == "s3":
+        loc = request.getfixturevalue("s3_location")
+        kw = {"storage_path": loc.uri, "storage_options": loc.storage_options}
+    else:
+        kw = {"storage_path": str(tmp_path / "store")}
+    kw.update(experiment_name="bert", trial_name="best")
+    out = tmp_path / "out"
+    first = _train_best(out, CheckpointStoreCallback(checkpoint_config=_BEST_CONFIG, **kw),
+                        max_steps=12)
+    assert first.state.best_global_step == 8
+    shutil.rmtree(out)  # a new machine
+
+    assert restore_latest(out, **kw) == str(out / "checkpoint-12")
+    # The best checkpoint is where trainer_state.json says it is.
+    state = json.loads((out / "checkpoint-12" / "trainer_state.json").read_text())
+    assert os.path.isdir(state["best_model_checkpoint"])
+    assert os.path.samefile(state["best_model_checkpoint"], out / "checkpoint-8")
+    assert sorted(os.listdir(out)) == ["checkpoint-12", "checkpoint-8"]
+
+    trainer = _train_best(out, CheckpointStoreCallback(checkpoint_config=_BEST_CONFIG, **kw),
+                          max_steps=16, resume=True)
+    assert trainer.state.global_step == 16
+    assert trainer.state.best_model_checkpoint == str(out / "checkpoint-8")
+    final = json.loads((out / "checkpoint-16" / "trainer_state.json").read_text())
+    assert os.path.isdir(final["best_model_checkpoint"])
+    storage = StorageContext(kw["storage_path"], "bert", "best",
+                             storage_options=kw.get("storage_options"))
+    _assert_weights_of_step(trainer, storage, 8, tmp_path)
+
+
+def test_best_model_is_fetched_when_the_output_dir_moved(tmp_path):
+    kw = {"storage_path": str(tmp_path / "store"), "experiment_name": "bert",
+          "trial_name": "best"}
+    _train_best(tmp_path / "out", CheckpointStoreCallback(checkpoint_config=_BEST_CONFIG, **kw),
+                max_steps=12)
+    shutil.rmtree(tmp_path / "out")
+    # Another machine, another output_dir; the latest checkpoint alone is there
+    # (restored by hand): the recorded best path exists nowhere.
+    elsewhere = tmp_path / "elsewhere"
+    restore_latest(elsewhere, **kw)
+    shutil.rmtree(elsewhere / "checkpoint-8")
+    trainer = _train_best(elsewhere,
+                          CheckpointStoreCallback(checkpoint_config=_BEST_CONFIG, **kw),
+                          max_steps=16, resume=True)
+    assert trainer.state.best_model_checkpoint == str(elsewhere / "checkpoint-8")
+    assert sorted(os.listdir(elsewhere)) == ["checkpoint-16", "checkpoint-8"]
+    _assert_weights_of_step(trainer, StorageContext(**kw), 8, tmp_path)
