@@ -32,7 +32,6 @@ from checkpoint_store.session._args import (
     check_checkpoint_config,
     check_resume_source,
     check_timeout,
-    check_resume_source,
     check_upload_config,
     int_from,
     resume_source,
