@@ -46,6 +46,7 @@ from checkpoint_store.cli.progress import counting_location, expected_files, pro
 from checkpoint_store.cli.scores import (
     UnreadableStateError,
     metric_value,
+    monitored_attribute,
     resolve_metric,
     score_attribute,
     stored_metrics,
@@ -94,6 +95,8 @@ def _ls_trial(trial: Location, metric: str | None, long: bool) -> dict[str, Any]
             click.echo(f"warning: {exc}; scores not shown", err=True)
     rows = []
     checkpoints, entries = _listed_checkpoints(trial, long)
+    if metric is None:
+        metric, _ = monitored_attribute(checkpoints)
     for ckpt, meta in checkpoints:
         metrics = stored_metrics(ckpt, meta)
         row = {
@@ -376,12 +379,17 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
 
     loc = resolve_location(trial, storage_options)
     require_trial(loc)
-    metric, order = resolve_metric(loc, metric, mode, required=True)
-    assert metric is not None
+    metric, order = resolve_metric(loc, metric, mode, required=False)
     # The retention state records every kept checkpoint's metrics: no need to
     # read each one's metadata (the full walk is for trials without a state).
     recorded = recorded_checkpoints(loc)
     committed = recorded.checkpoints if recorded is not None else committed_checkpoints(loc)
+    if metric is None:  # no retention state: the framework's monitored metric, if recorded
+        metric, monitored_mode = monitored_attribute(committed)
+        if metric is None:
+            raise click.UsageError(
+                "--metric is required: this trial records no retention score attribute")
+        order = mode or monitored_mode or "max"
     if not committed:
         raise CheckpointNotFoundError(f"trial {loc.uri} has no committed checkpoint")
     scored: list[_Scored] = [

@@ -11,7 +11,7 @@ named as a fault of the data rather than of the arguments.
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import click
@@ -26,6 +26,7 @@ __all__ = [
     "recorded_config",
     "recorded_run_id",
     "metric_value",
+    "monitored_attribute",
     "resolve_metric",
     "score_attribute",
     "stored_metrics",
@@ -106,6 +107,22 @@ def score_attribute(trial: Location) -> tuple[str | None, str | None]:
     if config is None:
         return None, None
     return config.get("checkpoint_score_attribute"), config.get("checkpoint_score_order")
+
+
+def monitored_attribute(checkpoints: Sequence[tuple[Location, Mapping[str, Any]]]
+                        ) -> tuple[str | None, str | None]:
+    """``(metric, mode)`` a directory without a retention state is ranked by:
+    what the newest checkpoint that records one names as its framework's
+    monitored metric (the Lightning plugin records ``ModelCheckpoint``'s
+    ``monitor`` and ``mode``); ``(None, None)`` when none does.
+    ``checkpoints`` are ``(location, internal metadata)``, oldest first."""
+    for _ckpt, meta in reversed(checkpoints):
+        framework = meta.get("lightning")
+        monitor = framework.get("monitor") if isinstance(framework, Mapping) else None
+        if isinstance(monitor, str) and monitor:
+            mode = framework.get("mode")
+            return monitor, mode if mode in ("min", "max") else None
+    return None, None
 
 
 def recorded_config(trial: Location) -> Any:

@@ -41,6 +41,7 @@ from checkpoint_store.integrations._lightning_replace import (
 from checkpoint_store.integrations._lightning_state import (
     STATE_FILE,
     _checkpoint_metrics,
+    _checkpoint_monitor,
     _stream_state,
     state_file,
     verified,
@@ -183,15 +184,16 @@ class _StoreIO:
         if self._root is None:
             self._root = backend.uri_for(posixpath.dirname(fs_path))
         self._saved = True
+        monitor = _checkpoint_monitor(checkpoint, _split(path)[0])
         queue = self._queue_or_none()
         if queue is None:
-            self._save(checkpoint, backend, fs_path)
+            self._save(checkpoint, backend, fs_path, monitor)
             return
         self._raise_pending_error()
         # The training thread goes on changing parameters and optimizer state
         # in place: the background save works on a copy taken now.
         snapshot = _snapshot(checkpoint)
-        queue.submit("save", uri, lambda: self._save(snapshot, backend, fs_path))
+        queue.submit("save", uri, lambda: self._save(snapshot, backend, fs_path, monitor))
 
     def _refuse_inside_checkpoint(self, backend: Backend, fs_path: str) -> None:
         """A ``.ckpt`` inside a committed checkpoint (``a.ckpt/inner.ckpt``)
@@ -205,7 +207,8 @@ class _StoreIO:
                                  retry=self.retry)
         self._outside.add(key)
 
-    def _save(self, checkpoint: Mapping[str, Any], backend: Backend, fs_path: str) -> None:
+    def _save(self, checkpoint: Mapping[str, Any], backend: Backend, fs_path: str,
+              monitor: Mapping[str, str]) -> None:
         started = time.monotonic()
         replacing = self._clear_for_save(backend, fs_path)
         metrics = _checkpoint_metrics(checkpoint)
@@ -216,7 +219,7 @@ class _StoreIO:
             "run_id": self.run_id,
             "world_size": 1,
             "metrics": metrics,
-            "lightning": {"state_file": STATE_FILE},
+            "lightning": {"state_file": STATE_FILE, **monitor},
         }
         write = _stream_state(checkpoint, self.fsync and backend.capabilities.needs_fsync,
                               self.retry)

@@ -8,6 +8,7 @@ checkpoint are taken from (``epoch``, ``global_step``, monitored values).
 
 from __future__ import annotations
 
+import ast
 import io
 import math
 import os
@@ -35,6 +36,7 @@ from checkpoint_store.integrations._lightning_replace import current_dir
 __all__ = [
     "STATE_FILE",
     "_checkpoint_metrics",
+    "_checkpoint_monitor",
     "_stream_state",
     "_to_float",
     "state_file",
@@ -132,6 +134,43 @@ def _checkpoint_metrics(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
             if isinstance(monitor, str) and score is not None and math.isfinite(score):
                 metrics[monitor] = score
     return metrics
+
+
+def _checkpoint_monitor(checkpoint: Mapping[str, Any], dirpath: str) -> dict[str, str]:
+    """``{"monitor": ..., "mode": ...}`` of the ``ModelCheckpoint`` saving into
+    ``dirpath`` (the directory as Lightning names it), else of the only one
+    that monitors something; ``{}`` when neither says. What ``checkpoint-store
+    ls`` shows as the score of a directory without a retention state."""
+    callbacks = checkpoint.get("callbacks")
+    if not isinstance(callbacks, Mapping):
+        return {}
+    found = []
+    for key, state in callbacks.items():
+        if isinstance(state, Mapping) and isinstance(state.get("monitor"), str):
+            found.append((key, state))
+    mine = [ks for ks in found if str(ks[1].get("dirpath", "")).rstrip("/") == dirpath.rstrip("/")]
+    chosen = mine or (found if len(found) == 1 else [])
+    if len(chosen) != 1:
+        return {}
+    key, state = chosen[0]
+    out = {"monitor": state["monitor"]}
+    mode = _mode_of_state_key(key)
+    if mode is not None:
+        out["mode"] = mode
+    return out
+
+
+def _mode_of_state_key(key: Any) -> str | None:
+    """The ``mode`` in a ``ModelCheckpoint`` state key
+    (``"ModelCheckpoint{'monitor': 'val_loss', 'mode': 'min', ...}"``): its
+    state holds no mode of its own."""
+    text = str(key)
+    try:
+        kwargs = ast.literal_eval(text[text.index("{"):])
+    except (ValueError, SyntaxError):
+        return None
+    mode = kwargs.get("mode") if isinstance(kwargs, dict) else None
+    return mode if mode in ("min", "max") else None
 
 
 def state_file(state: str | bytes) -> str | io.BytesIO:

@@ -88,7 +88,8 @@ class CheckpointStoreIO(_StoreIO, _CheckpointIO):
       checks the state file's size and CRC32C against the manifest before
       ``torch.load`` (``kwargs`` go to it); also loads a plain legacy ``.ckpt``
       file. ``checkpoint_file(path)`` gives the verified state as
-      ``torch.load`` and ``load_from_checkpoint`` take it. Raises :class:`~checkpoint_store.CheckpointNotFoundError` (a
+      ``torch.load`` and ``load_from_checkpoint`` take it. Raises
+      :class:`~checkpoint_store.CheckpointNotFoundError` (a
       ``FileNotFoundError``) for nothing there or an uncommitted directory,
       :class:`~checkpoint_store.CheckpointCorruptError` for a mismatch.
     * ``remove_checkpoint(path)``: uncommits, then deletes. Refuses (a

@@ -455,6 +455,61 @@ def test_report_callback_best_checkpoint_reachable(tmp_path, where, request):
                                  storage_options=loc.get("storage_options")).best_path()
 
 
+# -- the CLI on a ModelCheckpoint dirpath ------------------------------------------------------
+
+
+def _cli_json(args: list[str], options) -> dict:
+    import json
+
+    from click.testing import CliRunner
+
+    from checkpoint_store.cli import main
+
+    opts = [a for k, v in (options or {}).items() for a in ("-o", f"{k}={v}")]
+    out = CliRunner().invoke(main, [*args, "--json", *opts])
+    assert out.exit_code == 0, out.output
+    return json.loads(out.output)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_cli_ls_and_best_show_the_monitored_score(tmp_path, where, request):
+    """A ModelCheckpoint dirpath has no retention state: ls showed every
+    score as "-", and best asked for --metric. Both now take the monitor and
+    mode the plugin recorded from ModelCheckpoint (val_loss, min)."""
+    dirpath, options = _where(tmp_path, where, request)
+    mc = _top2_min(dirpath, save_last=True)
+    trainer(tmp_path, plugins=[CheckpointStoreIO(storage_options=options)],
+            callbacks=[mc]).fit(Tiny())
+    listed = _cli_json(["ls", dirpath], options)
+    assert listed["metric"] == "val_loss"
+    assert {c["name"]: c["score"] for c in listed["checkpoints"]} == {
+        "epoch=1-step=4.ckpt": pytest.approx(0.2), "epoch=3-step=8.ckpt": pytest.approx(0.1),
+        "last.ckpt": pytest.approx(0.1)}
+    best = _cli_json(["best", dirpath], options)
+    assert (best["metric"], best["mode"]) == ("val_loss", "min")  # max would pick 0.2
+    assert best["uri"].endswith("/epoch=3-step=8.ckpt")
+
+
+def test_cli_ls_shows_each_dirpaths_own_monitor(tmp_path):
+    """Two ModelCheckpoints into two directories, monitoring two metrics: each
+    checkpoint records both values, and each directory lists by its own."""
+    class TwoMetrics(Tiny):
+        def validation_step(self, batch, batch_idx):
+            super().validation_step(batch, batch_idx)
+            self.log("val_acc", 1.0 - self.losses[self.current_epoch % len(self.losses)])
+
+    loss_dir, acc_dir = str(tmp_path / "by_loss"), str(tmp_path / "by_acc")
+    callbacks = [_top2_min(loss_dir),
+                 ModelCheckpoint(dirpath=acc_dir, monitor="val_acc", mode="max", save_top_k=1)]
+    trainer(tmp_path, plugins=[CheckpointStoreIO(root=str(tmp_path))],
+            callbacks=callbacks).fit(TwoMetrics())
+    assert _cli_json(["ls", loss_dir], None)["metric"] == "val_loss"
+    assert _cli_json(["ls", acc_dir], None)["metric"] == "val_acc"
+    best = _cli_json(["best", acc_dir], None)
+    assert (best["metric"], best["mode"], best["score"]) == ("val_acc", "max",
+                                                            pytest.approx(0.9))
+
+
 def test_load_verifies_and_accepts_legacy_file(tmp_path):
     io = CheckpointStoreIO()
     path = str(tmp_path / "ck" / "a.ckpt")
