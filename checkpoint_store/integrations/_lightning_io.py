@@ -367,8 +367,9 @@ class _StoreIO:
                     f"{self._root}")
             return
         if uri in self._resumed_from:
-            _refuse(f"not removing {uri}: this run resumed from it (Lightning keeps the "
-                    "checkpoint given to fit(ckpt_path=...)); delete it yourself if unneeded")
+            # What Lightning does on local disks, silently: no warning either.
+            logger.info("not removing %s: this run resumed from it (Lightning keeps the "
+                        "checkpoint given to fit(ckpt_path=...))", uri)
             return
         fs = backend.filesystem
         holder = current_dir(backend, fs_path, self.retry)
