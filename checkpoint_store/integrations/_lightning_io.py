@@ -308,7 +308,7 @@ class _StoreIO:
     ) -> dict[str, Any]:
         import torch
 
-        backend, fs_path = self._verified(path)
+        backend, fs_path = self._after_pending_saves(path)
         state, meta = verified(backend, fs_path, retry=self.retry)
         loaded = torch.load(state_file(state), map_location=map_location,
                             weights_only=weights_only, **kwargs)
@@ -320,10 +320,10 @@ class _StoreIO:
         for the checkpoint at Lightning path ``path`` (``best_model_path``),
         verified; see :func:`checkpoint_store.integrations.lightning.checkpoint_file`.
         With ``async_save``, waits for pending saves of ``path`` first."""
-        backend, fs_path = self._verified(path)
+        backend, fs_path = self._after_pending_saves(path)
         return state_file(verified(backend, fs_path, retry=self.retry)[0])
 
-    def _verified(self, path: Any) -> tuple[Backend, str]:
+    def _after_pending_saves(self, path: Any) -> tuple[Backend, str]:
         """``(backend, path)`` of ``path``, once no queued save of it is pending."""
         backend, fs_path = self._locate(path)
         if self._queue is not None:
@@ -337,10 +337,10 @@ class _StoreIO:
         ``ModelCheckpoint``'s top-K from it, so the checkpoints of the run
         resumed through are this run's to evict, all but ``uri`` itself when
         loaded before the first save, which Lightning promises to keep (on
-        local disks it never asks to remove it); a checkpoint of a run never resumed through stays
-        protected. Before the first save the run takes that run id on, so a
-        later resume from any of its checkpoints continues the same run
-        again, however many restarts there were."""
+        local disks it never asks to remove it); a checkpoint of a run never
+        resumed through stays protected. Before the first save the run takes
+        that run id on, so a later resume from any of its checkpoints
+        continues the same run again, however many restarts there were."""
         run_id = (meta or {}).get("run_id")
         if not isinstance(run_id, str) or "lightning" not in (meta or {}):
             return

@@ -283,7 +283,6 @@ class _KillAt(L.Callback):
             raise SimulatedCrash(f"killed after epoch {self.epoch}")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("async_save", [False, True])
 def test_kill_resume_cycles_keep_top_k_and_last(tmp_path, async_save):
     """10 epochs in 5 processes (killed after epochs 1, 3, 5, 7): storage ends
