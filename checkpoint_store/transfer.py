@@ -13,6 +13,7 @@ Thread use: callers call from one thread; the copy fans out over its own pool.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import posixpath
@@ -249,6 +250,8 @@ def _local_files(
     ``stat``. The walk keeps its own stack: no depth limit but the disk's."""
     sizes = sizes or {}
     real_root = os.path.realpath(root)
+    # Found here, not by the copy half-way through (root reads every file).
+    check_access = hasattr(os, "geteuid") and os.geteuid() != 0
     out: list[tuple[str, int]] = []
     # (directory, its relative prefix, the real paths of it and its ancestors)
     stack: list[tuple[str, str, tuple[str, ...]]] = [(root, "", (real_root,))]
@@ -261,6 +264,9 @@ def _local_files(
             if entry.is_dir():  # follows links
                 stack.append((entry.path, f"{rel}/", (*ancestors, os.path.realpath(entry.path))))
             elif entry.is_file():
+                if check_access and not os.access(entry.path, os.R_OK):
+                    raise _unreadable(rel, src_root, "cannot read the source file",
+                                      PermissionError(errno.EACCES, "Permission denied"))
                 size = None if entry.is_symlink() else sizes.get(rel)
                 out.append((rel, entry.stat().st_size if size is None else size))
             else:
@@ -286,13 +292,17 @@ def _listed(path: str, rel_dir: str, src_root: str) -> list[os.DirEntry[str]]:
         with os.scandir(path) as it:
             return sorted(it, key=lambda e: e.name)
     except OSError as exc:
-        rel = rel_dir.rstrip("/")
-        where = f"{rel!r} under {src_root!r}" if rel else repr(src_root)
-        raise UnreadableSourceError(
-            f"cannot list the source directory {where}: {exc.strerror or exc}; nothing was "
-            "written. Make it readable (its permissions), or move it out of the source, "
-            "and try again", path=src_root, file=rel,
-        ) from exc
+        raise _unreadable(rel_dir.rstrip("/"), src_root, "cannot list the source directory",
+                          exc) from exc
+
+
+def _unreadable(rel: str, src_root: str, what: str, exc: OSError) -> UnreadableSourceError:
+    where = f"{rel!r} under {src_root!r}" if rel else repr(src_root)
+    return UnreadableSourceError(
+        f"{what} {where}: {exc.strerror or exc}; nothing was written. Make it readable "
+        "(its permissions), or move it out of the source, and try again",
+        path=src_root, file=rel,
+    )
 
 
 def _check_link(entry: os.DirEntry[str], rel: str, src_root: str, real_root: str,

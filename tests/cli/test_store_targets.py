@@ -130,3 +130,15 @@ def test_prune_by_a_recorded_metric_still_keeps_the_best(trial):
     ctx_uri, _, _ = trial.rpartition("/exp/t")
     kept = [name for _, name in StorageContext(ctx_uri, "exp", "t").checkpoint_dirs()]
     assert kept == ["checkpoint_000002"]
+
+
+def test_a_download_through_a_symlink_into_a_checkpoint_is_refused(trial, local_store,
+                                                                   tmp_path):
+    """The target is resolved first: a link elsewhere that leads inside counts."""
+    link = tmp_path / "restore-here"
+    os.symlink(local_store / "checkpoint_000000", link)
+    res = _cli("download", f"{trial}/checkpoint_000001", str(link / "restored"))
+    assert res.exit_code == 1, res.output
+    assert "lies inside the committed checkpoint" in res.output
+    assert not (local_store / "checkpoint_000000" / "restored").exists()
+    _intact(str(local_store))

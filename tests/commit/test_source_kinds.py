@@ -212,18 +212,18 @@ def _walk_as_nobody(src: str) -> dict:
     return json.loads(data)
 
 
-@pytest.mark.parametrize("where", ["shards", ""])
+@pytest.mark.parametrize("where", ["shards", "", "shards/part1.bin"])
 def test_an_unreadable_directory_is_an_unreadable_source_error(where):
     base = tempfile.mkdtemp(prefix="cs-unreadable-")  # pytest's tmp_path is root's alone
     src = make_source(os.path.join(base, "s"), 1)
     for d, _, _ in os.walk(base):
         os.chmod(d, 0o755)
     target = os.path.join(src, where) if where else src
-    os.chmod(target, 0o311)  # searchable, not listable
+    os.chmod(target, 0o311 if os.path.isdir(target) else 0o200)  # not listable / readable
     try:
         got = _walk_as_nobody(src)
     finally:
-        os.chmod(target, 0o755)
+        os.chmod(target, 0o755 if os.path.isdir(target) else 0o644)
         shutil.rmtree(base, ignore_errors=True)
     assert got["raised"] == "UnreadableSourceError", got
     assert got["file"] == where
