@@ -355,7 +355,7 @@ class Checkpoint:
             download_tree(self.filesystem, self.path, self._backend.capabilities, tmp,
                           manifest=manifest, verify=verify, listed=listed)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_tree(tmp)
             raise
         return tmp
 
@@ -382,7 +382,7 @@ class Checkpoint:
                                     staging, manifest=manifest, verify=verify, listed=listed)
             _swap_in(staging, target, marker, identity, old_files, written)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            _remove_tree(staging)
         logger.info("downloaded %s to %s (%d files)", self.uri, target, len(written))
 
     def _refuse_target_overlap(self, target: str) -> None:
@@ -428,7 +428,7 @@ class Checkpoint:
             self.to_directory(tmp)
             yield tmp
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove_tree(tmp)
 
 
 def written_metadata(checkpoint: Checkpoint) -> Mapping[str, Any]:
@@ -501,19 +501,50 @@ def _recover_interrupted(parent: str, base: str, target: str) -> None:
             logger.warning("restored %s from %s, left by a download that did not finish",
                            target, os.path.dirname(back))
     for _, path in dead:
-        shutil.rmtree(path, ignore_errors=True)
+        _remove_tree(path)
 
 
 def _tree_entries(root: str) -> list[str]:
     """Relative posix paths of everything under ``root`` but directories
-    (symlinks, also to directories, are entries, never followed)."""
+    (symlinks, also to directories, are entries, never followed). Its own
+    stack: ``os.walk`` recurses per level and fails 1,000 levels down."""
     out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel_dir = os.path.relpath(dirpath, root)
-        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
-            rel = name if rel_dir == "." else os.path.join(rel_dir, name)
-            out.append(rel.replace(os.sep, "/"))
+    stack = [(root, "")]
+    while stack:
+        path, rel_dir = stack.pop()
+        with os.scandir(path) as it:
+            for entry in it:
+                rel = f"{rel_dir}{entry.name}"
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append((entry.path, f"{rel}/"))
+                else:
+                    out.append(rel)
     return sorted(out)
+
+
+def _remove_tree(path: str) -> None:
+    """``shutil.rmtree(path, ignore_errors=True)``, also for a tree deeper
+    than its recursion allows (Python before 3.12 recurses per level):
+    then bottom up with a stack of our own, links removed, never followed."""
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    except RecursionError:
+        pass
+    dirs, stack = [], [path]
+    while stack:
+        d = stack.pop()
+        dirs.append(d)
+        with contextlib.suppress(OSError), os.scandir(d) as it:
+            for entry in it:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+    for d in reversed(dirs):
+        with contextlib.suppress(OSError):
+            os.rmdir(d)
 
 
 def _owned_files(target: str, previous: Mapping[str, Any]) -> list[str]:
@@ -553,7 +584,7 @@ def _swap_in(staging: str, target: str, marker: str, identity: dict[str, Any] | 
     os.rename(staging, target)
     _write_download_marker(marker, identity, written)
     if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
+        _remove_tree(trash)
 
 
 def _sizes_match(target: str, manifest: list[dict[str, Any]]) -> bool:

@@ -103,7 +103,10 @@ def copy_tree(
     chunk = chunk_size or dst_caps.chunk_size
     _fsutil.ensure_dir(dst_fs, dst_root, dst_caps, retry=retry)
     if dst_caps.directories:
-        for d in sorted({posixpath.dirname(rel) for rel, _ in files} - {""}):
+        # Every level, parents first: a client that makes the missing parents
+        # of one deep directory by recursion (fsspec's memory filesystem)
+        # then never recurses more than one level.
+        for d in _dirs_with_parents(rel for rel, _ in files):
             _fsutil.ensure_dir(dst_fs, posixpath.join(dst_root, d), dst_caps, retry=retry)
 
     # The fastest path for this pair of filesystems and these file sizes
@@ -126,6 +129,18 @@ def copy_tree(
             for d in sorted({posixpath.dirname(e.path) for e in entries} | {""}):
                 _fsutil.fsync_dir(os.path.join(root_os, d))
     return entries
+
+
+def _dirs_with_parents(rels: Iterable[str]) -> list[str]:
+    """Every directory holding one of ``rels`` and each above it (not the
+    root), sorted so that a parent comes before its children."""
+    dirs: set[str] = set()
+    for rel in rels:
+        d = posixpath.dirname(rel)
+        while d and d not in dirs:
+            dirs.add(d)
+            d = posixpath.dirname(d)
+    return sorted(dirs)
 
 
 def source_files(
@@ -262,7 +277,11 @@ def _local_files(
             if entry.is_symlink():
                 _check_link(entry, rel, src_root, real_root, ancestors, confine_links)
             if entry.is_dir():  # follows links
-                stack.append((entry.path, f"{rel}/", (*ancestors, os.path.realpath(entry.path))))
+                # Only a link needs resolving: realpath costs an lstat per
+                # level (a tree 1,000 deep: 1M lstats, 70 s, against 0.1 s).
+                real = os.path.realpath(entry.path) if entry.is_symlink() \
+                    else os.path.join(ancestors[-1], entry.name)
+                stack.append((entry.path, f"{rel}/", (*ancestors, real)))
             elif entry.is_file():
                 if check_access and not os.access(entry.path, os.R_OK):
                     raise _unreadable(rel, src_root, "cannot read the source file",

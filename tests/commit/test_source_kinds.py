@@ -231,12 +231,6 @@ def test_an_unreadable_directory_is_an_unreadable_source_error(where):
     assert (repr(where) if where else repr(src)) in got["msg"]
 
 
-def _local_trial(tmp_path):
-    from conftest import _trial
-
-    return _trial("local", tmp_path, None)
-
-
 def _deep_tree(root: str, depth: int) -> str:
     """``root/a`` and ``root/d/d/.../d/f`` (``depth`` levels), made without recursion."""
     os.mkdir(root)
@@ -254,10 +248,10 @@ def _deep_tree(root: str, depth: int) -> str:
     return "/".join(["d"] * depth + ["f"])
 
 
-def test_a_source_1000_directories_deep_is_committed_whole(tmp_path):
-    """The walk keeps its own stack (it raised RecursionError). Local disk:
-    fsspec's memory filesystem makes directories recursively itself."""
-    trial = _local_trial(tmp_path)
+@pytest.mark.slow
+def test_a_source_1000_directories_deep_is_committed_whole(trial, tmp_path):
+    """The walk keeps its own stack, and the copy makes each level's directory
+    parents first (both raised RecursionError)."""
     src = str(tmp_path / "deep")
     rel = _deep_tree(src, 1000)
     with session.start(**trial.session_kwargs()):
@@ -270,6 +264,11 @@ def test_a_source_1000_directories_deep_is_committed_whole(tmp_path):
     out = ckpt.to_directory(tmp_path / "out")
     with open(os.path.join(out, *rel.split("/"))) as f:
         assert f.read() == "deep"
+    # Downloaded again over the same tree: the old one is listed and removed.
+    os.unlink(os.path.join(out, "a"))
+    assert ckpt.to_directory(out) == out
+    assert {"a", "d"} <= set(os.listdir(out))
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".cs_download")]
 
 
 # -- a full disk --------------------------------------------------------------------
