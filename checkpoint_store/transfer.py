@@ -330,14 +330,24 @@ def _check_link(entry: os.DirEntry[str], rel: str, src_root: str, real_root: str
     real = os.path.realpath(entry.path)
     fix = "Remove or replace the link"
     if not os.path.exists(real):
-        raise _refuse_entry(rel, src_root,
-                            f"is a broken symlink (to {os.readlink(entry.path)!r})", fix)
+        what = "symlink loop (it never reaches a file)" if _loops(entry.path) \
+            else "broken symlink"
+        raise _refuse_entry(rel, src_root, f"is a {what} (to {os.readlink(entry.path)!r})", fix)
     if confine_links and not _inside(real, real_root):
         raise _refuse_entry(rel, src_root,
                             f"is a symlink leading out of the checkpoint (to {real!r})", fix)
     if os.path.isdir(real) and any(_inside(a, real) for a in ancestors):
         raise _refuse_entry(rel, src_root,
                             f"is a symlink cycle (it leads back to {real!r})", fix)
+
+
+def _loops(path: str) -> bool:
+    """True when following the link ``path`` fails with ELOOP (``a -> b -> a``)."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
 
 
 def _special_kind(path: str) -> str:

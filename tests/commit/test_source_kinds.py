@@ -178,6 +178,14 @@ def test_a_committed_checkpoint_handed_in_again_is_still_committed(trial, tmp_pa
     assert local_tree(ckpt.to_directory(tmp_path / "out")) == local_tree(src)
 
 
+def test_a_symlink_loop_is_refused_as_a_loop_naming_it(trial, tmp_path):
+    """``a -> b -> a``: following it fails with ELOOP, said as such."""
+    src = make_source(tmp_path / "s", 1)
+    os.symlink("b", os.path.join(src, "shards", "a"))
+    os.symlink("a", os.path.join(src, "shards", "b"))
+    _report_refused(trial, src, "shards/a", r"'shards/a' .*is a symlink loop", "sync")
+
+
 # -- unreadable and deep trees ------------------------------------------------------
 
 def _walk_as_nobody(src: str) -> dict:
