@@ -112,11 +112,14 @@ def refuse_local_store_target(path: str, what: str, *, trials: bool = True) -> N
         NestedCheckpointError: a committed checkpoint holds ``path``.
         InvalidConfigError: a trial directory holds ``path`` (or is it).
     """
-    from checkpoint_store.registry import resolve
+    from checkpoint_store.backends.local import local_backend
 
     real = os.path.realpath(path)
-    backend, spelled = resolve(real)
-    refuse_inside_checkpoint(backend, spelled, what)
+    # A local path is the local disk's, whatever store the checkpoint came from:
+    # no location is resolved (a store passed in as a filesystem stays the only
+    # one a download touches).
+    backend = local_backend("file://", {})
+    refuse_inside_checkpoint(backend, backend.normalize_path(real), what)
     for level in ancestors(real) if trials else ():
         if any(os.path.isfile(os.path.join(level, name)) for name in _TRIAL_FILES):
             raise InvalidConfigError(
