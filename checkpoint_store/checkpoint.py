@@ -17,7 +17,7 @@ import tempfile
 import time
 import types
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import filelock
@@ -87,6 +87,7 @@ class Checkpoint:
         backend, fs_path = resolve(path, filesystem=filesystem, storage_options=storage_options)
         self._backend = backend
         self.path: str = fs_path
+        self._on_corrupt: Callable[[CheckpointCorruptError], None] | None = None
 
     @classmethod
     def _from_backend(cls, backend: Backend, path: str,
@@ -99,6 +100,7 @@ class Checkpoint:
         self.path = path
         if written is not None:
             self._written = types.MappingProxyType(dict(written))
+        self._on_corrupt = None
         return self
 
     @classmethod
@@ -161,6 +163,27 @@ class Checkpoint:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._backend = state["backend"]
         self.path = state["path"]
+        self._on_corrupt = None
+
+    def _report_corrupt_to(self, callback: Callable[[CheckpointCorruptError], None]) -> Checkpoint:
+        """Have ``callback`` told when :meth:`verify` or :meth:`to_directory` find
+        this checkpoint damaged (a file missing, added, or not matching its
+        manifest), before the error is raised: how the retention manager that
+        handed it out learns of it. Returns ``self``."""
+        self._on_corrupt = callback
+        return self
+
+    @contextlib.contextmanager
+    def _reporting_corruption(self) -> Iterator[None]:
+        try:
+            yield
+        except UnsafePathError:
+            raise  # a bad target, or an entry escaping it: not damage to the files
+        except CheckpointCorruptError as exc:
+            callback = getattr(self, "_on_corrupt", None)  # None: built another way
+            if callback is not None:
+                callback(exc)
+            raise
 
     # -- metadata -------------------------------------------------------------
 
@@ -247,6 +270,10 @@ class Checkpoint:
                 checksum, or the metadata is unreadable; ``.file`` names the
                 file (relative to the checkpoint) and the message says which.
         """
+        with self._reporting_corruption():
+            self._verify()
+
+    def _verify(self) -> None:
         insp = inspect_checkpoint(self.filesystem, self.path)
         if insp.state == "missing":
             raise CheckpointNotFoundError(f"checkpoint {self.uri} does not exist")
@@ -305,6 +332,10 @@ class Checkpoint:
             CheckpointCorruptError: its metadata is invalid, or ``verify``
                 and a file fails its check; names the file.
         """
+        with self._reporting_corruption():
+            return self._to_directory(path, verify)
+
+    def _to_directory(self, path: str | os.PathLike[str] | None, verify: bool) -> str:
         insp = self._inspect_for_download()
         manifest = insp.meta["manifest"] if insp.meta else None
         if path is None:

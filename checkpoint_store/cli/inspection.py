@@ -32,6 +32,7 @@ from checkpoint_store.cli.locations import (
     require_checkpoint,
     require_trial,
     resolve_location,
+    storage_context,
     trials_under,
 )
 from checkpoint_store.cli.output import (
@@ -69,8 +70,9 @@ _Scored = tuple[Location, Mapping[str, Any], float | None]
 
 def _listed_checkpoints(
     trial: Location, long: bool
-) -> tuple[list[tuple[Location, dict[str, Any]]], list[tuple[str, bool]] | None]:
-    """The trial's committed checkpoints with what ``ls`` shows of them, oldest first.
+) -> tuple[list[tuple[Location, dict[str, Any]]], list[tuple[str, bool]] | None, dict[str, str]]:
+    """The trial's committed checkpoints with what ``ls`` shows of them, oldest first,
+    but those its retention state records as invalid (``dir_name -> why``, the third).
 
     With ``long`` each one's internal metadata (its manifest: sizes, files) is
     read, about two requests per checkpoint. Without, the retention state
@@ -83,8 +85,20 @@ def _listed_checkpoints(
     if not long:
         recorded = recorded_checkpoints(trial)
         if recorded is not None:
-            return recorded.checkpoints, recorded.entries
-    return committed_checkpoints(trial), None
+            return recorded.checkpoints, recorded.entries, recorded.invalid
+    invalid = _recorded_invalid(trial)
+    return ([(c, m) for c, m in committed_checkpoints(trial) if c.name not in invalid], None,
+            invalid)
+
+
+def _recorded_invalid(trial: Location) -> dict[str, str]:
+    """``dir_name -> why`` of the checkpoints of ``trial`` its retention state
+    records as damaged: found by a read (a CRC32C that no listing shows) and
+    never ranked, resumed from or deleted."""
+    from checkpoint_store.retention import recorded_invalid
+
+    ctx = storage_context(trial, strict=False)
+    return recorded_invalid(ctx) if ctx is not None else {}
 
 
 def _ls_trial(trial: Location, metric: str | None, long: bool) -> dict[str, Any]:
@@ -94,7 +108,7 @@ def _ls_trial(trial: Location, metric: str | None, long: bool) -> dict[str, Any]
         except UnreadableStateError as exc:  # a listing still helps; ranking commands refuse
             click.echo(f"warning: {exc}; scores not shown", err=True)
     rows = []
-    checkpoints, entries = _listed_checkpoints(trial, long)
+    checkpoints, entries, invalid = _listed_checkpoints(trial, long)
     if metric is None:
         metric, _ = monitored_attribute(checkpoints)
     for ckpt, meta in checkpoints:
@@ -110,9 +124,12 @@ def _ls_trial(trial: Location, metric: str | None, long: bool) -> dict[str, Any]
             row.update(size=manifest_size(meta), files=len(meta.get("manifest", [])))
         rows.append(row)
     corrupt, uncommitted = not_committed(trial, (r["name"] for r in rows), entries)
+    shown = {n for n, _ in corrupt}
     return {"kind": "trial", "uri": trial.uri, "metric": metric, "checkpoints": rows,
             "error": _last_error(trial), "uncommitted": len(uncommitted),
-            "corrupt": [{"name": n, "file": st.file, "reason": st.reason} for n, st in corrupt]}
+            "corrupt": [{"name": n, "file": st.file, "reason": st.reason} for n, st in corrupt],
+            "invalid": [{"name": n, "reason": why} for n, why in sorted(invalid.items())
+                        if n not in shown]}
 
 
 def _last_error(trial: Location) -> str | None:
@@ -129,7 +146,7 @@ def _last_error(trial: Location) -> str | None:
 def _ls_experiment(exp: Location, long: bool) -> dict[str, Any]:
     rows = []
     for trial in trials_under(exp, "experiment"):
-        committed, _ = _listed_checkpoints(trial, long)
+        committed, _, _ = _listed_checkpoints(trial, long)
         row = {
             "name": trial.name,
             "uri": trial.uri,
@@ -201,6 +218,9 @@ def _print_ls_trial(trial: Location, data: Mapping[str, Any], long: bool) -> Non
     for c in data["corrupt"]:
         click.echo(f"(corrupt, not listed: {c['name']}: {c['reason']}; "
                    "`checkpoint-store verify` checks the others)", err=True)
+    for c in data["invalid"]:
+        click.echo(f"(invalid, not listed: {c['name']}: {c['reason']}; found damaged by a "
+                   "read, never ranked, resumed from or deleted by retention)", err=True)
     if data["error"] is not None:
         click.echo(f"(the trial's last run ended with an error: {data['error']}; "
                    f"its traceback is in {trial.child(ERROR_FILE).uri})", err=True)
@@ -250,7 +270,9 @@ def ls_cmd(uri: str, storage_options: dict[str, Any], metric: str | None, long: 
     experiments, an experiment its trials, a trial its committed checkpoints
     (index, creation time in UTC, score), a checkpoint its files.
     Uncommitted directories (interrupted writes) are never listed as
-    checkpoints; their count is reported on stderr.
+    checkpoints; their count is reported on stderr. Nor are corrupt or
+    invalid ones (a checkpoint its retention state records as found damaged
+    by a read); each is named on stderr.
 
     A trial's checkpoints come from its retention state and one listing, at a
     cost that does not grow with the number of checkpoints; --long adds their
@@ -276,9 +298,11 @@ def ls_cmd(uri: str, storage_options: dict[str, Any], metric: str | None, long: 
 # -- show ---------------------------------------------------------------------------
 
 
-def _print_show(loc: Location, meta: Mapping[str, Any], user: Mapping[str, Any]) -> None:
+def _print_show(loc: Location, meta: Mapping[str, Any], user: Mapping[str, Any],
+                invalid: str | None) -> None:
     manifest = list(meta.get("manifest", []))
     click.echo(f"checkpoint      {loc.uri}")
+    click.echo(f"state           {'committed' if invalid is None else 'invalid: ' + invalid}")
     click.echo(f"index           {meta.get('index')}")
     click.echo(f"created (UTC)   {fmt_time(meta.get('created_at'))}")
     click.echo(f"format          {meta.get('format_version')}")
@@ -326,6 +350,9 @@ def _score_line(loc: Location) -> str | None:
 def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) -> None:
     """Show a checkpoint's user and internal metadata and a manifest summary.
 
+    Its state is ``committed``, or ``invalid`` with why when the trial's
+    retention state records it as found damaged by a read.
+
     \b
     Examples:
       checkpoint-store show ./results/exp/trial1/checkpoint_000004
@@ -336,14 +363,17 @@ def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) ->
     loc = resolve_location(checkpoint, storage_options)
     meta = require_checkpoint(loc)
     user = Checkpoint._from_backend(loc.backend, loc.path).get_metadata()
+    # Damage a read found (a CRC32C) shows in no listing: the trial's state says so.
+    invalid = _recorded_invalid(loc.parent).get(loc.name)
     if not as_json:
-        _print_show(loc, meta, user)
+        _print_show(loc, meta, user, invalid)
         return
     manifest = list(meta.get("manifest", []))
     internal = {k: v for k, v in meta.items() if k != "manifest"}
     summary = {"files": len(manifest), "bytes": manifest_size(meta),
                "largest": [{"path": e["path"], "size": e["size"]} for e in _largest(manifest)]}
-    print_json({"uri": loc.uri, "internal_metadata": internal, "user_metadata": user,
+    print_json({"uri": loc.uri, "state": "committed" if invalid is None else "invalid",
+                "reason": invalid, "internal_metadata": internal, "user_metadata": user,
                 "manifest": summary})
 
 
@@ -366,7 +396,8 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
     """Print the best checkpoint of TRIAL (its URI on the first line) and its metrics.
 
     Ranking is the retention manager's: NaN or missing scores rank last, ties
-    go to the newer checkpoint.
+    go to the newer checkpoint; a checkpoint the trial's retention state
+    records as invalid (found damaged by a read) is left out, with a warning.
 
     \b
     Examples:
@@ -384,6 +415,10 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
     # read each one's metadata (the full walk is for trials without a state).
     recorded = recorded_checkpoints(loc)
     committed = recorded.checkpoints if recorded is not None else committed_checkpoints(loc)
+    invalid = recorded.invalid if recorded is not None else _recorded_invalid(loc)
+    for name, why in sorted(invalid.items()):
+        click.echo(f"warning: {name} is invalid ({why}); not ranked", err=True)
+    committed = [(c, m) for c, m in committed if c.name not in invalid]
     if metric is None:  # no retention state: the framework's monitored metric, if recorded
         metric, monitored_mode = monitored_attribute(committed)
         if metric is None:

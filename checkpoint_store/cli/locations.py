@@ -448,6 +448,9 @@ class Recorded:
     #: The trial's listing (:func:`list_entries` form) without the committed
     #: checkpoint directories the state vouches for.
     entries: list[tuple[str, bool]]
+    #: ``dir_name -> why`` of the checkpoints the state records as damaged
+    #: (left out of ``checkpoints``).
+    invalid: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def recorded_checkpoints(trial: Location) -> Recorded | None:
@@ -487,7 +490,7 @@ def recorded_checkpoints(trial: Location) -> Recorded | None:
     out += _committed_otherwise_named(trial, entries)
     out += _still_there(trial, manager.pending_deletes, entries)
     out.sort(key=lambda lm: (lm[1]["index"], lm[1].get("created_at") or 0.0))
-    return Recorded(out, entries)
+    return Recorded(out, entries, manager.invalid)
 
 
 def _still_there(trial: Location, pending: Iterable[str], entries: list[tuple[str, bool]]

@@ -45,7 +45,8 @@ in this list:
   :func:`explain_kept` and the manager's incremental form.
 * :mod:`~checkpoint_store.retention.lease`: the lease and its keeper thread,
   :func:`live_lease`.
-* :mod:`~checkpoint_store.retention.state`: the state file.
+* :mod:`~checkpoint_store.retention.state`: the state file, and
+  :func:`recorded_invalid`, the checkpoints it records as damaged.
 * :mod:`~checkpoint_store.retention.manager`: :class:`CheckpointManager`.
 """
 
@@ -77,6 +78,7 @@ from checkpoint_store.retention.scoring import (
     score_or_none,
 )
 from checkpoint_store.retention.selection import CheckpointRecord, explain_kept, select_kept
+from checkpoint_store.retention.state import recorded_invalid
 
 __all__ = [
     "AnyOf",
@@ -104,6 +106,7 @@ __all__ = [
     "live_lease",
     "lookup_metric",
     "rank_key",
+    "recorded_invalid",
     "score_of",
     "score_or_none",
     "select_kept",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import posixpath
+import threading
 import time
 import warnings
 import weakref
@@ -30,6 +31,7 @@ from checkpoint_store._manifest import read_internal_metadata
 from checkpoint_store.checkpoint import Checkpoint, written_metadata
 from checkpoint_store.errors import (
     CheckpointConflictError,
+    CheckpointCorruptError,
     CheckpointStoreError,
     InvalidConfigError,
 )
@@ -128,6 +130,11 @@ class CheckpointManager:
         #: (inspected at restore): a cleanup need not inspect them again.
         self.restore_known: dict[str, int] = {}
         self._uncommitted: list[str] = []
+        #: ``dir_name -> why``: committed checkpoints a read found damaged.
+        self._invalid: dict[str, str] = {}
+        # A damaged checkpoint may be found by a download on the user's thread
+        # while a background upload registers another.
+        self._mutex = threading.RLock()
         self._next_index = 0
         self._closed = False
         self._log = StateLog(storage)
@@ -218,6 +225,10 @@ class CheckpointManager:
                 another run.
             CheckpointStoreError: this manager is read-only or closed.
         """
+        with self._mutex:
+            return self._register(checkpoint, metrics)
+
+    def _register(self, checkpoint: Checkpoint, metrics: Mapping[str, Any]) -> list[str]:
         if self._read_only or self._closed:
             raise CheckpointStoreError(
                 "this checkpoint manager is read-only or closed; create a new "
@@ -280,7 +291,7 @@ class CheckpointManager:
         one; a checkpoint that was evicted is never returned.
         """
         top = self._sel.newest()
-        return self._storage.checkpoint(top.dir_name) if top is not None else None
+        return self._handout(top.dir_name) if top is not None else None
 
     @property
     def latest_index(self) -> int | None:
@@ -298,7 +309,7 @@ class CheckpointManager:
         """Kept checkpoints with their metrics, best first (ties: newer first;
         NaN/missing last). Without a score attribute, most recent first."""
         return [
-            (self._storage.checkpoint(e.dir_name), dict(e.metrics)) for e in self._sel.ranked()
+            (self._handout(e.dir_name), dict(e.metrics)) for e in self._sel.ranked()
         ]
 
     @property
@@ -307,7 +318,7 @@ class CheckpointManager:
 
         A NaN or missing score is never best while any number is kept."""
         ranked = self._sel.ranked()
-        return self._storage.checkpoint(ranked[0].dir_name) if ranked else None
+        return self._handout(ranked[0].dir_name) if ranked else None
 
     @property
     def kept_dir_names(self) -> list[str]:
@@ -341,7 +352,7 @@ class CheckpointManager:
         top = self._sel.newest()  # without reading a lazy state's chunks
         tops = foreign + ([(top.index, top.dir_name, meta(top))] if top is not None else [])
         newest = max(tops, key=lambda t: (t[0], t[1]), default=None)
-        return Candidates(self._storage, items,
+        return Candidates(self._handout, items,
                           None if newest is None else (newest[1], newest[2]))
 
     def known_committed(self) -> dict[str, int]:
@@ -352,6 +363,61 @@ class CheckpointManager:
         known.update((n, i) for n in self._foreign
                      if (i := parse_checkpoint_dir_name(n)) is not None)
         return known
+
+    # -- damaged checkpoints ------------------------------------------------------------------
+
+    def _handout(self, dir_name: str) -> Checkpoint:
+        """The Checkpoint of ``dir_name``, reporting damage its reads find back here."""
+        ref = weakref.ref(self)
+
+        def found(exc: CheckpointCorruptError) -> None:
+            manager = ref()
+            if manager is not None:
+                manager.mark_invalid(dir_name, " ".join(str(exc).split()))
+
+        return self._storage.checkpoint(dir_name)._report_corrupt_to(found)
+
+    def mark_invalid(self, dir_name: str, reason: str) -> bool:
+        """Record that a read found the kept (or another run's) checkpoint
+        ``dir_name`` damaged: a file missing, added, or not matching its size or
+        CRC32C. It leaves the ranking and the resume candidates at once, so good
+        checkpoints are kept in its place; it is never deleted by retention;
+        the retention state records it (a restart, ``ls``, ``best`` and the
+        web page know it without reading its bytes again). Warns once.
+
+        Called by the reads of the checkpoints this manager hands out
+        (:meth:`Checkpoint.verify`, :meth:`Checkpoint.to_directory`, the
+        resume's verification in ``get_checkpoint()``).
+
+        Returns:
+            True when newly recorded; False when already recorded, evicted
+            (its delete is due anyway) or not a checkpoint this manager knows.
+        """
+        with self._mutex:
+            if dir_name in self._invalid or dir_name in self._pending:
+                return False
+            if dir_name in self._foreign:
+                self._foreign.remove(dir_name)
+            elif dir_name in self._sel.kept:
+                self._sel.kept.pop(dir_name, None)
+            else:
+                return False
+            self._invalid[dir_name] = reason
+            trial = self._storage.uri(self._storage.trial_path)
+            warnings.warn(
+                f"checkpoint {dir_name} of trial {trial} is invalid ({reason}); it is left "
+                "out of the ranking and of resume, and kept on storage (never deleted by "
+                "retention): inspect it, then delete it by hand", RuntimeWarning, stacklevel=2)
+            if not self.read_only:
+                self._log.append(LogRecord(0, invalid=((dir_name, reason),)), self._state)
+            return True
+
+    @property
+    def invalid(self) -> dict[str, str]:
+        """``dir_name -> why`` of this trial's checkpoints found damaged (by a
+        read, or at restore by their listing not matching the manifest), still
+        on storage. Never ranked, resumed from or deleted."""
+        return dict(self._invalid)
 
     @property
     def pending_deletes(self) -> list[str]:
@@ -388,6 +454,7 @@ class CheckpointManager:
                                                       e.created_at)
                          for e in self._sel.ordered()},
             pending_deletes=tuple(self._pending),
+            invalid=dict(self._invalid),
         )
 
     def _save_state(self) -> bool:
@@ -435,9 +502,10 @@ class CheckpointManager:
 
     def retry_deletes(self) -> list[str]:
         """Retry the failed deletes now; returns the names still pending."""
-        if not self.read_only:
-            self._delete_pending()
-        return list(self._pending)
+        with self._mutex:
+            if not self.read_only:
+                self._delete_pending()
+            return list(self._pending)
 
     # -- restore -----------------------------------------------------------------------------
 
@@ -454,7 +522,10 @@ class CheckpointManager:
         state, problem = self._log.load(listing.files, lazy=keep_all)
         self.restored_from_state = state is not None
         pending_before = set(state.pending_deletes) if state is not None else set()
-        trusted, unknown = self._trusted(state, listing, pending_before)
+        # Found damaged before: not inspected, ranked or re-registered again.
+        recorded = {n: why for n, why in (state.invalid if state is not None else {}).items()
+                    if n in listing.dirs}
+        trusted, unknown = self._trusted(state, listing, pending_before | recorded.keys())
         if isinstance(trusted, LazyEntries) or trusted:  # a lazy one's len() reads it
             top = (trusted.newest() if isinstance(trusted, LazyEntries)
                    else max(trusted.values(), key=lambda e: e.index))
@@ -462,8 +533,9 @@ class CheckpointManager:
                 unknown.append(top.dir_name)
         found = scan(self._storage, listing, unknown)
         lost = found.corrupt.keys() | set(found.uncommitted)
-        for name in lost:
+        for name in lost | recorded.keys():
             trusted.pop(name, None)
+        self._invalid = {**recorded, **found.corrupt}
         self.restore_listing = listing.entries_except(
             self._storage, {*unknown, *pending_before, *lost})
         self.restore_known = {c.dir_name: c.index for c in found.committed}
@@ -482,6 +554,7 @@ class CheckpointManager:
             changed = state is not None and trusted.keys() != state.checkpoints.keys()
         needs_write = (state is None and bool(found.committed) or bool(evicted)
                        or bool(self._pending) or learned or changed
+                       or self._invalid != dict(state.invalid if state is not None else {})
                        or (state is not None and state.config != self.config.to_json()))
         if needs_write and self._save_state():
             if self._pending:
@@ -493,7 +566,8 @@ class CheckpointManager:
     def _trusted(self, state: ManagerState | None, listing: Listing, pending: set[str]
                  ) -> tuple[dict[str, StoredCheckpoint] | LazyEntries[StoredCheckpoint], list[str]]:
         """The state's kept entries whose directories are listed, and the listed
-        checkpoint directories the state does not know (to inspect). A lazy
+        checkpoint directories the state does not know (to inspect), leaving
+        out ``pending`` (deletes due, checkpoints recorded invalid). A lazy
         state (keep-all, same config) stays unread when the root places every
         listed name; else it is read here."""
         if state is None:
@@ -575,7 +649,8 @@ class CheckpointManager:
                 storage.uri(storage.trial_path), ", ".join(self._foreign),
             )
         top = self._sel.newest()
-        warn_corrupt(storage, scan, top.dir_name if top is not None else None)
+        warn_corrupt(storage, self._invalid, scan.highest_dir_index,
+                     top.dir_name if top is not None else None)
         if self._uncommitted:
             logger.warning(
                 "trial %s holds uncommitted checkpoint directories, ignored and never deleted "

@@ -146,13 +146,14 @@ def run_id_of(committed: list[Committed], trial_name: str) -> str:
 
 class Candidates(Sequence[tuple[Checkpoint, dict[str, Any]]]):
     """``(Checkpoint, meta)`` pairs, oldest first, built on first read (the same
-    object after). ``items`` is called only when more than ``newest`` is asked
-    for: a resume reads the newest one and, only if it fails to verify, more."""
+    object after) by ``build`` (a directory name to its Checkpoint). ``items``
+    is called only when more than ``newest`` is asked for: a resume reads the
+    newest one and, only if it fails to verify, more."""
 
-    def __init__(self, storage: StorageContext,
+    def __init__(self, build: Callable[[str], Checkpoint],
                  items: Callable[[], list[tuple[str, dict[str, Any]]]],
                  newest: tuple[str, dict[str, Any]] | None = None):
-        self._storage = storage
+        self._build_checkpoint = build
         self._items_of = items
         self._items: list[tuple[str, dict[str, Any]]] | None = None
         self._newest = newest
@@ -165,7 +166,7 @@ class Candidates(Sequence[tuple[Checkpoint, dict[str, Any]]]):
 
     def _build(self, name: str, meta: dict[str, Any]) -> tuple[Checkpoint, dict[str, Any]]:
         if name not in self._built:
-            self._built[name] = (self._storage.checkpoint(name), dict(meta))
+            self._built[name] = (self._build_checkpoint(name), dict(meta))
         return self._built[name]
 
     def named(self) -> list[tuple[str, dict[str, Any]]]:
@@ -206,24 +207,29 @@ class Candidates(Sequence[tuple[Checkpoint, dict[str, Any]]]):
         return self._build(*items[j])
 
 
-def warn_corrupt(storage: StorageContext, found: Scan, newest_kept: str | None) -> None:
-    """Name each corrupt checkpoint of ``found`` and why; say so louder (a
-    ``RuntimeWarning``) when it is the newest, since resume then falls back to
-    ``newest_kept``."""
-    if not found.corrupt:
+def warn_corrupt(storage: StorageContext, corrupt: Mapping[str, str], highest_dir_index: int,
+                 newest_kept: str | None) -> None:
+    """Name each corrupt checkpoint (``corrupt``: name -> what is wrong) and
+    why; say so louder (a ``RuntimeWarning``) when it is the newest directory
+    (``highest_dir_index``), since resume then falls back to ``newest_kept``."""
+    if not corrupt:
         return
     trial = storage.uri(storage.trial_path)
-    newest = max(found.corrupt, key=lambda n: parse_checkpoint_dir_name(n) or -1)
-    if (parse_checkpoint_dir_name(newest) or -1) == found.highest_dir_index:
+    def index(name: str) -> int:
+        parsed = parse_checkpoint_dir_name(name)
+        return -1 if parsed is None else parsed  # not ``or -1``: index 0 is a checkpoint
+
+    newest = max(corrupt, key=index)
+    if index(newest) == highest_dir_index:
         fallback = (f"resume falls back to {newest_kept}" if newest_kept is not None
                     else "no committed checkpoint is left to resume from")
         warnings.warn(
             f"the newest checkpoint of trial {trial}, {newest}, is corrupt "
-            f"({found.corrupt[newest]}): {fallback}; `checkpoint-store verify {trial}` "
+            f"({corrupt[newest]}): {fallback}; `checkpoint-store verify {trial}` "
             "names every fault", RuntimeWarning, stacklevel=5,
         )
     logger.warning(
-        "trial %s holds corrupt checkpoints (files not matching their manifest), ignored "
-        "and never deleted by retention: %s", trial,
-        "; ".join(f"{n} ({why})" for n, why in sorted(found.corrupt.items())),
+        "trial %s holds invalid checkpoints (files not matching their manifest), left out "
+        "of ranking and resume and never deleted by retention: %s", trial,
+        "; ".join(f"{n} ({why})" for n, why in sorted(corrupt.items())),
     )

@@ -34,6 +34,7 @@ __all__ = [
     "apply",
     "check_version",
     "load_state",
+    "recorded_invalid",
     "save_state",
 ]
 
@@ -105,6 +106,9 @@ class ManagerState:
         checkpoints: the kept checkpoints, by directory name.
         pending_deletes: evicted directory names whose delete is still due.
         seq: the last log record folded into this state (0: none; version-1 files).
+        invalid: ``dir_name -> why`` of the committed checkpoints a read found
+            damaged (a file missing, added, or not matching its size or CRC32C):
+            never ranked, resumed from or deleted.
     """
 
     run_id: str
@@ -114,6 +118,7 @@ class ManagerState:
     checkpoints: Mapping[str, StoredCheckpoint] = field(default_factory=dict)
     pending_deletes: tuple[str, ...] = ()
     seq: int = 0
+    invalid: Mapping[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The snapshot root's fields, every kept checkpoint inline (a root
@@ -128,6 +133,7 @@ class ManagerState:
             "checkpoints": [c.to_json() for c in self.checkpoints.values()],
             "pending_deletes": list(self.pending_deletes),
             "seq": self.seq,
+            "invalid": dict(self.invalid),
         }
 
     @classmethod
@@ -149,7 +155,16 @@ class ManagerState:
             checkpoints={e.dir_name: e for e in entries if e is not None},
             pending_deletes=tuple(state.get("pending_deletes", [])),
             seq=seq if _is_int(seq) and seq >= 0 else 0,
+            invalid=_invalid_of(state.get("invalid")),
         )
+
+
+def _invalid_of(value: Any) -> dict[str, str]:
+    """The ``invalid`` map of a parsed object; {} when it is absent (files
+    written before it existed) or not a map of names to reasons."""
+    if not isinstance(value, Mapping):
+        return {}
+    return {n: r for n, r in value.items() if isinstance(n, str) and isinstance(r, str)}
 
 
 class _Named(Protocol):
@@ -334,6 +349,8 @@ class LogRecord:
         evict: directory names evicted (their deletes become due).
         deleted: directory names whose delete is done.
         next_index: the next checkpoint index after this change, if known.
+        invalid: ``(dir_name, why)`` of checkpoints found damaged by a read:
+            they leave the kept set for :attr:`ManagerState.invalid`.
     """
 
     seq: int
@@ -341,6 +358,7 @@ class LogRecord:
     evict: tuple[str, ...] = ()
     deleted: tuple[str, ...] = ()
     next_index: int | None = None
+    invalid: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": "checkpoint_manager_log", "format_version":
@@ -353,6 +371,8 @@ class LogRecord:
             out["deleted"] = list(self.deleted)
         if self.next_index is not None:
             out["next_index"] = self.next_index
+        if self.invalid:
+            out["invalid"] = dict(self.invalid)
         return out
 
     @classmethod
@@ -372,7 +392,8 @@ class LogRecord:
                 and all(isinstance(n, str) for n in evict + deleted)):
             return None
         return cls(obj["seq"], register, tuple(evict), tuple(deleted),
-                   following if _is_int(following) else None)
+                   following if _is_int(following) else None,
+                   tuple(_invalid_of(obj.get("invalid")).items()))
 
 
 def apply(state: ManagerState, record: LogRecord) -> ManagerState:
@@ -405,12 +426,20 @@ def apply(state: ManagerState, record: LogRecord) -> ManagerState:
             pending.append(name)
     done = set(record.deleted)
     pending = [n for n in pending if n not in done]
+    invalid = dict(state.invalid)
+    for name, why in record.invalid:
+        if isinstance(kept, LazyEntries):
+            kept.discard(name)
+        else:
+            kept.pop(name, None)
+        invalid[name] = why
     following = state.next_index
     if record.next_index is not None:
         following = (record.next_index if following is None
                      else max(following, record.next_index))
     return dataclasses.replace(state, checkpoints=kept, pending_deletes=tuple(pending),
-                               latest_index=latest, next_index=following, seq=record.seq)
+                               latest_index=latest, next_index=following, seq=record.seq,
+                               invalid=invalid)
 
 
 def check_version(storage: StorageContext, path: str, obj: Mapping[str, Any]) -> None:
@@ -441,6 +470,20 @@ def load_state(storage: StorageContext, path: str | None = None
     from checkpoint_store.retention.statelog import StateLog
 
     return StateLog(storage, path).load()
+
+
+def recorded_invalid(storage: StorageContext) -> dict[str, str]:
+    """``dir_name -> why`` of the checkpoints the trial's retention state
+    records as damaged (:attr:`ManagerState.invalid`); {} without a usable
+    state. Reads the root and the log records after it, never a chunk."""
+    from checkpoint_store.errors import CheckpointStoreError
+    from checkpoint_store.retention.statelog import StateLog
+
+    try:
+        state, _ = StateLog(storage).load(lazy=True)
+    except (CheckpointStoreError, OSError):
+        return {}
+    return dict(state.invalid) if state is not None else {}
 
 
 def save_state(storage: StorageContext, path: str, state: ManagerState) -> bool:

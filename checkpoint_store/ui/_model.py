@@ -50,6 +50,7 @@ from checkpoint_store._layout import (
     STOPPED_FILE,
     is_internal_name,
     parse_checkpoint_dir_name,
+    parse_state_log_name,
     validate_component,
 )
 from checkpoint_store._manifest import inspect_checkpoint
@@ -77,6 +78,7 @@ from checkpoint_store.retention import (
     CheckpointRecord,
     live_lease,
     rank_key,
+    recorded_invalid,
     score_or_none,
     select_kept,
 )
@@ -88,7 +90,7 @@ LATEST = "latest"  # committed, the newest, kept for resume though not among the
 KEPT = "kept"  # committed, neither (no score attribute, another run's, pending delete)
 EVICTED = "evicted"  # reported with a checkpoint that retention has deleted since
 UNCOMMITTED = "uncommitted"  # the directory is there without a commit marker (yet)
-INVALID = "invalid"  # a commit marker that does not match the directory (damaged after commit)
+INVALID = "invalid"  # committed, then found damaged: never ranked, resumed from or deleted
 
 # A chart line has at most this many points by default: 4 per bucket (first, last,
 # lowest, highest), so a spike survives decimation; markers are never decimated.
@@ -108,8 +110,11 @@ class _TrialCache:
     metas: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     # Directories whose marker is there but does not match them: name -> (the
     # marker's JSON when it parsed, the reason).
-    invalid: dict[str, tuple[dict[str, Any], str]] = dataclasses.field(default_factory=dict)
+    unmatched: dict[str, tuple[dict[str, Any], str]] = dataclasses.field(default_factory=dict)
     uncommitted: set[str] = dataclasses.field(default_factory=set)
+    # Recorded by the retention state: dir_name -> why; read again when its files change.
+    invalid: dict[str, str] = dataclasses.field(default_factory=dict)
+    state_files: tuple[tuple[str, int | None, int | None], ...] = ()
     params: dict[str, Any] | None = None
     config: CheckpointConfig | None = None
     status: str = "finished"
@@ -140,7 +145,8 @@ class _TrialCache:
         """A token that changes whenever anything shown of the trial changes (an
         HTTP ETag: a poll with nothing new is answered 304 without a body)."""
         key = (self.offset, tuple(sorted(self.segments)), tuple(sorted(self.metas)),
-               tuple(sorted(self.invalid.items())), tuple(sorted(self.uncommitted)),
+               tuple(sorted(self.unmatched.items())), tuple(sorted(self.invalid.items())),
+               tuple(sorted(self.uncommitted)),
                self.status, self.error, self.config.to_json() if self.config else None)
         return hashlib.blake2b(repr(key).encode(), digest_size=8).hexdigest()
 
@@ -251,7 +257,7 @@ class StoreView:
         dirs = {n for n in subdirs if parse_checkpoint_dir_name(n) is not None}
         for gone in set(cache.metas) - subdirs:
             del cache.metas[gone]
-        cache.uncommitted, cache.invalid = set(), {}
+        cache.uncommitted, cache.unmatched = set(), {}
         for name in sorted(subdirs - set(cache.metas)):
             # The marker makes a checkpoint, whatever the name (Ray Train's
             # checkpoint_<time>); only checkpoint_NNNNNN ones count as unfinished.
@@ -261,13 +267,19 @@ class StoreView:
             elif insp.state == "invalid":
                 # Committed once, damaged since (a file removed or added): the
                 # same "invalid" as `ls` and the checkpoint page, never "not committed".
-                cache.invalid[name] = (insp.meta or {}, insp.reason or "invalid")
+                cache.unmatched[name] = (insp.meta or {}, insp.reason or "invalid")
             elif name in dirs:
                 cache.uncommitted.add(name)
         if cache.params is None and PARAMS_FILE in entries:
             cache.params = _read_json(fs, posixpath.join(ctx.trial_path, PARAMS_FILE))
         if (cache.config is None or full) and MANAGER_STATE in entries:
             cache.config = _read_config(fs, posixpath.join(ctx.trial_path, MANAGER_STATE))
+        state_files = tuple(sorted((n, fi.size, fi.mtime_ns) for n, fi in entries.items()
+                                   if n == MANAGER_STATE or parse_state_log_name(n) is not None))
+        if state_files != cache.state_files or full:
+            cache.invalid = ({n: why for n, why in recorded_invalid(ctx).items() if n in subdirs}
+                             if MANAGER_STATE in entries else {})
+            cache.state_files = state_files
         _read_error(fs, posixpath.join(ctx.trial_path, ERROR_FILE), entries.get(ERROR_FILE),
                     cache)
         # A lease outranks error.txt: a run holding one (live or crashed) is
@@ -384,7 +396,8 @@ class StoreView:
 
     def _summary(self, ctx: StorageContext, cache: _TrialCache) -> dict[str, Any]:
         config = cache.config
-        best = _best(cache.metas, config)
+        metas = _good(cache)
+        best = _best(metas, config)
         last = cache.rows[-1].get("timestamp") if cache.rows else None
         return {
             "experiment": ctx.experiment_name,
@@ -393,13 +406,13 @@ class StoreView:
             "status": cache.status,
             "error": cache.error,
             "reports": len(cache.rows),
-            "committed": len(cache.metas) + len(cache.invalid),
-            "invalid": len(cache.invalid),
+            "committed": len(cache.metas) + len(cache.unmatched),
+            "invalid": len(cache.unmatched) + len(cache.invalid.keys() & cache.metas.keys()),
             "metric": config.checkpoint_score_attribute if config else None,
             "mode": config.checkpoint_score_order if config else None,
             "best_checkpoint": best[0] if best else None,
             "best_score": best[1] if best else None,
-            "size": sum(manifest_size(m) for m in cache.metas.values()),
+            "size": sum(manifest_size(m) for m in metas.values()),
             "last_report": last if isinstance(last, (int, float)) else None,
             "params": _flatten(cache.params or {}),
         }
@@ -484,10 +497,12 @@ class StoreView:
         with self._lock:
             cache = self._refresh(ctx, False)
             rows = _checkpoint_rows(cache)
+            why = cache.invalid.get(name)
         row = next((r for r in rows if r["name"] == name), {})
         return {
             "experiment": experiment, "trial": trial, "name": name, "uri": ckpt.uri,
-            "state": insp.state, "reason": insp.reason, "file": insp.file,
+            "state": INVALID if why is not None else insp.state,
+            "reason": insp.reason or why, "file": insp.file,
             # Why retention keeps it: its kind and rank on the trial's page.
             "kind": row.get("kind"), "rank": row.get("rank"), "score": row.get("score"),
             "is_latest": row.get("is_latest", False),
@@ -670,28 +685,37 @@ def _best(metas: Mapping[str, Mapping[str, Any]],
     return top[0].dir_name, score_or_none(top[0].metrics, config.checkpoint_score_attribute)
 
 
+def _good(cache: _TrialCache) -> dict[str, dict[str, Any]]:
+    """The committed checkpoints but those the retention state records as invalid."""
+    return {n: m for n, m in cache.metas.items() if n not in cache.invalid}
+
+
 def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
     """Every checkpoint the trial has or had, oldest first: ``name``, ``index``,
     ``kind`` (best, latest, kept, invalid, evicted, uncommitted), ``is_best``
     (ranked first), ``rank`` (1 for the best by the score attribute, None when
     unranked), ``is_latest``, ``score``, ``size``, ``files``, ``created_at``,
     ``iteration`` (the ``training_iteration`` of the report that named it) and,
-    for ``invalid``, ``reason`` (what does not match, naming the file)."""
+    for ``invalid``, ``reason`` (what does not match, naming the file). An
+    invalid one (its files no longer match its manifest, or a read found it
+    damaged) is never best, latest nor ranked."""
     config = cache.config
     attr = config.checkpoint_score_attribute if config else None
+    metas = _good(cache)
     best_k: set[str] = set()
     first = None
-    if config is not None and attr is not None and cache.metas:
-        best_k = {r.dir_name for r in _top(cache.metas, config, config.num_to_keep or 1)}
-        top1 = _top(cache.metas, config, 1)
+    if config is not None and attr is not None and metas:
+        best_k = {r.dir_name for r in _top(metas, config, config.num_to_keep or 1)}
+        top1 = _top(metas, config, 1)
         first = top1[0].dir_name if top1 else None
-    ranks = _ranks(cache.metas, config)
-    latest = max(cache.metas, key=lambda n: cache.metas[n]["index"]) if cache.metas else None
+    ranks = _ranks(metas, config)
+    latest = max(metas, key=lambda n: metas[n]["index"]) if metas else None
     reported = {r["checkpoint_dir_name"]: r for r in cache.rows
                 if isinstance(r.get("checkpoint_dir_name"), str)}
     out = []
     for name, meta in cache.metas.items():
-        kind = BEST if name in best_k else LATEST if name == latest else KEPT
+        kind = (INVALID if name in cache.invalid else BEST if name in best_k
+                else LATEST if name == latest else KEPT)
         row = reported.get(name, {})
         out.append({
             "name": name, "index": meta["index"], "kind": kind, "is_best": name == first,
@@ -700,8 +724,9 @@ def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
             "size": manifest_size(meta), "files": len(meta.get("manifest", [])),
             "created_at": meta.get("created_at"),
             "iteration": row.get("training_iteration"),
+            **({"reason": cache.invalid[name]} if name in cache.invalid else {}),
         })
-    for name, (meta, reason) in cache.invalid.items():
+    for name, (meta, reason) in cache.unmatched.items():
         row = reported.get(name, {})
         index = meta.get("index") if isinstance(meta.get("index"), int) else \
             parse_checkpoint_dir_name(name)
@@ -713,13 +738,16 @@ def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
             "created_at": meta.get("created_at"), "iteration": row.get("training_iteration"),
             "reason": reason,
         })
+    for name in cache.invalid.keys() - cache.metas.keys() - reported.keys():
+        reported[name] = {}  # recorded damaged, not matching its manifest, no row names it
     for name, row in reported.items():
-        if name in cache.metas or name in cache.invalid:
+        if name in cache.metas or name in cache.unmatched:
             continue
         index = parse_checkpoint_dir_name(name)
         out.append({
             "name": name, "index": index,
-            "kind": UNCOMMITTED if name in cache.uncommitted else EVICTED,
+            "kind": (INVALID if name in cache.invalid else
+                     UNCOMMITTED if name in cache.uncommitted else EVICTED),
             "is_best": False, "rank": None, "is_latest": False,
             "score": score_or_none(row, attr), "size": None, "files": None, "created_at": None,
             "iteration": row.get("training_iteration"),
