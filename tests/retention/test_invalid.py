@@ -203,3 +203,30 @@ def _listed_files(ctx: StorageContext) -> list[str]:
 
     return [fi.path for fi in ctx.filesystem.get_file_info(pafs.FileSelector(ctx.trial_path))
             if fi.type == pafs.FileType.File]
+
+
+def test_keep_all_records_a_damaged_one_across_snapshots_and_lazy_restarts(root, tmp_path):
+    keep_all = CheckpointConfig(num_to_keep=None, checkpoint_score_attribute="acc",
+                                checkpoint_score_order="max")
+    with _start(root, keep_all) as s:
+        for i in range(4):
+            _report(tmp_path, 0.1 * i)
+        damaged = dict((c.path.rsplit("/", 1)[-1], c) for c, _ in s.manager.best_checkpoints)
+        _damage(_ctx(root), "checkpoint_000002", "flipped")
+        with pytest.warns(RuntimeWarning, match="is invalid"), \
+                pytest.raises(CheckpointCorruptError):
+            damaged["checkpoint_000002"].verify()
+        for i in range(20):  # past a snapshot: the root carries it, not only a record
+            _report(tmp_path, 0.01 * i)
+    ctx = _ctx(root)
+    with _start(root, keep_all) as s:  # a keep-all restart reads no chunk to know it
+        assert s.manager.invalid.keys() == {"checkpoint_000002"}
+        assert "checkpoint_000002" not in s.manager.kept_dir_names
+        assert len(s.manager.kept_dir_names) == 23
+        assert s.manager.best_checkpoint.path.endswith("checkpoint_000003")
+        names = [n for n, _ in s.manager.resume_candidates().named()]
+        assert "checkpoint_000002" not in names
+    assert "checkpoint_000002" in _dirs(ctx)
+    ls = json.loads(_cli(root, "ls", _trial_uri(root), "--json", "--long").stdout)
+    assert [c["name"] for c in ls["invalid"]] == ["checkpoint_000002"]
+    assert "checkpoint_000002" not in [r["name"] for r in ls["checkpoints"]]

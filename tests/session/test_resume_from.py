@@ -344,3 +344,27 @@ def test_own_checkpoints_failing_verification_fall_back_to_a_checked_source(tmp_
     with pytest.warns(RuntimeWarning, match="checkpoint_000000, is corrupt"), \
             pytest.raises(CheckpointCorruptError, match="model.bin"):
         _start_b(root, None, path)
+
+
+def test_every_rank_of_a_relaunch_resumes_from_its_own(root, tmp_path, ranks):
+    storage_path, options = root
+    source = _donor_evicts(tmp_path, storage_path, options)
+
+    def run(attempt: str, report: bool):
+        def rank_fn(rank):
+            with _start_b(storage_path, options, source, world_rank=rank, world_size=2,
+                          attempt_id=attempt, sync_timeout_s=30):
+                got = session.get_checkpoint().uri
+                if report:
+                    d = tmp_path / f"rank{rank}"
+                    d.mkdir()
+                    (d / f"shard_{rank}.bin").write_bytes(bytes([rank]) * 16)
+                    session.report({"loss": 0.5}, checkpoint=Checkpoint.from_directory(d))
+                return got
+        return ranks(2, rank_fn)
+
+    assert run("a1", True) == [source.uri, source.uri]
+    _donor_evicts(tmp_path, storage_path, options)  # A's K=1 evicts the source
+    assert not source.is_committed
+    got = run("a2", False)
+    assert all(isinstance(g, str) and g.endswith("B/checkpoint_000000") for g in got), got
