@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -213,7 +214,9 @@ class Session:
 
         A checkpoint found at session start is verified (sizes and CRC32C)
         on the first call; one that fails is skipped with a warning naming
-        it, falling back to the newest one that verifies.
+        it, falling back to the newest one that verifies. One that a read
+        found damaged since it was handed out (its ``to_directory()`` or
+        ``verify()`` failed) is never returned again: the newest kept one is.
 
         Raises:
             CheckpointNotFoundError, CheckpointCorruptError: the trial has no
@@ -224,6 +227,10 @@ class Session:
         cands, self._resume_candidates = self._resume_candidates, None
         if cands and self._latest is cands[-1][0]:
             self._latest = self.storage.latest_verified_checkpoint(cands)
+        elif (self._latest is not None
+              and posixpath.basename(self._latest.path) in self.manager.invalid):
+            # A read of it failed since it was handed out: the newest good one.
+            self._latest = self.manager.latest_checkpoint
         return self._latest if self._latest is not None else self._check_resume_from()
 
     def _check_resume_from(self) -> Checkpoint | None:

@@ -230,3 +230,17 @@ def test_keep_all_records_a_damaged_one_across_snapshots_and_lazy_restarts(root,
     ls = json.loads(_cli(root, "ls", _trial_uri(root), "--json", "--long").stdout)
     assert [c["name"] for c in ls["invalid"]] == ["checkpoint_000002"]
     assert "checkpoint_000002" not in [r["name"] for r in ls["checkpoints"]]
+
+
+def test_a_handed_out_latest_that_fails_a_download_is_not_handed_out_again(root, tmp_path):
+    with _start(root) as s:
+        _report(tmp_path, 0.9)
+        _report(tmp_path, 0.1)
+        latest = session.get_checkpoint()
+        assert latest.path.endswith("checkpoint_000001")
+        _damage(_ctx(root), "checkpoint_000001", "missing")
+        with pytest.warns(RuntimeWarning, match="is invalid"), \
+                pytest.raises(CheckpointCorruptError, match="missing"):
+            latest.to_directory(str(tmp_path / "dl"))
+        assert session.get_checkpoint().path.endswith("checkpoint_000000")
+        assert s.manager.kept_dir_names == ["checkpoint_000000"]
