@@ -4,8 +4,9 @@ Owns registration (a committed checkpoint enters the kept set, evicted ones
 are deleted after the state is written), the restore of a new manager from
 the state file or, when that is missing or corrupt, from the checkpoints'
 internal metadata, ownership (a run id: only this run's committed
-checkpoints are ever deleted) and the queries the session and tools ask
-(best, latest, kept). The decision itself is
+checkpoints are ever deleted), the record of checkpoints a read found
+damaged (never ranked, resumed from or deleted) and the queries the session
+and tools ask (best, latest, kept). The decision itself is
 :class:`~checkpoint_store.retention.selection.Selection`; the lease is
 :mod:`~checkpoint_store.retention.lease`; the file is
 :mod:`~checkpoint_store.retention.state`.
@@ -82,7 +83,9 @@ class CheckpointManager:
     A new manager on a trial that already has checkpoints restores its state
     from ``.checkpoint_manager.json``, or rebuilds it from the committed
     checkpoints' internal metadata with a warning when the file is missing
-    or corrupt. Memory is O(num_to_keep) however many checkpoints are
+    or corrupt. A checkpoint it hands out (best, latest, resume candidates)
+    that a read finds damaged keeps no slot: see :meth:`mark_invalid`.
+    Memory is O(num_to_keep) however many checkpoints are
     registered. Use as a context manager, or call :meth:`close`, to release
     the lease (a :class:`~checkpoint_store.session.Session` does it when it ends).
 
