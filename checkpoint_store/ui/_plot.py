@@ -20,7 +20,7 @@ MARKERS: dict[str, dict[str, Any]] = {
     "kept": {"marker": "D", "s": 70, "color": "#e08214", "label": "kept"},
     "evicted": {"marker": "x", "s": 60, "color": "#888888", "label": "reported, then evicted"},
     "uncommitted": {"marker": "_", "s": 90, "color": "#d6604d", "label": "not committed"},
-    "invalid": {"marker": "X", "s": 90, "color": "#b2182b", "label": "invalid (damaged)"},
+    "invalid": {"marker": "X", "s": 90, "color": "#b2182b", "label": "committed, invalid"},
 }
 FORMATS = (".png", ".svg", ".pdf")
 # The page's trial colours (app.js trialColor): ten categorical ones, then hues a

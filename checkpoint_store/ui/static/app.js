@@ -13,7 +13,6 @@
     invalid: { label: "committed, invalid", color: "#b2182b", style: "rect", radius: 8 },
     evicted: { label: "reported, then evicted", color: "#888888", style: "crossRot", radius: 7 },
     uncommitted: { label: "not committed (yet)", color: "#d6604d", style: "dash", radius: 8 },
-    invalid: { label: "invalid (damaged)", color: "#b2182b", style: "cross", radius: 9 },
   };
   // Where a kept checkpoint sorts in the checkpoints table: the ones a user resumes
   // from or ships first, evicted ones last (and hidden unless asked for).
