@@ -603,6 +603,8 @@ def resolve(
         return backend, backend.normalize_path(path)
     path = local_location(location)
     scheme = split_scheme(path)
+    if scheme is not None:
+        _refuse_unusable(scheme, path)  # first: github's "org:repo@" is no credential
     check_location_text(path, uri=scheme is not None)
     if scheme is None:
         if storage_options:

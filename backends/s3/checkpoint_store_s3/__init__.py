@@ -149,6 +149,9 @@ _PYARROW_ONLY_ACCESS = frozenset({
 #: every object): every byte then goes through pyarrow, since objects the
 #: s3fs client wrote (a large file's parallel parts) would lack them.
 _PYARROW_ONLY_WRITES = frozenset({"default_metadata"})
+#: pyarrow's timeouts, which s3fs takes as botocore's (config_kwargs
+#: read_timeout and connect_timeout): both engines honour both.
+_TIMEOUTS = ("request_timeout", "connect_timeout")
 _TYPES_WITH_ALIASES = {**{a: OPTION_TYPES[c] for a, c in _ALIASES.items()}, **OPTION_TYPES}
 _ENGINES = ("pyarrow", "s3fs")
 
