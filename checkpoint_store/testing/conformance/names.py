@@ -30,8 +30,13 @@ class NameTests(BackendFixtures):
 
     @staticmethod
     def _spellings(backend: Backend, root: str) -> list[str]:
-        """Spellings of ``root`` that name the same place on this filesystem."""
+        """Spellings of ``root`` that name the same place on this filesystem:
+        with a trailing ``/``, an empty component (``a//b``) and a ``.``
+        component (``a/./b``) too, which the lease compares as ``a/b``."""
         out = [root, root + "/"]
+        head, sep, tail = root.rstrip("/").rpartition("/")
+        if sep and head.strip("/"):
+            out += [f"{head}//{tail}", f"{head}/./{tail}/"]
         if _fsutil.local_path(backend.filesystem, root) is None:
             # Off local disks a leading '/' changes nothing (on a disk it makes
             # a relative path, another place).
@@ -89,6 +94,32 @@ class NameTests(BackendFixtures):
                     latest = session.get_checkpoint()
                     assert latest is not None and latest.is_committed
                     assert latest.internal_metadata["index"] == attempt
+
+    def test_a_location_that_names_another_place_is_refused(
+        self, storage_location: StorageLocation, backend: Backend, root: str, tmp_path: Path
+    ) -> None:
+        """``..`` off local disks, a URL query (``?versionId=1``) and a control
+        character in the location are refused with ``InvalidConfigError``
+        before anything is written; every message hides the query's values."""
+        from checkpoint_store import session
+
+        uri = storage_location.uri.rstrip("/")
+        opts = dict(storage_location.storage_options) or None
+        bad = [f"{uri}/x\x00y"]
+        if "://" in uri:
+            bad.append(f"{uri}/x?versionId=12345")
+        if _fsutil.local_path(backend.filesystem, root) is None:
+            bad += [f"{uri}/../x", f"{uri}/x/.."]
+        for location in bad:
+            with pytest.raises(InvalidConfigError) as info:
+                with session.start(storage_path=location, storage_options=opts,
+                                   experiment_name="exp", trial_name="t"):
+                    pass
+            assert "12345" not in str(info.value), location
+        fs = backend.filesystem
+        written = ([fi.path for fi in _fsutil.list_tree(fs, root) if fi.is_file]
+                   if _fsutil.exists(fs, root) else [])
+        assert written == []
 
     # -- names are literal ------------------------------------------------------------
 
