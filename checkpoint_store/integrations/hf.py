@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -476,26 +477,38 @@ def _restore_lock(root: str) -> Iterator[None]:
     lock of the removed file sees it is no longer the one at that path and
     takes the lock again, so two holders never overlap."""
     path = os.path.join(root, _RESTORE_LOCK)
-    if fcntl is None:  # pragma: no cover - Windows: the lock file stays
+    fd = _flock_at(path) if fcntl is not None else None
+    if fd is None:  # pragma: no cover - no flock here (Windows, some NFS mounts)
+        # filelock's own fallbacks; its lock file stays.
         with filelock.FileLock(path):
             yield
         return
-    while True:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if _same_file(fd, path):
-                break
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
     try:
         yield
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
         os.close(fd)
+
+
+def _flock_at(path: str) -> int | None:
+    """An open descriptor of ``path`` holding its exclusive flock, or None
+    where the filesystem has no flock."""
+    while True:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                return None
+            raise
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(fd, path):
+            return fd
+        os.close(fd)  # the holder removed the file we locked: lock the new one
 
 
 def _same_file(fd: int, path: str) -> bool:
