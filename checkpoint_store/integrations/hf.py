@@ -27,6 +27,11 @@ Where HF fails and this does not (see docs/hf.md):
   ``checkpoint-*`` directory even when its save was cut short
   (transformers #35782); :func:`restore_latest` puts the newest *committed*
   checkpoint there instead, verified file by file.
+* With ``load_best_model_at_end``, a run resumed where the best
+  checkpoint's directory is missing (a new machine, a lost ``output_dir``)
+  drops it and ends with the last weights; :func:`restore_latest` restores
+  the best checkpoint beside the latest, and the callback fetches it when
+  it is still missing.
 * Rotation by ``save_total_limit`` runs inside the next save; the upload
   here is finished when ``on_save`` returns, so rotation never removes a
   directory that is still being uploaded.
@@ -182,7 +187,12 @@ class CheckpointStoreCallback(TrainerCallback):
         sync_timeout_s: with several ranks, the longest wait for the others.
 
     The session starts at ``on_train_begin`` (rank, world size from
-    ``TrainingArguments``) and ends at ``on_train_end``. HF calls no
+    ``TrainingArguments``) and ends at ``on_train_end``. With
+    ``load_best_model_at_end``, ``on_train_begin`` of a resumed run also
+    points ``state.best_model_checkpoint`` at
+    ``<run dir>/checkpoint-<best_global_step>``, downloading that committed
+    checkpoint first when it is not there (another machine, another
+    ``output_dir``), so the run ends with the best model. HF calls no
     callback when ``trainer.train()`` raises, so use the callback as a
     context manager around training: leaving the ``with`` block ends the
     session with the exception (recorded in the trial's ``error.txt``, see
