@@ -87,8 +87,11 @@ def objective(
             ``mode`` are filled in.
         trial_name: ``trial -> name``; default ``trial_<number:05d>``.
         value: what the objective returns: the best reported value of
-            ``metric`` (default; it matches the best kept checkpoint) or the
-            last one (as Ray Tune's Optuna searcher does).
+            ``metric`` in ``mode`` (default; it matches the best kept
+            checkpoint) or the last one (as Ray Tune's Optuna searcher does),
+            over every report of the trial: a trial resumed under the same
+            ``trial_name`` (a restart, a new machine) counts the reports of
+            its earlier attempts (its ``result.json``) too.
 
     Returns:
         The objective. Each trial's ``user_attrs`` get
@@ -148,14 +151,18 @@ def objective(
         finally:
             runner.stop()
             _record(trial, runner)
-        if not values:
+        # A trial resumed under its name (a restart, a new machine) continues
+        # its history: its earlier attempts' reports count as much as this
+        # one's, as its best kept checkpoint may be one of theirs.
+        history = _history(runner, metric)
+        if not history:
             raise InvalidConfigError(
                 f"trial {name!r} never reported a number for metric {metric!r}; report it "
                 "with checkpoint_store.session.report({...})"
             )
         if value == "last":
-            return values[-1]
-        return max(values, key=lambda v: rank_key(v, 0, mode))
+            return history[-1]
+        return max(history, key=lambda v: rank_key(v, 0, mode))
 
     return run_trial
 
@@ -168,6 +175,16 @@ def _metric_value(result: Mapping[str, Any], metric: str) -> float | None:
     except InvalidConfigError as exc:
         # The same type (AmbiguousMetricError stays one), with what Optuna needs added.
         raise type(exc)(f"{exc}; Optuna needs a number") from None
+
+
+def _history(runner: Any, metric: str) -> list[float]:
+    """``metric`` of every report of the trial, oldest first: its ``result.json``
+    rows, those of earlier attempts under the same name included."""
+    sess = runner.session
+    if sess is None:
+        return []
+    found = (_metric_value(row, metric) for row in sess.storage.read_results())
+    return [v for v in found if v is not None]
 
 
 def _record(trial: Any, runner: Any) -> None:
