@@ -134,7 +134,14 @@ def main() -> None:
         driver = _browser()
         try:
             url = server.url + "#/trial/long/run"
-            cold, ready = page_ready(driver, url)
+            page_ready(driver, url, reps=1)  # the browser's own first start, not counted
+            # A server that has not read the trial yet: result.json parsed whole.
+            fresh = Server(StoreView(root)).start()
+            try:
+                cold, _ = page_ready(driver, fresh.url + "#/trial/long/run", reps=1)
+            finally:
+                fresh.stop()
+            _, ready = page_ready(driver, url)
             first = first_view_bytes(driver)
             switch = metric_switch(driver)
         finally:
@@ -143,7 +150,7 @@ def main() -> None:
         poll_cpu, poll_bytes = poll_cost(view, "/api/trial?experiment=long&trial=run")
         old_cpu, old_bytes = poll_cost(view, "/api/trial?experiment=long&trial=run&since=0", 20)
         rows = [
-            ("trial page ready after navigation, first load", f"{cold:.3f} s", "<= 0.5 s"),
+            ("trial page ready, server reading the trial first", f"{cold:.3f} s", "<= 0.5 s"),
             ("trial page ready after navigation, median of 5", f"{ready:.3f} s", "<= 0.5 s"),
             ("metric switch", f"{switch * 1000:.0f} ms", "<= 100 ms"),
             ("first view transferred", f"{first / 1e6:.2f} MB", "<= 1 MB"),

@@ -128,13 +128,21 @@ class _TrialCache:
     # Numeric metric names of rows[:metrics_seen], in first-seen order.
     metric_names: dict[str, None] = dataclasses.field(default_factory=dict)
     metrics_seen: int = 0
+    flat_shapes: set[tuple[tuple[str, type], ...]] = dataclasses.field(default_factory=set)
 
     def metrics(self) -> list[str]:
         """Numeric metric names in the rows (nested keys joined by ``/``); only
         rows not seen before are read."""
         if self.metrics_seen > len(self.rows):
-            self.metric_names, self.metrics_seen = {}, 0
+            self.metric_names, self.metrics_seen, self.flat_shapes = {}, 0, set()
         for row in self.rows[self.metrics_seen:]:
+            # Reports of one run mostly repeat one flat shape: a shape seen
+            # before adds no name (a nested row is always flattened).
+            shape = tuple((k, type(v)) for k, v in row.items())
+            if shape in self.flat_shapes:
+                continue
+            if not any(isinstance(v, Mapping) for v in row.values()):
+                self.flat_shapes.add(shape)
             for key, value in _flatten(row).items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.metric_names.setdefault(key, None)
@@ -780,7 +788,10 @@ def _column(cache: _TrialCache, metric: str, x: str) -> list[tuple[float, float,
     points = list(points)
     for i in range(seen, len(cache.rows)):
         row = cache.rows[i]
-        px, py = _number(row.get(x)), score_or_none(row, metric)
+        py = _number(row.get(metric))  # a literal key first, as score_or_none reads it
+        if py is None:
+            py = score_or_none(row, metric)
+        px = _number(row.get(x))
         if px is not None and py is not None:
             points.append((px, py, i))
     cache.columns[(metric, x)] = (len(cache.rows), points)
