@@ -183,7 +183,7 @@ def _make_s3fs_twin(options: dict[str, Any]) -> Any | None:
     else:  # the default chain: pyarrow's (the AWS C++ SDK's) may find other keys
         return None
     timeout = options.get("request_timeout")
-    if isinstance(timeout, (int, float)) and timeout > 0:  # else the plugin's 60 s
+    if isinstance(timeout, (int, float)) and timeout > 0:  # else the plugin's 20 s
         storage_options["request_timeout"] = timeout
     connect = options.get("connect_timeout")
     if isinstance(connect, (int, float)) and connect > 0:

@@ -291,20 +291,37 @@ class Lease:
         self.stop_renewing()
         if os.getpid() != self.pid:
             return  # a forked child: the lease is its parent's to release
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
-            _results.forget_at_exit(self)
-            if self.lost:
-                return
-            try:
-                cur = self._read()
-                if cur is not None and cur.get("holder") == self.holder:
-                    _fsutil.delete_file(self._storage.filesystem, self.path)
-            except Exception as exc:
-                logger.warning("could not release the lease %s (it will expire): %s",
-                               self.path, exc)
+        # A renewal stuck in a storage client that ignores its own timeouts
+        # (s3fs waiting for "100 Continue" from a store that stopped
+        # answering) must not hold the end of the session: the lease then
+        # expires by itself.
+        if not self._lock.acquire(timeout=RELEASE_WAIT_S):
+            logger.warning("not releasing the lease %s: a renewal of it has not returned "
+                           "for %.0fs (it will expire)", self.path, RELEASE_WAIT_S)
+            return
+        try:
+            self._release_locked()
+        finally:
+            self._lock.release()
+
+    def _release_locked(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        _results.forget_at_exit(self)
+        if self.lost:
+            return
+        try:
+            cur = self._read()
+            if cur is not None and cur.get("holder") == self.holder:
+                _fsutil.delete_file(self._storage.filesystem, self.path)
+        except Exception as exc:
+            logger.warning("could not release the lease %s (it will expire): %s",
+                           self.path, exc)
+
+
+#: Seconds the end of a session waits for a renewal of its lease in flight.
+RELEASE_WAIT_S = 30.0
 
 
 class _LeaseKeeper:

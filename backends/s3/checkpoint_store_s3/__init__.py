@@ -354,6 +354,10 @@ def _s3fs_instance(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
         raise InvalidConfigError(
             f"s3fs.S3FileSystem rejected the storage options ({exc})"
         ) from None
+    # botocore already tries each request ENGINE_ATTEMPTS times; s3fs's own
+    # five tries around it (a class attribute) would make a store that stopped
+    # answering hold one call for 5 x 3 x request_timeout.
+    fs.retries = 1
     return fs
 
 
