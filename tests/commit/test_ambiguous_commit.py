@@ -93,32 +93,34 @@ def test_a_commit_whose_read_back_fails_does_not_wedge_the_session(tmp_path):
     assert _committed(root) == [0, 1, 2, 3, 4]
 
 
-def test_an_orphan_claim_of_the_session_is_not_waited_for(tmp_path):
-    # Report 0: its data PUT fails, and so does the DELETE of its claim. The
+@pytest.mark.slow
+def test_an_orphan_claim_of_the_session_is_not_waited_for(s3_server, s3_bucket, tmp_path):
+    # Report 0: its data PUTs fail, and so do the DELETEs of its claim. The
     # next report commits that index at once, not after claim_timeout (120 s).
-    root = f"memory://cs-amb-{uuid.uuid4().hex}"
-    backend, path = resolve(root)
     failing = {"on": True}
 
-    def fail(method: str, p: str) -> bool:
-        if not failing["on"] or "checkpoint_000000" not in p:
-            return False
-        return (method == "write" and p.endswith(".bin")) or (
-            method == "delete" and ".cs_claim-" in p)
+    def rule(conn: int, req: int, head: bytes):
+        if not failing["on"]:
+            return None
+        data_put = head.startswith(b"PUT") and b"checkpoint_000000/part" in head
+        delete = head.startswith(b"DELETE") or (head.startswith(b"POST") and b"?delete" in head)
+        return "drop" if data_put or delete else None
 
-    fs = pafs.PyFileSystem(_Failing(backend.filesystem, fail))
     src = make_source(tmp_path / "s", 0, files=2, size=256)
-    with _session_on(fs, path):
-        with pytest.raises(TransientBackendError):
-            session.report({"i": 0}, checkpoint=Checkpoint.from_directory(src))
-        failing["on"] = False
-        t0 = time.monotonic()
-        session.report({"i": 1}, checkpoint=Checkpoint.from_directory(src))
-        assert time.monotonic() - t0 < 10
-    assert _committed(root) == [0]
-    leftovers = [fi.path for fi in backend.filesystem.get_file_info(
-        pafs.FileSelector(f"{path}/exp/trial/checkpoint_000000", recursive=True))]
-    assert not any(".cs_claim-" in p for p in leftovers)
+    with FaultRelay(s3_server.endpoint_url, rule=rule, lifetime_s=200) as relay:
+        opts = {**s3_server.storage_options(), "endpoint_url": relay.endpoint_url}
+        uri = f"s3://{s3_bucket}/runs"
+        with session.start(storage_path=uri, storage_options=opts, experiment_name="exp",
+                           trial_name="trial"):
+            with pytest.raises(TransientBackendError):
+                session.report({"i": 0}, checkpoint=Checkpoint.from_directory(src))
+            assert any(".cs_claim-" in k for k in s3_server.list_keys(s3_bucket))
+            failing["on"] = False
+            t0 = time.monotonic()
+            session.report({"i": 1}, checkpoint=Checkpoint.from_directory(src))
+            assert time.monotonic() - t0 < 30
+    assert _committed(uri, **s3_server.storage_options()) == [0]
+    assert not any(".cs_claim-" in k for k in s3_server.list_keys(s3_bucket))
 
 
 @pytest.mark.slow
