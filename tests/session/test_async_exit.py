@@ -25,11 +25,11 @@ _CHILD = textwrap.dedent("""
     from checkpoint_store.storage import StorageContext
     uri, opts, how = sys.argv[1], eval(sys.argv[2]), sys.argv[3]
     persist = StorageContext.persist_checkpoint
-    def slow_persist(self, source, index, internal):
+    def slow_persist(self, source, index, internal, **kwargs):
         time.sleep(0.5)  # the uploads are surely still pending when the script ends
         if how == "fail" and index == 2:
             raise OSError("the store refused checkpoint 2")
-        return persist(self, source, index, internal)
+        return persist(self, source, index, internal, **kwargs)
     StorageContext.persist_checkpoint = slow_persist
     session.start(storage_path=uri, storage_options=opts, experiment_name="exp",
                   trial_name="t",  # never ended: no `with`, no end()
