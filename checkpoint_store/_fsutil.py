@@ -27,7 +27,7 @@ from checkpoint_store.backends.base import Capabilities
 
 
 def info(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> pafs.FileInfo:
-    return _retry.call(lambda: fs.get_file_info(path), policy=retry, what=f"stat {path}")
+    return _retry.call(lambda: fs.get_file_info(path), policy=retry, store=fs, what=f"stat {path}")
 
 
 def exists(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> bool:
@@ -49,7 +49,7 @@ def read_bytes(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = No
         with fs.open_input_stream(path) as f:
             return f.read()
 
-    return _retry.call(_read, policy=retry, what=f"read {path}")
+    return _retry.call(_read, policy=retry, store=fs, what=f"read {path}")
 
 
 def list_dir(
@@ -62,7 +62,7 @@ def list_dir(
             than ``path`` (see :func:`_under`).
     """
     sel = pafs.FileSelector(path, allow_not_found=True, recursive=False)
-    infos = _retry.call(lambda: fs.get_file_info(sel), policy=retry, what=f"list {path}")
+    infos = _retry.call(lambda: fs.get_file_info(sel), policy=retry, store=fs, what=f"list {path}")
     return _under(fs, path, infos)
 
 
@@ -76,7 +76,7 @@ def list_tree(
         PermanentBackendError: as :func:`list_dir`.
     """
     sel = pafs.FileSelector(root, allow_not_found=True, recursive=True)
-    infos = _retry.call(lambda: fs.get_file_info(sel), policy=retry, what=f"list {root}")
+    infos = _retry.call(lambda: fs.get_file_info(sel), policy=retry, store=fs, what=f"list {root}")
     return _under(fs, root, infos)
 
 
@@ -124,7 +124,7 @@ def ensure_dir(
     """Create ``path`` where the store has real directories; a no-op on object
     stores, where a directory marker would cost a request and a zero-byte object."""
     if caps.directories:
-        _retry.call(lambda: fs.create_dir(path, recursive=True), policy=retry,
+        _retry.call(lambda: fs.create_dir(path, recursive=True), policy=retry, store=fs,
                     what=f"create directory {path}")
 
 
@@ -149,7 +149,7 @@ def delete_dir(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = No
             pass
         _check_gone(fs, path)
 
-    _retry.call(_delete, policy=retry, what=f"delete {path}")
+    _retry.call(_delete, policy=retry, store=fs, what=f"delete {path}")
 
 
 def delete_file(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> None:
@@ -170,7 +170,7 @@ def delete_file(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = N
             return
         _check_gone(fs, path)
 
-    _retry.call(_delete, policy=retry, what=f"delete {path}")
+    _retry.call(_delete, policy=retry, store=fs, what=f"delete {path}")
 
 
 def _check_gone(fs: pafs.FileSystem, path: str) -> None:
@@ -190,7 +190,7 @@ def _check_gone(fs: pafs.FileSystem, path: str) -> None:
 
 def move(fs: pafs.FileSystem, src: str, dst: str, *, retry: RetryPolicy | None = None) -> None:
     """Rename ``src`` to ``dst`` (atomic for directories on local disks)."""
-    _retry.call(lambda: fs.move(src, dst), policy=retry, what=f"rename {src} to {dst}")
+    _retry.call(lambda: fs.move(src, dst), policy=retry, store=fs, what=f"rename {src} to {dst}")
 
 
 def local_path(fs: pafs.FileSystem, path: str) -> str | None:
@@ -271,7 +271,7 @@ def write_bytes(
         with writer_of(fs).open_output_stream(path) as out:
             out.write(data)
 
-    _retry.call(_put, policy=retry, what=f"write {path}")
+    _retry.call(_put, policy=retry, store=fs, what=f"write {path}")
 
 
 def fsync_tree(fs: pafs.FileSystem, root: str, files: Iterable[str]) -> None:

@@ -300,7 +300,7 @@ def read_with_crc(
                     chunks.append(buf)
         return size, crc_hex(crc), b"".join(chunks)
 
-    return _retry.call(_read, policy=retry, what=f"read {path}")
+    return _retry.call(_read, policy=retry, store=fs, what=f"read {path}")
 
 
 def read_checked(

@@ -103,7 +103,8 @@ def remove_in_order(dest: Backend, path: str, files: Iterable[str] | None = None
 def _delete_batch(dest: Backend, fss: Any, paths: list[str],
                   retry: RetryPolicy | None) -> None:
     try:
-        _retry.call(lambda: fss.rm(paths), policy=retry, what=f"delete {len(paths)} files")
+        _retry.call(lambda: fss.rm(paths), policy=retry, store=dest.filesystem,
+                    what=f"delete {len(paths)} files")
     except FileNotFoundError:  # some already gone (adlfs): the rest one by one
         for p in paths:
             _fsutil.delete_file(dest.filesystem, p, retry=retry)

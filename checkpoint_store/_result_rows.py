@@ -300,7 +300,7 @@ def _tail_of_file(fs: pafs.FileSystem, path: str,
                 chunk *= 2
 
     try:
-        return _retry.call(_read, policy=retry, what=f"read the end of {path}")
+        return _retry.call(_read, policy=retry, store=fs, what=f"read the end of {path}")
     except FileNotFoundError:
         return []
 

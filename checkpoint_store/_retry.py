@@ -26,9 +26,12 @@ A call is not retried once it has been failing for ``RetryPolicy.max_elapsed``
 seconds (default 60): a store that stopped answering makes each try last as
 long as the client's timeouts allow (the S3 plugin: three engine attempts
 of up to 20 s each), so a fixed number of tries alone does not bound the
-wait. Such a call also opens a breaker: for the next ``max_elapsed``
-seconds, or until a call already in flight succeeds, every new call fails
-at once with :class:`~checkpoint_store.errors.TransientBackendError`. A
+wait. Such a call also opens its store's breaker: for the next
+``max_elapsed`` seconds, or until a call to it already in flight succeeds,
+every new call to that store (the same ``Backend`` or filesystem object)
+fails at once with
+:class:`~checkpoint_store.errors.TransientBackendError`; other stores are
+not affected. A
 report whose store stalls thus fails within about two minutes, cleanup after
 it included, and ending the session takes no longer.
 
@@ -47,6 +50,7 @@ import random
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypeVar
@@ -193,26 +197,43 @@ def classify(exc: BaseException) -> RetryKind:
 _rebuild_lock = threading.Lock()
 
 
-class _Breaker:
-    """Opened by a call that kept failing for ``max_elapsed`` seconds (the
-    store stopped answering), so that the calls after it (cleanup, the end
-    of the session) fail at once instead of waiting as long each; closed by
-    any call that succeeds, or when its time is up."""
+class _Breakers:
+    """One breaker per store (a :class:`Backend`, or the filesystem object a
+    call names with ``store=``): opened by a call
+    that kept failing for ``max_elapsed`` seconds (the store stopped
+    answering), so that the calls after it to the same store (cleanup, the
+    end of the session) fail at once instead of waiting as long each; closed
+    by any call to that store that succeeds, or when its time is up. Calls to
+    other stores (a local tier, another bucket) are not affected, and calls
+    without a backend never trip one."""
 
     def __init__(self) -> None:
-        self.open_until = 0.0
+        self._lock = threading.Lock()
+        self._open: dict[int, tuple[weakref.ref[object], float]] = {}
 
-    def is_open(self) -> bool:
-        return time.monotonic() < self.open_until
+    def is_open(self, backend: object | None) -> bool:
+        entry = self._open.get(id(backend)) if backend is not None else None
+        return entry is not None and entry[0]() is backend and time.monotonic() < entry[1]
 
-    def open(self, seconds: float) -> None:
-        self.open_until = time.monotonic() + seconds
+    def open(self, backend: object | None, seconds: float) -> None:
+        if backend is None:
+            return
+        with self._lock:
+            now = time.monotonic()
+            # Forget stores gone or closed since (ids are reused once freed).
+            self._open = {k: v for k, v in self._open.items() if v[0]() is not None and v[1] > now}
+            self._open[id(backend)] = (weakref.ref(backend), now + seconds)
 
-    def close(self) -> None:
-        self.open_until = 0.0
+    def close(self, backend: object | None = None) -> None:
+        """Close ``backend``'s breaker (None: every one)."""
+        with self._lock:
+            if backend is None:
+                self._open.clear()
+            elif id(backend) in self._open:
+                del self._open[id(backend)]
 
 
-_breaker = _Breaker()
+_breaker = _Breakers()
 
 
 #: How a full disk or a used-up quota reads where a client keeps only the
@@ -248,9 +269,13 @@ def typed_permanent(exc: BaseException, what: str) -> BaseException:
 
 
 def call(
-    fn: Callable[[], T], *, policy: RetryPolicy | None = None, what: str = "storage call"
+    fn: Callable[[], T], *, policy: RetryPolicy | None = None, what: str = "storage call",
+    store: object | None = None,
 ) -> T:
     """Run ``fn()``, retrying transient errors per ``policy`` (default: from the environment).
+
+    ``store`` (the filesystem ``fn`` calls) names the breaker the call obeys
+    and may open (see the module docstring); without one, none.
 
     Raises:
         TransientBackendError: still failing after ``policy.attempts`` tries.
@@ -258,7 +283,7 @@ def call(
         FileNotFoundError: unchanged, at once.
         Any non-OSError exception of ``fn``: unchanged, at once.
     """
-    return _run(lambda _fs: fn(), None, policy, what)
+    return _run(lambda _fs: fn(), None, policy, what, store)
 
 
 def call_fs(
@@ -319,12 +344,14 @@ def _run(
     backend: Backend | None,
     policy: RetryPolicy | None,
     what: str,
+    store: object | None = None,
 ) -> T:
     policy = policy or RetryPolicy.from_env()
     rebuilt = False
     retry_number = 0
     started = time.monotonic()
-    if _breaker.is_open():
+    store = store if store is not None else backend
+    if _breaker.is_open(store):
         raise TransientBackendError(
             f"{what} not tried: the storage stopped answering (a call kept failing for "
             f"{policy.max_elapsed:.0f}s); calls fail at once until one succeeds or "
@@ -334,7 +361,7 @@ def _run(
         fs = backend.filesystem if backend is not None else None
         try:
             result = fn(fs)  # type: ignore[arg-type]
-            _breaker.close()
+            _breaker.close(store)
             return result
         except BaseException as exc:
             kind = classify(exc)
@@ -355,7 +382,7 @@ def _run(
                 raise typed from exc
             elapsed = time.monotonic() - started
             if elapsed >= policy.max_elapsed:
-                _breaker.open(policy.max_elapsed)
+                _breaker.open(store, policy.max_elapsed)
                 raise TransientBackendError(
                     f"{what} still failing after {elapsed:.0f}s ({retry_number + 1} "
                     f"attempt(s)): {exc}. The storage stopped answering; retry later, or "

@@ -31,7 +31,8 @@ def test_the_default_timeouts_are_the_documented_ones():
 
 
 @pytest.mark.parametrize("name", ["request_timeout", "connect_timeout"])
-@pytest.mark.parametrize("value", [-1, 0, "10", float("nan"), True])
+# A string is what `-o KEY=VALUE` gives: converted when it is a number (docs/backends.md).
+@pytest.mark.parametrize("value", [-1, 0, "-5", "abc", float("nan"), True])
 @pytest.mark.parametrize("engine", ["pyarrow", "s3fs"])
 def test_a_timeout_that_is_not_a_positive_number_is_refused(name, value, engine):
     t0 = time.monotonic()
@@ -81,3 +82,26 @@ def test_a_store_that_stops_answering_fails_the_report_and_the_end_in_bounded_ti
     # One stalled call: 3 engine tries of 1 s, then no retry past 3 s.
     assert report_s < 12, report_s
     assert end_s < 12, end_s
+
+
+def test_a_stalled_store_fails_fast_only_for_itself():
+    """The breaker a stalled store opens is that store's: calls to another store in
+    the same process (a local disk, another bucket) still run."""
+    import pyarrow.fs as pafs
+
+    stalled, healthy = pafs.LocalFileSystem(), pafs.LocalFileSystem()
+    policy = _retry.RetryPolicy(attempts=1000, base_delay=0.01, max_delay=0.01, max_elapsed=0.2)
+    tries = []
+
+    def silent() -> None:
+        tries.append(1)
+        raise TimeoutError("the store stopped answering")
+
+    with pytest.raises(TransientBackendError, match="still failing after"):
+        _retry.call(silent, policy=policy, store=stalled)
+    n = len(tries)
+    with pytest.raises(TransientBackendError, match="not tried"):
+        _retry.call(silent, policy=policy, store=stalled)
+    assert len(tries) == n  # failed at once, nothing sent
+    assert _retry.call(lambda: "ok", policy=policy, store=healthy) == "ok"
+    assert _retry.call(lambda: "ok", policy=policy) == "ok"  # no store named: no breaker
