@@ -66,7 +66,12 @@ def test_malformed_uri_never_treated_as_local_path(tmp_path, monkeypatch, uri):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_source_internal_metadata_is_replaced_by_ours(tmp_path):
+def test_a_source_with_a_foreign_internal_metadata_file_is_refused(tmp_path):
+    """A user's file named like our commit marker (not a valid marker of a
+    committed checkpoint) would be dropped from the checkpoint: refused, naming
+    it, nothing written (docs/format.md, which trees can be a checkpoint)."""
+    from checkpoint_store.errors import UnsafePathError
+
     s = StorageContext(str(tmp_path / "store"), "e", "t")
     src = tmp_path / "src"
     src.mkdir()
@@ -76,10 +81,10 @@ def test_source_internal_metadata_is_replaced_by_ours(tmp_path):
     first.to_directory(downloaded)
     # A downloaded checkpoint carries no internal file; simulate one that does.
     (downloaded / ".internal_metadata.json").write_text('{"index": 99, "bogus": true}')
-    again = s.persist_checkpoint(Checkpoint.from_directory(downloaded), 1, {"metrics": {"a": 2}})
-    meta = again.internal_metadata
-    assert meta["index"] == 1 and "bogus" not in meta
-    assert [e["path"] for e in meta["manifest"]] == ["w.bin"]
+    with pytest.raises(UnsafePathError, match="internal_metadata"):
+        s.persist_checkpoint(Checkpoint.from_directory(downloaded), 1, {"metrics": {"a": 2}})
+    assert [c.path.rsplit("/", 1)[-1] for c, _ in s.committed_checkpoints()] == [
+        "checkpoint_000000"]
 
 
 def test_directory_without_internal_metadata_is_not_a_checkpoint(tmp_path):
