@@ -24,6 +24,7 @@ from checkpoint_store._proc import writer_tag
 from checkpoint_store._remote import writer_of
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Capabilities
+from checkpoint_store.backends.handlers import placeholders_as_directories
 
 
 def info(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> pafs.FileInfo:
@@ -34,8 +35,28 @@ def exists(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) 
     return info(fs, path, retry=retry).type != pafs.FileType.NotFound
 
 
+def kind(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None
+         ) -> pafs.FileType:
+    """What ``path`` is, as a listing of its parent says (:func:`list_dir`).
+
+    A name that is both an object and a prefix (an object ``dir`` beside
+    ``dir/...`` on an object store) is a directory: its object is another
+    tool's directory placeholder, never a file of ours. A stat answers
+    "file" for it, so a file off the local disk costs one listing more.
+    """
+    fi = info(fs, path, retry=retry)
+    if fi.type != pafs.FileType.File or local_path(fs, path) is not None:
+        return fi.type
+    try:
+        children = list_dir(fs, path, retry=retry)
+    except OSError:  # listing a plain file fails on some stores
+        return fi.type
+    return pafs.FileType.Directory if children else fi.type
+
+
 def is_dir(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> bool:
-    return info(fs, path, retry=retry).type == pafs.FileType.Directory
+    """Whether ``path`` is a directory (also one beside an object of its name, see :func:`kind`)."""
+    return kind(fs, path, retry=retry) == pafs.FileType.Directory
 
 
 def is_file(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> bool:
@@ -56,6 +77,9 @@ def list_dir(
     fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None
 ) -> list[pafs.FileInfo]:
     """Direct children of ``path``; an empty list when it does not exist.
+    Directory placeholders of other tools are directories
+    (:func:`~checkpoint_store.backends.handlers.placeholders_as_directories`),
+    whichever filesystem lists them.
 
     Raises:
         PermanentBackendError: the listing names its entries in another form
@@ -63,21 +87,22 @@ def list_dir(
     """
     sel = pafs.FileSelector(path, allow_not_found=True, recursive=False)
     infos = _retry.call(lambda: fs.get_file_info(sel), policy=retry, store=fs, what=f"list {path}")
-    return _under(fs, path, infos)
+    return _under(fs, path, placeholders_as_directories(path, infos))
 
 
 def list_tree(
     fs: pafs.FileSystem, root: str, *, retry: RetryPolicy | None = None
 ) -> list[pafs.FileInfo]:
     """Every entry under ``root`` (one recursive listing: one request series on
-    object stores); empty when it does not exist.
+    object stores); empty when it does not exist. Placeholders are
+    directories, as in :func:`list_dir`.
 
     Raises:
         PermanentBackendError: as :func:`list_dir`.
     """
     sel = pafs.FileSelector(root, allow_not_found=True, recursive=True)
     infos = _retry.call(lambda: fs.get_file_info(sel), policy=retry, store=fs, what=f"list {root}")
-    return _under(fs, root, infos)
+    return _under(fs, root, placeholders_as_directories(root, infos))
 
 
 def _under(fs: pafs.FileSystem, root: str, infos: list[pafs.FileInfo]) -> list[pafs.FileInfo]:
@@ -130,6 +155,8 @@ def ensure_dir(
 
 def delete_dir(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> None:
     """Delete ``path`` and everything under it; nothing happens if it is absent.
+    An object of the directory's own name (another tool's placeholder, see
+    :func:`kind`) goes with it.
 
     Raises:
         PermanentBackendError: the filesystem reported success but ``path``
@@ -137,16 +164,18 @@ def delete_dir(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = No
     """
 
     def _delete() -> None:
-        try:
-            fi = fs.get_file_info(path)
-            if fi.type == pafs.FileType.NotFound:
-                return
-            if fi.type == pafs.FileType.File:
-                fs.delete_file(path)
-            else:
-                fs.delete_dir(path)
-        except FileNotFoundError:
-            pass
+        # A name both an object and a prefix stats as the one, then the other.
+        for _ in range(2):
+            try:
+                fi = fs.get_file_info(path)
+                if fi.type == pafs.FileType.NotFound:
+                    return
+                if fi.type == pafs.FileType.File:
+                    fs.delete_file(path)
+                else:
+                    fs.delete_dir(path)
+            except FileNotFoundError:
+                pass
         _check_gone(fs, path)
 
     _retry.call(_delete, policy=retry, store=fs, what=f"delete {path}")

@@ -44,7 +44,7 @@ def pointed_name(fs: pafs.FileSystem, fs_path: str, retry: RetryPolicy | None = 
     Raises:
         CheckpointCorruptError: a pointer naming no replacement of ``fs_path``.
     """
-    if _fsutil.info(fs, fs_path, retry=retry).type != pafs.FileType.Directory:
+    if _fsutil.kind(fs, fs_path, retry=retry) != pafs.FileType.Directory:
         return None  # also a legacy plain file: never a pointer inside
     try:
         raw = _fsutil.read_bytes(fs, posixpath.join(fs_path, POINTER_FILE), retry=retry)

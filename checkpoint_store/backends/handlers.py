@@ -8,7 +8,8 @@ pyarrow's own S3 and Azure filesystems leave a directory-marker object after
 every delete; :class:`MarkerFreeDeletesHandler` deletes through the store's
 fsspec client instead. :func:`wrap_filesystem` turns any filesystem a user
 passes into the ``pyarrow.fs.FileSystem`` a :class:`~checkpoint_store.backends.Backend`
-holds.
+holds. :func:`placeholders_as_directories` turns the directory placeholders
+other tools leave on object stores into the directories they stand for.
 """
 
 from __future__ import annotations
@@ -27,9 +28,49 @@ from checkpoint_store.backends.forwarding import ForwardingHandler
 __all__ = [
     "LiteralFSSpecHandler",
     "MarkerFreeDeletesHandler",
+    "placeholders_as_directories",
     "wrap_filesystem",
     "wrap_fsspec",
 ]
+
+
+def placeholders_as_directories(base: str, infos: Iterable[pafs.FileInfo]
+                                ) -> list[pafs.FileInfo]:
+    """A listing of ``base`` with directory placeholders read as directories.
+
+    Other tools mark directories on object stores with objects: an object
+    whose key ends in ``/`` (the S3 and GCS consoles, ``pyarrow.fs``'s own
+    ``create_dir`` and ``copy_files``, Hadoop S3A), or an object named like
+    the directory beside its prefix (blobfuse, AzCopy and Hadoop write
+    zero-byte ``hdi_isfolder`` blobs; anyone may write ``dir`` beside
+    ``dir/...``). Neither can be a file of a directory tree. Here such an
+    entry becomes the directory it names (once, however many markers it
+    has), a placeholder of ``base`` itself disappears, and the order of the
+    other entries is kept.
+
+    Args:
+        base: the directory listed, as its listings spell it.
+        infos: the entries listed under it (one level or recursive).
+
+    Returns:
+        The entries, every path without a trailing ``/``, no path twice.
+    """
+    stripped = base.rstrip("/")
+    infos = list(infos)
+    dirs = {fi.path.rstrip("/") for fi in infos
+            if fi.type == pafs.FileType.Directory or fi.path.endswith("/")}
+    out: list[pafs.FileInfo] = []
+    seen: set[str] = set()
+    for fi in infos:
+        path = fi.path.rstrip("/")
+        if path == stripped or path in seen:
+            continue
+        if path in dirs:
+            if fi.type != pafs.FileType.Directory:
+                fi = pafs.FileInfo(path, pafs.FileType.Directory)
+        seen.add(path)
+        out.append(fi)
+    return out
 
 
 def _literal_rm_files(fs: Any, paths: list[str]) -> None:
@@ -123,23 +164,14 @@ class LiteralFSSpecHandler(pafs.FSSpecHandler):
 
     def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
         base = selector.base_dir
-        stripped = base.strip("/")
         if selector.recursive:
-            try:
-                found = self.fs.find(base, withdirs=True, detail=True)
-            except FileNotFoundError:
-                found = {}
-            entries = [dict(info, name=path) for path, info in found.items()]
+            entries = [dict(info, name=path) for path, info in self._find(base).items()]
         else:
             try:
                 entries = self.fs.ls(base, detail=True)
             except FileNotFoundError:
                 entries = []
-        infos = [
-            self._create_file_info(e["name"], e)
-            for e in entries
-            if e["name"].strip("/") != stripped
-        ]
+        infos = self._infos(base, entries)
         if infos:
             return infos
         # Empty, absent or a file: one question, answered from one state of
@@ -151,26 +183,63 @@ class LiteralFSSpecHandler(pafs.FSSpecHandler):
         except FileNotFoundError:
             kind = None
         if kind == "file":
+            inner = base.rstrip("/") + "/"
+            beside = [dict(info, name=path) for path, info in self._find_beside_object(base).items()
+                      if selector.recursive or "/" not in path[len(inner):].strip("/")]
+            if beside:
+                return self._infos(base, beside)
             raise NotADirectoryError(base)
         if kind is None and not selector.allow_not_found:
             raise FileNotFoundError(base)
         return []
+
+    def _infos(self, base: str, entries: Iterable[dict[str, Any]]) -> list[pafs.FileInfo]:
+        # s3fs and gcsfs list a `dir/` placeholder object as a zero-byte file.
+        stripped = base.strip("/")
+        return placeholders_as_directories(base, (
+            self._create_file_info(e["name"], e)
+            for e in entries
+            if e["name"].strip("/") != stripped
+        ))
 
     def delete_dir(self, path: str) -> None:
         if not has_magic(path):
             return super().delete_dir(path)
         if not self.fs.isdir(path):
             raise FileNotFoundError(path)
-        found = self.fs.find(path, withdirs=True, detail=True)
+        found = self._find(path)
         files = [p for p, i in found.items() if i.get("type") != "directory"]
         dirs = [p for p, i in found.items() if i.get("type") == "directory"]
         _literal_rm_tree(self.fs, files, [*dirs, path])
 
-    def _delete_dir_contents(self, path: str, missing_dir_ok: bool) -> None:
+    def _find(self, path: str) -> dict[str, dict[str, Any]]:
+        """``{path: info}`` of every entry under ``path``; empty when absent."""
         try:
             found = self.fs.find(path, withdirs=True, detail=True)
         except FileNotFoundError:
-            found = {}
+            return {}
+        return found if isinstance(found, dict) else self._find_beside_object(path)
+
+    def _find_beside_object(self, path: str) -> dict[str, dict[str, Any]]:
+        """``{path: info}`` under ``path`` when ``path`` is also an object.
+
+        adlfs answers ``find`` and ``ls`` of a name that is both a blob and a
+        prefix with the blob alone (and so for every name below such a
+        parent); a listing of the container limited to the key's prefix
+        finds the entries.
+        """
+        stripped = path.rstrip("/")
+        container, _, key = stripped.partition("/")
+        try:
+            found = self.fs.find(container, withdirs=True, detail=True, prefix=key)
+        except (FileNotFoundError, TypeError):  # TypeError: a find without prefix=
+            return {}
+        if not isinstance(found, dict):
+            return {}
+        return {p: i for p, i in found.items() if p.startswith(stripped + "/")}
+
+    def _delete_dir_contents(self, path: str, missing_dir_ok: bool) -> None:
+        found = self._find(path)
         if not found and not self.fs.isdir(path):
             if missing_dir_ok:
                 return

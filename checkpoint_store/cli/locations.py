@@ -265,14 +265,14 @@ def classify(loc: Location) -> LocationKind:
     except OSError:
         # Listing a file fails as a storage error on some backends (local
         # disks: "Not a directory", with a hint at credentials).
-        if _fsutil.info(loc.fs, loc.path).type == _fsutil.pafs.FileType.File:
+        if _fsutil.kind(loc.fs, loc.path) == _fsutil.pafs.FileType.File:
             return "file"
         raise
     if not entries:
-        fi = _fsutil.info(loc.fs, loc.path)
-        if fi.type == _fsutil.pafs.FileType.NotFound:
+        found = _fsutil.kind(loc.fs, loc.path)
+        if found == _fsutil.pafs.FileType.NotFound:
             raise CheckpointNotFoundError(_missing(loc))
-        if fi.type == _fsutil.pafs.FileType.File:
+        if found == _fsutil.pafs.FileType.File:
             return "file"
         return "empty"
     if looks_like_trial(entries, loc):
@@ -546,7 +546,7 @@ def require_checkpoint(loc: Location) -> dict[str, Any]:
         InvalidConfigError: a location of another kind (a trial, a file ...),
             named in the message.
     """
-    if _fsutil.info(loc.fs, loc.path).type == _fsutil.pafs.FileType.File:
+    if _fsutil.kind(loc.fs, loc.path) == _fsutil.pafs.FileType.File:
         # A listing of a file fails as a storage error on some backends.
         raise InvalidConfigError(f"{loc.uri} is a file, not a checkpoint; pass a "
                                  "checkpoint_NNNNNN directory")

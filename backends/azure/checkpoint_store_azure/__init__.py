@@ -10,7 +10,8 @@ Engines:
 * ``adlfs`` (default): ``adlfs.AzureBlobFileSystem``, wrapped with
   ``pyarrow.fs.PyFileSystem(FSSpecHandler(...))``.
 * ``pyarrow``: ``pyarrow.fs.AzureFileSystem`` (pyarrow >= 16) for reads,
-  writes and listings, adlfs for deletes (pyarrow leaves directory markers).
+  writes and listings, adlfs for deletes (pyarrow leaves directory markers)
+  and for telling folder blobs from empty files (:class:`FolderBlobsHandler`).
   Selected with ``storage_options={"engine": "pyarrow"}``; needs an account
   name plus key or SAS token, or a connection string. Measured against
   Azurite: faster for large files (128 MiB upload 1.7 s vs 4.1 s with adlfs),
@@ -57,11 +58,15 @@ from checkpoint_store.backends.base import (
     refuse_authority,
     typed_options,
 )
-from checkpoint_store.backends.handlers import MarkerFreeDeletesHandler, wrap_fsspec
+from checkpoint_store.backends.handlers import (
+    MarkerFreeDeletesHandler,
+    placeholders_as_directories,
+    wrap_fsspec,
+)
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
-__all__ = ["AZURE_CAPABILITIES", "OPTION_TYPES", "AzureBackend", "azure_backend",
-           "engine_capabilities"]
+__all__ = ["AZURE_CAPABILITIES", "OPTION_TYPES", "AzureBackend", "FolderBlobsHandler",
+           "azure_backend", "engine_capabilities"]
 
 AZURE_CAPABILITIES = Capabilities(
     atomic_rename=False,  # flat namespace: no directory rename at all
@@ -285,12 +290,42 @@ def _pyarrow_azure_class() -> Any | None:
         return None
 
 
+class FolderBlobsHandler(MarkerFreeDeletesHandler):
+    """pyarrow's Azure client, with folder blobs read as the directories they mark.
+
+    AzCopy, blobfuse, Azure Storage Explorer and Hadoop mark a directory on a
+    flat-namespace account with a zero-byte blob of its name whose metadata
+    says ``hdi_isfolder=true``. pyarrow lists such a blob as an empty file
+    (and then refuses to open it); adlfs reads the metadata. Each zero-byte
+    file pyarrow lists or stats is asked of adlfs once more (one HEAD):
+    empty files are rare in checkpoints, folder blobs cost nothing else.
+    """
+
+    def __init__(self, native: pafs.FileSystem, deleter: Any):
+        super().__init__(native, deleter, type_name="abfs")
+
+    def _as_listed(self, fi: pafs.FileInfo) -> pafs.FileInfo:
+        if fi.type != pafs.FileType.File or fi.size != 0:
+            return fi
+        try:
+            folder = self.deleter.info(fi.path).get("type") == "directory"
+        except FileNotFoundError:  # deleted since: the listing's answer stands
+            folder = False
+        return pafs.FileInfo(fi.path, pafs.FileType.Directory) if folder else fi
+
+    def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
+        return [self._as_listed(fi) for fi in self.native.get_file_info(paths)]
+
+    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
+        return placeholders_as_directories(
+            selector.base_dir,
+            [self._as_listed(fi) for fi in self.native.get_file_info(selector)])
+
+
 def _build_pyarrow(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.FileSystem:
     native = _pyarrow_azure(ours, extra)
     # pyarrow writes an empty directory marker after each delete; adlfs does not.
-    return pafs.PyFileSystem(
-        MarkerFreeDeletesHandler(native, _adlfs_instance(ours, {}), type_name="abfs")
-    )
+    return pafs.PyFileSystem(FolderBlobsHandler(native, _adlfs_instance(ours, {})))
 
 
 def _pyarrow_azure(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.FileSystem:
