@@ -333,6 +333,17 @@ class S3Server(_Server):
         return _list_pages(f"{self.endpoint_url}/{bucket}?list-type=2", "continuation-token",
                            f"bucket {bucket!r}", page)
 
+    def put_object(self, bucket: str, key: str, data: bytes = b"") -> None:
+        """Write one object behind the backend's back with boto3, as other
+        tools do (``key/`` placeholders of the S3 console, stray objects)."""
+        import boto3  # type: ignore[import-untyped]
+
+        client = boto3.client(
+            "s3", endpoint_url=self.endpoint_url, aws_access_key_id=self.access_key_id,
+            aws_secret_access_key=self.secret_access_key, region_name=self.region,
+        )
+        client.put_object(Bucket=bucket, Key=key, Body=data)
+
     def reset(self) -> None:
         """Empty the whole server (every bucket)."""
         _http("POST", f"{self.endpoint_url}/moto-api/reset", body=b"")
@@ -438,6 +449,15 @@ class AzureServer(_Server):
         with contextlib.suppress(Exception), self._service() as svc:
             svc.delete_container(name)
 
+    def put_blob(self, container: str, name: str, data: bytes = b"",
+                 metadata: Mapping[str, str] | None = None) -> None:
+        """Write one blob behind the backend's back with azure-storage-blob, as
+        other tools do: ``metadata={"hdi_isfolder": "true"}`` on a zero-byte
+        blob is the folder blob of AzCopy, blobfuse and Hadoop."""
+        with self._service() as svc:
+            svc.get_container_client(container).upload_blob(
+                name, data, metadata=dict(metadata or {}) or None, overwrite=True)
+
     def list_blobs(self, container: str) -> dict[str, int]:
         """``{blob name: size}`` in ``container``, read behind the backend's back."""
         with self._service() as svc:
@@ -501,6 +521,27 @@ class GCSServer(_Server):
 
         return _list_pages(f"{self.endpoint_url}/storage/v1/b/{bucket}/o", "pageToken",
                            f"bucket {bucket!r}", page)
+
+    def put_object(self, bucket: str, name: str, data: bytes = b"") -> None:
+        """Write one object behind the backend's back with the JSON API's
+        multipart upload, as other tools do (``name/`` placeholders of the
+        console). The emulator drops a media upload with an empty body.
+
+        Raises:
+            OSError: the upload did not answer 200.
+        """
+        boundary = f"cs-{uuid.uuid4().hex}"
+        body = b"".join([
+            f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n".encode(),
+            json.dumps({"name": name}).encode(),
+            f"\r\n--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n".encode(),
+            data, f"\r\n--{boundary}--\r\n".encode(),
+        ])
+        status, answer = _http(
+            "POST", f"{self.endpoint_url}/upload/storage/v1/b/{bucket}/o?uploadType=multipart",
+            body=body, headers={"Content-Type": f"multipart/related; boundary={boundary}"})
+        if status != 200:
+            raise OSError(f"uploading {name!r} to {bucket!r} failed: {status} {answer[:200]!r}")
 
     def delete_bucket(self, name: str) -> None:
         with contextlib.suppress(Exception):

@@ -52,10 +52,13 @@ out; and concurrent readers of one checkpoint each get the right bytes.
 The checks come in topics, one module each, all stand on the fixtures of
 :mod:`~checkpoint_store.testing.conformance._base`: the filesystem and its
 capabilities (:mod:`.filesystem`), checkpoints and sessions
-(:mod:`.checkpoints`), paths and names (:mod:`.names`), and nothing written
-outside its place (:mod:`.containment`). :class:`BackendTests` inherits them
-all; subclass it, not a topic, so that a check added later reaches your
-backend too.
+(:mod:`.checkpoints`), paths and names (:mod:`.names`), nothing written
+outside its place (:mod:`.containment`), and what other tools leave on
+the store (:mod:`.placeholders`: directory placeholders and objects named
+like a directory beside its prefix never make a checkpoint look damaged;
+enabled by the ``raw_placeholder`` and ``raw_object`` fixtures).
+:class:`BackendTests` inherits them all; subclass it, not a topic, so
+that a check added later reaches your backend too.
 """
 
 from __future__ import annotations
@@ -70,16 +73,23 @@ from checkpoint_store.testing.conformance.checkpoints import CheckpointTests
 from checkpoint_store.testing.conformance.containment import ContainmentTests
 from checkpoint_store.testing.conformance.filesystem import FilesystemTests
 from checkpoint_store.testing.conformance.names import NameTests
+from checkpoint_store.testing.conformance.placeholders import PlaceholderTests
 
 __all__ = ["SAMPLE_TREE", "BackendFixtures", "BackendTests", "make_tree", "read_tree"]
 
 
 # pytest collects inherited tests base first (reverse MRO): listed last runs first.
-class BackendTests(ContainmentTests, NameTests, CheckpointTests, FilesystemTests):
+class BackendTests(PlaceholderTests, ContainmentTests, NameTests, CheckpointTests,
+                   FilesystemTests):
     """Base class of the backend conformance suite (see the module docstring).
 
     Fixtures a subclass provides:
         storage_location: a fresh, empty :class:`StorageLocation` per test (required).
         raw_objects: ``() -> {path: size}`` listing the store behind the
             backend's back, or None (the default) to skip those checks.
+        raw_placeholder: ``(directory path) -> None`` marking a directory as
+            other tools do on the store (default: an empty directory where
+            the store has real ones, else None: skipped).
+        raw_object: ``(path, data) -> None`` writing an object behind the
+            backend's back, None (the default) to skip those checks.
     """

@@ -63,6 +63,10 @@ class BackendFixtures:
         storage_location: a fresh, empty :class:`StorageLocation` per test (required).
         raw_objects: ``() -> {path: size}`` listing the store behind the
             backend's back, or None (the default) to skip those checks.
+        raw_placeholder: ``(directory path) -> None`` writing another tool's
+            directory placeholder behind the backend's back.
+        raw_object: ``(path, data) -> None`` writing an object behind the
+            backend's back.
     """
 
     @pytest.fixture
@@ -73,6 +77,24 @@ class BackendFixtures:
 
     @pytest.fixture
     def raw_objects(self) -> Callable[[], Mapping[str, int]] | None:
+        return None
+
+    @pytest.fixture
+    def raw_placeholder(self, backend: Backend) -> Callable[[str], None] | None:
+        """``(directory path) -> None``: mark a directory the way other tools
+        do on this store, behind the backend's back (S3 and GCS: an empty
+        ``path/`` object; Azure: a zero-byte blob ``path`` with metadata
+        ``hdi_isfolder=true``). By default, on a store with real
+        directories, an empty directory; else None (those checks skip)."""
+        if not backend.capabilities.directories:
+            return None
+        return lambda path: backend.filesystem.create_dir(path, recursive=True)
+
+    @pytest.fixture
+    def raw_object(self) -> Callable[[str, bytes], None] | None:
+        """``(path, data) -> None``: write an object behind the backend's back,
+        also where ``path/...`` already holds objects (a key both an object
+        and a prefix); None (the default) skips those checks."""
         return None
 
     @pytest.fixture
