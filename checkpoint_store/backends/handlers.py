@@ -73,6 +73,19 @@ def placeholders_as_directories(base: str, infos: Iterable[pafs.FileInfo]
     return out
 
 
+def _only_the_object(path: str, entries: Iterable[Any]) -> bool:
+    """Whether a listing of ``path`` (fsspec entries, or bare names) holds
+    nothing but ``path`` itself as a file: the answer of clients that see a
+    name that is both an object and a prefix as the object alone."""
+    entries = list(entries)
+    stripped = path.strip("/")
+    return bool(entries) and all(
+        isinstance(e, str) and e.strip("/") == stripped
+        or isinstance(e, Mapping) and e.get("type") == "file"
+        and str(e.get("name", "")).strip("/") == stripped
+        for e in entries)
+
+
 def _literal_rm_files(fs: Any, paths: list[str]) -> None:
     """Delete exactly the files ``paths`` through fsspec, whatever their names hold.
 
@@ -174,6 +187,15 @@ class LiteralFSSpecHandler(pafs.FSSpecHandler):
         infos = self._infos(base, entries)
         if infos:
             return infos
+        if _only_the_object(base, entries):
+            # adlfs and fsspec's memory filesystem answer for a name that is
+            # both an object and a prefix with the object alone.
+            inner = base.rstrip("/") + "/"
+            beside = [dict(info, name=path) for path, info in self._find_beside_object(base).items()
+                      if selector.recursive or "/" not in path[len(inner):].strip("/")]
+            if beside:
+                return self._infos(base, beside)
+            raise NotADirectoryError(base)
         # Empty, absent or a file: one question, answered from one state of
         # the store. Asked as two (is it a directory? does it exist?, as
         # pyarrow's handler does), a writer creating the directory's first
@@ -183,11 +205,6 @@ class LiteralFSSpecHandler(pafs.FSSpecHandler):
         except FileNotFoundError:
             kind = None
         if kind == "file":
-            inner = base.rstrip("/") + "/"
-            beside = [dict(info, name=path) for path, info in self._find_beside_object(base).items()
-                      if selector.recursive or "/" not in path[len(inner):].strip("/")]
-            if beside:
-                return self._infos(base, beside)
             raise NotADirectoryError(base)
         if kind is None and not selector.allow_not_found:
             raise FileNotFoundError(base)
@@ -218,15 +235,18 @@ class LiteralFSSpecHandler(pafs.FSSpecHandler):
             found = self.fs.find(path, withdirs=True, detail=True)
         except FileNotFoundError:
             return {}
-        return found if isinstance(found, dict) else self._find_beside_object(path)
+        if isinstance(found, dict) and not _only_the_object(path, found.values()):
+            return found
+        return self._find_beside_object(path)
 
     def _find_beside_object(self, path: str) -> dict[str, dict[str, Any]]:
         """``{path: info}`` under ``path`` when ``path`` is also an object.
 
         adlfs answers ``find`` and ``ls`` of a name that is both a blob and a
         prefix with the blob alone (and so for every name below such a
-        parent); a listing of the container limited to the key's prefix
-        finds the entries.
+        parent), as fsspec's memory filesystem does; a listing of the
+        container limited to the key's prefix finds the entries (a client
+        that ignores ``prefix=`` lists the container, filtered here).
         """
         stripped = path.rstrip("/")
         container, _, key = stripped.partition("/")

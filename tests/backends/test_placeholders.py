@@ -147,6 +147,7 @@ def _check_cli(place: Place, tmp_path: Path, expected: dict[str, bytes]) -> None
     assert read_tree(copied[0][0].to_directory(str(tmp_path / "cp-out"))) == expected
 
 
+@pytest.mark.slow
 def test_placeholder_inside_a_committed_checkpoint_resumes_and_verifies(place, tmp_path):
     """The reported input, on every backend and engine: ``x/`` inside checkpoint 0."""
     expected = _report(place, tmp_path)
@@ -173,14 +174,17 @@ def test_placeholders_on_every_directory_of_a_trial_change_nothing(place, tmp_pa
     assert [i for i, _ in ctx.checkpoint_dirs()] == [1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stray", [b"", b"not a checkpoint"])
 def test_object_named_like_the_checkpoint_is_its_marker(place, tmp_path, stray):
     """``<trial>/checkpoint_000000`` as an object beside its prefix (and
-    ``nested`` beside ``nested/``): the checkpoint is handed out, downloads,
-    verifies from the command line, and is evicted object and all."""
+    ``nested`` beside ``nested/``, ``t`` beside the trial's prefix): the
+    checkpoint is handed out, downloads, verifies from the command line,
+    and is evicted object and all."""
     expected = _report(place, tmp_path)
     place.put("e/t/checkpoint_000000", stray)
     place.put("e/t/checkpoint_000000/nested", stray)
+    place.put("e/t", stray)
     assert _resumed_index(place) == 0
     with place.start():
         got = session.get_checkpoint()
@@ -192,6 +196,27 @@ def test_object_named_like_the_checkpoint_is_its_marker(place, tmp_path, stray):
     _report(place, tmp_path)
     assert [i for i, _ in ctx.checkpoint_dirs()] == [1]
     assert ctx.filesystem.get_file_info(ctx.checkpoint_path(0)).type == pafs.FileType.NotFound
+
+
+def test_memory_file_named_like_a_checkpoint_leaves_it_readable(tmp_path):
+    """fsspec's memory filesystem keeps a file ``checkpoint_000000`` beside the
+    directory of that name (set in its store: its ``pipe_file`` refuses); its
+    listings then answer with the file alone. The checkpoint is still handed
+    out and downloads. (Nothing can be written under such a name there, so
+    its eviction fails loudly and is retried.)"""
+    from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
+
+    uri = f"memory://cs-{uuid.uuid4().hex[:12]}/r"
+    place = Place(StorageLocation(uri), lambda k: None, lambda k, d: None)
+    expected = _report(place, tmp_path)
+    path = place.context().checkpoint_path(0)
+    MemoryFileSystem.store[path] = MemoryFile(None, path, b"stray")
+    with place.start():
+        got = session.get_checkpoint()
+        assert got is not None and got.internal_metadata["index"] == 0
+        assert read_tree(got.to_directory(str(tmp_path / "out"))) == expected
+    res = invoke(["verify", place.loc.join("e", "t", "checkpoint_000000").uri])
+    assert res.exit_code == 0, res.output
 
 
 @pytest.mark.parametrize("engine", ["pyarrow", "s3fs"])

@@ -108,8 +108,8 @@ class PlaceholderTests(BackendFixtures):
         raw_object: Callable[[str, bytes], None] | None, tmp_path: Path,
     ) -> None:
         """An object ``checkpoint_000000`` beside the prefix ``checkpoint_000000/``
-        (and ``nested`` beside ``nested/``, ``t`` beside the trial's prefix)
-        is the directory's own marker: never a file, gone with the directory."""
+        (and ``nested`` beside ``nested/``) is the directory's own marker:
+        never a file, gone with the directory."""
         if raw_object is None:
             pytest.skip("needs raw_object")
         self._session(storage_location, tmp_path, 1, "s")
@@ -117,7 +117,6 @@ class PlaceholderTests(BackendFixtures):
         ckpt = ctx.checkpoint_path(0)
         raw_object(ckpt, b"stray bytes")
         raw_object(posixpath.join(ckpt, "nested"), b"")
-        raw_object(ctx.trial_path, b"")
         assert _fsutil.is_dir(backend.filesystem, ckpt)
         expected = read_tree(self._src(tmp_path, _TREE, name="expected"))
         self._check_whole(storage_location, tmp_path, expected)
