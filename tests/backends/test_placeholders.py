@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow.fs as pafs
 import pytest
 
-from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, session
+from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, _fsutil, session
 from checkpoint_store.testing import StorageLocation
 from checkpoint_store.testing.conformance import make_tree, read_tree
 from tests.cli.cli_helpers import invoke
@@ -196,6 +196,25 @@ def test_object_named_like_the_checkpoint_is_its_marker(place, tmp_path, stray):
     _report(place, tmp_path)
     assert [i for i, _ in ctx.checkpoint_dirs()] == [1]
     assert ctx.filesystem.get_file_info(ctx.checkpoint_path(0)).type == pafs.FileType.NotFound
+
+
+def test_adopting_a_copied_in_directory_leaves_its_placeholders_out(place, tmp_path):
+    """A manifest built from a listing at commit time (``StorageContext.adopt``
+    of a directory a tool copied in, markers and all) lists the files alone."""
+    if place.filesystem is not None:
+        pytest.skip("writes through the location's own backend")
+    ctx = place.context()
+    files = {"w.bin": b"weights", "nested/o.pt": b"opt"}
+    for rel, data in files.items():
+        _fsutil.write_bytes(ctx.filesystem, posixpath.join(ctx.checkpoint_path(3), rel), data,
+                            ctx.backend.capabilities)
+    for rel in ("e/t/checkpoint_000003", "e/t/checkpoint_000003/nested",
+                "e/t/checkpoint_000003/empty"):
+        place.placeholder(rel)
+    ckpt = ctx.adopt("checkpoint_000003")
+    assert sorted(e["path"] for e in ckpt.internal_metadata["manifest"]) == sorted(files)
+    ckpt.verify()
+    assert _resumed_index(place) == 3
 
 
 def test_memory_file_named_like_a_checkpoint_leaves_it_readable(tmp_path):
