@@ -364,6 +364,11 @@ class MarkerFreeDeletesHandler(ForwardingHandler):
     def normalize_path(self, path: str) -> str:
         return self.native.normalize_path(path).strip("/")
 
+    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
+        # pyarrow lists an object beside a prefix of its name twice, as a file
+        # and as a directory; whoever lists through us (Ray) sees one directory.
+        return placeholders_as_directories(selector.base_dir, self.native.get_file_info(selector))
+
     def delete_dir(self, path: str) -> None:
         if self.native.get_file_info(path).type == pafs.FileType.NotFound:
             raise FileNotFoundError(path)

@@ -217,6 +217,25 @@ def test_adopting_a_copied_in_directory_leaves_its_placeholders_out(place, tmp_p
     assert _resumed_index(place) == 3
 
 
+def test_the_backends_own_listing_names_each_directory_once(place, tmp_path):
+    """What lists through a backend's filesystem itself (Ray's pyarrow calls)
+    sees a placeholder, or an object beside its prefix, as one directory
+    (a pyarrow filesystem passed in is used as given: not checked)."""
+    if isinstance(place.filesystem, pafs.FileSystem):
+        pytest.skip("a pyarrow filesystem passed in lists as pyarrow does")
+    _report(place, tmp_path)
+    place.placeholder("e/t/checkpoint_000000/x")
+    place.put("e/t/checkpoint_000000/nested", b"")
+    ctx = place.context()
+    for recursive in (False, True):
+        listed = ctx.filesystem.get_file_info(
+            pafs.FileSelector(ctx.checkpoint_path(0), recursive=recursive))
+        paths = [fi.path for fi in listed]
+        assert len(paths) == len(set(paths)), paths
+        kinds = {posixpath.basename(fi.path): fi.type for fi in listed}
+        assert kinds["x"] == kinds["nested"] == pafs.FileType.Directory
+
+
 def test_memory_file_named_like_a_checkpoint_leaves_it_readable(tmp_path):
     """fsspec's memory filesystem keeps a file ``checkpoint_000000`` beside the
     directory of that name (set in its store: its ``pipe_file`` refuses); its

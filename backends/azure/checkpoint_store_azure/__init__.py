@@ -58,11 +58,7 @@ from checkpoint_store.backends.base import (
     refuse_authority,
     typed_options,
 )
-from checkpoint_store.backends.handlers import (
-    MarkerFreeDeletesHandler,
-    placeholders_as_directories,
-    wrap_fsspec,
-)
+from checkpoint_store.backends.handlers import MarkerFreeDeletesHandler, wrap_fsspec
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
 __all__ = ["AZURE_CAPABILITIES", "OPTION_TYPES", "AzureBackend", "FolderBlobsHandler",
@@ -317,9 +313,7 @@ class FolderBlobsHandler(MarkerFreeDeletesHandler):
         return [self._as_listed(fi) for fi in self.native.get_file_info(paths)]
 
     def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
-        return placeholders_as_directories(
-            selector.base_dir,
-            [self._as_listed(fi) for fi in self.native.get_file_info(selector)])
+        return [self._as_listed(fi) for fi in super().get_file_info_selector(selector)]
 
 
 def _build_pyarrow(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.FileSystem:
