@@ -24,7 +24,10 @@ from checkpoint_store._proc import writer_tag
 from checkpoint_store._remote import writer_of
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Capabilities
-from checkpoint_store.backends.handlers import placeholders_as_directories
+from checkpoint_store.backends.handlers import (
+    folder_blobs_as_directories,
+    placeholders_as_directories,
+)
 
 
 def info(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> pafs.FileInfo:
@@ -87,7 +90,7 @@ def list_dir(
     """
     sel = pafs.FileSelector(path, allow_not_found=True, recursive=False)
     infos = _retry.call(lambda: fs.get_file_info(sel), policy=retry, store=fs, what=f"list {path}")
-    return _under(fs, path, placeholders_as_directories(path, infos))
+    return _under(fs, path, _as_tree(fs, path, infos))
 
 
 def list_tree(
@@ -102,7 +105,13 @@ def list_tree(
     """
     sel = pafs.FileSelector(root, allow_not_found=True, recursive=True)
     infos = _retry.call(lambda: fs.get_file_info(sel), policy=retry, store=fs, what=f"list {root}")
-    return _under(fs, root, placeholders_as_directories(root, infos))
+    return _under(fs, root, _as_tree(fs, root, infos))
+
+
+def _as_tree(fs: pafs.FileSystem, base: str, infos: list[pafs.FileInfo]) -> list[pafs.FileInfo]:
+    """A listing with other tools' directory placeholders as directories,
+    also those of a pyarrow ``AzureFileSystem`` passed in as it is."""
+    return placeholders_as_directories(base, folder_blobs_as_directories(fs, infos))
 
 
 def _under(fs: pafs.FileSystem, root: str, infos: list[pafs.FileInfo]) -> list[pafs.FileInfo]:

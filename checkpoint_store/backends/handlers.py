@@ -28,6 +28,7 @@ from checkpoint_store.backends.forwarding import ForwardingHandler
 __all__ = [
     "LiteralFSSpecHandler",
     "MarkerFreeDeletesHandler",
+    "folder_blobs_as_directories",
     "placeholders_as_directories",
     "wrap_filesystem",
     "wrap_fsspec",
@@ -71,6 +72,36 @@ def placeholders_as_directories(base: str, infos: Iterable[pafs.FileInfo]
         seen.add(path)
         out.append(fi)
     return out
+
+
+def folder_blobs_as_directories(fs: pafs.FileSystem, infos: Iterable[pafs.FileInfo]
+                                ) -> list[pafs.FileInfo]:
+    """``infos`` listed by pyarrow's ``AzureFileSystem`` ``fs``, its folder blobs
+    as directories.
+
+    A folder blob (zero bytes, metadata ``hdi_isfolder=true``: AzCopy,
+    blobfuse, Azure Storage Explorer, Hadoop) lists as an empty file, and
+    pyarrow refuses to open it ("Not a regular file"): that refusal tells
+    it from a user's empty file, at one metadata request per empty file.
+    Any other filesystem's ``infos`` come back as they are.
+    """
+    infos = list(infos)
+    azure = getattr(pafs, "AzureFileSystem", None)
+    if azure is None or not isinstance(fs, azure):
+        return infos
+    return [pafs.FileInfo(fi.path, pafs.FileType.Directory)
+            if fi.type == pafs.FileType.File and fi.size == 0 and _refused_as_folder(fs, fi.path)
+            else fi for fi in infos]
+
+
+def _refused_as_folder(fs: pafs.FileSystem, path: str) -> bool:
+    try:
+        fs.open_input_file(path).close()
+    except FileNotFoundError:  # deleted since the listing: its answer stands
+        return False
+    except OSError as exc:
+        return "Not a regular file" in str(exc)
+    return False
 
 
 def _only_the_object(path: str, entries: Iterable[Any]) -> bool:

@@ -76,7 +76,8 @@ def _key(loc: StorageLocation, rel: str) -> str:
     return posixpath.join(root, rel)
 
 
-_KINDS = ["s3", "s3fs", "azure", "azure-pyarrow", "gcs", "s3fs-object", "pyarrow-s3-object"]
+_KINDS = ["s3", "s3fs", "azure", "azure-pyarrow", "gcs", "s3fs-object", "pyarrow-s3-object",
+          "pyarrow-azure-object"]
 
 
 @pytest.fixture(params=_KINDS)
@@ -99,15 +100,21 @@ def place(request: pytest.FixtureRequest) -> Place:
                                    scheme="http", region=srv.region)
         return Place(loc, lambda k: srv.put_object(bucket, _key(loc, k) + "/"),
                      lambda k, d: srv.put_object(bucket, _key(loc, k), d), fs)
-    if kind.startswith("azure"):
+    if "azure" in kind:
         srv = request.getfixturevalue("azure_server")
         container = request.getfixturevalue("azure_container")
-        engine = "pyarrow" if kind == "azure-pyarrow" else "adlfs"
+        engine = "adlfs" if kind == "azure" else "pyarrow"
         loc = StorageLocation(f"az://{container}/ckpt", srv.storage_options(engine))
+        host = srv.endpoint_url.split("://")[1]
+        native = pafs.AzureFileSystem(
+            account_name=srv.account_name, account_key=srv.account_key,
+            blob_storage_authority=host, blob_storage_scheme="http",
+            dfs_storage_authority=host, dfs_storage_scheme="http",
+        ) if kind == "pyarrow-azure-object" else None
         return Place(
             loc,
             lambda k: srv.put_blob(container, _key(loc, k), metadata={"hdi_isfolder": "true"}),
-            lambda k, d: srv.put_blob(container, _key(loc, k), d))
+            lambda k, d: srv.put_blob(container, _key(loc, k), d), native)
     srv = request.getfixturevalue("gcs_server")
     loc = request.getfixturevalue("gcs_location")
     bucket = _bucket(loc)
