@@ -95,7 +95,7 @@ def _stream_state(
         return [ManifestEntry(STATE_FILE, w.size, f"{w.crc:08x}")]
 
     def write(fs: pafs.FileSystem, directory: str) -> list[ManifestEntry]:
-        return _retry.call(lambda: write_once(fs, directory), policy=retry,
+        return _retry.call(lambda: write_once(fs, directory), policy=retry, store=fs,
                            what=f"write {directory}/{STATE_FILE}")
 
     return write
