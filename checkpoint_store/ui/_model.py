@@ -464,9 +464,18 @@ class StoreView:
     def best_rows(self, experiment: str) -> list[dict[str, Any]]:
         """One row per trial of ``experiment``: its name, status, best checkpoint and
         score, parameters (``param/NAME``), and the metrics of the report that
-        named the best checkpoint (a sweep's CSV export)."""
+        named the best checkpoint (a sweep's CSV export).
+
+        Raises:
+            InvalidConfigError: ``experiment`` is not one path component.
+            CheckpointNotFoundError: no such experiment under the location.
+        """
+        validate_component(experiment, "experiment")
+        trials = self.experiments().get(experiment)
+        if trials is None:
+            raise CheckpointNotFoundError(f"no experiment {experiment!r} under {self.uri}")
         out = []
-        for trial in self.experiments().get(experiment, []):
+        for trial in trials:
             ctx = self.storage(experiment, trial)
             with self._lock:
                 cache = self._refresh(ctx, False)

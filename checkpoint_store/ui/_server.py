@@ -99,9 +99,16 @@ def _csv(rows: list[dict[str, Any]], filename: str) -> Response:
                             lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in filename)[:120]
+    from urllib.parse import quote
+
+    # Header values are Latin-1: an ASCII fallback name, and the real one in
+    # RFC 5987's filename* (a trial named in any script downloads under its name).
+    ascii_name = "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_"
+                         for c in filename)[:120]
+    disposition = (f'attachment; filename="{ascii_name}.csv"; '
+                   f"filename*=UTF-8''{quote(filename[:120] + '.csv', safe='')}")
     return Response(buf.getvalue(), mimetype="text/csv",
-                    headers={"Content-Disposition": f'attachment; filename="{safe}.csv"'})
+                    headers={"Content-Disposition": disposition})
 
 
 def _error(exc: BaseException, status: int) -> Response:

@@ -321,3 +321,22 @@ def test_a_stop_without_reason_records_nothing(tmp_path: Any) -> None:
     with pytest.raises(InvalidConfigError):
         TrialRunner(train, {}, storage_path=root, experiment_name="e",
                     trial_name="x").stop(reason="r", status="done")
+
+
+def test_csv_export_of_any_name_and_only_of_listed_experiments(serve: Any,
+                                                               tmp_path: Any) -> None:
+    name = "träil-ü-日本"
+    store = Store(str(tmp_path / "s"))
+    report_trial(store, "e", name, [0.2, 0.4], [True, True], {})
+    server = serve(store.uri)
+    from urllib.parse import quote, unquote
+
+    with urllib.request.urlopen(server.url + f"api/csv?experiment=e&trial={quote(name)}",
+                                timeout=10) as resp:
+        disposition = resp.headers["Content-Disposition"]
+        assert resp.read().decode().count("\n") == 3  # header + 2 rows
+    assert unquote(disposition.split("filename*=UTF-8''")[1]) == f"e-{name}.csv"
+    for experiment, status in (("nosuch", 404), ("..", 400)):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(server.url + f"api/csv?experiment={experiment}", timeout=10)
+        assert info.value.code == status
