@@ -170,7 +170,9 @@ def _make_s3fs_twin(options: dict[str, Any]) -> Any | None:
         return None
     storage_options: dict[str, Any] = {
         "engine": "s3fs",
-        "endpoint_url": f"{scheme}://{override}" if override else None,
+        # pyarrow takes the override with or without its scheme ("http://h:p").
+        "endpoint_url": (override if override and "://" in override
+                         else f"{scheme}://{override}" if override else None),
         "region": options.get("region") or None,
     }
     if options.get("anonymous"):

@@ -87,6 +87,20 @@ def test_pyarrow_local_filesystem_refuses_a_uri_as_path(tmp_path):
         StorageContext(f"file://{tmp_path}", "e", "t", storage_filesystem=pafs.LocalFileSystem())
 
 
+def test_own_pyarrow_s3_filesystem_with_a_scheme_in_its_endpoint_commits(tmp_path, s3_server,
+                                                                          s3_bucket):
+    """pyarrow takes ``endpoint_override="http://host:port"`` as well as
+    ``"host:port"`` plus ``scheme``: the client built beside it for parallel parts
+    and batches must reach the same endpoint (it read "http://http:/...")."""
+    fs = pafs.S3FileSystem(
+        endpoint_override=s3_server.endpoint_url, scheme="http",
+        access_key=s3_server.access_key_id, secret_key=s3_server.secret_access_key,
+        region=s3_server.region,
+    )
+    got = _report_once(tmp_path, f"{s3_bucket}/runs", fs)
+    assert read_tree(got.to_directory(str(tmp_path / "out"))) == {"model.bin": b"weights"}
+
+
 @pytest.mark.parametrize("engine", ["pyarrow", "s3fs"])
 @pytest.mark.parametrize("spelling", ["{b}/runs", "/{b}/runs/"])
 def test_own_s3_filesystem_with_any_spelling_commits(tmp_path, s3_server, s3_bucket, engine,
