@@ -388,6 +388,24 @@ def check_location_text(text: str, *, uri: bool) -> None:
         )
 
 
+def refuse_endpoint_credentials(option: str, value: object) -> None:
+    """Refuse an endpoint option (``endpoint_url``) that carries a user part
+    (``http://user:password@host``): credentials go in their own options, and a
+    client would send them to a server in a way nobody asked for.
+
+    Raises:
+        InvalidConfigError: naming the option, with the credentials hidden.
+    """
+    from checkpoint_store.errors import InvalidConfigError
+
+    if isinstance(value, str) and _userinfo_span(value) is not None:
+        raise InvalidConfigError(
+            f"storage option {option}={redact_uri(value)!r} carries credentials before "
+            "'@': give the endpoint as scheme://host[:port] and the credentials as their "
+            "own storage options (or the backend's environment variables)"
+        )
+
+
 def refuse_authority(uri: str, authority: str, *, allow_user: bool) -> None:
     """Refuse a URI whose first component (bucket, container) reads as
     ``user@host`` or ``host:port`` (``s3://bucket:9000/x``).

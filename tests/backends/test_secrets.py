@@ -213,3 +213,15 @@ def test_error_txt_of_a_failed_session_holds_no_secret(engine, s3_server, s3_buc
     assert b"CheckpointNotFoundError" in stored[error[0]]
     assert b"to_directory" in stored[error[0]]  # the traceback reached into our code
     _assert_clean(secret, [], all_logs, tmp_path, stored)
+
+
+@pytest.mark.parametrize("engine", ["pyarrow", "s3fs"])
+def test_credentials_in_an_endpoint_option_are_refused_unechoed(engine, capsys, caplog):
+    from checkpoint_store.errors import InvalidConfigError
+    from checkpoint_store.registry import resolve
+
+    with pytest.raises(InvalidConfigError, match="endpoint_url") as info:
+        resolve("s3://bucket/x", storage_options={
+            "engine": engine, "endpoint_url": "http://AKIAUSER:s3cr3tpw@127.0.0.1:1"})
+    shown = str(info.value) + repr(info.value) + capsys.readouterr().err + caplog.text
+    assert "s3cr3tpw" not in shown and "AKIAUSER" not in shown

@@ -60,7 +60,13 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store.backends.base import Backend, Capabilities, bool_option, typed_options
+from checkpoint_store.backends.base import (
+    Backend,
+    Capabilities,
+    bool_option,
+    refuse_endpoint_credentials,
+    typed_options,
+)
 from checkpoint_store.backends.handlers import MarkerFreeDeletesHandler, wrap_fsspec
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
@@ -183,6 +189,7 @@ def _normalise(storage_options: Mapping[str, Any]) -> tuple[dict[str, Any], dict
             extra[name] = _check_timeout(name, extra[name])
     env = os.environ
     ours.setdefault("endpoint_url", env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"))
+    refuse_endpoint_credentials("endpoint_url", ours["endpoint_url"])
     ours.setdefault("region", env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION"))
     engine = ours.get("engine") or "pyarrow"
     if engine not in _ENGINES:
