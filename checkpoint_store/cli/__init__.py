@@ -130,8 +130,11 @@ def _hint_for(exc: BaseException, subcommand: str | None = None) -> str | None:
 
 
 def _exit_code_for(exc: BaseException) -> int:
-    # An unsafe file in a tree is a fault of the data, not of the command line.
-    usage = isinstance(exc, InvalidConfigError) and not isinstance(exc, UnsafePathError)
+    # An unsafe file in a tree is a fault of the data, not of the command line;
+    # a destination inside a committed checkpoint is the command line's, as
+    # every other refused destination (docs/cli.md: exit codes).
+    usage = isinstance(exc, InvalidConfigError) and (
+        not isinstance(exc, UnsafePathError) or isinstance(exc, NestedCheckpointError))
     return EXIT_USAGE if usage else EXIT_FAILURE
 
 

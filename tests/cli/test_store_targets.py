@@ -68,7 +68,7 @@ def _intact(trial_uri: str) -> None:
 def test_download_into_another_committed_checkpoint_is_refused(trial, local_store, where):
     dest = local_store.joinpath(*where)
     res = _cli("download", f"{trial}/checkpoint_000000", str(dest))
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 2, res.output  # a refused destination: a usage error
     assert "lies inside the committed checkpoint" in res.output
     assert not os.path.exists(local_store / "checkpoint_000001" / "sub")
     _intact(str(local_store))
@@ -102,7 +102,7 @@ def test_to_directory_inside_a_committed_checkpoint_is_refused(trial, local_stor
 def test_plot_into_a_checkpoint_is_refused(trial, local_store, tmp_path):
     out = local_store / "checkpoint_000001" / "p.png"
     res = _cli("plot", trial, "--metric", "loss", "-o", str(out))
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 2, res.output  # a refused destination: a usage error
     assert "lies inside the committed checkpoint" in res.output
     assert not out.exists()
     _intact(str(local_store))
@@ -138,7 +138,7 @@ def test_a_download_through_a_symlink_into_a_checkpoint_is_refused(trial, local_
     link = tmp_path / "restore-here"
     os.symlink(local_store / "checkpoint_000000", link)
     res = _cli("download", f"{trial}/checkpoint_000001", str(link / "restored"))
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 2, res.output  # a refused destination: a usage error
     assert "lies inside the committed checkpoint" in res.output
     assert not (local_store / "checkpoint_000000" / "restored").exists()
     _intact(str(local_store))
