@@ -524,6 +524,29 @@ _TRUE_WORDS = frozenset({"true", "1", "yes"})
 _FALSE_WORDS = frozenset({"false", "0", "no"})
 
 
+def timeout_option(store: str, key: str, value: Any, default: float) -> float:
+    """A timeout storage option (``request_timeout``, ``connect_timeout``) in seconds.
+
+    Args:
+        store: the backend's name, for the error message (``"S3"``, ``"Azure"``).
+        key: the option's name, for the error message.
+        value: a number (:func:`typed_options` has already converted a string).
+        default: the backend's default, named in the error message.
+
+    Raises:
+        InvalidConfigError: not a number (a bool included), NaN, infinite or
+            not > 0: 0 means "no limit" to some engines and "fail at once" to others.
+    """
+    from checkpoint_store.errors import InvalidConfigError
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+        raise InvalidConfigError(
+            f"{store} storage option {key}={value!r} must be a number of seconds > 0 "
+            f"(default {default:g})"
+        )
+    return float(value)
+
+
 def bool_option(key: str, value: Any) -> bool:
     """A boolean storage option (``anonymous``, ``anon`` ...), parsed strictly.
 

@@ -65,6 +65,7 @@ from checkpoint_store.backends.base import (
     Capabilities,
     bool_option,
     refuse_endpoint_credentials,
+    timeout_option,
     typed_options,
 )
 from checkpoint_store.backends.handlers import MarkerFreeDeletesHandler, wrap_fsspec
@@ -205,18 +206,8 @@ def _normalise(storage_options: Mapping[str, Any]) -> tuple[dict[str, Any], dict
 
 
 def _check_timeout(name: str, value: Any) -> float:
-    """``value`` as seconds > 0.
-
-    Raises:
-        InvalidConfigError: not a number, or not > 0 (0 would mean "no limit"
-            to one engine and "fail at once" to the other).
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
-        raise InvalidConfigError(
-            f"S3 storage option {name}={value!r} must be a number of seconds > 0 "
-            f"(default {REQUEST_TIMEOUT_S if name == 'request_timeout' else CONNECT_TIMEOUT_S:g})"
-        )
-    return float(value)
+    default = REQUEST_TIMEOUT_S if name == "request_timeout" else CONNECT_TIMEOUT_S
+    return timeout_option("S3", name, value, default)
 
 
 def _split_endpoint(endpoint_url: str) -> tuple[str, str]:
