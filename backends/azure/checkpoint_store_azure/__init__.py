@@ -29,7 +29,27 @@ option                meaning                            environment
                                                          ``AZURE_STORAGE_KEY``
 ``sas_token``         shared access signature            ``AZURE_STORAGE_SAS_TOKEN``
 ``anon``              anonymous (public containers)
+``request_timeout``   seconds a request may wait for the
+                      server's next byte (alias
+                      ``read_timeout``; default
+                      :data:`REQUEST_TIMEOUT_S`)
+``connect_timeout``   seconds to open a connection (alias
+                      ``connection_timeout``; default
+                      :data:`CONNECT_TIMEOUT_S`)
 ===================== ================================== ===================================
+
+Both timeouts must be numbers > 0 (else :class:`InvalidConfigError`). adlfs's
+clients (the whole adlfs engine but its file transfers, and the pyarrow
+engine's deletes) try a request :data:`ENGINE_ATTEMPTS` times with these
+timeouts, 1 s and 3 s apart, where azure-storage-blob would try 4 times over
+15 to 40 s waits with 300 s read timeouts: a store that stops answering fails
+a storage call within about a minute, and checkpoint-store's own retry policy
+then stops retrying (``RetryPolicy.max_elapsed``). ``pyarrow.fs.AzureFileSystem``
+takes no timeout: what goes through it (the pyarrow engine's reads, writes and
+listings, and the adlfs engine's file transfers when it has an account key or
+SAS token) keeps the Azure C++ SDK's own limits, about 300 s per request
+(measured against a silent relay). Giving either timeout to the adlfs engine
+sends every byte through adlfs, bounded.
 
 Anything else (``tenant_id``, ``client_id``, ``client_secret``, ``credential``,
 ``account_host`` ...) goes to ``adlfs.AzureBlobFileSystem`` unchanged. Without
@@ -56,6 +76,7 @@ from checkpoint_store.backends.base import (
     Capabilities,
     bool_option,
     refuse_authority,
+    timeout_option,
     typed_options,
 )
 from checkpoint_store.backends.handlers import (
@@ -65,8 +86,23 @@ from checkpoint_store.backends.handlers import (
 )
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
-__all__ = ["AZURE_CAPABILITIES", "OPTION_TYPES", "AzureBackend", "FolderBlobsHandler",
-           "azure_backend", "engine_capabilities"]
+__all__ = ["AZURE_CAPABILITIES", "CONNECT_TIMEOUT_S", "ENGINE_ATTEMPTS", "OPTION_TYPES",
+           "REQUEST_TIMEOUT_S", "AzureBackend", "FolderBlobsHandler", "azure_backend",
+           "engine_capabilities"]
+
+#: Seconds a request may wait for the server's next byte (adlfs's clients).
+#: azure-storage-blob waits 300 s; the S3 backend's 20 s, which outlasts a
+#: slow commit of a large blob's block list, holds a silent store's call for
+#: ENGINE_ATTEMPTS x 20 s.
+REQUEST_TIMEOUT_S = 20.0
+#: Seconds to open a connection (adlfs's clients).
+CONNECT_TIMEOUT_S = 10.0
+#: Tries per request inside azure-storage-blob (its default makes 4, 15 s+ apart),
+#: before checkpoint-store's own retries.
+ENGINE_ATTEMPTS = 3
+# The engine's own names for the timeouts, taken as aliases of ours.
+_TIMEOUT_ALIASES = {"read_timeout": "request_timeout", "connection_timeout": "connect_timeout"}
+_TIMEOUT_DEFAULTS = {"request_timeout": REQUEST_TIMEOUT_S, "connect_timeout": CONNECT_TIMEOUT_S}
 
 AZURE_CAPABILITIES = Capabilities(
     atomic_rename=False,  # flat namespace: no directory rename at all
@@ -114,7 +150,7 @@ OPTION_TYPES: dict[str, type] = {
     "tenant_id": str, "client_id": str, "client_secret": str, "account_host": str,
     "blocksize": int, "max_concurrency": int, "version_aware": bool,
     "assume_container_exists": bool, "timeout": float, "connection_timeout": float,
-    "read_timeout": float,
+    "read_timeout": float, "request_timeout": float, "connect_timeout": float,
     # pyarrow.fs.AzureFileSystem
     "blob_storage_authority": str, "dfs_storage_authority": str,
     "blob_storage_scheme": str, "dfs_storage_scheme": str,
@@ -184,6 +220,15 @@ def _options(uri: str, storage_options: Mapping[str, Any]) -> tuple[dict[str, An
         if k in ("engine", "connection_string", "account_name", "account_key", "sas_token",
                  "anon"):
             ours[k] = v
+        elif k in _TIMEOUT_DEFAULTS or k in _TIMEOUT_ALIASES:
+            name = _TIMEOUT_ALIASES.get(k, k)
+            seconds = timeout_option("Azure", k, v, _TIMEOUT_DEFAULTS[name])
+            if ours.get(name, seconds) != seconds:
+                raise InvalidConfigError(
+                    f"Azure storage option {name!r} was given twice (as {k!r} and an "
+                    "alias); pass it once"
+                )
+            ours[name] = seconds
         else:
             extra[k] = v
     engine = ours.get("engine") or "adlfs"
@@ -218,7 +263,7 @@ def _options(uri: str, storage_options: Mapping[str, Any]) -> tuple[dict[str, An
 
 def _adlfs_instance(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
     try:
-        import adlfs
+        import adlfs  # noqa: F401  (missing: say which package to install)
     except ImportError:
         raise BackendUnavailableError(
             "the adlfs engine needs adlfs: pip install checkpoint-store-azure"
@@ -228,6 +273,10 @@ def _adlfs_instance(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
         "use_listings_cache": False,
         "skip_instance_cache": True,
         "blocksize": AZURE_CAPABILITIES.chunk_size,
+        # adlfs hands these to its uploads and downloads only; _BoundedBlobFileSystem
+        # makes every client it opens use them.
+        "read_timeout": ours.get("request_timeout", REQUEST_TIMEOUT_S),
+        "connection_timeout": ours.get("connect_timeout", CONNECT_TIMEOUT_S),
     }
     if ours.get("connection_string"):
         kwargs["connection_string"] = ours["connection_string"]
@@ -239,7 +288,7 @@ def _adlfs_instance(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
         kwargs["anon"] = True
     kwargs.update(extra)
     try:
-        fs = adlfs.AzureBlobFileSystem(**kwargs)
+        fs = _bounded_blob_fs_class()(**kwargs)
     except TypeError as exc:
         raise InvalidConfigError(
             f"adlfs.AzureBlobFileSystem rejected the storage options ({type(exc).__name__}); "
@@ -252,6 +301,56 @@ def _adlfs_instance(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
             "string, account name and key, or SAS token"
         ) from None
     return fs
+
+
+def _bound_client(client: Any, connect_s: float, read_s: float) -> Any:
+    """``client`` (an azure-storage-blob aio service or container client) made to
+    try each request :data:`ENGINE_ATTEMPTS` times with these timeouts. Its
+    retry policy and transport are shared with the container and blob clients
+    derived from it. Returns ``client``."""
+    policy = client._config.retry_policy
+    for attr in ("total_retries", "connect_retries", "read_retries", "status_retries"):
+        setattr(policy, attr, ENGINE_ATTEMPTS - 1)
+    # Waits of 1 s then 3 s (initial_backoff + increment_base ** try), not 15 s then 18 s.
+    policy.initial_backoff, policy.increment_base, policy.random_jitter_range = 1, 2, 1
+    transport = client._pipeline._transport
+    transport = getattr(transport, "_transport", transport)  # a derived client's wrapper
+    transport.connection_config.timeout = connect_s
+    transport.connection_config.read_timeout = read_s
+    return client
+
+
+@functools.cache
+def _bounded_blob_fs_class() -> type:
+    """``adlfs.AzureBlobFileSystem`` whose clients are bounded (:func:`_bound_client`):
+    adlfs builds them itself and passes no retry or timeout settings to them."""
+    import adlfs
+
+    class _BoundedBlobFileSystem(adlfs.AzureBlobFileSystem):  # type: ignore[misc]
+        def do_connect(self) -> None:
+            super().do_connect()
+            _bound_client(self.service_client, *self._bounds())
+
+        def _open(self, *args: Any, **kwargs: Any) -> Any:
+            f = super()._open(*args, **kwargs)
+            _bound_client(f.container_client, *self._bounds())
+            return f
+
+        def _bounds(self) -> tuple[float, float]:
+            t = self._timeout_kwargs
+            return t["connection_timeout"], t["read_timeout"]
+
+    _BoundedBlobFileSystem.__module__ = __name__
+    _BoundedBlobFileSystem.__qualname__ = "_BoundedBlobFileSystem"
+    return _BoundedBlobFileSystem
+
+
+def __getattr__(name: str) -> Any:
+    # Pickles name the class by module attribute (fsspec pickles a filesystem
+    # as its class and options): made on first use, after adlfs is imported.
+    if name == "_BoundedBlobFileSystem":
+        return _bounded_blob_fs_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _build_adlfs(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.FileSystem:
@@ -270,8 +369,11 @@ def _native_for_bytes(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> Any 
     """pyarrow's AzureFileSystem on the same account, for the adlfs engine's
     transfers; None unless the credentials are an account key or a SAS token
     given outright (others, e.g. Azure AD, are resolved by adlfs alone) and
-    there are no adlfs-only options."""
+    there are no adlfs-only options, nor a timeout (pyarrow's client takes none:
+    a listing against a silent Azurite held 302 s)."""
     if extra or ours.get("anon") or _pyarrow_azure_class() is None:
+        return None
+    if any(name in ours for name in _TIMEOUT_DEFAULTS):
         return None
     conn = _parse_connection_string(ours.get("connection_string") or "")
     if not (conn.get("AccountKey") or conn.get("SharedAccessSignature")
@@ -358,6 +460,7 @@ def _pyarrow_azure(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.Fi
         kwargs["sas_token"] = ours["sas_token"]
     kwargs.update(extra)
     try:
+        # No timeouts: pyarrow's AzureFileSystem takes none (module docstring).
         return cls(**kwargs)
     except TypeError as exc:
         raise InvalidConfigError(

@@ -14,7 +14,21 @@ option            meaning                                       environment
 ``token``         ``"anon"``, ``"google_default"``, a service-  ``GOOGLE_APPLICATION_``
                   account JSON path, or its dict                ``CREDENTIALS``
 ``project``       project id (bucket creation, billing)         ``GOOGLE_CLOUD_PROJECT``
+``request_timeout`` seconds a request may wait for the server's
+                  next byte (default :data:`REQUEST_TIMEOUT_S`)
+``connect_timeout`` seconds to open a connection (default
+                  :data:`CONNECT_TIMEOUT_S`)
 ================= ============================================= ===========================
+
+Both timeouts must be numbers > 0 (else :class:`InvalidConfigError`); they
+become gcsfs's ``requests_timeout`` (an ``aiohttp.ClientTimeout`` with no
+total limit, so a large transfer that keeps moving is not cut). gcsfs tries
+each request :data:`ENGINE_ATTEMPTS` times, not its 6 over 31 s of waits: a
+store that stops answering fails a storage call within about a minute, and
+checkpoint-store's own retry policy then stops retrying
+(``RetryPolicy.max_elapsed``). A ``requests_timeout`` given outright is
+passed to gcsfs unchanged and replaces both. Buckets with gcsfs's zonal
+(gRPC) variant keep that client's own deadlines.
 
 Anything else goes to ``gcsfs.GCSFileSystem`` unchanged. With a custom
 endpoint, gcsfs's core class is used even where ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT``
@@ -37,11 +51,32 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store.backends.base import Backend, Capabilities, bool_option, typed_options
+from checkpoint_store.backends.base import (
+    Backend,
+    Capabilities,
+    bool_option,
+    timeout_option,
+    typed_options,
+)
 from checkpoint_store.backends.handlers import wrap_fsspec
 from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
 
-__all__ = ["GCS_CAPABILITIES", "OPTION_TYPES", "gcs_backend"]
+__all__ = ["CONNECT_TIMEOUT_S", "ENGINE_ATTEMPTS", "GCS_CAPABILITIES", "OPTION_TYPES",
+           "REQUEST_TIMEOUT_S", "gcs_backend"]
+
+#: Seconds a request may wait for the server's next byte. gcsfs sets no limit
+#: (aiohttp's 300 s total, which would also cut a large upload that is still
+#: moving); 20 s as for S3 and Azure.
+REQUEST_TIMEOUT_S = 20.0
+#: Seconds to open a connection.
+CONNECT_TIMEOUT_S = 10.0
+#: Tries per request inside gcsfs (its own default is 6), before
+#: checkpoint-store's own retries.
+ENGINE_ATTEMPTS = 3
+_TIMEOUT_DEFAULTS = {"request_timeout": REQUEST_TIMEOUT_S, "connect_timeout": CONNECT_TIMEOUT_S}
+# gcsfs's methods that retry (gcsfs.retry.retry_request, 6 tries fixed when
+# the class is defined): a subclass re-wraps them with ENGINE_ATTEMPTS.
+_RETRIED_METHODS = ("_request", "_get_file_request", "_get_file_concurrent")
 
 GCS_CAPABILITIES = Capabilities(
     atomic_rename=False,
@@ -60,8 +95,44 @@ OPTION_TYPES: dict[str, type] = {
     "endpoint_url": str, "token": str, "project": str,
     "access": str, "consistency": str, "requester_pays": bool, "version_aware": bool,
     "block_size": int, "cache_timeout": float, "timeout": float, "check_connection": bool,
-    "default_location": str,
+    "default_location": str, "request_timeout": float, "connect_timeout": float,
 }
+
+
+@functools.cache
+def _bounded_class(base: type) -> type:
+    """``base`` (a gcsfs filesystem class) trying each request :data:`ENGINE_ATTEMPTS`
+    times. Named ``_Bounded<base name>`` in this module, so that pickles find it."""
+    from gcsfs.retry import retry_request
+
+    bounded = retry_request(retries=ENGINE_ATTEMPTS)
+    methods = {m: bounded(getattr(base, m).__wrapped__) for m in _RETRIED_METHODS
+               if hasattr(getattr(base, m, None), "__wrapped__")}
+    name = f"_Bounded{base.__name__}"
+    return type(name, (base,), {**methods, "__module__": __name__, "__qualname__": name})
+
+
+def __getattr__(name: str) -> Any:
+    # A pickle made in another process names a class _bounded_class made there.
+    if name.startswith("_Bounded"):
+        import gcsfs
+        from gcsfs.core import GCSFileSystem as CoreGCSFileSystem
+
+        for base in (CoreGCSFileSystem, gcsfs.GCSFileSystem):
+            if name == f"_Bounded{base.__name__}":
+                return _bounded_class(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _requests_timeout(options: dict[str, Any]) -> Any:
+    """gcsfs's ``requests_timeout`` from our two timeout options (popped)."""
+    import aiohttp
+
+    seconds = {k: timeout_option("GCS", k, options.pop(k, d), d)
+               for k, d in _TIMEOUT_DEFAULTS.items()}
+    # No total: a large transfer that keeps moving may take longer.
+    return aiohttp.ClientTimeout(total=None, sock_connect=seconds["connect_timeout"],
+                                 sock_read=seconds["request_timeout"])
 
 
 def _build(options: Mapping[str, Any]) -> pafs.FileSystem:
@@ -72,6 +143,8 @@ def _build(options: Mapping[str, Any]) -> pafs.FileSystem:
         "block_size": GCS_CAPABILITIES.chunk_size,
     }
     kwargs.update(options)
+    timeout = _requests_timeout(kwargs)
+    kwargs.setdefault("requests_timeout", timeout)
     endpoint = kwargs.get("endpoint_url")
     if endpoint is None and os.environ.get("STORAGE_EMULATOR_HOST"):
         endpoint = os.environ["STORAGE_EMULATOR_HOST"]
@@ -94,7 +167,7 @@ def _build(options: Mapping[str, Any]) -> pafs.FileSystem:
     # gcsfs.GCSFileSystem may be the hierarchical-namespace variant (chosen when
     # gcsfs is imported); its bucket probe stalls 60 s on emulators, so a custom
     # endpoint always gets the core class.
-    cls = CoreGCSFileSystem if endpoint is not None else gcsfs.GCSFileSystem
+    cls = _bounded_class(CoreGCSFileSystem if endpoint is not None else gcsfs.GCSFileSystem)
     try:
         fs = cls(**kwargs)
     except TypeError as exc:
@@ -127,6 +200,7 @@ def gcs_backend(uri: str, storage_options: Mapping[str, Any]) -> Backend:
     """
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else "gs"
     options = typed_options(storage_options, OPTION_TYPES, "GCS")
+    _requests_timeout(dict(options))  # refused here, before any client is made
     caps = GCS_CAPABILITIES
     if bool_option("version_aware", options.get("version_aware", False)):
         # gcsfs then splits "#<generation>" and "?generation=" off every path.
