@@ -239,3 +239,27 @@ def test_a_stalled_gcs_store_fails_the_report_and_the_end_in_bounded_time(
             f"gs://{gcs_bucket}/runs", opts, relay, tmp_path, monkeypatch)
     assert report_s < 15, report_s
     assert end_s < 15, end_s
+
+
+def test_the_bounded_clients_survive_a_pickle_into_another_process(tmp_path):
+    """Checkpoints travel pickled (Ray workers): the bounded filesystem classes are
+    found in a process that has not made them yet, with their settings."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    gcs, _ = resolve("gs://bucket/x", storage_options={
+        "endpoint_url": "http://127.0.0.1:9", "token": "anon", "request_timeout": 3})
+    azure, _ = resolve("az://container/x", storage_options={
+        "account_name": "acct", "account_key": "c2VjcmV0", "request_timeout": 4})
+    (tmp_path / "b.pkl").write_bytes(pickle.dumps((gcs, azure)))
+    probe = (
+        "import pickle, sys\n"
+        "g, a = pickle.loads(open(sys.argv[1], 'rb').read())\n"
+        "g, a = g.filesystem.handler.fs, a.filesystem.handler.fs\n"
+        "print(type(g).__name__, g.requests_timeout.sock_read, type(a).__name__,\n"
+        "      a.service_client._pipeline._transport.connection_config.read_timeout)\n")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "b.pkl")],
+                         capture_output=True, text=True, env=os.environ, check=True).stdout
+    assert out.split() == ["_BoundedGCSFileSystem", "3.0", "_BoundedBlobFileSystem", "4.0"]
