@@ -20,7 +20,8 @@ plugin only commits, indexes and verifies (it never evicts on its own); with
 The parts live in private modules, one idea each: ``_lightning_state`` (the
 state file: write, read, verify), ``_lightning_async`` (the ordered background
 queue), ``_lightning_io`` (the plugin's save, load, remove),
-``_lightning_resume`` (``resume_path``) and ``_lightning_callback`` (the
+``_lightning_resume`` (``resume_path``), ``_lightning_mc`` (``ModelCheckpoint``
+through the plugin's storage options) and ``_lightning_callback`` (the
 report callback). This module gathers them for the public modules.
 """
 
@@ -28,8 +29,9 @@ from __future__ import annotations
 
 from checkpoint_store.integrations._lightning_callback import _ReportCallback
 from checkpoint_store.integrations._lightning_io import _StoreIO
+from checkpoint_store.integrations._lightning_mc import _StoreModelCheckpoint
 from checkpoint_store.integrations._lightning_resume import checkpoint_file, resume_path
 from checkpoint_store.integrations._lightning_state import STATE_FILE, verified_state
 
-__all__ = ["STATE_FILE", "_ReportCallback", "_StoreIO", "checkpoint_file", "resume_path",
-           "verified_state"]
+__all__ = ["STATE_FILE", "_ReportCallback", "_StoreIO", "_StoreModelCheckpoint", "checkpoint_file",
+           "resume_path", "verified_state"]

@@ -25,6 +25,7 @@ from checkpoint_store._commit import delete_checkpoint_dir, protocol_for
 from checkpoint_store._layout import is_internal_name
 from checkpoint_store._manifest import inspect_checkpoint
 from checkpoint_store._nesting import refuse_inside_checkpoint
+from checkpoint_store._remote import _client_of
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store._runs import new_writer_id
 from checkpoint_store.backends.base import Backend
@@ -301,6 +302,17 @@ class _StoreIO:
                 _fsutil.delete_dir(backend.filesystem, path, retry=self.retry)
 
     # -- load -------------------------------------------------------------------------
+
+    def _fsspec_for(self, dirpath: Any) -> Any | None:
+        """The fsspec client of the backend this plugin saves ``dirpath``'s
+        checkpoints on (built from ``storage_options``), or None where that
+        backend has none (local disks, a pyarrow filesystem passed in).
+
+        Raises:
+            InvalidConfigError: ``dirpath`` names no usable location.
+        """
+        backend, _ = self._locate(posixpath.join(os.fspath(dirpath), "_"))
+        return _client_of(backend.filesystem)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None,

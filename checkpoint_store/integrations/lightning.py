@@ -40,6 +40,7 @@ from checkpoint_store.integrations._lightning import (
     STATE_FILE,
     _ReportCallback,
     _StoreIO,
+    _StoreModelCheckpoint,
     checkpoint_file,
     resume_path,
 )
@@ -47,12 +48,16 @@ from checkpoint_store.integrations._lightning import (
 try:
     from lightning.fabric.plugins import CheckpointIO as _CheckpointIO
     from lightning.pytorch import Callback as _Callback
+    from lightning.pytorch.callbacks import ModelCheckpoint as _ModelCheckpoint
 except ImportError:
     try:
         # The standalone packages ship the same classes; mypy sees each
         # import as a distinct type, so the fallback cannot type-check.
         from lightning_fabric.plugins import CheckpointIO as _CheckpointIO  # type: ignore[assignment]
         from pytorch_lightning import Callback as _Callback  # type: ignore[assignment]
+        from pytorch_lightning.callbacks import (  # type: ignore[assignment]
+            ModelCheckpoint as _ModelCheckpoint,
+        )
     except ImportError:
         raise ImportError(
             "checkpoint_store.integrations.lightning needs PyTorch Lightning: pip install "
@@ -63,6 +68,7 @@ __all__ = [
     "STATE_FILE",
     "CheckpointStoreIO",
     "ReportCheckpointCallback",
+    "StoreModelCheckpoint",
     "checkpoint_file",
     "resume_path",
 ]
@@ -135,6 +141,27 @@ class CheckpointStoreIO(_StoreIO, _CheckpointIO):
     Raises:
         InvalidConfigError: a bad argument; ``storage_options`` passed to
             ``save_checkpoint`` (give them here).
+    """
+
+
+class StoreModelCheckpoint(_StoreModelCheckpoint, _ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` (same arguments, same top-K) whose
+    dirpath is listed and probed with the storage options of the trainer's
+    :class:`CheckpointStoreIO`, so credentials and endpoints given only to
+    the plugin reach every ``ModelCheckpoint`` call (the non-empty dirpath
+    check at ``setup``, version-counter ``exists``, ``last.ckpt`` lookups).
+
+    Use it instead of ``ModelCheckpoint`` wherever the store's options are
+    not in the environment: Lightning's own ``ModelCheckpoint`` builds its
+    filesystem with no options (``NoCredentialsError`` at ``setup`` on S3
+    with keys in ``storage_options`` alone). The filesystem is the fsspec
+    client of the plugin's backend for the dirpath (s3fs, adlfs, gcsfs, a
+    plugin scheme's client); on local disks Lightning's own. Nothing
+    process-wide changes.
+
+    Raises:
+        InvalidConfigError: at ``setup``, a trainer whose checkpoint IO is not
+            :class:`CheckpointStoreIO`.
     """
 
 

@@ -11,6 +11,7 @@ from checkpoint_store.integrations._lightning import (
     STATE_FILE,
     _ReportCallback,
     _StoreIO,
+    _StoreModelCheckpoint,
     checkpoint_file,
     resume_path,
 )
@@ -18,6 +19,7 @@ from checkpoint_store.integrations._lightning import (
 try:
     from lightning_fabric.plugins import CheckpointIO as _CheckpointIO
     from pytorch_lightning import Callback as _Callback
+    from pytorch_lightning.callbacks import ModelCheckpoint as _ModelCheckpoint
 except ImportError:
     raise ImportError(
         "checkpoint_store.integrations.pytorch_lightning needs pytorch_lightning: pip install "
@@ -29,6 +31,7 @@ __all__ = [
     "STATE_FILE",
     "CheckpointStoreIO",
     "ReportCheckpointCallback",
+    "StoreModelCheckpoint",
     "checkpoint_file",
     "resume_path",
 ]
@@ -36,6 +39,10 @@ __all__ = [
 
 class CheckpointStoreIO(_StoreIO, _CheckpointIO):
     """See :class:`checkpoint_store.integrations.lightning.CheckpointStoreIO`."""
+
+
+class StoreModelCheckpoint(_StoreModelCheckpoint, _ModelCheckpoint):
+    """See :class:`checkpoint_store.integrations.lightning.StoreModelCheckpoint`."""
 
 
 class ReportCheckpointCallback(_ReportCallback, _Callback):

@@ -40,6 +40,7 @@ from checkpoint_store.integrations.lightning import (  # noqa: E402
     STATE_FILE,
     CheckpointStoreIO,
     ReportCheckpointCallback,
+    StoreModelCheckpoint,
     checkpoint_file,
     resume_path,
 )
@@ -207,6 +208,63 @@ def test_model_checkpoint_top2_s3(tmp_path, s3_bucket, s3_storage_options, s3_en
     assert best == f"{dirpath}/epoch=3-step=8.ckpt"
     state = CheckpointStoreIO(storage_options=s3_storage_options).load_checkpoint(best)
     assert state["global_step"] == 8
+
+
+# -- the store's options reach ModelCheckpoint's own listing -----------------------------
+
+
+@pytest.fixture
+def no_aws_env(monkeypatch, tmp_path):
+    """No AWS credentials anywhere but the plugin's storage options: every
+    ``AWS_*`` variable removed, the shared files pointed at nothing."""
+    for name in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata probe
+    for name in ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.setenv(name, str(tmp_path / "none"))
+
+
+def _fit_top1_then_resume(tmp_path, dirpath: str, options: dict) -> tuple[str, L.Trainer]:
+    """Fit 2 epochs keeping the best 1, then resume to 3 epochs with a new plugin."""
+    io = CheckpointStoreIO(storage_options=options)
+    mc = StoreModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=1)
+    trainer(tmp_path, max_epochs=2, plugins=[io], callbacks=[mc]).fit(Tiny())
+    assert basenames(mc.best_k_models) == {"epoch=1-step=4.ckpt"}
+    path = resume_path(dirpath, storage_options=options)
+    assert path == f"{dirpath}/epoch=1-step=4.ckpt"
+    mc2 = StoreModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=1)
+    t2 = trainer(tmp_path, max_epochs=3, plugins=[CheckpointStoreIO(storage_options=options)],
+                 callbacks=[mc2])
+    with pytest.warns(UserWarning, match="exists and is not empty"):  # listed with the options
+        t2.fit(Tiny(), ckpt_path=path)
+    return path, t2
+
+
+def test_model_checkpoint_reaches_s3_with_plugin_options_only(tmp_path, s3_bucket,
+                                                              s3_storage_options, no_aws_env):
+    dirpath = f"s3://{s3_bucket}/run/ckpts"
+    _path, t2 = _fit_top1_then_resume(tmp_path, dirpath, s3_storage_options)
+    assert t2.current_epoch == 3 and t2.global_step == 6  # continued from epoch 1's end
+    backend, root = resolve(dirpath, storage_options=s3_storage_options)
+    # Epoch 2 (0.4) does not beat epoch 1 (0.2): top-1 still holds epoch 1 alone.
+    assert set(committed(backend, root)) == {"epoch=1-step=4.ckpt"}
+
+
+@pytest.mark.slow
+def test_model_checkpoint_reaches_azure_with_plugin_options_only(tmp_path, azure_container,
+                                                                 azure_storage_options):
+    pytest.importorskip("adlfs")
+    dirpath = f"az://{azure_container}/run/ckpts"
+    _path, t2 = _fit_top1_then_resume(tmp_path, dirpath, azure_storage_options)
+    assert t2.current_epoch == 3 and t2.global_step == 6
+    backend, root = resolve(dirpath, storage_options=azure_storage_options)
+    assert set(committed(backend, root)) == {"epoch=1-step=4.ckpt"}
+
+
+def test_store_model_checkpoint_needs_the_plugin(tmp_path):
+    mc = StoreModelCheckpoint(dirpath=str(tmp_path / "ckpts"))
+    with pytest.raises(InvalidConfigError, match="CheckpointStoreIO"):
+        trainer(tmp_path, max_epochs=1, callbacks=[mc]).fit(Tiny())
 
 
 # -- restarts: a resumed run is the same run ------------------------------------------------
