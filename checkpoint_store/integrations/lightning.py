@@ -7,7 +7,10 @@ Two ways to plug in (``pip install 'checkpoint-store[lightning]'``):
   checkpoint directory on any backend; loads verify; removes never touch
   what this run did not write (a run resumed from a checkpoint is that
   checkpoint's run). :func:`resume_path` gives ``fit(ckpt_path=...)`` the
-  newest (or best) complete checkpoint.
+  newest (or best) complete checkpoint. Where the store's credentials are
+  only in the plugin's ``storage_options`` (not in the environment), use
+  :class:`StoreModelCheckpoint` for ``ModelCheckpoint``: it lists its
+  dirpath with those options.
 * :class:`ReportCheckpointCallback` with ``enable_checkpointing=False``: each
   validation is a ``report()`` to a session, so our retention, ``result.json``
   and resume apply; ``callback.best_path()`` is the best checkpoint.

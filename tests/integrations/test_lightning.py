@@ -224,15 +224,16 @@ def no_aws_env(monkeypatch, tmp_path):
         monkeypatch.setenv(name, str(tmp_path / "none"))
 
 
-def _fit_top1_then_resume(tmp_path, dirpath: str, options: dict) -> tuple[str, L.Trainer]:
+def _fit_top1_then_resume(tmp_path, dirpath: str, options: dict, **kw) -> tuple[str, L.Trainer]:
     """Fit 2 epochs keeping the best 1, then resume to 3 epochs with a new plugin."""
     io = CheckpointStoreIO(storage_options=options)
-    mc = StoreModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=1)
+    mc = StoreModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=1, **kw)
     trainer(tmp_path, max_epochs=2, plugins=[io], callbacks=[mc]).fit(Tiny())
     assert basenames(mc.best_k_models) == {"epoch=1-step=4.ckpt"}
-    path = resume_path(dirpath, storage_options=options)
-    assert path == f"{dirpath}/epoch=1-step=4.ckpt"
-    mc2 = StoreModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=1)
+    path = resume_path(dirpath, monitor="val_loss", storage_options=options)
+    # last.ckpt, when saved, holds the same step and score as the best.
+    assert path in {f"{dirpath}/epoch=1-step=4.ckpt", f"{dirpath}/last.ckpt"}
+    mc2 = StoreModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=1, **kw)
     t2 = trainer(tmp_path, max_epochs=3, plugins=[CheckpointStoreIO(storage_options=options)],
                  callbacks=[mc2])
     with pytest.warns(UserWarning, match="exists and is not empty"):  # listed with the options
@@ -243,11 +244,14 @@ def _fit_top1_then_resume(tmp_path, dirpath: str, options: dict) -> tuple[str, L
 def test_model_checkpoint_reaches_s3_with_plugin_options_only(tmp_path, s3_bucket,
                                                               s3_storage_options, no_aws_env):
     dirpath = f"s3://{s3_bucket}/run/ckpts"
-    _path, t2 = _fit_top1_then_resume(tmp_path, dirpath, s3_storage_options)
+    # save_last: ModelCheckpoint also looks for last.ckpt through its filesystem.
+    _path, t2 = _fit_top1_then_resume(tmp_path, dirpath, s3_storage_options, save_last=True)
     assert t2.current_epoch == 3 and t2.global_step == 6  # continued from epoch 1's end
     backend, root = resolve(dirpath, storage_options=s3_storage_options)
-    # Epoch 2 (0.4) does not beat epoch 1 (0.2): top-1 still holds epoch 1 alone.
-    assert set(committed(backend, root)) == {"epoch=1-step=4.ckpt"}
+    # Epoch 2 (0.4) does not beat epoch 1 (0.2): top-1 still holds epoch 1.
+    assert held(backend, root) == {"epoch=1-step=4.ckpt", "last.ckpt"}
+    assert CheckpointStoreIO(storage_options=s3_storage_options).load_checkpoint(
+        f"{dirpath}/last.ckpt")["global_step"] == 6
 
 
 @pytest.mark.slow
@@ -965,6 +969,26 @@ def test_old_package_name(tmp_path):
                    default_root_dir=str(tmp_path))
     t.fit(OldTiny())
     backend, root = resolve(str(tmp_path / "ck"))
+    assert set(committed(backend, root)) == basenames(mc.best_k_models) == {"epoch=1-step=2.ckpt"}
+
+
+def test_old_package_name_store_model_checkpoint_on_memory():
+    pl = pytest.importorskip("pytorch_lightning")
+    from checkpoint_store.integrations import pytorch_lightning as cs_pl
+
+    class OldTiny(_TinyBody, pl.LightningModule):
+        pass
+
+    dirpath = f"memory://lt-{uuid.uuid4().hex[:8]}/ck"
+    mc = cs_pl.StoreModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=1)
+    assert isinstance(mc, pl.callbacks.ModelCheckpoint)
+    t = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_train_batches=1,
+                   limit_val_batches=1, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, plugins=[cs_pl.CheckpointStoreIO()],
+                   callbacks=[mc])
+    t.fit(OldTiny())
+    assert mc._fs.exists(f"{dirpath}/epoch=1-step=2.ckpt")  # the plugin's memory store
+    backend, root = resolve(dirpath)
     assert set(committed(backend, root)) == basenames(mc.best_k_models) == {"epoch=1-step=2.ckpt"}
 
 
