@@ -265,6 +265,18 @@ def test_model_checkpoint_reaches_azure_with_plugin_options_only(tmp_path, azure
     assert set(committed(backend, root)) == {"epoch=1-step=4.ckpt"}
 
 
+@pytest.mark.slow
+def test_model_checkpoint_reaches_gcs_with_plugin_options_only(tmp_path, gcs_bucket,
+                                                               gcs_storage_options, monkeypatch):
+    pytest.importorskip("gcsfs")
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)  # the endpoint is in the options
+    dirpath = f"gs://{gcs_bucket}/run/ckpts"
+    _path, t2 = _fit_top1_then_resume(tmp_path, dirpath, gcs_storage_options)
+    assert t2.current_epoch == 3 and t2.global_step == 6
+    backend, root = resolve(dirpath, storage_options=gcs_storage_options)
+    assert set(committed(backend, root)) == {"epoch=1-step=4.ckpt"}
+
+
 def test_store_model_checkpoint_needs_the_plugin(tmp_path):
     mc = StoreModelCheckpoint(dirpath=str(tmp_path / "ckpts"))
     with pytest.raises(InvalidConfigError, match="CheckpointStoreIO"):
