@@ -49,7 +49,8 @@ def _upload_through(proxy: CountingRelay, s3_server, s3_bucket: str, engine: str
 
 @pytest.mark.parametrize("engine,hold_s", [
     pytest.param("pyarrow", 4.0, id="pyarrow"),
-    pytest.param("s3fs", 20.0, id="s3fs", marks=pytest.mark.slow),
+    # Past s3fs's own 15 s without a byte, inside the backend's 20 s request_timeout.
+    pytest.param("s3fs", 17.0, id="s3fs", marks=pytest.mark.slow),
 ])
 def test_slow_complete_is_sent_once_and_the_checkpoint_verifies(
         s3_server, s3_bucket, big_checkpoint, tmp_path, engine, hold_s):
