@@ -15,7 +15,12 @@ import posixpath
 import pyarrow.fs as pafs
 
 from checkpoint_store import _retry
-from checkpoint_store._layout import INTERNAL_METADATA, MANAGER_STATE, RESULT_FILE
+from checkpoint_store._layout import (
+    INTERNAL_METADATA,
+    MANAGER_STATE,
+    RESULT_FILE,
+    parse_checkpoint_dir_name,
+)
 from checkpoint_store._pointer import POINTER_FILE
 from checkpoint_store._retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
@@ -90,9 +95,20 @@ def _is_file(backend: Backend, path: str, retry: RetryPolicy | None) -> bool:
     return info.type == pafs.FileType.File
 
 
-#: What makes a local directory a trial of a store: its result log or its
-#: retention state.
-_TRIAL_FILES = (RESULT_FILE, MANAGER_STATE)
+def _is_trial_dir(level: str) -> bool:
+    """Whether the local directory ``level`` is a trial of a store: its retention
+    state, or its result log beside a checkpoint directory. A ``result.json``
+    alone is anybody's (a test's output, another tool's log): not a trial."""
+    if os.path.isfile(os.path.join(level, MANAGER_STATE)):
+        return True
+    if not os.path.isfile(os.path.join(level, RESULT_FILE)):
+        return False
+    try:
+        names = os.listdir(level)
+    except OSError:
+        return False
+    return any(parse_checkpoint_dir_name(n) is not None
+               and os.path.isdir(os.path.join(level, n)) for n in names)
 
 
 def refuse_local_store_target(path: str, what: str, *, trials: bool = True) -> None:
@@ -121,7 +137,7 @@ def refuse_local_store_target(path: str, what: str, *, trials: bool = True) -> N
     backend = local_backend("file://", {})
     refuse_inside_checkpoint(backend, backend.normalize_path(real), what)
     for level in ancestors(real) if trials else ():
-        if any(os.path.isfile(os.path.join(level, name)) for name in _TRIAL_FILES):
+        if _is_trial_dir(level):
             raise InvalidConfigError(
                 f"{what} {path!r} {'is' if level == real else 'lies inside'} the trial "
                 f"directory {level!r} of a checkpoint store; writing there would mix files "

@@ -88,6 +88,19 @@ def test_to_directory_into_a_trial_directory_is_refused(trial, local_store, wher
     _intact(str(local_store))
 
 
+def test_a_result_json_of_somebody_else_does_not_make_a_trial(trial, tmp_path):
+    """A working directory holding a ``result.json`` of its own (a test's output,
+    another tool's log) and no checkpoint directory is no trial: a download into
+    a folder there goes ahead."""
+    ckpt = Checkpoint(f"{trial}/checkpoint_000000") if "://" in trial \
+        else Checkpoint.from_directory(f"{trial}/checkpoint_000000")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "result.json").write_text('{"rank": 0}\n')
+    out = ckpt.to_directory(work / "down")
+    assert os.path.isdir(out) and os.listdir(out)
+
+
 def test_to_directory_inside_a_committed_checkpoint_is_refused(trial, local_store):
     ckpt = Checkpoint(f"{trial}/checkpoint_000002") if "://" in trial \
         else Checkpoint.from_directory(f"{trial}/checkpoint_000002")

@@ -256,10 +256,36 @@ def _deep_tree(root: str, depth: int) -> str:
     return "/".join(["d"] * depth + ["f"])
 
 
+def _remove_deep(root: str) -> None:
+    """Remove a tree of any depth without recursion (pytest's own clean-up of
+    old temporary directories, shutil.rmtree, recurses and gives up on these)."""
+    dirs, stack = [], [root]
+    while stack:
+        d = stack.pop()
+        dirs.append(d)
+        for e in os.scandir(d):
+            if e.is_dir(follow_symlinks=False):
+                stack.append(e.path)
+            else:
+                os.unlink(e.path)
+    for d in reversed(dirs):
+        os.rmdir(d)
+
+
+@pytest.fixture
+def deep_tmp(tmp_path):
+    yield tmp_path
+    for name in os.listdir(tmp_path):
+        path = os.path.join(tmp_path, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            _remove_deep(path)
+
+
 @pytest.mark.slow
-def test_a_source_1000_directories_deep_is_committed_whole(trial, tmp_path):
+def test_a_source_1000_directories_deep_is_committed_whole(trial, deep_tmp):
     """The walk keeps its own stack, and the copy makes each level's directory
     parents first (both raised RecursionError)."""
+    tmp_path = deep_tmp
     src = str(tmp_path / "deep")
     rel = _deep_tree(src, 1000)
     with session.start(**trial.session_kwargs()):
