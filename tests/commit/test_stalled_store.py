@@ -53,32 +53,16 @@ def test_a_max_elapsed_that_is_not_positive_is_refused():
 def test_a_store_that_stops_answering_fails_the_report_and_the_end_in_bounded_time(
         s3_server, s3_bucket, tmp_path, monkeypatch, engine):
     # The relay accepts connections, then stops answering mid-report. With a
-    # 1 s read timeout the bounds scale down: max_elapsed 3 s here stands for
-    # the default 60 s (report ~2 min, session end within the same bound).
-    monkeypatch.setattr(_retry, "_DEFAULT", _retry.RetryPolicy(max_elapsed=3.0))
-    # s3fs (aiobotocore) can wait for "100 Continue" past its timeouts: the
-    # end of the session gives a renewal of the lease in flight this long.
-    monkeypatch.setattr(lease, "RELEASE_WAIT_S", 3.0)
-    src = make_source(tmp_path / "s", 0, files=3, size=1024)
+    # 1 s read timeout the bounds scale down: max_elapsed 3 s stands for the
+    # default 60 s (report ~2 min, session end within the same bound); s3fs
+    # (aiobotocore) can wait for "100 Continue" past its timeouts, so the end
+    # of the session gives a renewal of the lease in flight 3 s
+    # (_stall_report_and_end sets both).
     with FaultRelay(s3_server.endpoint_url, lifetime_s=120) as relay:
         opts = {**s3_server.storage_options(engine), "endpoint_url": relay.endpoint_url,
                 "request_timeout": 1, "connect_timeout": 1}
-        ctx = session.start(storage_path=f"s3://{s3_bucket}/runs", storage_options=opts,
-                            experiment_name="exp", trial_name="trial",
-                            checkpoint_config=CheckpointConfig(num_to_keep=2))
-        ctx.__enter__()
-        session.report({"i": 0}, checkpoint=Checkpoint.from_directory(src))
-        relay.stall()
-        t0 = time.monotonic()
-        with pytest.raises(TransientBackendError):
-            session.report({"i": 1}, checkpoint=Checkpoint.from_directory(src))
-        report_s = time.monotonic() - t0
-        t1 = time.monotonic()
-        try:
-            ctx.__exit__(None, None, None)
-        except TransientBackendError:
-            pass
-        end_s = time.monotonic() - t1
+        report_s, end_s = _stall_report_and_end(f"s3://{s3_bucket}/runs", opts, relay,
+                                                tmp_path, monkeypatch)
     # One stalled call: 3 engine tries of 1 s, then no retry past 3 s.
     assert report_s < 12, report_s
     assert end_s < 12, end_s
