@@ -49,11 +49,16 @@ class _Steps(TrainerCallback):
         self.steps.append(state.global_step)
 
 
-def _train(output_dir, callback, *, max_steps: int, resume: bool = False) -> tuple[Trainer, list]:
+def _tiny_model() -> BertForSequenceClassification:
+    """The same small BERT, seeded, for every Trainer of this file."""
     torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(
+    return BertForSequenceClassification(BertConfig(
         vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=32, num_labels=2))
+
+
+def _train(output_dir, callback, *, max_steps: int, resume: bool = False) -> tuple[Trainer, list]:
+    model = _tiny_model()
     args = TrainingArguments(
         output_dir=str(output_dir), max_steps=max_steps, per_device_train_batch_size=8,
         per_device_eval_batch_size=16, learning_rate=5e-3, eval_strategy="steps", eval_steps=2,
@@ -163,10 +168,7 @@ class _FailingTrainer(Trainer):
 
 
 def _failing_train(output_dir, callback) -> None:
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=32, num_labels=2))
+    model = _tiny_model()
     args = TrainingArguments(
         output_dir=str(output_dir), max_steps=8, per_device_train_batch_size=8,
         eval_strategy="no", save_strategy="steps", save_steps=2, report_to=[], use_cpu=True,
@@ -244,10 +246,7 @@ _BEST_CONFIG = CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="eval_
 
 def _train_best(output_dir, callback, *, max_steps: int, resume: bool = False) -> Trainer:
     """A Trainer with ``load_best_model_at_end`` on the scripted eval score."""
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=32, num_labels=2))
+    model = _tiny_model()
     args = TrainingArguments(
         output_dir=str(output_dir), max_steps=max_steps, per_device_train_batch_size=8,
         per_device_eval_batch_size=32, learning_rate=5e-3, eval_strategy="steps", eval_steps=2,
