@@ -92,7 +92,7 @@ def _bench_select_kept(n: int, k: int) -> dict[str, Any]:
 
 def _bench_manager(n_io: int, k: int) -> dict[str, Any]:
     from checkpoint_store import Checkpoint, CheckpointConfig, CheckpointManager, StorageContext
-    from checkpoint_store._fsutil import delete_dir
+    from checkpoint_store._util.fs import delete_dir
 
     src = tempfile.mkdtemp(prefix="bench-retention-")
     with open(os.path.join(src, "w.bin"), "wb") as f:

@@ -35,7 +35,7 @@ from checkpoint_store.errors import (
 if TYPE_CHECKING:
     from checkpoint_store import session
     from checkpoint_store._async import UploadConfig
-    from checkpoint_store._retry import RetryPolicy
+    from checkpoint_store._util.retry import RetryPolicy
     from checkpoint_store.checkpoint import Checkpoint
     from checkpoint_store.registry import available_backends, register_backend
     from checkpoint_store.retention import CheckpointConfig, CheckpointManager
@@ -87,7 +87,7 @@ _LAZY = {
     "Checkpoint": "checkpoint_store.checkpoint",
     "CheckpointConfig": "checkpoint_store.retention",
     "CheckpointManager": "checkpoint_store.retention",
-    "RetryPolicy": "checkpoint_store._retry",
+    "RetryPolicy": "checkpoint_store._util.retry",
     "ScanResult": "checkpoint_store.storage",
     "StorageContext": "checkpoint_store.storage",
     "TrialRunner": "checkpoint_store.session._trial_runner",

@@ -1,7 +1,7 @@
 """Claims: how the writers of one directory take turns where nothing renames atomically.
 
 A claim is a small object ``.cs_claim-<ns>-<writer>``
-(:func:`~checkpoint_store._layout.claim_name`) that a writer PUTs into the
+(:func:`~checkpoint_store._format.layout.claim_name`) that a writer PUTs into the
 directory it is about to fill. It serves two readers:
 
 * the other writers of that directory (:func:`take_turn`): each PUTs its
@@ -15,7 +15,7 @@ directory it is about to fill. It serves two readers:
 
 A claim older than :data:`CLAIM_STALE_S` is a dead writer's and is ignored.
 Its age is read on the storage's clock where the store keeps modification
-times (:mod:`checkpoint_store._clock`). Used by
+times (:mod:`checkpoint_store._util.clock`). Used by
 :class:`~checkpoint_store._commit.MarkerLastCommit` and by writers that fill
 a directory in place (:meth:`~checkpoint_store._commit.CommitProtocol.claim_in_place`).
 """
@@ -29,9 +29,10 @@ from collections.abc import Mapping
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _clock, _fsutil
-from checkpoint_store._layout import INTERNAL_METADATA, claim_name, parse_claim_name
-from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._format.layout import INTERNAL_METADATA, claim_name, parse_claim_name
+from checkpoint_store._util import clock as _clock
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import CheckpointConflictError
 
@@ -111,7 +112,7 @@ def claim_age(listed: Mapping[str, pafs.FileInfo], claim: str, mine: str) -> flo
     """Seconds since ``claim`` was written, on the storage's clock: our own claim,
     written a moment ago, stamps the store's "now". Only a store without
     modification times falls back to the time in the claim's name against
-    the local clock (:mod:`checkpoint_store._clock`)."""
+    the local clock (:mod:`checkpoint_store._util.clock`)."""
     theirs = _clock.mtime_of(listed[claim])
     now = _clock.mtime_of(listed[mine]) if mine in listed else None
     if theirs is not None and now is not None:

@@ -41,9 +41,9 @@ from typing import Any, ClassVar, Literal
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil, _json
 from checkpoint_store._claims import CLAIM_STALE_S, is_claim, own_claims, put_claim, take_turn
-from checkpoint_store._layout import (
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import (
     COMMIT_LOCK,
     DELETE_TOMBSTONE,
     INTERNAL_METADATA,
@@ -62,8 +62,9 @@ from checkpoint_store._manifest import (
 )
 from checkpoint_store._plan import Previous
 from checkpoint_store._removal import remove_in_order, rename_away
-from checkpoint_store._retry import RetryPolicy
-from checkpoint_store._runs import new_writer_id
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.ids import new_writer_id
+from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend, Capabilities
 from checkpoint_store.errors import (
     AmbiguousCommitError,
@@ -577,7 +578,7 @@ def commit_checkpoint(
         internal: fields of ``.internal_metadata.json`` (index, metrics, ...);
             ``format_version``, ``created_at`` and ``manifest`` are filled in.
         fsync: on local disks, fsync data and directories before the commit.
-        writer_id: this writer's id (default :func:`~checkpoint_store._runs.new_writer_id`).
+        writer_id: this writer's id (default :func:`~checkpoint_store._util.ids.new_writer_id`).
         retry: retry policy for every storage call (default from environment).
         claim_timeout: seconds to wait for another writer of the same
             directory (marker-last stores) before giving up.

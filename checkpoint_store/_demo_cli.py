@@ -40,7 +40,7 @@ def run_demo(*, storage: str, epochs: int, num_to_keep: int, lr: float, seed: in
         refuse_if_live(Location(ctx.backend, ctx.trial_path), None,
                        "remove it for a fresh demo (or pass --storage elsewhere)")
         click.echo(f"Starting fresh: removing the previous demo trial {ctx.uri(ctx.trial_path)}")
-        from checkpoint_store import _fsutil
+        from checkpoint_store._util import fs as _fsutil
 
         _fsutil.delete_dir(ctx.filesystem, ctx.trial_path)
     config = CheckpointConfig(

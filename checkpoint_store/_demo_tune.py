@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import click
 
-from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, _fsutil
+from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.errors import CheckpointStoreError
 
 EXPERIMENT = "digits-tune"

@@ -24,15 +24,17 @@ from typing import Any, Literal
 import google_crc32c
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil, _json, _retry
-from checkpoint_store._layout import (
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import (
     FORMAT_VERSION,
     INTERNAL_METADATA,
     USER_METADATA,
     is_internal_file,
     is_written_record,
 )
-from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util import retry as _retry
+from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Capabilities
 from checkpoint_store.errors import CheckpointCorruptError
 

@@ -54,7 +54,6 @@ import pyarrow.fs as pafs
 
 from checkpoint_store._budget import DEFAULT_MEMORY_LIMIT
 from checkpoint_store._crc32c import crc32c_combine
-from checkpoint_store._fsutil import local_path
 from checkpoint_store._localcopy import _O_BINARY, creates_locally, flush_files
 from checkpoint_store._remote import (
     _client_of,
@@ -71,6 +70,7 @@ from checkpoint_store._tasks import (
     FileResult,
     _Runner,
 )
+from checkpoint_store._util.fs import local_path
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import posixpath
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil
-from checkpoint_store._layout import INTERNAL_PREFIX, replace_dir_name
-from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._format.layout import INTERNAL_PREFIX, replace_dir_name
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.errors import CheckpointCorruptError
 
 __all__ = ["POINTER_FILE", "is_replacement_of", "pointed_name", "pointed_path", "stem"]

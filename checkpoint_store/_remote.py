@@ -100,7 +100,7 @@ def writer_of(fs: pafs.FileSystem) -> pafs.FileSystem:
     ``allow_delayed_open=True``, kept as long as ``fs`` lives. That state
     leaves out a custom ``retry_strategy``: the twin has pyarrow's default
     (3 attempts), and every transfer task is retried by our own policy on
-    top (:mod:`checkpoint_store._retry`). A write still fails as it would,
+    top (:mod:`checkpoint_store._util.retry`). A write still fails as it would,
     only at its first part or its close rather than at its open. 2000 x 64
     KiB to moto, 3 alternating runs: 21.5 s -> 7.8 s.
     """
@@ -597,7 +597,7 @@ _AZURE_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 def _azure_os_error(exc: Exception, where: str) -> OSError:
     """The OSError for an Azure SDK error, typed so the retry policy
-    (:mod:`checkpoint_store._retry`) tells transient from permanent."""
+    (:mod:`checkpoint_store._util.retry`) tells transient from permanent."""
     from azure.core.exceptions import (
         ClientAuthenticationError,
         HttpResponseError,

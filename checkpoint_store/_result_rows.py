@@ -20,9 +20,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from checkpoint_store import _fsutil, _json, _retry
-from checkpoint_store._layout import RESULT_FILE, RESULT_SEGMENTS_DIR, parse_result_segment_name
-from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import (
+    RESULT_FILE,
+    RESULT_SEGMENTS_DIR,
+    parse_result_segment_name,
+)
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util import retry as _retry
+from checkpoint_store._util.retry import RetryPolicy
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs

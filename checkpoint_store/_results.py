@@ -34,8 +34,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from checkpoint_store import _fsutil, _json
-from checkpoint_store._layout import RESULT_FILE, RESULT_SEGMENTS_DIR, result_segment_name
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import RESULT_FILE, RESULT_SEGMENTS_DIR, result_segment_name
 
 # Re-exported: the readers' names were imported from here before they moved.
 from checkpoint_store._result_rows import Segment as Segment
@@ -48,6 +48,7 @@ from checkpoint_store._result_rows import read_results as read_results
 from checkpoint_store._result_rows import row_iteration
 from checkpoint_store._result_rows import unfolded_rows as unfolded_rows
 from checkpoint_store._result_rows import valid_iteration as valid_iteration
+from checkpoint_store._util import fs as _fsutil
 
 if TYPE_CHECKING:
     from checkpoint_store.storage import StorageContext

@@ -2,7 +2,7 @@
 leftovers (those of the current run kept apart), and foreign directories.
 
 Owns the rules cleanup follows (docs/format.md, "Cleanup"): a name is ours
-when :mod:`checkpoint_store._layout` built it, a directory is an unfinished
+when :mod:`checkpoint_store._format.layout` built it, a directory is an unfinished
 one of ours when it holds a trace of our writers. Called by rank 0 (the
 session's start, after it holds the trial's lease) and by ``gc``; it only
 reads, so any thread may call it.
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil, _json
-from checkpoint_store._layout import (
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import (
     DELETE_TOMBSTONE,
     is_deleting_dir_name,
     is_internal_name,
@@ -28,9 +28,10 @@ from checkpoint_store._layout import (
 )
 from checkpoint_store._manifest import Inspection, inspect_checkpoint
 from checkpoint_store._pointer import POINTER_FILE, pointed_path
-from checkpoint_store._proc import writer_tag_alive
-from checkpoint_store._retry import RetryPolicy
-from checkpoint_store._runs import run_of_writer
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.ids import run_of_writer
+from checkpoint_store._util.liveness import writer_tag_alive
+from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.errors import CheckpointCorruptError
 
 __all__ = ["ScanResult", "scan_trial", "writer_in"]

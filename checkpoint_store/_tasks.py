@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil
 from checkpoint_store._budget import _Budget
 from checkpoint_store._crc32c import _crc
 from checkpoint_store._localcopy import _O_BINARY, _LocalDisk, _pwrite_all
@@ -43,6 +42,7 @@ from checkpoint_store._remote import (
     part_upload_client,
     writer_of,
 )
+from checkpoint_store._util import fs as _fsutil
 
 if TYPE_CHECKING:  # pragma: no cover
     from checkpoint_store._plan import Plan

@@ -24,8 +24,8 @@ import filelock
 import google_crc32c
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil, _json, _proc
-from checkpoint_store._layout import (
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import (
     INTERNAL_METADATA,
     USER_METADATA,
     DownloadHelperKind,
@@ -42,6 +42,8 @@ from checkpoint_store._manifest import (
     verify_files,
 )
 from checkpoint_store._nesting import refuse_local_store_target
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util import liveness as _proc
 from checkpoint_store.backends.base import LOCAL_CAPABILITIES, Backend
 from checkpoint_store.errors import (
     CheckpointConflictError,
@@ -476,7 +478,7 @@ def _inside(path: str, base: str) -> bool:
 
 
 # Helper directories of a download into ``<parent>/<name>``
-# (:func:`~checkpoint_store._layout.download_helper_name`). The writer tag (pid
+# (:func:`~checkpoint_store._format.layout.download_helper_name`). The writer tag (pid
 # and start time, :func:`_proc.writer_tag`) lets the next download tell a
 # crashed writer's leftovers from a live one's, also once the pid was reused.
 def _new_sibling_dir(parent: str, kind: DownloadHelperKind, base: str) -> str:

@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from checkpoint_store import _fsutil, _json, _retry
 from checkpoint_store._commit import CommitProtocol, protocol_for
-from checkpoint_store._layout import (
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import (
     ERROR_FILE,
     FORMAT_VERSION,
     PARAMS_FILE,
@@ -40,9 +40,11 @@ from checkpoint_store._manifest import (
 from checkpoint_store._nesting import refuse_inside_checkpoint
 from checkpoint_store._plan import Previous
 from checkpoint_store._results import ResultLog, parse_result_rows, read_results
-from checkpoint_store._retry import RetryPolicy
-from checkpoint_store._runs import default_run_id, new_writer_id, sanitize_run_id
 from checkpoint_store._scan import ScanResult, scan_trial
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util import retry as _retry
+from checkpoint_store._util.ids import default_run_id, new_writer_id, sanitize_run_id
+from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend, clean_components, local_absolute
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
@@ -72,7 +74,7 @@ class StorageContext:
             holding credentials, a query or a port refused.
         experiment_name, trial_name: one path component each (no ``/``,
             ``\\``, ``.`` or ``..``), not a name our layout uses inside a
-            trial (:func:`~checkpoint_store._layout.is_reserved_name`:
+            trial (:func:`~checkpoint_store._format.layout.is_reserved_name`:
             ``checkpoint_NNNNNN``, ``result.json``, ``.cs_*`` ...), and with
             no character the backend cannot store
             (:attr:`~checkpoint_store.backends.Capabilities.unsupported_name_characters`).

@@ -23,8 +23,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil, _retry
-from checkpoint_store._layout import (
+from checkpoint_store._format.layout import (
     INTERNAL_METADATA,
     INTERNAL_PREFIX,
     NAME_MAX,
@@ -38,7 +37,9 @@ from checkpoint_store._manifest import (
     inspect_checkpoint,
     is_checkpoint_data,
 )
-from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util import retry as _retry
+from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import (
     Capabilities,
     unstorable_character,
@@ -180,7 +181,7 @@ def source_files(
             ``..`` component, absolute, with a backslash or NUL (these do not
             mean the same on every store: ``sub/../../x`` is a literal key on
             S3 and a way out on disk), not UTF-8, or longer than
-            :data:`~checkpoint_store._layout.NAME_MAX` bytes; a symlink cycle;
+            :data:`~checkpoint_store._format.layout.NAME_MAX` bytes; a symlink cycle;
             a broken symlink; with ``confine_links``, a link leading out; with
             ``dest_caps``, a character the destination cannot store; a
             fifo, socket or device (linked to or not); unless
@@ -216,7 +217,7 @@ def source_files(
 def _refuse_reserved(src_fs: pafs.FileSystem, src_root: str, rels: list[str],
                      retry: RetryPolicy | None) -> None:
     """Refuse a user's file that takes a name of ours (``.internal_metadata.json``
-    at the root, ``.cs_*`` anywhere: :func:`~checkpoint_store._layout.is_internal_file`):
+    at the root, ``.cs_*`` anywhere: :func:`~checkpoint_store._format.layout.is_internal_file`):
     a commit would drop or overwrite it. A committed checkpoint's own files are
     fine: its internal files are not copied."""
     reserved = [rel for rel in rels if is_internal_file(rel)]

@@ -184,7 +184,7 @@ class LiteralFSSpecHandler(pafs.FSSpecHandler):
     def _create_file_info(path: str, info: dict[str, Any]) -> pafs.FileInfo:
         # pyarrow reads only "mtime"; s3fs says "LastModified", adlfs
         # "last_modified". Decisions shared between machines judge ages by
-        # these stamps, the store's own clock (checkpoint_store._clock).
+        # these stamps, the store's own clock (checkpoint_store._util.clock).
         fi = pafs.FSSpecHandler._create_file_info(path, info)
         if fi.mtime is not None or fi.type != pafs.FileType.File:
             return fi

@@ -38,7 +38,7 @@ from typing import Any
 
 import click
 
-from checkpoint_store._retry import is_storage_full
+from checkpoint_store._util.retry import is_storage_full
 from checkpoint_store.cli.output import one_line
 from checkpoint_store.errors import (
     BackendUnavailableError,

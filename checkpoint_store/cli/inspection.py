@@ -15,8 +15,8 @@ from typing import Any
 
 import click
 
-from checkpoint_store import _fsutil
-from checkpoint_store._layout import ERROR_FILE, is_internal_name
+from checkpoint_store._format.layout import ERROR_FILE, is_internal_name
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli import EXIT_FAILURE, common_options, echo_info, quiet, storage_option
 from checkpoint_store.cli.locations import (
     Location,

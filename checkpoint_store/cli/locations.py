@@ -21,8 +21,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from checkpoint_store import _fsutil
-from checkpoint_store._layout import (
+from checkpoint_store._format.layout import (
     INTERNAL_METADATA,
     MANAGER_STATE,
     RESULT_SEGMENTS_DIR,
@@ -31,6 +30,7 @@ from checkpoint_store._layout import (
     parse_checkpoint_dir_name,
     parse_staging_dir_name,
 )
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import (
     CheckpointCorruptError,

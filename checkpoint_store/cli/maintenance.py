@@ -16,8 +16,9 @@ from typing import Any
 
 import click
 
-from checkpoint_store import _clock, _fsutil
-from checkpoint_store._layout import is_internal_name, is_legacy_temp_file_name
+from checkpoint_store._format.layout import is_internal_name, is_legacy_temp_file_name
+from checkpoint_store._util import clock as _clock
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli import NumberAtLeast, common_options, echo_info, storage_option
 from checkpoint_store.cli.locations import (
     TRIAL_FILES,
@@ -282,7 +283,7 @@ def _delete(ctx: Any, ckpt: Location) -> None:
         ctx.delete_checkpoint(ckpt.name)
         return
     from checkpoint_store._commit import delete_checkpoint_dir
-    from checkpoint_store._runs import new_writer_id
+    from checkpoint_store._util.ids import new_writer_id
 
     delete_checkpoint_dir(ckpt.backend, ckpt.path, writer_id=new_writer_id())
     _fsutil.delete_dir(ckpt.fs, ckpt.shown_as)

@@ -16,8 +16,9 @@ from typing import Any
 
 import click
 
-from checkpoint_store import _fsutil, _json
-from checkpoint_store._layout import MANAGER_STATE
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import MANAGER_STATE
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli.locations import Location
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
 

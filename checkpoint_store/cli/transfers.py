@@ -19,8 +19,7 @@ from typing import Any, Literal
 
 import click
 
-from checkpoint_store import _fsutil
-from checkpoint_store._layout import (
+from checkpoint_store._format.layout import (
     INTERNAL_METADATA,
     MANAGER_STATE,
     RESULT_FILE,
@@ -32,6 +31,7 @@ from checkpoint_store._layout import (
 )
 from checkpoint_store._nesting import refuse_inside_checkpoint
 from checkpoint_store._result_rows import assembled_result_bytes
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli import common_options, echo_info, storage_option
 from checkpoint_store.cli.locations import (
     TRIAL_FILES,
@@ -233,7 +233,7 @@ def download_cmd(checkpoint: str, dest: str, storage_options: dict[str, Any],
 
 
 def _parse_metrics(metrics_json: str | None) -> dict[str, Any]:
-    from checkpoint_store import _json
+    from checkpoint_store._format import jsonrules as _json
 
     if metrics_json is None:
         return {}

@@ -25,15 +25,15 @@ import posixpath
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil
-from checkpoint_store._layout import (
+from checkpoint_store._format.layout import (
     deleting_dir_name,
     replace_dir_name,
     staging_dir_name,
 )
 from checkpoint_store._manifest import inspect_checkpoint
 from checkpoint_store._pointer import POINTER_FILE, is_replacement_of, pointed_name, stem
-from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 
 __all__ = [

@@ -19,7 +19,6 @@ from typing import Any
 import google_crc32c
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil, _retry
 from checkpoint_store._manifest import (
     ManifestEntry,
     inspect_checkpoint,
@@ -28,7 +27,9 @@ from checkpoint_store._manifest import (
     verify_files,
 )
 from checkpoint_store._remote import writer_of
-from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util import retry as _retry
+from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import CheckpointCorruptError, CheckpointNotFoundError
 from checkpoint_store.integrations._lightning_replace import current_dir

@@ -22,12 +22,14 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil, _retry, registry
+from checkpoint_store import registry
 from checkpoint_store._commit import delete_checkpoint_dir
-from checkpoint_store._layout import INTERNAL_METADATA
+from checkpoint_store._format.layout import INTERNAL_METADATA
 from checkpoint_store._manifest import read_internal_metadata
-from checkpoint_store._retry import RetryPolicy
-from checkpoint_store._runs import new_writer_id
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util import retry as _retry
+from checkpoint_store._util.ids import new_writer_id
+from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import CheckpointNotFoundError, InvalidConfigError
@@ -98,7 +100,7 @@ class CheckpointStoreHandler(pafs.FileSystemHandler):
     """A ``pyarrow.fs.FileSystemHandler`` over a checkpoint-store backend.
 
     Build it with :func:`ray_filesystem`. Every method forwards to the
-    backend's filesystem through :func:`checkpoint_store._retry.call_fs`:
+    backend's filesystem through :func:`checkpoint_store._util.retry.call_fs`:
     transient errors are retried per ``retry``, expired credentials rebuild
     the filesystem once. A stream is retried when it is opened; bytes
     already streamed are not replayed (Ray's own upload retry covers that).

@@ -16,8 +16,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from checkpoint_store import _json
-from checkpoint_store._layout import checkpoint_dir_name
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import checkpoint_dir_name
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import CheckpointStoreError
 from checkpoint_store.integrations._ray_fs import as_checkpoint, backend_of, committed_checkpoint

@@ -18,9 +18,9 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil, _json, _retry
 from checkpoint_store._commit import delete_checkpoint_dir, protocol_for
-from checkpoint_store._layout import (
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import (
     INTERNAL_METADATA,
     USER_METADATA,
     is_internal_file,
@@ -28,7 +28,9 @@ from checkpoint_store._layout import (
     rank_marker_name,
 )
 from checkpoint_store._manifest import read_internal_metadata
-from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util import retry as _retry
+from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import CheckpointStoreError
 from checkpoint_store.integrations._ray_fs import backend_of

@@ -64,7 +64,11 @@ from typing import Any
 import filelock
 import pyarrow.fs as pafs
 
-from checkpoint_store._layout import download_lock_name, download_marker_name, is_internal_file
+from checkpoint_store._format.layout import (
+    download_lock_name,
+    download_marker_name,
+    is_internal_file,
+)
 from checkpoint_store._manifest import verify_files
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import CheckpointCorruptError, CheckpointStoreError

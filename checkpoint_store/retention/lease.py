@@ -20,9 +20,12 @@ import time
 import uuid
 from typing import TypedDict, cast
 
-from checkpoint_store import _clock, _fsutil, _json, _results
-from checkpoint_store._layout import FORMAT_VERSION, LEASE_FILE
-from checkpoint_store._proc import process_alive, process_token
+from checkpoint_store import _results
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import FORMAT_VERSION, LEASE_FILE
+from checkpoint_store._util import clock as _clock
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.liveness import process_alive, process_token
 from checkpoint_store.backends.base import canonical_uri_text
 from checkpoint_store.errors import CheckpointStoreError, TrialInUseError
 from checkpoint_store.storage import StorageContext
@@ -42,7 +45,7 @@ class LeaseBody(TypedDict, total=False):
     holder: str  # a random id per lease: the holder compares it to know it still holds
     host: str
     pid: int
-    proc: str | None  # the holder process's incarnation (checkpoint_store._proc.process_token)
+    proc: str | None  # the holder incarnation (_util.liveness.process_token)
     trial: str  # the trial's canonical URI (StorageContext.canonical_uri)
     ttl_s: float
     renewed_at: float  # Unix seconds, the holder's clock
@@ -77,11 +80,11 @@ class Lease:
 
     A lease is live for ``ttl_s`` after its last renewal, measured on the
     storage's clock (the lease file's modification time against a probe
-    written now, :mod:`checkpoint_store._clock`), so a machine whose clock
+    written now, :mod:`checkpoint_store._util.clock`), so a machine whose clock
     is off never takes over a live lease. Unless its holder is a dead
     process on this very host: then it is taken over at once, so a crashed
     run restarts without waiting. The holder is named by pid *and* process
-    incarnation (:func:`checkpoint_store._proc.process_token`): a pid reused
+    incarnation (:func:`checkpoint_store._util.liveness.process_token`): a pid reused
     by a newer process does not keep a dead holder's lease alive. The lease
     names the trial's canonical location (:meth:`StorageContext.canonical_uri`:
     on local disks the resolved real path), so every spelling of one trial

@@ -26,8 +26,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _json
-from checkpoint_store._layout import MANAGER_STATE, parse_checkpoint_dir_name
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import MANAGER_STATE, parse_checkpoint_dir_name
 from checkpoint_store._manifest import read_internal_metadata
 from checkpoint_store.checkpoint import Checkpoint, written_metadata
 from checkpoint_store.errors import (

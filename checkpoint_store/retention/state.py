@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from checkpoint_store._layout import STATE_FORMAT_VERSION, checkpoint_dir_name
+from checkpoint_store._format.layout import STATE_FORMAT_VERSION, checkpoint_dir_name
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.storage import StorageContext
 

@@ -41,8 +41,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil, _json
-from checkpoint_store._layout import (
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import (
     MANAGER_STATE,
     STATE_FORMAT_VERSION,
     checkpoint_dir_name,
@@ -51,6 +51,7 @@ from checkpoint_store._layout import (
     state_chunk_name,
     state_log_name,
 )
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.errors import CheckpointStoreError
 from checkpoint_store.retention.state import (
     LazyEntries,

@@ -10,9 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from checkpoint_store import _fsutil, _json
-from checkpoint_store._layout import PARAMS_FILE
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import PARAMS_FILE
 from checkpoint_store._results import valid_iteration
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.storage import StorageContext
 
 __all__ = ["RESUME_FROM_KEY", "SessionContext", "recorded_resume_from", "resume_counters"]

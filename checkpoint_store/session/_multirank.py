@@ -36,9 +36,9 @@ from typing import Any, Literal, TypedDict
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil, _json
 from checkpoint_store._claims import put_claim
-from checkpoint_store._layout import (
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import (
     INTERNAL_METADATA,
     USER_METADATA,
     abort_file_name,
@@ -50,7 +50,8 @@ from checkpoint_store._layout import (
     parse_rank_marker_name,
     rank_marker_name,
 )
-from checkpoint_store._runs import new_writer_id
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.ids import new_writer_id
 from checkpoint_store.checkpoint import Checkpoint, written_metadata
 from checkpoint_store.errors import (
     CheckpointAbortedError,

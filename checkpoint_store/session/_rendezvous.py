@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from checkpoint_store._runs import torchrun_attempt
+from checkpoint_store._util.ids import torchrun_attempt
 from checkpoint_store.errors import InvalidConfigError
 
 __all__ = ["Backoff", "checked_attempt_id", "torch_group"]

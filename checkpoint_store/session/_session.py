@@ -10,16 +10,17 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from checkpoint_store import _fsutil, _json
 from checkpoint_store._async import AsyncUploader, UploadConfig, first_error
-from checkpoint_store._layout import checkpoint_dir_name
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import checkpoint_dir_name
 from checkpoint_store._manifest import read_internal_metadata
 from checkpoint_store._results import (
     ResultLog,
     finish_before_exit_flush,
     last_result_rows,
 )
-from checkpoint_store._runs import new_writer_id
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.ids import new_writer_id
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import (
     AmbiguousCommitError,

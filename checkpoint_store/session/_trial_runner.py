@@ -15,9 +15,9 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from checkpoint_store import _json
 from checkpoint_store._async import UploadConfig
-from checkpoint_store._layout import check_run_name
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import check_run_name
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError, TrialStopped
 from checkpoint_store.retention import CheckpointConfig

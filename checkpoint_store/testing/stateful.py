@@ -37,8 +37,8 @@ from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from checkpoint_store import _fsutil
-from checkpoint_store._layout import MANAGER_STATE, checkpoint_dir_name
+from checkpoint_store._format.layout import MANAGER_STATE, checkpoint_dir_name
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
 from checkpoint_store.retention.state import LogRecord, ManagerState, StoredCheckpoint

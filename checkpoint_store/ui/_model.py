@@ -39,8 +39,8 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from checkpoint_store import _fsutil, _json
-from checkpoint_store._layout import (
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import (
     ERROR_FILE,
     LEASE_FILE,
     MANAGER_STATE,
@@ -60,6 +60,7 @@ from checkpoint_store._result_rows import (
     parse_result_rows,
     unfolded_rows,
 )
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli.locations import (
     classify,
     describe_kind,

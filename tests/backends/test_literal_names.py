@@ -18,7 +18,8 @@ import pyarrow.fs as pafs
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, _fsutil, session
+from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, session
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.backends.handlers import LiteralFSSpecHandler
 from checkpoint_store.errors import InvalidConfigError, PermanentBackendError
 from checkpoint_store.testing import StorageLocation

@@ -27,7 +27,8 @@ from typing import Any
 import pyarrow.fs as pafs
 import pytest
 
-from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, _fsutil, session
+from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, session
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.testing import StorageLocation
 from checkpoint_store.testing.conformance import make_tree, read_tree
 from tests.cli.cli_helpers import invoke

@@ -20,7 +20,8 @@ from cli_helpers import (
     write_tree,
 )
 
-from checkpoint_store import Checkpoint, _fsutil
+from checkpoint_store import Checkpoint
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli import EXIT_FAILURE, EXIT_USAGE
 
 # -- ls -------------------------------------------------------------------------------

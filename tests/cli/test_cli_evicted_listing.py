@@ -17,8 +17,9 @@ from typing import Any
 
 from cli_helpers import Store, invoke
 
-from checkpoint_store import Checkpoint, CheckpointConfig, _fsutil, session
-from checkpoint_store._layout import MANAGER_STATE
+from checkpoint_store import Checkpoint, CheckpointConfig, session
+from checkpoint_store._format.layout import MANAGER_STATE
+from checkpoint_store._util import fs as _fsutil
 
 
 def _trial(store: Store, tmp_path: Any) -> str:

@@ -12,7 +12,7 @@ import pytest
 from cli_helpers import Store, invoke
 
 from checkpoint_store import session
-from checkpoint_store._layout import RESULT_SEGMENTS_DIR
+from checkpoint_store._format.layout import RESULT_SEGMENTS_DIR
 from checkpoint_store._results import ResultLog, list_segments
 
 

@@ -9,8 +9,9 @@ import posixpath
 import pytest
 from cli_helpers import invoke
 
-from checkpoint_store import Checkpoint, CheckpointConfig, _fsutil, session
-from checkpoint_store._layout import MANAGER_STATE
+from checkpoint_store import Checkpoint, CheckpointConfig, session
+from checkpoint_store._format.layout import MANAGER_STATE
+from checkpoint_store._util import fs as _fsutil
 
 
 def _trial(tmp_path, losses: list[float], config: CheckpointConfig) -> str:

@@ -11,7 +11,7 @@ import uuid
 import pytest
 from cli_helpers import Store, committed_names, invoke, make_trial, write_tree
 
-from checkpoint_store import _fsutil
+from checkpoint_store._util import fs as _fsutil
 
 
 def _plant_link_out(tmp_path, ctx) -> bytes:

@@ -17,7 +17,7 @@ import pytest
 from cli_helpers import Store, committed_names, get, invoke, put
 
 from checkpoint_store import Checkpoint, CheckpointConfig, session
-from checkpoint_store._layout import MANAGER_STATE
+from checkpoint_store._format.layout import MANAGER_STATE
 
 LOSSES = [0.8, 0.3, 0.5, 0.4]  # best by min: checkpoint_000001; newest: checkpoint_000003
 

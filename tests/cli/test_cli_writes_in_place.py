@@ -13,7 +13,8 @@ import time
 import pytest
 from cli_helpers import Store, committed_names, invoke, make_trial, write_tree
 
-from checkpoint_store import Checkpoint, CheckpointConfig, _fsutil, session
+from checkpoint_store import Checkpoint, CheckpointConfig, session
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli import EXIT_BROKEN_PIPE, EXIT_FAILURE, EXIT_USAGE
 
 pytestmark = pytest.mark.filterwarnings("ignore:retention state .* is missing:RuntimeWarning")

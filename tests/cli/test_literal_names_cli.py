@@ -9,7 +9,7 @@ import posixpath
 
 from cli_helpers import STAGING, Store, committed_names, invoke, make_trial
 
-from checkpoint_store import _fsutil
+from checkpoint_store._util import fs as _fsutil
 
 
 def test_prune_of_a_bracketed_trial_keeps_its_neighbour(store: Store, tmp_path) -> None:

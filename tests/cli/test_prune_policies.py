@@ -8,7 +8,7 @@ import posixpath
 
 from cli_helpers import Store, committed_names, invoke, make_trial
 
-from checkpoint_store._layout import MANAGER_STATE
+from checkpoint_store._format.layout import MANAGER_STATE
 from checkpoint_store.retention import AnyOf, BestN, CheckpointConfig, EveryNSteps
 from checkpoint_store.retention.state import ManagerState, save_state
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from checkpoint_store._layout import is_internal_name
+from checkpoint_store._format.layout import is_internal_name
 
 
 def make_source(path, seed: int, files: int = 3, size: int = 4096) -> str:
@@ -20,8 +20,8 @@ def make_source(path, seed: int, files: int = 3, size: int = 4096) -> str:
 
 def read_tree(fs, root: str) -> dict[str, bytes]:
     """Every user file under ``root`` -> bytes (our ``.cs_*`` and metadata files excluded)."""
-    from checkpoint_store import _fsutil
-    from checkpoint_store._layout import is_internal_file
+    from checkpoint_store._format.layout import is_internal_file
+    from checkpoint_store._util import fs as _fsutil
 
     out = {}
     for rel, _ in _fsutil.walk_files(fs, root):

@@ -12,7 +12,7 @@ import pytest
 from _commit_helpers import make_source
 
 from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, session
-from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.forwarding import ForwardingHandler
 from checkpoint_store.errors import AmbiguousCommitError, TransientBackendError
 from checkpoint_store.registry import resolve

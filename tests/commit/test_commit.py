@@ -11,10 +11,12 @@ import warnings
 import pytest
 from _commit_helpers import make_source, read_tree
 
-from checkpoint_store import Checkpoint, CheckpointConfig, _fsutil, _json, session
+from checkpoint_store import Checkpoint, CheckpointConfig, session
 from checkpoint_store._commit import commit_checkpoint
-from checkpoint_store._layout import INTERNAL_METADATA
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import INTERNAL_METADATA
 from checkpoint_store._manifest import read_internal_metadata
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.errors import (
     CheckpointConflictError,
     CheckpointCorruptError,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 from _commit_helpers import make_source, read_tree
 
-from checkpoint_store import Checkpoint, StorageContext, _fsutil
+from checkpoint_store import Checkpoint, StorageContext
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.testing.faults import FaultPlan, SimulatedCrash, faulty_backend
 
 

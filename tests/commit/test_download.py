@@ -12,8 +12,10 @@ import time
 import pytest
 from _commit_helpers import local_tree, make_source, read_tree
 
-from checkpoint_store import Checkpoint, StorageContext, _fsutil, _json
-from checkpoint_store._layout import INTERNAL_METADATA
+from checkpoint_store import Checkpoint, StorageContext
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import INTERNAL_METADATA
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.errors import CheckpointConflictError, CheckpointCorruptError
 
 

@@ -7,8 +7,9 @@ import posixpath
 import pytest
 from _commit_helpers import make_source, read_tree
 
-from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, _fsutil, session
-from checkpoint_store._retry import RetryPolicy
+from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, session
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.errors import PermanentBackendError
 from checkpoint_store.testing.faults import (
     FaultPlan,
@@ -111,7 +112,7 @@ def test_expired_credentials_rebuild_the_filesystem_once(trial, tmp_path):
 
 
 def test_expired_credentials_without_rebuild_fail_typed(trial):
-    from checkpoint_store._retry import call_fs
+    from checkpoint_store._util.retry import call_fs
     from checkpoint_store.backends.base import Backend
 
     fs = faulty_filesystem(trial.backend.filesystem, expire_after=0)

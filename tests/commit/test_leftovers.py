@@ -8,9 +8,10 @@ import posixpath
 import pytest
 from _commit_helpers import make_source, read_tree
 
-from checkpoint_store import Checkpoint, _fsutil
-from checkpoint_store._layout import claim_name
-from checkpoint_store._runs import new_writer_id
+from checkpoint_store import Checkpoint
+from checkpoint_store._format.layout import claim_name
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.ids import new_writer_id
 from checkpoint_store.testing.faults import FaultPlan, SimulatedCrash, faulty_backend
 
 

@@ -8,7 +8,7 @@ from typing import get_args
 import pyarrow.fs as pafs
 import pytest
 
-from checkpoint_store._retry import RetryKind, RetryPolicy, call, classify, with_rebuild
+from checkpoint_store._util.retry import RetryKind, RetryPolicy, call, classify, with_rebuild
 from checkpoint_store.backends.base import LOCAL_CAPABILITIES, Backend
 from checkpoint_store.errors import (
     CredentialsExpiredError,
@@ -153,7 +153,7 @@ def test_a_memory_listing_racing_a_writer_is_asked_again(monkeypatch, listing):
 
     from fsspec.implementations.memory import MemoryFileSystem
 
-    from checkpoint_store import _fsutil
+    from checkpoint_store._util import fs as _fsutil
     from checkpoint_store.registry import resolve
 
     backend, root = resolve(f"memory://race-{uuid.uuid4().hex[:8]}/t")

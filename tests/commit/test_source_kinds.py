@@ -32,9 +32,9 @@ from checkpoint_store import (
     StorageFullError,
     UnreadableSourceError,
     UnsafePathError,
-    _fsutil,
     session,
 )
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli import main
 from checkpoint_store.testing.faults import faulty_backend
 

@@ -7,7 +7,8 @@ import time
 import pytest
 from _commit_helpers import make_source
 
-from checkpoint_store import Checkpoint, CheckpointConfig, _retry, session
+from checkpoint_store import Checkpoint, CheckpointConfig, session
+from checkpoint_store._util import retry as _retry
 from checkpoint_store.errors import InvalidConfigError, TransientBackendError
 from checkpoint_store.registry import resolve
 from checkpoint_store.retention import lease

@@ -23,16 +23,16 @@ from checkpoint_store import (
     CheckpointConflictError,
     InvalidConfigError,
     UnsafePathError,
-    _fsutil,
     session,
 )
-from checkpoint_store._layout import (
+from checkpoint_store._format.layout import (
     NAME_MAX,
     download_lock_name,
     download_marker_name,
     parse_staging_dir_name,
     staging_dir_name,
 )
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.registry import resolve
 
 

@@ -10,12 +10,7 @@ import fsspec
 import pyarrow.fs as pafs
 import pytest
 
-from checkpoint_store import (
-    Checkpoint,
-    CheckpointNotFoundError,
-    MetadataError,
-    StorageContext,
-)
+from checkpoint_store import Checkpoint, CheckpointNotFoundError, MetadataError, StorageContext
 
 
 def _write_tree(root, files: dict[str, bytes]) -> None:

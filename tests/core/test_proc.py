@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from checkpoint_store._proc import process_alive
+from checkpoint_store._util.liveness import process_alive
 
 
 def test_running_and_exited_processes():

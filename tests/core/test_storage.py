@@ -7,12 +7,7 @@ import os
 import pyarrow.fs as pafs
 import pytest
 
-from checkpoint_store import (
-    Checkpoint,
-    InvalidConfigError,
-    StorageContext,
-    UnknownSchemeError,
-)
+from checkpoint_store import Checkpoint, InvalidConfigError, StorageContext, UnknownSchemeError
 
 
 def test_relative_storage_path_becomes_absolute_under_cwd(tmp_path, monkeypatch):

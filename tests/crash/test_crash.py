@@ -44,7 +44,8 @@ def test_checker_catches_a_lost_or_broken_checkpoint(tmp_path):
     import json
     import os
 
-    from checkpoint_store import StorageContext, _fsutil
+    from checkpoint_store import StorageContext
+    from checkpoint_store._util import fs as _fsutil
 
     cfg = CrashConfig(storage_path=str(tmp_path / "store"), log_path=str(tmp_path / "acks.log"))
     report = CrashHarness(cfg, seed=3, min_delay=0.9, max_delay=1.0).run(1)
@@ -123,7 +124,7 @@ def test_a_crash_at_every_step_of_the_lease_leaves_one_holder_at_most(tmp_path, 
     crash point: the next writer takes the trial once the dead holder's lease
     expires and not before, never alongside a live holder, and nothing but the
     lease file is ever touched."""
-    from checkpoint_store._layout import CLOCK_PROBE_PREFIX, LEASE_FILE
+    from checkpoint_store._format.layout import CLOCK_PROBE_PREFIX, LEASE_FILE
     from checkpoint_store.testing.crash import sweep_lease_crashes
 
     report = sweep_lease_crashes(str(tmp_path), stale=stale)
@@ -151,7 +152,7 @@ def test_the_lease_sweep_catches_a_takeover_of_a_live_lease(tmp_path, monkeypatc
 
 def test_the_lease_sweep_catches_a_release_that_deletes_another_holders_lease(
         tmp_path, monkeypatch):
-    from checkpoint_store import _fsutil
+    from checkpoint_store._util import fs as _fsutil
     from checkpoint_store.retention.lease import Lease
     from checkpoint_store.testing.crash import sweep_lease_crashes
 

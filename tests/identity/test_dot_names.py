@@ -9,7 +9,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from checkpoint_store import Checkpoint, InvalidConfigError, StorageContext, _fsutil, session
+from checkpoint_store import Checkpoint, InvalidConfigError, StorageContext, session
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli import main
 
 

@@ -20,10 +20,10 @@ from checkpoint_store import (
     CheckpointConfig,
     CheckpointManager,
     StorageContext,
-    _fsutil,
     session,
 )
-from checkpoint_store._proc import process_alive, process_token, writer_tag
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.liveness import process_alive, process_token, writer_tag
 from checkpoint_store.cli import main
 from checkpoint_store.retention import LEASE_FILE, live_lease
 
@@ -35,7 +35,7 @@ def dead_token() -> str:
     """The incarnation of a process that has exited (the crashed holder)."""
     out = subprocess.run(
         [sys.executable, "-c",
-         "from checkpoint_store._proc import process_token; print(process_token())"],
+         "from checkpoint_store._util.liveness import process_token; print(process_token())"],
         check=True, capture_output=True, text=True, timeout=120,
     )
     return out.stdout.strip()

@@ -13,15 +13,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from checkpoint_store import (
-    Checkpoint,
-    InvalidConfigError,
-    StorageContext,
-    TrialRunner,
-    _fsutil,
-    session,
-)
-from checkpoint_store._layout import (
+from checkpoint_store import Checkpoint, InvalidConfigError, StorageContext, TrialRunner, session
+from checkpoint_store._format.layout import (
     ERROR_FILE,
     INTERNAL_METADATA,
     MANAGER_STATE,
@@ -30,6 +23,7 @@ from checkpoint_store._layout import (
     USER_METADATA,
     is_reserved_name,
 )
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli import main
 
 RESERVED = ["checkpoint_000001", "checkpoint_1234567", RESULT_FILE, PARAMS_FILE, ERROR_FILE,

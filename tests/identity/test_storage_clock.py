@@ -1,6 +1,6 @@
 """Cross-machine decisions are judged on the storage's clock, never the local one
 (issue 11, kind 7). A machine whose clock is off is simulated through the one
-seam for the local clock, ``checkpoint_store._clock.local_time``."""
+seam for the local clock, ``checkpoint_store._util.clock.local_time``."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from checkpoint_store import (
     CheckpointConfig,
     CheckpointConflictError,
     CheckpointManager,
-    _clock,
-    _fsutil,
 )
 from checkpoint_store._commit import commit_checkpoint
-from checkpoint_store._runs import new_writer_id
+from checkpoint_store._util import clock as _clock
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.ids import new_writer_id
 from checkpoint_store.cli import main
 
 TWO_HOURS = 7200.0

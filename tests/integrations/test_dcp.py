@@ -22,7 +22,7 @@ from checkpoint_store import (  # noqa: E402
     StorageContext,
     session,
 )
-from checkpoint_store._layout import INTERNAL_METADATA  # noqa: E402
+from checkpoint_store._format.layout import INTERNAL_METADATA  # noqa: E402
 from checkpoint_store.integrations.torch import StorageReader, StorageWriter  # noqa: E402
 
 # Two ranks (gloo, a file store); the second save's writer fails in finish()
@@ -33,7 +33,7 @@ WORKER = textwrap.dedent("""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.api import CheckpointException
     from checkpoint_store import Checkpoint, session
-    from checkpoint_store._layout import is_internal_name
+    from checkpoint_store._format.layout import is_internal_name
 
     class FailingWriter(FileSystemWriter):
         def finish(self, metadata, results):

@@ -179,8 +179,8 @@ def _failing_train(output_dir, callback) -> None:
 
 
 def _error_text(storage: StorageContext) -> str | None:
-    from checkpoint_store import _fsutil
-    from checkpoint_store._layout import ERROR_FILE
+    from checkpoint_store._format.layout import ERROR_FILE
+    from checkpoint_store._util import fs as _fsutil
 
     path = os.path.join(storage.trial_path, ERROR_FILE)
     if not _fsutil.exists(storage.filesystem, path):

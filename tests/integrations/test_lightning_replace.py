@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("lightning")
 import torch  # noqa: E402
 
-from checkpoint_store._layout import COMMIT_LOCK  # noqa: E402
+from checkpoint_store._format.layout import COMMIT_LOCK  # noqa: E402
 from checkpoint_store.integrations.lightning import (  # noqa: E402
     CheckpointStoreIO,
     resume_path,

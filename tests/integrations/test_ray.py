@@ -25,7 +25,7 @@ pytest.importorskip("ray.tune")
 
 from checkpoint_store import Checkpoint, CheckpointConfig, TrialRunner, registry, session  # noqa: E402
 from checkpoint_store._manifest import read_internal_metadata  # noqa: E402
-from checkpoint_store._retry import RetryPolicy  # noqa: E402
+from checkpoint_store._util.retry import RetryPolicy  # noqa: E402
 from checkpoint_store.errors import CheckpointStoreError  # noqa: E402
 from checkpoint_store.integrations import ray as cs_ray  # noqa: E402
 from checkpoint_store.testing.faults import read_call_log  # noqa: E402

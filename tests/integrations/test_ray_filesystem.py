@@ -14,7 +14,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from checkpoint_store import Checkpoint, StorageContext, registry
-from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import MEMORY_CAPABILITIES, Backend
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.integrations.ray import CheckpointStoreHandler, backend_of, ray_filesystem

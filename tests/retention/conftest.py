@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from checkpoint_store import StorageContext
-from checkpoint_store._fsutil import delete_dir
+from checkpoint_store._util.fs import delete_dir
 
 StorageFactory = Callable[..., StorageContext]
 

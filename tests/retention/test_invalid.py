@@ -21,8 +21,8 @@ from checkpoint_store import (
     StorageContext,
     session,
 )
-from checkpoint_store._fsutil import delete_dir
-from checkpoint_store._layout import MANAGER_STATE
+from checkpoint_store._format.layout import MANAGER_STATE
+from checkpoint_store._util.fs import delete_dir
 from checkpoint_store.cli import main
 from checkpoint_store.retention.state import load_state
 from checkpoint_store.ui._model import StoreView

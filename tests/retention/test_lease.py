@@ -21,9 +21,9 @@ from checkpoint_store import (
     CheckpointManager,
     CheckpointStoreError,
     StorageContext,
-    _fsutil,
     session,
 )
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.retention import LEASE_FILE
 from checkpoint_store.retention.state import load_state
 

@@ -9,7 +9,8 @@ import warnings
 import pytest
 from _retention_helpers import save
 
-from checkpoint_store import Checkpoint, CheckpointConfig, CheckpointManager, _fsutil
+from checkpoint_store import Checkpoint, CheckpointConfig, CheckpointManager
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.retention import statelog
 from checkpoint_store.retention.state import LazyEntries, load_state
 from checkpoint_store.testing.faults import faulty_backend

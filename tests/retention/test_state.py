@@ -20,9 +20,9 @@ from checkpoint_store import (
     CheckpointManager,
     InvalidConfigError,
     StorageContext,
-    _fsutil,
 )
-from checkpoint_store._layout import MANAGER_STATE
+from checkpoint_store._format.layout import MANAGER_STATE
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.backends.base import MEMORY_CAPABILITIES, Backend
 from checkpoint_store.retention import LEASE_FILE
 from checkpoint_store.retention.state import load_state
@@ -429,7 +429,7 @@ def test_move_trial_local_to_s3(tmp_path, source_dir, s3_location):
 def test_state_write_failure_postpones_deletes_and_never_fails_report(
     make_storage, source_dir, monkeypatch
 ):
-    from checkpoint_store import _fsutil
+    from checkpoint_store._util import fs as _fsutil
 
     storage = make_storage()
     m = CheckpointManager(CheckpointConfig(1, "score", "max", keep_latest=False), storage)

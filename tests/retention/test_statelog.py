@@ -17,9 +17,9 @@ from checkpoint_store import (
     CheckpointManager,
     InvalidConfigError,
     StorageContext,
-    _fsutil,
 )
-from checkpoint_store._layout import MANAGER_STATE, state_log_name
+from checkpoint_store._format.layout import MANAGER_STATE, state_log_name
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.retention import restore as manager_mod
 from checkpoint_store.retention.state import LogRecord, ManagerState, StoredCheckpoint, load_state
 from checkpoint_store.retention.statelog import StateLog

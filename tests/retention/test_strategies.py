@@ -10,8 +10,9 @@ import tempfile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, _json
-from checkpoint_store._layout import validate_component
+from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import validate_component
 from checkpoint_store.testing import strategies as cst
 
 

@@ -20,7 +20,7 @@ from checkpoint_store import (
     UploadConfig,
     session,
 )
-from checkpoint_store._layout import MANAGER_STATE
+from checkpoint_store._format.layout import MANAGER_STATE
 
 
 def _write_ckpt(path, step: int) -> Checkpoint:

@@ -29,9 +29,9 @@ from checkpoint_store import (
     StorageContext,
     session,
 )
-from checkpoint_store._fsutil import pafs
-from checkpoint_store._layout import RESULT_FILE
+from checkpoint_store._format.layout import RESULT_FILE
 from checkpoint_store._results import FLUSH_INTERVAL_ENV
+from checkpoint_store._util.fs import pafs
 from checkpoint_store.session import TrialRunner
 
 

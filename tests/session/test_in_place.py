@@ -11,7 +11,7 @@ import google_crc32c
 import pytest
 
 from checkpoint_store import Checkpoint, StorageContext, session
-from checkpoint_store._layout import INTERNAL_METADATA, is_internal_name, written_record_name
+from checkpoint_store._format.layout import INTERNAL_METADATA, is_internal_name, written_record_name
 from checkpoint_store.errors import CheckpointCorruptError, CheckpointNotFoundError
 
 

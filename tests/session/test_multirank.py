@@ -344,8 +344,8 @@ def test_rank_markers_mark_an_interrupted_commit_as_ours_not_foreign():
     """A crash between the ranks' uploads and rank 0's marker-last commit on an
     object-like store leaves data plus rank markers: cleanup must recognise it
     as ours. A marker left after the commit changes nothing."""
-    from checkpoint_store import _fsutil
-    from checkpoint_store._layout import rank_marker_name
+    from checkpoint_store._format.layout import rank_marker_name
+    from checkpoint_store._util import fs as _fsutil
 
     root = f"memory://mr-gap-{uuid.uuid4().hex[:8]}"
     ctx = StorageContext(root, "e", "t")

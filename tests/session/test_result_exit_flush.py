@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from checkpoint_store import StorageContext
-from checkpoint_store._layout import LEASE_FILE, RESULT_FILE
+from checkpoint_store._format.layout import LEASE_FILE, RESULT_FILE
 from checkpoint_store._results import (
     _BUFFERING,
     FLUSH_INTERVAL_ENV,

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pytest
 
 from checkpoint_store import Checkpoint, StorageContext, session
-from checkpoint_store._layout import RESULT_FILE, RESULT_SEGMENTS_DIR
+from checkpoint_store._format.layout import RESULT_FILE, RESULT_SEGMENTS_DIR
 from checkpoint_store._results import (
     FLUSH_INTERVAL_ENV,
     ResultLog,
@@ -234,7 +234,7 @@ def test_start_reads_only_the_tail_of_result_json(root, monkeypatch):
 
 
 def _write(ctx: StorageContext, name: str, data: bytes) -> None:
-    from checkpoint_store import _fsutil
+    from checkpoint_store._util import fs as _fsutil
 
     _fsutil.write_bytes(ctx.filesystem, posixpath.join(ctx.trial_path, name), data,
                         ctx.backend.capabilities)

@@ -240,7 +240,7 @@ def test_azure_errors_become_oserrors_the_retry_policy_tells_apart(status, kind,
     from azure.core.exceptions import HttpResponseError
 
     from checkpoint_store._remote import _azure_os_error
-    from checkpoint_store._retry import classify
+    from checkpoint_store._util.retry import classify
 
     exc = HttpResponseError(message="The server said no.\nRequestId:abc")
     exc.status_code = status

@@ -17,7 +17,8 @@ import google_crc32c
 import pyarrow.fs as pafs
 import pytest
 
-from checkpoint_store import Checkpoint, StorageContext, _localcopy, _plan, _retry, _tasks
+from checkpoint_store import Checkpoint, StorageContext, _localcopy, _plan, _tasks
+from checkpoint_store._util import retry as _retry
 from checkpoint_store.backends.base import LOCAL_CAPABILITIES
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.transfer import copy_tree
@@ -531,8 +532,8 @@ def test_a_failed_syncfs_commits_nothing(tmp_path, monkeypatch) -> None:
 def test_data_is_flushed_before_the_commit_marker(tmp_path, monkeypatch, durability) -> None:
     # fsync=True: every file's bytes are made durable (flush_files) before the
     # marker that commits them is written, whichever way they are flushed.
-    from checkpoint_store import _fsutil
-    from checkpoint_store._layout import INTERNAL_METADATA
+    from checkpoint_store._format.layout import INTERNAL_METADATA
+    from checkpoint_store._util import fs as _fsutil
 
     monkeypatch.setattr(_localcopy, "DURABILITY", durability)
     events: list[str] = []

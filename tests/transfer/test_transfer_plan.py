@@ -14,7 +14,8 @@ import google_crc32c
 import pyarrow.fs as pafs
 import pytest
 
-from checkpoint_store import _budget, _localcopy, _plan, _remote, _retry
+from checkpoint_store import _budget, _localcopy, _plan, _remote
+from checkpoint_store._util import retry as _retry
 from checkpoint_store.backends.base import LOCAL_CAPABILITIES, Capabilities
 from checkpoint_store.registry import resolve
 from checkpoint_store.transfer import copy_tree

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint_store import _fsutil
-from checkpoint_store._layout import INTERNAL_METADATA
+from checkpoint_store._format.layout import INTERNAL_METADATA
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import CheckpointConflictError

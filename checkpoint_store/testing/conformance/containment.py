@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from checkpoint_store import _fsutil
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.testing.conformance._base import BackendFixtures, read_tree

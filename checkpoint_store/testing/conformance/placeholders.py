@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint_store import _fsutil
-from checkpoint_store._layout import MANAGER_STATE
+from checkpoint_store._format.layout import MANAGER_STATE
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.registry import resolve

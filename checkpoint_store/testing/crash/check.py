@@ -44,7 +44,7 @@ def check_trial(
     import google_crc32c
 
     from checkpoint_store import StorageContext
-    from checkpoint_store._layout import parse_checkpoint_dir_name
+    from checkpoint_store._format.layout import parse_checkpoint_dir_name
     from checkpoint_store.errors import CheckpointStoreError
     from checkpoint_store.registry import resolve
     from checkpoint_store.session import Session

@@ -141,7 +141,7 @@ def _plant_lease(storage: Any, stale: str | None, dead_pid: int | None) -> None:
 
 def _age_lease(storage: Any) -> None:
     """Make the lease file older than its ttl, as time passing would."""
-    from checkpoint_store._layout import LEASE_FILE
+    from checkpoint_store._format.layout import LEASE_FILE
 
     t = time.time() - _SWEEP_LEASE_TTL_S - 60.0
     os.utime(os.path.join(storage.trial_path, LEASE_FILE), (t, t))
@@ -149,7 +149,7 @@ def _age_lease(storage: Any) -> None:
 
 def _trial_files(storage: Any) -> dict[str, bytes]:
     """``{relative path: bytes}`` of every file of the trial but the lease."""
-    from checkpoint_store._layout import LEASE_FILE
+    from checkpoint_store._format.layout import LEASE_FILE
 
     out: dict[str, bytes] = {}
     for dirpath, _, names in os.walk(storage.trial_path):
@@ -162,7 +162,7 @@ def _trial_files(storage: Any) -> dict[str, bytes]:
 
 
 def _untouched(storage: Any, before: dict[str, bytes]) -> list[str]:
-    from checkpoint_store._layout import CLOCK_PROBE_PREFIX
+    from checkpoint_store._format.layout import CLOCK_PROBE_PREFIX
 
     now = _trial_files(storage)
     changed = sorted(p for p in before if now.get(p) != before[p])
@@ -175,7 +175,7 @@ def _untouched(storage: Any, before: dict[str, bytes]) -> list[str]:
 def _check_lease_after_crash(storage: Any, before: dict[str, bytes], dead_holder: str,
                              crashed: bool) -> list[str]:
     """See :func:`sweep_lease_crashes`."""
-    from checkpoint_store._layout import LEASE_FILE
+    from checkpoint_store._format.layout import LEASE_FILE
     from checkpoint_store.retention.lease import Lease
 
     problems = _untouched(storage, before)

@@ -46,7 +46,7 @@ def sweep_state_crashes(root: str, *, reports: int = 8, num_to_keep: int | None 
     after it. The sweep ends at the first run that finishes without crashing.
     """
     from checkpoint_store import Checkpoint, CheckpointConfig, CheckpointManager, StorageContext
-    from checkpoint_store._layout import LEASE_FILE
+    from checkpoint_store._format.layout import LEASE_FILE
     from checkpoint_store.retention import statelog
     from checkpoint_store.testing.faults import SimulatedCrash, faulty_backend
 
@@ -102,7 +102,7 @@ def _check_stored_state(storage: Any, config: Any, scores: list[float], acked: i
                         ) -> list[str]:
     """The state as stored, before any manager repairs it: every registration
     that returned is in it, with what it evicted; the one cut short may be."""
-    from checkpoint_store._layout import checkpoint_dir_name
+    from checkpoint_store._format.layout import checkpoint_dir_name
     from checkpoint_store.retention.state import load_state
     from checkpoint_store.testing.stateful import RetentionModel
 
@@ -129,13 +129,14 @@ def _check_stored_state(storage: Any, config: Any, scores: list[float], acked: i
 
 def _check_after_crash(storage: Any, config: Any, scores: list[float],
                        lease_file: str) -> list[str]:
-    from checkpoint_store import CheckpointManager, _fsutil
-    from checkpoint_store._layout import (
+    from checkpoint_store import CheckpointManager
+    from checkpoint_store._format.layout import (
         MANAGER_STATE,
         checkpoint_dir_name,
         parse_state_chunk_name,
         parse_state_log_name,
     )
+    from checkpoint_store._util import fs as _fsutil
     from checkpoint_store.retention.state import load_state
     from checkpoint_store.testing.stateful import RetentionModel
 

@@ -25,9 +25,9 @@ import uuid
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil
-from checkpoint_store._layout import clock_probe_name
-from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._format.layout import clock_probe_name
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Capabilities
 
 

@@ -213,7 +213,7 @@ CLOCK_PROBE_PREFIX = f"{INTERNAL_PREFIX}clock-"
 
 def clock_probe_name(token: str) -> str:
     """``.cs_clock-<token>``: a probe object written to read the store's clock
-    (see :mod:`checkpoint_store._clock`); deleted at once, harmless if left."""
+    (see :mod:`checkpoint_store._util.clock`); deleted at once, harmless if left."""
     return f"{CLOCK_PROBE_PREFIX}{token}"
 
 

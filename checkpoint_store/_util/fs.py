@@ -1,7 +1,7 @@
 """Small helpers over ``pyarrow.fs.FileSystem`` used by every layer above backends.
 
 Each helper that touches storage retries transient errors (see
-:mod:`checkpoint_store._retry`); ``retry=None`` means the default policy
+:mod:`checkpoint_store._util.retry`); ``retry=None`` means the default policy
 from the environment. A missing path is an answer, not an error, wherever
 the docstring says so.
 """
@@ -18,11 +18,11 @@ from collections.abc import Iterable, Iterator
 import filelock
 import pyarrow.fs as pafs
 
-from checkpoint_store import _retry
-from checkpoint_store._layout import temp_file_name
-from checkpoint_store._proc import writer_tag
+from checkpoint_store._format.layout import temp_file_name
 from checkpoint_store._remote import writer_of
-from checkpoint_store._retry import RetryPolicy
+from checkpoint_store._util import retry as _retry
+from checkpoint_store._util.liveness import writer_tag
+from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Capabilities
 from checkpoint_store.backends.handlers import (
     folder_blobs_as_directories,
