@@ -16,7 +16,7 @@ Each has ``commit`` (copy or stream a tree and commit it), ``finalize``
 (commit a tree other writers filled: the multi-rank rank 0, Ray's
 ``CommitCallback``), ``commit_in_place``/``adopt`` (commit files already at
 the final path), ``delete`` (the commit in reverse) and ``inspect``. The
-marker itself is built by :func:`~checkpoint_store._manifest.internal_metadata`
+marker itself is built by :func:`~checkpoint_store._util.inspect.internal_metadata`
 alone; how marker-last writers take turns is :mod:`checkpoint_store._claims`,
 how a directory is removed so that a removal cut short stays ours is
 :mod:`checkpoint_store._removal`.
@@ -51,7 +51,11 @@ from checkpoint_store._format.layout import (
     is_written_record,
     staging_dir_name,
 )
-from checkpoint_store._manifest import (
+from checkpoint_store._plan import Previous
+from checkpoint_store._removal import remove_in_order, rename_away
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.ids import new_writer_id
+from checkpoint_store._util.inspect import (
     Inspection,
     ManifestEntry,
     compute_manifest,
@@ -60,10 +64,6 @@ from checkpoint_store._manifest import (
     is_checkpoint_data,
     written_crcs,
 )
-from checkpoint_store._plan import Previous
-from checkpoint_store._removal import remove_in_order, rename_away
-from checkpoint_store._util import fs as _fsutil
-from checkpoint_store._util.ids import new_writer_id
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend, Capabilities
 from checkpoint_store.errors import (
@@ -146,7 +146,7 @@ class CommitProtocol(abc.ABC):
         return self.dest.capabilities
 
     def inspect(self, path: str) -> Inspection:
-        """What ``path`` is (:func:`~checkpoint_store._manifest.inspect_checkpoint`)."""
+        """What ``path`` is (:func:`~checkpoint_store._util.inspect.inspect_checkpoint`)."""
         return inspect_checkpoint(self.fs, path, retry=self.retry)
 
     def commit(

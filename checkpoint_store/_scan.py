@@ -26,10 +26,10 @@ from checkpoint_store._format.layout import (
     parse_staging_dir_name,
     parse_temp_file_name,
 )
-from checkpoint_store._manifest import Inspection, inspect_checkpoint
 from checkpoint_store._pointer import POINTER_FILE, pointed_path
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.ids import run_of_writer
+from checkpoint_store._util.inspect import Inspection, inspect_checkpoint
 from checkpoint_store._util.liveness import writer_tag_alive
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.errors import CheckpointCorruptError

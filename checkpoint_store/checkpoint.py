@@ -35,15 +35,15 @@ from checkpoint_store._format.layout import (
     download_marker_name,
     parse_download_helper_name,
 )
-from checkpoint_store._manifest import (
+from checkpoint_store._nesting import refuse_local_store_target
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util import liveness as _proc
+from checkpoint_store._util.inspect import (
     Inspection,
     inspect_checkpoint,
     read_internal_metadata,
     verify_files,
 )
-from checkpoint_store._nesting import refuse_local_store_target
-from checkpoint_store._util import fs as _fsutil
-from checkpoint_store._util import liveness as _proc
 from checkpoint_store.backends.base import LOCAL_CAPABILITIES, Backend
 from checkpoint_store.errors import (
     CheckpointConflictError,

@@ -33,10 +33,6 @@ from checkpoint_store._format.layout import (
     parse_checkpoint_dir_name,
     validate_component,
 )
-from checkpoint_store._manifest import (
-    inspect_checkpoint,
-    read_internal_metadata,
-)
 from checkpoint_store._nesting import refuse_inside_checkpoint
 from checkpoint_store._plan import Previous
 from checkpoint_store._results import ResultLog, parse_result_rows, read_results
@@ -44,6 +40,10 @@ from checkpoint_store._scan import ScanResult, scan_trial
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.ids import default_run_id, new_writer_id, sanitize_run_id
+from checkpoint_store._util.inspect import (
+    inspect_checkpoint,
+    read_internal_metadata,
+)
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend, clean_components, local_absolute
 from checkpoint_store.checkpoint import Checkpoint

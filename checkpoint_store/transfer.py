@@ -5,7 +5,7 @@ each file's CRC32C on the bytes as they pass (no second read): the upload
 side (:func:`copy_tree`, fed by :func:`source_files`, which checks every name
 and link before the first byte moves) and the download side
 (:func:`download_tree`, which verifies what it wrote against the manifest).
-What a committed checkpoint is lives in :mod:`checkpoint_store._manifest`;
+What a committed checkpoint is lives in :mod:`checkpoint_store._util.inspect`;
 how a copied tree becomes one, in :mod:`checkpoint_store._commit`.
 
 Thread use: callers call from one thread; the copy fans out over its own pool.
@@ -29,7 +29,9 @@ from checkpoint_store._format.layout import (
     NAME_MAX,
     is_internal_file,
 )
-from checkpoint_store._manifest import (
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util import retry as _retry
+from checkpoint_store._util.inspect import (
     ManifestEntry,
     check_entry,
     check_relpath,
@@ -37,8 +39,6 @@ from checkpoint_store._manifest import (
     inspect_checkpoint,
     is_checkpoint_data,
 )
-from checkpoint_store._util import fs as _fsutil
-from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import (
     Capabilities,
@@ -168,7 +168,7 @@ def source_files(
 
     ``listed`` (``{relative path: size}`` of files under ``src_root`` from
     a listing the caller made, such as
-    :attr:`checkpoint_store._manifest.Inspection.files`): a local tree is
+    :attr:`checkpoint_store._util.inspect.Inspection.files`): a local tree is
     still walked (its links, files come and gone) but takes the sizes of
     files that are not links from it instead of a ``stat`` each. The copy
     reads each file's real size: a listed size gone stale (the file changed

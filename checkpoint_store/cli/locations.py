@@ -9,7 +9,7 @@ file). The web page (:mod:`checkpoint_store.ui`) classifies with the same
 functions, so both agree on what a location is.
 
 Committed means what the library says: a valid commit marker whose manifest
-matches the files (:func:`checkpoint_store._manifest.inspect_checkpoint`), read
+matches the files (:func:`checkpoint_store._util.inspect.inspect_checkpoint`), read
 in the recorded index order (:meth:`StorageContext.committed_checkpoints`).
 """
 
@@ -39,7 +39,7 @@ from checkpoint_store.errors import (
 )
 
 if TYPE_CHECKING:
-    from checkpoint_store._manifest import Inspection
+    from checkpoint_store._util.inspect import Inspection
     from checkpoint_store.storage import StorageContext
 
 __all__ = [
@@ -201,15 +201,15 @@ def _otherwise_named(loc: Location, entries: Iterable[tuple[str, bool]]) -> Iter
 
 def read_internal(loc: Location) -> dict[str, Any] | None:
     """The checkpoint's internal metadata when its commit marker is valid, else None."""
-    from checkpoint_store._manifest import read_internal_metadata
+    from checkpoint_store._util.inspect import read_internal_metadata
 
     return read_internal_metadata(loc.fs, loc.path)
 
 
 def inspect_location(loc: Location) -> Inspection:
     """What the would-be checkpoint directory ``loc`` is (committed, invalid,
-    absent, missing): :func:`checkpoint_store._manifest.inspect_checkpoint`."""
-    from checkpoint_store._manifest import inspect_checkpoint
+    absent, missing): :func:`checkpoint_store._util.inspect.inspect_checkpoint`."""
+    from checkpoint_store._util.inspect import inspect_checkpoint
 
     return inspect_checkpoint(loc.fs, loc.path)
 
@@ -322,8 +322,8 @@ def not_committed(
 def _pointer_fault(loc: Location) -> Inspection | None:
     """An ``"invalid"`` inspection of ``loc`` when its pointer (``.cs_current``)
     names no replacement of it: another tool or a hand edit wrote it."""
-    from checkpoint_store._manifest import Inspection
     from checkpoint_store._pointer import POINTER_FILE
+    from checkpoint_store._util.inspect import Inspection
 
     if not _fsutil.exists(loc.fs, posixpath.join(loc.path, POINTER_FILE)):
         return None

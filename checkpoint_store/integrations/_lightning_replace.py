@@ -30,9 +30,9 @@ from checkpoint_store._format.layout import (
     replace_dir_name,
     staging_dir_name,
 )
-from checkpoint_store._manifest import inspect_checkpoint
 from checkpoint_store._pointer import POINTER_FILE, is_replacement_of, pointed_name, stem
 from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.inspect import inspect_checkpoint
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 import pyarrow.fs as pafs
 
-from checkpoint_store._manifest import inspect_checkpoint
 from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.inspect import inspect_checkpoint
 from checkpoint_store.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,

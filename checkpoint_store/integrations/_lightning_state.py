@@ -19,16 +19,16 @@ from typing import Any
 import google_crc32c
 import pyarrow.fs as pafs
 
-from checkpoint_store._manifest import (
+from checkpoint_store._remote import writer_of
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util import retry as _retry
+from checkpoint_store._util.inspect import (
     ManifestEntry,
     inspect_checkpoint,
     read_checked,
     read_with_crc,
     verify_files,
 )
-from checkpoint_store._remote import writer_of
-from checkpoint_store._util import fs as _fsutil
-from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import CheckpointCorruptError, CheckpointNotFoundError
@@ -204,7 +204,7 @@ def verified(backend: Backend, fs_path: str, *, retry: RetryPolicy | None = None
         CheckpointNotFoundError: nothing at the path, or a directory that is not
             a committed checkpoint (an interrupted save).
         CheckpointCorruptError: a file is missing or does not match the manifest
-            (:func:`checkpoint_store._manifest.check_entry` says which and how).
+            (:func:`checkpoint_store._util.inspect.check_entry` says which and how).
     """
     fs = backend.filesystem
     # A path replaced by a re-save names its checkpoint by a pointer.

@@ -25,10 +25,10 @@ import pyarrow.fs as pafs
 from checkpoint_store import registry
 from checkpoint_store._commit import delete_checkpoint_dir
 from checkpoint_store._format.layout import INTERNAL_METADATA
-from checkpoint_store._manifest import read_internal_metadata
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.ids import new_writer_id
+from checkpoint_store._util.inspect import read_internal_metadata
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint

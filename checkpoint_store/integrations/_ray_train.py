@@ -27,9 +27,9 @@ from checkpoint_store._format.layout import (
     parse_rank_marker_name,
     rank_marker_name,
 )
-from checkpoint_store._manifest import read_internal_metadata
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
+from checkpoint_store._util.inspect import read_internal_metadata
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import CheckpointStoreError

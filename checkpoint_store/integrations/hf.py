@@ -69,7 +69,7 @@ from checkpoint_store._format.layout import (
     download_marker_name,
     is_internal_file,
 )
-from checkpoint_store._manifest import verify_files
+from checkpoint_store._util.inspect import verify_files
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import CheckpointCorruptError, CheckpointStoreError
 from checkpoint_store.retention import CheckpointConfig

@@ -28,7 +28,7 @@ import pyarrow.fs as pafs
 
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import MANAGER_STATE, parse_checkpoint_dir_name
-from checkpoint_store._manifest import read_internal_metadata
+from checkpoint_store._util.inspect import read_internal_metadata
 from checkpoint_store.checkpoint import Checkpoint, written_metadata
 from checkpoint_store.errors import (
     CheckpointConflictError,

@@ -21,8 +21,8 @@ from typing import Any, overload
 import pyarrow.fs as pafs
 
 from checkpoint_store._format.layout import CHECKPOINT_PREFIX, parse_checkpoint_dir_name
-from checkpoint_store._manifest import inspect_checkpoint
 from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.inspect import inspect_checkpoint
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.storage import StorageContext
 

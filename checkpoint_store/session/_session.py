@@ -13,7 +13,6 @@ from typing import Any
 from checkpoint_store._async import AsyncUploader, UploadConfig, first_error
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import checkpoint_dir_name
-from checkpoint_store._manifest import read_internal_metadata
 from checkpoint_store._results import (
     ResultLog,
     finish_before_exit_flush,
@@ -21,6 +20,7 @@ from checkpoint_store._results import (
 )
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.ids import new_writer_id
+from checkpoint_store._util.inspect import read_internal_metadata
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import (
     AmbiguousCommitError,

@@ -17,7 +17,7 @@ reads everything again.
 
 Where each answer comes from: the location kind and trial listing are the
 CLI's (:mod:`checkpoint_store.cli.locations`); committed checkpoints are those with a
-valid commit marker (:func:`~checkpoint_store._manifest.read_internal_metadata`,
+valid commit marker (:func:`~checkpoint_store._util.inspect.read_internal_metadata`,
 the rule of :meth:`StorageContext.committed_checkpoints`); "best" is
 :func:`~checkpoint_store.retention.select_kept` under the trial's recorded
 :class:`~checkpoint_store.retention.CheckpointConfig`; "running" is
@@ -53,7 +53,6 @@ from checkpoint_store._format.layout import (
     parse_state_log_name,
     validate_component,
 )
-from checkpoint_store._manifest import inspect_checkpoint
 from checkpoint_store._result_rows import (
     Segment,
     list_segments,
@@ -61,6 +60,7 @@ from checkpoint_store._result_rows import (
     unfolded_rows,
 )
 from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.inspect import inspect_checkpoint
 from checkpoint_store.cli.locations import (
     classify,
     describe_kind,

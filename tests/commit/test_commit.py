@@ -15,8 +15,8 @@ from checkpoint_store import Checkpoint, CheckpointConfig, session
 from checkpoint_store._commit import commit_checkpoint
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import INTERNAL_METADATA
-from checkpoint_store._manifest import read_internal_metadata
 from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.inspect import read_internal_metadata
 from checkpoint_store.errors import (
     CheckpointConflictError,
     CheckpointCorruptError,

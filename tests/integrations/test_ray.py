@@ -24,7 +24,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.tune")
 
 from checkpoint_store import Checkpoint, CheckpointConfig, TrialRunner, registry, session  # noqa: E402
-from checkpoint_store._manifest import read_internal_metadata  # noqa: E402
+from checkpoint_store._util.inspect import read_internal_metadata  # noqa: E402
 from checkpoint_store._util.retry import RetryPolicy  # noqa: E402
 from checkpoint_store.errors import CheckpointStoreError  # noqa: E402
 from checkpoint_store.integrations import ray as cs_ray  # noqa: E402

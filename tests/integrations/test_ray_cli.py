@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from checkpoint_store._manifest import inspect_checkpoint  # noqa: E402
+from checkpoint_store._util.inspect import inspect_checkpoint  # noqa: E402
 from checkpoint_store.integrations.ray import (  # noqa: E402
     CommitCallback,
     _upload_rank,

@@ -771,7 +771,7 @@ def test_a_download_takes_sizes_from_the_inspection_and_still_reads_real_ones(tm
     # to_directory passes the inspection's listing on, so a local checkpoint
     # is not stat'ed twice; a listed size gone stale only misplans: the copy
     # reads the real bytes and the manifest check passes.
-    from checkpoint_store._manifest import inspect_checkpoint
+    from checkpoint_store._util.inspect import inspect_checkpoint
     from checkpoint_store.transfer import download_tree
 
     ck, want = _committed(tmp_path, {"a/x": 10, "y": 3 * 1024 * 1024 + 1})
@@ -791,7 +791,7 @@ def test_a_download_takes_sizes_from_the_inspection_and_still_reads_real_ones(tm
 
 
 def test_a_link_out_of_a_checkpoint_is_refused_also_with_sizes_listed(tmp_path) -> None:
-    from checkpoint_store._manifest import inspect_checkpoint
+    from checkpoint_store._util.inspect import inspect_checkpoint
     from checkpoint_store.errors import UnsafePathError
     from checkpoint_store.transfer import download_tree
 

@@ -1,10 +1,11 @@
-"""What a committed checkpoint is: its manifest and its commit marker.
+"""Reading a checkpoint's commit marker back from storage and checking it.
 
-Owns the internal-metadata marker ``.internal_metadata.json`` (docs/format.md):
-:func:`internal_metadata` is the one place it is built, :func:`inspect_checkpoint`
-the one place it is read and checked against a listing, and
-:func:`verify_files` / :func:`read_checked` / :func:`check_entry` the one place
-file bytes are compared with it. Also :func:`compute_manifest` for files already in place.
+:func:`inspect_checkpoint` is the one place ``.internal_metadata.json`` is
+read and checked against a listing, and :func:`verify_files` /
+:func:`read_checked` the one place file bytes are compared with it; also
+:func:`compute_manifest` for files already in place. The marker's shape (its
+entries, how it is built, the safe-path rule) is a value kept in
+:mod:`checkpoint_store._format.manifest` and re-exported here.
 
 Thread use: every function here is safe to call from any thread or rank; the
 readers fan out over a bounded pool of their own.
@@ -12,14 +13,10 @@ readers fan out over a bounded pool of their own.
 
 from __future__ import annotations
 
-import os
 import posixpath
-import re
-import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import google_crc32c
 import pyarrow.fs as pafs
@@ -29,9 +26,15 @@ from checkpoint_store._format.layout import (
     FORMAT_VERSION,
     INTERNAL_METADATA,
     USER_METADATA,
-    is_internal_file,
     is_written_record,
 )
+from checkpoint_store._format.manifest import _CRC_RE, check_entry, check_relpath
+from checkpoint_store._format.manifest import Inspection as Inspection
+from checkpoint_store._format.manifest import InspectionState as InspectionState
+from checkpoint_store._format.manifest import ManifestEntry as ManifestEntry
+from checkpoint_store._format.manifest import crc_hex as crc_hex
+from checkpoint_store._format.manifest import internal_metadata as internal_metadata
+from checkpoint_store._format.manifest import is_checkpoint_data as is_checkpoint_data
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.retry import RetryPolicy
@@ -57,81 +60,22 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class ManifestEntry:
-    """One file of a checkpoint: relative posix path, size in bytes, CRC32C (8 hex digits)."""
-
-    path: str
-    size: int
-    crc32c: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "size": self.size, "crc32c": self.crc32c}
 
 
 
 
-def crc_hex(value: int) -> str:
-    """A CRC32C as the manifest writes it: 8 lowercase hex digits."""
-    return f"{value:08x}"
 
 
-def is_checkpoint_data(rel: str) -> bool:
-    """True for a user's file (anything but our internal files)."""
-    return not is_internal_file(rel)
 
 
 # -- validity -------------------------------------------------------------------
 
-_CRC_RE = re.compile(r"^[0-9a-f]{8}$")
 
 
-def check_relpath(rel: object) -> str | None:
-    """Why ``rel`` is not a safe relative path inside a checkpoint, or None when it is.
-
-    Refused: empty, absolute (``/x``; ``C:x`` on Windows), backslashes, NUL,
-    and any empty, ``.`` or ``..`` component.
-    """
-    if not isinstance(rel, str) or not rel:
-        return "is empty"
-    if rel.startswith("/") or (os.name == "nt" and len(rel) > 1 and rel[1] == ":"):
-        # "C:x" is a legal POSIX file name but a drive-relative path on Windows.
-        return "is absolute"
-    if "\\" in rel or "\x00" in rel:
-        return "contains a backslash or NUL"
-    if any(part in ("", ".", "..") for part in rel.split("/")):
-        return "has an empty, '.' or '..' component"
-    return None
 
 
-#: What a directory is: ``committed`` (valid marker matching the listing),
-#: ``absent`` (files but no marker), ``invalid`` (a marker we cannot trust),
-#: ``missing`` (nothing at all under the path).
-InspectionState = Literal["committed", "absent", "invalid", "missing"]
 
 
-@dataclass(frozen=True)
-class Inspection:
-    """What one listing (plus one read of the marker) says about a directory.
-
-    Attributes:
-        state: ``"committed"`` (valid marker matching the listing),
-            ``"absent"`` (no ``.internal_metadata.json``), ``"invalid"``
-            (a marker that does not parse, has another format version, or
-            whose manifest does not match the files listed), ``"missing"``
-            (nothing at all under the path).
-        meta: the parsed internal metadata when committed (else None; for
-            ``"invalid"`` the parsed JSON when it parsed).
-        reason: for ``"invalid"``, what is wrong (names the file).
-        file: for ``"invalid"``, the relative path at fault, if one.
-        files: ``{relative path: size}`` of every file listed, ours included.
-    """
-
-    state: InspectionState
-    meta: dict[str, Any] | None
-    reason: str | None = None
-    file: str | None = None
-    files: dict[str, int] | None = None
 
 
 def _validate_manifest(meta: Any) -> tuple[str, str | None] | None:
@@ -371,47 +315,8 @@ def compute_manifest(
 # -- the marker -----------------------------------------------------------------
 
 
-def internal_metadata(
-    internal: Mapping[str, Any], entries: Iterable[Mapping[str, Any]]
-) -> dict[str, Any]:
-    """The ``.internal_metadata.json`` body for a commit: ``internal`` (index,
-    metrics, run id, ...) plus ``format_version``, ``created_at`` (kept when
-    given; seconds since the epoch) and ``manifest`` (``entries`` sorted by
-    path, ``.user_metadata.json`` left out: it may change after the commit).
-
-    The only place a marker is built: every commit protocol, the multi-rank
-    finalize, ``StorageContext.adopt`` and the integrations call it.
-    """
-    meta = dict(internal)
-    meta["format_version"] = FORMAT_VERSION
-    meta.setdefault("created_at", time.time())
-    meta["manifest"] = sorted(
-        (dict(e) for e in entries if e["path"] != USER_METADATA), key=lambda e: e["path"]
-    )
-    return meta
 
 
-def check_entry(
-    checkpoint_path: str, want: Mapping[str, Any], got: tuple[int, str] | None
-) -> None:
-    """Compare one manifest entry with the ``(size, crc32c)`` read (None: missing).
-
-    Raises:
-        CheckpointCorruptError: missing or different; ``.file`` names it.
-    """
-    rel = want["path"]
-    if got is None:
-        raise CheckpointCorruptError(
-            f"checkpoint {checkpoint_path!r} is missing file {rel!r} listed in its manifest",
-            path=checkpoint_path, file=rel,
-        )
-    if got != (want["size"], want["crc32c"]):
-        raise CheckpointCorruptError(
-            f"file {rel!r} of checkpoint {checkpoint_path!r} does not match its manifest "
-            f"(size {got[0]} vs {want['size']}, crc32c {got[1]} vs {want['crc32c']}); the "
-            "checkpoint is corrupt: resume from an earlier one",
-            path=checkpoint_path, file=rel,
-        )
 
 
 def written_crcs(
