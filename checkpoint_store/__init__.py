@@ -2,7 +2,7 @@
 
 Layers, top to bottom: :mod:`~checkpoint_store.session` (``report``),
 :mod:`~checkpoint_store.retention` (top-K), :mod:`~checkpoint_store.checkpoint`
-and :mod:`~checkpoint_store.transfer`, :mod:`~checkpoint_store.storage`,
+and :mod:`~checkpoint_store._transfer.trees`, :mod:`~checkpoint_store.storage`,
 :mod:`~checkpoint_store.registry` and the backends.
 """
 

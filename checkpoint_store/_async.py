@@ -154,13 +154,13 @@ def stage(src_dir: str, mode: str = "copy", *, root: str | None = None) -> Stage
     Raises:
         CheckpointNotFoundError: ``src_dir`` is not a directory.
         UnsafePathError: a file in ``src_dir`` cannot be uploaded as it is
-            (see :func:`checkpoint_store.transfer.source_files`).
+            (see :func:`checkpoint_store._transfer.trees.source_files`).
         OSError: the copy failed (the partial staging directory is removed).
     """
     import pyarrow.fs as pafs
 
+    from checkpoint_store._transfer.trees import source_files
     from checkpoint_store.errors import CheckpointNotFoundError
-    from checkpoint_store.transfer import source_files
 
     check_staging(mode)
     if not os.path.isdir(src_dir):
@@ -185,7 +185,7 @@ def stage(src_dir: str, mode: str = "copy", *, root: str | None = None) -> Stage
 def _copy_tree(src: str, dst: str, files: list[tuple[str, int]]) -> None:
     import pyarrow.fs as pafs
 
-    from checkpoint_store import _plan
+    from checkpoint_store._transfer import plan as _plan
     from checkpoint_store.backends.base import LOCAL_CAPABILITIES
 
     local = pafs.LocalFileSystem()

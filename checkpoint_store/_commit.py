@@ -51,8 +51,9 @@ from checkpoint_store._format.layout import (
     is_written_record,
     staging_dir_name,
 )
-from checkpoint_store._plan import Previous
 from checkpoint_store._removal import remove_in_order, rename_away
+from checkpoint_store._transfer.plan import Previous
+from checkpoint_store._transfer.trees import copy_tree, source_files
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.ids import new_writer_id
 from checkpoint_store._util.inspect import (
@@ -72,7 +73,6 @@ from checkpoint_store.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
 )
-from checkpoint_store.transfer import copy_tree, source_files
 
 __all__ = [
     "CLAIM_STALE_S",
@@ -591,7 +591,7 @@ def commit_checkpoint(
             protocol around it is the same. It may be called again when a
             retry rebuilds the filesystem. Used to stream a state straight to
             storage without a local copy.
-        previous: a :class:`checkpoint_store._plan.Previous` (the last
+        previous: a :class:`checkpoint_store._transfer.plan.Previous` (the last
             committed checkpoint of the trial): files equal to its files are
             copied inside the store (marker-last stores, local source only).
 
@@ -607,7 +607,7 @@ def commit_checkpoint(
             claim) are replaced, with a warning naming them.
         CheckpointNotFoundError: ``src_dir`` does not exist.
         UnsafePathError: a source file's name or link cannot be committed as
-            it is (see :func:`~checkpoint_store.transfer.source_files`); checked
+            it is (see :func:`~checkpoint_store._transfer.trees.source_files`); checked
             before the first write, so nothing was written.
         TransientBackendError, PermanentBackendError: storage failed; nothing
             was committed and earlier checkpoints are untouched.

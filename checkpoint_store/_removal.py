@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from checkpoint_store._format.layout import deleting_dir_name, is_internal_name
-from checkpoint_store._remote import _fsspec_of, _is_async
+from checkpoint_store._transfer.remote import _fsspec_of, _is_async
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.ids import new_writer_id

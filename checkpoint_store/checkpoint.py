@@ -36,6 +36,7 @@ from checkpoint_store._format.layout import (
     parse_download_helper_name,
 )
 from checkpoint_store._nesting import refuse_local_store_target
+from checkpoint_store._transfer.trees import download_tree
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import liveness as _proc
 from checkpoint_store._util.inspect import (
@@ -53,7 +54,6 @@ from checkpoint_store.errors import (
     UnsafePathError,
 )
 from checkpoint_store.registry import resolve
-from checkpoint_store.transfer import download_tree
 
 logger = logging.getLogger(__name__)
 

@@ -34,9 +34,9 @@ from checkpoint_store._format.layout import (
     validate_component,
 )
 from checkpoint_store._nesting import refuse_inside_checkpoint
-from checkpoint_store._plan import Previous
 from checkpoint_store._results import ResultLog, parse_result_rows, read_results
 from checkpoint_store._scan import ScanResult, scan_trial
+from checkpoint_store._transfer.plan import Previous
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.ids import default_run_id, new_writer_id, sanitize_run_id
@@ -410,7 +410,7 @@ class StorageContext:
 
     def previous_checkpoint(self, index: int) -> Previous | None:
         """The latest committed checkpoint below ``index`` as a
-        :class:`~checkpoint_store._plan.Previous` (its path and manifest), or
+        :class:`~checkpoint_store._transfer.plan.Previous` (its path and manifest), or
         None. Reads ``checkpoint_<index - 1>`` first (numbering is contiguous
         and the newest is kept, so that is the usual answer, whatever the
         trial's history); else looks at the three highest directories: one

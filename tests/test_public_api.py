@@ -71,7 +71,7 @@ DOTTED = [
     "checkpoint_store.testing.relay",
     "checkpoint_store.testing.relay.FaultRelay",
     "checkpoint_store.testing.stateful.RetentionMachine",
-    "checkpoint_store.transfer",
+    "checkpoint_store._transfer.trees",
 ]
 
 FROM_IMPORTS = [

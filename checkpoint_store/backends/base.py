@@ -77,7 +77,7 @@ class Capabilities:
             files) in flight at once: the threads of one transfer.
         memory_budget: bytes of file data one transfer may hold in memory at
             once, all threads together; None: the planner's default
-            (:data:`checkpoint_store._budget.DEFAULT_MEMORY_LIMIT`). Both are
+            (:data:`checkpoint_store._transfer.budget.DEFAULT_MEMORY_LIMIT`). Both are
             set per storage with ``StorageContext(max_concurrency=...,
             memory_budget=...)``.
         unsupported_name_characters: characters the store's client cannot

@@ -266,7 +266,7 @@ def upload_cmd(directory: str, uri: str, storage_options: dict[str, Any],
           --metrics '{"loss": 0.12}'
     """
     from checkpoint_store._commit import commit_checkpoint
-    from checkpoint_store.transfer import source_files
+    from checkpoint_store._transfer.trees import source_files
 
     metrics = _parse_metrics(metrics_json)
     src = resolve_location(os.path.abspath(directory), {})
@@ -340,7 +340,7 @@ def _copy_checkpoint(job: _CopyJob, on_bytes: Callable[[int], None]) -> CopyOutc
             stays committed at the destination.
     """
     from checkpoint_store._commit import commit_checkpoint
-    from checkpoint_store.transfer import source_files
+    from checkpoint_store._transfer.trees import source_files
 
     src, dst = job.src, job.dst
     existing = read_internal(dst)

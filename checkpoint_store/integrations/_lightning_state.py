@@ -19,7 +19,7 @@ from typing import Any
 import google_crc32c
 import pyarrow.fs as pafs
 
-from checkpoint_store._remote import writer_of
+from checkpoint_store._transfer.remote import writer_of
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.inspect import (

@@ -27,6 +27,7 @@ from checkpoint_store._format.layout import (
     parse_rank_marker_name,
     rank_marker_name,
 )
+from checkpoint_store._transfer.trees import copy_tree
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.inspect import read_internal_metadata
@@ -34,7 +35,6 @@ from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import CheckpointStoreError
 from checkpoint_store.integrations._ray_fs import backend_of
-from checkpoint_store.transfer import copy_tree
 
 __all__ = ["upload_fn"]
 

@@ -50,6 +50,7 @@ from checkpoint_store._format.layout import (
     parse_rank_marker_name,
     rank_marker_name,
 )
+from checkpoint_store._transfer.trees import copy_tree
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.ids import new_writer_id
 from checkpoint_store.checkpoint import Checkpoint, written_metadata
@@ -63,7 +64,6 @@ from checkpoint_store.errors import (
 )
 from checkpoint_store.session._rendezvous import Backoff, checked_attempt_id, torch_group
 from checkpoint_store.storage import StorageContext
-from checkpoint_store.transfer import copy_tree
 
 #: Why rank 0 did not commit: a rank missing, a rank failed, two ranks wrote
 #: one path, or the commit itself failed.

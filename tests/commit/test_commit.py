@@ -70,7 +70,7 @@ def test_complete_directory_without_metadata_is_foreign(any_trial, tmp_path):
     storage.ensure_trial_dir()
     # Copied in by hand: all the files, no internal metadata.
     src = make_source(tmp_path / "hand", 5)
-    from checkpoint_store.transfer import copy_tree
+    from checkpoint_store._transfer.trees import copy_tree
 
     copy_tree(_fsutil.pafs.LocalFileSystem(), src, storage.filesystem,
               storage.checkpoint_path(0), storage.backend.capabilities)
@@ -110,7 +110,7 @@ def test_adopt_keeps_user_metadata_out_of_the_manifest(any_trial, tmp_path):
     src = make_source(tmp_path / "hand", 7)
     with open(os.path.join(src, ".user_metadata.json"), "w") as f:
         f.write('{"epoch": 3}')
-    from checkpoint_store.transfer import copy_tree
+    from checkpoint_store._transfer.trees import copy_tree
 
     copy_tree(_fsutil.pafs.LocalFileSystem(), src, storage.filesystem,
               storage.checkpoint_path(0), storage.backend.capabilities)

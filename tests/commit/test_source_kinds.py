@@ -193,7 +193,7 @@ def _walk_as_nobody(src: str) -> dict:
     root (root reads any directory); what it raised, as a dict."""
     import pyarrow.fs as pafs
 
-    from checkpoint_store.transfer import source_files
+    from checkpoint_store._transfer.trees import source_files
 
     r, w = os.pipe()
     pid = os.fork()

@@ -16,11 +16,11 @@ import pytest
 from click.testing import CliRunner
 
 from checkpoint_store import Checkpoint, InvalidConfigError, StorageContext, session
+from checkpoint_store._transfer.trees import copy_tree
 from checkpoint_store.backends import Capabilities
 from checkpoint_store.cli import main
 from checkpoint_store.errors import UnsafePathError
 from checkpoint_store.testing import StorageLocation
-from checkpoint_store.transfer import copy_tree
 
 
 def _cli(*args: str):

@@ -10,7 +10,7 @@ import errno
 import os
 import threading
 
-from checkpoint_store import _tasks
+from checkpoint_store._transfer import tasks as _tasks
 
 MiB = 1024 * 1024
 #: With this budget the parts are the smallest we cut (5 MiB): several per file.

@@ -16,7 +16,7 @@ import pytest
 from azure.storage.blob import BlobServiceClient
 
 from checkpoint_store import Checkpoint, StorageContext
-from checkpoint_store._remote import AzureBlocks, PartUploader, part_upload_client
+from checkpoint_store._transfer.remote import AzureBlocks, PartUploader, part_upload_client
 from tests.transfer.part_upload_cases import (
     BUDGET,
     DENIED,
@@ -239,7 +239,7 @@ def test_a_missing_container_is_file_not_found(azure_server) -> None:
 def test_azure_errors_become_oserrors_the_retry_policy_tells_apart(status, kind, retry) -> None:
     from azure.core.exceptions import HttpResponseError
 
-    from checkpoint_store._remote import _azure_os_error
+    from checkpoint_store._transfer.remote import _azure_os_error
     from checkpoint_store._util.retry import classify
 
     exc = HttpResponseError(message="The server said no.\nRequestId:abc")

@@ -17,11 +17,14 @@ import google_crc32c
 import pyarrow.fs as pafs
 import pytest
 
-from checkpoint_store import Checkpoint, StorageContext, _localcopy, _plan, _tasks
+from checkpoint_store import Checkpoint, StorageContext
+from checkpoint_store._transfer import localcopy as _localcopy
+from checkpoint_store._transfer import plan as _plan
+from checkpoint_store._transfer import tasks as _tasks
+from checkpoint_store._transfer.trees import copy_tree
 from checkpoint_store._util import retry as _retry
 from checkpoint_store.backends.base import LOCAL_CAPABILITIES
 from checkpoint_store.errors import InvalidConfigError
-from checkpoint_store.transfer import copy_tree
 
 LOCAL = pafs.LocalFileSystem()
 SHM = "/dev/shm"
@@ -246,7 +249,7 @@ def test_previous_deleted_mid_report_falls_back_to_a_full_upload(
 
     monkeypatch.setattr(StorageContext, "previous_checkpoint", then_delete)
     spy = _CopySpy(monkeypatch)
-    with caplog.at_level("INFO", logger="checkpoint_store._plan"):
+    with caplog.at_level("INFO", logger="checkpoint_store._transfer.plan"):
         second = ctx.persist_checkpoint(Checkpoint.from_directory(src), 1, {})
     assert spy.copied == []  # every copy failed: all uploaded
     # ... and the user is told why this report moved every byte.
@@ -564,8 +567,8 @@ def test_data_is_flushed_before_the_commit_marker(tmp_path, monkeypatch, durabil
 
 def test_a_download_through_a_linked_directory_out_of_the_target_is_refused(tmp_path) -> None:
     # Many files share a directory (checked once); the refusal names one of them.
+    from checkpoint_store._transfer.trees import download_tree
     from checkpoint_store.errors import UnsafePathError
-    from checkpoint_store.transfer import download_tree
 
     src = str(tmp_path / "src")
     _tree(src, {**{f"ok/f{i:03d}": 10 for i in range(50)}, **{f"out/g{i}": 10 for i in range(3)}})
@@ -771,8 +774,8 @@ def test_a_download_takes_sizes_from_the_inspection_and_still_reads_real_ones(tm
     # to_directory passes the inspection's listing on, so a local checkpoint
     # is not stat'ed twice; a listed size gone stale only misplans: the copy
     # reads the real bytes and the manifest check passes.
+    from checkpoint_store._transfer.trees import download_tree
     from checkpoint_store._util.inspect import inspect_checkpoint
-    from checkpoint_store.transfer import download_tree
 
     ck, want = _committed(tmp_path, {"a/x": 10, "y": 3 * 1024 * 1024 + 1})
     insp = inspect_checkpoint(ck.filesystem, ck.path)
@@ -791,9 +794,9 @@ def test_a_download_takes_sizes_from_the_inspection_and_still_reads_real_ones(tm
 
 
 def test_a_link_out_of_a_checkpoint_is_refused_also_with_sizes_listed(tmp_path) -> None:
+    from checkpoint_store._transfer.trees import download_tree
     from checkpoint_store._util.inspect import inspect_checkpoint
     from checkpoint_store.errors import UnsafePathError
-    from checkpoint_store.transfer import download_tree
 
     ck, _ = _committed(tmp_path, {"x": 10})
     secret = tmp_path / "secret"

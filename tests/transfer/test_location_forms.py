@@ -17,7 +17,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from checkpoint_store import Checkpoint, StorageContext
-from checkpoint_store._remote import (
+from checkpoint_store._transfer.remote import (
     AzureBlocks,
     S3Multipart,
     _client_of,

@@ -13,8 +13,9 @@ import pyarrow.fs as pafs
 import pytest
 import s3fs
 
-from checkpoint_store import Checkpoint, StorageContext, _tasks
-from checkpoint_store._remote import S3Multipart
+from checkpoint_store import Checkpoint, StorageContext
+from checkpoint_store._transfer import tasks as _tasks
+from checkpoint_store._transfer.remote import S3Multipart
 from tests.transfer.part_upload_cases import (
     BUDGET,
     DENIED,
@@ -159,7 +160,7 @@ def test_an_abort_that_keeps_failing_names_the_upload_and_raises_the_first_error
 
     monkeypatch.setattr(S3Multipart, "abort", abort_refused)
     st = _storage("s3fs engine", s3_server, s3_bucket)
-    with caplog.at_level("WARNING", logger="checkpoint_store._tasks"), \
+    with caplog.at_level("WARNING", logger="checkpoint_store._transfer.tasks"), \
             pytest.raises(OSError, match="injected failure"):
         st.persist_checkpoint(Checkpoint.from_directory(str(tmp_path / "src")), 0, {})
     left = _open_uploads(s3_server, s3_bucket)
@@ -174,7 +175,7 @@ def test_an_abort_that_keeps_failing_names_the_upload_and_raises_the_first_error
 
 def test_ctrl_c_while_parts_upload_starts_no_other_part_and_aborts(
         tmp_path, monkeypatch, s3_server, s3_bucket) -> None:
-    from checkpoint_store import _plan
+    from checkpoint_store._transfer import plan as _plan
 
     _tree(tmp_path / "src", SIZES)
     sent = []
@@ -223,7 +224,7 @@ def test_a_pyarrow_filesystem_passed_in_gets_an_s3fs_client_only_where_it_writes
         s3_server) -> None:
     # pyarrow cannot send one object's parts from several threads; s3fs can,
     # when it reaches the same store as the same user.
-    from checkpoint_store._remote import _s3fs_twin_of, part_upload_client
+    from checkpoint_store._transfer.remote import _s3fs_twin_of, part_upload_client
 
     fs = _raw_pyarrow(s3_server, request_timeout=7)
     uploader = part_upload_client(fs)

@@ -14,11 +14,14 @@ import google_crc32c
 import pyarrow.fs as pafs
 import pytest
 
-from checkpoint_store import _budget, _localcopy, _plan, _remote
+from checkpoint_store._transfer import budget as _budget
+from checkpoint_store._transfer import localcopy as _localcopy
+from checkpoint_store._transfer import plan as _plan
+from checkpoint_store._transfer import remote as _remote
+from checkpoint_store._transfer.trees import copy_tree
 from checkpoint_store._util import retry as _retry
 from checkpoint_store.backends.base import LOCAL_CAPABILITIES, Capabilities
 from checkpoint_store.registry import resolve
-from checkpoint_store.transfer import copy_tree
 
 LOCAL = pafs.LocalFileSystem()
 

@@ -9,7 +9,7 @@ import threading
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _remote
+from checkpoint_store._transfer import remote as _remote
 
 
 def _options(fs: pafs.S3FileSystem) -> dict:

@@ -358,7 +358,7 @@ def _build_adlfs(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.File
     native = _native_for_bytes(ours, extra)
     if native is not None:
         # Checkpoint transfers move file bytes through pyarrow's C++ client
-        # (checkpoint_store._remote._native_of): adlfs runs every byte through
+        # (checkpoint_store._transfer.remote._native_of): adlfs runs every byte through
         # one event-loop thread, 1.4x slower on Azurite. Names, listings,
         # deletes and the commit marker stay with adlfs.
         wrapped.handler.native = native

@@ -4,7 +4,7 @@ A backend's filesystem may be a thin Python handler in front of a C++
 filesystem (the object-store plugins' marker-free handler keeps it as
 ``handler.native``) or in front of an fsspec client
 (``PyFileSystem(LiteralFSSpecHandler(fs))``). The transfer plan
-(:mod:`checkpoint_store._plan`) and its tasks (:mod:`checkpoint_store._tasks`)
+(:mod:`checkpoint_store._transfer.plan`) and its tasks (:mod:`checkpoint_store._transfer.tasks`)
 look through the handler: bytes then move without a Python call per read or
 write, a batch of small files is one concurrent fsspec call, and a copy inside
 one store (:func:`server_copy`) sends no byte through this process.

@@ -2,7 +2,7 @@
 
 Owns the default limit (:data:`DEFAULT_MEMORY_LIMIT`, sized from the
 machine's RAM) and :class:`_Budget`, the byte semaphore every thread of one
-transfer (:mod:`checkpoint_store._plan`) takes its buffers' bytes from.
+transfer (:mod:`checkpoint_store._transfer.plan`) takes its buffers' bytes from.
 """
 
 from __future__ import annotations

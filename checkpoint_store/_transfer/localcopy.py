@@ -7,7 +7,7 @@ filesystem ``copy_file_range``, else a user-space buffer), the check that a sour
 not change while it was copied, the per-thread buffers of local reads, and
 how a copied tree is made durable (:func:`flush_files`, :data:`DURABILITY`).
 :class:`_LocalDisk` holds the local-disk primitives of the transfer runner in
-:mod:`checkpoint_store._plan`.
+:mod:`checkpoint_store._transfer.plan`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from checkpoint_store._crc32c import _crc
+from checkpoint_store._transfer.crc32c import _crc
 
 __all__ = [
     "DURABILITY",
@@ -147,7 +147,7 @@ _SYNCFS_KERNEL = (5, 8)
 
 #: Filesystems on a local device or in memory, where creating a file costs
 #: no network round trip: small files go fastest through one thread there
-#: (see :func:`checkpoint_store._plan.plan`). On others (NFS, Lustre, FUSE
+#: (see :func:`checkpoint_store._transfer.plan.plan`). On others (NFS, Lustre, FUSE
 #: ...) and where the type is unknown, small files keep the thread pool.
 _LOCAL_FS_TYPES = frozenset(
     {"ext2", "ext3", "ext4", "xfs", "btrfs", "bcachefs", "f2fs", "tmpfs", "ramfs"}

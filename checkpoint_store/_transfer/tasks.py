@@ -2,15 +2,16 @@
 a large file, or one file through an output stream, and returns CRC32Cs of
 the bytes as they passed.
 
-:func:`checkpoint_store._plan.run` cuts a tree into these tasks and runs them
+:func:`checkpoint_store._transfer.plan.run` cuts a tree into these tasks and runs them
 on a thread pool; :class:`_Runner` holds what they share (both sides, the
 memory budget, the retry wrapper ``call``). Bytes go through the C++
 filesystem behind a Python handler where there is one, and through the fsspec
 client's concurrent calls for batches where it is async
-(:mod:`checkpoint_store._remote`). The local-disk half (kernel copies,
-``pwrite`` of parts) is :class:`~checkpoint_store._localcopy._LocalDisk`.
+(:mod:`checkpoint_store._transfer.remote`). The local-disk half (kernel copies,
+``pwrite`` of parts) is :class:`~checkpoint_store._transfer.localcopy._LocalDisk`.
 
-Memory: every buffer is taken from the transfer's :class:`~checkpoint_store._budget._Budget`
+Memory: every buffer is taken from the transfer's
+:class:`~checkpoint_store._transfer.budget._Budget`
 before it is filled, counted as often as it exists at once (ours, the HTTP
 client's, the part an output stream uploads in the background).
 """
@@ -29,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from checkpoint_store._budget import _Budget
-from checkpoint_store._crc32c import _crc
-from checkpoint_store._localcopy import _O_BINARY, _LocalDisk, _pwrite_all
-from checkpoint_store._remote import (
+from checkpoint_store._transfer.budget import _Budget
+from checkpoint_store._transfer.crc32c import _crc
+from checkpoint_store._transfer.localcopy import _O_BINARY, _LocalDisk, _pwrite_all
+from checkpoint_store._transfer.remote import (
     PartUpload,
     _client_of,
     _is_async,
@@ -45,7 +46,7 @@ from checkpoint_store._remote import (
 from checkpoint_store._util import fs as _fsutil
 
 if TYPE_CHECKING:  # pragma: no cover
-    from checkpoint_store._plan import Plan
+    from checkpoint_store._transfer.plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class FileResult:
 class _Runner(_LocalDisk):
     """The tasks of one transfer (plan ``p``) and what they share.
 
-    Each task method runs on a worker thread of :func:`checkpoint_store._plan.run`
+    Each task method runs on a worker thread of :func:`checkpoint_store._transfer.plan.run`
     and passes every storage call through ``call(fn, what)`` (the retry
     policy). ``p`` may be replaced before the tasks start (after a reuse of
     the previous checkpoint's files leaves fewer to move).

@@ -1,9 +1,9 @@
 """Transfer planning: the fastest path for each (source, destination, file shape).
 
-:func:`checkpoint_store.transfer.copy_tree` lists the files and creates the
+:func:`checkpoint_store._transfer.trees.copy_tree` lists the files and creates the
 directories; this module chooses the route (:data:`Route`), cuts the files
 into tasks (:func:`plan`) and runs them (:func:`run`); the tasks that move
-the bytes are :mod:`checkpoint_store._tasks`. Every path computes each file's
+the bytes are :mod:`checkpoint_store._transfer.tasks`. Every path computes each file's
 CRC32C on the bytes as they pass through this process, so a checksum never
 costs a second read of the data.
 
@@ -16,7 +16,7 @@ docs/benchmarks.md):
   ``pipe``/``cat`` call that fsspec runs concurrently on its event loop
   (also beside a C++ client: the S3 and Azure plugins' pyarrow engines, and
   the s3fs twin of a pyarrow S3 filesystem passed in, see
-  :func:`~checkpoint_store._remote._client_of`).
+  :func:`~checkpoint_store._transfer.remote._client_of`).
   Disk to disk between local-device or in-memory filesystems, all small
   files are one batch copied in turn by one thread (beside the large files'
   tasks): more threads measured slower.
@@ -52,17 +52,17 @@ from typing import Any, Literal, TypeVar
 
 import pyarrow.fs as pafs
 
-from checkpoint_store._budget import DEFAULT_MEMORY_LIMIT
-from checkpoint_store._crc32c import crc32c_combine
-from checkpoint_store._localcopy import _O_BINARY, creates_locally, flush_files
-from checkpoint_store._remote import (
+from checkpoint_store._transfer.budget import DEFAULT_MEMORY_LIMIT
+from checkpoint_store._transfer.crc32c import crc32c_combine
+from checkpoint_store._transfer.localcopy import _O_BINARY, creates_locally, flush_files
+from checkpoint_store._transfer.remote import (
     _client_of,
     _is_async,
     can_stream_ranges,
     part_upload_client,
     server_copy,
 )
-from checkpoint_store._tasks import (
+from checkpoint_store._transfer.tasks import (
     _PART_UPLOAD_COPIES,
     _REMOTE_COPIES,
     MIN_PART,
@@ -134,13 +134,13 @@ class Plan:
         batches: lists of small files, each moved by one task.
         large: files moved part by part (or streamed, for uploads).
         piece: for a download whose client streams ranges
-            (:func:`~checkpoint_store._remote.can_stream_ranges`), bytes read
+            (:func:`~checkpoint_store._transfer.remote.can_stream_ranges`), bytes read
             at a time from each part's one request (parts are then large:
             see :func:`_stream_part_size`); 0 when each part is one buffer.
         local_disks: route ``"local"`` with both roots on a local-device or
             in-memory filesystem (:func:`creates_locally`): small files are
             one batch, and a large file is one copy through user space
-            (:meth:`~checkpoint_store._localcopy._LocalDisk._pipe_copy`).
+            (:meth:`~checkpoint_store._transfer.localcopy._LocalDisk._pipe_copy`).
     """
 
     route: Route
@@ -360,7 +360,7 @@ def run(
     ``previous`` (an upload from the local disk only): a committed checkpoint
     on the destination store. A file whose size and CRC32C equal those of the
     same path there is copied by the store itself
-    (:func:`~checkpoint_store._remote.server_copy`) instead
+    (:func:`~checkpoint_store._transfer.remote.server_copy`) instead
     of uploaded, while the other files go up; the copies and the uploads
     share ``concurrency`` (the copies take at most half of it). If that copy
     fails (the previous checkpoint was deleted meanwhile, say), the file is
