@@ -24,12 +24,12 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from checkpoint_store._format.layout import deleting_dir_name, is_internal_name
-from checkpoint_store._transfer.remote import _fsspec_of, _is_async
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.ids import new_writer_id
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
+from checkpoint_store.backends.clients import _fsspec_of, _is_async
 
 __all__ = ["remove_in_order", "rename_away"]
 

@@ -16,7 +16,7 @@ docs/benchmarks.md):
   ``pipe``/``cat`` call that fsspec runs concurrently on its event loop
   (also beside a C++ client: the S3 and Azure plugins' pyarrow engines, and
   the s3fs twin of a pyarrow S3 filesystem passed in, see
-  :func:`~checkpoint_store._transfer.remote._client_of`).
+  :func:`~checkpoint_store.backends.clients._client_of`).
   Disk to disk between local-device or in-memory filesystems, all small
   files are one batch copied in turn by one thread (beside the large files'
   tasks): more threads measured slower.

@@ -19,11 +19,11 @@ import filelock
 import pyarrow.fs as pafs
 
 from checkpoint_store._format.layout import temp_file_name
-from checkpoint_store._transfer.remote import writer_of
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.liveness import writer_tag
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Capabilities
+from checkpoint_store.backends.clients import writer_of
 from checkpoint_store.backends.handlers import (
     folder_blobs_as_directories,
     placeholders_as_directories,

@@ -386,7 +386,7 @@ class MarkerFreeDeletesHandler(ForwardingHandler):
     @property
     def native(self) -> pafs.FileSystem:
         """The pyarrow filesystem: reads and writes may bypass this handler
-        and go to it directly (see ``checkpoint_store._transfer.remote._native_of``)."""
+        and go to it directly (see ``checkpoint_store.backends.clients._native_of``)."""
         return self.inner
 
     def get_type_name(self) -> str:

@@ -23,13 +23,13 @@ import pyarrow.fs as pafs
 from checkpoint_store._commit import delete_checkpoint_dir, protocol_for
 from checkpoint_store._format.layout import is_internal_name
 from checkpoint_store._nesting import refuse_inside_checkpoint
-from checkpoint_store._transfer.remote import _client_of
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.ids import new_writer_id
 from checkpoint_store._util.inspect import inspect_checkpoint
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
+from checkpoint_store.backends.clients import _client_of
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.integrations._lightning_async import _OrderedQueue
 from checkpoint_store.integrations._lightning_replace import (

@@ -19,7 +19,6 @@ from typing import Any
 import google_crc32c
 import pyarrow.fs as pafs
 
-from checkpoint_store._transfer.remote import writer_of
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.inspect import (
@@ -31,6 +30,7 @@ from checkpoint_store._util.inspect import (
 )
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
+from checkpoint_store.backends.clients import writer_of
 from checkpoint_store.errors import CheckpointCorruptError, CheckpointNotFoundError
 from checkpoint_store.integrations._lightning_replace import current_dir
 

@@ -51,9 +51,9 @@ import pyarrow as pa
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import written_record_name
 from checkpoint_store._nesting import refuse_inside_checkpoint
-from checkpoint_store._transfer.remote import writer_of
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.backends.base import Backend
+from checkpoint_store.backends.clients import writer_of
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.registry import resolve
 

@@ -1,4 +1,4 @@
-"""The filesystem a transfer writes through (``_remote.writer_of``): a pyarrow
+"""The filesystem a transfer writes through (``backends.clients.writer_of``): a pyarrow
 S3FileSystem made without ``allow_delayed_open`` gets a twin with it, the same
 in every other option; every other filesystem is used as given."""
 
@@ -9,7 +9,7 @@ import threading
 
 import pyarrow.fs as pafs
 
-from checkpoint_store._transfer import remote as _remote
+from checkpoint_store.backends import clients
 
 
 def _options(fs: pafs.S3FileSystem) -> dict:
@@ -23,22 +23,22 @@ def _s3(**kw) -> pafs.S3FileSystem:
 
 def test_other_filesystems_are_used_as_given() -> None:
     local = pafs.LocalFileSystem()
-    assert _remote.writer_of(local) is local
+    assert clients.writer_of(local) is local
     delayed = _s3(allow_delayed_open=True)
-    assert _remote.writer_of(delayed) is delayed
+    assert clients.writer_of(delayed) is delayed
 
 
 def test_a_twin_differs_only_in_delayed_open_and_is_kept_while_the_original_lives() -> None:
     user = _s3(request_timeout=7.0, default_metadata={"owner": "me"})
-    twin = _remote.writer_of(user)
-    assert twin is not user and _remote.writer_of(user) is twin
+    twin = clients.writer_of(user)
+    assert twin is not user and clients.writer_of(user) is twin
     want = {**_options(user), "allow_delayed_open": True}
     assert _options(twin) == want
     key = ("writer", id(user))
-    assert key in _remote._TWINS
+    assert key in clients._TWINS
     del user, twin
     gc.collect()
-    assert key not in _remote._TWINS
+    assert key not in clients._TWINS
 
 
 def test_a_user_filesystem_collected_while_the_twins_are_locked_does_not_deadlock() -> None:
@@ -47,7 +47,7 @@ def test_a_user_filesystem_collected_while_the_twins_are_locked_does_not_deadloc
     # only by a garbage cycle (a StorageContext of a finished trial, say) then
     # has its weakref callback run on that same thread, under the lock.
     user = _s3()
-    _remote.writer_of(user)
+    clients.writer_of(user)
     holder: dict = {"fs": user}
     holder["self"] = holder  # collectable only by the cycle collector
     key = ("writer", id(user))
@@ -55,7 +55,7 @@ def test_a_user_filesystem_collected_while_the_twins_are_locked_does_not_deadloc
     done = threading.Event()
 
     def collect_under_the_lock() -> None:
-        with _remote._TWINS_LOCK:
+        with clients._TWINS_LOCK:
             gc.collect()
         done.set()
 
@@ -65,4 +65,4 @@ def test_a_user_filesystem_collected_while_the_twins_are_locked_does_not_deadloc
         assert done.wait(10), "the weakref callback waited for a lock its own thread held"
     finally:
         gc.enable()
-    assert key not in _remote._TWINS
+    assert key not in clients._TWINS
