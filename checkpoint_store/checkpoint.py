@@ -24,6 +24,7 @@ import filelock
 import google_crc32c
 import pyarrow.fs as pafs
 
+from checkpoint_store._commit.nesting import refuse_local_store_target
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     INTERNAL_METADATA,
@@ -35,7 +36,6 @@ from checkpoint_store._format.layout import (
     download_marker_name,
     parse_download_helper_name,
 )
-from checkpoint_store._nesting import refuse_local_store_target
 from checkpoint_store._transfer.trees import download_tree
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import liveness as _proc

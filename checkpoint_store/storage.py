@@ -20,7 +20,9 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from checkpoint_store._commit import CommitProtocol, protocol_for
+from checkpoint_store._commit.leftovers import ScanResult, scan_trial
+from checkpoint_store._commit.nesting import refuse_inside_checkpoint
+from checkpoint_store._commit.protocols import CommitProtocol, protocol_for
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     ERROR_FILE,
@@ -33,9 +35,7 @@ from checkpoint_store._format.layout import (
     parse_checkpoint_dir_name,
     validate_component,
 )
-from checkpoint_store._nesting import refuse_inside_checkpoint
 from checkpoint_store._results import ResultLog, parse_result_rows, read_results
-from checkpoint_store._scan import ScanResult, scan_trial
 from checkpoint_store._transfer.plan import Previous
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
@@ -211,7 +211,7 @@ class StorageContext:
 
     @property
     def commit_protocol(self) -> CommitProtocol:
-        """The commit protocol of this storage (:func:`~checkpoint_store._commit.protocol_for`)."""
+        """The commit protocol of this storage (``_commit.protocols.protocol_for``)."""
         return protocol_for(self.backend, fsync=self.fsync, retry=self.retry)
 
     @property
@@ -385,7 +385,7 @@ class StorageContext:
     def commit_in_place(self, index: int, internal: Mapping[str, Any]) -> Checkpoint:
         """Commit ``checkpoint_<index>``, already filled in place; no byte is copied.
 
-        See :meth:`checkpoint_store._commit.CommitProtocol.commit_in_place`
+        See :meth:`checkpoint_store._commit.protocols.CommitProtocol.commit_in_place`
         (manifest built from the files there, marker last).
 
         Raises:
@@ -452,7 +452,7 @@ class StorageContext:
     def scan(self, run_id: str | None = None, *, known: Mapping[str, int] | None = None,
              listing: list[_fsutil.pafs.FileInfo] | None = None) -> ScanResult:
         """Classify every directory of this trial: committed, uncommitted (ours),
-        active (ours, current run) or foreign (:func:`~checkpoint_store._scan.scan_trial`).
+        active (ours, current run) or foreign (``_commit.leftovers.scan_trial``).
 
         Args:
             run_id: a run id to protect besides this context's ``run_id`` (a

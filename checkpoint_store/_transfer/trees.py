@@ -6,7 +6,7 @@ side (:func:`copy_tree`, fed by :func:`source_files`, which checks every name
 and link before the first byte moves) and the download side
 (:func:`download_tree`, which verifies what it wrote against the manifest).
 What a committed checkpoint is lives in :mod:`checkpoint_store._util.inspect`;
-how a copied tree becomes one, in :mod:`checkpoint_store._commit`.
+how a copied tree becomes one, in :mod:`checkpoint_store._commit.protocols`.
 
 Thread use: callers call from one thread; the copy fans out over its own pool.
 """

@@ -144,12 +144,12 @@ def resolve_location(
 def follow(loc: Location) -> Location:
     """``loc``, or, when it holds a pointer (``.cs_current``: a path saved
     again and again, Lightning's ``last.ckpt``), the sibling holding its
-    checkpoint, shown under ``loc``'s name (:mod:`checkpoint_store._pointer`).
+    checkpoint, shown under ``loc``'s name (:mod:`checkpoint_store._commit.pointer`).
 
     Raises:
         CheckpointCorruptError: a pointer naming no replacement of ``loc``.
     """
-    from checkpoint_store._pointer import pointed_path
+    from checkpoint_store._commit.pointer import pointed_path
 
     target = pointed_path(loc.fs, loc.path)
     return loc if target is None else Location(loc.backend, target, shown_as=loc.path)
@@ -189,7 +189,7 @@ def _otherwise_named(loc: Location, entries: Iterable[tuple[str, bool]]) -> Iter
     """Names of the child directories of ``loc`` holding a commit marker although
     not named ``checkpoint_NNNNNN``: the marker, not the name, makes a checkpoint.
     A directory holding a pointer (:func:`follow`) counts too."""
-    from checkpoint_store._pointer import POINTER_FILE
+    from checkpoint_store._commit.pointer import POINTER_FILE
 
     for name, is_dir in entries:
         if is_dir and not is_internal_name(name) \
@@ -322,7 +322,7 @@ def not_committed(
 def _pointer_fault(loc: Location) -> Inspection | None:
     """An ``"invalid"`` inspection of ``loc`` when its pointer (``.cs_current``)
     names no replacement of it: another tool or a hand edit wrote it."""
-    from checkpoint_store._pointer import POINTER_FILE
+    from checkpoint_store._commit.pointer import POINTER_FILE
     from checkpoint_store._util.inspect import Inspection
 
     if not _fsutil.exists(loc.fs, posixpath.join(loc.path, POINTER_FILE)):

@@ -282,7 +282,7 @@ def _delete(ctx: Any, ckpt: Location) -> None:
     if ckpt.shown_as is None:
         ctx.delete_checkpoint(ckpt.name)
         return
-    from checkpoint_store._commit import delete_checkpoint_dir
+    from checkpoint_store._commit.protocols import delete_checkpoint_dir
     from checkpoint_store._util.ids import new_writer_id
 
     delete_checkpoint_dir(ckpt.backend, ckpt.path, writer_id=new_writer_id())
@@ -332,7 +332,7 @@ def _collect(loc: Location, ours: list[str], min_age: float,
              dry_run: bool) -> tuple[list[str], list[str]]:
     """Remove (unless ``dry_run``) the directories in ``ours`` untouched for
     ``min_age`` seconds; returns ``(removed, too young)``."""
-    from checkpoint_store._commit import protocol_for
+    from checkpoint_store._commit.protocols import protocol_for
 
     removed, too_young = [], []
     # Ages on the storage's clock, never this machine's: a clock running ahead

@@ -20,9 +20,9 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store._commit import delete_checkpoint_dir, protocol_for
+from checkpoint_store._commit.nesting import refuse_inside_checkpoint
+from checkpoint_store._commit.protocols import delete_checkpoint_dir, protocol_for
 from checkpoint_store._format.layout import is_internal_name
-from checkpoint_store._nesting import refuse_inside_checkpoint
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.ids import new_writer_id

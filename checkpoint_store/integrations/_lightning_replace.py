@@ -25,12 +25,12 @@ import posixpath
 
 import pyarrow.fs as pafs
 
+from checkpoint_store._commit.pointer import POINTER_FILE, is_replacement_of, pointed_name, stem
 from checkpoint_store._format.layout import (
     deleting_dir_name,
     replace_dir_name,
     staging_dir_name,
 )
-from checkpoint_store._pointer import POINTER_FILE, is_replacement_of, pointed_name, stem
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.inspect import inspect_checkpoint
 from checkpoint_store._util.retry import RetryPolicy

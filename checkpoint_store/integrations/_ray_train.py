@@ -18,7 +18,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store._commit import delete_checkpoint_dir, protocol_for
+from checkpoint_store._commit.protocols import delete_checkpoint_dir, protocol_for
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     INTERNAL_METADATA,

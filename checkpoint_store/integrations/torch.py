@@ -48,9 +48,9 @@ from typing import Any
 import google_crc32c
 import pyarrow as pa
 
+from checkpoint_store._commit.nesting import refuse_inside_checkpoint
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import written_record_name
-from checkpoint_store._nesting import refuse_inside_checkpoint
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.backends.clients import writer_of

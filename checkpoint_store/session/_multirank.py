@@ -36,7 +36,7 @@ from typing import Any, Literal, TypedDict
 
 import pyarrow.fs as pafs
 
-from checkpoint_store._claims import put_claim
+from checkpoint_store._commit.claims import put_claim
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     INTERNAL_METADATA,

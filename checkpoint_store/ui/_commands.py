@@ -121,7 +121,7 @@ def plot_cmd(trials: tuple[str, ...], storage_options: dict[str, Any], metric: s
       checkpoint-store plot ./results/sweep/t0 ./results/sweep/t1 --metric loss -o sweep.svg
     """
     _require("matplotlib")
-    from checkpoint_store._nesting import refuse_local_store_target
+    from checkpoint_store._commit.nesting import refuse_local_store_target
     from checkpoint_store.ui._model import StoreView
 
     # Before any trial is read: an image inside a checkpoint would corrupt it.

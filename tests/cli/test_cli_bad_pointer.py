@@ -17,7 +17,7 @@ import posixpath
 from cli_helpers import Store, committed_names, invoke, make_trial, put
 
 from checkpoint_store import session
-from checkpoint_store._pointer import POINTER_FILE
+from checkpoint_store._commit.pointer import POINTER_FILE
 
 
 def _spoiled(store: Store, tmp_path) -> tuple[object, str]:

@@ -143,7 +143,7 @@ def test_storage_writer_reader_roundtrip_azure(azure_location):
 
 
 def test_storage_writer_records_checksums_so_commit_reads_nothing_back(tmp_path, monkeypatch):
-    from checkpoint_store import _commit
+    from checkpoint_store._commit import protocols as _commit
 
     read: list[str] = []
     real = _commit.compute_manifest

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cli"))
 from cli_helpers import invoke  # noqa: E402
 
-from checkpoint_store._pointer import POINTER_FILE  # noqa: E402
+from checkpoint_store._commit.pointer import POINTER_FILE  # noqa: E402
 from checkpoint_store.integrations.lightning import CheckpointStoreIO  # noqa: E402
 from checkpoint_store.registry import resolve  # noqa: E402
 

@@ -17,9 +17,9 @@ Each has ``commit`` (copy or stream a tree and commit it), ``finalize``
 ``CommitCallback``), ``commit_in_place``/``adopt`` (commit files already at
 the final path), ``delete`` (the commit in reverse) and ``inspect``. The
 marker itself is built by :func:`~checkpoint_store._util.inspect.internal_metadata`
-alone; how marker-last writers take turns is :mod:`checkpoint_store._claims`,
+alone; how marker-last writers take turns is :mod:`checkpoint_store._commit.claims`,
 how a directory is removed so that a removal cut short stays ours is
-:mod:`checkpoint_store._removal`.
+:mod:`checkpoint_store._commit.removal`.
 
 Who calls what: the single-rank session, ``StorageContext.adopt`` and the
 Lightning plugin call ``commit``/``adopt`` from the training thread (or the
@@ -41,7 +41,14 @@ from typing import Any, ClassVar, Literal
 
 import pyarrow.fs as pafs
 
-from checkpoint_store._claims import CLAIM_STALE_S, is_claim, own_claims, put_claim, take_turn
+from checkpoint_store._commit.claims import (
+    CLAIM_STALE_S,
+    is_claim,
+    own_claims,
+    put_claim,
+    take_turn,
+)
+from checkpoint_store._commit.removal import remove_in_order, rename_away
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     COMMIT_LOCK,
@@ -51,7 +58,6 @@ from checkpoint_store._format.layout import (
     is_written_record,
     staging_dir_name,
 )
-from checkpoint_store._removal import remove_in_order, rename_away
 from checkpoint_store._transfer.plan import Previous
 from checkpoint_store._transfer.trees import copy_tree, source_files
 from checkpoint_store._util import fs as _fsutil
@@ -220,7 +226,7 @@ class CommitProtocol(abc.ABC):
         is renamed away first where directories rename atomically, else its
         data files go before the claims, rank markers and tombstone that tell
         cleanup whose it is. Absent is fine. Callers checked it is not
-        committed (:func:`~checkpoint_store._scan.scan_trial`)."""
+        committed (:func:`~checkpoint_store._commit.leftovers.scan_trial`)."""
         if is_internal_name(posixpath.basename(path.rstrip("/"))):
             # A staging or deleting directory, a temporary file: its name is the trace.
             _fsutil.delete_dir(self.fs, path, retry=self.retry)
@@ -464,7 +470,7 @@ class MarkerLastCommit(CommitProtocol):
 
     Each writer PUTs its own claim object, then lists the directory, and
     writes only if its claim is the only live one
-    (:func:`~checkpoint_store._claims.take_turn`); one that is not alone
+    (:func:`~checkpoint_store._commit.claims.take_turn`); one that is not alone
     tries again until the marker appears (conflict) or ``claim_timeout``.
     Claims older than :data:`CLAIM_STALE_S` belong to dead writers and are
     ignored. A commit costs: one PUT and one listing for the claim, one PUT

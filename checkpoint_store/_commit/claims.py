@@ -9,15 +9,15 @@ directory it is about to fill. It serves two readers:
   live one. With read-after-write consistent listings (S3, GCS, Azure,
   memory) two writers can never both see themselves alone: whoever lists
   second sees the other's claim;
-* cleanup (:mod:`checkpoint_store._scan`): a directory without a commit
+* cleanup (:mod:`checkpoint_store._commit.leftovers`): a directory without a commit
   marker but with a claim is ours, left by a writer that died or is still
   writing.
 
 A claim older than :data:`CLAIM_STALE_S` is a dead writer's and is ignored.
 Its age is read on the storage's clock where the store keeps modification
 times (:mod:`checkpoint_store._util.clock`). Used by
-:class:`~checkpoint_store._commit.MarkerLastCommit` and by writers that fill
-a directory in place (:meth:`~checkpoint_store._commit.CommitProtocol.claim_in_place`).
+:class:`~checkpoint_store._commit.protocols.MarkerLastCommit` and by writers that fill
+a directory in place (:meth:`~checkpoint_store._commit.protocols.CommitProtocol.claim_in_place`).
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ import posixpath
 
 import pyarrow.fs as pafs
 
+from checkpoint_store._commit.pointer import POINTER_FILE
 from checkpoint_store._format.layout import (
     INTERNAL_METADATA,
     MANAGER_STATE,
     RESULT_FILE,
     parse_checkpoint_dir_name,
 )
-from checkpoint_store._pointer import POINTER_FILE
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
+from checkpoint_store._commit.pointer import POINTER_FILE, pointed_path
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     DELETE_TOMBSTONE,
@@ -26,7 +27,6 @@ from checkpoint_store._format.layout import (
     parse_staging_dir_name,
     parse_temp_file_name,
 )
-from checkpoint_store._pointer import POINTER_FILE, pointed_path
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.ids import run_of_writer
 from checkpoint_store._util.inspect import Inspection, inspect_checkpoint
@@ -52,7 +52,7 @@ class ScanResult:
             by hand, or a marker we cannot read): never removed by cleanup;
             :meth:`StorageContext.adopt` turns a complete one into a
             checkpoint. One without a marker does not block a commit to its
-            index, which replaces it (:mod:`checkpoint_store._commit`); our
+            index, which replaces it (:mod:`checkpoint_store._commit.protocols`); our
             writers and removals keep a trace until their last data file is
             written or gone, so no leftover of theirs lands here.
     """

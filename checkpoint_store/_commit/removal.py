@@ -1,6 +1,6 @@
 """Removing a directory of ours so that a removal cut short stays recognisably ours.
 
-Two ways, one per commit protocol (:mod:`checkpoint_store._commit`):
+Two ways, one per commit protocol (:mod:`checkpoint_store._commit.protocols`):
 
 * :func:`rename_away` (atomic directory rename): the directory is renamed to
   ``.cs_deleting-<name>-<writer>`` in one step, then removed. Whatever a
@@ -8,7 +8,7 @@ Two ways, one per commit protocol (:mod:`checkpoint_store._commit`):
 * :func:`remove_in_order` (object stores, memory): the data files go first,
   our ``.cs_*`` files (claims, rank markers, the ``.cs_deleting`` tombstone)
   last, so that until the very end the directory holds a trace that tells
-  cleanup (:mod:`checkpoint_store._scan`) it is ours and never foreign.
+  cleanup (:mod:`checkpoint_store._commit.leftovers`) it is ours and never foreign.
 
 Either is called from any thread; neither checks what the directory is
 (callers did: it is not a checkpoint, or its marker is already gone).
