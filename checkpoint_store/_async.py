@@ -243,7 +243,7 @@ class AsyncUploader:
     interpreter joins non-daemon threads only after ``concurrent.futures``
     stopped taking work, and every transfer runs on a thread pool. The
     session's exit hook (``Session._finish_at_exit``, run by
-    :mod:`checkpoint_store._results` before it flushes the rows) waits for them
+    :mod:`checkpoint_store._results.writer` before it flushes the rows) waits for them
     first.
     """
 

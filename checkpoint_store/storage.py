@@ -35,7 +35,7 @@ from checkpoint_store._format.layout import (
     parse_checkpoint_dir_name,
     validate_component,
 )
-from checkpoint_store._results import ResultLog, parse_result_rows, read_results
+from checkpoint_store._results.writer import ResultLog, parse_result_rows, read_results
 from checkpoint_store._transfer.plan import Previous
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
@@ -666,5 +666,5 @@ class StorageContext:
         """Every row of the trial, oldest first: ``result.json``'s (one JSON
         object per line; a torn last line, a crash mid-append, is ignored),
         then those a live or killed run left in segments on object stores
-        (:func:`checkpoint_store._results.read_results`). ``[]`` if none."""
+        (:func:`checkpoint_store._results.writer.read_results`). ``[]`` if none."""
         return read_results(self.filesystem, self.trial_path, retry=self.retry)

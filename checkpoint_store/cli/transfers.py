@@ -30,7 +30,7 @@ from checkpoint_store._format.layout import (
     parse_checkpoint_dir_name,
     refuse_reserved,
 )
-from checkpoint_store._result_rows import assembled_result_bytes
+from checkpoint_store._results.reader import assembled_result_bytes
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli import common_options, echo_info, storage_option
 from checkpoint_store.cli.locations import (

@@ -20,9 +20,9 @@ import time
 import uuid
 from typing import TypedDict, cast
 
-from checkpoint_store import _results
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import FORMAT_VERSION, LEASE_FILE
+from checkpoint_store._results import writer as _results
 from checkpoint_store._util import clock as _clock
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.liveness import process_alive, process_token

@@ -12,7 +12,7 @@ from typing import Any
 
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import PARAMS_FILE
-from checkpoint_store._results import valid_iteration
+from checkpoint_store._results.writer import valid_iteration
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.storage import StorageContext
 
@@ -91,7 +91,7 @@ def recorded_resume_from(storage: StorageContext, uri: str) -> dict[str, Any]:
 
 def resume_counters(rows: list[dict[str, Any]], where: str) -> tuple[int, float]:
     """The iteration and total time to continue from, given the trial's last
-    rows (:func:`~checkpoint_store._results.last_result_rows`: back to the last
+    rows (:func:`~checkpoint_store._results.writer.last_result_rows`: back to the last
     row holding a valid ``training_iteration``).
 
     A row another tool (or a hand edit) left with a value that is not a count

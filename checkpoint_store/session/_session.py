@@ -13,7 +13,7 @@ from typing import Any
 from checkpoint_store._async import AsyncUploader, UploadConfig, first_error
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import checkpoint_dir_name
-from checkpoint_store._results import (
+from checkpoint_store._results.writer import (
     ResultLog,
     finish_before_exit_flush,
     last_result_rows,
@@ -599,7 +599,7 @@ class Session:
 
     def _finish_at_exit(self) -> None:
         """Called at interpreter exit, before the rows are flushed
-        (:func:`~checkpoint_store._results.finish_before_exit_flush`), for a
+        (:func:`~checkpoint_store._results.writer.finish_before_exit_flush`), for a
         session never ended: commit its pending uploads, waiting as long as they
         take (each bounded by the retry policy); log, never raise, what was lost."""
         up = self._uploader

@@ -11,7 +11,7 @@ Live refresh reads only what changed: ``result.json`` from the byte offset
 already parsed (a ranged read, also on object stores, where the assembly at a
 session's end keeps the earlier rows as its prefix), the ``result.json``
 segments a live run on an object store has written since the last poll
-(:mod:`checkpoint_store._result_rows`), and the internal metadata of checkpoint
+(:mod:`checkpoint_store._results.reader`), and the internal metadata of checkpoint
 directories not seen before. A full refresh (``full=True``, a page load)
 reads everything again.
 
@@ -53,7 +53,7 @@ from checkpoint_store._format.layout import (
     parse_state_log_name,
     validate_component,
 )
-from checkpoint_store._result_rows import (
+from checkpoint_store._results.reader import (
     Segment,
     list_segments,
     parse_result_rows,

@@ -13,7 +13,7 @@ from cli_helpers import Store, invoke
 
 from checkpoint_store import session
 from checkpoint_store._format.layout import RESULT_SEGMENTS_DIR
-from checkpoint_store._results import ResultLog, list_segments
+from checkpoint_store._results.writer import ResultLog, list_segments
 
 
 @pytest.fixture(params=["memory", "s3", "azure"])

@@ -30,7 +30,7 @@ from checkpoint_store import (
     session,
 )
 from checkpoint_store._format.layout import RESULT_FILE
-from checkpoint_store._results import FLUSH_INTERVAL_ENV
+from checkpoint_store._results.writer import FLUSH_INTERVAL_ENV
 from checkpoint_store._util.fs import pafs
 from checkpoint_store.session import TrialRunner
 

@@ -20,7 +20,7 @@ import pytest
 
 from checkpoint_store import StorageContext
 from checkpoint_store._format.layout import LEASE_FILE, RESULT_FILE
-from checkpoint_store._results import (
+from checkpoint_store._results.writer import (
     _BUFFERING,
     FLUSH_INTERVAL_ENV,
     ResultLog,
@@ -30,7 +30,8 @@ from checkpoint_store._results import (
 
 _CHILD = textwrap.dedent("""
     import os, sys, time
-    from checkpoint_store import Checkpoint, _results, session
+    from checkpoint_store import Checkpoint, session
+    from checkpoint_store._results import writer as _results
     uri, opts, ckpt, how = sys.argv[1], eval(sys.argv[2]), sys.argv[3], sys.argv[4]
     session.start(storage_path=uri, storage_options=opts, experiment_name="exp",
                   trial_name="t")  # never ended: no `with`, no end()

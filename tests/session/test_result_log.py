@@ -26,7 +26,7 @@ import pytest
 
 from checkpoint_store import Checkpoint, StorageContext, session
 from checkpoint_store._format.layout import RESULT_FILE, RESULT_SEGMENTS_DIR
-from checkpoint_store._results import (
+from checkpoint_store._results.writer import (
     FLUSH_INTERVAL_ENV,
     ResultLog,
     assemble_results,
@@ -384,7 +384,7 @@ def test_a_killed_runs_rows_are_all_readable(request, tmp_path, kind):
 def test_a_read_racing_the_assembly_sees_every_row_once(object_root, monkeypatch):
     """The writer's end assembles between a reader's read of result.json and its
     read of the segments: the reader reads again instead of losing those rows."""
-    from checkpoint_store import _results
+    from checkpoint_store._results import writer as _results
 
     _write(_ctx(object_root), RESULT_FILE, b'{"training_iteration": 1}\n')
     _write_segments(object_root, [2, 2], start=2)
@@ -407,7 +407,7 @@ def test_a_read_racing_the_assembly_sees_every_row_once(object_root, monkeypatch
 def test_a_writer_merges_its_small_segments(object_root, monkeypatch, deletes):
     """Every _MERGE_COUNT flushes become one segment; when the deletes of the
     small ones fail (or a crash stops them), readers still see each row once."""
-    from checkpoint_store import _results
+    from checkpoint_store._results import writer as _results
 
     monkeypatch.setattr(_results, "_MERGE_COUNT", 4)
     backend, path = resolve(object_root[0], storage_options=object_root[1])

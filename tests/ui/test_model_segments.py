@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from checkpoint_store import session
-from checkpoint_store._results import FLUSH_INTERVAL_ENV
+from checkpoint_store._results.writer import FLUSH_INTERVAL_ENV
 from checkpoint_store.ui._model import StoreView
 
 

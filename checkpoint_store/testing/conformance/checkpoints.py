@@ -182,7 +182,7 @@ class CheckpointTests(BackendFixtures):
         are all read, once; the next session continues after them and its end
         leaves one ``result.json`` holding every row (docs/format.md)."""
         from checkpoint_store import session
-        from checkpoint_store._results import ResultLog, list_segments
+        from checkpoint_store._results.writer import ResultLog, list_segments
 
         ctx = self._context(storage_location, trial="killed")
         log = ResultLog(ctx, flush_interval=3600)

@@ -5,7 +5,7 @@ segments a writer on an object store leaves (:func:`list_segments`), every
 row of a trial as of one moment (:func:`read_results`), the fold of the
 segments into ``result.json`` (:func:`assemble_results`) and the tail a new
 session continues from (:func:`last_result_rows`). The writer and its exit
-flush are in :mod:`checkpoint_store._results`, whose docstring gives the
+flush are in :mod:`checkpoint_store._results.writer`, whose docstring gives the
 segment rules; the layout is documented in docs/format.md ("result.json
 segments").
 """

@@ -17,7 +17,7 @@ segments already folded (skipped), never a lost or doubled row. The layout is
 documented in docs/format.md ("result.json segments").
 
 Reading rows, listing segments and their assembly are in
-:mod:`checkpoint_store._result_rows` (re-exported here); this module holds the
+:mod:`checkpoint_store._results.reader` (re-exported here); this module holds the
 writer and the flush of its buffered rows when the interpreter exits.
 """
 
@@ -38,16 +38,16 @@ from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import RESULT_FILE, RESULT_SEGMENTS_DIR, result_segment_name
 
 # Re-exported: the readers' names were imported from here before they moved.
-from checkpoint_store._result_rows import Segment as Segment
-from checkpoint_store._result_rows import assemble_results as assemble_results
-from checkpoint_store._result_rows import assembled_result_bytes as assembled_result_bytes
-from checkpoint_store._result_rows import last_result_rows as last_result_rows
-from checkpoint_store._result_rows import list_segments as list_segments
-from checkpoint_store._result_rows import parse_result_rows as parse_result_rows
-from checkpoint_store._result_rows import read_results as read_results
-from checkpoint_store._result_rows import row_iteration
-from checkpoint_store._result_rows import unfolded_rows as unfolded_rows
-from checkpoint_store._result_rows import valid_iteration as valid_iteration
+from checkpoint_store._results.reader import Segment as Segment
+from checkpoint_store._results.reader import assemble_results as assemble_results
+from checkpoint_store._results.reader import assembled_result_bytes as assembled_result_bytes
+from checkpoint_store._results.reader import last_result_rows as last_result_rows
+from checkpoint_store._results.reader import list_segments as list_segments
+from checkpoint_store._results.reader import parse_result_rows as parse_result_rows
+from checkpoint_store._results.reader import read_results as read_results
+from checkpoint_store._results.reader import row_iteration
+from checkpoint_store._results.reader import unfolded_rows as unfolded_rows
+from checkpoint_store._results.reader import valid_iteration as valid_iteration
 from checkpoint_store._util import fs as _fsutil
 
 if TYPE_CHECKING:
