@@ -34,11 +34,11 @@ from checkpoint_store.errors import (
 
 if TYPE_CHECKING:
     from checkpoint_store import session
-    from checkpoint_store._async import UploadConfig
     from checkpoint_store._util.retry import RetryPolicy
     from checkpoint_store.checkpoint import Checkpoint
     from checkpoint_store.registry import available_backends, register_backend
     from checkpoint_store.retention import CheckpointConfig, CheckpointManager
+    from checkpoint_store.retention.upload_config import UploadConfig
     from checkpoint_store.session._trial_runner import TrialRunner
     from checkpoint_store.storage import ScanResult, StorageContext
 
@@ -91,7 +91,7 @@ _LAZY = {
     "ScanResult": "checkpoint_store.storage",
     "StorageContext": "checkpoint_store.storage",
     "TrialRunner": "checkpoint_store.session._trial_runner",
-    "UploadConfig": "checkpoint_store._async",
+    "UploadConfig": "checkpoint_store.retention.upload_config",
     "available_backends": "checkpoint_store.registry",
     "register_backend": "checkpoint_store.registry",
 }

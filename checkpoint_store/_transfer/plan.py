@@ -68,7 +68,7 @@ from checkpoint_store._transfer.tasks import (
     MIN_PART,
     PARTS_IN_FLIGHT,
     FileResult,
-    _Runner,
+    TransferTasks,
 )
 from checkpoint_store._util.fs import local_path
 
@@ -276,7 +276,7 @@ def _call_plain(fn: Callable[[], T], what: str) -> T:
     return fn()
 
 
-def _unchanged(r: _Runner, previous: Previous,
+def _unchanged(r: TransferTasks, previous: Previous,
                files: Sequence[tuple[str, int]]) -> list[tuple[str, int, int]]:
     """``(relpath, size, CRC32C)`` of the files equal in size and CRC32C to
     the same path of the previous checkpoint (checksummed in parallel, from
@@ -313,7 +313,7 @@ def _sharing(call: Callable[[Callable[[], Any], str], Any],
     return bounded
 
 
-def _copy_from_previous(r: _Runner, previous: Previous, rel: str, size: int,
+def _copy_from_previous(r: TransferTasks, previous: Previous, rel: str, size: int,
                         crc: int) -> FileResult | OSError:
     """Copy one unchanged file inside the store; the error where that failed
     (the previous checkpoint was deleted meanwhile, by retention say): the
@@ -327,7 +327,7 @@ def _copy_from_previous(r: _Runner, previous: Previous, rel: str, size: int,
     return FileResult(rel, size, crc, reused=True)
 
 
-def _move(r: _Runner, p: Plan) -> tuple[dict[str, FileResult], _PartCrcs]:
+def _move(r: TransferTasks, p: Plan) -> tuple[dict[str, FileResult], _PartCrcs]:
     """Run the tasks of ``p``; its uploads in parts are completed by then."""
     r.p = p
     # Multipart uploads start here: the caller aborts them if anything fails.
@@ -377,7 +377,7 @@ def run(
         return []
     p = plan(src_fs, src_root, dst_fs, dst_root, files, chunk_size=chunk_size,
              concurrency=concurrency, memory_limit=memory_limit)
-    r = _Runner(p, src_fs, src_root, dst_fs, dst_root, fsync=fsync,
+    r = TransferTasks(p, src_fs, src_root, dst_fs, dst_root, fsync=fsync,
                 call=call or _call_plain, read_chunk=chunk_size)
     results: dict[str, FileResult] = {}
     sizes = dict(files)
@@ -455,7 +455,7 @@ class _Work:
 _PartCrcs = dict[str, list[tuple[int, int, int]]]
 
 
-def _work_items(p: Plan, r: _Runner) -> _Work:
+def _work_items(p: Plan, r: TransferTasks) -> _Work:
     """Cut ``p`` into tasks: batches, then parts of large files (largest
     first), or whole large files where parts would not pay. The files that
     downloaded parts are written into are made here, before any part runs.
@@ -505,7 +505,7 @@ def _work_items(p: Plan, r: _Runner) -> _Work:
     return work
 
 
-def _run_in_turn(r: _Runner, work: _Work) -> tuple[dict[str, FileResult], _PartCrcs]:
+def _run_in_turn(r: TransferTasks, work: _Work) -> tuple[dict[str, FileResult], _PartCrcs]:
     """Run every task on this thread (one worker, or one task)."""
     results = {fr.path: fr for b in work.batches for fr in r.batch(b)}
     for rel, _ in work.copies:
@@ -518,7 +518,7 @@ def _run_in_turn(r: _Runner, work: _Work) -> tuple[dict[str, FileResult], _PartC
     return results, part_crcs
 
 
-def _run_on_pool(r: _Runner, work: _Work) -> tuple[dict[str, FileResult], _PartCrcs]:
+def _run_on_pool(r: TransferTasks, work: _Work) -> tuple[dict[str, FileResult], _PartCrcs]:
     """Run the tasks on ``r.p.concurrency`` threads; the first error cancels
     the tasks not started yet and is raised once the running ones end."""
     with ThreadPoolExecutor(r.p.concurrency, thread_name_prefix="cs-transfer") as pool:

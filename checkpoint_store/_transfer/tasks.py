@@ -3,7 +3,7 @@ a large file, or one file through an output stream, and returns CRC32Cs of
 the bytes as they passed.
 
 :func:`checkpoint_store._transfer.plan.run` cuts a tree into these tasks and runs them
-on a thread pool; :class:`_Runner` holds what they share (both sides, the
+on a thread pool; :class:`TransferTasks` holds what they share (both sides, the
 memory budget, the retry wrapper ``call``). Bytes go through the C++
 filesystem behind a Python handler where there is one, and through the fsspec
 client's concurrent calls for batches where it is async
@@ -50,7 +50,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PARTS_IN_FLIGHT", "FileResult", "_PART_UPLOAD_COPIES", "_REMOTE_COPIES", "_Runner"]
+__all__ = ["PARTS_IN_FLIGHT", "FileResult", "TransferTasks", "_PART_UPLOAD_COPIES",
+           "_REMOTE_COPIES"]
 
 #: Parts of large files a transfer aims to keep in flight at once (ranged GETs
 #: for downloads, multipart parts for uploads); the budget sets the part size.
@@ -82,7 +83,7 @@ class FileResult:
     reused: bool = False
 
 
-class _Runner(_LocalDisk):
+class TransferTasks(_LocalDisk):
     """The tasks of one transfer (plan ``p``) and what they share.
 
     Each task method runs on a worker thread of :func:`checkpoint_store._transfer.plan.run`

@@ -1,8 +1,8 @@
 """The ``demo`` command: a digits classifier trained with checkpoints kept and
 resumed, or an Optuna study over its learning rate (``--tune``).
 
-The runs themselves live in :mod:`checkpoint_store._demo_cli` and
-:mod:`checkpoint_store._demo_tune`, imported only when the command runs.
+The runs themselves live in :mod:`checkpoint_store.demo._run` and
+:mod:`checkpoint_store.demo._tune`, imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ def demo(storage: str, epochs: int, num_to_keep: int, lr: float, seed: int, resu
                 "--resume continues the single-run demo; a --tune study always starts "
                 "fresh (drop --resume, or use another --storage to keep the old study)"
             )
-        from checkpoint_store._demo_tune import run_tune
+        from checkpoint_store.demo._tune import run_tune
 
         sys.exit(run_tune(storage=storage, trials=trials, parallel=parallel, epochs=epochs,
                           num_to_keep=num_to_keep, seed=seed))
-    from checkpoint_store._demo_cli import run_demo
+    from checkpoint_store.demo._run import run_demo
 
     sys.exit(run_demo(storage=storage, epochs=epochs, num_to_keep=num_to_keep, lr=lr,
                       seed=seed, resume=resume, epoch_delay=epoch_delay))

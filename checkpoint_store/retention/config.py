@@ -2,7 +2,7 @@
 
 Owns the config's fields, their validation and their JSON form (stored in the
 manager state, read back by the CLI and the UI). Upload settings are not
-retention: they live in :class:`~checkpoint_store._async.UploadConfig`; the
+retention: they live in :class:`~checkpoint_store.retention.upload_config.UploadConfig`; the
 old ``CheckpointConfig(upload_mode=..., max_pending_uploads=..., staging=...)``
 keywords still work, with a :class:`DeprecationWarning`.
 """
@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from checkpoint_store._async import StagingMode, UploadConfig, UploadMode
 from checkpoint_store.errors import InvalidConfigError
+from checkpoint_store.retention.upload_config import StagingMode, UploadConfig, UploadMode
 
 if TYPE_CHECKING:
     from checkpoint_store.retention.policies import RetentionPolicy

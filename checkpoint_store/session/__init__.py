@@ -24,7 +24,6 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from checkpoint_store._async import UploadConfig
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     CheckpointAbortedError,
@@ -35,6 +34,7 @@ from checkpoint_store.errors import (
 from checkpoint_store.retention import CheckpointConfig
 from checkpoint_store.session._session import AUTO_FILLED, Session, SessionContext
 from checkpoint_store.session._trial_runner import TrialRunner
+from checkpoint_store.session._uploads import UploadConfig
 from checkpoint_store.storage import StorageContext
 
 __all__ = [

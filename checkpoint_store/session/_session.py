@@ -10,7 +10,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from checkpoint_store._async import AsyncUploader, UploadConfig, first_error
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import checkpoint_dir_name
 from checkpoint_store._results.writer import (
@@ -30,7 +29,7 @@ from checkpoint_store.errors import (
 )
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
 from checkpoint_store.retention.restore import Listing
-from checkpoint_store.session._args import (
+from checkpoint_store.session._checks import (
     check_checkpoint_config,
     check_resume_source,
     check_timeout,
@@ -45,6 +44,8 @@ from checkpoint_store.session._context import (
     resume_counters,
 )
 from checkpoint_store.session._multirank import Coordinator
+from checkpoint_store.session._uploads import BackgroundUploader as AsyncUploader
+from checkpoint_store.session._uploads import UploadConfig, first_error
 from checkpoint_store.storage import StorageContext
 
 _logger = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ class Session:
 
     def _check_resume_from(self) -> Checkpoint | None:
         """The ``resume_from`` checkpoint, checked the first time it is needed
-        (:func:`~checkpoint_store.session._args.check_resume_source`)."""
+        (:func:`~checkpoint_store.session._checks.check_resume_source`)."""
         source = self._resume_from
         if source is not None and not self._resume_checked:
             check_resume_source(source, verify=self.world_rank == 0)
@@ -324,7 +325,7 @@ class Session:
         ``upload_mode`` (default: the session's ``upload_config.upload_mode``):
         ``"async"`` stages the checkpoint (``staging``: ``"copy"``,
         ``"hardlink"`` or ``"move"``) and returns while it uploads in the
-        background; see :mod:`checkpoint_store._async` and :meth:`wait`. An
+        background; see :mod:`checkpoint_store.session._uploads` and :meth:`wait`. An
         error of a background upload is raised by the next ``report()``,
         :meth:`wait` or the end of the session. One rank only.
 
@@ -548,7 +549,7 @@ class Session:
         self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None, mode: str,
         staging: str | None,
     ) -> tuple[dict[str, Any], Checkpoint | None]:
-        from checkpoint_store import _async
+        from checkpoint_store.session import _uploads as _async
 
         _async.check_upload_mode(mode)
         if self._coordinator is not None:

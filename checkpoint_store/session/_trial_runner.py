@@ -15,17 +15,17 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from checkpoint_store._async import UploadConfig
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import check_run_name
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError, TrialStopped
 from checkpoint_store.retention import CheckpointConfig
-from checkpoint_store.session._args import (
+from checkpoint_store.session._checks import (
     check_checkpoint_config,
     check_timeout,
     check_upload_config,
 )
+from checkpoint_store.session._uploads import UploadConfig
 
 _IDLE, _RUNNING, _FINISHED, _STOPPED, _PAUSED = "idle", "running", "finished", "stopped", "paused"
 _ERRORED = "errored"

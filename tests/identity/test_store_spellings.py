@@ -154,7 +154,7 @@ def test_cli_refusal_of_a_live_trial_hints_force_not_another_destination(tmp_pat
 def test_cli_demo_on_a_live_trial_is_refused_and_deletes_nothing(tmp_path):
     # Found beside the inputs: the demo starts fresh by deleting its
     # trial, which must never happen under a live run.
-    from checkpoint_store._demo_cli import EXPERIMENT, TRIAL
+    from checkpoint_store.demo._run import EXPERIMENT, TRIAL
 
     root = tmp_path / "store"
     src = tmp_path / "src"

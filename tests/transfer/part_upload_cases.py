@@ -34,7 +34,7 @@ def fail_parts_after(monkeypatch, parts_in: int, exc: OSError) -> list[int]:
     """Parts after the first ``parts_in`` raise ``exc`` (once each when it is
     transient, a ConnectionError: the retry then sends them); returns the
     call count, updated as parts are sent."""
-    real = _tasks._Runner._upload_part
+    real = _tasks.TransferTasks._upload_part
     calls = [0]
     failed: set[tuple[str, int]] = set()
     lock = threading.Lock()
@@ -50,7 +50,7 @@ def fail_parts_after(monkeypatch, parts_in: int, exc: OSError) -> list[int]:
             raise exc
         return real(self, rel, offset, length)
 
-    monkeypatch.setattr(_tasks._Runner, "_upload_part", flaky)
+    monkeypatch.setattr(_tasks.TransferTasks, "_upload_part", flaky)
     return calls
 
 
@@ -59,7 +59,7 @@ def rewrite_between_parts(src, monkeypatch, rel: str = "model.bin") -> threading
     is set once it was. Each part is read on its own, so such a file would
     be stored as a mix of both versions under a checksum of neither: the
     upload must fail instead."""
-    real = _tasks._Runner._upload_part
+    real = _tasks.TransferTasks._upload_part
     done = threading.Event()
 
     def write_first(self, name, offset, length):
@@ -69,7 +69,7 @@ def rewrite_between_parts(src, monkeypatch, rel: str = "model.bin") -> threading
                 f.write(b"late")
         return real(self, name, offset, length)
 
-    monkeypatch.setattr(_tasks._Runner, "_upload_part", write_first)
+    monkeypatch.setattr(_tasks.TransferTasks, "_upload_part", write_first)
     return done
 
 

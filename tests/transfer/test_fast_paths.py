@@ -140,7 +140,7 @@ def test_syncfs_durability_copies_the_same(tmp_path, monkeypatch) -> None:
 
 def _fail_after(monkeypatch, n_ok: int, method: str) -> None:
     """Make the runner's ``method`` fail after ``n_ok`` successful calls."""
-    real = getattr(_tasks._Runner, method)
+    real = getattr(_tasks.TransferTasks, method)
     calls = [0]
 
     def flaky(self, *args, **kwargs):
@@ -149,7 +149,7 @@ def _fail_after(monkeypatch, n_ok: int, method: str) -> None:
             raise PermissionError(errno.EACCES, "injected failure half-way")
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(_tasks._Runner, method, flaky)
+    monkeypatch.setattr(_tasks.TransferTasks, method, flaky)
 
 
 def test_a_local_copy_failing_half_way_commits_nothing(tmp_path, monkeypatch) -> None:
@@ -275,7 +275,7 @@ def test_unchanged_files_are_copied_while_the_changed_ones_go_up(tmp_path, monke
     with open(os.path.join(src, "changed.bin"), "r+b") as f:
         f.write(b"new bytes")
     uploading = threading.Event()
-    real_batch = _tasks._Runner._upload_batch
+    real_batch = _tasks.TransferTasks._upload_batch
     real_copy = _plan.server_copy
     overlapped: list[bool] = []
 
@@ -287,7 +287,7 @@ def test_unchanged_files_are_copied_while_the_changed_ones_go_up(tmp_path, monke
         overlapped.append(uploading.wait(20))
         real_copy(fs, src_path, dst_path, size)
 
-    monkeypatch.setattr(_tasks._Runner, "_upload_batch", batch)
+    monkeypatch.setattr(_tasks.TransferTasks, "_upload_batch", batch)
     monkeypatch.setattr(_plan, "server_copy", copy)
     second = ctx.persist_checkpoint(Checkpoint.from_directory(src), 1, {})
     assert overlapped == [True, True]
@@ -444,7 +444,7 @@ def test_a_source_changing_during_the_copy_fails_it(tmp_path, monkeypatch, route
         monkeypatch.setattr(_localcopy, "LOCAL_BUFFER", 64 * 1024)
     if route == "_kernel_copy":
         monkeypatch.setattr(_plan, "creates_locally", lambda path: False)
-    real = getattr(_tasks._Runner, route)
+    real = getattr(_tasks.TransferTasks, route)
 
     def then_write(self, rel, *args):
         out = real(self, rel, *args)
@@ -452,7 +452,7 @@ def test_a_source_changing_during_the_copy_fails_it(tmp_path, monkeypatch, route
             f.write(b"late")
         return out
 
-    monkeypatch.setattr(_tasks._Runner, route, then_write)
+    monkeypatch.setattr(_tasks.TransferTasks, route, then_write)
     ctx = StorageContext(str(tmp_path / "store"), "exp", "trial")
     with pytest.raises(OSError, match="changed while it was being copied"):
         ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
@@ -600,7 +600,7 @@ def test_a_large_file_changing_between_its_copy_and_its_checksums_fails(
     src = str(tmp_path / "src")
     _tree(src, {"big.bin": 3 * 1024 * 1024 + 7})
     path = os.path.join(src, "big.bin")
-    real = getattr(_tasks._Runner, task)
+    real = getattr(_tasks.TransferTasks, task)
     done = [False]
 
     def then_change(self, rel, *args):
@@ -616,7 +616,7 @@ def test_a_large_file_changing_between_its_copy_and_its_checksums_fails(
                 os.replace(path + ".new", path)
         return out
 
-    monkeypatch.setattr(_tasks._Runner, task, then_change)
+    monkeypatch.setattr(_tasks.TransferTasks, task, then_change)
     ctx = StorageContext(str(tmp_path / "store"), "exp", "trial", max_concurrency=2)
     with pytest.raises(OSError, match="changed while it was being copied"):
         ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
@@ -634,13 +634,13 @@ def test_a_large_local_file_is_copied_whole_and_checksummed_in_parts(
     # to_directory, whose verification reads the same way.
     monkeypatch.setattr(_plan, "LOCAL_PART", 1024 * 1024)
     calls: list[str] = []
-    real = _tasks._Runner.copy_local_file
+    real = _tasks.TransferTasks.copy_local_file
 
     def spy(self, rel, stamp):
         calls.append(rel)
         return real(self, rel, stamp)
 
-    monkeypatch.setattr(_tasks._Runner, "copy_local_file", spy)
+    monkeypatch.setattr(_tasks.TransferTasks, "copy_local_file", spy)
     src = str(tmp_path / "src")
     want = _tree(src, {"big.bin": 5 * 1024 * 1024 + 3, "small": 10})
     dst = str(tmp_path / "dst")
@@ -669,14 +669,14 @@ def test_a_refused_clone_leaves_the_copy_a_new_file(tmp_path, shm_dir, monkeypat
     src, dst = os.path.join(base, "src"), os.path.join(base, "dst")
     want = _tree(src, {"big.bin": 40 * 1024 * 1024 + 1, "small": 10})
     existed: list[bool] = []
-    real = _tasks._Runner._copy_local_whole
+    real = _tasks.TransferTasks._copy_local_whole
 
     def spy(self, rel):
         if rel == "big.bin":
             existed.append(os.path.exists(self._dst_os(rel)))
         return real(self, rel)
 
-    monkeypatch.setattr(_tasks._Runner, "_copy_local_whole", spy)
+    monkeypatch.setattr(_tasks.TransferTasks, "_copy_local_whole", spy)
     entries = copy_tree(LOCAL, src, LOCAL, dst, LOCAL_CAPABILITIES, fsync=False)
     _assert_copied(entries, src, dst, want)
     if (os.stat(src).st_dev, os.stat(src).st_dev) not in _localcopy._NO_REFLINK:
@@ -709,13 +709,13 @@ def test_small_local_files_are_copied_in_turn_by_one_thread(tmp_path, monkeypatc
     # Disk to disk, small files go through one thread (the caller's when
     # nothing else runs): more threads measured slower (directory lock, GIL).
     threads: set[int] = set()
-    real = _tasks._Runner._copy_local_whole
+    real = _tasks.TransferTasks._copy_local_whole
 
     def spy(self, rel):
         threads.add(threading.get_ident())
         return real(self, rel)
 
-    monkeypatch.setattr(_tasks._Runner, "_copy_local_whole", spy)
+    monkeypatch.setattr(_tasks.TransferTasks, "_copy_local_whole", spy)
     if not _localcopy.creates_locally(str(tmp_path)):
         pytest.skip(f"{tmp_path} is on {_localcopy.fs_type(str(tmp_path))!r}")
     small = {rel: size for rel, size in SHAPES.items() if rel != "big.bin"}
@@ -838,13 +838,13 @@ def test_large_local_files_are_copied_by_a_reader_and_a_writer(tmp_path, shm_dir
     if not _localcopy.creates_locally(base):
         pytest.skip(f"{base} is on {_localcopy.fs_type(base)!r}")
     piped: list[str] = []
-    real = _tasks._Runner._pipe_copy
+    real = _tasks.TransferTasks._pipe_copy
 
     def spy(self, rel, *args):
         piped.append(rel)
         return real(self, rel, *args)
 
-    monkeypatch.setattr(_tasks._Runner, "_pipe_copy", spy)
+    monkeypatch.setattr(_tasks.TransferTasks, "_pipe_copy", spy)
     sizes = {"exact": 4 * PIECE, "over": 4 * PIECE + 1, "under": 4 * PIECE - 1,
              "one_more": PIECE + 1, "d/big": 37 * PIECE + 123, "small": 100}
     src = os.path.join(base, "src")

@@ -179,7 +179,7 @@ def test_ctrl_c_while_parts_upload_starts_no_other_part_and_aborts(
 
     _tree(tmp_path / "src", SIZES)
     sent = []
-    real = _tasks._Runner._upload_part
+    real = _tasks.TransferTasks._upload_part
 
     def count(self, rel, offset, length):
         sent.append((rel, offset))
@@ -190,7 +190,7 @@ def test_ctrl_c_while_parts_upload_starts_no_other_part_and_aborts(
             threading.Event().wait(0.01)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_tasks._Runner, "_upload_part", count)
+    monkeypatch.setattr(_tasks.TransferTasks, "_upload_part", count)
     monkeypatch.setattr(_plan, "wait", interrupted_wait)
     st = StorageContext(f"s3://{s3_bucket}/ckpt", "exp", "t", memory_budget=BUDGET,
                         max_concurrency=2, storage_options=s3_server.storage_options("s3fs"))
@@ -224,7 +224,8 @@ def test_a_pyarrow_filesystem_passed_in_gets_an_s3fs_client_only_where_it_writes
         s3_server) -> None:
     # pyarrow cannot send one object's parts from several threads; s3fs can,
     # when it reaches the same store as the same user.
-    from checkpoint_store._transfer.remote import _s3fs_twin_of, part_upload_client
+    from checkpoint_store._transfer.remote import part_upload_client
+    from checkpoint_store.backends.clients import _s3fs_twin_of
 
     fs = _raw_pyarrow(s3_server, request_timeout=7)
     uploader = part_upload_client(fs)

@@ -33,83 +33,29 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from checkpoint_store.errors import InvalidConfigError
+from checkpoint_store.retention.upload_config import STAGING_MODES as STAGING_MODES
+from checkpoint_store.retention.upload_config import UPLOAD_MODES as UPLOAD_MODES
+from checkpoint_store.retention.upload_config import StagingMode as StagingMode
+from checkpoint_store.retention.upload_config import UploadConfig as UploadConfig
+from checkpoint_store.retention.upload_config import UploadMode as UploadMode
+from checkpoint_store.retention.upload_config import check_max_pending as check_max_pending
+from checkpoint_store.retention.upload_config import check_staging as check_staging
+from checkpoint_store.retention.upload_config import check_upload_mode as check_upload_mode
 
 logger = logging.getLogger(__name__)
 
-UploadMode = Literal["sync", "async"]
-StagingMode = Literal["copy", "hardlink", "move"]
-UPLOAD_MODES: tuple[UploadMode, ...] = ("sync", "async")
-STAGING_MODES: tuple[StagingMode, ...] = ("copy", "hardlink", "move")
 #: Where staged copies go unless ``CHECKPOINT_STORE_STAGING_DIR`` says otherwise.
 ENV_STAGING_DIR = "CHECKPOINT_STORE_STAGING_DIR"
 
 
-def check_upload_mode(mode: Any) -> str:
-    """``mode`` if it is ``"sync"`` or ``"async"``.
-
-    Raises:
-        InvalidConfigError: any other value.
-    """
-    if mode not in UPLOAD_MODES:
-        raise InvalidConfigError(f"upload_mode must be 'sync' or 'async', got {mode!r}")
-    return str(mode)
 
 
-def check_staging(mode: Any) -> str:
-    """``mode`` if it is ``"copy"``, ``"hardlink"`` or ``"move"``.
-
-    Raises:
-        InvalidConfigError: any other value.
-    """
-    if mode not in STAGING_MODES:
-        raise InvalidConfigError(
-            f"staging must be one of {', '.join(repr(m) for m in STAGING_MODES)}, got {mode!r}"
-        )
-    return str(mode)
 
 
-def check_max_pending(n: Any) -> int:
-    """``n`` if it is an int >= 1.
-
-    Raises:
-        InvalidConfigError: any other value.
-    """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise InvalidConfigError(f"max_pending_uploads must be an int >= 1, got {n!r}")
-    return n
 
 
-@dataclass(frozen=True)
-class UploadConfig:
-    """How ``report()`` uploads a checkpoint. Given to ``session.start(upload_config=...)``
-    or a :class:`~checkpoint_store.TrialRunner`; ``report(..., upload_mode=...,
-    staging=...)`` overrides it for one report.
-
-    Args:
-        upload_mode: ``"sync"`` (default: ``report()`` returns once the
-            checkpoint is committed) or ``"async"`` (``report()`` stages a copy
-            and returns; the upload runs in the background, commits keep report
-            order; see :mod:`checkpoint_store._async`). One rank only.
-        max_pending_uploads: with ``"async"``, ``report()`` blocks while this
-            many uploads are still pending (default 1, as Orbax's async saves).
-        staging: with ``"async"``, how the checkpoint directory is staged:
-            ``"copy"`` (default), ``"hardlink"`` or ``"move"`` (see :func:`stage`).
-
-    Raises:
-        InvalidConfigError: at construction, for any other value.
-    """
-
-    upload_mode: UploadMode = "sync"
-    max_pending_uploads: int = 1
-    staging: StagingMode = "copy"
-
-    def __post_init__(self) -> None:
-        check_upload_mode(self.upload_mode)
-        check_max_pending(self.max_pending_uploads)
-        check_staging(self.staging)
 
 
 def staging_root() -> str:
@@ -230,7 +176,7 @@ class _Job:
     what: str
 
 
-class AsyncUploader:
+class BackgroundUploader:
     """Runs upload jobs one at a time, in submission order, on a background thread.
 
     Args:
@@ -353,7 +299,7 @@ class AsyncUploader:
 
 
 def first_error(errors: list[tuple[str, BaseException]]) -> BaseException | None:
-    """The first of ``errors`` (from :meth:`AsyncUploader.take_errors`), noted as a
+    """The first of ``errors`` (from :meth:`BackgroundUploader.take_errors`), noted as a
     background upload's; the others are logged. None when there is none."""
     if not errors:
         return None
@@ -368,7 +314,7 @@ def first_error(errors: list[tuple[str, BaseException]]) -> BaseException | None
 
 
 def report_async(
-    session: Any, uploader: AsyncUploader, metrics: Any, checkpoint: Any, staging: str
+    session: Any, uploader: BackgroundUploader, metrics: Any, checkpoint: Any, staging: str
 ) -> tuple[dict[str, Any], None]:
     """The ``upload_mode="async"`` half of ``Session.report`` (one rank).
 

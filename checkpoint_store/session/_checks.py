@@ -14,10 +14,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from checkpoint_store._async import UploadConfig
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.retention import CheckpointConfig
+from checkpoint_store.session._uploads import UploadConfig
 from checkpoint_store.storage import StorageContext
 
 __all__ = [

@@ -1,0 +1,96 @@
+"""How ``report()`` uploads a checkpoint: :class:`UploadConfig`, a value.
+
+Upload settings are not retention; the value sits beside
+:class:`~checkpoint_store.retention.config.CheckpointConfig` because that
+config still accepts the deprecated ``upload_mode`` / ``max_pending_uploads``
+/ ``staging`` keywords and builds an :class:`UploadConfig` from them. The
+machinery that uploads (staging, the background thread) is
+:mod:`checkpoint_store.session._uploads`, which re-exports these names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from checkpoint_store.errors import InvalidConfigError
+
+__all__ = ["STAGING_MODES", "UPLOAD_MODES", "StagingMode", "UploadConfig", "UploadMode",
+           "check_max_pending", "check_staging", "check_upload_mode"]
+
+
+UploadMode = Literal["sync", "async"]
+
+
+StagingMode = Literal["copy", "hardlink", "move"]
+
+
+UPLOAD_MODES: tuple[UploadMode, ...] = ("sync", "async")
+
+
+STAGING_MODES: tuple[StagingMode, ...] = ("copy", "hardlink", "move")
+
+
+def check_upload_mode(mode: Any) -> str:
+    """``mode`` if it is ``"sync"`` or ``"async"``.
+
+    Raises:
+        InvalidConfigError: any other value.
+    """
+    if mode not in UPLOAD_MODES:
+        raise InvalidConfigError(f"upload_mode must be 'sync' or 'async', got {mode!r}")
+    return str(mode)
+
+
+def check_staging(mode: Any) -> str:
+    """``mode`` if it is ``"copy"``, ``"hardlink"`` or ``"move"``.
+
+    Raises:
+        InvalidConfigError: any other value.
+    """
+    if mode not in STAGING_MODES:
+        raise InvalidConfigError(
+            f"staging must be one of {', '.join(repr(m) for m in STAGING_MODES)}, got {mode!r}"
+        )
+    return str(mode)
+
+
+def check_max_pending(n: Any) -> int:
+    """``n`` if it is an int >= 1.
+
+    Raises:
+        InvalidConfigError: any other value.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidConfigError(f"max_pending_uploads must be an int >= 1, got {n!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class UploadConfig:
+    """How ``report()`` uploads a checkpoint. Given to ``session.start(upload_config=...)``
+    or a :class:`~checkpoint_store.TrialRunner`; ``report(..., upload_mode=...,
+    staging=...)`` overrides it for one report.
+
+    Args:
+        upload_mode: ``"sync"`` (default: ``report()`` returns once the
+            checkpoint is committed) or ``"async"`` (``report()`` stages a copy
+            and returns; the upload runs in the background, commits keep report
+            order; see :mod:`checkpoint_store.session._uploads`). One rank only.
+        max_pending_uploads: with ``"async"``, ``report()`` blocks while this
+            many uploads are still pending (default 1, as Orbax's async saves).
+        staging: with ``"async"``, how the checkpoint directory is staged:
+            ``"copy"`` (default), ``"hardlink"`` or ``"move"`` (see :func:`stage`).
+
+    Raises:
+        InvalidConfigError: at construction, for any other value.
+    """
+
+    upload_mode: UploadMode = "sync"
+    max_pending_uploads: int = 1
+    staging: StagingMode = "copy"
+
+    def __post_init__(self) -> None:
+        check_upload_mode(self.upload_mode)
+        check_max_pending(self.max_pending_uploads)
+        check_staging(self.staging)
