@@ -18,6 +18,7 @@ training loop report into the same session.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import threading
@@ -262,9 +263,17 @@ def _ray_session() -> Any:
     Imports nothing unless Ray is already loaded, so the core never imports Ray."""
     if "ray" not in sys.modules or getattr(_local, "session", None) or _process_session:
         return None
-    from checkpoint_store.integrations.ray import active_session
-
+    module, _, name = _FOREIGN_SESSION.partition(":")
+    active_session = getattr(importlib.import_module(module), name)
     return active_session()
+
+
+#: The framework adapter whose session :func:`report` and :func:`get_checkpoint`
+#: forward to, named as a dotted string (as the backend registry names its
+#: built-ins): the session layer sits below the integrations and does not
+#: import them; the adapter is imported on first use, only once Ray is loaded,
+#: in a Ray worker that never imported it itself too.
+_FOREIGN_SESSION = "checkpoint_store.integrations.ray:active_session"
 
 
 def get_context() -> SessionContext:

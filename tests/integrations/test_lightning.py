@@ -35,7 +35,7 @@ from checkpoint_store import (  # noqa: E402
 from checkpoint_store._format.layout import COMMIT_LOCK  # noqa: E402
 from checkpoint_store._util.inspect import inspect_checkpoint  # noqa: E402
 from checkpoint_store.integrations._lightning import verified_state  # noqa: E402
-from checkpoint_store.integrations._lightning_replace import current_dir  # noqa: E402
+from checkpoint_store.integrations._lightning.replace import current_dir  # noqa: E402
 from checkpoint_store.integrations.lightning import (  # noqa: E402
     STATE_FILE,
     CheckpointStoreIO,

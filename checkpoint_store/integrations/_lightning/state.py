@@ -32,7 +32,7 @@ from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.backends.clients import writer_of
 from checkpoint_store.errors import CheckpointCorruptError, CheckpointNotFoundError
-from checkpoint_store.integrations._lightning_replace import current_dir
+from checkpoint_store.integrations._lightning.replace import current_dir
 
 __all__ = [
     "STATE_FILE",

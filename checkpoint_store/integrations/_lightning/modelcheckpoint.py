@@ -17,7 +17,7 @@ import warnings
 from typing import Any
 
 from checkpoint_store.errors import InvalidConfigError
-from checkpoint_store.integrations._lightning_io import _StoreIO
+from checkpoint_store.integrations._lightning.io import _StoreIO
 from checkpoint_store.registry import split_scheme
 
 

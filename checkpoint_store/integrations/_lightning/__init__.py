@@ -17,21 +17,22 @@ Retention: with Lightning's ``ModelCheckpoint`` Lightning owns top-K and this
 plugin only commits, indexes and verifies (it never evicts on its own); with
 :class:`ReportCheckpointCallback` our session's retention owns it.
 
-The parts live in private modules, one idea each: ``_lightning_state`` (the
-state file: write, read, verify), ``_lightning_async`` (the ordered background
-queue), ``_lightning_io`` (the plugin's save, load, remove),
-``_lightning_resume`` (``resume_path``), ``_lightning_mc`` (``ModelCheckpoint``
-through the plugin's storage options) and ``_lightning_callback`` (the
-report callback). This module gathers them for the public modules.
+The parts live in this private package, one idea each: ``state`` (the
+state file: write, read, verify), ``queue`` (the ordered background
+queue), ``io`` (the plugin's save, load, remove), ``resume``
+(``resume_path``), ``modelcheckpoint`` (``ModelCheckpoint`` through the
+plugin's storage options) and ``callback`` (the report callback). This
+package imports no Lightning, so both public faces (``lightning`` and
+``pytorch_lightning``, each importing its own package) sit on it.
 """
 
 from __future__ import annotations
 
-from checkpoint_store.integrations._lightning_callback import _ReportCallback
-from checkpoint_store.integrations._lightning_io import _StoreIO
-from checkpoint_store.integrations._lightning_mc import _StoreModelCheckpoint
-from checkpoint_store.integrations._lightning_resume import checkpoint_file, resume_path
-from checkpoint_store.integrations._lightning_state import STATE_FILE, verified_state
+from checkpoint_store.integrations._lightning.callback import _ReportCallback
+from checkpoint_store.integrations._lightning.io import _StoreIO
+from checkpoint_store.integrations._lightning.modelcheckpoint import _StoreModelCheckpoint
+from checkpoint_store.integrations._lightning.resume import checkpoint_file, resume_path
+from checkpoint_store.integrations._lightning.state import STATE_FILE, verified_state
 
 __all__ = ["STATE_FILE", "_ReportCallback", "_StoreIO", "_StoreModelCheckpoint", "checkpoint_file",
            "resume_path", "verified_state"]

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from checkpoint_store.errors import InvalidConfigError
-from checkpoint_store.integrations._lightning_io import _StoreIO
-from checkpoint_store.integrations._lightning_resume import _first_verified, _pick
-from checkpoint_store.integrations._lightning_state import STATE_FILE, _to_float
+from checkpoint_store.integrations._lightning.io import _StoreIO
+from checkpoint_store.integrations._lightning.resume import _first_verified, _pick
+from checkpoint_store.integrations._lightning.state import STATE_FILE, _to_float
 
 __all__ = ["_ReportCallback"]
 

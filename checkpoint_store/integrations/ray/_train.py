@@ -34,7 +34,7 @@ from checkpoint_store._util.inspect import read_internal_metadata
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import CheckpointStoreError
-from checkpoint_store.integrations._ray_fs import backend_of
+from checkpoint_store.integrations.ray._filesystem import backend_of
 
 __all__ = ["upload_fn"]
 

@@ -20,8 +20,12 @@ from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import checkpoint_dir_name
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import CheckpointStoreError
-from checkpoint_store.integrations._ray_fs import as_checkpoint, backend_of, committed_checkpoint
-from checkpoint_store.integrations._ray_train import upload_fn
+from checkpoint_store.integrations.ray._filesystem import (
+    as_checkpoint,
+    backend_of,
+    committed_checkpoint,
+)
+from checkpoint_store.integrations.ray._train import upload_fn
 
 __all__ = ["RaySession", "active_session"]
 

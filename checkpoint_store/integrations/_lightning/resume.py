@@ -19,9 +19,9 @@ from checkpoint_store.errors import (
     CheckpointNotFoundError,
     InvalidConfigError,
 )
-from checkpoint_store.integrations._lightning_io import _Locator
-from checkpoint_store.integrations._lightning_replace import current_dir, orphaned_names
-from checkpoint_store.integrations._lightning_state import (
+from checkpoint_store.integrations._lightning.io import _Locator
+from checkpoint_store.integrations._lightning.replace import current_dir, orphaned_names
+from checkpoint_store.integrations._lightning.state import (
     _to_float,
     state_file,
     verified,

@@ -36,24 +36,24 @@ from typing import Any
 # The three levels live in private modules, one idea each; this module is the
 # public face and re-exports their names (private ones too, for existing
 # imports and tests).
-from checkpoint_store.integrations._ray_fs import (
+from checkpoint_store.integrations.ray._filesystem import (
     CheckpointStoreHandler,
     as_checkpoint,
     backend_of,
     committed_checkpoint,
     ray_filesystem,
 )
-from checkpoint_store.integrations._ray_fs import _restore_handler as _restore_handler
-from checkpoint_store.integrations._ray_fs import _split_secrets as _split_secrets
-from checkpoint_store.integrations._ray_session import RaySession as RaySession
-from checkpoint_store.integrations._ray_session import _commit_for_tune as _commit_for_tune
-from checkpoint_store.integrations._ray_session import active_session
-from checkpoint_store.integrations._ray_train import (
+from checkpoint_store.integrations.ray._filesystem import _restore_handler as _restore_handler
+from checkpoint_store.integrations.ray._filesystem import _split_secrets as _split_secrets
+from checkpoint_store.integrations.ray._session import RaySession as RaySession
+from checkpoint_store.integrations.ray._session import _commit_for_tune as _commit_for_tune
+from checkpoint_store.integrations.ray._session import active_session
+from checkpoint_store.integrations.ray._train import (
     _commit_callback_class,
     upload_fn,
 )
-from checkpoint_store.integrations._ray_train import _commit_from_markers as _commit_from_markers
-from checkpoint_store.integrations._ray_train import _upload_rank as _upload_rank
+from checkpoint_store.integrations.ray._train import _commit_from_markers as _commit_from_markers
+from checkpoint_store.integrations.ray._train import _upload_rank as _upload_rank
 
 __all__ = [
     "CheckpointStoreHandler",

@@ -31,8 +31,8 @@ from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.backends.clients import _client_of
 from checkpoint_store.errors import InvalidConfigError
-from checkpoint_store.integrations._lightning_async import _OrderedQueue
-from checkpoint_store.integrations._lightning_replace import (
+from checkpoint_store.integrations._lightning.queue import _OrderedQueue
+from checkpoint_store.integrations._lightning.replace import (
     POINTER_FILE,
     current_dir,
     has_pointer,
@@ -40,7 +40,7 @@ from checkpoint_store.integrations._lightning_replace import (
     replacements,
     traces,
 )
-from checkpoint_store.integrations._lightning_state import (
+from checkpoint_store.integrations._lightning.state import (
     STATE_FILE,
     _checkpoint_metrics,
     _checkpoint_monitor,
