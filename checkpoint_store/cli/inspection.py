@@ -35,6 +35,7 @@ from checkpoint_store.cli.locations import (
     storage_context,
     trials_under,
 )
+from checkpoint_store.cli.metrics import resolve_metric, stored_metrics
 from checkpoint_store.cli.output import (
     fmt_size,
     fmt_time,
@@ -44,19 +45,17 @@ from checkpoint_store.cli.output import (
     table,
 )
 from checkpoint_store.cli.progress import counting_location, expected_files, progress_bar
-from checkpoint_store.cli.scores import (
-    UnreadableStateError,
-    metric_value,
-    monitored_attribute,
-    resolve_metric,
-    score_attribute,
-    stored_metrics,
-    stored_score,
-)
 from checkpoint_store.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     InvalidConfigError,
+)
+from checkpoint_store.retention.recorded import (
+    UnreadableStateError,
+    metric_value,
+    monitored_attribute,
+    score_attribute,
+    stored_score,
 )
 
 __all__ = ["best_cmd", "ls_cmd", "show_cmd", "verify_cmd"]

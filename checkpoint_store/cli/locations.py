@@ -465,9 +465,9 @@ def recorded_checkpoints(trial: Location) -> Recorded | None:
     listing is the only one: it also finds the checkpoints committed under
     other names and serves :func:`not_committed`.
     """
-    from checkpoint_store.cli.scores import recorded_config
     from checkpoint_store.errors import CheckpointStoreError
     from checkpoint_store.retention import CheckpointConfig, CheckpointManager
+    from checkpoint_store.retention.recorded import recorded_config
 
     ctx = storage_context(trial, strict=False)
     if ctx is None:

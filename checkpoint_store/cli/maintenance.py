@@ -29,17 +29,16 @@ from checkpoint_store.cli.locations import (
     resolve_location,
     storage_context,
 )
+from checkpoint_store.cli.metrics import resolve_metric, stored_metrics
 from checkpoint_store.cli.output import fmt_time, fmt_value, print_json
-from checkpoint_store.cli.scores import (
+from checkpoint_store.errors import InvalidConfigError, TrialInUseError
+from checkpoint_store.retention.recorded import (
     UnreadableStateError,
     metric_value,
     recorded_config,
     recorded_run_id,
-    resolve_metric,
-    stored_metrics,
     stored_score,
 )
-from checkpoint_store.errors import InvalidConfigError, TrialInUseError
 
 __all__ = ["gc_cmd", "prune_cmd", "refuse_if_live"]
 

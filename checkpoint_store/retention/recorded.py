@@ -1,26 +1,42 @@
-"""The metrics stored with checkpoints, as ``ls``, ``best`` and ``prune`` read them.
+"""What a trial's retention state records, as the command line and the web page read it.
 
 Scoring itself is the library's (:func:`checkpoint_store.retention.score_of`,
-:func:`~checkpoint_store.retention.lookup_metric`); this module adds what a
-command line needs around it: the trial's recorded score attribute as the
-default ``--metric``, and stored data that is not what a writer of ours
-would write (metrics that are not an object, a score that is not a number)
-named as a fault of the data rather than of the arguments.
+:func:`~checkpoint_store.retention.lookup_metric`); this module reads around
+it what ``ls``, ``best`` and ``prune`` need: the recorded run id, score
+attribute and config, the metric a directory without a state is ranked by,
+and stored data that is not what a writer of ours would write (a score that
+is not a number) named as a fault of the data rather than of the arguments.
+The command line's own side (usage errors, warnings) is
+:mod:`checkpoint_store.cli.metrics`.
 """
 
 from __future__ import annotations
 
 import posixpath
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import click
+from typing import Any, Protocol
 
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import MANAGER_STATE
 from checkpoint_store._util import fs as _fsutil
-from checkpoint_store.cli.locations import Location
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
+
+
+class Location(Protocol):
+    """What is read here of a location a command names (the command line's
+    ``Location``): its filesystem, its path, its URI and a child's."""
+
+    @property
+    def fs(self) -> Any: ...
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def uri(self) -> str: ...
+
+    def child(self, *names: str) -> Location: ...
+
 
 __all__ = [
     "UnreadableStateError",
@@ -28,10 +44,8 @@ __all__ = [
     "recorded_run_id",
     "metric_value",
     "monitored_attribute",
-    "resolve_metric",
-    "score_attribute",
-    "stored_metrics",
-    "stored_score",
+        "score_attribute",
+        "stored_score",
 ]
 
 
@@ -140,42 +154,8 @@ def recorded_config(trial: Location) -> Any:
     return None if config is None else CheckpointConfig.from_json(config)
 
 
-def resolve_metric(trial: Location, metric: str | None, mode: str | None,
-                   required: bool) -> tuple[str | None, str]:
-    """``(metric, mode)`` from the arguments, else the trial's recorded score
-    attribute and order. Without ``mode``, the recorded order applies to the
-    recorded attribute (``--metric loss`` on a trial ranking ``loss`` by
-    ``min`` ranks by ``min``), else ``"max"``. A recorded order is passed on as
-    stored: the retention layer names a bad one.
-
-    Raises:
-        click.UsageError: ``required`` and neither gives a metric.
-        UnreadableStateError: the state that would decide is unreadable.
-    """
-    if metric is None or mode is None:
-        recorded, recorded_mode = score_attribute(trial)
-        if metric is None:
-            metric = recorded
-        if mode is None and metric is not None and metric == recorded:
-            mode = recorded_mode
-        if metric is None and required:
-            raise click.UsageError(
-                "--metric is required: this trial records no retention score attribute"
-            )
-    return metric, (mode or "max")
 
 
-def stored_metrics(ckpt: Location, meta: Mapping[str, Any], *,
-                   warn: bool = True) -> Mapping[str, Any]:
-    """The metrics recorded with ``ckpt``; ``{}`` (with a warning naming it) when
-    what is stored is not a JSON object: another tool or a hand edit wrote it."""
-    metrics = meta.get("metrics")
-    if metrics is None or isinstance(metrics, Mapping):
-        return metrics or {}
-    if warn:
-        click.echo(f"warning: {ckpt.uri} records 'metrics' as a {type(metrics).__name__}, "
-                   "not an object; treating it as no metrics", err=True)
-    return {}
 
 
 def stored_score(ckpt: Location, metrics: Mapping[str, Any], metric: str) -> float | None:
