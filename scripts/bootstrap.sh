@@ -16,7 +16,7 @@ pip_install() {
 }
 stamp_of() {
     cat constraints.txt pyproject.toml scripts/bootstrap.sh \
-        $(ls backends/*/pyproject.toml tests/plugins/*/pyproject.toml tools/package.json 2>/dev/null) \
+        $(ls plugins/*/pyproject.toml tests/plugins/*/pyproject.toml tools/package.json 2>/dev/null) \
         | sha256sum | cut -c1-16
 }
 # The browser tests (tests/ui) drive Debian's Chromium through its chromedriver;
@@ -48,7 +48,7 @@ case "$what" in
         ;;
     test)
         args=(-e ".[test,demo,tune,docs,bench,ui,lightning,torch,hf,ray]")
-        for p in backends/*/pyproject.toml tests/plugins/*/pyproject.toml; do
+        for p in plugins/*/pyproject.toml tests/plugins/*/pyproject.toml; do
             [ -f "$p" ] && args+=(-e "$(dirname "$p")")
         done
         # The CPU build of torch lies on this machine's disk; a plain "torch"

@@ -17,7 +17,7 @@ def test_ruff_clean():
     if ruff is None:
         pytest.skip("ruff is not installed (it is in the test extra)")
     proc = subprocess.run(
-        [ruff, "check", "checkpoint_store", "backends", "tests", "benchmarks"],
+        [ruff, "check", "checkpoint_store", "plugins", "tests", "benchmarks"],
         cwd=ROOT, capture_output=True, text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

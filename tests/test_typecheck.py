@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # The plugin packages themselves: an editable install leaves a *.egg-info folder beside each.
 PLUGINS = sorted(
-    str(p.parent.relative_to(ROOT)) for p in ROOT.glob("backends/*/checkpoint_store_*/__init__.py")
+    str(p.parent.relative_to(ROOT)) for p in ROOT.glob("plugins/*/checkpoint_store_*/__init__.py")
 )
 
 
@@ -20,7 +20,7 @@ PLUGINS = sorted(
 def test_mypy_clean():
     if importlib.util.find_spec("mypy") is None:
         pytest.skip("mypy is not installed (it is in the test extra)")
-    assert PLUGINS, "backends/*/checkpoint_store_* holds the plugins mypy checks"
+    assert PLUGINS, "plugins/*/checkpoint_store_* holds the plugins mypy checks"
     proc = subprocess.run(
         [sys.executable, "-m", "mypy", "checkpoint_store", *PLUGINS],
         cwd=ROOT, capture_output=True, text=True,
