@@ -11,35 +11,46 @@ usage error (bad arguments, unknown scheme, invalid configuration, a location
 of the wrong kind), 141 when stdout's reader went away (as SIGPIPE would).
 Errors print as one line with a hint; ``--debug`` adds the traceback.
 
-This module owns the command group :func:`main`, the options every command
-shares (:func:`common_options`, :func:`storage_option`) and the mapping of
-errors to one line and an exit code. Where the rest lives:
+This module owns the command group :func:`main` and the mapping of errors to
+one line and an exit code; the options every command shares
+(:func:`common_options`, :func:`storage_option`) are :mod:`.options`. Where
+the rest lives:
 
-* :mod:`.locations`: what a URI points at (root, experiment, trial, checkpoint ...);
-* :mod:`.scores`: the metrics and score attribute stored with checkpoints;
-* :mod:`.output`: tables, JSON, sizes and times as printed;
+* :mod:`checkpoint_store._browse` (shared with the web page): what a URI
+  points at (``locations``), tables, JSON, sizes and times as printed
+  (``output``);
+* :mod:`checkpoint_store.retention.recorded`: what a trial's retention state
+  records; :mod:`.metrics`: the metric a command ranks by;
 * :mod:`.progress`: byte counting and progress bars of transfers;
 * one module per command group: :mod:`.inspection` (ls, show, best, verify),
   :mod:`.transfers` (download, upload, cp), :mod:`.maintenance` (prune, gc),
-  :mod:`.backends`, :mod:`.demo`; ``ui`` and ``plot`` come from
-  :mod:`checkpoint_store.ui`.
+  :mod:`.backends`, :mod:`.demo`, :mod:`.ui` (ui, plot; the page itself is
+  :mod:`checkpoint_store.ui`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import click
 
+from checkpoint_store._browse.output import one_line
 from checkpoint_store._util.retry import is_storage_full
-from checkpoint_store.cli.output import one_line
+from checkpoint_store.cli.options import EXIT_BROKEN_PIPE as EXIT_BROKEN_PIPE
+from checkpoint_store.cli.options import EXIT_FAILURE as EXIT_FAILURE
+from checkpoint_store.cli.options import EXIT_OK as EXIT_OK
+from checkpoint_store.cli.options import EXIT_USAGE as EXIT_USAGE
+from checkpoint_store.cli.options import NumberAtLeast as NumberAtLeast
+from checkpoint_store.cli.options import common_options as common_options
+from checkpoint_store.cli.options import echo_info as echo_info
+from checkpoint_store.cli.options import parse_storage_options as parse_storage_options
+from checkpoint_store.cli.options import quiet as quiet
+from checkpoint_store.cli.options import storage_option as storage_option
 from checkpoint_store.errors import (
     BackendUnavailableError,
     CheckpointConflictError,
@@ -71,12 +82,6 @@ __all__ = [
     "storage_option",
 ]
 
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
-#: The reader of stdout went away (``... | head -1``): the status of a process
-#: that SIGPIPE ended (128 + 13), as ``yes | head -1`` leaves it; nothing printed.
-EXIT_BROKEN_PIPE = 141
 
 
 # -- errors -------------------------------------------------------------------------
@@ -225,96 +230,20 @@ class _Group(click.Group):
 # -- shared options -----------------------------------------------------------------
 
 
-def _set_meta(key: str) -> Callable[[click.Context, click.Parameter, Any], None]:
-    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> None:
-        if value:
-            ctx.meta[key] = True
-
-    return callback
 
 
-def common_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """``--quiet`` and ``--debug``, accepted before or after the command name."""
-    f = click.option("-q", "--quiet", is_flag=True, expose_value=False,
-                     callback=_set_meta("cs.quiet"),
-                     help="No progress bars and no summary lines.")(f)
-    f = click.option("--debug", is_flag=True, expose_value=False,
-                     callback=_set_meta("cs.debug"),
-                     help="Print the full traceback on errors.")(f)
-    return f
 
 
-def parse_storage_options(items: Iterable[str]) -> dict[str, Any]:
-    """``["KEY=VALUE", ...]`` -> ``{KEY: "VALUE"}``, every value a string.
-
-    The backend converts each to the type it declares for the option
-    (``request_timeout=3`` -> 3.0, ``anonymous=yes`` -> True; see
-    :func:`checkpoint_store.backends.base.typed_options`), the same for
-    every command: the command line cannot know a value's type, and
-    guessing one here would turn a numeric access key id into an int.
-
-    Raises:
-        click.BadParameter: an item without ``=`` or with an empty key. The
-            message names the key but never echoes the value: a mistyped
-            ``secret_access_key:...`` must not print the secret.
-    """
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise click.BadParameter(
-                f"{_redacted_option(item)} is not KEY=VALUE (the value is not shown; "
-                "e.g. -o endpoint_url=http://127.0.0.1:9000)"
-            )
-        out[key.strip()] = value
-    return out
 
 
-def _redacted_option(item: str) -> str:
-    """``item`` with everything after its key hidden: the key is what a user
-    needs to find the mistake, and the value may be a credential."""
-    key = item.split("=", 1)[0]
-    for sep in (":", " "):  # the usual typos for '='
-        key = key.split(sep, 1)[0]
-    if key != item.strip() and key.isidentifier():
-        return f"{key!r} followed by {len(item) - len(key)} hidden character(s)"
-    return f"an option of {len(item)} character(s)"
 
 
-def storage_option(*names: str, help_text: str | None = None) -> Callable[..., Any]:
-    """``-o/--storage-option KEY=VALUE`` (or the option ``names``), repeatable,
-    passed to the command as a dict (:func:`parse_storage_options`)."""
-    names = names or ("-o", "--storage-option", "storage_options")
-    return click.option(
-        *names, multiple=True, metavar="KEY=VALUE",
-        callback=lambda ctx, p, v: parse_storage_options(v),
-        help=help_text or "Backend option for the location (endpoint, credentials ...); "
-        "repeatable. Environment variables of the backend apply too.",
-    )
 
 
-class NumberAtLeast(click.FloatRange):
-    """A float >= ``min`` that is not NaN: click's FloatRange lets NaN through
-    (every comparison with it is False), and ``gc --min-age nan`` would then
-    remove directories of any age."""
-
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> Any:
-        number = super().convert(value, param, ctx)
-        if math.isnan(number):
-            self.fail(f"{value!r} is not a number", param, ctx)
-        return number
 
 
-def quiet() -> bool:
-    """Whether ``--quiet`` was given to the running command."""
-    return bool(click.get_current_context().meta.get("cs.quiet"))
 
 
-def echo_info(text: str) -> None:
-    """Print a summary line to stdout unless ``--quiet``."""
-    if not quiet():
-        click.echo(text)
 
 
 # -- the command group --------------------------------------------------------------
@@ -345,10 +274,9 @@ def main() -> None:
 
 
 def _add_commands() -> None:
-    """Register every command, in the order ``--help`` lists them. The command
-    modules import the shared options above, so they are imported here."""
+    """Register every command, in the order ``--help`` lists them."""
     from checkpoint_store.cli import backends, demo, inspection, maintenance, transfers
-    from checkpoint_store.ui._commands import plot_cmd, ui_cmd
+    from checkpoint_store.cli.ui import plot_cmd, ui_cmd
 
     for command in (inspection.ls_cmd, inspection.show_cmd, inspection.best_cmd,
                     transfers.download_cmd, transfers.upload_cmd, transfers.cp_cmd,

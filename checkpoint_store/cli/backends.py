@@ -10,8 +10,8 @@ from typing import Any
 
 import click
 
-from checkpoint_store.cli import common_options
-from checkpoint_store.cli.output import print_json, table
+from checkpoint_store._browse.output import print_json, table
+from checkpoint_store.cli.options import common_options
 
 __all__ = ["backends_cmd"]
 

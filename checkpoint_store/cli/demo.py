@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from checkpoint_store.cli import NumberAtLeast, common_options
+from checkpoint_store.cli.options import NumberAtLeast, common_options
 
 __all__ = ["demo"]
 

@@ -15,10 +15,7 @@ from typing import Any
 
 import click
 
-from checkpoint_store._format.layout import ERROR_FILE, is_internal_name
-from checkpoint_store._util import fs as _fsutil
-from checkpoint_store.cli import EXIT_FAILURE, common_options, echo_info, quiet, storage_option
-from checkpoint_store.cli.locations import (
+from checkpoint_store._browse.locations import (
     Location,
     LocationKind,
     classify,
@@ -35,14 +32,23 @@ from checkpoint_store.cli.locations import (
     storage_context,
     trials_under,
 )
-from checkpoint_store.cli.metrics import resolve_metric, stored_metrics
-from checkpoint_store.cli.output import (
+from checkpoint_store._browse.output import (
     fmt_size,
     fmt_time,
     fmt_value,
     one_line,
     print_json,
     table,
+)
+from checkpoint_store._format.layout import ERROR_FILE, is_internal_name
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store.cli.metrics import resolve_metric, stored_metrics
+from checkpoint_store.cli.options import (
+    EXIT_FAILURE,
+    common_options,
+    echo_info,
+    quiet,
+    storage_option,
 )
 from checkpoint_store.cli.progress import counting_location, expected_files, progress_bar
 from checkpoint_store.errors import (
@@ -334,7 +340,7 @@ def _largest(manifest: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
 
 def _score_line(loc: Location) -> str | None:
     """The trial's score sparkline, in block characters when stdout can print them."""
-    from checkpoint_store.ui._spark import BARS, checkpoint_score_line
+    from checkpoint_store._browse.spark import BARS, checkpoint_score_line
 
     encoding = getattr(sys.stdout, "encoding", None) or "ascii"
     unicode = BARS.encode(encoding, "replace").decode(encoding) == BARS

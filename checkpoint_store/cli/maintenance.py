@@ -16,11 +16,7 @@ from typing import Any
 
 import click
 
-from checkpoint_store._format.layout import is_internal_name, is_legacy_temp_file_name
-from checkpoint_store._util import clock as _clock
-from checkpoint_store._util import fs as _fsutil
-from checkpoint_store.cli import NumberAtLeast, common_options, echo_info, storage_option
-from checkpoint_store.cli.locations import (
+from checkpoint_store._browse.locations import (
     TRIAL_FILES,
     Location,
     committed_checkpoints,
@@ -29,8 +25,12 @@ from checkpoint_store.cli.locations import (
     resolve_location,
     storage_context,
 )
+from checkpoint_store._browse.output import fmt_time, fmt_value, print_json
+from checkpoint_store._format.layout import is_internal_name, is_legacy_temp_file_name
+from checkpoint_store._util import clock as _clock
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli.metrics import resolve_metric, stored_metrics
-from checkpoint_store.cli.output import fmt_time, fmt_value, print_json
+from checkpoint_store.cli.options import NumberAtLeast, common_options, echo_info, storage_option
 from checkpoint_store.errors import InvalidConfigError, TrialInUseError
 from checkpoint_store.retention.recorded import (
     UnreadableStateError,
@@ -274,7 +274,7 @@ def _refuse_unrecorded_metric(loc: Location, committed: list[tuple[Location, dic
 
 def _delete(ctx: Any, ckpt: Location) -> None:
     """Delete one evicted checkpoint, marker first. A re-saved path
-    (Lightning's ``last.ckpt``, see :func:`~checkpoint_store.cli.locations.follow`)
+    (Lightning's ``last.ckpt``, see :func:`~checkpoint_store._browse.locations.follow`)
     goes as the Lightning plugin removes it: the pointed sibling, then the
     pointer; deleting the pointer alone would let readers fall back to the
     sibling and bring the checkpoint back."""

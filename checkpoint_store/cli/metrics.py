@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from checkpoint_store.cli.locations import Location
+from checkpoint_store._browse.locations import Location
 from checkpoint_store.retention.recorded import score_attribute
 
 __all__ = ["resolve_metric", "stored_metrics"]

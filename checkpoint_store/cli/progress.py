@@ -25,9 +25,9 @@ import google_crc32c
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from checkpoint_store._browse.locations import Location
 from checkpoint_store.backends.forwarding import ForwardingHandler
-from checkpoint_store.cli import quiet
-from checkpoint_store.cli.locations import Location
+from checkpoint_store.cli.options import quiet
 from checkpoint_store.errors import CheckpointCorruptError
 
 __all__ = [

@@ -19,21 +19,7 @@ from typing import Any, Literal
 
 import click
 
-from checkpoint_store._commit.nesting import refuse_inside_checkpoint
-from checkpoint_store._format.layout import (
-    INTERNAL_METADATA,
-    MANAGER_STATE,
-    RESULT_FILE,
-    check_name_length,
-    checkpoint_dir_name,
-    is_internal_file,
-    parse_checkpoint_dir_name,
-    refuse_reserved,
-)
-from checkpoint_store._results.reader import assembled_result_bytes
-from checkpoint_store._util import fs as _fsutil
-from checkpoint_store.cli import common_options, echo_info, storage_option
-from checkpoint_store.cli.locations import (
+from checkpoint_store._browse.locations import (
     TRIAL_FILES,
     Location,
     LocationKind,
@@ -48,8 +34,22 @@ from checkpoint_store.cli.locations import (
     storage_context,
     trials_under,
 )
+from checkpoint_store._browse.output import fmt_size, one_line
+from checkpoint_store._commit.nesting import refuse_inside_checkpoint
+from checkpoint_store._format.layout import (
+    INTERNAL_METADATA,
+    MANAGER_STATE,
+    RESULT_FILE,
+    check_name_length,
+    checkpoint_dir_name,
+    is_internal_file,
+    parse_checkpoint_dir_name,
+    refuse_reserved,
+)
+from checkpoint_store._results.reader import assembled_result_bytes
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli.maintenance import refuse_if_live
-from checkpoint_store.cli.output import fmt_size, one_line
+from checkpoint_store.cli.options import common_options, echo_info, storage_option
 from checkpoint_store.cli.progress import counting_location, expected_files, progress_bar
 from checkpoint_store.errors import (
     CheckpointConflictError,

@@ -16,7 +16,7 @@ directories not seen before. A full refresh (``full=True``, a page load)
 reads everything again.
 
 Where each answer comes from: the location kind and trial listing are the
-CLI's (:mod:`checkpoint_store.cli.locations`); committed checkpoints are those with a
+CLI's (:mod:`checkpoint_store._browse.locations`); committed checkpoints are those with a
 valid commit marker (:func:`~checkpoint_store._util.inspect.read_internal_metadata`,
 the rule of :meth:`StorageContext.committed_checkpoints`); "best" is
 :func:`~checkpoint_store.retention.select_kept` under the trial's recorded
@@ -39,6 +39,14 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from checkpoint_store._browse.locations import (
+    classify,
+    describe_kind,
+    list_entries,
+    manifest_size,
+    resolve_location,
+    trials_under,
+)
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     ERROR_FILE,
@@ -61,14 +69,6 @@ from checkpoint_store._results.reader import (
 )
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.inspect import inspect_checkpoint
-from checkpoint_store.cli.locations import (
-    classify,
-    describe_kind,
-    list_entries,
-    manifest_size,
-    resolve_location,
-    trials_under,
-)
 from checkpoint_store.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,

@@ -41,7 +41,7 @@ from typing import Any
 
 from flask import Flask, Response, request, send_from_directory
 
-from checkpoint_store.cli.output import json_safe
+from checkpoint_store._browse.output import json_safe
 from checkpoint_store.errors import (
     CheckpointNotFoundError,
     CheckpointStoreError,

@@ -19,8 +19,8 @@ import pytest
 from cli_helpers import Store, invoke, write_tree
 
 from checkpoint_store import Checkpoint, session
+from checkpoint_store._browse.locations import Location, resolve_location
 from checkpoint_store.cli import inspection
-from checkpoint_store.cli.locations import Location, resolve_location
 from checkpoint_store.retention.statelog import COMPACT_EVERY
 from checkpoint_store.testing.faults import FaultInjectingHandler, faulty_backend
 

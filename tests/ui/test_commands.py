@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 from ui_helpers import LAYOUT, Store, report_trial
 
+from checkpoint_store._browse.spark import ASCII_BARS, BARS, sparkline
 from checkpoint_store.cli import main
-from checkpoint_store.ui._spark import ASCII_BARS, BARS, sparkline
 
 
 def invoke(args: list[str]) -> Any:

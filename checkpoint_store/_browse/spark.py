@@ -73,7 +73,7 @@ def checkpoint_score_line(backend: Any, checkpoint_path: str, *,
                           unicode: bool = True) -> str | None:
     """The :func:`score_line` of the trial holding the checkpoint at ``checkpoint_path``,
     by the trial's recorded score attribute; None when there is none or no report."""
-    from checkpoint_store.cli.locations import Location, storage_context
+    from checkpoint_store._browse.locations import Location, storage_context
     from checkpoint_store.retention.recorded import UnreadableStateError, score_attribute
 
     trial = Location(backend, posixpath.dirname(checkpoint_path.rstrip("/")))

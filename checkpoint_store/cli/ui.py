@@ -13,9 +13,11 @@ from typing import Any
 
 import click
 
-from checkpoint_store.cli import common_options, storage_option
+from checkpoint_store.cli.options import common_options, storage_option
 
 _INSTALL_HINT = "install it with: pip install 'checkpoint-store[ui]'"
+
+__all__ = ["plot_cmd", "ui_cmd"]
 
 
 def _require(module: str) -> None:
