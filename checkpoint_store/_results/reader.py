@@ -18,7 +18,7 @@ import posixpath
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
@@ -33,10 +33,34 @@ from checkpoint_store._util.retry import RetryPolicy
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
 
-    from checkpoint_store.storage import StorageContext
+    from checkpoint_store.backends.base import Backend
+
+
+class TrialStorage(Protocol):
+    """What the result log uses of a trial's storage: a
+    :class:`~checkpoint_store.storage.StorageContext` is one (named by this
+    protocol so the result log does not import the storage layer above it)."""
+
+    @property
+    def backend(self) -> Backend: ...
+
+    @property
+    def filesystem(self) -> Any: ...
+
+    @property
+    def fsync(self) -> bool: ...
+
+    @property
+    def retry(self) -> RetryPolicy | None: ...
+
+    @property
+    def trial_path(self) -> str: ...
+
+    def uri(self, path: str) -> str: ...
 
 __all__ = [
     "Segment",
+    "TrialStorage",
     "assemble_results",
     "assembled_result_bytes",
     "last_result_rows",
@@ -242,7 +266,7 @@ def assembled_result_bytes(fs: pafs.FileSystem, trial_path: str, *,
     return base + b"".join(line for line, _ in lines), segments
 
 
-def assemble_results(storage: StorageContext) -> int:
+def assemble_results(storage: TrialStorage) -> int:
     """Fold the trial's segments into ``result.json``: one write of the whole
     file, then the segments are deleted (in that order, so a crash in between
     leaves folded segments that readers skip). Call only while holding the
@@ -311,7 +335,7 @@ def _tail_of_file(fs: pafs.FileSystem, path: str,
         return []
 
 
-def last_result_rows(storage: StorageContext) -> list[dict[str, Any]]:
+def last_result_rows(storage: TrialStorage) -> list[dict[str, Any]]:
     """The trial's last rows, enough to hold its last valid ``training_iteration``
     (what ``session.start`` continues from): a ranged read of ``result.json``'s
     end, plus the last segment's rows when segments are there (one listing,

@@ -32,26 +32,23 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import RESULT_FILE, RESULT_SEGMENTS_DIR, result_segment_name
 
 # Re-exported: the readers' names were imported from here before they moved.
 from checkpoint_store._results.reader import Segment as Segment
+from checkpoint_store._results.reader import TrialStorage, row_iteration
 from checkpoint_store._results.reader import assemble_results as assemble_results
 from checkpoint_store._results.reader import assembled_result_bytes as assembled_result_bytes
 from checkpoint_store._results.reader import last_result_rows as last_result_rows
 from checkpoint_store._results.reader import list_segments as list_segments
 from checkpoint_store._results.reader import parse_result_rows as parse_result_rows
 from checkpoint_store._results.reader import read_results as read_results
-from checkpoint_store._results.reader import row_iteration
 from checkpoint_store._results.reader import unfolded_rows as unfolded_rows
 from checkpoint_store._results.reader import valid_iteration as valid_iteration
 from checkpoint_store._util import fs as _fsutil
-
-if TYPE_CHECKING:
-    from checkpoint_store.storage import StorageContext
 
 __all__ = ["FLUSH_INTERVAL_ENV", "ResultLog", "flush_interval_from_env"]
 
@@ -252,7 +249,7 @@ class ResultLog:
         flush_interval: seconds (default :func:`flush_interval_from_env`).
     """
 
-    def __init__(self, storage: StorageContext, *, flush_interval: float | None = None):
+    def __init__(self, storage: TrialStorage, *, flush_interval: float | None = None):
         self._storage = storage
         self._path = posixpath.join(storage.trial_path, RESULT_FILE)
         self._local = _fsutil.local_path(storage.filesystem, self._path)

@@ -48,7 +48,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import pyarrow.fs as pafs
 
@@ -70,6 +70,8 @@ from checkpoint_store._transfer.tasks import (
     FileResult,
     TransferTasks,
 )
+from checkpoint_store._transfer.tasks import Plan as Plan
+from checkpoint_store._transfer.tasks import Route as Route
 from checkpoint_store._util.fs import local_path
 
 logger = logging.getLogger(__name__)
@@ -87,10 +89,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-#: How :func:`plan` moves a tree, from where its two sides live: ``"local"``
-#: disk to disk, ``"download"`` remote to disk, ``"upload"`` disk to remote,
-#: ``"stream"`` remote to remote (through this process).
-Route = Literal["local", "download", "upload", "stream"]
 #: The routes whose destination is the local disk: large files go in parts
 #: written at their offsets (``pwrite``), so the file is made first.
 _TO_DISK: tuple[Route, ...] = ("local", "download")
@@ -121,36 +119,6 @@ BATCH_FILES = 64
 BATCH_BYTES = 16 * 1024 * 1024
 
 
-@dataclass(frozen=True)
-class Plan:
-    """How a tree is moved; see :func:`plan`. All sizes in bytes.
-
-    Attributes:
-        route: how the bytes move (a :data:`Route`).
-        chunk_size: bytes per request / read call; large files are cut in
-            parts of this size.
-        concurrency: threads moving data at once.
-        memory_limit: bytes of file data buffered at once, all threads together.
-        batches: lists of small files, each moved by one task.
-        large: files moved part by part (or streamed, for uploads).
-        piece: for a download whose client streams ranges
-            (:func:`~checkpoint_store._transfer.remote.can_stream_ranges`), bytes read
-            at a time from each part's one request (parts are then large:
-            see :func:`_stream_part_size`); 0 when each part is one buffer.
-        local_disks: route ``"local"`` with both roots on a local-device or
-            in-memory filesystem (:func:`creates_locally`): small files are
-            one batch, and a large file is one copy through user space
-            (:meth:`~checkpoint_store._transfer.localcopy._LocalDisk._pipe_copy`).
-    """
-
-    route: Route
-    chunk_size: int
-    concurrency: int
-    memory_limit: int
-    batches: list[list[tuple[str, int]]]
-    large: list[tuple[str, int]]
-    piece: int = 0
-    local_disks: bool = False
 
 
 def _route(src_local: bool, dst_local: bool) -> Route:

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -45,12 +45,9 @@ from checkpoint_store._transfer.remote import (
 )
 from checkpoint_store._util import fs as _fsutil
 
-if TYPE_CHECKING:  # pragma: no cover
-    from checkpoint_store._transfer.plan import Plan
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["PARTS_IN_FLIGHT", "FileResult", "TransferTasks", "_PART_UPLOAD_COPIES",
+__all__ = ["PARTS_IN_FLIGHT", "FileResult", "Plan", "Route", "TransferTasks", "_PART_UPLOAD_COPIES",
            "_REMOTE_COPIES"]
 
 #: Parts of large files a transfer aims to keep in flight at once (ranged GETs
@@ -70,6 +67,44 @@ MIN_PART = 5 * 1024 * 1024
 _PYARROW_PART = 10 * 1024 * 1024
 #: S3 allows 10000 parts per upload; parts grow so a file never needs more.
 MAX_PARTS = 9000
+
+
+#: How :func:`plan` moves a tree, from where its two sides live: ``"local"``
+#: disk to disk, ``"download"`` remote to disk, ``"upload"`` disk to remote,
+#: ``"stream"`` remote to remote (through this process).
+Route = Literal["local", "download", "upload", "stream"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a tree is moved; see :func:`plan`. All sizes in bytes.
+
+    Attributes:
+        route: how the bytes move (a :data:`Route`).
+        chunk_size: bytes per request / read call; large files are cut in
+            parts of this size.
+        concurrency: threads moving data at once.
+        memory_limit: bytes of file data buffered at once, all threads together.
+        batches: lists of small files, each moved by one task.
+        large: files moved part by part (or streamed, for uploads).
+        piece: for a download whose client streams ranges
+            (:func:`~checkpoint_store._transfer.remote.can_stream_ranges`), bytes read
+            at a time from each part's one request (parts are then large:
+            see :func:`_stream_part_size`); 0 when each part is one buffer.
+        local_disks: route ``"local"`` with both roots on a local-device or
+            in-memory filesystem (:func:`creates_locally`): small files are
+            one batch, and a large file is one copy through user space
+            (:meth:`~checkpoint_store._transfer.localcopy._LocalDisk._pipe_copy`).
+    """
+
+    route: Route
+    chunk_size: int
+    concurrency: int
+    memory_limit: int
+    batches: list[list[tuple[str, int]]]
+    large: list[tuple[str, int]]
+    piece: int = 0
+    local_disks: bool = False
 
 
 @dataclass(frozen=True)
@@ -502,3 +537,4 @@ def _whole_file_ranges(fss: Any, items: list[tuple[str, int]]
     starts: list[int | None] = [0 if size else None for _, size in items]
     ends: list[int | None] = [size + 1 if size else None for _, size in items]
     return starts, ends
+

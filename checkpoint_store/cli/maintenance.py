@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from checkpoint_store._browse.live import refuse_if_live
 from checkpoint_store._browse.locations import (
     TRIAL_FILES,
     Location,
@@ -25,13 +26,13 @@ from checkpoint_store._browse.locations import (
     resolve_location,
     storage_context,
 )
-from checkpoint_store._browse.output import fmt_time, fmt_value, print_json
+from checkpoint_store._browse.output import fmt_value, print_json
 from checkpoint_store._format.layout import is_internal_name, is_legacy_temp_file_name
 from checkpoint_store._util import clock as _clock
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli.metrics import resolve_metric, stored_metrics
 from checkpoint_store.cli.options import NumberAtLeast, common_options, echo_info, storage_option
-from checkpoint_store.errors import InvalidConfigError, TrialInUseError
+from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.retention.recorded import (
     UnreadableStateError,
     metric_value,
@@ -43,36 +44,6 @@ from checkpoint_store.retention.recorded import (
 __all__ = ["gc_cmd", "prune_cmd", "refuse_if_live"]
 
 
-def refuse_if_live(trial: Location, force: bool | None, what: str) -> None:
-    """Refuse to ``what`` a trial whose checkpoint manager holds a live lease.
-
-    A running session renews ``<trial>/.cs_manager_lease.json``; deleting
-    behind its back would fight its own retention, and writing a checkpoint
-    into it would take the index its next report writes. The liveness rule is
-    the managers' own (:func:`checkpoint_store.retention.live_lease`).
-
-    Args:
-        force: True skips the check; None means the command has no ``--force``
-            (writes into a live trial are never safe), and the message offers none.
-
-    Raises:
-        TrialInUseError: a live lease, unless ``force``.
-    """
-    from checkpoint_store.retention import live_lease
-
-    if force:
-        return
-    ctx = storage_context(trial, strict=False)
-    lease = live_lease(ctx) if ctx is not None else None
-    if lease is None:
-        return
-    raise TrialInUseError(
-        f"a running job manages {trial.uri} (host {lease.get('host')!r}, pid "
-        f"{lease.get('pid')}; lease renewed until {fmt_time(lease['expires_at'])} UTC): "
-        f"refusing to {what} behind its back; let it finish"
-        + (", or pass --force if that job is gone" if force is not None else
-           " (or, if that job is gone, wait for its lease to expire)")
-    )
 
 
 # -- prune ----------------------------------------------------------------------------

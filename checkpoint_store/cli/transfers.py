@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import click
 
+from checkpoint_store._browse.live import refuse_if_live
 from checkpoint_store._browse.locations import (
     TRIAL_FILES,
     Location,
@@ -48,7 +49,6 @@ from checkpoint_store._format.layout import (
 )
 from checkpoint_store._results.reader import assembled_result_bytes
 from checkpoint_store._util import fs as _fsutil
-from checkpoint_store.cli.maintenance import refuse_if_live
 from checkpoint_store.cli.options import common_options, echo_info, storage_option
 from checkpoint_store.cli.progress import counting_location, expected_files, progress_bar
 from checkpoint_store.errors import (

@@ -33,8 +33,8 @@ def run_demo(*, storage: str, epochs: int, num_to_keep: int, lr: float, seed: in
     ctx = StorageContext(storage, EXPERIMENT, TRIAL)
     _refuse_if_running(ctx)
     if not resume and ctx.checkpoint_dirs():
+        from checkpoint_store._browse.live import refuse_if_live
         from checkpoint_store._browse.locations import Location
-        from checkpoint_store.cli.maintenance import refuse_if_live
 
         # Check first, then say what happens: a demo still running there keeps its trial.
         refuse_if_live(Location(ctx.backend, ctx.trial_path), None,

@@ -78,7 +78,7 @@ from checkpoint_store.retention.scoring import (
     score_or_none,
 )
 from checkpoint_store.retention.selection import CheckpointRecord, explain_kept, select_kept
-from checkpoint_store.retention.state import recorded_invalid
+from checkpoint_store.retention.statelog import recorded_invalid
 
 __all__ = [
     "AnyOf",

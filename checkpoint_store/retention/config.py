@@ -12,9 +12,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any
 
 from checkpoint_store.errors import InvalidConfigError
+from checkpoint_store.retention.scoring import MissingScore as MissingScore
+from checkpoint_store.retention.scoring import ScoreOrder as ScoreOrder
+from checkpoint_store.retention.scoring import check_retention_fields
 from checkpoint_store.retention.upload_config import StagingMode, UploadConfig, UploadMode
 
 if TYPE_CHECKING:
@@ -22,13 +25,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointConfig", "MissingScore", "ScoreOrder"]
 
-#: Which way a score is better: ``"max"`` (higher) or ``"min"`` (lower).
-ScoreOrder = Literal["max", "min"]
-#: What a NaN or missing score does (see :class:`CheckpointConfig`).
-MissingScore = Literal["worst", "keep", "raise"]
-
-_MISSING_POLICIES: tuple[MissingScore, ...] = get_args(MissingScore)
-_SCORE_ORDERS: tuple[ScoreOrder, ...] = get_args(ScoreOrder)
 # The retention fields: what to_json writes and from_json reads.
 _RETENTION_FIELDS = (
     "num_to_keep", "checkpoint_score_attribute", "checkpoint_score_order",
@@ -102,28 +98,9 @@ class CheckpointConfig:
             )
 
     def _check_retention(self) -> None:
-        k = self.num_to_keep
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise InvalidConfigError(
-                f"num_to_keep must be an int >= 1, or None to keep every checkpoint; got {k!r}"
-            )
-        attr = self.checkpoint_score_attribute
-        if attr is not None and (not isinstance(attr, str) or not attr):
-            raise InvalidConfigError(
-                "checkpoint_score_attribute must be a non-empty metric name (nested: "
-                f"'eval/loss') or None to keep the most recent; got {attr!r}"
-            )
-        if self.checkpoint_score_order not in _SCORE_ORDERS:
-            raise InvalidConfigError(
-                "checkpoint_score_order must be 'max' (higher is better) or 'min'; "
-                f"got {self.checkpoint_score_order!r}"
-            )
-        if not isinstance(self.keep_latest, bool):
-            raise InvalidConfigError(f"keep_latest must be True or False, got {self.keep_latest!r}")
-        if self.missing_score not in _MISSING_POLICIES:
-            raise InvalidConfigError(
-                f"missing_score must be one of {_MISSING_POLICIES}, got {self.missing_score!r}"
-            )
+        check_retention_fields(self.num_to_keep, self.checkpoint_score_attribute,
+                               self.checkpoint_score_order, self.keep_latest,
+                               self.missing_score)
 
     def _take_policy(self) -> None:
         from checkpoint_store.retention.policies import as_policy, best_policies

@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from checkpoint_store.errors import InvalidConfigError
-from checkpoint_store.retention.config import MissingScore, ScoreOrder
 from checkpoint_store.retention.scoring import (
+    MissingScore,
+    ScoreOrder,
+    check_retention_fields,
     lookup_metric,
     missing_score_error,
     rank_key,
@@ -131,16 +133,8 @@ class BestN:
     missing_score: MissingScore = "worst"
 
     def __post_init__(self) -> None:
-        from checkpoint_store.retention.config import CheckpointConfig
-
         _positive_int(self.n, "BestN n")
-        CheckpointConfig(
-            num_to_keep=self.n,
-            checkpoint_score_attribute=self.attribute,
-            checkpoint_score_order=self.order,
-            missing_score=self.missing_score,
-            keep_latest=False,
-        )  # one place validates these fields
+        check_retention_fields(self.n, self.attribute, self.order, False, self.missing_score)
 
     def score(self, c: PolicyCheckpoint) -> float | None:
         """The score this policy ranks ``c`` by (the index without an attribute)."""

@@ -14,14 +14,17 @@ import math
 import numbers
 import warnings
 from collections.abc import Mapping
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Literal, Protocol, TypeVar, get_args
 
 from checkpoint_store.errors import AmbiguousMetricError, InvalidConfigError
-from checkpoint_store.retention.config import CheckpointConfig, ScoreOrder
 
 __all__ = [
+    "MissingScore",
     "NOT_FOUND",
     "RankKey",
+    "ScoreOrder",
+    "ScoredConfig",
+    "check_retention_fields",
     "config_score",
     "lookup_metric",
     "missing_score_error",
@@ -29,6 +32,60 @@ __all__ = [
     "score_of",
     "score_or_none",
 ]
+
+
+#: Which way a score is better: ``"max"`` (higher) or ``"min"`` (lower).
+ScoreOrder = Literal["max", "min"]
+#: What a NaN or missing score does (see :class:`CheckpointConfig`).
+MissingScore = Literal["worst", "keep", "raise"]
+
+_MISSING_POLICIES: tuple[MissingScore, ...] = get_args(MissingScore)
+_SCORE_ORDERS: tuple[ScoreOrder, ...] = get_args(ScoreOrder)
+
+
+class ScoredConfig(Protocol):
+    """What :func:`config_score` reads of a
+    :class:`~checkpoint_store.retention.CheckpointConfig` (named by this
+    protocol: the config module builds on this one)."""
+
+    @property
+    def checkpoint_score_attribute(self) -> str | None: ...
+
+    @property
+    def missing_score(self) -> MissingScore: ...
+
+
+def check_retention_fields(num_to_keep: Any, checkpoint_score_attribute: Any,
+                           checkpoint_score_order: Any, keep_latest: Any,
+                           missing_score: Any) -> None:
+    """Check the retention fields of a :class:`~checkpoint_store.retention.CheckpointConfig`
+    (and of a ``BestN`` policy): the one place they are validated.
+
+    Raises:
+        InvalidConfigError: a field's value is not one it accepts; the message names it.
+    """
+    k = num_to_keep
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise InvalidConfigError(
+            f"num_to_keep must be an int >= 1, or None to keep every checkpoint; got {k!r}"
+        )
+    attr = checkpoint_score_attribute
+    if attr is not None and (not isinstance(attr, str) or not attr):
+        raise InvalidConfigError(
+            "checkpoint_score_attribute must be a non-empty metric name (nested: "
+            f"'eval/loss') or None to keep the most recent; got {attr!r}"
+        )
+    if checkpoint_score_order not in _SCORE_ORDERS:
+        raise InvalidConfigError(
+            "checkpoint_score_order must be 'max' (higher is better) or 'min'; "
+            f"got {checkpoint_score_order!r}"
+        )
+    if not isinstance(keep_latest, bool):
+        raise InvalidConfigError(f"keep_latest must be True or False, got {keep_latest!r}")
+    if missing_score not in _MISSING_POLICIES:
+        raise InvalidConfigError(
+            f"missing_score must be one of {_MISSING_POLICIES}, got {missing_score!r}"
+        )
 
 
 #: What :func:`lookup_metric` returns for an absent metric (``None`` is a value).
@@ -165,7 +222,7 @@ def missing_score_error(attribute: str, index: int | None = None) -> InvalidConf
 
 
 def config_score(
-    config: CheckpointConfig,
+    config: ScoredConfig,
     metrics: Mapping[str, Any],
     index: int,
     warned: set[str],

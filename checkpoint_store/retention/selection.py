@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpoint_store.errors import InvalidConfigError
-from checkpoint_store.retention.config import CheckpointConfig, ScoreOrder
+from checkpoint_store.retention.config import CheckpointConfig
 from checkpoint_store.retention.policies import (
     PolicyCheckpoint,
     RetentionPolicy,
     check_metrics,
     evaluate,
 )
-from checkpoint_store.retention.scoring import RankKey, config_score, rank_key
+from checkpoint_store.retention.scoring import RankKey, ScoreOrder, config_score, rank_key
 from checkpoint_store.retention.state import LazyEntries
 
 __all__ = ["CheckpointRecord", "Entry", "Selection", "check_report", "explain_kept", "select_kept"]

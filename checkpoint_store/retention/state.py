@@ -33,9 +33,6 @@ __all__ = [
     "StoredCheckpoint",
     "apply",
     "check_version",
-    "load_state",
-    "recorded_invalid",
-    "save_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -457,38 +454,7 @@ def check_version(storage: StorageContext, path: str, obj: Mapping[str, Any]) ->
         )
 
 
-def load_state(storage: StorageContext, path: str | None = None
-               ) -> tuple[ManagerState | None, str]:
-    """``(state, problem)``: the trial's retention state (snapshot and log), or
-    None with why (``"missing"``, ``"unreadable (...)"``, ``"corrupt (...)"``;
-    problem is ``""`` with a state). ``path`` is the root's (default
-    ``<trial>/.checkpoint_manager.json``).
-
-    Raises:
-        InvalidConfigError: a stored object has a newer format than this release reads.
-    """
-    from checkpoint_store.retention.statelog import StateLog
-
-    return StateLog(storage, path).load()
 
 
-def recorded_invalid(storage: StorageContext) -> dict[str, str]:
-    """``dir_name -> why`` of the checkpoints the trial's retention state
-    records as damaged (:attr:`ManagerState.invalid`); {} without a usable
-    state. Reads the root and the log records after it, never a chunk."""
-    from checkpoint_store.errors import CheckpointStoreError
-    from checkpoint_store.retention.statelog import StateLog
-
-    try:
-        state, _ = StateLog(storage).load(lazy=True)
-    except (CheckpointStoreError, OSError):
-        return {}
-    return dict(state.invalid) if state is not None else {}
 
 
-def save_state(storage: StorageContext, path: str, state: ManagerState) -> bool:
-    """Write ``state`` as a snapshot root at ``path`` (every entry inline, no log)
-    atomically; False (logged) when storage refused it."""
-    from checkpoint_store.retention.statelog import StateLog
-
-    return StateLog(storage, path).compact(state)

@@ -63,7 +63,7 @@ from checkpoint_store.retention.state import (
 )
 from checkpoint_store.storage import StorageContext
 
-__all__ = ["StateLog"]
+__all__ = ["StateLog", "load_state", "recorded_invalid", "save_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -503,3 +503,34 @@ def _chunk_refs(root: Mapping[str, Any]) -> list[tuple[str, int, _Runs | None]] 
             return None
         refs.append((c["name"], c["level"], _parse_runs(c.get("runs"))))
     return refs
+
+
+def load_state(storage: StorageContext, path: str | None = None
+               ) -> tuple[ManagerState | None, str]:
+    """``(state, problem)``: the trial's retention state (snapshot and log), or
+    None with why (``"missing"``, ``"unreadable (...)"``, ``"corrupt (...)"``;
+    problem is ``""`` with a state). ``path`` is the root's (default
+    ``<trial>/.checkpoint_manager.json``).
+
+    Raises:
+        InvalidConfigError: a stored object has a newer format than this release reads.
+    """
+    return StateLog(storage, path).load()
+
+
+def recorded_invalid(storage: StorageContext) -> dict[str, str]:
+    """``dir_name -> why`` of the checkpoints the trial's retention state
+    records as damaged (:attr:`ManagerState.invalid`); {} without a usable
+    state. Reads the root and the log records after it, never a chunk."""
+    from checkpoint_store.errors import CheckpointStoreError
+    try:
+        state, _ = StateLog(storage).load(lazy=True)
+    except (CheckpointStoreError, OSError):
+        return {}
+    return dict(state.invalid) if state is not None else {}
+
+
+def save_state(storage: StorageContext, path: str, state: ManagerState) -> bool:
+    """Write ``state`` as a snapshot root at ``path`` (every entry inline, no log)
+    atomically; False (logged) when storage refused it."""
+    return StateLog(storage, path).compact(state)

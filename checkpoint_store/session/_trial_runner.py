@@ -195,7 +195,7 @@ class TrialRunner:
         self._thread.start()
 
     def _run(self, generation: int) -> None:
-        from checkpoint_store import session as _session_mod
+        from checkpoint_store.session import _api as _session_mod
 
         try:
             active = _session_mod.start(

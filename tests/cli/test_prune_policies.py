@@ -10,7 +10,8 @@ from cli_helpers import Store, committed_names, invoke, make_trial
 
 from checkpoint_store._format.layout import MANAGER_STATE
 from checkpoint_store.retention import AnyOf, BestN, CheckpointConfig, EveryNSteps
-from checkpoint_store.retention.state import ManagerState, save_state
+from checkpoint_store.retention.state import ManagerState
+from checkpoint_store.retention.statelog import save_state
 
 LOSSES = [5, 4, 6, 3, 7, 8, 2, 9, 9, 9]
 

@@ -24,7 +24,7 @@ from checkpoint_store import (
 from checkpoint_store._format.layout import MANAGER_STATE
 from checkpoint_store._util.fs import delete_dir
 from checkpoint_store.cli import main
-from checkpoint_store.retention.state import load_state
+from checkpoint_store.retention.statelog import load_state
 from checkpoint_store.ui._model import StoreView
 
 K1 = CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="acc",

@@ -12,7 +12,8 @@ from _retention_helpers import save
 from checkpoint_store import Checkpoint, CheckpointConfig, CheckpointManager
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.retention import statelog
-from checkpoint_store.retention.state import LazyEntries, load_state
+from checkpoint_store.retention.state import LazyEntries
+from checkpoint_store.retention.statelog import load_state
 from checkpoint_store.testing.faults import faulty_backend
 
 FAST = pytest.mark.parametrize("backend_name", ["local", "memory"])

@@ -25,7 +25,7 @@ from checkpoint_store._format.layout import MANAGER_STATE
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.backends.base import MEMORY_CAPABILITIES, Backend
 from checkpoint_store.retention import LEASE_FILE
-from checkpoint_store.retention.state import load_state
+from checkpoint_store.retention.statelog import load_state
 
 FAST = pytest.mark.parametrize("backend_name", ["local", "memory"])
 K2MAX = CheckpointConfig(2, "score", "max")

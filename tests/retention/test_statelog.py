@@ -21,8 +21,8 @@ from checkpoint_store import (
 from checkpoint_store._format.layout import MANAGER_STATE, state_log_name
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.retention import restore as manager_mod
-from checkpoint_store.retention.state import LogRecord, ManagerState, StoredCheckpoint, load_state
-from checkpoint_store.retention.statelog import StateLog
+from checkpoint_store.retention.state import LogRecord, ManagerState, StoredCheckpoint
+from checkpoint_store.retention.statelog import StateLog, load_state
 from checkpoint_store.testing.faults import faulty_backend
 
 FAST = pytest.mark.parametrize("backend_name", ["local", "memory"])

@@ -103,7 +103,7 @@ def _check_stored_state(storage: Any, config: Any, scores: list[float], acked: i
     """The state as stored, before any manager repairs it: every registration
     that returned is in it, with what it evicted; the one cut short may be."""
     from checkpoint_store._format.layout import checkpoint_dir_name
-    from checkpoint_store.retention.state import load_state
+    from checkpoint_store.retention.statelog import load_state
     from checkpoint_store.testing.stateful import RetentionModel
 
     def kept_after(n: int) -> set[str]:
@@ -137,7 +137,7 @@ def _check_after_crash(storage: Any, config: Any, scores: list[float],
         parse_state_log_name,
     )
     from checkpoint_store._util import fs as _fsutil
-    from checkpoint_store.retention.state import load_state
+    from checkpoint_store.retention.statelog import load_state
     from checkpoint_store.testing.stateful import RetentionModel
 
     fs, trial = storage.filesystem, storage.trial_path
