@@ -10,6 +10,7 @@ import pytest
 from checkpoint_store import StorageContext
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.registry import resolve
+from tests.stores import make_store_for, store  # noqa: F401  (fixtures: a storage root on each backend)
 
 
 @dataclass

@@ -9,6 +9,7 @@ import pytest
 
 from checkpoint_store import StorageContext
 from checkpoint_store._util.fs import delete_dir
+from tests.stores import store  # noqa: F401  (fixtures: a storage root on each backend)
 
 StorageFactory = Callable[..., StorageContext]
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from tests.stores import store  # noqa: F401  (fixtures: a storage root on each backend)
+
 
 def run_ranks(n: int, fn: Callable[[int], Any], timeout: float = 60.0) -> list[Any]:
     """Run ``fn(rank)`` for ``rank in range(n)`` in threads; return each result or

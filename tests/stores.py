@@ -1,4 +1,4 @@
-"""Fixtures for the identity tests: one storage root on every backend.
+"""Fixtures for the storage-identity tests: one storage root on every backend.
 
 ``store`` is parametrized over local disk, memory, S3 with both engines
 (pyarrow, s3fs), Azure (Azurite) and GCS (the emulator); the servers come

@@ -1,0 +1,5 @@
+"""Fixtures of the backends tests."""
+
+from __future__ import annotations
+
+from tests.stores import store  # noqa: F401  (fixtures: a storage root on each backend)
