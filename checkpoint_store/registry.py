@@ -54,8 +54,15 @@ from checkpoint_store.backends.base import (
     canonical_path,
     check_location_text,
     redact_uri,
-    typed_options,
 )
+from checkpoint_store.backends.generic import (
+    _SERVER_COPY_STORES,
+    _fsspec_fallback,
+    _generic_capabilities,
+    _refuse_unusable,
+)
+from checkpoint_store.backends.generic import UNUSABLE_FSSPEC_PROTOCOLS as UNUSABLE_FSSPEC_PROTOCOLS
+from checkpoint_store.backends.generic import _typed_by_signature as _typed_by_signature
 from checkpoint_store.backends.handlers import wrap_filesystem
 from checkpoint_store.errors import (
     BackendUnavailableError,
@@ -238,85 +245,14 @@ def _call_factory(factory: Factory, label: str, uri: str, options: Mapping[str, 
     return backend
 
 
-#: fsspec protocols that cannot hold checkpoints, and why: read-only
-#: (checkpoints are written), listing nothing a commit can trust, or a cache
-#: in front of another store (what it writes may never reach that store).
-#: Refused with the reason before any filesystem is built.
-UNUSABLE_FSSPEC_PROTOCOLS: dict[str, str] = {
-    **dict.fromkeys(("http", "https"), "web servers are read-only to fsspec and list only "
-                    "the links a page happens to hold"),
-    **dict.fromkeys(("zip", "tar", "libarchive"), "archives open read-only (a new zip "
-                    "takes no delete or rename), so nothing can be committed or evicted"),
-    **dict.fromkeys(("github", "git", "reference", "data"), "it is read-only"),
-    **dict.fromkeys(("simplecache", "filecache", "blockcache", "cached"),
-                    "it is a local cache in front of another store: name that store instead"),
-}
 
 
-def _refuse_unusable(scheme: str, uri: str) -> None:
-    reason = UNUSABLE_FSSPEC_PROTOCOLS.get(scheme)
-    if reason is not None:
-        raise InvalidConfigError(
-            f"{redact_uri(uri) or scheme + '://'!r}: fsspec's {scheme!r} filesystem cannot "
-            f"hold checkpoints ({reason}); write them to a local path or a writable store "
-            "(s3://, az://, gs://, file://) and copy them there"
-        )
 
 
-def _fsspec_fallback(scheme: str, uri: str, options: Mapping[str, Any]) -> Backend | None:
-    import fsspec
-
-    # Both fsspec's table of known implementations and its runtime registrations.
-    if scheme not in fsspec.available_protocols() and scheme not in fsspec.registry:
-        return None
-    _refuse_unusable(scheme, uri)
-    warnings.warn(
-        f"no checkpoint-store backend is registered for {scheme!r}; using the generic "
-        "fsspec backend, which is untested for this store",
-        stacklevel=4,
-    )
-    try:
-        cls = fsspec.get_filesystem_class(scheme)
-        fs = cls(**_typed_by_signature(cls, options, scheme))
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            f"scheme {scheme!r} needs a package that is not installed: {exc}"
-        ) from None
-    except TypeError as exc:
-        raise InvalidConfigError(
-            f"fsspec's {scheme!r} filesystem rejected the storage options ({exc})"
-        ) from None
-    return Backend(
-        wrap_filesystem(fs),
-        scheme=scheme,
-        capabilities=_generic_capabilities(scheme),
-        name=f"fsspec:{scheme}",
-    )
 
 
-def _typed_by_signature(cls: Any, options: Mapping[str, Any], scheme: str) -> dict[str, Any]:
-    """``options`` with strings converted by the types of the defaults of
-    ``cls.__init__`` (``port=22`` for sftp, ``anon=False``): a generic fsspec
-    store declares its options no other way, and the command line's ``-o``
-    gives strings."""
-    import inspect
-
-    try:
-        params = inspect.signature(cls.__init__).parameters
-    except (TypeError, ValueError, ImportError):  # a class without a signature
-        return dict(options)
-    types = {name: type(p.default) for name, p in params.items()
-             if type(p.default) in (bool, int, float)}
-    return typed_options(options, types, f"fsspec {scheme!r}")
 
 
-# fsspec protocols of flat object stores: no real directories, so we never
-# create any. Every other protocol (sftp, ftp, smb, hdfs, webdav ...) has real
-# directories that must exist before a file is written into them.
-_OBJECT_STORE_PROTOCOLS = frozenset({
-    "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "wasb", "wasbs", "oss", "r2",
-    "oci", "ocilake", "tos", "cos", "cosn", "obs", "b2", "swift", "lakefs", "hf",
-})
 
 
 #: Name characters an fsspec client passed in as a filesystem object cannot
@@ -330,13 +266,6 @@ _FSSPEC_NAME_LIMITS: dict[str, tuple[str, str]] = {
 }
 
 
-#: Stores whose every client copies an object inside the store
-#: (``copy_file`` / fsspec's ``cp_file``: S3 CopyObject, or UploadPartCopy
-#: through s3fs; Azure Copy Blob; GCS rewrite), by fsspec protocol and by
-#: pyarrow's ``type_name``: a filesystem of these passed in keeps the
-#: incremental uploads its store's plugin has by URI.
-_SERVER_COPY_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
-_SERVER_COPY_CAPABILITIES = dataclasses.replace(OBJECT_STORE_CAPABILITIES, server_side_copy=True)
 
 #: Strings an fsspec client passed in as a filesystem object reads out of a
 #: name wherever they appear (:attr:`Capabilities.unsupported_name_parts`):
@@ -344,14 +273,6 @@ _SERVER_COPY_CAPABILITIES = dataclasses.replace(OBJECT_STORE_CAPABILITIES, serve
 _FSSPEC_NAME_PARTS: dict[str, tuple[str, ...]] = {"s3fs": ("?versionId=",)}
 
 
-def _generic_capabilities(protocol: str) -> Capabilities:
-    """Conservative capabilities for a store nobody wrote a backend for
-    (an fsspec filesystem, or a pyarrow one of ``type_name`` ``protocol``)."""
-    if protocol in _SERVER_COPY_STORES:
-        return _SERVER_COPY_CAPABILITIES
-    if protocol in _OBJECT_STORE_PROTOCOLS:
-        return OBJECT_STORE_CAPABILITIES
-    return Capabilities(directories=True, chunk_size=8 * 1024 * 1024, concurrency=4)
 
 
 def split_scheme(location: str) -> str | None:

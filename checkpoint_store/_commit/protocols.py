@@ -48,6 +48,14 @@ from checkpoint_store._commit.claims import (
     put_claim,
     take_turn,
 )
+from checkpoint_store._commit.refusals import DCP_METADATA as DCP_METADATA
+from checkpoint_store._commit.refusals import (
+    _cleanup_quietly,
+    _conflict,
+    _refuse_marked,
+    _refuse_unfinished_dcp,
+    _warn_replacing,
+)
 from checkpoint_store._commit.removal import remove_in_order, rename_away
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
@@ -76,7 +84,6 @@ from checkpoint_store.backends.base import Backend, Capabilities
 from checkpoint_store.errors import (
     AmbiguousCommitError,
     CheckpointConflictError,
-    CheckpointCorruptError,
     CheckpointNotFoundError,
 )
 
@@ -88,8 +95,6 @@ __all__ = [
     "MarkerLastCommit",
     "RenameCommit",
     "WriteContents",
-    "commit_checkpoint",
-    "delete_checkpoint_dir",
     "protocol_for",
 ]
 
@@ -101,9 +106,6 @@ WriteContents = Callable[[pafs.FileSystem, str], "list[ManifestEntry]"]
 
 CommitKind = Literal["rename", "marker_last"]
 
-#: torch.distributed.checkpoint's own commit marker: its coordinator writes it
-#: after every rank's data files (``*.distcp``) are written.
-DCP_METADATA = ".metadata"
 
 
 @dataclass(frozen=True)
@@ -555,133 +557,18 @@ class MarkerLastCommit(CommitProtocol):
         remove_in_order(self.dest, path, files, self.retry)
 
 
-# -- the two calls most callers need -----------------------------------------------
 
 
-def commit_checkpoint(
-    src_fs: pafs.FileSystem | None,
-    src_dir: str | None,
-    dest: Backend,
-    dest_dir: str,
-    internal: Mapping[str, Any],
-    *,
-    fsync: bool = True,
-    writer_id: str | None = None,
-    retry: RetryPolicy | None = None,
-    claim_timeout: float = 120.0,
-    confine_links: bool = False,
-    write: WriteContents | None = None,
-    previous: Previous | None = None,
-) -> dict[str, Any]:
-    """Upload ``src_dir`` as the committed checkpoint ``dest_dir`` with the
-    protocol :func:`protocol_for` picks.
 
-    Args:
-        src_fs, src_dir: where the user's files are. Our internal files found
-            there (say, from a downloaded checkpoint reported again) are skipped.
-            None with ``write``.
-        dest, dest_dir: the destination backend and the final directory path.
-        internal: fields of ``.internal_metadata.json`` (index, metrics, ...);
-            ``format_version``, ``created_at`` and ``manifest`` are filled in.
-        fsync: on local disks, fsync data and directories before the commit.
-        writer_id: this writer's id (default :func:`~checkpoint_store._util.ids.new_writer_id`).
-        retry: retry policy for every storage call (default from environment).
-        claim_timeout: seconds to wait for another writer of the same
-            directory (marker-last stores) before giving up.
-        confine_links: refuse a symlink in a local ``src_dir`` that leads out
-            of it (set when the source is itself a checkpoint); by default
-            a linked file's bytes are uploaded.
-        write: instead of copying ``src_dir`` (then None), a function
-            ``write(filesystem, directory)`` that writes the data files into
-            ``directory`` and returns their :class:`ManifestEntry` list; the
-            protocol around it is the same. It may be called again when a
-            retry rebuilds the filesystem. Used to stream a state straight to
-            storage without a local copy.
-        previous: a :class:`checkpoint_store._transfer.plan.Previous` (the last
-            committed checkpoint of the trial): files equal to its files are
-            copied inside the store (marker-last stores, local source only).
-
-    Returns:
-        The internal metadata as written.
-
-    Raises:
-        CheckpointConflictError: ``dest_dir`` is already committed (by an
-            earlier or a concurrent writer), holds a commit marker this
-            version cannot use, or another writer's live claim outlasted
-            ``claim_timeout``; nothing of it was changed. Files there without
-            a marker (a writer killed before its commit, with or without its
-            claim) are replaced, with a warning naming them.
-        CheckpointNotFoundError: ``src_dir`` does not exist.
-        UnsafePathError: a source file's name or link cannot be committed as
-            it is (see :func:`~checkpoint_store._transfer.trees.source_files`); checked
-            before the first write, so nothing was written.
-        TransientBackendError, PermanentBackendError: storage failed; nothing
-            was committed and earlier checkpoints are untouched.
-    """
-    return protocol_for(dest, fsync=fsync, retry=retry).commit(
-        src_fs, src_dir, dest_dir, internal, writer_id=writer_id,
-        claim_timeout=claim_timeout, confine_links=confine_links, write=write,
-        previous=previous,
-    )
-
-
-def delete_checkpoint_dir(
-    dest: Backend, path: str, *, writer_id: str | None = None, retry: RetryPolicy | None = None
-) -> None:
-    """Delete a checkpoint directory with the protocol :func:`protocol_for`
-    picks (:meth:`CommitProtocol.delete`). Absent is fine.
-
-    Where directories rename atomically, the directory is first renamed to
-    ``.cs_deleting-<name>-<writer>`` (it stops being listed in one step),
-    then removed. Elsewhere see :meth:`MarkerLastCommit.delete`.
-    """
-    protocol_for(dest, retry=retry).delete(path, writer_id)
 
 
 # -- helpers -------------------------------------------------------------------------
 
-def _warn_replacing(dest: Backend, dest_dir: str, files: Iterable[str]) -> None:
-    names = sorted(files)
-    if any(is_checkpoint_data(rel) for rel in names):
-        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-        logger.warning("%s held an uncommitted leftover (%s); replacing it with this commit",
-                       dest.uri_for(dest_dir), shown)
 
 
-def _conflict(dest: Backend, dest_dir: str, by_other: bool) -> CheckpointConflictError:
-    who = "by another writer" if by_other else "already"
-    return CheckpointConflictError(
-        f"{dest.uri_for(dest_dir)} was committed {who} (it holds a commit marker); its "
-        "contents were left untouched. Report the checkpoint under the next index, or delete "
-        "that one first."
-    )
 
 
-def _refuse_marked(dest: Backend, path: str, insp: Inspection, by_other: bool) -> None:
-    """Raise when ``path`` (as ``insp`` found it) holds a commit marker."""
-    if insp.state == "committed":
-        raise _conflict(dest, path, by_other)
-    if insp.state == "invalid":
-        raise CheckpointConflictError(
-            f"{dest.uri_for(path)} holds a commit marker this version cannot use "
-            f"({insp.reason}); commit under another index"
-        )
 
 
-def _refuse_unfinished_dcp(dest: Backend, dest_dir: str, data: Mapping[str, int]) -> None:
-    if DCP_METADATA not in data and any(rel.endswith(".distcp") for rel in data):
-        raise CheckpointCorruptError(
-            f"{dest.uri_for(dest_dir)} holds torch.distributed.checkpoint data files but no "
-            f"{DCP_METADATA}: that dcp.save did not finish, so it is not committed. Save "
-            "again into the same directory, or resume from the previous checkpoint",
-            path=dest_dir, file=DCP_METADATA,
-        )
 
 
-def _cleanup_quietly(fn: Callable[[], None]) -> None:
-    # Cleanup after a failure must not hide the failure; what it cannot
-    # remove, StorageContext.remove_uncommitted() removes later.
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001
-        logger.warning("could not clean up after a failed commit: %s", exc)

@@ -252,7 +252,7 @@ def _delete(ctx: Any, ckpt: Location) -> None:
     if ckpt.shown_as is None:
         ctx.delete_checkpoint(ckpt.name)
         return
-    from checkpoint_store._commit.protocols import delete_checkpoint_dir
+    from checkpoint_store._commit.commit import delete_checkpoint_dir
     from checkpoint_store._util.ids import new_writer_id
 
     delete_checkpoint_dir(ckpt.backend, ckpt.path, writer_id=new_writer_id())

@@ -1,7 +1,7 @@
 """The commands that move checkpoints: ``download``, ``upload`` and ``cp``.
 
 Every write goes through the library's commit
-(:func:`checkpoint_store._commit.protocols.commit_checkpoint`: files first, the commit
+(:func:`checkpoint_store._commit.commit.commit_checkpoint`: files first, the commit
 marker last), so a reader never sees a partial copy. This module decides
 *where* a checkpoint lands (:func:`checkpoint_destination`) and checks the
 source against its manifest while it streams, so a corrupt source is never
@@ -265,7 +265,7 @@ def upload_cmd(directory: str, uri: str, storage_options: dict[str, Any],
       checkpoint-store upload ./model_dir ./results/exp/t1/checkpoint_000003 \\
           --metrics '{"loss": 0.12}'
     """
-    from checkpoint_store._commit.protocols import commit_checkpoint
+    from checkpoint_store._commit.commit import commit_checkpoint
     from checkpoint_store._transfer.trees import source_files
 
     metrics = _parse_metrics(metrics_json)
@@ -339,7 +339,7 @@ def _copy_checkpoint(job: _CopyJob, on_bytes: Callable[[int], None]) -> CopyOutc
         CheckpointCorruptError: the source does not match its manifest; nothing
             stays committed at the destination.
     """
-    from checkpoint_store._commit.protocols import commit_checkpoint
+    from checkpoint_store._commit.commit import commit_checkpoint
     from checkpoint_store._transfer.trees import source_files
 
     src, dst = job.src, job.dst

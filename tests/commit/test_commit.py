@@ -12,7 +12,7 @@ import pytest
 from _commit_helpers import make_source, read_tree
 
 from checkpoint_store import Checkpoint, CheckpointConfig, session
-from checkpoint_store._commit.protocols import commit_checkpoint
+from checkpoint_store._commit.commit import commit_checkpoint
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import INTERNAL_METADATA
 from checkpoint_store._util import fs as _fsutil

@@ -152,7 +152,7 @@ def test_staging_and_temp_names_of_a_long_checkpoint_name_fit(tmp_path):
     """A checkpoint named with many digits (the CLI accepts any
     ``checkpoint_NNNNNN`` name) commits on local disk: the staging directory
     and the temporary files built from it stay within 255 bytes."""
-    from checkpoint_store._commit.protocols import commit_checkpoint
+    from checkpoint_store._commit.commit import commit_checkpoint
     from checkpoint_store.registry import resolve as _resolve
 
     backend, root = _resolve(str(tmp_path / "store"))

@@ -20,7 +20,7 @@ from checkpoint_store import (
     CheckpointConflictError,
     CheckpointManager,
 )
-from checkpoint_store._commit.protocols import commit_checkpoint
+from checkpoint_store._commit.commit import commit_checkpoint
 from checkpoint_store._util import clock as _clock
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.ids import new_writer_id

@@ -20,8 +20,9 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from checkpoint_store._commit.commit import delete_checkpoint_dir
 from checkpoint_store._commit.nesting import refuse_inside_checkpoint
-from checkpoint_store._commit.protocols import delete_checkpoint_dir, protocol_for
+from checkpoint_store._commit.protocols import protocol_for
 from checkpoint_store._format.layout import is_internal_name
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry

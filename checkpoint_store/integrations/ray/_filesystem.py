@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from checkpoint_store import registry
-from checkpoint_store._commit.protocols import delete_checkpoint_dir
+from checkpoint_store._commit.commit import delete_checkpoint_dir
 from checkpoint_store._format.layout import INTERNAL_METADATA
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry

@@ -18,7 +18,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store._commit.protocols import delete_checkpoint_dir, protocol_for
+from checkpoint_store._commit.commit import delete_checkpoint_dir
+from checkpoint_store._commit.protocols import protocol_for
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     INTERNAL_METADATA,

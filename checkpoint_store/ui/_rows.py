@@ -1,0 +1,424 @@
+"""The rows the web page shows, read from a trial's files: no state of its own.
+
+:class:`~checkpoint_store.ui._model.StoreView` keeps one :class:`_TrialCache` per
+trial and calls these to read a trial's
+new result rows and segments, its error and stop files, its config, and to
+build the checkpoint table (each row's status: best, latest, kept, evicted,
+uncommitted, invalid) and the decimated metric series of the charts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shlex
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from checkpoint_store._browse.locations import (
+    manifest_size,
+)
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import (
+    parse_checkpoint_dir_name,
+    validate_component,
+)
+from checkpoint_store._results.reader import (
+    Segment,
+    parse_result_rows,
+    unfolded_rows,
+)
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store.errors import (
+    InvalidConfigError,
+)
+from checkpoint_store.retention import (
+    CheckpointConfig,
+    CheckpointRecord,
+    rank_key,
+    score_or_none,
+    select_kept,
+)
+
+__all__ = ["BEST", "EVICTED", "INVALID", "KEPT", "LATEST", "SERIES_POINTS", "UNCOMMITTED"]
+
+
+# Kinds of a checkpoint on the chart and in the tables.
+BEST = "best"  # committed, among the best num_to_keep by the trial's score attribute
+LATEST = "latest"  # committed, the newest, kept for resume though not among the best
+KEPT = "kept"  # committed, neither (no score attribute, another run's, pending delete)
+EVICTED = "evicted"  # reported with a checkpoint that retention has deleted since
+UNCOMMITTED = "uncommitted"  # the directory is there without a commit marker (yet)
+INVALID = "invalid"  # committed, then found damaged: never ranked, resumed from or deleted
+
+
+# A chart line has at most this many points by default: 4 per bucket (first, last,
+# lowest, highest), so a spike survives decimation; markers are never decimated.
+SERIES_POINTS = 2000
+
+
+@dataclasses.dataclass
+class _TrialCache:
+    """What was read of one trial, so that a poll reads only what changed."""
+
+    offset: int = 0  # bytes of result.json parsed (always at a line end)
+    file_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # Segments not yet folded into result.json, by name, with their rows.
+    segments: dict[str, tuple[Segment, list[dict[str, Any]]]] = dataclasses.field(
+        default_factory=dict)
+    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # both, in order
+    metas: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # Directories whose marker is there but does not match them: name -> (the
+    # marker's JSON when it parsed, the reason).
+    unmatched: dict[str, tuple[dict[str, Any], str]] = dataclasses.field(default_factory=dict)
+    uncommitted: set[str] = dataclasses.field(default_factory=set)
+    # Recorded by the retention state: dir_name -> why; read again when its files change.
+    invalid: dict[str, str] = dataclasses.field(default_factory=dict)
+    state_files: tuple[tuple[str, int | None, int | None], ...] = ()
+    params: dict[str, Any] | None = None
+    config: CheckpointConfig | None = None
+    status: str = "finished"
+    error: str | None = None  # the last line of error.txt: "ValueError: loss is nan"
+    error_size: int = -1  # bytes of error.txt when ``error`` was read
+    stop: tuple[str, str, int | None] | None = None  # stopped.json: status, reason, size
+    # (metric, x) -> (rows seen, [(x, y, row index)]): a metric switch reads no row twice.
+    columns: dict[tuple[str, str], tuple[int, list[tuple[float, float, int]]]] = \
+        dataclasses.field(default_factory=dict)
+
+    # Numeric metric names of rows[:metrics_seen], in first-seen order.
+    metric_names: dict[str, None] = dataclasses.field(default_factory=dict)
+    metrics_seen: int = 0
+    flat_shapes: set[tuple[tuple[str, type], ...]] = dataclasses.field(default_factory=set)
+
+    def metrics(self) -> list[str]:
+        """Numeric metric names in the rows (nested keys joined by ``/``); only
+        rows not seen before are read."""
+        if self.metrics_seen > len(self.rows):
+            self.metric_names, self.metrics_seen, self.flat_shapes = {}, 0, set()
+        for row in self.rows[self.metrics_seen:]:
+            # Reports of one run mostly repeat one flat shape: a shape seen
+            # before adds no name (a nested row is always flattened).
+            shape = tuple((k, type(v)) for k, v in row.items())
+            if shape in self.flat_shapes:
+                continue
+            if not any(isinstance(v, Mapping) for v in row.values()):
+                self.flat_shapes.add(shape)
+            for key, value in _flatten(row).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.metric_names.setdefault(key, None)
+        self.metrics_seen = len(self.rows)
+        return list(self.metric_names)
+
+    def version(self) -> str:
+        """A token that changes whenever anything shown of the trial changes (an
+        HTTP ETag: a poll with nothing new is answered 304 without a body)."""
+        key = (self.offset, tuple(sorted(self.segments)), tuple(sorted(self.metas)),
+               tuple(sorted(self.unmatched.items())), tuple(sorted(self.invalid.items())),
+               tuple(sorted(self.uncommitted)),
+               self.status, self.error, self.config.to_json() if self.config else None)
+        return hashlib.blake2b(repr(key).encode(), digest_size=8).hexdigest()
+
+
+def _require_checkpoint_name(name: str, marked: Iterable[str] = ()) -> None:
+    """A ``checkpoint_NNNNNN`` name, or one of ``marked`` (directories of the
+    trial with a commit marker under another name, as Ray Train names them)."""
+    validate_component(name, "checkpoint")
+    if parse_checkpoint_dir_name(name) is None and name not in set(marked):
+        raise InvalidConfigError(
+            f"{name!r} is neither a checkpoint_NNNNNN directory name nor a directory "
+            "with a commit marker")
+
+
+def _read_new_rows(fs: Any, path: str, size: int | None, cache: _TrialCache) -> None:
+    """Parse the rows appended since ``cache.offset``: one ranged read of the new bytes.
+
+    A file shorter than what was parsed was replaced: start again. A last line
+    without its newline is a row being written: left for the next read.
+    """
+    size = int(size or 0)
+    if size < cache.offset:
+        cache.offset, cache.file_rows = 0, []
+    if size == cache.offset:
+        return
+    try:
+        with fs.open_input_file(path) as f:
+            data = f.read_at(size - cache.offset, cache.offset)
+    except FileNotFoundError:
+        return
+    end = data.rfind(b"\n")
+    if end < 0:
+        return
+    cache.file_rows.extend(parse_result_rows(data[: end + 1]))
+    cache.offset += end + 1
+
+
+def _read_new_segments(fs: Any, listed: list[Segment], cache: _TrialCache) -> bool:
+    """Read the ``listed`` segments not seen before (a segment never changes),
+    forget the ones assembled away, and set ``cache.rows``: ``result.json``'s
+    rows, then the segments' rows it does not hold yet. False when a listed
+    segment was gone when read."""
+    whole = True
+    kept: dict[str, tuple[Segment, list[dict[str, Any]]]] = {}
+    for seg in listed:
+        if seg.name in cache.segments:
+            kept[seg.name] = cache.segments[seg.name]
+            continue
+        try:
+            kept[seg.name] = (seg, parse_result_rows(_fsutil.read_bytes(fs, seg.path)))
+        except FileNotFoundError:
+            whole = False  # assembled into result.json since the listing
+    cache.segments = kept
+    cache.rows = cache.file_rows + unfolded_rows(
+        [kept[s.name] for s in listed if s.name in kept], cache.file_rows)
+    return whole
+
+
+def _read_error(fs: Any, path: str, info: Any, cache: _TrialCache) -> None:
+    """Keep the last line of ``error.txt`` in ``cache`` (read again only when
+    its size changed; absent: None)."""
+    if info is None:
+        cache.error, cache.error_size = None, -1
+        return
+    if info.size == cache.error_size and cache.error is not None:
+        return
+    try:
+        text = _fsutil.read_bytes(fs, path).decode("utf-8", errors="replace")
+    except (FileNotFoundError, OSError):
+        cache.error, cache.error_size = None, -1
+        return
+    lines = [line for line in text.splitlines() if line.strip()]
+    cache.error = lines[-1].strip() if lines else "(error.txt is empty)"
+    cache.error_size = info.size if info.size is not None else -1
+
+
+def _read_stop(fs: Any, path: str, info: Any,
+               cache: _TrialCache) -> tuple[str, str] | None:
+    """``(status, reason)`` of ``stopped.json`` (read again only when its size
+    changed), or None when there is none."""
+    if info is None:
+        cache.stop = None
+        return None
+    if cache.stop is None or cache.stop[2] != info.size:
+        body = _read_json(fs, path)
+        status = body.get("status") if isinstance(body, dict) else None
+        if status not in ("pruned", "stopped"):
+            cache.stop = None
+            return None
+        cache.stop = (status, str(body.get("reason") or status), info.size)
+    return cache.stop[0], cache.stop[1]
+
+
+def _read_json(fs: Any, path: str) -> Any:
+    try:
+        return _json.loads(_fsutil.read_bytes(fs, path))
+    except (OSError, ValueError):
+        return None
+
+
+def _read_config(fs: Any, path: str) -> CheckpointConfig | None:
+    """The trial's retention rules, as its manager recorded them."""
+    state = _read_json(fs, path)
+    try:
+        return CheckpointConfig.from_json(state["config"])
+    except (TypeError, KeyError, InvalidConfigError):
+        return None
+
+
+def _records(metas: Mapping[str, Mapping[str, Any]]) -> list[CheckpointRecord]:
+    return [CheckpointRecord(m["index"], n, m.get("metrics") or {}, _number_or_none(m))
+            for n, m in metas.items()]
+
+
+def _number_or_none(meta: Mapping[str, Any]) -> float | None:
+    value = meta.get("created_at")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        else None
+
+
+def _top(metas: Mapping[str, Mapping[str, Any]], config: CheckpointConfig,
+         k: int) -> list[CheckpointRecord]:
+    """The best ``k`` committed checkpoints by the retention manager's own ranking."""
+    missing = "worst" if config.missing_score == "raise" else config.missing_score
+    # The ranking fields only: a recorded policy decides what is kept, not what is best.
+    rules = CheckpointConfig(num_to_keep=k,
+                             checkpoint_score_attribute=config.checkpoint_score_attribute,
+                             checkpoint_score_order=config.checkpoint_score_order,
+                             keep_latest=False, missing_score=missing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a missing score is shown, not warned about
+        try:
+            kept, _ = select_kept(_records(metas), rules)
+        except InvalidConfigError:  # a non-numeric score: nothing ranks
+            return []
+    return kept
+
+
+def _best(metas: Mapping[str, Mapping[str, Any]],
+          config: CheckpointConfig | None) -> tuple[str, float | None] | None:
+    if not metas or config is None or config.checkpoint_score_attribute is None:
+        return None
+    top = _top(metas, config, 1)
+    if not top:
+        return None
+    return top[0].dir_name, score_or_none(top[0].metrics, config.checkpoint_score_attribute)
+
+
+def _good(cache: _TrialCache) -> dict[str, dict[str, Any]]:
+    """The committed checkpoints but those the retention state records as invalid."""
+    return {n: m for n, m in cache.metas.items() if n not in cache.invalid}
+
+
+def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
+    """Every checkpoint the trial has or had, oldest first: ``name``, ``index``,
+    ``kind`` (best, latest, kept, invalid, evicted, uncommitted), ``is_best``
+    (ranked first), ``rank`` (1 for the best by the score attribute, None when
+    unranked), ``is_latest``, ``score``, ``size``, ``files``, ``created_at``,
+    ``iteration`` (the ``training_iteration`` of the report that named it) and,
+    for ``invalid``, ``reason`` (what does not match, naming the file). An
+    invalid one (its files no longer match its manifest, or a read found it
+    damaged) is never best, latest nor ranked."""
+    config = cache.config
+    attr = config.checkpoint_score_attribute if config else None
+    metas = _good(cache)
+    best_k: set[str] = set()
+    first = None
+    if config is not None and attr is not None and metas:
+        best_k = {r.dir_name for r in _top(metas, config, config.num_to_keep or 1)}
+        top1 = _top(metas, config, 1)
+        first = top1[0].dir_name if top1 else None
+    ranks = _ranks(metas, config)
+    latest = max(metas, key=lambda n: metas[n]["index"]) if metas else None
+    reported = {r["checkpoint_dir_name"]: r for r in cache.rows
+                if isinstance(r.get("checkpoint_dir_name"), str)}
+    out = []
+    for name, meta in cache.metas.items():
+        kind = (INVALID if name in cache.invalid else BEST if name in best_k
+                else LATEST if name == latest else KEPT)
+        row = reported.get(name, {})
+        out.append({
+            "name": name, "index": meta["index"], "kind": kind, "is_best": name == first,
+            "rank": ranks.get(name), "is_latest": name == latest,
+            "score": score_or_none(meta.get("metrics") or {}, attr),
+            "size": manifest_size(meta), "files": len(meta.get("manifest", [])),
+            "created_at": meta.get("created_at"),
+            "iteration": row.get("training_iteration"),
+            **({"reason": cache.invalid[name]} if name in cache.invalid else {}),
+        })
+    for name, (meta, reason) in cache.unmatched.items():
+        row = reported.get(name, {})
+        index = meta.get("index") if isinstance(meta.get("index"), int) else \
+            parse_checkpoint_dir_name(name)
+        out.append({
+            "name": name, "index": index, "kind": INVALID, "is_best": False, "rank": None,
+            "is_latest": False, "score": score_or_none(meta.get("metrics") or row, attr),
+            "size": manifest_size(meta) if meta.get("manifest") else None,
+            "files": len(meta.get("manifest", [])) or None,
+            "created_at": meta.get("created_at"), "iteration": row.get("training_iteration"),
+            "reason": reason,
+        })
+    for name in cache.invalid.keys() - cache.metas.keys() - reported.keys():
+        reported[name] = {}  # recorded damaged, not matching its manifest, no row names it
+    for name, row in reported.items():
+        if name in cache.metas or name in cache.unmatched:
+            continue
+        index = parse_checkpoint_dir_name(name)
+        out.append({
+            "name": name, "index": index,
+            "kind": (INVALID if name in cache.invalid else
+                     UNCOMMITTED if name in cache.uncommitted else EVICTED),
+            "is_best": False, "rank": None, "is_latest": False,
+            "score": score_or_none(row, attr), "size": None, "files": None, "created_at": None,
+            "iteration": row.get("training_iteration"),
+        })
+    out.sort(key=lambda c: (c["index"] is None, c["index"] or 0))
+    return out
+
+
+def _ranks(metas: Mapping[str, Mapping[str, Any]],
+           config: CheckpointConfig | None) -> dict[str, int]:
+    """``name -> 1, 2, ...``: committed checkpoints with a score, best first, in the
+    retention manager's order (:func:`~checkpoint_store.retention.rank_key`)."""
+    attr = config.checkpoint_score_attribute if config else None
+    if config is None or attr is None:
+        return {}
+    scored = [(score_or_none(m.get("metrics") or {}, attr), m["index"], n)
+              for n, m in metas.items()]
+    order = config.checkpoint_score_order
+    ranked = sorted((s for s in scored if s[0] is not None),
+                    key=lambda s: rank_key(s[0], s[1], order), reverse=True)
+    return {name: i + 1 for i, (_, _, name) in enumerate(ranked)}
+
+
+def _column(cache: _TrialCache, metric: str, x: str) -> list[tuple[float, float, int]]:
+    """``[(x, y, row index)]`` of the rows with a number for both; extended, not
+    recomputed, as rows arrive (a replaced ``result.json`` starts it again)."""
+    seen, points = cache.columns.get((metric, x), (0, []))
+    if seen > len(cache.rows):
+        seen, points = 0, []
+    points = list(points)
+    for i in range(seen, len(cache.rows)):
+        row = cache.rows[i]
+        py = _number(row.get(metric))  # a literal key first, as score_or_none reads it
+        if py is None:
+            py = score_or_none(row, metric)
+        px = _number(row.get(x))
+        if px is not None and py is not None:
+            points.append((px, py, i))
+    cache.columns[(metric, x)] = (len(cache.rows), points)
+    return points
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return None
+    return float(value)
+
+
+def _decimate(points: list[tuple[float, float, int]],
+              limit: int) -> list[tuple[float, float, int]]:
+    """At most ``limit`` of ``points``, in order: for each of ``limit // 4`` runs of
+    consecutive points its first, last, lowest and highest (the M4 rule, which
+    draws the same line as every point at the chart's width)."""
+    if len(points) <= limit:
+        return points
+    buckets = limit // 4
+    out: list[tuple[float, float, int]] = []
+    for b in range(buckets):
+        run = points[b * len(points) // buckets:(b + 1) * len(points) // buckets]
+        if not run:
+            continue
+        keep = {0, len(run) - 1,
+                min(range(len(run)), key=lambda i: run[i][1]),
+                max(range(len(run)), key=lambda i: run[i][1])}
+        out.extend(run[i] for i in sorted(keep))
+    return out
+
+
+def _flatten(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested keys joined by ``/``, the way score attributes name nested metrics."""
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, name + "/"))
+        else:
+            out[name] = value if not isinstance(value, list) else json.dumps(value)
+    return out
+
+
+def _snippets(uri: str, name: str) -> dict[str, str]:
+    """Copy-paste commands for a checkpoint. Storage options are never written in:
+    they may hold credentials."""
+    shell = ("# plus the -o KEY=VALUE options given to `ui`, if any\n"
+             f"checkpoint-store download {shlex.quote(uri)} {shlex.quote('./' + name)}")
+    python = (
+        "from checkpoint_store import Checkpoint\n\n"
+        "# storage_options={...} as given to `ui`, or the backend's environment variables\n"
+        f"checkpoint = Checkpoint({uri!r})\n"
+        "with checkpoint.as_directory() as path:\n"
+        "    ...  # load your model and optimizer state from path\n"
+    )
+    return {"shell": shell, "python": python}
+
