@@ -111,7 +111,7 @@ def copy_tree(
             _fsutil.ensure_dir(dst_fs, posixpath.join(dst_root, d), dst_caps, retry=retry)
 
     # The fastest path for this pair of filesystems and these file sizes
-    # (checkpoint_store/_plan.py); each task (a file, a part of a large file,
+    # (checkpoint_store/_transfer/plan.py); each task (a file, a part of a large file,
     # or a batch of small ones) is the unit of retry.
     from checkpoint_store._transfer import plan as _plan
 

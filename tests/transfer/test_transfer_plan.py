@@ -1,4 +1,4 @@
-"""Transfer planning (checkpoint_store/_plan.py): every route moves the exact
+"""Transfer planning (checkpoint_store/_transfer/plan.py): every route moves the exact
 bytes and reports each file's size and CRC32C, on real files and real servers."""
 
 from __future__ import annotations
