@@ -54,7 +54,8 @@ import pyarrow.fs as pafs
 
 from checkpoint_store._transfer.budget import DEFAULT_MEMORY_LIMIT
 from checkpoint_store._transfer.crc32c import crc32c_combine
-from checkpoint_store._transfer.localcopy import _O_BINARY, creates_locally, flush_files
+from checkpoint_store._transfer.durability import creates_locally, flush_files
+from checkpoint_store._transfer.localcopy import _O_BINARY
 from checkpoint_store._transfer.remote import (
     _client_of,
     _is_async,

@@ -18,6 +18,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from checkpoint_store import Checkpoint, StorageContext
+from checkpoint_store._transfer import durability as _durability
 from checkpoint_store._transfer import localcopy as _localcopy
 from checkpoint_store._transfer import plan as _plan
 from checkpoint_store._transfer import tasks as _tasks
@@ -131,7 +132,7 @@ def test_without_copy_file_range_the_buffer_copies(shm_dir, tmp_path, monkeypatc
 
 
 def test_syncfs_durability_copies_the_same(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(_localcopy, "DURABILITY", "syncfs")
+    monkeypatch.setattr(_durability, "DURABILITY", "syncfs")
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     want = _tree(src, SHAPES)
     _assert_copied(copy_tree(LOCAL, src, LOCAL, dst, LOCAL_CAPABILITIES, fsync=True),
@@ -460,10 +461,10 @@ def test_a_source_changing_during_the_copy_fails_it(tmp_path, monkeypatch, route
 
 
 def _count_flushes(monkeypatch) -> dict[str, int]:
-    """Count ``syncfs`` calls and per-file fsyncs of :func:`_localcopy.flush_files`
+    """Count ``syncfs`` calls and per-file fsyncs of :func:`_durability.flush_files`
     (both still run)."""
     seen = {"syncfs": 0, "fsync": 0}
-    real_syncfs, real_fsync = _localcopy._syncfs, os.fsync
+    real_syncfs, real_fsync = _durability._syncfs, os.fsync
 
     def syncfs(fd: int) -> bool:
         seen["syncfs"] += 1
@@ -473,8 +474,8 @@ def _count_flushes(monkeypatch) -> dict[str, int]:
         seen["fsync"] += 1
         real_fsync(fd)
 
-    monkeypatch.setattr(_localcopy, "_syncfs", syncfs)
-    monkeypatch.setattr(_localcopy.os, "fsync", fsync)
+    monkeypatch.setattr(_durability, "_syncfs", syncfs)
+    monkeypatch.setattr(_durability.os, "fsync", fsync)
     return seen
 
 
@@ -494,12 +495,12 @@ def test_auto_durability_takes_syncfs_only_where_it_pays(
     sizes = {f"d{i % 3}/f{i:03d}": 100 + i for i in range(n_files)}
     _tree(root, sizes)
     nbytes = sum(sizes.values())
-    monkeypatch.setattr(_localcopy, "DURABILITY", "auto")
-    monkeypatch.setattr(_localcopy, "_machine_dirty_bytes", lambda: nbytes + other_dirty)
+    monkeypatch.setattr(_durability, "DURABILITY", "auto")
+    monkeypatch.setattr(_durability, "_machine_dirty_bytes", lambda: nbytes + other_dirty)
     if not kernel_ok:
-        monkeypatch.setattr(_localcopy, "_SYNCFS_KERNEL", (10_000, 0))
+        monkeypatch.setattr(_durability, "_SYNCFS_KERNEL", (10_000, 0))
     seen = _count_flushes(monkeypatch)
-    _localcopy.flush_files(root, sorted(sizes), 4, nbytes)
+    _durability.flush_files(root, sorted(sizes), 4, nbytes)
     if want == "syncfs":
         assert seen == {"syncfs": 1, "fsync": 0}
     else:
@@ -509,7 +510,7 @@ def test_auto_durability_takes_syncfs_only_where_it_pays(
 def test_machine_dirty_bytes_reads_meminfo() -> None:
     if not os.path.exists("/proc/meminfo"):
         pytest.skip("no /proc/meminfo")
-    got = _localcopy._machine_dirty_bytes()
+    got = _durability._machine_dirty_bytes()
     assert got is not None and got >= 0 and got % 1024 == 0
 
 
@@ -519,8 +520,8 @@ def test_a_failed_syncfs_commits_nothing(tmp_path, monkeypatch) -> None:
     def failing(fd: int) -> bool:
         raise OSError(errno.EIO, "injected writeback error")
 
-    monkeypatch.setattr(_localcopy, "DURABILITY", "syncfs")
-    monkeypatch.setattr(_localcopy, "_syncfs", failing)
+    monkeypatch.setattr(_durability, "DURABILITY", "syncfs")
+    monkeypatch.setattr(_durability, "_syncfs", failing)
     src = str(tmp_path / "src")
     _tree(src, {f"f{i:03d}": 1000 for i in range(100)})
     ctx = StorageContext(str(tmp_path / "store"), "exp", "trial", fsync=True)
@@ -538,7 +539,7 @@ def test_data_is_flushed_before_the_commit_marker(tmp_path, monkeypatch, durabil
     from checkpoint_store._format.layout import INTERNAL_METADATA
     from checkpoint_store._util import fs as _fsutil
 
-    monkeypatch.setattr(_localcopy, "DURABILITY", durability)
+    monkeypatch.setattr(_durability, "DURABILITY", durability)
     events: list[str] = []
     real_flush, real_write = _plan.flush_files, _fsutil.write_bytes
 
@@ -716,8 +717,8 @@ def test_small_local_files_are_copied_in_turn_by_one_thread(tmp_path, monkeypatc
         return real(self, rel)
 
     monkeypatch.setattr(_tasks.TransferTasks, "_copy_local_whole", spy)
-    if not _localcopy.creates_locally(str(tmp_path)):
-        pytest.skip(f"{tmp_path} is on {_localcopy.fs_type(str(tmp_path))!r}")
+    if not _durability.creates_locally(str(tmp_path)):
+        pytest.skip(f"{tmp_path} is on {_durability.fs_type(str(tmp_path))!r}")
     small = {rel: size for rel, size in SHAPES.items() if rel != "big.bin"}
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     want = _tree(src, small)
@@ -738,10 +739,10 @@ def test_small_local_files_are_copied_in_turn_by_one_thread(tmp_path, monkeypatc
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/mountinfo"), reason="needs Linux")
 def test_fs_type_reads_the_mount_table(shm_dir, tmp_path) -> None:
-    assert _localcopy.fs_type(shm_dir) == "tmpfs"
-    assert _localcopy.creates_locally(shm_dir)
-    assert _localcopy.fs_type(str(tmp_path / "missing")) is None
-    assert not _localcopy.creates_locally(str(tmp_path / "missing"))
+    assert _durability.fs_type(shm_dir) == "tmpfs"
+    assert _durability.creates_locally(shm_dir)
+    assert _durability.fs_type(str(tmp_path / "missing")) is None
+    assert not _durability.creates_locally(str(tmp_path / "missing"))
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
@@ -835,8 +836,8 @@ def test_large_local_files_are_copied_by_a_reader_and_a_writer(tmp_path, shm_dir
     # the CRC32C of exactly those bytes; on ext4 and on tmpfs, uploads and
     # downloads (to_directory verifies against the manifest).
     base = str(tmp_path) if where == "tmp" else shm_dir
-    if not _localcopy.creates_locally(base):
-        pytest.skip(f"{base} is on {_localcopy.fs_type(base)!r}")
+    if not _durability.creates_locally(base):
+        pytest.skip(f"{base} is on {_durability.fs_type(base)!r}")
     piped: list[str] = []
     real = _tasks.TransferTasks._pipe_copy
 

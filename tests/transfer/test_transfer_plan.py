@@ -15,7 +15,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from checkpoint_store._transfer import budget as _budget
-from checkpoint_store._transfer import localcopy as _localcopy
+from checkpoint_store._transfer import durability as _durability
 from checkpoint_store._transfer import plan as _plan
 from checkpoint_store._transfer import remote as _remote
 from checkpoint_store._transfer.trees import copy_tree
@@ -99,7 +99,7 @@ def test_plan_cuts_large_files_in_parts_and_batches_small_ones(tmp_path) -> None
     # thread copies them in turn).
     p = _plan.plan(LOCAL, str(tmp_path), LOCAL, str(tmp_path), files, chunk_size=2**20,
                    concurrency=4)
-    if _localcopy.creates_locally(str(tmp_path)):
+    if _durability.creates_locally(str(tmp_path)):
         assert [len(b) for b in p.batches] == [202]
     remote = pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("memory")))
     p = _plan.plan(LOCAL, "/x", remote, "/y", files, chunk_size=2**20, concurrency=4)
