@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from checkpoint_store.retention.upload_config import UploadConfig
     from checkpoint_store.session._trial_runner import TrialRunner
     from checkpoint_store.storage import ScanResult, StorageContext
+    from checkpoint_store.tiers import LocalTier
 
 __version__ = "0.1.0"
 
@@ -59,6 +60,7 @@ __all__ = [
     "CredentialsExpiredError",
     "AmbiguousMetricError",
     "InvalidConfigError",
+    "LocalTier",
     "MetadataError",
     "NestedCheckpointError",
     "PermanentBackendError",
@@ -87,6 +89,7 @@ _LAZY = {
     "Checkpoint": "checkpoint_store.checkpoint",
     "CheckpointConfig": "checkpoint_store.retention",
     "CheckpointManager": "checkpoint_store.retention",
+    "LocalTier": "checkpoint_store.tiers",
     "RetryPolicy": "checkpoint_store._util.retry",
     "ScanResult": "checkpoint_store.storage",
     "StorageContext": "checkpoint_store.storage",

@@ -75,6 +75,7 @@ from checkpoint_store.errors import CheckpointCorruptError, CheckpointStoreError
 from checkpoint_store.retention import CheckpointConfig
 from checkpoint_store.session import Session
 from checkpoint_store.storage import StorageContext
+from checkpoint_store.tiers import LocalTier, check_local_tier
 
 try:
     import fcntl
@@ -189,6 +190,9 @@ class CheckpointStoreCallback(TrainerCallback):
         storage_options: backend options for a URI ``storage_path``.
         config: the trial's hyperparameters, written to ``params.json``.
         sync_timeout_s: with several ranks, the longest wait for the others.
+        local_tier: a :class:`~checkpoint_store.LocalTier` in front of
+            ``storage_path`` (docs/tiers.md): checkpoints commit on a local
+            disk first and reach ``storage_path`` in the background.
 
     The session starts at ``on_train_begin`` (rank, world size from
     ``TrainingArguments``) and ends at ``on_train_end``. With
@@ -233,6 +237,7 @@ class CheckpointStoreCallback(TrainerCallback):
         storage_options: Mapping[str, Any] | None = None,
         config: Mapping[str, Any] | None = None,
         sync_timeout_s: float = 1800.0,
+        local_tier: LocalTier | None = None,
     ):
         # Built now, so bad names or an unknown scheme fail before training starts.
         self._storage = StorageContext(
@@ -242,6 +247,7 @@ class CheckpointStoreCallback(TrainerCallback):
         self._checkpoint_config = checkpoint_config
         self._config = config
         self._sync_timeout_s = sync_timeout_s
+        self._local_tier = check_local_tier(local_tier)
         self._metrics: dict[str, Any] = {}
         self.session: Session | None = None
 
@@ -262,7 +268,7 @@ class CheckpointStoreCallback(TrainerCallback):
                 self._storage, self._checkpoint_config, config=self._config,
                 world_rank=args.process_index, world_size=args.world_size,
                 local_rank=max(args.local_process_index, 0),
-                sync_timeout_s=self._sync_timeout_s,
+                sync_timeout_s=self._sync_timeout_s, local_tier=self._local_tier,
             )
             _OPEN.add(self)
         if args.load_best_model_at_end:

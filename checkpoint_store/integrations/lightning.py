@@ -191,7 +191,8 @@ class ReportCheckpointCallback(_ReportCallback, _Callback):
         mode: ``"min"`` or ``"max"`` (``checkpoint_score_order``).
         num_to_keep: how many checkpoints to keep (None: all).
         storage_path: where the trial lives (with ``experiment_name``,
-            ``trial_name``, ``storage_options``, ``storage_filesystem``); the
+            ``trial_name``, ``storage_options``, ``storage_filesystem``,
+            ``local_tier``: a :class:`~checkpoint_store.LocalTier`); the
             callback starts a session there on each rank at ``setup`` (rank
             and world size from the trainer) and ends it at ``teardown``.
             Without it the callback reports into the session already active

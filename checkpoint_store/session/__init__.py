@@ -36,6 +36,7 @@ from checkpoint_store.session._api import (
 from checkpoint_store.session._session import AUTO_FILLED, Session, SessionContext
 from checkpoint_store.session._trial_runner import TrialRunner
 from checkpoint_store.session._uploads import UploadConfig
+from checkpoint_store.tiers import LocalTier
 
 __all__ = [
     "AUTO_FILLED",
@@ -45,6 +46,7 @@ __all__ = [
     "TrialStopped",
     "Session",
     "UploadConfig",
+    "LocalTier",
     "SessionContext",
     "start",
     "report",

@@ -26,6 +26,7 @@ from checkpoint_store.retention import CheckpointConfig
 from checkpoint_store.session._session import AUTO_FILLED, Session, SessionContext
 from checkpoint_store.session._uploads import UploadConfig
 from checkpoint_store.storage import StorageContext
+from checkpoint_store.tiers import LocalTier
 
 __all__ = [
     "AUTO_FILLED",
@@ -117,6 +118,7 @@ def start(
     memory_budget: int | None = None,
     incremental: bool = True,
     resume_from: Checkpoint | str | os.PathLike[str] | None = None,
+    local_tier: LocalTier | None = None,
     _thread_only: bool = False,
 ) -> _ActiveSession:
     """Start a session; use as ``with session.start(...) as s:``.
@@ -157,6 +159,12 @@ def start(
             written. Recorded in ``params.json`` under ``"_resume_from"``, and
             never registered, moved or deleted by this trial, whatever its
             retention. This trial's indexes start at 0 as usual.
+        local_tier: a fast local tier (:class:`~checkpoint_store.LocalTier`)
+            in front of ``storage_path``: ``report()`` commits there and
+            returns, the checkpoints its ``persist`` policy selects reach
+            ``storage_path`` in the background, and ``get_checkpoint()``
+            reads the newest complete copy from the fastest tier that holds
+            it. See docs/tiers.md.
 
     Raises:
         InvalidConfigError: bad names, location, config or ranks, or several
@@ -184,6 +192,7 @@ def start(
         storage, checkpoint_config, upload_config=upload_config, config=config,
         world_rank=world_rank, world_size=world_size, local_rank=local_rank,
         attempt_id=attempt_id, sync_timeout_s=sync_timeout_s, resume_from=resume_from,
+        local_tier=local_tier,
     )
     return _ActiveSession(sess, _thread_only)
 
@@ -220,12 +229,13 @@ def report(
                                 staging=staging)
 
 
-def wait(timeout: float | None = None) -> None:
-    """Wait until the active session's background uploads are committed.
+def wait(timeout: float | None = None, *, checkpoint: Any = None) -> None:
+    """Wait until the active session's background uploads are committed (or,
+    given ``checkpoint``, until that checkpoint is durable).
 
     See :meth:`Session.wait`; raises the first background upload error.
     """
-    get_session().wait(timeout)
+    get_session().wait(timeout, checkpoint=checkpoint)
 
 
 def next_checkpoint_dir() -> str:

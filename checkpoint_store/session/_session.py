@@ -29,6 +29,7 @@ from checkpoint_store.errors import (
 )
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
 from checkpoint_store.retention.restore import Listing
+from checkpoint_store.session import _tiered
 from checkpoint_store.session._checks import (
     check_checkpoint_config,
     check_resume_source,
@@ -47,6 +48,7 @@ from checkpoint_store.session._multirank import Coordinator
 from checkpoint_store.session._uploads import BackgroundUploader as AsyncUploader
 from checkpoint_store.session._uploads import UploadConfig, first_error
 from checkpoint_store.storage import StorageContext
+from checkpoint_store.tiers import FastTier, LocalTier, check_local_tier
 
 _logger = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ class Session:
         attempt_id: str | None = None,
         sync_timeout_s: float = 1800.0,
         resume_from: Checkpoint | str | os.PathLike[str] | None = None,
+        local_tier: LocalTier | None = None,
     ):
         # Every argument is checked before the first storage call: a refused
         # start writes nothing (no trial directory, no params.json).
@@ -104,6 +107,12 @@ class Session:
                 f"world_rank {self.world_rank} must be in [0, world_size={self.world_size})"
             )
         sync_timeout_s = check_timeout(sync_timeout_s)
+        local_tier = check_local_tier(local_tier, storage)
+        # The local tier (session.start(local_tier=...)), opened below; its
+        # worker for staged states; the copies every rank has (several ranks).
+        self._tier: FastTier | None = None
+        self._tier_worker: AsyncUploader | None = None
+        self._tier_among: set[int] | None = None
         # Read only, never registered, moved or deleted by this trial: it lives
         # outside the trial directory, where retention never looks. A starting
         # point, read once: a trial with checkpoints of its own never reads it
@@ -180,6 +189,8 @@ class Session:
                 self._next_index = self._coordinator.agree_start_index(
                     lambda: max(storage.next_checkpoint_index(), self.manager.next_index)
                 )
+            # After the numbering: it continues past the local tier's copies too.
+            self._tier = _tiered.open_tier(self, local_tier)
         except BaseException:
             self.manager.close()
             raise
@@ -226,6 +237,9 @@ class Session:
                 read at start, since the trial had checkpoints then) is missing,
                 not committed or corrupt.
         """
+        fast = _tiered.get_fast_checkpoint(self)  # local tier first, when as new
+        if fast is not None:
+            return fast
         cands, self._resume_candidates = self._resume_candidates, None
         if cands and self._latest is cands[-1][0]:
             self._latest = self.storage.latest_verified_checkpoint(cands)
@@ -278,6 +292,8 @@ class Session:
         Raises:
             CheckpointStoreError: the session has ended.
         """
+        if self._tier is not None:  # the local tier's directory
+            return _tiered.next_checkpoint_dir(self)
         with self._lock:
             if self._closed:
                 raise CheckpointStoreError("this session has ended; start a new one to report")
@@ -322,6 +338,11 @@ class Session:
         A ``checkpoint`` that is the directory :meth:`next_checkpoint_dir`
         handed out is committed in place (nothing copied; always synchronous).
 
+        With a local tier (``session.start(local_tier=LocalTier(...))``) the
+        checkpoint is committed on it and ``report`` returns; its copy to the
+        storage_path is made in the background when the tier's ``persist``
+        selects it (:meth:`wait`, :attr:`durable_index`; docs/tiers.md).
+
         ``upload_mode`` (default: the session's ``upload_config.upload_mode``):
         ``"async"`` stages the checkpoint (``staging``: ``"copy"``,
         ``"hardlink"`` or ``"move"``) and returns while it uploads in the
@@ -364,7 +385,9 @@ class Session:
         mode = upload_mode or self.upload_config.upload_mode
         if self._reserved is not None and self._in_place(checkpoint, self._next_index):
             mode = "sync"  # already in place: there is nothing to upload in the background
-        if mode != "sync" or self._uploader is not None:
+        if self._tier is not None:
+            row, persisted = _tiered.report(self, metrics, checkpoint, upload_mode)
+        elif mode != "sync" or self._uploader is not None:
             row, persisted = self._report_with_uploader(metrics, checkpoint, mode, staging)
         elif self._coordinator is not None:
             row, persisted = self._report_multirank(metrics, checkpoint)
@@ -572,14 +595,30 @@ class Session:
         return _async.report_async(self, up, metrics, checkpoint,
                                    staging or self.upload_config.staging)
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait until every background upload (``upload_mode="async"``) is committed.
+    def wait(self, timeout: float | None = None, *, checkpoint: Any = None) -> None:
+        """Wait until every background upload (``upload_mode="async"``, and with a
+        local tier every durable copy) is committed.
+
+        Args:
+            timeout: seconds, or None to wait as long as it takes.
+            checkpoint: wait only until this checkpoint (a Checkpoint, its
+                ``checkpoint_NNNNNN`` name, its index, or the row ``report()``
+                returned) is durable: committed on the storage_path
+                (:meth:`durable_index`; docs/tiers.md).
 
         Raises:
             TimeoutError: uploads are still pending after ``timeout`` seconds.
+            CheckpointStoreError: with a local tier, ``checkpoint`` is not
+                selected by its ``persist`` policy (it stays local only).
             Exception: the first error of a background upload (that
                 checkpoint was not committed).
         """
+        if checkpoint is not None:
+            _tiered.wait(self, timeout, checkpoint)
+            return
+        if self._tier is not None and self._tier_worker is not None:
+            self._tier_worker.wait(timeout)  # staged local commits queue the durable copies
+            self._tier_worker.raise_error()
         up = self._uploader
         if up is None:
             return
@@ -591,12 +630,38 @@ class Session:
         """Wait for every background upload (the end of the session, and the exit
         of a process that never ended it), then take their errors:
         ``(checkpoint_dir_name, exception)``, each checkpoint not committed."""
+        staged = _tiered.drain(self, wait) if self._tier is not None else []
         up = self._uploader
         if up is None:
-            return []
+            return staged
         if wait:
             up.wait()
-        return up.take_errors()
+        return staged + up.take_errors()
+
+    @property
+    def durable_index(self) -> int | None:
+        """The highest checkpoint index whose copy on the storage_path is committed
+        (with a local tier, the durable copies made in the background; without,
+        the newest committed checkpoint), or None."""
+        return _tiered.durable_index(self)
+
+    def _tier_commit_staged(self, source: Any, index: int, internal: Mapping[str, Any],
+                            row: Mapping[str, Any]) -> None:
+        """``report(state=...)`` with a local tier (one rank): queue
+        ``source.write_to(<local tier>/.../checkpoint_<index>)`` and its commit
+        there on a background worker, then the durable copy (if the tier's
+        ``persist`` selects it); returns at once, except for the tier's
+        ``max_bytes`` backpressure (``source.nbytes``). ``source.release()`` is
+        called when the job ends, whatever happens.
+
+        The caller has done the report's bookkeeping under ``self._lock``:
+        ``row = self._prepare_row(...)``, ``index = self._next_index``,
+        ``internal = self._checkpoint_internal(row, index)``, moved
+        ``_next_index`` past it, ``self._accept_row(row)`` and
+        ``self._append_row(row, flush=False)``. Errors of the job are raised by
+        the next ``report()``, ``wait()`` or the end of the session
+        (:func:`checkpoint_store.session._tiered.commit_staged`)."""
+        _tiered.commit_staged(self, source, index, internal, row)
 
     def _finish_at_exit(self) -> None:
         """Called at interpreter exit, before the rows are flushed

@@ -26,6 +26,7 @@ from checkpoint_store.session._checks import (
     check_upload_config,
 )
 from checkpoint_store.session._uploads import UploadConfig
+from checkpoint_store.tiers import LocalTier, check_local_tier
 
 _IDLE, _RUNNING, _FINISHED, _STOPPED, _PAUSED = "idle", "running", "finished", "stopped", "paused"
 _ERRORED = "errored"
@@ -60,6 +61,8 @@ class TrialRunner:
             :func:`checkpoint_store.session.start` (checked when the thread
             starts, before anything is written, unless the trial has
             checkpoints of its own: then it is not read at all).
+        local_tier: a fast local tier in front of ``storage_path``, as for
+            :func:`checkpoint_store.session.start` (docs/tiers.md).
 
     Raises:
         InvalidConfigError: ``train_fn`` is not callable, ``config`` is not a
@@ -95,6 +98,7 @@ class TrialRunner:
         storage_options: Mapping[str, Any] | None = None,
         stop_timeout_s: float = 30.0,
         resume_from: Checkpoint | str | os.PathLike[str] | None = None,
+        local_tier: LocalTier | None = None,
     ):
         if not callable(train_fn):
             raise InvalidConfigError(
@@ -121,6 +125,7 @@ class TrialRunner:
             "storage_filesystem": storage_filesystem,
             "storage_options": storage_options,
             "resume_from": resume_from,
+            "local_tier": check_local_tier(local_tier),
         }
         self._sync = synchronous_result_reporting
         self._stop_timeout_s = check_timeout(stop_timeout_s, "stop_timeout_s")

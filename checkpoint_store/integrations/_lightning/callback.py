@@ -36,8 +36,10 @@ class _ReportCallback:
         trial_name: str = "default",
         storage_options: Mapping[str, Any] | None = None,
         storage_filesystem: Any = None,
+        local_tier: Any = None,
     ):
         from checkpoint_store.retention import CheckpointConfig
+        from checkpoint_store.tiers import check_local_tier
 
         super().__init__()
         if mode not in ("min", "max"):
@@ -64,6 +66,7 @@ class _ReportCallback:
                 storage_path=storage_path, experiment_name=experiment_name,
                 trial_name=trial_name, storage_options=storage_options,
                 storage_filesystem=storage_filesystem,
+                local_tier=check_local_tier(local_tier),
             )
         self._active: Any = None
         self._session: Any = None

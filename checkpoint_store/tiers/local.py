@@ -1,0 +1,671 @@
+"""The local tier of one trial on one rank: fast commits, per-tier retention,
+the state file, the background copy to the persistent tier, and restore.
+
+A :class:`FastTier` knows two storages: its own (a :class:`StorageContext`
+on the local tier's path, local backend) and the persistent one (the
+session's storage_path), which it only reads (is this index committed
+there?). Committing to the persistent tier and registering with its
+retention are the caller's: :meth:`FastTier.persist` takes them as a
+callback, so this module never imports the session.
+
+Thread-safety: one report thread calls :meth:`commit` / :meth:`commit_staged`
+/ :meth:`make_room`; one background thread at a time runs :meth:`persist`;
+every change of the state happens under one condition variable, which also
+wakes :meth:`wait_durable` and the backpressure of :meth:`make_room`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from checkpoint_store._format.layout import (
+    INTERNAL_PREFIX,
+    checkpoint_dir_name,
+    parse_checkpoint_dir_name,
+)
+from checkpoint_store.checkpoint import Checkpoint, written_metadata
+from checkpoint_store.errors import (
+    CheckpointConflictError,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointStoreError,
+    InvalidConfigError,
+    MetadataError,
+)
+from checkpoint_store.retention.policies import PolicyCheckpoint
+from checkpoint_store.storage import StorageContext
+from checkpoint_store.tiers.config import LocalTier
+
+__all__ = ["TIER_STATE_FILE", "DurableStatus", "FastTier", "TierEntry", "local_trial_dir",
+           "read_tier_state", "source_bytes"]
+
+logger = logging.getLogger(__name__)
+
+#: The local tier's state file, in ``<tier path>/<experiment>/<trial>/``
+#: (``.../rank_<rank>/`` with several ranks); docs/format.md, "Local tier".
+TIER_STATE_FILE = f"{INTERNAL_PREFIX}tier_state.json"
+TIER_STATE_VERSION = 1
+
+#: Where a checkpoint of the local tier stands with the persistent tier:
+#: ``"pending"`` (selected, its copy not committed yet), ``"durable"``
+#: (committed there), ``"local_only"`` (``persist`` did not select it).
+DurableStatus = Literal["pending", "durable", "local_only"]
+_STATUSES = ("pending", "durable", "local_only")
+
+#: Errors a retry of the copy to the persistent tier cannot cure.
+_FINAL = (CheckpointConflictError, CheckpointNotFoundError, CheckpointCorruptError,
+          InvalidConfigError, MetadataError)
+
+
+@dataclass
+class TierEntry:
+    """One committed checkpoint of the local tier, as the state file records it.
+
+    Attributes:
+        index: its index (the same checkpoint on every tier).
+        bytes: the sum of its files' sizes (its manifest).
+        durable: ``"pending"``, ``"durable"`` or ``"local_only"`` (:data:`DurableStatus`).
+    """
+
+    index: int
+    bytes: int
+    durable: DurableStatus
+
+    @property
+    def dir_name(self) -> str:
+        return checkpoint_dir_name(self.index)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "dir_name": self.dir_name, "bytes": self.bytes,
+                "durable": self.durable}
+
+
+def local_trial_dir(path: str, experiment_name: str, trial_name: str, *, world_rank: int = 0,
+                    world_size: int = 1) -> str:
+    """Where a local tier at ``path`` keeps a trial's copies (a local path):
+    ``<path>/<experiment>/<trial>``, with several ranks ``.../rank_<rank>``."""
+    trial = os.path.join(path, experiment_name, trial_name)
+    return os.path.join(trial, f"rank_{world_rank}") if world_size > 1 else trial
+
+
+def read_tier_state(trial_dir: str) -> dict[int, TierEntry] | None:
+    """The entries of the local tier state file in ``trial_dir`` (a local
+    directory), or None when there is none or it cannot be read (then the
+    state is rebuilt from the committed directories)."""
+    try:
+        with open(os.path.join(trial_dir, TIER_STATE_FILE), "rb") as f:
+            body = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(body, dict) or body.get("version") != TIER_STATE_VERSION:
+        return None
+    out: dict[int, TierEntry] = {}
+    for e in body.get("checkpoints") or []:
+        try:
+            index, size, status = int(e["index"]), int(e["bytes"]), e["durable"]
+        except (KeyError, TypeError, ValueError):
+            continue
+        if status in _STATUSES and index >= 0:
+            out[index] = TierEntry(index, size, status)
+    return out
+
+
+def _write_atomic(path: str, data: bytes, fsync: bool) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f"{INTERNAL_PREFIX}tmp-", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if fsync:
+        dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def source_bytes(checkpoint: Checkpoint) -> int:
+    """Bytes of the files in a local checkpoint directory (0 when unknown)."""
+    if not checkpoint.is_local:
+        return 0
+    total = 0
+    for dirpath, _dirs, files in os.walk(checkpoint.path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _manifest_bytes(meta: Mapping[str, Any]) -> int:
+    return sum(int(e.get("size", 0)) for e in meta.get("manifest") or [])
+
+
+class FastTier:
+    """The local tier of one trial on one rank.
+
+    Args:
+        config: the :class:`LocalTier`.
+        durable: the persistent tier's storage (the session's), read only here.
+        world_rank, world_size: this rank; with ``world_size > 1`` the tier's
+            trial directory is ``<path>/<experiment>/<trial>/rank_<rank>``.
+        run_id: the run id of the tier's StorageContext (cleanup spares it).
+
+    The constructor opens the tier: creates the trial directory, removes what
+    a killed writer left unfinished there, and reads the state file (rebuilt
+    from the committed directories when missing or damaged). Nothing is
+    verified yet: :meth:`newest_verified` checks copies, newest first.
+    """
+
+    def __init__(self, config: LocalTier, durable: StorageContext, *, world_rank: int = 0,
+                 world_size: int = 1, run_id: str | None = None):
+        self.config = config
+        self.durable = durable
+        self.world_rank = world_rank
+        self.world_size = world_size
+        exp, trial = durable.experiment_name, durable.trial_name
+        if world_size > 1:
+            self.storage = StorageContext(os.path.join(config.path, exp), trial,
+                                          f"rank_{world_rank}", fsync=config.fsync, run_id=run_id)
+        else:
+            self.storage = StorageContext(config.path, exp, trial, fsync=config.fsync,
+                                          run_id=run_id)
+        self._cond = threading.Condition()
+        self._entries: dict[int, TierEntry] = {}
+        # Copies to the persistent tier that failed for good in this session.
+        self._failed: dict[int, BaseException] = {}
+        # Indexes a copy is queued for (set by the report thread, cleared by persist()).
+        self._queued: set[int] = set()
+        self._last_selected: PolicyCheckpoint | None = None
+        self._verified: set[int] = set()
+        #: Seconds :meth:`make_room` waited for space, summed.
+        self.blocked_s = 0.0
+        self._open()
+
+    # -- opening ----------------------------------------------------------------------
+
+    @property
+    def trial_dir(self) -> str:
+        """The tier's trial directory (a local path)."""
+        return self.storage.trial_path
+
+    @property
+    def state_path(self) -> str:
+        return os.path.join(self.trial_dir, TIER_STATE_FILE)
+
+    def _durable_uri(self) -> str:
+        try:
+            return self.durable.canonical_uri(self.durable.trial_path)
+        except Exception:  # a backend that cannot say: its plain URI
+            return self.durable.uri(self.durable.trial_path)
+
+    def _refuse_foreign(self) -> None:
+        """Refuse a local trial directory whose state names another persistent
+        tier (the same experiment and trial names under another storage_path)."""
+        try:
+            with open(self.state_path, "rb") as f:
+                body = json.loads(f.read())
+        except (OSError, ValueError):
+            return
+        theirs = body.get("durable_uri") if isinstance(body, dict) else None
+        if isinstance(theirs, str) and theirs != self._durable_uri():
+            raise InvalidConfigError(
+                f"the local tier directory {self.trial_dir} holds the checkpoints of "
+                f"{theirs}, not of {self._durable_uri()}; give LocalTier another path, or "
+                "delete that directory if its checkpoints are not needed (its state file "
+                f"{TIER_STATE_FILE} says which durable copies are still pending)")
+
+    def _open(self) -> None:
+        self._refuse_foreign()
+        self.storage.ensure_trial_dir()
+        try:
+            self.storage.remove_uncommitted()
+        except Exception as exc:  # a leftover never stops a run from starting
+            logger.warning("cleanup of the local tier %s failed: %s", self.trial_dir, exc)
+        for name in os.listdir(self.trial_dir):  # a state write a kill cut short
+            if name.startswith(f"{INTERNAL_PREFIX}tmp-"):
+                try:
+                    os.unlink(os.path.join(self.trial_dir, name))
+                except OSError:
+                    pass
+        recorded = read_tier_state(self.trial_dir)
+        if recorded is None and os.path.exists(self.state_path):
+            logger.warning("the local tier state %s is unreadable; rebuilding it from the "
+                           "committed checkpoints there", self.state_path)
+        recorded = recorded or {}
+        for ckpt, meta in self.storage.committed_checkpoints():
+            index = meta.get("index")
+            if not isinstance(index, int) or parse_checkpoint_dir_name(
+                    posixpath.basename(ckpt.path)) != index:
+                continue
+            entry = recorded.get(index)
+            if entry is None:
+                # Committed here, then killed before the state recorded it:
+                # the persistent tier says whether its copy landed.
+                status: DurableStatus = ("durable" if self._durable_has(index) else
+                                         "pending" if self._selects(index, meta) else
+                                         "local_only")
+                entry = TierEntry(index, _manifest_bytes(meta), status)
+            elif entry.durable == "pending" and self._durable_has(index):
+                entry.durable = "durable"  # killed after the durable commit
+            self._entries[index] = entry
+        self._save()
+
+    def _durable_has(self, index: int) -> bool:
+        try:
+            ckpt = self.durable.checkpoint(checkpoint_dir_name(index))
+            return ckpt.is_committed
+        except Exception:
+            return False
+
+    def _selects(self, index: int, meta: Mapping[str, Any]) -> bool:
+        try:
+            return self.config.selects(index, meta.get("metrics") or {},
+                                       created_at=meta.get("created_at"))
+        except InvalidConfigError:
+            return True  # a rule that cannot decide: persisting loses nothing
+
+    # -- queries ----------------------------------------------------------------------
+
+    def entries(self) -> list[TierEntry]:
+        """The committed checkpoints of this tier, oldest first (copies)."""
+        with self._cond:
+            return [TierEntry(e.index, e.bytes, e.durable)
+                    for _, e in sorted(self._entries.items())]
+
+    @property
+    def next_index(self) -> int:
+        """One past the highest index committed on this tier (0 when empty)."""
+        with self._cond:
+            return max(self._entries, default=-1) + 1
+
+    @property
+    def used_bytes(self) -> int:
+        with self._cond:
+            return sum(e.bytes for e in self._entries.values())
+
+    @property
+    def durable_index(self) -> int | None:
+        """The highest index whose copy on the persistent tier is committed
+        (known to this tier), or None."""
+        with self._cond:
+            done = [i for i, e in self._entries.items() if e.durable == "durable"]
+            return max(done, default=None)
+
+    def status(self, index: int) -> DurableStatus | None:
+        """Where checkpoint ``index`` stands (None: not on this tier)."""
+        with self._cond:
+            e = self._entries.get(index)
+            return e.durable if e is not None else None
+
+    def pending(self) -> list[int]:
+        """Indexes whose copy to the persistent tier is pending, oldest first."""
+        with self._cond:
+            return sorted(i for i, e in self._entries.items() if e.durable == "pending")
+
+    def checkpoint(self, index: int) -> Checkpoint:
+        """The local tier's copy of ``index`` (not checked)."""
+        return self.storage.checkpoint(checkpoint_dir_name(index))
+
+    def verified_indexes(self, above: int | None = None) -> list[int]:
+        """Indexes of copies that verify (sizes and CRC32C), oldest first; those
+        at or below ``above`` are not checked. A copy that fails is dropped from
+        the tier (deleted, with a warning) and never listed again."""
+        with self._cond:
+            todo = sorted(i for i in self._entries if above is None or i > above)
+        good = []
+        for index in todo:
+            if self._verify(index):
+                good.append(index)
+        return good
+
+    def newest_verified(self, above: int | None = None,
+                        among: Iterable[int] | None = None) -> Checkpoint | None:
+        """The newest copy above ``above`` (and in ``among``) that verifies,
+        or None. Copies committed by this session count as verified; one that
+        fails is dropped (see :meth:`verified_indexes`)."""
+        allowed = None if among is None else set(among)
+        with self._cond:
+            todo = sorted((i for i in self._entries
+                           if (above is None or i > above)
+                           and (allowed is None or i in allowed)), reverse=True)
+        for index in todo:
+            if self._verify(index):
+                return self.checkpoint(index)
+        return None
+
+    def _verify(self, index: int) -> bool:
+        if index in self._verified:
+            return index in self._entries
+        ckpt = self.checkpoint(index)
+        try:
+            ckpt.verify()
+        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+            warnings.warn(f"skipping the local tier's copy {ckpt.uri}: it does not verify "
+                          f"({exc}); it is removed from the local tier",
+                          RuntimeWarning, stacklevel=3)
+            self._drop(index)
+            return False
+        self._verified.add(index)
+        return True
+
+    def _drop(self, index: int) -> None:
+        with self._cond:
+            self._entries.pop(index, None)
+            self._save()
+            self._cond.notify_all()
+        try:
+            self.storage.delete_checkpoint(checkpoint_dir_name(index))
+        except Exception as exc:
+            logger.warning("could not delete %s from the local tier: %s",
+                           checkpoint_dir_name(index), exc)
+
+    # -- reporting ----------------------------------------------------------------------
+
+    def selects(self, index: int, row: Mapping[str, Any]) -> bool:
+        """Whether the persist policy sends ``index`` (reported with ``row``) to
+        the persistent tier; remembers it as the last selected one if so."""
+        now = time.time()
+        chosen = self.config.selects(index, row, self._last_selected, created_at=now)
+        if chosen:
+            self._last_selected = PolicyCheckpoint(index, checkpoint_dir_name(index), dict(row),
+                                                   now)
+        return chosen
+
+    def make_room(self, nbytes: int, can_wait: Callable[[], bool] | None = None) -> float:
+        """Backpressure: wait until ``nbytes`` more fit in ``max_bytes``.
+
+        While they do not fit and a copy to the persistent tier is pending
+        (``can_wait()`` says whether one is still running; default: any
+        pending), waits for it; checkpoints the tier's retention may delete
+        are deleted first (oldest first; never a pending one, nor the newest
+        unless its durable copy is committed).
+        When nothing more can be freed, returns anyway (with a warning): one
+        checkpoint larger than the budget is still committed.
+
+        Returns:
+            Seconds spent waiting.
+        """
+        limit = self.config.max_bytes
+        if limit is None:
+            return 0.0
+        t0 = time.perf_counter()
+        waited = False
+        while True:
+            self._evict(extra=nbytes)
+            with self._cond:
+                used = sum(e.bytes for e in self._entries.values())
+                if used + nbytes <= limit:
+                    break
+                busy = any(e.durable == "pending" for e in self._entries.values())
+                if busy and (can_wait is None or can_wait()):
+                    waited = True
+                    self._cond.wait(0.5)
+                    continue
+            logger.warning("the local tier %s holds %d bytes; the next checkpoint (%d bytes) "
+                           "goes over max_bytes=%d", self.trial_dir, used, nbytes, limit)
+            break
+        spent = time.perf_counter() - t0 if waited else 0.0
+        self.blocked_s += spent
+        return spent
+
+    def commit(self, source: Checkpoint, index: int, internal: Mapping[str, Any],
+               row: Mapping[str, Any], *, writer_id: str | None = None) -> tuple[Checkpoint, bool]:
+        """Commit ``source`` as ``checkpoint_<index>`` of this tier and record it.
+
+        Returns:
+            The committed copy and whether ``persist`` selected it (then its
+            durable copy is recorded as pending: the caller queues
+            :meth:`persist`).
+
+        Raises:
+            Whatever :meth:`StorageContext.persist_checkpoint` raises; nothing
+            is recorded then.
+        """
+        committed = self.storage.persist_checkpoint(source, index, internal, writer_id=writer_id)
+        return committed, self._record(index, committed, row)
+
+    def commit_in_place(self, index: int, internal: Mapping[str, Any],
+                        row: Mapping[str, Any]) -> tuple[Checkpoint, bool]:
+        """Commit ``checkpoint_<index>`` of this tier, filled in place
+        (:meth:`reserve_in_place`); see :meth:`commit`."""
+        committed = self.storage.commit_in_place(index, internal)
+        return committed, self._record(index, committed, row)
+
+    def reserve_in_place(self, index: int) -> str:
+        """Create and claim ``checkpoint_<index>`` of this tier for a writer that
+        saves straight into it; returns its local path."""
+        return self.storage.reserve_in_place(index)
+
+    def commit_staged(self, source: Any, index: int, internal: Mapping[str, Any],
+                      row: Mapping[str, Any]) -> tuple[Checkpoint, bool]:
+        """Write a staged state (any object with ``write_to(directory) -> dict``)
+        straight into ``checkpoint_<index>`` of this tier and commit it there;
+        the dict it returns goes into the internal metadata as ``"tensors"``.
+        See :meth:`commit`."""
+        path = self.reserve_in_place(index)
+        try:
+            tensors = source.write_to(path)
+            meta = dict(internal)
+            if tensors is not None:
+                meta["tensors"] = tensors
+            return self.commit_in_place(index, meta, row)
+        except BaseException:
+            try:
+                self.storage.commit_protocol.remove_leftover(path)
+            except Exception:  # cleanup at the next start removes it
+                pass
+            raise
+
+    def _record(self, index: int, committed: Checkpoint, row: Mapping[str, Any]) -> bool:
+        selected = self.selects(index, row)
+        entry = TierEntry(index, _manifest_bytes(written_metadata(committed)),
+                          "pending" if selected else "local_only")
+        with self._cond:
+            self._entries[index] = entry
+            self._verified.add(index)
+            if selected:
+                self._queued.add(index)
+            self._save()
+            self._cond.notify_all()
+        self._evict()
+        return selected
+
+    # -- the copy to the persistent tier -------------------------------------------------
+
+    def persist(self, index: int, commit: Callable[[Checkpoint], Any],
+                *, deadline_s: float | None = None, sleep: Callable[[float], None] = time.sleep
+                ) -> None:
+        """Copy checkpoint ``index`` of this tier to the persistent tier: call
+        ``commit(local copy)`` (which uploads, commits and registers it with
+        the persistent tier's retention) until it succeeds, retrying other
+        errors than :data:`_FINAL` ones for ``persist_timeout_s`` with
+        exponential backoff (0.5 s doubling, at most 30 s). Then records it as
+        durable and applies this tier's retention.
+
+        Raises:
+            The last error, once retrying is over; the copy stays recorded as
+            pending (the next session persists it).
+        """
+        budget = self.config.persist_timeout_s if deadline_s is None else deadline_s
+        deadline = time.monotonic() + budget
+        delay = 0.5
+        source = self.checkpoint(index)
+        try:
+            while True:
+                try:
+                    commit(source)
+                    break
+                except _FINAL:
+                    raise
+                except Exception as exc:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise
+                    logger.warning("copying %s to the persistent tier failed (%s); retrying "
+                                   "in %.1f s", checkpoint_dir_name(index), exc, min(delay, left))
+                    sleep(min(delay, left))
+                    delay = min(delay * 2, 30.0)
+        except BaseException as exc:
+            with self._cond:
+                self._failed[index] = exc
+                self._queued.discard(index)
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            entry = self._entries.get(index)
+            if entry is not None:
+                entry.durable = "durable"
+            self._queued.discard(index)
+            self._save()
+            self._cond.notify_all()
+        self._evict()
+
+    def mark_durable(self, index: int) -> None:
+        """Record that checkpoint ``index`` is committed on the persistent tier
+        (found there after a restart)."""
+        with self._cond:
+            entry = self._entries.get(index)
+            if entry is not None and entry.durable != "durable":
+                entry.durable = "durable"
+                self._save()
+            self._cond.notify_all()
+
+    def forget(self, index: int, why: str) -> None:
+        """Stop treating ``index`` as pending (it can no longer be persisted:
+        another rank's part is gone); the copy stays until retention takes it."""
+        with self._cond:
+            entry = self._entries.get(index)
+            if entry is not None and entry.durable == "pending":
+                logger.warning("%s of the local tier %s will not be persisted: %s",
+                               checkpoint_dir_name(index), self.trial_dir, why)
+                entry.durable = "local_only"
+                self._save()
+            self._cond.notify_all()
+        self._evict()
+
+    def queue(self, index: int) -> None:
+        """Note that a copy of ``index`` is queued (a restart's pending one)."""
+        with self._cond:
+            self._queued.add(index)
+
+    def wait_durable(self, index: int, timeout: float | None = None) -> bool:
+        """Wait until checkpoint ``index`` is durable.
+
+        Returns:
+            True when it is, False on timeout.
+
+        Raises:
+            CheckpointStoreError: ``index`` is not on this tier, or ``persist``
+                did not select it (it stays local only), or its copy is not
+                queued (it failed, or a restart left it for the next session).
+            Exception: the error its copy failed with.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        name = checkpoint_dir_name(index)
+        with self._cond:
+            while True:
+                entry = self._entries.get(index)
+                if index in self._failed:
+                    raise self._failed[index]
+                if entry is None:
+                    raise CheckpointStoreError(f"{name} is not on the local tier {self.trial_dir}")
+                if entry.durable == "durable":
+                    return True
+                if entry.durable == "local_only":
+                    raise CheckpointStoreError(
+                        f"{name} is not selected by the LocalTier persist policy: it stays on "
+                        "the local tier only")
+                if index not in self._queued:
+                    raise CheckpointStoreError(f"the copy of {name} to the persistent tier is "
+                                               "not queued in this session")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+
+    # -- retention --------------------------------------------------------------------
+
+    def _evict(self, extra: int = 0) -> list[int]:
+        """Delete what this tier's retention no longer keeps: beyond the newest
+        ``num_to_keep`` (fewer when ``extra`` more bytes must fit in
+        ``max_bytes``), never a copy whose durable copy is pending, never the
+        newest unless its durable copy is committed and room is needed.
+        Deletes first, then updates the state (a kill in between leaves a
+        state entry without a directory, dropped at start)."""
+        keep = self.config.num_to_keep
+        limit = self.config.max_bytes
+        with self._cond:
+            order = sorted(self._entries)
+            newest = order[-keep:]
+            protected = set(newest) | {i for i in order if self._entries[i].durable == "pending"}
+            victims = [i for i in order if i not in protected]
+            if limit is not None and extra:
+                # Over the byte budget: older copies go too, oldest first; a
+                # pending one never, and the newest only when its durable
+                # copy is committed (never the last copy of a checkpoint).
+                used = sum(e.bytes for i, e in self._entries.items() if i not in victims)
+                for i in order:
+                    if used + extra <= limit:
+                        break
+                    status = self._entries[i].durable
+                    if i in victims or status == "pending" or (
+                            i == order[-1] and status != "durable"):
+                        continue
+                    victims.append(i)
+                    used -= self._entries[i].bytes
+        deleted = []
+        for i in sorted(set(victims)):
+            try:
+                self.storage.delete_checkpoint(checkpoint_dir_name(i))
+            except Exception as exc:  # retried at the next eviction
+                logger.warning("could not delete %s from the local tier: %s",
+                               checkpoint_dir_name(i), exc)
+                continue
+            deleted.append(i)
+        if deleted:
+            with self._cond:
+                for i in deleted:
+                    self._entries.pop(i, None)
+                    self._verified.discard(i)
+                self._save()
+                self._cond.notify_all()
+        return deleted
+
+    # -- the state file ----------------------------------------------------------------
+
+    def _save(self) -> None:
+        """Write the state file atomically (temp file, rename); the caller holds the lock."""
+        body = {
+            "version": TIER_STATE_VERSION,
+            "world_rank": self.world_rank,
+            "world_size": self.world_size,
+            "durable_uri": self._durable_uri(),
+            "updated_at": time.time(),
+            "checkpoints": [e.to_json() for _, e in sorted(self._entries.items())],
+        }
+        try:
+            _write_atomic(self.state_path, json.dumps(body, indent=1).encode(),
+                          self.config.fsync)
+        except OSError as exc:  # rebuilt from the directories at the next start
+            logger.warning("could not write the local tier state %s: %s", self.state_path, exc)
