@@ -1,0 +1,96 @@
+"""A staged state source (anything with ``write_to(directory)``) through the
+local tier: written straight into the local checkpoint in the background,
+committed there, then copied to the storage path."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from _tier_helpers import read_files
+
+from checkpoint_store import LocalTier, StorageContext, session
+
+
+class FakeStaged:
+    """The StagedState protocol, minimal: files from a dict, a tensor index back."""
+
+    def __init__(self, files: dict[str, bytes], fail: bool = False):
+        self.files = files
+        self.nbytes = sum(len(b) for b in files.values())
+        self.fail = fail
+        self.released = 0
+        self.written_in: list[str] = []
+        self.thread: str | None = None
+
+    def write_to(self, directory: str) -> dict:
+        self.thread = threading.current_thread().name
+        self.written_in.append(directory)
+        for rel, data in self.files.items():
+            with open(os.path.join(directory, rel), "wb") as f:
+                f.write(data)
+        if self.fail:
+            raise OSError("the persist process died")
+        return {name: {"file": name, "offsets": [0, len(data)]}
+                for name, data in self.files.items()}
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def _report_staged(s, source, metrics):
+    """What the state glue does for ``report(metrics, state=...)`` with a tier."""
+    with s._lock:
+        row = s._prepare_row(metrics, None, validate_score=True)
+        index = s._next_index
+        internal = s._checkpoint_internal(row, index)
+        s._next_index = index + 1
+        s._accept_row(row)
+        s._append_row(row, flush=False)
+    s._tier_commit_staged(source, index, internal, row)
+    return row
+
+
+def test_a_staged_state_is_written_into_the_local_tier_then_persisted(tmp_path):
+    store = str(tmp_path / "durable")
+    with session.start(storage_path=store, experiment_name="e", trial_name="t",
+                       local_tier=LocalTier(tmp_path / "fast")) as s:
+        sources = [FakeStaged({"model.safetensors": b"m%d" % i, "state.json": b"{}"})
+                   for i in range(3)]
+        rows = [_report_staged(s, src, {"i": i}) for i, src in enumerate(sources)]
+        s.wait()
+        assert s.durable_index == 2
+        got = s.get_checkpoint()
+        assert got is not None and got.is_local
+        assert got.internal_metadata["tensors"]["model.safetensors"]["offsets"] == [0, 2]
+    for i, src in enumerate(sources):
+        # Straight into the local checkpoint directory, on the background worker.
+        assert src.written_in == [str(tmp_path / "fast" / "e" / "t" / f"checkpoint_00000{i}")]
+        assert src.thread == "checkpoint-store-upload" and src.released == 1
+    assert [r["checkpoint_dir_name"] for r in rows] == [f"checkpoint_00000{i}" for i in range(3)]
+    ctx = StorageContext(store, "e", "t")
+    committed = ctx.committed_checkpoints()
+    assert [m["index"] for _, m in committed] == [0, 1, 2]
+    assert committed[2][1]["tensors"] == {
+        "model.safetensors": {"file": "model.safetensors", "offsets": [0, 2]},
+        "state.json": {"file": "state.json", "offsets": [0, 2]}}
+    with ctx.checkpoint("checkpoint_000002").as_directory() as d:
+        assert read_files(d) == {"model.safetensors": b"m2", "state.json": b"{}"}
+
+
+def test_a_failed_staged_write_commits_nothing_and_is_raised(tmp_path):
+    store = str(tmp_path / "durable")
+    with session.start(storage_path=store, experiment_name="e", trial_name="t",
+                       local_tier=LocalTier(tmp_path / "fast")) as s:
+        bad = FakeStaged({"model.safetensors": b"m"}, fail=True)
+        _report_staged(s, bad, {"i": 0})
+        with pytest.raises(OSError, match="persist process died"):
+            s.wait()
+        assert bad.released == 1
+        assert s._tier.entries() == []
+        assert not (tmp_path / "fast" / "e" / "t" / "checkpoint_000000").exists()
+        good = FakeStaged({"model.safetensors": b"ok"})
+        _report_staged(s, good, {"i": 1})
+        s.wait()
+    assert [m["index"] for _, m in StorageContext(store, "e", "t").committed_checkpoints()] == [1]
