@@ -27,12 +27,16 @@ __all__ = [
     "NestedCheckpointError",
     "PermanentBackendError",
     "RankTimeoutError",
+    "StateKeyError",
+    "StateMismatchError",
     "StorageFullError",
+    "TensorCorruptError",
     "TransientBackendError",
     "TrialStopped",
     "UnknownSchemeError",
     "UnreadableSourceError",
     "UnsafePathError",
+    "UnsupportedStateError",
 ]
 
 
@@ -220,6 +224,74 @@ class CheckpointAbortedError(CheckpointStoreError):
         super().__init__(message)
         self.index = index
         self.failed_ranks = list(failed_ranks)
+
+
+class UnsupportedStateError(InvalidConfigError, TypeError):
+    """A state tree (``Checkpoint.from_state``, ``session.report(state=...)``)
+    holds something the state format cannot store: a dict key that is not a
+    string, a leaf that is neither a tensor nor a JSON value (a set, bytes, an
+    object), a dtype safetensors has no name for, a cycle, or two tensors that
+    overlap in memory without being the same view (docs/state.md). Raised
+    before the first byte is written.
+
+    Attributes:
+        key: the flattened key of the entry at fault (``"model/layers/0"``;
+            ``""``: the root).
+    """
+
+    def __init__(self, message: str, *, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+class StateKeyError(InvalidConfigError, KeyError):
+    """``Checkpoint.load_state(keys=..., into=...)`` names a key the saved
+    state does not hold: a name or glob of ``keys`` that matches nothing, or
+    an entry of ``into`` with no saved counterpart. Nothing was read.
+
+    Attributes:
+        key: the name, glob or flattened key at fault.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else ""
+
+
+class StateMismatchError(InvalidConfigError, TypeError):
+    """A tensor of ``into`` (``Checkpoint.load_state(into=...)``) cannot take
+    the saved one in place: another dtype or shape, or the saved entry is not
+    a tensor. Raised before any tensor of ``into`` is changed.
+
+    Attributes:
+        key: the flattened key at fault.
+        expected: what the saved state holds there (``"F32 [4, 3]"``).
+        found: what ``into`` holds there.
+    """
+
+    def __init__(self, message: str, *, key: str, expected: str, found: str):
+        super().__init__(message)
+        self.key = key
+        self.expected = expected
+        self.found = found
+
+
+class TensorCorruptError(CheckpointCorruptError):
+    """One tensor's bytes do not match the CRC32C its checkpoint's tensor index
+    records: the file is damaged there. Resume from an earlier checkpoint.
+
+    Attributes:
+        path: the checkpoint path; file: the safetensors file (relative to it).
+        tensor: the flattened key of the tensor whose checksum failed.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, file: str | None = None,
+                 tensor: str | None = None):
+        super().__init__(message, path=path, file=file)
+        self.tensor = tensor
 
 
 class TrialStopped(BaseException):

@@ -26,7 +26,7 @@ from checkpoint_store._commit.protocols import CommitProtocol, protocol_for
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     ERROR_FILE,
-    FORMAT_VERSION,
+    MARKER_FORMAT_VERSIONS,
     PARAMS_FILE,
     STOPPED_FILE,
     check_run_name,
@@ -536,7 +536,7 @@ class StorageContext:
             raise CheckpointConflictError(f"{self.uri(path)} is already a committed checkpoint")
         if insp.state == "invalid" and isinstance(insp.meta, dict):
             version = insp.meta.get("format_version")
-            if isinstance(version, int) and version > FORMAT_VERSION:
+            if isinstance(version, int) and version > max(MARKER_FORMAT_VERSIONS):
                 raise CheckpointConflictError(
                     f"{self.uri(path)} was written by a newer checkpoint-store (format "
                     f"{version}); upgrade instead of adopting it"

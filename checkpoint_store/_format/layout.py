@@ -22,6 +22,8 @@ __all__ = [
     "ERROR_FILE",
     "STOPPED_FILE",
     "FORMAT_VERSION",
+    "FORMAT_VERSION_TENSORS",
+    "MARKER_FORMAT_VERSIONS",
     "INTERNAL_METADATA",
     "INTERNAL_PREFIX",
     "LEASE_FILE",
@@ -73,6 +75,11 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+#: The marker's version when it carries a tensor index (``"tensors"``, a
+#: checkpoint saved from a state: docs/state.md); a marker without one stays 1.
+FORMAT_VERSION_TENSORS = 2
+#: The marker versions this checkpoint-store reads.
+MARKER_FORMAT_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_TENSORS)
 
 USER_METADATA = ".user_metadata.json"
 INTERNAL_METADATA = ".internal_metadata.json"

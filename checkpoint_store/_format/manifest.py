@@ -17,7 +17,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from checkpoint_store._format.layout import FORMAT_VERSION, USER_METADATA, is_internal_file
+from checkpoint_store._format.layout import (
+    FORMAT_VERSION,
+    FORMAT_VERSION_TENSORS,
+    USER_METADATA,
+    is_internal_file,
+)
 from checkpoint_store.errors import CheckpointCorruptError
 
 __all__ = [
@@ -109,7 +114,8 @@ def internal_metadata(
     internal: Mapping[str, Any], entries: Iterable[Mapping[str, Any]]
 ) -> dict[str, Any]:
     """The ``.internal_metadata.json`` body for a commit: ``internal`` (index,
-    metrics, run id, ...) plus ``format_version``, ``created_at`` (kept when
+    metrics, run id, ...; a ``"tensors"`` index makes it format version 2,
+    docs/state.md) plus ``format_version``, ``created_at`` (kept when
     given; seconds since the epoch) and ``manifest`` (``entries`` sorted by
     path, ``.user_metadata.json`` left out: it may change after the commit).
 
@@ -117,7 +123,7 @@ def internal_metadata(
     finalize, ``StorageContext.adopt`` and the integrations call it.
     """
     meta = dict(internal)
-    meta["format_version"] = FORMAT_VERSION
+    meta["format_version"] = FORMAT_VERSION_TENSORS if "tensors" in meta else FORMAT_VERSION
     meta.setdefault("created_at", time.time())
     meta["manifest"] = sorted(
         (dict(e) for e in entries if e["path"] != USER_METADATA), key=lambda e: e["path"]

@@ -23,8 +23,9 @@ import pyarrow.fs as pafs
 
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
-    FORMAT_VERSION,
+    FORMAT_VERSION_TENSORS,
     INTERNAL_METADATA,
+    MARKER_FORMAT_VERSIONS,
     USER_METADATA,
     is_written_record,
 )
@@ -83,12 +84,15 @@ def _validate_manifest(meta: Any) -> tuple[str, str | None] | None:
     if not isinstance(meta, dict):
         return "is not a JSON object", None
     version = meta.get("format_version")
-    if version != FORMAT_VERSION:
+    if isinstance(version, bool) or version not in MARKER_FORMAT_VERSIONS:
         return (
-            f"has format_version {version!r}; this checkpoint-store reads version "
-            f"{FORMAT_VERSION} (upgrade checkpoint-store for newer checkpoints)",
+            f"has format_version {version!r}; this checkpoint-store reads versions "
+            f"{', '.join(map(str, MARKER_FORMAT_VERSIONS))} (upgrade checkpoint-store for "
+            "newer checkpoints)",
             None,
         )
+    if version == FORMAT_VERSION_TENSORS and not isinstance(meta.get("tensors"), dict):
+        return "has format_version 2 but no 'tensors' object", None
     if not isinstance(meta.get("index"), int) or isinstance(meta.get("index"), bool):
         return "has no integer 'index'", None
     manifest = meta.get("manifest")

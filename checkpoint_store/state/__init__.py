@@ -1,0 +1,67 @@
+"""State in, state out: a tree of tensors and plain values as checkpoint files.
+
+A **state** is what ``model.state_dict()``, ``optimizer.state_dict()`` and a
+step counter make together: nested dicts (string keys), lists and tuples
+whose leaves are torch tensors, numpy arrays or JSON values. This package
+turns one into checkpoint files (safetensors shards for the tensors, one
+``state.json`` for the rest; never pickle) and reads them back, whole, in
+part (``keys``), memory-mapped (``mmap``) or into existing tensors
+(``into``). docs/state.md describes the API and the format.
+
+Layer: below :mod:`checkpoint_store.checkpoint` (which calls it from
+``Checkpoint.from_state`` / ``Checkpoint.load_state``); it never imports the
+checkpoint, storage or session modules. numpy and torch are imported only
+when a state holds their objects.
+
+Public names:
+
+* :func:`flatten_state`, :class:`FlatState`, :class:`StateLayout`,
+  :class:`TensorSpec`: a tree flattened into tensors plus a picklable layout;
+* :func:`write_state`, :func:`write_buffers`, :class:`StateWriter`: the
+  files, from a tree or from raw bytes (shared memory), returning the
+  tensor index;
+* :func:`load_state`, :func:`read_state_index`, :func:`verify_tensors`: reading back;
+* :data:`STATE_FILE`, :data:`DEFAULT_SHARD_BYTES`, :data:`DTYPES`.
+"""
+
+from __future__ import annotations
+
+from checkpoint_store.state._files import (
+    DEFAULT_SHARD_BYTES,
+    STATE_FILE,
+    STATE_FORMAT_VERSION,
+    StateWriter,
+    layout_of_buffers,
+    shard_name,
+    write_buffers,
+    write_state,
+)
+from checkpoint_store.state._tree import (
+    DTYPES,
+    FlatState,
+    StateLayout,
+    TensorSpec,
+    escape_key,
+    flatten_state,
+    split_key,
+    unescape_key,
+)
+
+__all__ = [
+    "DEFAULT_SHARD_BYTES",
+    "DTYPES",
+    "STATE_FILE",
+    "STATE_FORMAT_VERSION",
+    "FlatState",
+    "StateLayout",
+    "StateWriter",
+    "TensorSpec",
+    "escape_key",
+    "flatten_state",
+    "layout_of_buffers",
+    "shard_name",
+    "split_key",
+    "unescape_key",
+    "write_buffers",
+    "write_state",
+]
