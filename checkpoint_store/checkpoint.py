@@ -17,7 +17,7 @@ import tempfile
 import time
 import types
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import filelock
@@ -119,6 +119,43 @@ class Checkpoint:
                 "checkpoint files into it first"
             )
         return cls(local)
+
+    @classmethod
+    def from_state(cls, state: Any, directory: str | os.PathLike[str] | None = None, *,
+                   shard_bytes: int | None = None) -> Checkpoint:
+        """A checkpoint of a state tree written into a local directory now
+        (synchronously): safetensors shards for the tensors, ``state.json``
+        for the rest (docs/state.md). Report it like any directory; read it
+        back with :meth:`load_state`.
+
+        Args:
+            state: nested dicts (string keys), lists, tuples; leaves torch
+                tensors, numpy arrays or JSON values
+                (:func:`checkpoint_store.state.flatten_state`).
+            directory: where to write (created; must not hold a state yet);
+                None: a new temporary directory, which is the caller's to
+                remove (``shutil.rmtree(checkpoint.path)``) once reported.
+            shard_bytes: largest tensor data per safetensors file, in bytes
+                (default 1 GiB, :data:`checkpoint_store.state.DEFAULT_SHARD_BYTES`).
+
+        Raises:
+            UnsupportedStateError: the tree cannot be stored (a non-string
+                key, an unsupported leaf or dtype, overlapping views); names
+                the key; nothing written.
+            InvalidConfigError: ``shard_bytes`` <= 0, or ``directory`` holds a
+                state already.
+        """
+        from checkpoint_store import state as _state
+
+        local = (tempfile.mkdtemp(prefix="checkpoint-state-") if directory is None
+                 else os.path.abspath(os.path.expanduser(os.fspath(directory))))
+        try:
+            _state.write_state(state, local, shard_bytes=shard_bytes or _state.DEFAULT_SHARD_BYTES)
+        except BaseException:
+            if directory is None:
+                _remove_tree(local)
+            raise
+        return cls.from_directory(local)
 
     # -- identity -------------------------------------------------------------
 
@@ -291,8 +328,47 @@ class Checkpoint:
             )
         assert insp.meta is not None
         caps = self._backend.capabilities
-        verify_files(self.filesystem, self.path, insp.meta["manifest"],
-                     chunk_size=caps.chunk_size, concurrency=max(caps.concurrency, 1))
+        try:
+            verify_files(self.filesystem, self.path, insp.meta["manifest"],
+                         chunk_size=caps.chunk_size, concurrency=max(caps.concurrency, 1))
+        except CheckpointCorruptError as exc:
+            from checkpoint_store.state import name_corrupt_tensor
+
+            name_corrupt_tensor(self.filesystem, self.path, insp.meta, insp.files, exc)
+            raise
+
+    def load_state(self, keys: str | Iterable[str] | None = None, *, mmap: bool = False,
+                   into: Any = None, verify: bool = True) -> Any:
+        """The state saved in this checkpoint (``report(state=...)``,
+        :meth:`from_state`), as the tree it was saved: see
+        :func:`checkpoint_store.state.load_state` and docs/state.md.
+
+        Args:
+            keys: None (all), or names and globs over the flattened keys
+                (``"model"``: that subtree; ``"model/*.bias"``); only those
+                tensors' bytes are read (ranged reads on object stores).
+            mmap: on a local disk, memory-mapped tensors (no copy;
+                copy-on-write); elsewhere ignored.
+            into: a tree of existing tensors (``{"model": model.state_dict()}``)
+                filled in place; its leaves say what is read.
+            verify: check each tensor's CRC32C (default True).
+
+        Raises:
+            CheckpointNotFoundError: no checkpoint here, or it holds no state.
+            StateKeyError: a key or glob matches nothing, or ``into`` names a
+                key the state lacks; nothing read.
+            StateMismatchError: an ``into`` tensor's dtype or shape differs;
+                nothing changed.
+            TensorCorruptError: a tensor fails its checksum (``.tensor``).
+            CheckpointCorruptError: the checkpoint's metadata is damaged.
+        """
+        from checkpoint_store import state as _state
+
+        caps = self._backend.capabilities
+        with self._reporting_corruption():
+            return _state.load_state(self.filesystem, self.path, keys=keys, mmap=mmap,
+                                     into=into, verify=verify,
+                                     concurrency=max(caps.concurrency, 1))
 
     def to_directory(
         self, path: str | os.PathLike[str] | None = None, *, verify: bool = True

@@ -36,6 +36,14 @@ from checkpoint_store.state._files import (
     write_buffers,
     write_state,
 )
+from checkpoint_store.state._read import (
+    PART_BYTES,
+    SavedState,
+    load_state,
+    name_corrupt_tensor,
+    read_state_index,
+    verify_tensors,
+)
 from checkpoint_store.state._tree import (
     DTYPES,
     FlatState,
@@ -53,15 +61,21 @@ __all__ = [
     "STATE_FILE",
     "STATE_FORMAT_VERSION",
     "FlatState",
+    "PART_BYTES",
+    "SavedState",
     "StateLayout",
     "StateWriter",
     "TensorSpec",
     "escape_key",
     "flatten_state",
     "layout_of_buffers",
+    "load_state",
+    "name_corrupt_tensor",
+    "read_state_index",
     "shard_name",
     "split_key",
     "unescape_key",
+    "verify_tensors",
     "write_buffers",
     "write_state",
 ]

@@ -107,7 +107,11 @@ def _plan(layout: StateLayout,
         filled += n
     shards: list[_Shard] = []
     where: dict[str, tuple[int, int, str]] = {}
-    for number, keys in enumerate(groups, 1):
+    for number, group in enumerate(groups, 1):
+        # Widest elements first: every tensor then starts at a multiple of its
+        # element size (the data starts at a multiple of 8), so a memory map
+        # hands out aligned tensors, and safetensors wants no gaps.
+        keys = sorted(group, key=lambda k: -DTYPES[layout.tensors[k].dtype][0])
         name = shard_name(number, len(groups))
         header_obj: dict[str, Any] = {}
         frameworks = {layout.tensors[k].framework for k in keys}
