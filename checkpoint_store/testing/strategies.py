@@ -20,6 +20,12 @@ What they draw:
 * :func:`directory_trees`: ``{relative posix path: bytes}`` describing the
   files of a checkpoint directory, nested, with unicode names and empty files.
 * :func:`checkpoint_configs`: valid :class:`~checkpoint_store.CheckpointConfig`.
+* :func:`tensors` / :func:`state_trees`: tensors of every dtype the state
+  format stores (numpy arrays; torch tensors, bfloat16 and float8 included,
+  when torch is importable), zero-size and 0-d ones, non-contiguous views;
+  and state trees of them with dicts (keys holding ``/`` and ``~``), lists,
+  tuples and JSON leaves. :func:`same_state` compares two trees exactly
+  (types, dtypes, shapes and bytes; NaN payloads too).
 
 Requires ``hypothesis`` (the ``test`` extra).
 """
@@ -35,6 +41,9 @@ from checkpoint_store.retention import CheckpointConfig
 
 __all__ = [
     "checkpoint_configs",
+    "same_state",
+    "state_trees",
+    "tensors",
     "directory_trees",
     "file_names",
     "metric_keys",
@@ -162,3 +171,123 @@ def checkpoint_configs(
         keep_latest=st.booleans(),
         missing_score=st.sampled_from(missing_policies),
     )
+
+
+# -- states (docs/state.md) -------------------------------------------------------
+
+#: Dtypes of the state format numpy holds, and those only torch does.
+_NUMPY_DTYPES = ("bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64",
+                 "int64", "float16", "float32", "float64", "complex64")
+_TORCH_ONLY = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+               "float8_e5m2fnuz")
+
+
+def _torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def tensors(*, frameworks: tuple[str, ...] = ("numpy", "torch"), max_dims: int = 3,
+            max_side: int = 4) -> st.SearchStrategy[Any]:
+    """A numpy array or torch tensor (torch only where importable) of any dtype
+    the state format stores, any bytes (NaN payloads included), shapes with 0
+    to ``max_dims`` dimensions (0-d and zero-size included), and now and then a
+    non-contiguous view (a transpose or a strided slice)."""
+    fws = [f for f in frameworks if f != "torch" or _torch_available()]
+
+    @st.composite
+    def draw(draw_: Any) -> Any:
+        import numpy as np
+
+        fw = draw_(st.sampled_from(fws))
+        names = _NUMPY_DTYPES + (_TORCH_ONLY if fw == "torch" else ())
+        dtype = draw_(st.sampled_from(names))
+        shape = tuple(draw_(st.lists(st.integers(0, max_side), max_size=max_dims)))
+        item = 1 if dtype in ("bool", "uint8", "int8") or dtype.startswith("float8") else (
+            2 if dtype in ("uint16", "int16", "float16", "bfloat16") else
+            8 if dtype in ("uint64", "int64", "float64", "complex64") else 4)
+        count = 1
+        for n in shape:
+            count *= n
+        raw = draw_(st.binary(min_size=count * item, max_size=count * item))
+        if dtype == "bool":  # only 0 and 1 are bools
+            raw = bytes(b & 1 for b in raw)
+        view = draw_(st.sampled_from(("plain", "plain", "transpose", "strided")))
+        if fw == "numpy":
+            arr = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+            if view == "transpose" and arr.ndim >= 2:
+                return arr.T
+            if view == "strided" and arr.ndim >= 1:
+                return np.concatenate([arr, arr])[::2]
+            return arr
+        import torch
+
+        t = torch.frombuffer(bytearray(raw) or bytearray(1), dtype=torch.uint8)[:len(raw)]
+        t = t.view(getattr(torch, dtype)).reshape(shape).clone()
+        if view == "transpose" and t.dim() >= 2:
+            return t.t() if t.dim() == 2 else t.transpose(0, 1)
+        if view == "strided" and t.dim() >= 1:
+            return torch.cat([t, t])[::2]
+        return t
+
+    return draw()
+
+
+def state_trees(*, max_leaves: int = 10, frameworks: tuple[str, ...] = ("numpy", "torch")
+                ) -> st.SearchStrategy[Any]:
+    """A state tree: dicts (unicode keys, ``/``, ``~`` and the empty key
+    included), lists and tuples (empty ones too) over :func:`tensors` and JSON
+    leaves (NaN and infinities, big ints, unicode strings, None, bools)."""
+    keys = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=6) | \
+        st.sampled_from(["a/b", "~", "~1", "/", "", "model", "layer.0.weight"])
+    leaves = st.one_of(
+        tensors(frameworks=frameworks),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.booleans(), st.none(), st.text(alphabet=st.characters(exclude_categories=("Cs",)),
+                                          max_size=8),
+    )
+    return st.recursive(
+        leaves,
+        lambda children: st.one_of(
+            st.lists(children, max_size=3),
+            st.lists(children, max_size=3).map(tuple),
+            st.dictionaries(keys, children, max_size=4),
+        ),
+        max_leaves=max_leaves,
+    )
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Whether two state trees are exactly alike: the same containers (dict,
+    list, tuple) and keys in the same order, JSON leaves equal (NaN equal to
+    NaN, ``-0.0`` told from ``0.0``, ``1`` from ``1.0`` and ``True``), tensors
+    of the same framework, dtype, shape and bytes."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    np = sys.modules.get("numpy")
+    if torch is not None and isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or (a.dtype, a.shape) != (b.dtype, b.shape):
+            return False
+        ua = a.contiguous().reshape(-1).view(torch.uint8)
+        ub = b.contiguous().reshape(-1).view(torch.uint8)
+        return bool(torch.equal(ua, ub))
+    if np is not None and isinstance(a, (np.ndarray, np.generic)):
+        if type(a) is not type(b) or (a.dtype, a.shape) != (b.dtype, b.shape):
+            return False
+        return bool(np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes())
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and list(a) == list(b)
+                and all(same_state(a[k], b[k]) for k in a))
+    if isinstance(a, (list, tuple)):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(same_state(x, y) for x, y in zip(a, b, strict=True)))
+    if isinstance(a, float):
+        return isinstance(b, float) and (
+            (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) ==
+                                                   math.copysign(1, b)))
+    return type(a) is type(b) and a == b

@@ -16,7 +16,8 @@ class CountingRelay:
     """TCP relay on 127.0.0.1 to ``target_port`` (clients connect to ``url``).
 
     Records every HTTP request line in ``requests`` and counts the bytes
-    clients send (``sent``: request lines, headers and bodies). Holds the
+    clients send (``sent``: request lines, headers and bodies) and receive
+    (``received``: status lines, headers and bodies). Holds the
     answer to the first CompleteMultipartUpload (``POST ...?uploadId=``) of
     each upload ``hold_s`` seconds (a request sent again is answered at
     once: a test then fails on the count, not after a long wait); those
@@ -28,6 +29,7 @@ class CountingRelay:
         self.completes: list[bytes] = []
         self.requests: list[bytes] = []
         self.sent = 0
+        self.received = 0
         self._lock = threading.Lock()
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
@@ -38,6 +40,7 @@ class CountingRelay:
         """Start counting afresh (requests, completes and bytes sent)."""
         with self._lock:
             self.sent = 0
+            self.received = 0
             self.requests = []
             self.completes = []
 
@@ -77,6 +80,8 @@ class CountingRelay:
             if waiting.is_set():
                 time.sleep(self.hold_s)
                 waiting.clear()
+            with self._lock:
+                self.received += len(data)
             try:
                 client.sendall(data)
             except OSError:  # the client gave up on this connection
