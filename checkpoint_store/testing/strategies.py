@@ -273,6 +273,8 @@ def same_state(a: Any, b: Any) -> bool:
     if torch is not None and isinstance(a, torch.Tensor):
         if not isinstance(b, torch.Tensor) or (a.dtype, a.shape) != (b.dtype, b.shape):
             return False
+        if a.numel() == 0:
+            return True
         ua = a.contiguous().reshape(-1).view(torch.uint8)
         ub = b.contiguous().reshape(-1).view(torch.uint8)
         return bool(torch.equal(ua, ub))
