@@ -129,7 +129,7 @@ class Checkpoint:
         back with :meth:`load_state`.
 
         Args:
-            state: nested dicts (string keys), lists, tuples; leaves torch
+            state: nested dicts (string or int keys), lists, tuples; leaves torch
                 tensors, numpy arrays or JSON values
                 (:func:`checkpoint_store.state.flatten_state`).
             directory: where to write (created; must not hold a state yet);

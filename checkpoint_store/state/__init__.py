@@ -1,7 +1,7 @@
 """State in, state out: a tree of tensors and plain values as checkpoint files.
 
 A **state** is what ``model.state_dict()``, ``optimizer.state_dict()`` and a
-step counter make together: nested dicts (string keys), lists and tuples
+step counter make together: nested dicts (string or int keys), lists and tuples
 whose leaves are torch tensors, numpy arrays or JSON values. This package
 turns one into checkpoint files (safetensors shards for the tensors, one
 ``state.json`` for the rest; never pickle) and reads them back, whole, in

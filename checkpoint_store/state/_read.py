@@ -277,9 +277,10 @@ def _into_leaves(into: Any) -> dict[str, Any]:
         key, value, root = stack.pop()
         if isinstance(value, Mapping):
             for k, v in value.items():
-                if not isinstance(k, str):
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
                     raise InvalidConfigError(
-                        f"into: key {k!r} under {key or 'the root'!r} is not a string")
+                        f"into: key {k!r} under {key or 'the root'!r} is not a string "
+                        "(nor an int)")
                 stack.append((join_key(key, escape_key(k), root=root), v, False))
         elif isinstance(value, (list, tuple)) and not _is_tensor(value):
             for i, v in enumerate(value):

@@ -1,6 +1,6 @@
 """A state tree, flattened: its tensors by flattened key, and a JSON skeleton.
 
-A state is a tree of dicts (string keys), lists and tuples whose leaves are
+A state is a tree of dicts (string or int keys), lists and tuples whose leaves are
 torch tensors, numpy arrays (and numpy scalars) or JSON values (``None``,
 bools, ints, floats, strings). :func:`flatten_state` walks it once and returns
 a :class:`FlatState`: every tensor under its flattened key, and a
@@ -80,8 +80,11 @@ FRAMEWORKS = ("torch", "numpy")
 # -- keys ---------------------------------------------------------------------
 
 
-def escape_key(key: str) -> str:
-    """One dict key as a component of a flattened key: ``~`` -> ``~0``, ``/`` -> ``~1``."""
+def escape_key(key: str | int) -> str:
+    """One dict key as a component of a flattened key: ``~`` -> ``~0``, ``/`` -> ``~1``;
+    an int key (an optimizer's state) as its decimal digits."""
+    if not isinstance(key, str):
+        return str(key)
     return key.replace("~", "~0").replace("/", "~1")
 
 
@@ -290,7 +293,8 @@ def flatten_state(tree: Any) -> FlatState:
     stored each on its own and load as separate tensors.
 
     Args:
-        tree: dicts (``str`` keys; any Mapping, returned as ``dict``), lists,
+        tree: dicts (``str`` or ``int`` keys, as an optimizer's state has; any
+            Mapping, returned as ``dict``), lists,
             tuples; leaves torch tensors (any dense dtype of
             :data:`DTYPES`; not on the meta device; a GPU tensor is copied
             to the CPU when its bytes are taken), numpy arrays and scalars of
@@ -302,7 +306,8 @@ def flatten_state(tree: Any) -> FlatState:
         own tensors (take a snapshot before mutating them).
 
     Raises:
-        UnsupportedStateError: a non-string dict key, a leaf of another
+        UnsupportedStateError: a dict key neither ``str`` nor ``int``, two
+            keys of one dict flattening alike (``0`` and ``"0"``), a leaf of another
             type, an unsupported dtype or layout, a container holding itself,
             nesting deeper than :data:`MAX_DEPTH`, or two tensors that
             overlap in memory without being the same view (``.clone()`` one
@@ -347,15 +352,23 @@ def flatten_state(tree: Any) -> FlatState:
             try:
                 if isinstance(value, Mapping):
                     items = []
+                    seen: dict[str, Any] = {}
                     for k, v in value.items():
-                        if not isinstance(k, str):
+                        if not isinstance(k, (str, int)) or isinstance(k, bool):
                             raise UnsupportedStateError(
                                 f"state key {k!r} ({type(k).__name__}) under {_where(key)} "
-                                "is not a string; state dicts need string keys (convert "
-                                "them, e.g. {str(k): v ...})", key=key,
+                                "is not a string (nor an int); state dicts need string keys "
+                                "(convert them, e.g. {str(k): v ...})", key=key,
                             )
                         _check_json_leaf(k, key)
-                        child = join_key(key, escape_key(k), root=root)
+                        part = escape_key(k)
+                        if part in seen:
+                            raise UnsupportedStateError(
+                                f"state keys {seen[part]!r} and {k!r} under {_where(key)} "
+                                f"both flatten to {part!r}; rename one", key=key,
+                            )
+                        seen[part] = k
+                        child = join_key(key, part, root=root)
                         items.append([k, walk(v, child, depth + 1)])
                     return {"dict": items}
                 kind = "list" if isinstance(value, list) else "tuple"

@@ -239,8 +239,9 @@ def tensors(*, frameworks: tuple[str, ...] = ("numpy", "torch"), max_dims: int =
 def state_trees(*, max_leaves: int = 10, frameworks: tuple[str, ...] = ("numpy", "torch")
                 ) -> st.SearchStrategy[Any]:
     """A state tree: dicts (unicode keys, ``/``, ``~`` and the empty key
-    included), lists and tuples (empty ones too) over :func:`tensors` and JSON
-    leaves (NaN and infinities, big ints, unicode strings, None, bools)."""
+    included; int keys, as an optimizer's ``state_dict()`` has), lists and
+    tuples (empty ones too) over :func:`tensors` and JSON leaves (NaN and
+    infinities, big ints, unicode strings, None, bools)."""
     chars = st.characters(exclude_categories=["Cs"])  # lone surrogates are not UTF-8
     keys = st.text(alphabet=chars, max_size=6) | st.sampled_from(
         ["a/b", "~", "~1", "/", "", "model", "layer.0.weight"])
@@ -256,6 +257,7 @@ def state_trees(*, max_leaves: int = 10, frameworks: tuple[str, ...] = ("numpy",
             st.lists(children, max_size=3),
             st.lists(children, max_size=3).map(tuple),
             st.dictionaries(keys, children, max_size=4),
+            st.dictionaries(st.integers(-3, 2**70), children, max_size=3),  # optimizer state
         ),
         max_leaves=max_leaves,
     )

@@ -190,6 +190,21 @@ def test_into_fills_the_tensors_in_place(tmp_path) -> None:
     assert torch.equal(t_target, torch.arange(6.0))
 
 
+def test_into_fills_an_optimizer_state_with_int_keys(tmp_path) -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    ck = _commit(tmp_path, {"optim": opt.state_dict()})
+    model2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    model2(torch.randn(4, 3)).sum().backward()
+    opt2.step()  # creates the momentum buffers to fill
+    ck.load_state(into={"optim": {"state": opt2.state_dict()["state"]}})
+    for p1, p2 in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(opt.state[p1]["momentum_buffer"], opt2.state[p2]["momentum_buffer"])
+
+
 def test_into_with_keys_loads_only_the_intersection(tmp_path) -> None:
     ck = _commit(tmp_path, _model_state())
     w = torch.zeros(8, 8)

@@ -159,8 +159,11 @@ def test_overlapping_views_are_refused_naming_both(tmp_path, make) -> None:
 
 
 @pytest.mark.parametrize("tree, key, match", [
-    ({"a": {1: torch.zeros(1)}}, "a", "state key 1 .int. under 'a' is not a string"),
+    ({"a": {1.5: torch.zeros(1)}}, "a", "state key 1.5 .float. under 'a' is not a string"),
     ({(1, 2): 3}, "", "is not a string"),
+    ({"a": {True: 3}}, "a", "True .bool."),
+    ({"a": {None: 3}}, "a", "None .NoneType."),
+    ({"a": {0: 1, "0": 2}}, "a", "both flatten to '0'"),
     ({"a": [None, {"b": {1.5}}]}, "a/1/b", "builtins.set"),
     ({"a": b"bytes"}, "a", "builtins.bytes"),
     ({"a": object()}, "a", "No pickle"),
@@ -171,14 +174,35 @@ def test_overlapping_views_are_refused_naming_both(tmp_path, make) -> None:
     ({"a": torch.zeros(2).to_sparse()}, "a", "only dense"),
     ({"a": torch.empty(2, device="meta")}, "a", "meta device"),
     ({"s": "\ud800"}, "s", "lone"),
-], ids=["int-key", "tuple-key", "set", "bytes", "object", "str-array", "float128",
-        "complex128", "sparse", "meta", "surrogate"])
+], ids=["float-key", "tuple-key", "bool-key", "none-key", "int-and-str-key", "set", "bytes",
+        "object", "str-array", "float128", "complex128", "sparse", "meta", "surrogate"])
 def test_unstorable_trees_are_refused_before_any_write(tmp_path, tree, key, match) -> None:
     with pytest.raises(UnsupportedStateError, match=match) as err:
         Checkpoint.from_state(tree, tmp_path / "ck")
     assert err.value.key == key
     assert isinstance(err.value, InvalidConfigError)
     assert not (tmp_path / "ck").exists() or os.listdir(tmp_path / "ck") == []
+
+
+def test_int_keys_round_trip_as_ints_like_an_optimizer_state(tmp_path) -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert set(sd["state"]) == {0, 1}
+    back = _round_trip({"optim": sd, "ints": {-3: "x", 10**30: None}}, tmp_path)
+    assert cst.same_state(back["optim"], sd)
+    assert list(back["ints"]) == [-3, 10**30]
+    # The keys flatten to their digits and select like any other.
+    part = Checkpoint.from_directory(tmp_path / "ck").load_state("optim/state/1/exp_avg")
+    assert torch.equal(part["optim"]["state"][1]["exp_avg"], sd["state"][1]["exp_avg"])
+    # And an optimizer takes the state back.
+    opt2 = torch.optim.Adam(torch.nn.Linear(3, 2).parameters(), lr=0.5)
+    opt2.load_state_dict(back["optim"])
+    assert opt2.param_groups[0]["lr"] == 0.01
+    assert torch.equal(opt2.state[opt2.param_groups[0]["params"][0]]["exp_avg"],
+                       sd["state"][0]["exp_avg"])
 
 
 def test_a_cycle_is_refused(tmp_path) -> None:
