@@ -23,13 +23,17 @@ from checkpoint_store.errors import (
     NestedCheckpointError,
     PermanentBackendError,
     RankTimeoutError,
+    StateKeyError,
+    StateMismatchError,
     StorageFullError,
+    TensorCorruptError,
     TransientBackendError,
     TrialInUseError,
     TrialStopped,
     UnknownSchemeError,
     UnreadableSourceError,
     UnsafePathError,
+    UnsupportedStateError,
 )
 
 if TYPE_CHECKING:
@@ -66,6 +70,10 @@ __all__ = [
     "PermanentBackendError",
     "RankTimeoutError",
     "StorageFullError",
+    "StateKeyError",
+    "StateMismatchError",
+    "TensorCorruptError",
+    "UnsupportedStateError",
     "RetryPolicy",
     "ScanResult",
     "StorageContext",

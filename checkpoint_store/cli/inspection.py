@@ -312,8 +312,15 @@ def _print_show(loc: Location, meta: Mapping[str, Any], user: Mapping[str, Any],
     click.echo(f"created (UTC)   {fmt_time(meta.get('created_at'))}")
     click.echo(f"format          {meta.get('format_version')}")
     for key in sorted(meta):
-        if key not in ("index", "created_at", "format_version", "metrics", "manifest"):
+        if key not in ("index", "created_at", "format_version", "metrics", "manifest",
+                       "tensors"):
             click.echo(f"{key:<15} {fmt_value(meta[key])}")
+    tensors = meta.get("tensors")
+    if isinstance(tensors, Mapping):  # a state's index (docs/state.md): its size, not its body
+        data = sum(e["offsets"][1] - e["offsets"][0] for e in tensors.values()
+                   if isinstance(e, Mapping) and "alias_of" not in e
+                   and isinstance(e.get("offsets"), list) and len(e["offsets"]) == 2)
+        click.echo(f"tensors         {len(tensors)} ({fmt_size(data)})")
     click.echo(f"files           {len(manifest)} ({fmt_size(manifest_size(meta))})")
     for e in _largest(manifest):
         click.echo(f"  {fmt_size(e['size']):>10}  {e['path']}")

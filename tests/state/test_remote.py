@@ -54,6 +54,30 @@ def _az_uri(srv, url: str, container: str) -> dict[str, Any]:
             "storage_options": {"engine": "adlfs", "connection_string": conn}}
 
 
+def _adlfs(srv, url: str, container: str) -> dict[str, Any]:
+    import adlfs
+
+    fs = adlfs.AzureBlobFileSystem(connection_string=_az_uri(srv, url, container)[
+        "storage_options"]["connection_string"], skip_instance_cache=True)
+    return {"storage_path": f"{container}/ckpt", "storage_filesystem": fs}
+
+
+def _pyarrow_azure(srv, url: str, container: str) -> dict[str, Any]:
+    host = url.split("://", 1)[1]
+    fs = pafs.AzureFileSystem(account_name=srv.account_name, account_key=srv.account_key,
+                              blob_storage_authority=host, blob_storage_scheme="http",
+                              dfs_storage_authority=host, dfs_storage_scheme="http")
+    return {"storage_path": f"{container}/ckpt", "storage_filesystem": fs}
+
+
+def _gcsfs(srv, url: str, bucket: str) -> dict[str, Any]:
+    import gcsfs
+
+    fs = gcsfs.GCSFileSystem(endpoint_url=url, token="anon", project=srv.project,
+                             skip_instance_cache=True)
+    return {"storage_path": f"{bucket}/ckpt", "storage_filesystem": fs}
+
+
 def _gs_uri(srv, url: str, bucket: str) -> dict[str, Any]:
     return {"storage_path": f"gs://{bucket}/ckpt",
             "storage_options": {**srv.storage_options(), "endpoint_url": url}}
@@ -66,7 +90,10 @@ FORMS = {
     "s3fs S3FileSystem": ("s3", _s3fs(wrapped=False)),
     "s3fs in PyFileSystem": ("s3", _s3fs(wrapped=True)),
     "az:// adlfs engine": ("azure", _az_uri),
+    "adlfs AzureBlobFileSystem": ("azure", _adlfs),
+    "pyarrow AzureFileSystem": ("azure", _pyarrow_azure),
     "gs://": ("gcs", _gs_uri),
+    "gcsfs GCSFileSystem": ("gcs", _gcsfs),
 }
 
 
