@@ -331,6 +331,8 @@ class StorageContext:
             checkpoint: where the files are (any filesystem, usually local).
             index: the checkpoint index (>= 0).
             internal: extra fields for the internal metadata (metrics ...).
+                A source directory holding a state (``Checkpoint.from_state``)
+                adds its tensor index as ``"tensors"`` unless given.
             writer_id: who commits (default: a new writer id of this run). One
                 writer committing an index again finds its own claims and its
                 own marker there as its own: a session passes the same one to
@@ -350,6 +352,12 @@ class StorageContext:
                 nothing was committed.
         """
         dest = self.checkpoint_path(index)
+        if "tensors" not in internal:  # a state reported as a directory: record its index
+            from checkpoint_store.state import local_state_index
+
+            tensors = local_state_index(checkpoint.filesystem, checkpoint.path)
+            if tensors is not None:
+                internal = {**internal, "tensors": tensors}
         meta = self.internal_metadata(index, internal)
         self.ensure_trial_dir()
         writer = writer_id or new_writer_id(self.run_id)

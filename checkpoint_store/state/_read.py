@@ -50,8 +50,8 @@ from checkpoint_store.state._tree import (
     join_key,
 )
 
-__all__ = ["PART_BYTES", "SavedState", "load_state", "name_corrupt_tensor", "read_state_index",
-           "verify_tensors"]
+__all__ = ["PART_BYTES", "SavedState", "load_state", "local_state_index", "name_corrupt_tensor",
+           "read_state_index", "verify_tensors"]
 
 #: Largest single ranged read from an object store (bytes); larger ranges
 #: are split and fetched in parallel.
@@ -750,3 +750,25 @@ def name_corrupt_tensor(fs: pafs.FileSystem, path: str, meta: Mapping[str, Any] 
         raise exc from error
     except (OSError, KeyError, TypeError, ValueError):
         return
+
+
+def local_state_index(fs: pafs.FileSystem, path: str) -> dict[str, Any] | None:
+    """The tensor index of a state written into the local directory ``path``
+    (``Checkpoint.from_state``), for a commit to record in its marker; None
+    when ``path`` is not on a local disk or holds no ``state.json`` of ours
+    (a directory of files, or one whose ``state.json`` is another tool's).
+    One stat and, for a state, one read of a small local file."""
+    local = _fsutil.local_path(fs, path)
+    if local is None:
+        return None
+    try:
+        with open(os.path.join(local, STATE_FILE), "rb") as f:
+            body = json.loads(f.read())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not (isinstance(body, dict) and body.get("kind") == "checkpoint_store_state"
+            and body.get("format_version") == STATE_FORMAT_VERSION
+            and isinstance(body.get("tensors"), dict)):
+        return None
+    tensors: dict[str, Any] = body["tensors"]
+    return tensors

@@ -277,8 +277,9 @@ def same_state(a: Any, b: Any) -> bool:
             return False
         if a.numel() == 0:
             return True
-        ua = a.contiguous().reshape(-1).view(torch.uint8)
-        ub = b.contiguous().reshape(-1).view(torch.uint8)
+        # Fresh tensors of default strides (a size-1 dimension may carry any stride).
+        ua = a.new_empty(a.shape).copy_(a).reshape(-1).view(torch.uint8)
+        ub = b.new_empty(b.shape).copy_(b).reshape(-1).view(torch.uint8)
         return bool(torch.equal(ua, ub))
     if np is not None and isinstance(a, (np.ndarray, np.generic)):
         if type(a) is not type(b) or (a.dtype, a.shape) != (b.dtype, b.shape):

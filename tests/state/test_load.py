@@ -269,14 +269,31 @@ def test_a_flipped_byte_in_one_tensor_is_found_by_verify_and_load_state(tmp_path
     ck.load_state("model/layer2.weight", verify=False)
 
 
-def test_verify_names_the_tensor_of_a_state_reported_as_a_directory(tmp_path) -> None:
-    # From from_state + a plain commit: no index in the marker, state.json has it.
-    src = tmp_path / "src"
-    write_state({"a": torch.zeros(64), "b": torch.ones(64)}, src)
-    ctx = StorageContext(str(tmp_path / "store"), "exp", "trial")
-    ck = ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
+@pytest.mark.parametrize("upload_mode", ["sync", "async"])
+def test_a_state_reported_as_a_directory_gets_its_index_in_the_marker(tmp_path,
+                                                                       upload_mode) -> None:
+    from checkpoint_store import UploadConfig, session
+
+    tree = {"a": torch.zeros(64), "n": 1}
+    with session.start(storage_path=str(tmp_path / "store"), experiment_name="exp",
+                       trial_name="t", upload_config=UploadConfig(upload_mode=upload_mode)):
+        session.report({"loss": 1.0}, checkpoint=Checkpoint.from_state(tree, tmp_path / "s"))
+    [(ck, meta)] = StorageContext(str(tmp_path / "store"), "exp", "t").committed_checkpoints()
+    assert meta["format_version"] == 2
+    assert meta["tensors"] == json.loads((tmp_path / "s" / STATE_FILE).read_text())["tensors"]
+    assert cst.same_state(ck.load_state(), tree)
+
+
+def test_verify_names_the_tensor_without_an_index_in_the_marker(tmp_path) -> None:
+    # A marker without "tensors" (a state committed by a writer that did not
+    # record it, version 1): state.json has the index.
+    ck = _commit(tmp_path, {"a": torch.zeros(64), "b": torch.ones(64)})
+    marker = os.path.join(ck.path, ".internal_metadata.json")
+    meta = json.loads(open(marker).read())
+    index = meta.pop("tensors")
+    meta["format_version"] = 1
+    open(marker, "w").write(json.dumps(meta))
     assert ck.internal_metadata["format_version"] == 1
-    index = json.loads((src / STATE_FILE).read_text())["tensors"]
     e = index["b"]
     with open(os.path.join(ck.path, e["file"]), "r+b") as f:
         f.seek(e["offsets"][0] + 10)
@@ -284,6 +301,9 @@ def test_verify_names_the_tensor_of_a_state_reported_as_a_directory(tmp_path) ->
     with pytest.raises(TensorCorruptError) as err:
         ck.verify()
     assert err.value.tensor == "b"
+    with pytest.raises(TensorCorruptError):
+        ck.load_state()
+    assert torch.equal(ck.load_state("a")["a"], torch.zeros(64))
 
 
 def test_a_damaged_header_is_reported_as_the_file(tmp_path) -> None:
