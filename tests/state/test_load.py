@@ -395,3 +395,24 @@ def test_raw_buffers_write_a_loadable_state_without_torch(tmp_path) -> None:
         "tensors-00002-of-00002.safetensors"]
     back = Checkpoint.from_directory(tmp_path / "ck").load_state()
     assert cst.same_state(back, {"model": {"w": w, "bf": bf}, "a/b": np.array(5, np.int8)})
+
+
+def test_a_checkpoint_written_by_the_release_before_states_opens_and_verifies(tmp_path) -> None:
+    # tests/state/data/format_v1_checkpoint: committed by checkpoint-store before
+    # the state format existed (format version 1, no "tensors"), kept byte for byte.
+    import shutil
+
+    data = os.path.join(os.path.dirname(__file__), "data", "format_v1_checkpoint")
+    trial = tmp_path / "store" / "exp" / "trial"
+    shutil.copytree(data, trial / "checkpoint_000000")
+    ck = Checkpoint(str(trial / "checkpoint_000000"))
+    assert ck.is_committed and ck.internal_metadata["format_version"] == 1
+    ck.verify()
+    assert ck.get_metadata() == {"note": "written by format version 1"}
+    out = ck.to_directory(str(tmp_path / "out"))
+    assert open(os.path.join(out, "weights.bin"), "rb").read() == bytes(range(256)) * 4
+    ctx = StorageContext(str(tmp_path / "store"), "exp", "trial")
+    [(found, meta)] = ctx.committed_checkpoints()
+    assert found == ck and meta["metrics"] == {"loss": 0.5}
+    with pytest.raises(CheckpointNotFoundError, match="holds no saved state"):
+        ck.load_state()
