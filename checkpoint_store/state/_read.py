@@ -496,16 +496,25 @@ class _Fetcher:
             self._fill_local(jobs)
             return
         # Coalesce tensors adjacent in one file, then cut into parts.
-        runs: list[tuple[str, int, int, list[tuple[int, memoryview]]]] = []
+        runs: list[list[Any]] = []  # [file, begin, end, [(begin, view), ...]]
         for rel, begin, view in sorted(jobs, key=lambda j: (j[0], j[1])):
             end = begin + len(view)
             if runs and runs[-1][0] == rel and runs[-1][2] == begin:
-                r = runs[-1]
-                runs[-1] = (rel, r[1], end, r[3] + [(begin, view)])
+                runs[-1][2] = end
+                runs[-1][3].append((begin, view))
             else:
-                runs.append((rel, begin, end, [(begin, view)]))
-        parts = [(rel, b, min(b + PART_BYTES, end), dests)
-                 for rel, start, end, dests in runs for b in range(start, end, PART_BYTES)]
+                runs.append([rel, begin, end, [(begin, view)]])
+        parts = []
+        for rel, start, end, dests in runs:
+            first = 0  # dests are sorted and adjacent: walk them along the parts
+            for b in range(start, end, PART_BYTES):
+                e = min(b + PART_BYTES, end)
+                while dests[first][0] + len(dests[first][1]) <= b:
+                    first += 1
+                last = first
+                while last < len(dests) and dests[last][0] < e:
+                    last += 1
+                parts.append((rel, b, e, dests[first:last]))
 
         def one(part: tuple[str, int, int, list[tuple[int, memoryview]]]) -> None:
             rel, b, e, dests = part
