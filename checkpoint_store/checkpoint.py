@@ -150,7 +150,8 @@ class Checkpoint:
         local = (tempfile.mkdtemp(prefix="checkpoint-state-") if directory is None
                  else os.path.abspath(os.path.expanduser(os.fspath(directory))))
         try:
-            _state.write_state(state, local, shard_bytes=shard_bytes or _state.DEFAULT_SHARD_BYTES)
+            _state.write_state(state, local, shard_bytes=_state.DEFAULT_SHARD_BYTES
+                               if shard_bytes is None else shard_bytes)
         except BaseException:
             if directory is None:
                 _remove_tree(local)

@@ -111,6 +111,8 @@ def test_bad_shard_sizes_are_refused(tmp_path) -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(InvalidConfigError, match="shard_bytes"):
             write_state({"a": torch.zeros(1)}, tmp_path / "d", shard_bytes=bad)
+        with pytest.raises(InvalidConfigError, match="shard_bytes"):
+            Checkpoint.from_state({"a": torch.zeros(1)}, tmp_path / "d", shard_bytes=bad)
     assert not (tmp_path / "d").exists() or os.listdir(tmp_path / "d") == []
 
 
