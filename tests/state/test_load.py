@@ -11,6 +11,8 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from checkpoint_store import Checkpoint, StorageContext
 from checkpoint_store.errors import (
@@ -20,7 +22,7 @@ from checkpoint_store.errors import (
     StateMismatchError,
     TensorCorruptError,
 )
-from checkpoint_store.state import STATE_FILE, write_buffers, write_state
+from checkpoint_store.state import STATE_FILE, flatten_state, write_buffers, write_state
 from checkpoint_store.testing import strategies as cst
 
 
@@ -416,3 +418,49 @@ def test_a_checkpoint_written_by_the_release_before_states_opens_and_verifies(tm
     assert found == ck and meta["metrics"] == {"loss": 0.5}
     with pytest.raises(CheckpointNotFoundError, match="holds no saved state"):
         ck.load_state()
+
+
+def _walk(tree, key):
+    """The entry of ``tree`` at a flattened key (components unescaped against
+    the dict's own keys, list positions as ints)."""
+    from checkpoint_store.state import escape_key
+
+    node = tree
+    for part in key.split("/") if key else []:
+        if isinstance(node, dict):
+            node = next(v for k, v in node.items() if escape_key(k) == part)
+        else:
+            node = node[int(part)]
+    return node
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cst.state_trees(max_leaves=12), st.data())
+def test_any_subset_of_keys_loads_exactly_those_entries(tmp_path_factory, tree, data) -> None:
+    from checkpoint_store.state._tree import iter_leaves
+
+    d = tmp_path_factory.mktemp("p")
+    ck = Checkpoint.from_state({"s": tree}, d / "ck")
+    leaves = [k for k, _ in iter_leaves(flatten_state({"s": tree}).layout.skeleton)]
+    chosen = data.draw(st.lists(st.sampled_from(leaves), unique=True, max_size=4)) if leaves \
+        else []
+    got = ck.load_state(chosen)
+    for key in chosen:
+        assert cst.same_state(_walk(got, key), _walk({"s": tree}, key)), key
+    # Nothing else: every other leaf is absent, or None where a list keeps its length.
+    for key in leaves:
+        if key in chosen:
+            continue
+        try:
+            value = _walk(got, key)
+        except (StopIteration, IndexError, KeyError, TypeError, ValueError):
+            continue
+        assert value is None or isinstance(value, (dict, list, tuple)), key
+
+
+def test_keys_must_be_strings(tmp_path) -> None:
+    from checkpoint_store.errors import InvalidConfigError
+
+    ck = Checkpoint.from_state({"a": torch.zeros(1)}, tmp_path / "ck")
+    with pytest.raises(InvalidConfigError, match="keys must be strings"):
+        ck.load_state([1])
