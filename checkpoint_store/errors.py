@@ -26,6 +26,7 @@ __all__ = [
     "MetadataError",
     "NestedCheckpointError",
     "PermanentBackendError",
+    "PersistProcessError",
     "RankTimeoutError",
     "StateKeyError",
     "StateMismatchError",
@@ -293,6 +294,13 @@ class TensorCorruptError(CheckpointCorruptError):
                  tensor: str | None = None):
         super().__init__(message, path=path, file=file)
         self.tensor = tensor
+
+
+class PersistProcessError(CheckpointStoreError):
+    """The process that writes staged state (``report(state=...)``) died or
+    failed: the checkpoint it was writing was not committed. Raised by the
+    next ``report()``, ``wait()`` or the end of the session; the next state
+    report starts a new persist process."""
 
 
 class TrialStopped(BaseException):

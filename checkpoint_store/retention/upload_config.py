@@ -81,6 +81,10 @@ class UploadConfig:
             many uploads are still pending (default 1, as Orbax's async saves).
         staging: with ``"async"``, how the checkpoint directory is staged:
             ``"copy"`` (default), ``"hardlink"`` or ``"move"`` (see :func:`stage`).
+        staging_budget: bytes of shared memory ``report(state=...)`` copies
+            tensors into (None: min(2 GiB, 25 % of RAM)); a larger state is
+            staged in pieces while the persist process drains (see
+            :mod:`checkpoint_store.state._staging`). At least 1 MiB.
 
     Raises:
         InvalidConfigError: at construction, for any other value.
@@ -89,8 +93,15 @@ class UploadConfig:
     upload_mode: UploadMode = "sync"
     max_pending_uploads: int = 1
     staging: StagingMode = "copy"
+    staging_budget: int | None = None
 
     def __post_init__(self) -> None:
         check_upload_mode(self.upload_mode)
         check_max_pending(self.max_pending_uploads)
         check_staging(self.staging)
+        if self.staging_budget is not None and (
+                isinstance(self.staging_budget, bool) or not isinstance(self.staging_budget, int)
+                or self.staging_budget < 1 << 20):
+            raise InvalidConfigError(
+                f"staging_budget must be a number of bytes >= 1048576 (1 MiB) or None, got "
+                f"{self.staging_budget!r}")

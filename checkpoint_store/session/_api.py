@@ -19,6 +19,7 @@ from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     CheckpointAbortedError,
     CheckpointStoreError,
+    InvalidConfigError,
     RankTimeoutError,
     TrialStopped,
 )
@@ -214,15 +215,24 @@ def get_session() -> Session:
 def report(
     metrics: Mapping[str, Any], *, checkpoint: Checkpoint | None = None,
     upload_mode: str | None = None, staging: str | None = None,
+    state: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Report ``metrics`` (and optionally a checkpoint) to the active session.
+    """Report ``metrics`` (and optionally a checkpoint, or a ``state`` saved
+    from memory) to the active session.
 
     Same role as Ray Train's ``ray.train.report``. See :meth:`Session.report`
-    (``upload_mode="async"`` returns before the upload; see :func:`wait`).
+    (``upload_mode="async"`` returns before the upload; see :func:`wait`;
+    ``state=``: docs/sessions.md, "Saving from memory").
     """
     ray = _ray_session()
     if ray is not None:
+        if state is not None:
+            raise InvalidConfigError("report(state=...) is not supported inside Ray Train; "
+                                     "save a directory and pass checkpoint=")
         return ray.report(metrics, checkpoint=checkpoint)
+    if state is not None:
+        return get_session().report(metrics, checkpoint=checkpoint, upload_mode=upload_mode,
+                                    state=state)
     if upload_mode is None and staging is None:
         return get_session().report(metrics, checkpoint=checkpoint)
     return get_session().report(metrics, checkpoint=checkpoint, upload_mode=upload_mode,

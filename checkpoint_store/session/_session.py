@@ -29,7 +29,7 @@ from checkpoint_store.errors import (
 )
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
 from checkpoint_store.retention.restore import Listing
-from checkpoint_store.session import _tiered
+from checkpoint_store.session import _state_report, _tiered
 from checkpoint_store.session._checks import (
     check_checkpoint_config,
     check_resume_source,
@@ -317,8 +317,10 @@ class Session:
     def report(
         self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None,
         *, upload_mode: str | None = None, staging: str | None = None,
+        state: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Record ``metrics`` and, optionally, persist and commit ``checkpoint``.
+        """Record ``metrics`` and, optionally, persist and commit ``checkpoint``
+        (a directory) or ``state`` (tensors and values, saved from memory).
 
         Auto-filled keys (override anything reported under the same name):
         ``training_iteration`` (1-based count of reports of this trial, across
@@ -349,6 +351,17 @@ class Session:
         background; see :mod:`checkpoint_store.session._uploads` and :meth:`wait`. An
         error of a background upload is raised by the next ``report()``,
         :meth:`wait` or the end of the session. One rank only.
+
+        ``state`` (instead of ``checkpoint``): a dict of torch CPU tensors,
+        numpy arrays and JSON values, nested (``{"model": model.state_dict(),
+        "optim": opt.state_dict(), "step": 7}``). Its tensors are copied into
+        shared-memory staging (at most ``upload_config.staging_budget``
+        bytes), then ``report`` returns; a persist process writes them as
+        safetensors files and the checkpoint is committed in the background
+        (``upload_mode="sync"``: before ``report`` returns). Changing the
+        tensors after ``report`` returns does not change what is saved. One
+        rank only; see :mod:`checkpoint_store.session._state_report` and
+        docs/sessions.md.
 
         Returns:
             The result row (metrics plus the auto-filled keys); rank 0 writes
@@ -382,6 +395,13 @@ class Session:
         hook = self._runner_hook
         if hook is not None:
             hook.before_report()
+        if state is not None:
+            if checkpoint is not None:
+                raise InvalidConfigError("pass checkpoint= or state= to report(), not both")
+            row, persisted = _state_report.report_state(self, metrics, state, upload_mode)
+            if hook is not None:
+                hook.after_report(row, persisted)
+            return row
         mode = upload_mode or self.upload_config.upload_mode
         if self._reserved is not None and self._in_place(checkpoint, self._next_index):
             mode = "sync"  # already in place: there is nothing to upload in the background
@@ -725,6 +745,7 @@ class Session:
             self.manager.close()
             if self._coordinator is not None:
                 self._coordinator.close()
+            _state_report.close_stager(self)
         if upload_error is not None:
             raise upload_error
         if results_error is not None:

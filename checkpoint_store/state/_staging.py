@@ -1,0 +1,529 @@
+"""Bounded staging of a state in shared memory, drained by the persist process.
+
+``session.report(metrics, state=tree)`` calls :meth:`Stager.stage`, which
+
+1. walks ``tree`` (:func:`plan_state`): every tensor (a torch tensor, a numpy
+   array) gets a place in a safetensors shard, every other leaf is kept as a
+   JSON value; a leaf JSON cannot hold is refused before anything is copied;
+2. copies each tensor, in pieces of at most :attr:`Stager.piece_bytes`, into
+   the staging area, a shared-memory buffer of ``staging_budget`` bytes
+   reused by every save; each piece, once copied, is handed to the persist
+   process (:mod:`checkpoint_store.state._persist`), which writes it to its
+   file and frees its place;
+3. returns a :class:`StagedState` once the last byte is copied: from then on
+   the training loop may change the tensors; what is saved is what they held
+   during the copy (a snapshot).
+
+A state that fits in the free part of the area costs one ``memcpy`` of its
+bytes. A larger one is staged while the persist process drains: ``stage()``
+blocks only while the area is full, for as long as the bytes that do not fit
+take to be written. The training process never holds more staging memory
+than the budget (plus, for a non-contiguous tensor, nothing: its rows are
+copied straight into place); the persist process maps the same pages.
+
+:meth:`StagedState.write_to` (the session's background worker) waits until
+the persist process has written and closed every file, then returns the
+tensor index for the manifest (name -> file, dtype, shape, byte range in the
+file, CRC32C), the CRC32C of every file having been computed as it was
+written, so the commit reads nothing back.
+
+Where each limit comes from: the default budget,
+:func:`default_staging_budget`, is min(2 GiB, 25 % of RAM): 2 GiB holds the
+1 GiB benchmark state with room for the next save, and a quarter of RAM
+leaves the training process its memory on small machines; it is measured
+in ``benchmarks/bench_state.py`` (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import mmap
+import os
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from checkpoint_store.errors import InvalidConfigError, PersistProcessError
+from checkpoint_store.state._tree import FlatState
+
+__all__ = [
+    "PIECE_BYTES",
+    "StagedState",
+    "Stager",
+    "check_staging_budget",
+    "default_staging_budget",
+    "plan_state",
+]
+
+GiB = 1 << 30
+MiB = 1 << 20
+#: The largest piece copied and written at once (smaller with a small budget).
+PIECE_BYTES = 32 * MiB
+_ALIGN = 64
+#: The written record the commit reads the files' CRC32C from.
+WRITTEN_RECORD = ".cs_written-state.json"
+
+
+def default_staging_budget() -> int:
+    """min(2 GiB, 25 % of physical memory), in bytes (at least 64 MiB)."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 8 * GiB
+    return max(64 * MiB, min(2 * GiB, ram // 4))
+
+
+def check_staging_budget(value: Any) -> int:
+    """``value`` (bytes, an int >= 1 MiB), or the default for None.
+
+    Raises:
+        InvalidConfigError: anything else.
+    """
+    if value is None:
+        return default_staging_budget()
+    if isinstance(value, bool) or not isinstance(value, int) or value < MiB:
+        raise InvalidConfigError(
+            f"staging_budget must be a number of bytes >= {MiB} (1 MiB), got {value!r}")
+    return value
+
+
+# -- the plan: the format package's flattening ------------------------------------------
+
+
+def plan_state(state: Any) -> FlatState:
+    """Flatten ``state`` (:func:`checkpoint_store.state.flatten_state`): its
+    tensors and its picklable layout; nothing is copied.
+
+    Raises:
+        UnsupportedStateError: a key, leaf or dtype the format cannot store
+            (names the flattened key); nothing is copied or written.
+    """
+    from checkpoint_store.state._tree import flatten_state
+
+    return flatten_state(state)
+
+
+def _kind(value: Any) -> str:
+    np = sys.modules.get("numpy")
+    return "numpy" if np is not None and isinstance(value, (np.ndarray, np.generic)) \
+        else "torch"
+
+
+def _direct(value: Any, kind: str) -> bool:
+    """True when the tensor's own memory holds its bytes in C order, little-endian."""
+    if kind == "numpy":
+        value = sys.modules["numpy"].asarray(value)
+        return bool(value.flags.c_contiguous) and value.dtype.byteorder != ">"
+    return value.device.type == "cpu" and bool(value.is_contiguous())
+
+
+def _rows_direct(value: Any, kind: str) -> bool:
+    """A non-contiguous CPU tensor copied row by row straight into place."""
+    if kind == "numpy":
+        value = sys.modules["numpy"].asarray(value)
+        return value.ndim >= 1 and value.dtype.byteorder != ">"
+    return value.device.type == "cpu" and value.dim() >= 1
+
+
+# -- the staging area and its persist process ------------------------------------------
+
+
+class Stager:
+    """A staging area of ``budget`` bytes of shared memory and the persist
+    process draining it; one per session (or per Lightning plugin).
+
+    Args:
+        budget: staging bytes (default :func:`default_staging_budget`).
+        piece_bytes: the largest piece copied at once (default
+            min(32 MiB, budget / 4)).
+
+    Thread-safety: one thread stages at a time; :meth:`StagedState.write_to`
+    may run on another.
+    """
+
+    def __init__(self, budget: int | None = None, *, piece_bytes: int | None = None):
+        self.budget = check_staging_budget(budget)
+        self.piece_bytes = piece_bytes or max(64 * 1024, min(PIECE_BYTES, self.budget // 4))
+        self._cond = threading.Condition()
+        self._ring: collections.deque[tuple[int, int]] = collections.deque()
+        self._head = 0
+        self._fd: int | None = None
+        self._area: mmap.mmap | None = None
+        self._proc: Any = None
+        self._dead: PersistProcessError | None = None
+        self._states: dict[int, StagedState] = {}
+        self._next_fid = 0
+        self._stage_lock = threading.Lock()
+        self._outbox: list[tuple[Any, ...]] = []
+        #: Staging bytes in use now, and the most ever in use (for tests and benchmarks).
+        self.in_use = 0
+        self.peak_in_use = 0
+        self.closed = False
+
+    # -- the area --------------------------------------------------------------
+
+    def _ensure(self) -> None:
+        """The area exists and a live persist process maps it."""
+        from checkpoint_store.state._persist import PersistProcess
+
+        if self.closed:
+            raise PersistProcessError("this stager is closed")
+        if self._area is None:
+            self._fd = _shared_fd(self.budget)
+            self._area = mmap.mmap(self._fd, self.budget)
+        if self._proc is not None and self._dead is None:
+            return
+        if self._proc is not None:  # a dead one: its states failed already
+            self._proc.close(timeout=5)
+            with self._cond:
+                self._ring.clear()
+                self.in_use = 0
+                self._dead = None
+                self._outbox = []
+        assert self._fd is not None
+        self._proc = PersistProcess(self._fd, self.budget, self._on_message, self._on_exit)
+
+    @property
+    def persist_pid(self) -> int | None:
+        """The pid of the persist process (None before the first save)."""
+        return self._proc.pid if self._proc is not None else None
+
+    def _alloc(self, n: int) -> int:
+        """A place for ``n`` bytes in the area; while it is full, the pieces
+        copied so far go to the persist process and this waits for it to free
+        some."""
+        need = (n + _ALIGN - 1) // _ALIGN * _ALIGN
+        while True:
+            with self._cond:
+                if self._dead is not None:
+                    raise self._dead
+                off = self._fit(need)
+                if off is not None:
+                    self._ring.append((off, need))
+                    self._head = off + need
+                    self.in_use += need
+                    self.peak_in_use = max(self.peak_in_use, self.in_use)
+                    return off
+                if not self._outbox:
+                    self._cond.wait(1.0)
+                    continue
+            self._flush()
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        # Held back while the state still fits: the persist process starts
+        # writing once the copy is done, not competing with it for a core.
+        self._outbox.append(msg)
+
+    def _flush(self) -> None:
+        out, self._outbox = self._outbox, []
+        for msg in out:
+            self._proc.send(msg)
+
+    def _fit(self, n: int) -> int | None:
+        size, ring, head = self.budget, self._ring, self._head
+        if n > size:
+            raise AssertionError("piece larger than the staging area")
+        if not ring:
+            return 0
+        tail = ring[0][0]
+        if head > tail:
+            if head + n <= size:
+                return head
+            return 0 if n <= tail else None
+        if head < tail:
+            return head if head + n <= tail else None
+        return None  # head == tail with pieces in: full
+
+    def _on_message(self, msg: tuple[Any, ...]) -> None:
+        op = msg[0]
+        with self._cond:
+            if op == "freed":
+                off = msg[1]
+                if self._ring and self._ring[0][0] == off:
+                    self.in_use -= self._ring.popleft()[1]
+                self._cond.notify_all()
+                return
+            state = self._states.get(msg[1])
+        if state is None:
+            return
+        if op == "closed":
+            state._closed(msg[2], msg[3])
+        elif op == "error":
+            state._fail(PersistProcessError(
+                f"the persist process could not write {state.directory}: {msg[2]}"))
+
+    def _on_exit(self, code: int) -> None:
+        error = PersistProcessError(
+            f"the persist process (pid {self._proc.pid if self._proc else '?'}) exited with "
+            f"code {code} before the staged state was written"
+            + (" (killed by a signal)" if code < 0 else ""))
+        with self._cond:
+            if self.closed and not self._states:
+                return
+            self._dead = error
+            states = list(self._states.values())
+            self._cond.notify_all()
+        for s in states:
+            s._fail(error)
+
+    # -- staging ---------------------------------------------------------------
+
+    def stage(self, state: FlatState | Mapping[str, Any], directory: str) -> StagedState:
+        """Copy the tensors of ``state`` (a tree, or :func:`plan_state`'s
+        result) into the staging area and have the persist process write the
+        state's files (docs/state.md) into ``directory`` (local, created if
+        missing); returns once the last byte is copied, blocking while the
+        area is full.
+
+        Raises:
+            UnsupportedStateError: a leaf or key of the state is refused
+                (nothing copied).
+            InvalidConfigError: a non-contiguous tensor whose rows are larger
+                than the budget.
+            PersistProcessError: the persist process died while the area was
+                full (the state is not saved).
+        """
+        flat = state if isinstance(state, FlatState) else plan_state(state)
+        for key, spec in flat.layout.tensors.items():
+            value = flat.values[key]
+            kind = _kind(value)
+            if not _direct(value, kind) and _rows_direct(value, kind) and spec.shape and \
+                    spec.nbytes // max(1, spec.shape[0]) > self.budget:
+                raise InvalidConfigError(
+                    f"state tensor {key!r} is not contiguous and one of its rows is larger "
+                    f"than staging_budget ({self.budget} bytes); pass .contiguous() or raise "
+                    "the budget")
+        with self._stage_lock:
+            self._ensure()
+            os.makedirs(directory, exist_ok=True)
+            with self._cond:
+                sid = self._next_fid
+                self._next_fid += 1
+                staged = StagedState(self, flat, directory, sid)
+                self._states[sid] = staged
+            try:
+                try:
+                    self._send(("open", sid, os.path.abspath(directory), flat.layout))
+                    try:
+                        for key in flat.layout.tensors:
+                            self._copy_tensor(sid, key, flat.values[key])
+                    finally:
+                        self._send(("close", sid, False))
+                finally:
+                    self._flush()  # every piece copied is freed by the process
+            except BaseException as exc:
+                staged._fail(exc)
+                raise
+            return staged
+
+    def _copy_tensor(self, sid: int, key: str, value: Any) -> None:
+        area = self._area
+        assert area is not None
+        kind = _kind(value)
+        if _direct(value, kind):
+            src = _bytes_view(value, kind)
+        elif not _rows_direct(value, kind):  # off the CPU, big-endian: the format's copy
+            from checkpoint_store.state._tree import tensor_bytes
+
+            src = _np_bytes(tensor_bytes(value))
+            kind = "numpy"
+        else:
+            self._copy_rows(sid, key, value, kind)
+            return
+        total = int(src.size)
+        piece = self.piece_bytes
+        for a in range(0, total, piece):
+            n = min(piece, total - a)
+            off = self._alloc(n)
+            try:
+                _copy_bytes(area, off, src, a, n)
+            finally:
+                self._send(("write", sid, key, off, n, a))
+
+    def _copy_rows(self, sid: int, key: str, value: Any, kind: str) -> None:
+        area = self._area
+        assert area is not None
+        rows = int(value.shape[0])
+        if rows == 0:
+            return
+        nbytes = int(value.nbytes) if kind == "numpy" else value.numel() * value.element_size()
+        row_bytes = nbytes // rows
+        if row_bytes == 0:
+            return
+        per = max(1, self.piece_bytes // row_bytes)
+        for r in range(0, rows, per):
+            k = min(per, rows - r)
+            n = k * row_bytes
+            off = self._alloc(n)
+            try:
+                _copy_rows(value, kind, area, off, r, k, row_bytes)
+            finally:
+                self._send(("write", sid, key, off, n, r * row_bytes))
+
+    def close(self) -> None:
+        """Stop the persist process (after what it was sent) and free the area."""
+        with self._stage_lock:
+            self.closed = True
+            proc, self._proc = self._proc, None
+            if proc is not None:
+                proc.close()
+            if self._area is not None:
+                try:
+                    self._area.close()
+                except BufferError:  # a view still exported: freed with the process
+                    pass
+                self._area = None
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def _shared_fd(size: int) -> int:
+    """A file descriptor of ``size`` bytes of shared memory with no name left
+    anywhere (``memfd_create``, else an unlinked file on /dev/shm)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("checkpoint-store-staging", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - not Linux
+        import tempfile
+
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="checkpoint-store-staging-", dir=root)
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _np_bytes(view: Any) -> Any:
+    import numpy as np
+
+    return np.frombuffer(view, dtype=np.uint8)
+
+
+def _bytes_view(value: Any, kind: str) -> Any:
+    """A flat uint8 numpy view of a contiguous CPU tensor's bytes (no copy)."""
+    import numpy as np
+
+    if kind == "numpy":
+        return np.ascontiguousarray(np.asarray(value)).reshape(-1).view(np.uint8)
+    import torch
+
+    return value.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _copy_bytes(area: mmap.mmap, off: int, src: Any, a: int, n: int) -> None:
+    import numpy as np
+
+    dst = np.frombuffer(area, dtype=np.uint8, count=n, offset=off)
+    np.copyto(dst, src[a:a + n])
+
+
+def _copy_rows(value: Any, kind: str, area: mmap.mmap, off: int, r: int, k: int,
+               row_bytes: int) -> None:
+    import numpy as np
+
+    raw = np.frombuffer(area, dtype=np.uint8, count=k * row_bytes, offset=off)
+    if kind == "numpy":
+        arr = np.asarray(value)
+        shape = (k, *arr.shape[1:])
+        np.copyto(raw.view(arr.dtype).reshape(shape), arr[r:r + k])
+        return
+    import torch
+
+    x = value.detach()
+    torch.from_numpy(raw).view(x.dtype).view(k, *x.shape[1:]).copy_(x[r:r + k])
+
+
+class StagedState:
+    """A state copied into the staging area, being written by the persist process.
+
+    Attributes:
+        nbytes: staged tensor bytes.
+        directory: the local directory its files are written into.
+    """
+
+    def __init__(self, stager: Stager, flat: FlatState, directory: str, sid: int):
+        self._stager = stager
+        self.layout = flat.layout
+        self.directory = directory
+        self.nbytes = flat.nbytes
+        self._sid = sid
+        self._result: tuple[dict[str, Any], list[dict[str, Any]]] | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._released = False
+
+    def _closed(self, index: dict[str, Any], files: list[dict[str, Any]]) -> None:
+        self._result = (index, files)
+        self._forget()
+        self._done.set()
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._forget()
+        self._done.set()
+
+    def _forget(self) -> None:
+        with self._stager._cond:
+            self._stager._states.pop(self._sid, None)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once every file is written (or the write failed)."""
+        return self._done.wait(timeout)
+
+    def write_to(self, directory: str | None = None, *, record: bool = True) -> dict[str, Any]:
+        """Wait until the persist process has written every file, then return
+        the tensor index (:class:`~checkpoint_store.state.StateWriter`'s:
+        ``{key: {"file", "dtype", "shape", "offsets": [begin, end),
+        "crc32c", "framework"}}``). ``directory`` (default: the one given to
+        :meth:`Stager.stage`) receives the files: moved there when it is
+        another directory.
+
+        With ``record``, also leaves a ``.cs_written-state.json`` record of
+        every file's size and CRC32C (computed by the persist process as it
+        wrote), which an in-place commit takes instead of reading the files
+        again (leave it out for a directory to upload: the upload refuses
+        names it reserves, and checksums as it reads).
+
+        Raises:
+            PersistProcessError: the persist process died or failed; nothing
+                of this state is complete.
+        """
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        index, files = self._result
+        src = self.directory
+        dst = src if directory is None else directory
+        if os.path.abspath(dst) != os.path.abspath(src):
+            _move_files(src, dst, [f["path"] for f in files])
+        if record:
+            with open(os.path.join(dst, WRITTEN_RECORD), "w") as f:
+                json.dump({"files": files}, f)
+        return index
+
+    def release(self) -> None:
+        """Forget this state (its job was dropped or failed); idempotent. The
+        persist process still frees the staging of every piece already sent."""
+        if not self._released:
+            self._released = True
+            self._forget()
+
+
+def _move_files(src: str, dst: str, names: list[str]) -> None:
+    import shutil
+
+    os.makedirs(dst, exist_ok=True)
+    for name in names:
+        try:
+            os.replace(os.path.join(src, name), os.path.join(dst, name))
+        except OSError:
+            shutil.move(os.path.join(src, name), os.path.join(dst, name))
+
