@@ -164,3 +164,78 @@ def test_the_lease_sweep_catches_a_release_that_deletes_another_holders_lease(
     monkeypatch.setattr(Lease, "_seconds_left", lambda self, cur, mtime: None)
     report = sweep_lease_crashes(str(tmp_path), stale="expired")
     assert report.violations, "a careless lease went unnoticed"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("upload_mode", ["async", "sync"])
+def test_kills_of_a_process_saving_state_from_memory(tmp_path, upload_mode):
+    """report(state=...), a state four times the staging budget: kills land in
+    the copy into staging, in the persist process's writes and in the commit;
+    no partial state is ever committed and the next run resumes the newest."""
+    cfg = CrashConfig(storage_path=str(tmp_path / "store"), log_path=str(tmp_path / "acks.log"),
+                      source="state", upload_mode=upload_mode, files=4, file_size=1 << 20,
+                      staging_budget=1 << 20)
+    # A child needs ~0.5 s to start its session and persist process.
+    report = CrashHarness(cfg, seed=4, min_delay=0.3, max_delay=1.5).run(25)
+    print(report.summary())
+    _assert_clean(report, 25)
+
+
+def test_kills_of_the_persist_process_never_commit_a_partial_state(tmp_path):
+    """SIGKILL of the persist process at random moments of a save: that save
+    fails with PersistProcessError (raised, never a hang), nothing partial is
+    committed, and the next session resumes the newest complete checkpoint."""
+    import json
+    import os
+    import random
+    import signal
+    import threading
+
+    import numpy as np
+
+    from checkpoint_store import UploadConfig, session
+    from checkpoint_store.errors import PersistProcessError
+    from checkpoint_store.session._state_report import stager_of
+    from checkpoint_store.testing.crash._child import payload
+
+    cfg = CrashConfig(storage_path=str(tmp_path / "store"), log_path=str(tmp_path / "acks.log"),
+                      source="state", files=4, file_size=1 << 20)
+    rng = random.Random(5)
+    failures = 0
+    for kill in range(6):
+        kw = dict(storage_path=cfg.storage_path, experiment_name=cfg.experiment_name,
+                  trial_name=cfg.trial_name,
+                  upload_config=UploadConfig(staging_budget=1 << 20))
+        try:
+            with session.start(**kw) as s:
+                latest = s.get_checkpoint()
+                step = int(latest.internal_metadata["metrics"]["step"]) + 1 if latest else 0
+
+                def save(step: int, **kw) -> None:
+                    state = {"files": {str(i): np.frombuffer(payload(step, i, cfg.file_size),
+                                                             dtype=np.uint8)
+                                       for i in range(cfg.files)}, "step": step}
+                    row = s.report({"step": step}, state=state, **kw)
+                    s.wait()
+                    with open(cfg.log_path, "a") as log:
+                        log.write(json.dumps({"step": step, "dir": row["checkpoint_dir_name"],
+                                              "kept": s.manager.kept_dir_names}) + "\n")
+
+                save(step, upload_mode="sync")  # starts the persist process
+                step += 1
+                pid = stager_of(s).persist_pid
+                timer = threading.Timer(rng.uniform(0.0, 0.3),
+                                        lambda p=pid: os.kill(p, signal.SIGKILL))
+                timer.start()
+                for _ in range(20):
+                    save(step)
+                    step += 1
+                timer.cancel()
+        except PersistProcessError:
+            failures += 1
+        bad, newest = check_trial(cfg)
+        assert bad == [], (kill, bad)
+        assert newest >= kill
+    # A kill between two saves goes unnoticed (the next save starts a new
+    # process); one during a save fails it.
+    assert failures >= 1, failures

@@ -35,6 +35,15 @@ class CrashConfig:
         env: environment variables to set in the child (credentials, endpoints).
         preload: modules the forking helper imports once, so that children
             do not pay for them (e.g. ``("s3fs", "checkpoint_store_s3")``).
+        source: ``"checkpoint"`` (a directory of files per save) or
+            ``"state"`` (``report(state=...)``: file ``i`` becomes the uint8
+            tensor ``files/<i>``, saved from memory through the staging area
+            and the persist process).
+        upload_mode: with ``"state"``, ``"async"`` (the child acknowledges
+            a save once ``wait()`` returned) or ``"sync"``.
+        staging_budget: with ``"state"``, the staging budget in bytes
+            (None: the default); below ``files * file_size`` the state is
+            staged in pieces while the persist process drains.
     """
 
     storage_path: str
@@ -47,6 +56,9 @@ class CrashConfig:
     file_size: int = 32 * 1024
     env: dict[str, str] = field(default_factory=dict)
     preload: tuple[str, ...] = ()
+    source: str = "checkpoint"
+    upload_mode: str = "async"
+    staging_budget: int | None = None
 
 
 def payload(step: int, i: int, size: int) -> bytes:
@@ -62,7 +74,7 @@ def file_name(i: int) -> str:
 def child_main(cfg_dict: dict[str, Any]) -> None:
     """The child: resume, then save forever. Killed by the parent."""
     os.environ.update(cfg_dict.get("env") or {})
-    from checkpoint_store import Checkpoint, CheckpointConfig, session
+    from checkpoint_store import Checkpoint, CheckpointConfig, UploadConfig, session
 
     cfg = CrashConfig(**cfg_dict)
     # Next to the log, so whoever owns the log's directory cleans up after kills.
@@ -73,10 +85,25 @@ def child_main(cfg_dict: dict[str, Any]) -> None:
         storage_path=cfg.storage_path, storage_options=cfg.storage_options,
         experiment_name=cfg.experiment_name, trial_name=cfg.trial_name,
         checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_to_keep),
+        upload_config=UploadConfig(staging_budget=cfg.staging_budget),
     ) as s:
         latest = s.get_checkpoint()
         step = int(latest.internal_metadata["metrics"]["step"]) + 1 if latest else 0
         while True:
+            if cfg.source == "state":
+                import numpy as np
+
+                state = {"files": {str(i): np.frombuffer(payload(step, i, cfg.file_size),
+                                                         dtype=np.uint8)
+                                   for i in range(cfg.files)}, "step": step}
+                row = s.report({"step": step}, state=state, upload_mode=cfg.upload_mode)
+                s.wait()
+                ack = {"step": step, "dir": row["checkpoint_dir_name"],
+                       "kept": s.manager.kept_dir_names}
+                with open(cfg.log_path, "a") as log:
+                    log.write(json.dumps(ack) + "\n")
+                step += 1
+                continue
             for i in range(cfg.files):
                 path = os.path.join(scratch, file_name(i))
                 os.makedirs(os.path.dirname(path), exist_ok=True)

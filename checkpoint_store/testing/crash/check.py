@@ -67,10 +67,14 @@ def check_trial(
         # verify() proved the bytes match the manifest; the manifest must hold
         # this step's bytes (not another save's): compare checksums, no second read.
         crcs = {e["path"]: e["crc32c"] for e in meta["manifest"]}
+        if cfg.source == "state":  # the tensor index's CRC32C, written by the persist process
+            crcs = {f"files/{i}": (meta.get("tensors") or {}).get(f"files/{i}", {}).get("crc32c")
+                    for i in range(cfg.files)}
         for i in range(cfg.files):
             want = f"{google_crc32c.value(payload(step, i, cfg.file_size)):08x}"
-            if crcs.get(file_name(i)) != want:
-                bad.append(f"{name} (step {step}): {file_name(i)} holds other bytes")
+            key = f"files/{i}" if cfg.source == "state" else file_name(i)
+            if crcs.get(key) != want:
+                bad.append(f"{name} (step {step}): {key} holds other bytes")
     ack = _last_ack(cfg.log_path)
     newest_step = max(steps.values()) if steps else -1
     if ack is not None:
