@@ -117,15 +117,24 @@ class CheckpointStoreIO(_StoreIO, _CheckpointIO):
         async_save: save in a background thread. One ordered queue carries
             saves *and* removes, so a remove never overtakes the save that made
             it redundant; a load waits for pending saves of its path; the save
-            works on a copy of the tensors taken at the call (one extra copy
-            of the state in memory per pending save). ``teardown`` (end of
+            works on a snapshot of the tensors taken at the call (see
+            ``staging_budget``). ``teardown`` (end of
             ``fit``) waits for the queue and raises the first error; an error
             also surfaces at the next save or remove. After a failed save,
             queued removes are skipped. Use this instead of wrapping the
             plugin in Lightning's ``AsyncCheckpointIO``, whose removes and
             loads run beside its queue (Lightning #14035).
         max_pending_saves: with ``async_save``, a save blocks while this many
-            are queued (bounds the memory of the copies).
+            are queued.
+        staging_budget: with ``async_save``, bytes of shared memory the
+            snapshot of each save is staged in (default min(2 GiB, 25 % of
+            RAM)); a save copies its tensors there (blocking only while it is
+            full) and a persist process writes them to local safetensors
+            files, from which the background save streams the state file
+            (memory-mapped: no second copy of the state in the training
+            process, however many saves are pending). Tensors off the CPU or
+            of a dtype safetensors lacks are cloned instead; staged tensors
+            are saved as CPU tensors.
         root: URI or path of the only directory removes may touch (default:
             the directory of the first checkpoint saved, i.e. the
             ``ModelCheckpoint`` dirpath).

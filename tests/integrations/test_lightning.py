@@ -1043,3 +1043,28 @@ def test_save_checkpoint_of_something_not_a_dict_is_a_typed_error(tmp_path, bad)
     with pytest.raises(InvalidConfigError, match="checkpoint dict"):
         io.save_checkpoint(bad, str(tmp_path / "ck" / "a.ckpt"))
     assert not (tmp_path / "ck").exists()
+
+
+def test_async_save_snapshots_through_bounded_staging(tmp_path):
+    """async_save stages the tensors in shared memory of staging_budget bytes
+    (a state 4x larger goes through in pieces): the tensors changed right
+    after save_checkpoint() returns are saved as they were at the call."""
+    io = CheckpointStoreIO(async_save=True, staging_budget=4 << 20)
+    weights = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(4)}  # 16 MiB
+    state = {"state_dict": weights, "tied": weights["w1"], "global_step": 3,
+             "bf": torch.ones(3, dtype=torch.bfloat16),
+             "cplx": torch.ones(2, dtype=torch.complex64), "hparams": {"lr": 0.1}}
+    path = str(tmp_path / "ckpts" / "a.ckpt")
+    io.save_checkpoint(state, path)
+    for w in weights.values():
+        w.add_(10.0)
+    io.wait()
+    assert 0 < io._stager.peak_in_use <= 4 << 20
+    loaded = io.load_checkpoint(path)
+    for i in range(4):
+        assert torch.equal(loaded["state_dict"][f"w{i}"], torch.full((1 << 20,), float(i)))
+    assert loaded["bf"].dtype == torch.bfloat16 and loaded["cplx"].dtype == torch.complex64
+    assert loaded["hparams"] == {"lr": 0.1} and loaded["global_step"] == 3
+    assert torch.equal(loaded["tied"], torch.full((1 << 20,), 1.0))
+    io.teardown()
+    assert io._stager is None

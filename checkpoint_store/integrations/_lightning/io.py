@@ -41,6 +41,7 @@ from checkpoint_store.integrations._lightning.replace import (
     replacements,
     traces,
 )
+from checkpoint_store.integrations._lightning.staged import snapshot as staged_snapshot
 from checkpoint_store.integrations._lightning.state import (
     STATE_FILE,
     _checkpoint_metrics,
@@ -50,6 +51,7 @@ from checkpoint_store.integrations._lightning.state import (
     verified,
 )
 from checkpoint_store.registry import resolve
+from checkpoint_store.state._staging import Stager, check_staging_budget
 
 __all__ = ["_StoreIO"]
 
@@ -105,6 +107,7 @@ class _StoreIO:
         storage_filesystem: Any = None,
         fsync: bool = True,
         retry: RetryPolicy | None = None,
+        staging_budget: int | None = None,
     ):
         if not isinstance(async_save, bool):
             raise InvalidConfigError(f"async_save must be True or False, got {async_save!r}")
@@ -117,6 +120,9 @@ class _StoreIO:
         self.max_pending_saves = max_pending_saves
         self.fsync = fsync
         self.retry = retry
+        # async_save's snapshots: bounded shared-memory staging (made on first save).
+        self.staging_budget = check_staging_budget(staging_budget)
+        self._stager: Any = None
         #: Written into each checkpoint's internal metadata; removes refuse any
         #: checkpoint of another run. A load of a checkpoint this plugin class
         #: wrote (a resume) continues that checkpoint's run (:meth:`_continue`).
@@ -140,6 +146,7 @@ class _StoreIO:
         # Sent to spawned ranks (ddp_spawn): without threads, locks or clients.
         state = dict(self.__dict__)
         state["_queue"] = None
+        state["_stager"] = None
         state["_locate"] = (self._locate.storage_options, self._locate.storage_filesystem)
         return state
 
@@ -194,9 +201,19 @@ class _StoreIO:
             return
         self._raise_pending_error()
         # The training thread goes on changing parameters and optimizer state
-        # in place: the background save works on a copy taken now.
-        snapshot = _snapshot(checkpoint)
-        queue.submit("save", uri, lambda: self._save(snapshot, backend, fs_path, monitor))
+        # in place: the background save works on a copy taken now, staged in
+        # bounded shared memory (see _lightning/staged.py).
+        if self._stager is None:
+            self._stager = Stager(self.staging_budget)
+        snap = staged_snapshot(checkpoint, self._stager)
+
+        def save() -> None:
+            try:
+                self._save(snap.materialize(), backend, fs_path, monitor)
+            finally:
+                snap.release()
+
+        queue.submit("save", uri, save)
 
     def _refuse_inside_checkpoint(self, backend: Backend, fs_path: str) -> None:
         """A ``.ckpt`` inside a committed checkpoint (``a.ckpt/inner.ckpt``)
@@ -415,7 +432,12 @@ class _StoreIO:
         self._raise_pending_error()
 
     def teardown(self) -> None:
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            stager, self._stager = self._stager, None
+            if stager is not None:
+                stager.close()
 
 
 def _left_by_a_writer(files: Mapping[str, int]) -> bool:
@@ -429,9 +451,3 @@ def _refuse(message: str) -> None:
     logger.warning(message)
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-
-def _snapshot(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    import torch
-    from lightning_utilities.core.apply_func import apply_to_collection
-
-    return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().clone())
