@@ -181,6 +181,11 @@ def render(res: dict[str, Any]) -> str:
               f"{_fmt_r(_ratio(ray.get(key), ours.get(key)))} |")
         w("")
 
+    if res.get("state"):
+        from benchmarks.bench_state import render as render_state
+
+        out.extend(render_state(res["state"]))
+
     asy = res.get("async")
     if asy:
         w("## Async checkpointing\n")
@@ -226,10 +231,15 @@ def render(res: dict[str, Any]) -> str:
     for t in rows:
         w(f"| {t[0]} | {t[1]} | {t[2]} |")
     w("")
-    missed = {key for key, _ in WHY if any(key in t[0] and t[2] != "yes" for t in rows)}
+    why = list(WHY)
+    if res.get("state"):
+        from benchmarks.bench_state import WHY as STATE_WHY
+
+        why += STATE_WHY
+    missed = {key for key, _ in why if any(key in t[0] and t[2] != "yes" for t in rows)}
     if missed:
         w("### What limits the targets not met\n")
-        for key, text in WHY:
+        for key, text in why:
             if key in missed:
                 w(f"- **{key}**: {text}")
         w("")
@@ -402,6 +412,10 @@ def targets(res: dict[str, Any]) -> list[tuple[str, str, str]]:
     if imp:
         rows.append(("import checkpoint_store ≤ 150 ms", _fmt_s(imp["checkpoint_store_s"]),
                      yes(imp["checkpoint_store_s"] <= 0.150)))
+    if res.get("state"):
+        from benchmarks.bench_state import targets as state_targets
+
+        rows.extend(state_targets(res["state"]))
     return rows
 
 
