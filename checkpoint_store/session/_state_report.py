@@ -26,6 +26,13 @@ What blocks the training loop, and what runs behind it:
 The result row is written at once, naming the checkpoint directory, as with
 ``upload_mode="async"``. ``report(..., state=..., upload_mode="sync")`` does
 all three steps before it returns. One rank only.
+
+With a local tier (``session.start(local_tier=LocalTier(...))``) the persist
+process writes straight into ``checkpoint_<index>`` of the local tier, the
+tier's worker commits it there and then queues the durable copy its
+``persist`` policy selects (:meth:`Session._tier_commit_staged`); with
+``upload_mode="sync"`` the report returns once the local commit and, where
+``persist`` selects it, the durable copy are done.
 """
 
 from __future__ import annotations
@@ -115,8 +122,8 @@ def report_state(
         ``(row, committed Checkpoint or None)`` (None when asynchronous).
 
     Raises:
-        InvalidConfigError: ``world_size > 1``, a local tier is set, a bad
-            ``upload_mode``, or a score retention refuses.
+        InvalidConfigError: ``world_size > 1``, a bad ``upload_mode``, or a
+            score retention refuses.
         MetadataError: a key or leaf of ``state`` (or of ``metrics``) cannot
             be stored; nothing is copied or written.
         PersistProcessError: the persist process died while the report waited
@@ -133,8 +140,6 @@ def report_state(
             "report(state=...) supports one rank only for now; with world_size > 1 save "
             "each rank's shard with torch.distributed.checkpoint into "
             "session.next_checkpoint_dir() and report checkpoint=")
-    if getattr(session, "_local_tier", None) is not None:
-        raise InvalidConfigError("report(state=...) with a local tier is not supported yet")
     plan = plan_state(state)  # refused leaves: before anything waits or is written
     row = session._prepare_row(metrics, None, validate_score=False)
     session.manager.validate_metrics(row)
@@ -151,6 +156,8 @@ def report_state(
             raise CheckpointStoreError("this session has ended; start a new one to report")
         row = session._prepare_row(metrics, None, validate_score=False)
         index = session._next_index
+        if session._tier is not None:
+            return _report_to_tier(session, stager, plan, row, index, mode)
         directory, in_place = _target(session.storage, index)
 
         def drop() -> None:
@@ -209,3 +216,38 @@ def report_state(
             session._results.flush()  # a checkpoint report: its row goes out now
     return row, None
 
+
+
+def _report_to_tier(session: Any, stager: Any, plan: Any, row: dict[str, Any], index: int,
+                    mode: str) -> tuple[dict[str, Any], Any]:
+    """``report(state=...)`` with a local tier, under ``session._lock``: stage
+    into the tier's ``checkpoint_<index>`` and hand the staged state to the
+    tier (:meth:`Session._tier_commit_staged`), which writes, commits and
+    persists it in the background."""
+    from checkpoint_store.session import _tiered
+
+    tier = session._tier
+    path = tier.reserve_in_place(index)
+    directory = _fsutil.local_path(tier.storage.filesystem, path) or path
+    try:
+        staged = stager.stage(plan, directory)
+    except BaseException:
+        session._next_index = index + 1  # claimed: never reused
+        try:
+            tier.storage.commit_protocol.remove_leftover(path)
+        except Exception:  # the next start's cleanup removes it
+            pass
+        raise
+    internal = session._checkpoint_internal(row, index)
+    session._next_index = index + 1
+    session._accept_row(row)
+    session._append_row(row, flush=False)
+    session._tier_commit_staged(staged, index, internal, row)
+    if mode == "sync":  # as for checkpoint=: the local commit, then a selected durable copy
+        worker = _tiered._worker(session)
+        worker.wait()
+        worker.raise_error()
+        if tier.status(index) == "pending":
+            tier.wait_durable(index)
+        _tiered.raise_errors(session)
+    return row, None

@@ -94,3 +94,39 @@ def test_a_failed_staged_write_commits_nothing_and_is_raised(tmp_path):
         _report_staged(s, good, {"i": 1})
         s.wait()
     assert [m["index"] for _, m in StorageContext(store, "e", "t").committed_checkpoints()] == [1]
+
+
+@pytest.mark.parametrize("upload_mode", ["async", "sync"])
+def test_report_state_with_a_local_tier_commits_there_then_persists(tmp_path, upload_mode):
+    """``report(state=...)`` with a local tier: the persist process writes into
+    the local ``checkpoint_<i>``, the local commit carries the tensor index,
+    and the durable copy holds the same bytes; both load the same state."""
+    np = pytest.importorskip("numpy")
+    store, fast = str(tmp_path / "durable"), tmp_path / "fast"
+    weights = [np.arange(1000, dtype=np.float32) * i for i in range(3)]
+    with session.start(storage_path=store, experiment_name="e", trial_name="t",
+                       local_tier=LocalTier(fast, num_to_keep=1)) as s:
+        for i, w in enumerate(weights):
+            s.report({"i": i}, state={"model": {"w": w}, "step": i}, upload_mode=upload_mode)
+            if upload_mode == "sync":
+                # Committed on the local tier, and durable, before report() returned.
+                local = fast / "e" / "t" / f"checkpoint_00000{i}"
+                assert (local / ".internal_metadata.json").exists()
+                assert s.durable_index == i
+            w += 1.0  # the saved state is the snapshot taken by report()
+        s.wait()
+        assert s.durable_index == 2
+        got = s.get_checkpoint()
+        assert got is not None and got.is_local
+        assert "model/w" in got.internal_metadata["tensors"]
+        restored = got.load_state()
+    assert restored["step"] == 2
+    np.testing.assert_array_equal(restored["model"]["w"], np.arange(1000, dtype=np.float32) * 2)
+    ctx = StorageContext(store, "e", "t")
+    assert [m["index"] for _, m in ctx.committed_checkpoints()] == [0, 1, 2]
+    durable = ctx.checkpoint("checkpoint_000001")
+    durable.verify()  # raises on a damaged copy
+    np.testing.assert_array_equal(durable.load_state()["model"]["w"],
+                                  np.arange(1000, dtype=np.float32))
+    # num_to_keep=1 on the local tier: the older local copies went once durable.
+    assert sorted(p.name for p in (fast / "e" / "t").glob("checkpoint_*")) == ["checkpoint_000002"]
