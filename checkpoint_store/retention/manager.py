@@ -37,6 +37,7 @@ from checkpoint_store.errors import (
     InvalidConfigError,
 )
 from checkpoint_store.retention.config import CheckpointConfig
+from checkpoint_store.retention.deletes import Deleter
 from checkpoint_store.retention.lease import Lease
 from checkpoint_store.retention.policies import PolicyCheckpoint, check_metrics, evaluate
 from checkpoint_store.retention.restore import (
@@ -79,6 +80,11 @@ class CheckpointManager:
             delete, take the lease or register (for inspection tools).
         lease_ttl_s: seconds after which the lease of a holder that stopped
             renewing (a crash on another host) expires. Renewed every third of it.
+        background_deletes: delete evicted checkpoints on a background thread
+            (:mod:`~checkpoint_store.retention.deletes`) instead of inside
+            :meth:`register`; the eviction is in the state before either.
+            :meth:`wait_deletes` and :meth:`close` wait for them. A session's
+            manager does (default False: ``register`` returns once deleted).
 
     A new manager on a trial that already has checkpoints restores its state
     from ``.checkpoint_manager.json``, or rebuilds it from the committed
@@ -101,6 +107,7 @@ class CheckpointManager:
         *,
         read_only: bool = False,
         lease_ttl_s: float = 60.0,
+        background_deletes: bool = False,
     ):
         if not isinstance(config, CheckpointConfig):
             raise InvalidConfigError(
@@ -123,6 +130,9 @@ class CheckpointManager:
         self._sel = Selection(config)
         self._warned: set[str] = set()
         self._pending: list[str] = []
+        # Pending names a delete is working on right now (the deleter's, off the mutex).
+        self._deleting: set[str] = set()
+        self._deleter: Deleter | None = Deleter(self._delete_due) if background_deletes else None
         self._foreign: list[str] = []
         self._foreign_meta: dict[str, Mapping[str, Any]] = {}
         self.restored_from_state = False
@@ -157,8 +167,9 @@ class CheckpointManager:
     # -- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release the lease. Idempotent; safe while an exception propagates.
-        The manager is read-only afterwards."""
+        """Wait for the background deletes, then release the lease. Idempotent;
+        safe while an exception propagates. The manager is read-only afterwards."""
+        self.wait_deletes()
         self._closed = True
         if self._lease is not None:
             self._lease.release()
@@ -168,6 +179,15 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def wait_deletes(self, timeout: float | None = None) -> bool:
+        """Wait until the background deletes scheduled so far are done (or
+        failed: logged, still in :attr:`pending_deletes`, retried later).
+
+        Returns:
+            True when none is running, False after ``timeout`` seconds.
+        """
+        return self._deleter is None or self._deleter.wait(timeout)
 
     @property
     def read_only(self) -> bool:
@@ -207,9 +227,11 @@ class CheckpointManager:
     def register(self, checkpoint: Checkpoint, metrics: Mapping[str, Any]) -> list[str]:
         """Track a newly committed checkpoint of this trial and apply retention.
 
-        The state is written before anything is deleted. A delete that fails
-        is logged and retried at the next registration (or by the next
-        manager); it never makes this call fail.
+        The state is written before anything is deleted. With
+        ``background_deletes`` the evicted checkpoints are deleted after this
+        call returns, else before. A delete that fails is logged and retried
+        at the next registration (or by the next manager); it never makes
+        this call fail.
 
         Args:
             checkpoint: a committed checkpoint directly inside this trial.
@@ -253,7 +275,7 @@ class CheckpointManager:
         record = LogRecord(0, StoredCheckpoint(index, dir_name, score, clean, created),
                            evict=tuple(names), next_index=self._next_index)
         if self._log.append(record, self._state):
-            self._delete_pending()
+            self._schedule_deletes()
         return names
 
     def _registrable_index(self, checkpoint: Checkpoint) -> int:
@@ -424,7 +446,8 @@ class CheckpointManager:
 
     @property
     def pending_deletes(self) -> list[str]:
-        """Evicted directory names whose delete failed and will be retried."""
+        """Evicted directory names not deleted yet: being deleted in the
+        background, or whose delete failed and will be retried."""
         return list(self._pending)
 
     @property
@@ -473,16 +496,43 @@ class CheckpointManager:
         trial = meta.get("trial_name")
         return trial is None or trial == self._storage.trial_name
 
-    def _delete_pending(self) -> None:
+    def _schedule_deletes(self) -> None:
+        """Delete the pending evictions: now, or on the deleter thread."""
         if not self._pending:
+            return
+        if self._deleter is None:
+            self._delete_pending()
+        else:
+            self._deleter.kick()
+
+    def _delete_due(self) -> None:
+        """One round of the deleter thread: the deletes run outside the mutex
+        (a report registering meanwhile does not wait for them)."""
+        with self._mutex:
+            if self.read_only:
+                return
+            names = [n for n in self._pending if n not in self._deleting]
+            self._deleting.update(names)
+        try:
+            self._delete_names(names)
+        finally:
+            with self._mutex:
+                self._deleting.difference_update(names)
+
+    def _delete_pending(self) -> None:
+        self._delete_names([n for n in self._pending if n not in self._deleting])
+
+    def _delete_names(self, names: list[str]) -> None:
+        if not names:
             return
         if self._lease is not None and not self._lease.check():
             return
-        remaining = [name for name in self._pending if not self._delete_evicted(name)]
-        if remaining != self._pending:
-            done = tuple(n for n in self._pending if n not in remaining)
-            self._pending = remaining
-            self._log.append(LogRecord(0, deleted=done), self._state)
+        done = tuple(name for name in names if self._delete_evicted(name))
+        if done:
+            with self._mutex:
+                self._pending = [n for n in self._pending if n not in done]
+                if not self.read_only:
+                    self._log.append(LogRecord(0, deleted=done), self._state)
 
     def _delete_evicted(self, name: str) -> bool:
         """Delete one evicted checkpoint; False (logged) to retry it later. True also
@@ -505,6 +555,7 @@ class CheckpointManager:
 
     def retry_deletes(self) -> list[str]:
         """Retry the failed deletes now; returns the names still pending."""
+        self.wait_deletes()
         with self._mutex:
             if not self.read_only:
                 self._delete_pending()

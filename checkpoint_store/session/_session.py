@@ -148,7 +148,9 @@ class Session:
             last_result_rows(storage), storage.uri(storage.trial_path))
         self._results: ResultLog | None = None
         # Only rank 0 keeps the retention state and the trial's lease.
-        self.manager = CheckpointManager(self.checkpoint_config, storage, read_only=not is_writer)
+        # Evicted checkpoints are deleted off the training loop (retention/deletes.py).
+        self.manager = CheckpointManager(self.checkpoint_config, storage, read_only=not is_writer,
+                                         background_deletes=True)
         try:
             if is_writer:  # after the lease: it may fold a copied trial's segments
                 self._results = ResultLog(storage)
@@ -617,7 +619,9 @@ class Session:
 
     def wait(self, timeout: float | None = None, *, checkpoint: Any = None) -> None:
         """Wait until every background upload (``upload_mode="async"``, and with a
-        local tier every durable copy) is committed.
+        local tier every durable copy) is committed, and retention's background
+        deletes of evicted checkpoints are done (a delete that failed is logged
+        and retried later, never raised).
 
         Args:
             timeout: seconds, or None to wait as long as it takes.
@@ -627,7 +631,8 @@ class Session:
                 (:meth:`durable_index`; docs/tiers.md).
 
         Raises:
-            TimeoutError: uploads are still pending after ``timeout`` seconds.
+            TimeoutError: uploads or deletes are still pending after ``timeout``
+                seconds.
             CheckpointStoreError: with a local tier, ``checkpoint`` is not
                 selected by its ``persist`` policy (it stays local only).
             Exception: the first error of a background upload (that
@@ -636,15 +641,21 @@ class Session:
         if checkpoint is not None:
             _tiered.wait(self, timeout, checkpoint)
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self._tier is not None and self._tier_worker is not None:
             self._tier_worker.wait(timeout)  # staged local commits queue the durable copies
             self._tier_worker.raise_error()
         up = self._uploader
-        if up is None:
-            return
-        if not up.wait(timeout):
-            raise TimeoutError(f"{up.pending} checkpoint upload(s) still pending after {timeout} s")
-        up.raise_error()
+        if up is not None:
+            if not up.wait(timeout):
+                raise TimeoutError(
+                    f"{up.pending} checkpoint upload(s) still pending after {timeout} s")
+            up.raise_error()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self.manager.wait_deletes(left) or (
+                self._tier is not None and not self._tier.wait_deletes(
+                    None if deadline is None else max(0.0, deadline - time.monotonic()))):
+            raise TimeoutError(f"deletes of evicted checkpoints still running after {timeout} s")
 
     def _drain_uploads(self, wait: bool = True) -> list[tuple[str, BaseException]]:
         """Wait for every background upload (the end of the session, and the exit
@@ -698,6 +709,7 @@ class Session:
                 "session.start(...)`); finishing its %d pending checkpoint upload(s) "
                 "before the process exits", where, up.pending)
         errors = self._drain_uploads()
+        self.manager.wait_deletes()  # else resumed by the next session
         if errors:
             _logger.error(
                 "at exit, the background upload of %s failed: not committed (lost); the "
@@ -741,6 +753,8 @@ class Session:
             if first_close and self.world_rank == 0:
                 self._record_end(error if error is not None else upload_error)
         finally:
+            if self._tier is not None:
+                self._tier.wait_deletes()  # the local tier's evictions
             # Releases the trial's retention lease (also when an exception ends the session).
             self.manager.close()
             if self._coordinator is not None:
