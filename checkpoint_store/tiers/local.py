@@ -42,6 +42,7 @@ from checkpoint_store.errors import (
     InvalidConfigError,
     MetadataError,
 )
+from checkpoint_store.retention.deletes import Deleter
 from checkpoint_store.retention.policies import PolicyCheckpoint
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers.config import LocalTier
@@ -118,6 +119,17 @@ def read_tier_state(trial_dir: str) -> dict[int, TierEntry] | None:
         if status in _STATUSES and index >= 0:
             out[index] = TierEntry(index, size, status)
     return out
+
+
+def _read_evicting(trial_dir: str) -> set[int]:
+    """The indexes the state file in ``trial_dir`` lists as evicted but maybe not
+    deleted yet (empty when none, or when it cannot be read)."""
+    try:
+        with open(os.path.join(trial_dir, TIER_STATE_FILE), "rb") as f:
+            body = json.loads(f.read())
+        return {int(i) for i in body.get("evicting") or [] if int(i) >= 0}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return set()
 
 
 def _write_atomic(path: str, data: bytes, fsync: bool) -> None:
@@ -200,6 +212,12 @@ class FastTier:
         self._verified: set[int] = set()
         #: Seconds :meth:`make_room` waited for space, summed.
         self.blocked_s = 0.0
+        # Evicted (out of the state file's checkpoints, in its "evicting" list),
+        # deleted off the report thread by the deleter.
+        self._evicting: set[int] = set()
+        # The highest index known durable, kept after the tier evicts its copy.
+        self._durable_high = -1
+        self._deleter = Deleter(self._delete_evicted, name="checkpoint-store-tier-delete")
         self._open()
 
     # -- opening ----------------------------------------------------------------------
@@ -253,10 +271,14 @@ class FastTier:
             logger.warning("the local tier state %s is unreadable; rebuilding it from the "
                            "committed checkpoints there", self.state_path)
         recorded = recorded or {}
+        evicting = _read_evicting(self.trial_dir)
         for ckpt, meta in self.storage.committed_checkpoints():
             index = meta.get("index")
             if not isinstance(index, int) or parse_checkpoint_dir_name(
                     posixpath.basename(ckpt.path)) != index:
+                continue
+            if index in evicting and index not in recorded:
+                self._evicting.add(index)  # evicted, then killed before its delete ended
                 continue
             entry = recorded.get(index)
             if entry is None:
@@ -270,6 +292,8 @@ class FastTier:
                 entry.durable = "durable"  # killed after the durable commit
             self._entries[index] = entry
         self._save()
+        if self._evicting:
+            self._deleter.kick()
 
     def _durable_has(self, index: int) -> bool:
         try:
@@ -310,7 +334,8 @@ class FastTier:
         (known to this tier), or None."""
         with self._cond:
             done = [i for i, e in self._entries.items() if e.durable == "durable"]
-            return max(done, default=None)
+            high = max(done + [self._durable_high])
+            return high if high >= 0 else None
 
     def status(self, index: int) -> DurableStatus | None:
         """Where checkpoint ``index`` stands (None: not on this tier)."""
@@ -413,6 +438,7 @@ class FastTier:
         waited = False
         while True:
             self._evict(extra=nbytes)
+            self._deleter.wait()  # the budget counts bytes on disk: the deletes end first
             with self._cond:
                 used = sum(e.bytes for e in self._entries.values())
                 if used + nbytes <= limit:
@@ -536,6 +562,7 @@ class FastTier:
             entry = self._entries.get(index)
             if entry is not None:
                 entry.durable = "durable"
+            self._durable_high = max(self._durable_high, index)
             self._queued.discard(index)
             self._save()
             self._cond.notify_all()
@@ -549,6 +576,7 @@ class FastTier:
             if entry is not None and entry.durable != "durable":
                 entry.durable = "durable"
                 self._save()
+            self._durable_high = max(self._durable_high, index)
             self._cond.notify_all()
 
     def forget(self, index: int, why: str) -> None:
@@ -610,9 +638,14 @@ class FastTier:
         """Delete what this tier's retention no longer keeps: beyond the newest
         ``num_to_keep`` (fewer when ``extra`` more bytes must fit in
         ``max_bytes``), never a copy whose durable copy is pending, never the
-        newest unless its durable copy is committed and room is needed.
-        Deletes first, then updates the state (a kill in between leaves a
-        state entry without a directory, dropped at start)."""
+        newest unless its durable copy is committed and room is needed. The
+        state records the eviction first (the checkpoint leaves its entries,
+        joins its ``"evicting"`` list), then the deleter thread deletes
+        (:meth:`_delete_evicted`), off the report path; a kill in between
+        leaves a directory the next start deletes.
+
+        Returns:
+            The indexes evicted by this call."""
         keep = self.config.num_to_keep
         limit = self.config.max_bytes
         with self._cond:
@@ -634,23 +667,46 @@ class FastTier:
                         continue
                     victims.append(i)
                     used -= self._entries[i].bytes
-        deleted = []
-        for i in sorted(set(victims)):
-            try:
-                self.storage.delete_checkpoint(checkpoint_dir_name(i))
-            except Exception as exc:  # retried at the next eviction
-                logger.warning("could not delete %s from the local tier: %s",
-                               checkpoint_dir_name(i), exc)
-                continue
-            deleted.append(i)
-        if deleted:
-            with self._cond:
-                for i in deleted:
-                    self._entries.pop(i, None)
-                    self._verified.discard(i)
+            evicted = sorted(set(victims))
+            for i in evicted:
+                self._entries.pop(i, None)
+                self._verified.discard(i)
+                self._evicting.add(i)
+            if evicted:
                 self._save()
                 self._cond.notify_all()
-        return deleted
+            due = bool(self._evicting)
+        if due:  # also retries deletes that failed before
+            self._deleter.kick()
+        return evicted
+
+    def _delete_evicted(self) -> None:
+        """The deleter thread's round: delete the evicted checkpoints, then drop
+        them from the state's ``"evicting"`` list. A failed delete is logged
+        and retried at the next eviction (or the next start)."""
+        with self._cond:
+            todo = sorted(self._evicting)
+        done = []
+        for i in todo:
+            try:
+                self.storage.delete_checkpoint(checkpoint_dir_name(i))
+            except Exception as exc:
+                logger.warning("could not delete %s from the local tier (retried at the next "
+                               "eviction): %s", checkpoint_dir_name(i), exc)
+                continue
+            done.append(i)
+        if done:
+            with self._cond:
+                self._evicting.difference_update(done)
+                self._save()
+
+    def wait_deletes(self, timeout: float | None = None) -> bool:
+        """Wait for the deletes of evicted checkpoints scheduled so far.
+
+        Returns:
+            True when none is running, False after ``timeout`` seconds.
+        """
+        return self._deleter.wait(timeout)
 
     # -- the state file ----------------------------------------------------------------
 
@@ -663,6 +719,7 @@ class FastTier:
             "durable_uri": self._durable_uri(),
             "updated_at": time.time(),
             "checkpoints": [e.to_json() for _, e in sorted(self._entries.items())],
+            "evicting": sorted(self._evicting),
         }
         try:
             _write_atomic(self.state_path, json.dumps(body, indent=1).encode(),
