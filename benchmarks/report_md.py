@@ -204,6 +204,11 @@ def render(res: dict[str, Any]) -> str:
               "(median) until `wait()` returned.")
         w("")
 
+    if res.get("tiers"):
+        from benchmarks.report_tiers import tiers_section
+
+        w(tiers_section(res["tiers"]))
+
     fresh = fresh_rss(res)
     if fresh:
         w(rss_section(fresh))

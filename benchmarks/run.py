@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
     ap.add_argument("--only",
                     default="local,s3,azure,s3-link,azure-link,incremental,report,async,rss,"
-                            "import,retention,scale,state",
+                            "import,retention,scale,state,tiers",
                     help="comma-separated parts to run (the -link parts go through a "
                          "delaying proxy, see benchmarks/latency_link.py)")
     ap.add_argument("--link-rtt-ms", type=float, default=10.0,
@@ -153,10 +153,10 @@ def main(argv: list[str] | None = None) -> int:
 
     servers: list[Any] = []
     s3 = az = None
-    if parts & {"s3", "azure", "async", "rss", "s3-link", "azure-link", "incremental"}:
+    if parts & {"s3", "azure", "async", "rss", "s3-link", "azure-link", "incremental", "tiers"}:
         from checkpoint_store.testing.servers import AzureServer, S3Server, find_azurite
 
-        if parts & {"s3", "async", "rss", "s3-link", "incremental"}:
+        if parts & {"s3", "async", "rss", "s3-link", "incremental", "tiers"}:
             s3 = guarded("moto", lambda: S3Server.start())
             if s3:
                 servers.append(s3)
@@ -259,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
                 results["async"]["data"] = one_gib.name
                 results["async"]["storage"] = "S3 (moto)"
 
+        if "tiers" in parts and s3 is not None:
+            from benchmarks import bench_tiers
+
+            results["tiers"] = guarded("tiers", lambda: bench_tiers.main(
+                ["--quick"] if quick else [], s3=s3))
+
         if "rss" in parts:
             # Each candidate in a fresh interpreter (bench_misc.fresh_rss); S3 on
             # 4 x 256 MiB for the reason of the note above.
@@ -326,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             if key == "transfers":
                 merge_transfers(old.setdefault("transfers", {}), value)
             elif key in ("report", "async", "rss", "import", "retention", "incremental",
-                         "link", "state"):
+                         "link", "state", "tiers"):
                 old[key] = value
             elif key == "scale":
                 from benchmarks.bench_scale import merge_runs
