@@ -175,7 +175,12 @@ def zygote_main(preload: list[str]) -> None:
                     devnull = os.open(os.devnull, os.O_RDWR)
                     os.dup2(devnull, 0)
                     os.dup2(devnull, 1)  # never write into the command channel
-                    child_main(cmd["config"])
+                    main = cmd.get("main")  # "module:function", else the saving child
+                    if main:
+                        mod, _, fn = main.partition(":")
+                        getattr(importlib.import_module(mod), fn)(cmd["config"])
+                    else:
+                        child_main(cmd["config"])
                     code = 0
                 except BaseException:  # noqa: BLE001
                     import traceback
