@@ -51,6 +51,7 @@ from checkpoint_store.cli.options import (
     storage_option,
 )
 from checkpoint_store.cli.progress import counting_location, expected_files, progress_bar
+from checkpoint_store.cli.tiers import annotate_rows, checkpoint_tiers, trial_tiers
 from checkpoint_store.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -130,6 +131,9 @@ def _ls_trial(trial: Location, metric: str | None, long: bool) -> dict[str, Any]
         rows.append(row)
     corrupt, uncommitted = not_committed(trial, (r["name"] for r in rows), entries)
     shown = {n for n, _ in corrupt}
+    # With a local tier: on which tiers each one is, whether its durable copy is pending.
+    tiers, own = trial_tiers(trial, None if entries is None else (n for n, _ in entries))
+    annotate_rows(trial, rows, tiers, own, metric)
     return {"kind": "trial", "uri": trial.uri, "metric": metric, "checkpoints": rows,
             "error": _last_error(trial), "uncommitted": len(uncommitted),
             "corrupt": [{"name": n, "file": st.file, "reason": st.reason} for n, st in corrupt],
@@ -206,7 +210,15 @@ def _ls_data(loc: Location, kind: LocationKind, metric: str | None,
 
 def _print_ls_trial(trial: Location, data: Mapping[str, Any], long: bool) -> None:
     score_header = f"SCORE ({data['metric']})" if data["metric"] else "SCORE"
-    if long:
+    rows = data["checkpoints"]
+    if any("tiers" in r for r in rows):
+        table(["INDEX", "CHECKPOINT", "CREATED (UTC)", *(["SIZE"] if long else []),
+               score_header, "TIERS", "DURABLE"],
+              [[str(r["index"]), r["name"], fmt_time(r["created_at"]),
+                *([fmt_size(r.get("size"))] if long else []), fmt_value(r["score"]),
+                ",".join(r.get("tiers") or []) or "-", r.get("durable") or "-"] for r in rows],
+              right=[0, 3] if long else [0])
+    elif long:
         table(["INDEX", "CHECKPOINT", "CREATED (UTC)", "SIZE", score_header],
               [[str(r["index"]), r["name"], fmt_time(r["created_at"]), fmt_size(r["size"]),
                 fmt_value(r["score"])] for r in data["checkpoints"]],
@@ -331,6 +343,13 @@ def _print_show(loc: Location, meta: Mapping[str, Any], user: Mapping[str, Any],
         metrics = {}
     for key, value in sorted(metrics.items()):
         click.echo(f"  {key}: {fmt_value(value)}")
+    tiers = checkpoint_tiers(loc, meta.get("index"))
+    if tiers is not None:
+        click.echo(f"tiers           {', '.join(tiers['tiers']) or '-'}")
+        click.echo(f"durable copy    {tiers['durable'] or '-'}")
+        for t in tiers["local_tiers"]:
+            seen = "" if t["visible"] else " (not readable on this host)"
+            click.echo(f"  local tier    {t['path']} (host {t['host']}, rank {t['rank']}){seen}")
     spark = _score_line(loc)
     if spark:
         click.echo(spark)
@@ -384,9 +403,13 @@ def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) ->
     internal = {k: v for k, v in meta.items() if k != "manifest"}
     summary = {"files": len(manifest), "bytes": manifest_size(meta),
                "largest": [{"path": e["path"], "size": e["size"]} for e in _largest(manifest)]}
-    print_json({"uri": loc.uri, "state": "committed" if invalid is None else "invalid",
-                "reason": invalid, "internal_metadata": internal, "user_metadata": user,
-                "manifest": summary})
+    out = {"uri": loc.uri, "state": "committed" if invalid is None else "invalid",
+           "reason": invalid, "internal_metadata": internal, "user_metadata": user,
+           "manifest": summary}
+    tiers = checkpoint_tiers(loc, meta.get("index"))
+    if tiers is not None:
+        out.update(tiers)
+    print_json(out)
 
 
 # -- best ---------------------------------------------------------------------------

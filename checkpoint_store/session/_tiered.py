@@ -54,6 +54,7 @@ from checkpoint_store.session._rendezvous import Backoff
 from checkpoint_store.session._uploads import BackgroundUploader, first_error
 from checkpoint_store.tiers import FastTier, LocalTier
 from checkpoint_store.tiers.local import source_bytes
+from checkpoint_store.tiers.view import record_local_tier
 
 __all__ = ["durable_index", "get_fast_checkpoint", "open_tier", "report", "wait"]
 
@@ -74,6 +75,9 @@ def open_tier(session: Any, config: LocalTier | None) -> FastTier | None:
     tier = FastTier(config, session.storage, world_rank=session.world_rank,
                     world_size=session.world_size, run_id=session.storage.run_id)
     session._tier = tier
+    # Where this local tier is, for ls, show and the web page (tiers/view.py).
+    record_local_tier(session.storage.filesystem, session.storage.trial_path, tier.trial_dir,
+                      session.world_rank, session.storage.backend.capabilities)
     _restore_rows(session, tier)
     if session._coordinator is None:
         session._next_index = max(session._next_index, tier.next_index)
