@@ -70,6 +70,7 @@ from checkpoint_store.retention import (
     recorded_invalid,
 )
 from checkpoint_store.storage import StorageContext
+from checkpoint_store.tiers.view import local_tier_views
 from checkpoint_store.ui._rows import BEST as BEST
 from checkpoint_store.ui._rows import EVICTED as EVICTED
 from checkpoint_store.ui._rows import INVALID as INVALID
@@ -215,6 +216,7 @@ class StoreView:
                 cache.unmatched[name] = (insp.meta or {}, insp.reason or "invalid")
             elif name in dirs:
                 cache.uncommitted.add(name)
+        cache.tiers = local_tier_views(fs, ctx.trial_path, entries)
         if cache.params is None and PARAMS_FILE in entries:
             cache.params = _read_json(fs, posixpath.join(ctx.trial_path, PARAMS_FILE))
         if (cache.config is None or full) and MANAGER_STATE in entries:

@@ -31,6 +31,7 @@ from checkpoint_store._results.reader import (
     unfolded_rows,
 )
 from checkpoint_store._util import fs as _fsutil
+from checkpoint_store.tiers.view import TierView, describe
 from checkpoint_store.errors import (
     InvalidConfigError,
 )
@@ -52,6 +53,7 @@ KEPT = "kept"  # committed, neither (no score attribute, another run's, pending 
 EVICTED = "evicted"  # reported with a checkpoint that retention has deleted since
 UNCOMMITTED = "uncommitted"  # the directory is there without a commit marker (yet)
 INVALID = "invalid"  # committed, then found damaged: never ranked, resumed from or deleted
+LOCAL = "local"  # committed on a local tier only (its durable copy pending, or not wanted)
 
 
 # A chart line has at most this many points by default: 4 per bucket (first, last,
@@ -74,6 +76,8 @@ class _TrialCache:
     # marker's JSON when it parsed, the reason).
     unmatched: dict[str, tuple[dict[str, Any], str]] = dataclasses.field(default_factory=dict)
     uncommitted: set[str] = dataclasses.field(default_factory=set)
+    # The trial's local tiers (session.start(local_tier=...)), read at each refresh.
+    tiers: list[TierView] = dataclasses.field(default_factory=list)
     # Recorded by the retention state: dir_name -> why; read again when its files change.
     invalid: dict[str, str] = dataclasses.field(default_factory=dict)
     state_files: tuple[tuple[str, int | None, int | None], ...] = ()
@@ -332,8 +336,32 @@ def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
             "score": score_or_none(row, attr), "size": None, "files": None, "created_at": None,
             "iteration": row.get("training_iteration"),
         })
+    if cache.tiers:
+        _add_tiers(out, cache)
     out.sort(key=lambda c: (c["index"] is None, c["index"] or 0))
     return out
+
+
+def _add_tiers(rows: list[dict[str, Any]], cache: _TrialCache) -> None:
+    """With a local tier: ``tiers`` (``durable``, ``local``) and ``durable``
+    (``committed``, ``pending``, ``local only``, ``evicted``) on every row
+    (:func:`checkpoint_store.tiers.view.describe`); a reported checkpoint that
+    only a local tier holds is of kind ``local``, not evicted nor uncommitted."""
+    known = {r["index"] for r in rows if isinstance(r.get("index"), int)}
+    for r in rows:
+        index = r.get("index")
+        if not isinstance(index, int):
+            continue
+        r.update(describe(index, r["name"] in cache.metas, cache.tiers))
+        if r["kind"] in (EVICTED, UNCOMMITTED) and "local" in r["tiers"]:
+            r["kind"] = LOCAL
+    for t in cache.tiers:
+        for index in sorted(set(t.status) - known):  # its row not read yet
+            known.add(index)
+            rows.append({"name": f"checkpoint_{index:06d}", "index": index, "kind": LOCAL,
+                         "is_best": False, "rank": None, "is_latest": False, "score": None,
+                         "size": None, "files": None, "created_at": None, "iteration": None,
+                         **describe(index, False, cache.tiers)})
 
 
 def _ranks(metas: Mapping[str, Mapping[str, Any]],

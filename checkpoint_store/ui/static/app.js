@@ -13,10 +13,11 @@
     invalid: { label: "committed, invalid", color: "#b2182b", style: "rect", radius: 8 },
     evicted: { label: "reported, then evicted", color: "#888888", style: "crossRot", radius: 7 },
     uncommitted: { label: "not committed (yet)", color: "#d6604d", style: "dash", radius: 8 },
+    local: { label: "on the local tier only", color: "#4393c3", style: "circle", radius: 7 },
   };
   // Where a kept checkpoint sorts in the checkpoints table: the ones a user resumes
   // from or ships first, evicted ones last (and hidden unless asked for).
-  const KIND_ORDER = { best: 0, latest: 1, kept: 2, invalid: 3, uncommitted: 4, evicted: 5 };
+  const KIND_ORDER = { best: 0, latest: 1, kept: 2, local: 3, invalid: 4, uncommitted: 5, evicted: 6 };
   // Ten categorical colours, then hues a golden angle apart at three lightnesses and
   // two saturations: 50 trials get 50 colours, the closest two 32 apart in RGB.
   const BASE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
@@ -548,10 +549,14 @@
         state.showEvicted = e.target.checked;
         document.getElementById("checkpoints-box").replaceWith(checkpointTable(state.trial));
       } }), ` show ${evicted} evicted`);
+    // With a local tier: on which tiers each one is committed, and its durable copy.
+    const tiered = rows.some((c) => c.tiers);
+    const tiersCell = (c) => el("td", { class: "tiers" }, (c.tiers || []).join(", ") || "-",
+      c.durable && c.durable !== "committed" ? el("span", { class: "muted" }, ` (durable: ${c.durable})`) : "");
     return el("div", { id: "checkpoints-box" }, toggle,
       el("table", { class: "checkpoints", id: "checkpoints" },
         el("thead", {}, el("tr", {}, ["checkpoint", "kind", "rank", metric ? metric : "score",
-          "report", "size", "files", "created"].map((h) => el("th", {}, h)))),
+          "report", "size", "files", "created", ...(tiered ? ["tiers"] : [])].map((h) => el("th", {}, h)))),
         el("tbody", {}, shown.map((c) => el("tr", { "data-checkpoint": c.name, "data-kind": c.kind,
           title: c.reason || null },
         el("td", {}, c.kind === "evicted" ? name(c.name)
@@ -563,7 +568,8 @@
         el("td", { class: "num" }, fmtValue(c.iteration)),
         el("td", { class: "num" }, fmtSize(c.size)),
         el("td", { class: "num" }, fmtValue(c.files)),
-        el("td", {}, fmtTime(c.created_at)))))));
+        el("td", {}, fmtTime(c.created_at)),
+        tiered ? tiersCell(c) : null)))));
   }
 
   function trialSummary(t) {
