@@ -33,14 +33,14 @@ class HalfDeleteThenStop(ForwardingHandler):
         super().__init__(inner)
         self.ready, self.limit, self.done = ready, limit, 0
         self.lock = threading.Lock()
+        self.stopped = threading.Event()
 
     def _stop_if_due(self) -> None:
         with self.lock:
             self.done += 1
             due = self.done >= self.limit
         if due:
-            with open(self.ready, "w") as f:
-                f.write(str(self.done))
+            self.stopped.set()
             while True:
                 time.sleep(60)
 
@@ -67,7 +67,8 @@ def main() -> None:
     opts = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
     backend, root = resolve(storage_path, storage_options=opts)
     n_files = sum(len(files) for _, _, files in os.walk(src))
-    fs = pafs.PyFileSystem(HalfDeleteThenStop(backend.filesystem, ready, n_files // 2))
+    handler = HalfDeleteThenStop(backend.filesystem, ready, n_files // 2)
+    fs = pafs.PyFileSystem(handler)
     # The store's own commit protocol (rename on local disks, marker last on S3).
     gated = Backend(fs, scheme=backend.scheme, capabilities=backend.capabilities,
                     name=backend.name)
@@ -75,6 +76,10 @@ def main() -> None:
                 CheckpointConfig(num_to_keep=1))
     for i in range(3):
         s.report({"step": i}, checkpoint=Checkpoint.from_directory(src))
+    # All three reported, and the first eviction's delete stuck half-way: ready.
+    handler.stopped.wait()
+    with open(ready, "w") as f:
+        f.write(str(handler.done))
     while True:  # the first eviction's delete is stuck half-way: wait for the kill
         time.sleep(60)
 
