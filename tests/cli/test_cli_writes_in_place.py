@@ -46,6 +46,7 @@ def test_upload_and_cp_refuse_a_trial_a_running_job_manages(store: Store, tmp_pa
         for res in (up, cp, one):
             assert res.exit_code == EXIT_FAILURE, res.output
             assert "running job" in res.stderr and "--force" not in res.stderr
+        session.wait()  # retention deletes evicted checkpoints in the background
         ctx = store.ctx("exp", "t1")
         # The job's own third report went through; nothing foreign is best.
         assert committed_names(ctx) == ["checkpoint_000001", "checkpoint_000002"]
