@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from checkpoint_store import _fsutil
-from checkpoint_store.cli.locations import Location
+from checkpoint_store._browse.locations import Location
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.tiers.view import (
     TierView,
     describe,
@@ -46,7 +46,7 @@ def annotate_rows(trial: Location, rows: list[dict[str, Any]], tiers: list[TierV
                   own: bool, metric: str | None) -> None:
     """Add ``tiers`` and ``durable`` to each ``ls`` row of ``trial``, and rows for
     the checkpoints only a local tier holds (read from that tier's copy)."""
-    from checkpoint_store.cli.scores import metric_value
+    from checkpoint_store.retention.recorded import metric_value
 
     if not tiers:
         return
@@ -76,7 +76,7 @@ def annotate_rows(trial: Location, rows: list[dict[str, Any]], tiers: list[TierV
 def _local_meta(view: TierView, index: int) -> Mapping[str, Any] | None:
     import pyarrow.fs as pafs
 
-    from checkpoint_store._manifest import read_internal_metadata
+    from checkpoint_store._util.inspect import read_internal_metadata
 
     try:
         return read_internal_metadata(pafs.LocalFileSystem(),

@@ -27,8 +27,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store import _fsutil
-from checkpoint_store._layout import INTERNAL_PREFIX
+from checkpoint_store._format.layout import INTERNAL_PREFIX
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.tiers.local import TIER_STATE_FILE, read_tier_state
 
 __all__ = ["LOCAL_TIER_POINTER_PREFIX", "TierView", "describe", "local_tier_views",

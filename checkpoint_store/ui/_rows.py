@@ -31,7 +31,6 @@ from checkpoint_store._results.reader import (
     unfolded_rows,
 )
 from checkpoint_store._util import fs as _fsutil
-from checkpoint_store.tiers.view import TierView, describe
 from checkpoint_store.errors import (
     InvalidConfigError,
 )
@@ -42,6 +41,7 @@ from checkpoint_store.retention import (
     score_or_none,
     select_kept,
 )
+from checkpoint_store.tiers.view import TierView, describe
 
 __all__ = ["BEST", "EVICTED", "INVALID", "KEPT", "LATEST", "SERIES_POINTS", "UNCOMMITTED"]
 
