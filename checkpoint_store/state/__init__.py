@@ -26,6 +26,7 @@ Public names:
 
 from __future__ import annotations
 
+from checkpoint_store.state._fetch import PART_BYTES
 from checkpoint_store.state._files import (
     DEFAULT_SHARD_BYTES,
     STATE_FILE,
@@ -36,15 +37,8 @@ from checkpoint_store.state._files import (
     write_buffers,
     write_state,
 )
-from checkpoint_store.state._read import (
-    PART_BYTES,
-    SavedState,
-    load_state,
-    local_state_index,
-    name_corrupt_tensor,
-    read_state_index,
-    verify_tensors,
-)
+from checkpoint_store.state._index import SavedState, local_state_index, read_state_index
+from checkpoint_store.state._read import load_state
 from checkpoint_store.state._tree import (
     DTYPES,
     FlatState,
@@ -55,6 +49,7 @@ from checkpoint_store.state._tree import (
     split_key,
     unescape_key,
 )
+from checkpoint_store.state._verify import name_corrupt_tensor, verify_tensors
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",

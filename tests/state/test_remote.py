@@ -167,9 +167,9 @@ def test_a_damaged_tensor_on_s3_is_named(s3_location, tmp_path) -> None:
 
 
 def test_large_tensors_are_read_in_parallel_parts(s3_location, tmp_path, monkeypatch) -> None:
-    from checkpoint_store.state import _read
+    from checkpoint_store.state import _fetch
 
-    monkeypatch.setattr(_read, "PART_BYTES", 1 * MiB)
+    monkeypatch.setattr(_fetch, "PART_BYTES", 1 * MiB)
     ctx = StorageContext(s3_location.uri, "exp", "t", storage_options=s3_location.storage_options)
     tree = {"big": torch.randn(5 * MiB // 4 + 3), "small": torch.arange(3)}
     ck = _persist(ctx, tmp_path, tree)
