@@ -12,11 +12,8 @@ import contextlib
 import logging
 import os
 import posixpath
-import shutil
 import tempfile
-import time
 import types
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -24,30 +21,36 @@ import filelock
 import google_crc32c
 import pyarrow.fs as pafs
 
+from checkpoint_store._commit.download_target import check_lock_creatable as _check_lock_creatable
+from checkpoint_store._commit.download_target import inside as _inside
+from checkpoint_store._commit.download_target import new_sibling_dir as _new_sibling_dir
+from checkpoint_store._commit.download_target import owned_files as _owned_files
+from checkpoint_store._commit.download_target import read_download_marker as _read_download_marker
+from checkpoint_store._commit.download_target import recover_interrupted as _recover_interrupted
+from checkpoint_store._commit.download_target import remove_tree as _remove_tree
+from checkpoint_store._commit.download_target import sizes_match as _sizes_match
+from checkpoint_store._commit.download_target import (
+    write_download_marker as _write_download_marker,
+)
 from checkpoint_store._commit.nesting import refuse_local_store_target
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     INTERNAL_METADATA,
     USER_METADATA,
-    DownloadHelperKind,
     check_name_length,
-    download_helper_name,
     download_lock_name,
     download_marker_name,
-    parse_download_helper_name,
 )
 from checkpoint_store._transfer.trees import download_tree
 from checkpoint_store._util import fs as _fsutil
-from checkpoint_store._util import liveness as _proc
 from checkpoint_store._util.inspect import (
     Inspection,
     inspect_checkpoint,
     read_internal_metadata,
     verify_files,
 )
-from checkpoint_store.backends.base import LOCAL_CAPABILITIES, Backend
+from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import (
-    CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
     InvalidConfigError,
@@ -550,132 +553,6 @@ def written_metadata(checkpoint: Checkpoint) -> Mapping[str, Any]:
     return known if known is not None else checkpoint.internal_metadata
 
 
-def _inside(path: str, base: str) -> bool:
-    return path == base or path.startswith(base.rstrip(os.sep) + os.sep)
-
-
-# Helper directories of a download into ``<parent>/<name>``
-# (:func:`~checkpoint_store._format.layout.download_helper_name`). The writer tag (pid
-# and start time, :func:`_proc.writer_tag`) lets the next download tell a
-# crashed writer's leftovers from a live one's, also once the pid was reused.
-def _new_sibling_dir(parent: str, kind: DownloadHelperKind, base: str) -> str:
-    """A new ``.cs_<kind>-<base>-<writer>-<random>`` directory in ``parent``
-    (a name within NAME_MAX whatever the length of ``base``)."""
-    name = download_helper_name(kind, base, _proc.writer_tag(), uuid.uuid4().hex[:8])
-    path = os.path.join(parent, name)
-    os.mkdir(path)
-    return path
-
-
-def _dead_helpers(parent: str, base: str) -> list[tuple[DownloadHelperKind, str]]:
-    """``(kind, path)`` of the helper directories of downloads into
-    ``parent/base`` whose writer process is gone. A name is taken only if it
-    is exactly the one :func:`_new_sibling_dir` builds for ``base``, so the
-    helpers of another target (``run`` vs ``run-5``) are never taken."""
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return []
-    out = []
-    for name in names:
-        parsed = parse_download_helper_name(name, base)
-        if parsed is None:
-            continue
-        kind, tag = parsed
-        # Only a writer known to be gone: a tag we cannot judge stays.
-        if _proc.writer_tag_alive(tag) is False:
-            out.append((kind, os.path.join(parent, name)))
-    return out
-
-
-def _recover_interrupted(parent: str, base: str, target: str) -> None:
-    """Undo what a download into ``target`` that died part-way left behind.
-
-    Called under the target's download lock, so no live download of this
-    target is running; each helper must also belong to a dead process.
-    A writer that died between moving the old ``target`` aside and moving
-    its staged one in leaves no ``target``: the old one is moved back (the
-    marker of that moment lists its files, so the caller's download replaces
-    it as usual). Then every dead helper is removed: a staging directory is
-    only a copy of what is on storage.
-    """
-    dead = _dead_helpers(parent, base)
-    if not dead:
-        return
-    if not os.path.lexists(target):
-        aside = [os.path.join(p, "d") for kind, p in dead if kind == "download_old"]
-        aside = [d for d in aside if os.path.isdir(d) and not os.path.islink(d)]
-        if aside:
-            back = max(aside, key=lambda d: os.stat(os.path.dirname(d)).st_mtime_ns)
-            os.rename(back, target)
-            logger.warning("restored %s from %s, left by a download that did not finish",
-                           target, os.path.dirname(back))
-    for _, path in dead:
-        _remove_tree(path)
-
-
-def _tree_entries(root: str) -> list[str]:
-    """Relative posix paths of everything under ``root`` but directories
-    (symlinks, also to directories, are entries, never followed). Its own
-    stack: ``os.walk`` recurses per level and fails 1,000 levels down."""
-    out = []
-    stack = [(root, "")]
-    while stack:
-        path, rel_dir = stack.pop()
-        with os.scandir(path) as it:
-            for entry in it:
-                rel = f"{rel_dir}{entry.name}"
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append((entry.path, f"{rel}/"))
-                else:
-                    out.append(rel)
-    return sorted(out)
-
-
-def _remove_tree(path: str) -> None:
-    """``shutil.rmtree(path, ignore_errors=True)``, also for a tree deeper
-    than its recursion allows (Python before 3.12 recurses per level):
-    then bottom up with a stack of our own, links removed, never followed."""
-    try:
-        shutil.rmtree(path, ignore_errors=True)
-        return
-    except RecursionError:
-        pass
-    dirs, stack = [], [path]
-    while stack:
-        d = stack.pop()
-        dirs.append(d)
-        with contextlib.suppress(OSError), os.scandir(d) as it:
-            for entry in it:
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
-                else:
-                    with contextlib.suppress(OSError):
-                        os.unlink(entry.path)
-    for d in reversed(dirs):
-        with contextlib.suppress(OSError):
-            os.rmdir(d)
-
-
-def _owned_files(target: str, previous: Mapping[str, Any]) -> list[str]:
-    """What ``target`` holds, when all of it came from earlier downloads of
-    ours (the marker lists their files); else refuse, touching nothing."""
-    if not os.path.lexists(target):
-        return []
-    present = _tree_entries(target)
-    ours = previous.get("files")
-    foreign = sorted(set(present) - set(ours if isinstance(ours, list) else []))
-    if foreign:
-        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        raise CheckpointConflictError(
-            f"cannot download into {target!r}: it holds {foreign[0]!r}{more}, which no earlier "
-            "download put there. A download replaces the whole directory, so it never "
-            "touches files it did not write; choose a new or empty directory, or move "
-            "those files away"
-        )
-    return present
-
-
 def _swap_in(staging: str, target: str, marker: str, identity: dict[str, Any] | None,
              old_files: list[str], written: list[str]) -> None:
     """Make ``target`` hold exactly the files of ``staging``.
@@ -684,7 +561,7 @@ def _swap_in(staging: str, target: str, marker: str, identity: dict[str, Any] | 
     swapped, so a crash at any step leaves a target that is recognisably
     ours and never one that looks complete. A crash between the two renames
     leaves no ``target`` at all; the next download into it moves the old one
-    back first (:func:`_recover_interrupted`).
+    back first (:func:`~checkpoint_store._commit.download_target.recover_interrupted`).
     """
     _write_download_marker(marker, None, sorted(set(old_files) | set(written)))
     trash = None
@@ -697,36 +574,6 @@ def _swap_in(staging: str, target: str, marker: str, identity: dict[str, Any] | 
         _remove_tree(trash)
 
 
-def _sizes_match(target: str, manifest: list[dict[str, Any]]) -> bool:
-    """Every manifest file present in ``target`` with its size (stat only)."""
-    for e in manifest:
-        try:
-            if os.stat(os.path.join(target, e["path"])).st_size != e["size"]:
-                return False
-        except OSError:
-            return False
-    return True
-
-
-def _read_download_marker(path: str) -> dict[str, Any]:
-    """The marker's body (``identity``: what was downloaded, None while
-    incomplete; ``files``: the relative paths the download wrote), or ``{}``."""
-    try:
-        with open(path, "rb") as f:
-            body = _json.loads(f.read())
-    except (OSError, ValueError):
-        return {}
-    return body if isinstance(body, dict) else {}
-
-
-def _write_download_marker(path: str, identity: dict[str, Any] | None,
-                           files: list[str]) -> None:
-    body = {"identity": identity, "files": files, "pid": os.getpid(),
-            "completed_at": time.time()}
-    _fsutil.write_bytes(pafs.LocalFileSystem(), path, _json.dumps(body), LOCAL_CAPABILITIES,
-                        fsync=False)
-
-
 def _require_checkpoint(value: Any) -> Checkpoint:
     if not isinstance(value, Checkpoint):
         raise InvalidConfigError(
@@ -734,16 +581,3 @@ def _require_checkpoint(value: Any) -> Checkpoint:
             "build one with Checkpoint.from_directory(path)"
         )
     return value
-
-
-def _check_lock_creatable(lock_path: str, target: str) -> None:
-    """Fail at once where the download lock cannot exist: filelock would take
-    an error creating it for a lock held by someone else and wait forever."""
-    try:
-        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
-    except OSError as exc:
-        raise InvalidConfigError(
-            f"cannot download into {target!r}: {exc.strerror or exc} creating "
-            f"{lock_path!r}; choose a directory you can write to"
-        ) from None
-    os.close(fd)

@@ -7,5 +7,6 @@ must not write over), ``claims`` (who may write a destination),
 ``removal`` (deleting in an order a reader never misreads), ``leftovers``
 (staging and tombstones a crashed writer left), ``pointer`` (the latest
 checkpoint's pointer file), ``nesting`` (a checkpoint inside another's
-directory refused).
+directory refused), ``download_target`` (the local side of a download:
+helper directories, completion marker, crash recovery).
 """
