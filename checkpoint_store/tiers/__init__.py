@@ -30,16 +30,19 @@ which calls it (this package never imports the session).
 
 * :mod:`~checkpoint_store.tiers.config`: :class:`LocalTier`.
 * :mod:`~checkpoint_store.tiers.local`: :class:`FastTier`, the local tier of one
-  trial on one rank, and its state file.
+  trial on one rank: opening, commits, the copy to the persistent tier.
+* :mod:`~checkpoint_store.tiers.statefile`: its state file and :class:`TierEntry`.
+* :mod:`~checkpoint_store.tiers.eviction`: its retention (eviction, backpressure).
+* :mod:`~checkpoint_store.tiers.verify`: the verification of its copies for restore.
 """
 
 from __future__ import annotations
 
 from checkpoint_store.tiers.config import LocalTier, PersistPolicy, check_local_tier
-from checkpoint_store.tiers.local import (
+from checkpoint_store.tiers.local import FastTier
+from checkpoint_store.tiers.statefile import (
     TIER_STATE_FILE,
     DurableStatus,
-    FastTier,
     TierEntry,
     local_trial_dir,
     read_tier_state,

@@ -1,6 +1,12 @@
 """The local tier of one trial on one rank: fast commits, per-tier retention,
 the state file, the background copy to the persistent tier, and restore.
 
+The class is in three parts: this module (opening, queries, commits, the copy
+to the persistent tier, the state file's writes), :class:`TierRetention`
+(:mod:`~checkpoint_store.tiers.eviction`) and :class:`TierVerification`
+(:mod:`~checkpoint_store.tiers.verify`); the state file's records and reads
+are in :mod:`~checkpoint_store.tiers.statefile`.
+
 A :class:`FastTier` knows two storages: its own (a :class:`StorageContext`
 on the local tier's path, local backend) and the persistent one (the
 session's storage_path), which it only reads (is this index committed
@@ -20,13 +26,10 @@ import json
 import logging
 import os
 import posixpath
-import tempfile
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from checkpoint_store._format.layout import (
     INTERNAL_PREFIX,
@@ -46,113 +49,28 @@ from checkpoint_store.retention.deletes import Deleter
 from checkpoint_store.retention.policies import PolicyCheckpoint
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers.config import LocalTier
+from checkpoint_store.tiers.eviction import TierRetention
+from checkpoint_store.tiers.statefile import (
+    TIER_STATE_FILE,
+    TIER_STATE_VERSION,
+    DurableStatus,
+    TierEntry,
+    _manifest_bytes,
+    _read_evicting,
+    _write_atomic,
+    local_trial_dir,
+    read_tier_state,
+)
+from checkpoint_store.tiers.verify import TierVerification
 
 __all__ = ["TIER_STATE_FILE", "DurableStatus", "FastTier", "TierEntry", "local_trial_dir",
            "read_tier_state", "source_bytes"]
 
 logger = logging.getLogger(__name__)
 
-#: The local tier's state file, in ``<tier path>/<experiment>/<trial>/``
-#: (``.../rank_<rank>/`` with several ranks); docs/format.md, "Local tier".
-TIER_STATE_FILE = f"{INTERNAL_PREFIX}tier_state.json"
-TIER_STATE_VERSION = 1
-
-#: Where a checkpoint of the local tier stands with the persistent tier:
-#: ``"pending"`` (selected, its copy not committed yet), ``"durable"``
-#: (committed there), ``"local_only"`` (``persist`` did not select it).
-DurableStatus = Literal["pending", "durable", "local_only"]
-_STATUSES = ("pending", "durable", "local_only")
-
 #: Errors a retry of the copy to the persistent tier cannot cure.
 _FINAL = (CheckpointConflictError, CheckpointNotFoundError, CheckpointCorruptError,
           InvalidConfigError, MetadataError)
-
-
-@dataclass
-class TierEntry:
-    """One committed checkpoint of the local tier, as the state file records it.
-
-    Attributes:
-        index: its index (the same checkpoint on every tier).
-        bytes: the sum of its files' sizes (its manifest).
-        durable: ``"pending"``, ``"durable"`` or ``"local_only"`` (:data:`DurableStatus`).
-    """
-
-    index: int
-    bytes: int
-    durable: DurableStatus
-
-    @property
-    def dir_name(self) -> str:
-        return checkpoint_dir_name(self.index)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "dir_name": self.dir_name, "bytes": self.bytes,
-                "durable": self.durable}
-
-
-def local_trial_dir(path: str, experiment_name: str, trial_name: str, *, world_rank: int = 0,
-                    world_size: int = 1) -> str:
-    """Where a local tier at ``path`` keeps a trial's copies (a local path):
-    ``<path>/<experiment>/<trial>``, with several ranks ``.../rank_<rank>``."""
-    trial = os.path.join(path, experiment_name, trial_name)
-    return os.path.join(trial, f"rank_{world_rank}") if world_size > 1 else trial
-
-
-def read_tier_state(trial_dir: str) -> dict[int, TierEntry] | None:
-    """The entries of the local tier state file in ``trial_dir`` (a local
-    directory), or None when there is none or it cannot be read (then the
-    state is rebuilt from the committed directories)."""
-    try:
-        with open(os.path.join(trial_dir, TIER_STATE_FILE), "rb") as f:
-            body = json.loads(f.read())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(body, dict) or body.get("version") != TIER_STATE_VERSION:
-        return None
-    out: dict[int, TierEntry] = {}
-    for e in body.get("checkpoints") or []:
-        try:
-            index, size, status = int(e["index"]), int(e["bytes"]), e["durable"]
-        except (KeyError, TypeError, ValueError):
-            continue
-        if status in _STATUSES and index >= 0:
-            out[index] = TierEntry(index, size, status)
-    return out
-
-
-def _read_evicting(trial_dir: str) -> set[int]:
-    """The indexes the state file in ``trial_dir`` lists as evicted but maybe not
-    deleted yet (empty when none, or when it cannot be read)."""
-    try:
-        with open(os.path.join(trial_dir, TIER_STATE_FILE), "rb") as f:
-            body = json.loads(f.read())
-        return {int(i) for i in body.get("evicting") or [] if int(i) >= 0}
-    except (OSError, ValueError, TypeError, AttributeError):
-        return set()
-
-
-def _write_atomic(path: str, data: bytes, fsync: bool) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f"{INTERNAL_PREFIX}tmp-", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    if fsync:
-        dfd = os.open(os.path.dirname(path), os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
 
 def source_bytes(checkpoint: Checkpoint) -> int:
@@ -169,11 +87,7 @@ def source_bytes(checkpoint: Checkpoint) -> int:
     return total
 
 
-def _manifest_bytes(meta: Mapping[str, Any]) -> int:
-    return sum(int(e.get("size", 0)) for e in meta.get("manifest") or [])
-
-
-class FastTier:
+class FastTier(TierRetention, TierVerification):
     """The local tier of one trial on one rank.
 
     Args:
@@ -352,59 +266,6 @@ class FastTier:
         """The local tier's copy of ``index`` (not checked)."""
         return self.storage.checkpoint(checkpoint_dir_name(index))
 
-    def verified_indexes(self, above: int | None = None) -> list[int]:
-        """Indexes of copies that verify (sizes and CRC32C), oldest first; those
-        at or below ``above`` are not checked. A copy that fails is dropped from
-        the tier (deleted, with a warning) and never listed again."""
-        with self._cond:
-            todo = sorted(i for i in self._entries if above is None or i > above)
-        good = []
-        for index in todo:
-            if self._verify(index):
-                good.append(index)
-        return good
-
-    def newest_verified(self, above: int | None = None,
-                        among: Iterable[int] | None = None) -> Checkpoint | None:
-        """The newest copy above ``above`` (and in ``among``) that verifies,
-        or None. Copies committed by this session count as verified; one that
-        fails is dropped (see :meth:`verified_indexes`)."""
-        allowed = None if among is None else set(among)
-        with self._cond:
-            todo = sorted((i for i in self._entries
-                           if (above is None or i > above)
-                           and (allowed is None or i in allowed)), reverse=True)
-        for index in todo:
-            if self._verify(index):
-                return self.checkpoint(index)
-        return None
-
-    def _verify(self, index: int) -> bool:
-        if index in self._verified:
-            return index in self._entries
-        ckpt = self.checkpoint(index)
-        try:
-            ckpt.verify()
-        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
-            warnings.warn(f"skipping the local tier's copy {ckpt.uri}: it does not verify "
-                          f"({exc}); it is removed from the local tier",
-                          RuntimeWarning, stacklevel=3)
-            self._drop(index)
-            return False
-        self._verified.add(index)
-        return True
-
-    def _drop(self, index: int) -> None:
-        with self._cond:
-            self._entries.pop(index, None)
-            self._save()
-            self._cond.notify_all()
-        try:
-            self.storage.delete_checkpoint(checkpoint_dir_name(index))
-        except Exception as exc:
-            logger.warning("could not delete %s from the local tier: %s",
-                           checkpoint_dir_name(index), exc)
-
     # -- reporting ----------------------------------------------------------------------
 
     def selects(self, index: int, row: Mapping[str, Any]) -> bool:
@@ -416,44 +277,6 @@ class FastTier:
             self._last_selected = PolicyCheckpoint(index, checkpoint_dir_name(index), dict(row),
                                                    now)
         return chosen
-
-    def make_room(self, nbytes: int, can_wait: Callable[[], bool] | None = None) -> float:
-        """Backpressure: wait until ``nbytes`` more fit in ``max_bytes``.
-
-        While they do not fit and a copy to the persistent tier is pending
-        (``can_wait()`` says whether one is still running; default: any
-        pending), waits for it; checkpoints the tier's retention may delete
-        are deleted first (oldest first; never a pending one, nor the newest
-        unless its durable copy is committed).
-        When nothing more can be freed, returns anyway (with a warning): one
-        checkpoint larger than the budget is still committed.
-
-        Returns:
-            Seconds spent waiting.
-        """
-        limit = self.config.max_bytes
-        if limit is None:
-            return 0.0
-        t0 = time.perf_counter()
-        waited = False
-        while True:
-            self._evict(extra=nbytes)
-            self._deleter.wait()  # the budget counts bytes on disk: the deletes end first
-            with self._cond:
-                used = sum(e.bytes for e in self._entries.values())
-                if used + nbytes <= limit:
-                    break
-                busy = any(e.durable == "pending" for e in self._entries.values())
-                if busy and (can_wait is None or can_wait()):
-                    waited = True
-                    self._cond.wait(0.5)
-                    continue
-            logger.warning("the local tier %s holds %d bytes; the next checkpoint (%d bytes) "
-                           "goes over max_bytes=%d", self.trial_dir, used, nbytes, limit)
-            break
-        spent = time.perf_counter() - t0 if waited else 0.0
-        self.blocked_s += spent
-        return spent
 
     def commit(self, source: Checkpoint, index: int, internal: Mapping[str, Any],
                row: Mapping[str, Any], *, writer_id: str | None = None) -> tuple[Checkpoint, bool]:
@@ -631,82 +454,6 @@ class FastTier:
                 if left is not None and left <= 0:
                     return False
                 self._cond.wait(left)
-
-    # -- retention --------------------------------------------------------------------
-
-    def _evict(self, extra: int = 0) -> list[int]:
-        """Delete what this tier's retention no longer keeps: beyond the newest
-        ``num_to_keep`` (fewer when ``extra`` more bytes must fit in
-        ``max_bytes``), never a copy whose durable copy is pending, never the
-        newest unless its durable copy is committed and room is needed. The
-        state records the eviction first (the checkpoint leaves its entries,
-        joins its ``"evicting"`` list), then the deleter thread deletes
-        (:meth:`_delete_evicted`), off the report path; a kill in between
-        leaves a directory the next start deletes.
-
-        Returns:
-            The indexes evicted by this call."""
-        keep = self.config.num_to_keep
-        limit = self.config.max_bytes
-        with self._cond:
-            order = sorted(self._entries)
-            newest = order[-keep:]
-            protected = set(newest) | {i for i in order if self._entries[i].durable == "pending"}
-            victims = [i for i in order if i not in protected]
-            if limit is not None and extra:
-                # Over the byte budget: older copies go too, oldest first; a
-                # pending one never, and the newest only when its durable
-                # copy is committed (never the last copy of a checkpoint).
-                used = sum(e.bytes for i, e in self._entries.items() if i not in victims)
-                for i in order:
-                    if used + extra <= limit:
-                        break
-                    status = self._entries[i].durable
-                    if i in victims or status == "pending" or (
-                            i == order[-1] and status != "durable"):
-                        continue
-                    victims.append(i)
-                    used -= self._entries[i].bytes
-            evicted = sorted(set(victims))
-            for i in evicted:
-                self._entries.pop(i, None)
-                self._verified.discard(i)
-                self._evicting.add(i)
-            if evicted:
-                self._save()
-                self._cond.notify_all()
-            due = bool(self._evicting)
-        if due:  # also retries deletes that failed before
-            self._deleter.kick()
-        return evicted
-
-    def _delete_evicted(self) -> None:
-        """The deleter thread's round: delete the evicted checkpoints, then drop
-        them from the state's ``"evicting"`` list. A failed delete is logged
-        and retried at the next eviction (or the next start)."""
-        with self._cond:
-            todo = sorted(self._evicting)
-        done = []
-        for i in todo:
-            try:
-                self.storage.delete_checkpoint(checkpoint_dir_name(i))
-            except Exception as exc:
-                logger.warning("could not delete %s from the local tier (retried at the next "
-                               "eviction): %s", checkpoint_dir_name(i), exc)
-                continue
-            done.append(i)
-        if done:
-            with self._cond:
-                self._evicting.difference_update(done)
-                self._save()
-
-    def wait_deletes(self, timeout: float | None = None) -> bool:
-        """Wait for the deletes of evicted checkpoints scheduled so far.
-
-        Returns:
-            True when none is running, False after ``timeout`` seconds.
-        """
-        return self._deleter.wait(timeout)
 
     # -- the state file ----------------------------------------------------------------
 

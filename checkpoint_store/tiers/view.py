@@ -29,7 +29,7 @@ import pyarrow.fs as pafs
 
 from checkpoint_store._format.layout import INTERNAL_PREFIX
 from checkpoint_store._util import fs as _fsutil
-from checkpoint_store.tiers.local import TIER_STATE_FILE, read_tier_state
+from checkpoint_store.tiers.statefile import TIER_STATE_FILE, read_tier_state
 
 __all__ = ["LOCAL_TIER_POINTER_PREFIX", "TierView", "describe", "local_tier_views",
            "record_local_tier", "tier_state_view"]
