@@ -47,6 +47,10 @@ in this list:
   :func:`live_lease`.
 * :mod:`~checkpoint_store.retention.state`: the state file, and
   :func:`recorded_invalid`, the checkpoints it records as damaged.
+* :mod:`~checkpoint_store.retention.rebuild`: what a new manager rebuilds
+  from the state and the trial's listing at a restart.
+* :mod:`~checkpoint_store.retention.deletes`: the delete of an evicted
+  checkpoint, and the deleter thread.
 * :mod:`~checkpoint_store.retention.manager`: :class:`CheckpointManager`.
 """
 

@@ -5,7 +5,8 @@ Retention decides in :meth:`CheckpointManager.register`; the delete itself
 one request per file batch on object stores) need not happen before
 ``report()`` returns. The manager records the eviction in its state first
 (``pending_deletes``), then hands the names to a :class:`Deleter`, which
-deletes them in the background, one directory after another, and records
+deletes them in the background, one directory after another
+(:func:`delete_evicted`, also used when the deletes run inline), and records
 them deleted. What makes it crash-safe is the order, not the thread:
 
 * the eviction is in the retention state before any byte is deleted, so
@@ -26,13 +27,44 @@ manager's ``close()``) waits for the deletes scheduled so far.
 from __future__ import annotations
 
 import logging
+import posixpath
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
-__all__ = ["Deleter"]
+from checkpoint_store._util.inspect import read_internal_metadata
+from checkpoint_store.storage import StorageContext
+
+__all__ = ["Deleter", "delete_evicted"]
 
 logger = logging.getLogger(__name__)
+# The manager's logger: a delete's warnings keep the name they always had.
+_manager_logger = logging.getLogger("checkpoint_store.retention.manager")
+
+
+def delete_evicted(storage: StorageContext, name: str,
+                   is_ours: Callable[[Mapping[str, Any]], bool], foreign: list[str]) -> bool:
+    """Delete one evicted checkpoint ``name`` of ``storage``'s trial; False
+    (logged) to retry it later. True also when its internal metadata now
+    names another run (``is_ours`` says no): then it is appended to
+    ``foreign`` and left alone for good. Never raises for a failed delete."""
+    try:
+        path = posixpath.join(storage.trial_path, name)
+        meta = read_internal_metadata(storage.filesystem, path)
+        if meta is not None and not is_ours(meta):
+            # Replaced by another run's checkpoint since we evicted it.
+            _manager_logger.warning("not deleting %s: it now belongs to run %r",
+                                    name, meta.get("run_id"))
+            if name not in foreign:
+                foreign.append(name)
+            return True
+        storage.delete_checkpoint(name)
+        return True
+    except Exception as exc:  # never fail a report for a delete
+        _manager_logger.warning("could not delete %s (retried at the next report): %s",
+                                name, exc)
+        return False
 
 
 class Deleter:

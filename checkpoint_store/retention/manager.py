@@ -9,12 +9,13 @@ damaged (never ranked, resumed from or deleted) and the queries the session
 and tools ask (best, latest, kept). The decision itself is
 :class:`~checkpoint_store.retention.selection.Selection`; the lease is
 :mod:`~checkpoint_store.retention.lease`; the file is
-:mod:`~checkpoint_store.retention.state`.
+:mod:`~checkpoint_store.retention.state`; what a restore rebuilds is
+:mod:`~checkpoint_store.retention.rebuild`; the delete of an evicted
+checkpoint is :mod:`~checkpoint_store.retention.deletes`.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import posixpath
 import threading
@@ -28,7 +29,6 @@ import pyarrow.fs as pafs
 
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import MANAGER_STATE, parse_checkpoint_dir_name
-from checkpoint_store._util.inspect import read_internal_metadata
 from checkpoint_store.checkpoint import Checkpoint, written_metadata
 from checkpoint_store.errors import (
     CheckpointConflictError,
@@ -37,22 +37,14 @@ from checkpoint_store.errors import (
     InvalidConfigError,
 )
 from checkpoint_store.retention.config import CheckpointConfig
-from checkpoint_store.retention.deletes import Deleter
+from checkpoint_store.retention.deletes import Deleter, delete_evicted
 from checkpoint_store.retention.lease import Lease
 from checkpoint_store.retention.policies import PolicyCheckpoint, check_metrics, evaluate
-from checkpoint_store.retention.restore import (
-    Candidates,
-    Listing,
-    Scan,
-    created_at,
-    run_id_of,
-    scan,
-    warn_corrupt,
-)
-from checkpoint_store.retention.scoring import config_score, missing_score_error, score_of
+from checkpoint_store.retention.rebuild import is_ours, rebuild
+from checkpoint_store.retention.restore import Candidates, created_at
+from checkpoint_store.retention.scoring import missing_score_error, score_of
 from checkpoint_store.retention.selection import Entry, Selection, check_report
 from checkpoint_store.retention.state import (
-    LazyEntries,
     LogRecord,
     ManagerState,
     StoredCheckpoint,
@@ -61,14 +53,6 @@ from checkpoint_store.retention.statelog import StateLog
 from checkpoint_store.storage import StorageContext
 
 __all__ = ["CheckpointManager"]
-
-logger = logging.getLogger(__name__)
-
-
-def _holds(kept: Mapping[str, StoredCheckpoint], name: str, index: int) -> bool:
-    """``name in kept``, without reading a lazy state's chunks for it."""
-    return bool(kept.knows(name, index)) if isinstance(kept, LazyEntries) else name in kept
-
 
 class CheckpointManager:
     """Keeps the best K committed checkpoints of one trial and deletes the rest.
@@ -489,12 +473,7 @@ class CheckpointManager:
         return self._log.compact(self._state())
 
     def _is_ours(self, meta: Mapping[str, Any]) -> bool:
-        owner = meta.get("run_id")
-        if owner is not None:
-            return bool(owner == self.run_id)
-        # Written before run ids existed (or by hand): judge by the trial name.
-        trial = meta.get("trial_name")
-        return trial is None or trial == self._storage.trial_name
+        return is_ours(meta, self.run_id, self._storage.trial_name)
 
     def _schedule_deletes(self) -> None:
         """Delete the pending evictions: now, or on the deleter thread."""
@@ -537,21 +516,7 @@ class CheckpointManager:
     def _delete_evicted(self, name: str) -> bool:
         """Delete one evicted checkpoint; False (logged) to retry it later. True also
         when it now belongs to another run: then it is left alone for good."""
-        try:
-            path = posixpath.join(self._storage.trial_path, name)
-            meta = read_internal_metadata(self._storage.filesystem, path)
-            if meta is not None and not self._is_ours(meta):
-                # Replaced by another run's checkpoint since we evicted it.
-                logger.warning("not deleting %s: it now belongs to run %r",
-                               name, meta.get("run_id"))
-                if name not in self._foreign:
-                    self._foreign.append(name)
-                return True
-            self._storage.delete_checkpoint(name)
-            return True
-        except Exception as exc:  # never fail a report for a delete
-            logger.warning("could not delete %s (retried at the next report): %s", name, exc)
-            return False
+        return delete_evicted(self._storage, name, self._is_ours, self._foreign)
 
     def retry_deletes(self) -> list[str]:
         """Retry the failed deletes now; returns the names still pending."""
@@ -571,142 +536,23 @@ class CheckpointManager:
         one a resume loads). Without a usable state, every committed
         checkpoint's internal metadata rebuilds it. Then resume any deletes
         that were due."""
-        listing = Listing.of(self._storage)
-        keep_all = self.config.num_to_keep is None and self.config.policy is None
-        state, problem = self._log.load(listing.files, lazy=keep_all)
-        self.restored_from_state = state is not None
-        pending_before = set(state.pending_deletes) if state is not None else set()
-        # Found damaged before: not inspected, ranked or re-registered again.
-        recorded = {n: why for n, why in (state.invalid if state is not None else {}).items()
-                    if n in listing.dirs}
-        trusted, unknown = self._trusted(state, listing, pending_before | recorded.keys())
-        if isinstance(trusted, LazyEntries) or trusted:  # a lazy one's len() reads it
-            top = (trusted.newest() if isinstance(trusted, LazyEntries)
-                   else max(trusted.values(), key=lambda e: e.index))
-            if top is not None:
-                unknown.append(top.dir_name)
-        found = scan(self._storage, listing, unknown)
-        lost = found.corrupt.keys() | set(found.uncommitted)
-        for name in lost | recorded.keys():
-            trusted.pop(name, None)
-        self._invalid = {**recorded, **found.corrupt}
-        self.restore_listing = listing.entries_except(
-            self._storage, {*unknown, *pending_before, *lost})
-        self.restore_known = {c.dir_name: c.index for c in found.committed}
-        self.run_id = (state.run_id if state is not None
-                       else run_id_of(found.committed, self._storage.trial_name))
-        evicted = self._rebuild_selection(found, state, trusted)
-        self._continue_numbering(found, state)
-        self._log_restore(found, state, problem)
+        r = rebuild(self.config, self._storage, self._log, self._sel, self._warned,
+                    self._next_index, self.state_path, read_only=self._read_only)
+        self.restored_from_state = r.restored_from_state
+        self.run_id = r.run_id
+        self.restore_listing = r.restore_listing
+        self.restore_known = r.restore_known
+        self._invalid = r.invalid
+        self._pending = r.pending
+        self._uncommitted = r.uncommitted
+        self._foreign = r.foreign
+        self._foreign_meta = r.foreign_meta
+        self._next_index = r.next_index
         if self._read_only:
             return
-        learned = any(not _holds(trusted, c.dir_name, c.index) and self._is_ours(c.meta) and
-                      c.dir_name not in pending_before for c in found.committed)
-        if isinstance(trusted, LazyEntries):
-            changed = bool(lost) or any(n not in listing.dirs for n in trusted.recent())
-        else:
-            changed = state is not None and trusted.keys() != state.checkpoints.keys()
-        needs_write = (state is None and bool(found.committed) or bool(evicted)
-                       or bool(self._pending) or learned or changed
-                       or self._invalid != dict(state.invalid if state is not None else {})
-                       or (state is not None and state.config != self.config.to_json()))
-        if needs_write and self._save_state():
+        if r.needs_write and self._save_state():
             if self._pending:
                 self.restore_listing = None
             self._delete_pending()
-        elif not needs_write:
+        elif not r.needs_write:
             self._log.collect_garbage()
-
-    def _trusted(self, state: ManagerState | None, listing: Listing, pending: set[str]
-                 ) -> tuple[dict[str, StoredCheckpoint] | LazyEntries[StoredCheckpoint], list[str]]:
-        """The state's kept entries whose directories are listed, and the listed
-        checkpoint directories the state does not know (to inspect), leaving
-        out ``pending`` (deletes due, checkpoints recorded invalid). A lazy
-        state (keep-all, same config) stays unread when the root places every
-        listed name; else it is read here."""
-        if state is None:
-            return {}, [n for n in listing.dirs if n not in pending]
-        kept = state.checkpoints
-        if isinstance(kept, LazyEntries) and state.config == self.config.to_json():
-            unknown = kept.not_kept(listing.dirs, pending)
-            if unknown is not None:
-                return kept.map(lambda e: e, listing.dirs.__contains__), unknown
-        trusted = {n: e for n, e in kept.items() if n in listing.dirs}
-        return trusted, [n for n in listing.dirs if n not in trusted and n not in pending]
-
-    def _rebuild_selection(self, scan: Scan, state: ManagerState | None,
-                           trusted: Mapping[str, StoredCheckpoint]) -> list[Entry]:
-        """Register the kept checkpoints of the state (``trusted``) and this run's
-        committed checkpoints found by ``scan`` again; returns those the config
-        evicts now (queued for deletion with the deletes the state had pending)."""
-        pending_before = set(state.pending_deletes) if state is not None else set()
-        stored = state.checkpoints if state is not None else {}
-        # Pending deletes resume, also for half-deleted directories (marker gone).
-        self._pending = [n for n in sorted(pending_before) if n in scan.present]
-        self._uncommitted = [n for n in scan.uncommitted if n not in pending_before]
-        found: dict[str, tuple[int, Mapping[str, Any], float | None]] = {}
-        if isinstance(trusted, LazyEntries):
-            # Keep-all under the same config: the stored scores stand, and the
-            # entries are read from the state's chunks when first asked for.
-            self._sel.kept = trusted.map(lambda e: Entry(e.index, e.dir_name, e.score,
-                                                         dict(e.metrics), e.created_at),
-                                         lambda n: True)
-            top = self._sel.newest()
-            self._sel.latest_index = top.index if top is not None else None
-        else:
-            found.update((n, (e.index, e.metrics, e.created_at)) for n, e in trusted.items())
-        for c in scan.committed:
-            if not self._is_ours(c.meta):
-                self._foreign.append(c.dir_name)
-                self._foreign_meta[c.dir_name] = c.meta
-                continue
-            if c.dir_name in pending_before:
-                continue
-            metrics = c.meta.get("metrics")
-            if not isinstance(metrics, Mapping):
-                metrics = stored[c.dir_name].metrics if c.dir_name in stored else {}
-            found[c.dir_name] = (c.index, metrics, created_at(c.meta))
-        evicted: list[Entry] = []
-        for name, (index, metrics, created) in sorted(found.items(), key=lambda kv: kv[1][0]):
-            score = config_score(self.config, metrics, index, self._warned, lenient=True,
-                                 stacklevel=6)
-            evicted.extend(self._sel.add(Entry(index, name, score, dict(metrics), created)))
-        for e in evicted:
-            if e.dir_name not in self._pending:
-                self._pending.append(e.dir_name)
-        return evicted
-
-    def _continue_numbering(self, scan: Scan, state: ManagerState | None) -> None:
-        """Numbering continues past every index a directory, a registration or the
-        state remembers (also a latest that was deleted by hand)."""
-        following = [self._next_index, scan.highest_dir_index + 1]
-        if self._sel.latest_index is not None:
-            following.append(self._sel.latest_index + 1)
-        if state is not None and state.latest_index is not None:
-            following.append(state.latest_index + 1)
-        if state is not None and state.next_index is not None:
-            following.append(state.next_index)
-        self._next_index = max(following)
-
-    def _log_restore(self, scan: Scan, state: ManagerState | None, problem: str) -> None:
-        storage = self._storage
-        if state is None and scan.committed:
-            warnings.warn(
-                f"retention state {storage.uri(self.state_path)} is {problem}; rebuilt it from "
-                f"{len(scan.committed)} committed checkpoint(s)' internal metadata",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        if self._foreign:
-            logger.warning(
-                "trial %s holds checkpoints of another run, left alone: %s",
-                storage.uri(storage.trial_path), ", ".join(self._foreign),
-            )
-        top = self._sel.newest()
-        warn_corrupt(storage, self._invalid, scan.highest_dir_index,
-                     top.dir_name if top is not None else None)
-        if self._uncommitted:
-            logger.warning(
-                "trial %s holds uncommitted checkpoint directories, ignored and never deleted "
-                "by retention: %s", storage.uri(storage.trial_path), ", ".join(self._uncommitted),
-            )

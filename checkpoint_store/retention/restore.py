@@ -208,9 +208,10 @@ class Candidates(Sequence[tuple[Checkpoint, dict[str, Any]]]):
 
 
 def warn_corrupt(storage: StorageContext, corrupt: Mapping[str, str], highest_dir_index: int,
-                 newest_kept: str | None) -> None:
+                 newest_kept: str | None, *, stacklevel: int = 5) -> None:
     """Name each corrupt checkpoint (``corrupt``: name -> what is wrong) and
-    why; say so louder (a ``RuntimeWarning``) when it is the newest directory
+    why; say so louder (a ``RuntimeWarning``, ``stacklevel`` as for
+    :func:`warnings.warn`) when it is the newest directory
     (``highest_dir_index``), since resume then falls back to ``newest_kept``."""
     if not corrupt:
         return
@@ -226,7 +227,7 @@ def warn_corrupt(storage: StorageContext, corrupt: Mapping[str, str], highest_di
         warnings.warn(
             f"the newest checkpoint of trial {trial}, {newest}, is corrupt "
             f"({corrupt[newest]}): {fallback}; `checkpoint-store verify {trial}` "
-            "names every fault", RuntimeWarning, stacklevel=5,
+            "names every fault", RuntimeWarning, stacklevel=stacklevel,
         )
     logger.warning(
         "trial %s holds invalid checkpoints (files not matching their manifest), left out "
