@@ -9,46 +9,35 @@ sessions.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import posixpath
 import time
-import traceback
 import warnings
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
+from checkpoint_store._commit import trialdir as _trialdir
 from checkpoint_store._commit.leftovers import ScanResult, scan_trial
 from checkpoint_store._commit.nesting import refuse_inside_checkpoint
 from checkpoint_store._commit.protocols import CommitProtocol, protocol_for
-from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     ERROR_FILE,
-    MARKER_FORMAT_VERSIONS,
-    PARAMS_FILE,
     STOPPED_FILE,
     check_run_name,
     checkpoint_dir_name,
-    is_internal_file,
-    parse_checkpoint_dir_name,
     validate_component,
 )
+from checkpoint_store._results import trialfiles as _trialfiles
 from checkpoint_store._results.writer import ResultLog, parse_result_rows, read_results
 from checkpoint_store._transfer.plan import Previous
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.ids import default_run_id, new_writer_id, sanitize_run_id
-from checkpoint_store._util.inspect import (
-    inspect_checkpoint,
-    read_internal_metadata,
-)
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend, clean_components, local_absolute
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
-    CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
     InvalidConfigError,
@@ -140,23 +129,9 @@ class StorageContext:
 
     def _init_transfer(self, max_concurrency: int | None, memory_budget: int | None,
                        incremental: bool) -> None:
-        changes: dict[str, Any] = {}
-        for name, value, floor in (("max_concurrency", max_concurrency, 1),
-                                   ("memory_budget", memory_budget, 1024 * 1024)):
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < floor:
-                raise InvalidConfigError(
-                    f"{name} must be an int >= {floor}, got {value!r}"
-                    + (" (bytes)" if name == "memory_budget" else "")
-                )
-            changes["concurrency" if name == "max_concurrency" else name] = value
-        if not isinstance(incremental, bool):
-            raise InvalidConfigError(f"incremental must be True or False, got {incremental!r}")
+        self.backend = _trialdir.transfer_backend(self.backend, max_concurrency, memory_budget,
+                                                  incremental)
         self.incremental = incremental
-        if changes:
-            caps = dataclasses.replace(self.backend.capabilities, **changes)
-            self.backend = dataclasses.replace(self.backend, capabilities=caps)
 
     def _init_run(self, run_id: str | None, retry: RetryPolicy | None) -> None:
         if retry is not None and not isinstance(retry, RetryPolicy):
@@ -280,13 +255,7 @@ class StorageContext:
     def checkpoint_dirs(self) -> list[tuple[int, str]]:
         """``(index, dir name)`` of every ``checkpoint_NNNNNN`` directory, committed
         or not, sorted by index."""
-        found = []
-        for fi in _fsutil.list_dir(self.filesystem, self.trial_path, retry=self.retry):
-            name = posixpath.basename(fi.path.rstrip("/"))
-            index = parse_checkpoint_dir_name(name)
-            if index is not None and fi.type != _fsutil.pafs.FileType.File:
-                found.append((index, name))
-        return sorted(found)
+        return _trialdir.checkpoint_dirs(self.filesystem, self.trial_path, retry=self.retry)
 
     def committed_checkpoints(self) -> list[tuple[Checkpoint, dict[str, Any]]]:
         """Every committed checkpoint with its internal metadata, oldest first.
@@ -295,14 +264,9 @@ class StorageContext:
         modification times. Directories without valid internal metadata are
         not checkpoints and are skipped.
         """
-        out = []
-        for _, name in self.checkpoint_dirs():
-            path = posixpath.join(self.trial_path, name)
-            meta = read_internal_metadata(self.filesystem, path, retry=self.retry)
-            if meta is not None:
-                out.append((Checkpoint._from_backend(self.backend, path), meta))
-        out.sort(key=lambda cm: cm[1]["index"])
-        return out
+        found = _trialdir.committed_paths(self.filesystem, self.trial_path,
+                                          self.checkpoint_dirs(), retry=self.retry)
+        return [(Checkpoint._from_backend(self.backend, path), meta) for path, meta in found]
 
     def next_checkpoint_index(self) -> int:
         """One past the highest index of any checkpoint directory present."""
@@ -410,11 +374,8 @@ class StorageContext:
         return Checkpoint._from_backend(self.backend, dest, written)
 
     def _reuses(self, checkpoint: Checkpoint) -> bool:
-        # Where the store renames directories (local disks) a copy from the
-        # source is already a kernel copy or a reflink: nothing to gain.
-        caps = self.backend.capabilities
-        return (self.incremental and caps.server_side_copy and not caps.atomic_rename
-                and _fsutil.local_path(checkpoint.filesystem, checkpoint.path) is not None)
+        return _trialdir.reuses_previous(self.backend, self.incremental,
+                                         checkpoint.filesystem, checkpoint.path)
 
     def previous_checkpoint(self, index: int) -> Previous | None:
         """The latest committed checkpoint below ``index`` as a
@@ -423,24 +384,8 @@ class StorageContext:
         and the newest is kept, so that is the usual answer, whatever the
         trial's history); else looks at the three highest directories: one
         listing of the trial plus one inspection each."""
-        if index > 0:
-            found = self._previous_at(checkpoint_dir_name(index - 1))
-            if found is not None:
-                return found
-        below = [name for i, name in self.checkpoint_dirs() if i < index - 1]
-        for name in reversed(below[-3:]):
-            found = self._previous_at(name)
-            if found is not None:
-                return found
-        return None
-
-    def _previous_at(self, name: str) -> Previous | None:
-        path = posixpath.join(self.trial_path, name)
-        meta = read_internal_metadata(self.filesystem, path, retry=self.retry)
-        if meta is None:
-            return None
-        return Previous(path, {e["path"]: (e["size"], int(e["crc32c"], 16))
-                               for e in meta["manifest"]})
+        return _trialdir.previous_checkpoint(self.filesystem, self.trial_path, index,
+                                             self.checkpoint_dirs, retry=self.retry)
 
     def delete_checkpoint(self, dir_name: str) -> None:
         """Delete a checkpoint directory of this trial; absent is fine.
@@ -530,29 +475,10 @@ class StorageContext:
             CheckpointConflictError: it is already a committed checkpoint, or
                 carries a marker of a newer format.
         """
-        validate_component(dir_name, "dir_name")
-        index = parse_checkpoint_dir_name(dir_name)
-        if index is None:
-            raise InvalidConfigError(
-                f"{dir_name!r} is not named checkpoint_NNNNNN; rename it (e.g. to "
-                f"{checkpoint_dir_name(self.next_checkpoint_index())}) and adopt it again"
-            )
-        clean_metrics = _json.to_json_object(metrics or {}, "metrics")
-        path = posixpath.join(self.trial_path, dir_name)
-        insp = inspect_checkpoint(self.filesystem, path, retry=self.retry)
-        if insp.state == "committed":
-            raise CheckpointConflictError(f"{self.uri(path)} is already a committed checkpoint")
-        if insp.state == "invalid" and isinstance(insp.meta, dict):
-            version = insp.meta.get("format_version")
-            if isinstance(version, int) and version > max(MARKER_FORMAT_VERSIONS):
-                raise CheckpointConflictError(
-                    f"{self.uri(path)} was written by a newer checkpoint-store (format "
-                    f"{version}); upgrade instead of adopting it"
-                )
-        data = {rel: size for rel, size in (insp.files or {}).items()
-                if not is_internal_file(rel)}
-        if insp.state == "missing" or not data:
-            raise CheckpointNotFoundError(f"{self.uri(path)} holds no files to adopt")
+        path, index, clean_metrics, data = _trialdir.adoptable(
+            self.filesystem, self.trial_path, dir_name, metrics, uri=self.uri,
+            next_index=self.next_checkpoint_index, retry=self.retry,
+        )
         internal = {
             "index": index,
             "experiment_name": self.experiment_name,
@@ -561,7 +487,7 @@ class StorageContext:
             "world_size": 1,
             "adopted": True,
         }
-        self.commit_protocol.adopt(path, sorted(data), internal)
+        self.commit_protocol.adopt(path, data, internal)
         return Checkpoint._from_backend(self.backend, path)
 
     def latest_verified_checkpoint(
@@ -591,11 +517,8 @@ class StorageContext:
     # -- trial files --------------------------------------------------------------
 
     def write_params(self, config: Mapping[str, Any]) -> None:
-        data = _json.dumps(_json.to_json_object(config, "config"))
-        _fsutil.write_bytes(
-            self.filesystem, posixpath.join(self.trial_path, PARAMS_FILE), data,
-            self.backend.capabilities,
-        )
+        _trialfiles.write_params(self.filesystem, self.trial_path, config,
+                                 self.backend.capabilities)
 
     def record_error(self, error: BaseException, *, now: float | None = None) -> None:
         """Add ``error`` to the trial's ``error.txt`` (rank 0, when a session ends
@@ -609,17 +532,8 @@ class StorageContext:
         (:meth:`clear_error`). One PUT on object stores, an atomic replace on
         local disks.
         """
-        text = self.read_error() or ""
-        number = sum(line.startswith("Failure # ") for line in text.splitlines()) + 1
-        when = datetime.fromtimestamp(time.time() if now is None else now)
-        block = (f"Failure # {number} (occurred at {when:%Y-%m-%d_%H-%M-%S})\n"
-                 + "".join(traceback.format_exception(type(error), error, error.__traceback__)))
-        if text and not text.endswith("\n"):
-            text += "\n"
-        _fsutil.write_bytes(
-            self.filesystem, posixpath.join(self.trial_path, ERROR_FILE),
-            (text + block).encode("utf-8", "backslashreplace"), self.backend.capabilities,
-        )
+        _trialfiles.write_error(self.filesystem, self.trial_path, self.read_error() or "",
+                                error, now, self.backend.capabilities)
 
     def clear_error(self) -> None:
         """Remove ``error.txt``: a run of the trial ended cleanly, which supersedes
@@ -639,12 +553,8 @@ class StorageContext:
         Raises:
             InvalidConfigError: another ``status``.
         """
-        if status not in ("pruned", "stopped"):
-            raise InvalidConfigError(f"status must be 'pruned' or 'stopped', got {status!r}")
-        body = {"status": status, "reason": str(reason),
-                "time": time.time() if now is None else now}
-        _fsutil.write_bytes(self.filesystem, posixpath.join(self.trial_path, STOPPED_FILE),
-                            _json.dumps(body), self.backend.capabilities)
+        _trialfiles.write_stop(self.filesystem, self.trial_path, status, reason, now,
+                               self.backend.capabilities)
 
     def clear_stop(self) -> None:
         """Remove ``stopped.json``: a later run ended otherwise (nothing happens if
@@ -654,21 +564,11 @@ class StorageContext:
     def read_stop(self) -> dict[str, Any] | None:
         """``stopped.json`` as a dict, or None when the trial has none (or it is
         unreadable)."""
-        try:
-            raw = _fsutil.read_bytes(self.filesystem,
-                                     posixpath.join(self.trial_path, STOPPED_FILE))
-            body = _json.loads(raw)
-        except (FileNotFoundError, OSError, ValueError):
-            return None
-        return body if isinstance(body, dict) else None
+        return _trialfiles.read_stop(self.filesystem, self.trial_path)
 
     def read_error(self) -> str | None:
         """The text of ``error.txt``, or None when the trial has none."""
-        try:
-            raw = _fsutil.read_bytes(self.filesystem, posixpath.join(self.trial_path, ERROR_FILE))
-        except (FileNotFoundError, OSError):
-            return None
-        return raw.decode("utf-8", errors="replace")
+        return _trialfiles.read_error(self.filesystem, self.trial_path)
 
     def read_results(self) -> list[dict[str, Any]]:
         """Every row of the trial, oldest first: ``result.json``'s (one JSON
