@@ -14,22 +14,18 @@ from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import checkpoint_dir_name
 from checkpoint_store._results.writer import (
     ResultLog,
-    finish_before_exit_flush,
     last_result_rows,
 )
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.ids import new_writer_id
-from checkpoint_store._util.inspect import read_internal_metadata
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
 from checkpoint_store.errors import (
-    AmbiguousCommitError,
     CheckpointStoreError,
     InvalidConfigError,
-    TrialStopped,
 )
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
 from checkpoint_store.retention.restore import Listing
-from checkpoint_store.session import _state_report, _tiered
+from checkpoint_store.session import _background, _closing, _reporting, _state_report, _tiered
 from checkpoint_store.session._checks import (
     check_checkpoint_config,
     check_resume_source,
@@ -45,12 +41,9 @@ from checkpoint_store.session._context import (
     resume_counters,
 )
 from checkpoint_store.session._multirank import Coordinator
-from checkpoint_store.session._uploads import BackgroundUploader as AsyncUploader
-from checkpoint_store.session._uploads import UploadConfig, first_error
+from checkpoint_store.session._uploads import BackgroundUploader, UploadConfig
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers import FastTier, LocalTier, check_local_tier
-
-_logger = logging.getLogger(__name__)
 
 AUTO_FILLED = (
     "training_iteration",
@@ -111,7 +104,7 @@ class Session:
         # The local tier (session.start(local_tier=...)), opened below; its
         # worker for staged states; the copies every rank has (several ranks).
         self._tier: FastTier | None = None
-        self._tier_worker: AsyncUploader | None = None
+        self._tier_worker: BackgroundUploader | None = None
         self._tier_among: set[int] | None = None
         # Read only, never registered, moved or deleted by this trial: it lives
         # outside the trial directory, where retention never looks. A starting
@@ -124,7 +117,7 @@ class Session:
         self._lock = threading.Lock()
         self._closed = False
         # Background uploads of upload_mode="async" (created on first use).
-        self._uploader: AsyncUploader | None = None
+        self._uploader: BackgroundUploader | None = None
         # The index next_checkpoint_dir() reserved (created and claimed), if any.
         self._reserved: int | None = None
         # One writer id for every commit of this session: a claim or a marker
@@ -410,9 +403,10 @@ class Session:
         if self._tier is not None:
             row, persisted = _tiered.report(self, metrics, checkpoint, upload_mode)
         elif mode != "sync" or self._uploader is not None:
-            row, persisted = self._report_with_uploader(metrics, checkpoint, mode, staging)
+            row, persisted = _background.report_with_uploader(self, metrics, checkpoint, mode,
+                                                              staging)
         elif self._coordinator is not None:
-            row, persisted = self._report_multirank(metrics, checkpoint)
+            row, persisted = _reporting.report_multirank(self, metrics, checkpoint)
         else:
             row, persisted = self._report_single(metrics, checkpoint)
         if hook is not None:
@@ -467,48 +461,9 @@ class Session:
                 row: Mapping[str, Any]) -> Checkpoint:
         """Upload and commit ``source`` as ``checkpoint_<index>``, then record it.
         Runs on the upload thread (async), whose caller already moved past ``index``."""
-        persisted = self._persist(source, index, internal, row)
+        persisted = _reporting.persist(self, source, index, internal, row)
         self._record_commit(persisted, row)
         return persisted
-
-    def _persist(self, source: Checkpoint, index: int, internal: Mapping[str, Any],
-                 row: Mapping[str, Any]) -> Checkpoint:
-        """Upload and commit ``source`` as ``checkpoint_<index>``.
-
-        Raises:
-            AmbiguousCommitError: it may be committed; ``index`` is remembered
-                for :meth:`_settle` and must not be used again.
-            Any other error of the commit: nothing was committed.
-        """
-        try:
-            if self._in_place(source, index):
-                return self.storage.commit_in_place(index, internal)
-            return self.storage.persist_checkpoint(source, index, internal,
-                                                   writer_id=self._writer_id)
-        except AmbiguousCommitError:
-            self._unsettled.append((index, dict(row)))
-            raise
-
-    def _settle(self) -> None:
-        """Settle the indexes whose commit may have landed: a marker of this
-        session's writer there is registered with retention; anything else is
-        left for cleanup. An index that still cannot be read stays unsettled;
-        none is ever reused. Never raises."""
-        for index, row in list(self._unsettled):
-            path = self.storage.checkpoint_path(index)
-            try:
-                meta = read_internal_metadata(self.storage.filesystem, path,
-                                              retry=self.storage.retry)
-                self._unsettled.remove((index, row))
-                if meta is None or meta.get("writer_id") != self._writer_id:
-                    _logger.warning("%s was not committed (its report failed)",
-                                    self.storage.uri(path))
-                    continue
-                self._record_commit(Checkpoint._from_backend(self.storage.backend, path, meta),
-                                    row)
-            except Exception as exc:  # settled at the next report, or by cleanup
-                _logger.warning("could not settle whether %s was committed: %s",
-                                self.storage.uri(path), exc)
 
     def _record_commit(self, persisted: Checkpoint, row: Mapping[str, Any]) -> None:
         self._latest = persisted
@@ -520,102 +475,14 @@ class Session:
     def _report_single(
         self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None
     ) -> tuple[dict[str, Any], Checkpoint | None]:
-        with self._lock:
-            if self._closed:
-                raise CheckpointStoreError("this session has ended; start a new one to report")
-            # Refuse bad metrics or a bad score before anything is uploaded.
-            row = self._prepare_row(metrics, checkpoint, validate_score=True)
-            persisted = None
-            if checkpoint is not None:
-                self._settle()
-                index = self._next_index
-                internal = self._checkpoint_internal(row, index)
-                try:
-                    persisted = self._persist(checkpoint, index, internal, row)
-                except AmbiguousCommitError:
-                    # It may be committed: its row is kept (it names the
-                    # directory), the next report settles it and moves on.
-                    self._next_index = index + 1
-                    self._accept_row(row)
-                    self._append_row(row, flush=False)
-                    raise
-                # Committed: from here on nothing may hand this index out again.
-                self._next_index = index + 1
-                self._record_commit(persisted, row)
-            self._accept_row(row)
-            # A checkpoint's row is on storage with it.
-            self._append_row(row, flush=checkpoint is not None)
-            return row, persisted
+        """One rank, synchronous (:func:`~checkpoint_store.session._reporting.report_single`)."""
+        return _reporting.report_single(self, metrics, checkpoint)
 
     def _append_row(self, row: Mapping[str, Any], *, flush: bool) -> None:
         assert self._results is not None
         self._results.append(row)
         if flush:
             self._results.flush()
-
-    def _report_multirank(
-        self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None
-    ) -> tuple[dict[str, Any], Checkpoint | None]:
-        coord = self._coordinator
-        assert coord is not None
-        with self._lock:
-            if self._closed:
-                raise CheckpointStoreError("this session has ended; start a new one to report")
-            # An error found here must still take part in the rendezvous below,
-            # or the other ranks would wait for this one until the timeout.
-            error: BaseException | None = None
-            row: dict[str, Any] = {}
-            try:
-                row = self._prepare_row(metrics, checkpoint,
-                                        validate_score=self.world_rank == 0)
-            except Exception as exc:
-                error = exc
-            persisted = None
-            in_place = self._in_place(checkpoint, self._next_index)
-            if coord.any_checkpoint(checkpoint is not None or in_place):
-                index = self._next_index
-                # Every rank moves on, committed or not: a failed index is never reused.
-                self._next_index = index + 1
-                row["checkpoint_dir_name"] = checkpoint_dir_name(index)
-                internal = self.storage.internal_metadata(
-                    index, {"metrics": row, "run_id": self.manager.run_id})
-                persisted = coord.commit(index, checkpoint, internal, error, in_place=in_place)
-                self._record_commit(persisted, row)
-            elif error is not None:
-                raise error
-            self._accept_row(row)
-            if self._results is not None:
-                self._results.append(row)
-                if persisted is not None:
-                    self._results.flush()  # a checkpoint's row is on storage with it
-            return row, persisted
-
-    def _report_with_uploader(
-        self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None, mode: str,
-        staging: str | None,
-    ) -> tuple[dict[str, Any], Checkpoint | None]:
-        from checkpoint_store.session import _uploads as _async
-
-        _async.check_upload_mode(mode)
-        if self._coordinator is not None:
-            raise InvalidConfigError(
-                "upload_mode='async' supports one rank only; use 'sync' with world_size > 1"
-            )
-        if self._uploader is None:
-            self._uploader = AsyncUploader(self.upload_config.max_pending_uploads)
-            # A process that exits without ending the session still commits them.
-            finish_before_exit_flush(self)
-        up = self._uploader
-        up.raise_error()
-        if checkpoint is None:
-            return self._report_single(metrics, None)
-        if mode == "sync":
-            # Commits keep report order: earlier background uploads go first.
-            up.wait()
-            up.raise_error()
-            return self._report_single(metrics, checkpoint)
-        return _async.report_async(self, up, metrics, checkpoint,
-                                   staging or self.upload_config.staging)
 
     def wait(self, timeout: float | None = None, *, checkpoint: Any = None) -> None:
         """Wait until every background upload (``upload_mode="async"``, and with a
@@ -638,36 +505,7 @@ class Session:
             Exception: the first error of a background upload (that
                 checkpoint was not committed).
         """
-        if checkpoint is not None:
-            _tiered.wait(self, timeout, checkpoint)
-            return
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self._tier is not None and self._tier_worker is not None:
-            self._tier_worker.wait(timeout)  # staged local commits queue the durable copies
-            self._tier_worker.raise_error()
-        up = self._uploader
-        if up is not None:
-            if not up.wait(timeout):
-                raise TimeoutError(
-                    f"{up.pending} checkpoint upload(s) still pending after {timeout} s")
-            up.raise_error()
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not self.manager.wait_deletes(left) or (
-                self._tier is not None and not self._tier.wait_deletes(
-                    None if deadline is None else max(0.0, deadline - time.monotonic()))):
-            raise TimeoutError(f"deletes of evicted checkpoints still running after {timeout} s")
-
-    def _drain_uploads(self, wait: bool = True) -> list[tuple[str, BaseException]]:
-        """Wait for every background upload (the end of the session, and the exit
-        of a process that never ended it), then take their errors:
-        ``(checkpoint_dir_name, exception)``, each checkpoint not committed."""
-        staged = _tiered.drain(self, wait) if self._tier is not None else []
-        up = self._uploader
-        if up is None:
-            return staged
-        if wait:
-            up.wait()
-        return staged + up.take_errors()
+        _background.wait(self, timeout, checkpoint=checkpoint)
 
     @property
     def durable_index(self) -> int | None:
@@ -699,23 +537,7 @@ class Session:
         (:func:`~checkpoint_store._results.writer.finish_before_exit_flush`), for a
         session never ended: commit its pending uploads, waiting as long as they
         take (each bounded by the retry policy); log, never raise, what was lost."""
-        up = self._uploader
-        if self._closed or up is None or up.pid != os.getpid():
-            return  # ended; or a forked child, whose parent owns the uploads
-        where = self.storage.uri(self.storage.trial_path)
-        if up.pending:
-            _logger.warning(
-                "the session of %s was not ended (session.end(), or `with "
-                "session.start(...)`); finishing its %d pending checkpoint upload(s) "
-                "before the process exits", where, up.pending)
-        errors = self._drain_uploads()
-        self.manager.wait_deletes()  # else resumed by the next session
-        if errors:
-            _logger.error(
-                "at exit, the background upload of %s failed: not committed (lost); the "
-                "result.json rows naming them point to no checkpoint, and "
-                "get_checkpoint() returns an older one. First error: %r",
-                ", ".join(what for what, _ in errors), errors[0][1])
+        _background.finish_at_exit(self)
 
     def close(self, error: BaseException | None = None) -> None:
         """End the session: finish background uploads, record how it ended,
@@ -735,50 +557,4 @@ class Session:
         count as clean ends. Recording never replaces ``error``: a failure to
         write the file is logged.
         """
-        first_close = not self._closed
-        # Queued uploads finish before retention's lease is released.
-        upload_errors = self._drain_uploads(wait=first_close)
-        if first_close:
-            with self._lock:
-                self._settle()
-        self._closed = True
-        results_error: Exception | None = None
-        try:
-            if self._results is not None:
-                try:  # the last rows, and result.json assembled, under the lease
-                    self._results.close()
-                except Exception as exc:
-                    results_error = exc
-            upload_error = first_error(upload_errors)
-            if first_close and self.world_rank == 0:
-                self._record_end(error if error is not None else upload_error)
-        finally:
-            if self._tier is not None:
-                self._tier.wait_deletes()  # the local tier's evictions
-            # Releases the trial's retention lease (also when an exception ends the session).
-            self.manager.close()
-            if self._coordinator is not None:
-                self._coordinator.close()
-            _state_report.close_stager(self)
-        if upload_error is not None:
-            raise upload_error
-        if results_error is not None:
-            raise results_error
-
-    def _record_end(self, error: BaseException | None) -> None:
-        clean = (error is None or isinstance(error, (TrialStopped, GeneratorExit))
-                 or (isinstance(error, SystemExit) and error.code in (0, None)))
-        try:
-            if isinstance(error, TrialStopped) and error.status is not None:
-                self.storage.record_stop(error.status, error.reason or "")
-            elif self.storage.read_stop() is not None:
-                self.storage.clear_stop()  # this run ended otherwise
-            if clean:
-                self.storage.clear_error()
-            else:
-                assert error is not None
-                self.storage.record_error(error)
-        except Exception as exc:
-            logging.getLogger(__name__).warning(
-                "could not %s error.txt of %s: %s", "clear" if clean else "write",
-                self.storage.uri(self.storage.trial_path), exc)
+        _closing.close(self, error)
