@@ -146,7 +146,8 @@ def check_local_tier(value: Any, durable: Any = None) -> LocalTier | None:
     """``value`` if it is None or a :class:`LocalTier`; with ``durable`` (the
     session's :class:`~checkpoint_store.StorageContext`), also that the local
     tier's trial directory and the storage_path's are apart (neither inside
-    the other). Writes nothing.
+    the other). Also that the tier's path is not, nor lies under, a file
+    (anything but a directory). Writes nothing.
 
     Raises:
         InvalidConfigError: anything else.
@@ -165,4 +166,26 @@ def check_local_tier(value: Any, durable: Any = None) -> LocalTier | None:
                     f"the local tier's trial directory {local} and the storage_path's "
                     f"{durable_dir} overlap; give LocalTier a path on another disk (or "
                     "another directory) than storage_path")
+    if value is not None:
+        _refuse_a_file_on_the_way(value.path)
     return value
+
+
+def _refuse_a_file_on_the_way(path: str) -> None:
+    """Refuse a tier path that is, or lies under, something other than a
+    directory (a file, a broken link): the tier could never create its trial
+    directory there, and the session would fail only after writing to the
+    storage_path."""
+    here = path
+    while True:
+        if os.path.lexists(here):
+            if not os.path.isdir(here):
+                raise InvalidConfigError(
+                    f"LocalTier path {path!r} cannot hold a directory: {here!r} exists and is "
+                    "not a directory; give LocalTier a directory (or a path that does not "
+                    "exist yet)")
+            return
+        parent = os.path.dirname(here)
+        if parent == here:
+            return
+        here = parent

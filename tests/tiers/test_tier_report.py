@@ -187,6 +187,18 @@ def test_a_trial_runner_forwards_its_local_tier(tmp_path):
                     trial_name="t", local_tier="fast")
 
 
+def test_a_local_tier_path_that_is_a_file_is_refused_before_writing(tmp_path):
+    store = tmp_path / "results"
+    blocker = tmp_path / "fast"
+    blocker.write_text("not a directory")
+    for path in (blocker, blocker / "below"):
+        with pytest.raises(InvalidConfigError, match="not a directory"):
+            session.start(storage_path=str(store), experiment_name="e", trial_name="t",
+                          local_tier=LocalTier(path))
+    assert not store.exists()
+    assert blocker.read_text() == "not a directory"
+
+
 def test_a_local_tier_overlapping_the_storage_path_is_refused(tmp_path):
     store = tmp_path / "results"
     for path in (store, store / "e" / "t" / "fast"):
