@@ -265,8 +265,10 @@ class StateKeyError(InvalidConfigError, KeyError):
 
 class StateMismatchError(InvalidConfigError, TypeError):
     """A tensor of ``into`` (``Checkpoint.load_state(into=...)``) cannot take
-    the saved one in place: another dtype or shape, or the saved entry is not
-    a tensor. Raised before any tensor of ``into`` is changed.
+    the saved one in place: another dtype or shape, the saved entry is not
+    a tensor, or the target cannot be written (a read-only numpy array, a
+    tensor whose elements share memory, as ``expand`` makes). Raised before
+    any tensor of ``into`` is changed.
 
     Attributes:
         key: the flattened key at fault.

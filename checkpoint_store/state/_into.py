@@ -1,7 +1,8 @@
 """Loading into existing tensors (``into=``): the checks, then the copy.
 
 :func:`_check_into` refuses a key the saved state lacks or a tensor of
-another dtype or shape before anything is read or changed; :func:`_fill`
+another dtype or shape, or a target that cannot be written in place (a
+read-only array, an expanded tensor), before anything is read or changed; :func:`_fill`
 copies a checked tensor's bytes into its target (``copy_`` / ``copyto``).
 """
 
@@ -91,8 +92,33 @@ def _check_into(into: Any, nodes: Mapping[str, Any], tensors: Mapping[str, Any]
                 f"into: {key!r} is {_describe_target(value)}; the saved tensor is {expected} "
                 "(no conversion: give a tensor of that dtype and shape, or load without "
                 "into= and convert)", key=key, expected=expected, found=_describe_target(value))
+        unwritable = _why_unwritable(value)
+        if unwritable:
+            raise StateMismatchError(
+                f"into: {key!r} is {_describe_target(value)} that cannot be written in place "
+                f"({unwritable}); give a writable tensor of its own memory (.clone() it, or "
+                "for numpy .copy()), or load without into=", key=key, expected="a writable "
+                f"tensor {expected}", found=f"{_describe_target(value)}, {unwritable}")
         targets[key] = value
     return targets
+
+
+def _why_unwritable(value: Any) -> str | None:
+    """Why ``copy_``/``copyto`` into ``value`` would fail half-way through a
+    load, or None: a read-only numpy array, a tensor whose elements share
+    memory (``expand``, a stride of 0)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.numel() > 1 and any(st == 0 and n > 1
+                                     for st, n in zip(value.stride(), value.shape, strict=True)):
+            return "several of its elements share one memory location, as expand() makes"
+        overlap = getattr(torch, "_debug_has_internal_overlap", None)
+        if overlap is not None and overlap(value) == 1:
+            return "several of its elements share one memory location"
+        return None
+    if not value.flags.writeable:
+        return "a read-only array"
+    return None
 
 
 def _fill(target: Any, source: Any) -> None:

@@ -216,6 +216,11 @@ def test_into_with_keys_loads_only_the_intersection(tmp_path) -> None:
     assert not torch.equal(w, torch.zeros(8, 8)) and torch.equal(b, torch.zeros(8, 1))
 
 
+def _read_only(array):
+    array.flags.writeable = False
+    return array
+
+
 @pytest.mark.parametrize("into, error, match", [
     ({"model": {"layer0.weight": torch.zeros(8, 8), "nope": torch.zeros(1)}}, StateKeyError,
      "'model/nope' is not in the saved state"),
@@ -224,7 +229,11 @@ def test_into_with_keys_loads_only_the_intersection(tmp_path) -> None:
     ({"model": {"layer0.weight": torch.zeros(8, 7)}}, StateMismatchError, "float32 \\[8, 7\\]"),
     ({"step": torch.zeros(1)}, StateMismatchError, "a JSON value"),
     ({"model": torch.zeros(1)}, StateMismatchError, "a subtree"),
-], ids=["unknown", "dtype", "shape", "json-leaf", "subtree"])
+    ({"model": {"layer0.weight": _read_only(np.zeros((8, 8), np.float32))}}, StateMismatchError,
+     "cannot be written in place \\(a read-only array\\)"),
+    ({"model": {"layer0.weight": torch.zeros(1, 1).expand(8, 8)}}, StateMismatchError,
+     "share one memory location"),
+], ids=["unknown", "dtype", "shape", "json-leaf", "subtree", "read-only", "expanded"])
 def test_into_errors_change_nothing(tmp_path, into, error, match) -> None:
     ck = _commit(tmp_path, _model_state())
     keep = torch.zeros(8, 8)
