@@ -145,8 +145,8 @@ class Checkpoint:
             UnsupportedStateError: the tree cannot be stored (a non-string
                 key, an unsupported leaf or dtype, overlapping views); names
                 the key; nothing written.
-            InvalidConfigError: ``shard_bytes`` <= 0, or ``directory`` holds a
-                state already.
+            InvalidConfigError: ``shard_bytes`` <= 0, ``directory`` holds a
+                state already, or it (or a directory above it) is a file.
         """
         from checkpoint_store import state as _state
 

@@ -156,8 +156,9 @@ class StateWriter:
     after every write returned.
 
     Raises:
-        InvalidConfigError: ``shard_bytes`` <= 0, or a file it would write
-            exists already; nothing written.
+        InvalidConfigError: ``shard_bytes`` <= 0, a file it would write
+            exists already, or ``directory`` (or one above it) is a file;
+            nothing written.
     """
 
     def __init__(self, directory: str | os.PathLike[str], layout: StateLayout, *,
@@ -171,7 +172,12 @@ class StateWriter:
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
         self._closed = False
-        os.makedirs(self.directory, exist_ok=True)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:  # a file on the way
+            raise InvalidConfigError(
+                f"cannot write a state into {self.directory!r}: it, or a directory above it, "
+                "exists and is not a directory; give a new or empty directory") from exc
         names = [s.name for s in self._shards] + [STATE_FILE]
         for name in names:
             if os.path.lexists(os.path.join(self.directory, name)):

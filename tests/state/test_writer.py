@@ -116,6 +116,17 @@ def test_bad_shard_sizes_are_refused(tmp_path) -> None:
     assert not (tmp_path / "d").exists() or os.listdir(tmp_path / "d") == []
 
 
+def test_a_directory_that_is_a_file_is_refused_with_a_typed_error(tmp_path) -> None:
+    blocker = tmp_path / "f"
+    blocker.write_bytes(b"keep")
+    for target in (blocker, blocker / "below"):
+        with pytest.raises(InvalidConfigError, match="is not a directory"):
+            Checkpoint.from_state({"a": torch.zeros(1)}, target)
+        with pytest.raises(InvalidConfigError, match="is not a directory"):
+            write_state({"a": torch.zeros(1)}, target)
+    assert blocker.read_bytes() == b"keep"
+
+
 def test_safetensors_reads_the_same_values_and_shapes(tmp_path) -> None:
     tree = {"a": torch.randn(3, 5), "b": torch.arange(4, dtype=torch.int8),
             "c": torch.tensor(2.5, dtype=torch.bfloat16), "z": torch.zeros(0, 2)}
