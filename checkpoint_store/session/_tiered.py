@@ -32,6 +32,7 @@ import logging
 import os
 import posixpath
 import tempfile
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -510,9 +511,14 @@ def wait(session: Any, timeout: float | None, checkpoint: Any) -> None:
     tier: FastTier | None = session._tier
     index = checkpoint_index(checkpoint)
     if tier is None or tier.status(index) is None:
-        # No local tier (or not on it): every queued upload.
+        # No local tier (or not on it yet: a state report commits there in the
+        # background): every queued job, then what the tier says of it.
+        started = time.monotonic()
         session.wait(timeout)
-        return
+        if tier is None or tier.status(index) is None:
+            return
+        if timeout is not None:
+            timeout = max(0.0, timeout - (time.monotonic() - started))
     if not tier.wait_durable(index, timeout):
         raise TimeoutError(f"the durable copy of {checkpoint_dir_name(index)} is still pending "
                            f"after {timeout} s")

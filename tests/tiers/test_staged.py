@@ -11,6 +11,7 @@ import pytest
 from _tier_helpers import read_files
 
 from checkpoint_store import LocalTier, StorageContext, session
+from checkpoint_store.errors import CheckpointStoreError
 
 
 class FakeStaged:
@@ -130,3 +131,21 @@ def test_report_state_with_a_local_tier_commits_there_then_persists(tmp_path, up
                                   np.arange(1000, dtype=np.float32))
     # num_to_keep=1 on the local tier: the older local copies went once durable.
     assert sorted(p.name for p in (fast / "e" / "t").glob("checkpoint_*")) == ["checkpoint_000002"]
+
+
+def test_wait_for_a_state_report_persist_did_not_select_raises(tmp_path):
+    """``wait(checkpoint=...)`` right after ``report(state=...)``: the local
+    commit is still in the background, yet the wait says (as it does for a
+    directory) that ``persist`` did not select the checkpoint."""
+    np = pytest.importorskip("numpy")
+    store = str(tmp_path / "durable")
+    tier = LocalTier(tmp_path / "fast", num_to_keep=5, persist=lambda index, metrics: index == 1)
+    with session.start(storage_path=store, experiment_name="e", trial_name="t",
+                       local_tier=tier) as s:
+        rows = [s.report({"i": i}, state={"w": np.full(1000, i, dtype=np.float32)})
+                for i in range(2)]
+        with pytest.raises(CheckpointStoreError, match="not selected"):
+            s.wait(checkpoint=rows[0])
+        s.wait(checkpoint=rows[1])
+        assert s.durable_index == 1
+    assert [m["index"] for _, m in StorageContext(store, "e", "t").committed_checkpoints()] == [1]
