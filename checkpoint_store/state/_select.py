@@ -45,6 +45,10 @@ def _is_container(node: Any) -> bool:
 def _patterns(keys: str | Iterable[str] | None) -> list[str] | None:
     if keys is None:
         return None
+    if isinstance(keys, (bytes, bytearray)) or not isinstance(keys, (str, Iterable)):
+        raise InvalidConfigError(
+            f"keys must be a string or a list of strings (names or globs), got "
+            f"{type(keys).__name__} {keys!r}")
     pats = [keys] if isinstance(keys, str) else list(keys)
     for p in pats:
         if not isinstance(p, str):

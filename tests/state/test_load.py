@@ -473,3 +473,6 @@ def test_keys_must_be_strings(tmp_path) -> None:
     ck = Checkpoint.from_state({"a": torch.zeros(1)}, tmp_path / "ck")
     with pytest.raises(InvalidConfigError, match="keys must be strings"):
         ck.load_state([1])
+    for bad in (1, b"a", 1.5):
+        with pytest.raises(InvalidConfigError, match="a string or a list of strings"):
+            ck.load_state(bad)
