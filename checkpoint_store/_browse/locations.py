@@ -172,9 +172,11 @@ def looks_like_trial(entries: Iterable[tuple[str, bool]], loc: Location | None =
     """Whether a directory with these :func:`list_entries` is a trial: it holds a
     trial file, ``result.json`` segments, a checkpoint being written or a
     ``checkpoint_NNNNNN`` directory;
-    a local tier's pointer (checkpoint_store/tiers/view.py);
+    a local tier's pointer (checkpoint_store/tiers/view.py) or state file
+    (a local tier's own trial directory);
     given its ``loc``, also one holding a directory with a commit marker under
     any other name (Ray Train names the checkpoints ``CommitCallback`` commits)."""
+    from checkpoint_store.tiers.statefile import TIER_STATE_FILE
     from checkpoint_store.tiers.view import LOCAL_TIER_POINTER_PREFIX
 
     entries = list(entries)
@@ -185,6 +187,8 @@ def looks_like_trial(entries: Iterable[tuple[str, bool]], loc: Location | None =
             return True
         if not is_dir and name.startswith(LOCAL_TIER_POINTER_PREFIX):
             return True  # a run with a local tier, its first durable copy pending
+        if not is_dir and name == TIER_STATE_FILE:
+            return True  # a local tier's own trial directory, none committed yet
         if is_dir and parse_checkpoint_dir_name(name) is not None:
             return True
     return loc is not None and any(True for _ in _otherwise_named(loc, entries))

@@ -210,3 +210,19 @@ def test_a_local_tier_overlapping_the_storage_path_is_refused(tmp_path):
     with pytest.raises(InvalidConfigError, match="overlap"):
         session.start(storage_path=str(tmp_path / "fast" / "e" / "t" / "durable"),
                       experiment_name="e", trial_name="t", local_tier=LocalTier(tmp_path / "fast"))
+
+
+def test_ls_of_a_local_tier_trial_without_checkpoints_lists_a_trial(tmp_path):
+    """The local tier's own trial directory holds only its state file until a
+    first local commit: ``ls`` there lists a trial (no rows), not a root."""
+    from click.testing import CliRunner
+
+    from checkpoint_store.cli import main
+
+    with session.start(storage_path=str(tmp_path / "results"), experiment_name="e",
+                       trial_name="t", local_tier=LocalTier(tmp_path / "fast")):
+        pass
+    trial = tmp_path / "fast" / "e" / "t"
+    assert [p.name for p in trial.iterdir()] == [".cs_tier_state.json"]
+    out = CliRunner().invoke(main, ["ls", str(trial)], catch_exceptions=False).output
+    assert out.splitlines()[0].split()[:2] == ["INDEX", "CHECKPOINT"], out
