@@ -361,8 +361,10 @@ class Checkpoint:
             CheckpointNotFoundError: no checkpoint here, or it holds no state.
             StateKeyError: a key or glob matches nothing, or ``into`` names a
                 key the state lacks; nothing read.
-            StateMismatchError: an ``into`` tensor's dtype or shape differs;
-                nothing changed.
+            StateMismatchError: an ``into`` tensor's dtype or shape differs,
+                or it cannot be written in place; nothing changed.
+            InvalidConfigError: ``keys`` is not a string or strings, ``mmap``
+                or ``verify`` is not a bool; nothing read.
             TensorCorruptError: a tensor fails its checksum (``.tensor``).
             CheckpointCorruptError: the checkpoint's metadata is damaged.
         """

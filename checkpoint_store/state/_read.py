@@ -23,6 +23,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from checkpoint_store._util.retry import RetryPolicy
+from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.state._fetch import _Fetcher, _from_buffer, _Maps, _new_tensor
 from checkpoint_store.state._index import read_state_index
 from checkpoint_store.state._into import _check_into, _fill, _into_leaves
@@ -88,7 +89,12 @@ def load_state(
         TensorCorruptError: a tensor fails its checksum (``.tensor`` names
             it); every checksum is checked before ``into`` is changed.
         CheckpointCorruptError: ``state.json`` or the marker is damaged.
+        InvalidConfigError: ``keys`` is not a string or strings, ``mmap`` or
+            ``verify`` is not a bool; nothing read.
     """
+    for name, flag in (("mmap", mmap), ("verify", verify)):
+        if not isinstance(flag, bool):
+            raise InvalidConfigError(f"{name} must be True or False, got {flag!r}")
     saved = read_state_index(fs, path, retry=retry)
     nodes = _nodes(saved.skeleton)
     pats = _patterns(keys)

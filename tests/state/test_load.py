@@ -476,3 +476,6 @@ def test_keys_must_be_strings(tmp_path) -> None:
     for bad in (1, b"a", 1.5):
         with pytest.raises(InvalidConfigError, match="a string or a list of strings"):
             ck.load_state(bad)
+    for flags in ({"mmap": "yes"}, {"verify": 0}, {"mmap": None}):
+        with pytest.raises(InvalidConfigError, match="must be True or False"):
+            ck.load_state(**flags)
