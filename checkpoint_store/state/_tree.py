@@ -203,13 +203,13 @@ def _where(key: str) -> str:
     return repr(key) if key else "the root"
 
 
-def _check_json_leaf(value: Any, key: str) -> None:
+def _check_json_leaf(value: Any, key: str, what: str = "state value at") -> None:
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise UnsupportedStateError(
-                f"state value at {_where(key)} holds {value[exc.start]!r} (a lone "
+                f"{what} {_where(key)} holds {value[exc.start]!r} (a lone "
                 "surrogate), which is not valid UTF-8; fix the string", key=key,
             ) from None
     elif isinstance(value, int) and not isinstance(value, bool):
@@ -360,7 +360,7 @@ def flatten_state(tree: Any) -> FlatState:
                                 "is not a string (nor an int); state dicts need string keys "
                                 "(convert them, e.g. {str(k): v ...})", key=key,
                             )
-                        _check_json_leaf(k, key)
+                        _check_json_leaf(k, key, "state key under")
                         part = escape_key(k)
                         if part in seen:
                             raise UnsupportedStateError(

@@ -173,9 +173,11 @@ def test_overlapping_views_are_refused_naming_both(tmp_path, make) -> None:
     ({"a": torch.zeros(2, dtype=torch.complex128)}, "a", "torch.complex128"),
     ({"a": torch.zeros(2).to_sparse()}, "a", "only dense"),
     ({"a": torch.empty(2, device="meta")}, "a", "meta device"),
-    ({"s": "\ud800"}, "s", "lone"),
+    ({"s": "\ud800"}, "s", "state value at 's' holds .* lone"),
+    ({"a": {"\ud800": 1}}, "a", "state key under 'a' holds .* lone"),
 ], ids=["float-key", "tuple-key", "bool-key", "none-key", "int-and-str-key", "set", "bytes",
-        "object", "str-array", "float128", "complex128", "sparse", "meta", "surrogate"])
+        "object", "str-array", "float128", "complex128", "sparse", "meta", "surrogate",
+        "surrogate-key"])
 def test_unstorable_trees_are_refused_before_any_write(tmp_path, tree, key, match) -> None:
     with pytest.raises(UnsupportedStateError, match=match) as err:
         Checkpoint.from_state(tree, tmp_path / "ck")
