@@ -470,7 +470,9 @@ class AzureServer(_Server):
 
 @dataclass(repr=False)
 class GCSServer(_Server):
-    """gcp-storage-emulator (PyPI) in memory.
+    """gcp-storage-emulator (PyPI) in memory, run through
+    :mod:`checkpoint_store.testing.gcs_emulator` (it keeps an uploaded
+    object's last ``\\r``, which the emulator's own multipart reading drops).
 
     gcsfs must be imported with ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` or
     every bucket operation waits 60 s on a call the emulator cannot answer;
@@ -485,7 +487,7 @@ class GCSServer(_Server):
     @classmethod
     def _command(cls, port: int, workdir: str, **kwargs: Any) -> list[str]:
         return [
-            sys.executable, "-m", "gcp_storage_emulator", "start", "--host", HOST,
+            sys.executable, "-m", "checkpoint_store.testing.gcs_emulator", "start", "--host", HOST,
             "--port", str(port), "--in-memory", "-q",
         ]
 

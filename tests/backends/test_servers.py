@@ -110,3 +110,41 @@ def test_missing_server_skips_outside_ci_and_fails_in_ci(tmp_path):
     ci = _run_pytest_with(tmp_path, {**missing, "CI": "true"})
     assert ci.returncode == 1, ci.stdout[-2000:]
     assert "1 error" in ci.stdout and "CI=true" in ci.stdout
+
+
+@pytest.mark.parametrize("eol", [b"\r\n", b"\n"], ids=["crlf", "lf"])
+@pytest.mark.parametrize("data", [b"", b"x", b"x\r", b"\r\n", b"x\n", b"\r\r", b"--b\r"],
+                         ids=repr)
+def test_the_gcs_emulator_reads_a_multipart_upload_byte_exact(eol, data):
+    # Google's clients frame a multipart upload with CRLF (RFC 2046), gcsfs
+    # with a bare LF; the object's bytes are the second part's, whatever they end in.
+    from checkpoint_store.testing.gcs_emulator import split_related
+
+    b = b"--==0=="
+    body = (b + eol + b"Content-Type: application/json" + eol + eol + b'{"name": "o"}'
+            + eol + b + eol + b"Content-Type: application/x-bytes" + eol + eol + data
+            + eol + b + b"--")
+    (meta_headers, meta), (headers, content) = split_related(
+        body, 'multipart/related; boundary="==0=="')
+    assert meta == b'{"name": "o"}' and meta_headers == {"content-type": "application/json"}
+    assert headers == {"content-type": "application/x-bytes"}
+    assert content == data
+
+
+def test_the_gcs_emulator_refuses_a_body_without_its_boundary():
+    from checkpoint_store.testing.gcs_emulator import split_related
+
+    with pytest.raises(ValueError, match="boundary"):
+        split_related(b"--x\ndata", "multipart/related")
+    with pytest.raises(ValueError, match="closing"):
+        split_related(b"--x\nContent-Type: a\n\ndata", "multipart/related; boundary=x")
+
+
+def test_gcs_fixture_keeps_an_object_ending_in_cr(gcs_server, gcs_bucket):
+    # Through gcsfs, which frames its simple uploads with a bare LF.
+    import gcsfs
+
+    fs = gcsfs.GCSFileSystem(**gcs_server.storage_options())
+    fs.pipe_file(f"{gcs_bucket}/cr", b"x" * 10 + b"\r")
+    assert fs.cat_file(f"{gcs_bucket}/cr") == b"x" * 10 + b"\r"
+    assert gcs_server.list_objects(gcs_bucket) == {"cr": 11}
