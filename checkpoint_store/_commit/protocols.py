@@ -52,6 +52,7 @@ from checkpoint_store._commit.refusals import DCP_METADATA as DCP_METADATA
 from checkpoint_store._commit.refusals import (
     _cleanup_quietly,
     _conflict,
+    _refuse_changed_sizes,
     _refuse_marked,
     _refuse_unfinished_dcp,
     _warn_replacing,
@@ -321,8 +322,10 @@ class CommitProtocol(abc.ABC):
             entries = copy_tree(contents.src_fs, contents.src_dir, self.fs, target, self.caps,
                                 files=contents.files, fsync=self.fsync, retry=self.retry,
                                 previous=contents.previous)
-        meta = internal_metadata(internal, [e.to_json() for e in entries])
-        return self._write_marker(target, meta)
+        manifest = [e.to_json() for e in entries]
+        if self.kind == "marker_last":
+            _refuse_changed_sizes(self.dest, target, self.inspect(target).files or {}, manifest)
+        return self._write_marker(target, internal_metadata(internal, manifest))
 
     def _write_marker(self, target: str, meta: dict[str, Any]) -> dict[str, Any]:
         """Write the commit marker ``meta`` into ``target``.
@@ -475,8 +478,11 @@ class MarkerLastCommit(CommitProtocol):
     (:func:`~checkpoint_store._commit.claims.take_turn`); one that is not alone
     tries again until the marker appears (conflict) or ``claim_timeout``.
     Claims older than :data:`CLAIM_STALE_S` belong to dead writers and are
-    ignored. A commit costs: one PUT and one listing for the claim, one PUT
-    per file, one PUT for the marker, one DELETE for the claim.
+    ignored. Before the marker, a second listing checks that the store holds
+    each file at the size written (a client or proxy that changed a file's
+    bytes on the way fails the commit, not the restore). A commit costs: one
+    PUT and one listing for the claim, one PUT per file, one listing, one PUT
+    for the marker, one DELETE for the claim.
     """
 
     kind: ClassVar[CommitKind] = "marker_last"
@@ -529,8 +535,10 @@ class MarkerLastCommit(CommitProtocol):
     def finalize(self, workdir: str, dest_dir: str, internal: Mapping[str, Any],
                  manifest: Sequence[Mapping[str, Any]], writer: str | None = None
                  ) -> dict[str, Any]:
-        if self.inspect(dest_dir).state == "committed":
+        insp = self.inspect(dest_dir)
+        if insp.state == "committed":
             raise _conflict(self.dest, dest_dir, by_other=False)
+        _refuse_changed_sizes(self.dest, dest_dir, insp.files or {}, manifest)
         return self._write_marker(dest_dir, internal_metadata(internal, manifest))
 
     def delete(self, path: str, writer_id: str | None = None) -> None:

@@ -3,13 +3,16 @@
 The checks every commit protocol makes before it touches a destination: a
 directory another writer holds or committed (:func:`_conflict`,
 :func:`_refuse_marked`), a torch DCP checkpoint still being written
-(:func:`_refuse_unfinished_dcp`), and the warning when files are replaced.
+(:func:`_refuse_unfinished_dcp`), a store that holds a written file at
+another size (:func:`_refuse_changed_sizes`), and the warning when files are
+replaced.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from checkpoint_store._util.inspect import (
     Inspection,
@@ -19,6 +22,7 @@ from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import (
     CheckpointConflictError,
     CheckpointCorruptError,
+    PermanentBackendError,
 )
 
 __all__: list[str] = []
@@ -68,6 +72,34 @@ def _refuse_unfinished_dcp(dest: Backend, dest_dir: str, data: Mapping[str, int]
             "again into the same directory, or resume from the previous checkpoint",
             path=dest_dir, file=DCP_METADATA,
         )
+
+
+def _refuse_changed_sizes(dest: Backend, dest_dir: str, listed: Mapping[str, int],
+                          manifest: Sequence[Mapping[str, Any]]) -> None:
+    """Raise when a file of ``manifest`` is missing from ``listed`` (a listing
+    of ``dest_dir`` after the data files were written) or listed at another
+    size: the store, its client or a proxy between them changed the bytes on
+    the way, and a marker over them would commit a checkpoint its restore
+    refuses. (gcsfs frames a simple upload with a bare ``\\n``, and a server
+    that reads ``\\r\\n`` before the closing boundary as the line end keeps
+    an object ending in ``\\r`` one byte short.)
+
+    Raises:
+        PermanentBackendError: naming the first such file, its two sizes and
+            what to do; the caller removes what it wrote (nothing committed).
+    """
+    for entry in manifest:
+        rel, size = entry["path"], entry["size"]
+        stored = listed.get(rel)
+        if stored != size:
+            held = "does not hold" if stored is None else f"holds {stored} bytes of"
+            raise PermanentBackendError(
+                f"{dest.uri_for(dest_dir)} {held} {rel!r} after {size} bytes of it were "
+                "written: the store or its client changed the file on the way. Nothing was "
+                "committed. Report the checkpoint again; if it fails the same way, the store "
+                "or its client corrupts uploads: write through another client (a pyarrow or "
+                "fsspec filesystem passed as storage_filesystem) until it is fixed"
+            )
 
 
 def _cleanup_quietly(fn: Callable[[], None]) -> None:
