@@ -502,6 +502,9 @@ class Session:
                 seconds.
             CheckpointStoreError: with a local tier, ``checkpoint`` is not
                 selected by its ``persist`` policy (it stays local only).
+            InvalidConfigError: ``checkpoint`` names none (see
+                :func:`~checkpoint_store.session._tiered.checkpoint_index`),
+                or an index this trial has not reached (never reported).
             Exception: the first error of a background upload (that
                 checkpoint was not committed).
         """

@@ -510,6 +510,12 @@ def wait(session: Any, timeout: float | None, checkpoint: Any) -> None:
     """``Session.wait(checkpoint=...)``: until that checkpoint's durable copy is committed."""
     tier: FastTier | None = session._tier
     index = checkpoint_index(checkpoint)
+    if index >= session._next_index:
+        # Nothing would ever make it durable: returning would say it is.
+        raise InvalidConfigError(
+            f"{checkpoint_dir_name(index)} was never reported to this trial (its next "
+            f"checkpoint is {checkpoint_dir_name(session._next_index)}); wait for a "
+            "checkpoint report() returned, or call wait() without checkpoint=")
     if tier is None or tier.status(index) is None:
         # No local tier (or not on it yet: a state report commits there in the
         # background): every queued job, then what the tier says of it.

@@ -226,3 +226,26 @@ def test_ls_of_a_local_tier_trial_without_checkpoints_lists_a_trial(tmp_path):
     assert [p.name for p in trial.iterdir()] == [".cs_tier_state.json"]
     out = CliRunner().invoke(main, ["ls", str(trial)], catch_exceptions=False).output
     assert out.splitlines()[0].split()[:2] == ["INDEX", "CHECKPOINT"], out
+
+
+@pytest.mark.parametrize("with_tier", [False, True], ids=["no_tier", "local_tier"])
+def test_waiting_for_a_checkpoint_never_reported_is_refused(tmp_path, with_tier):
+    # wait(checkpoint=99) used to return at once, as if checkpoint_000099 were durable.
+    def start():
+        tier = LocalTier(tmp_path / "fast") if with_tier else None
+        return session.start(storage_path=str(tmp_path / "d"), experiment_name="e",
+                             trial_name="t", local_tier=tier)
+
+    with start() as s:
+        row = s.report({"a": 1}, checkpoint=make_checkpoint(tmp_path, "c0", _files(0)))
+        s.wait(checkpoint=row)
+        with pytest.raises(InvalidConfigError, match=r"checkpoint_000099 was never reported"
+                                                     r".*next checkpoint is checkpoint_000001"):
+            s.wait(checkpoint=99)
+        with pytest.raises(InvalidConfigError, match="checkpoint_000001 was never reported"):
+            s.wait(checkpoint="checkpoint_000001")
+    # A later session of the trial: what an earlier one reported is there to wait for.
+    with start() as s:
+        s.wait(checkpoint=0)
+        with pytest.raises(InvalidConfigError, match="checkpoint_000001 was never reported"):
+            s.wait(checkpoint=1)
