@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from checkpoint_store._format.manifest import first_unlisted
 from checkpoint_store._util.inspect import (
     Inspection,
     is_checkpoint_data,
@@ -88,18 +89,17 @@ def _refuse_changed_sizes(dest: Backend, dest_dir: str, listed: Mapping[str, int
         PermanentBackendError: naming the first such file, its two sizes and
             what to do; the caller removes what it wrote (nothing committed).
     """
-    for entry in manifest:
-        rel, size = entry["path"], entry["size"]
-        stored = listed.get(rel)
-        if stored != size:
-            held = "does not hold" if stored is None else f"holds {stored} bytes of"
-            raise PermanentBackendError(
-                f"{dest.uri_for(dest_dir)} {held} {rel!r} after {size} bytes of it were "
-                "written: the store or its client changed the file on the way. Nothing was "
-                "committed. Report the checkpoint again; if it fails the same way, the store "
-                "or its client corrupts uploads: write through another client (a pyarrow or "
-                "fsspec filesystem passed as storage_filesystem) until it is fixed"
-            )
+    unlisted = first_unlisted(manifest, listed)
+    if unlisted is not None:
+        entry, stored = unlisted
+        held = "does not hold" if stored is None else f"holds {stored} bytes of"
+        raise PermanentBackendError(
+            f"{dest.uri_for(dest_dir)} {held} {entry['path']!r} after {entry['size']} bytes "
+            "of it were written: the store or its client changed the file on the way. Nothing was "
+            "committed. Report the checkpoint again; if it fails the same way, the store "
+            "or its client corrupts uploads: write through another client (a pyarrow or "
+            "fsspec filesystem passed as storage_filesystem) until it is fixed"
+        )
 
 
 def _cleanup_quietly(fn: Callable[[], None]) -> None:

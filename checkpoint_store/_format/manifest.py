@@ -3,7 +3,8 @@
 Owns the shape of ``.internal_metadata.json`` (docs/format.md):
 :func:`internal_metadata` is the one place a marker is built,
 :func:`check_relpath` the one rule for a safe relative path, and
-:func:`check_entry` the one comparison of a manifest entry with what was read.
+:func:`check_entry` the one comparison of a manifest entry with what was read,
+:func:`first_unlisted` the one comparison of a manifest with a listing.
 Reading a marker from storage and checking it against a listing lives in
 :mod:`checkpoint_store._util.inspect`.
 """
@@ -32,6 +33,7 @@ __all__ = [
     "check_entry",
     "check_relpath",
     "crc_hex",
+    "first_unlisted",
     "internal_metadata",
     "is_checkpoint_data",
 ]
@@ -152,3 +154,18 @@ def check_entry(
             "checkpoint is corrupt: resume from an earlier one",
             path=checkpoint_path, file=rel,
         )
+
+
+def first_unlisted(manifest: Iterable[Mapping[str, Any]], listed: Mapping[str, int]
+                   ) -> tuple[Mapping[str, Any], int | None] | None:
+    """The first manifest entry (``{"path", "size", ...}``) that ``listed``
+    (relative path -> size in bytes, from a listing) does not hold at its
+    size, with the listed size (None: not listed); None when it holds every
+    entry. Shared by :func:`~checkpoint_store._util.inspect.inspect_checkpoint`
+    (a committed checkpoint against its marker) and the commit's check before
+    its marker (:func:`~checkpoint_store._commit.refusals._refuse_changed_sizes`)."""
+    for e in manifest:
+        size = listed.get(e["path"])
+        if size != e["size"]:
+            return e, size
+    return None

@@ -29,7 +29,7 @@ from checkpoint_store._format.layout import (
     USER_METADATA,
     is_written_record,
 )
-from checkpoint_store._format.manifest import _CRC_RE, check_entry, check_relpath
+from checkpoint_store._format.manifest import _CRC_RE, check_entry, check_relpath, first_unlisted
 from checkpoint_store._format.manifest import Inspection as Inspection
 from checkpoint_store._format.manifest import InspectionState as InspectionState
 from checkpoint_store._format.manifest import ManifestEntry as ManifestEntry
@@ -153,16 +153,17 @@ def inspect_checkpoint(
                           f"{INTERNAL_METADATA} {bad[0]}", bad[1] or INTERNAL_METADATA, files)
     listed = {rel: size for rel, size in files.items()
               if is_checkpoint_data(rel) and rel != USER_METADATA}
-    for e in meta["manifest"]:
+    unlisted = first_unlisted(meta["manifest"], listed)
+    if unlisted is not None:
+        e, size = unlisted
         rel = e["path"]
-        if rel not in listed:
+        if size is None:
             return Inspection("invalid", meta, f"file {rel!r} listed in the manifest is missing",
                               rel, files)
-        if listed[rel] != e["size"]:
-            return Inspection(
-                "invalid", meta,
-                f"file {rel!r} has {listed[rel]} bytes, the manifest says {e['size']}", rel, files,
-            )
+        return Inspection(
+            "invalid", meta, f"file {rel!r} has {size} bytes, the manifest says {e['size']}",
+            rel, files,
+        )
     extra = sorted(set(listed) - {e["path"] for e in meta["manifest"]})
     if extra:
         return Inspection("invalid", meta, f"file {extra[0]!r} is not in the manifest",
