@@ -323,9 +323,14 @@ class CommitProtocol(abc.ABC):
                                 files=contents.files, fsync=self.fsync, retry=self.retry,
                                 previous=contents.previous)
         manifest = [e.to_json() for e in entries]
-        if self.kind == "marker_last":
-            _refuse_changed_sizes(self.dest, target, self.inspect(target).files or {}, manifest)
+        self._check_written(target, manifest)
         return self._write_marker(target, internal_metadata(internal, manifest))
+
+    def _check_written(self, target: str, manifest: Sequence[Mapping[str, Any]]) -> None:
+        """Before the marker: raise if ``target`` does not hold what ``manifest``
+        says was written. The rename protocol (``atomic_rename``: local disks)
+        checks nothing here; see :meth:`MarkerLastCommit._check_written`."""
+        return None
 
     def _write_marker(self, target: str, meta: dict[str, Any]) -> dict[str, Any]:
         """Write the commit marker ``meta`` into ``target``.
@@ -521,6 +526,10 @@ class MarkerLastCommit(CommitProtocol):
         ours = own_claims(listed, mine, writer_id)
         _cleanup_quietly(lambda: self._delete_files(dest_dir, ours))
         return meta
+
+    def _check_written(self, target: str, manifest: Sequence[Mapping[str, Any]]) -> None:
+        # A second listing: a client or proxy may have changed the bytes on the way.
+        _refuse_changed_sizes(self.dest, target, self.inspect(target).files or {}, manifest)
 
     def _undo(self, dest_dir: str, claim_path: str) -> None:
         # Data first, claim last: until the claim goes, the leftovers stay
