@@ -16,10 +16,12 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from _commit_helpers import local_tree
 
 from checkpoint_store import Checkpoint, StorageContext, session
 from checkpoint_store.errors import PermanentBackendError
 from checkpoint_store.testing.servers import GCSServer, prepare_gcsfs_env
+from tests.cli.cli_helpers import write_tree
 
 
 class PublishedEmulator(GCSServer):
@@ -48,14 +50,6 @@ def _store(server: GCSServer) -> tuple[StorageContext, str]:
                           storage_options=server.storage_options()), bucket
 
 
-def _files(tmp_path, contents: dict[str, bytes]) -> str:
-    src = tmp_path / "src"
-    src.mkdir(parents=True, exist_ok=True)
-    for name, data in contents.items():
-        (src / name).write_bytes(data)
-    return str(src)
-
-
 def test_the_published_emulator_is_lossy(lossy) -> None:
     # What the tests below stand on: a file ending in \r comes back short.
     import gcsfs
@@ -69,9 +63,9 @@ def test_the_published_emulator_is_lossy(lossy) -> None:
 def test_a_file_stored_short_fails_the_commit_and_nothing_stays(lossy, tmp_path) -> None:
     st, bucket = _store(lossy)
     good = st.persist_checkpoint(
-        Checkpoint.from_directory(_files(tmp_path / "a", {"w.bin": b"a" * 1000})), 0, {})
+        Checkpoint.from_directory(write_tree(str(tmp_path / "a"), {"w.bin": b"a" * 1000})), 0, {})
     before = lossy.list_objects(bucket)
-    src = _files(tmp_path / "b", {"small_00.bin": os.urandom(1000) + b"a",
+    src = write_tree(str(tmp_path / "b"), {"small_00.bin": os.urandom(1000) + b"a",
                                   "small_01.bin": os.urandom(1000) + b"\r"})
     with pytest.raises(PermanentBackendError) as err:
         st.persist_checkpoint(Checkpoint.from_directory(src), 1, {})
@@ -80,9 +74,8 @@ def test_a_file_stored_short_fails_the_commit_and_nothing_stays(lossy, tmp_path)
     assert "Nothing was committed" in message
     # Every object of the failed commit is gone; the earlier checkpoint is whole.
     assert lossy.list_objects(bucket) == before
-    (tmp_path / "back").mkdir()
     good.to_directory(str(tmp_path / "back"))
-    assert (tmp_path / "back" / "w.bin").read_bytes() == b"a" * 1000
+    assert local_tree(str(tmp_path / "back")) == {"w.bin": b"a" * 1000}
 
 
 def test_a_state_stored_short_fails_the_report(lossy, tmp_path) -> None:
@@ -107,7 +100,7 @@ def test_the_harness_emulator_keeps_those_files(gcs_location, tmp_path) -> None:
                         storage_options=gcs_location.storage_options)
     contents = {"cr.bin": os.urandom(100) + b"\r", "crlf.bin": b"\r\n",
                 "lf.bin": b"x\n", "boundary.bin": b"--==0==--\r"}
-    ck = st.persist_checkpoint(Checkpoint.from_directory(_files(tmp_path, contents)), 0, {})
-    ck.to_directory(str(tmp_path / "back"))
-    for name, data in contents.items():
-        assert (tmp_path / "back" / name).read_bytes() == data, name
+    src = write_tree(str(tmp_path / "src"), contents)
+    st.persist_checkpoint(Checkpoint.from_directory(src), 0, {}).to_directory(
+        str(tmp_path / "back"))
+    assert local_tree(str(tmp_path / "back")) == contents
