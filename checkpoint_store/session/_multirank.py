@@ -156,6 +156,29 @@ class Coordinator:
         so that ``destroy_process_group()`` frees it."""
         self._group = None
 
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, rank by rank, over the process group (called
+        by every rank; only with :attr:`uses_torch`)."""
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self._group)
+        return out
+
+    def storage_only(self) -> Coordinator:
+        """This rank's coordinator meeting the other ranks through storage only
+        (rank markers and polls), never the process group: for commits made on
+        a background thread (a local tier's durable copies), while collectives
+        stay on the training thread. Made once per coordinator."""
+        twin = self.__dict__.get("_storage_twin")
+        if twin is None:
+            twin = object.__new__(Coordinator)
+            twin.storage, twin.rank, twin.world_size = self.storage, self.rank, self.world_size
+            twin.timeout_s, twin.attempt_id = self.timeout_s, self.attempt_id
+            twin._uses_torch, twin._group, twin._written = False, None, None
+            self.__dict__["_storage_twin"] = twin
+        return twin
+
     def _broadcast(self, value: Any) -> Any:
         import torch.distributed as dist
 

@@ -5,27 +5,18 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
-import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from checkpoint_store._format import jsonrules as _json
-from checkpoint_store._format.layout import checkpoint_dir_name
-from checkpoint_store._results.writer import (
-    ResultLog,
-    last_result_rows,
-)
-from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._results.writer import ResultLog, last_result_rows
 from checkpoint_store._util.ids import new_writer_id
-from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
-from checkpoint_store.errors import (
-    CheckpointStoreError,
-    InvalidConfigError,
-)
+from checkpoint_store.checkpoint import Checkpoint
+from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
 from checkpoint_store.retention.restore import Listing
-from checkpoint_store.session import _background, _closing, _reporting, _state_report, _tiered
 from checkpoint_store.session._checks import (
     check_checkpoint_config,
     check_resume_source,
@@ -34,16 +25,31 @@ from checkpoint_store.session._checks import (
     int_from,
     resume_source,
 )
+from checkpoint_store.session._closing import close_session, record_end
+from checkpoint_store.session._committers import Committer, RankCommitter, SingleCommitter
 from checkpoint_store.session._context import (
     RESUME_FROM_KEY,
     SessionContext,
     recorded_resume_from,
     resume_counters,
 )
+from checkpoint_store.session._executors import BackgroundWork
+from checkpoint_store.session._ledger import CommitRecorder, ReportLedger
 from checkpoint_store.session._multirank import Coordinator
+from checkpoint_store.session._pipeline import ASYNC_RANKS, ReportHook, ReportPipeline
+from checkpoint_store.session._sources import StateStaging
+from checkpoint_store.session._targets import DurableTarget, Target, TieredTarget
+from checkpoint_store.session._tier_recovery import (
+    checkpoint_index,
+    index_of,
+    newest_local,
+    open_tier,
+    wait_durable,
+)
 from checkpoint_store.session._uploads import BackgroundUploader, UploadConfig
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers import FastTier, LocalTier, check_local_tier
+from checkpoint_store.tiers.view import record_local_tier
 
 AUTO_FILLED = (
     "training_iteration",
@@ -103,9 +109,6 @@ class Session:
         local_tier = check_local_tier(local_tier, storage)
         # The local tier (session.start(local_tier=...)), opened below; its
         # worker for staged states; the copies every rank has (several ranks).
-        self._tier: FastTier | None = None
-        self._tier_worker: BackgroundUploader | None = None
-        self._tier_among: set[int] | None = None
         # Read only, never registered, moved or deleted by this trial: it lives
         # outside the trial directory, where retention never looks. A starting
         # point, read once: a trial with checkpoints of its own never reads it
@@ -114,20 +117,15 @@ class Session:
         self._resume_checked = False
         if self._resume_from is not None and not Listing.of(storage).dirs:
             self._check_resume_from()  # a new trial: refused before anything is written
-        self._lock = threading.Lock()
-        self._closed = False
-        # Background uploads of upload_mode="async" (created on first use).
-        self._uploader: BackgroundUploader | None = None
-        # The index next_checkpoint_dir() reserved (created and claimed), if any.
-        self._reserved: int | None = None
+        if (self.world_size > 1 and local_tier is None
+                and self.upload_config.upload_mode == "async"):
+            raise InvalidConfigError(ASYNC_RANKS)
         # One writer id for every commit of this session: a claim or a marker
         # an earlier report left is then recognisably this session's own.
         self._writer_id = new_writer_id(storage.run_id)
-        # Indexes whose commit may have landed (AmbiguousCommitError), with
-        # their rows: never reused, settled by the next report.
-        self._unsettled: list[tuple[int, dict[str, Any]]] = []
         # Set by a TrialRunner: called at the start and the end of report().
-        self._runner_hook: Any = None
+        self._hooks: list[ReportHook] = []
+        self._tier: FastTier | None = None
         self._coordinator: Coordinator | None = None
         if self.world_size > 1:
             self._coordinator = Coordinator(
@@ -137,16 +135,17 @@ class Session:
         is_writer = self.world_rank == 0
         storage.ensure_trial_dir()
         # Only the last rows: a start costs the same after a million reports.
-        self._iteration, self._time_offset = resume_counters(
+        iteration, time_offset = resume_counters(
             last_result_rows(storage), storage.uri(storage.trial_path))
-        self._results: ResultLog | None = None
         # Only rank 0 keeps the retention state and the trial's lease.
         # Evicted checkpoints are deleted off the training loop (retention/deletes.py).
         self.manager = CheckpointManager(self.checkpoint_config, storage, read_only=not is_writer,
                                          background_deletes=True)
         try:
-            if is_writer:  # after the lease: it may fold a copied trial's segments
-                self._results = ResultLog(storage)
+            # After the lease: it may fold a copied trial's segments.
+            results = ResultLog(storage) if is_writer else None
+            self._ledger = ReportLedger(self.trial_id, self.manager, results, iteration,
+                                        time_offset)
             # From the retention state, not a scan of every checkpoint.
             committed = self.manager.resume_candidates()
             if not committed:
@@ -156,41 +155,74 @@ class Session:
             if (self.config or self._resume_from is not None) and is_writer:
                 storage.write_params(self._params())
             if is_writer:
-                # Leftovers of crashed writers are removed here, on rank 0 only,
-                # after the lease (no other live run on this trial) and before
-                # any rank of this attempt writes: no rank writes before rank 0
-                # passed agree_start_index() below, so whatever is uncommitted
-                # now is an earlier attempt's. A rank > 0 must never clean (it
-                # would delete a staging directory another rank is filling).
-                try:
-                    # The restore's listing leaves out the checkpoints the retention
-                    # state vouches for (committed), and names those it inspected.
-                    listing = self.manager.restore_listing
-                    storage.remove_uncommitted(
-                        self.attempt_id, listing=listing,
-                        known=(self.manager.restore_known if listing is not None
-                               else self.manager.known_committed()))
-                except Exception as exc:  # cleanup must never stop a run from starting
-                    logging.getLogger(__name__).warning("cleanup of %s failed: %s",
-                                                        storage.uri(storage.trial_path), exc)
-            self._latest: Checkpoint | None = committed[-1][0] if committed else None
+                self._remove_leftovers()
+            self._recorder = CommitRecorder(
+                storage, self.manager, writer=is_writer, writer_id=self._writer_id,
+                latest=committed[-1][0] if committed else None)
             # get_checkpoint() verifies these lazily, newest first (resume only).
             self._resume_candidates: Sequence[tuple[Checkpoint, dict[str, Any]]] | None = (
                 committed)
             if self._coordinator is None:
                 # Numbering continues past every index the retention state remembers.
-                self._next_index = self.manager.next_index  # past every directory listed
+                self._ledger.number_from(self.manager.next_index)  # past every directory listed
             else:
-                self._next_index = self._coordinator.agree_start_index(
+                self._ledger.number_from(self._coordinator.agree_start_index(
                     lambda: max(storage.next_checkpoint_index(), self.manager.next_index)
-                )
-            # After the numbering: it continues past the local tier's copies too.
-            self._tier = _tiered.open_tier(self, local_tier)
+                ))
+            self._pipeline = self._build_pipeline(local_tier)
         except BaseException:
             self.manager.close()
             raise
-        self._start = time.time()
-        self._last_report = self._start
+        self._ledger.begin(time.time())
+
+    def _remove_leftovers(self) -> None:
+        """Rank 0: remove what crashed writers left uncommitted, after the lease
+        (no other live run on this trial) and before any rank of this attempt
+        writes: no rank writes before rank 0 passed agree_start_index(), so
+        whatever is uncommitted now is an earlier attempt's. A rank > 0 must
+        never clean (it would delete a staging directory another rank is filling)."""
+        storage = self.storage
+        try:
+            # The restore's listing leaves out the checkpoints the retention
+            # state vouches for (committed), and names those it inspected.
+            listing = self.manager.restore_listing
+            storage.remove_uncommitted(
+                self.attempt_id, listing=listing,
+                known=(self.manager.restore_known if listing is not None
+                       else self.manager.known_committed()))
+        except Exception as exc:  # cleanup must never stop a run from starting
+            logging.getLogger(__name__).warning("cleanup of %s failed: %s",
+                                                storage.uri(storage.trial_path), exc)
+
+    def _build_pipeline(self, local_tier: LocalTier | None) -> ReportPipeline:
+        """The report path's parts; with a local tier, opened after the
+        numbering (it continues past the tier's copies too)."""
+        work = BackgroundWork(self.upload_config.max_pending_uploads, self)
+        committer: Committer
+        if self._coordinator is None:
+            committer = SingleCommitter(self.storage, self._recorder, self._writer_id)
+        else:
+            committer = RankCommitter(self._coordinator, self._recorder)
+        target: Target = DurableTarget(self.storage)
+        if local_tier is not None:
+            tier = FastTier(local_tier, self.storage, world_rank=self.world_rank,
+                            world_size=self.world_size, run_id=self.storage.run_id)
+            self._tier = tier
+            # Where this local tier is, for ls, show and the web page (tiers/view.py).
+            record_local_tier(self.storage.filesystem, self.storage.trial_path, tier.trial_dir,
+                              self.world_rank, self.storage.backend.capabilities)
+            target = TieredTarget(tier, committer, work, self._ledger, self._recorder,
+                                  self._writer_id)
+        pipeline = ReportPipeline(
+            ledger=self._ledger, recorder=self._recorder, work=work, target=target,
+            committer=committer, staging=StateStaging(self.upload_config.staging_budget),
+            run_id=self.manager.run_id, world_size=self.world_size, world_rank=self.world_rank,
+            default_mode=self.upload_config.upload_mode,
+            default_staging=self.upload_config.staging)
+        if isinstance(target, TieredTarget):
+            open_tier(target, self._ledger, self._recorder, self._coordinator,
+                      self.manager.run_id, self.world_size)
+        return pipeline
 
     @property
     def trial_id(self) -> str:
@@ -232,17 +264,22 @@ class Session:
                 read at start, since the trial had checkpoints then) is missing,
                 not committed or corrupt.
         """
-        fast = _tiered.get_fast_checkpoint(self)  # local tier first, when as new
-        if fast is not None:
-            return fast
+        recorder = self._recorder
+        if self._tier is not None:  # local tier first, when as new
+            latest = recorder.latest
+            fast = newest_local(self._tier, index_of(latest), recorder.among())
+            if fast is not None:
+                return fast
         cands, self._resume_candidates = self._resume_candidates, None
-        if cands and self._latest is cands[-1][0]:
-            self._latest = self.storage.latest_verified_checkpoint(cands)
-        elif (self._latest is not None
-              and posixpath.basename(self._latest.path) in self.manager.invalid):
+        latest = recorder.latest
+        if cands and latest is cands[-1][0]:
+            recorder.set_latest(self.storage.latest_verified_checkpoint(cands))
+        elif (latest is not None
+              and posixpath.basename(latest.path) in self.manager.invalid):
             # A read of it failed since it was handed out: the newest good one.
-            self._latest = self.manager.latest_checkpoint
-        return self._latest if self._latest is not None else self._check_resume_from()
+            recorder.set_latest(self.manager.latest_checkpoint)
+        latest = recorder.latest
+        return latest if latest is not None else self._check_resume_from()
 
     def _check_resume_from(self) -> Checkpoint | None:
         """The ``resume_from`` checkpoint, checked the first time it is needed
@@ -287,27 +324,12 @@ class Session:
         Raises:
             CheckpointStoreError: the session has ended.
         """
-        if self._tier is not None:  # the local tier's directory
-            return _tiered.next_checkpoint_dir(self)
-        with self._lock:
-            if self._closed:
-                raise CheckpointStoreError("this session has ended; start a new one to report")
-            index = self._next_index
-            if self._reserved != index:
-                self.storage.reserve_in_place(index)
-                self._reserved = index
-        path = self.storage.checkpoint_path(index)
-        local = _fsutil.local_path(self.storage.filesystem, path)
-        return local if local is not None else self.storage.uri(path)
-
-    def _in_place(self, checkpoint: Checkpoint | None, index: int) -> bool:
-        """True when ``checkpoint`` is ``checkpoint_<index>`` itself, the directory
-        :meth:`next_checkpoint_dir` handed out (None: when it handed it out)."""
-        if checkpoint is None:
-            return self._reserved == index
-        if not isinstance(checkpoint, Checkpoint):
-            return False
-        return checkpoint.uri == self.storage.uri(self.storage.checkpoint_path(index))
+        target = self._pipeline.target
+        with self._ledger.transaction() as txn:
+            if not txn.reserved:
+                target.reserve(txn.index)
+                txn.mark_reserved()
+            return target.directory(txn.index)
 
     def report(
         self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None,
@@ -387,102 +409,18 @@ class Session:
             CheckpointStoreError: the session has ended.
             TrialStopped: the trial runner of this session was stopped or paused.
         """
-        hook = self._runner_hook
-        if hook is not None:
+        for hook in self._hooks:
             hook.before_report()
-        if state is not None:
-            if checkpoint is not None:
-                raise InvalidConfigError("pass checkpoint= or state= to report(), not both")
-            row, persisted = _state_report.report_state(self, metrics, state, upload_mode)
-            if hook is not None:
-                hook.after_report(row, persisted)
-            return row
-        mode = upload_mode or self.upload_config.upload_mode
-        if self._reserved is not None and self._in_place(checkpoint, self._next_index):
-            mode = "sync"  # already in place: there is nothing to upload in the background
-        if self._tier is not None:
-            row, persisted = _tiered.report(self, metrics, checkpoint, upload_mode)
-        elif mode != "sync" or self._uploader is not None:
-            row, persisted = _background.report_with_uploader(self, metrics, checkpoint, mode,
-                                                              staging)
-        elif self._coordinator is not None:
-            row, persisted = _reporting.report_multirank(self, metrics, checkpoint)
-        else:
-            row, persisted = self._report_single(metrics, checkpoint)
-        if hook is not None:
-            hook.after_report(row, persisted)
+        row, committed = self._pipeline.report(metrics, checkpoint, state=state,
+                                               upload_mode=upload_mode, staging=staging)
+        for hook in self._hooks:
+            hook.after_report(row, committed)
         return row
 
-    # -- the bookkeeping every report path shares (sync, async, multi-rank) ------------
-    #
-    # A report is refused or accepted whole: _prepare_row() validates and
-    # builds the row without touching a counter, _accept_row() moves the
-    # counters once nothing can refuse the report any more, and
-    # _record_commit() is the one place a committed checkpoint reaches
-    # retention and get_checkpoint(), whichever thread committed it.
-
-    def _prepare_row(
-        self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None, *,
-        validate_score: bool,
-    ) -> dict[str, Any]:
-        """The result row for ``metrics``, checked as a whole; no counter moves.
-
-        Raises:
-            MetadataError: ``metrics`` cannot be stored as JSON (names the key).
-            InvalidConfigError: ``checkpoint`` is not a Checkpoint, or (with
-                ``validate_score``) its score is refused by retention.
-        """
-        clean = _json.to_json_object(metrics, "metrics")
-        if checkpoint is not None:
-            _require_checkpoint(checkpoint)
-        now = time.time()
-        row = dict(clean)
-        row.update(
-            training_iteration=self._iteration + 1,
-            timestamp=now,
-            time_total_s=self._time_offset + (now - self._start),
-            time_this_iter_s=now - self._last_report,
-            trial_id=self.trial_id,
-            checkpoint_dir_name=None,
-        )
-        if validate_score and checkpoint is not None:
-            self.manager.validate_metrics(row)
-        return row
-
-    def _accept_row(self, row: Mapping[str, Any]) -> None:
-        self._iteration = int(row["training_iteration"])
-        self._last_report = float(row["timestamp"])
-
-    def _checkpoint_internal(self, row: dict[str, Any], index: int) -> dict[str, Any]:
-        row["checkpoint_dir_name"] = checkpoint_dir_name(index)
-        return {"metrics": row, "world_size": self.world_size, "run_id": self.manager.run_id}
-
-    def _commit(self, source: Checkpoint, index: int, internal: Mapping[str, Any],
-                row: Mapping[str, Any]) -> Checkpoint:
-        """Upload and commit ``source`` as ``checkpoint_<index>``, then record it.
-        Runs on the upload thread (async), whose caller already moved past ``index``."""
-        persisted = _reporting.persist(self, source, index, internal, row)
-        self._record_commit(persisted, row)
-        return persisted
-
-    def _record_commit(self, persisted: Checkpoint, row: Mapping[str, Any]) -> None:
-        self._latest = persisted
-        if self.world_rank == 0:
-            self.manager.register(persisted, row)
-            # keep_latest=False may evict the newest: never hand out a deleted one.
-            self._latest = self.manager.latest_checkpoint or persisted
-
-    def _report_single(
-        self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None
-    ) -> tuple[dict[str, Any], Checkpoint | None]:
-        """One rank, synchronous (:func:`~checkpoint_store.session._reporting.report_single`)."""
-        return _reporting.report_single(self, metrics, checkpoint)
-
-    def _append_row(self, row: Mapping[str, Any], *, flush: bool) -> None:
-        assert self._results is not None
-        self._results.append(row)
-        if flush:
-            self._results.flush()
+    def add_report_hook(self, hook: ReportHook) -> None:
+        """Call ``hook`` at the start and the end of every report (a
+        :class:`~checkpoint_store.session.TrialRunner`'s stop and pause)."""
+        self._hooks.append(hook)
 
     def wait(self, timeout: float | None = None, *, checkpoint: Any = None) -> None:
         """Wait until every background upload (``upload_mode="async"``, and with a
@@ -503,44 +441,51 @@ class Session:
             CheckpointStoreError: with a local tier, ``checkpoint`` is not
                 selected by its ``persist`` policy (it stays local only).
             InvalidConfigError: ``checkpoint`` names none (see
-                :func:`~checkpoint_store.session._tiered.checkpoint_index`),
+                :func:`~checkpoint_store.session._tier_recovery.checkpoint_index`),
                 or an index this trial has not reached (never reported).
             Exception: the first error of a background upload (that
                 checkpoint was not committed).
         """
-        _background.wait(self, timeout, checkpoint=checkpoint)
+        if checkpoint is not None:
+            wait_durable(self._tier, checkpoint_index(checkpoint), self._ledger.next_index,
+                         timeout, self.wait, self._pipeline.work.raise_errors)
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._pipeline.work.wait(timeout)
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        if not self.manager.wait_deletes(left()) or (
+                self._tier is not None and not self._tier.wait_deletes(left())):
+            raise TimeoutError(f"deletes of evicted checkpoints still running after {timeout} s")
 
     @property
     def durable_index(self) -> int | None:
         """The highest checkpoint index whose copy on the storage_path is committed
         (with a local tier, the durable copies made in the background; without,
         the newest committed checkpoint), or None."""
-        return _tiered.durable_index(self)
-
-    def _tier_commit_staged(self, source: Any, index: int, internal: Mapping[str, Any],
-                            row: Mapping[str, Any]) -> None:
-        """``report(state=...)`` with a local tier (one rank): queue
-        ``source.write_to(<local tier>/.../checkpoint_<index>)`` and its commit
-        there on a background worker, then the durable copy (if the tier's
-        ``persist`` selects it); returns at once, except for the tier's
-        ``max_bytes`` backpressure (``source.nbytes``). ``source.release()`` is
-        called when the job ends, whatever happens.
-
-        The caller has done the report's bookkeeping under ``self._lock``:
-        ``row = self._prepare_row(...)``, ``index = self._next_index``,
-        ``internal = self._checkpoint_internal(row, index)``, moved
-        ``_next_index`` past it, ``self._accept_row(row)`` and
-        ``self._append_row(row, flush=False)``. Errors of the job are raised by
-        the next ``report()``, ``wait()`` or the end of the session
-        (:func:`checkpoint_store.session._tiered.commit_staged`)."""
-        _tiered.commit_staged(self, source, index, internal, row)
+        known = [index_of(self._recorder.latest),
+                 self._tier.durable_index if self._tier is not None else None]
+        return max((i for i in known if i is not None), default=None)
 
     def _finish_at_exit(self) -> None:
         """Called at interpreter exit, before the rows are flushed
         (:func:`~checkpoint_store._results.writer.finish_before_exit_flush`), for a
         session never ended: commit its pending uploads, waiting as long as they
         take (each bounded by the retry policy); log, never raise, what was lost."""
-        _background.finish_at_exit(self)
+        storage = self.storage
+        ended = self._ledger.closed
+        errors = self._pipeline.work.finish_at_exit(ended, storage.uri(storage.trial_path))
+        if ended:
+            return
+        self.manager.wait_deletes()  # else resumed by the next session
+        if errors:
+            logging.getLogger(__name__).error(
+                "at exit, the background upload of %s failed: not committed (lost); the "
+                "result.json rows naming them point to no checkpoint, and "
+                "get_checkpoint() returns an older one. First error: %r",
+                ", ".join(what for what, _ in errors), errors[0][1])
 
     def close(self, error: BaseException | None = None) -> None:
         """End the session: finish background uploads, record how it ended,
@@ -560,4 +505,49 @@ class Session:
         count as clean ends. Recording never replaces ``error``: a failure to
         write the file is logged.
         """
-        _closing.close(self, error)
+        first_close = not self._ledger.closed
+        close_session(self._ledger, self._recorder, self._pipeline.work, first_close=first_close,
+                      record=(lambda e: record_end(self.storage, e))
+                      if first_close and self.world_rank == 0 else None,
+                      error=error, finish=self._release)
+
+    def _release(self) -> None:
+        """The end's last steps, whatever happened before them."""
+        if self._tier is not None:
+            self._tier.wait_deletes()  # the local tier's evictions
+        # Releases the trial's retention lease (also when an exception ends the session).
+        self.manager.close()
+        if self._coordinator is not None:
+            self._coordinator.close()
+        self._pipeline.staging.close()
+
+
+@dataclass(frozen=True)
+class SessionInternals:
+    """What tests of this package may look at inside a Session (through
+    :func:`checkpoint_store.testing.session_internals`), so that field names
+    can change without touching tests.
+
+    Attributes:
+        tier: the local tier, or None.
+        uploader: the durable background lane, once started.
+        results: rank 0's ``result.json`` writer.
+        pipeline: the report path (``report_source`` injects a staged state).
+    """
+
+    tier: FastTier | None
+    uploader: BackgroundUploader | None
+    results: ResultLog | None
+    pipeline: ReportPipeline
+
+    @property
+    def stager(self) -> Any:
+        """The shared-memory staging of state reports (started on first use)."""
+        return self.pipeline.staging.stager
+
+
+def session_internals(session: Session) -> SessionInternals:
+    """The :class:`SessionInternals` of ``session`` (tests only)."""
+    pipeline = session._pipeline
+    return SessionInternals(session._tier, pipeline.work.uploader, pipeline.ledger.results,
+                            pipeline)

@@ -208,7 +208,7 @@ class TrialRunner:
             )
             with active as sess:
                 self._session = sess
-                sess._runner_hook = _Hook(self, generation)
+                sess.add_report_hook(_Hook(self, generation))
                 self._call_train_fn(_session_mod)
         except TrialStopped:
             pass

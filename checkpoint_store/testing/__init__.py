@@ -77,6 +77,11 @@ Faults and crashes (docs/format.md, "Commit protocol")::
     from checkpoint_store.testing.crash import CrashConfig, CrashHarness
     report = CrashHarness(CrashConfig(storage_path=..., log_path=...)).run(kills=100)
     assert report.violations == []
+
+Inside a session, for tests of this package: ``session_internals(s)`` gives
+its local tier, its background upload lane, its ``result.json`` writer, its
+state staging and its report pipeline (one seam, so the session's field
+names can change without touching tests).
 """
 
 from __future__ import annotations
@@ -98,6 +103,7 @@ __all__ = [
     "S3Server",
     "ServerStartError",
     "StorageLocation",
+    "session_internals",
 ]
 
 
@@ -107,4 +113,8 @@ def __getattr__(name: str) -> Any:
         from checkpoint_store.testing.conformance import BackendTests
 
         return BackendTests
+    if name == "session_internals":
+        from checkpoint_store.session._session import session_internals
+
+        return session_internals
     raise AttributeError(f"module 'checkpoint_store.testing' has no attribute {name!r}")

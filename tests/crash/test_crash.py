@@ -195,7 +195,7 @@ def test_kills_of_the_persist_process_never_commit_a_partial_state(tmp_path):
 
     from checkpoint_store import UploadConfig, session
     from checkpoint_store.errors import PersistProcessError
-    from checkpoint_store.session._state_report import stager_of
+    from checkpoint_store.testing import session_internals
     from checkpoint_store.testing.crash._child import payload
 
     cfg = CrashConfig(storage_path=str(tmp_path / "store"), log_path=str(tmp_path / "acks.log"),
@@ -223,7 +223,7 @@ def test_kills_of_the_persist_process_never_commit_a_partial_state(tmp_path):
 
                 save(step, upload_mode="sync")  # starts the persist process
                 step += 1
-                pid = stager_of(s).persist_pid
+                pid = session_internals(s).stager.persist_pid
                 timer = threading.Timer(rng.uniform(0.0, 0.3),
                                         lambda p=pid: os.kill(p, signal.SIGKILL))
                 timer.start()

@@ -22,7 +22,7 @@ from checkpoint_store import (
     session,
 )
 from checkpoint_store.errors import PersistProcessError
-from checkpoint_store.session._state_report import stager_of
+from checkpoint_store.testing import session_internals
 
 MiB = 1 << 20
 
@@ -158,7 +158,7 @@ def test_staging_memory_stays_within_the_budget_for_a_state_four_times_larger(tm
         finally:
             done.set()
             sampler.join()
-        stager = stager_of(s)
+        stager = session_internals(s).stager
         assert 0 < stager.peak_in_use <= budget
         assert stager.in_use == 0
         ckpt = s.get_checkpoint()
@@ -172,7 +172,8 @@ def test_sync_state_report_is_committed_before_it_returns(tmp_path):
         s.report({"i": 0}, state={"w": np.zeros(10)}, upload_mode="sync")
         ckpt = s.get_checkpoint()
         assert ckpt is not None and ckpt.path.endswith("checkpoint_000000")
-        assert s._uploader.pending == 0
+        up = session_internals(s).uploader  # committed inline: nothing is queued
+        assert up is None or up.pending == 0
         assert _read_tensors(ckpt)["w"] == np.zeros(10).tobytes()
 
 
@@ -241,7 +242,7 @@ def test_a_killed_persist_process_is_an_error_not_a_hang(tmp_path):
     with session.start(storage_path=str(tmp_path), experiment_name="e", trial_name="t",
                        upload_config=cfg) as s:
         s.report({"i": 0}, state={"w": np.zeros(4)}, upload_mode="sync")
-        stager = stager_of(s)
+        stager = session_internals(s).stager
         pid = stager.persist_pid
         os.kill(pid, signal.SIGSTOP)  # holds the area full until the kill
         killer = threading.Timer(0.5, lambda: (os.kill(pid, signal.SIGKILL),
@@ -265,7 +266,7 @@ def test_a_persist_process_killed_after_report_returned_fails_that_save(tmp_path
     before it wrote the files: wait() raises, nothing of it is committed."""
     with session.start(storage_path=str(tmp_path), experiment_name="e", trial_name="t") as s:
         s.report({"i": 0}, state={"w": np.zeros(4)}, upload_mode="sync")
-        pid = stager_of(s).persist_pid
+        pid = session_internals(s).stager.persist_pid
         os.kill(pid, signal.SIGSTOP)
         s.report({"i": 1}, state={"w": np.ones(8 * MiB)})  # fits: returns at once
         os.kill(pid, signal.SIGKILL)

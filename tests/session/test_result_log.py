@@ -35,6 +35,7 @@ from checkpoint_store._results.writer import (
 )
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.registry import resolve
+from checkpoint_store.testing import session_internals
 from checkpoint_store.testing.faults import (
     FaultInjectingHandler,
     SimulatedCrash,
@@ -123,10 +124,11 @@ def test_object_store_report_writes_a_segment_not_result_json(object_root, tmp_p
         for i in range(3):
             s.report({"i": i})
         assert _result_bytes(object_root) is None  # nothing rewritten per report
-        assert s._results is not None and s._results.buffered == 3
+        assert session_internals(s).results is not None
+        assert session_internals(s).results.buffered == 3
         s.report({"i": 3}, checkpoint=_src(tmp_path, "c"))  # a checkpoint report flushes
         [name] = _segments(object_root)
-        assert name.startswith(f"{1:012d}-{4:012d}-{s._results._token}")
+        assert name.startswith(f"{1:012d}-{4:012d}-{session_internals(s).results._token}")
         assert [r["i"] for r in _ctx(object_root).read_results()] == [0, 1, 2, 3]
         s.report({"i": 4})
     assert _segments(object_root) == []
@@ -142,7 +144,8 @@ def test_timer_flushes_buffered_rows(object_root, monkeypatch):
         while not _segments(object_root) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(_segments(object_root)) == 1
-        assert s._results is not None and s._results.buffered == 0
+        assert session_internals(s).results is not None
+        assert session_internals(s).results.buffered == 0
         assert [r["i"] for r in _ctx(object_root).read_results()] == [0, 1]
 
 
@@ -205,7 +208,7 @@ def test_metrics_only_reports_put_a_few_hundred_bytes_each_on_s3(s3_location, mo
     for i in range(n):
         s.report({"loss": float(i), "step": i})
         if i % 500 == 499:
-            s._results.flush()  # as the timer would
+            session_internals(s).results.flush()  # as the timer would
     s.close()
     per_report = (handler.put_bytes - before) / n
     assert per_report <= 4096, per_report

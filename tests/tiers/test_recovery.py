@@ -11,6 +11,7 @@ from _tier_helpers import make_checkpoint, read_files
 from checkpoint_store import LocalTier, StorageContext, session
 from checkpoint_store.registry import resolve
 from checkpoint_store.session import Session
+from checkpoint_store.testing import session_internals
 from checkpoint_store.testing.faults import faulty_backend
 from checkpoint_store.tiers import TIER_STATE_FILE, FastTier, read_tier_state
 
@@ -47,7 +48,7 @@ def test_a_pending_entry_whose_durable_commit_landed_is_recorded_durable(tmp_pat
     before = ctx.checkpoint("checkpoint_000001").internal_metadata["writer_id"]
     with session.start(storage_path=store, experiment_name="e", trial_name="t",
                        local_tier=tier) as s:
-        assert s._tier.pending() == []
+        assert session_internals(s).tier.pending() == []
         assert s.durable_index == 1
     assert _state(trial) == {0: "durable", 1: "durable"}
     assert ctx.checkpoint("checkpoint_000001").internal_metadata["writer_id"] == before
@@ -79,8 +80,8 @@ def test_a_damaged_state_file_is_rebuilt_from_the_committed_copies(tmp_path):
     (trial / TIER_STATE_FILE).write_text("{torn")
     with session.start(storage_path=store, experiment_name="e", trial_name="t",
                        local_tier=tier) as s:
-        assert [e.index for e in s._tier.entries()] == [0, 1, 2]
-        assert s._tier.pending() == []
+        assert [e.index for e in session_internals(s).tier.entries()] == [0, 1, 2]
+        assert session_internals(s).tier.pending() == []
         got = s.get_checkpoint()
         assert got is not None and read_files(got.path) == {"w.bin": b"2"}
     assert _state(trial) == {0: "durable", 1: "durable", 2: "durable"}
@@ -102,8 +103,8 @@ def test_two_ranks_persist_what_a_failed_run_left_pending(ranks, tmp_path):
             for i in range(2):
                 s.report({"i": i}, checkpoint=make_checkpoint(
                     tmp_path / f"r{rank}", f"c{i}", {f"shard_{rank}.bin": b"%d-%d" % (rank, i)}))
-            s._uploader.wait()
-            return s._tier.pending()
+            session_internals(s).uploader.wait()
+            return session_internals(s).tier.pending()
         finally:
             try:
                 s.close()

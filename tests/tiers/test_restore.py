@@ -11,6 +11,7 @@ import pytest
 from _tier_helpers import make_checkpoint, read_files
 
 from checkpoint_store import CheckpointConfig, LocalTier, session
+from checkpoint_store.testing import session_internals
 
 
 def _start(durable, tier, **kw):
@@ -61,7 +62,7 @@ def test_a_corrupted_local_copy_is_not_listed_and_the_durable_copy_is_used(durab
             got = s.get_checkpoint()
         assert got is not None and got.uri == durable_uri.ctx().checkpoint(
             "checkpoint_000001").uri
-        assert [e.index for e in s._tier.entries()] == [0]
+        assert [e.index for e in session_internals(s).tier.entries()] == [0]
         assert not bad.parent.exists()
         assert s.get_checkpoint() == got  # asked again: still not listed
 

@@ -12,6 +12,7 @@ from _tier_helpers import read_files
 
 from checkpoint_store import LocalTier, StorageContext, session
 from checkpoint_store.errors import CheckpointStoreError
+from checkpoint_store.testing import session_internals
 
 
 class FakeStaged:
@@ -41,16 +42,9 @@ class FakeStaged:
 
 
 def _report_staged(s, source, metrics):
-    """What the state glue does for ``report(metrics, state=...)`` with a tier."""
-    with s._lock:
-        row = s._prepare_row(metrics, None, validate_score=True)
-        index = s._next_index
-        internal = s._checkpoint_internal(row, index)
-        s._next_index = index + 1
-        s._accept_row(row)
-        s._append_row(row, flush=False)
-    s._tier_commit_staged(source, index, internal, row)
-    return row
+    """``report(metrics, state=...)`` with ``source`` as the staged state: the
+    same report path, with the staging injected."""
+    return session_internals(s).pipeline.report_source(metrics, source)
 
 
 def test_a_staged_state_is_written_into_the_local_tier_then_persisted(tmp_path):
@@ -89,7 +83,7 @@ def test_a_failed_staged_write_commits_nothing_and_is_raised(tmp_path):
         with pytest.raises(OSError, match="persist process died"):
             s.wait()
         assert bad.released == 1
-        assert s._tier.entries() == []
+        assert session_internals(s).tier.entries() == []
         assert not (tmp_path / "fast" / "e" / "t" / "checkpoint_000000").exists()
         good = FakeStaged({"model.safetensors": b"ok"})
         _report_staged(s, good, {"i": 1})

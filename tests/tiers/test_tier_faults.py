@@ -16,6 +16,7 @@ from _tier_helpers import REPO, child_env, gated_storage, make_checkpoint, read_
 
 from checkpoint_store import Checkpoint, LocalTier, StorageContext, session
 from checkpoint_store.session import Session
+from checkpoint_store.testing import session_internals
 from checkpoint_store.testing.relay import FaultRelay
 from checkpoint_store.tiers import read_tier_state
 
@@ -41,9 +42,9 @@ def test_report_returns_while_the_store_does_not_answer(s3_server, s3_bucket, tm
             t0 = time.monotonic()
             s.report({"i": 0}, checkpoint=make_checkpoint(tmp_path, "c0", {"w.bin": b"x" * 4096}))
             blocked = time.monotonic() - t0
-            assert s._tier.status(0) == "pending"
+            assert session_internals(s).tier.status(0) == "pending"
             time.sleep(0.5)
-            assert s._tier.status(0) == "pending"  # still nothing committed there
+            assert session_internals(s).tier.status(0) == "pending"  # still nothing committed there
             relay.resume()
             s.wait(timeout=120, checkpoint=0)
             assert s.durable_index == 0
@@ -67,7 +68,7 @@ def test_local_retention_never_deletes_a_copy_whose_durable_copy_is_pending(tmp_
             s.report({"i": i}, checkpoint=make_checkpoint(tmp_path, f"c{i}", {"w.bin": b"%d" % i}))
         # The store holds the first copy: every local copy is still pending.
         assert _fast_names(tmp_path) == [f"checkpoint_00000{i}" for i in range(4)]
-        assert s._tier.pending() == [0, 1, 2, 3]
+        assert session_internals(s).tier.pending() == [0, 1, 2, 3]
         gate.set()
         s.wait(timeout=60)
         assert _fast_names(tmp_path) == ["checkpoint_000003"]  # now only the newest
@@ -86,7 +87,7 @@ def test_backpressure_at_max_bytes_waits_for_the_durable_copy(tmp_path):
     try:
         for i in range(2):  # two fit
             s.report({}, checkpoint=make_checkpoint(tmp_path, f"c{i}", {"w.bin": os.urandom(size)}))
-        assert s._tier.pending() == [0, 1]
+        assert session_internals(s).tier.pending() == [0, 1]
         third = make_checkpoint(tmp_path, "c2", {"w.bin": os.urandom(size)})
         done = threading.Event()
         waited: list[float] = []
@@ -106,10 +107,10 @@ def test_backpressure_at_max_bytes_waits_for_the_durable_copy(tmp_path):
         assert done.wait(60)
         t.join()
         assert waited[0] >= 1.0
-        assert s._tier.used_bytes <= 2 * size + 1000
+        assert session_internals(s).tier.used_bytes <= 2 * size + 1000
         s.wait(timeout=60)
         assert s.durable_index == 2
-        assert s._tier.blocked_s >= 1.0
+        assert session_internals(s).tier.blocked_s >= 1.0
     finally:
         gate.set()
         s.close()
@@ -126,7 +127,7 @@ def test_without_max_bytes_report_never_waits_for_a_held_store(tmp_path):
         for i in range(5):
             s.report({}, checkpoint=make_checkpoint(tmp_path, f"c{i}", {"w.bin": b"%d" % i}))
         assert time.monotonic() - t0 < 10
-        assert s._tier.pending() == [0, 1, 2, 3, 4]
+        assert session_internals(s).tier.pending() == [0, 1, 2, 3, 4]
     finally:
         gate.set()
         s.close()
@@ -226,9 +227,9 @@ def test_a_checkpoint_larger_than_max_bytes_is_still_committed(tmp_path, caplog)
             s.report({}, checkpoint=make_checkpoint(tmp_path, f"c{i}", {"w.bin": b"%d" % i * 900}))
             s.wait()  # each durable copy done: the older local copy may go
         # Only one fits: the older copy (durable) made room for the next.
-        assert [e.index for e in s._tier.entries()] == [2]
+        assert [e.index for e in session_internals(s).tier.entries()] == [2]
         s.report({}, checkpoint=make_checkpoint(tmp_path, "big", {"w.bin": b"b" * 5000}))
         assert "goes over max_bytes=1000" in caplog.text
-        assert [e.index for e in s._tier.entries()] == [3]
+        assert [e.index for e in session_internals(s).tier.entries()] == [3]
     assert [m["index"] for _, m in StorageContext(store, "e", "t").committed_checkpoints()] == [
         0, 1, 2, 3]

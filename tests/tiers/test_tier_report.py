@@ -19,6 +19,7 @@ from checkpoint_store import (
     session,
 )
 from checkpoint_store.retention import EveryNSteps
+from checkpoint_store.testing import session_internals
 from checkpoint_store.tiers import TIER_STATE_FILE, read_tier_state
 
 
@@ -137,7 +138,8 @@ def test_explicit_sync_upload_mode_waits_for_the_durable_copy(tmp_path):
                        local_tier=LocalTier(tmp_path / "fast")) as s:
         s.report({}, checkpoint=make_checkpoint(tmp_path, "c", _files(0)), upload_mode="sync")
         assert s.durable_index == 0
-        assert s._uploader is not None and s._uploader.pending == 0
+        assert session_internals(s).uploader is not None
+        assert session_internals(s).uploader.pending == 0
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -18,6 +18,7 @@ from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext
 from checkpoint_store.backends.local import local_backend
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
 from checkpoint_store.session import Session
+from checkpoint_store.testing import session_internals
 from checkpoint_store.testing.faults import FaultPlan, faulty_backend
 
 
@@ -74,7 +75,8 @@ def test_temporary_directory_deleted_right_after_report_is_uploaded(tmp_path) ->
         assert meta["metrics"]["step"] == meta["index"]
     s.close()
     # No staged copy is left behind.
-    assert s._uploader is not None and s._uploader.pending == 0
+    assert session_internals(s).uploader is not None
+    assert session_internals(s).uploader.pending == 0
 
 
 @pytest.mark.slow
@@ -104,15 +106,15 @@ def test_report_blocks_while_max_pending_uploads_are_pending(tmp_path) -> None:
         s.report({"step": 0}, checkpoint=Checkpoint.from_directory(d))
         first = time.perf_counter() - t0
     # report() returned while the upload (many slow storage calls) still runs.
-    assert s._uploader.pending == 1
+    assert session_internals(s).uploader.pending == 1
     assert _indices(obs) == []
     with tempfile.TemporaryDirectory() as d:
         _write_ckpt(d, 1)
         s.report({"step": 1}, checkpoint=Checkpoint.from_directory(d))
     # The second report had to wait for the first upload to commit.
     assert _indices(obs) == [0]
-    assert s._uploader.blocked_s > 0
-    assert first < s._uploader.blocked_s + 5  # sanity: the first did not block
+    assert session_internals(s).uploader.blocked_s > 0
+    assert first < session_internals(s).uploader.blocked_s + 5  # sanity: the first did not block
     s.wait()
     assert _indices(obs) == [0, 1]
     s.close()
@@ -164,7 +166,7 @@ def test_upload_error_is_raised_at_the_next_report_then_cleared(tmp_path) -> Non
         with tempfile.TemporaryDirectory() as d:
             _write_ckpt(d, i)
             s.report({"step": i}, checkpoint=Checkpoint.from_directory(d))
-    s._uploader.wait()  # let the failing upload finish, without raising
+    session_internals(s).uploader.wait()  # let the failing upload finish, without raising
     with pytest.raises(OSError, match="No space left"):
         s.report({"step": 2})
     # Raised once; the session goes on.

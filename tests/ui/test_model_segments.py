@@ -11,6 +11,7 @@ import pytest
 
 from checkpoint_store import session
 from checkpoint_store._results.writer import FLUSH_INTERVAL_ENV
+from checkpoint_store.testing import session_internals
 from checkpoint_store.ui._model import StoreView
 
 
@@ -29,14 +30,14 @@ def test_polls_follow_segments_then_the_assembled_file(root, monkeypatch) -> Non
                        trial_name="t") as s:
         for i in range(3):
             s.report({"acc": i / 10})
-        s._results.flush()
+        session_internals(s).results.flush()
         view = StoreView(uri, opts)
         first = view.trial("exp", "t")
         assert [r["acc"] for r in first["rows"]] == [0.0, 0.1, 0.2]
         cache = view._caches[("exp", "t")]
         assert len(cache.segments) == 1 and cache.file_rows == []
         s.report({"acc": 0.3})
-        s._results.flush()
+        session_internals(s).results.flush()
         grown = view.trial("exp", "t", since=3)
         assert [r["acc"] for r in grown["rows"]] == [0.3] and grown["total_rows"] == 4
         assert len(cache.segments) == 2

@@ -1,0 +1,189 @@
+"""What a report saves: the source of its checkpoint's files.
+
+- :class:`DirectorySource`: a directory the user reported (``checkpoint=``),
+  read where it is by the commit.
+- :class:`StagedCopySource`: a private copy of it, for a commit in the
+  background (``upload_mode="async"``; ``staging=``).
+- :class:`InPlaceSource`: the files are already in ``checkpoint_<index>``
+  (``next_checkpoint_dir()``; also a rank passing ``checkpoint=None`` there).
+- :class:`StateSource`: a state tree copied into shared-memory staging
+  (``report(state=...)``), written into files by the persist process.
+- :class:`EmptyPart`: a rank with no files of its own for a checkpoint other
+  ranks save.
+
+A source is opened by the reporting thread under the report lock (the index
+is known then), read by whichever thread runs the commit, and released when
+that commit ends, whatever happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+from checkpoint_store._format.layout import checkpoint_dir_name
+from checkpoint_store.checkpoint import Checkpoint
+from checkpoint_store.session._uploads import Staged, stage, staging_root
+
+__all__ = ["DirectorySource", "EmptyPart", "InPlaceSource", "Source", "StagedCopySource",
+           "StateSource", "StateStaging"]
+
+logger = logging.getLogger(__name__)
+
+
+class Source:
+    """The files of one report's checkpoint.
+
+    Attributes:
+        in_place: the files are in ``checkpoint_<index>`` already (nothing to copy).
+        state: a staged state the commit writes out (:class:`StateSource`).
+    """
+
+    in_place = False
+    state = False
+
+    def files(self) -> Checkpoint:
+        """The files to commit (on the thread that commits)."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """The commit ended (committed or not)."""
+
+
+class DirectorySource(Source):
+    def __init__(self, checkpoint: Checkpoint):
+        self._checkpoint = checkpoint
+
+    def files(self) -> Checkpoint:
+        return self._checkpoint
+
+
+class StagedCopySource(Source):
+    """A private copy of a local ``checkpoint`` (``staging``: ``"copy"``,
+    ``"hardlink"`` or ``"move"``); a checkpoint already on storage is read
+    where it is (nothing the loop could delete under us)."""
+
+    def __init__(self, checkpoint: Checkpoint, staging: str):
+        if checkpoint.is_local:
+            self._staged = stage(checkpoint.path, staging)
+            self._files = Checkpoint.from_directory(self._staged.path)
+        else:
+            self._staged = Staged(checkpoint.path, owned=False)
+            self._files = checkpoint
+
+    def files(self) -> Checkpoint:
+        return self._files
+
+    def release(self) -> None:
+        self._staged.cleanup()
+
+
+class InPlaceSource(Source):
+    in_place = True
+
+    def files(self) -> Checkpoint:
+        raise AssertionError("an in-place checkpoint has no files to copy")
+
+
+class EmptyPart(Source):
+    """A rank without files of its own for this checkpoint (``checkpoint=None``
+    under a process group): an empty directory."""
+
+    _path: str | None = None
+
+    def files(self) -> Checkpoint:
+        if EmptyPart._path is None or not os.path.isdir(EmptyPart._path):
+            EmptyPart._path = tempfile.mkdtemp(prefix="cs-empty-part-")
+        return Checkpoint.from_directory(EmptyPart._path)
+
+
+class StateSource(Source):
+    """A state staged into ``directory`` (``in_place``: that is
+    ``checkpoint_<index>`` itself, already reserved; else a local scratch
+    directory of this source's own, removed on release).
+
+    ``staged`` is a :class:`~checkpoint_store.state._staging.StagedState` (or
+    anything with its ``write_to``/``release``/``nbytes``)."""
+
+    state = True
+
+    def __init__(self, staged: Any, directory: str, in_place: bool):
+        self.staged = staged
+        self.directory = directory
+        self.in_place = in_place
+
+    @property
+    def nbytes(self) -> int:
+        return int(getattr(self.staged, "nbytes", 0) or 0)
+
+    def write(self) -> dict[str, Any]:
+        """Wait for the persist process; the tensor index (``"tensors"``)."""
+        tensors: dict[str, Any] = self.staged.write_to(record=self.in_place)
+        return tensors
+
+    def files(self) -> Checkpoint:
+        return Checkpoint.from_directory(self.directory)
+
+    def release(self) -> None:
+        release = getattr(self.staged, "release", None)
+        if release is not None:
+            release()
+        if not self.in_place:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class StateStaging:
+    """The session's shared-memory staging (:class:`~checkpoint_store.state._staging.Stager`,
+    made on the first state report, with its persist process) and how a state
+    is staged for one report.
+
+    Args:
+        budget: ``UploadConfig.staging_budget`` (bytes; None: the default).
+    """
+
+    def __init__(self, budget: int | None):
+        self._budget = budget
+        self._stager: Any = None
+
+    @property
+    def stager(self) -> Any:
+        from checkpoint_store.state._staging import Stager
+
+        if self._stager is None:
+            self._stager = Stager(self._budget)
+        return self._stager
+
+    def plan(self, state: Mapping[str, Any]) -> Any:
+        """The state's flat plan; a leaf that cannot be stored is refused here,
+        before anything waits or is written.
+
+        Raises:
+            MetadataError, UnsupportedStateError: a key or leaf of ``state``.
+        """
+        from checkpoint_store.state._staging import plan_state
+
+        return plan_state(state)
+
+    def stage(self, plan: Any, directory: str | None, index: int) -> StateSource:
+        """Copy the planned state into staging, for the persist process to
+        write into ``directory`` (None: a new scratch directory)."""
+        in_place = directory is not None
+        target = directory or tempfile.mkdtemp(prefix="state-", dir=staging_root())
+        try:
+            staged = self.stager.stage(plan, target)
+        except BaseException:
+            if not in_place:
+                shutil.rmtree(target, ignore_errors=True)
+            raise
+        logger.debug("staged %s into %s", checkpoint_dir_name(index), target)
+        return StateSource(staged, target, in_place)
+
+    def close(self) -> None:
+        """Stop the persist process (after every background save finished)."""
+        stager, self._stager = self._stager, None
+        if stager is not None:
+            stager.close()
