@@ -19,6 +19,7 @@ __all__ = [
     "CLOCK_PROBE_PREFIX",
     "COMMIT_LOCK",
     "DELETE_TOMBSTONE",
+    "EMPTY_PART_PREFIX",
     "ERROR_FILE",
     "STOPPED_FILE",
     "FORMAT_VERSION",
@@ -27,13 +28,25 @@ __all__ = [
     "INTERNAL_METADATA",
     "INTERNAL_PREFIX",
     "LEASE_FILE",
+    "LIGHTNING_STAGING_PREFIX",
+    "LOCAL_TIER_POINTER_PREFIX",
     "MANAGER_STATE",
     "STATE_FORMAT_VERSION",
     "NAME_MAX",
     "PARAMS_FILE",
+    "POINTER_FILE",
     "RESULT_FILE",
     "RESULT_SEGMENTS_DIR",
+    "SHARED_STAGING_NAME",
+    "SHARED_STAGING_PREFIX",
+    "STAGED_COPY_PREFIX",
+    "STAGING_ROOT_NAME",
+    "STATE_STAGING_PREFIX",
+    "TEMP_FILE_PREFIX",
+    "TIER_EXCHANGE_PREFIX",
+    "TIER_STATE_FILE",
     "USER_METADATA",
+    "WRITTEN_STATE_RECORD",
     "DownloadHelperKind",
     "abort_file_name",
     "attempt_file_name",
@@ -52,6 +65,8 @@ __all__ = [
     "is_internal_file",
     "is_internal_name",
     "is_legacy_temp_file_name",
+    "is_local_tier_pointer_name",
+    "is_temp_file_name",
     "is_written_record",
     "parse_checkpoint_dir_name",
     "parse_state_chunk_name",
@@ -62,14 +77,19 @@ __all__ = [
     "parse_result_segment_name",
     "parse_staging_dir_name",
     "parse_temp_file_name",
+    "parse_tier_exchange_name",
+    "local_tier_pointer_name",
+    "local_tier_rank_dir_name",
     "rank_marker_name",
     "refuse_reserved",
     "replace_dir_name",
     "result_segment_name",
+    "share_dir_prefix",
     "staging_dir_name",
     "state_chunk_name",
     "state_log_name",
     "temp_file_name",
+    "tier_exchange_name",
     "validate_component",
     "written_record_name",
 ]
@@ -132,6 +152,11 @@ def written_record_name(part: str) -> str:
 def is_written_record(name: str) -> bool:
     """True for a name built by :func:`written_record_name`."""
     return _WRITTEN_RE.match(name) is not None
+
+
+#: ``.cs_written-state.json``: the record a state's writer leaves beside the
+#: files it wrote (checkpoint_store/state/_staging.py).
+WRITTEN_STATE_RECORD = written_record_name("state")
 
 
 def is_internal_name(name: str) -> bool:
@@ -333,6 +358,9 @@ DELETE_TOMBSTONE = f"{INTERNAL_PREFIX}deleting"
 COMMIT_LOCK = f"{INTERNAL_PREFIX}commit.lock"
 #: The retention manager's lease (``<trial>/.cs_manager_lease.json``).
 LEASE_FILE = f"{INTERNAL_PREFIX}manager_lease.json"
+#: Inside a re-saved path (Lightning's ``last.ckpt``): the name of the
+#: ``.cs_replace-*`` sibling that holds its checkpoint (docs/format.md).
+POINTER_FILE = f"{INTERNAL_PREFIX}current"
 
 
 # -- retention state: log records and snapshot chunks ---------------------------
@@ -449,6 +477,17 @@ def is_abort_file_name(name: str) -> bool:
     return name.startswith(_ABORT)
 
 
+#: The start of every temporary file of ours on a local disk: a
+#: :func:`temp_file_name`, or a ``tempfile.mkstemp`` name beside the local
+#: tier's state file (``.cs_tmp-<random>``).
+TEMP_FILE_PREFIX = _TMP
+
+
+def is_temp_file_name(name: str) -> bool:
+    """True for a name under :data:`TEMP_FILE_PREFIX` (either kind of temporary file)."""
+    return name.startswith(TEMP_FILE_PREFIX)
+
+
 def temp_file_name(base: str, writer_tag: str, token: str) -> str:
     """``.cs_tmp-<base>-<writer tag>-<token>``: an atomic write's temporary
     sibling of ``base`` (local disks)."""
@@ -509,3 +548,74 @@ def parse_download_helper_name(name: str, base: str) -> tuple[DownloadHelperKind
     if download_helper_name(kind, base, tag, token) != name:
         return None
     return kind, tag
+
+
+# -- the local tier (docs/format.md, "Local tier") --------------------------------
+
+#: The local tier's state file, in its trial directory (``<path>/<experiment>/
+#: <trial>/``, or ``.../rank_<rank>/`` with several ranks).
+TIER_STATE_FILE = f"{INTERNAL_PREFIX}tier_state.json"
+#: ``<trial>/.cs_local_tier-<host>-<rank>.json`` in the persistent tier's trial
+#: directory: where that host and rank keep their local tier.
+LOCAL_TIER_POINTER_PREFIX = f"{INTERNAL_PREFIX}local_tier-"
+#: ``<trial>/.cs_tier-<attempt>-<rank>.json`` in the persistent tier's trial
+#: directory: one rank's local copies, told to the others at start (several
+#: ranks without a process group).
+TIER_EXCHANGE_PREFIX = f"{INTERNAL_PREFIX}tier-"
+_TIER_EXCHANGE_RE = re.compile(rf"^{re.escape(TIER_EXCHANGE_PREFIX)}(.+)-(\d+)\.json$")
+
+
+def local_tier_rank_dir_name(rank: int) -> str:
+    """``rank_<rank>``: one rank's part of a local tier's trial directory (several ranks)."""
+    return f"rank_{rank}"
+
+
+def local_tier_pointer_name(host: str, rank: int) -> str:
+    """``.cs_local_tier-<host>-<rank>.json`` (``host``: 64 characters of ``[A-Za-z0-9_.-]``)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", host)[:64] or "host"
+    return f"{LOCAL_TIER_POINTER_PREFIX}{safe}-{rank}.json"
+
+
+def is_local_tier_pointer_name(name: str) -> bool:
+    """True for a :func:`local_tier_pointer_name` (any host and rank)."""
+    return name.startswith(LOCAL_TIER_POINTER_PREFIX) and name.endswith(".json")
+
+
+def tier_exchange_name(attempt_id: str, rank: int) -> str:
+    """``.cs_tier-<attempt>-<rank>.json``: one rank's local-tier report in one attempt."""
+    return f"{TIER_EXCHANGE_PREFIX}{attempt_id}-{rank}.json"
+
+
+def parse_tier_exchange_name(name: str) -> tuple[str, int] | None:
+    """``(attempt id, rank)`` of a :func:`tier_exchange_name`, or None for any other name."""
+    m = _TIER_EXCHANGE_RE.match(name)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+# -- scratch names on this machine, never on storage --------------------------------
+# Directories and files a process makes for itself: under the staging root
+# (``CHECKPOINT_STORE_STAGING_DIR``, else ``<tmp>/checkpoint_store_staging``),
+# in the system temporary directory, or in shared memory. ``tempfile`` adds a
+# random tail to each prefix; nothing reads them back by name.
+
+#: The staging root's name in the system temporary directory.
+STAGING_ROOT_NAME = "checkpoint_store_staging"
+#: A checkpoint's private copy for a background upload, in the staging root.
+STAGED_COPY_PREFIX = "stage-"
+#: The local directory a state is written to before its upload, in the staging root.
+STATE_STAGING_PREFIX = "state-"
+#: A Lightning checkpoint's tensors staged for an async save, in the staging root.
+LIGHTNING_STAGING_PREFIX = "lightning-"
+#: The empty directory a rank with no files of its own reports as its part
+#: (system temporary directory).
+EMPTY_PART_PREFIX = "cs-empty-part-"
+#: The shared memory of a state's staging buffers: the ``memfd_create`` name.
+SHARED_STAGING_NAME = "checkpoint-store-staging"
+#: The same, as an unlinked file's prefix on ``/dev/shm`` where there is no ``memfd_create``.
+SHARED_STAGING_PREFIX = f"{SHARED_STAGING_NAME}-"
+
+
+def share_dir_prefix(name: str) -> str:
+    """``.cs-share-<name>-``: the prefix of a directory of hard links to some
+    files of the local directory ``<name>``, made beside it (Hugging Face)."""
+    return f".cs-share-{name}-"
