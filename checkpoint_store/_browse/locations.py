@@ -24,9 +24,12 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from checkpoint_store._format.layout import (
     INTERNAL_METADATA,
     MANAGER_STATE,
+    POINTER_FILE,
     RESULT_SEGMENTS_DIR,
+    TIER_STATE_FILE,
     TRIAL_FILES,
     is_internal_name,
+    is_local_tier_pointer_name,
     parse_checkpoint_dir_name,
     parse_staging_dir_name,
 )
@@ -172,20 +175,17 @@ def looks_like_trial(entries: Iterable[tuple[str, bool]], loc: Location | None =
     """Whether a directory with these :func:`list_entries` is a trial: it holds a
     trial file, ``result.json`` segments, a checkpoint being written or a
     ``checkpoint_NNNNNN`` directory;
-    a local tier's pointer (checkpoint_store/tiers/view.py) or state file
+    a local tier's pointer (:func:`is_local_tier_pointer_name`) or state file
     (a local tier's own trial directory);
     given its ``loc``, also one holding a directory with a commit marker under
     any other name (Ray Train names the checkpoints ``CommitCallback`` commits)."""
-    from checkpoint_store.tiers.statefile import TIER_STATE_FILE
-    from checkpoint_store.tiers.view import LOCAL_TIER_POINTER_PREFIX
-
     entries = list(entries)
     for name, is_dir in entries:
         if name in TRIAL_FILES or parse_staging_dir_name(name) is not None:
             return True
         if is_dir and name == RESULT_SEGMENTS_DIR:  # a run that died before result.json
             return True
-        if not is_dir and name.startswith(LOCAL_TIER_POINTER_PREFIX):
+        if not is_dir and is_local_tier_pointer_name(name):
             return True  # a run with a local tier, its first durable copy pending
         if not is_dir and name == TIER_STATE_FILE:
             return True  # a local tier's own trial directory, none committed yet
@@ -198,8 +198,6 @@ def _otherwise_named(loc: Location, entries: Iterable[tuple[str, bool]]) -> Iter
     """Names of the child directories of ``loc`` holding a commit marker although
     not named ``checkpoint_NNNNNN``: the marker, not the name, makes a checkpoint.
     A directory holding a pointer (:func:`follow`) counts too."""
-    from checkpoint_store._commit.pointer import POINTER_FILE
-
     for name, is_dir in entries:
         if is_dir and not is_internal_name(name) \
                 and parse_checkpoint_dir_name(name) is None \
@@ -331,7 +329,6 @@ def not_committed(
 def _pointer_fault(loc: Location) -> Inspection | None:
     """An ``"invalid"`` inspection of ``loc`` when its pointer (``.cs_current``)
     names no replacement of it: another tool or a hand edit wrote it."""
-    from checkpoint_store._commit.pointer import POINTER_FILE
     from checkpoint_store._util.inspect import Inspection
 
     if not _fsutil.exists(loc.fs, posixpath.join(loc.path, POINTER_FILE)):
