@@ -38,10 +38,10 @@ which calls it (this package never imports the session).
 
 from __future__ import annotations
 
+from checkpoint_store._format.layout import TIER_STATE_FILE
 from checkpoint_store.tiers.config import LocalTier, PersistPolicy, check_local_tier
 from checkpoint_store.tiers.local import FastTier
 from checkpoint_store.tiers.statefile import (
-    TIER_STATE_FILE,
     DurableStatus,
     TierEntry,
     local_trial_dir,

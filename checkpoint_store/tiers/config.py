@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from checkpoint_store._format.layout import checkpoint_dir_name
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.retention.policies import PolicyCheckpoint, RetentionPolicy, _answer
 
@@ -115,7 +116,7 @@ class LocalTier:
         if p is None:
             return True
         if isinstance(p, RetentionPolicy):
-            this = PolicyCheckpoint(index, f"checkpoint_{index:06d}", dict(metrics), created_at)
+            this = PolicyCheckpoint(index, checkpoint_dir_name(index), dict(metrics), created_at)
             given = [this] if previous is None or previous.index == index else [previous, this]
             return index in _answer(p, given)
         try:

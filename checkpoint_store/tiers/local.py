@@ -32,8 +32,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from checkpoint_store._format.layout import (
-    INTERNAL_PREFIX,
+    TIER_STATE_FILE,
     checkpoint_dir_name,
+    is_temp_file_name,
+    local_tier_rank_dir_name,
     parse_checkpoint_dir_name,
 )
 from checkpoint_store.checkpoint import Checkpoint, written_metadata
@@ -51,7 +53,6 @@ from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers.config import LocalTier
 from checkpoint_store.tiers.eviction import TierRetention
 from checkpoint_store.tiers.statefile import (
-    TIER_STATE_FILE,
     TIER_STATE_VERSION,
     DurableStatus,
     TierEntry,
@@ -63,8 +64,8 @@ from checkpoint_store.tiers.statefile import (
 )
 from checkpoint_store.tiers.verify import TierVerification
 
-__all__ = ["TIER_STATE_FILE", "DurableStatus", "FastTier", "TierEntry", "local_trial_dir",
-           "read_tier_state", "source_bytes"]
+__all__ = ["DurableStatus", "FastTier", "TierEntry", "local_trial_dir", "read_tier_state",
+           "source_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,8 @@ class FastTier(TierRetention, TierVerification):
         exp, trial = durable.experiment_name, durable.trial_name
         if world_size > 1:
             self.storage = StorageContext(os.path.join(config.path, exp), trial,
-                                          f"rank_{world_rank}", fsync=config.fsync, run_id=run_id)
+                                          local_tier_rank_dir_name(world_rank),
+                                          fsync=config.fsync, run_id=run_id)
         else:
             self.storage = StorageContext(config.path, exp, trial, fsync=config.fsync,
                                           run_id=run_id)
@@ -175,7 +177,7 @@ class FastTier(TierRetention, TierVerification):
         except Exception as exc:  # a leftover never stops a run from starting
             logger.warning("cleanup of the local tier %s failed: %s", self.trial_dir, exc)
         for name in os.listdir(self.trial_dir):  # a state write a kill cut short
-            if name.startswith(f"{INTERNAL_PREFIX}tmp-"):
+            if is_temp_file_name(name):
                 try:
                     os.unlink(os.path.join(self.trial_dir, name))
                 except OSError:

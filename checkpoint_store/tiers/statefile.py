@@ -16,14 +16,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from checkpoint_store._format.layout import INTERNAL_PREFIX, checkpoint_dir_name
+from checkpoint_store._format.layout import (
+    TEMP_FILE_PREFIX,
+    TIER_STATE_FILE,
+    checkpoint_dir_name,
+    local_tier_rank_dir_name,
+)
 
-__all__ = ["TIER_STATE_FILE", "TIER_STATE_VERSION", "DurableStatus", "TierEntry",
-           "local_trial_dir", "read_tier_state"]
+__all__ = ["TIER_STATE_VERSION", "DurableStatus", "TierEntry", "local_trial_dir",
+           "read_tier_state"]
 
-#: The local tier's state file, in ``<tier path>/<experiment>/<trial>/``
-#: (``.../rank_<rank>/`` with several ranks); docs/format.md, "Local tier".
-TIER_STATE_FILE = f"{INTERNAL_PREFIX}tier_state.json"
 TIER_STATE_VERSION = 1
 
 #: Where a checkpoint of the local tier stands with the persistent tier:
@@ -61,7 +63,7 @@ def local_trial_dir(path: str, experiment_name: str, trial_name: str, *, world_r
     """Where a local tier at ``path`` keeps a trial's copies (a local path):
     ``<path>/<experiment>/<trial>``, with several ranks ``.../rank_<rank>``."""
     trial = os.path.join(path, experiment_name, trial_name)
-    return os.path.join(trial, f"rank_{world_rank}") if world_size > 1 else trial
+    return os.path.join(trial, local_tier_rank_dir_name(world_rank)) if world_size > 1 else trial
 
 
 def read_tier_state(trial_dir: str) -> dict[int, TierEntry] | None:
@@ -98,7 +100,7 @@ def _read_evicting(trial_dir: str) -> set[int]:
 
 
 def _write_atomic(path: str, data: bytes, fsync: bool) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f"{INTERNAL_PREFIX}tmp-", dir=os.path.dirname(path))
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_FILE_PREFIX, dir=os.path.dirname(path))
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

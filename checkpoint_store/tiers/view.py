@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import posixpath
-import re
 import socket
 import time
 from collections.abc import Iterable, Mapping
@@ -27,17 +26,17 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store._format.layout import INTERNAL_PREFIX
+from checkpoint_store._format.layout import (
+    TIER_STATE_FILE,
+    is_local_tier_pointer_name,
+    local_tier_pointer_name,
+)
 from checkpoint_store._util import fs as _fsutil
-from checkpoint_store.tiers.statefile import TIER_STATE_FILE, read_tier_state
+from checkpoint_store.tiers.statefile import read_tier_state
 
-__all__ = ["LOCAL_TIER_POINTER_PREFIX", "TierView", "describe", "local_tier_views",
-           "record_local_tier", "tier_state_view"]
+__all__ = ["TierView", "describe", "local_tier_views", "record_local_tier", "tier_state_view"]
 
 logger = logging.getLogger(__name__)
-
-#: ``.cs_local_tier-<host>-<rank>.json`` in the durable trial directory.
-LOCAL_TIER_POINTER_PREFIX = f"{INTERNAL_PREFIX}local_tier-"
 
 #: What a checkpoint's durable copy is, as ``ls``, ``show`` and the page say it:
 #: ``committed`` (on the storage_path), ``pending`` (selected, its copy not
@@ -68,10 +67,6 @@ class TierView:
                 "visible": self.visible}
 
 
-def _safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:64] or "host"
-
-
 def record_local_tier(fs: pafs.FileSystem, trial_path: str, tier_trial_dir: str, rank: int,
                       caps: Any) -> None:
     """Write (or refresh) the pointer from the durable trial ``trial_path`` on
@@ -80,7 +75,7 @@ def record_local_tier(fs: pafs.FileSystem, trial_path: str, tier_trial_dir: str,
     host = socket.gethostname()
     body = {"version": 1, "host": host, "rank": rank, "path": os.path.abspath(tier_trial_dir),
             "updated_at": time.time()}
-    path = posixpath.join(trial_path, f"{LOCAL_TIER_POINTER_PREFIX}{_safe(host)}-{rank}.json")
+    path = posixpath.join(trial_path, local_tier_pointer_name(host, rank))
     try:
         _fsutil.write_bytes(fs, path, json.dumps(body).encode(), caps, fsync=False)
     except Exception as exc:  # the tier works without it
@@ -111,8 +106,7 @@ def local_tier_views(fs: pafs.FileSystem, trial_path: str,
         names = [posixpath.basename(fi.path.rstrip("/")) for fi in _fsutil.list_dir(fs, trial_path)]
     here = socket.gethostname()
     out = []
-    for name in sorted(n for n in names if n.startswith(LOCAL_TIER_POINTER_PREFIX)
-                       and n.endswith(".json")):
+    for name in sorted(n for n in names if is_local_tier_pointer_name(n)):
         try:
             body = json.loads(_fsutil.read_bytes(fs, posixpath.join(trial_path, name)))
             path, host, rank = str(body["path"]), str(body["host"]), int(body["rank"])
