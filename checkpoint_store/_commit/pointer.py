@@ -14,15 +14,12 @@ import posixpath
 
 import pyarrow.fs as pafs
 
-from checkpoint_store._format.layout import INTERNAL_PREFIX, replace_dir_name
+from checkpoint_store._format.layout import POINTER_FILE, replace_dir_name
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.errors import CheckpointCorruptError
 
 __all__ = ["POINTER_FILE", "is_replacement_of", "pointed_name", "pointed_path", "stem"]
-
-#: Inside a re-saved path: the name of the sibling that holds its checkpoint.
-POINTER_FILE = f"{INTERNAL_PREFIX}current"
 
 
 def stem(sibling: str) -> str:
