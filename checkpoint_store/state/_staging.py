@@ -45,6 +45,11 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from checkpoint_store._format.layout import (
+    SHARED_STAGING_NAME,
+    SHARED_STAGING_PREFIX,
+    WRITTEN_STATE_RECORD,
+)
 from checkpoint_store.errors import InvalidConfigError, PersistProcessError
 from checkpoint_store.state._tree import FlatState
 
@@ -62,8 +67,6 @@ MiB = 1 << 20
 #: The largest piece copied and written at once (smaller with a small budget).
 PIECE_BYTES = 32 * MiB
 _ALIGN = 64
-#: The written record the commit reads the files' CRC32C from.
-WRITTEN_RECORD = ".cs_written-state.json"
 
 
 def default_staging_budget() -> int:
@@ -384,12 +387,12 @@ def _shared_fd(size: int) -> int:
     """A file descriptor of ``size`` bytes of shared memory with no name left
     anywhere (``memfd_create``, else an unlinked file on /dev/shm)."""
     if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("checkpoint-store-staging", os.MFD_CLOEXEC)
+        fd = os.memfd_create(SHARED_STAGING_NAME, os.MFD_CLOEXEC)
     else:  # pragma: no cover - not Linux
         import tempfile
 
         root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, path = tempfile.mkstemp(prefix="checkpoint-store-staging-", dir=root)
+        fd, path = tempfile.mkstemp(prefix=SHARED_STAGING_PREFIX, dir=root)
         os.unlink(path)
     try:
         os.ftruncate(fd, size)
@@ -505,7 +508,7 @@ class StagedState:
         if os.path.abspath(dst) != os.path.abspath(src):
             _move_files(src, dst, [f["path"] for f in files])
         if record:
-            with open(os.path.join(dst, WRITTEN_RECORD), "w") as f:
+            with open(os.path.join(dst, WRITTEN_STATE_RECORD), "w") as f:
                 json.dump({"files": files}, f)
         return index
 
