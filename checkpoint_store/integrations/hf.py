@@ -68,6 +68,7 @@ from checkpoint_store._format.layout import (
     download_lock_name,
     download_marker_name,
     is_internal_file,
+    share_dir_prefix,
 )
 from checkpoint_store._util.inspect import verify_files
 from checkpoint_store.checkpoint import Checkpoint
@@ -162,7 +163,7 @@ def _share(directory: str, rels: list[str]) -> Iterator[Checkpoint | None]:
         return
     parent, name = os.path.split(directory.rstrip(os.sep))
     # Not "checkpoint-*": out of reach of HF's resume lookup and rotation.
-    share = tempfile.mkdtemp(prefix=f".cs-share-{name}-", dir=parent)
+    share = tempfile.mkdtemp(prefix=share_dir_prefix(name), dir=parent)
     try:
         for rel in rels:
             src, dst = os.path.join(directory, rel), os.path.join(share, rel)

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from checkpoint_store._format.layout import LIGHTNING_STAGING_PREFIX
 from checkpoint_store.session._uploads import staging_root
 
 __all__ = ["StagedSnapshot", "snapshot"]
@@ -108,7 +109,7 @@ def snapshot(checkpoint: Mapping[str, Any], stager: Any) -> StagedSnapshot:
         return _Slot(name)
 
     skeleton = apply_to_collection(dict(checkpoint), torch.Tensor, place)
-    directory = tempfile.mkdtemp(prefix="lightning-", dir=staging_root())
+    directory = tempfile.mkdtemp(prefix=LIGHTNING_STAGING_PREFIX, dir=staging_root())
     try:
         staged = stager.stage(flat, directory) if flat else None
     except BaseException:
