@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from checkpoint_store._browse.locations import Location
+from checkpoint_store._format.layout import checkpoint_dir_name
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.tiers.view import (
     TierView,
@@ -64,7 +65,7 @@ def annotate_rows(trial: Location, rows: list[dict[str, Any]], tiers: list[TierV
         meta = _local_meta(view, index)
         if meta is None:
             continue
-        name = f"checkpoint_{index:06d}"
+        name = checkpoint_dir_name(index)
         row = {"index": index, "name": name, "uri": f"{view.path}/{name}",
                "created_at": meta.get("created_at"),
                "score": metric_value(meta.get("metrics") or {}, metric) if metric else None}

@@ -22,6 +22,7 @@ from checkpoint_store._browse.locations import (
 )
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
+    checkpoint_dir_name,
     parse_checkpoint_dir_name,
     validate_component,
 )
@@ -358,7 +359,7 @@ def _add_tiers(rows: list[dict[str, Any]], cache: _TrialCache) -> None:
     for t in cache.tiers:
         for index in sorted(set(t.status) - known):  # its row not read yet
             known.add(index)
-            rows.append({"name": f"checkpoint_{index:06d}", "index": index, "kind": LOCAL,
+            rows.append({"name": checkpoint_dir_name(index), "index": index, "kind": LOCAL,
                          "is_best": False, "rank": None, "is_latest": False, "score": None,
                          "size": None, "files": None, "created_at": None, "iteration": None,
                          **describe(index, False, cache.tiers)})
