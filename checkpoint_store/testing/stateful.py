@@ -37,7 +37,11 @@ from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from checkpoint_store._format.layout import MANAGER_STATE, checkpoint_dir_name
+from checkpoint_store._format.layout import (
+    MANAGER_STATE,
+    checkpoint_dir_name,
+    parse_state_log_name,
+)
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.retention import CheckpointConfig, CheckpointManager
@@ -360,7 +364,7 @@ class StateLogMachine(RuleBasedStateMachine):
         fs, trial = self.storage.filesystem, self.storage.trial_path
         for fi in _fsutil.list_dir(fs, trial):
             name = posixpath.basename(fi.path)
-            if name.startswith(".cs_state-log-") and name not in self.folded:
+            if parse_state_log_name(name) is not None and name not in self.folded:
                 self.folded[name] = _fsutil.read_bytes(fs, fi.path)
 
     def _write(self, fn: Any) -> bool:
@@ -432,7 +436,7 @@ class StateLogMachine(RuleBasedStateMachine):
         """A record a snapshot folded in is back (its delete was cut short)."""
         root, _ = StateLog(self.storage)._read_root()
         seq = root["seq"] if root else 0
-        old = sorted(n for n in self.folded if int(n[len(".cs_state-log-"):-5]) <= seq)
+        old = sorted(n for n in self.folded if (parse_state_log_name(n) or 0) <= seq)
         if not old:
             return
         name = old[pick % len(old)]

@@ -14,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint_store._format.layout import INTERNAL_METADATA
+from checkpoint_store._format.layout import (
+    INTERNAL_METADATA,
+    MANAGER_STATE,
+    PARAMS_FILE,
+    RESULT_FILE,
+)
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint
@@ -259,5 +264,5 @@ class CheckpointTests(BackendFixtures):
             f"zero-byte objects not written by the user: {zero}"
         )
         ours = [k for k in objects if posixpath.basename(k) in (
-            INTERNAL_METADATA, "result.json", "params.json", ".checkpoint_manager.json")]
+            INTERNAL_METADATA, RESULT_FILE, PARAMS_FILE, MANAGER_STATE)]
         assert ours and all(objects[k] > 0 for k in ours)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
+from checkpoint_store._format.layout import USER_METADATA
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint
@@ -124,7 +125,7 @@ class ContainmentTests(BackendFixtures):
         c1 = ctx.persist_checkpoint(Checkpoint.from_directory(c1_src), 1, {})
         target = tmp_path / "dl" / ("d" * 241)
         c0.to_directory(target)
-        assert sorted(os.listdir(target)) == [".user_metadata.json", "model.pt", "optimizer.pt"]
+        assert sorted(os.listdir(target)) == [USER_METADATA, "model.pt", "optimizer.pt"]
         c1.to_directory(target)
         assert read_tree(target) == read_tree(c1_src)
         assert all(len(n.encode()) <= 255 for n in os.listdir(tmp_path / "dl"))
