@@ -21,3 +21,34 @@ def test_ruff_clean():
         cwd=ROOT, capture_output=True, text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _session_reaches() -> tuple[list[str], list[str]]:
+    """``(parameters typed as the session's Any, reaches of session._x outside
+    the module that owns the Session)`` in the package."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    owner = root / "checkpoint_store" / "session" / "_session.py"
+    untyped, reaches = [], []
+    for path in sorted((root / "checkpoint_store").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        rel = path.relative_to(root)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.arg) and node.arg in ("session", "sess"):
+                ann = node.annotation
+                if ann is None or (isinstance(ann, ast.Name) and ann.id == "Any") or (
+                        isinstance(ann, ast.Constant) and ann.value == "Any"):
+                    untyped.append(f"{rel}:{node.lineno} {node.arg}")
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in ("session", "sess") and node.attr.startswith("_")
+                    and not node.attr.startswith("__") and path != owner):
+                reaches.append(f"{rel}:{node.lineno} {node.value.id}.{node.attr}")
+    return untyped, reaches
+
+
+def test_no_function_takes_the_session_as_any_nor_reaches_into_it() -> None:
+    untyped, reaches = _session_reaches()
+    assert untyped == [], "type the parameter (or pass the part it needs): " + ", ".join(untyped)
+    assert reaches == [], "go through a method of the owner: " + ", ".join(reaches)

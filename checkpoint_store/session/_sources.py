@@ -25,7 +25,11 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from checkpoint_store._format.layout import checkpoint_dir_name
+from checkpoint_store._format.layout import (
+    EMPTY_PART_PREFIX,
+    STATE_STAGING_PREFIX,
+    checkpoint_dir_name,
+)
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.session._uploads import Staged, stage, staging_root
 
@@ -97,7 +101,7 @@ class EmptyPart(Source):
 
     def files(self) -> Checkpoint:
         if EmptyPart._path is None or not os.path.isdir(EmptyPart._path):
-            EmptyPart._path = tempfile.mkdtemp(prefix="cs-empty-part-")
+            EmptyPart._path = tempfile.mkdtemp(prefix=EMPTY_PART_PREFIX)
         return Checkpoint.from_directory(EmptyPart._path)
 
 
@@ -172,7 +176,7 @@ class StateStaging:
         """Copy the planned state into staging, for the persist process to
         write into ``directory`` (None: a new scratch directory)."""
         in_place = directory is not None
-        target = directory or tempfile.mkdtemp(prefix="state-", dir=staging_root())
+        target = directory or tempfile.mkdtemp(prefix=STATE_STAGING_PREFIX, dir=staging_root())
         try:
             staged = self.stager.stage(plan, target)
         except BaseException:

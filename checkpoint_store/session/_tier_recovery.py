@@ -20,9 +20,10 @@ from typing import Any
 
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
-    INTERNAL_PREFIX,
     checkpoint_dir_name,
     parse_checkpoint_dir_name,
+    parse_tier_exchange_name,
+    tier_exchange_name,
 )
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.checkpoint import Checkpoint
@@ -37,9 +38,6 @@ from checkpoint_store.tiers import FastTier
 __all__ = ["checkpoint_index", "newest_local", "open_tier", "wait_durable"]
 
 logger = logging.getLogger("checkpoint_store.session._tiered")
-
-_EXCHANGE_PREFIX = f"{INTERNAL_PREFIX}tier-"
-
 
 def open_tier(target: TieredTarget, ledger: ReportLedger, recorder: CommitRecorder,
               coordinator: Coordinator | None, run_id: str, world_size: int) -> None:
@@ -119,11 +117,10 @@ def _exchange(coord: Coordinator, mine: dict[str, Any]) -> list[dict[str, Any]]:
     attempt = coord.attempt_id
     if coord.rank == 0:  # files of earlier attempts
         for fi in _fsutil.list_dir(fs, trial):
-            name = posixpath.basename(fi.path)
-            if name.startswith(_EXCHANGE_PREFIX) and not name.startswith(
-                    f"{_EXCHANGE_PREFIX}{attempt}-"):
+            parsed = parse_tier_exchange_name(posixpath.basename(fi.path))
+            if parsed is not None and parsed[0] != attempt:
                 _fsutil.delete_file(fs, fi.path)
-    own = posixpath.join(trial, f"{_EXCHANGE_PREFIX}{attempt}-{coord.rank}.json")
+    own = posixpath.join(trial, tier_exchange_name(attempt, coord.rank))
     _fsutil.write_bytes(fs, own, _json.dumps(mine), caps, fsync=storage.fsync)
     bodies: dict[int, dict[str, Any]] = {}
     backoff = Backoff(coord.timeout_s)
@@ -131,7 +128,7 @@ def _exchange(coord: Coordinator, mine: dict[str, Any]) -> list[dict[str, Any]]:
         for r in range(coord.world_size):
             if r in bodies:
                 continue
-            path = posixpath.join(trial, f"{_EXCHANGE_PREFIX}{attempt}-{r}.json")
+            path = posixpath.join(trial, tier_exchange_name(attempt, r))
             try:
                 body = _json.loads(_fsutil.read_bytes(fs, path))
             except (FileNotFoundError, ValueError, OSError):

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from checkpoint_store._format.layout import STAGED_COPY_PREFIX, STAGING_ROOT_NAME
 from checkpoint_store.retention.upload_config import STAGING_MODES as STAGING_MODES
 from checkpoint_store.retention.upload_config import UPLOAD_MODES as UPLOAD_MODES
 from checkpoint_store.retention.upload_config import StagingMode as StagingMode
@@ -61,7 +62,7 @@ ENV_STAGING_DIR = "CHECKPOINT_STORE_STAGING_DIR"
 def staging_root() -> str:
     """The directory staged checkpoints go to (created on demand)."""
     root = os.environ.get(ENV_STAGING_DIR) or os.path.join(
-        tempfile.gettempdir(), "checkpoint_store_staging"
+        tempfile.gettempdir(), STAGING_ROOT_NAME
     )
     os.makedirs(root, exist_ok=True)
     return root
@@ -114,7 +115,7 @@ def stage(src_dir: str, mode: str = "copy", *, root: str | None = None) -> Stage
     # Every name checked now, as the upload would (a symlink cycle, a name no
     # store keeps): refused in report(), not later in the background.
     files = source_files(pafs.LocalFileSystem(), src_dir)
-    dst = tempfile.mkdtemp(prefix="stage-", dir=root or staging_root())
+    dst = tempfile.mkdtemp(prefix=STAGED_COPY_PREFIX, dir=root or staging_root())
     try:
         if mode == "move":
             _move_contents(src_dir, dst)
@@ -311,51 +312,3 @@ def first_error(errors: list[tuple[str, BaseException]]) -> BaseException | None
     if hasattr(exc, "add_note"):
         exc.add_note(note)
     return exc
-
-
-def report_async(
-    session: Any, uploader: BackgroundUploader, metrics: Any, checkpoint: Any, staging: str
-) -> tuple[dict[str, Any], None]:
-    """The ``upload_mode="async"`` half of ``Session.report`` (one rank).
-
-    Only the staging and the queueing live here; the row, the counters and
-    what a commit does to retention and ``get_checkpoint()`` are the
-    session's, shared with the sync path. The result row is written at once,
-    naming the checkpoint directory the upload will commit: a row's
-    ``checkpoint_dir_name`` says which checkpoint the report asked for, not
-    that it is committed (only the commit marker says that; retention,
-    ``get_checkpoint()`` and every reader go by it). The row of a checkpoint
-    whose upload fails names a directory that is never committed (readers
-    skip it); the error is raised by the next ``report()``, ``wait()`` or the
-    end of the session, and logged, naming the checkpoint, by the exit of a
-    process that never ended its session.
-    """
-    from checkpoint_store.checkpoint import Checkpoint
-    from checkpoint_store.errors import CheckpointStoreError
-
-    check_staging(staging)
-    # Refused metrics or score: raised before waiting for a slot or staging.
-    session._prepare_row(metrics, checkpoint, validate_score=True)
-    uploader.reserve()
-    uploader.raise_error()  # the upload waited for may just have failed
-    with session._lock:
-        if session._closed:
-            raise CheckpointStoreError("this session has ended; start a new one to report")
-        row = session._prepare_row(metrics, checkpoint, validate_score=True)
-        if checkpoint.is_local:
-            staged = stage(checkpoint.path, staging)
-            source = Checkpoint.from_directory(staged.path)
-        else:  # already on storage: nothing the loop could delete under us
-            staged = Staged(checkpoint.path, owned=False)
-            source = checkpoint
-        index = session._next_index
-        internal = session._checkpoint_internal(row, index)
-        session._next_index = index + 1
-        session._accept_row(row)
-        # Only once committed may retention delete an older checkpoint.
-        uploader.submit(lambda: session._commit(source, index, internal, row),
-                        staged.cleanup, row["checkpoint_dir_name"])
-        if session._results is not None:
-            session._results.append(row)
-            session._results.flush()  # a checkpoint report: its row goes out now
-    return row, None

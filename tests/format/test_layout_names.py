@@ -316,19 +316,7 @@ SYSTEM_TEMP_SCRATCH = {
 #: Names session/ still spells while its modules are being rewritten; each goes
 #: when session/ takes the layout name in brackets. Empty this set as they do:
 #: the second test below fails for an entry that is no longer found.
-PENDING_SESSION_SWITCHES = {
-    # -> TIER_EXCHANGE_PREFIX / tier_exchange_name / parse_tier_exchange_name
-    ("checkpoint_store/session/_tiered.py", "built on INTERNAL_PREFIX: f'{INTERNAL_PREFIX}tier-'"),
-    # -> EMPTY_PART_PREFIX
-    ("checkpoint_store/session/_tiered.py", "temporary name: 'cs-empty-part-'"),
-    # -> STATE_STAGING_PREFIX
-    ("checkpoint_store/session/_state_report.py", "temporary name: 'state-'"),
-    # -> STAGED_COPY_PREFIX
-    ("checkpoint_store/session/_uploads.py", "temporary name: 'stage-'"),
-    # -> STAGING_ROOT_NAME
-    ("checkpoint_store/session/_uploads.py",
-     "spelled STAGING_ROOT_NAME: 'checkpoint_store_staging'"),
-}
+PENDING_SESSION_SWITCHES: set[tuple[str, str]] = set()
 
 
 def _found() -> set[tuple[str, str]]:

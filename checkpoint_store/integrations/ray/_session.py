@@ -82,35 +82,35 @@ class RaySession:
         import ray.tune
         from ray.train._internal.session import get_session
 
-        sess = get_session()
-        row = self._tune_row(clean, sess)
+        tune_session = get_session()
+        row = self._tune_row(clean, tune_session)
         if checkpoint is None:
             ray.tune.report(clean)
             return row
-        _commit_for_tune(sess, checkpoint, row)
+        _commit_for_tune(tune_session, checkpoint, row)
         with tempfile.TemporaryDirectory(prefix="cs-ray-") as empty:
             # Tune records the directory we committed; there is nothing left to copy.
             ray.tune.report(clean, checkpoint=ray.tune.Checkpoint.from_directory(empty))
         return row
 
     @staticmethod
-    def _tune_row(clean: dict[str, Any], sess: Any) -> dict[str, Any]:
+    def _tune_row(clean: dict[str, Any], tune_session: Any) -> dict[str, Any]:
         """Our auto-filled keys (docs/format.md), counted from Tune's session; after
         a restore ``training_iteration`` continues from the restored checkpoint."""
-        state = sess.__dict__.setdefault("_checkpoint_store", {})
+        state = tune_session.__dict__.setdefault("_checkpoint_store", {})
         if "offset" not in state:
             state["offset"] = 0
-            if sess.loaded_checkpoint is not None:
-                meta = as_checkpoint(sess.loaded_checkpoint).internal_metadata
+            if tune_session.loaded_checkpoint is not None:
+                meta = as_checkpoint(tune_session.loaded_checkpoint).internal_metadata
                 state["offset"] = int(dict(meta).get("metrics", {}).get("training_iteration", 0))
         now = time.time()
         row = dict(clean)
         row.update(
-            training_iteration=state["offset"] + int(sess.iteration) + 1,
+            training_iteration=state["offset"] + int(tune_session.iteration) + 1,
             timestamp=now,
-            time_total_s=sess.time_total + (now - sess.last_report_time),
-            time_this_iter_s=now - sess.last_report_time,
-            trial_id=f"{sess.experiment_name}/{sess.trial_name}",
+            time_total_s=tune_session.time_total + (now - tune_session.last_report_time),
+            time_this_iter_s=now - tune_session.last_report_time,
+            trial_id=f"{tune_session.experiment_name}/{tune_session.trial_name}",
             checkpoint_dir_name=None,
         )
         return row
@@ -131,7 +131,7 @@ class RaySession:
         return None if ray_ckpt is None else committed_checkpoint(ray_ckpt)
 
 
-def _commit_for_tune(sess: Any, checkpoint: Checkpoint, row: dict[str, Any]) -> Checkpoint:
+def _commit_for_tune(tune_session: Any, checkpoint: Checkpoint, row: dict[str, Any]) -> Checkpoint:
     """Commit ``checkpoint`` where Tune will record this report's checkpoint:
     ``<trial dir>/checkpoint_<Tune's index + 1>``. Sets ``row["checkpoint_dir_name"]``.
 
@@ -148,7 +148,7 @@ def _commit_for_tune(sess: Any, checkpoint: Checkpoint, row: dict[str, Any]) -> 
 
     from checkpoint_store.storage import StorageContext
 
-    tstore = sess.storage
+    tstore = tune_session.storage
     if type(tstore)._update_checkpoint_index is not TuneStorage._update_checkpoint_index:
         raise CheckpointStoreError(
             f"{type(tstore).__name__} numbers Tune checkpoints its own way; "
@@ -164,7 +164,7 @@ def _commit_for_tune(sess: Any, checkpoint: Checkpoint, row: dict[str, Any]) -> 
         tstore.experiment_dir_name,
         tstore.trial_dir_name,
         retry=retry,
-        run_id=f"ray_{sess.trial_id}",
+        run_id=f"ray_{tune_session.trial_id}",
     )
     if ours.checkpoint(name).is_committed:
         logger.warning(
