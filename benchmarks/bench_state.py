@@ -100,7 +100,7 @@ def blocked_times(nbytes: int, reps: int, log: Any = print) -> dict[str, Any]:
 
     from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, UploadConfig
     from checkpoint_store.session import Session
-    from checkpoint_store.session._state_report import stager_of
+    from checkpoint_store.testing import session_internals
 
     n_tensors = 16
     state = _state(n_tensors, nbytes // n_tensors // 4)
@@ -157,7 +157,7 @@ def blocked_times(nbytes: int, reps: int, log: Any = print) -> dict[str, Any]:
         sampled = sampler.stop()
         hwm = _hwm_growth(base)
         rss[key] = [int(hwm * MiB) if hwm is not None else sampled]
-    out["staging_budget"] = stager_of(ours).budget
+    out["staging_budget"] = session_internals(ours).stager.budget
     out["small_budget"] = small_budget
 
     def torch_save_report() -> float:

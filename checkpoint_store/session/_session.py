@@ -377,7 +377,7 @@ class Session:
         safetensors files and the checkpoint is committed in the background
         (``upload_mode="sync"``: before ``report`` returns). Changing the
         tensors after ``report`` returns does not change what is saved. One
-        rank only; see :mod:`checkpoint_store.session._state_report` and
+        rank only; see :mod:`checkpoint_store.session._pipeline` and
         docs/sessions.md.
 
         Returns:

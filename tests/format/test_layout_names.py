@@ -338,7 +338,7 @@ def test_every_listed_exception_is_still_found() -> None:
 def test_the_scan_covers_the_package_and_finds_each_kind_of_spelling() -> None:
     modules = _modules()
     for rel in ("checkpoint_store/tiers/view.py", "checkpoint_store/state/_staging.py",
-                "checkpoint_store/session/_tiered.py", "checkpoint_store/integrations/hf.py",
+                "checkpoint_store/session/_tier_recovery.py", "checkpoint_store/integrations/hf.py",
                 "checkpoint_store/testing/stateful.py"):
         assert rel in modules
     assert not any(rel.startswith("checkpoint_store/_format/") for rel in modules)
