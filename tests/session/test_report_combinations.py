@@ -1,0 +1,251 @@
+"""One rule per invariant of report(), over every combination of what it saves
+(a directory or a state), where (no tier or a local tier), when (sync or in
+the background), on how many ranks, and how it ends (success, a refusal, a
+failed commit, an earlier background error).
+
+The rules (checkpoint_store/session/_ledger.py):
+- the index is consumed once the report writes under it; reused after a refusal;
+- training_iteration moves, and the row is stored, iff the report returned;
+- commit order is report order;
+- an earlier background error is raised by the next report of any kind.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+
+from checkpoint_store import Checkpoint, LocalTier, StorageContext, UploadConfig, session
+from checkpoint_store.backends.forwarding import ForwardingHandler
+from checkpoint_store.errors import InvalidConfigError, MetadataError
+from checkpoint_store.session import Session
+from checkpoint_store.testing import session_internals
+
+SOURCES = ["directory", "state"]
+TIERS = ["none", "tier"]
+MODES = ["sync", "async"]
+
+
+class _FailWrites(ForwardingHandler):
+    """Fails every write under ``checkpoint_<index>`` while ``armed``."""
+
+    def __init__(self, inner: pafs.FileSystem):
+        super().__init__(inner)
+        self.armed: str | None = None
+
+    def open_output_stream(self, path: str, metadata: object):
+        if self.armed is not None and f"/{self.armed}/" in path:
+            raise PermissionError(f"injected: access denied ({path})")
+        return super().open_output_stream(path, metadata)
+
+
+def _source(tmp_path, name: str, payload: bytes, file: str = "w.bin") -> Checkpoint:
+    d = tmp_path / "src" / name
+    d.mkdir(parents=True)
+    (d / file).write_bytes(payload)
+    return Checkpoint.from_directory(str(d))
+
+
+def _report(s: Session, what: str, i: int, tmp_path, mode: str, **metrics):
+    if what == "directory":
+        src = _source(tmp_path, f"c{i}-{mode}", b"x%d" % i)
+        return s.report({"i": i, **metrics}, checkpoint=src, upload_mode=mode)
+    return s.report({"i": i, **metrics}, state={"w": np.full(4, i, dtype=np.float32)},
+                    upload_mode=mode)
+
+
+def _start(tmp_path, tier: str, fs: pafs.FileSystem | None = None, **kw) -> Session:
+    store = str(tmp_path / "durable")
+    os.makedirs(store, exist_ok=True)
+    extra = {} if fs is None else {"storage_filesystem": fs}
+    if fs is not None:
+        store = f"/{tmp_path.name}"
+    return session.start(storage_path=store, experiment_name="e", trial_name="t",
+                         local_tier=LocalTier(tmp_path / "fast") if tier == "tier" else None,
+                         **extra, **kw)
+
+
+def _durable(tmp_path, fs: pafs.FileSystem | None = None) -> StorageContext:
+    if fs is not None:
+        return StorageContext(f"/{tmp_path.name}", "e", "t", storage_filesystem=fs)
+    return StorageContext(str(tmp_path / "durable"), "e", "t")
+
+
+@pytest.mark.parametrize("what", SOURCES)
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("mode", MODES)
+def test_success_numbers_rows_and_commits_in_report_order(tmp_path, what, tier, mode):
+    with _start(tmp_path, tier) as s:
+        rows = [_report(s, what, i, tmp_path, mode) for i in range(3)]
+        s.report({"i": 3})  # metrics only: no index taken
+        rows.append(_report(s, what, 4, tmp_path, mode))
+        s.wait()
+    assert [r["checkpoint_dir_name"] for r in rows] == [f"checkpoint_00000{i}" for i in range(4)]
+    assert [r["training_iteration"] for r in rows] == [1, 2, 3, 5]
+    ctx = _durable(tmp_path)
+    assert [m["index"] for _, m in ctx.committed_checkpoints()] == [0, 1, 2, 3]
+    stored = ctx.read_results()
+    assert [r["i"] for r in stored] == [0, 1, 2, 3, 4]
+    assert [r["checkpoint_dir_name"] for r in stored] == [
+        "checkpoint_000000", "checkpoint_000001", "checkpoint_000002", None, "checkpoint_000003"]
+
+
+@pytest.mark.parametrize("what", SOURCES)
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_refused_report_moves_nothing_and_its_index_is_reused(tmp_path, what, tier, mode):
+    with _start(tmp_path, tier) as s:
+        _report(s, what, 0, tmp_path, mode)
+        with pytest.raises(MetadataError):
+            _report(s, what, 1, tmp_path, mode, bad={1, 2})
+        row = _report(s, what, 2, tmp_path, mode)
+        s.wait()
+    assert row["checkpoint_dir_name"] == "checkpoint_000001"
+    assert row["training_iteration"] == 2
+    assert [r["i"] for r in _durable(tmp_path).read_results()] == [0, 2]
+
+
+@pytest.mark.parametrize("what", SOURCES)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_commit_that_failed_after_writing_consumes_its_index(tmp_path, what, mode):
+    # No tier: the storage_path refuses every write under checkpoint_000001.
+    import fsspec
+
+    memory = pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("memory")))
+    handler = _FailWrites(memory)
+    fs = pafs.PyFileSystem(handler)
+    with _start(tmp_path, "none", fs=fs) as s:
+        _report(s, what, 0, tmp_path, mode)
+        s.wait()
+        handler.armed = "checkpoint_000001"
+        if mode == "sync":
+            with pytest.raises(OSError):
+                _report(s, what, 1, tmp_path, mode)
+        else:  # queued: the error comes with the next report, of any kind
+            _report(s, what, 1, tmp_path, mode)
+            session_internals(s).uploader.wait()
+            with pytest.raises(OSError):
+                s.report({"i": "next"})
+        handler.armed = None
+        row = _report(s, what, 2, tmp_path, mode)
+        s.wait()
+    # Something may have been written under checkpoint_000001: never reused.
+    assert row["checkpoint_dir_name"] == "checkpoint_000002"
+    ctx = _durable(tmp_path, fs)
+    assert [m["index"] for _, m in ctx.committed_checkpoints()] == [0, 2]
+    stored = [r["i"] for r in ctx.read_results()]
+    # A sync report that raised is not recorded; a queued one was (its row names a
+    # checkpoint that is not committed), and the report that raised its error was not.
+    assert stored == ([0, 2] if mode == "sync" else [0, 1, 2])
+
+
+class _FailingStaged:
+    """A staged state whose write fails in the background (the persist process died)."""
+
+    nbytes = 8
+
+    def write_to(self, directory: str, record: bool = True) -> dict:
+        raise OSError("staged write failed (probe)")
+
+    def release(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("next_report", ["checkpoint", "state", "metrics"])
+def test_a_tier_background_error_is_raised_by_the_next_report_of_any_kind(tmp_path, next_report):
+    # Divergence: the next report(state=...) used to return without raising it.
+    with _start(tmp_path, "tier") as s:
+        internals = session_internals(s)
+        internals.pipeline.report_source({"i": 0}, _FailingStaged())
+        internals.pipeline.work.lane("local").wait()
+        with pytest.raises(OSError, match="probe"):
+            if next_report == "checkpoint":
+                s.report({"i": 1}, checkpoint=_source(tmp_path, "n", b"n"))
+            elif next_report == "state":
+                s.report({"i": 1}, state={"w": np.zeros(2)})
+            else:
+                s.report({"i": 1})
+        s.report({"i": 2})  # raised once
+
+
+def test_staging_where_no_copy_is_staged_is_refused_saying_where_it_applies(tmp_path):
+    with _start(tmp_path, "none") as s:
+        for kwargs in ({}, {"state": {"w": np.zeros(1)}},
+                       {"checkpoint": _source(tmp_path, "a", b"a"), "upload_mode": "sync"}):
+            with pytest.raises(InvalidConfigError, match="upload_mode='async'"):
+                s.report({"i": 0}, staging="move", **kwargs)
+        row = s.report({"i": 0}, checkpoint=_source(tmp_path, "b", b"b"), upload_mode="async",
+                       staging="move")
+        s.wait()
+    assert row["training_iteration"] == 1  # the refusals moved nothing
+    with _start(tmp_path, "tier") as s, pytest.raises(InvalidConfigError, match="local tier"):
+        s.report({"i": 1}, checkpoint=_source(tmp_path, "c", b"c"), staging="copy")
+
+
+def test_async_uploads_with_several_ranks_and_no_tier_are_refused_at_start(tmp_path):
+    # Divergence: the session used to start, then refuse every report, metrics too.
+    with pytest.raises(InvalidConfigError, match="local_tier"):
+        session.start(storage_path=str(tmp_path / "d"), experiment_name="e", trial_name="t",
+                      world_rank=0, world_size=2, attempt_id="a1",
+                      upload_config=UploadConfig(upload_mode="async"))
+    assert not (tmp_path / "d" / "e" / "t").exists()  # refused before anything was written
+
+
+def _ranks(tmp_path, body: Callable[[Session, int], object], tier: bool) -> list[object]:
+    """Run ``body(session, rank)`` on two ranks (threads meeting through storage)."""
+    out: list[object] = [None, None]
+
+    def run(rank: int) -> None:
+        try:
+            s = Session(StorageContext(str(tmp_path / "durable"), "e", "t"),
+                        world_rank=rank, world_size=2, attempt_id="att",
+                        local_tier=LocalTier(tmp_path / f"fast{rank}") if tier else None,
+                        sync_timeout_s=60)
+            try:
+                out[rank] = body(s, rank)
+            finally:
+                s.close()
+        except BaseException as exc:  # noqa: BLE001 -- reported by the test
+            out[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def test_upload_mode_is_checked_on_the_tier_path_with_several_ranks(tmp_path):
+    # Divergence: a bogus upload_mode went through there unchecked.
+    def body(s: Session, rank: int) -> object:
+        with pytest.raises(InvalidConfigError, match="upload_mode"):
+            s.report({"i": 0}, checkpoint=_source(tmp_path, f"r{rank}", b"r", f"w{rank}.bin"),
+                     upload_mode="bogus")
+        return s.report({"i": 1}, checkpoint=_source(tmp_path, f"q{rank}", b"q%d" % rank, f"w{rank}.bin"))
+
+    rows = _ranks(tmp_path, body, tier=True)
+    assert [r["checkpoint_dir_name"] for r in rows] == ["checkpoint_000000"] * 2  # type: ignore[index]
+
+
+def test_ranks_saving_in_place_on_their_local_tiers_commit_the_files_there(tmp_path):
+    # Divergence: with a tier and several ranks there was no in-place branch.
+    def body(s: Session, rank: int) -> object:
+        where = s.next_checkpoint_dir()
+        with open(os.path.join(where, f"shard{rank}.bin"), "wb") as f:
+            f.write(b"s%d" % rank)
+        ckpt = Checkpoint.from_directory(where) if rank == 0 else None
+        row = s.report({"i": 0}, checkpoint=ckpt)
+        s.wait()
+        return row
+
+    rows = _ranks(tmp_path, body, tier=True)
+    assert [r["checkpoint_dir_name"] for r in rows] == ["checkpoint_000000"] * 2  # type: ignore[index]
+    [(ckpt, meta)] = _durable(tmp_path).committed_checkpoints()
+    assert sorted(e["path"] for e in meta["manifest"]) == ["shard0.bin", "shard1.bin"]
+    ckpt.verify()
