@@ -227,7 +227,8 @@ def test_upload_mode_is_checked_on_the_tier_path_with_several_ranks(tmp_path):
         with pytest.raises(InvalidConfigError, match="upload_mode"):
             s.report({"i": 0}, checkpoint=_source(tmp_path, f"r{rank}", b"r", f"w{rank}.bin"),
                      upload_mode="bogus")
-        return s.report({"i": 1}, checkpoint=_source(tmp_path, f"q{rank}", b"q%d" % rank, f"w{rank}.bin"))
+        src = _source(tmp_path, f"q{rank}", b"q%d" % rank, f"w{rank}.bin")
+        return s.report({"i": 1}, checkpoint=src)
 
     rows = _ranks(tmp_path, body, tier=True)
     assert [r["checkpoint_dir_name"] for r in rows] == ["checkpoint_000000"] * 2  # type: ignore[index]
