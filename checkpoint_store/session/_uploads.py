@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from checkpoint_store._format.layout import STAGED_COPY_PREFIX, STAGING_ROOT_NAME
+from checkpoint_store._format.layout import STAGED_COPY_PREFIX
 from checkpoint_store.retention.upload_config import STAGING_MODES as STAGING_MODES
 from checkpoint_store.retention.upload_config import UPLOAD_MODES as UPLOAD_MODES
 from checkpoint_store.retention.upload_config import StagingMode as StagingMode
@@ -45,28 +45,12 @@ from checkpoint_store.retention.upload_config import check_max_pending as check_
 from checkpoint_store.retention.upload_config import check_staging as check_staging
 from checkpoint_store.retention.upload_config import check_upload_mode as check_upload_mode
 
+# Staged copies' directory: owned by checkpoint_store.state (below session and
+# integrations), re-exported here so that existing imports keep working.
+from checkpoint_store.state import ENV_STAGING_DIR as ENV_STAGING_DIR
+from checkpoint_store.state import staging_root as staging_root
+
 logger = logging.getLogger(__name__)
-
-#: Where staged copies go unless ``CHECKPOINT_STORE_STAGING_DIR`` says otherwise.
-ENV_STAGING_DIR = "CHECKPOINT_STORE_STAGING_DIR"
-
-
-
-
-
-
-
-
-
-
-def staging_root() -> str:
-    """The directory staged checkpoints go to (created on demand)."""
-    root = os.environ.get(ENV_STAGING_DIR) or os.path.join(
-        tempfile.gettempdir(), STAGING_ROOT_NAME
-    )
-    os.makedirs(root, exist_ok=True)
-    return root
-
 
 # -- staging -------------------------------------------------------------------
 

@@ -21,7 +21,9 @@ Public names:
   files, from a tree or from raw bytes (shared memory), returning the
   tensor index;
 * :func:`load_state`, :func:`read_state_index`, :func:`verify_tensors`: reading back;
-* :data:`STATE_FILE`, :data:`DEFAULT_SHARD_BYTES`, :data:`DTYPES`.
+* :data:`STATE_FILE`, :data:`DEFAULT_SHARD_BYTES`, :data:`DTYPES`;
+* :func:`staging_root`, :data:`ENV_STAGING_DIR`: the local directory staged
+  copies go to (the session's and Lightning's).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from checkpoint_store.state._files import (
 )
 from checkpoint_store.state._index import SavedState, local_state_index, read_state_index
 from checkpoint_store.state._read import load_state
+from checkpoint_store.state._staging_dir import ENV_STAGING_DIR, staging_root
 from checkpoint_store.state._tree import (
     DTYPES,
     FlatState,
@@ -54,6 +57,7 @@ from checkpoint_store.state._verify import name_corrupt_tensor, verify_tensors
 __all__ = [
     "DEFAULT_SHARD_BYTES",
     "DTYPES",
+    "ENV_STAGING_DIR",
     "STATE_FILE",
     "STATE_FORMAT_VERSION",
     "FlatState",
@@ -71,6 +75,7 @@ __all__ = [
     "read_state_index",
     "shard_name",
     "split_key",
+    "staging_root",
     "unescape_key",
     "verify_tensors",
     "write_buffers",

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpoint_store._format.layout import LIGHTNING_STAGING_PREFIX
-from checkpoint_store.session._uploads import staging_root
+from checkpoint_store.state import staging_root
 
 __all__ = ["StagedSnapshot", "snapshot"]
 
