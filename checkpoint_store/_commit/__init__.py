@@ -8,5 +8,7 @@ must not write over), ``claims`` (who may write a destination),
 (staging and tombstones a crashed writer left), ``pointer`` (the latest
 checkpoint's pointer file), ``nesting`` (a checkpoint inside another's
 directory refused), ``download_target`` (the local side of a download:
-helper directories, completion marker, crash recovery).
+helper directories, completion marker, crash recovery), ``rankparts`` (each
+rank's part of one checkpoint and its marker, and the commit from the
+markers: a multi-rank session and Ray Train share it).
 """

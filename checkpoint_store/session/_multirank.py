@@ -23,34 +23,46 @@ checkpoint never mixes files from two attempts. Rank 0 decides the first
 index of an attempt and
 shares it (broadcast, or ``<trial>/.cs_attempt-R.json``) before any rank writes.
 How the ranks meet (the attempt id, the process group, the backoff of polls)
-is :mod:`checkpoint_store.session._rendezvous`.
+is :mod:`checkpoint_store.session._rendezvous`. The rank part itself (the
+include rule, the marker, the merge, the commit from markers) is
+:mod:`checkpoint_store._commit.rankparts`, which Ray Train's ``upload_fn``
+and ``CommitCallback`` share; this module owns the rendezvous around it:
+the attempt's first index, the waits, the verdict and the abort.
 """
 
 from __future__ import annotations
 
+import functools
 import posixpath
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Literal, TypedDict
 
 import pyarrow.fs as pafs
 
 from checkpoint_store._commit.claims import put_claim
+from checkpoint_store._commit.rankparts import (
+    RankDir,
+    RankFiles,
+    RankSource,
+    delete_rank_markers,
+    failed_ranks,
+    finalize_from_markers,
+    merge_rank_files,
+    rank_markers_present,
+    read_rank_marker,
+    write_rank_part,
+)
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     INTERNAL_METADATA,
-    USER_METADATA,
     abort_file_name,
     attempt_file_name,
     checkpoint_dir_name,
     is_abort_file_name,
     is_attempt_file_name,
-    is_internal_file,
-    parse_rank_marker_name,
     rank_marker_name,
 )
-from checkpoint_store._transfer.trees import copy_tree
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.ids import new_writer_id
 from checkpoint_store.checkpoint import Checkpoint, written_metadata
@@ -81,37 +93,6 @@ class Outcome(_OutcomeBase, total=False):
     kind: OutcomeKind
     ranks: list[int]
     error: str
-
-
-@dataclass(frozen=True)
-class RankFiles:
-    """The union of what every rank's marker says it wrote.
-
-    Attributes:
-        manifest: every rank's manifest entries, rank by rank.
-        ranks: ``{str(rank): sorted relative paths}`` (the marker's ``ranks`` field).
-        clash: ``(rank, other rank, path)`` when two ranks wrote one path, else None.
-    """
-
-    manifest: list[dict[str, Any]]
-    ranks: dict[str, list[str]]
-    clash: tuple[int, int, str] | None
-
-
-def merge_rank_files(markers: Mapping[int, Mapping[str, Any]]) -> RankFiles:
-    """Merge the ``files`` of every rank marker (rank 0, or Ray's driver, calls it)."""
-    owners: dict[str, int] = {}
-    manifest: list[dict[str, Any]] = []
-    for r in sorted(markers):
-        for entry in markers[r].get("files", []):
-            path = entry["path"]
-            if path in owners:
-                return RankFiles([], {}, (owners[path], r, path))
-            owners[path] = r
-            manifest.append(entry)
-    ranks = {str(r): sorted(e["path"] for e in m.get("files", []))
-             for r, m in sorted(markers.items())}
-    return RankFiles(manifest, ranks, None)
 
 
 class Coordinator:
@@ -334,47 +315,40 @@ class Coordinator:
         written, self._written = self._written, None
         return Checkpoint._from_backend(storage.backend, final, written)
 
+    def _part_dir(self, target: str) -> RankDir:
+        """Where the ranks write their parts for one index (``target``)."""
+        return RankDir(self.storage.backend, target, fsync=self.storage.fsync)
+
     def _write_part(self, index: int, checkpoint: Checkpoint | None, target: str,
                     own_error: BaseException | None) -> BaseException | None:
-        """Every rank: copy its files into ``target`` (unless it already failed
-        or has none to copy), then write its marker there. Never raises: returns
-        this rank's error, which the other ranks learn from the marker."""
-        storage = self.storage
-        fs, caps = storage.filesystem, storage.backend.capabilities
-        files: list[dict[str, Any]] = []
-        claim = None
+        """Every rank (its reporting thread): copy its files into ``target``
+        (unless it already failed or has none to copy), then write its marker
+        there (:func:`~checkpoint_store._commit.rankparts.write_rank_part`).
+        Never raises: returns this rank's error, which the other ranks learn
+        from the marker."""
+        claim: str | None = None
+        source: RankSource | None = None
+        wrap_error: Callable[[Exception], BaseException] | None = None
         if own_error is None and checkpoint is not None:
+            wrap_error = functools.partial(_upload_error, checkpoint=checkpoint, rank=self.rank)
             try:
                 claim = self._claim_before_data(index, target)
-                entries = copy_tree(
-                    checkpoint.filesystem, checkpoint.path, fs, target, caps,
-                    include=self._include, fsync=storage.fsync,
-                )
-                files = [e.to_json() for e in entries]
+                source = RankSource(checkpoint.filesystem, checkpoint.path)
             except Exception as exc:  # published to the other ranks, then re-raised
-                own_error = _upload_error(exc, checkpoint, self.rank)
-        marker = {
-            "rank": self.rank,
-            "attempt_id": self.attempt_id,
-            "index": index,
-            "ok": own_error is None,
-            "error": None if own_error is None else f"{type(own_error).__name__}: {own_error}",
-            "files": files,
-        }
-        try:
-            _fsutil.write_bytes(
-                fs, posixpath.join(target, rank_marker_name(self.rank)), _json.dumps(marker),
-                caps, fsync=storage.fsync,
-            )
-        except Exception as exc:
-            # Without a marker rank 0 reports this rank missing; keep the
-            # collectives in step so no rank hangs.
-            own_error = own_error or exc
+                own_error = wrap_error(exc)
+        part = write_rank_part(
+            self._part_dir(target), self.rank, source, error=own_error,
+            fields=lambda: {"attempt_id": self.attempt_id, "index": index},
+            wrap_error=wrap_error,
+        )
+        # Without a marker rank 0 reports this rank missing; keep the
+        # collectives in step so no rank hangs.
+        own_error = part.error or part.marker_error
         if claim is not None and own_error is None:
             # The rank marker is now this rank's trace; a claim left behind
             # (this delete failing) is an internal file and changes nothing.
             try:
-                _fsutil.delete_file(fs, claim)
+                _fsutil.delete_file(self.storage.filesystem, claim)
             except OSError:
                 pass
         return own_error
@@ -390,12 +364,6 @@ class Coordinator:
         writer = new_writer_id(self.attempt_id)
         return posixpath.join(target, put_claim(self.storage.backend, target, writer))
 
-    def _include(self, rel: str) -> bool:
-        if is_internal_file(rel):
-            return False
-        # The user metadata is one file for the whole checkpoint: rank 0's.
-        return self.rank == 0 or rel != USER_METADATA
-
     def _decide(
         self, index: int, dir_name: str, target: str, final: str, internal: dict[str, Any],
         in_place: bool = False,
@@ -403,7 +371,6 @@ class Coordinator:
         """Rank 0: wait for every marker, then commit or abort. Never raises;
         returns the outcome for the other ranks and the error for rank 0."""
         storage = self.storage
-        fs = storage.filesystem
         # What the ranks wrote in place stays on an abort (uncommitted, it is
         # ignored, and cleanup of a later run removes it); staged copies go.
         drop = None if in_place else target
@@ -413,9 +380,9 @@ class Coordinator:
             return self._abort(dir_name, timeout, "timeout", timeout.missing_ranks, None), timeout
         except Exception as error:
             return self._abort(dir_name, error, "error", [], None), error
-        failed = {r: m for r, m in markers.items() if not m.get("ok")}
+        failed = failed_ranks(markers)
         if failed:
-            detail = "; ".join(f"rank {r} failed: {m.get('error')}" for r, m in failed.items())
+            detail = "; ".join(f"rank {r} failed: {e}" for r, e in failed.items())
             exc = CheckpointAbortedError(
                 f"{dir_name} of {storage.uri(storage.trial_path)} was not committed: {detail}",
                 index=index, failed_ranks=sorted(failed),
@@ -431,41 +398,42 @@ class Coordinator:
             )
             return self._abort(dir_name, clash, "conflict", [first, second], drop), clash
         try:
-            meta = dict(internal)
-            meta.setdefault("index", index)
-            meta["world_size"] = self.world_size
-            meta["attempt_id"] = self.attempt_id
-            if in_place:
-                self._written = dict(written_metadata(storage.commit_in_place(index, meta)))
-            else:
-                meta["ranks"] = merged.ranks
-                self._written = storage.commit_protocol.finalize(
-                    target, final, meta, merged.manifest, self.attempt_id)
+            self._written = self._finalize(index, target, final, internal, merged, in_place)
         except Exception as exc:
             return self._abort(dir_name, exc, "error", [], None), exc
-        # Markers go only after the commit: until then they are what tells
-        # cleanup that an object-store directory is ours, not foreign data.
-        # They are internal files, so a leftover one changes nothing.
-        for r in markers:
-            try:
-                _fsutil.delete_file(fs, posixpath.join(final, rank_marker_name(r)))
-            except OSError:
-                pass
         return {"ok": True}, None
 
+    def _finalize(self, index: int, target: str, final: str, internal: dict[str, Any],
+                  merged: RankFiles, in_place: bool) -> dict[str, Any]:
+        """Rank 0, every part good: commit, then delete the rank markers.
+        Returns the internal metadata as written."""
+        storage = self.storage
+        meta = dict(internal)
+        meta.setdefault("index", index)
+        meta["world_size"] = self.world_size
+        meta["attempt_id"] = self.attempt_id
+        if not in_place:
+            return finalize_from_markers(storage.commit_protocol, target, final, meta, merged,
+                                         writer=self.attempt_id)
+        written = dict(written_metadata(storage.commit_in_place(index, meta)))
+        delete_rank_markers(storage.filesystem, final, (int(r) for r in merged.ranks))
+        return written
+
     def _collect_markers(self, index: int, dir_name: str, target: str) -> dict[int, dict]:
-        fs = self.storage.filesystem
+        """Rank 0: wait until every rank's marker is in ``target`` (one listing
+        per poll), then read each once.
+
+        Raises:
+            RankTimeoutError: some ranks' markers are still missing.
+            CheckpointStoreError: a marker belongs to another attempt.
+        """
+        part_dir = self._part_dir(target)
         # After a barrier every rank has tried to write its marker: one missing
         # now failed to write, so only a listing's lag is worth waiting for.
         timeout_s = min(self.timeout_s, 10.0) if self._uses_torch else self.timeout_s
         backoff = Backoff(timeout_s)
         while True:
-            present = set()
-            for fi in _fsutil.list_dir(fs, target):
-                rank = parse_rank_marker_name(posixpath.basename(fi.path))
-                if rank is not None and fi.type == pafs.FileType.File:
-                    present.add(rank)
-            missing = sorted(set(range(self.world_size)) - present)
+            missing = sorted(set(range(self.world_size)) - set(rank_markers_present(part_dir)))
             if not missing:
                 break
             if not backoff.sleep():
@@ -476,18 +444,19 @@ class Coordinator:
                     "torch.distributed pass a checkpoint on every rank or on none",
                     missing_ranks=missing, index=index,
                 )
-        markers = {}
-        for r in range(self.world_size):
-            body = _json.loads(_fsutil.read_bytes(fs, posixpath.join(target, rank_marker_name(r))))
-            if not isinstance(body, dict) or body.get("attempt_id") != self.attempt_id:
-                other = body.get("attempt_id") if isinstance(body, dict) else "?"
-                raise CheckpointStoreError(
-                    f"rank marker {rank_marker_name(r)} in {self.storage.uri(target)} belongs "
-                    f"to another attempt ({other}); two launches share this trial and "
-                    "attempt id: give each launch its own attempt_id"
-                )
-            markers[r] = body
-        return markers
+        return {r: self._own_marker(part_dir, r) for r in range(self.world_size)}
+
+    def _own_marker(self, part_dir: RankDir, rank: int) -> dict[str, Any]:
+        """Rank 0: ``rank``'s marker, refused unless this attempt wrote it."""
+        body = read_rank_marker(part_dir, rank)
+        if not isinstance(body, dict) or body.get("attempt_id") != self.attempt_id:
+            other = body.get("attempt_id") if isinstance(body, dict) else "?"
+            raise CheckpointStoreError(
+                f"rank marker {rank_marker_name(rank)} in {self.storage.uri(part_dir.path)} "
+                f"belongs to another attempt ({other}); two launches share this trial and "
+                "attempt id: give each launch its own attempt_id"
+            )
+        return body
 
     def _abort(
         self, dir_name: str, exc: BaseException, kind: OutcomeKind, ranks: list[int],
