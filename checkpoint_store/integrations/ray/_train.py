@@ -4,8 +4,10 @@ Owns the worker side, :func:`upload_fn` (each rank uploads its files with our
 transfer and writes its rank marker), and the controller side,
 ``CommitCallback`` (built on first use by :func:`_commit_callback_class`, as
 it subclasses ``ray.train.UserCallback``), which commits a directory from
-its rank markers. Ray is imported only inside those calls. Import the public
-names from :mod:`checkpoint_store.integrations.ray`.
+its rank markers. The rank part (include rule, marker, merge, commit from
+markers) is :mod:`checkpoint_store._commit.rankparts`, the same code a
+multi-rank session runs. Ray is imported only inside those calls. Import the
+public names from :mod:`checkpoint_store.integrations.ray`.
 """
 
 from __future__ import annotations
@@ -20,15 +22,18 @@ import pyarrow.fs as pafs
 
 from checkpoint_store._commit.commit import delete_checkpoint_dir
 from checkpoint_store._commit.protocols import protocol_for
-from checkpoint_store._format import jsonrules as _json
-from checkpoint_store._format.layout import (
-    INTERNAL_METADATA,
-    USER_METADATA,
-    is_internal_file,
-    parse_rank_marker_name,
-    rank_marker_name,
+from checkpoint_store._commit.rankparts import (
+    RankDir,
+    RankSource,
+    failed_ranks,
+    finalize_from_markers,
+    merge_rank_files,
+    rank_markers_present,
+    read_rank_marker,
+    write_rank_part,
 )
-from checkpoint_store._transfer.trees import copy_tree
+from checkpoint_store._format import jsonrules as _json
+from checkpoint_store._format.layout import INTERNAL_METADATA, parse_rank_marker_name
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.inspect import read_internal_metadata
@@ -82,44 +87,19 @@ def upload_fn() -> Callable[[Any, str], Any]:
 def _upload_rank(
     src_fs: pafs.FileSystem, src: str, fs: pafs.FileSystem, dest: str, rank: int
 ) -> list[dict[str, Any]]:
-    """One rank's share: files, then its marker (also when the copy failed)."""
+    """A Ray Train worker's share: its files, then its marker (also when the
+    copy failed), stamped with the time Ray's controller compares in
+    :func:`_remove_failed`. Returns the files' manifest entries."""
     backend, retry = backend_of(fs)
-
-    def include(rel: str) -> bool:
-        return not is_internal_file(rel) and (rank == 0 or rel != USER_METADATA)
-
-    files: list[dict[str, Any]] = []
-    error: BaseException | None = None
-    try:
-        entries = copy_tree(
-            src_fs,
-            src,
-            backend.filesystem,
-            dest,
-            backend.capabilities,
-            include=include,
-            retry=retry,
-        )
-        files = [e.to_json() for e in entries]
-    except Exception as exc:
-        error = exc
-    marker = {
-        "rank": rank,
-        "ok": error is None,
-        "files": files,
-        "time": time.time(),
-        "error": None if error is None else f"{type(error).__name__}: {error}",
-    }
-    _fsutil.write_bytes(
-        backend.filesystem,
-        posixpath.join(dest, rank_marker_name(rank)),
-        _json.dumps(marker),
-        backend.capabilities,
-        retry=retry,
+    part = write_rank_part(
+        RankDir(backend, dest, retry=retry), rank, RankSource(src_fs, src),
+        fields=lambda: {"time": time.time()},
     )
-    if error is not None:
-        raise error
-    return files
+    if part.marker_error is not None:
+        raise part.marker_error
+    if part.error is not None:
+        raise part.error
+    return part.files
 
 
 def _commit_from_markers(
@@ -129,22 +109,17 @@ def _commit_from_markers(
     world_size: int,
     retry: RetryPolicy | None,
 ) -> dict[str, Any] | None:
-    """Commit ``path`` from its rank markers; None (and a warning) when a rank failed.
+    """Ray's controller: commit ``path`` from its rank markers; None (and a
+    warning) when a rank failed.
 
     Every marker present must report success and no path may come from two
     ranks. The markers are deleted after the commit marker is written.
     """
-    from checkpoint_store.session._multirank import merge_rank_files
-
-    fs = backend.filesystem
-    markers: dict[int, dict[str, Any]] = {}
-    for fi in _fsutil.list_dir(fs, path, retry=retry):
-        rank = parse_rank_marker_name(posixpath.basename(fi.path))
-        if rank is not None and fi.type == pafs.FileType.File:
-            body = _json.loads(_fsutil.read_bytes(fs, fi.path, retry=retry))
-            markers[rank] = body if isinstance(body, dict) else {"ok": False}
+    part_dir = RankDir(backend, path, retry=retry)
+    markers = {r: _marker_or_failure(read_rank_marker(part_dir, r))
+               for r in rank_markers_present(part_dir)}
     where = backend.uri_for(path)
-    failed = {r: b.get("error") for r, b in markers.items() if not b.get("ok")}
+    failed = failed_ranks(markers)
     if not markers or failed:
         logger.warning(
             "%s is not committed: %s",
@@ -158,19 +133,17 @@ def _commit_from_markers(
         return None
     meta = dict(internal)
     meta["world_size"] = world_size
-    meta["ranks"] = merged.ranks
     protocol = protocol_for(backend, retry=retry)
-    written = _retry.with_rebuild(
+    return _retry.with_rebuild(
         backend,
-        lambda: protocol.finalize(path, path, meta, merged.manifest),
+        lambda: finalize_from_markers(protocol, path, path, meta, merged, retry=retry),
         what=f"commit {where}",
     )
-    for r in markers:
-        try:
-            _fsutil.delete_file(fs, posixpath.join(path, rank_marker_name(r)), retry=retry)
-        except OSError:
-            pass  # an internal file: a leftover changes nothing
-    return written
+
+
+def _marker_or_failure(body: Any) -> dict[str, Any]:
+    """A marker as read, or a failure when it is not a JSON object."""
+    return body if isinstance(body, dict) else {"ok": False}
 
 
 def _remove_failed(
