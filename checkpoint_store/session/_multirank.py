@@ -32,6 +32,7 @@ the attempt's first index, the waits, the verdict and the abort.
 
 from __future__ import annotations
 
+import copy
 import functools
 import posixpath
 import uuid
@@ -147,18 +148,28 @@ class Coordinator:
         return out
 
     def storage_only(self) -> Coordinator:
-        """This rank's coordinator meeting the other ranks through storage only
-        (rank markers and polls), never the process group: for commits made on
-        a background thread (a local tier's durable copies), while collectives
-        stay on the training thread. Made once per coordinator."""
-        twin = self.__dict__.get("_storage_twin")
-        if twin is None:
-            twin = object.__new__(Coordinator)
-            twin.storage, twin.rank, twin.world_size = self.storage, self.rank, self.world_size
-            twin.timeout_s, twin.attempt_id = self.timeout_s, self.attempt_id
-            twin._uses_torch, twin._group, twin._written = False, None, None
-            self.__dict__["_storage_twin"] = twin
-        return twin
+        """A copy of this coordinator that meets the other ranks through
+        storage only: rank markers, the abort file and polls, never the torch
+        process group.
+
+        For commits made off the training thread: the local tier's background
+        copies to the persistent tier commit on each rank's uploader thread.
+        Collectives must be called in the same order on every rank, and the
+        training thread keeps calling them (barriers, broadcasts of its own
+        reports), so a second thread must never use the process group.
+
+        Every rank calls it (the thread that reports, once, when it first
+        queues such a copy) and hands the copy to its background thread. The
+        copy shares storage, rank, world size, attempt id and timeout, never
+        the group, and keeps its own record of the marker rank 0 last wrote,
+        so the two never see each other's commit. Without a process group it
+        behaves as this coordinator does.
+        """
+        other = copy.copy(self)
+        other._uses_torch = False
+        other._group = None
+        other._written = None
+        return other
 
     def _broadcast(self, value: Any) -> Any:
         import torch.distributed as dist
@@ -290,8 +301,8 @@ class Coordinator:
         dir_name = checkpoint_dir_name(index)
         target = final if in_place else storage.commit_protocol.workdir(final, self.attempt_id)
         storage.ensure_trial_dir()
-        copy = None if in_place else checkpoint
-        own_error = self._write_part(index, copy, target, own_error)
+        to_copy = None if in_place else checkpoint
+        own_error = self._write_part(index, to_copy, target, own_error)
         if self._uses_torch:
             self._barrier()
         if self.rank == 0:
