@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from checkpoint_store.registry import available_backends, register_backend
     from checkpoint_store.retention import CheckpointConfig, CheckpointManager
     from checkpoint_store.retention.upload_config import UploadConfig
-    from checkpoint_store.session._trial_runner import TrialRunner
+    from checkpoint_store.session import TrialRunner
     from checkpoint_store.storage import ScanResult, StorageContext
     from checkpoint_store.tiers import LocalTier
 
@@ -101,7 +101,7 @@ _LAZY = {
     "RetryPolicy": "checkpoint_store._util.retry",
     "ScanResult": "checkpoint_store.storage",
     "StorageContext": "checkpoint_store.storage",
-    "TrialRunner": "checkpoint_store.session._trial_runner",
+    "TrialRunner": "checkpoint_store.session",
     "UploadConfig": "checkpoint_store.retention.upload_config",
     "available_backends": "checkpoint_store.registry",
     "register_backend": "checkpoint_store.registry",

@@ -215,8 +215,8 @@ class CheckpointStoreCallback(TrainerCallback):
     rank sees: per-rank shards written on node-local disks (DeepSpeed ZeRO
     partitions, FSDP shards, ``rng_state_<rank>.pth``) all land in the one
     checkpoint, each file once (on a shared filesystem rank 0 uploads them
-    all). Rank 0 commits it once every rank's part is in
-    (:mod:`checkpoint_store.session._multirank`), so a crash mid-upload on
+    all). Rank 0 commits it once every rank's part is in (docs/format.md,
+    "Multi-rank commit"), so a crash mid-upload on
     any rank never lists it; a rank whose upload fails makes every rank's
     ``report`` raise and nothing is committed. Errors of the upload
     (``CheckpointStoreError`` and subclasses, ``OSError``) propagate out of

@@ -123,7 +123,7 @@ def objective(
         )
 
     def run_trial(trial: Any) -> float:
-        from checkpoint_store.session._trial_runner import TrialRunner
+        from checkpoint_store.session import TrialRunner
 
         if callable(config):
             cfg = dict(config(trial))
