@@ -31,7 +31,8 @@ from checkpoint_store._format.layout import (
     checkpoint_dir_name,
 )
 from checkpoint_store.checkpoint import Checkpoint
-from checkpoint_store.session._uploads import Staged, stage, staging_root
+from checkpoint_store.session._uploads import Staged, stage
+from checkpoint_store.state import staging_root
 
 __all__ = ["DirectorySource", "EmptyPart", "InPlaceSource", "Source", "StagedCopySource",
            "StateSource", "StateStaging"]
