@@ -258,7 +258,16 @@ class TieredTarget(Target):
             self._recorder.add_among(index)
 
         if own_error is not None:
-            self._work.submit("durable", lambda: commit(None), _no_op, name)
+            def abort() -> None:
+                # Publishes this rank's failure, so every rank aborts the index;
+                # the error itself was raised by the report already.
+                try:
+                    commit(None)
+                except BaseException as exc:
+                    if exc is not own_error:
+                        raise
+
+            self._work.submit("durable", abort, _no_op, name)
         elif durable.ranks:  # an aborted index is never retried: the next session persists it
             self._work.submit("durable", lambda: tier.persist(index, commit, deadline_s=0),
                               _no_op, name)

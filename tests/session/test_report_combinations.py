@@ -250,3 +250,26 @@ def test_ranks_saving_in_place_on_their_local_tiers_commit_the_files_there(tmp_p
     [(ckpt, meta)] = _durable(tmp_path).committed_checkpoints()
     assert sorted(e["path"] for e in meta["manifest"]) == ["shard0.bin", "shard1.bin"]
     ckpt.verify()
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_several_ranks_consume_the_index_of_a_failed_commit_together(tmp_path, tier):
+    # Rank 1's source vanishes before its upload: the index is aborted on every
+    # rank, and every rank moves past it together.
+    def body(s: Session, rank: int) -> object:
+        src = _source(tmp_path, f"a{rank}", b"a", f"w{rank}.bin")
+        if rank == 1:
+            for name in os.listdir(src.path):
+                os.remove(os.path.join(src.path, name))
+            os.rmdir(src.path)
+        with pytest.raises(Exception):  # noqa: B017 -- rank 1's own error, rank 0's abort
+            s.report({"i": 0}, checkpoint=src)
+            s.wait()
+        row = s.report({"i": 1}, checkpoint=_source(tmp_path, f"b{rank}", b"b", f"w{rank}.bin"))
+        s.wait()
+        return row
+
+    rows = _ranks(tmp_path, body, tier=tier)
+    assert all(isinstance(r, dict) for r in rows), rows
+    assert [r["checkpoint_dir_name"] for r in rows] == ["checkpoint_000001"] * 2  # type: ignore[index]
+    assert [m["index"] for _, m in _durable(tmp_path).committed_checkpoints()] == [1]
