@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 from checkpoint_store._results.writer import finish_before_exit_flush
 from checkpoint_store.session._uploads import BackgroundUploader, first_error
@@ -43,7 +43,7 @@ class BackgroundWork:
             for a session never ended (:func:`finish_before_exit_flush`).
     """
 
-    def __init__(self, max_pending: int, at_exit: Any):
+    def __init__(self, max_pending: int, at_exit: object):
         self._max_pending = max_pending
         self._at_exit = at_exit
         self._lanes: dict[Lane, BackgroundUploader] = {}
@@ -89,7 +89,7 @@ class BackgroundWork:
                 up.wait()
         self.raise_errors()
 
-    def submit(self, lane: Lane, run: Callable[[], Any], cleanup: Callable[[], None],
+    def submit(self, lane: Lane, run: Callable[[], object], cleanup: Callable[[], None],
                what: str) -> None:
         """Queue ``run`` (then ``cleanup``, whatever happens) on ``lane``; never blocks."""
         self.lane(lane).submit(run, cleanup, what)

@@ -48,8 +48,10 @@ from checkpoint_store.session._ledger import CommitRecorder, ReportLedger, Row, 
 from checkpoint_store.session._sources import (
     DirectorySource,
     InPlaceSource,
+    Planned,
     Source,
     StagedCopySource,
+    StagedWrite,
     StateStaging,
 )
 from checkpoint_store.session._targets import Target, TieredTarget
@@ -195,10 +197,11 @@ class ReportPipeline:
         with self.ledger.transaction() as txn:
             return self._report(txn, plan, metrics, checkpoint, planned)
 
-    def _admit(self, plan: ReportPlan, checkpoint: Checkpoint | None, planned: Any) -> None:
+    def _admit(self, plan: ReportPlan, checkpoint: Checkpoint | None,
+               planned: Planned | None) -> None:
         """Backpressure and order before the report stages anything."""
         if not plan.in_place:
-            nbytes = int(getattr(planned, "nbytes", 0) or 0)
+            nbytes = planned.nbytes if planned is not None else 0
             self.target.make_room(checkpoint, nbytes, self.work.durable_busy)
         if plan.background:
             self.work.admit(reserve="durable" if self.target.lane == "durable" else None,
@@ -208,7 +211,8 @@ class ReportPipeline:
                             after=("local",) if self.tiered else ("local", "durable"))
 
     def _report(self, txn: Txn, plan: ReportPlan, metrics: Mapping[str, Any],
-                checkpoint: Checkpoint | None, planned: Any) -> tuple[Row, Checkpoint | None]:
+                checkpoint: Checkpoint | None, planned: Planned | None
+                ) -> tuple[Row, Checkpoint | None]:
         ledger, ranks = self.ledger, self.committer.ranks
         error: BaseException | None = None
         row: Row = {}
@@ -262,10 +266,11 @@ class ReportPipeline:
         return row, committed
 
     def _open_source(self, txn: Txn, plan: ReportPlan, checkpoint: Checkpoint | None,
-                     planned: Any) -> Source | None:
+                     planned: Planned | None) -> Source | None:
         """The files of this report, opened under the lock (the index is known).
         The index is consumed before anything is written under it."""
         if plan.state:
+            assert planned is not None
             directory = self.target.state_directory(txn.index)
             if directory is not None:
                 txn.consume_index()  # staged straight into checkpoint_<index>
@@ -289,17 +294,17 @@ class ReportPipeline:
         """Commit ``job`` on the target: inline, or on a background lane."""
         return self.target.commit(job, self.committer)
 
-    def report_source(self, metrics: Mapping[str, Any], source: Any) -> Row:
+    def report_source(self, metrics: Mapping[str, Any], source: StagedWrite) -> Row:
         """``report(metrics, state=...)`` with ``source`` standing in for the staged
         state (anything with ``write_to``, ``release`` and ``nbytes``), through the
         same steps; for tests of the background commit (``testing.session_internals``)."""
         from checkpoint_store.session._sources import StateSource
 
         class _Given(StateStaging):
-            def plan(self, state: Mapping[str, Any]) -> Any:
+            def plan(self, state: Mapping[str, Any]) -> Planned:
                 return source
 
-            def stage(self, plan: Any, directory: str | None, index: int) -> StateSource:
+            def stage(self, plan: Planned, directory: str | None, index: int) -> StateSource:
                 assert directory is not None, "report_source needs a local directory target"
                 return StateSource(source, directory, True)
 

@@ -389,7 +389,11 @@ class Session:
                 (a lone surrogate, an int of more than 4300 digits, nesting
                 deeper than 100, bytes, sets ...; the message names the key).
             InvalidConfigError: ``checkpoint`` is not a Checkpoint, or its score
-                is not numeric or beyond the float range.
+                is not numeric or beyond the float range; both ``checkpoint``
+                and ``state``; an unknown ``upload_mode``; ``staging`` where
+                no copy is staged (only a ``checkpoint=`` directory uploaded
+                in the background, one rank, no local tier, stages one);
+                ``upload_mode="async"`` with several ranks and no local tier.
 
         A refused report writes nothing and leaves ``training_iteration`` and
         the checkpoint numbering where they were.
@@ -402,8 +406,12 @@ class Session:
                 written, and reading it back failed too: the checkpoint may be
                 committed. Its row is recorded; the next report uses the next
                 index and first settles this one (registered with retention
-                if committed). Any other error: nothing was committed, and the
-                next report uses the same index.
+                if committed). Any other error: nothing was committed; the
+                next report takes the next index if this one wrote anything
+                under its index (on any tier), the same index if it was
+                refused before writing (an unfinished save refused in
+                :meth:`next_checkpoint_dir`'s directory: that directory, for
+                the retry).
             TransientBackendError, PermanentBackendError: storage failed
                 before the commit; nothing was committed.
             CheckpointStoreError: the session has ended.

@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 from checkpoint_store._format.layout import (
     EMPTY_PART_PREFIX,
@@ -34,8 +34,29 @@ from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.session._uploads import Staged, stage
 from checkpoint_store.state import staging_root
 
-__all__ = ["DirectorySource", "EmptyPart", "InPlaceSource", "Source", "StagedCopySource",
-           "StateSource", "StateStaging"]
+if TYPE_CHECKING:
+    from checkpoint_store.state._staging import Stager
+    from checkpoint_store.state._tree import FlatState
+
+
+class StagedWrite(Protocol):
+    """A state in staging, written out by the persist process
+    (:class:`~checkpoint_store.state._staging.StagedState`)."""
+
+    nbytes: int
+
+    def write_to(self, directory: str | None = None, *, record: bool = True
+                 ) -> dict[str, Any]: ...
+
+    def release(self) -> None: ...
+
+
+#: What a state report planned before anything waits: the flat state, or (in
+#: tests, ``ReportPipeline.report_source``) a staged state given as it is.
+Planned = Union["FlatState", StagedWrite]
+
+__all__ = ["DirectorySource", "EmptyPart", "InPlaceSource", "Planned", "Source",
+           "StagedCopySource", "StagedWrite", "StateSource", "StateStaging"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,14 +137,10 @@ class StateSource(Source):
 
     state = True
 
-    def __init__(self, staged: Any, directory: str, in_place: bool):
+    def __init__(self, staged: StagedWrite, directory: str, in_place: bool):
         self.staged = staged
         self.directory = directory
         self.in_place = in_place
-
-    @property
-    def nbytes(self) -> int:
-        return int(getattr(self.staged, "nbytes", 0) or 0)
 
     def write(self) -> dict[str, Any]:
         """Wait for the persist process; the tensor index (``"tensors"``)."""
@@ -152,17 +169,17 @@ class StateStaging:
 
     def __init__(self, budget: int | None):
         self._budget = budget
-        self._stager: Any = None
+        self._stager: Stager | None = None
 
     @property
-    def stager(self) -> Any:
+    def stager(self) -> Stager:
         from checkpoint_store.state._staging import Stager
 
         if self._stager is None:
             self._stager = Stager(self._budget)
         return self._stager
 
-    def plan(self, state: Mapping[str, Any]) -> Any:
+    def plan(self, state: Mapping[str, Any]) -> Planned:
         """The state's flat plan; a leaf that cannot be stored is refused here,
         before anything waits or is written.
 
@@ -173,9 +190,12 @@ class StateStaging:
 
         return plan_state(state)
 
-    def stage(self, plan: Any, directory: str | None, index: int) -> StateSource:
+    def stage(self, plan: Planned, directory: str | None, index: int) -> StateSource:
         """Copy the planned state into staging, for the persist process to
         write into ``directory`` (None: a new scratch directory)."""
+        from checkpoint_store.state._tree import FlatState
+
+        assert isinstance(plan, FlatState), "a staged state is given to report_source only"
         in_place = directory is not None
         target = directory or tempfile.mkdtemp(prefix=STATE_STAGING_PREFIX, dir=staging_root())
         try:
