@@ -57,6 +57,7 @@ Rule = Callable[[int, int, bytes], "Fault | None"]
 _HOST = "127.0.0.1"
 _POLL_S = 0.05
 _CHUNK = 256 * 1024
+_CONTINUE = b"HTTP/1.1 100 "
 
 
 class FaultRelay:
@@ -242,9 +243,18 @@ class _Pipe:
         return True
 
     def _from_upstream(self, data: bytes) -> bool:
-        if data.startswith(b"HTTP/1.1 100 "):
-            # An interim "100 Continue": the request's body is still to come.
-            self.client.sendall(data)
+        # An interim "100 Continue" passes: the request's body is still to
+        # come. A client that stopped waiting for it (curl sends the body
+        # after 1 s) gets it right before the final answer, and one read may
+        # hold both: only the interim part is let through here.
+        while data.startswith(_CONTINUE):
+            end = data.find(b"\r\n\r\n")
+            if end < 0:  # the rest of its head comes in the next read
+                self.client.sendall(data)
+                return True
+            self.client.sendall(data[: end + 4])
+            data = data[end + 4:]
+        if not data:
             return True
         self.answered = True
         if self.pending == "lose_answer":
