@@ -23,6 +23,7 @@ from checkpoint_store import (
     StorageContext,
     session,
 )
+from checkpoint_store._util import clock as _clock
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.retention import LEASE_FILE
 from checkpoint_store.retention.statelog import load_state
@@ -131,15 +132,17 @@ def test_crashed_holder_on_this_host_is_taken_over_at_once(tmp_path):
 
 
 @FAST
-def test_crashed_holder_on_another_host_expires(make_storage):
+def test_crashed_holder_on_another_host_expires(make_storage, monkeypatch):
     storage = make_storage()
     _write_lease(storage, {
         "holder": "elsewhere", "host": "some-other-node", "pid": 1,
-        "trial": storage.uri(storage.trial_path), "expires_at": time.time() + 1.0,
+        "trial": storage.uri(storage.trial_path), "expires_at": time.time() + 60.0,
     })
     with pytest.raises(CheckpointConflictError, match="some-other-node"):
         CheckpointManager(CheckpointConfig(1), make_storage())
-    time.sleep(1.2)
+    # The expiry passes on the local clock (its one seam), not by sleeping: a
+    # 1 s expiry and a sleep raced a slow first manager under load.
+    monkeypatch.setattr(_clock, "local_time", lambda: time.time() + 61.0)
     with CheckpointManager(CheckpointConfig(1), make_storage()) as m:
         assert not m.read_only
 
@@ -148,8 +151,11 @@ def test_crashed_holder_on_another_host_expires(make_storage):
 def test_lease_is_renewed_while_the_manager_lives(make_storage):
     m = CheckpointManager(CheckpointConfig(1), make_storage(), lease_ttl_s=0.3)
     first = _lease(make_storage())["expires_at"]
-    time.sleep(1.0)
-    assert _lease(make_storage())["expires_at"] > first + 0.5
+    # Renewed every 0.1 s in the background: waited for, not slept on.
+    deadline = time.monotonic() + 30
+    while _lease(make_storage())["expires_at"] <= first + 0.5:
+        assert time.monotonic() < deadline, "the lease was never renewed"
+        time.sleep(0.05)
     with pytest.raises(CheckpointConflictError):
         CheckpointManager(CheckpointConfig(1), make_storage())
     m.close()

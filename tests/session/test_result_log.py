@@ -343,13 +343,17 @@ def test_folded_segments_left_by_a_crash_are_not_read_twice(object_root):
 
 _CHILD = textwrap.dedent("""
     import sys, time
-    from checkpoint_store import Checkpoint, session
+    from checkpoint_store import Checkpoint, StorageContext, session
     uri, opts, ckpt = sys.argv[1], eval(sys.argv[2]), sys.argv[3]
     with session.start(storage_path=uri, storage_options=opts, experiment_name="exp",
                        trial_name="t") as s:
         for i in range(40):
             s.report({"i": i}, checkpoint=Checkpoint.from_directory(ckpt) if i == 19 else None)
-        time.sleep(1.0)  # > the flush interval: the timer writes rows 20..39
+        # The timer writes rows 20..39 (a fixed sleep raced its PUT under load).
+        ctx = StorageContext(uri, "exp", "t", storage_options=opts)
+        deadline = time.monotonic() + 60
+        while len(ctx.read_results()) < 40 and time.monotonic() < deadline:
+            time.sleep(0.05)
         print("reported", flush=True)
         time.sleep(600)
 """)
