@@ -16,6 +16,9 @@ import pytest
 from checkpoint_store import StorageContext
 
 ALL_BACKENDS = ["local", "memory", "s3", "s3fs", "azure", "gcs"]
+# s3fs costs about 5 s a test (its client's calls against moto); S3 through
+# pyarrow stays in the quick loop (-m "not slow"), s3fs runs in the full one.
+_PARAMS = [pytest.param(k, marks=pytest.mark.slow) if k == "s3fs" else k for k in ALL_BACKENDS]
 
 
 @dataclass
@@ -49,7 +52,7 @@ def make_store(kind: str, request: pytest.FixtureRequest, tmp_path: Any) -> Stor
     return Store(kind, loc.uri, dict(loc.storage_options))
 
 
-@pytest.fixture(params=ALL_BACKENDS)
+@pytest.fixture(params=_PARAMS)
 def store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
     """A fresh storage root on each backend."""
     return make_store(request.param, request, tmp_path)

@@ -51,7 +51,8 @@ def _no_timed_result_flush(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(FLUSH_INTERVAL_ENV, "3600")
 
 
-@pytest.fixture(params=["local", "memory", "s3", "s3fs"])
+# s3fs: about 5 s a test; in the full run only (S3 through pyarrow stays in -m "not slow").
+@pytest.fixture(params=["local", "memory", "s3", pytest.param("s3fs", marks=pytest.mark.slow)])
 def root(request: pytest.FixtureRequest, tmp_path) -> tuple[str, dict[str, Any] | None]:
     """A fresh storage root: ``(storage_path, storage_options)``."""
     if request.param == "local":

@@ -22,7 +22,8 @@ from checkpoint_store import (
 )
 from checkpoint_store.session import CheckpointAbortedError, RankTimeoutError
 
-STORES = ["local", "memory", "s3"]
+# s3: 6 to 12 s a test (ranks as threads against moto); in the full run only.
+STORES = ["local", "memory", pytest.param("s3", marks=pytest.mark.slow)]
 
 
 _OPTIONS: dict[str, dict] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 from _tier_helpers import make_checkpoint, read_files
 
 from checkpoint_store import LocalTier, StorageContext, session
@@ -87,6 +88,7 @@ def test_a_damaged_state_file_is_rebuilt_from_the_committed_copies(tmp_path):
     assert _state(trial) == {0: "durable", 1: "durable", 2: "durable"}
 
 
+@pytest.mark.slow  # two rank processes: about 7 s
 def test_two_ranks_persist_what_a_failed_run_left_pending(ranks, tmp_path):
     """The persistent tier refused the copies of checkpoint 1 (both ranks keep it
     pending); the next attempt persists it with every rank's part."""
