@@ -159,7 +159,7 @@ def test_every_selected_checkpoint_becomes_durable_through_20_percent_faults(
             # perhaps no fault), unless every copy is durable before.
             since, deadline = time.monotonic(), time.monotonic() + 300
             while ((time.monotonic() - since < 2 or not _faulted(relay))
-                   and s._tier.pending()):
+                   and session_internals(s).tier.pending()):
                 assert time.monotonic() < deadline, relay.counts
                 time.sleep(0.05)
             relay.fault_rate = 0.0  # the faults stop
