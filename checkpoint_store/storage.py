@@ -269,9 +269,12 @@ class StorageContext:
         return [(Checkpoint._from_backend(self.backend, path), meta) for path, meta in found]
 
     def next_checkpoint_index(self) -> int:
-        """One past the highest index of any checkpoint directory present."""
-        dirs = self.checkpoint_dirs()
-        return dirs[-1][0] + 1 if dirs else 0
+        """One past the highest index of any checkpoint directory present (or
+        of a file taking a checkpoint directory's name: nothing can be
+        committed there)."""
+        taken = _trialdir.checkpoint_dirs(self.filesystem, self.trial_path, retry=self.retry,
+                                          files=True)
+        return taken[-1][0] + 1 if taken else 0
 
     def internal_metadata(self, index: int, extra: Mapping[str, Any]) -> dict[str, Any]:
         """The fields of ``.internal_metadata.json`` that this trial fills in

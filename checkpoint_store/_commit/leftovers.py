@@ -93,7 +93,11 @@ def scan_trial(
                 result.uncommitted.append(name)  # a write_bytes() cut short
             continue
         staging_writer = parse_staging_dir_name(name)
-        if is_deleting_dir_name(name):
+        if name not in known and _fsutil.link_target(fs, fi.path) is not None:
+            # A symbolic link (local disks): none of ours ever is one, and a
+            # removal must never reach through it.
+            result.foreign.append(name)
+        elif is_deleting_dir_name(name):
             # Renamed away by a delete: nobody writes there any more.
             result.uncommitted.append(name)
         elif staging_writer is not None:

@@ -38,14 +38,16 @@ __all__ = ["adoptable", "checkpoint_dirs", "committed_paths", "previous_checkpoi
 
 
 def checkpoint_dirs(filesystem: Any, trial_path: str, *,
-                    retry: RetryPolicy | None) -> list[tuple[int, str]]:
+                    retry: RetryPolicy | None, files: bool = False) -> list[tuple[int, str]]:
     """``(index, dir name)`` of every ``checkpoint_NNNNNN`` directory of
-    ``trial_path``, committed or not, sorted by index (one listing)."""
+    ``trial_path``, committed or not, sorted by index (one listing); with
+    ``files``, also the files that take such a name (an index nothing can be
+    committed under)."""
     found = []
     for fi in _fsutil.list_dir(filesystem, trial_path, retry=retry):
         name = posixpath.basename(fi.path.rstrip("/"))
         index = parse_checkpoint_dir_name(name)
-        if index is not None and fi.type != _fsutil.pafs.FileType.File:
+        if index is not None and (files or fi.type != _fsutil.pafs.FileType.File):
             found.append((index, name))
     return sorted(found)
 

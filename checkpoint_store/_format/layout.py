@@ -68,6 +68,7 @@ __all__ = [
     "is_local_tier_pointer_name",
     "is_temp_file_name",
     "is_written_record",
+    "name_disagreement",
     "parse_checkpoint_dir_name",
     "parse_state_chunk_name",
     "parse_state_log_name",
@@ -136,6 +137,29 @@ def parse_checkpoint_dir_name(name: str) -> int | None:
     """The index in a ``checkpoint_NNNNNN`` name, or None for any other name."""
     m = _CHECKPOINT_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def name_disagreement(name: str, index: object) -> str | None:
+    """Why the directory ``name`` cannot be the checkpoint whose commit marker
+    records ``index``, or None when it can.
+
+    A checkpoint's identity on storage is its directory name: ``checkpoint_<index>``
+    as :func:`checkpoint_dir_name` writes it. A ``checkpoint_NNNNNN`` directory
+    whose marker names another index (a marker copied or edited by hand) or
+    whose name spells its index otherwise (``checkpoint_0000002``, other
+    digits) would be a second claimant to an index: every reader takes it
+    for damaged instead. Other names (Ray Train's, Lightning's) carry no index.
+    """
+    named = parse_checkpoint_dir_name(name)
+    if named is None:
+        return None
+    if index != named or isinstance(index, bool):
+        return (f"records index {index!r} but its directory is {name!r} (a commit marker "
+                "copied or edited by hand?)")
+    if name != checkpoint_dir_name(named):
+        return (f"directory {name!r} is not how index {named} is named "
+                f"({checkpoint_dir_name(named)!r})")
+    return None
 
 
 # Sizes and CRC32Cs of files a writer of ours computed while writing them in

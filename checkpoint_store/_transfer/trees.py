@@ -224,7 +224,8 @@ def _refuse_reserved(src_fs: pafs.FileSystem, src_root: str, rels: list[str],
     if not reserved:
         return
     if INTERNAL_METADATA in reserved and \
-            inspect_checkpoint(src_fs, src_root, retry=retry).state == "committed":
+            inspect_checkpoint(src_fs, src_root, retry=retry,
+                               identity=False).state == "committed":
         return
     rel = reserved[0]
     raise UnsafePathError(

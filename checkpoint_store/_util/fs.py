@@ -240,6 +240,20 @@ def local_path(fs: pafs.FileSystem, path: str) -> str | None:
     return None
 
 
+def link_target(fs: pafs.FileSystem, path: str) -> str | None:
+    """Where ``path`` leads when it is a symbolic link on the local disk (as
+    stored, relative or not), else None: listings and reads follow links, and
+    only an ``lstat`` tells one from the directory it names. Object stores and
+    memory have no links (always None)."""
+    local = local_path(fs, path)
+    if local is None:
+        return None
+    try:
+        return os.readlink(local.rstrip("/") or "/")
+    except (OSError, ValueError):  # not a link, absent, or a name the OS refuses
+        return None
+
+
 def fsync_dir(path: str) -> None:
     """fsync a directory so the entries created in it survive a machine crash.
 

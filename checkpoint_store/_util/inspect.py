@@ -13,6 +13,7 @@ readers fan out over a bounded pool of their own.
 
 from __future__ import annotations
 
+import os
 import posixpath
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,8 @@ from checkpoint_store._format.layout import (
     MARKER_FORMAT_VERSIONS,
     USER_METADATA,
     is_written_record,
+    name_disagreement,
+    parse_checkpoint_dir_name,
 )
 from checkpoint_store._format.manifest import _CRC_RE, check_entry, check_relpath, first_unlisted
 from checkpoint_store._format.manifest import Inspection as Inspection
@@ -40,7 +43,7 @@ from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Capabilities
-from checkpoint_store.errors import CheckpointCorruptError
+from checkpoint_store.errors import CheckpointCorruptError, PermanentBackendError
 
 __all__ = [
     "InspectionState",
@@ -95,6 +98,8 @@ def _validate_manifest(meta: Any) -> tuple[str, str | None] | None:
         return "has format_version 2 but no 'tensors' object", None
     if not isinstance(meta.get("index"), int) or isinstance(meta.get("index"), bool):
         return "has no integer 'index'", None
+    if meta["index"] < 0:
+        return f"has a negative 'index' ({meta['index']})", None
     manifest = meta.get("manifest")
     if not isinstance(manifest, list):
         return "has no 'manifest' list", None
@@ -116,8 +121,12 @@ def _validate_manifest(meta: Any) -> tuple[str, str | None] | None:
     return None
 
 
+_A_FILE = "is a file, not a checkpoint directory"
+
+
 def inspect_checkpoint(
-    fs: pafs.FileSystem, checkpoint_path: str, *, retry: RetryPolicy | None = None
+    fs: pafs.FileSystem, checkpoint_path: str, *, retry: RetryPolicy | None = None,
+    identity: bool = True,
 ) -> Inspection:
     """Classify ``checkpoint_path`` with one recursive listing and, when a
     marker is listed, one read of it.
@@ -127,13 +136,39 @@ def inspect_checkpoint(
     does not list (``.user_metadata.json`` and our ``.cs_*`` files aside).
     Checksums are not read here (see :func:`verify_files`): that would read
     every byte on each listing.
+
+    A directory named ``checkpoint_NNNNNN`` is a trial's entry, and its name
+    is its identity: one that is a symbolic link (local disks), or whose
+    marker records another index (:func:`~checkpoint_store._format.layout.
+    name_disagreement`), is ``"invalid"`` for every reader, never another
+    checkpoint. ``identity=False`` leaves that check out: a directory a user
+    hands in as a source, whatever it is named.
     """
-    entries = _fsutil.list_tree(fs, checkpoint_path, retry=retry)
+    entry = identity and parse_checkpoint_dir_name(posixpath.basename(
+        checkpoint_path.rstrip("/"))) is not None
+    if entry:
+        target = _fsutil.link_target(fs, checkpoint_path)
+        if target is not None:
+            return Inspection("invalid", None, f"is a symbolic link (to {target!r}), not a "
+                              "checkpoint directory of its own; nothing reads or deletes "
+                              "through it")
+        local = _fsutil.local_path(fs, checkpoint_path)
+        if local is not None and os.path.isfile(local):  # a listing of it would fail
+            return Inspection("invalid", None, _A_FILE)
+    try:
+        entries = _fsutil.list_tree(fs, checkpoint_path, retry=retry)
+    except PermanentBackendError:
+        # Some stores refuse to list a file (memory: not a directory).
+        if entry and _fsutil.kind(fs, checkpoint_path, retry=retry) == pafs.FileType.File:
+            return Inspection("invalid", None, _A_FILE)
+        raise
     files: dict[str, int] = {}
     for fi in entries:
         if fi.type == pafs.FileType.File:
             files[_fsutil.relative(checkpoint_path, fi.path)] = fi.size
     if not entries and not _fsutil.is_dir(fs, checkpoint_path, retry=retry):
+        if entry and _fsutil.kind(fs, checkpoint_path, retry=retry) == pafs.FileType.File:
+            return Inspection("invalid", None, _A_FILE)
         return Inspection("missing", None, files=files)
     if INTERNAL_METADATA not in files:
         return Inspection("absent", None, files=files)
@@ -151,6 +186,11 @@ def inspect_checkpoint(
     if bad is not None:
         return Inspection("invalid", meta if isinstance(meta, dict) else None,
                           f"{INTERNAL_METADATA} {bad[0]}", bad[1] or INTERNAL_METADATA, files)
+    if entry:
+        why = name_disagreement(posixpath.basename(checkpoint_path.rstrip("/")), meta["index"])
+        if why is not None:
+            return Inspection("invalid", meta, f"{INTERNAL_METADATA} {why}", INTERNAL_METADATA,
+                              files)
     listed = {rel: size for rel, size in files.items()
               if is_checkpoint_data(rel) and rel != USER_METADATA}
     unlisted = first_unlisted(meta["manifest"], listed)

@@ -50,8 +50,10 @@ def test_without_a_state_a_checkpoint_naming_another_trial_stays(near_store, tmp
     for index, loss in ((0, 0.5), (1, 0.4), (2, 0.6)):
         ctx.persist_checkpoint(Checkpoint(str(_src(tmp_path))), index, {"metrics": {"loss": loss}})
     other = near_store.ctx(trial="t2")
-    other.persist_checkpoint(Checkpoint(str(_src(tmp_path))), 0, {"metrics": {"loss": 0.1}})
-    src_dir = other.checkpoint_path(0)
+    # At the index it lands under: a copy whose marker names another index is
+    # invalid whatever it holds (tests/cli/test_cli_identity.py).
+    other.persist_checkpoint(Checkpoint(str(_src(tmp_path))), 7, {"metrics": {"loss": 0.1}})
+    src_dir = other.checkpoint_path(7)
     dst_dir = ctx.checkpoint_path(7)
     for rel in (".internal_metadata.json", "w.bin"):  # a hand copy, names and all
         ctx.filesystem.create_dir(dst_dir, recursive=True)

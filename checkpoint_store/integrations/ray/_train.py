@@ -33,7 +33,11 @@ from checkpoint_store._commit.rankparts import (
     write_rank_part,
 )
 from checkpoint_store._format import jsonrules as _json
-from checkpoint_store._format.layout import INTERNAL_METADATA, parse_rank_marker_name
+from checkpoint_store._format.layout import (
+    INTERNAL_METADATA,
+    parse_checkpoint_dir_name,
+    parse_rank_marker_name,
+)
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.inspect import read_internal_metadata
@@ -238,15 +242,19 @@ def _commit_callback_class() -> type:
             name = run_context.run_config.name or posixpath.basename(posixpath.dirname(path))
             row = _json_safe(metrics[0] if metrics else {})
             row["checkpoint_dir_name"] = posixpath.basename(path)
+            # A directory named checkpoint_NNNNNN (a report's checkpoint_dir_name)
+            # is that index: its name is its identity for every reader.
+            named = parse_checkpoint_dir_name(posixpath.basename(path))
+            index = self._index if named is None else named
             internal = {
-                "index": self._index,
+                "index": index,
                 "metrics": row,
                 "experiment_name": name,
                 "trial_name": name,
                 "created_at": time.time(),
             }
             if _commit_from_markers(backend, path, internal, len(metrics), retry) is not None:
-                self._index += 1
+                self._index = max(self._index, index) + 1
 
     # Pickled by reference to the public module, whose __getattr__ rebuilds it.
     CommitCallback.__module__ = "checkpoint_store.integrations.ray"
