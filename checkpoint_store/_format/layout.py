@@ -32,6 +32,7 @@ __all__ = [
     "LOCAL_TIER_POINTER_PREFIX",
     "MANAGER_STATE",
     "STATE_FORMAT_VERSION",
+    "STATE_KIND",
     "NAME_MAX",
     "PARAMS_FILE",
     "POINTER_FILE",
@@ -394,6 +395,8 @@ POINTER_FILE = f"{INTERNAL_PREFIX}current"
 
 #: Version of the retention state (root, log records, chunks); 1 was a single file.
 STATE_FORMAT_VERSION = 2
+#: ``kind`` of the retention state's snapshot root (every version wrote it).
+STATE_KIND = "checkpoint_manager_state"
 _STATE_LOG_RE = re.compile(rf"^{re.escape(INTERNAL_PREFIX)}state-log-(\d{{12,}})\.json$")
 _STATE_CHUNK_RE = re.compile(rf"^{re.escape(INTERNAL_PREFIX)}state-chunk-(\d{{12,}})-(\d+)\.json$")
 

@@ -120,6 +120,9 @@ class CheckpointManager:
         self._foreign: list[str] = []
         self._foreign_meta: dict[str, Mapping[str, Any]] = {}
         self.restored_from_state = False
+        #: Why the stored state could not be used at restore (``"corrupt (...)"``,
+        #: ``"unreadable (...)"``), or None: read whole, or none there.
+        self.state_problem: str | None = None
         #: The trial directory's listing made at restore, for the start's cleanup
         #: to reuse; None when the restore deleted a checkpoint since.
         self.restore_listing: list[pafs.FileInfo] | None = None
@@ -539,6 +542,7 @@ class CheckpointManager:
         r = rebuild(self.config, self._storage, self._log, self._sel, self._warned,
                     self._next_index, self.state_path, read_only=self._read_only)
         self.restored_from_state = r.restored_from_state
+        self.state_problem = r.state_problem
         self.run_id = r.run_id
         self.restore_listing = r.restore_listing
         self.restore_known = r.restore_known

@@ -59,6 +59,8 @@ class Rebuilt:
     #: The state must be written (and the pending deletes resumed); always
     #: False for a read-only manager.
     needs_write: bool
+    #: Why the stored state could not be used; None when read or not there.
+    state_problem: str | None = None
 
 
 def is_ours(meta: Mapping[str, Any], run_id: str, trial_name: str) -> bool:
@@ -99,7 +101,8 @@ def rebuild(config: CheckpointConfig, storage: StorageContext, log: StateLog, se
     lost = found.corrupt.keys() | set(found.uncommitted)
     for name in lost | recorded.keys():
         trusted.pop(name, None)
-    invalid = {**recorded, **found.corrupt}
+    # A file or a link in a checkpoint's place: named, never read or deleted.
+    invalid = {**recorded, **found.corrupt, **{n: why for n, (_, why) in listing.bad.items()}}
     run_id = (state.run_id if state is not None
               else run_id_of(found.committed, storage.trial_name))
     out = Rebuilt(
@@ -109,6 +112,7 @@ def rebuild(config: CheckpointConfig, storage: StorageContext, log: StateLog, se
         restore_known={c.dir_name: c.index for c in found.committed},
         invalid=invalid, pending=[], uncommitted=[], foreign=[], foreign_meta={},
         next_index=next_index, needs_write=False,
+        state_problem=None if state is not None or problem == "missing" else problem,
     )
     evicted = _rebuild_selection(config, sel, warned, out, storage.trial_name, found, state,
                                  trusted)
@@ -208,10 +212,15 @@ def _continue_numbering(sel: Selection, next_index: int, scan: Scan,
 
 def _log_restore(storage: StorageContext, state_path: str, sel: Selection, out: Rebuilt,
                  scan: Scan, state: ManagerState | None, problem: str) -> None:
-    if state is None and scan.committed:
+    if state is None and (scan.committed or problem != "missing"):
+        # Also with nothing to rebuild from: the state it replaces may have
+        # recorded damage (checkpoints found invalid by a read) no listing shows.
+        replaced = ("" if problem == "missing" else
+                    " (it is replaced: checkpoints it recorded as invalid are checked again "
+                    "when read)")
         warnings.warn(
             f"retention state {storage.uri(state_path)} is {problem}; rebuilt it from "
-            f"{len(scan.committed)} committed checkpoint(s)' internal metadata",
+            f"{len(scan.committed)} committed checkpoint(s)' internal metadata{replaced}",
             RuntimeWarning,
             stacklevel=5,
         )

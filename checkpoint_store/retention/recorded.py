@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from checkpoint_store._format import jsonrules as _json
-from checkpoint_store._format.layout import MANAGER_STATE
+from checkpoint_store._format.layout import MANAGER_STATE, STATE_KIND
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
 
@@ -100,6 +100,10 @@ def _recorded_root(trial: Location) -> dict[str, Any] | None:
         config, why = None, f"{type(exc).__name__}: {exc}"
     else:
         why = f"'config' is a {type(config).__name__}, not an object"
+        if root.get("kind") != STATE_KIND:
+            # Another file under its name (a chunk, a record, a lease copied
+            # over it): what it says is not what the trial's manager decided.
+            config, why = None, f"its kind is {root.get('kind')!r}, not {STATE_KIND!r}"
     if isinstance(config, dict):
         return root  # type: ignore[no-any-return]
     raise UnreadableStateError(

@@ -48,17 +48,28 @@ class Listing:
     files: set[str] = field(default_factory=set)
     dirs: dict[str, int] = field(default_factory=dict)  # checkpoint_NNNNNN -> index
     other_dirs: set[str] = field(default_factory=set)  # staging, deleting, user's ...
+    #: ``checkpoint_NNNNNN`` entries that cannot be a checkpoint whatever they
+    #: hold: a file, or a symbolic link (local disks), name -> (index, why).
+    #: Never inspected, ranked, resumed from, cleaned or deleted; numbering
+    #: continues past them (a commit there would fail).
+    bad: dict[str, tuple[int, str]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, storage: StorageContext) -> Listing:
         """List the trial once; on a local disk by name and entry type only (no
-        ``stat`` per checkpoint: a trial of 100,000 lists in milliseconds)."""
+        ``stat`` per checkpoint: a trial of 100,000 lists in milliseconds; the
+        entry type tells a link without a ``stat`` too)."""
         listing = cls()
         local = _fsutil.local_path(storage.filesystem, storage.trial_path)
+        links: set[str] = set()
         if local is not None:
             try:
                 with os.scandir(local) as it:
-                    found = [(e.name, e.is_dir()) for e in it]
+                    found = []
+                    for e in it:
+                        found.append((e.name, e.is_dir()))
+                        if e.is_symlink():
+                            links.add(e.name)
             except FileNotFoundError:
                 found = []
         else:
@@ -67,14 +78,26 @@ class Listing:
                                                 retry=storage.retry)
                      if fi.type in (pafs.FileType.File, pafs.FileType.Directory)]
         for name, is_dir in found:
-            index = _checkpoint_index(name) if is_dir else None
-            if index is not None:
+            index = _checkpoint_index(name)
+            if index is not None and name in links:
+                target = _fsutil.link_target(storage.filesystem,
+                                             posixpath.join(storage.trial_path, name))
+                listing.bad[name] = (index, f"is a symbolic link (to {target!r}), not a "
+                                            "checkpoint directory of its own")
+            elif index is not None and not is_dir:
+                listing.bad[name] = (index, "is a file, not a checkpoint directory")
+            elif index is not None:
                 listing.dirs[name] = index
             elif is_dir:
                 listing.other_dirs.add(name)
             else:
                 listing.files.add(name)
         return listing
+
+    @property
+    def highest_index(self) -> int:
+        """The highest index a ``checkpoint_NNNNNN`` entry of any kind takes (-1: none)."""
+        return max([*self.dirs.values(), *(i for i, _ in self.bad.values())], default=-1)
 
     def entries_except(self, storage: StorageContext, only: Collection[str]
                        ) -> list[pafs.FileInfo]:
@@ -110,8 +133,7 @@ class Scan:
 def scan(storage: StorageContext, listing: Listing, names: list[str]) -> Scan:
     """Inspect the ``checkpoint_NNNNNN`` directories ``names`` of ``listing``:
     committed, corrupt, or not committed."""
-    scan = Scan(present=set(listing.dirs), highest_dir_index=max(listing.dirs.values(),
-                                                                  default=-1))
+    scan = Scan(present=set(listing.dirs), highest_dir_index=listing.highest_index)
     for name in sorted(names, key=listing.dirs.__getitem__):
         insp = inspect_checkpoint(storage.filesystem, posixpath.join(storage.trial_path, name),
                                   retry=storage.retry)
@@ -230,7 +252,8 @@ def warn_corrupt(storage: StorageContext, corrupt: Mapping[str, str], highest_di
             "names every fault", RuntimeWarning, stacklevel=stacklevel,
         )
     logger.warning(
-        "trial %s holds invalid checkpoints (files not matching their manifest), left out "
+        "trial %s holds invalid checkpoints (files not matching their manifest, a marker "
+        "naming another index, a file or a link in a checkpoint's place), left out "
         "of ranking and resume and never deleted by retention: %s", trial,
         "; ".join(f"{n} ({why})" for n, why in sorted(corrupt.items())),
     )

@@ -22,7 +22,13 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from checkpoint_store._format.layout import STATE_FORMAT_VERSION, checkpoint_dir_name
+from checkpoint_store._format.layout import (
+    STATE_FORMAT_VERSION,
+    STATE_KIND,
+    checkpoint_dir_name,
+    name_disagreement,
+    validate_component,
+)
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.storage import StorageContext
 
@@ -37,11 +43,24 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-STATE_KIND = "checkpoint_manager_state"
+LOG_KIND = "checkpoint_manager_log"
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _names_its_checkpoint(index: Any, dir_name: Any) -> bool:
+    """Whether an entry's ``dir_name`` can be the checkpoint of ``index``: one
+    path component and, for a ``checkpoint_NNNNNN`` name, that very index
+    (the directory name is a checkpoint's identity)."""
+    if not (_is_int(index) and index >= 0 and isinstance(dir_name, str)):
+        return False
+    try:
+        validate_component(dir_name, "dir_name")
+    except InvalidConfigError:
+        return False
+    return name_disagreement(dir_name, index) is None
 
 
 def _number(value: Any) -> float | None:
@@ -79,8 +98,8 @@ class StoredCheckpoint:
     @classmethod
     def from_json(cls, obj: Any) -> StoredCheckpoint | None:
         """The entry of a parsed object, or None when it is not what a manager writes."""
-        if not (isinstance(obj, dict) and isinstance(obj.get("dir_name"), str)
-                and _is_int(obj.get("index"))):
+        if not (isinstance(obj, dict) and _names_its_checkpoint(obj.get("index"),
+                                                                obj.get("dir_name"))):
             return None
         score, metrics, created = obj.get("score"), obj.get("metrics"), obj.get("created_at")
         return cls(
@@ -325,7 +344,8 @@ class LazyEntries(Mapping[str, V]):
 
 def _well_formed(state: Mapping[str, Any]) -> bool:
     return bool(
-        state.get("format_version") in (1, STATE_FORMAT_VERSION)
+        state.get("kind") == STATE_KIND
+        and state.get("format_version") in (1, STATE_FORMAT_VERSION)
         and isinstance(state.get("run_id"), str) and state["run_id"]
         and isinstance(state.get("checkpoints"), list)
         and all(StoredCheckpoint.from_json(c) is not None for c in state["checkpoints"])
@@ -358,7 +378,7 @@ class LogRecord:
     invalid: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": "checkpoint_manager_log", "format_version":
+        out: dict[str, Any] = {"kind": LOG_KIND, "format_version":
                                STATE_FORMAT_VERSION, "seq": self.seq}
         if self.register is not None:
             out["register"] = self.register.to_json()
@@ -375,7 +395,8 @@ class LogRecord:
     @classmethod
     def from_json(cls, obj: Any) -> LogRecord | None:
         """The record of a parsed object, or None when it is not what a manager writes."""
-        if not (isinstance(obj, dict) and obj.get("format_version") == STATE_FORMAT_VERSION
+        if not (isinstance(obj, dict) and obj.get("kind") == LOG_KIND
+                and obj.get("format_version") == STATE_FORMAT_VERSION
                 and _is_int(obj.get("seq"))):
             return None
         register = None

@@ -63,7 +63,8 @@ from checkpoint_store.retention.state import (
 )
 from checkpoint_store.storage import StorageContext
 
-__all__ = ["StateLog", "load_state", "recorded_invalid", "save_state"]
+__all__ = ["StateLog", "load_state", "recorded_invalid", "recorded_state", "save_state",
+           "state_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -522,12 +523,35 @@ def recorded_invalid(storage: StorageContext) -> dict[str, str]:
     """``dir_name -> why`` of the checkpoints the trial's retention state
     records as damaged (:attr:`ManagerState.invalid`); {} without a usable
     state. Reads the root and the log records after it, never a chunk."""
+    return recorded_state(storage)[0]
+
+
+def recorded_state(storage: StorageContext) -> tuple[dict[str, str], str | None]:
+    """``(recorded invalid, problem)``: :func:`recorded_invalid`, and why a
+    state that is there cannot be used (None when it reads, or is not there),
+    from one read of the root and the log records after it."""
     from checkpoint_store.errors import CheckpointStoreError
     try:
-        state, _ = StateLog(storage).load(lazy=True)
-    except (CheckpointStoreError, OSError):
-        return {}
-    return dict(state.invalid) if state is not None else {}
+        state, problem = StateLog(storage).load(lazy=True)
+    except (CheckpointStoreError, OSError) as exc:
+        return {}, str(exc)
+    if state is None:
+        return {}, None if problem == "missing" else problem
+    return dict(state.invalid), None
+
+
+def state_problem(storage: StorageContext, *, lazy: bool = False) -> str | None:
+    """Why the trial's retention state cannot be used (``"corrupt (...)"``,
+    ``"unreadable (...)"``, or a newer format's refusal), or None when it reads
+    whole or is not there (a trial written without a manager). Reads the
+    root, its chunks and the records after it, as a restart does; ``lazy``
+    leaves the chunks the root places unread (a damaged one is not seen)."""
+    from checkpoint_store.errors import CheckpointStoreError
+    try:
+        state, problem = StateLog(storage).load(lazy=lazy)
+    except CheckpointStoreError as exc:
+        return str(exc)
+    return None if state is not None or problem == "missing" else problem
 
 
 def save_state(storage: StorageContext, path: str, state: ManagerState) -> bool:
