@@ -303,10 +303,18 @@ def not_committed(
     ``([(name, inspection) of corrupt ones], [names of uncommitted ones])``;
     ``entries`` is a listing of the trial already made (:func:`list_entries`
     form; committed checkpoint directories may be left out of it)."""
+    from checkpoint_store._util.inspect import Inspection
+
     done = set(committed)
     corrupt: list[tuple[str, Inspection]] = []
     uncommitted: list[str] = []
     for name, is_dir in list_entries(trial) if entries is None else entries:
+        if not is_dir and name not in done and parse_checkpoint_dir_name(name) is not None:
+            # A file in a checkpoint's place: nothing there can be read, and
+            # numbering continues past it (docs/format.md).
+            corrupt.append((name, Inspection("invalid", None,
+                                             "is a file, not a checkpoint directory")))
+            continue
         if not is_dir or name in done:
             continue
         if parse_checkpoint_dir_name(name) is not None:
@@ -315,6 +323,9 @@ def not_committed(
                 corrupt.append((name, found))
             elif found.state != "committed":
                 uncommitted.append(name)
+        elif (fault := _link_fault(trial.child(name))) is not None \
+                and any(True for _ in _otherwise_named(trial, [(name, True)])):
+            corrupt.append((name, fault))  # a checkpoint under another name, linked
         elif _marked_but_not_committed(trial.child(name)):
             # A checkpoint under another name (Lightning's ``a.ckpt``) that
             # fails its manifest: reported, never silently left out.
@@ -324,6 +335,19 @@ def not_committed(
         elif parse_staging_dir_name(name) is not None:
             uncommitted.append(name)
     return corrupt, uncommitted
+
+
+def _link_fault(loc: Location) -> Inspection | None:
+    """An ``"invalid"`` inspection of ``loc`` when it is a symbolic link (local
+    disks): a trial's entry is its own directory, never another one's. (A
+    ``checkpoint_NNNNNN`` link is found by the inspection itself.)"""
+    from checkpoint_store._util.inspect import Inspection
+
+    target = _fsutil.link_target(loc.fs, loc.path)
+    if target is None:
+        return None
+    return Inspection("invalid", None, reason=f"is a symbolic link (to {target!r}), not a "
+                                              "checkpoint directory of its own")
 
 
 def _pointer_fault(loc: Location) -> Inspection | None:
@@ -434,6 +458,8 @@ def _committed_otherwise_named(trial: Location, entries: Iterable[tuple[str, boo
     or ``cp`` of everything else."""
     out = []
     for name in _otherwise_named(trial, entries):
+        if _link_fault(trial.child(name)) is not None:
+            continue  # named by not_committed
         try:
             ckpt = follow(trial.child(name))
         except CheckpointCorruptError:
@@ -459,10 +485,12 @@ class Recorded:
     invalid: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def recorded_checkpoints(trial: Location) -> Recorded | None:
+def recorded_checkpoints(trial: Location, problems: list[str] | None = None
+                         ) -> Recorded | None:
     """The trial's committed checkpoints as its retention state records them,
     or None when it has no usable state (then :func:`committed_checkpoints`
-    reads every checkpoint's metadata).
+    reads every checkpoint's metadata); why a state that is there cannot be
+    used is appended to ``problems``.
 
     A read-only :class:`~checkpoint_store.retention.CheckpointManager` under
     the recorded config restores it as a new session would: the state, one
@@ -483,9 +511,13 @@ def recorded_checkpoints(trial: Location) -> Recorded | None:
             warnings.simplefilter("ignore")  # the full path names every fault
             manager = CheckpointManager(recorded_config(trial) or CheckpointConfig(), ctx,
                                         read_only=True)
-    except CheckpointStoreError:
+    except CheckpointStoreError as exc:
+        if problems is not None:
+            problems.append(str(exc))
         return None
     if not manager.restored_from_state:
+        if manager.state_problem is not None and problems is not None:
+            problems.append(manager.state_problem)
         return None
     # Pairs, not Checkpoint objects: a ranking of 100,000 builds one Location each.
     out = [(trial.child(name), meta) for name, meta in manager.resume_candidates().named()]

@@ -1,16 +1,16 @@
-"""The read-only commands: ``ls``, ``show``, ``best`` and ``verify``.
+"""The read-only commands that list and rank: ``ls``, ``show`` and ``best``
+(``verify`` is :mod:`.verify`).
 
 Nothing here writes. What a location is comes from :mod:`.locations`; the
 ranking of ``best`` is the retention manager's
-(:func:`checkpoint_store.retention.rank_key`); ``verify`` reads every byte
-through :meth:`Checkpoint.verify`.
+(:func:`checkpoint_store.retention.rank_key`).
 """
 
 from __future__ import annotations
 
 import posixpath
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import click
@@ -20,7 +20,6 @@ from checkpoint_store._browse.locations import (
     LocationKind,
     classify,
     committed_checkpoints,
-    inspect_location,
     list_entries,
     manifest_size,
     not_committed,
@@ -36,24 +35,24 @@ from checkpoint_store._browse.output import (
     fmt_size,
     fmt_time,
     fmt_value,
-    one_line,
     print_json,
     table,
 )
 from checkpoint_store._format.layout import ERROR_FILE, is_internal_name
 from checkpoint_store._util import fs as _fsutil
-from checkpoint_store.cli.metrics import resolve_metric, stored_metrics
+from checkpoint_store.cli.metrics import (
+    resolve_metric,
+    stored_metrics,
+    warn_state_problem,
+    warn_unreadable_state,
+)
 from checkpoint_store.cli.options import (
-    EXIT_FAILURE,
     common_options,
-    echo_info,
     quiet,
     storage_option,
 )
-from checkpoint_store.cli.progress import counting_location, expected_files, progress_bar
 from checkpoint_store.cli.tiers import annotate_rows, checkpoint_tiers, trial_tiers
 from checkpoint_store.errors import (
-    CheckpointCorruptError,
     CheckpointNotFoundError,
     InvalidConfigError,
 )
@@ -65,7 +64,7 @@ from checkpoint_store.retention.recorded import (
     stored_score,
 )
 
-__all__ = ["best_cmd", "ls_cmd", "show_cmd", "verify_cmd"]
+__all__ = ["best_cmd", "ls_cmd", "show_cmd"]
 
 #: A checkpoint, its metadata and its score (None: not numeric or absent).
 _Scored = tuple[Location, Mapping[str, Any], float | None]
@@ -75,7 +74,7 @@ _Scored = tuple[Location, Mapping[str, Any], float | None]
 
 
 def _listed_checkpoints(
-    trial: Location, long: bool
+    trial: Location, long: bool, problems: list[str] | None = None
 ) -> tuple[list[tuple[Location, dict[str, Any]]], list[tuple[str, bool]] | None, dict[str, str]]:
     """The trial's committed checkpoints with what ``ls`` shows of them, oldest first,
     but those its retention state records as invalid (``dir_name -> why``, the third).
@@ -86,10 +85,11 @@ def _listed_checkpoints(
     what it does not name, whatever the trial's history; a trial without a
     usable state (written without a manager, or by another tool) falls back
     to reading every checkpoint's metadata. Also the trial's listing when
-    one was made that :func:`not_committed` may reuse.
+    one was made that :func:`not_committed` may reuse. Why a retention state
+    that is there cannot be used goes to ``problems``.
     """
     if not long:
-        recorded = recorded_checkpoints(trial)
+        recorded = recorded_checkpoints(trial, problems)
         if recorded is not None:
             return recorded.checkpoints, recorded.entries, recorded.invalid
     invalid = _recorded_invalid(trial)
@@ -97,24 +97,37 @@ def _listed_checkpoints(
             invalid)
 
 
-def _recorded_invalid(trial: Location) -> dict[str, str]:
+def _recorded_invalid(trial: Location, *, warn: bool = False) -> dict[str, str]:
     """``dir_name -> why`` of the checkpoints of ``trial`` its retention state
     records as damaged: found by a read (a CRC32C that no listing shows) and
-    never ranked, resumed from or deleted."""
-    from checkpoint_store.retention import recorded_invalid
+    never ranked, resumed from or deleted. With ``warn``, a state that is
+    there but cannot be used (so cannot say) is named on stderr."""
+    from checkpoint_store.retention.statelog import recorded_state
 
     ctx = storage_context(trial, strict=False)
-    return recorded_invalid(ctx) if ctx is not None else {}
+    recorded, problem = recorded_state(ctx) if ctx is not None else ({}, None)
+    if warn and problem is not None:
+        warn_state_problem(trial, problem)
+    return recorded
 
 
 def _ls_trial(trial: Location, metric: str | None, long: bool) -> dict[str, Any]:
+    warned = False
     if metric is None:
         try:
             metric, _ = score_attribute(trial)
         except UnreadableStateError as exc:  # a listing still helps; ranking commands refuse
             click.echo(f"warning: {exc}; scores not shown", err=True)
+            warned = True
+    else:
+        warned = warn_unreadable_state(trial)
     rows = []
-    checkpoints, entries, invalid = _listed_checkpoints(trial, long)
+    problems: list[str] = []
+    checkpoints, entries, invalid = _listed_checkpoints(trial, long, problems)
+    if not warned and problems:  # a log record or chunk, the root being fine
+        warn_state_problem(trial, problems[0])
+    elif not warned and long:
+        warn_unreadable_state(trial, deep=True)
     if metric is None:
         metric, _ = monitored_attribute(checkpoints)
     for ckpt, meta in checkpoints:
@@ -395,7 +408,7 @@ def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) ->
     meta = require_checkpoint(loc)
     user = Checkpoint._from_backend(loc.backend, loc.path).get_metadata()
     # Damage a read found (a CRC32C) shows in no listing: the trial's state says so.
-    invalid = _recorded_invalid(loc.parent).get(loc.name)
+    invalid = _recorded_invalid(loc.parent, warn=True).get(loc.name)
     if not as_json:
         _print_show(loc, meta, user, invalid)
         return
@@ -445,12 +458,24 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
 
     loc = resolve_location(trial, storage_options)
     require_trial(loc)
+    warned = False
+    if metric is not None and mode is not None:  # else the state is read, and refused
+        warned = warn_unreadable_state(loc)
     metric, order = resolve_metric(loc, metric, mode, required=False)
     # The retention state records every kept checkpoint's metrics: no need to
     # read each one's metadata (the full walk is for trials without a state).
-    recorded = recorded_checkpoints(loc)
+    problems: list[str] = []
+    recorded = recorded_checkpoints(loc, problems)
+    if problems and not warned:
+        warn_state_problem(loc, problems[0])
     committed = recorded.checkpoints if recorded is not None else committed_checkpoints(loc)
-    invalid = recorded.invalid if recorded is not None else _recorded_invalid(loc)
+    invalid = dict(recorded.invalid if recorded is not None else _recorded_invalid(loc))
+    # What a listing finds invalid (a marker naming another index, a link or a
+    # file in a checkpoint's place, files not matching the manifest): named too.
+    corrupt, _ = not_committed(loc, (c.name for c, _ in committed),
+                               recorded.entries if recorded is not None else None)
+    invalid.update((name, found.reason or "invalid") for name, found in corrupt
+                   if name not in invalid)
     for name, why in sorted(invalid.items()):
         click.echo(f"warning: {name} is invalid ({why}); not ranked", err=True)
     committed = [(c, m) for c, m in committed if c.name not in invalid]
@@ -495,100 +520,3 @@ def _still_committed(ranked: list[_Scored]) -> list[_Scored]:
         click.echo(f"warning: {ckpt.uri} is in the retention state but has no valid "
                    "commit marker now (changed by hand?); skipped", err=True)
     return []
-
-
-# -- verify -------------------------------------------------------------------------
-
-
-def _verify_one(ckpt: Location, meta: Mapping[str, Any], on_bytes: Callable[[int], None],
-                counting: bool = True) -> None:
-    """Read every manifest file of one checkpoint and check its size and CRC32C
-    (:meth:`Checkpoint.verify`), counting the bytes for the progress bar.
-
-    Raises:
-        CheckpointCorruptError: naming the first bad or missing file.
-    """
-    from checkpoint_store.checkpoint import Checkpoint
-
-    expected = expected_files(ckpt, meta)
-    counted = counting_location(ckpt, on_bytes, track=expected.__contains__) if counting else ckpt
-    Checkpoint._from_backend(counted.backend, ckpt.path).verify()
-
-
-def _corrupt_row(uri: str, file: str | None, error: str) -> dict[str, Any]:
-    return {"uri": uri, "ok": False, "file": file, "error": error}
-
-
-def _verify_targets(
-    loc: Location, kind: LocationKind
-) -> tuple[list[tuple[Location, dict[str, Any]]], list[dict[str, Any]]]:
-    """``(checkpoints to read, report rows of corrupt ones found without reading)``."""
-    if kind == "checkpoint":
-        return [(loc, require_checkpoint(loc))], []
-    if kind == "corrupt":
-        found = inspect_location(loc)
-        return [], [_corrupt_row(loc.uri, found.file,
-                                 f"checkpoint {loc.uri} is corrupt: {found.reason}")]
-    if kind == "uncommitted":
-        require_checkpoint(loc)  # raises, saying why
-    targets: list[tuple[Location, dict[str, Any]]] = []
-    report: list[dict[str, Any]] = []
-    for trial in trials_under(loc, kind):
-        committed = committed_checkpoints(trial)
-        targets.extend(committed)
-        corrupt, _ = not_committed(trial, (c.name for c, _ in committed))
-        for name, found in corrupt:
-            uri = trial.child(name).uri
-            report.append(_corrupt_row(uri, found.file,
-                                       f"checkpoint {uri} is corrupt: {found.reason}"))
-    return targets, report
-
-
-def _print_verify(report: list[dict[str, Any]], bad: int) -> None:
-    for r in report:
-        if r["ok"]:
-            if not quiet():
-                click.echo(f"OK       {r['uri']}")
-        else:
-            click.echo(f"CORRUPT  {r['uri']}: {r['error']}")
-    echo_info(f"{len(report)} checkpoints checked, {bad} corrupt")
-
-
-@click.command("verify")
-@click.argument("uri")
-@storage_option()
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-@common_options
-def verify_cmd(uri: str, storage_options: dict[str, Any], as_json: bool) -> None:
-    """Check the sizes and CRC32C checksums of one checkpoint, or of every checkpoint
-    under URI (a trial, an experiment or a storage root).
-
-    Exits 1 if any checkpoint is corrupt (each one is named with its first bad
-    file) or if there is no committed checkpoint under URI.
-
-    \b
-    Examples:
-      checkpoint-store verify ./results/exp/t1/checkpoint_000004
-      checkpoint-store verify s3://bucket/runs
-    """
-    loc = resolve_location(uri, storage_options)
-    targets, report = _verify_targets(loc, classify(loc))
-    if not targets and not report:
-        raise CheckpointNotFoundError(f"no committed checkpoint under {loc.uri}")
-    total = sum(manifest_size(m) for _, m in targets)
-    with progress_bar(f"verify {loc.name}", total) as bar:
-        for ckpt, cmeta in targets:
-            try:
-                _verify_one(ckpt, cmeta, bar.advance, bar.enabled)
-            except CheckpointCorruptError as exc:
-                report.append(_corrupt_row(ckpt.uri, exc.file, one_line(str(exc))))
-            else:
-                report.append({"uri": ckpt.uri, "ok": True, "file": None, "error": None})
-    bad = [r for r in report if not r["ok"]]
-    if as_json:
-        print_json({"uri": loc.uri, "checked": len(report), "corrupt": len(bad),
-                    "checkpoints": report})
-    else:
-        _print_verify(report, len(bad))
-    if bad:
-        click.get_current_context().exit(EXIT_FAILURE)

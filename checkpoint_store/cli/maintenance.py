@@ -22,6 +22,7 @@ from checkpoint_store._browse.locations import (
     Location,
     committed_checkpoints,
     list_entries,
+    not_committed,
     require_trial,
     resolve_location,
     storage_context,
@@ -30,7 +31,7 @@ from checkpoint_store._browse.output import fmt_value, print_json
 from checkpoint_store._format.layout import is_internal_name, is_legacy_temp_file_name
 from checkpoint_store._util import clock as _clock
 from checkpoint_store._util import fs as _fsutil
-from checkpoint_store.cli.metrics import resolve_metric, stored_metrics
+from checkpoint_store.cli.metrics import resolve_metric, stored_metrics, warn_unreadable_state
 from checkpoint_store.cli.options import NumberAtLeast, common_options, echo_info, storage_option
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.retention.recorded import (
@@ -94,6 +95,26 @@ def _split_foreign(loc: Location, committed: list[tuple[Location, dict[str, Any]
             mine = meta.get("trial_name") in (None, loc.name)
         (ours if mine else foreign).append((ckpt, meta))
     return ours, foreign
+
+
+def _without_invalid(loc: Location, committed: list[tuple[Location, dict[str, Any]]]
+                     ) -> tuple[list[tuple[Location, dict[str, Any]]], dict[str, str]]:
+    """``(committed, invalid)``: the checkpoints the trial's retention state
+    records as found damaged by a read (a CRC32C no listing shows) are taken
+    out, and with them every entry a listing finds invalid (a marker naming
+    another index, a link or a file in a checkpoint's place, files not
+    matching the manifest): ``name -> why``, sorted. None of them is ranked
+    or deleted, by the manager's own rule (docs/retention.md)."""
+    from checkpoint_store.retention import recorded_invalid
+
+    ctx = storage_context(loc, strict=False)
+    names = {c.name for c, _ in committed}
+    invalid = {n: why for n, why in (recorded_invalid(ctx) if ctx is not None else {}).items()
+               if n in names}
+    corrupt, _ = not_committed(loc, names)
+    invalid.update((name, found.reason or "invalid") for name, found in corrupt)
+    return ([(c, m) for c, m in committed if c.name not in invalid],
+            dict(sorted(invalid.items())))
 
 
 def _created_at(meta: dict[str, Any]) -> float | None:
@@ -189,10 +210,17 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int | None,
     loc = resolve_location(trial, storage_options)
     require_trial(loc)
     config, metric, order = _prune_config(loc, keep, metric, mode, keep_latest)
-    committed, foreign = _split_foreign(loc, committed_checkpoints(loc))
+    # Told how to rank: a state that cannot be read is named (and its record
+    # of damaged checkpoints is lost to this ranking).
+    warn_unreadable_state(loc, deep=True)
+    committed, invalid = _without_invalid(loc, committed_checkpoints(loc))
+    committed, foreign = _split_foreign(loc, committed)
     for ckpt, _ in foreign:
         click.echo(f"warning: {ckpt.uri} was written by another run or trial (copied in?): "
                    "left alone and not ranked, as the retention manager does", err=True)
+    for name, reason in invalid.items():
+        click.echo(f"warning: {loc.child(name).uri} is invalid ({reason}): left alone and "
+                   "not ranked, as the retention manager does", err=True)
     _refuse_unrecorded_metric(loc, committed, metric)
     kept, evicted, why = _select(committed, config, metric)
 
@@ -214,7 +242,9 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int | None,
         print_json({"uri": loc.uri, "dry_run": dry_run, "metric": metric, "mode": order,
                     "kept": [describe(i) for i in kept],
                     "evicted": [describe(i) for i in evicted],
-                    "deleted": deleted, "foreign": [c.uri for c, _ in foreign]})
+                    "deleted": deleted, "foreign": [c.uri for c, _ in foreign],
+                    "invalid": [{"name": n, "uri": loc.child(n).uri, "reason": reason}
+                                for n, reason in invalid.items()]})
         return
     _print_prune("would delete" if dry_run else "deleted", metric,
                  (describe(i) for i in evicted), (describe(i) for i in kept))

@@ -65,10 +65,8 @@ from checkpoint_store.errors import (
     CheckpointNotFoundError,
     InvalidConfigError,
 )
-from checkpoint_store.retention import (
-    live_lease,
-    recorded_invalid,
-)
+from checkpoint_store.retention import live_lease
+from checkpoint_store.retention.statelog import recorded_state
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers.view import local_tier_views
 from checkpoint_store.ui._rows import BEST as BEST
@@ -216,17 +214,25 @@ class StoreView:
                 cache.unmatched[name] = (insp.meta or {}, insp.reason or "invalid")
             elif name in dirs:
                 cache.uncommitted.add(name)
+        for name, fi in entries.items():
+            if fi.type == _fsutil.pafs.FileType.File and parse_checkpoint_dir_name(name) \
+                    is not None:
+                # A file in a checkpoint's place: named as the invalid entry it is.
+                cache.unmatched[name] = ({}, "is a file, not a checkpoint directory")
         cache.tiers = local_tier_views(fs, ctx.trial_path, entries)
         if cache.params is None and PARAMS_FILE in entries:
             cache.params = _read_json(fs, posixpath.join(ctx.trial_path, PARAMS_FILE))
-        if (cache.config is None or full) and MANAGER_STATE in entries:
-            cache.config = _read_config(fs, posixpath.join(ctx.trial_path, MANAGER_STATE))
         state_files = tuple(sorted((n, fi.size, fi.mtime_ns) for n, fi in entries.items()
                                    if n == MANAGER_STATE or parse_state_log_name(n) is not None))
         if state_files != cache.state_files or full:
-            cache.invalid = ({n: why for n, why in recorded_invalid(ctx).items() if n in subdirs}
-                             if MANAGER_STATE in entries else {})
+            recorded, cache.state_problem = (recorded_state(ctx) if MANAGER_STATE in entries
+                                             else ({}, None))
+            cache.invalid = {n: why for n, why in recorded.items() if n in subdirs}
             cache.state_files = state_files
+        if cache.state_problem is not None:
+            cache.config = None  # what an unusable state says is not shown
+        elif (cache.config is None or full) and MANAGER_STATE in entries:
+            cache.config = _read_config(fs, posixpath.join(ctx.trial_path, MANAGER_STATE))
         _read_error(fs, posixpath.join(ctx.trial_path, ERROR_FILE), entries.get(ERROR_FILE),
                     cache)
         # A lease outranks error.txt: a run holding one (live or crashed) is
@@ -355,6 +361,8 @@ class StoreView:
             "reports": len(cache.rows),
             "committed": len(cache.metas) + len(cache.unmatched),
             "invalid": len(cache.unmatched) + len(cache.invalid.keys() & cache.metas.keys()),
+            # A retention state there but unusable: named, its config not used.
+            "state_problem": cache.state_problem,
             "metric": config.checkpoint_score_attribute if config else None,
             "mode": config.checkpoint_score_order if config else None,
             "best_checkpoint": best[0] if best else None,

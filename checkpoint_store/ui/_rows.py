@@ -22,6 +22,7 @@ from checkpoint_store._browse.locations import (
 )
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
+    STATE_KIND,
     checkpoint_dir_name,
     parse_checkpoint_dir_name,
     validate_component,
@@ -81,6 +82,9 @@ class _TrialCache:
     tiers: list[TierView] = dataclasses.field(default_factory=list)
     # Recorded by the retention state: dir_name -> why; read again when its files change.
     invalid: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Why the retention state there cannot be used (then its config is not
+    # shown either), or None.
+    state_problem: str | None = None
     state_files: tuple[tuple[str, int | None, int | None], ...] = ()
     params: dict[str, Any] | None = None
     config: CheckpointConfig | None = None
@@ -121,7 +125,7 @@ class _TrialCache:
         HTTP ETag: a poll with nothing new is answered 304 without a body)."""
         key = (self.offset, tuple(sorted(self.segments)), tuple(sorted(self.metas)),
                tuple(sorted(self.unmatched.items())), tuple(sorted(self.invalid.items())),
-               tuple(sorted(self.uncommitted)),
+               tuple(sorted(self.uncommitted)), self.state_problem,
                self.status, self.error, self.config.to_json() if self.config else None)
         return hashlib.blake2b(repr(key).encode(), digest_size=8).hexdigest()
 
@@ -226,6 +230,8 @@ def _read_config(fs: Any, path: str) -> CheckpointConfig | None:
     """The trial's retention rules, as its manager recorded them."""
     state = _read_json(fs, path)
     try:
+        if state["kind"] != STATE_KIND:  # another file under its name: no config of it
+            return None
         return CheckpointConfig.from_json(state["config"])
     except (TypeError, KeyError, InvalidConfigError):
         return None
@@ -313,8 +319,10 @@ def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
         })
     for name, (meta, reason) in cache.unmatched.items():
         row = reported.get(name, {})
-        index = meta.get("index") if isinstance(meta.get("index"), int) else \
-            parse_checkpoint_dir_name(name)
+        # The name is a checkpoint's identity: a marker naming another index lies.
+        index = parse_checkpoint_dir_name(name)
+        if index is None and isinstance(meta.get("index"), int):
+            index = meta["index"]
         out.append({
             "name": name, "index": index, "kind": INVALID, "is_best": False, "rank": None,
             "is_latest": False, "score": score_or_none(meta.get("metrics") or row, attr),
