@@ -41,6 +41,8 @@ from checkpoint_store._browse.output import (
 from checkpoint_store._format.layout import ERROR_FILE, is_internal_name
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli.metrics import (
+    metric_option,
+    refuse_unrecorded_metric,
     resolve_metric,
     stored_metrics,
     warn_state_problem,
@@ -112,7 +114,7 @@ def _recorded_invalid(trial: Location, *, warn: bool = False) -> dict[str, str]:
 
 
 def _ls_trial(trial: Location, metric: str | None, long: bool) -> dict[str, Any]:
-    warned = False
+    explicit, warned = metric is not None, False
     if metric is None:
         try:
             metric, _ = score_attribute(trial)
@@ -128,6 +130,9 @@ def _ls_trial(trial: Location, metric: str | None, long: bool) -> dict[str, Any]
         warn_state_problem(trial, problems[0])
     elif not warned and long:
         warn_unreadable_state(trial, deep=True)
+    if explicit:
+        refuse_unrecorded_metric(trial, checkpoints, metric,
+                                 "every SCORE would be empty; nothing is listed")
     if metric is None:
         metric, _ = monitored_attribute(checkpoints)
     for ckpt, meta in checkpoints:
@@ -284,9 +289,9 @@ def _print_ls(loc: Location, kind: LocationKind, data: Mapping[str, Any], long: 
 @click.command("ls")
 @click.argument("uri")
 @storage_option()
-@click.option("--metric", default=None, metavar="M",
-              help="Metric shown as SCORE for checkpoints (default: the trial's retention "
-                   "score attribute). Nested metrics use '/', e.g. eval/loss.")
+@metric_option(help="Metric shown as SCORE for checkpoints (default: the trial's retention "
+                    "score attribute). Nested metrics use '/', e.g. eval/loss. One no "
+                    "checkpoint of the trial records is refused.")
 @click.option("-l", "--long", "long", is_flag=True,
               help="Also show each checkpoint's size (and, with --json, its file count); "
                    "reads every checkpoint's metadata.")
@@ -431,9 +436,9 @@ def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) ->
 @click.command("best")
 @click.argument("trial")
 @storage_option()
-@click.option("--metric", default=None, metavar="M",
-              help="Metric to rank by; nested metrics use '/'. Default: the trial's "
-                   "retention score attribute.")
+@metric_option(help="Metric to rank by; nested metrics use '/'. Default: the trial's "
+                    "retention score attribute. One no checkpoint of the trial records is "
+                    "refused.")
 @click.option("--mode", type=click.Choice(["min", "max"]), default=None,
               help="min: lower is better; max: higher is better (default: the trial's "
                    "recorded order when ranking by its recorded metric, else max).")
@@ -458,7 +463,7 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
 
     loc = resolve_location(trial, storage_options)
     require_trial(loc)
-    warned = False
+    explicit, warned = metric is not None, False
     if metric is not None and mode is not None:  # else the state is read, and refused
         warned = warn_unreadable_state(loc)
     metric, order = resolve_metric(loc, metric, mode, required=False)
@@ -487,6 +492,10 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
         order = mode or monitored_mode or "max"
     if not committed:
         raise CheckpointNotFoundError(f"trial {loc.uri} has no committed checkpoint")
+    if explicit:
+        refuse_unrecorded_metric(loc, committed, metric,
+                                 "the newest checkpoint would be named instead of the best; "
+                                 "nothing is printed")
     scored: list[_Scored] = [
         (ckpt, meta, stored_score(ckpt, stored_metrics(ckpt, meta), metric))
         for ckpt, meta in committed]

@@ -31,9 +31,14 @@ from checkpoint_store._browse.output import fmt_value, print_json
 from checkpoint_store._format.layout import is_internal_name, is_legacy_temp_file_name
 from checkpoint_store._util import clock as _clock
 from checkpoint_store._util import fs as _fsutil
-from checkpoint_store.cli.metrics import resolve_metric, stored_metrics, warn_unreadable_state
+from checkpoint_store.cli.metrics import (
+    metric_option,
+    refuse_unrecorded_metric,
+    resolve_metric,
+    stored_metrics,
+    warn_unreadable_state,
+)
 from checkpoint_store.cli.options import NumberAtLeast, common_options, echo_info, storage_option
-from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.retention.recorded import (
     UnreadableStateError,
     metric_value,
@@ -133,6 +138,12 @@ def _prune_config(loc: Location, keep: int | None, metric: str | None, mode: str
     """
     from checkpoint_store.retention import CheckpointConfig
 
+    if keep is None and (metric is not None or mode is not None):
+        # The recorded policy ranks by its own attribute: a flag taken and
+        # then ignored would prune by another ranking than the one asked for.
+        raise click.UsageError(
+            "--metric and --mode rank with --keep; without --keep the trial's recorded "
+            "retention policy is applied as recorded")
     if keep is None:
         config = recorded_config(loc)
         if config is None or (config.policy is None and config.num_to_keep is None):
@@ -170,9 +181,9 @@ def _print_prune(verb: str, metric: str | None, evicted: Iterable[dict[str, Any]
 @click.option("--keep", type=click.IntRange(min=1), default=None, metavar="N",
               help="How many best checkpoints to keep. Without it, the retention policy "
                    "the trial's manager recorded is applied.")
-@click.option("--metric", default=None, metavar="M",
-              help="Metric to rank by; nested metrics use '/'. Without it (and without a "
-                   "recorded retention attribute) the N most recent are kept.")
+@metric_option(help="Metric to rank by, with --keep; nested metrics use '/'. Without it "
+                    "(and without a recorded retention attribute) the N most recent are "
+                    "kept. One no checkpoint of the trial records is refused.")
 @click.option("--mode", type=click.Choice(["min", "max"]), default=None,
               help="min: lower is better; max: higher is better (default: the trial's "
                    "recorded order when ranking by its recorded metric, else max).")
@@ -221,7 +232,8 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int | None,
     for name, reason in invalid.items():
         click.echo(f"warning: {loc.child(name).uri} is invalid ({reason}): left alone and "
                    "not ranked, as the retention manager does", err=True)
-    _refuse_unrecorded_metric(loc, committed, metric)
+    refuse_unrecorded_metric(loc, committed, metric,
+                             "pruning would delete the best ones; nothing was deleted")
     kept, evicted, why = _select(committed, config, metric)
 
     def describe(i: int) -> dict[str, Any]:
@@ -248,29 +260,6 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int | None,
         return
     _print_prune("would delete" if dry_run else "deleted", metric,
                  (describe(i) for i in evicted), (describe(i) for i in kept))
-
-
-def _refuse_unrecorded_metric(loc: Location, committed: list[tuple[Location, dict[str, Any]]],
-                              metric: str | None) -> None:
-    """Refuse, before anything is deleted, a metric no checkpoint records (a
-    typo, say): every score would be missing, so the ranking would keep the
-    newest N and delete the best.
-
-    Raises:
-        InvalidConfigError: naming the metric and those the newest checkpoint records.
-    """
-    if metric is None or not committed:
-        return
-    if any(metric_value(stored_metrics(c, m, warn=False), metric) is not None
-           for c, m in committed):
-        return
-    known = sorted(stored_metrics(*committed[-1], warn=False))
-    raise InvalidConfigError(
-        f"no checkpoint of {loc.uri} records the metric {metric!r}, so every score would "
-        f"be missing and pruning would delete the best ones; nothing was deleted. The "
-        f"newest checkpoint records: {', '.join(known) or '(no metrics)'}; nested metrics "
-        "use '/'"
-    )
 
 
 def _delete(ctx: Any, ckpt: Location) -> None:

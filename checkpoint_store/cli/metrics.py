@@ -2,27 +2,74 @@
 
 What the trial's retention state records lives in
 :mod:`checkpoint_store.retention.recorded`; this module adds the command
-line's side: a usage error when no metric is given or recorded, a warning
-naming a retention state that cannot be read, and a warning naming stored
-metrics that are not a JSON object.
+line's side: a usage error when no metric is given or recorded, one rule
+for every ``--metric`` flag (an empty name, and a metric no checkpoint of the
+trial records, are usage errors, exit 2), a warning naming a retention state
+that cannot be read, and a warning naming stored metrics that are not a JSON
+object.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import click
 
 from checkpoint_store._browse.locations import Location
 from checkpoint_store._format.layout import MANAGER_STATE
+from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.retention.recorded import (
     UnreadableStateError,
+    metric_value,
     recorded_run_id,
     score_attribute,
 )
 
-__all__ = ["resolve_metric", "stored_metrics", "warn_state_problem", "warn_unreadable_state"]
+__all__ = ["metric_option", "refuse_unrecorded_metric", "resolve_metric", "stored_metrics",
+           "warn_state_problem", "warn_unreadable_state"]
+
+
+def _named_metric(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and value == "":
+        raise click.BadParameter("'' names no metric; give a metric's name (nested "
+                                 "metrics use '/', e.g. eval/loss)")
+    return value
+
+
+def metric_option(*decls: str, help: str, metavar: str = "M") -> Any:
+    """The ``--metric`` option of every command: an empty name is a usage
+    error (exit 2), never taken for "no metric given"."""
+    return click.option(*(decls or ("--metric",)), default=None, metavar=metavar, help=help,
+                        callback=_named_metric)
+
+
+def refuse_unrecorded_metric(loc: Location,
+                             committed: Iterable[tuple[Location, Mapping[str, Any]]],
+                             metric: str | None, consequence: str) -> None:
+    """Refuse a ``--metric`` that no checkpoint of ``loc`` records (a typo,
+    say): every score would be missing, so a ranking would name (or keep) the
+    newest instead of the best. ``consequence`` says what the command would
+    have done wrong and that it did nothing. Nothing to refuse without
+    checkpoints.
+
+    Raises:
+        InvalidConfigError: (exit 2) naming the metric and those the
+            checkpoints record.
+    """
+    committed = list(committed)
+    if metric is None or not committed:
+        return
+    if any(metric_value(stored_metrics(c, m, warn=False), metric) is not None
+           for c, m in committed):
+        return
+    known = sorted({k for c, m in committed for k in stored_metrics(c, m, warn=False)})
+    shown = ", ".join(known[:40]) + (f" and {len(known) - 40} more" if len(known) > 40 else "")
+    raise InvalidConfigError(
+        f"no checkpoint of {loc.uri} records the metric {metric!r}, so every score would "
+        f"be missing and {consequence}. The checkpoints record: {shown or '(no metrics)'}; "
+        "nested metrics use '/'"
+    )
 
 
 def warn_state_problem(trial: Location, problem: str) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from checkpoint_store.cli.metrics import metric_option
 from checkpoint_store.cli.options import common_options, storage_option
 
 _INSTALL_HINT = "install it with: pip install 'checkpoint-store[ui]'"
@@ -98,9 +99,10 @@ def ui_cmd(location: str, storage_options: dict[str, Any], host: str | None, por
 @click.command("plot")
 @click.argument("trials", nargs=-1, required=True)
 @storage_option("--storage-option", "storage_options")
-@click.option("--metric", default=None, metavar="NAME",
-              help="Metric to plot; nested metrics use '/'. Default: the first trial's "
-                   "retention score attribute.")
+@metric_option(metavar="NAME",
+               help="Metric to plot; nested metrics use '/'. Default: the first trial's "
+                    "retention score attribute. One no report of the trials records is "
+                    "refused.")
 @click.option("--x", "x_axis", type=click.Choice(["step", "time"]), default="step",
               show_default=True, help="x axis: the report number (training_iteration) or "
                                       "seconds since the trial started (time_total_s).")
