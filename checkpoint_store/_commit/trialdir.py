@@ -116,6 +116,11 @@ def adoptable(filesystem: Any, trial_path: str, dir_name: str,
             f"{dir_name!r} is not named checkpoint_NNNNNN; rename it (e.g. to "
             f"{checkpoint_dir_name(next_index())}) and adopt it again"
         )
+    if dir_name != checkpoint_dir_name(index):  # the name is the checkpoint's identity
+        raise InvalidConfigError(
+            f"{dir_name!r} is not how index {index} is named; rename it to "
+            f"{checkpoint_dir_name(index)} and adopt it again"
+        )
     clean_metrics = _json.to_json_object(metrics or {}, "metrics")
     path = posixpath.join(trial_path, dir_name)
     insp = inspect_checkpoint(filesystem, path, retry=retry)

@@ -96,10 +96,17 @@ def checkpoint_destination(
         ``(checkpoint location, its index)``.
 
     Raises:
-        click.UsageError: ``dst`` cannot be made a trial (see :func:`_require_trial_target`).
+        click.UsageError: ``dst`` cannot be made a trial (see :func:`_require_trial_target`),
+            or is named ``checkpoint_NNNNNN`` but not as its index is
+            (``checkpoint_0000007``): every reader would take it for invalid.
     """
     index = parse_checkpoint_dir_name(dst.name)
     if index is not None:
+        if dst.name != checkpoint_dir_name(index):
+            raise click.UsageError(
+                f"{dst.uri}: {dst.name!r} is not how index {index} is named; a checkpoint "
+                f"there would be invalid (its name is its identity): name it "
+                f"{checkpoint_dir_name(index)!r}")
         return dst, index
     if default_name is not None:
         parsed = parse_checkpoint_dir_name(default_name)

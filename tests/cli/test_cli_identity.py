@@ -344,3 +344,23 @@ def test_prune_leaves_a_checkpoint_the_state_records_damaged_alone(near_store: S
     assert _exists(ctx, BEST)
     assert [posixpath.basename(c.path) for c, _ in ctx.committed_checkpoints()] == \
         [BEST, "checkpoint_000002"]
+
+
+def test_no_writer_makes_a_second_spelling_of_an_index(near_store: Store, tmp_path) -> None:
+    """Found here: `upload` to checkpoint_0000007 and `adopt` of such a name
+    committed index 7 under a name every reader now calls invalid; both are
+    refused before anything is written, naming the name of that index."""
+    from checkpoint_store import InvalidConfigError
+
+    ctx = _trial(near_store, tmp_path, with_state=False)
+    src = write_tree(str(tmp_path / "up"), {"w.bin": b"w" * 20})
+    res = invoke(["upload", src, near_store.join("exp", "t1", "checkpoint_0000007")])
+    assert res.exit_code == 2, res.output
+    assert "checkpoint_000007" in res.stderr
+    assert not _exists(ctx, "checkpoint_0000007")
+    _write(ctx, posixpath.join(ctx.trial_path, "checkpoint_0000008", "w.bin"), b"w" * 20)
+    with pytest.raises(InvalidConfigError, match="checkpoint_000008"):
+        ctx.adopt("checkpoint_0000008")
+    assert not ctx.checkpoint("checkpoint_0000008").is_committed
+    res = invoke(["upload", src, near_store.join("exp", "t1", "checkpoint_000007")])
+    assert res.exit_code == 0, res.output  # the name of that index

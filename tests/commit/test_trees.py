@@ -156,12 +156,12 @@ def test_staging_and_temp_names_of_a_long_checkpoint_name_fit(tmp_path):
     from checkpoint_store.registry import resolve as _resolve
 
     backend, root = _resolve(str(tmp_path / "store"))
-    name = "checkpoint_" + "0" * 243 + "7"
+    name = "checkpoint_" + "7" * 244  # the name of that index: its identity
     assert len(name) == 255
     dest = posixpath.join(root, "e", "t", name)
     src = make_source(tmp_path / "s", 1)
-    meta = commit_checkpoint(backend.filesystem, src, backend, dest, {"index": 7})
-    assert meta["index"] == 7
+    meta = commit_checkpoint(backend.filesystem, src, backend, dest, {"index": int("7" * 244)})
+    assert meta["index"] == int("7" * 244)
     assert Checkpoint(dest).is_committed
     _fsutil.write_bytes(backend.filesystem, posixpath.join(dest, "n" * 255), b"x",
                         backend.capabilities)
