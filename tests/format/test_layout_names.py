@@ -69,6 +69,7 @@ PACKAGE = ROOT / "checkpoint_store"
 #: Every text constant layout.py exports, as it is stored: changing one is a
 #: format change (docs/format.md), never a refactor.
 LAYOUT_BYTES = {
+    "STATE_KIND": "checkpoint_manager_state",
     "CHECKPOINT_PREFIX": "checkpoint_",
     "CLOCK_PROBE_PREFIX": ".cs_clock-",
     "COMMIT_LOCK": ".cs_commit.lock",
