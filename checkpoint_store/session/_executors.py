@@ -76,6 +76,16 @@ class BackgroundWork:
             if up is not None:
                 up.raise_error()
 
+    def take_error(self) -> BaseException | None:
+        """The first error of a finished background job, taken once (local lane
+        first; the others logged), or None."""
+        errors: list[tuple[str, BaseException]] = []
+        for name in _ORDER:
+            up = self._lanes.get(name)
+            if up is not None:
+                errors += up.take_errors()
+        return first_error(errors)
+
     def admit(self, reserve: Lane | None, after: tuple[Lane, ...]) -> None:
         """Before a report's commit: wait for a free slot on the lane ``reserve``
         (``max_pending_uploads``), and until every job queued on the lanes

@@ -108,6 +108,11 @@ class ReportLedger:
     def closed(self) -> bool:
         return self._closed
 
+    def ensure_open(self) -> None:
+        """Raises CheckpointStoreError once the session has ended."""
+        if self._closed:
+            raise CheckpointStoreError(ENDED)
+
     def end(self) -> None:
         """The session has ended: every later report is refused."""
         self._closed = True
@@ -245,6 +250,9 @@ class CommitRecorder:
         self._lock = threading.RLock()
         self._latest = latest
         self._unsettled: list[tuple[int, Row]] = []
+        # Indexes a failed commit consumed (nothing committed): their leftovers,
+        # this session's own, are removed by settle().
+        self._abandoned: set[int] = set()
         # With several ranks and a local tier: the indexes whose local copy
         # every rank has (None: one rank, or no tier).
         self._among: set[int] | None = None
@@ -304,6 +312,12 @@ class CommitRecorder:
         with self._lock:
             self._unsettled.append((index, dict(row)))
 
+    def abandon(self, index: int) -> None:
+        """The commit of ``index`` failed after it began writing: what it left
+        (this session's claim and files) is removed by :meth:`settle`."""
+        with self._lock:
+            self._abandoned.add(index)
+
     def forget_unsettled(self, index: int) -> None:
         """A retry of ``index`` found its own marker: settled."""
         with self._lock:
@@ -313,10 +327,11 @@ class CommitRecorder:
         """Settle the indexes whose commit may have landed: a marker of this
         session's writer there is registered with retention; anything else is
         left for cleanup. An index that still cannot be read stays unsettled;
-        none is ever reused. Never raises."""
+        none is ever reused. Then removes what abandoned commits left. Never raises."""
         with self._lock:
             pending = list(self._unsettled)
         storage = self._storage
+        self._remove_abandoned()
         for index, row in pending:
             path = storage.checkpoint_path(index)
             try:
@@ -331,3 +346,19 @@ class CommitRecorder:
             except Exception as exc:  # settled at the next report, or by cleanup
                 _logger.warning("could not settle whether %s was committed: %s",
                                 storage.uri(path), exc)
+
+    def _remove_abandoned(self) -> None:
+        with self._lock:
+            abandoned = sorted(self._abandoned)
+        storage = self._storage
+        for index in abandoned:
+            path = storage.checkpoint_path(index)
+            try:
+                if read_internal_metadata(storage.filesystem, path,
+                                          retry=storage.retry) is None:
+                    storage.commit_protocol.remove_leftover(path, self._writer_id)
+                with self._lock:
+                    self._abandoned.discard(index)
+            except Exception as exc:  # tried again at the next report; else cleanup at start
+                _logger.debug("could not remove what the failed commit of %s left: %s",
+                              storage.uri(path), exc)

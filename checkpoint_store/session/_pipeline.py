@@ -74,6 +74,10 @@ ASYNC_RANKS = (
     "upload_mode='async' supports one rank only without a local tier; use 'sync' "
     "with world_size > 1, or start the session with local_tier=LocalTier(...) "
     "(its durable copies run in the background on every rank)")
+STATE_RESERVED = (
+    "report(state=...) after next_checkpoint_dir(): that directory holds files written "
+    "in place, which a state would be committed with; report it with checkpoint=, or "
+    "save the state without calling next_checkpoint_dir()")
 STAGING_WHERE = (
     "staging= applies only where report() stages a copy of a directory: "
     "checkpoint= with upload_mode='async', one rank, no local tier, not the "
@@ -105,14 +109,16 @@ class ReportPlan:
 
 def plan_report(*, checkpoint: Checkpoint | None, state: Mapping[str, Any] | None,
                 upload_mode: str | None, staging: str | None, default_mode: str,
-                default_staging: str, tiered: bool, ranks: bool, in_place: bool) -> ReportPlan:
+                default_staging: str, tiered: bool, ranks: bool, in_place: bool,
+                reserved: bool = False) -> ReportPlan:
     """Every mode choice and refusal of ``report()``, in one place.
 
     Raises:
         InvalidConfigError: both ``checkpoint`` and ``state``; an unknown
             ``upload_mode`` or ``staging``; ``state`` with several ranks;
             ``upload_mode="async"`` with several ranks and no local tier;
-            ``staging`` where no copy is staged.
+            ``staging`` where no copy is staged; ``state`` after
+            ``next_checkpoint_dir()`` reserved the directory.
     """
     if checkpoint is not None and state is not None:
         raise InvalidConfigError("pass checkpoint= or state= to report(), not both")
@@ -125,6 +131,8 @@ def plan_report(*, checkpoint: Checkpoint | None, state: Mapping[str, Any] | Non
     if state is not None:
         if ranks:
             raise InvalidConfigError(STATE_RANKS)
+        if reserved:
+            raise InvalidConfigError(STATE_RESERVED)
         if staging is not None:
             raise InvalidConfigError(STAGING_WHERE.format(staging=staging, what="state="))
         mode = upload_mode or "async"
@@ -181,21 +189,28 @@ class ReportPipeline:
                state: Mapping[str, Any] | None = None, upload_mode: str | None = None,
                staging: str | None = None) -> tuple[Row, Checkpoint | None]:
         """``Session.report``: ``(row, the committed checkpoint or None)``."""
+        self.ledger.ensure_open()
         ranks = self.committer.ranks
         in_place = state is None and self.target.in_place(
             checkpoint, self.ledger.next_index, self.ledger.reserved, ranks)
         plan = plan_report(checkpoint=checkpoint, state=state, upload_mode=upload_mode,
                            staging=staging, default_mode=self._default_mode,
                            default_staging=self._default_staging, tiered=self.tiered,
-                           ranks=ranks, in_place=in_place)
-        self.work.raise_errors()
+                           ranks=ranks, in_place=in_place,
+                           reserved=self.ledger.reserved == self.ledger.next_index)
+        # An earlier background error: raised now (one rank); with several ranks
+        # it takes part in this report's rendezvous first, aborting its
+        # checkpoint on every rank, so the ranks never fall out of step.
+        background_error = self.work.take_error() if ranks else None
+        if not ranks:
+            self.work.raise_errors()
         planned = self.staging.plan(state) if state is not None else None
         if not ranks:  # a refused row: raised before any wait (ranks raise after the rendezvous)
             self.ledger.prepare_row(metrics, checkpoint, validate_score=plan.saves)
             if plan.saves:
                 self._admit(plan, checkpoint, planned)
         with self.ledger.transaction() as txn:
-            return self._report(txn, plan, metrics, checkpoint, planned)
+            return self._report(txn, plan, metrics, checkpoint, planned, background_error)
 
     def _admit(self, plan: ReportPlan, checkpoint: Checkpoint | None,
                planned: Planned | None) -> None:
@@ -211,10 +226,9 @@ class ReportPipeline:
                             after=("local",) if self.tiered else ("local", "durable"))
 
     def _report(self, txn: Txn, plan: ReportPlan, metrics: Mapping[str, Any],
-                checkpoint: Checkpoint | None, planned: Planned | None
-                ) -> tuple[Row, Checkpoint | None]:
+                checkpoint: Checkpoint | None, planned: Planned | None,
+                error: BaseException | None) -> tuple[Row, Checkpoint | None]:
         ledger, ranks = self.ledger, self.committer.ranks
-        error: BaseException | None = None
         row: Row = {}
         try:
             row = ledger.prepare_row(metrics, checkpoint,
@@ -222,18 +236,23 @@ class ReportPipeline:
         except Exception as exc:
             if not ranks:
                 raise
-            error = exc  # still takes part in the rendezvous below, then raised
+            error = error or exc  # still takes part in the rendezvous below, then raised
         if not self.committer.agree(plan.saves):
             if error is not None:
                 raise error
             txn.accept(row, flush=False)
             return row, None
-        if not ranks:
+        if not ranks and not self.tiered:  # a tier's durable copies settle their own
             self.recorder.settle()
         name = txn.name_checkpoint(row)
         if ranks:  # every rank moves on together, committed or not
             txn.consume_index()
-        source = self._open_source(txn, plan, checkpoint, planned)
+        try:
+            source = self._open_source(txn, plan, checkpoint, planned)
+        except Exception as exc:
+            if not ranks:
+                raise
+            error, source = error or exc, None
         internal = {"metrics": row, "world_size": self._world_size, "run_id": self._run_id}
         job = CheckpointJob(txn.index, row, internal, source, error)
         flush = not self.tiered
@@ -241,7 +260,7 @@ class ReportPipeline:
             txn.consume_index()
             release = source.release if source is not None else _no_op
             self.work.submit(self.target.lane,  # type: ignore[arg-type]
-                             lambda: self._commit(job), release, name)
+                             lambda: self._commit(job, abandon=True), release, name)
             txn.accept(row, flush=flush)
             committed = None
         else:
@@ -254,6 +273,8 @@ class ReportPipeline:
             except BaseException as exc:
                 if not _refused_before_writing(exc, source):
                     txn.consume_index()
+                    if not ranks and not self.tiered:  # its leftovers: removed by settle()
+                        self.recorder.abandon(txn.index)
                 raise
             finally:
                 if source is not None:
@@ -290,9 +311,17 @@ class ReportPipeline:
             return StagedCopySource(checkpoint, plan.staging)
         return DirectorySource(checkpoint)
 
-    def _commit(self, job: CheckpointJob) -> Checkpoint | None:
-        """Commit ``job`` on the target: inline, or on a background lane."""
-        return self.target.commit(job, self.committer)
+    def _commit(self, job: CheckpointJob, abandon: bool = False) -> Checkpoint | None:
+        """Commit ``job`` on the target: inline, or on a background lane
+        (``abandon``: a failure leaves the index to :meth:`CommitRecorder.settle`)."""
+        try:
+            return self.target.commit(job, self.committer)
+        except AmbiguousCommitError:
+            raise
+        except BaseException:
+            if abandon and not self.committer.ranks and not self.tiered:
+                self.recorder.abandon(job.index)
+            raise
 
     def report_source(self, metrics: Mapping[str, Any], source: StagedWrite) -> Row:
         """``report(metrics, state=...)`` with ``source`` standing in for the staged

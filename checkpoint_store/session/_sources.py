@@ -81,11 +81,30 @@ class Source:
 
 
 class DirectorySource(Source):
+    """Raises CheckpointNotFoundError when the directory is gone: refused
+    before anything is written under the index."""
+
     def __init__(self, checkpoint: Checkpoint):
+        require_directory(checkpoint)
         self._checkpoint = checkpoint
 
     def files(self) -> Checkpoint:
         return self._checkpoint
+
+
+def require_directory(checkpoint: Checkpoint) -> None:
+    """One look at a local ``checkpoint``'s directory before a report takes its
+    index (a checkpoint on storage is listed by the commit itself).
+
+    Raises:
+        CheckpointNotFoundError: it is not an existing directory.
+    """
+    from checkpoint_store.errors import CheckpointNotFoundError
+
+    if checkpoint.is_local and not os.path.isdir(checkpoint.path):
+        raise CheckpointNotFoundError(
+            f"checkpoint directory {checkpoint.path!r} does not exist (deleted before "
+            "report()?); nothing was written for this report")
 
 
 class StagedCopySource(Source):

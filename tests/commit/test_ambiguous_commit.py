@@ -95,8 +95,10 @@ def test_a_commit_whose_read_back_fails_does_not_wedge_the_session(tmp_path):
 
 @pytest.mark.slow
 def test_an_orphan_claim_of_the_session_is_not_waited_for(s3_server, s3_bucket, tmp_path):
-    # Report 0: its data PUTs fail, and so do the DELETEs of its claim. The
-    # next report commits that index at once, not after claim_timeout (120 s).
+    # Report 0: its data PUTs fail, and so do the DELETEs of its claim. Its
+    # index is consumed (its commit began writing under it); the next report
+    # commits the next index at once, never after claim_timeout (120 s), and
+    # removes what the failed commit left (the session's own claim and files).
     failing = {"on": True}
 
     def rule(conn: int, req: int, head: bytes):
@@ -117,9 +119,13 @@ def test_an_orphan_claim_of_the_session_is_not_waited_for(s3_server, s3_bucket, 
             assert any(".cs_claim-" in k for k in s3_server.list_keys(s3_bucket))
             failing["on"] = False
             t0 = time.monotonic()
-            session.report({"i": 1}, checkpoint=Checkpoint.from_directory(src))
+            row = session.report({"i": 1}, checkpoint=Checkpoint.from_directory(src))
             assert time.monotonic() - t0 < 30
-    assert _committed(uri, **s3_server.storage_options()) == [0]
+            assert row["checkpoint_dir_name"] == "checkpoint_000001"
+            assert not any(".cs_claim-" in k for k in s3_server.list_keys(s3_bucket))
+    assert _committed(uri, **s3_server.storage_options()) == [1]
+    assert not any(k.split("/trial/")[-1].startswith("checkpoint_000000/")
+                   for k in s3_server.list_keys(s3_bucket))
     assert not any(".cs_claim-" in k for k in s3_server.list_keys(s3_bucket))
 
 

@@ -22,7 +22,12 @@ import pytest
 
 from checkpoint_store import Checkpoint, LocalTier, StorageContext, UploadConfig, session
 from checkpoint_store.backends.forwarding import ForwardingHandler
-from checkpoint_store.errors import InvalidConfigError, MetadataError
+from checkpoint_store.errors import (
+    CheckpointNotFoundError,
+    CheckpointStoreError,
+    InvalidConfigError,
+    MetadataError,
+)
 from checkpoint_store.session import Session
 from checkpoint_store.testing import session_internals
 
@@ -273,3 +278,81 @@ def test_several_ranks_consume_the_index_of_a_failed_commit_together(tmp_path, t
     assert all(isinstance(r, dict) for r in rows), rows
     assert [r["checkpoint_dir_name"] for r in rows] == ["checkpoint_000001"] * 2  # type: ignore[index]
     assert [m["index"] for _, m in _durable(tmp_path).committed_checkpoints()] == [1]
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_ranks_stay_in_step_after_one_rank_fails_and_commit_only_same_step_shards(
+        tmp_path, tier):
+    # Rank 1's directory of step 1 is gone. Every rank goes on reporting: the
+    # ranks must meet at the same reports afterwards (a background error of
+    # one rank aborts the next checkpoint on every rank, never skips a
+    # rendezvous), so a committed checkpoint holds shards of one step only.
+    outcomes: dict[int, list[str]] = {0: [], 1: []}
+
+    def body(s: Session, rank: int) -> object:
+        for step in range(4):
+            src = _source(tmp_path, f"s{step}-r{rank}", b"rank%d-step%d" % (rank, step),
+                          f"shard{rank}.bin")
+            if rank == 1 and step == 1:
+                os.remove(os.path.join(src.path, "shard1.bin"))
+                os.rmdir(src.path)
+            try:
+                s.report({"step": step}, checkpoint=src)
+                outcomes[rank].append("ok")
+            except Exception as exc:  # noqa: BLE001 -- recorded, compared below
+                outcomes[rank].append(type(exc).__name__)
+        s.wait() if not tier else None
+        return None
+
+    rows = _ranks(tmp_path, body, tier=tier)
+    assert not any(isinstance(r, BaseException) and not isinstance(r, Exception)
+                   for r in rows)
+    for rank, r in enumerate(rows):  # close() raised nothing but a named failure, or nothing
+        assert r is None or "RankTimeout" not in type(r).__name__, (rank, r, outcomes)
+    committed = _durable(tmp_path).committed_checkpoints()
+    assert committed, outcomes
+    for ckpt, meta in committed:
+        with ckpt.as_directory() as d:
+            steps = {open(os.path.join(d, f"shard{r}.bin"), "rb").read().split(b"-")[1]
+                     for r in (0, 1)}
+        assert len(steps) == 1, (meta["index"], steps, outcomes)
+        assert steps == {b"step%d" % meta["metrics"]["step"]}
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_directory_gone_before_report_is_refused_and_its_index_reused(tmp_path, tier, mode):
+    with _start(tmp_path, tier) as s:
+        _report(s, "directory", 0, tmp_path, mode)
+        gone = _source(tmp_path, "gone", b"g")
+        os.remove(os.path.join(gone.path, "w.bin"))
+        os.rmdir(gone.path)
+        with pytest.raises(CheckpointNotFoundError):
+            s.report({"i": 1}, checkpoint=gone, upload_mode=mode)
+        row = _report(s, "directory", 2, tmp_path, mode)
+        s.wait()
+    assert row["checkpoint_dir_name"] == "checkpoint_000001"
+    assert row["training_iteration"] == 2
+
+
+def test_a_state_after_next_checkpoint_dir_is_refused_before_anything_is_written(tmp_path):
+    with _start(tmp_path, "none") as s:
+        where = s.next_checkpoint_dir()
+        with open(os.path.join(where, "junk"), "w") as f:
+            f.write("j")
+        with pytest.raises(InvalidConfigError, match="next_checkpoint_dir"):
+            s.report({"i": 0}, state={"w": np.ones(3)})
+        row = s.report({"i": 0}, checkpoint=Checkpoint.from_directory(where))
+    assert row["checkpoint_dir_name"] == "checkpoint_000000"
+    [(_, meta)] = _durable(tmp_path).committed_checkpoints()
+    assert [e["path"] for e in meta["manifest"]] == ["junk"]
+
+
+def test_a_report_after_the_end_says_the_session_ended_whatever_it_passes(tmp_path):
+    with _start(tmp_path, "none") as s:
+        pass
+    for kwargs in ({"metrics": {"bad": {1}}}, {"metrics": {}, "staging": "move"},
+                   {"metrics": {}, "state": {"w": np.ones(1)}}):
+        metrics = kwargs.pop("metrics")
+        with pytest.raises(CheckpointStoreError, match="ended"):
+            s.report(metrics, **kwargs)
