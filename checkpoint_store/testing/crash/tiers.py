@@ -11,7 +11,7 @@ durations of that phase this child already saw):
   (``StorageContext.persist_checkpoint`` on the durable storage);
 * ``durable_commit``: what follows the durable marker: the durable
   retention's registration and the local tier's record that the copy is
-  durable (``Session._record_commit``; half of these kills land right at its
+  durable (``CommitRecorder.record`` of the session; half of these kills land right at its
   start, between the marker and any record);
 * ``fast_eviction`` / ``durable_eviction``: the background deletes of
   evicted checkpoints on each tier (``FastTier._delete_evicted``,
@@ -119,7 +119,7 @@ def _arm(cfg: TierCrashConfig, fired_path: str) -> None:
     """Wrap the phases' functions so that the chosen one kills this process at a
     random moment inside its ``kill_after + 1``-th run."""
     from checkpoint_store.retention.manager import CheckpointManager
-    from checkpoint_store.session import Session
+    from checkpoint_store.session._ledger import CommitRecorder
     from checkpoint_store.storage import StorageContext
     from checkpoint_store.tiers.local import FastTier
 
@@ -173,7 +173,7 @@ def _arm(cfg: TierCrashConfig, fired_path: str) -> None:
 
         wrap(StorageContext, "persist_checkpoint", phase, on_durable)
     elif phase == "durable_commit":
-        wrap(Session, "_record_commit", phase)
+        wrap(CommitRecorder, "record", phase)
     elif phase == "fast_eviction":
         wrap(FastTier, "_delete_evicted", phase)
     elif phase == "durable_eviction":
