@@ -13,7 +13,7 @@ import inspect
 import os
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import check_run_name
@@ -27,6 +27,9 @@ from checkpoint_store.session._checks import (
 )
 from checkpoint_store.session._uploads import UploadConfig
 from checkpoint_store.tiers import LocalTier, check_local_tier
+
+if TYPE_CHECKING:
+    from checkpoint_store.session._session import Session
 
 _IDLE, _RUNNING, _FINISHED, _STOPPED, _PAUSED = "idle", "running", "finished", "stopped", "paused"
 _ERRORED = "errored"
@@ -131,7 +134,7 @@ class TrialRunner:
         self._stop_timeout_s = check_timeout(stop_timeout_s, "stop_timeout_s")
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._session: Any = None
+        self._session: Session | None = None
         self._status = _IDLE
         #: The exception ``train_fn`` raised (also raised once by :meth:`step`), or None.
         self.error: BaseException | None = None
@@ -169,7 +172,7 @@ class TrialRunner:
         return self._status
 
     @property
-    def session(self) -> Any:
+    def session(self) -> Session | None:
         """The :class:`~checkpoint_store.session.Session` of the latest thread,
         or None before the first ``step()``. Its ``manager`` holds the trial's
         kept checkpoints; it stays readable after the thread ended."""
