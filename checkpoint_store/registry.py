@@ -55,17 +55,20 @@ from checkpoint_store.backends.base import (
     check_location_text,
     redact_uri,
 )
+from checkpoint_store.backends.engine_errors import as_os_error
 from checkpoint_store.backends.generic import (
     _SERVER_COPY_STORES,
     _fsspec_fallback,
     _generic_capabilities,
     _refuse_unusable,
+    unbuildable,
 )
 from checkpoint_store.backends.generic import UNUSABLE_FSSPEC_PROTOCOLS as UNUSABLE_FSSPEC_PROTOCOLS
 from checkpoint_store.backends.generic import _typed_by_signature as _typed_by_signature
 from checkpoint_store.backends.handlers import wrap_filesystem
 from checkpoint_store.errors import (
     BackendUnavailableError,
+    CheckpointStoreError,
     InvalidConfigError,
     UnknownSchemeError,
 )
@@ -237,7 +240,15 @@ def _factory_for(scheme: str) -> tuple[Factory, str]:
 
 
 def _call_factory(factory: Factory, label: str, uri: str, options: Mapping[str, Any]) -> Backend:
-    backend = factory(uri, options)
+    try:
+        backend = factory(uri, options)
+    except Exception as exc:
+        # An engine that failed while being built (a client that loads a
+        # library, or connects, at construction): typed, never raw.
+        if isinstance(exc, CheckpointStoreError) or not isinstance(
+                as_os_error(exc, label), OSError):
+            raise
+        raise unbuildable(uri.partition("://")[0].lower(), uri, exc) from exc
     if not isinstance(backend, Backend):
         raise TypeError(
             f"{label} returned {type(backend).__name__}, not a checkpoint_store Backend"

@@ -12,7 +12,6 @@ one store (:func:`server_copy`) sends no byte through this process.
 
 from __future__ import annotations
 
-import errno
 import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -26,6 +25,7 @@ from checkpoint_store.backends.clients import _is_async as _is_async
 from checkpoint_store.backends.clients import _native_of as _native_of
 from checkpoint_store.backends.clients import keeps_names as keeps_names
 from checkpoint_store.backends.clients import writer_of as writer_of
+from checkpoint_store.backends.engine_errors import azure_os_error as _azure_os_error
 
 __all__ = ["AzureBlocks", "PartUpload", "PartUploader", "S3Multipart", "_client_of",
            "_fsspec_of", "_is_async", "_native_of", "keeps_names", "part_upload_client",
@@ -328,37 +328,6 @@ class AzureBlocks:
     def describe(self) -> str:
         """``az://container/blob``, for a message (no credential)."""
         return f"az://{self._container}/{self._blob}"
-
-
-#: HTTP statuses of an Azure answer worth trying again (timeout, throttling, server side).
-_AZURE_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-
-
-def _azure_os_error(exc: Exception, where: str) -> OSError:
-    """The OSError for an Azure SDK error, typed so the retry policy
-    (:mod:`checkpoint_store._util.retry`) tells transient from permanent."""
-    from azure.core.exceptions import (
-        ClientAuthenticationError,
-        HttpResponseError,
-        ResourceNotFoundError,
-        ServiceRequestError,
-        ServiceResponseError,
-    )
-
-    status = getattr(exc, "status_code", None)
-    code = getattr(exc, "error_code", None)
-    first = (getattr(exc, "message", None) or str(exc)).strip().splitlines()
-    text = f"{where}: {type(exc).__name__}: {first[0] if first else ''}"
-    if status is not None:
-        text += f" (HTTP {status}{', ' + code if code else ''})"
-    if isinstance(exc, ResourceNotFoundError):
-        return FileNotFoundError(errno.ENOENT, text)
-    if isinstance(exc, ClientAuthenticationError) or status == 403:
-        return PermissionError(errno.EACCES, text)
-    if isinstance(exc, (ServiceRequestError, ServiceResponseError)) or (
-            isinstance(exc, HttpResponseError) and status in _AZURE_RETRY_STATUSES):
-        return ConnectionError(text)
-    return OSError(text)
 
 
 def can_stream_ranges(fss: Any | None) -> bool:

@@ -22,6 +22,12 @@ filesystem whose credentials expired). Errors fall into three kinds:
   and other permanent storage errors become
   :class:`~checkpoint_store.errors.PermanentBackendError`.
 
+An engine's own exception that is no ``OSError`` (pyarrow's ``ArrowInvalid``
+and ``ArrowNotImplementedError``, the Azure SDK's ``ServiceRequestError``,
+botocore's ``NoCredentialsError`` ...) is first read as the ``OSError`` it
+stands for (:func:`~checkpoint_store.backends.engine_errors.as_os_error`),
+so it too ends as one of the typed errors above, never raw.
+
 A call is not retried once it has been failing for ``RetryPolicy.max_elapsed``
 seconds (default 60): a store that stopped answering makes each try last as
 long as the client's timeouts allow (the S3 plugin: three engine attempts
@@ -55,6 +61,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypeVar
 
+from checkpoint_store.backends.engine_errors import as_os_error
 from checkpoint_store.errors import (
     CheckpointStoreError,
     CredentialsExpiredError,
@@ -152,12 +159,14 @@ class RetryPolicy:
 _DEFAULT = RetryPolicy()
 
 # Substrings seen in messages of pyarrow's S3/GCS/Azure errors, botocore,
-# aiohttp and the Azure SDK for conditions worth retrying.
+# aiohttp and the Azure SDK for conditions worth retrying (pyarrow's Azure
+# client: "Fail to get a new connection for: ... Could not connect to server").
 _TRANSIENT_RE = re.compile(
     r"(timed? ?out|timeout|connection (reset|aborted|refused|closed)|broken pipe|"
     r"network_connection|temporar|try again|throttl|slow ?down|too many requests|"
     r"\b(429|500|502|503|504)\b|internal ?(error|failure)|service ?unavailable|"
-    r"server ?busy|request ?timeout|unreachable|eof occurred|remote end closed)",
+    r"server ?busy|request ?timeout|unreachable|eof occurred|remote end closed|"
+    r"(could ?not|cannot|can't|fail(ed)? to) (get a new )?connect)",
     re.IGNORECASE,
 )
 _EXPIRED_RE = re.compile(
@@ -280,8 +289,8 @@ def call(
     Raises:
         TransientBackendError: still failing after ``policy.attempts`` tries.
         PermanentBackendError: a permanent OSError (access denied ...), at once.
-        FileNotFoundError: unchanged, at once.
-        Any non-OSError exception of ``fn``: unchanged, at once.
+        FileNotFoundError: unchanged, at once (also an engine's "not found").
+        Any other exception of ``fn`` that is no storage engine's: unchanged, at once.
     """
     return _run(lambda _fs: fn(), None, policy, what, store)
 
@@ -363,7 +372,10 @@ def _run(
             result = fn(fs)  # type: ignore[arg-type]
             _breaker.close(store)
             return result
-        except BaseException as exc:
+        except BaseException as raw:
+            # An engine's own exception type (pyarrow's ArrowInvalid, the Azure
+            # SDK's ServiceRequestError ...) as the OSError it stands for.
+            exc = as_os_error(raw, what)
             kind = classify(exc)
             if kind == "expired":
                 if backend is not None and backend.rebuild is not None and not rebuilt:
@@ -373,13 +385,15 @@ def _run(
                 raise CredentialsExpiredError(
                     f"{what} failed: the storage credentials have expired ({exc}). Refresh "
                     "them (new session token, re-login) and try again.",
-                    cause=exc,
-                ) from exc
+                    cause=raw,
+                ) from raw
             if kind == "permanent":
                 typed = typed_permanent(exc, what)
-                if typed is exc:
+                if typed is raw:
                     raise
-                raise typed from exc
+                if isinstance(typed, PermanentBackendError) and typed is not exc:
+                    typed.cause = raw  # the engine's own exception, as documented
+                raise typed from raw
             elapsed = time.monotonic() - started
             if elapsed >= policy.max_elapsed:
                 _breaker.open(store, policy.max_elapsed)
@@ -387,13 +401,14 @@ def _run(
                     f"{what} still failing after {elapsed:.0f}s ({retry_number + 1} "
                     f"attempt(s)): {exc}. The storage stopped answering; retry later, or "
                     "raise the backend's request_timeout if it is only slow."
-                ) from exc
+                ) from raw
             if retry_number + 1 >= policy.attempts:
                 raise TransientBackendError(
                     f"{what} still failing after {policy.attempts} attempts: {exc}. The "
-                    "storage looks unavailable or throttled; retry later or raise "
+                    "storage looks unavailable or throttled: check its address (endpoint, "
+                    "connection string) and the network, retry later, or raise "
                     f"RetryPolicy(attempts=...) / {ENV_ATTEMPTS}."
-                ) from exc
+                ) from raw
             sleep = policy.delay(retry_number)
             logger.debug("%s failed (%s); retry %d in %.3fs", what, exc, retry_number + 1, sleep)
             retry_number += 1

@@ -9,6 +9,7 @@ Also the conservative capabilities of such a store, by protocol.
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -20,8 +21,15 @@ from checkpoint_store.backends.base import (
     redact_uri,
     typed_options,
 )
+from checkpoint_store.backends.engine_errors import as_os_error
 from checkpoint_store.backends.handlers import wrap_filesystem
-from checkpoint_store.errors import BackendUnavailableError, InvalidConfigError
+from checkpoint_store.errors import (
+    BackendUnavailableError,
+    CheckpointStoreError,
+    InvalidConfigError,
+    PermanentBackendError,
+    TransientBackendError,
+)
 
 __all__ = ["UNUSABLE_FSSPEC_PROTOCOLS"]
 
@@ -74,11 +82,51 @@ def _fsspec_fallback(scheme: str, uri: str, options: Mapping[str, Any]) -> Backe
         raise InvalidConfigError(
             f"fsspec's {scheme!r} filesystem rejected the storage options ({exc})"
         ) from None
+    except Exception as exc:
+        raise unbuildable(scheme, uri, exc) from exc
     return Backend(
         wrap_filesystem(fs),
         scheme=scheme,
         capabilities=_generic_capabilities(scheme),
         name=f"fsspec:{scheme}",
+    )
+
+
+#: What an engine says when a Java runtime or Hadoop's client library is
+#: missing (pyarrow's HadoopFileSystem: "Unable to load libjvm").
+_NO_JAVA_RE = re.compile(r"libjvm|libhdfs|JAVA_HOME|CLASSPATH")
+
+
+def unbuildable(scheme: str, uri: str, exc: Exception) -> CheckpointStoreError:
+    """The typed error for a filesystem of ``scheme`` whose construction failed
+    with ``exc`` (an engine's error, not ours).
+
+    Returns:
+        :class:`BackendUnavailableError` when the machine lacks what the
+        engine loads (a Java runtime, libhdfs); :class:`TransientBackendError`
+        when it could not reach its server; else :class:`PermanentBackendError`.
+    """
+    if isinstance(exc, CheckpointStoreError):
+        return exc
+    err = as_os_error(exc, f"build the {scheme}:// filesystem")
+    first = (str(exc).strip().splitlines() or [""])[0]
+    shown = redact_uri(uri) or f"{scheme}://"
+    if _NO_JAVA_RE.search(str(exc)):
+        return BackendUnavailableError(
+            f"{shown!r}: the {scheme}:// filesystem needs a Java runtime and Hadoop's libhdfs, "
+            f"which this machine lacks ({type(exc).__name__}: {first}). Install a JDK and "
+            "Hadoop and set JAVA_HOME, HADOOP_HOME and CLASSPATH (`hadoop classpath --glob`), "
+            "or ARROW_LIBHDFS_DIR; or store checkpoints elsewhere (a local path, s3://, gs://)"
+        )
+    if isinstance(err, (ConnectionError, TimeoutError)):
+        return TransientBackendError(
+            f"{shown!r}: the {scheme}:// filesystem could not reach its server "
+            f"({type(exc).__name__}: {first}); check the address and the network, then retry"
+        )
+    return PermanentBackendError(
+        f"{shown!r}: the {scheme}:// filesystem could not be built ({type(exc).__name__}: "
+        f"{first}); check the location, the storage options and the credentials",
+        cause=exc,
     )
 
 

@@ -451,7 +451,9 @@ def _pyarrow_azure(ours: Mapping[str, Any], extra: Mapping[str, Any]) -> pafs.Fi
             kwargs["sas_token"] = parts["SharedAccessSignature"]
     if not account:
         raise InvalidConfigError(
-            "the pyarrow Azure engine needs account_name (or a connection string)"
+            "the pyarrow Azure engine needs the storage account's name: pass account_name, "
+            "an abfss://container@ACCOUNT.dfs.core.windows.net URI, or a connection string "
+            "holding AccountName="
         )
     kwargs["account_name"] = account
     if key:
