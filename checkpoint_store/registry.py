@@ -65,7 +65,7 @@ from checkpoint_store.backends.generic import (
 )
 from checkpoint_store.backends.generic import UNUSABLE_FSSPEC_PROTOCOLS as UNUSABLE_FSSPEC_PROTOCOLS
 from checkpoint_store.backends.generic import _typed_by_signature as _typed_by_signature
-from checkpoint_store.backends.handlers import wrap_filesystem
+from checkpoint_store.backends.handlers import check_filesystem, wrap_filesystem
 from checkpoint_store.errors import (
     BackendUnavailableError,
     CheckpointStoreError,
@@ -98,6 +98,7 @@ KNOWN_PLUGINS: dict[str, str] = {
 _SCHEME_RE = re.compile(r"^[a-z][a-z0-9+.\-]*$")
 _URI_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
 _WINDOWS_DRIVE_RE = re.compile(r"^[A-Za-z]:[\\/]")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 Factory = Callable[[str, Mapping[str, Any]], Backend]
 
@@ -317,7 +318,8 @@ def local_path_from_uri(uri: str) -> str:
 
     Raises:
         InvalidConfigError: the URI names a host other than ``localhost``, or
-            no path at all (``file://``: the root is ``file:///``).
+            no path at all (``file://``: the root is ``file:///``), or its
+            path decodes to a control character (``%00``: NUL).
     """
     scheme, _, rest = uri.partition("://")
     if not rest:
@@ -326,6 +328,15 @@ def local_path_from_uri(uri: str) -> str:
         )
     host, _, path = rest.partition("/")
     path = urllib.parse.unquote(path)
+    control = _CONTROL_RE.search(path)
+    if control is not None:
+        # "%00" decodes to NUL: no local name holds one (pyarrow refuses it
+        # at the first call, the OS at the first open).
+        raise InvalidConfigError(
+            f"{redact_uri(uri)!r} decodes to a path holding the control character "
+            f"{control.group()!r} (%{ord(control.group()):02X}): no file name holds one; "
+            "remove it from the URI"
+        )
     if host.lower() not in ("", "localhost"):
         raise InvalidConfigError(
             f"{uri!r} names the host {host!r}: local storage cannot reach another machine. "
@@ -385,8 +396,10 @@ def backend_for_filesystem(filesystem: Any) -> Backend:
     commit needs the rename to fail, and it has no fsync.
 
     Raises:
-        TypeError: not a pyarrow or fsspec filesystem.
+        InvalidConfigError: not a pyarrow or fsspec filesystem instance
+            (:func:`~checkpoint_store.backends.handlers.check_filesystem`).
     """
+    check_filesystem(filesystem)
     if _fsspec_local_disk(filesystem) is not None:
         return backend_for_scheme("file", "file://", None)
     fs = wrap_filesystem(filesystem)
@@ -507,9 +520,10 @@ def resolve(
 
     Raises:
         InvalidConfigError: malformed or refused location, conflicting
-            arguments, ``storage_options`` that is not a mapping, or a URI
-            given as the path inside a local filesystem. Nothing is built
-            or written.
+            arguments, ``storage_options`` that is not a mapping, a
+            ``filesystem`` that is no filesystem instance (a string, a
+            class), or a URI given as the path inside a local filesystem.
+            Nothing is built or written.
         UnknownSchemeError, BackendUnavailableError: see :func:`backend_for_scheme`.
     """
     if storage_options is not None and not isinstance(storage_options, Mapping):
@@ -520,6 +534,7 @@ def resolve(
             "{'endpoint_url': 'http://127.0.0.1:9000'}"
         )
     if filesystem is not None:
+        check_filesystem(filesystem, "the filesystem (storage_filesystem=, filesystem=)")
         if storage_options:
             raise InvalidConfigError(
                 "pass either a filesystem instance or storage_options, not both"

@@ -24,12 +24,14 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from checkpoint_store.backends.forwarding import ForwardingHandler
+from checkpoint_store.errors import InvalidConfigError
 
 __all__ = [
     "LiteralFSSpecHandler",
     "MarkerFreeDeletesHandler",
     "folder_blobs_as_directories",
     "placeholders_as_directories",
+    "check_filesystem",
     "wrap_filesystem",
     "wrap_fsspec",
 ]
@@ -478,17 +480,48 @@ def wrap_filesystem(filesystem: Any) -> pafs.FileSystem:
     """Return ``filesystem`` as a ``pyarrow.fs.FileSystem``.
 
     Raises:
-        TypeError: it is neither a pyarrow nor an fsspec filesystem.
+        InvalidConfigError: it is neither a pyarrow nor an fsspec filesystem
+            (see :func:`check_filesystem`).
     """
+    check_filesystem(filesystem)
     if isinstance(filesystem, pafs.FileSystem):
         return filesystem
+    return wrap_fsspec(filesystem)
+
+
+def check_filesystem(filesystem: Any, what: str = "filesystem") -> None:
+    """Refuse anything but a ``pyarrow.fs.FileSystem`` or fsspec filesystem
+    instance, saying what to pass instead.
+
+    Args:
+        filesystem: what the caller was given.
+        what: the argument's name, for the message (``"storage_filesystem"``).
+
+    Raises:
+        InvalidConfigError: a string (a scheme meant as a location), a class
+            instead of an instance, or any other object. Nothing is built.
+    """
+    if isinstance(filesystem, pafs.FileSystem):
+        return
     try:
         import fsspec
     except ImportError:  # pragma: no cover - fsspec is a core dependency
         fsspec = None
     if fsspec is not None and isinstance(filesystem, fsspec.AbstractFileSystem):
-        return wrap_fsspec(filesystem)
-    raise TypeError(
-        f"filesystem must be a pyarrow.fs.FileSystem or an fsspec AbstractFileSystem, "
-        f"got {type(filesystem).__name__}"
+        return
+    got = type(filesystem).__name__
+    if isinstance(filesystem, (str, bytes)) or hasattr(filesystem, "__fspath__"):
+        hint = (f" {filesystem!r}: a location is not a filesystem. Name the store by a URI "
+                "in the path argument (storage_path='s3://bucket/runs', "
+                "Checkpoint('s3://bucket/run/checkpoint_000001')) and leave the filesystem "
+                "argument out")
+    elif isinstance(filesystem, type):
+        got = f"the class {filesystem.__module__}.{filesystem.__qualname__}"
+        hint = ": pass an instance (call it with its options), not the class"
+    else:
+        hint = (": build one (pyarrow.fs.S3FileSystem(...), s3fs.S3FileSystem(...)), or "
+                "give a URI as the location and leave the filesystem argument out")
+    raise InvalidConfigError(
+        f"{what} must be a pyarrow.fs.FileSystem or an fsspec filesystem instance, got "
+        f"{got}{hint}"
     )

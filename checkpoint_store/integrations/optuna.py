@@ -34,6 +34,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from checkpoint_store.backends.handlers import check_filesystem
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.retention import CheckpointConfig, rank_key, score_of
 
@@ -98,7 +99,8 @@ def objective(
         :data:`ATTR_TRIAL_DIR` and :data:`ATTR_BEST_CHECKPOINT` (URIs).
 
     Raises:
-        InvalidConfigError: at once, for a bad ``mode`` or ``value``. From the
+        InvalidConfigError: at once, for a bad ``mode`` or ``value``, or a
+            ``storage_filesystem`` that is no filesystem instance. From the
             objective: whatever ``train_fn`` raised; a metric that was never
             reported or is not a number (naming it); ``optuna.TrialPruned``.
     """
@@ -109,6 +111,8 @@ def objective(
         raise InvalidConfigError(f"value must be 'best' or 'last', got {value!r}")
     if not isinstance(metric, str) or not metric:
         raise InvalidConfigError(f"metric must be a non-empty string, got {metric!r}")
+    if storage_filesystem is not None:  # each trial resolves it: refused now, not in trial 0
+        check_filesystem(storage_filesystem, "storage_filesystem")
     if checkpoint_config is None:
         checkpoint_config = CheckpointConfig(
             num_to_keep=2, checkpoint_score_attribute=metric, checkpoint_score_order=mode

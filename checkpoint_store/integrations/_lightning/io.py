@@ -31,6 +31,7 @@ from checkpoint_store._util.inspect import inspect_checkpoint
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.backends.clients import _client_of
+from checkpoint_store.backends.handlers import check_filesystem
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.integrations._lightning.queue import _OrderedQueue
 from checkpoint_store.integrations._lightning.replace import (
@@ -76,6 +77,8 @@ class _Locator:
     parent directory (building an S3 client per save would be slow)."""
 
     def __init__(self, storage_options: Mapping[str, Any] | None, storage_filesystem: Any):
+        if storage_filesystem is not None:  # refused when built, not at the first save
+            check_filesystem(storage_filesystem, "storage_filesystem")
         self.storage_options = dict(storage_options) if storage_options else None
         self.storage_filesystem = storage_filesystem
         self._cache: dict[str, tuple[Backend, str]] = {}
