@@ -56,6 +56,7 @@ from checkpoint_store.errors import (
     InvalidConfigError,
     UnsafePathError,
 )
+from checkpoint_store.registry import local_path_argument as _local_path_arg
 from checkpoint_store.registry import resolve
 
 logger = logging.getLogger(__name__)
@@ -113,9 +114,11 @@ class Checkpoint:
         """A checkpoint of an existing local directory (not copied).
 
         Raises:
+            InvalidConfigError: ``path`` is not a str or PathLike, is empty,
+                holds a NUL byte, or is a URI (``Checkpoint(uri)`` names one).
             CheckpointNotFoundError: ``path`` is not an existing directory.
         """
-        local = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        local = _local_path_arg(path, "Checkpoint.from_directory(path)")
         if not os.path.isdir(local):
             raise CheckpointNotFoundError(
                 f"{local!r} is not an existing directory; create it and write your "
@@ -146,12 +149,13 @@ class Checkpoint:
                 key, an unsupported leaf or dtype, overlapping views); names
                 the key; nothing written.
             InvalidConfigError: ``shard_bytes`` <= 0, ``directory`` holds a
-                state already, or it (or a directory above it) is a file.
+                state already, or it (or a directory above it) is a file, or
+                it is no local path (see :meth:`from_directory`).
         """
         from checkpoint_store import state as _state
 
         local = (tempfile.mkdtemp(prefix="checkpoint-state-") if directory is None
-                 else os.path.abspath(os.path.expanduser(os.fspath(directory))))
+                 else _local_path_arg(directory, "Checkpoint.from_state(directory=)"))
         try:
             _state.write_state(state, local, shard_bytes=_state.DEFAULT_SHARD_BYTES
                                if shard_bytes is None else shard_bytes)
@@ -406,9 +410,11 @@ class Checkpoint:
             CheckpointNotFoundError: the checkpoint directory does not exist.
             CheckpointConflictError: ``path`` holds files no earlier download
                 wrote (names one); nothing was changed.
-            InvalidConfigError: ``path`` is an existing file, its name is
-                longer than 255 bytes, or its parent is not writable; raised
-                before anything is written.
+            InvalidConfigError: ``path`` is not a str or PathLike (or is
+                empty, holds a NUL byte, or is a URI other than ``file://``),
+                ``verify`` is not a bool, ``path`` is an existing file, its
+                name is longer than 255 bytes, or its parent is not writable;
+                raised before anything is written.
             UnsafePathError: an entry would escape the target (``..``,
                 absolute path, symlink out of the checkpoint), or ``path``
                 lies inside the checkpoint itself (or holds it); nothing was
@@ -416,15 +422,18 @@ class Checkpoint:
             CheckpointCorruptError: its metadata is invalid, or ``verify``
                 and a file fails its check; names the file.
         """
+        if not isinstance(verify, bool):
+            raise InvalidConfigError(f"to_directory(verify=) must be True or False, got "
+                                     f"{verify!r}")
+        target = None if path is None else _local_path_arg(path, "to_directory(path)")
         with self._reporting_corruption():
-            return self._to_directory(path, verify)
+            return self._to_directory(target, verify)
 
-    def _to_directory(self, path: str | os.PathLike[str] | None, verify: bool) -> str:
+    def _to_directory(self, target: str | None, verify: bool) -> str:
         insp = self._inspect_for_download()
         manifest = insp.meta["manifest"] if insp.meta else None
-        if path is None:
+        if target is None:
             return self._download_to_temp(manifest, verify, insp.files)
-        target = os.path.abspath(os.path.expanduser(os.fspath(path)))
         parent, base = os.path.split(target)
         # Every refusal below comes before the first write (the lock included).
         self._refuse_target(target, base)

@@ -480,6 +480,47 @@ def local_location(location: Any) -> str:
     return path
 
 
+_URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
+def local_path_argument(path: Any, what: str) -> str:
+    """``path``, an argument that must name a local file or directory, made
+    absolute (``~`` expanded); a ``file://`` URI read as the path it names.
+
+    Args:
+        path: what the caller was given.
+        what: the argument, for the message (``"to_directory(path)"``).
+
+    Raises:
+        InvalidConfigError: not a str or PathLike of str, empty, holding a
+            NUL byte (no file name holds one), or a URI of another store.
+    """
+    try:
+        text = os.fspath(path)
+    except TypeError:
+        raise InvalidConfigError(
+            f"{what} must be a local path (a str or os.PathLike), got {type(path).__name__} "
+            f"{path!r}"
+        ) from None
+    if not isinstance(text, str):
+        raise InvalidConfigError(f"{what} must be a path given as str, got bytes {text!r}; "
+                                 "decode it (os.fsdecode(path))")
+    if not text:
+        raise InvalidConfigError(f"{what} must be a non-empty path")
+    if "\0" in text:
+        raise InvalidConfigError(f"{what} {text!r} holds a NUL byte: no file name holds one; "
+                                 "remove it")
+    if _URI_RE.match(text):
+        if split_scheme(text) in ("file", "local"):
+            return local_path_from_uri(text)
+        raise InvalidConfigError(
+            f"{what} takes a local path, got the URI {redact_uri(text)!r}: name a checkpoint "
+            "on a store with Checkpoint(uri), and copy between stores with "
+            "`checkpoint-store cp`"
+        )
+    return os.path.abspath(os.path.expanduser(text))
+
+
 def _fspath(location: Any) -> Any:
     try:
         return os.fspath(location)

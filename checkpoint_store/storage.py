@@ -95,8 +95,9 @@ class StorageContext:
             still holds all its files). Default True.
 
     Raises:
-        InvalidConfigError: bad names or location. Nothing is written at
-            construction.
+        InvalidConfigError: bad names or location, a ``storage_filesystem``
+            that is no filesystem instance, or an option of the wrong type
+            (``fsync="no"``). Nothing is written at construction.
     """
 
     def __init__(
@@ -134,6 +135,8 @@ class StorageContext:
         self.incremental = incremental
 
     def _init_run(self, run_id: str | None, retry: RetryPolicy | None) -> None:
+        if not isinstance(self.fsync, bool):  # "no" would read as True
+            raise InvalidConfigError(f"fsync must be True or False, got {self.fsync!r}")
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise InvalidConfigError(f"retry must be a RetryPolicy, got {type(retry).__name__}")
         if run_id is not None and (not isinstance(run_id, str) or not run_id):

@@ -73,6 +73,7 @@ from checkpoint_store._format.layout import (
 from checkpoint_store._util.inspect import verify_files
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import CheckpointCorruptError, CheckpointStoreError
+from checkpoint_store.registry import local_path_argument
 from checkpoint_store.retention import CheckpointConfig
 from checkpoint_store.session import Session
 from checkpoint_store.storage import StorageContext
@@ -408,11 +409,13 @@ def restore_latest(
         committed checkpoint (start from scratch: ``resume_from_checkpoint=None``).
 
     Raises:
-        InvalidConfigError: bad names or location.
+        InvalidConfigError: bad names or location, or ``output_dir`` is no
+            local path (not a str or PathLike, a NUL byte, another store's URI).
         CheckpointStoreError: the newest checkpoint was not written by
             :class:`CheckpointStoreCallback` (no ``global_step`` metric).
         CheckpointCorruptError: a download failed verification.
     """
+    root = local_path_argument(output_dir, "restore_latest(output_dir)")
     storage = StorageContext(
         storage_path, experiment_name, trial_name,
         storage_filesystem=storage_filesystem, storage_options=storage_options,
@@ -427,7 +430,6 @@ def restore_latest(
             f"checkpoint {latest.uri} has no integer {STEP_METRIC!r} metric, so it was not "
             "written by CheckpointStoreCallback; download it with Checkpoint.to_directory()"
         )
-    root = os.path.abspath(os.fspath(output_dir))
     os.makedirs(root, exist_ok=True)
     with _restore_lock(root):
         _move_aside_newer(root, step)
