@@ -156,10 +156,30 @@ def ensure_dir(
     fs: pafs.FileSystem, path: str, caps: Capabilities, *, retry: RetryPolicy | None = None
 ) -> None:
     """Create ``path`` where the store has real directories; a no-op on object
-    stores, where a directory marker would cost a request and a zero-byte object."""
-    if caps.directories:
+    stores, where a directory marker would cost a request and a zero-byte object.
+
+    Raises:
+        PermanentBackendError: it cannot be created: a directory above it
+            takes no new entries (``/proc``, ``/sys``: "No such file or
+            directory" for a name that is not there), is a file, or is not
+            writable; the message names ``path``.
+    """
+    if not caps.directories:
+        return
+    try:
         _retry.call(lambda: fs.create_dir(path, recursive=True), policy=retry, store=fs,
                     what=f"create directory {path}")
+    except FileNotFoundError as exc:
+        # Creating never misses a path it makes itself: a parent that
+        # cannot hold new directories (a pseudo filesystem, a dangling link).
+        from checkpoint_store.errors import PermanentBackendError
+
+        raise PermanentBackendError(
+            f"cannot create the directory {path!r}: {exc}. A directory above it takes no new "
+            "entries (a pseudo filesystem such as /proc or /sys, or a broken symlink on the "
+            "way); choose a location you can write to",
+            cause=exc,
+        ) from exc
 
 
 def delete_dir(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> None:
@@ -351,7 +371,13 @@ _thread_locks_guard = threading.Lock()
 @contextlib.contextmanager
 def dir_lock(fs: pafs.FileSystem, parent: str, lock_name: str) -> Iterator[None]:
     """Hold ``parent``'s lock: across threads always, across processes with a
-    file lock ``parent/lock_name`` when ``parent`` is on the local disk."""
+    file lock ``parent/lock_name`` when ``parent`` is on the local disk.
+
+    Raises:
+        PermanentBackendError: the lock file cannot be opened (a directory
+            or another non-file took its name, or ``parent`` is not
+            writable); the message names it and what to do.
+    """
     key = (id(fs), parent)
     with _thread_locks_guard:
         tlock = _thread_locks.setdefault(key, threading.Lock())
@@ -360,6 +386,30 @@ def dir_lock(fs: pafs.FileSystem, parent: str, lock_name: str) -> Iterator[None]
         if parent_os is None:
             yield
             return
-        with filelock.FileLock(os.path.join(parent_os, lock_name)):
+        lock_path = os.path.join(parent_os, lock_name)
+        lock = filelock.FileLock(lock_path)
+        try:
+            lock.acquire()
+        except OSError as exc:
+            raise _lock_error(lock_path, exc) from exc
+        try:
             yield
+        finally:
+            lock.release()
+
+
+def _lock_error(lock_path: str, exc: OSError) -> OSError:
+    """The typed error for a lock file that cannot be opened."""
+    from checkpoint_store.errors import PermanentBackendError
+
+    if os.path.isdir(lock_path) or (os.path.lexists(lock_path)
+                                    and not os.path.isfile(lock_path)):
+        return PermanentBackendError(
+            f"cannot take the lock {lock_path!r}: it is not a file ({exc.strerror or exc}). "
+            "checkpoint-store keeps a lock file of that name there: move away or remove what "
+            "took its name, and try again; nothing was committed",
+            cause=exc,
+        )
+    typed = _retry.typed_permanent(exc, f"take the lock {lock_path}")
+    return typed if isinstance(typed, OSError) else exc
 
