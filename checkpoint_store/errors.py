@@ -30,6 +30,7 @@ __all__ = [
     "RankTimeoutError",
     "StateKeyError",
     "StateMismatchError",
+    "SourceChangedError",
     "StorageFullError",
     "TensorCorruptError",
     "TransientBackendError",
@@ -115,6 +116,29 @@ class UnreadableSourceError(CheckpointStoreError, OSError):
     Attributes:
         path: the source directory handed in.
         file: the entry at fault, relative to ``path`` (``""``: ``path`` itself).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, file: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.file = file
+
+
+class SourceChangedError(CheckpointStoreError, OSError):
+    """A file of a source tree changed while it was copied: deleted, grown,
+    shrunk or rewritten after the listing; or it reads other bytes than its
+    size says (a link to a pseudo file: ``/proc/self/status`` stats 0 bytes
+    and reads a page, a ``/sys`` file stats 4096 and reads a line). Its
+    copy would not be the file it names: nothing of the checkpoint is
+    committed.
+
+    Write the checkpoint completely before reporting it (wait for the
+    writer, ``dcp.save`` or a background thread, to finish); copy a pseudo
+    file's contents into a regular file first.
+
+    Attributes:
+        path: the source directory handed in.
+        file: the file at fault, relative to ``path``.
     """
 
     def __init__(self, message: str, *, path: str | None = None, file: str | None = None):

@@ -73,7 +73,8 @@ from checkpoint_store._transfer.tasks import (
 )
 from checkpoint_store._transfer.tasks import Plan as Plan
 from checkpoint_store._transfer.tasks import Route as Route
-from checkpoint_store._util.fs import local_path
+from checkpoint_store._util.fs import local_path, walk_files
+from checkpoint_store.errors import SourceChangedError
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +258,7 @@ def _unchanged(r: TransferTasks, previous: Previous,
         rel, size = item
         fd = os.open(r._src_os(rel), os.O_RDONLY | _O_BINARY)
         try:
-            crc = r._crc_range(fd, 0, size)
+            crc = r._crc_range(rel, fd, 0, size)
             if os.fstat(fd).st_size != size:
                 return None
         finally:
@@ -386,8 +387,11 @@ def run(
                                             memory_limit=memory_limit))
             moved.update(more)
             part_crcs.update(more_crcs)
-    except BaseException:
+    except BaseException as exc:
         r.abort_uploads()
+        gone = _deleted_source(r, files, exc)
+        if gone is not None:
+            raise gone from exc
         raise
     finally:
         if copier is not None:
@@ -401,6 +405,33 @@ def run(
                     sum(size for _, size in files))
     results.update(_combine_parts(part_crcs))
     return [results[rel] for rel, _ in files]
+
+
+def _deleted_source(r: TransferTasks, files: Sequence[tuple[str, int]],
+                    exc: BaseException) -> SourceChangedError | None:
+    """The error for a copy that failed because a listed source file was
+    deleted meanwhile (``exc``: a ``FileNotFoundError``), naming the file;
+    None for any other failure. A local source is checked file by file (a
+    ``stat`` each, only after such a failure); a remote one by one listing."""
+    if not isinstance(exc, FileNotFoundError):
+        return None
+    try:
+        if r.src_os is not None:
+            missing = [rel for rel, _ in files if not os.path.lexists(r._src_os(rel))]
+        else:
+            there = {rel for rel, _ in walk_files(r.src_fs_outer, r.src_root)}
+            missing = [rel for rel, _ in files if rel not in there]
+    except OSError:  # the source cannot be looked at now: the first error stands
+        return None
+    if not missing:
+        return None  # the destination's, or a path the listing never had
+    rel = missing[0]
+    where = r._src_os(rel) if r.src_os is not None else posixpath.join(r.src_root, rel)
+    return SourceChangedError(
+        f"{where} was deleted while it was being copied"
+        + (f" ({len(missing) - 1} more file(s) of the source too)" if len(missing) > 1 else "")
+        + "; nothing of it is kept. Report or copy the directory once nothing deletes or "
+        "rewrites its files", path=r.src_root, file=rel)
 
 
 @dataclass
@@ -455,10 +486,7 @@ def _work_items(p: Plan, r: TransferTasks) -> _Work:
         if p.route == "local":
             stamp = r.stamps[rel] = r.source_stamp(rel)
             if stamp[1] != size:
-                raise OSError(
-                    f"{r._src_os(rel)} changed while it was being copied; write the "
-                    "checkpoint completely before reporting it"
-                )
+                raise r._changed(rel, "changed while it was being copied")
             work.copies.append((rel, size))
             for off in range(0, size, p.chunk_size):
                 work.parts.append((rel, off, min(p.chunk_size, size - off)))

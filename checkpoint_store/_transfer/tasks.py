@@ -44,6 +44,7 @@ from checkpoint_store._transfer.remote import (
     writer_of,
 )
 from checkpoint_store._util import fs as _fsutil
+from checkpoint_store.errors import SourceChangedError
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ MIN_PART = 5 * 1024 * 1024
 _PYARROW_PART = 10 * 1024 * 1024
 #: S3 allows 10000 parts per upload; parts grow so a file never needs more.
 MAX_PARTS = 9000
+#: A local source that read more bytes than its listed size.
+_GREW_BY = ("changed while it was being copied: it read {got} bytes where its size says "
+            "{size} (it grew, or is a pseudo file whose size is not what it reads)")
 
 
 #: How :func:`plan` moves a tree, from where its two sides live: ``"local"``
@@ -150,6 +154,7 @@ class TransferTasks(_LocalDisk):
         self.src_fsspec = _client_of(src_fs)
         self.dst_fsspec = _client_of(dst_fs)
         self.dst_fs_outer = dst_fs
+        self.src_fs_outer = src_fs
         #: Large files go up in parallel parts through this client, if any
         #: (S3 multipart uploads, Azure staged blocks).
         self.part_client = part_upload_client(dst_fs)
@@ -291,10 +296,7 @@ class TransferTasks(_LocalDisk):
                 data = self.call(lambda: self._read_at(rel, offset, length),
                                  f"download {rel}@{offset}")
             if len(data) != length:
-                raise OSError(
-                    f"{self._src(rel)}: read {len(data)} bytes at offset {offset}, expected "
-                    f"{length} (the file changed while it was being downloaded?)"
-                )
+                raise self._remote_changed(rel, len(data), offset, length)
             crc = _crc(0, data)
             fd = os.open(self._dst_os(rel), os.O_WRONLY | _O_BINARY)
             try:
@@ -312,8 +314,7 @@ class TransferTasks(_LocalDisk):
         the source's stamp is taken first."""
         stamp = self.stamps[rel] = self.source_stamp(rel)
         if stamp[1] != size:
-            raise OSError(f"{self._src_os(rel)} changed while it was being uploaded; write "
-                          "the checkpoint completely before reporting it")
+            raise self._changed(rel, "changed while it was being uploaded")
         assert self.part_client is not None
         upload = self.part_client.open(self._dst(rel))
         self.call(upload.start, f"start the upload of {rel}")
@@ -328,14 +329,16 @@ class TransferTasks(_LocalDisk):
         try:
             fd = os.open(self._src_os(rel), os.O_RDONLY | _O_BINARY)
             try:
-                self._same_source(rel, fd, self.stamps[rel])
+                stamp = self.stamps[rel]
+                self._same_source(rel, fd, stamp)
                 data = _pread_all(fd, offset, length)
-                self._same_source(rel, fd, self.stamps[rel])
+                if len(data) != length:
+                    raise self._short(rel, offset + len(data), stamp[1])
+                if offset + length == stamp[1]:
+                    self._at_end(rel, fd, stamp[1])
+                self._same_source(rel, fd, stamp)
             finally:
                 os.close(fd)
-            if len(data) != length:
-                raise OSError(f"{self._src_os(rel)}: read {len(data)} bytes at offset {offset}, "
-                              f"expected {length} (the file changed while it was being uploaded?)")
             crc = _crc(0, data)
             self.uploads[rel].put_part(offset // self.p.chunk_size + 1, data)
             del data
@@ -393,10 +396,7 @@ class TransferTasks(_LocalDisk):
                 while got < length:
                     data = body.read(min(self.p.piece, length - got))
                     if not data:
-                        raise OSError(
-                            f"{self._src(rel)}: read {got} bytes at offset {offset}, expected "
-                            f"{length} (the file changed while it was being downloaded?)"
-                        )
+                        raise self._remote_changed(rel, got, offset, length)
                     crc = _crc(crc, data)
                     _pwrite_all(fd, data, offset + got)
                     got += len(data)
@@ -424,6 +424,15 @@ class TransferTasks(_LocalDisk):
                     del self._inputs[rel]
             raise
 
+    def _remote_changed(self, rel: str, got: int, offset: int, length: int
+                        ) -> SourceChangedError:
+        """The error for a ranged read of source file ``rel`` that returned
+        ``got`` bytes of the ``length`` asked for at ``offset``."""
+        return SourceChangedError(
+            f"{self._src(rel)}: read {got} bytes at offset {offset}, expected {length}: the "
+            "file changed while it was being downloaded; copy it again once nothing writes it",
+            path=self.src_root, file=rel)
+
     def close_inputs(self) -> None:
         """Close the handles :meth:`_read_at` kept open, and the roots' descriptors."""
         self.close_roots()
@@ -440,6 +449,14 @@ class TransferTasks(_LocalDisk):
     def stream(self, rel: str, size: int, *, budgeted: bool = True) -> FileResult:
         """Copy one file through an output stream, chunk by chunk."""
         return self.call(lambda: self._stream_once(rel, size, budgeted), f"copy {rel}")
+
+    def _stream_end(self, rel: str, size: int, got: int) -> None:
+        """A local source streamed whole (``got`` bytes read to its end) must
+        read as many bytes as its size says now, once read: more or fewer, it
+        changed meanwhile, or lies about its size (a pseudo file)."""
+        if got != size:
+            raise (self._short(rel, got, size) if got < size
+                   else self._changed(rel, _GREW_BY.format(size=size, got=got)))
 
     def _stream_once(self, rel: str, size: int, budgeted: bool) -> FileResult:
         # Chunks sized so that one in flight (counted twice: the client's
@@ -460,6 +477,7 @@ class TransferTasks(_LocalDisk):
         # MiB) unseen by the budget: write at least that much at a time.
         chunk = max(chunk, MIN_PART if fsspec_out else _PYARROW_PART, -(-size // MAX_PARTS))
         charge = chunk * copies
+        opened: int | None = None  # a local source's size as it was opened
         crc = 0
         size = 0
         held = 0
@@ -471,6 +489,7 @@ class TransferTasks(_LocalDisk):
         try:
             if self.src_os is not None:
                 reader: Any = pa.OSFile(self._src_os(rel), "rb")
+                opened = reader.size()
             else:
                 reader = self.src_fs.open_input_stream(self._src(rel))
             try:
@@ -505,6 +524,8 @@ class TransferTasks(_LocalDisk):
         finally:
             if held:
                 self.budget.release(held)
+        if opened is not None:
+            self._stream_end(rel, opened, size)
         return FileResult(rel, size, crc)
 
 

@@ -60,6 +60,7 @@ from checkpoint_store.errors import (
     InvalidConfigError,
     NestedCheckpointError,
     PermanentBackendError,
+    SourceChangedError,
     StorageFullError,
     TransientBackendError,
     TrialInUseError,
@@ -121,6 +122,9 @@ def _hint_for(exc: BaseException, subcommand: str | None = None) -> str | None:
     if isinstance(exc, StorageFullError) or (isinstance(exc, OSError)
                                              and is_storage_full(exc)):
         return "the disk is full: free space on it (or raise its quota), then retry"
+    if isinstance(exc, SourceChangedError):
+        return ("the file named above changed while it was copied (or is a pseudo file); "
+                "copy it again once nothing writes it; nothing was committed")
     if isinstance(exc, UnreadableSourceError):
         return "make the directory named above readable, or move it out; nothing was written"
     if isinstance(exc, (PermissionError, PermanentBackendError)):
