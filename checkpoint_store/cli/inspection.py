@@ -493,9 +493,13 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
     if not committed:
         raise CheckpointNotFoundError(f"trial {loc.uri} has no committed checkpoint")
     if explicit:
-        refuse_unrecorded_metric(loc, committed, metric,
-                                 "the newest checkpoint would be named instead of the best; "
-                                 "nothing is printed")
+        try:
+            refuse_unrecorded_metric(loc, committed, metric,
+                                     "the newest checkpoint would be named instead of the "
+                                     "best; nothing is printed")
+        except InvalidConfigError as exc:
+            # A metric no checkpoint records names no best: not found (exit 1).
+            raise CheckpointNotFoundError(str(exc)) from exc
     scored: list[_Scored] = [
         (ckpt, meta, stored_score(ckpt, stored_metrics(ckpt, meta), metric))
         for ckpt, meta in committed]
