@@ -31,6 +31,7 @@ __all__ = [
     "StateKeyError",
     "StateMismatchError",
     "SourceChangedError",
+    "SourceDeletedError",
     "StorageFullError",
     "TensorCorruptError",
     "TransientBackendError",
@@ -145,6 +146,13 @@ class SourceChangedError(CheckpointStoreError, OSError):
         super().__init__(message)
         self.path = path
         self.file = file
+
+
+class SourceDeletedError(SourceChangedError, FileNotFoundError):
+    """A file of a source tree was deleted while it was copied: a
+    :class:`SourceChangedError` that is also a ``FileNotFoundError``, as the
+    OS's error it replaces was. Keep the directory until the report (or
+    copy) returns; nothing of the checkpoint is committed."""
 
 
 class NestedCheckpointError(UnsafePathError):

@@ -74,7 +74,7 @@ from checkpoint_store._transfer.tasks import (
 from checkpoint_store._transfer.tasks import Plan as Plan
 from checkpoint_store._transfer.tasks import Route as Route
 from checkpoint_store._util.fs import local_path, walk_files
-from checkpoint_store.errors import SourceChangedError
+from checkpoint_store.errors import SourceDeletedError
 
 logger = logging.getLogger(__name__)
 
@@ -408,7 +408,7 @@ def run(
 
 
 def _deleted_source(r: TransferTasks, files: Sequence[tuple[str, int]],
-                    exc: BaseException) -> SourceChangedError | None:
+                    exc: BaseException) -> SourceDeletedError | None:
     """The error for a copy that failed because a listed source file was
     deleted meanwhile (``exc``: a ``FileNotFoundError``), naming the file;
     None for any other failure. A local source is checked file by file (a
@@ -427,7 +427,7 @@ def _deleted_source(r: TransferTasks, files: Sequence[tuple[str, int]],
         return None  # the destination's, or a path the listing never had
     rel = missing[0]
     where = r._src_os(rel) if r.src_os is not None else posixpath.join(r.src_root, rel)
-    return SourceChangedError(
+    return SourceDeletedError(
         f"{where} was deleted while it was being copied"
         + (f" ({len(missing) - 1} more file(s) of the source too)" if len(missing) > 1 else "")
         + "; nothing of it is kept. Report or copy the directory once nothing deletes or "

@@ -394,7 +394,7 @@ def test_abfss_with_a_dead_endpoint_is_transient_pyarrow_engine(dead_abfss):
     if getattr(pafs, "AzureFileSystem", None) is None:
         pytest.skip("this pyarrow has no AzureFileSystem")
     opts = {**dead_abfss, "engine": "pyarrow"}
-    with pytest.raises(InvalidConfigError, match="needs the storage account's name"):
+    with pytest.raises(InvalidConfigError, match="account_name"):
         Checkpoint("abfss://cont/x", storage_options=opts)  # no account: said at once
     conn = opts["connection_string"] + "AccountName=devstoreaccount1;"
     ck = Checkpoint("abfss://cont/x", storage_options={**opts, "connection_string": conn})

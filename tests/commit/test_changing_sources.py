@@ -30,6 +30,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from checkpoint_store import (
     Checkpoint,
     SourceChangedError,
+    SourceDeletedError,
     StorageContext,
     UploadConfig,
     session,
@@ -161,9 +162,11 @@ def test_a_file_deleted_while_it_is_uploaded_fails_the_commit_naming_it(form, tm
     ctx = _context(form, tmp_path, request)
     src = _source(tmp_path)
     _delete_after_listing(monkeypatch, os.path.join(src, "shards", "a.bin"))
-    with pytest.raises(SourceChangedError, match="was deleted while it was being copied") \
+    with pytest.raises(SourceDeletedError, match="was deleted while it was being copied") \
             as info:
         ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {})
+    assert isinstance(info.value, SourceChangedError)
+    assert isinstance(info.value, FileNotFoundError)  # as the OS's error was
     assert (info.value.path, info.value.file) == (src, "shards/a.bin")
     assert os.path.join(src, "shards", "a.bin") in str(info.value)
     assert isinstance(info.value.__cause__, FileNotFoundError)

@@ -25,7 +25,7 @@ from checkpoint_store._transfer import tasks as _tasks
 from checkpoint_store._transfer.trees import copy_tree
 from checkpoint_store._util import retry as _retry
 from checkpoint_store.backends.base import LOCAL_CAPABILITIES
-from checkpoint_store.errors import InvalidConfigError, SourceChangedError
+from checkpoint_store.errors import InvalidConfigError, SourceDeletedError
 
 LOCAL = pafs.LocalFileSystem()
 SHM = "/dev/shm"
@@ -757,7 +757,7 @@ def test_a_local_copy_leaves_no_descriptor_open_and_names_a_vanished_file(tmp_pa
     _assert_copied(entries, src, dst, want)
     assert _open_fds() == before
     os.makedirs(tmp_path / "dst2" / "a")
-    with pytest.raises(SourceChangedError, match="was deleted while it was being copied") \
+    with pytest.raises(SourceDeletedError, match="was deleted while it was being copied") \
             as info:
         _plan.run(LOCAL, src, LOCAL, str(tmp_path / "dst2"), [("a/gone", 10), ("y", 20)],
                   chunk_size=2**20, concurrency=4, fsync=False)

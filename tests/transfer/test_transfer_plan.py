@@ -21,7 +21,7 @@ from checkpoint_store._transfer import remote as _remote
 from checkpoint_store._transfer.trees import copy_tree
 from checkpoint_store._util import retry as _retry
 from checkpoint_store.backends.base import LOCAL_CAPABILITIES, Capabilities
-from checkpoint_store.errors import SourceChangedError
+from checkpoint_store.errors import SourceDeletedError
 from checkpoint_store.registry import resolve
 
 LOCAL = pafs.LocalFileSystem()
@@ -127,8 +127,8 @@ def test_a_vanished_source_file_fails_the_copy(tmp_path) -> None:
     _make_tree(str(src), {f"f{i}": 10 for i in range(5)})
     files = [(f"f{i}", 10) for i in range(5)] + [("gone", 10)]
     (tmp_path / "dst").mkdir()
-    # Typed, naming the file; the OS's error is its cause.
-    with pytest.raises(SourceChangedError, match="gone was deleted while") as info:
+    # Typed, naming the file (still a FileNotFoundError); the OS's error is its cause.
+    with pytest.raises(SourceDeletedError, match="gone was deleted while") as info:
         _plan.run(LOCAL, str(src), LOCAL, str(tmp_path / "dst"), files,
                   chunk_size=2**20, concurrency=2, fsync=False)
     assert info.value.file == "gone"
