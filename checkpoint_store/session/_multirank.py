@@ -432,7 +432,8 @@ class Coordinator:
 
     def _collect_markers(self, index: int, dir_name: str, target: str) -> dict[int, dict]:
         """Rank 0: wait until every rank's marker is in ``target`` (one listing
-        per poll), then read each once.
+        per poll), then read each once it parses (a marker listed while it is
+        still being written is read again).
 
         Raises:
             RankTimeoutError: some ranks' markers are still missing.
@@ -443,8 +444,16 @@ class Coordinator:
         # now failed to write, so only a listing's lag is worth waiting for.
         timeout_s = min(self.timeout_s, 10.0) if self._uses_torch else self.timeout_s
         backoff = Backoff(timeout_s)
+        bodies: dict[int, dict[str, Any]] = {}
         while True:
-            missing = sorted(set(range(self.world_size)) - set(rank_markers_present(part_dir)))
+            for r in sorted(set(rank_markers_present(part_dir)) - set(bodies)):
+                try:
+                    bodies[r] = self._own_marker(part_dir, r)
+                except ValueError:
+                    # Listed while its bytes are still being written (a store
+                    # whose writes are not atomic, memory://): read it again.
+                    continue
+            missing = sorted(set(range(self.world_size)) - set(bodies))
             if not missing:
                 break
             if not backoff.sleep():
@@ -455,7 +464,7 @@ class Coordinator:
                     "torch.distributed pass a checkpoint on every rank or on none",
                     missing_ranks=missing, index=index,
                 )
-        return {r: self._own_marker(part_dir, r) for r in range(self.world_size)}
+        return bodies
 
     def _own_marker(self, part_dir: RankDir, rank: int) -> dict[str, Any]:
         """Rank 0: ``rank``'s marker, refused unless this attempt wrote it."""
