@@ -356,3 +356,62 @@ def test_a_report_after_the_end_says_the_session_ended_whatever_it_passes(tmp_pa
         metrics = kwargs.pop("metrics")
         with pytest.raises(CheckpointStoreError, match="ended"):
             s.report(metrics, **kwargs)
+
+
+class _LoseMarker(ForwardingHandler):
+    """Fails the marker write of ``checkpoint_<armed>`` and every read of it back
+    with a retryable error: the commit's outcome is unknown."""
+
+    def __init__(self, inner: pafs.FileSystem):
+        super().__init__(inner)
+        self.armed: str | None = None
+
+    def _hit(self, path: str) -> bool:
+        return self.armed is not None and path.endswith(f"/{self.armed}/.internal_metadata.json")
+
+    def open_output_stream(self, path: str, metadata: object):
+        if self._hit(path):
+            raise ConnectionResetError(f"injected: connection reset ({path})")
+        return super().open_output_stream(path, metadata)
+
+    def open_input_stream(self, path: str):
+        if self._hit(path):
+            raise ConnectionResetError(f"injected: connection reset ({path})")
+        return super().open_input_stream(path)
+
+    def open_input_file(self, path: str):
+        if self._hit(path):
+            raise ConnectionResetError(f"injected: connection reset ({path})")
+        return super().open_input_file(path)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_ambiguous_commit_keeps_its_row_and_its_index_is_never_reused(tmp_path, mode):
+    import fsspec
+
+    from checkpoint_store.errors import AmbiguousCommitError
+
+    memory = pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem("memory")))
+    handler = _LoseMarker(memory)
+    fs = pafs.PyFileSystem(handler)
+    with _start(tmp_path, "none", fs=fs) as s:
+        _report(s, "directory", 0, tmp_path, mode)
+        s.wait()
+        handler.armed = "checkpoint_000001"
+        if mode == "sync":
+            with pytest.raises(AmbiguousCommitError):
+                _report(s, "directory", 1, tmp_path, mode)
+        else:
+            _report(s, "directory", 1, tmp_path, mode)
+            with pytest.raises(AmbiguousCommitError):
+                s.wait()
+        handler.armed = None
+        row = _report(s, "directory", 2, tmp_path, mode)
+        s.wait()
+    assert row["checkpoint_dir_name"] == "checkpoint_000002"
+    assert row["training_iteration"] == 3  # the ambiguous report's row was kept
+    ctx = _durable(tmp_path, fs)
+    assert [r["i"] for r in ctx.read_results()] == [0, 1, 2]
+    # The next report settled it: its marker never landed, so it is not
+    # committed, and its index was not reused.
+    assert [m["index"] for _, m in ctx.committed_checkpoints()] == [0, 2]
