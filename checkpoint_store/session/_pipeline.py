@@ -309,7 +309,7 @@ class ReportPipeline:
         if plan.background:
             assert plan.staging is not None
             return StagedCopySource(checkpoint, plan.staging)
-        return DirectorySource(checkpoint)
+        return DirectorySource(checkpoint, check=not self.committer.ranks)
 
     def _commit(self, job: CheckpointJob, abandon: bool = False) -> Checkpoint | None:
         """Commit ``job`` on the target: inline, or on a background lane

@@ -84,8 +84,9 @@ class DirectorySource(Source):
     """Raises CheckpointNotFoundError when the directory is gone: refused
     before anything is written under the index."""
 
-    def __init__(self, checkpoint: Checkpoint):
-        require_directory(checkpoint)
+    def __init__(self, checkpoint: Checkpoint, check: bool = True):
+        if check:  # several ranks: the rank's upload names the rank and the path
+            require_directory(checkpoint)
         self._checkpoint = checkpoint
 
     def files(self) -> Checkpoint:
