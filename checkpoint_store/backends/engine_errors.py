@@ -118,13 +118,7 @@ def _boto_os_error(exc: Exception, where: str) -> BaseException:
         return ConnectionError(text)
     status = getattr(exc, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode") \
         if isinstance(getattr(exc, "response", None), dict) else None
-    if status in (401, 403):
-        return PermissionError(errno.EACCES, text)
-    if status == 404:
-        return FileNotFoundError(errno.ENOENT, text)
-    if status in _RETRY_STATUSES:
-        return ConnectionError(text)
-    return OSError(text)
+    return _status_error(status, text)
 
 
 def _google_os_error(exc: Exception, where: str) -> BaseException:
@@ -136,6 +130,11 @@ def _google_os_error(exc: Exception, where: str) -> BaseException:
                 "UserAccessTokenError", "OAuthError"):
         return PermissionError(errno.EACCES, text)
     status = getattr(exc, "code", None)
+    return _status_error(status, text)
+
+
+def _status_error(status: object, text: str) -> BaseException:
+    """The OS error an HTTP ``status`` of a cloud client stands for (any other: OSError)."""
     if status in (401, 403):
         return PermissionError(errno.EACCES, text)
     if status == 404:
