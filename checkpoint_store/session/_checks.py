@@ -83,6 +83,22 @@ def check_timeout(value: Any, what: str = "sync_timeout_s") -> float:
     return float(value)
 
 
+def check_wait_timeout(value: Any, what: str = "wait(timeout)") -> float | None:
+    """A wait's ``timeout``: None or ``math.inf`` (as long as it takes), or
+    seconds >= 0 (0: only what is done already); returned as None or a float.
+
+    Raises:
+        InvalidConfigError: anything else (a string, a bool, NaN, < 0).
+    """
+    if value is None or (isinstance(value, float) and value == math.inf):
+        return None
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or math.isnan(value) or value < 0):
+        raise InvalidConfigError(f"{what} must be None or a number of seconds >= 0, "
+                                 f"got {value!r}")
+    return float(value)
+
+
 def resume_source(value: Any, storage: StorageContext) -> Checkpoint | None:
     """The checkpoint of another run this trial starts from, checked by its
     type and location only: nothing is read (:func:`check_resume_source` reads

@@ -22,6 +22,7 @@ from checkpoint_store.session._checks import (
     check_resume_source,
     check_timeout,
     check_upload_config,
+    check_wait_timeout,
     int_from,
     resume_source,
 )
@@ -450,10 +451,12 @@ class Session:
                 selected by its ``persist`` policy (it stays local only).
             InvalidConfigError: ``checkpoint`` names none (see
                 :func:`~checkpoint_store.session._tier_recovery.checkpoint_index`),
-                or an index this trial has not reached (never reported).
+                or an index this trial has not reached (never reported); or
+                ``timeout`` is not None or a number of seconds >= 0.
             Exception: the first error of a background upload (that
                 checkpoint was not committed).
         """
+        timeout = check_wait_timeout(timeout)
         if checkpoint is not None:
             wait_durable(self._tier, checkpoint_index(checkpoint), self._ledger.next_index,
                          timeout, self.wait, self._pipeline.work.raise_errors)

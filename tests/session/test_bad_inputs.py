@@ -361,3 +361,19 @@ def test_strings_with_unicode_line_breaks_round_trip_in_result_rows(root, text):
     rows = _rows(root)
     assert [r["training_iteration"] for r in rows] == [1, 2, 3]
     assert rows[1]["v"] == text
+
+
+@pytest.mark.parametrize("timeout", ["1", -1, float("nan"), -math.inf, True, [1]])
+def test_a_wait_timeout_that_is_no_duration_is_refused_before_waiting(tmp_path, timeout):
+    ckpt_dir = tmp_path / "c"
+    ckpt_dir.mkdir()
+    (ckpt_dir / "w.bin").write_bytes(b"x" * 10)
+    with session.start(storage_path=str(tmp_path / "store"),
+                       checkpoint_config=CheckpointConfig(upload_mode="async")) as s:
+        session.report({"m": 1}, checkpoint=Checkpoint(str(ckpt_dir)))
+        with pytest.raises(InvalidConfigError, match="wait\\(timeout\\)"):
+            s.wait(timeout)
+        with pytest.raises(InvalidConfigError, match="wait\\(timeout\\)"):
+            session.wait(timeout, checkpoint=0)
+        s.wait(math.inf)  # a valid wait (as long as it takes) works after a refused one
+        assert s.get_checkpoint() is not None
