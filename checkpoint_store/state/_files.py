@@ -13,7 +13,11 @@ checkpoint's internal metadata as ``"tensors"``.
 The shards are plain safetensors files (8-byte little-endian header length,
 JSON header padded with spaces to a multiple of 8 bytes, then the data,
 tensors in key order of the plan with no gaps), readable by
-``safetensors.safe_open`` and every other safetensors reader.
+``safetensors.safe_open`` and every other safetensors reader. A tensor's name
+in a header is its flattened key, except for the one name the safetensors
+format reserves (``__metadata__``, the header's own metadata entry), which
+:func:`header_name` escapes so the header stays valid; the index (and so
+every load) keeps the flattened key itself.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ __all__ = [
     "STATE_FILE",
     "STATE_FORMAT_VERSION",
     "StateWriter",
+    "header_name",
+    "key_of_header_name",
     "layout_of_buffers",
     "shard_name",
     "write_buffers",
@@ -64,6 +70,29 @@ DEFAULT_SHARD_BYTES = 1 << 30
 _SHARD_RE = re.compile(r"^tensors-(\d{5,})-of-(\d{5,})\.safetensors$")
 #: Bytes hashed per call (google-crc32c holds the GIL per call).
 _CRC_CHUNK = 64 << 20
+
+
+#: The key of a safetensors header that is not a tensor: the header's own
+#: metadata (``{"format": "pt"}``). A tensor of that flattened key would
+#: replace it, and no safetensors reader would open the file.
+SAFETENSORS_METADATA = "__metadata__"
+#: How :data:`SAFETENSORS_METADATA` is written as a tensor name: ``~2`` never
+#: occurs in a flattened key (``~`` is always escaped as ``~0`` there), so the
+#: escaped name is no other tensor's.
+_ESCAPED_METADATA = "~2" + SAFETENSORS_METADATA
+
+
+def header_name(key: str) -> str:
+    """The name tensor ``key`` (a flattened key) has in its shard's
+    safetensors header: ``key`` itself, but ``"__metadata__"`` (the name
+    safetensors reserves for the header's metadata) is ``"~2__metadata__"``."""
+    return _ESCAPED_METADATA if key == SAFETENSORS_METADATA else key
+
+
+def key_of_header_name(name: str) -> str:
+    """The flattened key of a tensor named ``name`` in a shard's header
+    (inverse of :func:`header_name`)."""
+    return SAFETENSORS_METADATA if name == _ESCAPED_METADATA else name
 
 
 def shard_name(number: int, count: int) -> str:
@@ -115,19 +144,19 @@ def _plan(layout: StateLayout,
         name = shard_name(number, len(groups))
         header_obj: dict[str, Any] = {}
         frameworks = {layout.tensors[k].framework for k in keys}
-        header_obj["__metadata__"] = {"format": "pt" if "torch" in frameworks else "np"}
+        header_obj[SAFETENSORS_METADATA] = {"format": "pt" if "torch" in frameworks else "np"}
         offset = 0
         for key in keys:
             spec = layout.tensors[key]
-            header_obj[key] = {"dtype": spec.dtype, "shape": list(spec.shape),
-                               "data_offsets": [offset, offset + spec.nbytes]}
+            header_obj[header_name(key)] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                                            "data_offsets": [offset, offset + spec.nbytes]}
             offset += spec.nbytes
         raw = json.dumps(header_obj, ensure_ascii=False, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         header = struct.pack("<Q", len(raw)) + raw
         base = len(header)
         for key in keys:
-            begin, end = header_obj[key]["data_offsets"]
+            begin, end = header_obj[header_name(key)]["data_offsets"]
             where[key] = (base + begin, base + end, name)
         shards.append(_Shard(name, header, base + offset, tuple(keys)))
     return shards, where

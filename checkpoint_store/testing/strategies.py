@@ -238,13 +238,15 @@ def tensors(*, frameworks: tuple[str, ...] = ("numpy", "torch"), max_dims: int =
 
 def state_trees(*, max_leaves: int = 10, frameworks: tuple[str, ...] = ("numpy", "torch")
                 ) -> st.SearchStrategy[Any]:
-    """A state tree: dicts (unicode keys, ``/``, ``~`` and the empty key
-    included; int keys, as an optimizer's ``state_dict()`` has), lists and
-    tuples (empty ones too) over :func:`tensors` and JSON leaves (NaN and
-    infinities, big ints, unicode strings, None, bools)."""
+    """A state tree: dicts (unicode keys, ``/``, ``~``, the empty key and
+    ``__metadata__``, the name safetensors reserves, included; int keys, as
+    an optimizer's ``state_dict()`` has), lists and tuples (empty ones too)
+    over :func:`tensors` and JSON leaves (NaN and infinities, big ints,
+    unicode strings, None, bools)."""
     chars = st.characters(exclude_categories=["Cs"])  # lone surrogates are not UTF-8
     keys = st.text(alphabet=chars, max_size=6) | st.sampled_from(
-        ["a/b", "~", "~1", "/", "", "model", "layer.0.weight"])
+        ["a/b", "~", "~1", "/", "", "model", "layer.0.weight", "__metadata__",
+         "~2__metadata__"])
     leaves = st.one_of(
         tensors(frameworks=frameworks),
         st.floats(allow_nan=True, allow_infinity=True),
