@@ -86,7 +86,11 @@ def stage(src_dir: str, mode: str = "copy", *, root: str | None = None) -> Stage
         CheckpointNotFoundError: ``src_dir`` is not a directory.
         UnsafePathError: a file in ``src_dir`` cannot be uploaded as it is
             (see :func:`checkpoint_store._transfer.trees.source_files`).
-        OSError: the copy failed (the partial staging directory is removed).
+        StorageFullError: the staging disk is full (as a commit's copy
+            says it); PermanentBackendError: another ``OSError`` of the copy
+            (read-only, not writable); the partial staging directory is
+            removed either way.
+        SourceChangedError: a file changed while it was copied.
     """
     import pyarrow.fs as pafs
 
@@ -99,7 +103,14 @@ def stage(src_dir: str, mode: str = "copy", *, root: str | None = None) -> Stage
     # Every name checked now, as the upload would (a symlink cycle, a name no
     # store keeps): refused in report(), not later in the background.
     files = source_files(pafs.LocalFileSystem(), src_dir)
-    dst = tempfile.mkdtemp(prefix=STAGED_COPY_PREFIX, dir=root or staging_root())
+    parent = root or staging_root()
+    try:
+        dst = tempfile.mkdtemp(prefix=STAGED_COPY_PREFIX, dir=parent)
+    except OSError as exc:
+        typed = _typed(exc, f"stage a copy of {src_dir} under {parent}")
+        if typed is exc:
+            raise
+        raise typed from exc
     try:
         if mode == "move":
             _move_contents(src_dir, dst)
@@ -107,10 +118,24 @@ def stage(src_dir: str, mode: str = "copy", *, root: str | None = None) -> Stage
             _link_tree(src_dir, dst)
         else:
             _copy_tree(src_dir, dst, files)
+    except OSError as exc:
+        shutil.rmtree(dst, ignore_errors=True)
+        typed = _typed(exc, f"stage a copy of {src_dir} into {dst}")
+        if typed is exc:
+            raise
+        raise typed from exc
     except BaseException:
         shutil.rmtree(dst, ignore_errors=True)
         raise
     return Staged(dst, owned=True)
+
+
+def _typed(exc: OSError, what: str) -> BaseException:
+    """A copy's ``OSError`` typed as a commit's copy types it (a full disk is
+    :class:`~checkpoint_store.errors.StorageFullError`; ours unchanged)."""
+    from checkpoint_store._util.retry import typed_permanent
+
+    return typed_permanent(exc, what)
 
 
 def _copy_tree(src: str, dst: str, files: list[tuple[str, int]]) -> None:

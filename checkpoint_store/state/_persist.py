@@ -30,7 +30,11 @@ Messages (parent to process), answered in order:
   ``("closed", sid, tensor_index, files)``, ``files`` every file's path,
   size and CRC32C (combined from the tensors', nothing read back).
 
-An error answers ``("error", sid, text)``; the process then drops that
+An error answers ``("error", sid, text, facts)``: ``text`` the traceback,
+``facts`` what :func:`error_facts` keeps of the exception (class, errno,
+message), from which the training process raises the typed error the
+directory path raises for the same failure (:func:`error_from_facts`: a full
+disk is a ``StorageFullError`` on both paths). The process then drops that
 state's later messages (still freeing their staging bytes), removes its
 files and stays up. It exits when the socket closes (its parent ended or
 was killed).
@@ -44,7 +48,7 @@ import sys
 import traceback
 from typing import Any
 
-__all__ = ["PersistProcess", "main"]
+__all__ = ["PersistProcess", "error_facts", "error_from_facts", "main"]
 
 
 def _file_crcs(writer: Any, index: dict[str, Any], directory: str) -> list[dict[str, Any]]:
@@ -122,6 +126,73 @@ def _serve(conn: Any, area: mmap.mmap, parent: int) -> None:
             _failed(conn, msg, sid, failed, writers)
 
 
+def error_facts(exc: BaseException) -> dict[str, Any]:
+    """What crosses the process boundary of an exception: plain data (the
+    exception itself may not pickle, nor its class import in the parent).
+
+    Returns:
+        ``{"type": class name, "module": its module, "message": str(exc),
+        "errno", "strerror", "filename"}`` (the last three None unless it is
+        an ``OSError`` with an errno).
+    """
+    facts: dict[str, Any] = {"type": type(exc).__name__, "module": type(exc).__module__,
+                             "message": str(exc), "errno": None, "strerror": None,
+                             "filename": None}
+    if isinstance(exc, OSError) and isinstance(exc.errno, int):
+        facts.update(errno=exc.errno, strerror=exc.strerror,
+                     filename=None if exc.filename is None else str(exc.filename))
+    return facts
+
+
+def error_from_facts(facts: dict[str, Any] | None, text: str, directory: str) -> BaseException:
+    """The exception the training process raises for a failure the persist
+    process reported (:func:`error_facts`, and its traceback ``text``):
+    the type the same failure has on the directory path.
+
+    * an ``OSError`` with an errno: rebuilt (``OSError(errno, ...)`` picks
+      ``PermissionError``, ...), then typed as every storage write types it
+      (:func:`checkpoint_store._util.retry.typed_permanent`):
+      :class:`~checkpoint_store.errors.StorageFullError` for ``ENOSPC`` /
+      ``EDQUOT``, :class:`~checkpoint_store.errors.PermanentBackendError`
+      for another (a read-only or unwritable directory), ``FileNotFoundError``
+      as it is;
+    * one of :mod:`checkpoint_store.errors` or a builtin exception: that
+      class, with the message;
+    * anything else, or no facts (an older process): a
+      :class:`~checkpoint_store.errors.PersistProcessError` with the text.
+
+    The persist process's traceback is added as a note either way.
+    """
+    import builtins
+
+    from checkpoint_store import errors
+    from checkpoint_store._util.retry import typed_permanent
+
+    what = f"the persist process could not write {directory}"
+    exc: BaseException | None = None
+    if facts is not None:
+        name, message = str(facts.get("type")), str(facts.get("message"))
+        if isinstance(facts.get("errno"), int):
+            os_error = OSError(facts["errno"], facts.get("strerror") or message,
+                               facts.get("filename"))
+            exc = typed_permanent(os_error, f"write the state into {directory}")
+        else:
+            home = {"checkpoint_store.errors": errors, "builtins": builtins}.get(
+                str(facts.get("module")))
+            cls = getattr(home, name, None) if home is not None else None
+            if isinstance(cls, type) and issubclass(cls, Exception) and \
+                    cls is not errors.PersistProcessError:
+                try:
+                    exc = cls(f"{what}: {message}")
+                except TypeError:  # a constructor with required fields
+                    exc = None
+    if exc is None:
+        return errors.PersistProcessError(f"{what}: {text}")
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"raised in the persist process:\n{text}")
+    return exc
+
+
 def _failed(conn: Any, msg: tuple[Any, ...], sid: int, failed: set[int],
             writers: dict[int, Any]) -> None:
     failed.add(sid)
@@ -130,7 +201,9 @@ def _failed(conn: Any, msg: tuple[Any, ...], sid: int, failed: set[int],
         writer.abort()
     if msg[0] == "write":
         conn.send(("freed", msg[3], msg[4]))
-    conn.send(("error", sid, traceback.format_exc(limit=4)))
+    exc = sys.exc_info()[1]
+    facts = error_facts(exc) if exc is not None else None
+    conn.send(("error", sid, traceback.format_exc(limit=4), facts))
 
 
 _spawner: Any = None

@@ -254,8 +254,10 @@ class Stager:
         if op == "closed":
             state._closed(msg[2], msg[3])
         elif op == "error":
-            state._fail(PersistProcessError(
-                f"the persist process could not write {state.directory}: {msg[2]}"))
+            from checkpoint_store.state._persist import error_from_facts
+
+            state._fail(error_from_facts(msg[3] if len(msg) > 3 else None, msg[2],
+                                         state.directory))
 
     def _on_exit(self, code: int) -> None:
         error = PersistProcessError(
@@ -495,9 +497,15 @@ class StagedState:
         names it reserves, and checksums as it reads).
 
         Raises:
-            PersistProcessError: the persist process died or failed; nothing
-                of this state is complete.
+            PersistProcessError: the persist process died; nothing of this
+                state is complete.
+            StorageFullError, PermanentBackendError: the disk the files go to
+                is full, read-only or not writable (in the persist process or
+                here, as the directory path raises them); any other error of
+                the persist process as its type (``InvalidConfigError``, ...).
         """
+        from checkpoint_store._util.retry import typed_permanent
+
         self._done.wait()
         if self._error is not None:
             raise self._error
@@ -505,11 +513,17 @@ class StagedState:
         index, files = self._result
         src = self.directory
         dst = src if directory is None else directory
-        if os.path.abspath(dst) != os.path.abspath(src):
-            _move_files(src, dst, [f["path"] for f in files])
-        if record:
-            with open(os.path.join(dst, WRITTEN_STATE_RECORD), "w") as f:
-                json.dump({"files": files}, f)
+        try:
+            if os.path.abspath(dst) != os.path.abspath(src):
+                _move_files(src, dst, [f["path"] for f in files])
+            if record:
+                with open(os.path.join(dst, WRITTEN_STATE_RECORD), "w") as f:
+                    json.dump({"files": files}, f)
+        except OSError as exc:
+            typed = typed_permanent(exc, f"write the state into {dst}")
+            if typed is exc:
+                raise
+            raise typed from exc
         return index
 
     def release(self) -> None:
