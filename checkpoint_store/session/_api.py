@@ -19,7 +19,6 @@ from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     CheckpointAbortedError,
     CheckpointStoreError,
-    InvalidConfigError,
     RankTimeoutError,
     TrialStopped,
 )
@@ -226,10 +225,9 @@ def report(
     """
     ray = _ray_session()
     if ray is not None:
-        if state is not None:
-            raise InvalidConfigError("report(state=...) is not supported inside Ray Train; "
-                                     "save a directory and pass checkpoint=")
-        return ray.report(metrics, checkpoint=checkpoint)
+        if state is None:
+            return ray.report(metrics, checkpoint=checkpoint)
+        return ray.report(metrics, checkpoint=checkpoint, state=state)
     if state is not None:
         return get_session().report(metrics, checkpoint=checkpoint, upload_mode=upload_mode,
                                     state=state)

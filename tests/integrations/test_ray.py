@@ -476,3 +476,109 @@ def test_demo_function_runs_unchanged_in_trial_runner_and_ray_tuner(ray_cluster,
         got = layout(Path(posixpath.dirname(r.checkpoint.path)))
         assert got == expected
         cs_ray.as_checkpoint(r.checkpoint).verify()
+
+
+# -- report(state=...) under Ray: a Tune trial is one process ---------------------------
+
+
+def state_trainable(config):
+    """Three state reports; resumes from session.get_checkpoint().load_state().
+    Written for the TrialRunner; must run unchanged under a Ray Tuner."""
+    import numpy as np
+
+    start = session.get_checkpoint()
+    done, w = 0, np.zeros(4, dtype=np.float32)
+    if start is not None:
+        saved = start.load_state()
+        done, w = saved["step"], saved["w"]
+    for step in range(done + 1, 4):
+        w = w + np.float32(config["x"])
+        session.report({"step": step, "score": float(w.sum())},
+                       state={"w": w, "step": step, "__metadata__": np.arange(2)})
+
+
+def _state_layout(trial: Path) -> list[tuple[str, list[str], int, list[float]]]:
+    out = []
+    for c in sorted(p for p in trial.iterdir() if p.name.startswith("checkpoint_")):
+        ckpt = Checkpoint.from_directory(c)
+        assert ckpt.is_committed
+        ckpt.verify()
+        meta = dict(ckpt.internal_metadata)
+        assert set(meta["tensors"]) == {"w", "__metadata__"}  # the index is in the marker
+        state = ckpt.load_state()
+        out.append((c.name, sorted(os.listdir(c)), state["step"], state["w"].tolist()))
+    return out
+
+
+def test_state_report_in_a_tune_function_trainable(ray_cluster, tmp_path):
+    """Issue 37 item 7: report(state=...) in a Ray Tune function trainable was
+    refused as "not supported inside Ray Train"; a Tune trial is one process,
+    and the function runs unchanged under the TrialRunner and a Tuner."""
+    from ray import tune
+
+    runner = TrialRunner(state_trainable, {"x": 1.0}, storage_path=str(tmp_path / "local"),
+                         experiment_name="st", trial_name="t0")
+    while runner.step() is not None:
+        pass
+    assert runner.error is None
+    expected = _state_layout(tmp_path / "local" / "st" / "t0")
+    assert [e[2] for e in expected] == [1, 2, 3] and expected[-1][3] == [3.0] * 4
+
+    fs, path = cs_ray.ray_filesystem(f"file://{tmp_path}/ray")
+    results = _tuner(fs, path, "st", state_trainable, {"x": tune.grid_search([1.0, 2.0])}).fit()
+    assert not results.errors and len(results) == 2
+    for r in results:
+        x = r.config["x"]
+        ours = cs_ray.as_checkpoint(r.checkpoint)
+        assert ours.internal_metadata["metrics"]["step"] == 3
+        got = _state_layout(Path(posixpath.dirname(r.checkpoint.path)))
+        assert [(n, files, step) for n, files, step, _ in got] == \
+            [(n, files, step) for n, files, step, _ in expected]
+        assert got[-1][3] == [3 * x] * 4
+
+
+def test_state_report_in_ray_train_one_worker_and_refused_with_two(ray_cluster, tmp_path):
+    """Found by ourselves: the other Ray entry point. A Ray Train run of one
+    worker is one process too: its state report is committed (through
+    upload_fn and CommitCallback). With two workers it is refused with an
+    InvalidConfigError that says why, before anything is written."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    def train(config):
+        import numpy as np
+        import ray.train
+
+        from checkpoint_store import InvalidConfigError
+
+        ctx = ray.train.get_context()
+        rank = ctx.get_world_rank()
+        try:
+            session.report({"step": 1}, state={"w": np.full(3, rank, dtype=np.int64)})
+        except InvalidConfigError as exc:  # Ray Train keeps no metrics without a checkpoint
+            Path(config["out"], f"w{ctx.get_world_size()}-rank{rank}.txt").write_text(str(exc))
+            session.report({"step": 1})
+
+    results = {}
+    for workers in (1, 2):
+        fs, path = cs_ray.ray_filesystem(f"file://{tmp_path / 'store'}")
+        results[workers] = TorchTrainer(
+            train,
+            train_loop_config={"out": str(tmp_path)},
+            scaling_config=ray.train.ScalingConfig(num_workers=workers),
+            run_config=ray.train.RunConfig(name=f"w{workers}", storage_path=path,
+                                           storage_filesystem=fs,
+                                           callbacks=[cs_ray.CommitCallback()]),
+        ).fit()
+    one, two = results[1], results[2]
+    assert one.error is None and not (tmp_path / "w1-rank0.txt").exists()
+    ours = cs_ray.as_checkpoint(one.checkpoint)
+    assert ours.is_committed
+    ours.verify()
+    assert ours.load_state()["w"].tolist() == [0, 0, 0]
+    assert two.error is None and two.checkpoint is None
+    for rank in (0, 1):
+        said = (tmp_path / f"w2-rank{rank}.txt").read_text()
+        assert "Ray Train run of 2 workers" in said and "checkpoint=" in said
+    assert not [p for p in (tmp_path / "store" / "w2").iterdir()
+                if p.name.startswith("checkpoint_")]

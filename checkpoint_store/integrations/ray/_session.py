@@ -11,6 +11,7 @@ public names from :mod:`checkpoint_store.integrations.ray`.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ from typing import Any
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import checkpoint_dir_name
 from checkpoint_store.checkpoint import Checkpoint, _require_checkpoint
-from checkpoint_store.errors import CheckpointStoreError
+from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
 from checkpoint_store.integrations.ray._filesystem import (
     as_checkpoint,
     backend_of,
@@ -45,7 +46,8 @@ class RaySession:
         self.kind = kind
 
     def report(
-        self, metrics: Mapping[str, Any], *, checkpoint: Checkpoint | None = None
+        self, metrics: Mapping[str, Any], *, checkpoint: Checkpoint | None = None,
+        state: Any = None,
     ) -> dict[str, Any]:
         """Forward to ``ray.train.report`` (with :func:`upload_fn`) or ``ray.tune.report``.
 
@@ -54,20 +56,53 @@ class RaySession:
         for that report, Tune's numbering), and Tune is handed an empty
         directory to copy there.
 
+        A ``state`` (docs/state.md) is written into a local scratch
+        directory (:meth:`Checkpoint.from_state`, synchronously: a Tune
+        trial, or a Ray Train run of one worker, is one process writing the
+        whole state) and reported as that checkpoint; the directory is
+        removed once reported. With several Ray Train workers it is refused:
+        each worker's state would be a whole state of the same file names.
+
         Returns:
             The metrics as reported (a copy); under Tune with the auto-filled
             keys of :data:`checkpoint_store.session.AUTO_FILLED`.
 
         Raises:
             MetadataError: ``metrics`` is not a JSON object.
-            InvalidConfigError: ``checkpoint`` is not a Checkpoint.
+            InvalidConfigError: ``checkpoint`` is not a Checkpoint; both
+                ``checkpoint`` and ``state``; ``state`` in a Ray Train run of
+                several workers.
+            UnsupportedStateError: ``state`` holds what the state format
+                cannot store; nothing reported.
         """
         clean = _json.to_json_object(metrics, "metrics")
         if checkpoint is not None:
             _require_checkpoint(checkpoint)
+        if state is not None:
+            return self._report_state(clean, checkpoint, state)
         if self.kind == "train":
             return self._report_train(clean, checkpoint)
         return self._report_tune(clean, checkpoint)
+
+    def _report_state(self, clean: dict[str, Any], checkpoint: Checkpoint | None,
+                      state: Any) -> dict[str, Any]:
+        if checkpoint is not None:
+            raise InvalidConfigError("pass checkpoint= or state= to report(), not both")
+        if self.kind == "train":
+            import ray.train
+
+            world = ray.train.get_context().get_world_size()
+            if world > 1:
+                raise InvalidConfigError(
+                    f"report(state=...) in a Ray Train run of {world} workers: each worker "
+                    "would write a whole state under the same file names. Save each "
+                    "worker's shard into a directory of its own names (torch DCP) and "
+                    "report checkpoint=, or run one worker")
+        with tempfile.TemporaryDirectory(prefix="cs-ray-") as scratch:
+            written = Checkpoint.from_state(state, os.path.join(scratch, "state"))
+            if self.kind == "train":
+                return self._report_train(clean, written)
+            return self._report_tune(clean, written)
 
     def _report_train(self, clean: dict[str, Any], checkpoint: Checkpoint | None) -> dict:
         import ray.train
