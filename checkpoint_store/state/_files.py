@@ -40,6 +40,7 @@ from checkpoint_store.state._tree import (
     DTYPES,
     StateLayout,
     TensorSpec,
+    escape_key,
     flatten_state,
     split_key,
 )
@@ -141,15 +142,21 @@ def _plan(layout: StateLayout,
         # element size (the data starts at a multiple of 8), so a memory map
         # hands out aligned tensors, and safetensors wants no gaps.
         keys = sorted(group, key=lambda k: -DTYPES[layout.tensors[k].dtype][0])
-        name = shard_name(number, len(groups))
+        file_name = shard_name(number, len(groups))
         header_obj: dict[str, Any] = {}
         frameworks = {layout.tensors[k].framework for k in keys}
         header_obj[SAFETENSORS_METADATA] = {"format": "pt" if "torch" in frameworks else "np"}
         offset = 0
         for key in keys:
             spec = layout.tensors[key]
-            header_obj[header_name(key)] = {"dtype": spec.dtype, "shape": list(spec.shape),
-                                            "data_offsets": [offset, offset + spec.nbytes]}
+            name = header_name(key)
+            if name in header_obj:  # a hand-made layout with a key that is not canonical
+                raise UnsupportedStateError(
+                    f"tensor keys {key!r} and {key_of_header_name(name)!r} take the same name "
+                    f"{name!r} in a safetensors header; use flattened keys (escape_key: "
+                    "'~' is written '~0', '/' inside a name '~1')", key=key)
+            header_obj[name] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                                "data_offsets": [offset, offset + spec.nbytes]}
             offset += spec.nbytes
         raw = json.dumps(header_obj, ensure_ascii=False, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
@@ -157,8 +164,8 @@ def _plan(layout: StateLayout,
         base = len(header)
         for key in keys:
             begin, end = header_obj[header_name(key)]["data_offsets"]
-            where[key] = (base + begin, base + end, name)
-        shards.append(_Shard(name, header, base + offset, tuple(keys)))
+            where[key] = (base + begin, base + end, file_name)
+        shards.append(_Shard(file_name, header, base + offset, tuple(keys)))
     return shards, where
 
 
@@ -409,8 +416,11 @@ def layout_of_buffers(specs: Mapping[str, tuple[str, Sequence[int]]],
             default ``"numpy"``, ``"torch"`` for dtypes numpy lacks (BF16, F8).
 
     Raises:
-        UnsupportedStateError: an unknown dtype, a bad shape, or one key
-            that is a prefix of another (``"a"`` and ``"a/b"``).
+        UnsupportedStateError: an unknown dtype, a bad shape, one key
+            that is a prefix of another (``"a"`` and ``"a/b"``), or a key
+            that is no flattened key: a ``~`` not written ``~0`` or ``~1``
+            (``"a~2"``; the entry ``a~2`` is keyed ``"a~02"``), which would
+            load under another key than it was written with.
     """
     tensors: dict[str, TensorSpec] = {}
     root: dict[str, Any] = {}
@@ -427,8 +437,13 @@ def layout_of_buffers(specs: Mapping[str, tuple[str, Sequence[int]]],
         if fw not in ("torch", "numpy") or (fw == "numpy" and DTYPES[dtype][1] is None):
             raise UnsupportedStateError(f"tensor {key!r}: framework {fw!r} cannot hold "
                                         f"dtype {dtype}", key=key)
-        tensors[key] = TensorSpec(dtype, dims, fw)
         parts = split_key(key)
+        canonical = "/".join(escape_key(p) for p in parts)
+        if canonical != key:
+            raise UnsupportedStateError(
+                f"tensor key {key!r} is not a flattened key: inside a name '~' is written "
+                f"'~0' and '/' '~1' (docs/state.md); did you mean {canonical!r}?", key=key)
+        tensors[key] = TensorSpec(dtype, dims, fw)
         node = root
         for i, part in enumerate(parts):
             last = i == len(parts) - 1

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from checkpoint_store import Checkpoint, session
-from checkpoint_store.state import header_name, key_of_header_name, write_buffers
+from checkpoint_store.state import header_name, key_of_header_name, split_key, write_buffers
 from checkpoint_store.testing import strategies as cst
 
 torch = pytest.importorskip("torch")
@@ -101,3 +101,28 @@ def test_raw_buffers_named_metadata_make_a_valid_numpy_shard(tmp_path) -> None:
     assert index["__metadata__"]["shape"] == [5]
     back = Checkpoint.from_directory(tmp_path / "d").load_state()
     assert (back["__metadata__"] == a).all()
+
+
+@pytest.mark.parametrize("key, canonical", [("a~2", "a~02"), ("x~", "x~0"),
+                                            ("~2__metadata__", "~02__metadata__"),
+                                            ("m/~3/w", "m/~03/w")])
+def test_raw_keys_that_are_no_flattened_keys_are_refused(tmp_path, key, canonical) -> None:
+    """Found by ourselves: write_buffers takes flattened keys; one with a bare
+    ``~`` loaded under another key than it was written with (``keys=`` did
+    not find it), and ``~2__metadata__`` next to ``__metadata__`` gave a
+    header with one name twice, which safetensors refused. Refused now,
+    naming the key to use, before anything is written."""
+    from checkpoint_store import UnsupportedStateError
+
+    a = np.arange(3, dtype=np.int32).tobytes()
+    with pytest.raises(UnsupportedStateError, match=f"did you mean '{canonical}'") as err:
+        write_buffers({"__metadata__": ("I32", (3,), a), key: ("I32", (3,), a)},
+                      tmp_path / "d")
+    assert err.value.key == key
+    assert not (tmp_path / "d").exists() or os.listdir(tmp_path / "d") == []
+    # The key it names is the one that round-trips.
+    write_buffers({canonical: ("I32", (3,), a)}, tmp_path / "ok")
+    node = Checkpoint.from_directory(tmp_path / "ok").load_state(keys=canonical)
+    for part in split_key(canonical):
+        node = node[part]
+    assert (node == np.arange(3, dtype=np.int32)).all()
