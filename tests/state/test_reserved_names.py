@@ -126,3 +126,21 @@ def test_raw_keys_that_are_no_flattened_keys_are_refused(tmp_path, key, canonica
     for part in split_key(canonical):
         node = node[part]
     assert (node == np.arange(3, dtype=np.int32)).all()
+
+
+def test_keys_spelled_like_the_formats_own_fields_round_trip(tmp_path) -> None:
+    """Found by ourselves (checked, no change needed): ``state.json``'s node
+    fields (``dict``, ``tensor``, ``value``, ...), its top-level fields and
+    the index's fields as state keys, at the root and nested, come back as
+    they went in, and every shard opens with safetensors."""
+    names = ["dict", "list", "tuple", "tensor", "value", "kind", "format_version", "tree",
+             "tensors", "file", "offsets", "crc32c", "alias_of", "scalar", "framework"]
+    state = {n: {"tensor": torch.full((2,), float(i)), "value": [n, {"dict": None}]}
+             for i, n in enumerate(names)}
+    state["value"] = torch.zeros(1)  # a tensor where the skeleton has a JSON leaf field
+    ckpt = Checkpoint.from_state(state, tmp_path / "d", shard_bytes=8)
+    assert cst.same_state(ckpt.load_state(), state)
+    assert cst.same_state(ckpt.load_state(keys="tensor/tensor"),
+                          {"tensor": {"tensor": state["tensor"]["tensor"]}})
+    for path in _shards(str(tmp_path / "d")):
+        load_torch(path)
