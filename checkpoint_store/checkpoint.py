@@ -151,6 +151,9 @@ class Checkpoint:
             InvalidConfigError: ``shard_bytes`` <= 0, ``directory`` holds a
                 state already, or it (or a directory above it) is a file, or
                 it is no local path (see :meth:`from_directory`).
+            StorageFullError: the disk is full (``PermanentBackendError``
+                for another disk error), as ``report(state=...)`` raises it;
+                the files written are removed.
         """
         from checkpoint_store import state as _state
 
@@ -159,9 +162,15 @@ class Checkpoint:
         try:
             _state.write_state(state, local, shard_bytes=_state.DEFAULT_SHARD_BYTES
                                if shard_bytes is None else shard_bytes)
-        except BaseException:
+        except BaseException as exc:
             if directory is None:
                 _remove_tree(local)
+            if isinstance(exc, OSError):
+                from checkpoint_store._util.retry import typed_permanent
+
+                typed = typed_permanent(exc, f"write the state into {local}")
+                if typed is not exc:  # a full disk: as report(state=...) says it
+                    raise typed from exc
             raise
         return cls.from_directory(local)
 

@@ -217,7 +217,17 @@ class StateStaging:
 
         assert isinstance(plan, FlatState), "a staged state is given to report_source only"
         in_place = directory is not None
-        target = directory or tempfile.mkdtemp(prefix=STATE_STAGING_PREFIX, dir=staging_root())
+        try:
+            target = directory or tempfile.mkdtemp(prefix=STATE_STAGING_PREFIX,
+                                                   dir=staging_root())
+        except OSError as exc:
+            from checkpoint_store._util.retry import typed_permanent
+
+            typed = typed_permanent(exc, f"make a state's scratch directory under "
+                                         f"{staging_root()}")
+            if typed is exc:
+                raise
+            raise typed from exc
         try:
             staged = self.stager.stage(plan, target)
         except BaseException:

@@ -134,3 +134,16 @@ def test_an_error_of_ours_in_the_persist_process_keeps_its_type(tmp_path):
         assert set(again.write_to(record=False)) == {"w"}
     finally:
         stager.close()
+
+
+def test_from_state_on_a_full_disk_is_a_storage_full_error(small_disk):
+    """Found by ourselves: the in-process writer (``Checkpoint.from_state``,
+    also what report(state=...) uses under Ray) raised a bare OSError where
+    the persist process now says StorageFullError; the files it wrote are
+    removed."""
+    target = os.path.join(small_disk, "ck")
+    with pytest.raises(StorageFullError, match="disk is full"):
+        Checkpoint.from_state({"w": np.ones(BIG, dtype=np.float32)}, target)
+    assert os.listdir(target) == []
+    ok = Checkpoint.from_state({"w": np.ones(4, dtype=np.float32)}, os.path.join(small_disk, "ok"))
+    assert ok.load_state()["w"].tolist() == [1.0] * 4
