@@ -52,6 +52,7 @@ from checkpoint_store.retention.policies import PolicyCheckpoint
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers.config import LocalTier
 from checkpoint_store.tiers.eviction import TierRetention
+from checkpoint_store.tiers.history import TrialHistory
 from checkpoint_store.tiers.statefile import (
     TIER_STATE_VERSION,
     DurableStatus,
@@ -188,6 +189,9 @@ class FastTier(TierRetention, TierVerification):
                            "committed checkpoints there", self.state_path)
         recorded = recorded or {}
         evicting = _read_evicting(self.trial_dir)
+        # Rank 0's copies carry the rows the trial records (tiers/history.py).
+        history = TrialHistory(self.durable) if self.world_rank == 0 else None
+        stale: list[tuple[Checkpoint, str]] = []
         for ckpt, meta in self.storage.committed_checkpoints():
             index = meta.get("index")
             if not isinstance(index, int) or parse_checkpoint_dir_name(
@@ -197,19 +201,38 @@ class FastTier(TierRetention, TierVerification):
                 self._evicting.add(index)  # evicted, then killed before its delete ended
                 continue
             entry = recorded.get(index)
+            if history is not None and (entry is None or entry.durable != "durable"):
+                why = history.stale_reason(index, meta)
+                if why is not None:  # another run's report owns this index now
+                    stale.append((ckpt, why))
+                    continue
+            agrees = (history.durable_agrees(index, meta) if history is not None
+                      else self._durable_has(index))
             if entry is None:
                 # Committed here, then killed before the state recorded it:
                 # the persistent tier says whether its copy landed.
-                status: DurableStatus = ("durable" if self._durable_has(index) else
+                status: DurableStatus = ("durable" if agrees else
                                          "pending" if self._selects(index, meta) else
                                          "local_only")
                 entry = TierEntry(index, _manifest_bytes(meta), status)
-            elif entry.durable == "pending" and self._durable_has(index):
+            elif entry.durable == "pending" and agrees:
                 entry.durable = "durable"  # killed after the durable commit
             self._entries[index] = entry
         self._save()
+        for ckpt, why in stale:
+            self._drop_stale(ckpt, why)
         if self._evicting:
             self._deleter.kick()
+
+    def _drop_stale(self, ckpt: Checkpoint, why: str) -> None:
+        """Delete a stale local copy (tiers/history.py): never restored, never
+        persisted over the trial's own copy of its index."""
+        logger.warning("the local tier's %s is not the trial's copy of its index: %s; it is "
+                       "removed from the local tier (never restored or persisted)", ckpt.uri, why)
+        try:
+            self.storage.delete_checkpoint(posixpath.basename(ckpt.path.rstrip("/")))
+        except Exception as exc:  # the next start finds it stale again
+            logger.warning("could not delete %s: %s", ckpt.uri, exc)
 
     def _durable_has(self, index: int) -> bool:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -62,8 +63,32 @@ class TierVerification:
                            and (allowed is None or i in allowed)), reverse=True)
         for index in todo:
             if self._verify(index):
-                return self.checkpoint(index)
+                return self._handout(index)
         return None
+
+    def _handout(self, index: int) -> Checkpoint:
+        """The copy of ``index``, reporting back here when a read of it
+        (``verify()``, ``load_state()``, ``to_directory()``) finds it damaged:
+        it is dropped then, so it is never handed out again and the durable
+        copy of the same index (or an older one) is restored instead."""
+        ref = weakref.ref(self)
+
+        def found(exc: CheckpointCorruptError) -> None:
+            tier = ref()
+            if tier is not None:
+                tier._damaged(index, exc)
+
+        return self.checkpoint(index)._report_corrupt_to(found)
+
+    def _damaged(self, index: int, exc: CheckpointCorruptError) -> None:
+        with self._cond:
+            if index not in self._entries:
+                return
+            self._verified.discard(index)
+        warnings.warn(f"the local tier's copy {self.checkpoint(index).uri} failed a read "
+                      f"({' '.join(str(exc).split())}); it is removed from the local tier, "
+                      "and the durable copy is restored instead", RuntimeWarning, stacklevel=4)
+        self._drop(index)
 
     def _verify(self, index: int) -> bool:
         if index in self._verified:

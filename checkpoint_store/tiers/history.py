@@ -1,0 +1,259 @@
+"""One history of a trial across its tiers: which local copy is the trial's.
+
+A local tier's ``checkpoint_<i>`` and the storage_path's ``checkpoint_<i>``
+claim the same index, but need not be the same report: machine A's tier may
+hold a copy of ``checkpoint_000002`` that never reached the storage_path
+while machine B (no tier) resumed from ``checkpoint_000001`` and committed
+its own ``checkpoint_000002``. The trial's history is what the storage_path
+says: the durable copy of ``i`` when it is committed, else the last
+``result.json`` row naming ``checkpoint_dir_name`` ``i``. A local copy is
+the trial's only if that history agrees with the row it was reported with
+(its internal metadata's ``metrics``: the same ``timestamp`` and
+``training_iteration``), or if the history says nothing of ``i`` (a copy
+reported and killed before its row or its durable copy was written). Any
+other local copy is *stale*: never returned, never persisted, dropped from
+its tier with a warning naming both copies.
+
+This module is the one place the rule lives: :meth:`FastTier._open
+<checkpoint_store.tiers.local.FastTier>` (every session with a local tier,
+hence ``get_checkpoint()`` and every integration's session) and
+:func:`joint_history` (readers that open no session: the Hugging Face
+``restore_latest``, the CLI) apply it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import socket
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import pyarrow.fs as pafs
+
+from checkpoint_store._format.layout import (
+    TIER_STATE_FILE,
+    checkpoint_dir_name,
+    is_local_tier_pointer_name,
+    parse_checkpoint_dir_name,
+)
+from checkpoint_store._results.reader import read_results
+from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.inspect import read_internal_metadata
+from checkpoint_store.checkpoint import Checkpoint
+from checkpoint_store.storage import StorageContext
+
+__all__ = ["HistoryCopy", "TrialHistory", "joint_history", "same_report", "tier_dirs_of"]
+
+logger = logging.getLogger("checkpoint_store.tiers.local")
+
+Where = Literal["local", "durable"]
+
+
+def _report_key(row: Mapping[str, Any]) -> tuple[Any, Any]:
+    return row.get("timestamp"), row.get("training_iteration")
+
+
+def same_report(local: Mapping[str, Any], history: Mapping[str, Any]) -> bool:
+    """Whether two result rows are the same report: equal ``timestamp`` and
+    ``training_iteration`` (the auto-filled keys every row has)."""
+    return _report_key(local) == _report_key(history)
+
+
+class TrialHistory:
+    """What the storage_path says of each index, read lazily and at most once:
+    the committed copy's metadata per index asked, ``result.json`` once.
+
+    Args:
+        storage: the trial on its storage_path (only read).
+    """
+
+    def __init__(self, storage: StorageContext):
+        self.storage = storage
+        self._durable: dict[int, dict[str, Any] | None] = {}
+        self._rows: dict[str, dict[str, Any]] | None = None
+
+    def know(self, index: int, meta: dict[str, Any]) -> None:
+        """Record the durable ``checkpoint_<index>``'s metadata, read by the caller."""
+        self._durable[index] = meta
+
+    def durable_meta(self, index: int) -> dict[str, Any] | None:
+        """The internal metadata of the committed durable ``checkpoint_<index>``,
+        or None (absent, not committed, or unreadable)."""
+        if index not in self._durable:
+            s = self.storage
+            try:
+                meta = read_internal_metadata(
+                    s.filesystem, posixpath.join(s.trial_path, checkpoint_dir_name(index)),
+                    retry=s.retry)
+            except Exception:  # unreadable: the history says nothing of it
+                meta = None
+            self._durable[index] = meta
+        return self._durable[index]
+
+    def row_naming(self, index: int) -> dict[str, Any] | None:
+        """The last ``result.json`` row whose ``checkpoint_dir_name`` is
+        ``checkpoint_<index>``, or None."""
+        if self._rows is None:
+            self._rows = {}
+            s = self.storage
+            try:
+                rows = read_results(s.filesystem, s.trial_path, retry=s.retry)
+            except Exception as exc:  # no rows: the durable copies alone decide
+                logger.warning("could not read the rows of %s: %s", s.uri(s.trial_path), exc)
+                rows = []
+            for row in rows:
+                name = row.get("checkpoint_dir_name") if isinstance(row, dict) else None
+                if isinstance(name, str):
+                    self._rows[name] = row
+        return self._rows.get(checkpoint_dir_name(index))
+
+    def stale_reason(self, index: int, local_meta: Mapping[str, Any]) -> str | None:
+        """None when the local copy of ``index`` (internal metadata
+        ``local_meta``) is the trial's; else why it is not, naming both copies."""
+        local_row = local_meta.get("metrics") or {}
+        name = checkpoint_dir_name(index)
+        durable = self.durable_meta(index)
+        if durable is not None:
+            theirs: Mapping[str, Any] = durable.get("metrics") or {}
+            s = self.storage
+            where = f"the committed {s.uri(posixpath.join(s.trial_path, name))}"
+        else:
+            row = self.row_naming(index)
+            if row is None:
+                return None
+            theirs, where = row, f"the result.json row naming {name}"
+        if same_report(local_row, theirs):
+            return None
+        return (f"{where} is another report ({_who(durable, theirs)}) than the local copy "
+                f"({_who(local_meta, local_row)})")
+
+    def durable_agrees(self, index: int, local_meta: Mapping[str, Any]) -> bool:
+        """Whether the durable ``checkpoint_<index>`` is committed and is the
+        same report as the local copy (a pending copy it makes durable)."""
+        durable = self.durable_meta(index)
+        return durable is not None and same_report(local_meta.get("metrics") or {},
+                                                   durable.get("metrics") or {})
+
+
+def _who(meta: Mapping[str, Any] | None, row: Mapping[str, Any]) -> str:
+    """Which run wrote a copy and when, for a warning."""
+    run = created = None
+    if meta is not None:
+        run, created = meta.get("run_id"), meta.get("created_at")
+    return (f"run {run}, created_at {created}, training_iteration "
+            f"{row.get('training_iteration')}, timestamp {row.get('timestamp')}")
+
+
+@dataclass(frozen=True)
+class HistoryCopy:
+    """One copy in the joint history of a trial.
+
+    Attributes:
+        index: the checkpoint index.
+        checkpoint: the copy (local directory or durable).
+        meta: its internal metadata.
+        where: ``"local"`` (a local tier's) or ``"durable"`` (the storage_path's).
+    """
+
+    index: int
+    checkpoint: Checkpoint
+    meta: dict[str, Any]
+    where: Where
+
+
+def _single_rank_tier(trial_dir: str, storage: StorageContext) -> bool:
+    """Whether ``trial_dir`` is a one-rank local tier of ``storage``'s trial
+    (its state file names this storage_path, or names none)."""
+    try:
+        with open(os.path.join(trial_dir, TIER_STATE_FILE), "rb") as f:
+            body = json.loads(f.read())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(body, dict) or body.get("world_size", 1) != 1:
+        return False
+    theirs = body.get("durable_uri")
+    if not isinstance(theirs, str):
+        return True
+    try:
+        return theirs == storage.canonical_uri(storage.trial_path)
+    except Exception:
+        return theirs == storage.uri(storage.trial_path)
+
+
+def tier_dirs_of(storage: StorageContext, tier_trial_dir: str | None = None) -> list[str]:
+    """The local tier trial directories of ``storage``'s trial readable on this
+    host with one rank: ``tier_trial_dir`` when given (a local path), else
+    those the trial's ``.cs_local_tier-<host>-0.json`` pointers of this host
+    record (tiers/view.py). Never raises: a trial without any gives ``[]``."""
+    if tier_trial_dir is not None:
+        return [tier_trial_dir] if _single_rank_tier(tier_trial_dir, storage) else []
+    here = socket.gethostname()
+    out = []
+    try:
+        names = [posixpath.basename(fi.path.rstrip("/"))
+                 for fi in _fsutil.list_dir(storage.filesystem, storage.trial_path)]
+    except Exception:
+        return []
+    for name in sorted(n for n in names if is_local_tier_pointer_name(n)):
+        try:
+            body = json.loads(_fsutil.read_bytes(storage.filesystem,
+                                                 posixpath.join(storage.trial_path, name)))
+            path, host, rank = str(body["path"]), str(body["host"]), int(body["rank"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if host == here and rank == 0 and path not in out and _single_rank_tier(path, storage):
+            out.append(path)
+    return out
+
+
+def _local_copies(trial_dir: str) -> list[tuple[int, Checkpoint, dict[str, Any]]]:
+    fs = pafs.LocalFileSystem()
+    out = []
+    try:
+        names = os.listdir(trial_dir)
+    except OSError:
+        return []
+    for name in names:
+        index = parse_checkpoint_dir_name(name)
+        path = os.path.join(trial_dir, name)
+        if index is None or not os.path.isdir(path):
+            continue
+        meta = read_internal_metadata(fs, path)
+        if meta is not None and meta.get("index") == index:
+            out.append((index, Checkpoint.from_directory(path), meta))
+    return out
+
+
+def joint_history(storage: StorageContext, tier_trial_dirs: Iterable[str] = (),
+                  durable: list[tuple[Checkpoint, dict[str, Any]]] | None = None
+                  ) -> list[HistoryCopy]:
+    """Every copy of the trial's history on the storage_path and the local
+    tiers ``tier_trial_dirs`` (local paths; :func:`tier_dirs_of`), newest index
+    first; for one index the local copy before the durable one. Stale local
+    copies (see the module docstring) are left out, with a warning. Nothing
+    is verified here: a reader takes the first that verifies.
+
+    Args:
+        durable: ``storage.committed_checkpoints()`` when the caller has it.
+    """
+    if durable is None:
+        durable = storage.committed_checkpoints()
+    history = TrialHistory(storage)
+    copies = [HistoryCopy(int(meta["index"]), ckpt, meta, "durable") for ckpt, meta in durable
+              if isinstance(meta.get("index"), int)]
+    for copy in copies:
+        history.know(copy.index, copy.meta)
+    for trial_dir in tier_trial_dirs:
+        for index, ckpt, meta in _local_copies(trial_dir):
+            why = history.stale_reason(index, meta)
+            if why is not None:
+                logger.warning("the local tier's %s is not the trial's copy of that index: %s; "
+                               "it is not restored", ckpt.uri, why)
+                continue
+            copies.append(HistoryCopy(index, ckpt, meta, "local"))
+    copies.sort(key=lambda c: (c.index, c.where == "local"), reverse=True)
+    return copies
