@@ -56,6 +56,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from types import TracebackType
@@ -72,12 +73,17 @@ from checkpoint_store._format.layout import (
 )
 from checkpoint_store._util.inspect import verify_files
 from checkpoint_store.checkpoint import Checkpoint
-from checkpoint_store.errors import CheckpointCorruptError, CheckpointStoreError
+from checkpoint_store.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointStoreError,
+)
 from checkpoint_store.registry import local_path_argument
 from checkpoint_store.retention import CheckpointConfig
 from checkpoint_store.session import Session
 from checkpoint_store.storage import StorageContext
-from checkpoint_store.tiers import LocalTier, check_local_tier
+from checkpoint_store.tiers import LocalTier, check_local_tier, local_trial_dir
+from checkpoint_store.tiers.history import HistoryCopy, joint_history, tier_dirs_of
 
 try:
     import fcntl
@@ -292,7 +298,8 @@ class CheckpointStoreCallback(TrainerCallback):
             root = os.path.abspath(run_dir)
             os.makedirs(root, exist_ok=True)
             with _restore_lock(root):
-                _restore_best(root, step, self._storage.committed_checkpoints())
+                copies = _joint_copies(self._storage, self._local_tier)
+                _restore_best(root, step, [(c.checkpoint, c.meta) for c in reversed(copies)])
         if os.path.isdir(local):
             state.best_model_checkpoint = local
 
@@ -381,6 +388,7 @@ def restore_latest(
     trial_name: str = "default",
     storage_filesystem: Any = None,
     storage_options: Mapping[str, Any] | None = None,
+    local_tier: LocalTier | None = None,
 ) -> str | None:
     """Put the newest committed checkpoint of the trial into
     ``output_dir/checkpoint-<global_step>``, so that
@@ -399,6 +407,13 @@ def restore_latest(
     another step (``load_best_model_at_end``), that one is restored the same
     way beside it, as ``output_dir/checkpoint-<best step>``, if it is on
     storage (else a warning: HF will then end with the last weights).
+    With a local tier (``local_tier=``, the one given to the callback; or,
+    when not given, the one-rank tier the trial's pointer file records for
+    this host, docs/tiers.md) the local tier's copies and the storage_path's
+    are one history: the newest copy that verifies wins, a tier copy newer
+    than every durable one included (its durable copy may still be pending);
+    a tier copy another run's report superseded (the storage_path names
+    another report for its index) is never restored.
     Safe to call from every rank at once (a lock file in ``output_dir``
     serialises them). When it returns, ``output_dir`` holds nothing of ours:
     the lock and the download's bookkeeping files are removed; a restore
@@ -420,8 +435,9 @@ def restore_latest(
         storage_path, experiment_name, trial_name,
         storage_filesystem=storage_filesystem, storage_options=storage_options,
     )
-    committed = storage.committed_checkpoints()
-    latest = storage.latest_verified_checkpoint(committed) if committed else None
+    local_tier = check_local_tier(local_tier)
+    copies = _joint_copies(storage, local_tier)
+    latest = _newest_verified(copies)
     if latest is None:
         return None
     step = latest.internal_metadata.get("metrics", {}).get(STEP_METRIC)
@@ -436,8 +452,30 @@ def restore_latest(
         target = _restore_step(root, step, latest)
         best = _best_step(target)
         if best is not None and best != step:
-            _restore_best(root, best, committed)
+            _restore_best(root, best, [(c.checkpoint, c.meta) for c in reversed(copies)])
     return target
+
+
+def _joint_copies(storage: StorageContext, local_tier: LocalTier | None) -> list[HistoryCopy]:
+    """The trial's copies on the storage_path and its local tier on this host,
+    newest first (:func:`~checkpoint_store.tiers.history.joint_history`)."""
+    tier_dir = (None if local_tier is None else
+                local_trial_dir(local_tier.path, storage.experiment_name, storage.trial_name))
+    return joint_history(storage, tier_dirs_of(storage, tier_dir))
+
+
+def _newest_verified(copies: list[HistoryCopy]) -> Checkpoint | None:
+    """The first of ``copies`` whose files verify; each that fails is skipped
+    with a warning naming it."""
+    for copy in copies:
+        try:
+            copy.checkpoint.verify()
+        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+            warnings.warn(f"skipping {copy.checkpoint.uri}: it does not verify ({exc})",
+                          RuntimeWarning, stacklevel=3)
+            continue
+        return copy.checkpoint
+    return None
 
 
 def _restore_step(root: str, step: int, checkpoint: Checkpoint) -> str:

@@ -323,3 +323,54 @@ def test_best_model_is_fetched_when_the_output_dir_moved(tmp_path):
     assert trainer.state.best_model_checkpoint == str(elsewhere / "checkpoint-8")
     assert sorted(os.listdir(elsewhere)) == ["checkpoint-16", "checkpoint-8"]
     _assert_weights_of_step(trainer, StorageContext(**kw), 8, tmp_path)
+
+
+def _mark_pending(tier_trial_dir, indexes) -> None:
+    """The state a run killed before the durable copies of ``indexes`` leaves:
+    committed on the local tier, their durable copies pending."""
+    from checkpoint_store.tiers import TIER_STATE_FILE
+
+    path = os.path.join(tier_trial_dir, TIER_STATE_FILE)
+    with open(path) as f:
+        body = json.load(f)
+    for e in body["checkpoints"]:
+        if e["index"] in indexes:
+            e["durable"] = "pending"
+    with open(path, "w") as f:
+        json.dump(body, f)
+
+
+@pytest.mark.parametrize("find", ["given", "pointer"])
+def test_restart_with_a_local_tier_resumes_its_newest_copy(tmp_path, s3_location, find):
+    """Issue 37 item 1: steps 4..10 committed on the local tier, their durable
+    copies pending, restart on the same machine: restore_latest restores the
+    tier's step 10 (not S3's step 2), renames nothing aside, and the trial's
+    history has each step once, on S3 too."""
+    from checkpoint_store import LocalTier
+
+    kw = {"storage_path": s3_location.uri, "storage_options": s3_location.storage_options,
+          "experiment_name": "bert", "trial_name": "run0"}
+    tier = LocalTier(tmp_path / "fast", num_to_keep=5, persist=lambda index, row: index < 1)
+    out = tmp_path / "out"
+    with CheckpointStoreCallback(checkpoint_config=CONFIG, local_tier=tier, **kw) as cb:
+        _train(out, cb, max_steps=10)
+    _mark_pending(tmp_path / "fast" / "bert" / "run0", {1, 2, 3, 4})
+    storage = StorageContext(s3_location.uri, "bert", "run0",
+                             storage_options=s3_location.storage_options)
+    assert set(_committed_steps(storage)) == {2}
+
+    got = restore_latest(out, **kw, local_tier=tier if find == "given" else None)
+    assert got == str(out / "checkpoint-10")
+    assert not list(out.glob("uncommitted-*")) and (out / "checkpoint-8").is_dir()
+    tier = LocalTier(tmp_path / "fast", num_to_keep=5)  # now every copy goes to S3
+    with CheckpointStoreCallback(checkpoint_config=CONFIG, local_tier=tier, **kw) as cb:
+        _, steps = _train(out, cb, max_steps=16, resume=True)
+    assert steps == list(range(11, 17))
+    rows = storage.read_results()
+    assert [r["global_step"] for r in rows] == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert [r["training_iteration"] for r in rows] == list(range(1, 9))
+    committed = [meta["metrics"]["global_step"] for _, meta in storage.committed_checkpoints()]
+    assert len(committed) == len(set(committed))  # no step stored twice
+    loss = {r["global_step"]: r["eval_loss"] for r in rows}
+    best_two = set(sorted(loss, key=lambda s: (loss[s], -s))[:2])
+    assert set(committed) == best_two | {16}
