@@ -82,8 +82,8 @@ from checkpoint_store.registry import local_path_argument
 from checkpoint_store.retention import CheckpointConfig
 from checkpoint_store.session import Session
 from checkpoint_store.storage import StorageContext
-from checkpoint_store.tiers import LocalTier, check_local_tier, local_trial_dir
-from checkpoint_store.tiers.history import HistoryCopy, joint_history, tier_dirs_of
+from checkpoint_store.tiers import LocalTier, check_local_tier
+from checkpoint_store.tiers.history import HistoryCopy, trial_copies
 
 try:
     import fcntl
@@ -298,7 +298,7 @@ class CheckpointStoreCallback(TrainerCallback):
             root = os.path.abspath(run_dir)
             os.makedirs(root, exist_ok=True)
             with _restore_lock(root):
-                copies = _joint_copies(self._storage, self._local_tier)
+                copies = trial_copies(self._storage, self._local_tier)
                 _restore_best(root, step, [(c.checkpoint, c.meta) for c in reversed(copies)])
         if os.path.isdir(local):
             state.best_model_checkpoint = local
@@ -436,7 +436,7 @@ def restore_latest(
         storage_filesystem=storage_filesystem, storage_options=storage_options,
     )
     local_tier = check_local_tier(local_tier)
-    copies = _joint_copies(storage, local_tier)
+    copies = trial_copies(storage, local_tier)
     latest = _newest_verified(copies)
     if latest is None:
         return None
@@ -454,14 +454,6 @@ def restore_latest(
         if best is not None and best != step:
             _restore_best(root, best, [(c.checkpoint, c.meta) for c in reversed(copies)])
     return target
-
-
-def _joint_copies(storage: StorageContext, local_tier: LocalTier | None) -> list[HistoryCopy]:
-    """The trial's copies on the storage_path and its local tier on this host,
-    newest first (:func:`~checkpoint_store.tiers.history.joint_history`)."""
-    tier_dir = (None if local_tier is None else
-                local_trial_dir(local_tier.path, storage.experiment_name, storage.trial_name))
-    return joint_history(storage, tier_dirs_of(storage, tier_dir))
 
 
 def _newest_verified(copies: list[HistoryCopy]) -> Checkpoint | None:

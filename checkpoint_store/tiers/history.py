@@ -45,8 +45,11 @@ from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.inspect import read_internal_metadata
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.storage import StorageContext
+from checkpoint_store.tiers.config import LocalTier
+from checkpoint_store.tiers.statefile import local_trial_dir
 
-__all__ = ["HistoryCopy", "TrialHistory", "joint_history", "same_report", "tier_dirs_of"]
+__all__ = ["HistoryCopy", "TrialHistory", "joint_history", "same_report", "tier_dirs_of",
+           "trial_copies"]
 
 logger = logging.getLogger("checkpoint_store.tiers.local")
 
@@ -257,3 +260,15 @@ def joint_history(storage: StorageContext, tier_trial_dirs: Iterable[str] = (),
             copies.append(HistoryCopy(index, ckpt, meta, "local"))
     copies.sort(key=lambda c: (c.index, c.where == "local"), reverse=True)
     return copies
+
+
+def trial_copies(storage: StorageContext, local_tier: LocalTier | None = None
+                 ) -> list[HistoryCopy]:
+    """:func:`joint_history` of ``storage``'s trial with its one-rank local tier
+    ``local_tier`` (the one given to the session), or, when None, the tiers
+    the trial's pointer files record for this host: what every restore path
+    without a session reads (HF ``restore_latest``, Lightning's
+    ``resume_path``, the CLI)."""
+    tier_dir = (None if local_tier is None else
+                local_trial_dir(local_tier.path, storage.experiment_name, storage.trial_name))
+    return joint_history(storage, tier_dirs_of(storage, tier_dir))

@@ -1068,3 +1068,27 @@ def test_async_save_snapshots_through_bounded_staging(tmp_path):
     assert torch.equal(loaded["tied"], torch.full((1 << 20,), 1.0))
     io.teardown()
     assert io._stager is None
+
+
+def test_report_callback_resumes_the_local_tiers_newer_copy(tmp_path):
+    """A local tier whose newest copies never reached the storage_path
+    (``persist`` selected only the first): resume_path() restores the tier's
+    newest copy, not the storage_path's older one, so no epoch is trained or
+    recorded twice (issue 37, the Lightning resume path)."""
+    from checkpoint_store import LocalTier
+
+    tier = LocalTier(tmp_path / "fast", num_to_keep=4, persist=lambda index, row: index < 1)
+    cb_args = dict(num_to_keep=3, storage_path=str(tmp_path / "runs"), experiment_name="exp",
+                   trial_name="t0", local_tier=tier)
+    trainer(tmp_path, max_epochs=4, enable_checkpointing=False,
+            callbacks=[ReportCheckpointCallback(**cb_args)]).fit(Tiny())
+    storage = StorageContext(str(tmp_path / "runs"), "exp", "t0")
+    assert [m["metrics"]["step"] for _, m in storage.committed_checkpoints()] == [2]
+    cb = ReportCheckpointCallback(**cb_args)
+    path = cb.resume_path(tmp_path / "restore")
+    t = trainer(tmp_path, max_epochs=5, enable_checkpointing=False, callbacks=[cb])
+    t.fit(Tiny(), ckpt_path=path)
+    assert t.global_step == 10
+    rows = storage.read_results()
+    assert [r["step"] for r in rows] == [2, 4, 6, 8, 10]
+    assert [r["training_iteration"] for r in rows] == [1, 2, 3, 4, 5]

@@ -215,8 +215,12 @@ class _ReportCallback:
         if best and self.monitor is None:
             raise InvalidConfigError(
                 "the best checkpoint needs monitor= on the callback (the metric to rank by)")
-        committed = self._trial_storage().committed_checkpoints()
-        order = _pick(committed, self.monitor if best else None, self.mode)
+        from checkpoint_store.tiers.history import trial_copies
+
+        # The local tier's copies and the storage_path's, as one history.
+        tier = self._storage.get("local_tier") if self._storage is not None else None
+        copies = [(c.checkpoint, c.meta) for c in trial_copies(self._trial_storage(), tier)]
+        order = _pick(copies, self.monitor if best else None, self.mode)
         return _first_verified(order, lambda c: c.uri, lambda c: c.verify())
 
     def _trial_storage(self) -> Any:
