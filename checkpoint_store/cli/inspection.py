@@ -53,7 +53,7 @@ from checkpoint_store.cli.options import (
     quiet,
     storage_option,
 )
-from checkpoint_store.cli.tiers import annotate_rows, checkpoint_tiers, trial_tiers
+from checkpoint_store.cli.tiers import annotate_rows, checkpoint_tiers, local_history, trial_tiers
 from checkpoint_store.errors import (
     CheckpointNotFoundError,
     InvalidConfigError,
@@ -483,7 +483,9 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
                    if name not in invalid)
     for name, why in sorted(invalid.items()):
         click.echo(f"warning: {name} is invalid ({why}); not ranked", err=True)
-    committed = [(c, m) for c, m in committed if c.name not in invalid]
+    # With a local tier on this host: its copies of the trial's history too.
+    local = local_history(loc, committed)
+    committed = [(c, m) for c, m in committed if c.name not in invalid] + local
     if metric is None:  # no retention state: the framework's monitored metric, if recorded
         metric, monitored_mode = monitored_attribute(committed)
         if metric is None:

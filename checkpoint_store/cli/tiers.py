@@ -26,7 +26,7 @@ from checkpoint_store.tiers.view import (
     tier_state_view,
 )
 
-__all__ = ["annotate_rows", "checkpoint_tiers", "trial_tiers"]
+__all__ = ["annotate_rows", "checkpoint_tiers", "local_history", "trial_tiers"]
 
 
 def trial_tiers(trial: Location, names: Iterable[str] | None = None
@@ -41,6 +41,28 @@ def trial_tiers(trial: Location, names: Iterable[str] | None = None
         return local_tier_views(trial.fs, trial.path, names), False
     except OSError:
         return [], False
+
+
+def local_history(trial: Location, durable: Iterable[tuple[Location, Mapping[str, Any]]]
+                  ) -> list[tuple[Location, dict[str, Any]]]:
+    """The copies of ``trial``'s history that only its one-rank local tiers on
+    this host hold (indexes not in ``durable``, the storage_path's committed
+    copies), oldest first; stale local copies (another run's report owns
+    their index, checkpoint_store/tiers/history.py) are left out. ``[]`` for
+    a trial without a local tier, or not laid out as ``<storage>/<exp>/<trial>``."""
+    from checkpoint_store._browse.locations import resolve_location, storage_context
+    from checkpoint_store.tiers.history import joint_history, tier_dirs_of
+
+    ctx = storage_context(trial, strict=False)
+    if ctx is None:
+        return []
+    dirs = tier_dirs_of(ctx)
+    if not dirs:
+        return []
+    have = {meta.get("index") for _, meta in durable}
+    copies = joint_history(ctx, dirs, durable=[])
+    return [(resolve_location(c.checkpoint.path, {}), c.meta)
+            for c in reversed(copies) if c.index not in have]
 
 
 def annotate_rows(trial: Location, rows: list[dict[str, Any]], tiers: list[TierView],

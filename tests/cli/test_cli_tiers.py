@@ -118,3 +118,25 @@ def test_a_trial_without_a_local_tier_lists_as_before(tmp_path):
     assert [r["index"] for r in data["checkpoints"]] == [0]
     assert "tiers" not in data["checkpoints"][0] and "durable" not in data["checkpoints"][0]
     assert "TIERS" not in invoke(["ls", os.path.join(root, "exp", "t1")]).output
+
+
+def test_best_of_a_trial_ranks_its_local_tier_copies_too(durable, tmp_path):
+    """``best`` of a trial whose best checkpoint is on its local tier only
+    (``persist`` did not send it): the local copy is named, as the session's
+    restore would find it (issue 37: the two tiers as one history)."""
+    tier = LocalTier(str(tmp_path / "fast"), num_to_keep=3,
+                     persist=lambda index, row: index == 0)
+    with session.start(storage_path=durable.uri, storage_options=dict(durable.options) or None,
+                       experiment_name="exp", trial_name="t1", local_tier=tier) as s:
+        for loss in (3.0, 1.0, 2.0):
+            s.report({"loss": loss}, checkpoint=_src(tmp_path))
+        s.wait()
+    res = invoke(["best", durable.join("exp", "t1"), "--metric", "loss", "--mode", "min",
+                  "--json", *durable.opt_args()])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.output)
+    assert got["index"] == 1 and got["score"] == 1.0
+    assert got["uri"].endswith(os.path.join("fast", "exp", "t1", "checkpoint_000001"))
+    res = invoke(["download", got["uri"], str(tmp_path / "best")])
+    assert res.exit_code == 0, res.output
+    assert sorted(os.listdir(tmp_path / "best")) == ["model.bin", "opt"]
