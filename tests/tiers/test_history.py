@@ -136,3 +136,23 @@ def test_one_index_two_machines_resumes_the_trials_copy(tmp_path, status, caplog
         ("A", "checkpoint_000003")]
     its = [r["training_iteration"] for r in rows]
     assert its == sorted(set(its))
+
+
+def test_resume_from_is_not_read_when_the_local_tier_holds_the_trials_copies(tmp_path):
+    """A trial whose checkpoints are all on its local tier (persist sends none)
+    has checkpoints of its own: a restart with ``resume_from=`` another run's
+    checkpoint resumes the tier's newest copy, not the other run's."""
+    store = str(tmp_path / "durable")
+    with session.start(storage_path=store, experiment_name="e", trial_name="src") as s:
+        s.report({}, checkpoint=make_checkpoint(tmp_path, "o", {"w.bin": b"other"}))
+    other = StorageContext(store, "e", "src").checkpoint("checkpoint_000000")
+    tier = LocalTier(tmp_path / "fast", persist=lambda index, row: False)
+    kw = {"storage_path": store, "experiment_name": "e", "trial_name": "t",
+          "local_tier": tier, "resume_from": other}
+    with session.start(**kw) as s:
+        assert s.get_checkpoint().uri == other.uri  # nothing of its own yet
+        s.report({}, checkpoint=make_checkpoint(tmp_path, "m", {"w.bin": b"mine"}))
+    with session.start(**kw) as s:
+        got = s.get_checkpoint()
+        assert got is not None and got.path.startswith(str(tmp_path / "fast"))
+        assert read_files(got.path) == {"w.bin": b"mine"}
