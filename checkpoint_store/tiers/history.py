@@ -9,9 +9,11 @@ says: the durable copy of ``i`` when it is committed, else the last
 ``result.json`` row naming ``checkpoint_dir_name`` ``i``. A local copy is
 the trial's only if that history agrees with the row it was reported with
 (its internal metadata's ``metrics``: the same ``timestamp`` and
-``training_iteration``), or if the history says nothing of ``i`` (a copy
-reported and killed before its row or its durable copy was written). Any
-other local copy is *stale*: never returned, never persisted, dropped from
+``training_iteration``), or if the history says nothing of ``i`` and no row
+of it is newer than the copy (a copy reported and killed before its row or
+its durable copy was written), and no row reported after the copy names a
+checkpoint at or below ``i`` (no run resumed from before it). Any other
+local copy is *stale*: never returned, never persisted, dropped from
 its tier with a warning naming both copies.
 
 This module is the one place the rule lives: :meth:`FastTier._open
@@ -78,6 +80,10 @@ class TrialHistory:
         self.storage = storage
         self._durable: dict[int, dict[str, Any] | None] = {}
         self._rows: dict[str, dict[str, Any]] | None = None
+        # (timestamp, checkpoint index) of every row naming a checkpoint, and
+        # the newest row's timestamp.
+        self._named: list[tuple[float, int]] = []
+        self._last_ts: float | None = None
 
     def know(self, index: int, meta: dict[str, Any]) -> None:
         """Record the durable ``checkpoint_<index>``'s metadata, read by the caller."""
@@ -109,16 +115,32 @@ class TrialHistory:
                 logger.warning("could not read the rows of %s: %s", s.uri(s.trial_path), exc)
                 rows = []
             for row in rows:
-                name = row.get("checkpoint_dir_name") if isinstance(row, dict) else None
+                if not isinstance(row, dict):
+                    continue
+                ts = _number(row.get("timestamp"))
+                if ts is not None:
+                    self._last_ts = ts if self._last_ts is None else max(self._last_ts, ts)
+                name = row.get("checkpoint_dir_name")
                 if isinstance(name, str):
                     self._rows[name] = row
+                    named = parse_checkpoint_dir_name(name)
+                    if ts is not None and named is not None:
+                        self._named.append((ts, named))
         return self._rows.get(checkpoint_dir_name(index))
+
+    def _went_back(self, index: int, ts: float) -> tuple[float, int] | None:
+        """A row reported after ``ts`` naming a checkpoint at or below
+        ``index``: the history restarted below a copy of ``index`` reported at
+        ``ts`` (another run resumed from an older one), or None."""
+        self.row_naming(index)  # reads the rows once
+        return next(((t, i) for t, i in self._named if t > ts and i <= index), None)
 
     def stale_reason(self, index: int, local_meta: Mapping[str, Any]) -> str | None:
         """None when the local copy of ``index`` (internal metadata
         ``local_meta``) is the trial's; else why it is not, naming both copies."""
         local_row = local_meta.get("metrics") or {}
         name = checkpoint_dir_name(index)
+        ts = _number(local_row.get("timestamp"))
         durable = self.durable_meta(index)
         if durable is not None:
             theirs: Mapping[str, Any] = durable.get("metrics") or {}
@@ -127,10 +149,19 @@ class TrialHistory:
         else:
             row = self.row_naming(index)
             if row is None:
+                if ts is not None and self._last_ts is not None and self._last_ts >= ts:
+                    return (f"the trial's history went on without it: result.json does not "
+                            f"name it and its last row (timestamp {self._last_ts}) is newer "
+                            f"than the local copy ({_who(local_meta, local_row)})")
                 return None
             theirs, where = row, f"the result.json row naming {name}"
         if same_report(local_row, theirs):
-            return None
+            back = self._went_back(index, ts) if ts is not None else None
+            if back is None:
+                return None
+            return (f"a later result.json row (timestamp {back[0]}) names "
+                    f"{checkpoint_dir_name(back[1])}: another run resumed from before the "
+                    f"local copy ({_who(local_meta, local_row)})")
         return (f"{where} is another report ({_who(durable, theirs)}) than the local copy "
                 f"({_who(local_meta, local_row)})")
 
@@ -140,6 +171,12 @@ class TrialHistory:
         durable = self.durable_meta(index)
         return durable is not None and same_report(local_meta.get("metrics") or {},
                                                    durable.get("metrics") or {})
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
 
 
 def _who(meta: Mapping[str, Any] | None, row: Mapping[str, Any]) -> str:

@@ -79,13 +79,13 @@ def test_a_local_copy_that_failed_load_state_falls_back_to_the_durable_one(tmp_p
 
 
 def _machine_a_then_b(store: str, tmp_path, status: str) -> LocalTier:
-    """Machine A (local tier) commits 0, 1 durably and 2 on its tier only
-    (``status``: how A's tier records it); machine B (no tier) resumes from 1
-    and commits its own checkpoint_000002."""
+    """Machine A (local tier) commits 0, 1 durably and 2, 3 on its tier only
+    (``status``: how A's tier records them); machine B (no tier) resumes
+    from 1 and commits its own checkpoint_000002."""
     tier = LocalTier(tmp_path / "fastA", persist=lambda index, row: index < 2)
     kw = {"storage_path": store, "experiment_name": "e", "trial_name": "t"}
     with session.start(**kw, local_tier=tier) as s:
-        for i in range(3):
+        for i in range(4):
             s.report({"who": "A", "i": i},
                      checkpoint=make_checkpoint(tmp_path, f"a{i}", {"w.bin": b"A%d" % i}))
         s.wait()
@@ -93,7 +93,7 @@ def _machine_a_then_b(store: str, tmp_path, status: str) -> LocalTier:
         path = tmp_path / "fastA" / "e" / "t" / TIER_STATE_FILE
         body = json.loads(path.read_text())
         for e in body["checkpoints"]:
-            if e["index"] == 2:
+            if e["index"] in (2, 3):
                 e["durable"] = "pending"
         path.write_text(json.dumps(body))
     # Machine B: no tier; the storage_path has 0 and 1.
@@ -120,13 +120,17 @@ def test_one_index_two_machines_resumes_the_trials_copy(tmp_path, status, caplog
         assert got is not None and got.path == os.path.join(store, "e", "t",
                                                             "checkpoint_000002")
         assert read_files(got.path) == {"w.bin": b"B2"}
-        assert [e.index for e in session_internals(s).tier.entries()] == [1]
+        # A's 2 and 3 are another branch of the history: both dropped.
+        assert session_internals(s).tier.entries() == []
         row = s.report({"who": "A", "i": 3},
-                       checkpoint=make_checkpoint(tmp_path, "a3", {"w.bin": b"A3"}))
+                       checkpoint=make_checkpoint(tmp_path, "new", {"w.bin": b"A-new"}))
         assert row["checkpoint_dir_name"] == "checkpoint_000003"
         s.wait()
     assert "checkpoint_000002" in caplog.text and "not the trial's copy" in caplog.text
     assert not (tmp_path / "fastA" / "e" / "t" / "checkpoint_000002").exists()
+    # The new checkpoint_000003 (local only, as persist says) replaced A's stale one.
+    assert read_files(str(tmp_path / "fastA" / "e" / "t" / "checkpoint_000003")) == {
+        "w.bin": b"A-new"}
     # B's copy stays the durable checkpoint_000002; A's never overwrote it.
     with ctx.checkpoint("checkpoint_000002").as_directory() as d:
         assert read_files(d) == {"w.bin": b"B2"}
