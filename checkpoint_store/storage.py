@@ -406,6 +406,40 @@ class StorageContext:
             posixpath.join(self.trial_path, dir_name), new_writer_id(self.run_id)
         ), what=f"delete {dir_name}")
 
+    def uncommit_checkpoint(self, dir_name: str) -> str | None:
+        """Take checkpoint ``dir_name`` of this trial out of every listing now,
+        leaving its files for :meth:`remove_leftover` (the first step of
+        :meth:`delete_checkpoint`, alone: a rename away on local disks, a
+        tombstone and the marker's delete elsewhere). Retention calls it
+        before ``report()`` returns and deletes the rest in the background; a
+        crash in between leaves a directory :meth:`remove_uncommitted` removes.
+
+        Returns:
+            The directory name left to remove (``dir_name`` itself, or its
+            ``.cs_deleting-<name>-<writer>``), or None when it was absent.
+
+        Raises:
+            CheckpointConflictError: not a directory of this tool; nothing changed.
+            TransientBackendError, PermanentBackendError: storage failed.
+        """
+        validate_component(dir_name, "dir_name")
+        left = _retry.with_rebuild(self.backend, lambda: self.commit_protocol.uncommit(
+            posixpath.join(self.trial_path, dir_name), new_writer_id(self.run_id)
+        ), what=f"uncommit {dir_name}")
+        return None if left is None else posixpath.basename(left.rstrip("/"))
+
+    def remove_leftover(self, dir_name: str) -> None:
+        """Remove the uncommitted directory ``dir_name`` of this trial (what
+        :meth:`uncommit_checkpoint` left), so that a removal cut short stays
+        recognisably ours. Absent is fine.
+
+        Raises:
+            TransientBackendError, PermanentBackendError: storage failed.
+        """
+        _retry.with_rebuild(self.backend, lambda: self.commit_protocol.remove_leftover(
+            posixpath.join(self.trial_path, dir_name), new_writer_id(self.run_id)
+        ), what=f"remove {dir_name}")
+
     # -- orphans ------------------------------------------------------------------
 
     def scan(self, run_id: str | None = None, *, known: Mapping[str, int] | None = None,

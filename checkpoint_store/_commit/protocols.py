@@ -57,7 +57,7 @@ from checkpoint_store._commit.refusals import (
     _refuse_unfinished_dcp,
     _warn_replacing,
 )
-from checkpoint_store._commit.removal import remove_in_order, rename_away
+from checkpoint_store._commit.removal import move_away, remove_in_order, rename_away
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     COMMIT_LOCK,
@@ -221,6 +221,23 @@ class CommitProtocol(abc.ABC):
         Raises:
             CheckpointConflictError: not committed and without any trace of
                 our writers (somebody else's files); nothing is deleted.
+        """
+
+    @abc.abstractmethod
+    def uncommit(self, path: str, writer_id: str | None = None) -> str | None:
+        """The first step of :meth:`delete`, alone: after it returns, ``path``
+        no longer lists as a committed checkpoint to any reader; the files stay.
+        One short step (a rename, or a tombstone and the marker's delete), so
+        retention can take an evicted checkpoint out of every listing before
+        ``report()`` returns and delete the rest in the background.
+
+        Returns:
+            The path of what is left, for :meth:`remove_leftover` (now or
+            later; a crash before that leaves a directory that cleanup knows
+            is ours and removes), or None when ``path`` was absent.
+
+        Raises:
+            CheckpointConflictError: as :meth:`delete`; nothing is changed.
         """
 
     def remove_leftover(self, path: str, writer_id: str | None = None) -> None:
@@ -449,6 +466,10 @@ class RenameCommit(CommitProtocol):
     def delete(self, path: str, writer_id: str | None = None) -> None:
         self._remove_tree(path, writer_id)
 
+    def uncommit(self, path: str, writer_id: str | None = None) -> str | None:
+        """Renames ``path`` away to ``.cs_deleting-<name>-<writer>``, the path returned."""
+        return move_away(self.dest, path, writer_id, self.retry)
+
     def _remove_tree(self, path: str, writer_id: str | None) -> None:
         rename_away(self.dest, path, writer_id, self.retry)
 
@@ -554,6 +575,18 @@ class MarkerLastCommit(CommitProtocol):
         """A ``.cs_deleting`` tombstone is written, the marker removed, then the
         rest (one batched delete on object stores): a delete cut short leaves a
         directory that is not a checkpoint and that cleanup knows is ours."""
+        files = self._uncommit_listed(path)
+        self._remove_tree(path, writer_id, files - {INTERNAL_METADATA})
+
+    def uncommit(self, path: str, writer_id: str | None = None) -> str | None:
+        """Writes the tombstone and removes the marker (one listing, one PUT,
+        one DELETE); ``path`` itself, tombstoned, is what is left."""
+        return path if self._uncommit_listed(path) else None
+
+    def _uncommit_listed(self, path: str) -> set[str]:
+        """Tombstone ``path`` and remove its marker; returns its files as listed
+        before (relative). Raises CheckpointConflictError for a directory with
+        neither a marker nor any trace of ours."""
         files = {_fsutil.relative(path, fi.path)
                  for fi in _fsutil.list_tree(self.fs, path, retry=self.retry)
                  if fi.type == pafs.FileType.File}
@@ -567,7 +600,7 @@ class MarkerLastCommit(CommitProtocol):
             raise CheckpointConflictError(
                 f"{self.dest.uri_for(path)} is not a checkpoint of this tool; not deleting it"
             )
-        self._remove_tree(path, writer_id, files - {INTERNAL_METADATA})
+        return files
 
     def _remove_tree(self, path: str, writer_id: str | None,
                      files: Iterable[str] | None = None) -> None:

@@ -31,7 +31,32 @@ from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.backends.clients import _fsspec_of, _is_async
 
-__all__ = ["remove_in_order", "rename_away"]
+__all__ = ["move_away", "remove_in_order", "rename_away"]
+
+
+def move_away(dest: Backend, path: str, writer: str | None = None,
+              retry: RetryPolicy | None = None) -> str | None:
+    """Rename ``path`` to ``.cs_deleting-<name>-<writer>`` beside it (one
+    atomic step); the caller deletes what it returns, now or later (a crash
+    before that leaves a ``.cs_deleting`` directory that cleanup removes).
+
+    Returns:
+        The new path, or None when ``path`` was absent.
+
+    Raises:
+        OSError: the rename failed while ``path`` still exists.
+    """
+    parent, name = posixpath.split(path.rstrip("/"))
+    trash = posixpath.join(parent, deleting_dir_name(name, writer or new_writer_id()))
+    try:
+        _fsutil.move(dest.filesystem, path, trash, retry=retry)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        if not _fsutil.exists(dest.filesystem, path, retry=retry):
+            return None
+        raise
+    return trash
 
 
 def rename_away(dest: Backend, path: str, writer: str | None = None,
@@ -42,17 +67,9 @@ def rename_away(dest: Backend, path: str, writer: str | None = None,
     Raises:
         OSError: the rename failed while ``path`` still exists.
     """
-    parent, name = posixpath.split(path.rstrip("/"))
-    trash = posixpath.join(parent, deleting_dir_name(name, writer or new_writer_id()))
-    try:
-        _fsutil.move(dest.filesystem, path, trash, retry=retry)
-    except FileNotFoundError:
-        return
-    except OSError:
-        if not _fsutil.exists(dest.filesystem, path, retry=retry):
-            return
-        raise
-    _fsutil.delete_dir(dest.filesystem, trash, retry=retry)
+    trash = move_away(dest, path, writer, retry)
+    if trash is not None:
+        _fsutil.delete_dir(dest.filesystem, trash, retry=retry)
 
 
 def remove_in_order(dest: Backend, path: str, files: Iterable[str] | None = None,

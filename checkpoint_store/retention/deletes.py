@@ -16,7 +16,11 @@ them deleted. What makes it crash-safe is the order, not the thread:
 * each delete is the commit in reverse (:meth:`StorageContext.delete_checkpoint`):
   renamed away in one step on local disks, marker first elsewhere, so a kill
   mid-delete leaves a directory that is not a checkpoint and that the next
-  session's cleanup (:meth:`StorageContext.remove_uncommitted`) removes.
+  session's cleanup (:meth:`StorageContext.remove_uncommitted`) removes;
+* with background deletes, that first step runs before ``register`` (and so
+  ``report()``) returns (:func:`uncommit_evicted`): every reader then lists
+  exactly the kept set, and only the files of what is already not a
+  checkpoint are left to the thread.
 
 A delete that fails is logged and stays pending: retried by the next
 registration, :meth:`CheckpointManager.retry_deletes` or the next manager.
@@ -36,7 +40,7 @@ from typing import Any
 from checkpoint_store._util.inspect import read_internal_metadata
 from checkpoint_store.storage import StorageContext
 
-__all__ = ["Deleter", "delete_evicted"]
+__all__ = ["Deleter", "delete_evicted", "uncommit_evicted"]
 
 logger = logging.getLogger(__name__)
 # The manager's logger: a delete's warnings keep the name they always had.
@@ -44,20 +48,22 @@ _manager_logger = logging.getLogger("checkpoint_store.retention.manager")
 
 
 def delete_evicted(storage: StorageContext, name: str,
-                   is_ours: Callable[[Mapping[str, Any]], bool], foreign: list[str]) -> bool:
+                   is_ours: Callable[[Mapping[str, Any]], bool], foreign: list[str],
+                   leftover: str | None = None) -> bool:
     """Delete one evicted checkpoint ``name`` of ``storage``'s trial; False
     (logged) to retry it later. True also when its internal metadata now
     names another run (``is_ours`` says no): then it is appended to
-    ``foreign`` and left alone for good. Never raises for a failed delete."""
+    ``foreign`` and left alone for good. Never raises for a failed delete.
+
+    Args:
+        leftover: what :func:`uncommit_evicted` left of ``name`` (a directory
+            name of the trial): removed instead, no questions asked.
+    """
     try:
-        path = posixpath.join(storage.trial_path, name)
-        meta = read_internal_metadata(storage.filesystem, path)
-        if meta is not None and not is_ours(meta):
-            # Replaced by another run's checkpoint since we evicted it.
-            _manager_logger.warning("not deleting %s: it now belongs to run %r",
-                                    name, meta.get("run_id"))
-            if name not in foreign:
-                foreign.append(name)
+        if leftover is not None:
+            storage.remove_leftover(leftover)
+            return True
+        if _is_foreign(storage, name, is_ours, foreign):
             return True
         storage.delete_checkpoint(name)
         return True
@@ -65,6 +71,42 @@ def delete_evicted(storage: StorageContext, name: str,
         _manager_logger.warning("could not delete %s (retried at the next report): %s",
                                 name, exc)
         return False
+
+
+def uncommit_evicted(storage: StorageContext, name: str,
+                     is_ours: Callable[[Mapping[str, Any]], bool],
+                     foreign: list[str]) -> str | None:
+    """Take the evicted checkpoint ``name`` out of every listing now
+    (:meth:`StorageContext.uncommit_checkpoint`), so that when ``report()``
+    returns every reader sees exactly the kept set; its files are deleted
+    later by :func:`delete_evicted` with the name returned.
+
+    Returns:
+        The directory name left to remove; None when there is nothing to
+        uncommit (absent, now another run's: appended to ``foreign``) or the
+        step failed (logged; the full delete retries it later).
+    """
+    try:
+        if _is_foreign(storage, name, is_ours, foreign):
+            return None
+        return storage.uncommit_checkpoint(name)
+    except Exception as exc:  # never fail a report for a delete
+        _manager_logger.warning("could not uncommit %s (deleted later): %s", name, exc)
+        return None
+
+
+def _is_foreign(storage: StorageContext, name: str,
+                is_ours: Callable[[Mapping[str, Any]], bool], foreign: list[str]) -> bool:
+    """True (logged, appended to ``foreign``) when ``name``'s internal metadata
+    now names another run: replaced since we evicted it, left alone for good."""
+    meta = read_internal_metadata(storage.filesystem, posixpath.join(storage.trial_path, name))
+    if meta is None or is_ours(meta):
+        return False
+    _manager_logger.warning("not deleting %s: it now belongs to run %r",
+                            name, meta.get("run_id"))
+    if name not in foreign:
+        foreign.append(name)
+    return True
 
 
 class Deleter:

@@ -37,7 +37,7 @@ from checkpoint_store.errors import (
     InvalidConfigError,
 )
 from checkpoint_store.retention.config import CheckpointConfig
-from checkpoint_store.retention.deletes import Deleter, delete_evicted
+from checkpoint_store.retention.deletes import Deleter, delete_evicted, uncommit_evicted
 from checkpoint_store.retention.lease import Lease
 from checkpoint_store.retention.policies import PolicyCheckpoint, check_metrics, evaluate
 from checkpoint_store.retention.rebuild import is_ours, rebuild
@@ -116,6 +116,8 @@ class CheckpointManager:
         self._pending: list[str] = []
         # Pending names a delete is working on right now (the deleter's, off the mutex).
         self._deleting: set[str] = set()
+        # Pending name -> what its uncommit left (``_uncommit_evicted``), for the deleter.
+        self._leftovers: dict[str, str] = {}
         self._deleter: Deleter | None = Deleter(self._delete_due) if background_deletes else None
         self._foreign: list[str] = []
         self._foreign_meta: dict[str, Mapping[str, Any]] = {}
@@ -262,6 +264,7 @@ class CheckpointManager:
         record = LogRecord(0, StoredCheckpoint(index, dir_name, score, clean, created),
                            evict=tuple(names), next_index=self._next_index)
         if self._log.append(record, self._state):
+            self._uncommit_evicted()
             self._schedule_deletes()
         return names
 
@@ -487,6 +490,20 @@ class CheckpointManager:
         else:
             self._deleter.kick()
 
+    def _uncommit_evicted(self) -> None:
+        """With background deletes: take every pending eviction out of the
+        listings now (the caller holds the mutex; the eviction is in the
+        state), so that when ``register`` returns readers see exactly the
+        kept set. The deleter removes what is left."""
+        if self._deleter is None:
+            return  # the deletes run inline, before register returns
+        for name in self._pending:
+            if name in self._deleting or name in self._leftovers:
+                continue
+            left = uncommit_evicted(self._storage, name, self._is_ours, self._foreign)
+            if left is not None:
+                self._leftovers[name] = left
+
     def _delete_due(self) -> None:
         """One round of the deleter thread: the deletes run outside the mutex
         (a report registering meanwhile does not wait for them)."""
@@ -513,13 +530,17 @@ class CheckpointManager:
         if done:
             with self._mutex:
                 self._pending = [n for n in self._pending if n not in done]
+                for name in done:
+                    self._leftovers.pop(name, None)
                 if not self.read_only:
                     self._log.append(LogRecord(0, deleted=done), self._state)
 
     def _delete_evicted(self, name: str) -> bool:
         """Delete one evicted checkpoint; False (logged) to retry it later. True also
         when it now belongs to another run: then it is left alone for good."""
-        return delete_evicted(self._storage, name, self._is_ours, self._foreign)
+        with self._mutex:
+            left = self._leftovers.get(name)
+        return delete_evicted(self._storage, name, self._is_ours, self._foreign, left)
 
     def retry_deletes(self) -> list[str]:
         """Retry the failed deletes now; returns the names still pending."""

@@ -36,6 +36,8 @@ class TierRetention:
     _entries: dict[int, TierEntry]
     _verified: set[int]
     _evicting: set[int]
+    # Evicting index -> the directory name its uncommit left (for the deleter).
+    _tier_leftovers: dict[int, str]
     _deleter: Deleter
 
     if TYPE_CHECKING:
@@ -122,22 +124,45 @@ class TierRetention:
                 self._evicting.add(i)
             if evicted:
                 self._save()
+                self._uncommit(evicted)
                 self._cond.notify_all()
             due = bool(self._evicting)
         if due:  # also retries deletes that failed before
             self._deleter.kick()
         return evicted
 
+    def _uncommit(self, evicted: list[int]) -> None:
+        """Take the just evicted checkpoints out of every listing of the tier
+        before the report that evicted them returns (the caller holds
+        ``_cond``, the state already records them as evicting): one rename on
+        the tier's local disk each. The deleter removes what is left; a kill
+        in between leaves ``.cs_deleting`` directories the next start removes.
+        A failed step is logged; the deleter's full delete retries it."""
+        for i in evicted:
+            try:
+                left = self.storage.uncommit_checkpoint(checkpoint_dir_name(i))
+            except Exception as exc:
+                logger.warning("could not uncommit %s of the local tier (deleted later): %s",
+                               checkpoint_dir_name(i), exc)
+                continue
+            if left is not None:
+                self._tier_leftovers[i] = left
+
     def _delete_evicted(self) -> None:
-        """The deleter thread's round: delete the evicted checkpoints, then drop
-        them from the state's ``"evicting"`` list. A failed delete is logged
-        and retried at the next eviction (or the next start)."""
+        """The deleter thread's round: delete the evicted checkpoints (or what
+        :meth:`_uncommit` left of them), then drop them from the state's
+        ``"evicting"`` list. A failed delete is logged and retried at the next
+        eviction (or the next start)."""
         with self._cond:
             todo = sorted(self._evicting)
+            left = {i: self._tier_leftovers[i] for i in todo if i in self._tier_leftovers}
         done = []
         for i in todo:
             try:
-                self.storage.delete_checkpoint(checkpoint_dir_name(i))
+                if i in left:
+                    self.storage.remove_leftover(left[i])
+                else:
+                    self.storage.delete_checkpoint(checkpoint_dir_name(i))
             except Exception as exc:
                 logger.warning("could not delete %s from the local tier (retried at the next "
                                "eviction): %s", checkpoint_dir_name(i), exc)
@@ -146,6 +171,8 @@ class TierRetention:
         if done:
             with self._cond:
                 self._evicting.difference_update(done)
+                for i in done:
+                    self._tier_leftovers.pop(i, None)
                 self._save()
 
     def wait_deletes(self, timeout: float | None = None) -> bool:

@@ -132,6 +132,7 @@ class FastTier(TierRetention, TierVerification):
         # Evicted (out of the state file's checkpoints, in its "evicting" list),
         # deleted off the report thread by the deleter.
         self._evicting: set[int] = set()
+        self._tier_leftovers: dict[int, str] = {}
         # The highest index known durable, kept after the tier evicts its copy.
         self._durable_high = -1
         self._deleter = Deleter(self._delete_evicted, name="checkpoint-store-tier-delete")
