@@ -16,7 +16,8 @@ from checkpoint_store._results.writer import valid_iteration
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.storage import StorageContext
 
-__all__ = ["RESUME_FROM_KEY", "SessionContext", "recorded_resume_from", "resume_counters"]
+__all__ = ["RESUME_FROM_KEY", "SessionContext", "checkpoint_counters", "recorded_resume_from",
+           "resume_counters"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,27 @@ def recorded_resume_from(storage: StorageContext, uri: str) -> dict[str, Any]:
     if isinstance(record, dict) and record.get("uri") == uri:
         return record
     return {"uri": uri}
+
+
+def checkpoint_counters(meta: Mapping[str, Any]) -> tuple[int, float]:
+    """The iteration and total time recorded with a committed checkpoint: its
+    internal metadata's ``metrics`` hold the row it was reported with, so
+    they bound the counters from below when ``result.json``'s last rows are
+    damaged or lost (a hand edit, a torn write, a copy without the file).
+    ``(0, 0.0)`` where a value is missing or not a count/finite number.
+
+    Args:
+        meta: ``{"metrics": {...}, ...}`` as the retention state or the
+            checkpoint's ``.internal_metadata.json`` hold it.
+    """
+    metrics = meta.get("metrics")
+    if not isinstance(metrics, Mapping):
+        return 0, 0.0
+    iteration = valid_iteration(metrics.get("training_iteration")) or 0
+    t = metrics.get("time_total_s")
+    total = float(t) if (not isinstance(t, bool) and isinstance(t, (int, float))
+                         and math.isfinite(t) and t >= 0) else 0.0
+    return iteration, total
 
 
 def resume_counters(rows: list[dict[str, Any]], where: str) -> tuple[int, float]:

@@ -175,6 +175,13 @@ class ReportLedger:
         if isinstance(t, (int, float)) and not isinstance(t, bool):
             self._time_offset = max(self._time_offset, float(t))
 
+    def continue_after(self, iteration: int, time_total_s: float) -> None:
+        """Continue the counters after ``iteration`` and ``time_total_s`` (seconds)
+        at least (at start: what the newest committed checkpoint was reported
+        with, when ``result.json``'s last rows say less)."""
+        self._iteration = max(self._iteration, iteration)
+        self._time_offset = max(self._time_offset, time_total_s)
+
     def flush(self) -> None:
         """Write the buffered rows (rank 0; a no-op elsewhere)."""
         if self.results is not None:

@@ -31,6 +31,7 @@ from checkpoint_store.session._committers import Committer, RankCommitter, Singl
 from checkpoint_store.session._context import (
     RESUME_FROM_KEY,
     SessionContext,
+    checkpoint_counters,
     recorded_resume_from,
     resume_counters,
 )
@@ -151,6 +152,10 @@ class Session:
             committed = self.manager.resume_candidates()
             if not committed:
                 self._check_resume_from()
+            else:
+                # Damaged or lost last rows never number a report twice: the
+                # newest checkpoint holds the row it was reported with.
+                self._ledger.continue_after(*checkpoint_counters(committed[-1][1]))
             # After the lease: a start refused because another session holds
             # the trial leaves that session's params.json alone.
             if (self.config or self._resume_from is not None) and is_writer:
