@@ -45,6 +45,8 @@ __all__ = [
     "STATE_STAGING_PREFIX",
     "TEMP_FILE_PREFIX",
     "TIER_EXCHANGE_PREFIX",
+    "TIER_HOLDER_FILE",
+    "TIER_LOCK_FILE",
     "TIER_STATE_FILE",
     "USER_METADATA",
     "WRITTEN_STATE_RECORD",
@@ -582,6 +584,13 @@ def parse_download_helper_name(name: str, base: str) -> tuple[DownloadHelperKind
 #: The local tier's state file, in its trial directory (``<path>/<experiment>/
 #: <trial>/``, or ``.../rank_<rank>/`` with several ranks).
 TIER_STATE_FILE = f"{INTERNAL_PREFIX}tier_state.json"
+#: The local tier's trial directory lock, held (an OS file lock) by the one
+#: session that owns the directory for its whole life; the kernel drops it
+#: when that process dies (tiers/lock.py).
+TIER_LOCK_FILE = f"{INTERNAL_PREFIX}tier.lock"
+#: Beside :data:`TIER_LOCK_FILE`: who holds it (JSON: pid, host, durable URI,
+#: since), for the error a second job gets.
+TIER_HOLDER_FILE = f"{INTERNAL_PREFIX}tier_holder.json"
 #: ``<trial>/.cs_local_tier-<host>-<rank>.json`` in the persistent tier's trial
 #: directory: where that host and rank keep their local tier.
 LOCAL_TIER_POINTER_PREFIX = f"{INTERNAL_PREFIX}local_tier-"

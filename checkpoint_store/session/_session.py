@@ -177,6 +177,8 @@ class Session:
                 ))
             self._pipeline = self._build_pipeline(local_tier)
         except BaseException:
+            if self._tier is not None:
+                self._tier.close()
             self.manager.close()
             raise
         self._ledger.begin(time.time())
@@ -530,7 +532,10 @@ class Session:
     def _release(self) -> None:
         """The end's last steps, whatever happened before them."""
         if self._tier is not None:
-            self._tier.wait_deletes()  # the local tier's evictions
+            try:
+                self._tier.wait_deletes()  # the local tier's evictions
+            finally:
+                self._tier.close()  # its directory's lock
         # Releases the trial's retention lease (also when an exception ends the session).
         self.manager.close()
         if self._coordinator is not None:

@@ -53,6 +53,7 @@ from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers.config import LocalTier
 from checkpoint_store.tiers.eviction import TierRetention
 from checkpoint_store.tiers.history import TrialHistory
+from checkpoint_store.tiers.lock import TierLock
 from checkpoint_store.tiers.statefile import (
     TIER_STATE_VERSION,
     DurableStatus,
@@ -172,6 +173,20 @@ class FastTier(TierRetention, TierVerification):
                 f"{TIER_STATE_FILE} says which durable copies are still pending)")
 
     def _open(self) -> None:
+        # Taken before the state is read, held until close(): two jobs never
+        # both pass _refuse_foreign and share the directory (tiers/lock.py).
+        self._dir_lock = TierLock(self.trial_dir, self._durable_uri())
+        try:
+            self._open_locked()
+        except BaseException:
+            self._dir_lock.release()
+            raise
+
+    def close(self) -> None:
+        """Release the tier's trial directory (the session's end; idempotent)."""
+        self._dir_lock.release()
+
+    def _open_locked(self) -> None:
         self._refuse_foreign()
         self.storage.ensure_trial_dir()
         try:

@@ -225,7 +225,9 @@ def test_ls_of_a_local_tier_trial_without_checkpoints_lists_a_trial(tmp_path):
                        trial_name="t", local_tier=LocalTier(tmp_path / "fast")):
         pass
     trial = tmp_path / "fast" / "e" / "t"
-    assert [p.name for p in trial.iterdir()] == [".cs_tier_state.json"]
+    # Its state file, and the directory's lock and holder (tiers/lock.py).
+    assert sorted(p.name for p in trial.iterdir()) == [
+        ".cs_tier.lock", ".cs_tier_holder.json", ".cs_tier_state.json"]
     out = CliRunner().invoke(main, ["ls", str(trial)], catch_exceptions=False).output
     assert out.splitlines()[0].split()[:2] == ["INDEX", "CHECKPOINT"], out
 
