@@ -483,7 +483,7 @@ class Checkpoint:
     def _download_to_temp(self, manifest: list[dict[str, Any]] | None, verify: bool,
                           listed: Mapping[str, int] | None) -> str:
         """Download into a new temporary directory (removed again on failure)."""
-        tmp = tempfile.mkdtemp(prefix="checkpoint-")
+        tmp = _download_dir()
         try:
             download_tree(self.filesystem, self.path, self._backend.capabilities, tmp,
                           manifest=manifest, verify=verify, listed=listed)
@@ -556,7 +556,7 @@ class Checkpoint:
                 raise CheckpointNotFoundError(f"checkpoint {self.uri} does not exist")
             yield local
             return
-        tmp = tempfile.mkdtemp(prefix="checkpoint-")
+        tmp = _download_dir()
         try:
             self.to_directory(tmp)
             yield tmp
@@ -571,6 +571,16 @@ def written_metadata(checkpoint: Checkpoint) -> Mapping[str, Any]:
     :attr:`Checkpoint.internal_metadata` read from storage."""
     known = checkpoint._written
     return known if known is not None else checkpoint.internal_metadata
+
+
+def _download_dir() -> str:
+    """A new temporary directory for a download, in the staging root and named
+    after this process: a kill mid-download leaves it to the next session's
+    sweep (:func:`~checkpoint_store.state.sweep_staging_root`)."""
+    from checkpoint_store._format.layout import DOWNLOAD_PREFIX
+    from checkpoint_store.state._staging_dir import scratch_dir
+
+    return scratch_dir(DOWNLOAD_PREFIX)
 
 
 def _swap_in(staging: str, target: str, marker: str, identity: dict[str, Any] | None,

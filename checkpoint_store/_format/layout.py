@@ -29,6 +29,7 @@ __all__ = [
     "INTERNAL_PREFIX",
     "LEASE_FILE",
     "LIGHTNING_STAGING_PREFIX",
+    "DOWNLOAD_PREFIX",
     "LOCAL_TIER_POINTER_PREFIX",
     "MANAGER_STATE",
     "STATE_FORMAT_VERSION",
@@ -79,6 +80,7 @@ __all__ = [
     "parse_download_helper_name",
     "parse_rank_marker_name",
     "parse_result_segment_name",
+    "parse_scratch_dir_owner",
     "parse_staging_dir_name",
     "parse_temp_file_name",
     "parse_tier_exchange_name",
@@ -88,6 +90,7 @@ __all__ = [
     "refuse_reserved",
     "replace_dir_name",
     "result_segment_name",
+    "scratch_dir_prefix",
     "share_dir_prefix",
     "staging_dir_name",
     "state_chunk_name",
@@ -642,6 +645,32 @@ STAGED_COPY_PREFIX = "stage-"
 STATE_STAGING_PREFIX = "state-"
 #: A Lightning checkpoint's tensors staged for an async save, in the staging root.
 LIGHTNING_STAGING_PREFIX = "lightning-"
+#: A checkpoint downloaded into a new temporary directory, in the staging root.
+DOWNLOAD_PREFIX = "download-"
+_SCRATCH_KINDS = (STAGED_COPY_PREFIX, STATE_STAGING_PREFIX, LIGHTNING_STAGING_PREFIX,
+                  DOWNLOAD_PREFIX)
+
+
+def scratch_dir_prefix(kind: str, owner: str) -> str:
+    """``<kind><owner>-``: the prefix of a scratch directory in the staging root
+    (``tempfile`` adds a random tail). ``kind`` is one of the prefixes above
+    (``stage-``, ``state-``, ``lightning-``, ``download-``), ``owner`` the
+    making process's :func:`~checkpoint_store._util.liveness.writer_tag`
+    (``<pid>_<start ticks>``): a later process removes the directory once that
+    process is dead (a save or download a kill cut short)."""
+    if kind not in _SCRATCH_KINDS or "-" in owner:
+        raise ValueError(f"not a scratch kind and owner tag: {kind!r}, {owner!r}")
+    return f"{kind}{owner}-"
+
+
+def parse_scratch_dir_owner(name: str) -> str | None:
+    """The owner tag of a :func:`scratch_dir_prefix` name, or None (another
+    name, or a scratch directory made before names carried their owner)."""
+    for kind in _SCRATCH_KINDS:
+        if name.startswith(kind):
+            owner, sep, _tail = name[len(kind):].partition("-")
+            return owner if sep and owner else None
+    return None
 #: The empty directory a rank with no files of its own reports as its part
 #: (system temporary directory).
 EMPTY_PART_PREFIX = "cs-empty-part-"

@@ -49,6 +49,7 @@ from checkpoint_store.session._tier_recovery import (
     wait_durable,
 )
 from checkpoint_store.session._uploads import BackgroundUploader, UploadConfig
+from checkpoint_store.state import sweep_staging_root
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers import FastTier, LocalTier, check_local_tier
 from checkpoint_store.tiers.view import record_local_tier
@@ -136,6 +137,8 @@ class Session:
             )
         is_writer = self.world_rank == 0
         storage.ensure_trial_dir()
+        # What killed saves and downloads left on this machine (their maker dead).
+        sweep_staging_root()
         # Only the last rows: a start costs the same after a million reports.
         iteration, time_offset = resume_counters(
             last_result_rows(storage), storage.uri(storage.trial_path))

@@ -30,9 +30,10 @@ from checkpoint_store._format.layout import (
     STATE_STAGING_PREFIX,
     checkpoint_dir_name,
 )
+from checkpoint_store._util.retry import typed_permanent
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.session._uploads import Staged, stage
-from checkpoint_store.state import staging_root
+from checkpoint_store.state import scratch_dir, staging_root
 
 if TYPE_CHECKING:
     from checkpoint_store.state._staging import Stager
@@ -218,11 +219,8 @@ class StateStaging:
         assert isinstance(plan, FlatState), "a staged state is given to report_source only"
         in_place = directory is not None
         try:
-            target = directory or tempfile.mkdtemp(prefix=STATE_STAGING_PREFIX,
-                                                   dir=staging_root())
+            target = directory or scratch_dir(STATE_STAGING_PREFIX)
         except OSError as exc:
-            from checkpoint_store._util.retry import typed_permanent
-
             typed = typed_permanent(exc, f"make a state's scratch directory under "
                                          f"{staging_root()}")
             if typed is exc:

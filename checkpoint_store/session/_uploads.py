@@ -28,7 +28,6 @@ import collections
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +47,7 @@ from checkpoint_store.retention.upload_config import check_upload_mode as check_
 # Staged copies' directory: owned by checkpoint_store.state (below session and
 # integrations), re-exported here so that existing imports keep working.
 from checkpoint_store.state import ENV_STAGING_DIR as ENV_STAGING_DIR
+from checkpoint_store.state import scratch_dir
 from checkpoint_store.state import staging_root as staging_root
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def stage(src_dir: str, mode: str = "copy", *, root: str | None = None) -> Stage
     files = source_files(pafs.LocalFileSystem(), src_dir)
     parent = root or staging_root()
     try:
-        dst = tempfile.mkdtemp(prefix=STAGED_COPY_PREFIX, dir=parent)
+        dst = scratch_dir(STAGED_COPY_PREFIX, root)
     except OSError as exc:
         typed = _typed(exc, f"stage a copy of {src_dir} under {parent}")
         if typed is exc:

@@ -23,7 +23,8 @@ Public names:
 * :func:`load_state`, :func:`read_state_index`, :func:`verify_tensors`: reading back;
 * :data:`STATE_FILE`, :data:`DEFAULT_SHARD_BYTES`, :data:`DTYPES`;
 * :func:`staging_root`, :data:`ENV_STAGING_DIR`: the local directory staged
-  copies go to (the session's and Lightning's).
+  copies go to (the session's and Lightning's); :func:`scratch_dir` makes one
+  there, :func:`sweep_staging_root` removes those of dead processes.
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ from checkpoint_store.state._files import (
 )
 from checkpoint_store.state._index import SavedState, local_state_index, read_state_index
 from checkpoint_store.state._read import load_state
-from checkpoint_store.state._staging_dir import ENV_STAGING_DIR, staging_root
+from checkpoint_store.state._staging_dir import (
+    ENV_STAGING_DIR,
+    scratch_dir,
+    staging_root,
+    sweep_staging_root,
+)
 from checkpoint_store.state._tree import (
     DTYPES,
     FlatState,
@@ -79,7 +85,9 @@ __all__ = [
     "read_state_index",
     "shard_name",
     "split_key",
+    "scratch_dir",
     "staging_root",
+    "sweep_staging_root",
     "unescape_key",
     "verify_tensors",
     "write_buffers",

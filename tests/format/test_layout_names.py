@@ -80,6 +80,7 @@ LAYOUT_BYTES = {
     "INTERNAL_PREFIX": ".cs_",
     "LEASE_FILE": ".cs_manager_lease.json",
     "LIGHTNING_STAGING_PREFIX": "lightning-",
+    "DOWNLOAD_PREFIX": "download-",
     "LOCAL_TIER_POINTER_PREFIX": ".cs_local_tier-",
     "MANAGER_STATE": ".checkpoint_manager.json",
     "PARAMS_FILE": "params.json",
@@ -165,6 +166,17 @@ def test_both_kinds_of_temporary_file_are_temporary_files(tmp_path: Path) -> Non
     assert is_internal_name(made)
     assert parse_temp_file_name(built) == "12_34"
     assert not is_temp_file_name(TIER_STATE_FILE)
+
+
+@pytest.mark.parametrize("kind", [layout.STAGED_COPY_PREFIX, layout.STATE_STAGING_PREFIX,
+                                  layout.LIGHTNING_STAGING_PREFIX, layout.DOWNLOAD_PREFIX])
+def test_a_scratch_dir_name_round_trips_its_owner(kind: str) -> None:
+    name = layout.scratch_dir_prefix(kind, "4242_98765") + "k2j_x9"
+    assert layout.parse_scratch_dir_owner(name) == "4242_98765"
+    assert layout.parse_scratch_dir_owner(f"{kind}k2j_x9") is None  # made before owners
+    assert layout.parse_scratch_dir_owner("checkpoint_store_staging") is None
+    with pytest.raises(ValueError):
+        layout.scratch_dir_prefix("other-", "1_2")
 
 
 def test_a_share_dir_prefix_names_its_directory() -> None:
@@ -304,7 +316,6 @@ def _modules() -> dict[str, str]:
 SYSTEM_TEMP_SCRATCH = {
     # Checkpoint.from_state / to_directory / as_directory without a directory.
     ("checkpoint_store/checkpoint.py", "temporary name: 'checkpoint-state-'"),
-    ("checkpoint_store/checkpoint.py", "temporary name: 'checkpoint-'"),
     ("checkpoint_store/demo/__init__.py", "temporary name: 'digits-ckpt-'"),
     ("checkpoint_store/integrations/_lightning/callback.py", "temporary name: 'cs-lightning-'"),
     ("checkpoint_store/integrations/_lightning/callback.py",

@@ -52,6 +52,7 @@ from checkpoint_store.integrations._lightning.state import (
     verified,
 )
 from checkpoint_store.registry import resolve
+from checkpoint_store.state import sweep_staging_root
 from checkpoint_store.state._staging import Stager, check_staging_budget
 
 __all__ = ["_StoreIO"]
@@ -207,6 +208,8 @@ class _StoreIO:
         # in place: the background save works on a copy taken now, staged in
         # bounded shared memory (see _lightning/staged.py).
         if self._stager is None:
+            # A killed run's staged snapshots (partial state files) go first.
+            sweep_staging_root()
             self._stager = Stager(self.staging_budget)
         snap = staged_snapshot(checkpoint, self._stager)
 

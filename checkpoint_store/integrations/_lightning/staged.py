@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from checkpoint_store._format.layout import LIGHTNING_STAGING_PREFIX
-from checkpoint_store.state import staging_root
+from checkpoint_store.state import scratch_dir
 
 __all__ = ["StagedSnapshot", "snapshot"]
 
@@ -109,7 +108,8 @@ def snapshot(checkpoint: Mapping[str, Any], stager: Any) -> StagedSnapshot:
         return _Slot(name)
 
     skeleton = apply_to_collection(dict(checkpoint), torch.Tensor, place)
-    directory = tempfile.mkdtemp(prefix=LIGHTNING_STAGING_PREFIX, dir=staging_root())
+    # Named after this process: a kill mid-save leaves it to the next save's sweep.
+    directory = scratch_dir(LIGHTNING_STAGING_PREFIX)
     try:
         staged = stager.stage(flat, directory) if flat else None
     except BaseException:
