@@ -28,6 +28,7 @@ __all__ = [
     "INTERNAL_METADATA",
     "INTERNAL_PREFIX",
     "LEASE_FILE",
+    "LEASE_LOCK",
     "LIGHTNING_STAGING_PREFIX",
     "DOWNLOAD_PREFIX",
     "LOCAL_TIER_POINTER_PREFIX",
@@ -388,6 +389,9 @@ DELETE_TOMBSTONE = f"{INTERNAL_PREFIX}deleting"
 COMMIT_LOCK = f"{INTERNAL_PREFIX}commit.lock"
 #: The retention manager's lease (``<trial>/.cs_manager_lease.json``).
 LEASE_FILE = f"{INTERNAL_PREFIX}manager_lease.json"
+#: Lock file (local disks) serialising the take-over of :data:`LEASE_FILE`
+#: (check, write, read back) between processes.
+LEASE_LOCK = f"{INTERNAL_PREFIX}manager_lease.lock"
 #: Inside a re-saved path (Lightning's ``last.ckpt``): the name of the
 #: ``.cs_replace-*`` sibling that holds its checkpoint (docs/format.md).
 POINTER_FILE = f"{INTERNAL_PREFIX}current"

@@ -21,7 +21,7 @@ import uuid
 from typing import TypedDict, cast
 
 from checkpoint_store._format import jsonrules as _json
-from checkpoint_store._format.layout import FORMAT_VERSION, LEASE_FILE
+from checkpoint_store._format.layout import FORMAT_VERSION, LEASE_FILE, LEASE_LOCK
 from checkpoint_store._results import writer as _results
 from checkpoint_store._util import clock as _clock
 from checkpoint_store._util import fs as _fsutil
@@ -90,8 +90,10 @@ class Lease:
     on local disks the resolved real path), so every spelling of one trial
     (symlinks, ``..``, ``file://``) meets the same lease; a lease copied in
     with a whole trial directory names another location and is ignored.
-    Object stores without conditional writes make the take-over best-effort:
-    we write, read back, and refuse if another holder won.
+    On local disks the check, write and read back happen under a file lock
+    (:data:`LEASE_LOCK`), so two processes started at once never both take
+    it. Object stores without conditional writes make the take-over
+    best-effort: we write, read back, and refuse if another holder won.
     """
 
     def __init__(self, storage: StorageContext, ttl_s: float):
@@ -233,13 +235,17 @@ class Lease:
     def acquire(self) -> None:
         """Take the lease or raise :class:`~checkpoint_store.errors.TrialInUseError`
         (a :class:`CheckpointConflictError`); starts renewal."""
-        live = self._live_other()
-        if live is not None:
-            raise self._conflict(*live)
-        self._write()
-        back = self._read()
-        if back is None or back.get("holder") != self.holder:
-            raise self._conflict(back or {}, self.ttl_s)
+        # Check, write and read back as one step between processes on local
+        # disks (a file lock in the trial directory): two jobs started at the
+        # same moment both saw no live lease, and each read back its own.
+        with _fsutil.dir_lock(self._storage.filesystem, self._storage.trial_path, LEASE_LOCK):
+            live = self._live_other()
+            if live is not None:
+                raise self._conflict(*live)
+            self._write()
+            back = self._read()
+            if back is None or back.get("holder") != self.holder:
+                raise self._conflict(back or {}, self.ttl_s)
         _KEEPER.add(self)
         # Released at interpreter exit if nobody ended the session, while the
         # store's client still works (see _results._at_exit).

@@ -141,3 +141,4 @@ def test_a_killed_jobs_lock_does_not_block_its_restart(tmp_path):
         ck = s.get_checkpoint()
         assert ck is not None and ck.internal_metadata["index"] == 0
     assert time.monotonic() - t0 < 30
+
