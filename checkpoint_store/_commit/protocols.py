@@ -579,8 +579,14 @@ class MarkerLastCommit(CommitProtocol):
         self._remove_tree(path, writer_id, files - {INTERNAL_METADATA})
 
     def uncommit(self, path: str, writer_id: str | None = None) -> str | None:
-        """Writes the tombstone and removes the marker (one listing, one PUT,
-        one DELETE); ``path`` itself, tombstoned, is what is left."""
+        """Writes the tombstone and removes the marker (one HEAD, one PUT, one
+        DELETE: no listing, whatever the number of files); ``path`` itself,
+        tombstoned, is what is left."""
+        marker = posixpath.join(path, INTERNAL_METADATA)
+        if _fsutil.exists(self.fs, marker, retry=self.retry):
+            self._put(posixpath.join(path, DELETE_TOMBSTONE), b"deleting\n")
+            _fsutil.delete_file(self.fs, marker, retry=self.retry)
+            return path
         return path if self._uncommit_listed(path) else None
 
     def _uncommit_listed(self, path: str) -> set[str]:
