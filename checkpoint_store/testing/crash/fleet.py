@@ -43,7 +43,11 @@ is checked again. What counts as a :class:`Violation`, by kind:
 * ``foreign_resume``: a restart resumed the other job's checkpoint;
 * ``lost_ack``: an acknowledged step has no row in ``result.json`` (or only
   another attempt's);
-* ``duplicate_row``: a ``training_iteration`` or a step twice in ``result.json``;
+* ``duplicate_row``: a ``training_iteration`` twice (or out of order) in
+  ``result.json``, or a step twice where an earlier row was acknowledged;
+* ``redone_step``: a step twice in ``result.json``, each earlier row written
+  by a run whose save of that step was never acknowledged (``report()``
+  returned or was cut short, no ``wait()``), so the restart saved it again;
 * ``duplicate_checkpoint``: two committed checkpoints of one step on the
   storage_path;
 * ``partial_checkpoint``: a checkpoint lists as committed (storage_path or
@@ -73,11 +77,12 @@ from typing import Any
 
 from checkpoint_store.testing.crash._child import Zygote
 
-__all__ = ["KINDS", "REFUSED_EXIT", "FleetConfig", "FleetHarness", "FleetReport", "Violation", "fleet_payload"]
+__all__ = ["KINDS", "REFUSED_EXIT", "FleetConfig", "FleetHarness", "FleetReport", "Violation",
+           "fleet_payload"]
 
 KINDS = ("wrong_resume", "stale_resume", "partial_resume", "foreign_resume", "lost_ack",
-         "duplicate_row", "duplicate_checkpoint", "partial_checkpoint", "foreign_checkpoint",
-         "foreign_row", "shared_tier", "child_error")
+         "duplicate_row", "redone_step", "duplicate_checkpoint", "partial_checkpoint",
+         "foreign_checkpoint", "foreign_row", "shared_tier", "child_error")
 
 #: A child's exit code when its session start was refused (a typed error that
 #: writes nothing, e.g. a tier directory bound to another storage_path): no
@@ -165,7 +170,10 @@ class FleetReport:
     restarts_checked: int = 0
     #: job -> starts refused with a typed error (exit code :data:`REFUSED_EXIT`).
     refused: Counter[int] = field(default_factory=Counter)
+    #: steps acknowledged (report and, where the copy is made in the background, wait).
     acknowledged: int = 0
+    #: steps whose report() returned without a wait() (pending copies when killed).
+    reported: int = 0
     violations: list[Violation] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -181,7 +189,7 @@ class FleetReport:
         machines = ", ".join(f"{k} {n}" for k, n in sorted(self.machines.items()))
         head = (f"{self.scenario}: {self.kills} kills [{machines}], {self.restarts_checked} "
                 f"restarts checked, refused {dict(self.refused)}, "
-                f"{self.acknowledged} steps acknowledged, "
+                f"{self.acknowledged} steps acknowledged ({self.reported} more reported), "
                 f"{len(self.violations)} violations {dict(self.counts)} in {self.seconds:.1f}s")
         first: dict[str, Violation] = {}
         for v in self.violations:
@@ -305,7 +313,8 @@ def fleet_child_main(child: dict[str, Any]) -> None:
         if child.get("final"):
             s.wait()
             return
-        step = int(rec["resumed"]) + 1 if isinstance(rec.get("resumed"), int) else 0
+        resumed = rec.get("resumed")
+        step = resumed + 1 if isinstance(resumed, int) else 0
         files, size = child["files"], child["file_size"]
         rng = random.Random(f"{job}/{attempt}")
         while True:
@@ -436,7 +445,7 @@ class FleetHarness:
                     pid = zygote.ask(op="spawn", config=self._child(job, tier), main=main)["pid"]
                     spawned.append((job, pid, time.monotonic()
                                     + self.rng.uniform(self.min_delay, self.max_delay)))
-                for job, pid, at in sorted(spawned, key=lambda x: x[2]):
+                for _job, pid, at in sorted(spawned, key=lambda x: x[2]):
                     time.sleep(max(0.0, at - time.monotonic()))
                     try:
                         os.kill(pid, signal.SIGKILL)
@@ -468,8 +477,9 @@ class FleetHarness:
                 self._add(report, self.check_job(job, report.kills, report))
         finally:
             zygote.close()
-        report.acknowledged = sum(1 for j in range(self.jobs)
-                                  for r in _read_log(self.log_path(j)) if "ack" in r)
+        logs = [r for j in range(self.jobs) for r in _read_log(self.log_path(j))]
+        report.acknowledged = sum(1 for r in logs if "ack" in r)
+        report.reported = sum(1 for r in logs if "reported" in r)
         report.seconds = time.monotonic() - t0
         return report
 
@@ -621,7 +631,7 @@ class FleetHarness:
         for ckpt, meta in committed:
             uri = ckpt.uri
             m = meta.get("metrics") or {}
-            step = m.get("step") if isinstance(m.get("step"), int) else -1
+            step: int = m["step"] if isinstance(m.get("step"), int) else -1
             try:
                 ckpt.verify()
             except (CheckpointStoreError, OSError) as exc:
@@ -680,15 +690,21 @@ class FleetHarness:
             if r.get("job") != job:
                 bad.append(Violation("foreign_row", job, kill, r.get("step", -1), where,
                                      f"a row of job {r.get('job')}: {r}"))
+        log = _read_log(self.log_path(job))
+        acked = {(r["ack"], r["attempt"]) for r in log if "ack" in r}
         steps = Counter(r.get("step") for r in own)
         for step, n in sorted(steps.items(), key=lambda x: str(x[0])):
             if n > 1:
                 attempts = [r.get("attempt") for r in own if r.get("step") == step]
-                bad.append(Violation("duplicate_row", job, kill, step if isinstance(step, int)
+                earlier_unacked = all((step, a) not in acked for a in attempts[:-1])
+                kind = "redone_step" if earlier_unacked and len(set(attempts)) == n \
+                    else "duplicate_row"
+                bad.append(Violation(kind, job, kill, step if isinstance(step, int)
                                      else -1, where, f"step {step} recorded {n} times "
-                                     f"(attempts {attempts})"))
+                                     f"(attempts {attempts}; acknowledged: "
+                                     f"{[a for a in attempts if (step, a) in acked]})"))
         have = {(r.get("step"), r.get("attempt")) for r in own}
-        for rec in _read_log(self.log_path(job)):
+        for rec in log:
             if "ack" in rec and (rec["ack"], rec["attempt"]) not in have:
                 others = [r.get("attempt") for r in own if r.get("step") == rec["ack"]]
                 bad.append(Violation("lost_ack", job, kill, rec["ack"], where,
