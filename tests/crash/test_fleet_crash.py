@@ -1,11 +1,11 @@
 """Kills across machines and jobs (checkpoint_store/testing/crash/fleet.py).
 
-The quick runs (a few dozen kills in all) cover each path: a directory or a
-state (sync, async) saved through the local tier, restarts on the first
-machine, a second machine whose tier goes stale, a fresh machine and none,
-two jobs on one tier path, local disk. The slow run (``CS_FLEET_KILLS``
-kills, 240 by default, over the same matrix plus S3 on moto) is the one the
-docs quote.
+The quick runs (26 kills, ~15 s) save a directory through the local tier,
+with restarts on the first machine, a second machine whose tier goes stale,
+a fresh machine and none, and two jobs on one tier path, on local disk; the
+same for a state (sync, async) is marked slow (its children take ~1 s to
+start). The slow full run (``CS_FLEET_KILLS`` kills, 240 by default, over
+the same matrix) and the S3 (moto) runs are the ones the docs quote.
 
 Each path has two tests: the kinds no run may ever show (a resume older than
 an acknowledged step, a partial or foreign resume, an acknowledged row
@@ -33,15 +33,33 @@ KNOWN = ("stale_resume", "duplicate_row", "redone_step", "shared_tier", "child_e
 STALE_INDEX = ("a stale local copy of one index wins over another machine's durable copy "
                "(the tier reuses an index the storage_path gave another save)")
 SHARED_TIER = "two jobs on one tier path both commit (the refusal races at a simultaneous start)"
+STATE_LEFTOVER = ("a state save killed mid-write leaves its files in the tier's checkpoint "
+                  "directory; the next run on that tier reuses the index and its save fails")
 REDONE_ROW = ("the row of a save that was never acknowledged stays in result.json; the "
               "restart saves that step again")
 
 _PATHS = {  # (scenario, source, upload_mode) -> (kills, min_delay, max_delay)
-    ("machines", "checkpoint", "sync"): (12, 0.05, 0.8),
-    ("machines", "state", "sync"): (6, 0.5, 3.0),
-    ("machines", "state", "async"): (6, 0.5, 3.0),
-    ("jobs", "checkpoint", "sync"): (8, 0.05, 0.8),
+    ("machines", "checkpoint", "sync"): (16, 0.05, 0.8),
+    ("jobs", "checkpoint", "sync"): (10, 0.05, 0.8),
+    # A state child needs ~1 s to start its persist process: slow.
+    ("machines", "state", "sync"): (5, 1.0, 3.5),
+    ("machines", "state", "async"): (5, 1.0, 3.5),
 }
+
+
+def _path_params(xfail: bool = False) -> list:
+    """The paths, the state ones marked slow; ``xfail``: marked with the bug
+    that makes the known kinds appear on that path."""
+    params = []
+    for p in _PATHS:
+        marks = [pytest.mark.slow] if p[1] == "state" else []
+        if xfail:
+            reason = SHARED_TIER if p[0] == "jobs" else f"{STALE_INDEX}; {REDONE_ROW}"
+            if p[1] == "state":
+                reason += f"; {STATE_LEFTOVER}"
+            marks.append(pytest.mark.xfail(strict=False, reason=reason))
+        params.append(pytest.param(p, marks=marks, id="-".join(p)))
+    return params
 
 
 def _config(tmp_path, source: str, upload_mode: str, **kw) -> FleetConfig:
@@ -67,28 +85,31 @@ def _assert_ran(report: FleetReport, kills: int) -> None:
     assert report.restarts_checked >= kills // 3, report.summary()
 
 
-@pytest.fixture(scope="module")
-def quick_runs(tmp_path_factory):
-    """One quick run per path, shared by the safety and known-bug tests."""
-    runs = {}
-    for n, (key, (kills, lo, hi)) in enumerate(_PATHS.items()):
-        runs[key] = _run(tmp_path_factory.mktemp("fleet"), *key, kills, lo, hi, seed=37 + n)
-    return runs
+_RUNS: dict[tuple[str, str, str], FleetReport] = {}
 
 
-@pytest.mark.parametrize("path", list(_PATHS), ids="-".join)
-def test_no_wrong_partial_or_foreign_resume_and_no_lost_ack(quick_runs, path):
-    report = quick_runs[path]
+@pytest.fixture
+def quick_run(tmp_path_factory):
+    """One quick run per path, shared by its safety and known-bug tests."""
+    def get(path: tuple[str, str, str]) -> FleetReport:
+        if path not in _RUNS:
+            kills, lo, hi = _PATHS[path]
+            _RUNS[path] = _run(tmp_path_factory.mktemp("fleet"), *path, kills, lo, hi,
+                               seed=37 + list(_PATHS).index(path))
+        return _RUNS[path]
+    return get
+
+
+@pytest.mark.parametrize("path", _path_params())
+def test_no_wrong_partial_or_foreign_resume_and_no_lost_ack(quick_run, path):
+    report = quick_run(path)
     _assert_ran(report, _PATHS[path][0])
     assert report.of(*SAFETY) == [], report.summary()
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(p, marks=pytest.mark.xfail(
-        strict=False, reason=SHARED_TIER if p[0] == "jobs" else f"{STALE_INDEX}; {REDONE_ROW}"))
-    for p in _PATHS], ids="-".join)
-def test_no_stale_resume_no_step_twice_no_shared_tier(quick_runs, path):
-    report = quick_runs[path]
+@pytest.mark.parametrize("path", _path_params(xfail=True))
+def test_no_stale_resume_no_step_twice_no_shared_tier(quick_run, path):
+    report = quick_run(path)
     assert report.of(*KNOWN) == [], report.summary()
 
 
@@ -158,6 +179,8 @@ def test_full_fleet_run_on_local_disk(tmp_path):
     reports = []
     for n, (key, (_, lo, hi)) in enumerate(_PATHS.items()):
         kills = max(4, round(total * weights["-".join(key)]))
+        if key[1] == "state":  # a state child needs ~1 s (more on a loaded machine) to start
+            lo, hi = 1.0, 5.0
         reports.append(_run(tmp_path / "-".join(key), *key, kills, lo, hi, seed=370 + n))
     print("\n".join(r.summary() for r in reports))
     assert sum(r.kills for r in reports) >= total

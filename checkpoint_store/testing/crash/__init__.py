@@ -30,6 +30,12 @@ Usage (what ``tests/crash`` and ``scripts/soak.py`` do)::
 retention state (log records, snapshots, chunks): one run per mutating
 storage call, crashed exactly there, each followed by the same checks on
 the state as stored and on what the next manager makes of it.
+:class:`~checkpoint_store.testing.crash.fleet.FleetHarness` kills and
+restarts processes that save through a local tier (directories, or states
+sync and async) on other machines (a second machine's stale tier, a fresh
+one, none) and two jobs on one tier path, and reports every wrong, stale,
+partial or foreign resume, lost acknowledged row and duplicated step by
+kind (``fleet``; docs/tiers.md).
 :func:`sweep_lease_crashes` does the same for the lease (acquire, take-over
 of an expired or dead holder's lease, renewals, release): after each crash a
 new writer gets the trial once the dead holder's lease expires, never
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 from checkpoint_store.testing.crash._child import CrashConfig, payload
 from checkpoint_store.testing.crash.check import check_trial
+from checkpoint_store.testing.crash.fleet import FleetConfig, FleetHarness, FleetReport, Violation
 from checkpoint_store.testing.crash.harness import CrashHarness, CrashReport
 from checkpoint_store.testing.crash.lease import LeaseCrashReport, sweep_lease_crashes
 from checkpoint_store.testing.crash.state import StateCrashReport, sweep_state_crashes
@@ -56,10 +63,14 @@ __all__ = [
     "CrashConfig",
     "CrashHarness",
     "CrashReport",
+    "FleetConfig",
+    "FleetHarness",
+    "FleetReport",
     "LeaseCrashReport",
     "StateCrashReport",
     "check_trial",
     "payload",
     "sweep_lease_crashes",
     "sweep_state_crashes",
+    "Violation",
 ]

@@ -429,15 +429,22 @@ class FleetHarness:
                 "env": dict(c.env), "final": final, "wait_odds": c.wait_odds}
 
     def run(self, kills: int) -> FleetReport:
-        """Kill children until ``kills`` kills were made, checking after each;
-        then restart every job on the first machine and check once more."""
+        """Kill children until ``kills`` of them died by SIGKILL (a child that
+        ended by itself, refused or failed, is no kill), checking after each
+        round; then restart every job on the first machine and check once more.
+
+        Raises:
+            RuntimeError: no child was killed in 50 rounds in a row (every
+                start refused or failing: see :attr:`FleetReport.violations`)."""
         report = FleetReport(scenario=self.scenario)
         t0 = time.monotonic()
         zygote = Zygote(("checkpoint_store.tiers", "checkpoint_store.testing.crash.fleet",
                          "numpy", *self.config.preload))
         main = "checkpoint_store.testing.crash.fleet:fleet_child_main"
         try:
+            idle = 0
             while report.kills < kills:
+                before = report.kills
                 spawned = []
                 for job in range(self.jobs):
                     machine, tier = self._draw_machine()
@@ -453,15 +460,19 @@ class FleetHarness:
                         pass
                 for job, pid, _ in spawned:
                     code = zygote.ask(op="wait", pid=pid)["exitcode"]
-                    report.kills += 1
-                    if code == REFUSED_EXIT:
+                    if code == -signal.SIGKILL:
+                        report.kills += 1
+                    elif code == REFUSED_EXIT:
                         report.refused[job] += 1
-                    elif code != -signal.SIGKILL:
+                    else:
                         report.violations.append(Violation(
                             "child_error", job, report.kills, -1, "",
                             f"exited by itself (code {code}): {_last_error(self.log_path(job))}"))
                 for job, _, _ in spawned:
                     self._add(report, self.check_job(job, report.kills, report))
+                idle = 0 if report.kills > before else idle + 1
+                if idle >= 50:
+                    raise RuntimeError(f"no child was killed in 50 rounds: {report.summary()}")
             for job in range(self.jobs):  # the last restart, on the first machine, not killed
                 report.machines["final"] += 1
                 pid = zygote.ask(op="spawn", config=self._child(job, self.config.tier_paths[0],
