@@ -27,6 +27,7 @@ from checkpoint_store import (
     InvalidConfigError,
     MetadataError,
     StorageContext,
+    UploadConfig,
     session,
 )
 from checkpoint_store._format.layout import RESULT_FILE
@@ -369,7 +370,7 @@ def test_a_wait_timeout_that_is_no_duration_is_refused_before_waiting(tmp_path, 
     ckpt_dir.mkdir()
     (ckpt_dir / "w.bin").write_bytes(b"x" * 10)
     with session.start(storage_path=str(tmp_path / "store"),
-                       checkpoint_config=CheckpointConfig(upload_mode="async")) as s:
+                       upload_config=UploadConfig(upload_mode="async")) as s:
         session.report({"m": 1}, checkpoint=Checkpoint(str(ckpt_dir)))
         with pytest.raises(InvalidConfigError, match="wait\\(timeout\\)"):
             s.wait(timeout)
