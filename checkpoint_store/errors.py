@@ -22,6 +22,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointStoreError",
     "CredentialsExpiredError",
+    "FormatConversionError",
     "InvalidConfigError",
     "MetadataError",
     "NestedCheckpointError",
@@ -271,6 +272,22 @@ class UnsupportedStateError(InvalidConfigError, TypeError):
     Attributes:
         key: the flattened key of the entry at fault (``"model/layers/0"``;
             ``""``: the root).
+    """
+
+    def __init__(self, message: str, *, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+class FormatConversionError(InvalidConfigError):
+    """A checkpoint cannot be written in the asked format as it is
+    (:mod:`checkpoint_store.formats`): two tensors' names collide once mapped,
+    two tensors share storage and the format would not keep that, a value
+    the format cannot hold, or no tensor under the chosen prefix. Checked
+    before the first write: nothing was written.
+
+    Attributes:
+        key: the state key (or the format's name) that failed, or None.
     """
 
     def __init__(self, message: str, *, key: str | None = None):

@@ -318,6 +318,10 @@ SYSTEM_TEMP_SCRATCH = {
     # Checkpoint.from_state / to_directory / as_directory without a directory.
     ("checkpoint_store/checkpoint.py", "temporary name: 'checkpoint-state-'"),
     ("checkpoint_store/demo/__init__.py", "temporary name: 'digits-ckpt-'"),
+    # formats: a remote torch.save/DCP source read locally, a torch.save/DCP
+    # export written locally before its upload; removed when the call returns.
+    ("checkpoint_store/formats/_api.py", "temporary name: 'checkpoint-store-format-'"),
+    ("checkpoint_store/formats/_api.py", "temporary name: 'checkpoint-store-export-'"),
     ("checkpoint_store/integrations/_lightning/callback.py", "temporary name: 'cs-lightning-'"),
     ("checkpoint_store/integrations/_lightning/callback.py",
      "temporary name: 'cs-lightning-resume-'"),

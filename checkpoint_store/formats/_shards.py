@@ -1,0 +1,201 @@
+"""Safetensors shards written to any filesystem, streamed, with their checksums.
+
+:func:`plan_shards` cuts a list of named tensors into files of at most
+``max_bytes`` of tensor data (a larger tensor gets a file of its own) and
+builds each file's header; :func:`write_shard` streams one file to a
+``pyarrow.fs`` output stream from a :class:`~._sources.Source`, a reader
+thread fetching the next piece while the current one is written (reads and
+writes overlap; at most two pieces of :data:`~._sources.CHUNK_BYTES` are in
+memory). It returns the file's size and CRC32C and each tensor's offsets and
+CRC32C, so a commit needs no second read.
+
+The files are plain safetensors (8-byte little-endian header length, JSON
+header padded with spaces to a multiple of 8, then the data with no gaps),
+widest elements first so every tensor is aligned to its element size.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+import pyarrow.fs as pafs
+
+from checkpoint_store._transfer.crc32c import crc32c_combine
+from checkpoint_store.formats._sources import Entry, Source, crc_extend
+from checkpoint_store.state import DTYPES
+
+__all__ = ["Planned", "Written", "ahead", "plan_shards", "write_shard"]
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One file to write.
+
+    Attributes:
+        name: the file's name (relative to the target folder).
+        header: the header bytes (length prefix included).
+        items: ``(name in the file, source entry)`` in file order.
+        size: the whole file in bytes.
+    """
+
+    name: str
+    header: bytes
+    items: tuple[tuple[str, Entry], ...]
+    size: int
+
+
+@dataclass(frozen=True)
+class Written:
+    """A file written: its size, CRC32C (8 hex digits), and per tensor
+    (name in the file) ``(begin, end, crc32c hex)``, offsets from the file start."""
+
+    name: str
+    size: int
+    crc32c: str
+    tensors: dict[str, tuple[int, int, str]]
+
+
+def plan_shards(items: Sequence[tuple[str, Entry]], max_bytes: int,
+                name_for: Callable[[int, int], str],
+                metadata: Mapping[str, str] | None = None) -> list[Planned]:
+    """Group ``(name, entry)`` pairs, in order, into files of at most
+    ``max_bytes`` of data; ``name_for(k, n)`` names file ``k`` (from 1) of ``n``."""
+    groups: list[list[tuple[str, Entry]]] = []
+    filled = 0
+    for name, e in items:
+        if not groups or (filled + e.nbytes > max_bytes and filled > 0):
+            groups.append([])
+            filled = 0
+        groups[-1].append((name, e))
+        filled += e.nbytes
+    if not groups:
+        groups = [[]]
+    out = []
+    for k, group in enumerate(groups, 1):
+        group.sort(key=lambda ne: -DTYPES[ne[1].dtype][0])  # stable: keeps order per width
+        head: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+        at = 0
+        for name, e in group:
+            head[name] = {"dtype": e.dtype, "shape": list(e.shape),
+                          "data_offsets": [at, at + e.nbytes]}
+            at += e.nbytes
+        raw = json.dumps(head, ensure_ascii=False, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        header = struct.pack("<Q", len(raw)) + raw
+        out.append(Planned(name_for(k, len(groups)), header, tuple(group), len(header) + at))
+    return out
+
+
+_END = object()
+
+
+def ahead(it: Iterator[Any]) -> Iterator[Any]:
+    """``it``'s items, the next one fetched in a thread while the caller
+    handles the current one (one item read ahead at most)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-store-format-read") as pool:
+        fut = pool.submit(next, it, _END)
+        while True:
+            item = fut.result()
+            if item is _END:
+                return
+            fut = pool.submit(next, it, _END)
+            yield item
+
+
+def _pieces(source: Source, plan: Planned) -> Iterator[tuple[str, Any, int]]:
+    """``(name, piece, crc of the tensor so far)`` over the file's tensors."""
+    for name, e in plan.items:
+        crc, n = 0, 0
+        for piece in source.chunks(e.key):
+            crc = crc_extend(crc, piece)
+            n += len(piece)
+            yield name, piece, crc
+        if n != e.nbytes:
+            from checkpoint_store.errors import CheckpointCorruptError
+
+            raise CheckpointCorruptError(
+                f"tensor {e.key!r} of {source.where} gave {n} bytes, {e.nbytes} expected")
+        if n == 0:
+            yield name, b"", 0
+
+
+def write_shard(fs: pafs.FileSystem, path: str, plan: Planned, source: Source) -> Written:
+    """Write ``plan`` to ``path`` (one output stream), its bytes from ``source``.
+
+    Raises:
+        TensorCorruptError: a source tensor failed its checksum (the file is
+            left incomplete: the caller removes it).
+        OSError and backend errors: the write failed.
+    """
+    file_crc = google_crc32c.value(plan.header)
+    tensor_crc: dict[str, int] = {}
+    with fs.open_output_stream(path) as out:
+        out.write(plan.header)
+        for name, piece, crc in ahead(_pieces(source, plan)):
+            if len(piece):
+                out.write(piece)
+            tensor_crc[name] = crc
+    at = len(plan.header)
+    spans: dict[str, tuple[int, int, str]] = {}
+    for name, e in plan.items:
+        crc = tensor_crc.get(name, 0)
+        spans[name] = (at, at + e.nbytes, f"{crc:08x}")
+        file_crc = crc32c_combine(file_crc, crc, e.nbytes) if e.nbytes else file_crc
+        at += e.nbytes
+    return Written(plan.name, plan.size, f"{file_crc:08x}", spans)
+
+
+def copy_file(fs_in: pafs.FileSystem, src: str, fs_out: pafs.FileSystem | None, dst: str | None,
+              spans: Mapping[str, tuple[int, int]], size: int) -> Written:
+    """Read ``src`` once, front to back, in pieces (writing each to ``dst``
+    on ``fs_out`` unless that is None); return its CRC32C and the CRC32C of
+    each named byte span ``[begin, end)`` (spans must not overlap).
+
+    Raises:
+        CheckpointCorruptError: ``src`` is shorter than ``size``.
+    """
+    from checkpoint_store.errors import CheckpointCorruptError
+    from checkpoint_store.formats._sources import CHUNK_BYTES
+
+    order = sorted(spans.items(), key=lambda kv: kv[1])
+    crcs = {name: 0 for name in spans}
+
+    def pieces() -> Iterator[tuple[int, bytes]]:
+        with fs_in.open_input_file(src) as f:
+            at = 0
+            while at < size:
+                piece = f.read_at(min(CHUNK_BYTES, size - at), at)
+                if not piece:
+                    raise CheckpointCorruptError(f"{fs_in.type_name}:{src} ends at byte {at}, "
+                                                 f"before its listed size {size}", path=src)
+                yield at, piece
+                at += len(piece)
+
+    file_crc = 0
+    out = fs_out.open_output_stream(dst) if fs_out is not None and dst is not None else None
+    try:
+        for at, piece in ahead(pieces()):
+            if out is not None:
+                out.write(piece)
+            file_crc = crc_extend(file_crc, piece)
+            end = at + len(piece)
+            for name, (b, e) in order:
+                if e <= at or b >= end:
+                    continue
+                lo, hi = max(b, at) - at, min(e, end) - at
+                crcs[name] = crc_extend(crcs[name], memoryview(piece)[lo:hi])
+    finally:
+        if out is not None:
+            out.close()
+    return Written(posixpath_basename(src), size, f"{file_crc:08x}",
+                   {name: (b, e, f"{crcs[name]:08x}") for name, (b, e) in spans.items()})
+
+
+def posixpath_basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]

@@ -1,0 +1,257 @@
+"""The torch formats: ``torch.save`` files and torch.distributed.checkpoint (DCP)
+directories, read as :class:`~._sources.Source` and written from one.
+
+Reading uses torch's own loaders: ``torch.load(mmap=True, weights_only=True)``
+(tensors stay memory-mapped views of the file; only JSON-like values are
+accepted) and ``torch.distributed.checkpoint.load`` with no process group,
+one tensor at a time (DCP's planner reads only that tensor's byte ranges).
+Writing materialises the tree (``torch.save`` and DCP's save take a whole
+state dict): from a local state checkpoint tensors are memory-mapped,
+elsewhere they are read into memory.
+
+All paths here are local: :mod:`._api` downloads a remote source into a
+temporary directory first and uploads what is written here.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from checkpoint_store.errors import CheckpointCorruptError, FormatConversionError
+from checkpoint_store.formats._sources import CHUNK_BYTES, Entry, Source
+from checkpoint_store.state import DTYPES, escape_key, flatten_state, split_key
+from checkpoint_store.state._tree import build_tree, iter_leaves
+
+__all__ = ["DCPSource", "TorchSaveSource", "materialize", "write_dcp", "write_torch_save"]
+
+_BY_TORCH = {t: name for name, (_, _n, t) in DTYPES.items() if t}
+DCP_METADATA = ".metadata"
+
+
+def _dtype_name(dtype: Any, key: str) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _BY_TORCH:
+        raise FormatConversionError(f"tensor {key!r} has dtype {dtype}, which safetensors "
+                                    "cannot hold", key=key)
+    return _BY_TORCH[name]
+
+
+def _byte_view(t: Any) -> memoryview:
+    """A contiguous CPU tensor's bytes as a flat read-only view (no copy)."""
+    import torch
+
+    t = t.detach().cpu().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).toreadonly()
+
+
+def _pieces_of(view: memoryview) -> Iterator[memoryview]:
+    for at in range(0, len(view), CHUNK_BYTES):
+        yield view[at:at + CHUNK_BYTES]
+
+
+class TorchSaveSource(Source):
+    """The tensors and values of a local ``torch.save`` file.
+
+    Raises (at construction):
+        FormatConversionError: ``weights_only`` loading refuses the file (it
+            pickles objects other than tensors and plain containers).
+        UnsupportedStateError: a value a state cannot hold, two tensors
+            overlapping without being one view (``.key`` names it).
+    """
+
+    kind = "torch_save"
+
+    def __init__(self, path: str):
+        import torch
+
+        self.where = path
+        try:
+            obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except (RuntimeError, ValueError) as exc:  # zip and legacy format alike
+            raise CheckpointCorruptError(f"{path} is not a torch.save file: {exc}",
+                                         path=path) from exc
+        except Exception as exc:  # pickle.UnpicklingError: not weights-only
+            raise FormatConversionError(
+                f"{path} holds objects other than tensors, containers and plain values "
+                f"(torch.load(weights_only=True) says: {str(exc).splitlines()[0]}); save the "
+                "state_dict alone", key=None) from exc
+        flat = flatten_state(obj)
+        self._values = flat.values
+        self.skeleton = flat.layout.skeleton
+        self.entries = {k: Entry(k, s.dtype, s.shape) for k, s in flat.layout.tensors.items()}
+        for k, target in flat.layout.aliases.items():
+            s = flat.layout.tensors[target]
+            self.entries[k] = Entry(k, s.dtype, s.shape, target)
+        self.values = {k: n["value"] for k, n in iter_leaves(self.skeleton) if "value" in n}
+
+    def chunks(self, key: str) -> Iterator[Any]:
+        e = self.entries[key]
+        yield from _pieces_of(_byte_view(self._values[e.alias_of or key]))
+
+
+class DCPSource(Source):
+    """The tensors and values of a local DCP directory, read one tensor at a
+    time with ``torch.distributed.checkpoint.load`` (no process group).
+
+    Keys come from DCP's ``planner_data`` (the path in the saved tree), so
+    ``{"model": sd}`` saved by DCP reads back as ``model/<name>``.
+
+    Raises (at construction):
+        CheckpointCorruptError: no ``.metadata`` (an unfinished save: DCP
+            writes it last; without it the data cannot be read).
+        FormatConversionError: a non-tensor entry that is not a JSON value.
+    """
+
+    kind = "dcp"
+
+    def __init__(self, path: str):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        self.where, self.path = path, path
+        if not os.path.exists(os.path.join(path, DCP_METADATA)):
+            raise CheckpointCorruptError(
+                f"{path} has no DCP {DCP_METADATA}: the save did not finish (DCP writes it "
+                "last) and its data cannot be read; use an earlier checkpoint",
+                path=path, file=DCP_METADATA)
+        meta = dcp.FileSystemReader(path).read_metadata()
+        paths = meta.planner_data or {}
+        self._fqn: dict[str, str] = {}
+        self.entries, self.values = {}, {}
+        objects: list[tuple[str, str]] = []
+        for fqn, md in meta.state_dict_metadata.items():
+            parts = paths.get(fqn) or (fqn,)
+            key = "/".join(escape_key(p) for p in parts)
+            self._fqn[key] = fqn
+            if isinstance(md, BytesStorageMetadata):
+                objects.append((key, fqn))
+                continue
+            self.entries[key] = Entry(key, _dtype_name(md.properties.dtype, key),
+                                      tuple(int(n) for n in md.size))
+        if objects:
+            loaded: dict[str, Any] = {fqn: None for _, fqn in objects}
+            with _quiet():
+                dcp.load(loaded, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+            for key, fqn in objects:
+                value = loaded[fqn]
+                if not _is_json(value):
+                    raise FormatConversionError(
+                        f"DCP entry {fqn!r} of {path} is a {type(value).__name__}, not a "
+                        "tensor or JSON value; a state cannot hold it", key=key)
+                self.values[key] = value
+        self.skeleton = nested_skeleton(list(self.entries), self.values)
+
+    def load(self, key: str) -> Any:
+        """Tensor ``key``, read from the directory now."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        e = self.entries[key]
+        t = torch.empty(e.shape, dtype=getattr(torch, str(DTYPES[e.dtype][2])))
+        sd = {self._fqn[key]: t}
+        with _quiet():
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
+        return sd[self._fqn[key]]
+
+    def chunks(self, key: str) -> Iterator[Any]:
+        yield from _pieces_of(_byte_view(self.load(key)))
+
+
+def _is_json(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_json(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_json(v) for k, v in value.items())
+    return False
+
+
+def nested_skeleton(tensor_keys: list[str], values: dict[str, Any]) -> Any:
+    """A state skeleton nesting flattened keys as dicts at each ``/``.
+
+    Raises:
+        FormatConversionError: one key is both a leaf and a subtree.
+    """
+    root: dict[str, Any] = {}
+    leaves = [(k, {"tensor": k}) for k in tensor_keys]
+    leaves += [(k, {"value": v}) for k, v in values.items()]
+    for key, leaf in leaves:
+        node = root
+        parts = split_key(key)
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            have = node.get(part)
+            if have is not None and (last or "__leaf__" in have):
+                raise FormatConversionError(
+                    f"key {key!r} is both a value and a subtree", key=key)
+            if last:
+                node[part] = {"__leaf__": leaf}
+            else:
+                node = node.setdefault(part, {})
+
+    def build(node: dict[str, Any]) -> Any:
+        if "__leaf__" in node:
+            return node["__leaf__"]
+        return {"dict": [[k, build(v)] for k, v in node.items()]}
+
+    return build(root)
+
+
+def materialize(source: Source, keys: list[str]) -> dict[str, Any]:
+    """Tensors ``keys`` of ``source`` as torch tensors (aliases as the same object)."""
+    import numpy as np
+    import torch
+
+    out: dict[str, Any] = {}
+    for key in keys:
+        e = source.entries[key]
+        if e.alias_of is not None and e.alias_of in out:
+            out[key] = out[e.alias_of]
+            continue
+        t = torch.empty(e.shape, dtype=getattr(torch, str(DTYPES[e.dtype][2])))
+        flat = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+        at = 0
+        for piece in source.chunks(key):
+            n = len(piece)
+            flat[at:at + n] = np.frombuffer(piece, dtype=np.uint8)
+            at += n
+        out[key] = t
+        if e.alias_of is not None:
+            out[e.alias_of] = t
+    return out
+
+
+def tree_of(source: Source, keys: list[str], skeleton: Any) -> Any:
+    """The tree ``skeleton`` describes with ``keys``' tensors read from ``source``."""
+    tensors = materialize(source, keys)
+    return build_tree(skeleton, tensors.__getitem__)
+
+
+def write_torch_save(tree: Any, path: str) -> None:
+    """``torch.save(tree, path)`` (a local path)."""
+    import torch
+
+    torch.save(tree, path)
+
+
+def write_dcp(tree: Any, path: str) -> None:
+    """Save ``tree`` as a DCP directory at local ``path`` with no process group."""
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet():
+        dcp.save(tree, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns that it runs in a single process, which is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
