@@ -33,6 +33,7 @@ from checkpoint_store.errors import (
 )
 from checkpoint_store.formats._shards import Written, copy_file, plan_shards, write_shard
 from checkpoint_store.formats._sources import (
+    CHUNK_BYTES,
     HF_INDEX,
     Entry,
     SafetensorsSource,
@@ -126,6 +127,26 @@ def detect_format(backend: Backend, path: str) -> SourceFormat:
         f"{backend.uri_for(path)} holds no state.json, safetensors, DCP or torch.save files")
 
 
+def _copy(src_fs: pafs.FileSystem, src: str, dst_fs: pafs.FileSystem, dst: str) -> None:
+    """Copy a file, or a folder's files (dot files included), streamed."""
+    if _fsutil.kind(src_fs, src) == pafs.FileType.File:
+        pairs = [(src, dst)]
+    else:
+        pairs = [(i.path, posixpath.join(dst, _fsutil.relative(src, i.path)))
+                 for i in _fsutil.list_tree(src_fs, src) if i.type == pafs.FileType.File]
+        dst_fs.create_dir(dst, recursive=True)
+    for a, b in pairs:
+        parent = posixpath.dirname(b)
+        if parent:
+            dst_fs.create_dir(parent, recursive=True)
+        with src_fs.open_input_stream(a) as fin, dst_fs.open_output_stream(b) as fout:
+            while True:
+                piece = fin.read(CHUNK_BYTES)
+                if not piece:
+                    break
+                fout.write(piece)
+
+
 @contextmanager
 def _local_copy(backend: Backend, path: str) -> Iterator[str]:
     """A local path of ``path``: itself on a local disk, else a temporary copy."""
@@ -136,8 +157,7 @@ def _local_copy(backend: Backend, path: str) -> Iterator[str]:
     tmp = tempfile.mkdtemp(prefix="checkpoint-store-format-")
     try:
         target = os.path.join(tmp, posixpath.basename(path.rstrip("/")) or "source")
-        pafs.copy_files(path, target, source_filesystem=backend.filesystem,
-                        destination_filesystem=pafs.LocalFileSystem())
+        _copy(backend.filesystem, path, pafs.LocalFileSystem(), target)
         yield target
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -329,8 +349,7 @@ def _export_torch(source: Source, backend: Backend, path: str, prefix: str,
             write_dcp(tree, out)
             files = tuple(sorted(os.listdir(out)))
         if tmp is not None:
-            pafs.copy_files(out, path, source_filesystem=pafs.LocalFileSystem(),
-                            destination_filesystem=backend.filesystem)
+            _copy(pafs.LocalFileSystem(), out, backend.filesystem, path)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -350,6 +369,8 @@ def export_checkpoint(
     source_format: SourceFormat | None = None,
     storage_options: Mapping[str, Any] | None = None,
     target_storage_options: Mapping[str, Any] | None = None,
+    filesystem: Any = None,
+    target_filesystem: Any = None,
 ) -> Exported:
     """Write a checkpoint's tensors in another tool's format (docs/formats.md).
 
@@ -373,6 +394,8 @@ def export_checkpoint(
             ``"copy"`` its bytes.
         source_format: force the reader (:func:`detect_format` otherwise).
         storage_options, target_storage_options: backend options of each side.
+        filesystem, target_filesystem: a ``pyarrow.fs.FileSystem`` or fsspec
+            filesystem each side's path is in (instead of a URI).
 
     Returns:
         :class:`Exported`.
@@ -394,8 +417,10 @@ def export_checkpoint(
     if isinstance(source, Checkpoint):
         src_backend, src_path = source.backend, source.path
     else:
-        src_backend, src_path = resolve(source, storage_options=storage_options)
-    dst_backend, dst_path = resolve(target, storage_options=target_storage_options)
+        src_backend, src_path = resolve(source, filesystem=filesystem,
+                                        storage_options=storage_options)
+    dst_backend, dst_path = resolve(target, filesystem=target_filesystem,
+                                    storage_options=target_storage_options)
     with open_source(src_backend, src_path, source_format) as src:
         chosen = _default_prefix(src, format) if prefix is None else prefix
         if format == "hf":
@@ -520,6 +545,8 @@ def import_checkpoint(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     storage_options: Mapping[str, Any] | None = None,
     dest_storage_options: Mapping[str, Any] | None = None,
+    filesystem: Any = None,
+    dest_filesystem: Any = None,
 ) -> Checkpoint:
     """Make a Hugging Face folder, a ``torch.save`` file or a DCP directory a
     committed checkpoint holding a state (docs/formats.md): ``load_state``,
@@ -539,6 +566,8 @@ def import_checkpoint(
             DCP, whose own trees are kept).
         shard_bytes: largest state shard written (``torch.save`` and DCP).
         storage_options, dest_storage_options: backend options of each side.
+        filesystem, dest_filesystem: a ``pyarrow.fs.FileSystem`` or fsspec
+            filesystem each side's path is in (instead of a URI).
 
     Returns:
         The committed :class:`~checkpoint_store.Checkpoint`.
@@ -555,7 +584,7 @@ def import_checkpoint(
     """
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes <= 0:
         raise InvalidConfigError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
-    backend, path = resolve(source, storage_options=storage_options)
+    backend, path = resolve(source, filesystem=filesystem, storage_options=storage_options)
     fmt = source_format or detect_format(backend, path)
     if fmt == "state":
         raise InvalidConfigError(f"{backend.uri_for(path)} holds a state already: it needs no "
@@ -572,7 +601,8 @@ def import_checkpoint(
                                      "checkpoint directory to create")
         dst_backend, dst_path = backend, path
     else:
-        dst_backend, dst_path = resolve(dest, storage_options=dest_storage_options)
+        dst_backend, dst_path = resolve(dest, filesystem=dest_filesystem,
+                                        storage_options=dest_storage_options)
     in_place = (dst_backend.filesystem is backend.filesystem or
                 dst_backend.uri_for(dst_path) == backend.uri_for(path)) and dst_path == path
     if safetensors:

@@ -1,0 +1,146 @@
+"""Export and import on every backend: bit-exact round trips on every dtype,
+through a Hugging Face folder, a torch.save file and a DCP directory, and
+the imported checkpoint used as any other (partial loads, verify, resume)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from checkpoint_store import Checkpoint, session
+from checkpoint_store.formats import export_checkpoint, import_checkpoint
+from checkpoint_store.state import DTYPES
+from tests.formats.conftest import Place
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    flat = t.detach().contiguous().reshape(-1)
+    return bytes(flat.view(torch.uint8).numpy()) if flat.numel() else b""
+
+
+def every_dtype() -> dict[str, torch.Tensor]:
+    """One tensor per dtype torch and safetensors share, odd shapes included
+    (0-d, empty, NaN payloads, negative zero)."""
+    g = torch.Generator().manual_seed(7)
+    out: dict[str, torch.Tensor] = {}
+    for name, (_, _np, tname) in DTYPES.items():
+        dtype = getattr(torch, str(tname), None)
+        if dtype is None:
+            continue
+        raw = torch.randint(0, 256, (3, 5, 8), generator=g, dtype=torch.uint8)
+        size = torch.empty((), dtype=dtype).element_size()
+        t = raw.reshape(-1)[: 3 * 5 * (8 // size) * size].view(dtype).reshape(3, 5, -1)
+        out[f"t_{name.lower()}"] = t.clone()
+    out["scalar"] = torch.tensor(-0.0)
+    out["empty"] = torch.empty(0, 4, dtype=torch.bfloat16)
+    out["nan"] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=torch.float16)
+    return out
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert (a[k].dtype, tuple(a[k].shape)) == (b[k].dtype, tuple(b[k].shape)), k
+        assert _bytes(a[k]) == _bytes(b[k]), k
+
+
+def test_hf_round_trip_is_bit_exact_on_every_dtype(place: Place, tmp_path: Any, make) -> None:
+    model = every_dtype()
+    ck = place.persist_state(tmp_path, {"model": model, "step": 4})
+    # Small shards: several files and an index.
+    out = export_checkpoint(ck, place.loc("hf"), max_shard_size=200, **place.side("target_"))
+    assert "model.safetensors.index.json" in out.files and len(out.files) > 3
+    assert out.tensors == len(model)
+    # Copied into a checkpoint elsewhere (memory), then in place where it is.
+    mem = make("memory")
+    copied = import_checkpoint(place.loc("hf"), mem.loc("imported"), **place.side(""))
+    copied.verify()
+    same_bits(copied.load_state()["model"], model)
+    here = import_checkpoint(place.loc("hf"), **place.side(""))
+    assert here.is_committed
+    here.verify()
+    same_bits(here.load_state(keys="model")["model"], model)
+    part = here.load_state(keys=["model/t_bf16", "model/scalar"])["model"]
+    same_bits(part, {k: model[k] for k in ("t_bf16", "scalar")})
+
+
+def test_torch_save_and_dcp_round_trips_keep_the_tree(place: Place, tmp_path: Any) -> None:
+    tree = {"model": every_dtype(), "optimizer": {"state": {"0": {"step": torch.tensor(3.0)}},
+                                                  "lr": 0.5}, "step": 9, "note": "ok"}
+    ck = place.persist_state(tmp_path, tree)
+    side = place.side("target_")
+    export_checkpoint(ck, place.loc("x.pt"), format="torch_save", **side)
+    export_checkpoint(ck, place.loc("dcp"), format="dcp", **side)
+    for name, dest in (("x.pt", "from_pt"), ("dcp", "from_dcp")):
+        back = import_checkpoint(place.loc(name), place.loc(dest), **place.side(""),
+                                 **place.side("dest_"))
+        back.verify()
+        got = back.load_state()
+        same_bits(got["model"], tree["model"])
+        assert (got["step"], got["note"], got["optimizer"]["lr"]) == (9, "ok", 0.5), name
+        assert float(got["optimizer"]["state"]["0"]["step"]) == 3.0
+        assert back.load_state(keys="step") == {"step": 9}
+
+
+def test_torch_save_export_loads_with_torch_alone(tmp_path: Any, make) -> None:
+    place = make("local")
+    tree = {"model": {"w": torch.randn(4, 4), "b": torch.zeros(4, dtype=torch.int8)}, "step": 2}
+    ck = place.persist_state(tmp_path, tree)
+    target = str(tmp_path / "sd.pt")
+    export_checkpoint(ck, target, format="torch_save", prefix="model")
+    got = torch.load(target, weights_only=True)
+    same_bits(got, tree["model"])
+
+
+def test_import_in_place_copies_no_tensor_byte(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    tensors = {"h.0.w": torch.randn(64, 64), "h.1.w": torch.randn(64, 64)}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps({"model_type": "toy"}))
+    before = {n: os.stat(folder / n).st_ino for n in os.listdir(folder)}
+    ck = import_checkpoint(str(folder))
+    after = {n: os.stat(folder / n).st_ino for n in before}
+    assert before == after  # the same files, not copies
+    assert sorted(os.listdir(folder)) == [".internal_metadata.json", "config.json",
+                                          "model.safetensors", "state.json"]
+    manifest = {e["path"] for e in ck.internal_metadata["manifest"]}
+    assert manifest == {"config.json", "model.safetensors", "state.json"}
+    same_bits(ck.load_state()["model"], tensors)
+
+
+def test_resume_from_an_imported_checkpoint(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    tensors = {"w": torch.arange(6, dtype=torch.float32)}
+    save_file(tensors, str(folder / "model.safetensors"))
+    ck = import_checkpoint(str(folder), str(tmp_path / "ckpt"))
+    with session.start(storage_path=str(tmp_path / "runs"), experiment_name="exp",
+                       trial_name="t", resume_from=ck):
+        got = session.get_checkpoint()
+        assert got is not None and got.uri == ck.uri
+        into = {"model": {"w": torch.zeros(6)}}
+        got.load_state(into=into)
+        assert torch.equal(into["model"]["w"], tensors["w"])
+    assert isinstance(ck, Checkpoint)
+
+
+@pytest.mark.parametrize("fmt", ["torch_save", "dcp"])
+def test_import_source_on_object_store_is_read_locally(fmt: str, tmp_path: Any, make) -> None:
+    """A torch.save file or DCP directory on S3 is fetched into a temporary
+    directory (torch reads local files only), converted, and the temporary
+    copy removed."""
+    s3 = make("s3")
+    ck = s3.persist_state(tmp_path, {"model": {"w": torch.randn(3)}})
+    name = "x.pt" if fmt == "torch_save" else "dcp"
+    export_checkpoint(ck, s3.loc(name), format=fmt, **s3.side("target_"))
+    back = import_checkpoint(s3.loc(name), str(tmp_path / "back"), **s3.side(""))
+    assert torch.equal(back.load_state()["model"]["w"], ck.load_state()["model"]["w"])
