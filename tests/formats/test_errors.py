@@ -1,0 +1,156 @@
+"""What a format cannot hold, and damaged sources, are typed errors raised
+before anything is written; a missing Hugging Face index is rebuilt."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from checkpoint_store.errors import (
+    CheckpointConflictError,
+    CheckpointCorruptError,
+    FormatConversionError,
+    InvalidConfigError,
+    TensorCorruptError,
+)
+from checkpoint_store.formats import export_checkpoint, import_checkpoint
+from tests.formats.conftest import Place
+
+
+def _files(place: Place, name: str) -> list[str]:
+    from checkpoint_store.registry import resolve
+
+    backend, path = resolve(place.loc(name), filesystem=place.fs,
+                            storage_options=(place.options or None) if place.fs is None
+                            else None)
+    import pyarrow.fs as pafs
+
+    sel = pafs.FileSelector(path, allow_not_found=True, recursive=True)
+    return sorted(i.path for i in backend.filesystem.get_file_info(sel))
+
+
+def test_names_colliding_after_mapping_write_nothing(place: Place, tmp_path: Any) -> None:
+    # "a.b" and {"a": {"b"}} both become the Hugging Face name "a.b".
+    ck = place.persist_state(tmp_path, {"model": {"a.b": torch.zeros(2),
+                                                  "a": {"b": torch.ones(2)}}})
+    with pytest.raises(FormatConversionError, match="both map to the name 'a.b'") as err:
+        export_checkpoint(ck, place.loc("hf"), **place.side("target_"))
+    assert err.value.key == "model/a/b"
+    assert _files(place, "hf") == []
+
+
+def test_a_value_safetensors_cannot_hold_writes_nothing(tmp_path: Any, make) -> None:
+    place = make("local")
+    ck = place.persist_state(tmp_path, {"model": {"w": torch.zeros(2), "kind": "linear"}})
+    with pytest.raises(FormatConversionError, match="not a tensor") as err:
+        export_checkpoint(ck, place.loc("hf"))
+    assert err.value.key == "model/kind"
+    assert not os.path.exists(place.loc("hf"))
+    with pytest.raises(FormatConversionError, match="no tensor under 'encoder'"):
+        export_checkpoint(ck, place.loc("hf"), prefix="encoder")
+    assert not os.path.exists(place.loc("hf"))
+
+
+def test_an_existing_export_is_not_overwritten(tmp_path: Any, make) -> None:
+    place = make("local")
+    ck = place.persist_state(tmp_path, {"model": {"w": torch.zeros(2)}})
+    export_checkpoint(ck, place.loc("hf"))
+    before = open(os.path.join(place.loc("hf"), "model.safetensors"), "rb").read()
+    with pytest.raises(InvalidConfigError, match="holds 'model.safetensors' already"):
+        export_checkpoint(ck, place.loc("hf"))
+    assert open(os.path.join(place.loc("hf"), "model.safetensors"), "rb").read() == before
+
+
+def test_a_corrupt_tensor_stops_the_export_and_removes_its_files(tmp_path: Any,
+                                                                 make) -> None:
+    place = make("local")
+    ck = place.persist_state(tmp_path, {"model": {"w": torch.ones(1000)}})
+    shard = next(n for n in os.listdir(ck.path) if n.endswith(".safetensors"))
+    with open(os.path.join(ck.path, shard), "r+b") as f:
+        f.seek(-10, os.SEEK_END)
+        f.write(b"\x00" * 4)
+    with pytest.raises(TensorCorruptError) as err:
+        export_checkpoint(ck, place.loc("hf"))
+    assert err.value.tensor == "model/w"
+    assert os.listdir(place.loc("hf")) == []
+
+
+def test_a_missing_hf_index_is_rebuilt_and_a_missing_shard_refused(place: Place,
+                                                                   tmp_path: Any) -> None:
+    tensors = {f"layer.{i}.w": torch.full((8,), float(i)) for i in range(6)}
+    ck = place.persist_state(tmp_path, {"model": tensors})
+    out = export_checkpoint(ck, place.loc("hf"), max_shard_size=70, **place.side("target_"))
+    from checkpoint_store.registry import resolve
+
+    backend, hf = resolve(place.loc("hf"), filesystem=place.fs,
+                          storage_options=(place.options or None) if place.fs is None else None)
+    backend.filesystem.delete_file(f"{hf}/model.safetensors.index.json")
+    back = import_checkpoint(place.loc("hf"), place.loc("ck"), **place.side(""),
+                             **place.side("dest_"))
+    got = back.load_state()["model"]
+    assert all(torch.equal(got[k], tensors[k]) for k in tensors)
+    # Without a shard the set is incomplete: refused, nothing written there.
+    backend.filesystem.delete_file(f"{hf}/{out.files[1]}")
+    with pytest.raises(CheckpointCorruptError, match="shard 2 of"):
+        import_checkpoint(place.loc("hf"), **place.side(""))
+    assert not any(p.endswith("state.json") for p in _files(place, "hf"))
+
+
+def test_an_index_that_disagrees_with_the_headers_is_refused(tmp_path: Any) -> None:
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    save_file({"a": torch.zeros(2)}, str(folder / "model-00001-of-00001.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model-00001-of-00001.safetensors", "b": "gone.safetensors"}}')
+    with pytest.raises(CheckpointCorruptError, match="names 'b'"):
+        import_checkpoint(str(folder))
+    assert sorted(os.listdir(folder)) == ["model-00001-of-00001.safetensors",
+                                          "model.safetensors.index.json"]
+
+
+def test_dcp_without_metadata_is_refused(tmp_path: Any, make) -> None:
+    place = make("local")
+    ck = place.persist_state(tmp_path, {"model": {"w": torch.zeros(3)}})
+    export_checkpoint(ck, place.loc("dcp"), format="dcp")
+    os.remove(os.path.join(place.loc("dcp"), ".metadata"))
+    with pytest.raises(CheckpointCorruptError, match="no .metadata"):
+        import_checkpoint(place.loc("dcp"), str(tmp_path / "ck"))
+    assert not os.path.exists(tmp_path / "ck")
+
+
+def test_a_torch_save_with_objects_is_refused(tmp_path: Any) -> None:
+    path = tmp_path / "x.pt"
+    torch.save({"w": torch.zeros(2), "cfg": _Config()}, path)
+    with pytest.raises(FormatConversionError, match="weights_only"):
+        import_checkpoint(str(path), str(tmp_path / "ck"))
+    assert not os.path.exists(tmp_path / "ck")
+    with pytest.raises(InvalidConfigError, match="give dest="):
+        torch.save({"w": torch.zeros(2)}, tmp_path / "y.pt")
+        import_checkpoint(str(tmp_path / "y.pt"))
+
+
+class _Config:
+    lr = 0.1
+
+
+def test_overlapping_views_in_a_torch_save_are_refused(tmp_path: Any) -> None:
+    base = torch.arange(10.0)
+    torch.save({"a": base[:6], "b": base[4:]}, tmp_path / "x.pt")
+    from checkpoint_store.errors import UnsupportedStateError
+
+    with pytest.raises(UnsupportedStateError, match="overlap"):
+        import_checkpoint(str(tmp_path / "x.pt"), str(tmp_path / "ck"))
+    assert not os.path.exists(tmp_path / "ck")
+
+
+def test_a_committed_folder_is_not_imported_again(tmp_path: Any) -> None:
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    save_file({"a": torch.zeros(2)}, str(folder / "model.safetensors"))
+    import_checkpoint(str(folder))
+    with pytest.raises((CheckpointConflictError, InvalidConfigError)):
+        import_checkpoint(str(folder), source_format="hf")
