@@ -23,9 +23,9 @@ the rest lives:
   records; :mod:`.metrics`: the metric a command ranks by;
 * :mod:`.progress`: byte counting and progress bars of transfers;
 * one module per command group: :mod:`.inspection` (ls, show, best), :mod:`.verify`,
-  :mod:`.transfers` (download, upload, cp), :mod:`.maintenance` (prune, gc),
-  :mod:`.backends`, :mod:`.demo`, :mod:`.ui` (ui, plot; the page itself is
-  :mod:`checkpoint_store.ui`).
+  :mod:`.transfers` (download, upload, cp), :mod:`.formats` (export, import),
+  :mod:`.maintenance` (prune, gc), :mod:`.backends`, :mod:`.demo`, :mod:`.ui`
+  (ui, plot; the page itself is :mod:`checkpoint_store.ui`).
 """
 
 from __future__ import annotations
@@ -279,11 +279,20 @@ def main() -> None:
 
 def _add_commands() -> None:
     """Register every command, in the order ``--help`` lists them."""
-    from checkpoint_store.cli import backends, demo, inspection, maintenance, transfers, verify
+    from checkpoint_store.cli import (
+        backends,
+        demo,
+        formats,
+        inspection,
+        maintenance,
+        transfers,
+        verify,
+    )
     from checkpoint_store.cli.ui import plot_cmd, ui_cmd
 
     for command in (inspection.ls_cmd, inspection.show_cmd, inspection.best_cmd,
                     transfers.download_cmd, transfers.upload_cmd, transfers.cp_cmd,
+                    formats.export_cmd, formats.import_cmd,
                     verify.verify_cmd, maintenance.prune_cmd, maintenance.gc_cmd,
                     backends.backends_cmd, demo.demo, ui_cmd, plot_cmd):
         main.add_command(command)

@@ -441,7 +441,8 @@ def test_debug_prints_the_traceback(tmp_path) -> None:
     assert "Traceback" in after.stderr
 
 
-@pytest.mark.parametrize("command", ["ls", "show", "best", "download", "upload", "cp", "verify",
+@pytest.mark.parametrize("command", ["ls", "show", "best", "download", "upload", "cp", "export",
+                                     "import", "verify",
                                      "prune", "gc", "backends", "demo"])
 def test_every_command_has_help_with_examples(command: str) -> None:
     res = invoke([command, "--help"])
