@@ -1,0 +1,231 @@
+"""Export and import throughput against the storage's read bandwidth, and
+peak memory of an export (issue 44's targets).
+
+Standalone: ``python -m benchmarks.bench_formats [--quick] [--reps 3]``
+prints one JSON object (the rows below).
+
+Every ratio is measured in this one run, candidates alternating per
+repetition, on the same files:
+
+* ``read``: the storage's read bandwidth: every byte of the source state's
+  shards read front to back in pieces of ``CHUNK_BYTES`` through the same
+  filesystem (one stream, as an export reads).
+* ``export hf``: ``export_checkpoint(state -> Hugging Face folder)`` on the
+  same storage (read, CRC32C check, write).
+* ``import hf in place``: ``import_checkpoint(folder)`` of that folder where
+  it is (each file read once for its checksums, no copy).
+* ``import hf copy``: ``import_checkpoint(folder, elsewhere on the same storage)``.
+
+Each row: bytes of tensor data / median seconds, and its ratio to ``read``.
+Storage: the local disk (page cache warm for every candidate alike) and S3
+on a moto server on 127.0.0.1.
+
+Memory: in a subprocess, a state of ``--rss-gib`` GiB whose largest tensor
+is 64 MiB is exported to a local Hugging Face folder while VmRSS is sampled
+every 2 ms; the growth over the value after imports, against the bound
+``2 x largest + 64 MiB``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _make_state(root: str, total: int, largest: int) -> dict[str, Any]:
+    """Write a state of ``total`` bytes (tensors of ``largest`` bytes and a
+    few small ones) into ``root``; returns its tensor index."""
+    import torch
+
+    from checkpoint_store.state import write_state
+
+    n = max(1, total // largest)
+    g = torch.Generator().manual_seed(0)
+    model = {f"layers.{i}.weight": torch.randn(largest // 4, generator=g) for i in range(n)}
+    model.update({f"layers.{i}.bias": torch.randn(1024, generator=g) for i in range(n)})
+    return write_state({"model": model, "step": 1}, root, shard_bytes=1 << 30)
+
+
+def _read_all(fs: Any, files: list[str]) -> int:
+    from checkpoint_store.formats import CHUNK_BYTES
+
+    n = 0
+    for path in files:
+        with fs.open_input_file(path) as f:
+            size = f.size()
+            at = 0
+            while at < size:
+                piece = f.read_at(min(CHUNK_BYTES, size - at), at)
+                at += len(piece)
+        n += size
+    return n
+
+
+def _place(kind: str, server: Any) -> tuple[str, dict[str, Any]]:
+    if kind == "local":
+        return tempfile.mkdtemp(prefix="bench-formats-"), {}
+    opts = dict(server.storage_options("pyarrow"))
+    return f"s3://{server.bench_bucket}/{uuid.uuid4().hex[:8]}", opts
+
+
+def _throughput(kind: str, total: int, largest: int, reps: int, server: Any) -> dict[str, Any]:
+    from checkpoint_store import Checkpoint, StorageContext
+    from checkpoint_store.formats import export_checkpoint, import_checkpoint
+    from checkpoint_store.registry import resolve
+
+    root, opts = _place(kind, server)
+    src = tempfile.mkdtemp(prefix="bench-formats-src-")
+    try:
+        tensors = _make_state(src, total, largest)
+        nbytes = sum(e["offsets"][1] - e["offsets"][0] for e in tensors.values())
+        ctx = StorageContext(root, "exp", "t", storage_options=opts or None, fsync=False)
+        ck = ctx.persist_checkpoint(Checkpoint.from_directory(src), 0, {"tensors": tensors})
+        backend, ck_path = resolve(ck.uri, storage_options=opts or None)
+        shards = sorted({e["file"] for e in tensors.values()})
+        files = [f"{ck_path}/{s}" for s in shards]
+        times: dict[str, list[float]] = {k: [] for k in
+                                         ("read", "export hf", "import hf in place",
+                                          "import hf copy")}
+        for rep in range(reps):
+            hf = f"{root.rstrip('/')}/hf-{rep}"
+            order = list(times)
+            order = order[rep % len(order):] + order[:rep % len(order)]
+            for name in order:
+                if name == "read":
+                    t0 = time.perf_counter()
+                    _read_all(backend.filesystem, files)
+                elif name == "export hf":
+                    t0 = time.perf_counter()
+                    export_checkpoint(ck, f"{hf}-x", max_shard_size=GiB,
+                                      target_storage_options=opts or None)
+                    times[name].append(time.perf_counter() - t0)
+                    continue
+                elif name == "import hf in place":
+                    _ensure_export(ck, f"{hf}-p", opts)
+                    t0 = time.perf_counter()
+                    import_checkpoint(f"{hf}-p", storage_options=opts or None)
+                else:
+                    _ensure_export(ck, f"{hf}-c", opts)
+                    t0 = time.perf_counter()
+                    import_checkpoint(f"{hf}-c", f"{root.rstrip('/')}/copy-{rep}",
+                                      storage_options=opts or None,
+                                      dest_storage_options=opts or None)
+                times[name].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        read_bw = nbytes / med["read"]
+        return {"storage": kind, "bytes": nbytes, "largest": largest, "reps": reps,
+                "rows": {k: {"s": round(med[k], 3), "MiB/s": round(nbytes / med[k] / MiB, 1),
+                             "ratio_to_read": round(nbytes / med[k] / read_bw, 3)}
+                         for k in med}}
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+        if kind == "local":
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _ensure_export(ck: Any, target: str, opts: dict[str, Any]) -> None:
+    from checkpoint_store.formats import export_checkpoint
+
+    export_checkpoint(ck, target, max_shard_size=GiB, target_storage_options=opts or None)
+
+
+# -- memory ---------------------------------------------------------------------------
+
+_CHILD = r"""
+import json, os, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import torch  # imported before the baseline: the bound is on what the export adds
+from checkpoint_store import Checkpoint
+from checkpoint_store.formats import export_checkpoint, import_checkpoint
+from benchmarks.bench_formats import _rss
+src, out, largest = sys.argv[2], sys.argv[3], int(sys.argv[4])
+peak = [0]; stop = threading.Event()
+def sample():
+    while not stop.is_set():
+        peak[0] = max(peak[0], _rss()); time.sleep(0.002)
+res = {}
+for name, fn in (("export hf", lambda: export_checkpoint(Checkpoint(src), out + "/hf",
+                                                          max_shard_size=1 << 30)),
+                 ("import hf in place", lambda: import_checkpoint(out + "/hf")),
+                 ("import hf copy", lambda: import_checkpoint(out + "/hf", out + "/copy",
+                                                              source_format="hf"))):
+    base = _rss(); peak[0] = base; stop.clear()
+    t = threading.Thread(target=sample, daemon=True); t.start()
+    t0 = time.perf_counter(); fn(); dt = time.perf_counter() - t0
+    stop.set(); t.join()
+    res[name] = {"growth_MiB": round((peak[0] - base) / 2**20, 1), "s": round(dt, 2)}
+print(json.dumps(res))
+"""
+
+
+def _memory(total: int, largest: int) -> dict[str, Any]:
+    root = tempfile.mkdtemp(prefix="bench-formats-rss-")
+    try:
+        src = os.path.join(root, "state")
+        _make_state(src, total, largest)
+        out = os.path.join(root, "out")
+        os.makedirs(out)
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        proc = subprocess.run([sys.executable, "-c", _CHILD, repo, src, out, str(largest)],
+                              capture_output=True, text=True, timeout=1800,
+                              env={**os.environ, "PYTHONPATH": repo})
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr[-2000:])
+        rows = json.loads(proc.stdout.strip().splitlines()[-1])
+        bound = (2 * largest + 64 * MiB) / MiB
+        return {"bytes": total, "largest": largest, "bound_MiB": bound,
+                "rows": {k: {**v, "within": v["growth_MiB"] <= bound} for k, v in rows.items()}}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="64 MiB instead of 1 GiB; RSS at 256 MiB")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--s3-gib", type=float, default=None,
+                   help="bytes for the S3 rows (default: as local)")
+    p.add_argument("--rss-gib", type=float, default=None, help="state size of the RSS row")
+    p.add_argument("--skip-s3", action="store_true")
+    args = p.parse_args(argv)
+    total = 64 * MiB if args.quick else GiB
+    largest = 16 * MiB if args.quick else 64 * MiB
+    out: dict[str, Any] = {"throughput": [], "memory": None}
+    out["throughput"].append(_throughput("local", total, largest, args.reps, None))
+    if not args.skip_s3:
+        from checkpoint_store.testing.servers import S3Server
+
+        with S3Server.start() as server:
+            server.bench_bucket = "bench-formats"
+            server.create_bucket(server.bench_bucket)
+            s3_total = int(args.s3_gib * GiB) if args.s3_gib else total
+            out["throughput"].append(_throughput("s3", s3_total, largest, args.reps, server))
+    rss = int(args.rss_gib * GiB) if args.rss_gib else (256 * MiB if args.quick else 2 * GiB)
+    out["memory"] = _memory(rss, 64 * MiB)
+    print(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
