@@ -17,8 +17,9 @@ repetition, on the same files:
 * ``import hf copy``: ``import_checkpoint(folder, elsewhere on the same storage)``.
 
 Each row: bytes of tensor data / median seconds, and its ratio to ``read``.
-Storage: the local disk (page cache warm for every candidate alike) and S3
-on a moto server on 127.0.0.1.
+Storage: the local disk (before each candidate dirty pages are written back
+and the files dropped from the page cache: every candidate reads from the
+disk) and S3 on a moto server on 127.0.0.1.
 
 Memory: in a subprocess, a state of ``--rss-gib`` GiB whose largest tensor
 is 64 MiB is exported to a local Hugging Face folder while VmRSS is sampled
@@ -36,7 +37,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from typing import Any
@@ -82,6 +82,23 @@ def _read_all(fs: Any, files: list[str]) -> int:
     return n
 
 
+def _evict(kind: str, *roots: str) -> None:
+    """Local disk: write back dirty pages, then drop every file under
+    ``roots`` from the page cache, so each candidate reads from the disk
+    (the storage's own bandwidth), none from memory another one warmed."""
+    if kind != "local":
+        return
+    os.sync()
+    for root in roots:
+        for dirpath, _dirs, names in os.walk(root):
+            for name in names:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
 def _place(kind: str, server: Any) -> tuple[str, dict[str, Any]]:
     if kind == "local":
         return tempfile.mkdtemp(prefix="bench-formats-"), {}
@@ -112,6 +129,11 @@ def _throughput(kind: str, total: int, largest: int, reps: int, server: Any) -> 
             order = list(times)
             order = order[rep % len(order):] + order[:rep % len(order)]
             for name in order:
+                if name == "import hf in place":
+                    _ensure_export(ck, f"{hf}-p", opts)
+                elif name == "import hf copy":
+                    _ensure_export(ck, f"{hf}-c", opts)
+                _evict(kind, root)
                 if name == "read":
                     t0 = time.perf_counter()
                     _read_all(backend.filesystem, files)
@@ -122,11 +144,9 @@ def _throughput(kind: str, total: int, largest: int, reps: int, server: Any) -> 
                     times[name].append(time.perf_counter() - t0)
                     continue
                 elif name == "import hf in place":
-                    _ensure_export(ck, f"{hf}-p", opts)
                     t0 = time.perf_counter()
                     import_checkpoint(f"{hf}-p", storage_options=opts or None)
                 else:
-                    _ensure_export(ck, f"{hf}-c", opts)
                     t0 = time.perf_counter()
                     import_checkpoint(f"{hf}-c", f"{root.rstrip('/')}/copy-{rep}",
                                       storage_options=opts or None,

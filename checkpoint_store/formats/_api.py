@@ -288,7 +288,7 @@ def _export_hf(source: Source, backend: Backend, path: str, prefix: str, name_pr
         weight_map: dict[str, str] = {}
         for plan in plans:
             done.append(plan.name)
-            write_shard(fs, posixpath.join(path, plan.name), plan, source)
+            write_shard(fs, posixpath.join(path, plan.name), plan, source, crcs=False)
             weight_map.update({name: plan.name for name, _ in plan.items})
         if len(plans) > 1:
             total = sum(e.nbytes for _, e in items)

@@ -108,12 +108,13 @@ def ahead(it: Iterator[Any]) -> Iterator[Any]:
             yield item
 
 
-def _pieces(source: Source, plan: Planned) -> Iterator[tuple[str, Any, int]]:
-    """``(name, piece, crc of the tensor so far)`` over the file's tensors."""
+def _pieces(source: Source, plan: Planned, crcs: bool) -> Iterator[tuple[str, Any, int]]:
+    """``(name, piece, crc of the tensor so far or 0)`` over the file's tensors."""
     for name, e in plan.items:
         crc, n = 0, 0
         for piece in source.chunks(e.key):
-            crc = crc_extend(crc, piece)
+            if crcs:
+                crc = crc_extend(crc, piece)
             n += len(piece)
             yield name, piece, crc
         if n != e.nbytes:
@@ -125,8 +126,13 @@ def _pieces(source: Source, plan: Planned) -> Iterator[tuple[str, Any, int]]:
             yield name, b"", 0
 
 
-def write_shard(fs: pafs.FileSystem, path: str, plan: Planned, source: Source) -> Written:
+def write_shard(fs: pafs.FileSystem, path: str, plan: Planned, source: Source, *,
+                crcs: bool = True) -> Written:
     """Write ``plan`` to ``path`` (one output stream), its bytes from ``source``.
+
+    ``crcs=False`` skips the CRC32C of what is written (the returned ones
+    are then 0): a Hugging Face folder records none, and the source checks
+    its own as it reads.
 
     Raises:
         TensorCorruptError: a source tensor failed its checksum (the file is
@@ -137,7 +143,7 @@ def write_shard(fs: pafs.FileSystem, path: str, plan: Planned, source: Source) -
     tensor_crc: dict[str, int] = {}
     with fs.open_output_stream(path) as out:
         out.write(plan.header)
-        for name, piece, crc in ahead(_pieces(source, plan)):
+        for name, piece, crc in ahead(_pieces(source, plan, crcs)):
             if len(piece):
                 out.write(piece)
             tensor_crc[name] = crc
