@@ -537,7 +537,7 @@ def _write_state_files(src: Source, fs: pafs.FileSystem, directory: str, shard_b
 
 
 def import_checkpoint(
-    source: str | os.PathLike[str],
+    source: str | os.PathLike[str] | Checkpoint,
     dest: str | os.PathLike[str] | None = None,
     *,
     source_format: SourceFormat | None = None,
@@ -553,7 +553,8 @@ def import_checkpoint(
     ``load_state(keys=...)`` and ``resume_from`` work on it.
 
     Args:
-        source: the folder or file, on any backend.
+        source: the folder or file, on any backend (a ``Checkpoint`` too:
+            an integration's checkpoint of DCP or ``torch.save`` files).
         dest: the checkpoint directory to create (any backend; must not be
             committed). None: in place: a Hugging Face or DCP folder is
             committed where it is (``state.json`` and the commit marker are
@@ -584,7 +585,10 @@ def import_checkpoint(
     """
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes <= 0:
         raise InvalidConfigError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
-    backend, path = resolve(source, filesystem=filesystem, storage_options=storage_options)
+    if isinstance(source, Checkpoint):
+        backend, path = source.backend, source.path
+    else:
+        backend, path = resolve(source, filesystem=filesystem, storage_options=storage_options)
     fmt = source_format or detect_format(backend, path)
     if fmt == "state":
         raise InvalidConfigError(f"{backend.uri_for(path)} holds a state already: it needs no "
