@@ -10,6 +10,9 @@ repetition, on the same files:
 * ``read``: the storage's read bandwidth: every byte of the source state's
   shards read front to back in pieces of ``CHUNK_BYTES`` through the same
   filesystem (one stream, as an export reads).
+* ``write``: the storage's write bandwidth: as many bytes written in pieces
+  of ``CHUNK_BYTES`` through one output stream (an export also writes each
+  byte once: where the storage writes slower than it reads, that bounds it).
 * ``export hf``: ``export_checkpoint(state -> Hugging Face folder)`` on the
   same storage (read, CRC32C check, write).
 * ``import hf in place``: ``import_checkpoint(folder)`` of that folder where
@@ -99,6 +102,18 @@ def _evict(kind: str, *roots: str) -> None:
                     os.close(fd)
 
 
+def _write_all(fs: Any, path: str, nbytes: int) -> None:
+    """``nbytes`` written to ``path`` in pieces of ``CHUNK_BYTES``, one stream."""
+    from checkpoint_store.formats import CHUNK_BYTES
+
+    piece = os.urandom(CHUNK_BYTES)
+    with fs.open_output_stream(path) as out:
+        left = nbytes
+        while left > 0:
+            out.write(piece[:min(left, CHUNK_BYTES)])
+            left -= CHUNK_BYTES
+
+
 def _place(kind: str, server: Any) -> tuple[str, dict[str, Any]]:
     if kind == "local":
         return tempfile.mkdtemp(prefix="bench-formats-"), {}
@@ -122,7 +137,8 @@ def _throughput(kind: str, total: int, largest: int, reps: int, server: Any) -> 
         shards = sorted({e["file"] for e in tensors.values()})
         files = [f"{ck_path}/{s}" for s in shards]
         times: dict[str, list[float]] = {k: [] for k in
-                                         ("read", "export hf", "import hf in place",
+                                         ("read", "write", "export hf",
+                                          "import hf in place",
                                           "import hf copy")}
         for rep in range(reps):
             hf = f"{root.rstrip('/')}/hf-{rep}"
@@ -137,6 +153,9 @@ def _throughput(kind: str, total: int, largest: int, reps: int, server: Any) -> 
                 if name == "read":
                     t0 = time.perf_counter()
                     _read_all(backend.filesystem, files)
+                elif name == "write":
+                    t0 = time.perf_counter()
+                    _write_all(backend.filesystem, f"{ck_path}-w{rep}", nbytes)
                 elif name == "export hf":
                     t0 = time.perf_counter()
                     export_checkpoint(ck, f"{hf}-x", max_shard_size=GiB,

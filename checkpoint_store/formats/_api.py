@@ -27,6 +27,8 @@ from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
+    CheckpointConflictError,
+    CheckpointCorruptError,
     CheckpointNotFoundError,
     FormatConversionError,
     InvalidConfigError,
@@ -117,8 +119,6 @@ def detect_format(backend: Backend, path: str) -> SourceFormat:
         raise InvalidConfigError(f"{backend.uri_for(path)} holds several torch.save files "
                                  f"({', '.join(sorted(pts))}); give the path of one")
     if any(n.endswith(".distcp") for n in files):
-        from checkpoint_store.errors import CheckpointCorruptError
-
         raise CheckpointCorruptError(
             f"{backend.uri_for(path)} holds DCP .distcp files but no .metadata: the save did "
             "not finish (DCP writes .metadata last); use an earlier checkpoint", path=path,
@@ -477,10 +477,8 @@ def _internal(path: str, fmt: str, src_uri: str, tensors: Mapping[str, Any] | No
 
 
 def _refuse_committed(backend: Backend, path: str) -> None:
-    if protocol_for(backend).inspect(path).state != "missing" and \
-            protocol_for(backend).inspect(path).meta is not None:
-        from checkpoint_store.errors import CheckpointConflictError
-
+    """Raise before any write when ``path`` is committed already."""
+    if protocol_for(backend).inspect(path).meta is not None:
         raise CheckpointConflictError(f"{backend.uri_for(path)} is a committed checkpoint "
                                       "already; import it into another place (dest=)")
 

@@ -16,6 +16,7 @@ widest elements first so every tensor is aligned to its element size.
 
 from __future__ import annotations
 
+import bisect
 import json
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -27,10 +28,11 @@ import google_crc32c
 import pyarrow.fs as pafs
 
 from checkpoint_store._transfer.crc32c import crc32c_combine
-from checkpoint_store.formats._sources import Entry, Source, crc_extend
+from checkpoint_store.errors import CheckpointCorruptError
+from checkpoint_store.formats._sources import CHUNK_BYTES, Entry, Source, crc_extend
 from checkpoint_store.state import DTYPES
 
-__all__ = ["Planned", "Written", "ahead", "plan_shards", "write_shard"]
+__all__ = ["Planned", "Written", "ahead", "copy_file", "plan_shards", "write_shard"]
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,6 @@ def _pieces(source: Source, plan: Planned, crcs: bool) -> Iterator[tuple[str, An
             n += len(piece)
             yield name, piece, crc
         if n != e.nbytes:
-            from checkpoint_store.errors import CheckpointCorruptError
-
             raise CheckpointCorruptError(
                 f"tensor {e.key!r} of {source.where} gave {n} bytes, {e.nbytes} expected")
         if n == 0:
@@ -166,10 +166,8 @@ def copy_file(fs_in: pafs.FileSystem, src: str, fs_out: pafs.FileSystem | None, 
     Raises:
         CheckpointCorruptError: ``src`` is shorter than ``size``.
     """
-    from checkpoint_store.errors import CheckpointCorruptError
-    from checkpoint_store.formats._sources import CHUNK_BYTES
-
     order = sorted(spans.items(), key=lambda kv: kv[1])
+    ends = [e for _, (_b, e) in order]
     crcs = {name: 0 for name in spans}
 
     def pieces() -> Iterator[tuple[int, bytes]]:
@@ -191,17 +189,17 @@ def copy_file(fs_in: pafs.FileSystem, src: str, fs_out: pafs.FileSystem | None, 
                 out.write(piece)
             file_crc = crc_extend(file_crc, piece)
             end = at + len(piece)
-            for name, (b, e) in order:
-                if e <= at or b >= end:
-                    continue
+            # Spans are sorted and disjoint: start at the first ending after `at`.
+            i = bisect.bisect_right(ends, at)
+            while i < len(order) and order[i][1][0] < end:
+                name, (b, e) = order[i]
                 lo, hi = max(b, at) - at, min(e, end) - at
-                crcs[name] = crc_extend(crcs[name], memoryview(piece)[lo:hi])
+                if hi > lo:
+                    crcs[name] = crc_extend(crcs[name], memoryview(piece)[lo:hi])
+                i += 1
     finally:
         if out is not None:
             out.close()
-    return Written(posixpath_basename(src), size, f"{file_crc:08x}",
+    return Written(src.rstrip("/").rsplit("/", 1)[-1], size, f"{file_crc:08x}",
                    {name: (b, e, f"{crcs[name]:08x}") for name, (b, e) in spans.items()})
 
-
-def posixpath_basename(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]

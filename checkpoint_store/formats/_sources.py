@@ -43,7 +43,7 @@ from checkpoint_store.errors import (
     CheckpointNotFoundError,
     TensorCorruptError,
 )
-from checkpoint_store.state import DTYPES, STATE_FILE, read_state_index
+from checkpoint_store.state import DTYPES, read_state_index
 from checkpoint_store.state._tree import iter_leaves
 
 __all__ = ["CHUNK_BYTES", "Entry", "crc_extend", "SafetensorsSource", "Source", "StateSource",
@@ -119,11 +119,6 @@ class Source(abc.ABC):
             TensorCorruptError: the bytes fail the checksum the source keeps
                 (raised after the last piece).
         """
-
-    @property
-    def largest(self) -> int:
-        """Bytes of the largest tensor (0 with none)."""
-        return max((e.nbytes for e in self.entries.values()), default=0)
 
 
 def _ranged(fs: pafs.FileSystem, path: str, begin: int, end: int) -> Iterator[bytes]:
@@ -323,7 +318,3 @@ class SafetensorsSource(Source):
         full, begin, end = self._at[key]
         yield from _ranged(self.fs, full, begin, end)
 
-
-def state_file_present(files: Mapping[str, int]) -> bool:
-    """True when a listing holds a saved state's ``state.json``."""
-    return STATE_FILE in files
