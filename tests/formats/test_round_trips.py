@@ -144,3 +144,28 @@ def test_import_source_on_object_store_is_read_locally(fmt: str, tmp_path: Any, 
     export_checkpoint(ck, s3.loc(name), format=fmt, **s3.side("target_"))
     back = import_checkpoint(s3.loc(name), str(tmp_path / "back"), **s3.side(""))
     assert torch.equal(back.load_state()["model"]["w"], ck.load_state()["model"]["w"])
+
+
+def test_tensors_straddling_pieces_keep_their_checksums(monkeypatch, tmp_path: Any,
+                                                         make) -> None:
+    """Pieces of 96 bytes: every tensor spans several, and pieces start and
+    end inside tensors, in the export's reads, the import's one pass over
+    each file (per-tensor CRC32C from slices of pieces) and its copy."""
+    from checkpoint_store.formats import _api, _shards, _sources, _torch
+
+    for mod in (_api, _shards, _sources, _torch):
+        monkeypatch.setattr(mod, "CHUNK_BYTES", 96)
+    g = torch.Generator().manual_seed(3)
+    model = {f"w{i}": torch.randn(i * 7 + 1, generator=g) for i in range(12)}
+    model["e"] = torch.empty(0)
+    place = make("memory")
+    ck = place.persist_state(tmp_path, {"model": model})
+    export_checkpoint(ck, place.loc("hf"), max_shard_size=300)
+    copied = import_checkpoint(place.loc("hf"), place.loc("copy"))
+    here = import_checkpoint(place.loc("hf"))
+    for back in (copied, here):
+        back.verify()
+        same_bits(back.load_state()["model"], model)  # every tensor's CRC32C checked
+    export_checkpoint(here, place.loc("x.pt"), format="torch_save")
+    again = import_checkpoint(place.loc("x.pt"), place.loc("from-pt"), shard_bytes=200)
+    same_bits(again.load_state()["model"], model)
