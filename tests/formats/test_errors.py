@@ -154,3 +154,18 @@ def test_a_committed_folder_is_not_imported_again(tmp_path: Any) -> None:
     import_checkpoint(str(folder))
     with pytest.raises((CheckpointConflictError, InvalidConfigError)):
         import_checkpoint(str(folder), source_format="hf")
+
+
+def test_a_dcp_object_a_state_cannot_hold_is_refused(tmp_path: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.zeros(2), "cfg": {1, 2}}, no_dist=True,
+             storage_writer=dcp.FileSystemWriter(str(tmp_path / "dcp")))
+    with pytest.raises(FormatConversionError, match="'cfg'.* set") as err:
+        import_checkpoint(str(tmp_path / "dcp"), str(tmp_path / "ck"))
+    assert err.value.key == "cfg"
+    assert not os.path.exists(tmp_path / "ck")
+    before = sorted(os.listdir(tmp_path / "dcp"))
+    with pytest.raises(FormatConversionError):
+        import_checkpoint(str(tmp_path / "dcp"))  # in place: nothing added either
+    assert sorted(os.listdir(tmp_path / "dcp")) == before
