@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 import json
 import math
+import os
 import posixpath
 import re
 import struct
@@ -121,9 +122,53 @@ class Source(abc.ABC):
         """
 
 
-def _ranged(fs: pafs.FileSystem, path: str, begin: int, end: int) -> Iterator[bytes]:
-    """Bytes ``[begin, end)`` of file ``path``, in pieces of :data:`CHUNK_BYTES`."""
+class _Ring:
+    """Three reusable piece buffers for local reads: no fresh allocation (and
+    page faults) per piece. A piece stays valid until two more are read,
+    which covers a writer holding one while :func:`~._shards.ahead` reads the
+    next."""
+
+    def __init__(self) -> None:
+        self._bufs: list[bytearray] = []
+        self._next = 0
+
+    def take(self, n: int) -> memoryview:
+        if len(self._bufs) < 3:
+            self._bufs.append(bytearray(CHUNK_BYTES))
+            buf = self._bufs[-1]
+        else:
+            buf = self._bufs[self._next % 3]
+            self._next += 1
+        if len(buf) < n:
+            buf.extend(bytes(n - len(buf)))
+        return memoryview(buf)[:n]
+
+
+def _ranged(fs: pafs.FileSystem, path: str, begin: int, end: int,
+            ring: _Ring | None = None) -> Iterator[Any]:
+    """Bytes ``[begin, end)`` of file ``path``, in pieces of :data:`CHUNK_BYTES`
+    (on a local disk read with ``preadv`` into ``ring``'s buffers when given)."""
     if end <= begin:
+        return
+    local = _fsutil.local_path(fs, path) if ring is not None else None
+    if local is not None and ring is not None:
+        fd = os.open(local, os.O_RDONLY)
+        try:
+            at = begin
+            while at < end:
+                view = ring.take(min(CHUNK_BYTES, end - at))
+                got = 0
+                while got < len(view):
+                    k = os.preadv(fd, [view[got:]], at + got)
+                    if k == 0:
+                        raise CheckpointCorruptError(
+                            f"{path} ends at byte {at + got}, before byte {end} its index "
+                            "names; the file is truncated", path=path)
+                    got += k
+                yield view
+                at += len(view)
+        finally:
+            os.close(fd)
         return
     with fs.open_input_file(path) as f:
         at = begin
@@ -151,6 +196,7 @@ class StateSource(Source):
     def __init__(self, fs: pafs.FileSystem, path: str):
         saved = read_state_index(fs, path)
         self.fs, self.path = fs, path
+        self._ring = _Ring()
         self.where = f"{fs.type_name}:{path}"
         self.committed = saved.committed
         self.skeleton = saved.skeleton
@@ -164,7 +210,8 @@ class StateSource(Source):
         e = self._index[self._index[key].get("alias_of", key)]
         crc = 0
         begin, end = e["offsets"]
-        for piece in _ranged(self.fs, posixpath.join(self.path, e["file"]), begin, end):
+        for piece in _ranged(self.fs, posixpath.join(self.path, e["file"]), begin, end,
+                             self._ring):
             crc = crc_extend(crc, piece)
             yield piece
         if f"{crc:08x}" != e["crc32c"]:
@@ -251,6 +298,7 @@ class SafetensorsSource(Source):
         the index, if any) under the folder ``path``; ``{"": size}`` when
         ``path`` is one file."""
         self.fs, self.path = fs, path
+        self._ring = _Ring()
         self.where = f"{fs.type_name}:{path}"
         names = sorted(r for r in files if r == "" or r.endswith(".safetensors"))
         if not names:
@@ -316,5 +364,5 @@ class SafetensorsSource(Source):
 
     def chunks(self, key: str) -> Iterator[Any]:
         full, begin, end = self._at[key]
-        yield from _ranged(self.fs, full, begin, end)
+        yield from _ranged(self.fs, full, begin, end, self._ring)
 
