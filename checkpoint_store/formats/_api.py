@@ -62,6 +62,8 @@ SOURCE_FORMATS = ("state", "hf", "safetensors", "torch_save", "dcp")
 #: Hugging Face's default largest shard (``save_pretrained(max_shard_size="5GB")``).
 HF_SHARD_BYTES = 5 * 10**9
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+#: The name a safetensors header keeps for its own metadata, never a tensor's.
+_SAFETENSORS_RESERVED = "__metadata__"
 
 
 @dataclass(frozen=True)
@@ -227,7 +229,8 @@ def hf_items(source: Source, prefix: str, name_prefix: str,
     components below it joined by ``.``, after ``name_prefix``.
 
     Raises:
-        FormatConversionError: two tensors map to one name; a tensor that
+        FormatConversionError: two tensors map to one name, or one maps to
+            ``__metadata__`` (safetensors' reserved name); a tensor that
             shares another's storage with ``shared="error"``; a non-tensor
             value under ``prefix``; no tensor there. Nothing is written.
     """
@@ -256,6 +259,12 @@ def hf_items(source: Source, prefix: str, name_prefix: str,
             raise FormatConversionError(
                 f"tensors {seen[name]!r} and {e.key!r} both map to the name {name!r}; "
                 "rename one or export them separately", key=e.key)
+        if name == _SAFETENSORS_RESERVED:
+            # The header's own entry: no safetensors reader would open the shard.
+            raise FormatConversionError(
+                f"tensor {e.key!r} maps to the name {name!r}, which safetensors reserves for "
+                "its header's metadata; export it under another name (name_prefix=, or a "
+                "prefix= that leaves it out)", key=e.key)
         seen[name] = e.key
         out.append((name, e))
     return out

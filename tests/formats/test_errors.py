@@ -43,6 +43,24 @@ def test_names_colliding_after_mapping_write_nothing(place: Place, tmp_path: Any
     assert _files(place, "hf") == []
 
 
+def test_a_tensor_named_like_the_safetensors_header_writes_nothing(tmp_path: Any, make) -> None:
+    # A state may hold a key "__metadata__" (escaped in our shards); as a
+    # Hugging Face name it would overwrite the header's metadata entry.
+    place = make("local")
+    ck = place.persist_state(tmp_path, {"__metadata__": torch.arange(4.0), "w": torch.ones(2)})
+    with pytest.raises(FormatConversionError, match="reserves") as err:
+        export_checkpoint(ck, place.loc("hf"))
+    assert err.value.key == "__metadata__"
+    assert not os.path.exists(place.loc("hf"))
+    # Under a name prefix it is an ordinary name, and the shard opens.
+    out = export_checkpoint(ck, place.loc("hf2"), name_prefix="model.")
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(place.loc("hf2"), out.files[0]), "pt") as f:
+        assert sorted(f.keys()) == ["model.__metadata__", "model.w"]
+        assert torch.equal(f.get_tensor("model.__metadata__"), torch.arange(4.0))
+
+
 def test_a_value_safetensors_cannot_hold_writes_nothing(tmp_path: Any, make) -> None:
     place = make("local")
     ck = place.persist_state(tmp_path, {"model": {"w": torch.zeros(2), "kind": "linear"}})
