@@ -77,6 +77,7 @@ from checkpoint_store.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointStoreError,
+    InvalidConfigError,
 )
 from checkpoint_store.registry import local_path_argument
 from checkpoint_store.retention import CheckpointConfig
@@ -446,7 +447,7 @@ def restore_latest(
             f"checkpoint {latest.uri} has no integer {STEP_METRIC!r} metric, so it was not "
             "written by CheckpointStoreCallback; download it with Checkpoint.to_directory()"
         )
-    os.makedirs(root, exist_ok=True)
+    _make_output_dir(root)
     with _restore_lock(root):
         _move_aside_newer(root, step)
         target = _restore_step(root, step, latest)
@@ -468,6 +469,21 @@ def _newest_verified(copies: list[HistoryCopy]) -> Checkpoint | None:
             continue
         return copy.checkpoint
     return None
+
+
+def _make_output_dir(root: str) -> None:
+    """Create ``output_dir`` (and its parents) for :func:`restore_latest`.
+
+    Raises:
+        InvalidConfigError: it, or a directory above it, is a file; nothing written.
+    """
+    try:
+        os.makedirs(root, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise InvalidConfigError(
+            f"restore_latest(output_dir) {root!r}: it, or a directory above it, is a file, "
+            "not a directory; give the Trainer's output_dir (a directory, created when "
+            "missing)") from exc
 
 
 def _restore_step(root: str, step: int, checkpoint: Checkpoint) -> str:

@@ -86,8 +86,9 @@ class TierVerification:
                 return
             self._verified.discard(index)
         warnings.warn(f"the local tier's copy {self.checkpoint(index).uri} failed a read "
-                      f"({' '.join(str(exc).split())}); it is removed from the local tier, "
-                      "and the durable copy is restored instead", RuntimeWarning, stacklevel=4)
+                      f"({' '.join(str(exc).split())}); it is removed from the local tier: the "
+                      "next get_checkpoint() returns the durable copy of that index when there "
+                      "is one, else the newest older checkpoint", RuntimeWarning, stacklevel=4)
         self._drop(index)
 
     def _verify(self, index: int) -> bool:

@@ -131,3 +131,19 @@ def test_ranks_restoring_at_once_share_the_lock_and_leave_nothing(tmp_path, monk
     assert max(overlaps) == 1 and len(overlaps) == 32  # latest and best, one at a time
     assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4"]
     assert _tree(out / "checkpoint-4") == USER_FILES
+
+
+@pytest.mark.parametrize("shape", ["file", "under_a_file"])
+def test_an_output_dir_that_is_a_file_is_an_invalid_config_error(tmp_path, shape):
+    from checkpoint_store import InvalidConfigError
+
+    kw = {"storage_path": str(tmp_path / "store")}
+    _commit_saves(tmp_path, kw, [2])
+    blocker = tmp_path / "out"
+    blocker.write_bytes(b"not a directory")
+    out = blocker if shape == "file" else blocker / "run"
+    with pytest.raises(InvalidConfigError, match="is a file"):
+        restore_latest(out, **kw, **NAMES)
+    assert blocker.read_bytes() == b"not a directory"
+    # A directory there restores as usual.
+    assert restore_latest(tmp_path / "ok", **kw, **NAMES) == str(tmp_path / "ok" / "checkpoint-2")
