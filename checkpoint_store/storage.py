@@ -466,7 +466,8 @@ class StorageContext:
 
     def remove_uncommitted(self, run_id: str | None = None, *,
                            known: Mapping[str, int] | None = None,
-                           listing: list[_fsutil.pafs.FileInfo] | None = None) -> list[str]:
+                           listing: list[_fsutil.pafs.FileInfo] | None = None,
+                           sole_owner: bool = False) -> list[str]:
         """Remove what this tool's writers left unfinished in this trial.
 
         Removes staging and deleting directories and partial uploads of other
@@ -475,6 +476,15 @@ class StorageContext:
         ``run_id``: another rank may still be writing it). Called by
         ``session.start`` on rank 0 after it holds the trial's lease.
 
+        Args:
+            sole_owner: the caller holds this trial directory for itself
+                (a local tier, locked for its session's life:
+                ``tiers/lock.py``) and has not written in it yet: every
+                writer that left something unfinished there is dead, the
+                current run's included (a run id can repeat: a launcher's
+                ``CHECKPOINT_STORE_RUN_ID`` kept across restarts), so
+                nothing is spared as active.
+
         Returns:
             The directory names removed, sorted.
 
@@ -482,7 +492,9 @@ class StorageContext:
             TransientBackendError, PermanentBackendError: storage failed;
                 what was removed so far stays removed.
         """
-        found = self.scan(run_id, known=known, listing=listing)
+        found = (scan_trial(self.filesystem, self.trial_path, set(), retry=self.retry,
+                            known=known, listing=listing) if sole_owner
+                 else self.scan(run_id, known=known, listing=listing))
         active = set(found.active)
         removed = []
         for name in found.uncommitted:

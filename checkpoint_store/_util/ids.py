@@ -27,6 +27,20 @@ RUN_ID_ENV = ("CHECKPOINT_STORE_RUN_ID", "TORCHELASTIC_RUN_ID")
 _PROCESS_RUN_ID = f"p{uuid.uuid4().hex[:12]}"
 
 
+def _new_process_run_id() -> None:
+    """A forked child is another process, so another run: without a new id
+    it would share its parent's, and the cleanup of a later fork (or of the
+    parent) would take a dead child's unfinished checkpoint for one the
+    current run may still be writing (``_commit/leftovers.py``: "active")
+    and keep it for good."""
+    global _PROCESS_RUN_ID
+    _PROCESS_RUN_ID = f"p{uuid.uuid4().hex[:12]}"
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows (no fork there)
+    os.register_at_fork(after_in_child=_new_process_run_id)
+
+
 def sanitize_run_id(run_id: str) -> str:
     """``run_id`` with anything but letters, digits and ``_`` replaced by ``_``
     (so names built from it split unambiguously on ``-`` and ``.``)."""
@@ -36,7 +50,8 @@ def sanitize_run_id(run_id: str) -> str:
 def default_run_id() -> tuple[str, bool]:
     """``(run id, shared)``: the launcher's run id (``CHECKPOINT_STORE_RUN_ID``,
     then torchrun's ``TORCHELASTIC_RUN_ID`` + restart count) with shared=True,
-    else one id for this process with shared=False."""
+    else one id for this process with shared=False (a forked child gets a
+    new one: it is another run)."""
     value = os.environ.get("CHECKPOINT_STORE_RUN_ID")
     if value:
         return sanitize_run_id(value), True

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from checkpoint_store._format.layout import (
+    INTERNAL_METADATA,
     TIER_STATE_FILE,
     checkpoint_dir_name,
     is_temp_file_name,
@@ -134,6 +135,9 @@ class FastTier(TierRetention, TierVerification):
         # deleted off the report thread by the deleter.
         self._evicting: set[int] = set()
         self._tier_leftovers: dict[int, str] = {}
+        # The highest index of a checkpoint_<index> directory found at open,
+        # committed or not (one cleanup kept: not ours): never numbered again.
+        self._dir_high = -1
         # The highest index known durable, kept after the tier evicts its copy.
         self._durable_high = -1
         self._deleter = Deleter(self._delete_evicted, name="checkpoint-store-tier-delete")
@@ -190,7 +194,8 @@ class FastTier(TierRetention, TierVerification):
         self._refuse_foreign()
         self.storage.ensure_trial_dir()
         try:
-            self.storage.remove_uncommitted()
+            # The lock is ours: whatever is unfinished here is a dead writer's.
+            self.storage.remove_uncommitted(sole_owner=True)
         except Exception as exc:  # a leftover never stops a run from starting
             logger.warning("cleanup of the local tier %s failed: %s", self.trial_dir, exc)
         for name in os.listdir(self.trial_dir):  # a state write a kill cut short
@@ -199,6 +204,7 @@ class FastTier(TierRetention, TierVerification):
                     os.unlink(os.path.join(self.trial_dir, name))
                 except OSError:
                     pass
+        self._skip_present_indexes()
         recorded = read_tier_state(self.trial_dir)
         if recorded is None and os.path.exists(self.state_path):
             logger.warning("the local tier state %s is unreadable; rebuilding it from the "
@@ -240,6 +246,23 @@ class FastTier(TierRetention, TierVerification):
         if self._evicting:
             self._deleter.kick()
 
+    def _skip_present_indexes(self) -> None:
+        """Number past every ``checkpoint_<index>`` directory still here after
+        cleanup, committed or not: a state or in-place save writes straight
+        into ``checkpoint_<index>`` and must never meet another writer's files
+        there. One cleanup kept holds no trace of our writers (copied in by
+        hand, say): it is left alone, with a warning."""
+        for name in os.listdir(self.trial_dir):
+            index = parse_checkpoint_dir_name(name)
+            if index is None or not os.path.isdir(os.path.join(self.trial_dir, name)):
+                continue
+            self._dir_high = max(self._dir_high, index)
+            if not os.path.exists(os.path.join(self.trial_dir, name, INTERNAL_METADATA)):
+                logger.warning("the local tier's %s is not a checkpoint of this tool (no "
+                               "trace of its writers): left alone, and its index is never "
+                               "used; delete it if it is not needed",
+                               os.path.join(self.trial_dir, name))
+
     def _drop_stale(self, ckpt: Checkpoint, why: str) -> None:
         """Delete a stale local copy (tiers/history.py): never restored, never
         persisted over the trial's own copy of its index."""
@@ -274,9 +297,10 @@ class FastTier(TierRetention, TierVerification):
 
     @property
     def next_index(self) -> int:
-        """One past the highest index committed on this tier (0 when empty)."""
+        """One past the highest index committed on this tier, or of any
+        ``checkpoint_<index>`` directory found there at open (0 when empty)."""
         with self._cond:
-            return max(self._entries, default=-1) + 1
+            return max(max(self._entries, default=-1), self._dir_high) + 1
 
     @property
     def used_bytes(self) -> int:
