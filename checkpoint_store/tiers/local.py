@@ -204,7 +204,6 @@ class FastTier(TierRetention, TierVerification):
                     os.unlink(os.path.join(self.trial_dir, name))
                 except OSError:
                     pass
-        self._skip_present_indexes()
         recorded = read_tier_state(self.trial_dir)
         if recorded is None and os.path.exists(self.state_path):
             logger.warning("the local tier state %s is unreadable; rebuilding it from the "
@@ -243,12 +242,14 @@ class FastTier(TierRetention, TierVerification):
         self._save()
         for ckpt, why in stale:
             self._drop_stale(ckpt, why)
+        self._skip_present_indexes()
         if self._evicting:
             self._deleter.kick()
 
     def _skip_present_indexes(self) -> None:
         """Number past every ``checkpoint_<index>`` directory still here after
-        cleanup, committed or not: a state or in-place save writes straight
+        cleanup and the stale copies' removal, committed or not (one being
+        evicted, one whose removal failed): a state or in-place save writes straight
         into ``checkpoint_<index>`` and must never meet another writer's files
         there. One cleanup kept holds no trace of our writers (copied in by
         hand, say): it is left alone, with a warning."""
