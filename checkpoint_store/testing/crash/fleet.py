@@ -47,7 +47,19 @@ is checked again. What counts as a :class:`Violation`, by kind:
   ``result.json``, or a step twice where an earlier row was acknowledged;
 * ``redone_step``: a step twice in ``result.json``, each earlier row written
   by a run whose save of that step was never acknowledged (``report()``
-  returned or was cut short, no ``wait()``), so the restart saved it again;
+  returned or was cut short, no ``wait()``), and the restart that saved it
+  again could reach, when it started, a complete copy of that step or a
+  newer one in the trial's history: committed on the storage_path, or on
+  its own machine's tier and not superseded (:func:`live_copies`). It
+  should have resumed that copy: a wrong resume. Each child records what
+  it can reach (read only, before its session starts) in its start line.
+  A redone step whose only copy the restart could not reach is
+  ``redone_unreachable``, counted in :attr:`FleetReport.noted`, never a
+  violation: a step reported but never acknowledged whose copy sat on
+  another machine's tier, or never became durable (an upload killed before
+  its commit), must be trained again; its first row stays in
+  ``result.json`` (it was reported, and ``training_iteration`` never
+  repeats);
 * ``duplicate_checkpoint``: two committed checkpoints of one step on the
   storage_path;
 * ``partial_checkpoint``: a checkpoint lists as committed (storage_path or
@@ -77,15 +89,19 @@ from typing import Any
 
 from checkpoint_store.testing.crash._child import Zygote
 
-__all__ = ["KINDS", "REFUSED_EXIT", "FleetConfig", "FleetHarness", "FleetReport", "Violation",
-           "fleet_payload"]
+__all__ = ["KINDS", "NOTED", "REFUSED_EXIT", "FleetConfig", "FleetHarness", "FleetReport",
+           "Violation", "fleet_payload", "live_copies"]
 
 KINDS = ("wrong_resume", "stale_resume", "partial_resume", "foreign_resume", "lost_ack",
          "duplicate_row", "redone_step", "duplicate_checkpoint", "partial_checkpoint",
          "foreign_checkpoint", "foreign_row", "shared_tier", "child_error")
 
+#: Findings counted but never violations (:attr:`FleetReport.noted`).
+NOTED = ("redone_unreachable",)
+
 #: A child's exit code when its session start was refused (a typed error that
-#: writes nothing, e.g. a tier directory bound to another storage_path): no
+#: writes nothing: a tier directory bound to another storage_path, or held
+#: by the other job's session, ``TrialInUseError``): no
 #: violation, counted in :attr:`FleetReport.refused`.
 REFUSED_EXIT = 3
 
@@ -175,6 +191,8 @@ class FleetReport:
     #: steps whose report() returned without a wait() (pending copies when killed).
     reported: int = 0
     violations: list[Violation] = field(default_factory=list)
+    #: findings of the :data:`NOTED` kinds (inherent, not violations).
+    noted: list[Violation] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -190,7 +208,8 @@ class FleetReport:
         head = (f"{self.scenario}: {self.kills} kills [{machines}], {self.restarts_checked} "
                 f"restarts checked, refused {dict(self.refused)}, "
                 f"{self.acknowledged} steps acknowledged ({self.reported} more reported), "
-                f"{len(self.violations)} violations {dict(self.counts)} in {self.seconds:.1f}s")
+                f"{len(self.violations)} violations {dict(self.counts)}, noted "
+                f"{dict(Counter(v.kind for v in self.noted))} in {self.seconds:.1f}s")
         first: dict[str, Violation] = {}
         for v in self.violations:
             first.setdefault(v.kind, v)
@@ -271,6 +290,58 @@ def _resume_record(ckpt: Any, child: dict[str, Any], names: dict[str, str],
     return rec
 
 
+def _reachable(child: dict[str, Any]) -> dict[str, Any]:
+    """What a restart can reach before its session starts (read only): this
+    job's committed copies on the storage_path and on this machine's tier,
+    each ``[where, step, attempt, index]``, and this job's ``result.json``
+    rows as ``[step, attempt]`` in order (see :func:`live_copies`)."""
+    from checkpoint_store import StorageContext
+
+    job = child["job"]
+    out: dict[str, Any] = {"copies": [], "rows": []}
+    places = [("storage_path", child["storage_path"], child["storage_options"])]
+    if child["tier_path"]:
+        places.append(("tier", child["tier_path"], None))
+    try:
+        for where, path, options in places:
+            ctx = StorageContext(path, _DEFAULT_NAME, _DEFAULT_NAME, storage_options=options)
+            for _, meta in ctx.committed_checkpoints():
+                m = meta.get("metrics") or {}
+                if m.get("job") == job:
+                    out["copies"].append([where, m.get("step"), m.get("attempt"),
+                                          meta.get("index")])
+            if where == "storage_path":
+                out["rows"] = [[r.get("step"), r.get("attempt")] for r in ctx.read_results()
+                               if r.get("job") == job]
+    except Exception as exc:  # noqa: BLE001  (judged as "unknown" by the parent)
+        out["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return out
+
+
+def live_copies(reachable: dict[str, Any]) -> list[tuple[str, int, int, int]]:
+    """The copies in ``reachable`` (:func:`_reachable`) that belong to the
+    trial's history, ``(where, step, attempt, index)``: every committed copy
+    on the storage_path; a tier copy unless the storage_path's committed copy
+    of its index is another save, or a row of a later attempt names a step
+    at or below its own (a later run went back past it: the history branched
+    away from it, docs/tiers.md "One history"). Attempts number the runs of
+    a job in time order, so "later" is "a higher attempt"."""
+    copies = [(str(c[0]), c[1], c[2], c[3]) for c in reachable.get("copies", [])
+              if isinstance(c[1], int) and isinstance(c[2], int)]
+    durable = {c[3]: (c[1], c[2]) for c in copies if c[0] == "storage_path"}
+    rows = [(r[0], r[1]) for r in reachable.get("rows", [])
+            if isinstance(r[0], int) and isinstance(r[1], int)]
+    live = []
+    for where, step, attempt, index in copies:
+        if where != "storage_path":
+            if durable.get(index, (step, attempt)) != (step, attempt):
+                continue
+            if any(a > attempt and st <= step for st, a in rows):
+                continue
+        live.append((where, step, attempt, index))
+    return live
+
+
 def fleet_child_main(child: dict[str, Any]) -> None:
     """The child: start (on its machine's tier or none), resume, save forever.
 
@@ -285,14 +356,15 @@ def fleet_child_main(child: dict[str, Any]) -> None:
     import numpy as np
 
     from checkpoint_store import Checkpoint, CheckpointConfig, LocalTier, session
-    from checkpoint_store.errors import InvalidConfigError
+    from checkpoint_store.errors import InvalidConfigError, TrialInUseError
 
     warnings.simplefilter("ignore")
     job, attempt, log = child["job"], child["attempt"], child["log_path"]
     scratch = os.path.join(os.path.dirname(log), f"scratch-{job}-{attempt}")
     os.makedirs(scratch, exist_ok=True)
     names = {"experiment_name": _DEFAULT_NAME, "trial_name": _DEFAULT_NAME}
-    _append(log, {"start": attempt, "tier": child["tier_path"]})
+    _append(log, {"start": attempt, "tier": child["tier_path"],
+                  "reachable": _reachable(child)})
     tier = (LocalTier(child["tier_path"], num_to_keep=child["tier_keep"], fsync=False)
             if child["tier_path"] else None)
     background = tier is not None or child["upload_mode"] == "async"
@@ -302,7 +374,8 @@ def fleet_child_main(child: dict[str, Any]) -> None:
                                 checkpoint_config=CheckpointConfig(
                                     num_to_keep=child["num_to_keep"]),
                                 local_tier=tier)
-    except InvalidConfigError as exc:  # e.g. a tier directory bound to another storage_path
+    except (InvalidConfigError, TrialInUseError) as exc:
+        # A tier directory bound to another storage_path, or held by the other job.
         _append(log, {"refused": f"{type(exc).__name__}: {str(exc)[:300]}"})
         os._exit(REFUSED_EXIT)
     with started as s:
@@ -504,7 +577,7 @@ class FleetHarness:
             key = (v.kind, v.job, v.step, v.copy)
             if key not in self._seen:
                 self._seen.add(key)
-                report.violations.append(v)
+                (report.noted if v.kind in NOTED else report.violations).append(v)
 
     # -- checks of one job --------------------------------------------------------------
 
@@ -679,6 +752,28 @@ class FleetHarness:
                                  f"jobs {sorted(jobs)} (e.g. {sorted(jobs.values())})"))
         return bad, steps
 
+    @staticmethod
+    def _judge_redo(step: int, redoers: list[Any], starts: dict[int, dict[str, Any]]
+                    ) -> tuple[str, str]:
+        """``redone_step`` when a run that saved ``step`` again (``redoers``:
+        its attempts) could reach, at its start, a complete copy of ``step``
+        or a newer one in the trial's history (:func:`live_copies`): it
+        should have resumed that copy. Else ``redone_unreachable``: the only
+        copy was on another machine's tier, or never became durable."""
+        for attempt in redoers:
+            reach = (starts.get(attempt) or {}).get("reachable")
+            if reach is None or "error" in reach:
+                return "redone_step", (f"attempt {attempt} redid it; what it could reach is "
+                                       f"unknown: {reach and reach.get('error')}")
+            newer = [c for c in live_copies(reach) if c[1] >= step]
+            if newer:
+                where, st, a, index = max(newer, key=lambda c: c[1])
+                return "redone_step", (f"attempt {attempt} redid it though its {where} held "
+                                       f"step {st} (attempt {a}, index {index})")
+        return "redone_unreachable", (f"no copy of step {step} or newer was reachable by "
+                                      f"attempts {redoers} (another machine's tier, or "
+                                      "never durable)")
+
     def _check_rows(self, storage: Any, job: int, kill: int) -> list[Violation]:
         bad: list[Violation] = []
         where = storage.uri(storage.trial_path) + "/result.json"
@@ -703,17 +798,20 @@ class FleetHarness:
                                      f"a row of job {r.get('job')}: {r}"))
         log = _read_log(self.log_path(job))
         acked = {(r["ack"], r["attempt"]) for r in log if "ack" in r}
+        starts = {r["start"]: r for r in log if "start" in r}
         steps = Counter(r.get("step") for r in own)
         for step, n in sorted(steps.items(), key=lambda x: str(x[0])):
             if n > 1:
                 attempts = [r.get("attempt") for r in own if r.get("step") == step]
                 earlier_unacked = all((step, a) not in acked for a in attempts[:-1])
-                kind = "redone_step" if earlier_unacked and len(set(attempts)) == n \
-                    else "duplicate_row"
-                bad.append(Violation(kind, job, kill, step if isinstance(step, int)
-                                     else -1, where, f"step {step} recorded {n} times "
-                                     f"(attempts {attempts}; acknowledged: "
-                                     f"{[a for a in attempts if (step, a) in acked]})"))
+                what = (f"step {step} recorded {n} times (attempts {attempts}; acknowledged: "
+                        f"{[a for a in attempts if (step, a) in acked]})")
+                at = step if isinstance(step, int) else -1
+                if not (earlier_unacked and len(set(attempts)) == n):
+                    bad.append(Violation("duplicate_row", job, kill, at, where, what))
+                    continue
+                kind, why = self._judge_redo(at, attempts[1:], starts)
+                bad.append(Violation(kind, job, kill, at, where, f"{what}; {why}"))
         have = {(r.get("step"), r.get("attempt")) for r in own}
         for rec in log:
             if "ack" in rec and (rec["ack"], rec["attempt"]) not in have:
