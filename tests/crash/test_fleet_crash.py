@@ -1,6 +1,6 @@
 """Kills across machines and jobs (checkpoint_store/testing/crash/fleet.py).
 
-The quick runs (26 kills, ~15 s) save a directory through the local tier,
+The quick runs (26 kills, ~20 s) save a directory through the local tier,
 with restarts on the first machine, a second machine whose tier goes stale,
 a fresh machine and none, and two jobs on one tier path, on local disk; the
 same for a state (sync, async) is marked slow (its children take ~1 s to
