@@ -191,9 +191,12 @@ def test_full_fleet_run_on_local_disk(tmp_path):
 def test_fleet_kills_on_s3(s3_location, tmp_path, scenario):
     """The same against S3 (moto): slower starts, so longer delays."""
     uri = s3_location.uri.rstrip("/")
-    report = _run(tmp_path, scenario, "checkpoint", "sync", 6, 0.5, 2.5, seed=3,
+    kills = int(os.environ.get("CS_FLEET_S3_KILLS", "8"))
+    # A child on moto needs ~1-2 s (more on a loaded machine) before its first save.
+    report = _run(tmp_path, scenario, "checkpoint", "sync", kills, 2.0, 5.0, seed=3,
                   storage_paths=(uri + "/fleet0", uri + "/fleet1"),
                   storage_options=s3_location.storage_options, env=dict(s3_location.env),
                   preload=("s3fs", "checkpoint_store_s3"))
-    _assert_ran(report, 6)
+    _assert_ran(report, kills)
+    assert report.acknowledged >= 1, report.summary()
     assert report.of(*ALL) == [], report.summary()
