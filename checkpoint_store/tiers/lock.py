@@ -85,8 +85,39 @@ def read_holder(trial_dir: str) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
+def _live_holder(trial_dir: str, wait_s: float = 2.0) -> dict[str, Any]:
+    """The holder file's body once it names a live process of this host.
+
+    The holder writes the file just after it took the lock, so a job refused
+    in between reads none yet, or the previous (dead) holder's: it reads
+    again for up to ``wait_s`` seconds, then takes what is there ({} if
+    nothing)."""
+    deadline = time.monotonic() + wait_s
+    here = socket.gethostname()
+    while True:
+        holder = read_holder(trial_dir) or {}
+        pid = holder.get("pid")
+        if holder.get("host") != here and holder:
+            return holder  # another host's: its liveness cannot be read here
+        if isinstance(pid, int) and _alive(pid):
+            return holder
+        if time.monotonic() >= deadline:
+            return holder
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by another user
+        return True
+    return True
+
+
 def _in_use(trial_dir: str, durable_uri: str) -> TrialInUseError:
-    holder = read_holder(trial_dir) or {}
+    holder = _live_holder(trial_dir)
     since = holder.get("since")
     when = (time.strftime(" since %Y-%m-%d %H:%M:%S UTC", time.gmtime(since))
             if isinstance(since, (int, float)) else "")

@@ -142,3 +142,42 @@ def test_a_killed_jobs_lock_does_not_block_its_restart(tmp_path):
         assert ck is not None and ck.internal_metadata["index"] == 0
     assert time.monotonic() - t0 < 30
 
+
+
+def test_a_job_refused_before_the_holder_wrote_its_name_still_names_it(tmp_path):
+    """Found by myself (the handed two-job test failed once under load): the
+    holder writes ``.cs_tier_holder.json`` just after it takes the lock, so a
+    job refused in between read no holder, or a dead one's. The refusal now
+    waits briefly for a live holder's name."""
+    import json
+    import threading
+
+    import filelock
+
+    from checkpoint_store._format.layout import TIER_HOLDER_FILE, TIER_LOCK_FILE
+    from checkpoint_store.tiers.lock import TierLock
+
+    trial = tmp_path / "fast" / "default" / "default"
+    trial.mkdir(parents=True)
+    # A dead holder's file from an earlier job, as a kill leaves it.
+    (trial / TIER_HOLDER_FILE).write_text(json.dumps(
+        {"pid": 2**22 + 12345, "host": os.uname().nodename, "durable_uri": "file:///old",
+         "since": 0}))
+    held = filelock.FileLock(str(trial / TIER_LOCK_FILE), timeout=0)
+    held.acquire()
+    try:
+        def name_it() -> None:
+            time.sleep(0.3)
+            (trial / TIER_HOLDER_FILE).write_text(json.dumps(
+                {"pid": os.getpid(), "host": os.uname().nodename,
+                 "durable_uri": "file:///live", "since": time.time()}))
+
+        t = threading.Thread(target=name_it)
+        t.start()
+        with pytest.raises(TrialInUseError) as err:
+            TierLock(str(trial), "file:///me")
+        t.join()
+        assert f"process {os.getpid()}" in str(err.value)
+        assert "file:///live" in str(err.value) and "file:///old" not in str(err.value)
+    finally:
+        held.release()
