@@ -316,8 +316,9 @@ def first_error(errors: list[tuple[str, BaseException]]) -> BaseException | None
     what, exc = errors[0]
     for other_what, other in errors[1:]:
         logger.error("background upload of %s also failed: %r", other_what, other)
-    note = (f"raised by the background upload of {what} (upload_mode='async'); "
-            "that checkpoint was not committed")
+    note = (f"raised in the background while committing {what} (an upload with "
+            "upload_mode='async', or a local tier's commit or durable copy); that copy of "
+            "the checkpoint was not committed")
     if hasattr(exc, "add_note"):
         exc.add_note(note)
     return exc
