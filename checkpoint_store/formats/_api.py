@@ -473,15 +473,21 @@ def _put_json(fs: pafs.FileSystem, path: str, raw: bytes) -> ManifestEntry:
     return ManifestEntry(posixpath.basename(path), len(raw), f"{crc_extend(0, raw):08x}")
 
 
-def _internal(path: str, fmt: str, src_uri: str, tensors: Mapping[str, Any] | None = None
+def _internal(path: str, fmt: str, src_uri: str, tensors: dict[str, Any] | None = None
               ) -> dict[str, Any]:
     """The marker's fields for an import: the index its name says (a
-    ``checkpoint_NNNNNN`` directory), else 0, and where it came from."""
+    ``checkpoint_NNNNNN`` directory), else 0, where it came from, and the
+    ``tensors`` index (docs/state.md) when given.
+
+    A copied import passes an empty dict its ``write=`` callback fills: the
+    protocol copies these fields (shallowly) before it calls ``write`` and
+    builds the marker from the copy after ``write`` returns, so the marker
+    carries the filled index, as an in-place import's does."""
     index = parse_checkpoint_dir_name(posixpath.basename(path.rstrip("/")))
     out: dict[str, Any] = {"index": index if index is not None else 0,
                            "imported_from": {"format": fmt, "uri": src_uri}}
     if tensors is not None:
-        out["tensors"] = dict(tensors)
+        out["tensors"] = tensors  # not a copy: see above
     return out
 
 
@@ -635,11 +641,17 @@ def import_checkpoint(
                 path, _internal(path, fmt, backend.uri_for(path), index))
             return Checkpoint._from_backend(backend, path, meta)
 
+        filled: dict[str, Any] = {}
+
         def write(fs: pafs.FileSystem, directory: str) -> list[ManifestEntry]:
-            return _write_state_files(src, fs, directory, shard_bytes, key_of)[0]
+            entries, written = _write_state_files(src, fs, directory, shard_bytes, key_of)
+            filled.clear()
+            filled.update(written)
+            return entries
 
         meta = protocol_for(dst_backend).commit(
-            None, None, dst_path, _internal(dst_path, fmt, backend.uri_for(path)), write=write)
+            None, None, dst_path, _internal(dst_path, fmt, backend.uri_for(path), filled),
+            write=write)
         return Checkpoint._from_backend(dst_backend, dst_path, meta)
 
 
@@ -651,9 +663,11 @@ def _commit_copy(src: SafetensorsSource, backend: Backend, path: str,
     listing = ({rel: n for rel, n in files.items() if is_checkpoint_data(rel)}
                if files is not None else {"": src.headers[""].size})
 
+    index: dict[str, Any] = {}
+
     def write(fs: pafs.FileSystem, directory: str) -> list[ManifestEntry]:
         entries: list[ManifestEntry] = []
-        index: dict[str, Any] = {}
+        index.clear()
         for rel, size in sorted(listing.items()):
             full = posixpath.join(path, rel) if rel else path
             name = rel or posixpath.basename(path)
@@ -663,7 +677,9 @@ def _commit_copy(src: SafetensorsSource, backend: Backend, path: str,
             w = Written(name, w.size, w.crc32c, w.tensors)
             entries.append(ManifestEntry(name, w.size, w.crc32c))
             index.update({k: _index_entry(w, k, src.entries[k]) for k in spans})
-        index = {k: index[k] for k in src.entries}
+        ordered = {k: index[k] for k in src.entries}
+        index.clear()
+        index.update(ordered)
         skeleton = layout_of_buffers({k: (e.dtype, e.shape) for k, e in src.entries.items()},
                                      {k: "torch" for k in src.entries}).skeleton
         entries.append(_put_json(fs, posixpath.join(directory, STATE_FILE),
@@ -671,5 +687,6 @@ def _commit_copy(src: SafetensorsSource, backend: Backend, path: str,
         return entries
 
     meta = protocol_for(dst_backend).commit(
-        None, None, dst_path, _internal(dst_path, "hf", backend.uri_for(path)), write=write)
+        None, None, dst_path, _internal(dst_path, "hf", backend.uri_for(path), index),
+        write=write)
     return Checkpoint._from_backend(dst_backend, dst_path, meta)

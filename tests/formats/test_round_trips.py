@@ -169,3 +169,29 @@ def test_tensors_straddling_pieces_keep_their_checksums(monkeypatch, tmp_path: A
     export_checkpoint(here, place.loc("x.pt"), format="torch_save")
     again = import_checkpoint(place.loc("x.pt"), place.loc("from-pt"), shard_bytes=200)
     same_bits(again.load_state()["model"], model)
+
+
+def test_copied_import_carries_the_tensors_index(place: Place, tmp_path: Any, make) -> None:
+    """A copied import's commit marker holds the same ``tensors`` index an
+    in-place import's does (and its own ``state.json`` does), so partial
+    loads read through the index alike; on every backend and source format."""
+    model = {"a": torch.arange(6, dtype=torch.int16), "b": torch.randn(2, 3)}
+    ck = place.persist_state(tmp_path, {"model": model, "step": 1})
+    side = place.side("target_")
+    export_checkpoint(ck, place.loc("hf"), **side)
+    export_checkpoint(ck, place.loc("x.pt"), format="torch_save", **side)
+    export_checkpoint(ck, place.loc("dcp"), format="dcp", **side)
+    for name in ("hf", "x.pt", "dcp"):
+        copied = import_checkpoint(place.loc(name), place.loc(f"copy-{name}"), **place.side(""),
+                                   **place.side("dest_"))
+        meta = copied.internal_metadata
+        assert meta["format_version"] == 2, name
+        state = json.loads(copied.backend.filesystem.open_input_stream(
+            f"{copied.path}/state.json").read())
+        assert meta["tensors"] == state["tensors"], name
+        assert sorted(meta["tensors"]) == ["model/a", "model/b"], name
+        got = copied.load_state(keys="model/a")["model"]
+        same_bits(got, {"a": model["a"]})
+        if name != "x.pt":
+            here = import_checkpoint(place.loc(name), **place.side(""))
+            assert here.internal_metadata["tensors"] == meta["tensors"], name
