@@ -345,7 +345,7 @@ def _export_torch(source: Source, backend: Backend, path: str, prefix: str,
     else:
         _refuse_existing(backend, path, [".metadata"])
     skeleton = _subtree_skeleton(source, prefix, keys)
-    tree = tree_of(source, keys, skeleton)
+    tree = tree_of(source, keys, skeleton) if fmt == "torch_save" else None
     local = _fsutil.local_path(backend.filesystem, path)
     tmp = None if local is not None else tempfile.mkdtemp(prefix="checkpoint-store-export-")
     try:
@@ -355,7 +355,7 @@ def _export_torch(source: Source, backend: Backend, path: str, prefix: str,
             write_torch_save(tree, out)
             files: tuple[str, ...] = (posixpath.basename(path),)
         else:
-            write_dcp(tree, out)
+            write_dcp(source, keys, skeleton, out)
             files = tuple(sorted(os.listdir(out)))
         if tmp is not None:
             _copy(pafs.LocalFileSystem(), out, backend.filesystem, path)

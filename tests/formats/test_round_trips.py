@@ -195,3 +195,28 @@ def test_copied_import_carries_the_tensors_index(place: Place, tmp_path: Any, ma
         if name != "x.pt":
             here = import_checkpoint(place.loc(name), **place.side(""))
             assert here.internal_metadata["tensors"] == meta["tensors"], name
+
+
+@pytest.mark.parametrize("fmt", ["torch_save", "dcp"])
+def test_exports_load_with_torch_alone_bit_exact(fmt: str, tmp_path: Any, make) -> None:
+    """The streamed writers' output is what torch itself reads: ``torch.load``
+    (weights_only, and mmap) of a torch.save file, ``dcp.load`` and
+    ``dcp_to_torch_save`` of a DCP directory; every dtype, a tied tensor."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    model = every_dtype()
+    model["tied"] = model["t_f32"]
+    ck = make("local").persist_state(tmp_path, {"model": model, "step": 5, "lr": [0.1]})
+    out = str(tmp_path / f"out-{fmt}")
+    export_checkpoint(ck, out, format=fmt)
+    if fmt == "dcp":
+        into = {"model": {k: torch.empty_like(v) for k, v in model.items()}}
+        dcp.load(into, checkpoint_id=out, no_dist=True)
+        same_bits(into["model"], model)
+        dcp_to_torch_save(out, str(tmp_path / "back.pt"))
+        out = str(tmp_path / "back.pt")
+    for mmap in (False, True):
+        got = torch.load(out, weights_only=True, mmap=mmap)
+        same_bits(got["model"], model)
+        assert (got["step"], list(got["lr"])) == (5, [0.1])
