@@ -334,7 +334,7 @@ def _subtree_skeleton(source: Source, prefix: str, keys: list[str]) -> Any:
 
 def _export_torch(source: Source, backend: Backend, path: str, prefix: str,
                   fmt: str) -> Exported:
-    from checkpoint_store.formats._torch import tree_of, write_dcp, write_torch_save
+    from checkpoint_store.formats._torch import write_dcp, write_torch_save
 
     selected = _selected(source, prefix)
     keys = [e.key for _, e in selected]
@@ -345,14 +345,13 @@ def _export_torch(source: Source, backend: Backend, path: str, prefix: str,
     else:
         _refuse_existing(backend, path, [".metadata"])
     skeleton = _subtree_skeleton(source, prefix, keys)
-    tree = tree_of(source, keys, skeleton) if fmt == "torch_save" else None
     local = _fsutil.local_path(backend.filesystem, path)
     tmp = None if local is not None else tempfile.mkdtemp(prefix="checkpoint-store-export-")
     try:
         out = local or os.path.join(tmp or "", "out")
         if fmt == "torch_save":
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            write_torch_save(tree, out)
+            write_torch_save(source, keys, skeleton, out)
             files: tuple[str, ...] = (posixpath.basename(path),)
         else:
             write_dcp(source, keys, skeleton, out)

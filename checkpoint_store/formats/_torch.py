@@ -5,9 +5,10 @@ Reading uses torch's own loaders: ``torch.load(mmap=True, weights_only=True)``
 (tensors stay memory-mapped views of the file; only JSON-like values are
 accepted) and ``torch.distributed.checkpoint.load`` with no process group,
 one tensor at a time (DCP's planner reads only that tensor's byte ranges).
-Writing streams: DCP's own save plans from meta-device placeholders and a
-planner reads each tensor from the source when the writer asks for it
-(:func:`write_dcp`).
+Writing streams, one tensor in memory at a time: DCP's own save plans from
+meta-device placeholders and a planner reads each tensor from the source
+when the writer asks for it (:func:`write_dcp`); a ``torch.save`` file is
+written record by record as ``torch.save`` does (:func:`write_torch_save`).
 
 All paths here are local: :mod:`._api` downloads a remote source into a
 temporary directory first and uploads what is written here.
@@ -15,6 +16,8 @@ temporary directory first and uploads what is written here.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import warnings
 from collections.abc import Iterator
@@ -250,17 +253,99 @@ def materialize(source: Source, keys: list[str]) -> dict[str, Any]:
     return out
 
 
-def tree_of(source: Source, keys: list[str], skeleton: Any) -> Any:
-    """The tree ``skeleton`` describes with ``keys``' tensors read from ``source``."""
-    tensors = materialize(source, keys)
-    return build_tree(skeleton, tensors.__getitem__)
+class _Storage:
+    """Stands for one tensor's storage while the tree is pickled: ``key``
+    names its ``data/<key>`` record, ``source_key`` the tensor it is read from."""
+
+    def __init__(self, key: str, source_key: str, dtype: Any, nbytes: int):
+        self.key, self.source_key, self.dtype, self.nbytes = key, source_key, dtype, nbytes
 
 
-def write_torch_save(tree: Any, path: str) -> None:
-    """``torch.save(tree, path)`` (a local path)."""
+class _Tensor:
+    """Pickles as a contiguous CPU tensor over a :class:`_Storage`, with the
+    reduce ``torch.Tensor._reduce_ex_internal`` gives a plain dense tensor:
+    ``_rebuild_tensor_v2(TypedStorage, offset, size, stride, requires_grad,
+    hooks)``, or ``_rebuild_tensor_v3(UntypedStorage, ..., dtype)`` for the
+    dtypes of ``torch.storage._new_dtypes()`` (float8 and the like)."""
+
+    def __init__(self, storage: _Storage, shape: tuple[int, ...]):
+        self.storage, self.shape = storage, shape
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        import collections
+
+        import torch
+
+        dtype = self.storage.dtype
+        stride = torch.empty(self.shape, dtype=dtype, device="meta").stride()
+        hooks: Any = collections.OrderedDict()
+        args: tuple[Any, ...] = (self.storage, 0, self.shape, stride, False, hooks)
+        if dtype in torch.storage._new_dtypes():
+            return (torch._utils._rebuild_tensor_v3, (*args, dtype))
+        return (torch._utils._rebuild_tensor_v2, args)
+
+
+def write_torch_save(source: Source, keys: list[str], skeleton: Any, path: str) -> None:
+    """Write the tree ``skeleton`` describes as a ``torch.save`` file at local
+    ``path``, one tensor in memory at a time.
+
+    Mirrors ``torch.serialization._save`` (torch 2.x zip format) record by
+    record: ``data.pkl`` (the tree pickled with protocol 2, each storage a
+    persistent id ``("storage", <type>, "<n>", "cpu", <numel>)``),
+    ``.format_version``, ``.storage_alignment``, ``byteorder``, then one
+    ``data/<n>`` per storage in the order the pickler met them, written by
+    ``torch._C.PyTorchFileWriter`` as torch.save does. A tied tensor is one
+    placeholder object, pickled once (pickle's memo), so it loads tied.
+    """
+    import pickle
+    import sys
+
     import torch
+    from torch import serialization as ser
 
-    torch.save(tree, path)
+    slots: dict[str, _Tensor] = {}
+    for key in keys:
+        e = source.entries[key]
+        if e.alias_of is not None and e.alias_of in slots:
+            slots[key] = slots[e.alias_of]
+            continue
+        dtype = getattr(torch, str(DTYPES[e.dtype][2]))
+        slots[key] = _Tensor(_Storage("", e.alias_of or key, dtype, e.nbytes), e.shape)
+        if e.alias_of is not None:
+            slots[e.alias_of] = slots[key]
+    order: list[_Storage] = []
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:  # _save's persistent_id
+            if not isinstance(obj, _Storage):
+                return None
+            if not obj.key:
+                obj.key = str(len(order))
+                order.append(obj)
+            if obj.dtype in torch.storage._new_dtypes():
+                return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.nbytes)
+            kind = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
+            return ("storage", kind, obj.key, "cpu", obj.nbytes // obj.dtype.itemsize)
+
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=ser.DEFAULT_PROTOCOL).dump(build_tree(skeleton, slots.__getitem__))
+    # _open_zipfile_writer_file: the writer opens an ASCII path itself (the
+    # archive's folder is then the file's stem), else it writes to a stream.
+    with contextlib.ExitStack() as stack:
+        target: Any = path if path.isascii() else stack.enter_context(open(path, "wb"))
+        writer = torch._C.PyTorchFileWriter(target, ser.get_crc32_options(),
+                                            ser._get_storage_alignment())
+        pkl = buf.getvalue()
+        writer.write_record("data.pkl", pkl, len(pkl))
+        alignment = str(ser._get_storage_alignment())
+        for name, text in ((".format_version", "1"), (".storage_alignment", alignment),
+                           ("byteorder", sys.byteorder)):
+            writer.write_record(name, text.encode(), len(text))
+        for st in order:
+            t = materialize(source, [st.source_key])[st.source_key]
+            writer.write_record(f"data/{st.key}", t.untyped_storage(), st.nbytes)
+            del t
+        writer.write_end_of_file()
 
 
 def _placeholders(source: Source, keys: list[str]) -> dict[str, Any]:
