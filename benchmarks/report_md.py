@@ -209,6 +209,11 @@ def render(res: dict[str, Any]) -> str:
 
         w(tiers_section(res["tiers"]))
 
+    if res.get("formats"):
+        from benchmarks.bench_formats import render as render_formats
+
+        w(render_formats(res["formats"]))
+
     fresh = fresh_rss(res)
     if fresh:
         w(rss_section(fresh))
@@ -241,6 +246,10 @@ def render(res: dict[str, Any]) -> str:
         from benchmarks.bench_state import WHY as STATE_WHY
 
         why += STATE_WHY
+    if res.get("formats"):
+        from benchmarks.bench_formats import WHY as FORMATS_WHY
+
+        why += FORMATS_WHY
     missed = {key for key, _ in why if any(key in t[0] and t[2] != "yes" for t in rows)}
     if missed:
         w("### What limits the targets not met\n")
@@ -421,6 +430,10 @@ def targets(res: dict[str, Any]) -> list[tuple[str, str, str]]:
         from benchmarks.bench_state import targets as state_targets
 
         rows.extend(state_targets(res["state"]))
+    if res.get("formats"):
+        from benchmarks.bench_formats import targets as formats_targets
+
+        rows.extend(formats_targets(res["formats"]))
     return rows
 
 

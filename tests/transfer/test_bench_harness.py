@@ -207,3 +207,33 @@ def test_a_merged_run_of_one_shape_keeps_the_other_shapes() -> None:
     assert old == {"azure": {"1 x 1 GiB": {"upload": "new"}, "4 x 256 MiB": {"upload": "kept"}},
                    "s3": {"4 x 256 MiB": {"upload": "s3"}},
                    "local": {"1 x 1 GiB": {"upload": "local"}}}
+
+
+def test_formats_rows_render_and_a_missed_target_names_its_limit() -> None:
+    """bench_formats' rows reach the results page: its section, its targets
+    (a missed throughput row gives the same run's write / read ratio) and
+    the reason beside each missed target, by storage."""
+    MiB = 1 << 20
+    row = lambda s, r: {"s": s, "MiB/s": 64 / s, "ratio_to_read": r}  # noqa: E731
+    formats = {
+        "throughput": [
+            {"storage": "local", "bytes": 64 * MiB, "largest": 16 * MiB, "reps": 3,
+             "rows": {"read": row(0.1, 1.0), "write": row(0.11, 0.91),
+                      "export hf": row(0.2, 0.5), "import hf in place": row(0.11, 0.9)}},
+            {"storage": "s3", "bytes": 64 * MiB, "largest": 16 * MiB, "reps": 3,
+             "rows": {"read": row(1.0, 1.0), "write": row(1.8, 0.55),
+                      "export dcp": row(2.5, 0.4)}}],
+        "memory": {"bytes": 256 * MiB, "largest": 64 * MiB, "bound_MiB": 192.0,
+                   "rows": {"export dcp": {"growth_MiB": 64.0, "s": 1.0, "within": True}}}}
+    page = report_md.render({"machine": {}, "formats": formats})
+    assert "## Export and import (formats)" in page
+    rows = {t[0]: t for t in report_md.targets({"formats": formats})}
+    local = rows["formats: export hf ≥ 0.8× read, local (64 MiB)"]
+    assert local[2] == "**no**" and "write itself 0.91× read" in local[1]
+    assert rows["formats: import hf in place ≥ 0.8× read, local (64 MiB)"][2] == "yes"
+    s3 = rows["formats: export dcp ≥ 0.8× read, s3 (64 MiB)"]
+    assert s3[2] == "**no**" and "write itself 0.55× read" in s3[1]
+    assert rows["formats: export dcp peak RSS ≤ 2 × largest + 64 MiB (256 MiB state)"][2] \
+        == "yes"
+    limits = page.split("### What limits the targets not met")[1]
+    assert "CPU-bound" in limits and "moto's write bandwidth" in limits
