@@ -314,6 +314,22 @@ def _export_hf(source: Source, backend: Backend, path: str, prefix: str, name_pr
                     sum(e.nbytes for _, e in items))
 
 
+def _remove_local_output(out: str, had: set[str] | None) -> None:
+    """Remove a torch export's file ``out``, or the files of DCP directory
+    ``out`` not in ``had`` (what was there before; None: it did not exist)."""
+    if os.path.isfile(out):
+        os.remove(out)
+        return
+    if not os.path.isdir(out):
+        return
+    if had is None:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for name in set(os.listdir(out)) - had:
+        full = os.path.join(out, name)
+        shutil.rmtree(full, ignore_errors=True) if os.path.isdir(full) else os.remove(full)
+
+
 def _delete_quietly(fs: pafs.FileSystem, path: str) -> None:
     try:
         fs.delete_file(path)
@@ -347,8 +363,9 @@ def _export_torch(source: Source, backend: Backend, path: str, prefix: str,
     skeleton = _subtree_skeleton(source, prefix, keys)
     local = _fsutil.local_path(backend.filesystem, path)
     tmp = None if local is not None else tempfile.mkdtemp(prefix="checkpoint-store-export-")
+    out = local or os.path.join(tmp or "", "out")
+    had = set(os.listdir(out)) if fmt == "dcp" and os.path.isdir(out) else None
     try:
-        out = local or os.path.join(tmp or "", "out")
         if fmt == "torch_save":
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
             write_torch_save(source, keys, skeleton, out)
@@ -358,6 +375,12 @@ def _export_torch(source: Source, backend: Backend, path: str, prefix: str,
             files = tuple(sorted(os.listdir(out)))
         if tmp is not None:
             _copy(pafs.LocalFileSystem(), out, backend.filesystem, path)
+    except BaseException:
+        # The writers stream: a damaged tensor stops them half-way. Remove
+        # what this export wrote (an upload happens only after the write).
+        if local is not None:
+            _remove_local_output(local, had)
+        raise
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -139,7 +139,7 @@ class DCPSource(Source):
                                       tuple(int(n) for n in md.size))
         if objects:
             loaded: dict[str, Any] = {fqn: None for _, fqn in objects}
-            with _quiet():
+            with self._damaged(None):
                 dcp.load(loaded, storage_reader=dcp.FileSystemReader(path), no_dist=True)
             for key, fqn in objects:
                 value = loaded[fqn]
@@ -158,9 +158,24 @@ class DCPSource(Source):
         e = self.entries[key]
         t = torch.empty(e.shape, dtype=getattr(torch, str(DTYPES[e.dtype][2])))
         sd = {self._fqn[key]: t}
-        with _quiet():
+        with self._damaged(key):
             dcp.load(sd, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
         return sd[self._fqn[key]]
+
+    @contextmanager
+    def _damaged(self, key: str | None) -> Iterator[None]:
+        """Around a ``dcp.load``: a file DCP cannot read (truncated, not a
+        zip, missing) is a :class:`CheckpointCorruptError` naming ``key``."""
+        try:
+            with _quiet():
+                yield
+        except (RuntimeError, OSError, EOFError, ValueError) as exc:
+            what = f"tensor {key!r}" if key else "a value"
+            raise CheckpointCorruptError(
+                f"{what} of DCP directory {self.path} cannot be read "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                "its files are damaged or missing: use an earlier checkpoint",
+                path=self.path) from exc
 
     def chunks(self, key: str) -> Iterator[Any]:
         yield from _pieces_of(_byte_view(self.load(key)))
@@ -410,7 +425,18 @@ def _lazy_planner(source: Source, by_id: dict[int, str]) -> Any:
 
 @contextmanager
 def _quiet() -> Iterator[None]:
-    """DCP warns that it runs in a single process, which is the intent here."""
+    """Around a DCP call: its warning that it runs in a single process (the
+    intent here) is silenced, and its ``CheckpointException`` (a
+    ``BaseException`` wrapping each rank's error) is unwrapped, so the
+    caller meets the error itself (``TensorCorruptError``, ``OSError``, ...)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+        try:
+            yield
+        except CheckpointException as exc:
+            failures = list(exc.failures.values())
+            if not failures:
+                raise
+            raise failures[0][0] from exc

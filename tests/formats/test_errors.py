@@ -97,6 +97,31 @@ def test_a_corrupt_tensor_stops_the_export_and_removes_its_files(tmp_path: Any,
     assert os.listdir(place.loc("hf")) == []
 
 
+@pytest.mark.parametrize("fmt", ["torch_save", "dcp"])
+def test_a_corrupt_tensor_stops_a_streamed_torch_export_and_removes_it(
+        fmt: str, tmp_path: Any, make) -> None:
+    """torch.save and DCP exports write tensor by tensor, so a damaged tensor
+    after the first stops them half-way: what they wrote goes, and a DCP
+    directory's earlier files stay."""
+    place = make("local")
+    ck = place.persist_state(tmp_path, {"model": {"a": torch.ones(8), "w": torch.ones(1000)}})
+    shard = next(n for n in os.listdir(ck.path) if n.endswith(".safetensors"))
+    with open(os.path.join(ck.path, shard), "r+b") as f:
+        f.seek(-10, os.SEEK_END)
+        f.write(b"\x00" * 4)
+    target = place.loc("x.pt" if fmt == "torch_save" else "dcp")
+    if fmt == "dcp":
+        os.makedirs(target)
+        open(os.path.join(target, "README"), "w").close()
+    with pytest.raises(TensorCorruptError) as err:
+        export_checkpoint(ck, target, format=fmt)
+    assert err.value.tensor == "model/w"
+    if fmt == "dcp":
+        assert os.listdir(target) == ["README"]
+    else:
+        assert not os.path.exists(target)
+
+
 def test_a_missing_hf_index_is_rebuilt_and_a_missing_shard_refused(place: Place,
                                                                    tmp_path: Any) -> None:
     tensors = {f"layer.{i}.w": torch.full((8,), float(i)) for i in range(6)}
@@ -187,3 +212,17 @@ def test_a_dcp_object_a_state_cannot_hold_is_refused(tmp_path: Any) -> None:
     with pytest.raises(FormatConversionError):
         import_checkpoint(str(tmp_path / "dcp"))  # in place: nothing added either
     assert sorted(os.listdir(tmp_path / "dcp")) == before
+
+
+def test_a_truncated_dcp_file_is_a_corrupt_checkpoint_on_import(tmp_path: Any) -> None:
+    """DCP wraps a read failure in its CheckpointException (a BaseException):
+    the import unwraps it into a CheckpointCorruptError and commits nothing."""
+    import torch.distributed.checkpoint as dcp
+
+    src = str(tmp_path / "dcp")
+    dcp.save({"w": torch.ones(1000), "b": torch.zeros(10)}, checkpoint_id=src, no_dist=True)
+    data = next(n for n in os.listdir(src) if n.endswith(".distcp"))
+    os.truncate(os.path.join(src, data), os.path.getsize(os.path.join(src, data)) // 2)
+    with pytest.raises(CheckpointCorruptError, match="DCP directory .* cannot be read"):
+        import_checkpoint(src, str(tmp_path / "ck"))
+    assert not (tmp_path / "ck" / ".internal_metadata.json").exists()
