@@ -21,7 +21,11 @@ from typing import Any, Literal
 import pyarrow.fs as pafs
 
 from checkpoint_store._commit.protocols import protocol_for
-from checkpoint_store._format.layout import parse_checkpoint_dir_name, written_record_name
+from checkpoint_store._format.layout import (
+    INTERNAL_METADATA,
+    parse_checkpoint_dir_name,
+    written_record_name,
+)
 from checkpoint_store._format.manifest import ManifestEntry, is_checkpoint_data
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.backends.base import Backend
@@ -278,6 +282,13 @@ def _refuse_existing(backend: Backend, path: str, names: list[str]) -> None:
     files = _listing(backend, path) if _fsutil.exists(backend.filesystem, path) else {}
     if files is None:
         raise InvalidConfigError(f"{backend.uri_for(path)} is a file; export into a folder")
+    if INTERNAL_METADATA in files:
+        # Files added to a checkpoint's directory are outside its manifest:
+        # it would fail verification, and resume would skip it.
+        raise InvalidConfigError(
+            f"{backend.uri_for(path)} is a checkpoint (it holds {INTERNAL_METADATA}); "
+            "exporting into it would change its files and make it fail verification: "
+            "export into a new or empty folder")
     clash = sorted(set(files) & set(names))
     if clash:
         raise InvalidConfigError(f"{backend.uri_for(path)} holds {clash[0]!r} already; "

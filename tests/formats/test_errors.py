@@ -83,6 +83,20 @@ def test_an_existing_export_is_not_overwritten(tmp_path: Any, make) -> None:
     assert open(os.path.join(place.loc("hf"), "model.safetensors"), "rb").read() == before
 
 
+@pytest.mark.parametrize("fmt", ["hf", "dcp"])
+def test_an_export_into_a_committed_checkpoint_writes_nothing(place: Place, tmp_path: Any,
+                                                              fmt: str) -> None:
+    """Found by a new user's try: ``export CKPT_0 CKPT_1`` added files to a
+    committed checkpoint, which then failed verification and was skipped on
+    resume. A folder holding a checkpoint's metadata is refused."""
+    ck = place.persist_state(tmp_path, {"model": {"w": torch.zeros(2)}})
+    other = place.persist_state(tmp_path, {"model": {"w": torch.ones(2)}}, index=1)
+    target = place.loc("exp/t/" + other.path.rstrip("/").rsplit("/", 1)[-1])
+    with pytest.raises(InvalidConfigError, match="is a checkpoint"):
+        export_checkpoint(ck, target, format=fmt, **place.side("target_"))
+    other.verify()  # untouched: every file still the manifest's
+
+
 def test_a_corrupt_tensor_stops_the_export_and_removes_its_files(tmp_path: Any,
                                                                  make) -> None:
     place = make("local")
