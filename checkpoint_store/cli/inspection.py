@@ -477,14 +477,16 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
     invalid = dict(recorded.invalid if recorded is not None else _recorded_invalid(loc))
     # What a listing finds invalid (a marker naming another index, a link or a
     # file in a checkpoint's place, files not matching the manifest): named too.
-    corrupt, _ = not_committed(loc, (c.name for c, _ in committed),
-                               recorded.entries if recorded is not None else None)
+    entries = recorded.entries if recorded is not None else None
+    if entries is None:
+        entries = list_entries(loc)
+    corrupt, _ = not_committed(loc, (c.name for c, _ in committed), entries)
     invalid.update((name, found.reason or "invalid") for name, found in corrupt
                    if name not in invalid)
     for name, why in sorted(invalid.items()):
         click.echo(f"warning: {name} is invalid ({why}); not ranked", err=True)
     # With a local tier on this host: its copies of the trial's history too.
-    local = local_history(loc, committed)
+    local = local_history(loc, committed, [name for name, _ in entries])
     committed = [(c, m) for c, m in committed if c.name not in invalid] + local
     if metric is None:  # no retention state: the framework's monitored metric, if recorded
         metric, monitored_mode = monitored_attribute(committed)

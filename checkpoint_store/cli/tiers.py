@@ -43,20 +43,21 @@ def trial_tiers(trial: Location, names: Iterable[str] | None = None
         return [], False
 
 
-def local_history(trial: Location, durable: Iterable[tuple[Location, Mapping[str, Any]]]
-                  ) -> list[tuple[Location, dict[str, Any]]]:
+def local_history(trial: Location, durable: Iterable[tuple[Location, Mapping[str, Any]]],
+                  names: Iterable[str] | None = None) -> list[tuple[Location, dict[str, Any]]]:
     """The copies of ``trial``'s history that only its one-rank local tiers on
     this host hold (indexes not in ``durable``, the storage_path's committed
     copies), oldest first; stale local copies (another run's report owns
     their index, checkpoint_store/tiers/history.py) are left out. ``[]`` for
-    a trial without a local tier, or not laid out as ``<storage>/<exp>/<trial>``."""
+    a trial without a local tier, or not laid out as ``<storage>/<exp>/<trial>``;
+    ``names``: the trial directory's entry names, when the caller listed it."""
     from checkpoint_store._browse.locations import resolve_location, storage_context
     from checkpoint_store.tiers.history import joint_history, tier_dirs_of
 
     ctx = storage_context(trial, strict=False)
     if ctx is None:
         return []
-    dirs = tier_dirs_of(ctx)
+    dirs = tier_dirs_of(ctx, names=names)
     if not dirs:
         return []
     have = {meta.get("index") for _, meta in durable}

@@ -224,20 +224,27 @@ def _single_rank_tier(trial_dir: str, storage: StorageContext) -> bool:
         return theirs == storage.uri(storage.trial_path)
 
 
-def tier_dirs_of(storage: StorageContext, tier_trial_dir: str | None = None) -> list[str]:
+def tier_dirs_of(storage: StorageContext, tier_trial_dir: str | None = None, *,
+                 names: Iterable[str] | None = None) -> list[str]:
     """The local tier trial directories of ``storage``'s trial readable on this
     host with one rank: ``tier_trial_dir`` when given (a local path), else
     those the trial's ``.cs_local_tier-<host>-0.json`` pointers of this host
-    record (tiers/view.py). Never raises: a trial without any gives ``[]``."""
+    record (tiers/view.py). Never raises: a trial without any gives ``[]``.
+
+    Args:
+        names: the trial directory's entry names, when the caller listed it
+            (no second listing then).
+    """
     if tier_trial_dir is not None:
         return [tier_trial_dir] if _single_rank_tier(tier_trial_dir, storage) else []
     here = socket.gethostname()
-    out = []
-    try:
-        names = [posixpath.basename(fi.path.rstrip("/"))
-                 for fi in _fsutil.list_dir(storage.filesystem, storage.trial_path)]
-    except Exception:
-        return []
+    out: list[str] = []
+    if names is None:
+        try:
+            names = [posixpath.basename(fi.path.rstrip("/"))
+                     for fi in _fsutil.list_dir(storage.filesystem, storage.trial_path)]
+        except Exception:
+            return []
     for name in sorted(n for n in names if is_local_tier_pointer_name(n)):
         try:
             body = json.loads(_fsutil.read_bytes(storage.filesystem,
