@@ -4,7 +4,7 @@ storage_path: the next run removes what it left, or numbers past it, and its
 own save of the next step succeeds (issue 37, the fleet harness's
 ``child_error``: "'tensors-00001-of-00001.safetensors' exists there already").
 
-Each run is a real process (forked); the kill is a real SIGKILL, sent by the
+Each run is a real process (forked from a forkserver); the kill is a real SIGKILL, sent by the
 process to itself at the moment the files are written and the commit of the
 index begins (``commit_in_place`` of the tier or the storage_path).
 """
@@ -54,16 +54,28 @@ def _run(root: str, how: str, tier: bool, step: int, kill_at: str | None) -> Non
         s.wait()
 
 
+def _child_main(root: str, how: str, tier: bool, step: int, kill_at: str | None,
+                run_id: str | None) -> None:
+    if run_id is not None:
+        os.environ["CHECKPOINT_STORE_RUN_ID"] = run_id
+    _run(root, how, tier, step, kill_at)
+
+
 def _in_child(root: str, how: str, tier: bool, step: int, kill_at: str | None = None,
               run_id: str | None = None) -> int:
-    def main() -> None:
-        if run_id is not None:
-            os.environ["CHECKPOINT_STORE_RUN_ID"] = run_id
-        _run(root, how, tier, step, kill_at)
-
-    p = mp.get_context("fork").Process(target=main)
+    # Forked from the forkserver (a fresh single-threaded process that
+    # imported the package), never from pytest's own process: a fork of a
+    # process whose earlier tests left threads running can hang in the child
+    # on a lock one of them held.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["checkpoint_store", "numpy"])
+    p = ctx.Process(target=_child_main, args=(root, how, tier, step, kill_at, run_id))
     p.start()
     p.join(120)
+    if p.exitcode is None:
+        p.kill()
+        p.join()
+        raise AssertionError(f"the run of step {step} did not end within 120 s")
     return p.exitcode
 
 
