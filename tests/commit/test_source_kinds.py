@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 import tempfile
 
 import pytest
@@ -318,23 +317,6 @@ def test_a_full_disk_at_the_marker_is_a_storage_full_error(trial, tmp_path):
         storage.persist_checkpoint(Checkpoint.from_directory(src), 0, {"metrics": {}})
     assert "credential" not in str(err.value)
     assert trial.storage().scan().committed == []
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 256 KiB tmpfs (needs root and mount; skipped elsewhere)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a tmpfs")
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
-                         capture_output=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {res.stderr!r}")
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_a_real_full_disk_while_the_marker_is_written(small_disk, tmp_path):

@@ -12,8 +12,6 @@ process that dies.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -24,23 +22,6 @@ from checkpoint_store.state import ENV_STAGING_DIR
 
 #: 1 MiB of tensor data: more than the small disk holds.
 BIG = 1 << 18
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 256 KiB tmpfs (needs root and mount; skipped elsewhere)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a tmpfs")
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
-                         capture_output=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {res.stderr!r}")
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def _report(s, tmp_path, kind: str, mode: str, n: int) -> None:
