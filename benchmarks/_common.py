@@ -110,6 +110,12 @@ def _status_kib(key: str) -> int | None:
     return None
 
 
+def rss_bytes() -> int:
+    """This process's resident set size in bytes (Linux ``VmRSS``; 0 where unknown)."""
+    kib = _status_kib("VmRSS")
+    return 0 if kib is None else kib * 1024
+
+
 def _hwm_reset() -> int | None:
     """Reset this process's peak RSS to its current RSS (Linux); the RSS in KiB."""
     try:

@@ -48,16 +48,7 @@ import time
 import uuid
 from typing import Any
 
-MiB = 1 << 20
-GiB = 1 << 30
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+from benchmarks._common import GiB, MiB
 
 
 def _make_state(root: str, total: int, largest: int) -> dict[str, Any]:
@@ -210,7 +201,7 @@ import torch  # imported before the baseline: the bound is on what the export ad
 import torch.distributed.checkpoint  # (imported lazily by a DCP export: ~90 MiB)
 from checkpoint_store import Checkpoint
 from checkpoint_store.formats import export_checkpoint, import_checkpoint
-from benchmarks.bench_formats import _rss
+from benchmarks._common import rss_bytes as _rss
 src, out, largest = sys.argv[2], sys.argv[3], int(sys.argv[4])
 peak = [0]; stop = threading.Event()
 def sample():

@@ -43,16 +43,8 @@ import threading
 import time
 from typing import Any
 
-MiB = 1 << 20
-GiB = 1 << 30
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+from benchmarks._common import GiB, MiB
+from benchmarks._common import rss_bytes as _rss
 
 
 class _Sampler:
