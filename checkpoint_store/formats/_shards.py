@@ -17,8 +17,6 @@ widest elements first so every tensor is aligned to its element size.
 from __future__ import annotations
 
 import bisect
-import json
-import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +28,7 @@ import pyarrow.fs as pafs
 from checkpoint_store._transfer.crc32c import crc32c_combine
 from checkpoint_store.errors import CheckpointCorruptError
 from checkpoint_store.formats._sources import CHUNK_BYTES, Entry, Source, crc_extend
-from checkpoint_store.state import DTYPES
+from checkpoint_store.state import DTYPES, encode_header
 
 __all__ = ["Planned", "Written", "ahead", "copy_file", "plan_shards", "write_shard"]
 
@@ -87,9 +85,7 @@ def plan_shards(items: Sequence[tuple[str, Entry]], max_bytes: int,
             head[name] = {"dtype": e.dtype, "shape": list(e.shape),
                           "data_offsets": [at, at + e.nbytes]}
             at += e.nbytes
-        raw = json.dumps(head, ensure_ascii=False, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        header = struct.pack("<Q", len(raw)) + raw
+        header = encode_header(head)
         out.append(Planned(name_for(k, len(groups)), header, tuple(group), len(header) + at))
     return out
 

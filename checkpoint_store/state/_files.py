@@ -83,6 +83,15 @@ SAFETENSORS_METADATA = "__metadata__"
 _ESCAPED_METADATA = "~2" + SAFETENSORS_METADATA
 
 
+def encode_header(header: Mapping[str, Any]) -> bytes:
+    """A safetensors header as it starts a file: its length (8 bytes,
+    little-endian u64), then compact UTF-8 JSON padded with spaces to a
+    multiple of 8 bytes (the tensors' data then starts aligned)."""
+    raw = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
 def header_name(key: str) -> str:
     """The name tensor ``key`` (a flattened key) has in its shard's
     safetensors header: ``key`` itself, but ``"__metadata__"`` (the name
@@ -158,9 +167,7 @@ def _plan(layout: StateLayout,
             header_obj[name] = {"dtype": spec.dtype, "shape": list(spec.shape),
                                 "data_offsets": [offset, offset + spec.nbytes]}
             offset += spec.nbytes
-        raw = json.dumps(header_obj, ensure_ascii=False, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        header = struct.pack("<Q", len(raw)) + raw
+        header = encode_header(header_obj)
         base = len(header)
         for key in keys:
             begin, end = header_obj[header_name(key)]["data_offsets"]
