@@ -22,6 +22,7 @@ from checkpoint_store.errors import (
     MetadataError,
     NestedCheckpointError,
     PermanentBackendError,
+    Preempted,
     RankTimeoutError,
     SourceChangedError,
     SourceDeletedError,
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
     from checkpoint_store.registry import available_backends, register_backend
     from checkpoint_store.retention import CheckpointConfig, CheckpointManager
     from checkpoint_store.retention.upload_config import UploadConfig
-    from checkpoint_store.session import TrialRunner
+    from checkpoint_store.session import PreemptionConfig, TrialRunner
     from checkpoint_store.storage import ScanResult, StorageContext
     from checkpoint_store.tiers import LocalTier
 
@@ -70,6 +71,8 @@ __all__ = [
     "MetadataError",
     "NestedCheckpointError",
     "PermanentBackendError",
+    "Preempted",
+    "PreemptionConfig",
     "RankTimeoutError",
     "SourceChangedError",
     "SourceDeletedError",
@@ -105,6 +108,7 @@ _LAZY = {
     "RetryPolicy": "checkpoint_store._util.retry",
     "ScanResult": "checkpoint_store.storage",
     "StorageContext": "checkpoint_store.storage",
+    "PreemptionConfig": "checkpoint_store.session",
     "TrialRunner": "checkpoint_store.session",
     "UploadConfig": "checkpoint_store.retention.upload_config",
     "available_backends": "checkpoint_store.registry",

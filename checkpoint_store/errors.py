@@ -11,6 +11,8 @@ so that every exception checkpoint-store raises has one home; it derives from
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "AmbiguousCommitError",
     "AmbiguousMetricError",
@@ -28,6 +30,7 @@ __all__ = [
     "NestedCheckpointError",
     "PermanentBackendError",
     "PersistProcessError",
+    "Preempted",
     "RankTimeoutError",
     "StateKeyError",
     "StateMismatchError",
@@ -374,3 +377,35 @@ class TrialStopped(BaseException):
         super().__init__(*(() if reason is None else (reason,)))
         self.reason = reason
         self.status = status if reason is not None else None
+
+
+class Preempted(TrialStopped, SystemExit):
+    """Raised by ``report()`` after a preemption signal, once the preemption
+    checkpoint is committed and the session has ended (see
+    ``session.start(preemption=PreemptionConfig(...))`` and docs/preemption.md).
+
+    A :class:`TrialStopped` (a trial runner ends the trial as ``preempted``,
+    resumable) and a ``SystemExit``: a script that lets it propagate exits
+    quietly with :attr:`code`, the status the scheduler expects (``128 +
+    signal`` by default, 143 for SIGTERM). ``except Exception`` does not
+    catch it.
+
+    Attributes:
+        code: the exit status (``PreemptionConfig.exit_code``).
+        signal: the signal's name, e.g. ``"SIGTERM"``.
+        status: ``"preempted"`` (recorded in the trial's ``stopped.json``).
+        reason: one line, e.g. ``"SIGTERM received at 2026-12-05T06:30:00Z"``.
+    """
+
+    def __init__(self, reason: str = "preempted", *, code: int = 143,
+                 signal: str = "SIGTERM") -> None:
+        TrialStopped.__init__(self, reason, "preempted")
+        self.code = code
+        self.signal = signal
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_preempted, (self.reason, self.code, self.signal))
+
+
+def _rebuild_preempted(reason: str, code: int, signal: str) -> Preempted:
+    return Preempted(reason, code=code, signal=signal)

@@ -599,7 +599,9 @@ class StorageContext:
 
         Args:
             status: ``"pruned"`` (a pruner judged the trial hopeless, as Optuna's
-                ``TrialPruned``) or ``"stopped"`` (any other early stop).
+                ``TrialPruned``), ``"preempted"`` (a preemption signal ended the
+                run after its preemption checkpoint; resumable) or
+                ``"stopped"`` (any other early stop).
             reason: one line for people, e.g. ``"pruned at training_iteration 3"``.
 
         Raises:

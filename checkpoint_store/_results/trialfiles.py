@@ -20,7 +20,7 @@ from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.backends.base import Capabilities
 from checkpoint_store.errors import InvalidConfigError
 
-__all__ = ["read_error", "read_stop", "write_error", "write_params", "write_stop"]
+__all__ = ["STOP_STATUSES", "read_error", "read_stop", "write_error", "write_params", "write_stop"]
 
 
 def write_params(filesystem: Any, trial_path: str, config: Mapping[str, Any],
@@ -51,16 +51,22 @@ def write_error(filesystem: Any, trial_path: str, text: str, error: BaseExceptio
     )
 
 
+#: Why a run was ended early: a pruner, its driver, a preemption signal.
+STOP_STATUSES = ("pruned", "stopped", "preempted")
+
+
 def write_stop(filesystem: Any, trial_path: str, status: str, reason: str,
                now: float | None, caps: Capabilities) -> None:
     """Write ``stopped.json`` (see
     :meth:`~checkpoint_store.storage.StorageContext.record_stop`).
 
     Raises:
-        InvalidConfigError: ``status`` is not ``"pruned"`` or ``"stopped"``.
+        InvalidConfigError: ``status`` is not ``"pruned"``, ``"stopped"`` or
+            ``"preempted"``.
     """
-    if status not in ("pruned", "stopped"):
-        raise InvalidConfigError(f"status must be 'pruned' or 'stopped', got {status!r}")
+    if status not in STOP_STATUSES:
+        raise InvalidConfigError(
+            f"status must be one of {', '.join(map(repr, STOP_STATUSES))}, got {status!r}")
     body = {"status": status, "reason": str(reason),
             "time": time.time() if now is None else now}
     _fsutil.write_bytes(filesystem, posixpath.join(trial_path, STOPPED_FILE),

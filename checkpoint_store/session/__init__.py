@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from checkpoint_store.errors import (
     CheckpointAbortedError,
+    Preempted,
     RankTimeoutError,
     TrialStopped,
 )
@@ -29,10 +30,13 @@ from checkpoint_store.session._api import (
     get_context,
     get_session,
     next_checkpoint_dir,
+    reached_preemption,
     report,
     start,
     wait,
 )
+from checkpoint_store.session._preemption import PreemptionConfig
+from checkpoint_store.session._preemption import install_handlers as install_preemption_handlers
 from checkpoint_store.session._session import AUTO_FILLED, Session, SessionContext
 from checkpoint_store.session._trial_runner import TrialRunner
 from checkpoint_store.session._uploads import UploadConfig
@@ -41,6 +45,8 @@ from checkpoint_store.tiers import LocalTier
 __all__ = [
     "AUTO_FILLED",
     "CheckpointAbortedError",
+    "Preempted",
+    "PreemptionConfig",
     "RankTimeoutError",
     "TrialRunner",
     "TrialStopped",
@@ -53,6 +59,8 @@ __all__ = [
     "get_checkpoint",
     "get_context",
     "get_session",
+    "install_preemption_handlers",
     "next_checkpoint_dir",
+    "reached_preemption",
     "wait",
 ]

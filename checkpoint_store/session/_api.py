@@ -23,6 +23,7 @@ from checkpoint_store.errors import (
     TrialStopped,
 )
 from checkpoint_store.retention import CheckpointConfig
+from checkpoint_store.session._preemption import PreemptionConfig
 from checkpoint_store.session._session import AUTO_FILLED, Session, SessionContext
 from checkpoint_store.session._uploads import UploadConfig
 from checkpoint_store.storage import StorageContext
@@ -42,6 +43,7 @@ __all__ = [
     "get_context",
     "get_session",
     "next_checkpoint_dir",
+    "reached_preemption",
     "wait",
 ]
 
@@ -119,6 +121,7 @@ def start(
     incremental: bool = True,
     resume_from: Checkpoint | str | os.PathLike[str] | None = None,
     local_tier: LocalTier | None = None,
+    preemption: PreemptionConfig | bool | None = None,
     _thread_only: bool = False,
 ) -> _ActiveSession:
     """Start a session; use as ``with session.start(...) as s:``.
@@ -165,6 +168,15 @@ def start(
             ``storage_path`` in the background, and ``get_checkpoint()``
             reads the newest complete copy from the fastest tier that holds
             it. See docs/tiers.md.
+        preemption: a :class:`PreemptionConfig` (or True for its defaults:
+            SIGTERM, 30 s of grace): a preemption signal sets
+            :func:`reached_preemption`, the next ``report()`` commits its
+            checkpoint on the storage_path, ends the session as
+            ``preempted`` and raises :class:`~checkpoint_store.errors.Preempted`
+            (a ``SystemExit`` with the scheduler's exit status); see
+            docs/preemption.md. Without it, a session in the main thread
+            still turns an unhandled SIGTERM into ``SystemExit(143)`` so that
+            its acknowledged saves are committed and its lease released.
 
     Raises:
         InvalidConfigError: bad names, location, config or ranks, or several
@@ -192,7 +204,7 @@ def start(
         storage, checkpoint_config, upload_config=upload_config, config=config,
         world_rank=world_rank, world_size=world_size, local_rank=local_rank,
         attempt_id=attempt_id, sync_timeout_s=sync_timeout_s, resume_from=resume_from,
-        local_tier=local_tier,
+        local_tier=local_tier, preemption=preemption,
     )
     return _ActiveSession(sess, _thread_only)
 
@@ -285,3 +297,13 @@ _FOREIGN_SESSION = "checkpoint_store.integrations.ray:active_session"
 def get_context() -> SessionContext:
     """Names, ranks and storage of the active session."""
     return get_session().get_context()
+
+
+def reached_preemption() -> bool:
+    """Whether the active session received a preemption signal
+    (``start(preemption=...)``): save now, with the next ``report()``. As
+    Orbax's ``reached_preemption``; False without an active session or
+    without ``preemption=``. With several ranks, each rank's own flag; the
+    report agrees on one index for all of them."""
+    sess = getattr(_local, "session", None) or _process_session
+    return sess is not None and sess.reached_preemption

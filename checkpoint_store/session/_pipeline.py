@@ -187,8 +187,10 @@ class ReportPipeline:
 
     def report(self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None = None, *,
                state: Mapping[str, Any] | None = None, upload_mode: str | None = None,
-               staging: str | None = None) -> tuple[Row, Checkpoint | None]:
-        """``Session.report``: ``(row, the committed checkpoint or None)``."""
+               staging: str | None = None, preemption: Mapping[str, Any] | None = None
+               ) -> tuple[Row, Checkpoint | None]:
+        """``Session.report``: ``(row, the committed checkpoint or None)``;
+        ``preemption``: recorded in the checkpoint's internal metadata."""
         self.ledger.ensure_open()
         ranks = self.committer.ranks
         in_place = state is None and self.target.in_place(
@@ -210,7 +212,8 @@ class ReportPipeline:
             if plan.saves:
                 self._admit(plan, checkpoint, planned)
         with self.ledger.transaction() as txn:
-            return self._report(txn, plan, metrics, checkpoint, planned, background_error)
+            return self._report(txn, plan, metrics, checkpoint, planned, background_error,
+                                preemption)
 
     def _admit(self, plan: ReportPlan, checkpoint: Checkpoint | None,
                planned: Planned | None) -> None:
@@ -227,7 +230,8 @@ class ReportPipeline:
 
     def _report(self, txn: Txn, plan: ReportPlan, metrics: Mapping[str, Any],
                 checkpoint: Checkpoint | None, planned: Planned | None,
-                error: BaseException | None) -> tuple[Row, Checkpoint | None]:
+                error: BaseException | None, preemption: Mapping[str, Any] | None = None,
+                ) -> tuple[Row, Checkpoint | None]:
         ledger, ranks = self.ledger, self.committer.ranks
         row: Row = {}
         try:
@@ -254,6 +258,8 @@ class ReportPipeline:
                 raise
             error, source = error or exc, None
         internal = {"metrics": row, "world_size": self._world_size, "run_id": self._run_id}
+        if preemption is not None:
+            internal["preemption"] = dict(preemption)
         job = CheckpointJob(txn.index, row, internal, source, error)
         flush = not self.tiered
         if plan.background:

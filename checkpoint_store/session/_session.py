@@ -39,6 +39,16 @@ from checkpoint_store.session._executors import BackgroundWork
 from checkpoint_store.session._ledger import CommitRecorder, ReportLedger
 from checkpoint_store.session._multirank import Coordinator
 from checkpoint_store.session._pipeline import ASYNC_RANKS, ReportHook, ReportPipeline
+from checkpoint_store.session._preemption import (
+    PreemptionConfig,
+    PreemptionWatch,
+    check_installable,
+    check_preemption,
+    install_exit_on_sigterm,
+    uninstall_exit_on_sigterm,
+    unwatch,
+    watch,
+)
 from checkpoint_store.session._sources import StateStaging
 from checkpoint_store.session._targets import DurableTarget, Target, TieredTarget
 from checkpoint_store.session._tier_recovery import (
@@ -90,6 +100,7 @@ class Session:
         sync_timeout_s: float = 1800.0,
         resume_from: Checkpoint | str | os.PathLike[str] | None = None,
         local_tier: LocalTier | None = None,
+        preemption: PreemptionConfig | bool | None = None,
     ):
         # Every argument is checked before the first storage call: a refused
         # start writes nothing (no trial directory, no params.json).
@@ -110,6 +121,11 @@ class Session:
             )
         sync_timeout_s = check_timeout(sync_timeout_s)
         local_tier = check_local_tier(local_tier, storage)
+        preemption_config = check_preemption(preemption)
+        if preemption_config is not None:
+            check_installable(preemption_config)
+        self._preemption: PreemptionWatch | None = None
+        self._exit_on_sigterm = False
         # The local tier (session.start(local_tier=...)), opened below; its
         # worker for staged states; the copies every rank has (several ranks).
         # Read only, never registered, moved or deleted by this trial: it lives
@@ -185,6 +201,11 @@ class Session:
             self.manager.close()
             raise
         self._ledger.begin(time.time())
+        if preemption_config is not None:
+            self._preemption = PreemptionWatch(preemption_config, on_signal=self._on_preemption)
+            watch(self._preemption)
+        # A SIGTERM nobody handles ends the session through its normal path.
+        self._exit_on_sigterm = install_exit_on_sigterm()
 
     def _remove_leftovers(self) -> None:
         """Rank 0: remove what crashed writers left uncommitted, after the lease
@@ -428,13 +449,64 @@ class Session:
             CheckpointStoreError: the session has ended.
             TrialStopped: the trial runner of this session was stopped or paused.
         """
+        preempted = self._preemption is not None and self._preemption.requested
         for hook in self._hooks:
             hook.before_report()
+        if preempted:
+            return self._report_preempted(metrics, checkpoint, state)
         row, committed = self._pipeline.report(metrics, checkpoint, state=state,
                                                upload_mode=upload_mode, staging=staging)
         for hook in self._hooks:
             hook.after_report(row, committed)
         return row
+
+    @property
+    def reached_preemption(self) -> bool:
+        """A preemption signal arrived (``session.start(preemption=...)``): pass
+        a checkpoint or state to the next ``report()``, which commits it and
+        raises :class:`~checkpoint_store.errors.Preempted`. As Orbax's
+        ``CheckpointManager.reached_preemption``. False without ``preemption=``."""
+        return self._preemption is not None and self._preemption.requested
+
+    def _on_preemption(self) -> None:
+        """On a helper thread, as the first signal arrives: say what happens next."""
+        watch = self._preemption
+        assert watch is not None
+        logging.getLogger(__name__).warning(
+            "preemption: %s received by %s (rank %d); %d save(s) in flight; the next report() "
+            "commits a preemption checkpoint and stops the run (grace %.0f s)",
+            watch.metadata()["signal"], self.trial_id, self.world_rank,
+            self._pipeline.work.pending(), watch.config.grace_period_s)
+
+    def _report_preempted(self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None,
+                          state: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The first report after a preemption signal: commit its checkpoint
+        on the storage_path (whatever the local tier's ``persist`` says), wait
+        until every acknowledged save is durable (bounded by the grace
+        period), end the session as ``preempted`` and raise
+        :class:`~checkpoint_store.errors.Preempted`."""
+        watch = self._preemption
+        assert watch is not None
+        watch.stopping()
+        saves = checkpoint is not None or state is not None or (
+            self._ledger.reserved is not None and self._ledger.reserved == self._ledger.next_index)
+        if self._tier is not None and saves:
+            self._tier.force_persist(self._ledger.next_index)
+        row, committed = self._pipeline.report(
+            metrics, checkpoint, state=state, upload_mode="sync",
+            preemption=watch.metadata() if saves else None)
+        for hook in self._hooks:
+            hook.after_report(row, committed)
+        stop = watch.exception()
+        try:
+            left = watch.left_s()
+            self.wait(timeout=None if left is None else max(0.0, left - 1.0))
+        except TimeoutError as exc:
+            logging.getLogger(__name__).error(
+                "preemption: %s; the newest durable checkpoint is %s", exc, self.durable_index)
+        finally:
+            self.close(stop)
+        raise stop
 
     def add_report_hook(self, hook: ReportHook) -> None:
         """Call ``hook`` at the start and the end of every report (a
@@ -534,6 +606,11 @@ class Session:
 
     def _release(self) -> None:
         """The end's last steps, whatever happened before them."""
+        if self._preemption is not None:
+            unwatch(self._preemption)
+        if self._exit_on_sigterm:
+            self._exit_on_sigterm = False
+            uninstall_exit_on_sigterm()
         if self._tier is not None:
             try:
                 self._tier.wait_deletes()  # the local tier's evictions

@@ -288,6 +288,12 @@ class PersistProcess:
                  str(theirs.fileno()), str(area_fd), str(size), str(os.getpid())],
                 pass_fds=(theirs.fileno(), area_fd), stdin=subprocess.DEVNULL,
                 env=env, close_fds=True,
+                # Its own session and process group: a Ctrl-C in the terminal
+                # and a SIGTERM or SIGINT to the job's process group (torchrun,
+                # SLURM, a container's stop) leave it writing, so the saves
+                # report() acknowledged are committed while the training
+                # process ends; it still dies with that process (PDEATHSIG).
+                start_new_session=True,
             ))
         finally:
             theirs.close()

@@ -128,6 +128,9 @@ class FastTier(TierRetention, TierVerification):
         # Indexes a copy is queued for (set by the report thread, cleared by persist()).
         self._queued: set[int] = set()
         self._last_selected: PolicyCheckpoint | None = None
+        # Indexes sent to the persistent tier whatever ``persist`` says (a
+        # preemption checkpoint must outlive this machine).
+        self._forced: set[int] = set()
         self._verified: set[int] = set()
         #: Seconds :meth:`make_room` waited for space, summed.
         self.blocked_s = 0.0
@@ -338,11 +341,17 @@ class FastTier(TierRetention, TierVerification):
         """Whether the persist policy sends ``index`` (reported with ``row``) to
         the persistent tier; remembers it as the last selected one if so."""
         now = time.time()
-        chosen = self.config.selects(index, row, self._last_selected, created_at=now)
+        chosen = (index in self._forced
+                  or self.config.selects(index, row, self._last_selected, created_at=now))
         if chosen:
             self._last_selected = PolicyCheckpoint(index, checkpoint_dir_name(index), dict(row),
                                                    now)
         return chosen
+
+    def force_persist(self, index: int) -> None:
+        """Send ``index`` to the persistent tier when it is committed here,
+        whatever ``persist`` selects (a preemption checkpoint)."""
+        self._forced.add(index)
 
     def commit(self, source: Checkpoint, index: int, internal: Mapping[str, Any],
                row: Mapping[str, Any], *, writer_id: str | None = None) -> tuple[Checkpoint, bool]:
