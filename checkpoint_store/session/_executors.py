@@ -99,6 +99,14 @@ class BackgroundWork:
                 up.wait()
         self.raise_errors()
 
+    def prefer_newest(self) -> None:
+        """Run the durable lane's queued copies newest first from now on (a
+        preemption signal; one rank only: see
+        :meth:`BackgroundUploader.prefer_newest`)."""
+        up = self._lanes.get("durable")
+        if up is not None:  # else nothing is queued yet
+            up.prefer_newest()
+
     def submit(self, lane: Lane, run: Callable[[], object], cleanup: Callable[[], None],
                what: str) -> None:
         """Queue ``run`` (then ``cleanup``, whatever happens) on ``lane``; never blocks."""

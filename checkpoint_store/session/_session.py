@@ -139,71 +139,78 @@ class Session:
         if (self.world_size > 1 and local_tier is None
                 and self.upload_config.upload_mode == "async"):
             raise InvalidConfigError(ASYNC_RANKS)
-        # One writer id for every commit of this session: a claim or a marker
-        # an earlier report left is then recognisably this session's own.
-        self._writer_id = new_writer_id(storage.run_id)
-        # Set by a TrialRunner: called at the start and the end of report().
-        self._hooks: list[ReportHook] = []
-        self._tier: FastTier | None = None
-        self._coordinator: Coordinator | None = None
-        if self.world_size > 1:
-            self._coordinator = Coordinator(
-                storage, self.world_rank, self.world_size,
-                attempt_id=attempt_id, timeout_s=sync_timeout_s,
-            )
-        is_writer = self.world_rank == 0
-        storage.ensure_trial_dir()
-        # What killed saves and downloads left on this machine (their maker dead).
-        sweep_staging_root()
-        # Only the last rows: a start costs the same after a million reports.
-        iteration, time_offset = resume_counters(
-            last_result_rows(storage), storage.uri(storage.trial_path))
-        # Only rank 0 keeps the retention state and the trial's lease.
-        # Evicted checkpoints are deleted off the training loop (retention/deletes.py).
-        self.manager = CheckpointManager(self.checkpoint_config, storage, read_only=not is_writer,
-                                         background_deletes=True)
-        try:
-            # After the lease: it may fold a copied trial's segments.
-            results = ResultLog(storage) if is_writer else None
-            self._ledger = ReportLedger(self.trial_id, self.manager, results, iteration,
-                                        time_offset)
-            # From the retention state, not a scan of every checkpoint.
-            committed = self.manager.resume_candidates()
-            if not committed:
-                self._check_resume_from()
-            else:
-                # Damaged or lost last rows never number a report twice: the
-                # newest checkpoint holds the row it was reported with.
-                self._ledger.continue_after(*checkpoint_counters(committed[-1][1]))
-            # After the lease: a start refused because another session holds
-            # the trial leaves that session's params.json alone.
-            if (self.config or self._resume_from is not None) and is_writer:
-                storage.write_params(self._params())
-            if is_writer:
-                self._remove_leftovers()
-            self._recorder = CommitRecorder(
-                storage, self.manager, writer=is_writer, writer_id=self._writer_id,
-                latest=committed[-1][0] if committed else None)
-            # get_checkpoint() verifies these lazily, newest first (resume only).
-            self._resume_candidates: Sequence[tuple[Checkpoint, dict[str, Any]]] | None = (
-                committed)
-            if self._coordinator is None:
-                # Numbering continues past every index the retention state remembers.
-                self._ledger.number_from(self.manager.next_index)  # past every directory listed
-            else:
-                self._ledger.number_from(self._coordinator.agree_start_index(
-                    lambda: max(storage.next_checkpoint_index(), self.manager.next_index)
-                ))
-            self._pipeline = self._build_pipeline(local_tier)
-        except BaseException:
-            if self._tier is not None:
-                self._tier.close()
-            self.manager.close()
-            raise
-        self._ledger.begin(time.time())
+        # Watched from here: a signal during the start is answered by the
+        # first report (the handler is given back if the start fails).
         if preemption_config is not None:
             self._preemption = PreemptionWatch(preemption_config, on_signal=self._on_preemption)
             watch(self._preemption)
+        try:
+            # One writer id for every commit of this session: a claim or a marker
+            # an earlier report left is then recognisably this session's own.
+            self._writer_id = new_writer_id(storage.run_id)
+            # Set by a TrialRunner: called at the start and the end of report().
+            self._hooks: list[ReportHook] = []
+            self._tier: FastTier | None = None
+            self._coordinator: Coordinator | None = None
+            if self.world_size > 1:
+                self._coordinator = Coordinator(
+                    storage, self.world_rank, self.world_size,
+                    attempt_id=attempt_id, timeout_s=sync_timeout_s,
+                )
+            is_writer = self.world_rank == 0
+            storage.ensure_trial_dir()
+            # What killed saves and downloads left on this machine (their maker dead).
+            sweep_staging_root()
+            # Only the last rows: a start costs the same after a million reports.
+            iteration, time_offset = resume_counters(
+                last_result_rows(storage), storage.uri(storage.trial_path))
+            # Only rank 0 keeps the retention state and the trial's lease.
+            # Evicted checkpoints are deleted off the training loop (retention/deletes.py).
+            self.manager = CheckpointManager(self.checkpoint_config, storage,
+                                             read_only=not is_writer, background_deletes=True)
+            try:
+                # After the lease: it may fold a copied trial's segments.
+                results = ResultLog(storage) if is_writer else None
+                self._ledger = ReportLedger(self.trial_id, self.manager, results, iteration,
+                                            time_offset)
+                # From the retention state, not a scan of every checkpoint.
+                committed = self.manager.resume_candidates()
+                if not committed:
+                    self._check_resume_from()
+                else:
+                    # Damaged or lost last rows never number a report twice: the
+                    # newest checkpoint holds the row it was reported with.
+                    self._ledger.continue_after(*checkpoint_counters(committed[-1][1]))
+                # After the lease: a start refused because another session holds
+                # the trial leaves that session's params.json alone.
+                if (self.config or self._resume_from is not None) and is_writer:
+                    storage.write_params(self._params())
+                if is_writer:
+                    self._remove_leftovers()
+                self._recorder = CommitRecorder(
+                    storage, self.manager, writer=is_writer, writer_id=self._writer_id,
+                    latest=committed[-1][0] if committed else None)
+                # get_checkpoint() verifies these lazily, newest first (resume only).
+                self._resume_candidates: Sequence[tuple[Checkpoint, dict[str, Any]]] | None = (
+                    committed)
+                if self._coordinator is None:
+                    # Numbering continues past every index the retention state remembers.
+                    self._ledger.number_from(self.manager.next_index)  # past every directory listed
+                else:
+                    self._ledger.number_from(self._coordinator.agree_start_index(
+                        lambda: max(storage.next_checkpoint_index(), self.manager.next_index)
+                    ))
+                self._pipeline = self._build_pipeline(local_tier)
+            except BaseException:
+                if self._tier is not None:
+                    self._tier.close()
+                self.manager.close()
+                raise
+            self._ledger.begin(time.time())
+        except BaseException:
+            if self._preemption is not None:
+                unwatch(self._preemption)
+            raise
         # A SIGTERM nobody handles ends the session through its normal path.
         self._exit_on_sigterm = install_exit_on_sigterm()
 
@@ -469,14 +476,20 @@ class Session:
         return self._preemption is not None and self._preemption.requested
 
     def _on_preemption(self) -> None:
-        """On a helper thread, as the first signal arrives: say what happens next."""
+        """On a helper thread, as the first signal arrives: the pending durable
+        copies go newest first (one rank: ranks must commit in one order),
+        and the log says what happens next."""
         watch = self._preemption
         assert watch is not None
+        pipeline = getattr(self, "_pipeline", None)  # None: the signal came during start
+        if pipeline is not None and self.world_size == 1:
+            pipeline.work.prefer_newest()
         logging.getLogger(__name__).warning(
             "preemption: %s received by %s (rank %d); %d save(s) in flight; the next report() "
             "commits a preemption checkpoint and stops the run (grace %.0f s)",
             watch.metadata()["signal"], self.trial_id, self.world_rank,
-            self._pipeline.work.pending(), watch.config.grace_period_s)
+            pipeline.work.pending() if pipeline is not None else 0,
+            watch.config.grace_period_s)
 
     def _report_preempted(self, metrics: Mapping[str, Any], checkpoint: Checkpoint | None,
                           state: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -210,6 +210,7 @@ class BackgroundUploader:
         self._pending = 0
         self._errors: list[tuple[str, BaseException]] = []
         self._worker: threading.Thread | None = None
+        self._newest_first = False
         #: Seconds :meth:`reserve` spent waiting, summed (for benchmarks and logs).
         self.blocked_s = 0.0
         self.committed = 0
@@ -255,10 +256,23 @@ class BackgroundUploader:
             self.blocked_s += waited
             return waited
 
+    def prefer_newest(self) -> None:
+        """From now on, run the queued jobs newest first (by ``what``, a
+        ``checkpoint_NNNNNN`` name), and each job submitted later before
+        them: after a preemption signal the freshest checkpoint is made
+        durable first. One rank only (ranks must commit in the same order)."""
+        with self._cond:
+            self._newest_first = True
+            self._queue = collections.deque(
+                sorted(self._queue, key=lambda job: job.what, reverse=True))
+
     def submit(self, run: Callable[[], Any], cleanup: Callable[[], None], what: str) -> None:
         """Queue ``run`` (then ``cleanup``, whatever happens); never blocks."""
         with self._cond:
-            self._queue.append(_Job(run, cleanup, what))
+            if self._newest_first:
+                self._queue.appendleft(_Job(run, cleanup, what))
+            else:
+                self._queue.append(_Job(run, cleanup, what))
             self._pending += 1
             if self._worker is None:
                 self._worker = threading.Thread(

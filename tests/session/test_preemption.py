@@ -393,3 +393,52 @@ def test_a_signal_to_the_process_group_commits_the_last_acknowledged_save(
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)  # nothing of the group is left
 
+
+
+# -- the durable copies after the signal: newest first ------------------------------------
+
+
+def test_after_the_signal_queued_copies_run_newest_first():
+    from checkpoint_store.session._uploads import BackgroundUploader
+
+    up = BackgroundUploader(max_pending=10)
+    ran: list[str] = []
+    gate, started = threading.Event(), threading.Event()
+
+    def job(name: str) -> Any:
+        def run() -> None:
+            if name == "checkpoint_000001":
+                started.set()
+                gate.wait(30)  # running while the others queue
+            ran.append(name)
+        return run
+
+    for i in (1, 2, 3, 4):
+        up.submit(job(f"checkpoint_{i:06d}"), lambda: None, f"checkpoint_{i:06d}")
+    assert started.wait(30)
+    up.prefer_newest()
+    up.submit(job("checkpoint_000005"), lambda: None, "checkpoint_000005")
+    gate.set()
+    assert up.wait(30)
+    assert ran == ["checkpoint_000001", "checkpoint_000005", "checkpoint_000004",
+                   "checkpoint_000003", "checkpoint_000002"]
+
+
+def test_a_signal_during_start_is_answered_by_the_first_report(tmp_path, monkeypatch):
+    from checkpoint_store.session import _session as session_module
+
+    real = session_module.sweep_staging_root
+
+    def sweep_then_signal() -> None:  # a step of start(), after the handler is installed
+        real()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(session_module, "sweep_staging_root", sweep_then_signal)
+    root = str(tmp_path / "store")
+    with pytest.raises(Preempted):
+        with session.start(storage_path=root, experiment_name="e", trial_name="t",
+                           preemption=True) as s:
+            assert s.reached_preemption
+            s.report({"step": 1}, state=_state(1))
+    committed = StorageContext(root, "e", "t").committed_checkpoints()
+    assert [m["preemption"]["signal"] for _, m in committed] == ["SIGTERM"]
