@@ -85,6 +85,16 @@ class UploadConfig:
             tensors into (None: min(2 GiB, 25 % of RAM)); a larger state is
             staged in pieces while the persist process drains (see
             :mod:`checkpoint_store.state._staging`). At least 1 MiB.
+        warm_staging: when the staging area and its persist process are
+            made ready, so the first ``report(state=...)`` costs what the
+            later ones do (as torchtitan pre-warms its staging; Meta's
+            ``torch_checkpointing`` starts its writer at construction).
+            None (default): at ``session.start`` when the trial resumes from
+            a state checkpoint (the area's pages faulted in the background
+            up to that checkpoint's tensor bytes, at most the budget), else
+            on the first state report. True: at ``session.start`` always
+            (the whole budget faulted in the background: memory held from
+            the start). False: on the first state report.
 
     Raises:
         InvalidConfigError: at construction, for any other value.
@@ -94,8 +104,12 @@ class UploadConfig:
     max_pending_uploads: int = 1
     staging: StagingMode = "copy"
     staging_budget: int | None = None
+    warm_staging: bool | None = None
 
     def __post_init__(self) -> None:
+        if not (self.warm_staging is None or isinstance(self.warm_staging, bool)):
+            raise InvalidConfigError(
+                f"warm_staging must be None, True or False, got {self.warm_staging!r}")
         check_upload_mode(self.upload_mode)
         check_max_pending(self.max_pending_uploads)
         check_staging(self.staging)

@@ -49,7 +49,7 @@ from checkpoint_store.session._preemption import (
     unwatch,
     watch,
 )
-from checkpoint_store.session._sources import StateStaging
+from checkpoint_store.session._sources import StateStaging, state_bytes
 from checkpoint_store.session._targets import DurableTarget, Target, TieredTarget
 from checkpoint_store.session._tier_recovery import (
     checkpoint_index,
@@ -201,6 +201,7 @@ class Session:
                         lambda: max(storage.next_checkpoint_index(), self.manager.next_index)
                     ))
                 self._pipeline = self._build_pipeline(local_tier)
+                self._warm_staging(committed)
             except BaseException:
                 if self._tier is not None:
                     self._tier.close()
@@ -213,6 +214,18 @@ class Session:
             raise
         # A SIGTERM nobody handles ends the session through its normal path.
         self._exit_on_sigterm = install_exit_on_sigterm()
+
+    def _warm_staging(self, committed: Sequence[tuple[Checkpoint, dict[str, Any]]]) -> None:
+        """``UploadConfig.warm_staging``: ready the staging of states before
+        the first ``report(state=...)`` (one rank; on a background thread)."""
+        warm = self.upload_config.warm_staging
+        if warm is False or self.world_size > 1:
+            return
+        if warm:
+            self._pipeline.staging.warm(lambda: -1)
+        elif committed:
+            newest = committed[-1][0]
+            self._pipeline.staging.warm(lambda: state_bytes(newest))
 
     def _remove_leftovers(self) -> None:
         """Rank 0: remove what crashed writers left uncommitted, after the lease

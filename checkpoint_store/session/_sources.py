@@ -22,7 +22,8 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, Union
 
 from checkpoint_store._format.layout import (
@@ -31,7 +32,7 @@ from checkpoint_store._format.layout import (
     checkpoint_dir_name,
 )
 from checkpoint_store._util.retry import typed_permanent
-from checkpoint_store.checkpoint import Checkpoint
+from checkpoint_store.checkpoint import Checkpoint, written_metadata
 from checkpoint_store.session._uploads import Staged, stage
 from checkpoint_store.state import scratch_dir, staging_root
 
@@ -200,6 +201,23 @@ class StateStaging:
             self._stager = Stager(self._budget)
         return self._stager
 
+    def warm(self, prefault_bytes: Callable[[], int | None]) -> None:
+        """On a background thread (returns at once; ``UploadConfig.warm_staging``):
+        ``prefault_bytes()``, then, unless it is None, start the persist
+        process and fault that many bytes of the area (-1: the whole budget)."""
+        stager = self.stager
+
+        def run() -> None:
+            try:
+                n = prefault_bytes()
+            except Exception as exc:  # best effort: the first save warms
+                logger.debug("not warming the staging: %s", exc)
+                return
+            if n is not None:
+                stager.warm(stager.budget if n < 0 else n)
+
+        threading.Thread(target=run, name="checkpoint-store-warm", daemon=True).start()
+
     def plan(self, state: Mapping[str, Any]) -> Planned:
         """The state's flat plan; a leaf that cannot be stored is refused here,
         before anything waits or is written.
@@ -240,3 +258,14 @@ class StateStaging:
         stager, self._stager = self._stager, None
         if stager is not None:
             stager.close()
+
+
+def state_bytes(checkpoint: Checkpoint) -> int | None:
+    """The tensor bytes of a state checkpoint (its internal metadata's tensor
+    index), or None for a directory checkpoint: what a restart of a run that
+    saves states expects to stage next (one read of the metadata)."""
+    tensors = written_metadata(checkpoint).get("tensors")
+    if not isinstance(tensors, dict) or not tensors:
+        return None
+    return max(0, sum(int(spec["offsets"][1]) - int(spec["offsets"][0])
+                      for spec in tensors.values()))

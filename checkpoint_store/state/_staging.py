@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import mmap
 import os
 import sys
@@ -67,6 +68,9 @@ MiB = 1 << 20
 #: The largest piece copied and written at once (smaller with a small budget).
 PIECE_BYTES = 32 * MiB
 _ALIGN = 64
+# madvise(2): fault pages in, writable, without touching their content.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+logger = logging.getLogger(__name__)
 
 
 def default_staging_budget() -> int:
@@ -187,6 +191,41 @@ class Stager:
                 self._outbox = []
         assert self._fd is not None
         self._proc = PersistProcess(self._fd, self.budget, self._on_message, self._on_exit)
+
+    def warm(self, prefault_bytes: int = 0) -> None:
+        """Make the area and the persist process ready before the first
+        :meth:`stage` (called on a background thread; never blocks a stage
+        for long): the process starts, and the first ``prefault_bytes`` of
+        the area (at most the budget) get their pages now, so the first copy
+        does not pay the page faults. Best effort: a failure is left to the
+        first stage, which raises it.
+
+        Pages are faulted with ``MADV_POPULATE_WRITE`` (Linux 5.14+), which
+        leaves their content alone, so a stage may run meanwhile; without it,
+        by writing one zero per page under the stage lock (before any stage).
+        """
+        with self._stage_lock:
+            if self.closed:
+                return
+            try:
+                self._ensure()
+            except Exception as exc:  # raised again by the first stage
+                logger.debug("could not warm the staging area: %s", exc)
+                return
+            area = self._area
+        n = min(max(0, int(prefault_bytes)), self.budget)
+        if area is None or n == 0:
+            return
+        try:
+            area.madvise(_MADV_POPULATE_WRITE, 0, n)
+            return
+        except (OSError, ValueError):  # an older kernel: touch the pages
+            pass
+        with self._stage_lock:
+            if self.closed or self._area is not area or self._next_fid:
+                return  # a stage began: it faults its own pages
+            page = mmap.PAGESIZE
+            _np_bytes(area)[:n:page] = 0
 
     @property
     def persist_pid(self) -> int | None:
