@@ -42,6 +42,7 @@ from checkpoint_store._browse.locations import (
     resolve_location,
     trials_under,
 )
+from checkpoint_store._browse.status import preemption_of, status_of
 from checkpoint_store._format.layout import (
     ERROR_FILE,
     LEASE_FILE,
@@ -239,16 +240,13 @@ class StoreView:
         # newer than the failure recorded by an earlier run.
         stop = _read_stop(fs, posixpath.join(ctx.trial_path, STOPPED_FILE),
                           entries.get(STOPPED_FILE), cache)
+        lease = None
         if LEASE_FILE in entries:
-            cache.status = "running" if live_lease(ctx) is not None else "interrupted"
-        elif cache.error is not None:
-            cache.status = "errored"
-        elif stop is not None:
-            # Ended early by its driver (a pruner): not "finished".
-            cache.status = stop[0]
-            cache.error = stop[1]
-        else:
-            cache.status = "finished"
+            lease = "running" if live_lease(ctx) is not None else "interrupted"
+        # Ended early by its driver (a pruner) or a preemption signal: not "finished".
+        cache.status = status_of(lease, cache.error, stop)
+        if lease is None and cache.error is None and stop is not None:
+            cache.error = stop["reason"]
         return cache
 
     def trial(self, experiment: str, trial: str, *, since: int | None = 0,
@@ -333,9 +331,14 @@ class StoreView:
             ``errored``: no lease and an ``error.txt``, the last run ended with
             an exception; ``pruned`` or ``stopped``: its driver ended the last
             run early and said why (``stopped.json``: an Optuna pruner, a
-            scheduler); ``finished``), ``error`` (the last line of
-            ``error.txt``, e.g. ``"ValueError: loss is nan"``, or the stop's
-            reason, or None), ``invalid`` (committed checkpoints that no longer
+            scheduler); ``preempted``: a preemption signal ended the last run
+            after its last report committed what it could, resumable from
+            the newest committed checkpoint; ``finished``), ``error`` (the
+            last line of ``error.txt``, e.g. ``"ValueError: loss is nan"``, or
+            the stop's reason, e.g. ``"SIGTERM received at
+            2026-01-02T03:04:05Z"``, or None), ``stop`` (``{status, reason,
+            time}`` of ``stopped.json`` when the status is its, else None),
+            ``invalid`` (committed checkpoints that no longer
             match their manifest, counted in ``committed`` too), ``reports``,
             ``committed`` (checkpoints), ``metric``
             and ``mode`` (the recorded score attribute and order), ``best_score``
@@ -358,6 +361,8 @@ class StoreView:
             "uri": ctx.uri(ctx.trial_path),
             "status": cache.status,
             "error": cache.error,
+            "stop": cache.stop[0] if cache.stop is not None
+            and cache.stop[0]["status"] == cache.status else None,
             "reports": len(cache.rows),
             "committed": len(cache.metas) + len(cache.unmatched),
             "invalid": len(cache.unmatched) + len(cache.invalid.keys() & cache.metas.keys()),
@@ -470,6 +475,8 @@ class StoreView:
             # Why retention keeps it: its kind and rank on the trial's page.
             "kind": row.get("kind"), "rank": row.get("rank"), "score": row.get("score"),
             "is_latest": row.get("is_latest", False),
+            # Committed on a preemption signal: {signal, signalled_at, grace_period_s}.
+            "preemption": preemption_of(meta),
             "ranked": sum(1 for r in rows if r.get("rank") is not None),
             "score_attribute": cache.config.checkpoint_score_attribute if cache.config else None,
             "manifest": list(meta.get("manifest", [])),

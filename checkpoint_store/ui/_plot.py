@@ -22,6 +22,9 @@ MARKERS: dict[str, dict[str, Any]] = {
     "uncommitted": {"marker": "_", "s": 90, "color": "#d6604d", "label": "not committed"},
     "invalid": {"marker": "X", "s": 90, "color": "#b2182b", "label": "committed, invalid"},
 }
+#: A ring around a checkpoint committed on a preemption signal (any kind).
+PREEMPTION: dict[str, Any] = {"marker": "o", "s": 320, "color": "#cc8a00",
+                              "label": "preemption checkpoint"}
 FORMATS = (".png", ".svg", ".pdf")
 # The page's trial colours (app.js trialColor): ten categorical ones, then hues a
 # golden angle apart at three lightnesses and two saturations: no two of 50 trials
@@ -54,8 +57,9 @@ def _number(value: Any) -> float | None:
 def _series(trial: Mapping[str, Any], metric: str, x_key: str) -> tuple[
         list[float], list[float], dict[str, list[tuple[float, float]]]]:
     kinds = {c["name"]: c["kind"] for c in trial["checkpoints"]}
+    preempted = {c["name"] for c in trial["checkpoints"] if c.get("preemption")}
     xs, ys = [], []
-    marks: dict[str, list[tuple[float, float]]] = {k: [] for k in MARKERS}
+    marks: dict[str, list[tuple[float, float]]] = {k: [] for k in (*MARKERS, "preemption")}
     for row in trial["rows"]:
         # An ambiguous or non-numeric value is a gap, not an error.
         x, y = _number(row.get(x_key)), score_or_none(row, metric)
@@ -66,6 +70,8 @@ def _series(trial: Mapping[str, Any], metric: str, x_key: str) -> tuple[
         name = row.get("checkpoint_dir_name")
         if isinstance(name, str):
             marks[kinds.get(name, "evicted")].append((x, y))
+            if name in preempted:
+                marks["preemption"].append((x, y))
     return xs, ys, marks
 
 
@@ -73,7 +79,8 @@ def plot_trials(trials: Sequence[Mapping[str, Any]], output: str, *, metric: str
                 x_key: str = "training_iteration") -> int:
     """Write one chart of ``metric`` for ``trials`` (``StoreView.trial`` answers) to ``output``.
 
-    One trial: its curve, and each checkpoint marked by kind (shape and colour).
+    One trial: its curve, and each checkpoint marked by kind (shape and colour);
+    a checkpoint committed on a preemption signal has a ring around its marker.
     Several: one colour per trial (its curve and its markers; the shape says the
     kind), one legend entry per trial, outside the axes so it hides no point.
 
@@ -119,6 +126,13 @@ def figure(trials: Sequence[Mapping[str, Any]], *, metric: str | None = None,
                 label=trial["trial"] if several else metric, zorder=1, color=color)
         for kind, points in marks.items():
             if not points:
+                continue
+            if kind == "preemption":  # a ring around the kind's marker, in any trial's plot
+                ax.scatter([p[0] for p in points], [p[1] for p in points],
+                           marker=PREEMPTION["marker"], s=PREEMPTION["s"], facecolors="none",
+                           edgecolors=PREEMPTION["color"], linewidths=1.8, zorder=4,
+                           label=None if kind in seen_kinds else PREEMPTION["label"])
+                seen_kinds.add(kind)
                 continue
             style = dict(MARKERS[kind])
             # Several trials: the marker takes its trial's colour; one trial: its kind's.

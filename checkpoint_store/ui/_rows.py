@@ -20,6 +20,7 @@ from typing import Any
 from checkpoint_store._browse.locations import (
     manifest_size,
 )
+from checkpoint_store._browse.status import preemption_of, stop_of
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     STATE_KIND,
@@ -91,7 +92,8 @@ class _TrialCache:
     status: str = "finished"
     error: str | None = None  # the last line of error.txt: "ValueError: loss is nan"
     error_size: int = -1  # bytes of error.txt when ``error`` was read
-    stop: tuple[str, str, int | None] | None = None  # stopped.json: status, reason, size
+    # stopped.json: {status, reason, time} (status_of), and its size when read.
+    stop: tuple[dict[str, Any], int | None] | None = None
     # (metric, x) -> (rows seen, [(x, y, row index)]): a metric switch reads no row twice.
     columns: dict[tuple[str, str], tuple[int, list[tuple[float, float, int]]]] = \
         dataclasses.field(default_factory=dict)
@@ -203,20 +205,19 @@ def _read_error(fs: Any, path: str, info: Any, cache: _TrialCache) -> None:
 
 
 def _read_stop(fs: Any, path: str, info: Any,
-               cache: _TrialCache) -> tuple[str, str] | None:
-    """``(status, reason)`` of ``stopped.json`` (read again only when its size
-    changed), or None when there is none."""
+               cache: _TrialCache) -> dict[str, Any] | None:
+    """``{status, reason, time}`` of ``stopped.json`` (:func:`stop_of`; read
+    again only when its size changed), or None when there is none."""
     if info is None:
         cache.stop = None
         return None
-    if cache.stop is None or cache.stop[2] != info.size:
-        body = _read_json(fs, path)
-        status = body.get("status") if isinstance(body, dict) else None
-        if status not in ("pruned", "stopped"):
+    if cache.stop is None or cache.stop[1] != info.size:
+        stop = stop_of(_read_json(fs, path))
+        if stop is None:
             cache.stop = None
             return None
-        cache.stop = (status, str(body.get("reason") or status), info.size)
-    return cache.stop[0], cache.stop[1]
+        cache.stop = (stop, info.size)
+    return cache.stop[0]
 
 
 def _read_json(fs: Any, path: str) -> Any:
@@ -286,10 +287,12 @@ def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
     ``kind`` (best, latest, kept, invalid, evicted, uncommitted), ``is_best``
     (ranked first), ``rank`` (1 for the best by the score attribute, None when
     unranked), ``is_latest``, ``score``, ``size``, ``files``, ``created_at``,
-    ``iteration`` (the ``training_iteration`` of the report that named it) and,
-    for ``invalid``, ``reason`` (what does not match, naming the file). An
-    invalid one (its files no longer match its manifest, or a read found it
-    damaged) is never best, latest nor ranked."""
+    ``iteration`` (the ``training_iteration`` of the report that named it),
+    ``preemption`` (``{signal, signalled_at, grace_period_s}`` of a checkpoint
+    committed on a preemption signal, else None) and, for ``invalid``,
+    ``reason`` (what does not match, naming the file). An invalid one (its
+    files no longer match its manifest, or a read found it damaged) is never
+    best, latest nor ranked."""
     config = cache.config
     attr = config.checkpoint_score_attribute if config else None
     metas = _good(cache)
@@ -315,6 +318,7 @@ def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
             "size": manifest_size(meta), "files": len(meta.get("manifest", [])),
             "created_at": meta.get("created_at"),
             "iteration": row.get("training_iteration"),
+            "preemption": preemption_of(meta),
             **({"reason": cache.invalid[name]} if name in cache.invalid else {}),
         })
     for name, (meta, reason) in cache.unmatched.items():
@@ -329,7 +333,7 @@ def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
             "size": manifest_size(meta) if meta.get("manifest") else None,
             "files": len(meta.get("manifest", [])) or None,
             "created_at": meta.get("created_at"), "iteration": row.get("training_iteration"),
-            "reason": reason,
+            "preemption": preemption_of(meta), "reason": reason,
         })
     for name in cache.invalid.keys() - cache.metas.keys() - reported.keys():
         reported[name] = {}  # recorded damaged, not matching its manifest, no row names it
@@ -343,7 +347,7 @@ def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:
                      UNCOMMITTED if name in cache.uncommitted else EVICTED),
             "is_best": False, "rank": None, "is_latest": False,
             "score": score_or_none(row, attr), "size": None, "files": None, "created_at": None,
-            "iteration": row.get("training_iteration"),
+            "iteration": row.get("training_iteration"), "preemption": None,
         })
     if cache.tiers:
         _add_tiers(out, cache)

@@ -24,7 +24,9 @@
     "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"];
   const X_AXES = { training_iteration: "report (training_iteration)", time_total_s: "time (s)" };
   const AUTO = new Set(["training_iteration", "timestamp", "time_total_s", "time_this_iter_s"]);
-  const STATUSES = ["running", "finished", "pruned", "errored", "interrupted"];
+  const STATUSES = ["running", "finished", "pruned", "stopped", "preempted", "errored", "interrupted"];
+  // Statuses whose run was ended early and said why (stopped.json): the reason is shown.
+  const STOPPED = new Set(["pruned", "stopped", "preempted"]);
 
   // Read by the browser tests: the current view's data and charts.
   const state = { config: null, timer: null, chart: null, charts: [], view: null, trial: null,
@@ -138,8 +140,19 @@
 
   function statusBadge(status, error) {
     const attrs = { class: `badge status-${status}` };
-    if ((status === "errored" || status === "pruned") && error) attrs.title = error;
+    if ((status === "errored" || STOPPED.has(status)) && error) {
+      attrs.title = status === "preempted" ? `${error}; resumable` : error;
+    }
     return el("span", attrs, status);
+  }
+
+  // A checkpoint committed on a preemption signal: "preemption (SIGTERM)".
+  function preemptionBadge(p, id) {
+    if (!p) return null;
+    const grace = typeof p.grace_period_s === "number" ? `, grace ${fmtValue(p.grace_period_s)} s` : "";
+    return el("span", { class: "badge preemption", id,
+      title: `committed on ${p.signal} (signalled at ${fmtTime(p.signalled_at)}${grace})` },
+    `preemption (${p.signal})`);
   }
 
   function breadcrumb(...items) {
@@ -359,7 +372,7 @@
       const c = cps[m.name] || { kind: "evicted", size: null };
       markers[c.kind].push({ x: m.x, y: m.y, name: m.name, size: c.size, score: c.score,
         rank: c.rank, kind: c.kind, trial: trial.trial, experiment: trial.experiment,
-        attribute: trial.metric });
+        attribute: trial.metric, preemption: c.preemption || null });
     }
     const many = line.length > 200;
     const sets = [{ type: "line", label: prefix ? trial.trial : series.metric, data: line,
@@ -388,7 +401,8 @@
       const rank = p.rank ? `, rank ${p.rank}` : "";
       const why = p.attribute && (p.kind === "best" || p.rank)
         ? ` (score ${p.attribute} ${fmtValue(p.score)}${rank})` : "";
-      return `${p.trial} ${p.name} (${KINDS[p.kind].label}): ${metric} ${fmtValue(p.y)}${why}, ` +
+      const pre = p.preemption ? `, preemption checkpoint (${p.preemption.signal})` : "";
+      return `${p.trial} ${p.name} (${KINDS[p.kind].label}${pre}): ${metric} ${fmtValue(p.y)}${why}, ` +
         `size ${fmtSize(p.size)}`;
     }
     return `${ctx.dataset.label}: ${fmtValue(p.y)} at ${fmtValue(p.x)}`;
@@ -562,7 +576,8 @@
         el("td", {}, c.kind === "evicted" ? name(c.name)
           : el("a", { href: route("checkpoint", trial.experiment, trial.trial, c.name) }, name(c.name))),
         el("td", {}, el("span", { class: `badge kind-${c.kind}` },
-          KINDS[c.kind].label + (c.is_best ? ", best" : "") + (c.is_latest && c.kind !== "latest" ? ", latest" : ""))),
+          KINDS[c.kind].label + (c.is_best ? ", best" : "") + (c.is_latest && c.kind !== "latest" ? ", latest" : "")),
+        c.preemption ? " " : null, preemptionBadge(c.preemption)),
         el("td", { class: "num" }, fmtValue(c.rank)),
         el("td", { class: "num" }, fmtValue(c.score)),
         el("td", { class: "num" }, fmtValue(c.iteration)),
@@ -577,10 +592,17 @@
       ? el("span", {}, `best ${t.metric} ${fmtValue(t.best_score)} at `,
         el("a", { href: route("checkpoint", t.experiment, t.trial, t.best_checkpoint) }, name(t.best_checkpoint)))
       : el("span", {}, "no score attribute recorded");
-    const error = (t.status === "errored" || t.status === "pruned") && t.error
-      ? el("span", { class: "error-line" }, ` (${t.status === "pruned" ? "" : "last run raised "}${t.error}) `) : "";
+    const error = (t.status === "errored" || STOPPED.has(t.status)) && t.error
+      ? el("span", { class: "error-line", id: "reason" },
+        ` (${t.status === "errored" ? "last run raised " : t.status === "preempted" ? "preempted: " : ""}${t.error}) `) : "";
+    // A preempted run committed what it could: a new run resumes from the newest checkpoint.
+    const latest = (t.checkpoints || []).find((c) => c.is_latest);
+    const resume = t.status === "preempted"
+      ? el("span", { class: "resumable", id: "resumable" }, "resumable",
+        latest ? [" from ", el("a", { href: route("checkpoint", t.experiment, t.trial, latest.name) },
+          name(latest.name))] : " (no committed checkpoint: a new run starts over)", "; ") : "";
     const invalid = t.invalid ? el("span", { class: "error-line" }, ` ${t.invalid} invalid;`) : "";
-    return el("p", { class: "summary", id: "summary" }, statusBadge(t.status, t.error), error,
+    return el("p", { class: "summary", id: "summary" }, statusBadge(t.status, t.error), error, resume,
       ` ${t.total_rows} report(s), ${t.committed} committed checkpoint(s),`, invalid,
       ` ${fmtSize(t.size)}; `, best, " · ",
       el("a", { href: `api/csv${query({ experiment: t.experiment, trial: t.trial })}`, id: "csv", download: "" },
@@ -809,6 +831,11 @@
       parts.push(c.rank ? `, rank ${c.rank} of ${c.ranked}` : ", not ranked");
     }
     if (c.is_latest) parts.push(" · the newest committed checkpoint (a resume starts here)");
+    if (c.preemption) {
+      parts.push(" · ", preemptionBadge(c.preemption, "preemption"),
+        ` committed on ${c.preemption.signal} at ${fmtTime(c.preemption.signalled_at)}, ` +
+        "whatever the retention and persist policies said");
+    }
     return el("p", { class: "summary", id: "retention" }, parts);
   }
 
