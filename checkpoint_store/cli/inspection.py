@@ -38,6 +38,12 @@ from checkpoint_store._browse.output import (
     print_json,
     table,
 )
+from checkpoint_store._browse.status import (
+    PREEMPTED,
+    preemption_label,
+    preemption_of,
+    trial_status,
+)
 from checkpoint_store._format.layout import ERROR_FILE, is_internal_name
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli.metrics import (
@@ -146,14 +152,24 @@ def _ls_trial(trial: Location, metric: str | None, long: bool) -> dict[str, Any]
         }
         if long:
             row.update(size=manifest_size(meta), files=len(meta.get("manifest", [])))
+        row["preemption"] = preemption_of(meta)
         rows.append(row)
     corrupt, uncommitted = not_committed(trial, (r["name"] for r in rows), entries)
     shown = {n for n, _ in corrupt}
     # With a local tier: on which tiers each one is, whether its durable copy is pending.
     tiers, own = trial_tiers(trial, None if entries is None else (n for n, _ in entries))
     annotate_rows(trial, rows, tiers, own, metric)
+    error = _last_error(trial)
+    status, stop = trial_status(trial, None if entries is None else (n for n, _ in entries),
+                                error)
+    if status == PREEMPTED and rows and rows[-1]["preemption"] is None and not long:
+        # The retention state records no preemption: the newest checkpoint's
+        # metadata says whether the preempted run's last report committed it
+        # (one read; --long reads every checkpoint's).
+        rows[-1]["preemption"] = preemption_of(read_internal(trial.child(rows[-1]["name"])))
     return {"kind": "trial", "uri": trial.uri, "metric": metric, "checkpoints": rows,
-            "error": _last_error(trial), "uncommitted": len(uncommitted),
+            "status": status, "stop": stop,
+            "error": error, "uncommitted": len(uncommitted),
             "corrupt": [{"name": n, "file": st.file, "reason": st.reason} for n, st in corrupt],
             "invalid": [{"name": n, "reason": why} for n, why in sorted(invalid.items())
                         if n not in shown]}
@@ -173,10 +189,17 @@ def _last_error(trial: Location) -> str | None:
 def _ls_experiment(exp: Location, long: bool) -> dict[str, Any]:
     rows = []
     for trial in trials_under(exp, "experiment"):
-        committed, _, _ = _listed_checkpoints(trial, long)
+        committed, entries, _ = _listed_checkpoints(trial, long)
+        names = [n for n, _ in (entries if entries is not None else list_entries(trial))]
+        error = _last_error(trial) if ERROR_FILE in names else None
+        status, stop = trial_status(trial, names, error)
         row = {
             "name": trial.name,
             "uri": trial.uri,
+            "status": status,
+            # Why it ended early (stopped.json: a pruner, a preemption signal), or its error.
+            "reason": stop["reason"] if stop is not None and stop["status"] == status
+            else error if status == "errored" else None,
             "checkpoints": len(committed),
             "latest_index": committed[-1][1]["index"] if committed else None,
             "latest_created_at": committed[-1][1].get("created_at") if committed else None,
@@ -229,7 +252,19 @@ def _ls_data(loc: Location, kind: LocationKind, metric: str | None,
 def _print_ls_trial(trial: Location, data: Mapping[str, Any], long: bool) -> None:
     score_header = f"SCORE ({data['metric']})" if data["metric"] else "SCORE"
     rows = data["checkpoints"]
-    if any("tiers" in r for r in rows):
+    if any(r.get("preemption") for r in rows):
+        # A checkpoint committed on a preemption signal: marked in a NOTE column.
+        table(["INDEX", "CHECKPOINT", "CREATED (UTC)", *(["SIZE"] if long else []),
+               score_header, *(["TIERS", "DURABLE"] if any("tiers" in r for r in rows) else []),
+               "NOTE"],
+              [[str(r["index"]), r["name"], fmt_time(r["created_at"]),
+                *([fmt_size(r.get("size"))] if long else []), fmt_value(r["score"]),
+                *([",".join(r.get("tiers") or []) or "-", r.get("durable") or "-"]
+                  if any("tiers" in r for r in rows) else []),
+                preemption_label(r["preemption"]) if r.get("preemption") else "-"]
+               for r in rows],
+              right=[0, 3] if long else [0])
+    elif any("tiers" in r for r in rows):
         table(["INDEX", "CHECKPOINT", "CREATED (UTC)", *(["SIZE"] if long else []),
                score_header, "TIERS", "DURABLE"],
               [[str(r["index"]), r["name"], fmt_time(r["created_at"]),
@@ -259,17 +294,29 @@ def _print_ls_trial(trial: Location, data: Mapping[str, Any], long: bool) -> Non
     if data["error"] is not None:
         click.echo(f"(the trial's last run ended with an error: {data['error']}; "
                    f"its traceback is in {trial.child(ERROR_FILE).uri})", err=True)
+    elif data["status"] == PREEMPTED and data["stop"] is not None:
+        resume = (f"a new run resumes from {rows[-1]['name']}" if rows
+                  else "no checkpoint was committed: a new run starts over")
+        click.echo(f"(the trial's last run was preempted: {data['stop']['reason']}; "
+                   f"resumable: {resume})", err=True)
+    elif data["stop"] is not None:
+        click.echo(f"(the trial's last run was {data['stop']['status']}: "
+                   f"{data['stop']['reason']})", err=True)
 
 
 def _print_ls_experiment(data: Mapping[str, Any], long: bool) -> None:
-    header = ["TRIAL", "CHECKPOINTS", "LATEST", "LATEST CREATED (UTC)"]
-    rows = [[r["name"], str(r["checkpoints"]), fmt_value(r["latest_index"]),
+    header = ["TRIAL", "STATUS", "CHECKPOINTS", "LATEST", "LATEST CREATED (UTC)"]
+    rows = [[r["name"], r["status"], str(r["checkpoints"]), fmt_value(r["latest_index"]),
              fmt_time(r["latest_created_at"])] for r in data["trials"]]
     if long:
         header.append("SIZE")
         for row, r in zip(rows, data["trials"], strict=True):
             row.append(fmt_size(r["size"]))
-    table(header, rows, right=[1, 2, 4] if long else [1, 2])
+    table(header, rows, right=[2, 3, 5] if long else [2, 3])
+    for r in data["trials"]:
+        if r["status"] == PREEMPTED:
+            click.echo(f"({r['name']} was preempted: {r['reason']}; resumable from its "
+                       "newest checkpoint)", err=True)
 
 
 def _print_ls(loc: Location, kind: LocationKind, data: Mapping[str, Any], long: bool) -> None:
@@ -302,8 +349,10 @@ def ls_cmd(uri: str, storage_options: dict[str, Any], metric: str | None, long: 
     """List experiments, trials or checkpoints under URI.
 
     What is listed depends on what URI is: a storage root lists its
-    experiments, an experiment its trials, a trial its committed checkpoints
-    (index, creation time in UTC, score), a checkpoint its files.
+    experiments, an experiment its trials (with their status: running,
+    interrupted, errored, pruned, stopped, preempted or finished), a trial
+    its committed checkpoints (index, creation time in UTC, score; NOTE marks
+    one committed on a preemption signal), a checkpoint its files.
     Uncommitted directories (interrupted writes) are never listed as
     checkpoints; their count is reported on stderr. Nor are corrupt or
     invalid ones (a checkpoint its retention state records as found damaged
@@ -341,9 +390,16 @@ def _print_show(loc: Location, meta: Mapping[str, Any], user: Mapping[str, Any],
     click.echo(f"index           {meta.get('index')}")
     click.echo(f"created (UTC)   {fmt_time(meta.get('created_at'))}")
     click.echo(f"format          {meta.get('format_version')}")
+    preemption = preemption_of(meta)
+    if preemption is not None:
+        grace = preemption["grace_period_s"]
+        click.echo(f"{'preemption':<15} {preemption['signal']} at "
+                   f"{fmt_time(preemption['signalled_at'])} UTC"
+                   + (f" (grace {fmt_value(grace)} s)" if grace is not None else "")
+                   + ", committed on the signal")
     for key in sorted(meta):
         if key not in ("index", "created_at", "format_version", "metrics", "manifest",
-                       "tensors"):
+                       "tensors", *(("preemption",) if preemption is not None else ())):
             click.echo(f"{key:<15} {fmt_value(meta[key])}")
     tensors = meta.get("tensors")
     if isinstance(tensors, Mapping):  # a state's index (docs/state.md): its size, not its body
@@ -422,8 +478,8 @@ def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) ->
     summary = {"files": len(manifest), "bytes": manifest_size(meta),
                "largest": [{"path": e["path"], "size": e["size"]} for e in _largest(manifest)]}
     out = {"uri": loc.uri, "state": "committed" if invalid is None else "invalid",
-           "reason": invalid, "internal_metadata": internal, "user_metadata": user,
-           "manifest": summary}
+           "reason": invalid, "preemption": preemption_of(meta),
+           "internal_metadata": internal, "user_metadata": user, "manifest": summary}
     tiers = checkpoint_tiers(loc, meta.get("index"))
     if tiers is not None:
         out.update(tiers)
