@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 from cli_helpers import Store, invoke, write_tree
-from conftest import _store_of
 
 from checkpoint_store import Checkpoint, PreemptionConfig, session
 from checkpoint_store.errors import Preempted
@@ -25,7 +24,10 @@ from checkpoint_store.errors import Preempted
 
 @pytest.fixture(params=["local", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
-    return _store_of(request, tmp_path)
+    if request.param == "local":
+        return Store(str(tmp_path / "store"))
+    loc = request.getfixturevalue("s3_location")
+    return Store(loc.uri, dict(loc.storage_options))
 
 
 def _checkpoint(tmp_path: Any, i: int) -> Checkpoint:
