@@ -118,8 +118,9 @@ PARAMS_FILE = "params.json"
 #: ``Failure # N (occurred at ...)`` blocks). Absent: no run of it raised, or
 #: a later one ended cleanly.
 ERROR_FILE = "error.txt"
-#: Why the trial's last run was ended early by its driver (a pruner, a
-#: scheduler): ``{"status": "pruned" | "stopped", "reason": ..., "time": ...}``.
+#: Why the trial's last run was ended early (a pruner, a scheduler, a
+#: preemption signal): ``{"status": "pruned" | "stopped" | "preempted",
+#: "reason": ..., "time": ...}``.
 #: Absent: the last run was not stopped with a reason.
 STOPPED_FILE = "stopped.json"
 # Every other file or directory we create starts with this prefix: staging
