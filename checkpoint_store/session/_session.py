@@ -518,21 +518,44 @@ class Session:
             self._ledger.reserved is not None and self._ledger.reserved == self._ledger.next_index)
         if self._tier is not None and saves:
             self._tier.force_persist(self._ledger.next_index)
-        row, committed = self._pipeline.report(
-            metrics, checkpoint, state=state, upload_mode="sync",
-            preemption=watch.metadata() if saves else None)
+        try:
+            row, committed = self._pipeline.report(
+                metrics, checkpoint, state=state, upload_mode="sync",
+                preemption=watch.metadata() if saves else None)
+        except BaseException as exc:
+            self._end_preempted(exc)
+            raise  # not reached: _end_preempted raises
         for hook in self._hooks:
             hook.after_report(row, committed)
+        self._end_preempted(None)
+        raise AssertionError("not reached")
+
+    def _end_preempted(self, error: BaseException | None) -> None:
+        """End the session as preempted (bounded by the grace) and raise
+        :class:`~checkpoint_store.errors.Preempted` (from ``error``, the
+        report's failure, if any)."""
+        watch = self._preemption
+        assert watch is not None
+        watch.stopping()
         stop = watch.exception()
+        if error is not None:
+            logging.getLogger(__name__).error(
+                "preemption: the preemption report failed (%s: %s); the newest committed "
+                "checkpoint is the resume point", type(error).__name__, error)
         try:
             left = watch.left_s()
             self.wait(timeout=None if left is None else max(0.0, left - 1.0))
         except TimeoutError as exc:
             logging.getLogger(__name__).error(
                 "preemption: %s; the newest durable checkpoint is %s", exc, self.durable_index)
+        except Exception as exc:  # a background error: recorded by close() below
+            logging.getLogger(__name__).error("preemption: %s", exc)
         finally:
-            self.close(stop)
-        raise stop
+            try:
+                self.close(stop)
+            except Exception as exc:
+                logging.getLogger(__name__).error("preemption: closing failed: %s", exc)
+        raise stop from error
 
     def add_report_hook(self, hook: ReportHook) -> None:
         """Call ``hook`` at the start and the end of every report (a
