@@ -303,7 +303,11 @@ def reached_preemption() -> bool:
     """Whether the active session received a preemption signal
     (``start(preemption=...)``): save now, with the next ``report()``. As
     Orbax's ``reached_preemption``; False without an active session or
-    without ``preemption=``. With several ranks, each rank's own flag; the
-    report agrees on one index for all of them."""
+    without ``preemption=``. With several ranks and a torch.distributed
+    process group, the flag the ranks exchanged: it turns True on every rank
+    at the same report, whichever rank got the signal, and the next report
+    is every rank's preemption checkpoint; without a group, this rank's own
+    flag (the signal travels in the next checkpoint report's rank markers).
+    See docs/sessions.md, "A preemption signal with several ranks"."""
     sess = getattr(_local, "session", None) or _process_session
     return sess is not None and sess.reached_preemption

@@ -35,9 +35,10 @@ from __future__ import annotations
 import copy
 import functools
 import posixpath
+import time
 import uuid
-from collections.abc import Callable
-from typing import Any, Literal, TypedDict
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, Protocol, TypedDict
 
 import pyarrow.fs as pafs
 
@@ -83,6 +84,26 @@ from checkpoint_store.storage import StorageContext
 OutcomeKind = Literal["timeout", "aborted", "conflict", "error"]
 
 
+class RankSignals(Protocol):
+    """How a preemption signal travels between the ranks (the session's
+    :class:`~checkpoint_store.session._preemption.PreemptionWatch`)."""
+
+    def shared(self) -> dict[str, Any] | None:
+        """This rank's signal (None: not signalled)."""
+        ...
+
+    def adopt(self, signals: Iterable[Any]) -> bool:
+        """Every rank's :meth:`shared`; flags this rank if any was signalled."""
+        ...
+
+
+class _Deadline:
+    """When waits for other ranks must end (a preemption's grace), shared by
+    a coordinator and its :meth:`Coordinator.storage_only` copies."""
+
+    at: float | None = None  # time.monotonic()
+
+
 class _OutcomeBase(TypedDict):
     ok: bool
 
@@ -94,6 +115,7 @@ class Outcome(_OutcomeBase, total=False):
     kind: OutcomeKind
     ranks: list[int]
     error: str
+    preemption: dict[str, Any]
 
 
 class Coordinator:
@@ -126,6 +148,23 @@ class Coordinator:
         self.attempt_id = self._agree_attempt_id(attempt_id)
         # The marker rank 0's last commit wrote (rank 0 only).
         self._written: dict[str, Any] | None = None
+        #: Set by a session with preemption on: the signal travels with the
+        #: flags every report gathers (process group), or in the rank markers
+        #: and the commit of every checkpoint report (storage only).
+        self.signals: RankSignals | None = None
+        self._deadline = _Deadline()
+
+    def limit_waits(self, seconds: float | None) -> None:
+        """From now on no wait for other ranks lasts past ``seconds`` (a
+        preemption's grace left; None: only ``timeout_s``), also on the
+        :meth:`storage_only` copies. Collectives of the process group are
+        not bounded by it: gloo fails them as soon as a peer process is gone."""
+        self._deadline.at = None if seconds is None else time.monotonic() + max(0.0, seconds)
+
+    def _wait_s(self, seconds: float) -> float:
+        """``seconds``, or less when :meth:`limit_waits` set an earlier end."""
+        at = self._deadline.at
+        return seconds if at is None else max(0.0, min(seconds, at - time.monotonic()))
 
     # -- collectives --------------------------------------------------------------
 
@@ -169,6 +208,9 @@ class Coordinator:
         other._uses_torch = False
         other._group = None
         other._written = None
+        # Signals are exchanged at the training thread's reports only, so
+        # every rank learns them at the same report.
+        other.signals = None
         return other
 
     def _broadcast(self, value: Any) -> Any:
@@ -250,14 +292,24 @@ class Coordinator:
         while others pass a checkpoint. Storage alone cannot tell without a
         round trip per report, so there every rank must pass a checkpoint to
         the same report() (an empty directory is fine) or none must.
+
+        With :attr:`signals` set (preemption on), each rank's preemption
+        signal rides on the same gather, and every rank adopts it at once.
         """
         if not self._uses_torch:
             return has_checkpoint
         import torch.distributed as dist
 
+        mine: Any = bool(has_checkpoint)
+        if self.signals is not None:  # the preemption flags ride along
+            mine = (mine, self.signals.shared())
         flags: list[Any] = [None] * self.world_size
-        dist.all_gather_object(flags, bool(has_checkpoint), group=self._group)
-        return any(flags)
+        dist.all_gather_object(flags, mine, group=self._group)
+        # A rank started without preemption= sends its bare flag.
+        pairs = [f if isinstance(f, tuple) else (f, None) for f in flags]
+        if self.signals is not None:
+            self.signals.adopt(signal for _, signal in pairs)
+        return any(bool(has) for has, _ in pairs)
 
     # -- the commit ---------------------------------------------------------------------
 
@@ -349,7 +401,7 @@ class Coordinator:
                 own_error = wrap_error(exc)
         part = write_rank_part(
             self._part_dir(target), self.rank, source, error=own_error,
-            fields=lambda: {"attempt_id": self.attempt_id, "index": index},
+            fields=functools.partial(self._marker_fields, index),
             wrap_error=wrap_error,
         )
         # Without a marker rank 0 reports this rank missing; keep the
@@ -363,6 +415,15 @@ class Coordinator:
             except OSError:
                 pass
         return own_error
+
+    def _marker_fields(self, index: int) -> dict[str, Any]:
+        """This rank's own fields of its marker; without a process group the
+        preemption signal travels there."""
+        fields: dict[str, Any] = {"attempt_id": self.attempt_id, "index": index}
+        signal = self.signals.shared() if self.signals is not None else None
+        if signal is not None and not self._uses_torch:
+            fields["preemption"] = signal
+        return fields
 
     def _claim_before_data(self, index: int, target: str) -> str | None:
         """Where ranks copy straight into ``checkpoint_<index>`` (marker-last
@@ -387,6 +448,9 @@ class Coordinator:
         drop = None if in_place else target
         try:
             markers = self._collect_markers(index, dir_name, target)
+            signal = self._signal_of(markers.values())
+            if signal is not None:
+                internal = {**internal, "preemption": internal.get("preemption") or signal}
         except RankTimeoutError as timeout:
             return self._abort(dir_name, timeout, "timeout", timeout.missing_ranks, None), timeout
         except Exception as error:
@@ -442,7 +506,8 @@ class Coordinator:
         part_dir = self._part_dir(target)
         # After a barrier every rank has tried to write its marker: one missing
         # now failed to write, so only a listing's lag is worth waiting for.
-        timeout_s = min(self.timeout_s, 10.0) if self._uses_torch else self.timeout_s
+        timeout_s = self._wait_s(min(self.timeout_s, 10.0) if self._uses_torch
+                                 else self.timeout_s)
         backoff = Backoff(timeout_s)
         bodies: dict[int, dict[str, Any]] = {}
         while True:
@@ -485,6 +550,9 @@ class Coordinator:
         """Rank 0: drop what was uploaded (when every rank is done) and publish the abort."""
         storage = self.storage
         outcome: Outcome = {"ok": False, "kind": kind, "ranks": ranks, "error": str(exc)}
+        signal = self.signals.shared() if self.signals is not None else None
+        if signal is not None:
+            outcome["preemption"] = _recorded(signal)
         if target is not None:
             try:
                 storage.commit_protocol.remove_leftover(target)
@@ -507,13 +575,18 @@ class Coordinator:
         )
         # Rank 0 waits up to timeout_s for the slowest rank and then publishes
         # which ranks were missing; wait past that to report its verdict.
-        wait_s = 2 * self.timeout_s + 1.0
+        wait_s = self._wait_s(2 * self.timeout_s + 1.0)
         backoff = Backoff(wait_s)
         while True:
             meta_info, abort_info = fs.get_file_info([meta_path, abort_path])
             if abort_info.type == pafs.FileType.File:
-                return _json.loads(_fsutil.read_bytes(fs, abort_path))
+                outcome = _json.loads(_fsutil.read_bytes(fs, abort_path))
+                if self.signals is not None and isinstance(outcome, dict):
+                    self.signals.adopt([outcome.get("preemption")])
+                return outcome
             if meta_info.type == pafs.FileType.File:
+                if self.signals is not None:  # one read, with preemption on only
+                    self._adopt_committed(meta_path)
                 return {"ok": True}
             if not backoff.sleep():
                 return {
@@ -523,6 +596,33 @@ class Coordinator:
                         f"{dir_name} (attempt {self.attempt_id!r}); missing ranks: [0]"
                     ),
                 }
+
+
+    def _signal_of(self, markers: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+        """Rank 0, storage only: the preemption signal some rank's marker
+        carries (this index is then every rank's preemption checkpoint)."""
+        if self.signals is None or self._uses_torch:
+            return None
+        signals = [m.get("preemption") for m in markers]
+        if not self.signals.adopt(signals):
+            return None
+        shared = self.signals.shared()
+        return _recorded(shared) if shared is not None else None
+
+    def _adopt_committed(self, meta_path: str) -> None:
+        """A non-zero rank, storage only: whether rank 0 committed this index
+        as a preemption checkpoint (some rank's marker said so)."""
+        try:
+            meta = _json.loads(_fsutil.read_bytes(self.storage.filesystem, meta_path))
+        except (OSError, ValueError):
+            return  # committed; a rank signalled later still stops at its own report
+        if isinstance(meta, dict) and isinstance(meta.get("preemption"), dict):
+            self.signals.adopt([{**meta["preemption"], "left_s": None}])  # type: ignore[union-attr]
+
+
+def _recorded(signal: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint records of a signal (not the grace one rank had left)."""
+    return {k: v for k, v in signal.items() if k != "left_s"}
 
 
 def _upload_error(exc: Exception, checkpoint: Checkpoint, rank: int) -> Exception:

@@ -26,6 +26,14 @@ whose handler is the default one into ``SystemExit(143)`` (see
 path: acknowledged saves are committed, the lease is released and the
 error is recorded, instead of the process vanishing mid-upload.
 
+With several ranks the signal reaching one rank (or each at a different
+step) becomes one index on every rank: over a torch.distributed process
+group each report gathers the ranks' flags (:meth:`PreemptionWatch.shared`,
+:meth:`PreemptionWatch.adopt`) and the next report is every rank's
+preemption report; through storage alone the flag travels in the rank
+markers of the next checkpoint report, which becomes every rank's
+(docs/sessions.md, "A preemption signal with several ranks").
+
 Signal handlers can only be installed by the main thread (Python's rule);
 sessions of other threads (a :class:`TrialRunner`'s trials) are flagged
 by the handler a main-thread call installed (:func:`install_handlers`).
@@ -219,6 +227,11 @@ class PreemptionWatch:
         self._overdue = False
         self._stopping = False
         self.closed = False
+        # Several ranks: every rank knows that some rank was signalled (the
+        # flag was exchanged), and the deadline moved (woken watchdog).
+        self.agreed = False
+        self._moved = threading.Event()
+        self._local = False  # this process received the signal itself
 
     @property
     def requested(self) -> bool:
@@ -250,16 +263,61 @@ class PreemptionWatch:
         if self.closed:
             return
         if self._event.is_set():
+            if not self._local:  # flagged by another rank's signal: this is our first
+                self._local = True
+                return
             if self._main and not self._stopping:
                 self._stopping = True
                 raise self.exception()  # a second signal: stop now
             return
+        self._local = True
+        self._flag(signum, time.time(), time.monotonic())
+
+    def _flag(self, signum: int, signalled_at: float, signalled_mono: float) -> None:
         self.signum = signum
-        self.signalled_at = time.time()
-        self._signalled_mono = time.monotonic()
+        self.signalled_at = signalled_at
+        self._signalled_mono = signalled_mono
         self._event.set()
         threading.Thread(target=self._watchdog, name="checkpoint-store-preemption",
                          daemon=True).start()
+
+    # -- several ranks ------------------------------------------------------------------
+
+    def shared(self) -> dict[str, Any] | None:
+        """This rank's signal as the other ranks learn it (None before one):
+        :meth:`metadata` plus ``left_s``, the grace this rank has left."""
+        if not self.requested or self.closed:
+            return None
+        return {**self.metadata(), "left_s": self.left_s()}
+
+    def adopt(self, signals: Iterable[Any]) -> bool:
+        """What the ranks' :meth:`shared` said (None for a rank not signalled):
+        if any rank was, this rank is flagged too (:attr:`agreed`), with the
+        earliest signal and the shortest grace left of them all (its
+        watchdog then stops a loop that does not reach ``report()`` in time).
+        Returns whether some rank was signalled."""
+        got = [s for s in signals if isinstance(s, dict)]
+        if not got or self.closed:
+            return False
+        grace = self.config.grace_period_s
+        # A rank that only read the signal from storage knows when it came.
+        left = min(_seconds(s.get("left_s"), grace - (
+            time.time() - _seconds(s.get("signalled_at"), time.time()))) for s in got)
+        left = min(grace, max(0.0, left))
+        mono = time.monotonic() - (self.config.grace_period_s - left)
+        if not self.requested:
+            first = min(got, key=lambda s: _seconds(s.get("signalled_at"), float("inf")))
+            try:
+                signum = _signal_number(first.get("signal"))
+            except InvalidConfigError:
+                signum = self.config.signal_numbers[0]
+            at = first.get("signalled_at")
+            self._flag(signum, float(at) if isinstance(at, (int, float)) else time.time(), mono)
+        elif self._signalled_mono is not None and mono < self._signalled_mono:
+            self._signalled_mono = mono  # another rank's grace ends first
+            self._moved.set()
+        self.agreed = True
+        return True
 
     def overdue(self) -> None:
         """The main thread, called by the handler the watchdog triggered."""
@@ -277,9 +335,13 @@ class PreemptionWatch:
                 self._on_signal()
             except Exception as exc:  # hurrying is best effort
                 logger.warning("could not hurry the pending durable copies: %s", exc)
-        left = self.left_s()
-        assert left is not None
-        time.sleep(max(0.0, left - self.config.margin_s))
+        while True:
+            left = self.left_s()
+            assert left is not None
+            wait = left - self.config.margin_s
+            if wait <= 0 or not self._moved.wait(wait):
+                break
+            self._moved.clear()  # another rank's deadline, earlier: sleep again
         if self.closed or self._stopping or not self._main:
             return
         logger.warning("preemption: report() was not reached within %.1f s of %s; stopping "
@@ -292,6 +354,12 @@ class PreemptionWatch:
     def take_overdue(self) -> bool:
         overdue, self._overdue = self._overdue, False
         return overdue
+
+
+def _seconds(value: Any, default: float) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return default
 
 
 # -- the process's handlers -------------------------------------------------------------------

@@ -143,6 +143,8 @@ class Session:
         # first report (the handler is given back if the start fails).
         if preemption_config is not None:
             self._preemption = PreemptionWatch(preemption_config, on_signal=self._on_preemption)
+            if self._coordinator is not None:
+                self._coordinator.signals = self._preemption  # the ranks exchange the flag
             watch(self._preemption)
         try:
             # One writer id for every commit of this session: a claim or a marker
@@ -469,24 +471,70 @@ class Session:
             CheckpointStoreError: the session has ended.
             TrialStopped: the trial runner of this session was stopped or paused.
         """
-        preempted = self._preemption is not None and self._preemption.requested
+        preempted = self._preempts(checkpoint, state)
         for hook in self._hooks:
             hook.before_report()
         if preempted:
             return self._report_preempted(metrics, checkpoint, state)
-        row, committed = self._pipeline.report(metrics, checkpoint, state=state,
-                                               upload_mode=upload_mode, staging=staging)
+        try:
+            row, committed = self._pipeline.report(metrics, checkpoint, state=state,
+                                                   upload_mode=upload_mode, staging=staging)
+        except BaseException as exc:
+            # Signalled (here or on another rank): the run ends as preempted
+            # even when the other ranks are gone and this report fails.
+            watch = self._preemption
+            if watch is not None and watch.requested and self._coordinator is not None:
+                self._end_preempted(exc)
+            raise
         for hook in self._hooks:
             hook.after_report(row, committed)
+        if self._peer_preempted():
+            self._end_preempted(None)
         return row
+
+    def _group(self) -> bool:
+        """Several ranks over a torch.distributed process group."""
+        return self._coordinator is not None and self._coordinator.uses_torch
+
+    def _preempts(self, checkpoint: Checkpoint | None, state: Mapping[str, Any] | None) -> bool:
+        """Whether this report is the preemption report (docs/sessions.md, "A
+        preemption signal with several ranks"): one rank, the first after the
+        signal; a process group, the first after the report at which the ranks
+        exchanged it (the same report on every rank); storage only, the first
+        checkpoint report after this rank's signal (the flag travels in its
+        marker)."""
+        watch = self._preemption
+        if watch is None or not watch.requested:
+            return False
+        if self._coordinator is None:
+            return True
+        if self._group():
+            return watch.agreed
+        return checkpoint is not None or state is not None or (
+            self._ledger.reserved is not None and self._ledger.reserved == self._ledger.next_index)
+
+    def _peer_preempted(self) -> bool:
+        """Storage only: this checkpoint report learnt that another rank's
+        signal made it the preemption checkpoint of every rank."""
+        watch = self._preemption
+        return (watch is not None and watch.agreed and self._coordinator is not None
+                and not self._group())
 
     @property
     def reached_preemption(self) -> bool:
         """A preemption signal arrived (``session.start(preemption=...)``): pass
         a checkpoint or state to the next ``report()``, which commits it and
         raises :class:`~checkpoint_store.errors.Preempted`. As Orbax's
-        ``CheckpointManager.reached_preemption``. False without ``preemption=``."""
-        return self._preemption is not None and self._preemption.requested
+        ``CheckpointManager.reached_preemption``. False without ``preemption=``.
+        With several ranks and a process group, the flag the ranks exchanged:
+        it turns True on every rank at the same report (the next report is
+        every rank's preemption checkpoint)."""
+        watch = self._preemption
+        if watch is None:
+            return False
+        # A process group: the flag every rank exchanged, so that every rank
+        # sees it change at the same report and saves the same index.
+        return watch.agreed if self._group() else watch.requested
 
     def _on_preemption(self) -> None:
         """On a helper thread, as the first signal arrives: the pending durable
@@ -516,12 +564,19 @@ class Session:
         watch.stopping()
         saves = checkpoint is not None or state is not None or (
             self._ledger.reserved is not None and self._ledger.reserved == self._ledger.next_index)
-        if self._tier is not None and saves:
+        ranks = self._coordinator is not None
+        if self._tier is not None and (saves or ranks):  # ranks: another rank may save
             self._tier.force_persist(self._ledger.next_index)
+        left = watch.left_s()
+        if ranks and left is not None:
+            # A rank that is gone never holds the others past the grace: they
+            # stop waiting with the loop's margin left to end the session.
+            assert self._coordinator is not None
+            self._coordinator.limit_waits(max(0.0, left - watch.config.margin_s))
         try:
             row, committed = self._pipeline.report(
                 metrics, checkpoint, state=state, upload_mode="sync",
-                preemption=watch.metadata() if saves else None)
+                preemption=watch.metadata() if saves or ranks else None)
         except BaseException as exc:
             self._end_preempted(exc)
             raise  # not reached: _end_preempted raises
