@@ -31,7 +31,10 @@ WORKER = textwrap.dedent("""
                                 rank=rank, world_size=2)
     else:
         kw["attempt_id"] = plan["run"]
-    from checkpoint_store import Checkpoint, PreemptionConfig, session
+    from checkpoint_store import Checkpoint, LocalTier, PreemptionConfig, session
+    if plan.get("tier"):  # a local tier that never copies to the storage_path by itself
+        kw["local_tier"] = LocalTier(os.path.join(out, "tier-" + plan["run"], f"node{rank}"),
+                                     persist=lambda index, metrics: False)
     result = {"rank": rank, "reports": [], "reached": None}
 
     def dump():
@@ -74,9 +77,9 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _launch(mode, store, out, run, *, steps=8, signal=None, die=None, grace=20.0):
+def _launch(mode, store, out, run, *, steps=8, signal=None, die=None, grace=20.0, tier=False):
     plan = {"run": run, "steps": steps, "signal": signal or {}, "die": die or {},
-            "grace": grace}
+            "grace": grace, "tier": tier}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(name, None)
@@ -184,6 +187,19 @@ def test_group_every_rank_saves_the_report_after_the_exchange(tmp_path, signal):
         codes, results = _launch("group", store, tmp_path, "g2", steps=1)
         assert [c for c, _ in codes] == [0, 0], codes
         assert [r["resumed"] for r in results] == [[3, "3"], [3, "3"]]
+
+
+@pytest.mark.slow
+def test_group_with_a_local_tier_the_preemption_checkpoint_is_made_durable(tmp_path):
+    pytest.importorskip("torch")
+    store = tmp_path / "store"
+    # persist never selects a checkpoint: only the preemption one reaches the
+    # storage_path, forced on every rank (the signal reached rank 1 only).
+    codes, results = _launch("group", store, tmp_path, "g1", signal={"1": 2}, tier=True)
+    assert [r["reached"] for r in results] == [3, 3]
+    ctx = _check_preempted_at(store, codes, results, 3)
+    assert [m["index"] for _, m in ctx.committed_checkpoints()] == [3]
+    _resume_one_rank(store, 3)
 
 
 @pytest.mark.slow
