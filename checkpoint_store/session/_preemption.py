@@ -234,6 +234,11 @@ class PreemptionWatch:
         self._local = False  # this process received the signal itself
 
     @property
+    def local(self) -> bool:
+        """This process received the signal itself (not only another rank)."""
+        return self._local
+
+    @property
     def requested(self) -> bool:
         """A preemption signal arrived."""
         return self._event.is_set()

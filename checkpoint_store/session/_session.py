@@ -143,8 +143,6 @@ class Session:
         # first report (the handler is given back if the start fails).
         if preemption_config is not None:
             self._preemption = PreemptionWatch(preemption_config, on_signal=self._on_preemption)
-            if self._coordinator is not None:
-                self._coordinator.signals = self._preemption  # the ranks exchange the flag
             watch(self._preemption)
         try:
             # One writer id for every commit of this session: a claim or a marker
@@ -159,6 +157,8 @@ class Session:
                     storage, self.world_rank, self.world_size,
                     attempt_id=attempt_id, timeout_s=sync_timeout_s,
                 )
+                # The ranks exchange the preemption flag on their reports.
+                self._coordinator.signals = self._preemption
             is_writer = self.world_rank == 0
             storage.ensure_trial_dir()
             # What killed saves and downloads left on this machine (their maker dead).
@@ -546,9 +546,10 @@ class Session:
         if pipeline is not None and self.world_size == 1:
             pipeline.work.prefer_newest()
         logging.getLogger(__name__).warning(
-            "preemption: %s received by %s (rank %d); %d save(s) in flight; the next report() "
+            "preemption: %s received by %s (rank %d%s); %d save(s) in flight; the next report() "
             "commits a preemption checkpoint and stops the run (grace %.0f s)",
             watch.metadata()["signal"], self.trial_id, self.world_rank,
+            "" if watch.local else ", from another rank",
             pipeline.work.pending() if pipeline is not None else 0,
             watch.config.grace_period_s)
 
