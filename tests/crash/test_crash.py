@@ -202,7 +202,13 @@ def test_kills_of_the_persist_process_never_commit_a_partial_state(tmp_path):
                       source="state", files=4, file_size=1 << 20)
     rng = random.Random(5)
     failures = 0
-    for kill in range(6):
+    # Six kills, then more (twelve in all at most) until one has landed inside
+    # a save: a kill between two saves, while the persist process is idle,
+    # goes unnoticed (the next save starts a new process), and on a loaded
+    # machine a third to a half of the kills land there.
+    for kill in range(12):
+        if kill >= 6 and failures:
+            break
         kw = dict(storage_path=cfg.storage_path, experiment_name=cfg.experiment_name,
                   trial_name=cfg.trial_name,
                   upload_config=UploadConfig(staging_budget=1 << 20))
@@ -236,6 +242,5 @@ def test_kills_of_the_persist_process_never_commit_a_partial_state(tmp_path):
         bad, newest = check_trial(cfg)
         assert bad == [], (kill, bad)
         assert newest >= kill
-    # A kill between two saves goes unnoticed (the next save starts a new
-    # process); one during a save fails it.
+    # A kill during a save failed that save (PersistProcessError, no hang).
     assert failures >= 1, failures
