@@ -4,8 +4,9 @@ The quick runs (26 kills, ~20 s) save a directory through the local tier,
 with restarts on the first machine, a second machine whose tier goes stale,
 a fresh machine and none, and two jobs on one tier path, on local disk; the
 same for a state (sync, async) is marked slow (its children take ~1 s to
-start). The slow full run (``CS_FLEET_KILLS`` kills, 240 by default, over
-the same matrix) and the S3 (moto) runs are the ones the docs quote.
+start). The slow full run (``CS_FLEET_KILLS`` kills over the same matrix:
+120 in the suite, to keep it inside CI's time; the docs quote a run of 240
+by hand) and the S3 (moto) runs are the ones the docs quote.
 
 Each path asserts that no kind of :data:`~checkpoint_store.testing.crash.fleet.KINDS`
 appears: no resume older than an acknowledged step, from a partial, foreign
@@ -166,12 +167,12 @@ def test_the_fleet_checks_catch_a_lost_row_a_damaged_copy_and_a_foreign_one(tmp_
 
 
 def _full_kills() -> int:
-    return int(os.environ.get("CS_FLEET_KILLS", "240"))
+    return int(os.environ.get("CS_FLEET_KILLS", "120"))
 
 
 @pytest.mark.slow
 def test_full_fleet_run_on_local_disk(tmp_path):
-    """``CS_FLEET_KILLS`` kills (default 240) over every path, local disk."""
+    """``CS_FLEET_KILLS`` kills (default 120; 240 by hand) over every path, local disk."""
     total = _full_kills()
     weights = {"machines-checkpoint-sync": 0.4, "machines-state-sync": 0.15,
                "machines-state-async": 0.15, "jobs-checkpoint-sync": 0.3}

@@ -43,10 +43,13 @@ def test_kills_in_every_tier_phase(tmp_path):
 
 
 @pytest.mark.slow
-def test_five_hundred_kills_in_every_tier_phase(tmp_path):
-    report = sweep_tier_crashes(_config(tmp_path), 500, seed=12)
+def test_hundreds_of_kills_in_every_tier_phase(tmp_path):
+    """``CS_TIER_KILLS`` kills (default 200 in the suite, to keep it inside
+    CI's time; docs/tiers.md quotes a run of 500 by hand)."""
+    kills = int(os.environ.get("CS_TIER_KILLS", "200"))
+    report = sweep_tier_crashes(_config(tmp_path), kills, seed=12)
     print(report.summary())
-    _assert_clean(report, 500)
+    _assert_clean(report, kills)
 
 
 def test_the_tier_checker_catches_a_partial_fast_copy_and_a_lost_durable_one(tmp_path):
