@@ -26,6 +26,18 @@ when the pruner says so, the trial is stopped through
 :meth:`TrialRunner.stop` (the function unwinds at its blocked ``report()``)
 and :class:`optuna.TrialPruned` is raised. Requires ``pip install
 checkpoint-store[tune]``.
+
+With ``preemption=`` (docs/preemption.md), a preemption signal ends the
+running trials after their preemption checkpoint: each is told to the study
+as ``FAIL`` with the user attribute :data:`ATTR_PREEMPTED` (the signal and
+when), a retry with the same parameters is enqueued under the same trial
+directory (:data:`ATTR_TRIAL_NAME`), and
+:class:`~checkpoint_store.errors.Preempted` ends ``study.optimize`` (the
+process exits with the scheduler's status). The next ``study.optimize``
+on the same Optuna storage takes the retry first, and it resumes from the
+preemption checkpoint. A retry that Optuna's ``RetryFailedTrialCallback``
+enqueued (a trial whose process died without a signal, marked failed by its
+heartbeat) runs under the directory of the trial it retries too.
 """
 
 from __future__ import annotations
@@ -38,12 +50,22 @@ from checkpoint_store.backends.handlers import check_filesystem
 from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.retention import CheckpointConfig, rank_key, score_of
 
-__all__ = ["ATTR_BEST_CHECKPOINT", "ATTR_TRIAL_DIR", "objective"]
+__all__ = ["ATTR_BEST_CHECKPOINT", "ATTR_PREEMPTED", "ATTR_TRIAL_DIR", "ATTR_TRIAL_NAME",
+           "objective"]
 
 #: ``trial.user_attrs`` key: URI of the trial's best kept checkpoint (or None).
 ATTR_BEST_CHECKPOINT = "checkpoint_store.best_checkpoint"
 #: ``trial.user_attrs`` key: URI of the trial's directory.
 ATTR_TRIAL_DIR = "checkpoint_store.trial_dir"
+#: ``trial.user_attrs`` key of a trial a preemption signal ended (its state is
+#: ``FAIL``): ``{"signal": "SIGTERM", "reason": "SIGTERM received at ..."}``.
+ATTR_PREEMPTED = "checkpoint_store:preempted"
+#: ``trial.user_attrs`` key: the trial's name (its directory). Set when a trial
+#: starts; a trial that starts with it (the enqueued retry of a preempted
+#: trial, a retry of Optuna's ``RetryFailedTrialCallback``, which copies the
+#: user attributes) runs under that directory and resumes from its newest
+#: checkpoint.
+ATTR_TRIAL_NAME = "checkpoint_store:trial_name"
 
 
 def _import_optuna() -> Any:
@@ -70,6 +92,7 @@ def objective(
     storage_options: Mapping[str, Any] | None = None,
     trial_name: Callable[[Any], str] | None = None,
     value: Literal["best", "last"] = "best",
+    preemption: Any = None,
 ) -> Callable[[Any], float]:
     """An Optuna objective ``f(trial) -> float`` that runs ``train_fn`` for one trial.
 
@@ -93,6 +116,12 @@ def objective(
             over every report of the trial: a trial resumed under the same
             ``trial_name`` (a restart, a new machine) counts the reports of
             its earlier attempts (its ``result.json``) too.
+        preemption: a :class:`~checkpoint_store.PreemptionConfig` (or True)
+            for every trial's session (see above). Its signal handlers are
+            installed here when ``objective()`` is called in the main thread
+            (call it there, or call
+            :func:`checkpoint_store.session.install_preemption_handlers`
+            first).
 
     Returns:
         The objective. Each trial's ``user_attrs`` get
@@ -113,6 +142,14 @@ def objective(
         raise InvalidConfigError(f"metric must be a non-empty string, got {metric!r}")
     if storage_filesystem is not None:  # each trial resolves it: refused now, not in trial 0
         check_filesystem(storage_filesystem, "storage_filesystem")
+    from checkpoint_store.session._preemption import check_preemption, install_handlers
+
+    preemption_config = check_preemption(preemption)
+    if preemption_config is not None:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            install_handlers(preemption_config.signals)
     if checkpoint_config is None:
         checkpoint_config = CheckpointConfig(
             num_to_keep=2, checkpoint_score_attribute=metric, checkpoint_score_order=mode
@@ -127,19 +164,25 @@ def objective(
         )
 
     def run_trial(trial: Any) -> float:
+        from checkpoint_store.errors import Preempted
         from checkpoint_store.session import TrialRunner
 
         if callable(config):
             cfg = dict(config(trial))
         else:
             cfg = dict(config or {})
-        name = trial_name(trial) if trial_name is not None else f"trial_{trial.number:05d}"
+        name = trial.user_attrs.get(ATTR_TRIAL_NAME)
+        if not isinstance(name, str):  # not a retry: a trial directory of its own
+            name = trial_name(trial) if trial_name is not None else f"trial_{trial.number:05d}"
+            trial.set_user_attr(ATTR_TRIAL_NAME, name)
         runner = TrialRunner(
             train_fn, cfg, storage_path=storage_path, experiment_name=experiment_name,
             trial_name=name, checkpoint_config=checkpoint_config,
             storage_filesystem=storage_filesystem, storage_options=storage_options,
+            preemption=preemption_config,
         )
         values: list[float] = []
+        preempted: Preempted | None = None
         try:
             while (result := runner.step()) is not None:
                 v = _metric_value(result, metric)
@@ -152,9 +195,14 @@ def objective(
                            f"({metric}={v})")
                     runner.stop(reason=why, status="pruned")  # the trial shows as pruned
                     raise optuna.TrialPruned(why)
+        except Preempted as exc:  # a SystemExit: it ends study.optimize, and the process
+            preempted = exc
+            raise
         finally:
             runner.stop()
             _record(trial, runner)
+            if preempted is not None:
+                _requeue(optuna, trial, name, preempted)
         # A trial resumed under its name (a restart, a new machine) continues
         # its history: its earlier attempts' reports count as much as this
         # one's, as its best kept checkpoint may be one of theirs.
@@ -169,6 +217,15 @@ def objective(
         return max(history, key=lambda v: rank_key(v, 0, mode))
 
     return run_trial
+
+
+def _requeue(optuna: Any, trial: Any, name: str, exc: Any) -> None:
+    """Tell the study ``trial`` failed because it was preempted and enqueue a
+    retry with its parameters that resumes ``name`` (its trial directory)."""
+    trial.set_user_attr(ATTR_PREEMPTED, {"signal": exc.signal, "reason": exc.reason})
+    study = trial.study
+    study.enqueue_trial(dict(trial.params), user_attrs={ATTR_TRIAL_NAME: name})
+    study.tell(trial, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
 
 
 def _metric_value(result: Mapping[str, Any], metric: str) -> float | None:

@@ -12,18 +12,30 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import check_run_name
 from checkpoint_store.checkpoint import Checkpoint
-from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError, TrialStopped
+from checkpoint_store.errors import (
+    CheckpointStoreError,
+    InvalidConfigError,
+    Preempted,
+    TrialStopped,
+)
 from checkpoint_store.retention import CheckpointConfig
 from checkpoint_store.session._checks import (
     check_checkpoint_config,
     check_timeout,
     check_upload_config,
+)
+from checkpoint_store.session._preemption import (
+    PreemptionConfig,
+    check_installable,
+    check_preemption,
+    install_handlers,
 )
 from checkpoint_store.session._uploads import UploadConfig
 from checkpoint_store.tiers import LocalTier, check_local_tier
@@ -32,7 +44,9 @@ if TYPE_CHECKING:
     from checkpoint_store.session._session import Session
 
 _IDLE, _RUNNING, _FINISHED, _STOPPED, _PAUSED = "idle", "running", "finished", "stopped", "paused"
-_ERRORED = "errored"
+_ERRORED, _PREEMPTED = "errored", "preempted"
+#: How often a driver waiting in ``step()`` wakes to run pending signal handlers.
+_SIGNAL_POLL_S = 0.05
 
 
 class TrialRunner:
@@ -66,6 +80,18 @@ class TrialRunner:
             checkpoints of its own: then it is not read at all).
         local_tier: a fast local tier in front of ``storage_path``, as for
             :func:`checkpoint_store.session.start` (docs/tiers.md).
+        preemption: a :class:`~checkpoint_store.PreemptionConfig` (or True
+            for its defaults) for the trial's session (docs/preemption.md).
+            The signal handler is installed here when the runner is built in
+            the main thread; built in another thread (Optuna's ``n_jobs``),
+            call :func:`checkpoint_store.session.install_preemption_handlers`
+            from the main thread first. On the signal the trial's next
+            ``report()`` commits a preemption checkpoint, the trial ends as
+            ``preempted`` (its ``stopped.json``) and :meth:`step` raises
+            :class:`~checkpoint_store.errors.Preempted` in the driver's
+            thread; the trial is resumable: the next ``step()`` (or a new
+            runner of the same trial after a restart) continues from that
+            checkpoint through ``get_checkpoint()``.
 
     Raises:
         InvalidConfigError: ``train_fn`` is not callable, ``config`` is not a
@@ -73,9 +99,11 @@ class TrialRunner:
             (``checkpoint_NNNNNN``, ``result.json`` ...), ``checkpoint_config``
             is not a CheckpointConfig, ``upload_config`` is not an UploadConfig
             (or repeats upload settings the checkpoint config gives),
-            ``storage_options`` is not a dict, or ``stop_timeout_s`` is not a
-            number > 0. Checked here, before any storage call; the thread
-            starts at the first ``step()``.
+            ``storage_options`` is not a dict, ``stop_timeout_s`` is not a
+            number > 0, or ``preemption`` is no PreemptionConfig or is built
+            outside the main thread before its handlers were installed.
+            Checked here, before any storage call; the thread starts at the
+            first ``step()``.
 
     Example::
 
@@ -102,6 +130,7 @@ class TrialRunner:
         stop_timeout_s: float = 30.0,
         resume_from: Checkpoint | str | os.PathLike[str] | None = None,
         local_tier: LocalTier | None = None,
+        preemption: PreemptionConfig | bool | None = None,
     ):
         if not callable(train_fn):
             raise InvalidConfigError(
@@ -130,6 +159,14 @@ class TrialRunner:
             "resume_from": resume_from,
             "local_tier": check_local_tier(local_tier),
         }
+        preemption_config = check_preemption(preemption)
+        if preemption_config is not None:
+            # The trials' sessions start in their own threads, where no
+            # signal handler can be installed: the driver's thread does it.
+            if threading.current_thread() is threading.main_thread():
+                install_handlers(preemption_config.signals)
+            check_installable(preemption_config)
+            self._storage_args["preemption"] = preemption_config
         self._sync = synchronous_result_reporting
         self._stop_timeout_s = check_timeout(stop_timeout_s, "stop_timeout_s")
         self._cv = threading.Condition()
@@ -151,6 +188,7 @@ class TrialRunner:
         self._stop_requested = False
         self._stop_reason: tuple[str, str] | None = None  # (status, reason) of stop()
         self._error: BaseException | None = None
+        self._preempted: Preempted | None = None
         self._thread_done = False
 
     # -- introspection --------------------------------------------------------------
@@ -168,7 +206,9 @@ class TrialRunner:
     def status(self) -> str:
         """``"idle"`` (no step yet), ``"running"``, ``"finished"`` (returned),
         ``"errored"`` (raised; the exception is kept in :attr:`error`),
-        ``"stopped"`` or ``"paused"``. Same roles as Ray Tune's trial statuses."""
+        ``"stopped"``, ``"paused"`` or ``"preempted"`` (a preemption signal
+        ended it after its preemption checkpoint; resumable like a paused
+        trial). Same roles as Ray Tune's trial statuses."""
         return self._status
 
     @property
@@ -213,6 +253,10 @@ class TrialRunner:
                 self._session = sess
                 sess.add_report_hook(_Hook(self, generation))
                 self._call_train_fn(_session_mod)
+        except Preempted as exc:  # the session is closed as "preempted"
+            with self._cv:
+                if generation == self._generation:
+                    self._preempted = exc
         except TrialStopped:
             pass
         except BaseException as exc:  # re-raised by step() in the driver's thread
@@ -297,10 +341,14 @@ class TrialRunner:
         Raises:
             BaseException: whatever ``train_fn`` raised, with its original type
                 and traceback (once; later calls return None).
+            Preempted: a preemption signal ended the trial after its
+                preemption checkpoint (``preemption=``); raised once, the
+                status is then ``"preempted"`` and the next ``step()``
+                resumes the trial from that checkpoint.
             TimeoutError: no result within ``timeout`` (the trial goes on).
         """
         with self._cv:
-            if self._status in (_IDLE, _PAUSED):
+            if self._status in (_IDLE, _PAUSED, _PREEMPTED):
                 starting = True
             elif self._status in (_FINISHED, _ERRORED, _STOPPED):
                 return None
@@ -312,10 +360,7 @@ class TrialRunner:
             if self._sync and self._taken > self._released:
                 self._released = self._taken  # let the blocked report() return
                 self._cv.notify_all()
-            ok = self._cv.wait_for(
-                lambda: self._slot is not None or self._thread_done or self._stop_requested,
-                timeout,
-            )
+            ok = self._wait_for_result(timeout)
             if not ok:
                 raise TimeoutError(
                     f"trial {self.trial_name!r} reported nothing within {timeout}s"
@@ -328,14 +373,42 @@ class TrialRunner:
             if self._stop_requested:
                 return None
             error, self._error = self._error, None
-            self._status = _FINISHED if error is None else _ERRORED
-            if error is not None:
-                self.error = error
+            preempted, self._preempted = self._preempted, None
+            if preempted is not None and error is None:
+                self._status = _PREEMPTED
+                error = preempted
+            else:
+                self._status = _FINISHED if error is None else _ERRORED
+                if error is not None:
+                    self.error = error
         if self._thread is not None:
             self._thread.join(self._stop_timeout_s)
         if error is not None:
             raise error.with_traceback(error.__traceback__)
         return None
+
+    def _wait_for_result(self, timeout: float | None) -> bool:
+        """Wait (under ``_cv``) for a result, the thread's end or a stop.
+
+        With ``preemption=`` the wait wakes every :data:`_SIGNAL_POLL_S`: a
+        signal that the kernel hands to another thread than this (the main)
+        one only trips Python's flag, and its handler, which flags the
+        trial's session, runs when the main thread next runs Python code. A
+        wait that never wakes would hold the flag back until the trial's
+        next report, one step late."""
+        def ready() -> bool:
+            return self._slot is not None or self._thread_done or self._stop_requested
+
+        if "preemption" not in self._storage_args:
+            return self._cv.wait_for(ready, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not ready():
+            left = _SIGNAL_POLL_S if deadline is None else min(
+                _SIGNAL_POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            self._cv.wait(left)
+        return True
 
     def _end_thread(self, status: str, timeout: float | None) -> bool:
         with self._cv:
