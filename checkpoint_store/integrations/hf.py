@@ -36,6 +36,15 @@ Where HF fails and this does not (see docs/hf.md):
   here is finished when ``on_save`` returns, so rotation never removes a
   directory that is still being uploaded.
 
+Preemption (``preemption=``, docs/preemption.md): on the signal, the step
+under way finishes; at its end the callback sets ``control.should_save``
+and ``control.should_training_stop``, so the Trainer saves
+``checkpoint-<global_step>`` at once; ``on_save`` reports it, the session
+commits it as a preemption checkpoint, records the trial as ``preempted``
+and :class:`~checkpoint_store.errors.Preempted` (a ``SystemExit`` with the
+scheduler's exit status) ends ``trainer.train()``. :func:`restore_latest`
+then resumes from it.
+
 A ``TrainerCallback`` hears of no exception: when ``trainer.train()`` raises,
 ``on_train_end`` never runs. ``with callback:`` around training ends the
 session with that exception (``error.txt``, lease released). Without it, the
@@ -78,10 +87,12 @@ from checkpoint_store.errors import (
     CheckpointNotFoundError,
     CheckpointStoreError,
     InvalidConfigError,
+    Preempted,
 )
 from checkpoint_store.registry import local_path_argument
 from checkpoint_store.retention import CheckpointConfig
-from checkpoint_store.session import Session
+from checkpoint_store.session import PreemptionConfig, Session
+from checkpoint_store.session._preemption import check_preemption, join_preemption
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers import LocalTier, check_local_tier
 from checkpoint_store.tiers.history import HistoryCopy, trial_copies
@@ -202,6 +213,16 @@ class CheckpointStoreCallback(TrainerCallback):
         local_tier: a :class:`~checkpoint_store.LocalTier` in front of
             ``storage_path`` (docs/tiers.md): checkpoints commit on a local
             disk first and reach ``storage_path`` in the background.
+        preemption: a :class:`~checkpoint_store.PreemptionConfig` (or True
+            for its defaults: SIGTERM, 30 s of grace) for the session
+            (docs/preemption.md). On the signal the Trainer saves at the end
+            of the step under way (``control.should_save``, then
+            ``control.should_training_stop``), that save is committed as a
+            preemption checkpoint, and :class:`~checkpoint_store.errors.Preempted`
+            ends ``trainer.train()``. With several ranks the ranks agree at
+            each step's end (one all-reduce of a flag): a signal that reached
+            any rank makes every rank save that step. Build the Trainer in
+            the main thread (the signal handler is installed there).
 
     The session starts at ``on_train_begin`` (rank, world size from
     ``TrainingArguments``) and ends at ``on_train_end``. With
@@ -247,6 +268,7 @@ class CheckpointStoreCallback(TrainerCallback):
         config: Mapping[str, Any] | None = None,
         sync_timeout_s: float = 1800.0,
         local_tier: LocalTier | None = None,
+        preemption: PreemptionConfig | bool | None = None,
     ):
         # Built now, so bad names or an unknown scheme fail before training starts.
         self._storage = StorageContext(
@@ -257,6 +279,7 @@ class CheckpointStoreCallback(TrainerCallback):
         self._config = config
         self._sync_timeout_s = sync_timeout_s
         self._local_tier = check_local_tier(local_tier)
+        self._preemption = check_preemption(preemption)
         self._metrics: dict[str, Any] = {}
         self.session: Session | None = None
 
@@ -278,6 +301,7 @@ class CheckpointStoreCallback(TrainerCallback):
                 world_rank=args.process_index, world_size=args.world_size,
                 local_rank=max(args.local_process_index, 0),
                 sync_timeout_s=self._sync_timeout_s, local_tier=self._local_tier,
+                preemption=self._preemption,
             )
             _OPEN.add(self)
         if args.load_best_model_at_end:
@@ -303,6 +327,25 @@ class CheckpointStoreCallback(TrainerCallback):
                 _restore_best(root, step, [(c.checkpoint, c.meta) for c in reversed(copies)])
         if os.path.isdir(local):
             state.best_model_checkpoint = local
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        sess = self.session
+        if sess is None or self._preemption is None:
+            return
+        flagged = sess.reached_preemption
+        dist = _process_group()
+        if dist is not None and args.world_size > 1 and _any_rank(dist, flagged):
+            # Another rank's signal: this rank saves the same step as a
+            # preemption checkpoint and stops with it.
+            join_preemption(sess)
+            flagged = True
+        if flagged:
+            # The Trainer saves checkpoint-<global_step> right after this
+            # hook (on_save reports it as the preemption checkpoint), then stops.
+            control.should_save = True
+            control.should_training_stop = True
 
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -330,15 +373,23 @@ class CheckpointStoreCallback(TrainerCallback):
         local = os.path.join(_run_dir(args, state), f"checkpoint-{step}")
         metrics = {**self._metrics, STEP_METRIC: step, "epoch": state.epoch}
         self._metrics = {}
-        if dist is None or args.world_size <= 1:
-            checkpoint = Checkpoint.from_directory(local) if state.is_world_process_zero else None
-            sess.report(metrics, checkpoint=checkpoint)
-            return
-        # Each rank uploads the files only it sees into the one checkpoint,
-        # which rank 0 commits once every rank's part is in.
-        rels = _owned_files(dist, local, args.process_index, args.world_size)
-        with _share(local, rels) as checkpoint:
-            sess.report(metrics, checkpoint=checkpoint)
+        try:
+            if dist is None or args.world_size <= 1:
+                checkpoint = (Checkpoint.from_directory(local) if state.is_world_process_zero
+                              else None)
+                sess.report(metrics, checkpoint=checkpoint)
+                return
+            # Each rank uploads the files only it sees into the one checkpoint,
+            # which rank 0 commits once every rank's part is in.
+            rels = _owned_files(dist, local, args.process_index, args.world_size)
+            with _share(local, rels) as checkpoint:
+                sess.report(metrics, checkpoint=checkpoint)
+        except Preempted:
+            # Committed, and the session ended as "preempted": nothing is left
+            # to close; the exception ends trainer.train().
+            self.session = None
+            _OPEN.discard(self)
+            raise
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -357,6 +408,19 @@ class CheckpointStoreCallback(TrainerCallback):
         _OPEN.discard(self)
         if sess is not None:
             sess.close(error)
+
+
+def _any_rank(dist: Any, flag: bool) -> bool:
+    """Whether ``flag`` is set on any rank (an all-reduce of one integer, on
+    the device the process group's backend uses)."""
+    import torch
+
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 # Callbacks whose session is open: ended at interpreter exit if training

@@ -207,10 +207,23 @@ class ReportCheckpointCallback(_ReportCallback, _Callback):
             Without it the callback reports into the session already active
             (say, a trial run by a ``TrialRunner``); retention is then that
             session's.
+        preemption: a :class:`~checkpoint_store.PreemptionConfig` (or True
+            for its defaults) for the session the callback starts
+            (docs/preemption.md); a session already active has its own. On
+            the signal, the batch under way finishes; at its end every rank
+            saves the trainer's state (with several ranks they agree at
+            each batch's end through ``strategy.reduce_boolean_decision``:
+            any rank's signal counts), the session commits it as a
+            preemption checkpoint and records the trial as ``preempted``,
+            the callback sets ``trainer.should_stop`` and
+            :class:`~checkpoint_store.errors.Preempted` (a ``SystemExit``
+            with the scheduler's exit status) ends ``fit``; a restart
+            resumes from it with ``fit(ckpt_path=callback.resume_path())``.
 
     Raises:
-        InvalidConfigError: a bad ``mode`` or retention setting; ``monitor`` or
-            ``num_to_keep`` without ``storage_path``; at ``setup``, a trainer
+        InvalidConfigError: a bad ``mode``, retention or ``preemption``
+            setting; ``monitor``, ``num_to_keep`` or ``preemption`` without
+            ``storage_path``; at ``setup``, a trainer
             whose checkpoint IO is :class:`CheckpointStoreIO`.
         CheckpointStoreError: at ``setup`` without ``storage_path`` and no
             active session.

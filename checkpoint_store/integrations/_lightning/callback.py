@@ -37,8 +37,10 @@ class _ReportCallback:
         storage_options: Mapping[str, Any] | None = None,
         storage_filesystem: Any = None,
         local_tier: Any = None,
+        preemption: Any = None,
     ):
         from checkpoint_store.retention import CheckpointConfig
+        from checkpoint_store.session._preemption import check_preemption
         from checkpoint_store.tiers import check_local_tier
 
         super().__init__()
@@ -48,7 +50,12 @@ class _ReportCallback:
         self.mode = mode
         self.num_to_keep = num_to_keep
         self._storage = None
+        self._preemption = check_preemption(preemption)
         if storage_path is None:
+            if self._preemption is not None:
+                raise InvalidConfigError(
+                    "without storage_path the callback reports into the active session, "
+                    "whose preemption setting applies: pass preemption= to session.start()")
             if monitor is not None or num_to_keep is not None:
                 raise InvalidConfigError(
                     "without storage_path the callback reports into the active session, whose "
@@ -98,7 +105,7 @@ class _ReportCallback:
         self._active = session.start(
             **self._storage, checkpoint_config=self._config,
             world_rank=trainer.global_rank, world_size=trainer.world_size,
-            local_rank=trainer.local_rank,
+            local_rank=trainer.local_rank, preemption=self._preemption,
         )
         self._session = self._active.session
 
@@ -115,7 +122,30 @@ class _ReportCallback:
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if trainer.sanity_checking or self._session is None:
             return
+        self._save_and_report(trainer)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """After a preemption signal (the session's ``preemption=``): save the
+        trainer's state at the end of this batch as a preemption checkpoint
+        and end ``fit`` with :class:`~checkpoint_store.errors.Preempted`."""
+        sess = self._session
+        if sess is None or getattr(sess, "_preemption", None) is None:
+            return
+        from checkpoint_store.session._preemption import join_preemption
+
+        flagged = sess.reached_preemption
+        if trainer.world_size > 1:
+            # Every rank saves the same step: any rank's signal counts.
+            flagged = trainer.strategy.reduce_boolean_decision(flagged, all=False)
+            if flagged:
+                join_preemption(sess)
+        if flagged:
+            self._save_and_report(trainer)
+
+    def _save_and_report(self, trainer: Any) -> None:
         from checkpoint_store.checkpoint import Checkpoint
+        from checkpoint_store.errors import Preempted
         from checkpoint_store.session import TrialStopped
 
         metrics = {k: v for k, v in ((str(k), _to_float(v))
@@ -129,6 +159,17 @@ class _ReportCallback:
             ckpt = Checkpoint.from_directory(tmp) if os.path.exists(state) else None
             try:
                 self._session.report(metrics, checkpoint=ckpt)
+            except Preempted as exc:
+                # Committed as the preemption checkpoint and the session ended
+                # as "preempted": stop here, within the grace period (a
+                # should_stop alone may run a validation first, or be ignored
+                # before min_steps), and let the exception end fit().
+                self.stopped_by_session = True
+                trainer.should_stop = True
+                active, self._active, self._session = self._active, None, None
+                if active is not None:
+                    active.end(exc)
+                raise
             except TrialStopped:
                 # The row and its checkpoint are in; end fit() cleanly.
                 self.stopped_by_session = True
