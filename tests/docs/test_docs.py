@@ -76,8 +76,9 @@ def _runnable_pages() -> list[Path]:
 
 
 # Pages whose example trains a small model with a framework: seconds, not milliseconds.
-# ray.md starts a Ray cluster and a TorchTrainer of two workers: about 90 s here.
-_SLOW_PAGES = {"hf.md", "dcp.md", "ray.md"}
+# ray.md starts a Ray cluster and a TorchTrainer of two workers: about 90 s here;
+# preemption.md preempts and restarts a Lightning fit and a Trainer run.
+_SLOW_PAGES = {"hf.md", "dcp.md", "ray.md", "preemption.md"}
 
 
 def _page_params() -> list:
