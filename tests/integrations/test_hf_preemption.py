@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -115,3 +119,80 @@ def test_sigterm_mid_step_saves_that_step_stops_and_resumes(tmp_path):
     assert steps == [4, 5, 6]
     rows = storage.read_results()
     assert [r["global_step"] for r in rows] == [2, 3, 4, 6]
+
+
+RANK_WORKER = textwrap.dedent("""
+    import os, signal, sys
+    rank, port, store, out = sys.argv[1:5]
+    os.environ.update(RANK=rank, WORLD_SIZE="2", LOCAL_RANK=rank, LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    import torch
+    from transformers import (BertConfig, BertForSequenceClassification, Trainer,
+                              TrainerCallback, TrainingArguments)
+    from checkpoint_store import PreemptionConfig
+    from checkpoint_store.integrations.hf import CheckpointStoreCallback
+
+    class SignalRankOne(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if rank == "1" and state.global_step + 1 == 3:
+                os.kill(os.getpid(), signal.SIGTERM)   # only rank 1 is told
+
+        def on_step_end(self, args, state, control, **kwargs):
+            print("STEP", state.global_step, flush=True)
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, num_labels=2))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 64, (64, 8), generator=g)
+    data = [{"input_ids": ids[i], "attention_mask": torch.ones(8, dtype=torch.long),
+             "labels": (ids[i, 0] > 32).long()} for i in range(64)]
+    args = TrainingArguments(
+        output_dir=os.path.join(out, "shared"), max_steps=6, per_device_train_batch_size=4,
+        save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, ddp_backend="gloo",
+        seed=0, dataloader_num_workers=0, disable_tqdm=True, logging_steps=100)
+    callback = CheckpointStoreCallback(store, "e", "t", sync_timeout_s=120,
+                                       preemption=PreemptionConfig(grace_period_s=60))
+    with callback:
+        Trainer(model=model, args=args, train_dataset=data,
+                callbacks=[SignalRankOne(), callback]).train()
+    print("TRAIN RETURNED", flush=True)
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_signal_to_one_rank_both_save_the_same_step(tmp_path):
+    store = tmp_path / "store"
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", RANK_WORKER, str(r),
+                               port, str(store), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=600)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        outs.append((p.returncode, out, err))
+    for code, out, err in outs:
+        # Both ranks stopped after step 3 with the preemption's exit status.
+        assert code == 143, err[-4000:]
+        assert "TRAIN RETURNED" not in out
+        assert [line for line in out.splitlines() if line.startswith("STEP")] == [
+            "STEP 1", "STEP 2", "STEP 3"]
+    storage = StorageContext(store, "e", "t")
+    metas = {m["metrics"]["global_step"]: m for _, m in storage.committed_checkpoints()}
+    assert sorted(metas) == [2, 3]
+    assert metas[3]["world_size"] == 2
+    assert metas[3]["preemption"]["signal"] == "SIGTERM"
+    paths = {e["path"] for e in metas[3]["manifest"]}
+    assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= paths
+    assert storage.read_stop()["status"] == "preempted"
