@@ -92,7 +92,7 @@ from checkpoint_store.errors import (
 from checkpoint_store.registry import local_path_argument
 from checkpoint_store.retention import CheckpointConfig
 from checkpoint_store.session import PreemptionConfig, Session
-from checkpoint_store.session._preemption import check_preemption, join_preemption
+from checkpoint_store.session._preemption import check_preemption
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers import LocalTier, check_local_tier
 from checkpoint_store.tiers.history import HistoryCopy, trial_copies
@@ -339,7 +339,7 @@ class CheckpointStoreCallback(TrainerCallback):
         if dist is not None and args.world_size > 1 and _any_rank(dist, flagged):
             # Another rank's signal: this rank saves the same step as a
             # preemption checkpoint and stops with it.
-            join_preemption(sess)
+            sess.join_preemption()
             flagged = True
         if flagged:
             # The Trainer saves checkpoint-<global_step> right after this

@@ -59,7 +59,6 @@ __all__ = [
     "check_preemption",
     "install_exit_on_sigterm",
     "install_handlers",
-    "join_preemption",
     "signal_name",
     "uninstall_exit_on_sigterm",
     "unwatch",
@@ -366,17 +365,6 @@ def _seconds(value: Any, default: float) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     return default
-
-
-def join_preemption(session: Any) -> None:
-    """Flag ``session`` as if its first signal had arrived (another rank's
-    signal, which the ranks learnt by agreeing at a step's end), so its next
-    ``report()`` takes the preemption path too. Nothing for a session
-    without ``preemption=`` or one already flagged."""
-    w = getattr(session, "_preemption", None)
-    if w is None or w.requested or w.closed:
-        return
-    w.request(w.config.signal_numbers[0])
 
 
 # -- the process's handlers -------------------------------------------------------------------

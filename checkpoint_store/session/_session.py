@@ -536,6 +536,25 @@ class Session:
         # sees it change at the same report and saves the same index.
         return watch.agreed if self._group() else watch.requested
 
+    @property
+    def preemption(self) -> PreemptionConfig | None:
+        """The session's :class:`PreemptionConfig` (``session.start(preemption=...)``),
+        or None."""
+        return self._preemption.config if self._preemption is not None else None
+
+    def join_preemption(self) -> None:
+        """Take the preemption path as if this session's first signal had
+        arrived: the next ``report()`` commits a preemption checkpoint and
+        raises :class:`~checkpoint_store.errors.Preempted`. For a rank the
+        signal did not reach, once the ranks agreed at a step's end that
+        another rank got it (the Lightning and HF callbacks do), so every
+        rank saves the same step. Nothing without ``preemption=``, once
+        flagged, or after the session ended."""
+        w = self._preemption
+        if w is None or w.requested or w.closed:
+            return
+        w.request(w.config.signal_numbers[0])
+
     def _on_preemption(self) -> None:
         """On a helper thread, as the first signal arrives: the pending durable
         copies go newest first (one rank: ranks must commit in one order),

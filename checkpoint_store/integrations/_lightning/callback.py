@@ -130,16 +130,14 @@ class _ReportCallback:
         trainer's state at the end of this batch as a preemption checkpoint
         and end ``fit`` with :class:`~checkpoint_store.errors.Preempted`."""
         sess = self._session
-        if sess is None or getattr(sess, "_preemption", None) is None:
+        if sess is None or sess.preemption is None:
             return
-        from checkpoint_store.session._preemption import join_preemption
-
         flagged = sess.reached_preemption
         if trainer.world_size > 1:
             # Every rank saves the same step: any rank's signal counts.
             flagged = trainer.strategy.reduce_boolean_decision(flagged, all=False)
             if flagged:
-                join_preemption(sess)
+                sess.join_preemption()
         if flagged:
             self._save_and_report(trainer)
 
