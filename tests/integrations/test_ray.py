@@ -582,3 +582,43 @@ def test_state_report_in_ray_train_one_worker_and_refused_with_two(ray_cluster, 
         assert "Ray Train run of 2 workers" in said and "checkpoint=" in said
     assert not [p for p in (tmp_path / "store" / "w2").iterdir()
                 if p.name.startswith("checkpoint_")]
+
+
+def preemption_probe_trainable(config):
+    """What docs/preemption.md says of Ray: the function runs outside the
+    worker's main thread, whose SIGTERM handler is Ray's; our handler cannot
+    be installed here, and is refused with a reason."""
+    import signal
+    import threading
+
+    from checkpoint_store.errors import InvalidConfigError
+
+    try:
+        session.install_preemption_handlers(["SIGTERM"])
+        refused = ""
+    except InvalidConfigError as exc:
+        refused = str(exc)
+    handler = signal.getsignal(signal.SIGTERM)
+    session.report({
+        "refused": refused,
+        "main_thread": threading.current_thread() is threading.main_thread(),
+        "reached": session.reached_preemption(),
+        "handler_module": str(getattr(handler, "__module__", handler)),
+    })
+
+
+def test_preemption_in_a_tune_trial_is_rays_and_refused_with_a_reason(ray_cluster, tmp_path):
+    """Issue 39 item 4, the Ray session: a Tune function trainable runs in a
+    thread of its worker, whose main thread (Ray's task loop) owns SIGTERM
+    (ray._private.worker: exit 1). install_preemption_handlers() there raises
+    InvalidConfigError naming the main thread, reached_preemption() is False,
+    and Ray's handler stays in place (docs/preemption.md, "Ray Train and
+    Ray Tune")."""
+    fs, path = cs_ray.ray_filesystem(f"file://{tmp_path}/ray")
+    results = _tuner(fs, path, "pre", preemption_probe_trainable, {}).fit()
+    assert not results.errors, results.errors
+    m = results[0].metrics
+    assert m["main_thread"] is False
+    assert "main thread" in m["refused"]
+    assert m["reached"] is False
+    assert m["handler_module"].startswith("ray"), m["handler_module"]
