@@ -209,3 +209,35 @@ def test_process_killed_by_sigterm_exits_143_with_its_preemption_checkpoint(tmp_
     assert metas[0]["metrics"]["step"] == 4  # the batch under way (step 4) ended with it
     assert metas[0]["preemption"]["signal"] == "SIGTERM"
     assert storage.read_stop()["status"] == "preempted"
+
+
+class _SigtermInValidation(Tiny):
+    """The scheduler's SIGTERM arrives during the validation of epoch 1."""
+
+    def validation_step(self, batch, batch_idx):
+        if self.current_epoch == 1 and not self.trainer.sanity_checking:
+            os.kill(os.getpid(), signal.SIGTERM)
+        super().validation_step(batch, batch_idx)
+
+
+def test_sigterm_during_validation_still_ends_with_a_preemption_checkpoint(tmp_path):
+    """Lightning's own SIGTERM handler stops a validation (SIGTERMException)
+    before any batch end: the callback saves in on_exception instead."""
+    args = dict(storage_path=str(tmp_path / "runs"), experiment_name="exp", trial_name="t0")
+    cb = ReportCheckpointCallback(preemption=True, **args)
+    t = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=4, limit_train_batches=4, limit_val_batches=2,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, default_root_dir=str(tmp_path), callbacks=[cb])
+    with pytest.raises(Preempted) as info:
+        t.fit(_SigtermInValidation())
+    assert info.value.code == 143
+    storage = StorageContext(args["storage_path"], "exp", "t0")
+    metas = {m["metrics"]["step"]: m for _, m in storage.committed_checkpoints()}
+    assert sorted(metas) == [4, 8]
+    assert metas[8]["preemption"]["signal"] == "SIGTERM"
+    assert storage.read_stop()["status"] == "preempted"
+    cb2 = ReportCheckpointCallback(**args)
+    t2 = _trainer(tmp_path, [cb2])
+    t2.fit(Tiny(), ckpt_path=cb2.resume_path())
+    assert t2.global_step == 16

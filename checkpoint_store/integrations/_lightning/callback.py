@@ -187,6 +187,16 @@ class _ReportCallback:
         # Lightning skips teardown hooks when fit() raises: end the session
         # here, or its lease and this thread's session would outlive the run.
         self._drop_resume_copies()
+        from checkpoint_store.errors import Preempted
+
+        sess = self._active.session if self._active is not None else None
+        if (sess is not None and sess.reached_preemption
+                and not isinstance(exception, Preempted)):
+            # The signal reached Lightning's own handler too, which stops fit
+            # (SIGTERMException) where our batch-end hook does not run (in a
+            # validation): save the trainer's state here, as the preemption
+            # checkpoint; _save_and_report ends the session and raises Preempted.
+            self._save_and_report(trainer)
         active, self._active, self._session = self._active, None, None
         if active is not None:
             try:
