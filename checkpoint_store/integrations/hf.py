@@ -334,14 +334,13 @@ class CheckpointStoreCallback(TrainerCallback):
         sess = self.session
         if sess is None or self._preemption is None:
             return
-        flagged = sess.reached_preemption
+        flagged = sess.preemption_signalled
         dist = _process_group()
-        if dist is not None and args.world_size > 1 and _any_rank(dist, flagged):
-            # Another rank's signal: this rank saves the same step as a
-            # preemption checkpoint and stops with it.
-            sess.join_preemption()
-            flagged = True
+        if dist is not None and args.world_size > 1:
+            # Any rank's signal counts: every rank saves this step.
+            flagged = _any_rank(dist, flagged)
         if flagged:
+            sess.join_preemption()  # this step's save is every rank's preemption report
             # The Trainer saves checkpoint-<global_step> right after this
             # hook (on_save reports it as the preemption checkpoint), then stops.
             control.should_save = True

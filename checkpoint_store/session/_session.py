@@ -542,18 +542,29 @@ class Session:
         or None."""
         return self._preemption.config if self._preemption is not None else None
 
+    @property
+    def preemption_signalled(self) -> bool:
+        """This rank's own flag: a preemption signal reached it (or it adopted
+        another rank's), before the ranks agreed on it. What a framework
+        callback exchanges at each step's end (:meth:`join_preemption`);
+        :attr:`reached_preemption` is the flag the ranks agreed on."""
+        return self._preemption is not None and self._preemption.requested
+
     def join_preemption(self) -> None:
-        """Take the preemption path as if this session's first signal had
-        arrived: the next ``report()`` commits a preemption checkpoint and
-        raises :class:`~checkpoint_store.errors.Preempted`. For a rank the
-        signal did not reach, once the ranks agreed at a step's end that
-        another rank got it (the Lightning and HF callbacks do), so every
-        rank saves the same step. Nothing without ``preemption=``, once
-        flagged, or after the session ended."""
+        """The ranks agreed (a framework callback, at a step's end, on every
+        rank) that a preemption signal reached one of them: the next
+        ``report()`` of every rank is the preemption report (same index),
+        which commits a preemption checkpoint and raises
+        :class:`~checkpoint_store.errors.Preempted`. A rank the signal did not
+        reach takes it as the config's first signal, now. Nothing without
+        ``preemption=``, once agreed, or after the session ended."""
         w = self._preemption
-        if w is None or w.requested or w.closed:
+        if w is None or w.closed or w.agreed:
             return
-        w.request(w.config.signal_numbers[0])
+        own = w.shared()
+        w.adopt([own if own is not None else {
+            "signal": w.config.signals[0], "signalled_at": time.time(),
+            "left_s": w.config.grace_period_s}])
 
     def _on_preemption(self) -> None:
         """On a helper thread, as the first signal arrives: the pending durable

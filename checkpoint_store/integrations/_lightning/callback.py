@@ -132,13 +132,12 @@ class _ReportCallback:
         sess = self._session
         if sess is None or sess.preemption is None:
             return
-        flagged = sess.reached_preemption
+        flagged = sess.preemption_signalled
         if trainer.world_size > 1:
             # Every rank saves the same step: any rank's signal counts.
             flagged = trainer.strategy.reduce_boolean_decision(flagged, all=False)
-            if flagged:
-                sess.join_preemption()
         if flagged:
+            sess.join_preemption()
             self._save_and_report(trainer)
 
     def _save_and_report(self, trainer: Any) -> None:
@@ -190,12 +189,13 @@ class _ReportCallback:
         from checkpoint_store.errors import Preempted
 
         sess = self._active.session if self._active is not None else None
-        if (sess is not None and sess.reached_preemption
+        if (sess is not None and sess.preemption_signalled
                 and not isinstance(exception, Preempted)):
             # The signal reached Lightning's own handler too, which stops fit
             # (SIGTERMException) where our batch-end hook does not run (in a
             # validation): save the trainer's state here, as the preemption
             # checkpoint; _save_and_report ends the session and raises Preempted.
+            sess.join_preemption()
             self._save_and_report(trainer)
         active, self._active, self._session = self._active, None, None
         if active is not None:
