@@ -131,6 +131,9 @@ class FastTier(TierRetention, TierVerification):
         # Indexes sent to the persistent tier whatever ``persist`` says (a
         # preemption checkpoint must outlive this machine).
         self._forced: set[int] = set()
+        # The newest forced index (one rank): older pending copies are skipped.
+        self._preempted_at: int | None = None
+        self._skipped: set[int] = set()
         self._verified: set[int] = set()
         #: Seconds :meth:`make_room` waited for space, summed.
         self.blocked_s = 0.0
@@ -350,8 +353,18 @@ class FastTier(TierRetention, TierVerification):
 
     def force_persist(self, index: int) -> None:
         """Send ``index`` to the persistent tier when it is committed here,
-        whatever ``persist`` selects (a preemption checkpoint)."""
+        whatever ``persist`` selects (a preemption checkpoint).
+
+        With one rank, the copies of older checkpoints still queued are
+        skipped from now on (left pending here: a restart on this machine
+        persists them): the preemption checkpoint supersedes them as the
+        resume point, and a backlog of copies (a local tier much faster than
+        the storage_path) would otherwise hold its copy past the grace
+        period. With several ranks every rank copies the same indexes (their
+        commits are joint), so nothing is skipped."""
         self._forced.add(index)
+        if self.world_size == 1:
+            self._preempted_at = max(index, self._preempted_at or index)
 
     def commit(self, source: Checkpoint, index: int, internal: Mapping[str, Any],
                row: Mapping[str, Any], *, writer_id: str | None = None) -> tuple[Checkpoint, bool]:
@@ -425,12 +438,27 @@ class FastTier(TierRetention, TierVerification):
         the persistent tier's retention) until it succeeds, retrying other
         errors than :data:`_FINAL` ones for ``persist_timeout_s`` with
         exponential backoff (0.5 s doubling, at most 30 s). Then records it as
-        durable and applies this tier's retention.
+        durable and applies this tier's retention. A copy older than the
+        preemption checkpoint (:meth:`force_persist`, one rank) is skipped:
+        it stays pending.
 
         Raises:
             The last error, once retrying is over; the copy stays recorded as
             pending (the next session persists it).
         """
+        preempted_at = self._preempted_at
+        if preempted_at is not None and index < preempted_at:
+            with self._cond:
+                self._queued.discard(index)
+                first = not self._skipped
+                self._skipped.add(index)
+                self._cond.notify_all()
+            (logger.warning if first else logger.debug)(
+                "%s of the local tier %s stays pending (and older ones queued): the preemption "
+                "checkpoint %s goes to the persistent tier instead (a restart on this machine "
+                "copies them)", checkpoint_dir_name(index), self.trial_dir,
+                checkpoint_dir_name(preempted_at))
+            return
         budget = self.config.persist_timeout_s if deadline_s is None else deadline_s
         deadline = time.monotonic() + budget
         delay = 0.5

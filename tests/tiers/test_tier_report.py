@@ -253,3 +253,32 @@ def test_waiting_for_a_checkpoint_never_reported_is_refused(tmp_path, with_tier)
         s.wait(checkpoint=0)
         with pytest.raises(InvalidConfigError, match="checkpoint_000001 was never reported"):
             s.wait(checkpoint=1)
+
+
+def test_a_preemption_checkpoint_skips_the_older_copies_still_queued(tmp_path):
+    """force_persist (a preemption report) with one rank: copies of older
+    checkpoints still queued are skipped (left pending on the local tier), so
+    a backlog never holds the preemption checkpoint's copy past the grace
+    period; with several ranks (joint commits) nothing is skipped."""
+    from checkpoint_store import StorageContext
+    from checkpoint_store.tiers import FastTier
+
+    durable = StorageContext(str(tmp_path / "store"), "e", "t")
+    one = FastTier(LocalTier(tmp_path / "fast1"), durable)
+    two = FastTier(LocalTier(tmp_path / "fast2"), durable, world_rank=0, world_size=2)
+    try:
+        for tier in (one, two):
+            copied: list[str] = []
+            record = copied.append
+            tier.persist(3, lambda c, record=record: record(c.path))  # no preemption: copied
+            tier.force_persist(5)
+            tier.persist(4, lambda c, record=record: record(c.path))
+            tier.persist(5, lambda c, record=record: record(c.path))
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in copied]
+            want = ["checkpoint_000003", "checkpoint_000005"]
+            if tier is two:
+                want.insert(1, "checkpoint_000004")
+            assert names == want
+    finally:
+        one.close()
+        two.close()
