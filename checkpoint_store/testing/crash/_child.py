@@ -122,9 +122,13 @@ class Zygote:
     """A process that has imported checkpoint-store and forks children on request.
 
     ``python -m checkpoint_store.testing.crash zygote`` reads JSON commands on
-    stdin (``spawn`` with a config -> child pid; ``wait`` with a pid -> exit
-    code) and answers one JSON line each. Forking from it makes a child start
-    in milliseconds; the parent kills children by pid with SIGKILL.
+    stdin (``spawn`` with a config, optionally ``main`` and ``setsid`` (a new
+    session and process group, as ``start_new_session=True``) -> child pid;
+    ``wait`` with a pid -> exit code; ``poll`` -> exit code or None) and
+    answers one JSON line each. A child's exit code is the one its
+    ``SystemExit`` asked for (130 for an uncaught ``KeyboardInterrupt``).
+    Forking from it makes a child start in milliseconds; the parent kills
+    children by pid with SIGKILL.
     """
 
     def __init__(self, preload: tuple[str, ...] = ()) -> None:
@@ -172,6 +176,8 @@ def zygote_main(preload: list[str]) -> None:
             if pid == 0:
                 code = 1
                 try:
+                    if cmd.get("setsid"):  # as Popen(start_new_session=True): its own group
+                        os.setsid()
                     devnull = os.open(os.devnull, os.O_RDWR)
                     os.dup2(devnull, 0)
                     os.dup2(devnull, 1)  # never write into the command channel
@@ -182,6 +188,10 @@ def zygote_main(preload: list[str]) -> None:
                     else:
                         child_main(cmd["config"])
                     code = 0
+                except SystemExit as exc:  # the status the child's own exit asked for
+                    code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+                except KeyboardInterrupt:
+                    code = 128 + 2  # what a shell reports for a Ctrl-C'd program
                 except BaseException:  # noqa: BLE001
                     import traceback
 
@@ -192,6 +202,9 @@ def zygote_main(preload: list[str]) -> None:
         elif cmd["op"] == "wait":
             _, status = os.waitpid(cmd["pid"], 0)
             answer = {"exitcode": os.waitstatus_to_exitcode(status)}
+        elif cmd["op"] == "poll":  # None while the child runs
+            done, status = os.waitpid(cmd["pid"], os.WNOHANG)
+            answer = {"exitcode": os.waitstatus_to_exitcode(status) if done else None}
         else:
             answer = {"error": f"unknown op {cmd['op']!r}"}
         sys.stdout.write(json.dumps(answer) + "\n")
