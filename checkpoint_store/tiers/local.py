@@ -356,12 +356,13 @@ class FastTier(TierRetention, TierVerification):
         whatever ``persist`` selects (a preemption checkpoint).
 
         With one rank, the copies of older checkpoints still queued are
-        skipped from now on (left pending here: a restart on this machine
-        persists them): the preemption checkpoint supersedes them as the
-        resume point, and a backlog of copies (a local tier much faster than
-        the storage_path) would otherwise hold its copy past the grace
-        period. With several ranks every rank copies the same indexes (their
-        commits are joint), so nothing is skipped."""
+        skipped from now on (recorded as local only: the tier's retention
+        may take them, and a restart does not copy them): the preemption
+        checkpoint supersedes them as the resume point, and a backlog of
+        copies (a local tier much faster than the storage_path) would
+        otherwise hold its copy past the grace period. With several ranks
+        every rank copies the same indexes (their commits are joint), so
+        nothing is skipped."""
         self._forced.add(index)
         if self.world_size == 1:
             self._preempted_at = max(index, self._preempted_at or index)
@@ -439,8 +440,8 @@ class FastTier(TierRetention, TierVerification):
         errors than :data:`_FINAL` ones for ``persist_timeout_s`` with
         exponential backoff (0.5 s doubling, at most 30 s). Then records it as
         durable and applies this tier's retention. A copy older than the
-        preemption checkpoint (:meth:`force_persist`, one rank) is skipped:
-        it stays pending.
+        preemption checkpoint (:meth:`force_persist`, one rank) is skipped
+        and recorded as local only.
 
         Raises:
             The last error, once retrying is over; the copy stays recorded as
@@ -452,12 +453,16 @@ class FastTier(TierRetention, TierVerification):
                 self._queued.discard(index)
                 first = not self._skipped
                 self._skipped.add(index)
+                entry = self._entries.get(index)
+                if entry is not None and entry.durable == "pending":
+                    entry.durable = "local_only"  # superseded: no restart copies it either
+                    self._save()
                 self._cond.notify_all()
             (logger.warning if first else logger.debug)(
-                "%s of the local tier %s stays pending (and older ones queued): the preemption "
-                "checkpoint %s goes to the persistent tier instead (a restart on this machine "
-                "copies them)", checkpoint_dir_name(index), self.trial_dir,
-                checkpoint_dir_name(preempted_at))
+                "%s of the local tier %s (and any older copy queued) is not copied to the "
+                "persistent tier: the preemption checkpoint %s supersedes it",
+                checkpoint_dir_name(index), self.trial_dir, checkpoint_dir_name(preempted_at))
+            self._evict()
             return
         budget = self.config.persist_timeout_s if deadline_s is None else deadline_s
         deadline = time.monotonic() + budget

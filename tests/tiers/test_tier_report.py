@@ -257,7 +257,7 @@ def test_waiting_for_a_checkpoint_never_reported_is_refused(tmp_path, with_tier)
 
 def test_a_preemption_checkpoint_skips_the_older_copies_still_queued(tmp_path):
     """force_persist (a preemption report) with one rank: copies of older
-    checkpoints still queued are skipped (left pending on the local tier), so
+    checkpoints still queued are skipped (kept on the local tier only), so
     a backlog never holds the preemption checkpoint's copy past the grace
     period; with several ranks (joint commits) nothing is skipped."""
     from checkpoint_store import StorageContext
