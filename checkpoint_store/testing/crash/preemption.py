@@ -40,8 +40,12 @@ grace period, then SIGKILLs the group. After each child it checks:
   for SIGINT's ``KeyboardInterrupt``, the user handler's ``sys.exit`` code);
   never a SIGKILL after the grace;
 * a committed checkpoint of a step at or after the last acknowledged one
-  exists, and every acknowledged save is committed (or was evicted by
-  retention after enough newer ones), with its ``result.json`` row;
+  exists on the storage_path, and every acknowledged save is committed
+  there (or was evicted by retention after enough newer ones), with its
+  ``result.json`` row; a child that saved through the local tier and was
+  preempted may leave older copies on the tier only (the preemption
+  checkpoint, newer, supersedes them), and a new session with that tier
+  must resume from a complete checkpoint at least as new as its last ack;
 * the preemption checkpoint (the step of the report that raised
   ``Preempted``) is committed and its internal metadata has
   ``"preemption"`` naming the signal and the grace;
@@ -738,8 +742,9 @@ class PreemptionHarness:
 def time_preemption(config: PreemptionCrashConfig, *, acks_before: int = 1,
                     timeout_s: float = 600.0) -> dict[str, Any]:
     """One signal, timed: the child (``config.use_tier``, ``upload_mode``
-    as given) saves ``acks_before`` times, then gets SIGTERM as its next step
-    starts (the worst moment: a whole step before the next ``report()``).
+    as given) saves ``acks_before`` times, then gets SIGTERM to its process
+    group as a step starts with no save in flight (the worst moment for the
+    signal itself: a whole step before the next ``report()``).
 
     Returns seconds from the signal to: the preemption checkpoint committed on
     the local tier (``tier_commit``, with a tier), committed on the
@@ -768,8 +773,11 @@ def time_preemption(config: PreemptionCrashConfig, *, acks_before: int = 1,
         deadline = time.monotonic() + timeout_s
         while True:
             events.poll()
-            if len(events.of("ack")) >= acks_before and len(events.of("enter", "step")) > len(
-                    events.of("ack")):
+            last = events.all[-1] if events.all else {}
+            idle = not any(b is None for m in ("staging", "upload", "tier_copy", "tier_commit")
+                           for _, b in events.intervals(m))
+            if (len(events.of("ack")) >= acks_before and last.get("ev") == "enter"
+                    and last.get("m") == "step" and idle):
                 break
             if zygote.ask(op="poll", pid=pid)["exitcode"] is not None:
                 raise RuntimeError(f"the timed child exited early: {events.all[-3:]}")
@@ -794,9 +802,9 @@ def time_preemption(config: PreemptionCrashConfig, *, acks_before: int = 1,
     events.poll()
     _log_acks(cfg, events)
 
-    def first_after(ev: str, m: str) -> float | None:
+    def last_after(ev: str, m: str) -> float | None:
         ts = [e["t"] for e in events.of(ev, m) if e["t"] >= sent]
-        return min(ts) - sent if ts else None
+        return max(ts) - sent if ts else None
 
     steps = [b - a for a, b in events.intervals("step") if b is not None]
     calib = (events.of("calibrate") or [{}])[0]
@@ -811,7 +819,7 @@ def time_preemption(config: PreemptionCrashConfig, *, acks_before: int = 1,
     return {
         "state_bytes": cfg.files * cfg.file_size,
         "exit_code": code,
-        "tier_commit_s": first_after("leave", "tier_commit") if cfg.use_tier else None,
+        "tier_commit_s": last_after("leave", "tier_commit") if cfg.use_tier else None,
         "durable_commit_s": (max(durable) - sent) if durable else None,
         "preempted_s": (preempted[0]["t"] - sent) if preempted else None,
         "exit_s": exited - sent,
