@@ -185,6 +185,24 @@ class TransientBackendError(CheckpointStoreError, OSError):
     """A backend error worth retrying (connection reset, timeout, 5xx, throttling)."""
 
 
+class StorageUnreachableError(TransientBackendError):
+    """No connection to the storage's endpoint could be opened: the connection
+    was refused, or the host name does not resolve. The usual cause is a wrong
+    address (a typo in ``endpoint_url``, a port, a connection string) or a
+    server that is not running; it is not throttling, so it is raised after
+    at most two quick tries, and later calls to the same store fail at once
+    for a while (see ``checkpoint_store._util.retry``).
+
+    Attributes:
+        endpoint: the address that refused, as the client named it (None
+            when the client did not say).
+    """
+
+    def __init__(self, message: str, *, endpoint: str | None = None):
+        super().__init__(message)
+        self.endpoint = endpoint
+
+
 class AmbiguousCommitError(TransientBackendError):
     """Storage failed at the commit itself (the marker's write, or reading it
     back to settle whether that write landed), so the checkpoint may be

@@ -234,8 +234,23 @@ class StorageContext:
                 checkpoint (see :meth:`refuse_inside_checkpoint`); nothing written.
         """
         self.refuse_inside_checkpoint()
+        self._refuse_missing_bucket()
         _fsutil.ensure_dir(self.filesystem, self.trial_path, self.backend.capabilities,
                            retry=self.retry)
+
+    def _refuse_missing_bucket(self) -> None:
+        """Refuse, before the first write, a trial whose bucket or container
+        does not exist, naming it (one stat, once per StorageContext); the
+        store's own errors on each write would name a key instead."""
+        if getattr(self, "_bucket_checked", False):
+            return
+        bucket = _fsutil.missing_bucket(self.filesystem, self.trial_path, self.backend.scheme)
+        if bucket is not None:
+            from checkpoint_store.errors import PermanentBackendError
+
+            raise PermanentBackendError(_fsutil.missing_bucket_message(
+                self.backend.scheme, bucket, self.uri(self.storage_path)))
+        self._bucket_checked = True
 
     def refuse_inside_checkpoint(self) -> None:
         """Refuse a ``storage_path``/experiment/trial inside a committed

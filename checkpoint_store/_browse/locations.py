@@ -246,6 +246,9 @@ def _missing(loc: Location) -> str:
     """Why nothing is at ``loc``: a pointer followed to a sibling that is gone
     (a removal cut short after the sibling went) is named as such."""
     if loc.shown_as is None:
+        bucket = _fsutil.missing_bucket(loc.fs, loc.path, loc.backend.scheme)
+        if bucket is not None:
+            return _fsutil.missing_bucket_message(loc.backend.scheme, bucket, loc.uri)
         return f"nothing exists at {loc.uri}"
     return (f"{loc.uri} holds a pointer to {posixpath.basename(loc.path)}, which is gone "
             "(a removal of this checkpoint cut short): it holds no checkpoint; "

@@ -182,6 +182,41 @@ def ensure_dir(
         ) from exc
 
 
+#: Schemes whose paths start with a bucket or container (``bucket/key``).
+BUCKET_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
+_BUCKET_WORD = {"az": "container", "abfs": "container", "abfss": "container",
+                "adl": "container"}
+
+
+def missing_bucket(fs: pafs.FileSystem, path: str, scheme: str | None) -> str | None:
+    """The bucket (or container) ``path`` lies in when the store says it does
+    not exist, else None. One request (a stat of the bucket); None too when
+    ``scheme`` has no buckets or the store does not answer that stat (no
+    permission on the bucket itself, any error): only a plain "not found"
+    counts."""
+    if scheme not in BUCKET_SCHEMES:
+        return None
+    bucket = path.lstrip("/").split("/", 1)[0]
+    if not bucket:
+        return None
+    try:
+        found = fs.get_file_info(bucket)
+    except Exception:  # noqa: BLE001 - unknown: the caller's own error stands
+        return None
+    return bucket if found.type == pafs.FileType.NotFound else None
+
+
+def missing_bucket_message(scheme: str, bucket: str, uri: str) -> str:
+    """"The bucket X does not exist" and how to create it, for ``uri``."""
+    word = _BUCKET_WORD.get(scheme, "bucket")
+    how = {"s3": f"`aws s3 mb s3://{bucket}`", "s3a": f"`aws s3 mb s3://{bucket}`",
+           "gs": f"`gcloud storage buckets create gs://{bucket}`",
+           "gcs": f"`gcloud storage buckets create gs://{bucket}`"}.get(
+        scheme, f"`az storage container create --name {bucket}`")
+    return (f"the {word} {bucket!r} of {uri} does not exist: create it first ({how}, or in "
+            f"the console), or fix its name")
+
+
 def delete_dir(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> None:
     """Delete ``path`` and everything under it; nothing happens if it is absent.
     An object of the directory's own name (another tool's placeholder, see

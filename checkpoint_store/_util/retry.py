@@ -13,6 +13,13 @@ filesystem whose credentials expired). Errors fall into three kinds:
   (capped at ``max_delay``) with "equal jitter" between tries; when they run
   out, :class:`~checkpoint_store.errors.TransientBackendError` is raised from
   the last error;
+* unreachable (the connection was refused, curl's "Could not connect",
+  a host name that does not resolve): the address is wrong or nothing
+  listens there, which waiting does not fix, so at most
+  :data:`UNREACHABLE_ATTEMPTS` quick tries, then
+  :class:`~checkpoint_store.errors.StorageUnreachableError` ("cannot connect
+  to <endpoint>"), and the store's breaker (below) opens so the calls after
+  it fail at once instead of each trying again;
 * expired credentials: :func:`call_fs` (one call) and :func:`with_rebuild`
   (a whole operation, as ``StorageContext`` uses it) call the backend's
   ``rebuild`` factory once and try again with the new filesystem; otherwise
@@ -68,6 +75,7 @@ from checkpoint_store.errors import (
     InvalidConfigError,
     PermanentBackendError,
     StorageFullError,
+    StorageUnreachableError,
     TransientBackendError,
 )
 
@@ -84,9 +92,13 @@ ENV_ATTEMPTS = "CHECKPOINT_STORE_RETRY_ATTEMPTS"
 ENV_MAX_DELAY = "CHECKPOINT_STORE_RETRY_MAX_DELAY"
 
 #: What a failed storage call calls for, as :func:`classify` answers:
-#: ``"transient"`` try again after a backoff, ``"expired"`` rebuild the
+#: ``"transient"`` try again after a backoff, ``"unreachable"`` nothing
+#: listens at the address (try once more, then give up), ``"expired"`` rebuild the
 #: filesystem with fresh credentials, ``"permanent"`` give up at once.
-RetryKind = Literal["transient", "expired", "permanent"]
+RetryKind = Literal["transient", "unreachable", "expired", "permanent"]
+
+#: Tries in all of a call whose connection is refused (see the module docstring).
+UNREACHABLE_ATTEMPTS = 2
 
 
 @dataclass(frozen=True)
@@ -174,6 +186,28 @@ _EXPIRED_RE = re.compile(
     r"expiredtokenexception|authenticationexpired|invalid_grant)",
     re.IGNORECASE,
 )
+#: A connection that could not be opened at all, as the clients say it:
+#: refused (errno 111, aiohttp's "Connect call failed", botocore's
+#: EndpointConnectionError), curl's codes 6 and 7 (pyarrow's S3, GCS and Azure
+#: clients), a host name that does not resolve. A reset, a timeout or a
+#: temporary DNS failure are not here: those are transient.
+_UNREACHABLE_RE = re.compile(
+    r"(connection refused|connect call failed|could not connect to the endpoint url|"
+    r"curlcode: [67]\b|could not connect to server|failed to connect to|"
+    r"cannot connect to host|could not resolve host|name or service not known|"
+    r"nodename nor servname|no address associated with hostname)",
+    re.IGNORECASE,
+)
+#: Where the clients name the address they could not reach.
+_ENDPOINT_RES = (
+    re.compile(r'endpoint URL: "(?P<e>[a-z][a-z0-9+.-]*://[^/"\s]+)', re.IGNORECASE),
+    re.compile(r"Failed to connect to (?P<e>[^\s]+?)(?: port (?P<p>\d+))? after", re.IGNORECASE),
+    re.compile(r"Cannot connect to host (?P<e>[^\s]+)", re.IGNORECASE),
+    re.compile(r"Could not resolve host:? (?P<e>[^\s;,]+)", re.IGNORECASE),
+    re.compile(r"host='(?P<e>[^']+)', port=(?P<p>\d+)", re.IGNORECASE),
+    re.compile(r"connection for: (?P<e>[a-z][a-z0-9+.-]*://[^/\s]+)", re.IGNORECASE),
+    re.compile(r"\('(?P<e>[0-9a-f.:]+)', (?P<p>\d+)\)", re.IGNORECASE),
+)
 _TRANSIENT_TYPE_NAMES = re.compile(r"(Timeout|Connection|Throttl|ServerDisconnected)")
 #: A store held in the process (fsspec's memory filesystem) lists by copying
 #: its dict; a writer in another thread can change it mid-copy. Asked again,
@@ -194,6 +228,8 @@ def classify(exc: BaseException) -> RetryKind:
         return "expired"
     if isinstance(exc, (PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)):
         return "permanent"
+    if isinstance(exc, ConnectionRefusedError) or _UNREACHABLE_RE.search(text):
+        return "unreachable"
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return "transient"
     if isinstance(exc, RuntimeError) and _CHANGED_DURING_ITERATION.search(str(exc)):
@@ -201,6 +237,30 @@ def classify(exc: BaseException) -> RetryKind:
     if _TRANSIENT_TYPE_NAMES.search(type(exc).__name__) or _TRANSIENT_RE.search(str(exc)):
         return "transient"
     return "permanent"
+
+
+def unreachable_endpoint(exc: BaseException) -> str | None:
+    """The address an "unreachable" error names (``host:port`` or a URL), or
+    None when its client did not say."""
+    text = str(exc)
+    for pattern in _ENDPOINT_RES:
+        m = pattern.search(text)
+        if m:
+            port = m.groupdict().get("p")
+            host = m.group("e").rstrip(".,;:")
+            return f"{host}:{port}" if port else host
+    return None
+
+
+def _unreachable(exc: BaseException, what: str, tries: int) -> StorageUnreachableError:
+    endpoint = unreachable_endpoint(exc)
+    where = endpoint or "the storage endpoint"
+    return StorageUnreachableError(
+        f"cannot connect to {where}: {what} failed ({tries} attempt(s)): {exc}. Nothing "
+        "answers at that address: check it (endpoint_url, host, port, connection string; "
+        "a typo is the usual cause) and that the server is running.",
+        endpoint=endpoint,
+    )
 
 
 _rebuild_lock = threading.Lock()
@@ -218,20 +278,28 @@ class _Breakers:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._open: dict[int, tuple[weakref.ref[object], float]] = {}
+        self._open: dict[int, tuple[weakref.ref[object], float, BaseException | None]] = {}
 
     def is_open(self, backend: object | None) -> bool:
-        entry = self._open.get(id(backend)) if backend is not None else None
-        return entry is not None and entry[0]() is backend and time.monotonic() < entry[1]
+        return self.reason(backend) is not False
 
-    def open(self, backend: object | None, seconds: float) -> None:
+    def reason(self, backend: object | None) -> BaseException | None | bool:
+        """False when ``backend``'s breaker is closed; else the error that
+        opened it (None: a store that stopped answering)."""
+        entry = self._open.get(id(backend)) if backend is not None else None
+        if entry is not None and entry[0]() is backend and time.monotonic() < entry[1]:
+            return entry[2]
+        return False
+
+    def open(self, backend: object | None, seconds: float,
+             error: BaseException | None = None) -> None:
         if backend is None:
             return
         with self._lock:
             now = time.monotonic()
             # Forget stores gone or closed since (ids are reused once freed).
             self._open = {k: v for k, v in self._open.items() if v[0]() is not None and v[1] > now}
-            self._open[id(backend)] = (weakref.ref(backend), now + seconds)
+            self._open[id(backend)] = (weakref.ref(backend), now + seconds, error)
 
     def close(self, backend: object | None = None) -> None:
         """Close ``backend``'s breaker (None: every one)."""
@@ -257,6 +325,14 @@ def is_storage_full(exc: BaseException) -> bool:
     return bool(_FULL_RE.search(str(exc)))
 
 
+#: A write into a bucket or container that does not exist, as pyarrow's S3
+#: client and the Azure SDK say it (``b``/``c``: its name where they give it).
+_NO_BUCKET_RE = re.compile(
+    r"(in bucket '(?P<b>[^']+)': AWS Error NO_SUCH_BUCKET|NO_SUCH_BUCKET|NoSuchBucket|"
+    r"ContainerNotFound|The specified container does not exist|"
+    r"container '(?P<c>[^']+)' not found)")
+
+
 def typed_permanent(exc: BaseException, what: str) -> BaseException:
     """``exc`` (an error retrying will not fix, of a call described by ``what``)
     as the typed error a caller can act on: :class:`StorageFullError` for a
@@ -270,6 +346,14 @@ def typed_permanent(exc: BaseException, what: str) -> BaseException:
             "Free space there (or raise the quota) and try again; nothing was committed.",
             cause=exc,
         )
+    no_bucket = _NO_BUCKET_RE.search(str(exc))
+    if no_bucket:
+        name = no_bucket.group("b") or no_bucket.group("c")
+        word = "container" if "ontainer" in no_bucket.group(0) else "bucket"
+        named = f"the {word} {name!r}" if name else f"its {word}"
+        return PermanentBackendError(
+            f"{what} failed: {named} does not exist ({exc}). Create it first, or fix its "
+            "name in the path.", cause=exc)
     return PermanentBackendError(
         f"{what} failed with an error retrying will not fix: {exc}. Check the path, "
         "bucket and permissions (credentials, IAM policy, container access).",
@@ -360,7 +444,16 @@ def _run(
     retry_number = 0
     started = time.monotonic()
     store = store if store is not None else backend
-    if _breaker.is_open(store):
+    opened_by = _breaker.reason(store)
+    if isinstance(opened_by, StorageUnreachableError):
+        raise StorageUnreachableError(
+            f"cannot connect to {opened_by.endpoint or 'the storage endpoint'}: {what} not "
+            "tried, a call to this store was refused a moment ago (calls to "
+            f"this store fail at once for {policy.max_elapsed:.0f}s). Check the address "
+            "(endpoint_url, host, port, connection string) and that the server is running.",
+            endpoint=opened_by.endpoint,
+        )
+    if opened_by is not False:
         raise TransientBackendError(
             f"{what} not tried: the storage stopped answering (a call kept failing for "
             f"{policy.max_elapsed:.0f}s); calls fail at once until one succeeds or "
@@ -394,6 +487,11 @@ def _run(
                 if isinstance(typed, PermanentBackendError) and typed is not exc:
                     typed.cause = raw  # the engine's own exception, as documented
                 raise typed from raw
+            if kind == "unreachable" and retry_number + 1 >= min(UNREACHABLE_ATTEMPTS,
+                                                                 policy.attempts):
+                error = _unreachable(exc, what, retry_number + 1)
+                _breaker.open(store, policy.max_elapsed, error)
+                raise error from raw
             elapsed = time.monotonic() - started
             if elapsed >= policy.max_elapsed:
                 _breaker.open(store, policy.max_elapsed)
@@ -409,7 +507,7 @@ def _run(
                     "connection string) and the network, retry later, or raise "
                     f"RetryPolicy(attempts=...) / {ENV_ATTEMPTS}."
                 ) from raw
-            sleep = policy.delay(retry_number)
+            sleep = policy.delay(0 if kind == "unreachable" else retry_number)
             logger.debug("%s failed (%s); retry %d in %.3fs", what, exc, retry_number + 1, sleep)
             retry_number += 1
             time.sleep(sleep)

@@ -24,6 +24,9 @@ __all__ = ["demo"]
 @click.option("--lr", default=0.05, show_default=True, type=NumberAtLeast(min=0, min_open=True))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--resume", is_flag=True, help="Continue from the newest complete checkpoint.")
+@click.option("--fresh", is_flag=True,
+              help="Delete the previous demo run (or study) at --storage and start over; "
+                   "without it (or --resume) the demo refuses to touch a previous run.")
 @click.option("--epoch-delay", default=0.0, type=NumberAtLeast(min=0), hidden=True,
               help="Seconds to sleep after each epoch (to try killing a run mid-way).")
 @click.option("--tune", is_flag=True,
@@ -34,8 +37,12 @@ __all__ = ["demo"]
               help="With --tune: trials run at the same time.")
 @common_options
 def demo(storage: str, epochs: int, num_to_keep: int, lr: float, seed: int, resume: bool,
-         epoch_delay: float, tune: bool, trials: int, parallel: int) -> None:
+         fresh: bool, epoch_delay: float, tune: bool, trials: int, parallel: int) -> None:
     """Train a digits classifier, keep the best checkpoints, resume after a crash.
+
+    A previous run at --storage is never deleted unasked: without --resume
+    (continue it) or --fresh (delete it and start over) the demo refuses to
+    start and changes nothing; another --storage starts a new run beside it.
 
     \b
     Examples:
@@ -44,19 +51,22 @@ def demo(storage: str, epochs: int, num_to_keep: int, lr: float, seed: int, resu
       checkpoint-store demo --storage memory://demo
       checkpoint-store demo --tune --trials 8 --parallel 2
     """
+    if resume and fresh:
+        raise click.UsageError("--resume continues the previous run and --fresh deletes it: "
+                               "pass one of them")
     if tune:
         if resume:
             # The study itself (Optuna's trial history) is kept in memory only,
             # so there is nothing to resume; never start over by deleting.
             raise click.UsageError(
                 "--resume continues the single-run demo; a --tune study always starts "
-                "fresh (drop --resume, or use another --storage to keep the old study)"
+                "over (drop --resume; --fresh deletes the old study, another --storage keeps it)"
             )
         from checkpoint_store.demo._tune import run_tune
 
         sys.exit(run_tune(storage=storage, trials=trials, parallel=parallel, epochs=epochs,
-                          num_to_keep=num_to_keep, seed=seed))
+                          num_to_keep=num_to_keep, seed=seed, fresh=fresh))
     from checkpoint_store.demo._run import run_demo
 
     sys.exit(run_demo(storage=storage, epochs=epochs, num_to_keep=num_to_keep, lr=lr,
-                      seed=seed, resume=resume, epoch_delay=epoch_delay))
+                      seed=seed, resume=resume, epoch_delay=epoch_delay, fresh=fresh))

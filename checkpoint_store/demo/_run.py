@@ -26,22 +26,32 @@ def _refuse_if_running(ctx: StorageContext) -> None:
 
 
 def run_demo(*, storage: str, epochs: int, num_to_keep: int, lr: float, seed: int,
-             resume: bool, epoch_delay: float = 0.0) -> int:
-    """Run the demo; returns the process exit code."""
+             resume: bool, epoch_delay: float = 0.0, fresh: bool = False) -> int:
+    """Run the demo; returns the process exit code.
+
+    A previous run at ``storage`` is continued with ``resume``, deleted with
+    ``fresh``, and otherwise left alone: the demo refuses to start
+    (:class:`click.ClickException`) rather than delete it unasked.
+    """
+    from checkpoint_store._util import fs as _fsutil
     from checkpoint_store.demo import test_accuracy_of, train_digits
 
     ctx = StorageContext(storage, EXPERIMENT, TRIAL)
     _refuse_if_running(ctx)
-    if not resume and ctx.checkpoint_dirs():
+    if not resume and _fsutil.exists(ctx.filesystem, ctx.trial_path):
+        if not fresh:
+            raise click.ClickException(
+                f"a previous demo run is at {ctx.uri(ctx.trial_path)}; nothing was changed. "
+                "Pass --resume to continue it, --fresh to delete it and start over, or "
+                "--storage elsewhere for a new run beside it")
         from checkpoint_store._browse.live import refuse_if_live
         from checkpoint_store._browse.locations import Location
 
         # Check first, then say what happens: a demo still running there keeps its trial.
         refuse_if_live(Location(ctx.backend, ctx.trial_path), None,
                        "remove it for a fresh demo (or pass --storage elsewhere)")
-        click.echo(f"Starting fresh: removing the previous demo trial {ctx.uri(ctx.trial_path)}")
-        from checkpoint_store._util import fs as _fsutil
-
+        click.echo(f"Starting fresh (--fresh): removing the previous demo trial "
+                   f"{ctx.uri(ctx.trial_path)}")
         _fsutil.delete_dir(ctx.filesystem, ctx.trial_path)
     config = CheckpointConfig(
         num_to_keep=num_to_keep,

@@ -20,7 +20,7 @@ EXPERIMENT = "digits-tune"
 
 
 def run_tune(*, storage: str, trials: int = 8, parallel: int = 2, epochs: int = 10,
-             num_to_keep: int = 2, seed: int = 0) -> int:
+             num_to_keep: int = 2, seed: int = 0, fresh: bool = False) -> int:
     """Run the study and print the trials, the best one and its test accuracy.
 
     Returns:
@@ -42,7 +42,13 @@ def run_tune(*, storage: str, trials: int = 8, parallel: int = 2, epochs: int = 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     ctx = StorageContext(storage, EXPERIMENT, "probe")
     if _fsutil.exists(ctx.filesystem, ctx.experiment_path):
-        click.echo(f"Starting fresh: removing the previous study {ctx.uri(ctx.experiment_path)}")
+        if not fresh:
+            raise click.ClickException(
+                f"a previous study is at {ctx.uri(ctx.experiment_path)}; nothing was changed. "
+                "Pass --fresh to delete it and start over, or --storage elsewhere for a new "
+                "study beside it")
+        click.echo(f"Starting fresh (--fresh): removing the previous study "
+                   f"{ctx.uri(ctx.experiment_path)}")
         _fsutil.delete_dir(ctx.filesystem, ctx.experiment_path)
 
     study = optuna.create_study(

@@ -209,7 +209,7 @@ def test_demo_checks_for_a_live_demo_before_it_says_it_starts_fresh(tmp_path) ->
     src = write_tree(str(tmp_path / "c"), {"model.bin": b"x"})
     with session.start(storage_path=storage, experiment_name="digits-demo", trial_name="mlp"):
         session.report({"val_accuracy": 0.5}, checkpoint=Checkpoint.from_directory(src))
-        res = invoke(["demo", "--storage", storage, "--epochs", "1"])
+        res = invoke(["demo", "--storage", storage, "--epochs", "1", "--fresh"])
         assert res.exit_code == EXIT_FAILURE, res.output
         assert "Starting fresh" not in res.stdout and "running job" in res.stderr
         assert os.path.isdir(tmp_path / "demo" / "digits-demo" / "mlp" / "checkpoint_000000")

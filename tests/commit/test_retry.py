@@ -33,7 +33,7 @@ FAST = RetryPolicy(attempts=4, base_delay=0.0, max_delay=0.0)
     (OSError("[Errno 28] No space left on device"), "permanent"),
     (OSError("ExpiredToken: the provided token has expired"), "expired"),
     (OSError("invalid_grant: Token has been expired or revoked."), "expired"),
-    (ConnectionRefusedError("[Errno 111] Connection refused"), "transient"),
+    (ConnectionRefusedError("[Errno 111] Connection refused"), "unreachable"),
     (IsADirectoryError("a directory"), "permanent"),
     (ValueError("bad"), "permanent"),
     (KeyboardInterrupt(), "permanent"),

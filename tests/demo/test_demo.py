@@ -63,3 +63,27 @@ def test_demo_resumes_after_sigkill(tmp_path):
     assert epochs == list(range(resumed + 1, 13))
     acc = float(re.search(r"Test accuracy of the model loaded from it: ([0-9.]+)", out.stdout)[1])
     assert acc >= 0.90
+
+
+@pytest.mark.parametrize("tune", [False, True], ids=["run", "tune"])
+def test_a_rerun_without_resume_never_deletes_the_previous_run(tmp_path, tune):
+    from checkpoint_store import Checkpoint, session
+    from checkpoint_store.cli import EXIT_FAILURE
+    from tests.cli.cli_helpers import invoke, write_tree
+
+    storage = str(tmp_path / "demo")
+    experiment = "digits-tune" if tune else "digits-demo"
+    src = write_tree(str(tmp_path / "c"), {"model.bin": b"x"})
+    with session.start(storage_path=storage, experiment_name=experiment, trial_name="mlp"):
+        session.report({"val_accuracy": 0.5}, checkpoint=Checkpoint.from_directory(src))
+    kept = tmp_path / "demo" / experiment / "mlp" / "checkpoint_000000" / "model.bin"
+    res = invoke(["demo", "--storage", storage, "--epochs", "1", *(["--tune"] if tune else [])])
+    assert res.exit_code == EXIT_FAILURE, res.output
+    assert f"a previous {'study' if tune else 'demo run'} is at" in res.stderr
+    assert "nothing was changed" in res.stderr and "--fresh" in res.stderr
+    assert "Starting fresh" not in res.stdout
+    assert kept.read_bytes() == b"x"
+    # --resume and --fresh contradict each other: refused before anything is read.
+    res = invoke(["demo", "--storage", storage, "--resume", "--fresh"])
+    assert res.exit_code != 0 and "pass one of them" in res.output
+    assert kept.read_bytes() == b"x"

@@ -309,8 +309,12 @@ def _bound_client(client: Any, connect_s: float, read_s: float) -> Any:
     retry policy and transport are shared with the container and blob clients
     derived from it. Returns ``client``."""
     policy = client._config.retry_policy
-    for attr in ("total_retries", "connect_retries", "read_retries", "status_retries"):
+    for attr in ("total_retries", "read_retries", "status_retries"):
         setattr(policy, attr, ENGINE_ATTEMPTS - 1)
+    # A connection that cannot be opened is not retried here: checkpoint-store's
+    # own policy decides (a refused one is a wrong address: StorageUnreachableError
+    # after two quick tries, not four tries with waits each).
+    policy.connect_retries = 0
     # Waits of 1 s then 3 s (initial_backoff + increment_base ** try), not 15 s then 18 s.
     policy.initial_backoff, policy.increment_base, policy.random_jitter_range = 1, 2, 1
     transport = client._pipeline._transport

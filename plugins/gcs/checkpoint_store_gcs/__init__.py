@@ -99,6 +99,29 @@ OPTION_TYPES: dict[str, type] = {
 }
 
 
+def _unreachable_at_once(func: Any) -> Any:
+    """``func`` (a gcsfs request coroutine) raising a connection that could not be
+    opened at all (refused, a host name that does not resolve) as a plain
+    ``ConnectionRefusedError``/``OSError``, which gcsfs's retry loop does not
+    retry: a wrong address is not fixed by waiting, and checkpoint-store's own
+    policy gives up on it after two quick tries (``StorageUnreachableError``)."""
+    import aiohttp
+
+    @functools.wraps(func)
+    async def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await func(*args, **kwargs)
+        except aiohttp.ClientConnectorError as exc:
+            cause = getattr(exc, "os_error", None)
+            if isinstance(cause, ConnectionRefusedError):
+                raise ConnectionRefusedError(str(exc)) from exc
+            if type(exc).__name__ == "ClientConnectorDNSError":
+                raise OSError(str(exc)) from exc
+            raise
+
+    return call
+
+
 @functools.cache
 def _bounded_class(base: type) -> type:
     """``base`` (a gcsfs filesystem class) trying each request :data:`ENGINE_ATTEMPTS`
@@ -106,7 +129,8 @@ def _bounded_class(base: type) -> type:
     from gcsfs.retry import retry_request
 
     bounded = retry_request(retries=ENGINE_ATTEMPTS)
-    methods = {m: bounded(getattr(base, m).__wrapped__) for m in _RETRIED_METHODS
+    methods = {m: bounded(_unreachable_at_once(getattr(base, m).__wrapped__))
+               for m in _RETRIED_METHODS
                if hasattr(getattr(base, m, None), "__wrapped__")}
     name = f"_Bounded{base.__name__}"
     return type(name, (base,), {**methods, "__module__": __name__, "__qualname__": name})
