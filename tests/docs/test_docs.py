@@ -1,7 +1,7 @@
 """The documentation site: it builds with ``mkdocs build --strict`` (offline), and
-every code example in it runs.
+every code example in it, and in README.md, runs.
 
-Conventions in docs/*.md (checked here):
+Conventions in docs/*.md and README.md (checked here):
 
 * ```` ```python ```` blocks run in order, one namespace per page, in a fresh
   temporary directory that is also ``$HOME``.
@@ -66,8 +66,12 @@ def blocks_of(page: Path) -> list[Block]:
     return out
 
 
+README = REPO / "README.md"
+
+
 def _pages() -> list[Path]:
-    return sorted(DOCS.glob("*.md"))
+    """The site's pages, and the README (the page read first; not part of the site)."""
+    return [*sorted(DOCS.glob("*.md")), README]
 
 
 def _runnable_pages() -> list[Path]:
@@ -78,7 +82,10 @@ def _runnable_pages() -> list[Path]:
 # Pages whose example trains a small model with a framework: seconds, not milliseconds.
 # ray.md starts a Ray cluster and a TorchTrainer of two workers: about 90 s here;
 # preemption.md preempts and restarts a Lightning fit and a Trainer run.
-_SLOW_PAGES = {"hf.md", "dcp.md", "ray.md", "preemption.md"}
+# README.md runs an Optuna study of 8 trials and a torch state save (about 20 s
+# here); quickstart.md two torch state runs, each starting a persist process,
+# and CLI calls (about 40 s).
+_SLOW_PAGES = {"hf.md", "dcp.md", "ray.md", "preemption.md", "README.md", "quickstart.md"}
 
 
 def _page_params() -> list:
