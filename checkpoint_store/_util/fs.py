@@ -18,6 +18,11 @@ from collections.abc import Iterable, Iterator
 import filelock
 import pyarrow.fs as pafs
 
+try:
+    import fcntl as _fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    _fcntl = None  # type: ignore[assignment]
+
 from checkpoint_store._format.layout import temp_file_name
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.liveness import writer_tag
@@ -406,7 +411,9 @@ _thread_locks_guard = threading.Lock()
 @contextlib.contextmanager
 def dir_lock(fs: pafs.FileSystem, parent: str, lock_name: str) -> Iterator[None]:
     """Hold ``parent``'s lock: across threads always, across processes with a
-    file lock ``parent/lock_name`` when ``parent`` is on the local disk.
+    file lock ``parent/lock_name`` when ``parent`` is on the local disk. The
+    lock file exists only while the lock is held (removed before release,
+    see :func:`_acquire_removable`), so none is left beside the checkpoints.
 
     Raises:
         PermanentBackendError: the lock file cannot be opened (a directory
@@ -422,15 +429,57 @@ def dir_lock(fs: pafs.FileSystem, parent: str, lock_name: str) -> Iterator[None]
             yield
             return
         lock_path = os.path.join(parent_os, lock_name)
-        lock = filelock.FileLock(lock_path)
-        try:
-            lock.acquire()
-        except OSError as exc:
-            raise _lock_error(lock_path, exc) from exc
+        if _fcntl is None:  # pragma: no cover - not POSIX: filelock's own, file kept
+            lock = filelock.FileLock(lock_path)
+            try:
+                lock.acquire()
+            except OSError as exc:
+                raise _lock_error(lock_path, exc) from exc
+            try:
+                yield
+            finally:
+                lock.release()
+            return
+        fd = _acquire_removable(lock_path)
         try:
             yield
         finally:
-            lock.release()
+            # Removed while still held, so no lock file is left behind: a
+            # waiter that locked this file finds it gone and takes a new one.
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path)
+            os.close(fd)
+
+
+def _acquire_removable(lock_path: str) -> int:
+    """An ``flock``-ed descriptor of the file now at ``lock_path``, which its
+    holder removes before it lets go (:func:`dir_lock`): a lock taken on a
+    file that was removed (or replaced) meanwhile is dropped and taken again
+    on the new one, so two holders never lock different files."""
+    assert _fcntl is not None
+    while True:
+        try:
+            try:
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:
+                # The directory is not there yet (filelock made it too).
+                os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise _lock_error(lock_path, exc) from exc
+        try:
+            _fcntl.flock(fd, _fcntl.LOCK_EX)
+            held = os.fstat(fd)
+            try:
+                now = os.stat(lock_path)
+            except FileNotFoundError:
+                now = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if now is not None and (now.st_ino, now.st_dev) == (held.st_ino, held.st_dev):
+            return fd
+        os.close(fd)
 
 
 def _lock_error(lock_path: str, exc: OSError) -> OSError:

@@ -540,7 +540,10 @@ def cp_cmd(src: str, dst: str, storage_options: dict[str, Any], src_options: dic
     \b
     SRC may be:
       a checkpoint   copied to DST if DST is named checkpoint_NNNNNN,
-                     else into the trial directory DST under its own name;
+                     else into the directory DST under its own name, as
+                     `cp -r` copies into a directory: DST/checkpoint_NNNNNN
+                     (DST is taken as a trial directory, and created if
+                     absent; `download` puts the files themselves in DST);
       a trial        every committed checkpoint plus result.json, params.json
                      and the retention state, into the trial directory DST;
       an experiment  or a storage root: every trial under it, same layout.

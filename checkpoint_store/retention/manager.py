@@ -16,6 +16,7 @@ checkpoint is :mod:`~checkpoint_store.retention.deletes`.
 
 from __future__ import annotations
 
+import logging
 import math
 import posixpath
 import threading
@@ -51,6 +52,8 @@ from checkpoint_store.retention.state import (
 )
 from checkpoint_store.retention.statelog import StateLog
 from checkpoint_store.storage import StorageContext
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointManager"]
 
@@ -156,9 +159,20 @@ class CheckpointManager:
     # -- lifecycle ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for the background deletes, then release the lease. Idempotent;
-        safe while an exception propagates. The manager is read-only afterwards."""
+        """Wait for the background deletes, fold the state's log records into a
+        snapshot, then release the lease. Idempotent; safe while an exception
+        propagates. The manager is read-only afterwards."""
         self.wait_deletes()
+        if not self.read_only and self._log.records:
+            # Fold the run's log records into one snapshot, so a finished trial
+            # holds no .cs_state-log-* files (a failure is logged: the records
+            # stay, and the next writer folds them in).
+            try:
+                with self._mutex:
+                    self._save_state()
+            except Exception as exc:  # noqa: BLE001 - closing goes on
+                logger.warning("could not compact the retention state of %s: %s",
+                               self._storage.uri(self._storage.trial_path), exc)
         self._closed = True
         if self._lease is not None:
             self._lease.release()

@@ -351,6 +351,11 @@ class StateLog:
         self._records.append(self._seq)
         return True
 
+    @property
+    def records(self) -> int:
+        """Log records written after the current root (0 right after a snapshot)."""
+        return len(self._records)
+
     def compact(self, state: ManagerState) -> bool:
         """Write ``state`` as a new snapshot now; False (logged) when storage refused it."""
         self._seq += 1
