@@ -13,6 +13,7 @@ import logging
 import os
 import posixpath
 import tempfile
+import time
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -43,6 +44,7 @@ from checkpoint_store._format.layout import (
 )
 from checkpoint_store._transfer.trees import download_tree
 from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util import transferlog as _transferlog
 from checkpoint_store._util.inspect import (
     Inspection,
     inspect_checkpoint,
@@ -384,10 +386,15 @@ class Checkpoint:
         from checkpoint_store import state as _state
 
         caps = self._backend.capabilities
+        started = time.monotonic()
         with self._reporting_corruption():
-            return _state.load_state(self.filesystem, self.path, keys=keys, mmap=mmap,
-                                     into=into, verify=verify,
-                                     concurrency=max(caps.concurrency, 1))
+            loaded = _state.load_state(self.filesystem, self.path, keys=keys, mmap=mmap,
+                                       into=into, verify=verify,
+                                       concurrency=max(caps.concurrency, 1))
+        _transferlog.log_if_long(logger, f"load_state {self.uri}",
+                                 lambda: _transferlog.tree_bytes(loaded),
+                                 time.monotonic() - started)
+        return loaded
 
     def to_directory(
         self, path: str | os.PathLike[str] | None = None, *, verify: bool = True
@@ -435,8 +442,13 @@ class Checkpoint:
             raise InvalidConfigError(f"to_directory(verify=) must be True or False, got "
                                      f"{verify!r}")
         target = None if path is None else _local_path_arg(path, "to_directory(path)")
+        started = time.monotonic()
         with self._reporting_corruption():
-            return self._to_directory(target, verify)
+            local = self._to_directory(target, verify)
+        _transferlog.log_if_long(logger, f"download {self.uri} to {local}",
+                                 lambda: _transferlog.local_tree_bytes(local),
+                                 time.monotonic() - started)
+        return local
 
     def _to_directory(self, target: str | None, verify: bool) -> str:
         insp = self._inspect_for_download()

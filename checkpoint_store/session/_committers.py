@@ -9,10 +9,13 @@ and :meth:`commit` commits this rank's files itself.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint_store.checkpoint import Checkpoint
+from checkpoint_store._util import transferlog as _transferlog
+from checkpoint_store.checkpoint import Checkpoint, written_metadata
 from checkpoint_store.errors import AmbiguousCommitError
 from checkpoint_store.session._ledger import CommitRecorder, Row
 from checkpoint_store.session._multirank import Coordinator
@@ -20,6 +23,8 @@ from checkpoint_store.session._sources import Source
 from checkpoint_store.storage import StorageContext
 
 __all__ = ["CheckpointJob", "Committer", "RankCommitter", "SingleCommitter"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,6 +86,7 @@ class SingleCommitter(Committer):
             Any other error of the commit: nothing was committed.
         """
         storage = self._storage
+        started = time.monotonic()
         try:
             if in_place:
                 committed = storage.commit_in_place(job.index, job.internal)
@@ -91,6 +97,11 @@ class SingleCommitter(Committer):
         except AmbiguousCommitError:
             self._recorder.unsettled(job.index, job.row)
             raise
+        # The marker the commit wrote (no storage call): its manifest's bytes.
+        _transferlog.log_if_long(
+            logger, f"commit {committed.uri}",
+            lambda: _transferlog.manifest_bytes(written_metadata(committed)),
+            time.monotonic() - started)
         self._recorder.record(committed, job.row)
         return committed
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._results.writer import ResultLog, last_result_rows
+from checkpoint_store._util import transferlog as _transferlog
 from checkpoint_store._util.ids import new_writer_id
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import InvalidConfigError
@@ -678,8 +679,11 @@ class Session:
             wait_durable(self._tier, checkpoint_index(checkpoint), self._ledger.next_index,
                          timeout, self.wait, self._pipeline.work.raise_errors)
             return
-        deadline = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
         self._pipeline.work.wait(timeout)
+        _transferlog.log_if_long(logging.getLogger(__name__), "wait for background saves", None,
+                                 time.monotonic() - started)
 
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
