@@ -60,7 +60,8 @@ def demo(storage: str, epochs: int, num_to_keep: int, lr: float, seed: int, resu
             # so there is nothing to resume; never start over by deleting.
             raise click.UsageError(
                 "--resume continues the single-run demo; a --tune study always starts "
-                "over (drop --resume; --fresh deletes the old study, another --storage keeps it)"
+                "fresh (drop --resume; --fresh deletes the old study, another --storage "
+                "keeps it)"
             )
         from checkpoint_store.demo._tune import run_tune
 
