@@ -18,7 +18,7 @@ import pytest
 from cli_helpers import Store, invoke, write_tree
 
 from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, session
-from checkpoint_store._format.layout import MANAGER_STATE, parse_state_log_name
+from checkpoint_store._format.layout import MANAGER_STATE, parse_state_log_name, state_log_name
 from checkpoint_store.ui._model import StoreView
 
 LOSSES = [0.5, 0.1, 0.3]
@@ -53,6 +53,20 @@ def _records(ctx: StorageContext) -> list[str]:
     return sorted(n for n in names if parse_state_log_name(n) is not None)
 
 
+def _last_record(ctx: StorageContext) -> str:
+    """The newest log record; a finished session folds its records into the
+    snapshot, so one (changing nothing) is written after it when none is left."""
+    records = _records(ctx)
+    if records:
+        return records[-1]
+    root = json.loads(_read(ctx, MANAGER_STATE))
+    seq = root["seq"] + 1
+    name = state_log_name(seq)
+    _write(ctx, name, json.dumps({"kind": "checkpoint_manager_log", "format_version": 2,
+                                  "seq": seq, "next_index": root["next_index"]}).encode())
+    return name
+
+
 def _damage(ctx: StorageContext, how: str) -> str:
     """Damage the state; returns the file a message must name."""
     if how == "entry_disagrees":
@@ -73,7 +87,7 @@ def _damage(ctx: StorageContext, how: str) -> str:
             b'{"kind": "checkpoint_manager_log", "format_version": 2, "seq": 1}'
         _write(ctx, MANAGER_STATE, body)
     elif how == "record_kind":
-        name = _records(ctx)[-1]
+        name = _last_record(ctx)
         record = json.loads(_read(ctx, name))
         record["kind"] = "checkpoint_manager_chunk"
         _write(ctx, name, json.dumps(record).encode())
