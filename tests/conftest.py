@@ -17,6 +17,39 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture
+def fresh_signal_handlers():
+    """The test starts from the signal handlers and preemption state of a fresh
+    process, and what was there is put back afterwards. Earlier tests of the
+    suite leave handlers installed (``ray.init``, Tune's signal catching) and
+    a session never ended keeps watching; tests that send themselves signals
+    and check what our handlers do, and give back, must not see either."""
+    import signal
+
+    from checkpoint_store.session import _preemption
+
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+    saved = {s: signal.getsignal(s) for s in signals}
+    with _preemption._lock:
+        state = (_preemption._watches, dict(_preemption._installed), set(_preemption._pinned),
+                 _preemption._exit_users)
+        _preemption._watches = ()
+        _preemption._installed.clear()
+        _preemption._pinned.clear()
+        _preemption._exit_users = 0
+    for s in signals:
+        signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+    yield
+    with _preemption._lock:
+        (_preemption._watches, installed, pinned, _preemption._exit_users) = state
+        _preemption._installed.clear()
+        _preemption._installed.update(installed)
+        _preemption._pinned.clear()
+        _preemption._pinned.update(pinned)
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+@pytest.fixture
 def small_disk(tmp_path):
     """A 256 KiB tmpfs, a real full disk (needs root and mount; skipped elsewhere)."""
     mnt = tmp_path / "small"

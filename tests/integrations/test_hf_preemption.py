@@ -27,19 +27,9 @@ from transformers import (  # noqa: E402
 from checkpoint_store import PreemptionConfig, StorageContext  # noqa: E402
 from checkpoint_store.errors import Preempted  # noqa: E402
 from checkpoint_store.integrations.hf import CheckpointStoreCallback, restore_latest  # noqa: E402
-from checkpoint_store.session import _preemption  # noqa: E402
 
-pytestmark = pytest.mark.slow  # each Trainer run takes a few seconds on a shared CPU
-
-
-@pytest.fixture(autouse=True)
-def _own_handlers():
-    saved = signal.getsignal(signal.SIGTERM)
-    yield
-    with _preemption._lock:
-        _preemption._installed.clear()
-        _preemption._pinned.clear()
-    signal.signal(signal.SIGTERM, saved)
+pytestmark = [pytest.mark.slow,  # each Trainer run takes a few seconds on a shared CPU
+              pytest.mark.usefixtures("fresh_signal_handlers")]
 
 
 def _data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:

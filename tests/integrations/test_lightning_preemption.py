@@ -25,19 +25,9 @@ from checkpoint_store.integrations.lightning import (  # noqa: E402
     STATE_FILE,
     ReportCheckpointCallback,
 )
-from checkpoint_store.session import _preemption  # noqa: E402
 
-pytestmark = pytest.mark.slow  # Lightning fits: seconds each on a shared CPU
-
-
-@pytest.fixture(autouse=True)
-def _own_handlers():
-    saved = signal.getsignal(signal.SIGTERM)
-    yield
-    with _preemption._lock:
-        _preemption._installed.clear()
-        _preemption._pinned.clear()
-    signal.signal(signal.SIGTERM, saved)
+pytestmark = [pytest.mark.slow,  # Lightning fits: seconds each on a shared CPU
+              pytest.mark.usefixtures("fresh_signal_handlers")]
 
 
 class Tiny(L.LightningModule):

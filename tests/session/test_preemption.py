@@ -24,34 +24,8 @@ from checkpoint_store import Checkpoint, LocalTier, PreemptionConfig, StorageCon
 from checkpoint_store.errors import InvalidConfigError, Preempted, TrialStopped
 from checkpoint_store.session import _preemption
 
-_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-
-
-@pytest.fixture(autouse=True)
-def _clean_signal_state():
-    """Each test starts from the handlers a fresh process has: a session an
-    earlier test of the suite left open (never ended) keeps watching and
-    converting signals, which is right for a process and wrong for a test
-    that counts signals. What was there is put back afterwards."""
-    saved = {s: signal.getsignal(s) for s in _SIGNALS}
-    with _preemption._lock:
-        state = (_preemption._watches, dict(_preemption._installed), set(_preemption._pinned),
-                 _preemption._exit_users)
-        _preemption._watches = ()
-        _preemption._installed.clear()
-        _preemption._pinned.clear()
-        _preemption._exit_users = 0
-    for s in _SIGNALS:
-        signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
-    yield
-    with _preemption._lock:
-        (_preemption._watches, installed, pinned, _preemption._exit_users) = state
-        _preemption._installed.clear()
-        _preemption._installed.update(installed)
-        _preemption._pinned.clear()
-        _preemption._pinned.update(pinned)
-    for s, handler in saved.items():
-        signal.signal(s, handler)
+# Each test starts from a fresh process's handlers (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_signal_handlers")
 
 
 # -- the configuration --------------------------------------------------------------------

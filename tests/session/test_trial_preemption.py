@@ -14,20 +14,9 @@ import pytest
 
 from checkpoint_store import Checkpoint, StorageContext, TrialRunner, session
 from checkpoint_store.errors import InvalidConfigError, Preempted
-from checkpoint_store.session import _preemption
 
-
-@pytest.fixture(autouse=True)
-def _own_handlers():
-    """The handlers this process had before: a test that installs ours must not
-    change what a SIGTERM does to the rest of the run."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    with _preemption._lock:
-        _preemption._installed.clear()
-        _preemption._pinned.clear()
-    for s, handler in saved.items():
-        signal.signal(s, handler)
+# Each test starts from a fresh process's handlers (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_signal_handlers")
 
 
 def _preempt_self() -> None:
