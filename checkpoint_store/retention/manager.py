@@ -57,6 +57,21 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointManager"]
 
+def _release_collected(lease: Lease) -> None:
+    """Release the lease of a manager collected without :meth:`close`. A
+    finalizer runs inside whatever code triggered the collection, often on
+    another thread and in another test or session: nothing may escape it
+    (an escaped error is only printed as "Exception ignored"), so even a
+    ``BaseException`` from the storage client (a simulated crash, a
+    ``KeyboardInterrupt`` that landed in the client) is logged and dropped,
+    and the lease then expires by itself."""
+    try:
+        lease.release()
+    except BaseException as exc:  # noqa: BLE001  see above
+        logger.debug("could not release the lease %s of a collected manager: %r",
+                     lease.path, exc)
+
+
 class CheckpointManager:
     """Keeps the best K committed checkpoints of one trial and deletes the rest.
 
@@ -148,7 +163,7 @@ class CheckpointManager:
         if not self._read_only:
             self._lease = Lease(storage, lease_ttl_s)
             self._lease.acquire()
-            weakref.finalize(self, self._lease.release)
+            weakref.finalize(self, _release_collected, self._lease)
         try:
             self._restore()
         except BaseException:

@@ -266,3 +266,37 @@ def test_a_forked_child_never_releases_its_parents_lease(make_storage):
         lease.pid = real_pid
     m.close()
     assert _lease(storage) is None
+
+
+def test_a_collected_manager_whose_storage_died_raises_nothing_into_the_collector(tmp_path):
+    """The handed CI failure: a manager left unclosed on a storage client that
+    then "died" (a SimulatedCrash, a BaseException) was collected during a
+    later, unrelated test, and its finalizer's lease release escaped as an
+    unraisable exception there. The finalizer drops it; the lease expires."""
+    import gc
+
+    from checkpoint_store.registry import resolve
+    from checkpoint_store.testing.faults import SimulatedCrash, faulty_backend
+
+    backend, root = resolve(str(tmp_path / "root"))
+    backend = faulty_backend(backend)
+    fs = backend.filesystem
+    storage = StorageContext.from_backend(backend, root, "exp", "t")
+    storage.ensure_trial_dir()
+    manager = CheckpointManager(CheckpointConfig(2), storage)
+    assert _lease(storage) is not None
+    fs.handler.crashed = True  # the client is dead from here on
+    with pytest.raises(SimulatedCrash):
+        fs.get_file_info(str(tmp_path))
+    seen: list = []
+    old_hook = sys.unraisablehook
+    sys.unraisablehook = seen.append
+    try:
+        del manager
+        gc.collect()
+    finally:
+        sys.unraisablehook = old_hook
+    assert seen == []
+    fs.handler.crashed = False
+    # Nothing was released: the crashed process's lease is left to expire.
+    assert _lease(storage) is not None
