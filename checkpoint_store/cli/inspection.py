@@ -403,9 +403,9 @@ def _print_show(loc: Location, meta: Mapping[str, Any], user: Mapping[str, Any],
             click.echo(f"{key:<15} {fmt_value(meta[key])}")
     tensors = meta.get("tensors")
     if isinstance(tensors, Mapping):  # a state's index (docs/state.md): its size, not its body
-        data = sum(e["offsets"][1] - e["offsets"][0] for e in tensors.values()
-                   if isinstance(e, Mapping) and "alias_of" not in e
-                   and isinstance(e.get("offsets"), list) and len(e["offsets"]) == 2)
+        from checkpoint_store.state._shards import stored_bytes
+
+        data = stored_bytes({k: e for k, e in tensors.items() if isinstance(e, Mapping)})
         click.echo(f"tensors         {len(tensors)} ({fmt_size(data)})")
     click.echo(f"files           {len(manifest)} ({fmt_size(manifest_size(meta))})")
     for e in _largest(manifest):

@@ -21,6 +21,8 @@ Public names:
   files, from a tree or from raw bytes (shared memory), returning the
   tensor index;
 * :func:`load_state`, :func:`read_state_index`, :func:`verify_tensors`: reading back;
+* :func:`write_part`, :func:`merge_parts`, :class:`StateSlice`: a state saved
+  in pieces on many ranks and read back in other pieces (docs/sharded-state.md);
 * :data:`STATE_FILE`, :data:`DEFAULT_SHARD_BYTES`, :data:`DTYPES`;
 * :func:`staging_root`, :data:`ENV_STAGING_DIR`: the local directory staged
   copies go to (the session's and Lightning's); :func:`scratch_dir` makes one
@@ -45,6 +47,7 @@ from checkpoint_store.state._files import (
 )
 from checkpoint_store.state._index import SavedState, local_state_index, read_state_index
 from checkpoint_store.state._read import load_state
+from checkpoint_store.state._shards import StateSlice, merge_parts, write_part
 from checkpoint_store.state._staging_dir import (
     ENV_STAGING_DIR,
     scratch_dir,
@@ -73,6 +76,7 @@ __all__ = [
     "PART_BYTES",
     "SavedState",
     "StateLayout",
+    "StateSlice",
     "StateWriter",
     "TensorSpec",
     "escape_key",
@@ -83,6 +87,7 @@ __all__ = [
     "layout_of_buffers",
     "load_state",
     "local_state_index",
+    "merge_parts",
     "name_corrupt_tensor",
     "read_state_index",
     "shard_name",
@@ -93,5 +98,6 @@ __all__ = [
     "unescape_key",
     "verify_tensors",
     "write_buffers",
+    "write_part",
     "write_state",
 ]

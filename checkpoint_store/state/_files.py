@@ -60,15 +60,18 @@ __all__ = [
 
 #: The JSON file of a state: the tree's skeleton, its JSON leaves and the index.
 STATE_FILE = "state.json"
-#: ``state.json``'s own ``format_version``.
+#: ``state.json``'s own ``format_version``: 1 for a state written whole by
+#: one rank, 2 once some tensor is stored in pieces (``"shards"``), so a
+#: reader that predates pieces refuses it instead of misreading it.
 STATE_FORMAT_VERSION = 1
+SHARDED_FORMAT_VERSION = 2
 #: Default largest shard: 1 GiB of tensor data per safetensors file (a
 #: tensor larger than that gets a file of its own). Large enough that a
 #: model is a few files, small enough that one file is a reasonable unit of
 #: upload retry and of parallel download.
 DEFAULT_SHARD_BYTES = 1 << 30
 
-_SHARD_RE = re.compile(r"^tensors-(\d{5,})-of-(\d{5,})\.safetensors$")
+_SHARD_RE = re.compile(r"^tensors(-rank\d{5,})?-(\d{5,})-of-(\d{5,})\.safetensors$")
 #: Bytes hashed per call (google-crc32c holds the GIL per call).
 _CRC_CHUNK = 64 << 20
 
@@ -105,9 +108,11 @@ def key_of_header_name(name: str) -> str:
     return SAFETENSORS_METADATA if name == _ESCAPED_METADATA else name
 
 
-def shard_name(number: int, count: int) -> str:
-    """``tensors-00001-of-00003.safetensors``: shard ``number`` (from 1) of ``count``."""
-    return f"tensors-{number:05d}-of-{count:05d}.safetensors"
+def shard_name(number: int, count: int, stem: str = "tensors") -> str:
+    """``tensors-00001-of-00003.safetensors``: shard ``number`` (from 1) of
+    ``count``; ``stem`` ``tensors-rank00002`` for rank 2's files of a
+    sharded state."""
+    return f"{stem}-{number:05d}-of-{count:05d}.safetensors"
 
 
 def is_shard_name(name: str) -> bool:
@@ -151,7 +156,7 @@ def _plan(layout: StateLayout,
         # element size (the data starts at a multiple of 8), so a memory map
         # hands out aligned tensors, and safetensors wants no gaps.
         keys = sorted(group, key=lambda k: -DTYPES[layout.tensors[k].dtype][0])
-        file_name = shard_name(number, len(groups))
+        file_name = shard_name(number, len(groups), layout.file_stem)
         header_obj: dict[str, Any] = {}
         frameworks = {layout.tensors[k].framework for k in keys}
         header_obj[SAFETENSORS_METADATA] = {"format": "pt" if "torch" in frameworks else "np"}

@@ -14,7 +14,7 @@ import os
 import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import pyarrow.fs as pafs
 
@@ -22,7 +22,11 @@ from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.inspect import inspect_checkpoint, read_checked
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.errors import CheckpointCorruptError, CheckpointNotFoundError
-from checkpoint_store.state._files import STATE_FILE, STATE_FORMAT_VERSION
+from checkpoint_store.state._files import (
+    SHARDED_FORMAT_VERSION,
+    STATE_FILE,
+    STATE_FORMAT_VERSION,
+)
 from checkpoint_store.state._tree import DTYPES
 
 __all__ = ["SavedState", "local_state_index", "read_state_index"]
@@ -100,10 +104,11 @@ def read_state_index(fs: pafs.FileSystem, path: str, *,
                                      path=path, file=STATE_FILE)
     assert isinstance(body, dict)
     version = body.get("format_version")
-    if version != STATE_FORMAT_VERSION:
+    if version not in (STATE_FORMAT_VERSION, SHARDED_FORMAT_VERSION):
         raise CheckpointCorruptError(
             f"{STATE_FILE} of {where} has format_version {version!r}; this checkpoint-store "
-            f"reads {STATE_FORMAT_VERSION} (upgrade checkpoint-store)", path=path, file=STATE_FILE)
+            f"reads {STATE_FORMAT_VERSION} and {SHARDED_FORMAT_VERSION} (upgrade "
+            "checkpoint-store)", path=path, file=STATE_FILE)
     tensors = body["tensors"]
     if meta is not None and "tensors" in meta and meta["tensors"] != tensors:
         raise CheckpointCorruptError(
@@ -117,14 +122,21 @@ def read_state_index(fs: pafs.FileSystem, path: str, *,
     return SavedState(body["tree"], tensors, sizes, meta is not None)
 
 
+def _is_shape(shape: Any) -> TypeGuard[list[int]]:
+    return isinstance(shape, list) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+
+
 def _bad_entry(e: Any, sizes: Mapping[str, int]) -> str | None:
     if not isinstance(e, dict):
         return "its index entry is not an object"
     dtype, shape, off = e.get("dtype"), e.get("shape"), e.get("offsets")
     if dtype not in DTYPES:
         return f"unknown dtype {dtype!r}"
-    if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+    if not _is_shape(shape):
         return f"bad shape {shape!r}"
+    if "shards" in e:
+        return _bad_sharded(e, sizes)
     if not (isinstance(off, list) and len(off) == 2 and all(isinstance(n, int) for n in off)
             and 0 <= off[0] <= off[1]):
         return f"bad offsets {off!r}"
@@ -137,6 +149,37 @@ def _bad_entry(e: Any, sizes: Mapping[str, int]) -> str | None:
     if e.get("framework") not in ("torch", "numpy"):
         return f"unknown framework {e.get('framework')!r}"
     return None
+
+
+def _bad_sharded(e: dict[str, Any], sizes: Mapping[str, int]) -> str | None:
+    """Why a tensor stored in pieces (docs/sharded-state.md) cannot be read."""
+    from checkpoint_store.state._shards import ShardIndex
+
+    shards = e["shards"]
+    if e.get("framework") not in ("torch", "numpy"):
+        return f"unknown framework {e.get('framework')!r}"
+    if not isinstance(shards, list):
+        return "its pieces are not a list"
+    for p in shards:
+        if not isinstance(p, dict):
+            return "a piece is not an object"
+        sub = {"dtype": e["dtype"], "shape": p.get("shape"), "offsets": p.get("offsets"),
+               "file": p.get("file"), "framework": e["framework"]}
+        why = _bad_entry(sub, sizes)
+        if why:
+            return f"piece at {p.get('offset')!r}: {why}"
+        off = p.get("offset")
+        if not (_is_shape(off) and len(off) == len(e["shape"])):
+            return f"bad piece offset {off!r}"
+        if not isinstance(p.get("crc32c"), str):
+            return f"piece at {off} has no crc32c"
+        blocks = p.get("blocks")
+        if blocks is not None and not (
+                isinstance(blocks, list) and len(blocks) == 2 and isinstance(blocks[0], int)
+                and blocks[0] > 0 and isinstance(blocks[1], list)
+                and len(blocks[1]) == -(-(p["shape"][0] if p["shape"] else 1) // blocks[0])):
+            return f"piece at {off} has bad blocks"
+    return ShardIndex.why_not_tiling(e)
 
 
 def local_state_index(fs: pafs.FileSystem, path: str) -> dict[str, Any] | None:
@@ -154,7 +197,7 @@ def local_state_index(fs: pafs.FileSystem, path: str) -> dict[str, Any] | None:
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     if not (isinstance(body, dict) and body.get("kind") == "checkpoint_store_state"
-            and body.get("format_version") == STATE_FORMAT_VERSION
+            and body.get("format_version") in (STATE_FORMAT_VERSION, SHARDED_FORMAT_VERSION)
             and isinstance(body.get("tensors"), dict)):
         return None
     tensors: dict[str, Any] = body["tensors"]

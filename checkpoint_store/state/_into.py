@@ -14,6 +14,7 @@ from typing import Any
 
 from checkpoint_store.errors import InvalidConfigError, StateKeyError, StateMismatchError
 from checkpoint_store.state._select import _is_container
+from checkpoint_store.state._shards import StateSlice, _is_dtensor, why_not_servable
 from checkpoint_store.state._tree import DTYPES, escape_key, join_key
 
 
@@ -39,12 +40,16 @@ def _into_leaves(into: Any) -> dict[str, Any]:
 
 
 def _is_tensor(value: Any) -> bool:
+    if isinstance(value, StateSlice):
+        return True
     torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
     return bool((torch is not None and isinstance(value, torch.Tensor))
                 or (np is not None and isinstance(value, np.ndarray)))
 
 
 def _describe_target(value: Any) -> str:
+    if isinstance(value, StateSlice):
+        return f"a slice at {value.offset} of {_describe_target(value.tensor)}"
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         return f"torch {str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
@@ -86,13 +91,22 @@ def _check_into(into: Any, nodes: Mapping[str, Any], tensors: Mapping[str, Any]
             continue
         e = tensors[node["tensor"]]
         expected = f"{e['dtype']} {e['shape']}"
-        dtype = _target_dtype(value)
-        if dtype != e["dtype"] or list(value.shape) != e["shape"]:
+        boxed = isinstance(value, StateSlice) or _is_dtensor(value)
+        if boxed:
+            why = why_not_servable(value, e["shape"])
+            if why:
+                raise StateMismatchError(
+                    f"into: {key!r} cannot be loaded from the saved tensor {expected}: {why}",
+                    key=key, expected=expected, found=_describe_target(value))
+        tensor = value.tensor if isinstance(value, StateSlice) else value
+        dtype = _target_dtype(tensor)
+        if dtype != e["dtype"] or (not isinstance(value, StateSlice)
+                                   and list(value.shape) != e["shape"]):
             raise StateMismatchError(
                 f"into: {key!r} is {_describe_target(value)}; the saved tensor is {expected} "
                 "(no conversion: give a tensor of that dtype and shape, or load without "
                 "into= and convert)", key=key, expected=expected, found=_describe_target(value))
-        unwritable = _why_unwritable(value)
+        unwritable = _why_unwritable(tensor)
         if unwritable:
             raise StateMismatchError(
                 f"into: {key!r} is {_describe_target(value)} that cannot be written in place "
@@ -107,6 +121,8 @@ def _why_unwritable(value: Any) -> str | None:
     """Why ``copy_``/``copyto`` into ``value`` would fail half-way through a
     load, or None: a read-only numpy array, a tensor whose elements share
     memory (``expand``, a stride of 0)."""
+    if _is_dtensor(value):  # its local shard is what a load writes
+        value = value.to_local()
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
         if value.numel() > 1 and any(st == 0 and n > 1
@@ -122,6 +138,10 @@ def _why_unwritable(value: Any) -> str | None:
 
 
 def _fill(target: Any, source: Any) -> None:
+    if isinstance(target, StateSlice):
+        target = target.tensor
+    if _is_dtensor(target):  # ``source`` is its local shard's box, read as such
+        target = target.to_local()
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(target, torch.Tensor):
         if not isinstance(source, torch.Tensor):

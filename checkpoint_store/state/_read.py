@@ -28,6 +28,14 @@ from checkpoint_store.state._fetch import _Fetcher, _from_buffer, _Maps, _new_te
 from checkpoint_store.state._index import read_state_index
 from checkpoint_store.state._into import _check_into, _fill, _into_leaves
 from checkpoint_store.state._select import _nodes, _patterns, _select, _selected, _tensor_refs
+from checkpoint_store.state._shards import (
+    ShardIndex,
+    StateSlice,
+    _is_dtensor,
+    box_of_target,
+    dest_array,
+    read_box,
+)
 from checkpoint_store.state._tree import build_tree
 from checkpoint_store.state._verify import _check_all, _pieces
 
@@ -37,6 +45,22 @@ __all__ = ["load_state"]
 def _finish(e: Mapping[str, Any], t: Any) -> Any:
     if e.get("scalar") and e["framework"] == "numpy":
         return t[()]
+    return t
+
+
+def _read_boxed(fetch: _Fetcher, path: str, key: str, e: Mapping[str, Any], target: Any,
+                verify: bool) -> Any:
+    """A new tensor holding the box of ``key`` that ``target`` asks for (a
+    DTensor: its local shard; else the whole logical tensor), read from the
+    pieces that overlap it, every piece checked before it is copied."""
+    box: Mapping[str, Any]
+    if target is not None and (_is_dtensor(target) or isinstance(target, StateSlice)):
+        lo, shape, _local = box_of_target(target)
+        box = {**e, "shape": shape}
+    else:
+        lo, box = [0] * len(e["shape"]), e
+    t, _view = _new_tensor(box)
+    read_box(fetch, path, key, ShardIndex(e), lo, dest_array(t), verify=verify)
     return t
 
 
@@ -114,12 +138,21 @@ def load_state(
     # Which stored tensors to read: aliases read their target's bytes.
     wanted = _tensor_refs(skeleton)
     stored = list(dict.fromkeys(saved.tensors[k].get("alias_of", k) for k in wanted))
+    # With into, a tensor of it stands for the saved key at its place.
+    target_of = {nodes[k]["tensor"]: v for k, v in targets.items()}
+    # Tensors stored in pieces, or asked for as a DTensor's local shard, are
+    # read box by box (docs/sharded-state.md); the rest as whole tensors.
+    boxed = [k for k in stored
+             if "shards" in saved.tensors[k] or _is_dtensor(target_of.get(k))
+             or isinstance(target_of.get(k), StateSlice)]
+    stored = [k for k in stored if k not in set(boxed)]
     stored.sort(key=lambda k: (saved.tensors[k]["file"], saved.tensors[k]["offsets"][0]))
     fetch = _Fetcher(fs, path, saved.sizes, retry, concurrency)
     loaded: dict[str, Any] = {}
     maps = _Maps(fetch.local) if fetch.local is not None and (mmap or targets) else None
-    # With into, a tensor of it stands for the saved key at its place.
-    target_of = {nodes[k]["tensor"]: v for k, v in targets.items()}
+    for key in boxed:
+        loaded[key] = _read_boxed(fetch, path, key, saved.tensors[key], target_of.get(key),
+                                  verify)
     views: list[tuple[str, Mapping[str, Any], memoryview]] = []
     if maps is not None:
         for key in stored:
@@ -151,7 +184,7 @@ def load_state(
             if id(target) not in filled:
                 _fill(target, source)
                 filled.add(id(target))
-            result[key] = target
+            result[key] = target.tensor if isinstance(target, StateSlice) else target
         else:
             result[key] = _finish(saved.tensors[key], source)
     return build_tree(skeleton, result.__getitem__)

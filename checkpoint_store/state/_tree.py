@@ -142,11 +142,15 @@ class StateLayout:
             tensors whose bytes are stored (an alias is not among them).
         aliases: flattened key -> the key of the tensor it is the very same
             view of (tied weights): stored once, loaded as one tensor.
+        file_stem: how its shard files are named (:func:`~checkpoint_store.state.shard_name`).
     """
 
     skeleton: Any
     tensors: dict[str, TensorSpec]
     aliases: dict[str, str] = field(default_factory=dict)
+    #: The safetensors files' name stem (``tensors-00001-of-00002``); each
+    #: rank of a sharded state has its own (``tensors-rank00003-...``).
+    file_stem: str = "tensors"
 
     @property
     def nbytes(self) -> int:
@@ -166,6 +170,9 @@ class FlatState:
 
     layout: StateLayout
     values: dict[str, Any]
+    #: A rank's part of a sharded state: flattened key -> the piece's box
+    #: (:func:`checkpoint_store.state._shards.localize`); None for one rank.
+    sharding: dict[str, Any] | None = None
 
     @property
     def nbytes(self) -> int:

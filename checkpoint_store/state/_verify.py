@@ -81,8 +81,11 @@ def verify_tensors(fs: pafs.FileSystem, path: str, tensors: Mapping[str, Any], *
         TensorCorruptError: the first tensor (by file, then offset) whose
             bytes differ or lie past its file's end; ``.tensor`` names it.
     """
-    entries = sorted(((k, e) for k, e in tensors.items()
-                      if "alias_of" not in e and (file is None or e.get("file") == file)),
+    from checkpoint_store.state._shards import pieces_bytes
+
+    # A tensor stored in pieces (several ranks) is checked piece by piece.
+    entries = sorted(((k, e) for k, e in pieces_bytes(tensors)
+                      if file is None or e.get("file") == file),
                      key=lambda ke: (ke[1]["file"], ke[1]["offsets"][0]))
     if sizes is None:
         sizes = {}
@@ -128,7 +131,9 @@ def name_corrupt_tensor(fs: pafs.FileSystem, path: str, meta: Mapping[str, Any] 
             tensors = read_state_index(fs, path, retry=retry).tensors
         except CheckpointStoreError:
             return
-    if not any(isinstance(e, dict) and e.get("file") == error.file for e in tensors.values()):
+    from checkpoint_store.state._shards import pieces_bytes
+
+    if not any(e.get("file") == error.file for _, e in pieces_bytes(tensors)):
         return
     try:
         verify_tensors(fs, path, tensors, file=error.file, retry=retry, sizes=sizes)

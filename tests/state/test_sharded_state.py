@@ -1,0 +1,297 @@
+"""A state saved in pieces on N ranks, read back whole or in other pieces
+(docs/sharded-state.md).
+
+The format and the reads run in one process (``write_part`` for each rank,
+``merge_parts`` as rank 0 does); the session path runs under torchrun with
+gloo ranks and real ``DTensor``s (``_sharded_worker.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from checkpoint_store import StorageContext
+from checkpoint_store.errors import (
+    CheckpointConflictError,
+    CheckpointCorruptError,
+    StateMismatchError,
+    TensorCorruptError,
+)
+from checkpoint_store.state import STATE_FILE, StateSlice, load_state, write_part
+from checkpoint_store.state._fetch import _Fetcher
+from checkpoint_store.state._shards import (
+    BLOCK_BYTES,
+    ShardIndex,
+    merged_state_file,
+    read_box,
+)
+
+WORKER = os.path.join(os.path.dirname(__file__), "_sharded_worker.py")
+MiB = 1 << 20
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(1037, 300, generator=g)  # 1.2 MB: split by rows among replicas
+    return {
+        "model": {"w": w, "tied": w, "b": torch.randn(300, generator=g),
+                  "s": torch.tensor(3.5), "h": torch.randn(600, 900, generator=g).half()},
+        "opt": {"state": {0: {"exp_avg": torch.randn(1037, 300, generator=g)}}, "lr": 0.1},
+        "np": np.arange(12, dtype=np.int32).reshape(3, 4),
+        "step": 7,
+    }
+
+
+def _save(tmp_path, tree: Any, world: int) -> str:
+    """Every rank's part into one directory, then rank 0's state.json."""
+    root = str(tmp_path / "ckpt")
+    parts = [write_part(tree, root, r, world) for r in range(world)]
+    raw, _ = merged_state_file(parts)
+    with open(os.path.join(root, STATE_FILE), "wb") as f:
+        f.write(raw)
+    return root
+
+
+def _index(root: str) -> dict[str, Any]:
+    with open(os.path.join(root, STATE_FILE)) as f:
+        return json.load(f)["tensors"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_pieces_of_n_ranks_load_whole_bit_exact(tmp_path, world) -> None:
+    tree = _state()
+    root = _save(tmp_path, tree, world)
+    index = _index(root)
+    # Large replicated tensors are split among the ranks; small ones kept whole.
+    assert len(index["model/w"]["shards"]) == world
+    assert index["model/tied"]["alias_of"] == "model/w"
+    assert "shards" not in index["model/b"] and "shards" not in index["model/s"]
+    out = load_state(pafs.LocalFileSystem(), root)
+    for k in ("w", "b", "s", "h"):
+        assert torch.equal(out["model"][k], tree["model"][k]), k
+        assert out["model"][k].dtype == tree["model"][k].dtype
+    assert out["model"]["tied"] is out["model"]["w"]
+    assert torch.equal(out["opt"]["state"][0]["exp_avg"], tree["opt"]["state"][0]["exp_avg"])
+    assert out["opt"]["lr"] == 0.1 and out["step"] == 7
+    assert np.array_equal(out["np"], tree["np"])
+
+
+def test_every_rank_writes_an_even_share(tmp_path) -> None:
+    root = _save(tmp_path, _state(), 4)
+    sizes = [os.path.getsize(os.path.join(root, n)) for n in sorted(os.listdir(root))
+             if n.endswith(".safetensors")]
+    assert len(sizes) == 4
+    assert max(sizes) <= 1.1 * (sum(sizes) / 4), sizes
+
+
+def _boxes(shape: tuple[int, int], rows: int, cols: int) -> list[tuple[list[int], list[int]]]:
+    out = []
+    for i in range(rows):
+        for j in range(cols):
+            r0, r1 = shape[0] * i // rows, shape[0] * (i + 1) // rows
+            c0, c1 = shape[1] * j // cols, shape[1] * (j + 1) // cols
+            out.append(([r0, c0], [r1 - r0, c1 - c0]))
+    return out
+
+
+@pytest.mark.parametrize("grid", [(2, 1), (8, 1), (3, 1), (1, 3), (2, 2), (5, 7)])
+def test_any_box_reads_the_right_slice(tmp_path, grid) -> None:
+    """4 -> M both ways, uneven splits, column splits: each requested box
+    equals the slice of the whole tensor (StateSlice, the DTensor-free request)."""
+    tree = _state()
+    root = _save(tmp_path, tree, 4)
+    w = tree["model"]["w"]
+    fs = pafs.LocalFileSystem()
+    for offset, shape in _boxes(tuple(w.shape), *grid):
+        dest = torch.full(shape, float("nan"))
+        out = load_state(fs, root, into={"model": {"w": StateSlice(dest, offset)}})
+        assert out["model"]["w"] is dest
+        r, c = offset
+        assert torch.equal(dest, w[r:r + shape[0], c:c + shape[1]]), (offset, shape)
+
+
+def test_a_one_rank_checkpoint_loads_sliced(tmp_path) -> None:
+    from checkpoint_store.state import write_state
+
+    tree = _state()
+    write_state(tree, tmp_path / "one")
+    dest = torch.zeros(300, 150)
+    load_state(pafs.LocalFileSystem(), str(tmp_path / "one"),
+               into={"model": {"w": StateSlice(dest, (700, 150))}})
+    assert torch.equal(dest, tree["model"]["w"][700:1000, 150:])
+
+
+def test_a_row_slice_reads_about_its_bytes(tmp_path) -> None:
+    """Blocks bound what a partial read costs: a box of rows of large pieces
+    reads its bytes plus at most two blocks per piece it touches."""
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(4096, 1024, generator=g)  # 16 MiB in 4 pieces of 4 MiB
+    root = _save(tmp_path, {"w": big}, 4)
+    e = _index(root)["w"]
+    assert all(p["blocks"][0] == BLOCK_BYTES // 4096 for p in e["shards"])
+    fetch = _Fetcher(pafs.LocalFileSystem(), root, {}, None, 4)
+    for offset, shape in _boxes((4096, 1024), 8, 1) + _boxes((4096, 1024), 3, 1):
+        dest = np.empty(shape, dtype=np.float32)
+        read = read_box(fetch, root, "w", ShardIndex(e), offset, dest)
+        assert np.array_equal(dest, big[offset[0]:offset[0] + shape[0]].numpy())
+        pieces = len(ShardIndex(e).find(offset, [offset[0] + shape[0], 1024]))
+        assert dest.nbytes <= read <= dest.nbytes + 2 * pieces * BLOCK_BYTES, (offset, read)
+
+
+def test_a_damaged_piece_is_named_on_whole_and_partial_reads(tmp_path) -> None:
+    tree = {"w": torch.randn(4096, 1024)}
+    root = _save(tmp_path, tree, 4)
+    piece = _index(root)["w"]["shards"][2]
+    path = os.path.join(root, piece["file"])
+    with open(path, "r+b") as f:  # a byte in the second block of rank 2's piece
+        f.seek(piece["offsets"][0] + BLOCK_BYTES + 17)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x40]))
+    fs = pafs.LocalFileSystem()
+    with pytest.raises(TensorCorruptError) as err:
+        load_state(fs, root)
+    assert err.value.tensor == "w" and err.value.file == piece["file"]
+    rows = piece["offset"][0]
+    dest = torch.zeros(256, 1024)  # the damaged block's rows
+    with pytest.raises(TensorCorruptError):
+        load_state(fs, root, into={"w": StateSlice(dest, (rows + 256, 0))})
+    assert not dest.any()  # nothing changed
+    ok = torch.zeros(256, 1024)  # another block of the same piece reads fine
+    load_state(fs, root, into={"w": StateSlice(ok, (rows + 768, 0))})
+    assert torch.equal(ok, tree["w"][rows + 768:rows + 1024])
+
+
+def test_pieces_that_do_not_tile_are_refused(tmp_path) -> None:
+    root = _save(tmp_path, {"w": torch.randn(1037, 300)}, 4)
+    with open(os.path.join(root, STATE_FILE)) as f:
+        body = json.load(f)
+    body["tensors"]["w"]["shards"][1]["offset"][0] += 1  # overlaps the next, gap before
+    with open(os.path.join(root, STATE_FILE), "w") as f:
+        json.dump(body, f)
+    with pytest.raises(CheckpointCorruptError, match="do not tile|overlap|lies outside"):
+        load_state(pafs.LocalFileSystem(), root)
+    parts = [write_part({"w": torch.randn(8, 2)}, str(tmp_path / f"p{r}"), r, 2)
+             for r in range(2)]
+    parts[1]["sharding"]["w"] = {"shape": [8, 2], "offset": [0, 0]}
+    parts[1]["tensors"]["w"] = parts[0]["tensors"]["w"]  # rank 1 claims rank 0's rows
+    parts[0]["tensors"]["w"] = {**parts[0]["tensors"]["w"], "shape": [8, 2]}
+    with pytest.raises(CheckpointConflictError):
+        merged_state_file(parts)
+
+
+def test_ranks_with_different_states_are_refused(tmp_path) -> None:
+    a = write_part({"w": torch.zeros(4)}, str(tmp_path / "a"), 0, 2)
+    b = write_part({"v": torch.zeros(4)}, str(tmp_path / "b"), 1, 2)
+    with pytest.raises(CheckpointConflictError, match="rank 1"):
+        merged_state_file([a, b])
+    c = write_part({"w": torch.zeros(5)}, str(tmp_path / "c"), 1, 2)
+    with pytest.raises(CheckpointConflictError, match="rank 1"):
+        merged_state_file([a, c])
+
+
+@pytest.mark.parametrize("offset, shape, match", [
+    ((1000, 0), (100, 300), "outside"),
+    ((-1, 0), (10, 300), "outside"),
+    ((0,), (10, 300), "ints"),
+])
+def test_a_bad_slice_is_refused_before_any_read(tmp_path, offset, shape, match) -> None:
+    root = _save(tmp_path, {"w": torch.randn(1037, 300)}, 2)
+    dest = torch.zeros(shape)
+    with pytest.raises(StateMismatchError, match=match):
+        load_state(pafs.LocalFileSystem(), root, into={"w": StateSlice(dest, offset)})
+
+
+def test_planning_finds_overlaps_without_the_product(tmp_path) -> None:
+    """2,000 saved pieces x 2,000 requested boxes: every lookup visits only
+    the grid cells of its box (counted), never every piece."""
+    rows = 4000
+    saved = {"dtype": "F32", "shape": [rows, 8], "framework": "torch",
+             "shards": [{"file": "f", "offsets": [0, 0], "crc32c": "0", "offset": [2 * i, 0],
+                         "shape": [2, 8]} for i in range(rows // 2)]}
+    index = ShardIndex(saved)
+    assert index.cells is not None and len(index.cells) == rows // 2
+    hits = [index.find([2 * i + 1, 0], [2 * i + 3, 8]) for i in range(rows // 2 - 1)]
+    assert all(len(h) == 2 for h in hits)
+    assert [p["offset"][0] for p in hits[10]] == [20, 22]
+
+
+# -- through the session, on real ranks ---------------------------------------------
+
+
+def _torchrun(n: int, *args: str, cwd) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(
+               os.path.dirname(os.path.abspath(__file__)))), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         str(n), WORKER, *args], env=env, capture_output=True, text=True, timeout=600,
+        cwd=str(cwd))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def _results(out, mode: str, n: int) -> list[dict[str, Any]]:
+    return [json.loads((out / f"{mode}-{r}.json").read_text()) for r in range(n)]
+
+
+@pytest.fixture(scope="module")
+def saved_on_four(tmp_path_factory):
+    """A trial whose state was reported on 4 gloo ranks (DTensor rows, a
+    replicated tensor, a Replicate DTensor), then a report rank 1 could not save."""
+    base = tmp_path_factory.mktemp("four")
+    store, out = base / "store", base / "out"
+    out.mkdir()
+    _torchrun(4, "save", str(store), str(out), cwd=base)
+    return store, _results(out, "save", 4)
+
+
+def test_four_ranks_commit_one_state_and_abort_together(saved_on_four) -> None:
+    store, ranks = saved_on_four
+    assert ranks[1]["error"][0] == "UnsupportedStateError"
+    assert all(r["error"][0] == "CheckpointAbortedError" and "rank 1" in r["error"][1]
+               for r in ranks if r["rank"] != 1)
+    ctx = StorageContext(str(store), "exp", "t")
+    committed = ctx.committed_checkpoints()
+    assert [m["index"] for _, m in committed] == [0, 1]
+    assert {r["latest"] for r in ranks} == {ctx.checkpoint_path(1)}
+    ck, meta = committed[-1]
+    files = sorted(e["path"] for e in meta["manifest"])
+    assert files == [STATE_FILE] + [f"tensors-rank{r:05d}-00001-of-00001.safetensors"
+                                    for r in range(4)]
+    assert meta["world_size"] == 4 and len(meta["tensors"]["model/w"]["shards"]) == 4
+    ck.verify()
+    # One process reads it whole (consolidation), bit-exact.
+    sys.path.insert(0, os.path.dirname(__file__))
+    try:
+        from _sharded_worker import full_state
+    finally:
+        sys.path.pop(0)
+    full = full_state(2)
+    out = ck.load_state()
+    for k in ("w", "emb", "bias"):
+        assert torch.equal(out["model"][k], full["model"][k]), k
+    assert out["step"] == 2
+
+
+@pytest.mark.parametrize("n, placement", [(2, "rows"), (3, "cols")])
+def test_a_four_rank_state_loads_on_other_rank_counts(saved_on_four, tmp_path, n,
+                                                      placement) -> None:
+    store, _ = saved_on_four
+    out = tmp_path / "out"
+    out.mkdir()
+    _torchrun(n, "load", str(store), str(out), placement, cwd=tmp_path)
+    ranks = _results(out, "load", n)
+    for r in ranks:
+        assert all(r["ok"].values()), r
+    if placement == "rows":  # each rank read about its own rows, not the whole state
+        for r in ranks:
+            assert r["read"] <= 1.1 * r["local_bytes"] + 4 * BLOCK_BYTES, r
