@@ -38,6 +38,7 @@ class CheckpointJob:
         source: the files (None: this rank contributes none; several ranks).
         own_error: several ranks: an error this rank hit before the commit,
             published so the index is aborted on every rank.
+        state_part: several ranks saving a state: this rank's part.
     """
 
     index: int
@@ -45,6 +46,9 @@ class CheckpointJob:
     internal: dict[str, Any]
     source: Source | None
     own_error: BaseException | None = field(default=None)
+    #: Several ranks saving a state: this rank's part of it (its pieces'
+    #: index), which rank 0 merges into the checkpoint's one index.
+    state_part: dict[str, Any] | None = field(default=None)
 
 
 class Committer:
@@ -126,7 +130,7 @@ class RankCommitter(Committer):
         extra = {k: v for k, v in job.internal.items() if k != "world_size"}
         internal = self.coordinator.storage.internal_metadata(job.index, extra)
         committed = self.coordinator.commit(job.index, source, internal, job.own_error,
-                                            in_place=in_place)
+                                            in_place=in_place, state_part=job.state_part)
         self._recorder.record(committed, job.row)
         return committed
 

@@ -321,6 +321,7 @@ class Coordinator:
         own_error: BaseException | None = None,
         *,
         in_place: bool = False,
+        state_part: dict[str, Any] | None = None,
     ) -> Checkpoint:
         """Upload this rank's files for ``index``; rank 0 commits once all ranks are done.
 
@@ -335,6 +336,11 @@ class Coordinator:
                 ``next_checkpoint_dir()``): nothing is copied, the rank
                 markers go there, and rank 0 commits the directory as it is
                 (:meth:`StorageContext.commit_in_place`). Same on every rank.
+            state_part: this rank's part of a state saved on every rank
+                (:func:`checkpoint_store.state._shards.finish_part`): it
+                rides in the rank's marker, and rank 0 commits the merged
+                ``state.json`` with the ranks' files. Given on every rank or
+                on none.
 
         Returns:
             The committed checkpoint (the same on every rank).
@@ -354,7 +360,7 @@ class Coordinator:
         target = final if in_place else storage.commit_protocol.workdir(final, self.attempt_id)
         storage.ensure_trial_dir()
         to_copy = None if in_place else checkpoint
-        own_error = self._write_part(index, to_copy, target, own_error)
+        own_error = self._write_part(index, to_copy, target, own_error, state_part)
         if self._uses_torch:
             self._barrier()
         if self.rank == 0:
@@ -383,7 +389,8 @@ class Coordinator:
         return RankDir(self.storage.backend, target, fsync=self.storage.fsync)
 
     def _write_part(self, index: int, checkpoint: Checkpoint | None, target: str,
-                    own_error: BaseException | None) -> BaseException | None:
+                    own_error: BaseException | None,
+                    state_part: dict[str, Any] | None = None) -> BaseException | None:
         """Every rank (its reporting thread): copy its files into ``target``
         (unless it already failed or has none to copy), then write its marker
         there (:func:`~checkpoint_store._commit.rankparts.write_rank_part`).
@@ -401,7 +408,7 @@ class Coordinator:
                 own_error = wrap_error(exc)
         part = write_rank_part(
             self._part_dir(target), self.rank, source, error=own_error,
-            fields=functools.partial(self._marker_fields, index),
+            fields=functools.partial(self._marker_fields, index, state_part),
             wrap_error=wrap_error,
         )
         # Without a marker rank 0 reports this rank missing; keep the
@@ -416,10 +423,13 @@ class Coordinator:
                 pass
         return own_error
 
-    def _marker_fields(self, index: int) -> dict[str, Any]:
+    def _marker_fields(self, index: int,
+                       state_part: dict[str, Any] | None = None) -> dict[str, Any]:
         """This rank's own fields of its marker; without a process group the
-        preemption signal travels there."""
+        preemption signal travels there, and a sharded state's part always."""
         fields: dict[str, Any] = {"attempt_id": self.attempt_id, "index": index}
+        if state_part is not None:
+            fields["state"] = state_part
         signal = self.signals.shared() if self.signals is not None else None
         if signal is not None and not self._uses_torch:
             fields["preemption"] = signal
@@ -472,11 +482,51 @@ class Coordinator:
                 f"(e.g. 'shard_{{rank}}.pt') or write shared files from one rank only"
             )
             return self._abort(dir_name, clash, "conflict", [first, second], drop), clash
+        parts = [markers[r].get("state") for r in sorted(markers)]
+        if any(p is not None for p in parts):
+            try:
+                merged, internal = self._merge_state(dir_name, target, parts, merged, internal)
+            except CheckpointConflictError as conflict:
+                return self._abort(dir_name, conflict, "conflict", [], drop), conflict
+            except Exception as exc:
+                return self._abort(dir_name, exc, "error", [], drop), exc
         try:
             self._written = self._finalize(index, target, final, internal, merged, in_place)
         except Exception as exc:
             return self._abort(dir_name, exc, "error", [], None), exc
         return {"ok": True}, None
+
+    def _merge_state(self, dir_name: str, target: str, parts: list[Any], merged: RankFiles,
+                     internal: dict[str, Any]) -> tuple[RankFiles, dict[str, Any]]:
+        """Rank 0, every rank's pieces written: the one ``state.json`` of the
+        logical state (:func:`~checkpoint_store.state._shards.merged_state_file`),
+        written into ``target`` and added to the manifest as rank 0's file;
+        the index recorded as the marker's ``"tensors"``.
+
+        Raises:
+            CheckpointConflictError: some rank saved no state, or the ranks'
+                states differ or their pieces do not tile a tensor.
+        """
+        import google_crc32c
+
+        from checkpoint_store.state import STATE_FILE
+        from checkpoint_store.state._shards import merged_state_file
+
+        missing = [r for r, p in enumerate(parts) if not isinstance(p, dict)]
+        if missing:
+            raise CheckpointConflictError(
+                f"{dir_name}: ranks {missing} reported no state while others reported one; "
+                "pass state= to the same report() on every rank")
+        raw, tensors = merged_state_file(parts)
+        storage = self.storage
+        _fsutil.write_bytes(storage.filesystem, posixpath.join(target, STATE_FILE), raw,
+                            storage.backend.capabilities, fsync=storage.fsync)
+        entry = {"path": STATE_FILE, "size": len(raw),
+                 "crc32c": f"{google_crc32c.value(raw):08x}"}
+        ranks = dict(merged.ranks)
+        ranks["0"] = sorted([*ranks.get("0", []), STATE_FILE])
+        return (RankFiles([*merged.manifest, entry], ranks, None),
+                {**internal, "tensors": tensors})
 
     def _finalize(self, index: int, target: str, final: str, internal: dict[str, Any],
                   merged: RankFiles, in_place: bool) -> dict[str, Any]:

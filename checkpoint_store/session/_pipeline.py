@@ -66,10 +66,14 @@ class ReportHook(Protocol):
 
     def after_report(self, row: Row, checkpoint: Checkpoint | None) -> None: ...
 
-STATE_RANKS = (
-    "report(state=...) supports one rank only for now; with world_size > 1 save "
-    "each rank's shard with torch.distributed.checkpoint into "
+STATE_RANKS_TIER = (
+    "report(state=...) with world_size > 1 and a local tier is not supported yet: start "
+    "the session without local_tier=, or save each rank's files into "
     "session.next_checkpoint_dir() and report checkpoint=")
+STATE_RANKS_ASYNC = (
+    "report(state=..., upload_mode='async') with world_size > 1 is not supported yet: "
+    "every rank's pieces are committed before report() returns (upload_mode='sync', "
+    "the default with several ranks)")
 ASYNC_RANKS = (
     "upload_mode='async' supports one rank only without a local tier; use 'sync' "
     "with world_size > 1, or start the session with local_tier=LocalTier(...) "
@@ -116,7 +120,9 @@ def plan_report(*, checkpoint: Checkpoint | None, state: Mapping[str, Any] | Non
     Raises:
         InvalidConfigError: both ``checkpoint`` and ``state``; an unknown
             ``upload_mode`` or ``staging``; ``state`` with several ranks;
-            ``upload_mode="async"`` with several ranks and no local tier;
+            ``upload_mode="async"`` with several ranks and no local tier,
+            or with a state on several ranks; a state on several ranks with
+            a local tier;
             ``staging`` where no copy is staged; ``state`` after
             ``next_checkpoint_dir()`` reserved the directory.
     """
@@ -129,13 +135,15 @@ def plan_report(*, checkpoint: Checkpoint | None, state: Mapping[str, Any] | Non
     if ranks and not tiered and upload_mode == "async":
         raise InvalidConfigError(ASYNC_RANKS)
     if state is not None:
-        if ranks:
-            raise InvalidConfigError(STATE_RANKS)
+        if ranks and tiered:
+            raise InvalidConfigError(STATE_RANKS_TIER)
+        if ranks and upload_mode == "async":
+            raise InvalidConfigError(STATE_RANKS_ASYNC)
         if reserved:
             raise InvalidConfigError(STATE_RESERVED)
         if staging is not None:
             raise InvalidConfigError(STAGING_WHERE.format(staging=staging, what="state="))
-        mode = upload_mode or "async"
+        mode = upload_mode or ("sync" if ranks else "async")
         return ReportPlan(saves=True, state=True, background=tiered or mode == "async",
                           wait_durable=tiered and mode == "sync")
     saves = checkpoint is not None or in_place
@@ -177,6 +185,7 @@ class ReportPipeline:
         self.staging = staging
         self._run_id = run_id
         self._world_size = world_size
+        self._rank = world_rank
         self._writer = world_rank == 0
         self._default_mode = default_mode
         self._default_staging = default_staging
@@ -206,7 +215,15 @@ class ReportPipeline:
         background_error = self.work.take_error() if ranks else None
         if not ranks:
             self.work.raise_errors()
-        planned = self.staging.plan(state) if state is not None else None
+        try:
+            planned = (self.staging.plan(state, self._rank, self._world_size)
+                       if state is not None else None)
+        except Exception as exc:
+            if not ranks:
+                raise
+            # A state this rank cannot save: published at the rendezvous, so
+            # the index is aborted on every rank, then raised here.
+            background_error, planned = background_error or exc, None
         if not ranks:  # a refused row: raised before any wait (ranks raise after the rendezvous)
             self.ledger.prepare_row(metrics, checkpoint, validate_score=plan.saves)
             if plan.saves:
@@ -252,6 +269,9 @@ class ReportPipeline:
         if ranks:  # every rank moves on together, committed or not
             txn.consume_index()
         try:
+            if plan.state and planned is None:  # several ranks: this rank's plan failed
+                assert error is not None
+                raise error
             source = self._open_source(txn, plan, checkpoint, planned)
         except Exception as exc:
             if not ranks:
@@ -298,7 +318,9 @@ class ReportPipeline:
         The index is consumed before anything is written under it."""
         if plan.state:
             assert planned is not None
-            directory = self.target.state_directory(txn.index)
+            # Several ranks write their pieces into a scratch directory each,
+            # copied as their part (never into checkpoint_<index> itself).
+            directory = None if self.committer.ranks else self.target.state_directory(txn.index)
             if directory is not None:
                 txn.consume_index()  # staged straight into checkpoint_<index>
                 self.target.reserve(txn.index)
@@ -336,7 +358,8 @@ class ReportPipeline:
         from checkpoint_store.session._sources import StateSource
 
         class _Given(StateStaging):
-            def plan(self, state: Mapping[str, Any]) -> Planned:
+            def plan(self, state: Mapping[str, Any], rank: int = 0,
+                     world_size: int = 1) -> Planned:
                 return source
 
             def stage(self, plan: Planned, directory: str | None, index: int) -> StateSource:

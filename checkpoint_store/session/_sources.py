@@ -159,15 +159,27 @@ class StateSource(Source):
 
     state = True
 
-    def __init__(self, staged: StagedWrite, directory: str, in_place: bool):
+    def __init__(self, staged: StagedWrite, directory: str, in_place: bool,
+                 sharding: dict[str, Any] | None = None):
         self.staged = staged
         self.directory = directory
         self.in_place = in_place
+        self.sharding = sharding
+        #: Several ranks: this rank's part of the state, for rank 0's merge
+        #: (:func:`checkpoint_store.state._shards.finish_part`), once written.
+        self.part: dict[str, Any] | None = None
 
     def write(self) -> dict[str, Any]:
-        """Wait for the persist process; the tensor index (``"tensors"``)."""
+        """Wait for the persist process; the tensor index (``"tensors"``).
+        A rank's part of a sharded state keeps its index in :attr:`part`
+        (and its files without a ``state.json``) and returns ``{}``."""
         tensors: dict[str, Any] = self.staged.write_to(record=self.in_place)
-        return tensors
+        if self.sharding is None:
+            return tensors
+        from checkpoint_store.state._shards import finish_part
+
+        self.part = finish_part(self.directory, tensors, self.sharding)
+        return {}
 
     def files(self) -> Checkpoint:
         return Checkpoint.from_directory(self.directory)
@@ -218,16 +230,28 @@ class StateStaging:
 
         threading.Thread(target=run, name="checkpoint-store-warm", daemon=True).start()
 
-    def plan(self, state: Mapping[str, Any]) -> Planned:
+    def plan(self, state: Mapping[str, Any], rank: int = 0, world_size: int = 1) -> Planned:
         """The state's flat plan; a leaf that cannot be stored is refused here,
-        before anything waits or is written.
+        before anything waits or is written. With ``world_size > 1``, the
+        plan of this rank's pieces (:func:`checkpoint_store.state._shards.localize`),
+        written under this rank's own file names; ``.sharding`` says where
+        each piece lies in the logical state.
 
         Raises:
             MetadataError, UnsupportedStateError: a key or leaf of ``state``.
         """
+        import dataclasses
+
+        from checkpoint_store.state._shards import local_whole, localize, rank_stem
         from checkpoint_store.state._staging import plan_state
 
-        return plan_state(state)
+        if world_size == 1:  # DTensors on a one-rank mesh: their local tensors
+            return plan_state(local_whole(state))
+        local, sharding = localize(state, rank, world_size)
+        flat = plan_state(local)
+        flat.layout = dataclasses.replace(flat.layout, file_stem=rank_stem(rank))
+        flat.sharding = sharding
+        return flat
 
     def stage(self, plan: Planned, directory: str | None, index: int) -> StateSource:
         """Copy the planned state into staging, for the persist process to
@@ -251,7 +275,7 @@ class StateStaging:
                 shutil.rmtree(target, ignore_errors=True)
             raise
         logger.debug("staged %s into %s", checkpoint_dir_name(index), target)
-        return StateSource(staged, target, in_place)
+        return StateSource(staged, target, in_place, getattr(plan, "sharding", None))
 
     def close(self) -> None:
         """Stop the persist process (after every background save finished)."""
@@ -267,5 +291,6 @@ def state_bytes(checkpoint: Checkpoint) -> int | None:
     tensors = written_metadata(checkpoint).get("tensors")
     if not isinstance(tensors, dict) or not tensors:
         return None
-    return max(0, sum(int(spec["offsets"][1]) - int(spec["offsets"][0])
-                      for spec in tensors.values()))
+    from checkpoint_store.state._shards import stored_bytes
+
+    return stored_bytes(tensors)

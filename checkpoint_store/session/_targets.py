@@ -122,11 +122,22 @@ class DurableTarget(Target):
         source = job.source
         if isinstance(source, StateSource):
             try:
-                job.internal["tensors"] = source.write()
+                tensors = source.write()
+            except Exception as exc:
+                if not committer.ranks:
+                    if source.in_place:  # nothing of this index is committed
+                        self.drop(job.index)
+                    raise
+                # Published in this rank's marker: the index is aborted on every rank.
+                job.own_error, tensors = job.own_error or exc, {}
             except BaseException:
-                if source.in_place:  # nothing of this index is committed
+                if source.in_place:
                     self.drop(job.index)
                 raise
+            if source.part is not None:  # a rank's part: rank 0 merges the index
+                job.state_part = source.part
+            else:
+                job.internal["tensors"] = tensors
         in_place = source is not None and source.in_place
         files = None if source is None or in_place else source.files()
         return committer.commit(job, files, in_place)

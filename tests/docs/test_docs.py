@@ -85,7 +85,8 @@ def _runnable_pages() -> list[Path]:
 # README.md runs an Optuna study of 8 trials and a torch state save (about 20 s
 # here); quickstart.md two torch state runs, each starting a persist process,
 # and CLI calls (about 40 s).
-_SLOW_PAGES = {"hf.md", "dcp.md", "ray.md", "preemption.md", "README.md", "quickstart.md"}
+_SLOW_PAGES = {"hf.md", "dcp.md", "ray.md", "preemption.md", "README.md", "quickstart.md",
+               "sharded-state.md"}
 
 
 def _page_params() -> list:

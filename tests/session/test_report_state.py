@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from checkpoint_store import (
+    Checkpoint,
     CheckpointConfig,
     InvalidConfigError,
     StorageContext,
@@ -216,15 +217,43 @@ def test_checkpoint_and_state_together_and_bad_budgets_are_refused(tmp_path):
             s.report({}, state={"a": 1}, upload_mode="later")
 
 
-def test_state_with_several_ranks_is_refused(tmp_path, ranks):
+def test_state_on_several_ranks_commits_one_state(tmp_path, ranks):
+    """Two ranks without a process group (storage rendezvous): each writes its
+    pieces, rank 0 commits one state; async and a local tier are refused on
+    every rank before anything is written (docs/sharded-state.md)."""
+    big = np.arange(300_000, dtype=np.float32).reshape(1000, 300)  # 1.2 MB: split in two
+
     def rank(r):
         with session.start(storage_path=str(tmp_path), experiment_name="e", trial_name="t",
                            world_rank=r, world_size=2, attempt_id="a1") as s:
-            with pytest.raises(InvalidConfigError, match="one rank"):
-                s.report({}, state={"a": np.zeros(1)})
-            return True
+            with pytest.raises(InvalidConfigError, match="upload_mode='async'"):
+                s.report({}, state={"a": big}, upload_mode="async")
+            s.report({"i": 1}, state={"a": big, "step": 3})
+            return s.get_checkpoint().path
 
-    assert ranks(2, rank) == [True, True]
+    paths = ranks(2, rank)
+    assert paths[0] == paths[1] == str(tmp_path / "e" / "t" / "checkpoint_000000")
+    ck = Checkpoint.from_directory(paths[0])
+    meta = ck.internal_metadata
+    assert len(meta["tensors"]["a"]["shards"]) == 2
+    out = ck.load_state()
+    assert np.array_equal(out["a"], big) and out["step"] == 3
+
+
+def test_state_on_several_ranks_with_a_local_tier_is_refused(tmp_path, ranks):
+    from checkpoint_store import LocalTier
+
+    def rank(r):
+        with session.start(storage_path=str(tmp_path / "store"), experiment_name="e",
+                           trial_name="t", world_rank=r, world_size=2, attempt_id="a1",
+                           local_tier=LocalTier(tmp_path / f"fast{r}")) as s:
+            with pytest.raises(InvalidConfigError, match="local tier is not supported yet"):
+                s.report({}, state={"a": np.zeros(4)})
+            return s.get_checkpoint()
+
+    assert ranks(2, rank) == [None, None]
+    assert not [n for n in os.listdir(tmp_path / "store" / "e" / "t")
+                if n.startswith("checkpoint_")]
 
 
 def _committed(tmp_path) -> list[str]:
