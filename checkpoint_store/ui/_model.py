@@ -66,7 +66,12 @@ from checkpoint_store.errors import (
     CheckpointNotFoundError,
     InvalidConfigError,
 )
-from checkpoint_store.retention import live_lease
+from checkpoint_store.retention import (
+    CheckpointRecord,
+    explain_kept,
+    live_lease,
+    score_or_none,
+)
 from checkpoint_store.retention.statelog import recorded_state
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers.view import local_tier_views
@@ -91,6 +96,7 @@ from checkpoint_store.ui._rows import (
     _read_stop,
     _require_checkpoint_name,
     _snippets,
+    _tensor_rows,
     _TrialCache,
 )
 from checkpoint_store.ui._rows import _decimate as _decimate
@@ -273,6 +279,8 @@ class StoreView:
             out["total_rows"] = len(cache.rows)
             out["checkpoints"] = _checkpoint_rows(cache)
             out["metrics"] = cache.metrics()
+            out["user_metrics"] = [m for m in out["metrics"] if m not in AUTO_FILLED]
+            out["auto_metrics"] = [m for m in out["metrics"] if m in AUTO_FILLED]
             out["config"] = cache.config.to_json() if cache.config else None
             out["version"] = cache.version()
         return out
@@ -311,6 +319,7 @@ class StoreView:
             column = _column(cache, metric, x)
             version = cache.version()
             rows = cache.rows
+            resumes = _resumes(rows, cache.metas)
         inside = [p for p in column if (x_min is None or p[0] >= x_min)
                   and (x_max is None or p[0] <= x_max)]
         markers = []
@@ -318,9 +327,15 @@ class StoreView:
             name = rows[i].get("checkpoint_dir_name")
             if isinstance(name, str):
                 markers.append({"name": name, "x": px, "y": py})
+        marks = []
+        for r in resumes:
+            rx = _number_of(rows[r["row"]].get(x))
+            if rx is not None and (x_min is None or rx >= x_min) and (
+                    x_max is None or rx <= x_max):
+                marks.append({"x": rx, **r})
         return {"metric": metric, "x": x, "total": len(inside),
                 "points": [[px, py] for px, py, _ in _decimate(inside, points)],
-                "markers": markers, "version": version}
+                "markers": markers, "resumes": marks, "version": version}
 
     def summary(self, experiment: str, trial: str, *, full: bool = False) -> dict[str, Any]:
         """One row of the experiments table.
@@ -446,6 +461,13 @@ class StoreView:
     def checkpoint(self, experiment: str, trial: str, name: str) -> dict[str, Any]:
         """One checkpoint: state, manifest, user and internal metadata, snippets.
 
+        A state checkpoint (``Checkpoint.from_state``, ``report(state=...)``) has
+        ``tensors`` (:func:`_tensor_rows`: name, dtype, shape, size, file) and
+        its internal metadata without the index; its Python snippet calls
+        ``load_state``. Others have ``tensors`` None. A name a report named
+        whose directory retention has deleted since answers ``state``
+        ``"evicted"`` with :func:`_eviction`'s fields instead.
+
         Raises:
             InvalidConfigError: ``name`` is not a ``checkpoint_NNNNNN`` name nor a
                 committed directory of the trial under another name.
@@ -456,13 +478,22 @@ class StoreView:
         ckpt = ctx.checkpoint(name)
         insp = inspect_checkpoint(ctx.filesystem, ckpt.path)
         if insp.state == "missing":
-            raise CheckpointNotFoundError(f"no checkpoint {name!r} in trial {trial!r}")
+            with self._lock:
+                cache = self._refresh(ctx, False)
+                gone = _eviction(cache, name)
+            if gone is None:
+                raise CheckpointNotFoundError(f"no checkpoint {name!r} in trial {trial!r}")
+            return {"experiment": experiment, "trial": trial, "name": name, "uri": ckpt.uri,
+                    "state": EVICTED, **gone}
         meta = insp.meta or {}
+        tensors = _tensor_rows(meta)
         try:
             user: Any = ckpt.get_metadata()
         except CheckpointCorruptError as exc:
             user = {"(unreadable)": str(exc)}
-        internal = {k: v for k, v in meta.items() if k != "manifest"}
+        # A state's tensor index is shown as its own table, not inside the JSON.
+        internal = {k: v for k, v in meta.items()
+                    if k != "manifest" and not (k == "tensors" and tensors is not None)}
         with self._lock:
             cache = self._refresh(ctx, False)
             rows = _checkpoint_rows(cache)
@@ -482,7 +513,9 @@ class StoreView:
             "manifest": list(meta.get("manifest", [])),
             "size": manifest_size(meta),
             "user_metadata": user, "internal_metadata": internal,
-            "snippets": _snippets(ckpt.uri, name),
+            "tensors": tensors,
+            "snippets": _snippets(ckpt.uri, name,
+                                  None if tensors is None else [t["name"] for t in tensors]),
         }
 
     def verify(self, experiment: str, trial: str, name: str) -> dict[str, Any]:
@@ -511,43 +544,132 @@ class StoreView:
 
 # -- helpers ---------------------------------------------------------------------------
 
+#: The keys a session fills into every result row (docs/format.md, "result.json"):
+#: listed apart from the user's metrics on the page.
+AUTO_FILLED = ("training_iteration", "timestamp", "time_total_s", "time_this_iter_s",
+               "trial_id", "checkpoint_dir_name")
 
 
+def _number_of(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return None
+    return float(value)
 
 
+def _resumes(rows: list[dict[str, Any]],
+             metas: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``[{row, writer}]``: the first row of each run after the first, oldest first.
+
+    Rows carry no run id; three signs of a new run are read instead:
+
+    * a ``training_iteration`` not above the previous row's: a restart from a
+      checkpoint (a resume continues from the restored one, DESIGN "Step
+      continuity");
+    * a session stamps ``timestamp`` and ``time_this_iter_s`` from one clock
+      reading, so inside a run a row's ``timestamp`` step equals its
+      ``time_this_iter_s``; a new run's first row counts from the session's
+      start, its step also holds the time between the runs. Where the rows
+      agree to 10 us (most of them: rows of this library's sessions), a step
+      over ``time_this_iter_s`` by more than 1 ms starts a run;
+    * otherwise (rows stamped by another clock), committed checkpoints record
+      the session that wrote them (``writer_id``, else ``run_id``;
+      docs/format.md): where it changes between two checkpoints' reports, the
+      run began at the row between them whose step exceeds its
+      ``time_this_iter_s`` most.
+
+    ``writer`` is the new run's writer id (its first committed checkpoint's),
+    or None where none of its checkpoints is still committed.
+    """
+    at: dict[int, str] = {}
+    for i, row in enumerate(rows):
+        meta = metas.get(row.get("checkpoint_dir_name"))  # type: ignore[arg-type]
+        writer = meta.get("writer_id") or meta.get("run_id") if meta is not None else None
+        if isinstance(writer, str):
+            at[i] = writer
+
+    def excess(i: int) -> float | None:
+        t0, t1 = _number_of(rows[i - 1].get("timestamp")), _number_of(rows[i].get("timestamp"))
+        dt = _number_of(rows[i].get("time_this_iter_s"))
+        return None if t0 is None or t1 is None or dt is None else t1 - t0 - dt
+
+    starts: dict[int, str | None] = {}
+    for i in range(1, len(rows)):
+        a, b = (_number_of(rows[i - 1].get("training_iteration")),
+                _number_of(rows[i].get("training_iteration")))
+        if a is not None and b is not None and b <= a:
+            starts[i] = None
+    steps = {i: e for i in range(1, len(rows)) if (e := excess(i)) is not None}
+    exact = sum(1 for e in steps.values() if abs(e) < 1e-5)
+    if steps and exact * 2 > len(steps):
+        starts.update({i: None for i, e in steps.items() if e > 1e-3})
+    else:
+        marked = sorted(at)
+        for prev, cur in zip(marked, marked[1:], strict=False):
+            if at[prev] != at[cur] and not any(prev < i <= cur for i in starts):
+                starts[max(range(prev + 1, cur + 1), key=lambda i: steps.get(i, 0.0))] = None
+    for i in starts:
+        nxt = min((j for j in starts if j > i), default=len(rows))
+        starts[i] = next((at[j] for j in sorted(at) if i <= j < nxt), None)
+    return [{"row": i, "writer": starts[i]} for i in sorted(starts)]
 
 
+def _eviction(cache: Any, name: str) -> dict[str, Any] | None:
+    """Why and when a reported checkpoint is gone, or None when no report named it.
 
+    Replays retention (:func:`~checkpoint_store.retention.explain_kept` under the
+    trial's recorded config) over the reported checkpoints in report order: the
+    first report after which ``name`` is no longer kept is when it was evicted.
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+    Returns:
+        ``reported`` (``{iteration, timestamp}`` of the report that named it),
+        ``score`` and ``score_attribute``, ``evicted_at`` (``{iteration,
+        timestamp, by}``: the report after which retention no longer kept it
+        and the checkpoint that report named; None when the replay cannot
+        say), ``kept_instead`` (``[{name, why}]``: what retention kept then,
+        with the policies that keep each) and ``reason`` (one sentence).
+    """
+    rows = [r for r in cache.rows if isinstance(r.get("checkpoint_dir_name"), str)]
+    mine = next((r for r in rows if r["checkpoint_dir_name"] == name), None)
+    if mine is None:
+        return None
+    config = cache.config
+    attr = config.checkpoint_score_attribute if config else None
+    out: dict[str, Any] = {
+        "reported": {"iteration": mine.get("training_iteration"),
+                     "timestamp": mine.get("timestamp")},
+        "score_attribute": attr, "score": score_or_none(mine, attr) if attr else None,
+        "evicted_at": None, "kept_instead": [], "reason": "its directory is gone",
+    }
+    if config is None:
+        out["reason"] = ("its directory is gone, and the trial records no retention rules "
+                         "(deleted by hand, or by another tool)")
+        return out
+    records: dict[str, CheckpointRecord] = {}
+    for row in rows:
+        cname = row["checkpoint_dir_name"]
+        index = parse_checkpoint_dir_name(cname)
+        if index is None:
+            continue
+        records[cname] = CheckpointRecord(index, cname, row, _number_of(row.get("timestamp")))
+        try:
+            kept, _, why = explain_kept(records.values(), config)
+        except InvalidConfigError:
+            return out
+        if name in records and name not in {r.dir_name for r in kept}:
+            out["evicted_at"] = {"iteration": row.get("training_iteration"),
+                                 "timestamp": row.get("timestamp"), "by": cname}
+            out["kept_instead"] = [{"name": r.dir_name, "why": list(why.get(r.dir_name, ()))}
+                                   for r in kept]
+            rule = ("its policy" if config.policy is not None else
+                    f"the best {config.num_to_keep} by {attr} ({config.checkpoint_score_order})"
+                    if attr else f"the newest {config.num_to_keep}")
+            out["reason"] = (f"retention keeps {rule}"
+                             + (" and the newest" if config.keep_latest and attr
+                                and config.policy is None else "")
+                             + f"; after {cname} was reported, {name} was not among them")
+            return out
+        records = {r.dir_name: records[r.dir_name] for r in kept}
+    return out
 
 
 __all__ = ["StoreView"]

@@ -449,17 +449,50 @@ def _flatten(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _snippets(uri: str, name: str) -> dict[str, str]:
+def _snippets(uri: str, name: str, state_keys: list[str] | None = None) -> dict[str, str]:
     """Copy-paste commands for a checkpoint. Storage options are never written in:
-    they may hold credentials."""
+    they may hold credentials. A state checkpoint (``state_keys``: its tensor
+    keys) is loaded with :meth:`Checkpoint.load_state`, a directory one through
+    :meth:`Checkpoint.as_directory`."""
     shell = ("# plus the -o KEY=VALUE options given to `ui`, if any\n"
              f"checkpoint-store download {shlex.quote(uri)} {shlex.quote('./' + name)}")
     python = (
         "from checkpoint_store import Checkpoint\n\n"
         "# storage_options={...} as given to `ui`, or the backend's environment variables\n"
         f"checkpoint = Checkpoint({uri!r})\n"
-        "with checkpoint.as_directory() as path:\n"
-        "    ...  # load your model and optimizer state from path\n"
     )
+    if state_keys is not None:
+        some = state_keys[0] if state_keys else "model/*"
+        python += (
+            "state = checkpoint.load_state()  # the whole tree, tensors as saved\n"
+            "# or only some tensors, by name or glob over the flattened keys:\n"
+            f"part = checkpoint.load_state(keys=[{some!r}])\n"
+        )
+    else:
+        python += (
+            "with checkpoint.as_directory() as path:\n"
+            "    ...  # load your model and optimizer state from path\n"
+        )
     return {"shell": shell, "python": python}
+
+
+def _tensor_rows(meta: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """A state checkpoint's tensor index (``internal["tensors"]``, docs/state.md) as
+    table rows in key order: ``name``, ``dtype``, ``shape`` (a list), ``size``
+    (bytes: the entry's ``offsets`` end minus begin), ``file`` (the safetensors
+    shard) and ``alias_of`` (the key it shares storage with, or None). None for
+    a checkpoint that holds no state."""
+    index = meta.get("tensors")
+    if not isinstance(index, Mapping):
+        return None
+    out = []
+    for key, e in index.items():
+        if not isinstance(e, Mapping):
+            continue
+        offsets = e.get("offsets")
+        size = (offsets[1] - offsets[0] if isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) for o in offsets) else None)
+        out.append({"name": key, "dtype": e.get("dtype"), "shape": list(e.get("shape") or []),
+                    "size": size, "file": e.get("file"), "alias_of": e.get("alias_of")})
+    return out
 

@@ -118,3 +118,13 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = ""
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what or predicate}"
                          + (f" (last error: {last_exc})" if last_exc else ""))
+
+
+@pytest.fixture(scope="module")
+def page_store(tmp_path_factory: pytest.TempPathFactory) -> Store:
+    """ui_helpers.write_page_store: a state checkpoint and a spiky, resumed trial."""
+    from ui_helpers import write_page_store
+
+    store = Store(str(tmp_path_factory.mktemp("ui-page") / "results"))
+    write_page_store(store)
+    return store

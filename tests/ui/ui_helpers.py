@@ -90,3 +90,34 @@ def library_answer(store: Store, experiment: str, trial: str) -> dict[str, Any]:
                            if best is not None and c.path == best.path) if best else None,
         "kept": kept,
     }
+
+
+# The "page" experiment (issue 42, item 6): a state checkpoint of 24 tensors, and a
+# trial with an early loss spike, a user "step" key and a resume after report 6.
+STATE_TENSORS = {f"layer{i:02d}.{part}": (i + 1, 8 if part == "weight" else 1)
+                 for i in range(12) for part in ("weight", "bias")}
+SPIKY_LOSS = [50.0, 1.0, 0.9, 0.8, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.42, 0.4]
+SPIKY_CONFIG = CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="loss",
+                                checkpoint_score_order="min")
+
+
+def write_page_store(store: Store) -> None:
+    """``page/state`` (one report with ``state=``: 24 float32 tensors) and
+    ``page/spiky`` (:data:`SPIKY_LOSS` with ``step`` = 10 x report, a checkpoint at
+    every report, run as two sessions: the second, a resume, from report 7 on)."""
+    import numpy as np
+
+    with session.start(storage_path=store.uri, experiment_name="page", trial_name="state",
+                       config={"lr": 0.003, "model": {"depth": 12}}):
+        state = {k: np.full(shape, 0.5, dtype=np.float32) for k, shape in STATE_TENSORS.items()}
+        session.report({"loss": 0.5}, state={"model": state, "step": 1})
+    for part in (SPIKY_LOSS[:6], SPIKY_LOSS[6:]):
+        with session.start(storage_path=store.uri, experiment_name="page", trial_name="spiky",
+                           checkpoint_config=SPIKY_CONFIG, config={"lr": 0.1, "opt": "adam"}):
+            for loss in part:
+                step = 10 * (SPIKY_LOSS.index(loss) + 1)
+                with tempfile.TemporaryDirectory() as tmp:
+                    with open(os.path.join(tmp, "model.bin"), "wb") as f:
+                        f.write(b"x" * step)
+                    session.report({"loss": loss, "step": step},
+                                   checkpoint=Checkpoint.from_directory(tmp))
