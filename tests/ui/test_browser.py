@@ -249,6 +249,26 @@ def test_compare_overlays_trials(browser: Any, local_store: Store, serve: Any,
     lines = browser.execute_script("""return window.csUI.chart.data.datasets
         .filter((d) => d.type === "line").map((d) => [d.trialName, d.data.length]);""")
     assert sorted(lines) == sorted([t, len(v[0])] for t, v in LAYOUT["sweep"].items())
+    # Each trial's best stars in that trial's colour: as set, and as painted at each
+    # star's centre (where its strokes cross), never black.
+    stars = browser.execute_script("""
+        const c = window.csUI.chart, ctx = c.canvas.getContext("2d");
+        const r = window.devicePixelRatio || 1, out = [];
+        c.data.datasets.forEach((d, i) => {
+            if (d.kind !== "best") return;
+            const line = c.data.datasets.find(
+                (l) => l.type === "line" && l.trialName === d.trialName);
+            for (const p of c.getDatasetMeta(i).data) {
+                const px = ctx.getImageData(Math.round(p.x * r), Math.round(p.y * r), 1, 1).data;
+                out.push([d.trialName, d.borderColor, line.borderColor, [px[0], px[1], px[2]]]);
+            }
+        });
+        return out;""")
+    assert sorted({s[0] for s in stars}) == sorted(LAYOUT["sweep"])
+    for trial, border, line_color, pixel in stars:
+        assert border == line_color, trial
+        want = [int(line_color[i:i + 2], 16) for i in (1, 3, 5)]
+        assert max(abs(a - b) for a, b in zip(pixel, want, strict=True)) < 40, (trial, pixel)
     screenshot(browser, "ui-compare")
 
 
@@ -268,3 +288,112 @@ def test_names_are_text_everywhere(browser: Any, local_store: Store, serve: Any)
     assert "single path component" in error.text
     logs = browser.get_log("browser")
     assert not [e for e in logs if "Content Security Policy" in e["message"]], logs
+
+
+# -- issue 42, item 6: the page's everyday questions ------------------------------------
+
+
+def test_state_checkpoint_shows_a_tensor_table(browser: Any, page_store: Store, serve: Any,
+                                               screenshot: Any) -> None:
+    from ui_helpers import STATE_TENSORS
+
+    server = serve(page_store.uri)
+    open_page(browser, server.url + route("checkpoint", "page", "state", "checkpoint_000000"))
+    wait_for(lambda: browser.find_elements("css selector", "#tensors tbody tr"), what="tensors")
+    rows = browser.execute_script("""return [...document.querySelectorAll("#tensors tbody tr")]
+        .map((tr) => [...tr.children].map((td) => td.title || td.textContent));""")
+    want = sorted([f"model/{k}", "F32", f"[{s[0]}, {s[1]}]", f"{4 * s[0] * s[1]} bytes",
+                   "tensors-00001-of-00001.safetensors"] for k, s in STATE_TENSORS.items())
+    assert sorted(rows) == want
+    box = browser.find_element("id", "tensor-filter")
+    box.send_keys("LAYER03")
+    shown = lambda: [tr.get_attribute("data-tensor") for tr in browser.find_elements(  # noqa: E731
+        "css selector", "#tensors tbody tr") if tr.is_displayed()]
+    assert sorted(shown()) == ["model/layer03.bias", "model/layer03.weight"]
+    assert browser.find_element("id", "tensor-count").text == "2 shown"
+    python = browser.find_element("id", "snippet-python").text
+    assert "checkpoint.load_state()" in python and "as_directory" not in python
+    assert '"tensors"' not in browser.find_element("id", "internal-metadata").text
+    # The raw index was 3,857 px tall for 24 tensors; the table and filter fit a screen more.
+    box.clear()
+    box.send_keys(" ")
+    assert browser.execute_script("return document.body.scrollHeight") < 2600
+    screenshot(browser, "ui-state-checkpoint")
+
+
+def test_trial_page_params_metrics_x_axis_outliers_resumes(
+        browser: Any, page_store: Store, serve: Any, screenshot: Any) -> None:
+    from selenium.webdriver.support.ui import Select
+    from ui_helpers import SPIKY_LOSS
+
+    server = serve(page_store.uri)
+    open_page(browser, server.url + route("trial", "page", "spiky"))
+    wait_for(lambda: browser.execute_script(
+        "return window.csUI.chart && window.csUI.trial.trial === 'spiky'"), what="the chart")
+    # The run's parameters.
+    params = {tr.get_attribute("data-param"): tr.find_element("css selector", "td").text
+              for tr in browser.find_elements("css selector", "#params tr")}
+    assert params == {"lr": "0.1", "opt": "adam"}
+    # The user's metrics first, the auto-filled keys in their own group.
+    groups = browser.execute_script("""return [...document.querySelectorAll("#metric optgroup")]
+        .map((g) => [g.label, [...g.children].map((o) => o.value)]);""")
+    assert groups == [["your metrics", ["loss", "step"]],
+                      ["auto-filled", ["training_iteration", "timestamp", "time_total_s",
+                                       "time_this_iter_s"]]]
+    # One early spike (50) does not flatten the curve: the y axis ends near 1.
+    y_max = lambda: browser.execute_script("return window.csUI.chart.scales.y.max")  # noqa: E731
+    assert 0.9 < y_max() < 2
+    assert [p["y"] for p in chart_points(browser)["line"]] == SPIKY_LOSS  # every point kept
+    # The spike's report stays on the x axis (its line leaves the top), the ticks round.
+    assert browser.execute_script("return window.csUI.chart.scales.x.min") == 1
+    ticks = browser.execute_script("return window.csUI.chart.scales.y.ticks.map((t) => t.value)")
+    assert all(round(t, 6) == round(t, 1) for t in ticks), ticks
+    # The resume after report 6: a dashed purple line at x = 7, drawn on the canvas.
+    assert browser.execute_script("return window.csUI.chart.$resumes") == [7]
+    purple = browser.execute_script("""
+        const c = window.csUI.chart, x = Math.round(c.scales.x.getPixelForValue(7));
+        const ctx = c.canvas.getContext("2d"), r = window.devicePixelRatio || 1;
+        const data = ctx.getImageData(x * r - 1, c.chartArea.top * r,
+                                      3, (c.chartArea.bottom - c.chartArea.top) * r).data;
+        let n = 0;
+        for (let i = 0; i < data.length; i += 4)
+            if (Math.abs(data[i] - 0x6a) < 30 && Math.abs(data[i + 1] - 0x3d) < 30
+                && Math.abs(data[i + 2] - 0x9a) < 30) n++;
+        return n;""")
+    assert purple > 50
+    screenshot(browser, "ui-trial-outliers-resume")
+    # The toggle shows every point again.
+    browser.find_element("id", "robust-y").click()
+    wait_for(lambda: y_max() >= 50, what="the full y range")
+    browser.find_element("id", "robust-y").click()
+    wait_for(lambda: y_max() < 2, what="the robust y range again")
+    # Any reported number as the x axis: the user's step.
+    Select(browser.find_element("id", "xaxis")).select_by_value("step")
+    wait_for(lambda: [p["x"] for p in chart_points(browser)["line"]] == [
+        10 * i for i in range(1, 13)], what="the curve over step")
+    assert browser.execute_script("return window.csUI.chart.$resumes") == [70]
+    assert browser.execute_script("return window.csUI.chart.options.scales.x.title.text") == "step"
+    Select(browser.find_element("id", "xaxis")).select_by_value("training_iteration")
+    # Kinds are worded once: the best, then the other one kept by score.
+    labels = {tr.get_attribute("data-checkpoint"): tr.find_element("css selector", ".badge").text
+              for tr in browser.find_elements("css selector", "#checkpoints tbody tr")}
+    assert labels == {"checkpoint_000011": "kept (best), latest",
+                      "checkpoint_000010": "kept (top 2)"}
+
+
+def test_evicted_checkpoint_page_says_when_and_why(browser: Any, page_store: Store,
+                                                   serve: Any) -> None:
+    server = serve(page_store.uri)
+    open_page(browser, server.url + route("trial", "page", "spiky"))
+    wait_for(lambda: browser.find_elements("id", "show-evicted"), what="the table")
+    browser.find_element("id", "show-evicted").click()
+    browser.find_element("css selector", "tr[data-checkpoint='checkpoint_000001'] a").click()
+    text = wait_for(lambda: browser.find_element("id", "evicted").text, what="the eviction")
+    assert "report 2" in text and "loss 1" in text
+    assert "evicted after report 4" in text and "checkpoint_000003 was reported" in text
+    assert "best 2 by loss (min)" in browser.find_element("id", "evicted-reason").text
+    kept = [a.text for a in browser.find_elements("css selector", "#kept-instead a")]
+    assert kept == ["checkpoint_000002", "checkpoint_000003"]
+    browser.find_element("id", "back").click()
+    wait_for(lambda: browser.execute_script(
+        "return window.csUI.view === 'trial' && !!window.csUI.chart"), what="back at the trial")

@@ -31,7 +31,7 @@
   // Read by the browser tests: the current view's data and charts.
   const state = { config: null, timer: null, chart: null, charts: [], view: null, trial: null,
     trials: [], sort: {}, selected: {}, metric: null, panels: [], x: "training_iteration",
-    polls: 0, smooth: 0, log: false, zoom: null, showEvicted: false, etags: {},
+    polls: 0, smooth: 0, log: false, robustY: true, zoom: null, showEvicted: false, etags: {},
     filter: { text: "", status: "", group: "" }, overview: null, param: null };
   window.csUI = state;
 
@@ -358,8 +358,9 @@
   function markerDataset(label, kind, points, color) {
     const k = KINDS[kind];
     return { type: "scatter", label, kind, data: points, pointStyle: k.style,
-      pointRadius: k.radius, pointHoverRadius: k.radius + 3, borderColor: kind === "best" && color ? "#000" : (color || k.color),
-      backgroundColor: color || k.color, borderWidth: kind === "best" && color ? 1 : 2, order: 0 };
+      // A star is drawn with lines only: its border is its colour (the trial's in a comparison).
+      pointRadius: k.radius, pointHoverRadius: k.radius + 3, borderColor: color || k.color,
+      backgroundColor: color || k.color, borderWidth: kind === "best" ? 2.5 : 2, order: 0 };
   }
 
   // One trial's series as chart datasets: its line (smoothed on top when asked), then one
@@ -433,7 +434,7 @@
       onClick: (ev, elements, chart) => {
         for (const e of elements) {
           const p = chart.data.datasets[e.datasetIndex].data[e.index];
-          if (p && p.name && p.kind !== "evicted") {
+          if (p && p.name) {
             location.hash = route("checkpoint", p.experiment, p.trial, p.name);
             return;
           }
@@ -441,6 +442,69 @@
       },
     };
   }
+
+  // As TensorBoard's "ignore outliers in chart scaling", by Tukey's far-out fences: the
+  // y axis spans the curves' points within 3 interquartile ranges of the middle half,
+  // padded by a twentieth, widened to every kept checkpoint's marker. [undefined,
+  // undefined] (Chart.js's own range) when no point falls outside, under 5 points, on a
+  // log scale, or with the toggle off.
+  function quantile(sorted, q) {
+    const pos = (sorted.length - 1) * q, lo = Math.floor(pos), hi = Math.ceil(pos);
+    return sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo);
+  }
+
+  function yRange(datasets) {
+    if (!state.robustY || state.log) return [undefined, undefined];
+    const ys = datasets.filter((d) => d.type === "line" && d.kind !== "smoothed")
+      .flatMap((d) => d.data.map((p) => p.y)).filter(Number.isFinite).sort((a, b) => a - b);
+    if (ys.length < 5) return [undefined, undefined];
+    const q1 = quantile(ys, 0.25), q3 = quantile(ys, 0.75), iqr = q3 - q1;
+    const inside = ys.filter((y) => y >= q1 - 3 * iqr && y <= q3 + 3 * iqr);
+    let lo = inside[0], hi = inside[inside.length - 1];
+    for (const d of datasets) {
+      if (!["best", "latest", "kept"].includes(d.kind)) continue;
+      for (const p of d.data) { lo = Math.min(lo, p.y); hi = Math.max(hi, p.y); }
+    }
+    if (lo <= ys[0] && hi >= ys[ys.length - 1]) return [undefined, undefined];
+    const pad = (hi - lo) * 0.05 || Math.abs(hi) * 0.05 || 1;
+    return [lo - pad, hi + pad];
+  }
+
+  // The y range of yRange; the x axis then keeps every point's x (Chart.js would fit
+  // it to the points inside the y range only), and the y ticks stay round numbers.
+  function applyYRange(chart) {
+    const [lo, hi] = yRange(chart.data.datasets);
+    const { x, y } = chart.options.scales;
+    y.min = lo;
+    y.max = hi;
+    y.ticks = { ...(y.ticks || {}), includeBounds: lo === undefined };
+    if (state.zoom) return;
+    const xs = lo === undefined ? [] : chart.data.datasets.filter((d) => d.type === "line")
+      .flatMap((d) => d.data.map((p) => p.x)).filter(Number.isFinite);
+    x.min = xs.length ? xs.reduce((a, b) => Math.min(a, b)) : undefined;
+    x.max = xs.length ? xs.reduce((a, b) => Math.max(a, b)) : undefined;
+  }
+
+  // A new run of the trial (a resume) starts here: a dashed vertical line, drawn by
+  // this inline plugin from chart.$resumes ([x, ...] from the series' "resumes").
+  const resumeLines = {
+    id: "resumeLines",
+    afterDatasetsDraw(chart) {
+      const xs = chart.$resumes || [];
+      if (!xs.length) return;
+      const { ctx, chartArea, scales } = chart;
+      ctx.save();
+      ctx.strokeStyle = "#6a3d9a"; ctx.lineWidth = 1.5; ctx.setLineDash([6, 4]);
+      ctx.fillStyle = "#6a3d9a"; ctx.font = "11px sans-serif";
+      for (const x of xs) {
+        const px = scales.x.getPixelForValue(x);
+        if (px < chartArea.left || px > chartArea.right) continue;
+        ctx.beginPath(); ctx.moveTo(px, chartArea.top); ctx.lineTo(px, chartArea.bottom); ctx.stroke();
+        ctx.fillText("resumed", px + 3, chartArea.top + 11);
+      }
+      ctx.restore();
+    },
+  };
 
   // Hovering a trial in the legend fades every other trial.
   function highlight(chart, trialName) {
@@ -502,17 +566,25 @@
     const old = state.charts.findIndex((c) => c.canvas === canvas);
     if (old >= 0) { state.charts[old].destroy(); state.charts.splice(old, 1); }
     const chart = new Chart(canvas, { type: "scatter", data: { datasets },
-      options: chartOptions(metric, xKey, compareMode) });
+      options: chartOptions(metric, xKey, compareMode), plugins: [resumeLines] });
     state.charts.push(chart);
     state.chart = state.charts.find((c) => c.canvas.id === "chart") || state.charts[0];
     return chart;
   }
 
   function chartControls(metrics, onChange, { panels = true } = {}) {
+    // The user's metrics first; the keys every session fills in apart, below them.
+    const user = metrics.filter((m) => !AUTO.has(m)), auto = metrics.filter((m) => AUTO.has(m));
+    const option = (m) => el("option", { value: m, selected: m === state.metric }, m);
     const metricSel = el("select", { id: "metric", onchange: (e) => { state.metric = e.target.value; onChange(); } },
-      metrics.map((m) => el("option", { value: m, selected: m === state.metric }, m)));
+      el("optgroup", { label: "your metrics" }, user.map(option)),
+      auto.length ? el("optgroup", { label: "auto-filled", class: "auto" }, auto.map(option)) : null);
+    // Any reported number can be the x axis (a step, an epoch, samples seen).
+    const xKeys = [...Object.keys(X_AXES), ...metrics.filter((m) => !(m in X_AXES))];
     const xSel = el("select", { id: "xaxis", onchange: (e) => { state.x = e.target.value; state.zoom = null; onChange(); } },
-      Object.entries(X_AXES).map(([k, label]) => el("option", { value: k, selected: k === state.x }, label)));
+      xKeys.map((k) => el("option", { value: k, selected: k === state.x }, X_AXES[k] || k)));
+    const robust = el("input", { type: "checkbox", id: "robust-y", checked: state.robustY,
+      onchange: (e) => { state.robustY = e.target.checked; onChange(); } });
     const add = panels ? el("select", { id: "add-panel", onchange: (e) => {
       if (e.target.value && !state.panels.includes(e.target.value)) state.panels.push(e.target.value);
       onChange();
@@ -526,7 +598,11 @@
       onclick: () => { state.zoom = null; onChange(); } }, "reset zoom");
     return el("div", { class: "controls", id: "chart-controls" }, el("label", {}, "metric ", metricSel),
       add, el("label", {}, "x axis ", xSel), el("label", {}, "smoothing ", smooth),
-      el("label", {}, log, " log scale"), reset,
+      el("label", {}, log, " log scale"),
+      el("label", { title: "y axis without the points beyond 3 interquartile ranges (as TensorBoard's " +
+        "ignore outliers): one early spike does not flatten the curve; untick to show every point" },
+      robust, " ignore outliers"),
+      reset,
       el("span", { class: "muted hint" }, "drag to zoom, shift-drag to pan, double-click to zoom out"));
   }
 
@@ -553,6 +629,23 @@
       ((a.rank || 1e12) - (b.rank || 1e12)) || ((b.index || 0) - (a.index || 0)));
   }
 
+  // "kept (best)" for the best one, "kept (top 2)" for the others retention keeps by
+  // score, then ", latest" where the newest is also kept for another reason.
+  function kindLabel(c) {
+    let label = KINDS[c.kind].label;
+    if (c.kind === "best" && !c.is_best) label = c.rank ? `kept (top ${c.rank})` : "kept (by score)";
+    return label + (c.is_latest && c.kind !== "latest" ? ", latest" : "");
+  }
+
+  // The run's parameters (params.json, nested keys joined by "/").
+  function paramsTable(t) {
+    const keys = Object.keys(t.params || {}).sort();
+    if (!keys.length) return el("p", { class: "muted", id: "params" }, "No parameters recorded (params.json).");
+    return el("table", { class: "params", id: "params" },
+      el("tbody", {}, keys.map((k) => el("tr", { "data-param": k }, el("th", {}, name(k, "head")),
+        el("td", { class: typeof t.params[k] === "number" ? "num" : null }, fmtValue(t.params[k]))))));
+  }
+
   function checkpointTable(trial) {
     const metric = trial.metric;
     const rows = checkpointRows(trial);
@@ -573,10 +666,8 @@
           "report", "size", "files", "created", ...(tiered ? ["tiers"] : [])].map((h) => el("th", {}, h)))),
         el("tbody", {}, shown.map((c) => el("tr", { "data-checkpoint": c.name, "data-kind": c.kind,
           title: c.reason || null },
-        el("td", {}, c.kind === "evicted" ? name(c.name)
-          : el("a", { href: route("checkpoint", trial.experiment, trial.trial, c.name) }, name(c.name))),
-        el("td", {}, el("span", { class: `badge kind-${c.kind}` },
-          KINDS[c.kind].label + (c.is_best ? ", best" : "") + (c.is_latest && c.kind !== "latest" ? ", latest" : "")),
+        el("td", {}, el("a", { href: route("checkpoint", trial.experiment, trial.trial, c.name) }, name(c.name))),
+        el("td", {}, el("span", { class: `badge kind-${c.kind}` }, kindLabel(c)),
         c.preemption ? " " : null, preemptionBadge(c.preemption)),
         el("td", { class: "num" }, fmtValue(c.rank)),
         el("td", { class: "num" }, fmtValue(c.score)),
@@ -635,16 +726,19 @@
         zoomable(canvas, chartBox, (range) => { state.zoom = range; renderTrialCharts(); });
       }
       const sets = trialDatasets(t, all[i], BASE[0], "", Object.keys(KINDS));
-      const chart = state.charts.find((c) => c.canvas === canvas);
+      let chart = state.charts.find((c) => c.canvas === canvas);
       if (chart && chart.options.scales.y.type === (state.log ? "logarithmic" : "linear")) {
         chart.data.datasets = sets;
         chart.options.scales.x.min = state.zoom ? state.zoom[0] : undefined;
         chart.options.scales.x.max = state.zoom ? state.zoom[1] : undefined;
         chart.options.scales.x.title.text = X_AXES[state.x] || state.x;
-        chart.update("none");
+        chart.options.scales.x.ticks = state.x === "training_iteration" ? { precision: 0 } : {};
       } else {
-        drawChart(canvas, sets, m, state.x, false);
+        chart = drawChart(canvas, sets, m, state.x, false);
       }
+      chart.$resumes = (all[i].resumes || []).map((r) => r.x);
+      applyYRange(chart);
+      chart.update("none");
     });
     state.chart = state.charts.find((c) => c.canvas.id === "chart") || null;
   }
@@ -662,6 +756,7 @@
       el("h1", {}, name(t.trial, "title")),
       el("p", { class: "muted uri" }, t.uri),
       trialSummary(t),
+      el("details", { class: "params-box", open: true }, el("summary", {}, "Parameters"), paramsTable(t)),
       chartControls(t.metrics, renderTrialCharts),
       el("div", { id: "panels" }),
       el("h2", {}, "Checkpoints"), checkpointTable(t));
@@ -694,16 +789,20 @@
     if (state.view !== "compare") return;
     const sets = trials.flatMap((t, i) => trialDatasets(t, all[i], trialColor(i), `${t.trial}: `,
       ["best", "latest", "kept"]));
-    const chart = state.chart;
+    let chart = state.chart;
     if (chart && chart.options.scales.y.type === (state.log ? "logarithmic" : "linear") &&
-        chart.options.scales.y.title.text === state.metric) {
+        chart.options.scales.y.title.text === state.metric &&
+        chart.options.scales.x.title.text === (X_AXES[state.x] || state.x)) {
       chart.data.datasets = sets;
       chart.options.scales.x.min = state.zoom ? state.zoom[0] : undefined;
       chart.options.scales.x.max = state.zoom ? state.zoom[1] : undefined;
+      applyYRange(chart);
       chart.update("none");
       if (state.highlighted) highlight(chart, state.highlighted);
     } else {
-      drawChart(document.getElementById("chart"), sets, state.metric, state.x, true);
+      chart = drawChart(document.getElementById("chart"), sets, state.metric, state.x, true);
+      applyYRange(chart);
+      chart.update("none");
     }
   }
 
@@ -839,8 +938,57 @@
     return el("p", { class: "summary", id: "retention" }, parts);
   }
 
+  // A state's tensors, one row each, with a filter over the names (a glob-free
+  // substring, any case; the load_state snippet takes globs).
+  function tensorTable(tensors) {
+    const total = tensors.reduce((n, t) => n + (t.size || 0), 0);
+    const rows = tensors.map((t) => el("tr", { "data-tensor": t.name },
+      el("td", { class: "name-cell" }, name(t.name)), el("td", {}, t.dtype || "-"),
+      el("td", { class: "mono" }, `[${(t.shape || []).join(", ")}]`),
+      el("td", { class: "num", title: `${t.size} bytes` }, fmtSize(t.size)),
+      el("td", {}, t.alias_of ? el("span", { class: "muted" }, `alias of ${t.alias_of}`) : name(t.file || "-"))));
+    const count = el("span", { class: "muted", id: "tensor-count" }, `${tensors.length} shown`);
+    const filter = el("input", { type: "search", id: "tensor-filter", placeholder: "filter tensor names",
+      oninput: (e) => {
+        const want = e.target.value.trim().toLowerCase();
+        let n = 0;
+        for (const tr of rows) {
+          const show = tr.dataset.tensor.toLowerCase().includes(want);
+          tr.hidden = !show; n += show ? 1 : 0;
+        }
+        count.textContent = `${n} shown`;
+      } });
+    return [el("h2", {}, `State: ${tensors.length} tensor(s), ${fmtSize(total)}`),
+      el("div", { class: "controls" }, el("label", {}, "filter ", filter), count),
+      el("div", { class: "table-wrap" }, el("table", { id: "tensors", class: "manifest" },
+        el("thead", {}, el("tr", {}, ["tensor", "dtype", "shape", "size", "file"].map((h) => el("th", {}, h)))),
+        el("tbody", {}, rows)))];
+  }
+
+  // A checkpoint retention deleted: when, why, and what it kept instead.
+  function showEvicted(c) {
+    const back = route("trial", c.experiment, c.trial);
+    const at = c.evicted_at;
+    setMain(breadcrumb([c.experiment, null], [c.trial, back], [c.name, null]),
+      el("h1", {}, name(c.name, "title")),
+      el("p", { class: "muted uri" }, c.uri),
+      el("p", { class: "summary", id: "evicted" },
+        el("span", { class: "badge kind-evicted" }, KINDS.evicted.label), " ",
+        `reported at ${fmtTime(c.reported.timestamp)} (report ${fmtValue(c.reported.iteration)})`,
+        c.score_attribute ? `, ${c.score_attribute} ${fmtValue(c.score)}` : "", "; ",
+        at ? `evicted after report ${fmtValue(at.iteration)} (${fmtTime(at.timestamp)}), when ${at.by} was reported` :
+          "its directory is gone"),
+      el("p", { id: "evicted-reason" }, `Why: ${c.reason}.`),
+      c.kept_instead.length ? el("div", {}, el("h2", {}, "Kept instead"),
+        el("ul", { id: "kept-instead" }, c.kept_instead.map((k) => el("li", {},
+          el("a", { href: route("checkpoint", c.experiment, c.trial, k.name) }, name(k.name)),
+          k.why.length ? ` (${k.why.join(", ")})` : "")))) : null,
+      el("p", {}, el("a", { href: back, id: "back" }, `back to ${c.trial}`)));
+  }
+
   async function showCheckpoint(experiment, trial, cname) {
     const c = await api("checkpoint", { experiment, trial, checkpoint: cname });
+    if (c.state === "evicted") { showEvicted(c); return; }
     const out = el("div", { id: "verify-result", class: "verify" });
     const button = el("button", { type: "button", id: "verify", onclick: () => verify(c, out, button) },
       "Verify");
@@ -857,7 +1005,8 @@
         el("thead", {}, el("tr", {}, el("th", {}, "file"), el("th", {}, "size"), el("th", {}, "CRC32C"))),
         el("tbody", {}, c.manifest.map((f) => el("tr", {}, el("td", {}, f.path),
           el("td", { class: "num" }, fmtSize(f.size)), el("td", { class: "mono" }, f.crc32c || "-"))))),
-      el("h2", {}, "Download or resume"),
+      c.tensors ? tensorTable(c.tensors) : null,
+      el("h2", {}, c.tensors ? "Download or load" : "Download or resume"),
       snippet("snippet-shell", c.snippets.shell),
       snippet("snippet-python", c.snippets.python),
       el("div", { class: "columns" },
