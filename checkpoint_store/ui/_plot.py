@@ -113,7 +113,14 @@ def figure(trials: Sequence[Mapping[str, Any]], *, metric: str | None = None,
     if metric is None:
         raise InvalidConfigError("--metric is required: no trial records a score attribute")
     several = len(trials) > 1
-    fig = Figure(figsize=(9 + (2.4 if several else 0), 4.8), dpi=100, layout="constrained")
+    # Several trials: one legend entry each, in columns of at most 25 rows, the
+    # figure as tall as the longest column (0.19 in a row at the small font):
+    # every trial keeps its entry, the 50th as the first.
+    ncols = 1 if len(trials) <= 20 else 2
+    rows = -(-len(trials) // ncols)
+    height = max(4.8, 0.19 * rows + 1.0) if several else 4.8
+    fig = Figure(figsize=(9 + (2.4 * ncols if several else 0), height), dpi=100,
+                 layout="constrained")
     ax = fig.add_subplot()
     drawn, seen_kinds = 0, set()
     for i, trial in enumerate(trials):
@@ -155,7 +162,7 @@ def figure(trials: Sequence[Mapping[str, Any]], *, metric: str | None = None,
     ax.grid(True, alpha=0.3)
     if several:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
-                  ncols=1 if drawn <= 25 else 2, frameon=False)
+                  ncols=ncols, frameon=False)
     else:
         ax.legend(loc="best", fontsize="small")
     return fig, drawn

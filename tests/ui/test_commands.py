@@ -61,6 +61,31 @@ def test_plot_svg_of_several_trials(local_store: Store, tmp_path: Any) -> None:
     assert all(t in text for t in LAYOUT["sweep"])  # one legend entry per trial
 
 
+def test_plot_legend_holds_every_one_of_50_trials() -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from checkpoint_store.ui._plot import figure
+
+    # StoreView.trial answers in miniature: 3 reports each, the last one kept as best.
+    trials = [{"experiment": "sweep", "trial": f"trial-{i:02d}-lr-{0.0001 * (i + 1):.4f}",
+               "metric": "acc", "metrics": ["acc"],
+               "rows": [{"training_iteration": j, "acc": 0.1 * j + 0.001 * i,
+                         "checkpoint_dir_name": f"checkpoint_{j:06d}"} for j in (1, 2, 3)],
+               "checkpoints": [{"name": "checkpoint_000003", "kind": "best"}]}
+              for i in range(50)]
+    fig, drawn = figure(trials)
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    texts = fig.axes[0].get_legend().get_texts()
+    inside = [t.get_text() for t in texts
+              if (e := t.get_window_extent(renderer)).x0 >= box.x0 and e.x1 <= box.x1
+              and e.y0 >= box.y0 and e.y1 <= box.y1]
+    # Before: 48 of 50 inside the figure (the last entries of a column cut off).
+    assert drawn == 50 and inside == [t["trial"] for t in trials]
+
+
 def test_plot_refuses_bad_requests(local_store: Store, tmp_path: Any) -> None:
     pytest.importorskip("matplotlib")
     trial = os.path.join(local_store.uri, "sweep", "lr-0.1")
