@@ -450,7 +450,9 @@ def test_filter_group_parameters_view_and_csv(browser: Any, sweep_store: Store,
     Select(browser.find_element("id", "group-by")).select_by_value("opt")
     groups = wait_for(lambda: [g.text for g in browser.find_elements(
         "css selector", "section[data-experiment='sweep50'] tr.group")], what="groups")
-    assert groups == ["opt = adam (25)", "opt = sgd (25)"]
+    # Per group: the best of the best scores and its trial, their mean, the statuses.
+    assert groups == ["opt = adam (25) · best val/accuracy 0.79 (t049), mean 0.55 · 25 finished",
+                      "opt = sgd (25) · best val/accuracy 0.78 (t048), mean 0.54 · 25 finished"]
     screenshot(browser, "ui-experiments-grouped")
     # Parameters against the best score: one point per trial.
     browser.find_element("css selector", "section[data-experiment='sweep50'] a.params-link").click()

@@ -245,6 +245,24 @@
     return el("tr", { "data-trial": t.trial }, el("td", {}, box), cells);
   }
 
+  // A group's trials at a glance: the best of their best scores (by the recorded
+  // order) and which trial holds it, their mean, and how many ended in each status.
+  function groupAggregate(members, metric) {
+    const scored = members.filter((t) => typeof t.best_score === "number");
+    const parts = [];
+    if (scored.length) {
+      const sign = scored.some((t) => t.mode === "min") ? -1 : 1;
+      const top = scored.reduce((a, b) => (sign * b.best_score > sign * a.best_score ? b : a));
+      const mean = scored.reduce((n, t) => n + t.best_score, 0) / scored.length;
+      parts.push(`best ${metric || "score"} ${fmtValue(top.best_score)} (${top.trial}), ` +
+        `mean ${fmtValue(mean)}`);
+    }
+    const counts = {};
+    for (const t of members) counts[t.status] = (counts[t.status] || 0) + 1;
+    parts.push(STATUSES.filter((st) => counts[st]).map((st) => `${counts[st]} ${st}`).join(", "));
+    return el("span", { class: "muted aggregate" }, ` · ${parts.join(" · ")}`);
+  }
+
   function experimentTable(exp) {
     const sort = state.sort[exp.name] || { key: "trial", dir: 1 };
     state.selected[exp.name] = state.selected[exp.name] || new Set();
@@ -269,9 +287,9 @@
     for (const t of group ? rows.slice().sort((a, b) => compare(a.params[group], b.params[group])) : rows) {
       const key = group ? fmtValue(t.params[group]) : null;
       if (group && key !== last) {
-        const n = rows.filter((r) => fmtValue(r.params[group]) === key).length;
+        const members = rows.filter((r) => fmtValue(r.params[group]) === key);
         body.push(el("tr", { class: "group" }, el("td", { colspan: cols.length + 1 },
-          name(group, "head"), ` = ${key} (${n})`)));
+          name(group, "head"), ` = ${key} (${members.length})`, groupAggregate(members, metric))));
         last = key;
       }
       body.push(trialRow(exp, t, cols));
