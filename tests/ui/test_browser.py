@@ -349,7 +349,8 @@ def test_trial_page_params_metrics_x_axis_outliers_resumes(
     ticks = browser.execute_script("return window.csUI.chart.scales.y.ticks.map((t) => t.value)")
     assert all(round(t, 6) == round(t, 1) for t in ticks), ticks
     # The resume after report 6: a dashed purple line at x = 7, drawn on the canvas.
-    assert browser.execute_script("return window.csUI.chart.$resumes") == [7]
+    resumes = "return window.csUI.chart.data.datasets.flatMap((d) => d.resumes || [])"
+    assert browser.execute_script(resumes) == [7]
     purple = browser.execute_script("""
         const c = window.csUI.chart, x = Math.round(c.scales.x.getPixelForValue(7));
         const ctx = c.canvas.getContext("2d"), r = window.devicePixelRatio || 1;
@@ -371,7 +372,7 @@ def test_trial_page_params_metrics_x_axis_outliers_resumes(
     Select(browser.find_element("id", "xaxis")).select_by_value("step")
     wait_for(lambda: [p["x"] for p in chart_points(browser)["line"]] == [
         10 * i for i in range(1, 13)], what="the curve over step")
-    assert browser.execute_script("return window.csUI.chart.$resumes") == [70]
+    assert browser.execute_script(resumes) == [70]
     assert browser.execute_script("return window.csUI.chart.options.scales.x.title.text") == "step"
     Select(browser.find_element("id", "xaxis")).select_by_value("training_iteration")
     # Kinds are worded once: the best, then the other one kept by score.

@@ -490,25 +490,27 @@
 
   // The y range of yRange; the x axis then keeps every point's x (Chart.js would fit
   // it to the points inside the y range only), and the y ticks stay round numbers.
-  function applyYRange(chart) {
-    const [lo, hi] = yRange(chart.data.datasets);
-    const { x, y } = chart.options.scales;
+  // `scales`: a chart's options.scales, or the options of one not built yet (set
+  // before it is built, a new chart draws once).
+  function applyYRange(scales, datasets) {
+    const [lo, hi] = yRange(datasets);
+    const { x, y } = scales;
     y.min = lo;
     y.max = hi;
     y.ticks = { ...(y.ticks || {}), includeBounds: lo === undefined };
     if (state.zoom) return;
-    const xs = lo === undefined ? [] : chart.data.datasets.filter((d) => d.type === "line")
+    const xs = lo === undefined ? [] : datasets.filter((d) => d.type === "line")
       .flatMap((d) => d.data.map((p) => p.x)).filter(Number.isFinite);
     x.min = xs.length ? xs.reduce((a, b) => Math.min(a, b)) : undefined;
     x.max = xs.length ? xs.reduce((a, b) => Math.max(a, b)) : undefined;
   }
 
   // A new run of the trial (a resume) starts here: a dashed vertical line, drawn by
-  // this inline plugin from chart.$resumes ([x, ...] from the series' "resumes").
+  // this inline plugin from the datasets' "resumes" ([x, ...] from the series').
   const resumeLines = {
     id: "resumeLines",
     afterDatasetsDraw(chart) {
-      const xs = chart.$resumes || [];
+      const xs = chart.data.datasets.flatMap((d) => d.resumes || []);
       if (!xs.length) return;
       const { ctx, chartArea, scales } = chart;
       ctx.save();
@@ -580,11 +582,14 @@
     state.chart = null;
   }
 
-  function drawChart(canvas, datasets, metric, xKey, compareMode) {
+  // `robust`: a curve chart, whose y range ignores outliers when asked (applyYRange).
+  function drawChart(canvas, datasets, metric, xKey, compareMode, robust) {
     const old = state.charts.findIndex((c) => c.canvas === canvas);
     if (old >= 0) { state.charts[old].destroy(); state.charts.splice(old, 1); }
-    const chart = new Chart(canvas, { type: "scatter", data: { datasets },
-      options: chartOptions(metric, xKey, compareMode), plugins: [resumeLines] });
+    const options = chartOptions(metric, xKey, compareMode);
+    if (robust) applyYRange(options.scales, datasets);
+    const chart = new Chart(canvas, { type: "scatter", data: { datasets }, options,
+      plugins: [resumeLines] });
     state.charts.push(chart);
     state.chart = state.charts.find((c) => c.canvas.id === "chart") || state.charts[0];
     return chart;
@@ -744,19 +749,19 @@
         zoomable(canvas, chartBox, (range) => { state.zoom = range; renderTrialCharts(); });
       }
       const sets = trialDatasets(t, all[i], BASE[0], "", Object.keys(KINDS));
-      let chart = state.charts.find((c) => c.canvas === canvas);
+      sets[0].resumes = (all[i].resumes || []).map((r) => r.x);
+      const chart = state.charts.find((c) => c.canvas === canvas);
       if (chart && chart.options.scales.y.type === (state.log ? "logarithmic" : "linear")) {
         chart.data.datasets = sets;
         chart.options.scales.x.min = state.zoom ? state.zoom[0] : undefined;
         chart.options.scales.x.max = state.zoom ? state.zoom[1] : undefined;
         chart.options.scales.x.title.text = X_AXES[state.x] || state.x;
         chart.options.scales.x.ticks = state.x === "training_iteration" ? { precision: 0 } : {};
+        applyYRange(chart.options.scales, sets);
+        chart.update("none");
       } else {
-        chart = drawChart(canvas, sets, m, state.x, false);
+        drawChart(canvas, sets, m, state.x, false, true);
       }
-      chart.$resumes = (all[i].resumes || []).map((r) => r.x);
-      applyYRange(chart);
-      chart.update("none");
     });
     state.chart = state.charts.find((c) => c.canvas.id === "chart") || null;
   }
@@ -807,20 +812,18 @@
     if (state.view !== "compare") return;
     const sets = trials.flatMap((t, i) => trialDatasets(t, all[i], trialColor(i), `${t.trial}: `,
       ["best", "latest", "kept"]));
-    let chart = state.chart;
+    const chart = state.chart;
     if (chart && chart.options.scales.y.type === (state.log ? "logarithmic" : "linear") &&
         chart.options.scales.y.title.text === state.metric &&
         chart.options.scales.x.title.text === (X_AXES[state.x] || state.x)) {
       chart.data.datasets = sets;
       chart.options.scales.x.min = state.zoom ? state.zoom[0] : undefined;
       chart.options.scales.x.max = state.zoom ? state.zoom[1] : undefined;
-      applyYRange(chart);
+      applyYRange(chart.options.scales, sets);
       chart.update("none");
       if (state.highlighted) highlight(chart, state.highlighted);
     } else {
-      chart = drawChart(document.getElementById("chart"), sets, state.metric, state.x, true);
-      applyYRange(chart);
-      chart.update("none");
+      drawChart(document.getElementById("chart"), sets, state.metric, state.x, true, true);
     }
   }
 
