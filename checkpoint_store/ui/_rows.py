@@ -479,8 +479,9 @@ def _snippets(uri: str, name: str, state_keys: list[str] | None = None) -> dict[
 def _tensor_rows(meta: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     """A state checkpoint's tensor index (``internal["tensors"]``, docs/state.md) as
     table rows in key order: ``name``, ``dtype``, ``shape`` (a list), ``size``
-    (bytes: the entry's ``offsets`` end minus begin), ``file`` (the safetensors
-    shard) and ``alias_of`` (the key it shares storage with, or None). None for
+    (bytes: the entry's ``offsets`` end minus begin, its pieces' summed for a
+    tensor stored in pieces), ``file`` (the safetensors shard, or "N pieces
+    in M files") and ``alias_of`` (the key it shares storage with, or None). None for
     a checkpoint that holds no state."""
     index = meta.get("tensors")
     if not isinstance(index, Mapping):
@@ -489,10 +490,16 @@ def _tensor_rows(meta: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     for key, e in index.items():
         if not isinstance(e, Mapping):
             continue
-        offsets = e.get("offsets")
+        offsets, file = e.get("offsets"), e.get("file")
         size = (offsets[1] - offsets[0] if isinstance(offsets, list) and len(offsets) == 2
                 and all(isinstance(o, int) for o in offsets) else None)
+        if isinstance(e.get("shards"), list):  # pieces of several ranks (docs/sharded-state.md)
+            from checkpoint_store.state._shards import stored_bytes
+
+            size = stored_bytes({key: {k: v for k, v in e.items() if k != "alias_of"}})
+            files = {p.get("file") for p in e["shards"] if isinstance(p, Mapping)}
+            file = f"{len(e['shards'])} pieces in {len(files)} files"
         out.append({"name": key, "dtype": e.get("dtype"), "shape": list(e.get("shape") or []),
-                    "size": size, "file": e.get("file"), "alias_of": e.get("alias_of")})
+                    "size": size, "file": file, "alias_of": e.get("alias_of")})
     return out
 

@@ -295,3 +295,47 @@ def test_a_four_rank_state_loads_on_other_rank_counts(saved_on_four, tmp_path, n
     if placement == "rows":  # each rank read about its own rows, not the whole state
         for r in ranks:
             assert r["read"] <= 1.1 * r["local_bytes"] + 4 * BLOCK_BYTES, r
+
+
+def test_every_reader_of_a_checkpoint_handles_pieces(tmp_path) -> None:
+    """The entry points that read a state's index: a commit of it on memory
+    and S3-like stores (URI and fsspec forms), verify(), the CLI's show, the
+    page's tensor table, an export to Hugging Face safetensors."""
+    import fsspec
+    from safetensors.numpy import load_file
+
+    from checkpoint_store import Checkpoint
+    from checkpoint_store._browse.output import fmt_size
+    from checkpoint_store.formats import export_checkpoint
+    from checkpoint_store.ui._rows import _tensor_rows
+    from tests.cli.cli_helpers import invoke
+
+    tree = _state()
+    root = _save(tmp_path, tree, 3)
+    committed = []
+    for ctx in (StorageContext("memory://sharded-readers", "exp", "t"),
+                StorageContext("mem-sharded/ckpt", "exp", "t",
+                               storage_filesystem=fsspec.filesystem("memory"))):
+        ck = ctx.persist_checkpoint(Checkpoint.from_directory(root), 0, {})
+        assert len(ck.internal_metadata["tensors"]["model/w"]["shards"]) == 3
+        ck.verify()
+        dest = torch.zeros(100, 300)
+        ck.load_state(into={"model": {"w": StateSlice(dest, (400, 0))}})
+        assert torch.equal(dest, tree["model"]["w"][400:500])
+        committed.append(ck)
+    local = Checkpoint.from_directory(root)
+    out = invoke(["show", committed[0].uri]).output
+    w_bytes = tree["model"]["w"].nbytes
+    data = sum(t.nbytes for t in (tree["model"]["w"], tree["model"]["b"], tree["model"]["s"],
+                                  tree["model"]["h"], tree["opt"]["state"][0]["exp_avg"],
+                                  tree["np"]))
+    line = next(ln for ln in out.splitlines() if ln.startswith("tensors"))
+    assert line.split(None, 1)[1] == f"{len(_index(root))} ({fmt_size(data)})", line
+    rows = {r["name"]: r for r in _tensor_rows({"tensors": _index(root)})}
+    assert rows["model/w"]["size"] == w_bytes
+    assert rows["model/w"]["file"] == "3 pieces in 3 files"
+    export_checkpoint(local, tmp_path / "hf", format="hf", shared="drop")
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert np.array_equal(exported["w"], tree["model"]["w"].numpy())
+    assert np.array_equal(exported["h"].view(np.uint16),
+                          tree["model"]["h"].view(torch.int16).numpy().view(np.uint16))
