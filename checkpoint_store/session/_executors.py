@@ -107,6 +107,14 @@ class BackgroundWork:
         if up is not None:  # else nothing is queued yet
             up.prefer_newest()
 
+    def wait_queued(self) -> None:
+        """Wait until every queued job of every lane is done, raising nothing
+        (several ranks: errors are published at the next rendezvous)."""
+        for name in _ORDER:
+            up = self._lanes.get(name)
+            if up is not None:
+                up.wait()
+
     def submit(self, lane: Lane, run: Callable[[], object], cleanup: Callable[[], None],
                what: str) -> None:
         """Queue ``run`` (then ``cleanup``, whatever happens) on ``lane``; never blocks."""

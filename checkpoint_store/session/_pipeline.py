@@ -42,7 +42,7 @@ from checkpoint_store.errors import (
     NestedCheckpointError,
 )
 from checkpoint_store.retention.upload_config import check_staging, check_upload_mode
-from checkpoint_store.session._committers import CheckpointJob, Committer
+from checkpoint_store.session._committers import CheckpointJob, Committer, RankCommitter
 from checkpoint_store.session._executors import BackgroundWork
 from checkpoint_store.session._ledger import CommitRecorder, ReportLedger, Row, Txn
 from checkpoint_store.session._sources import (
@@ -70,10 +70,6 @@ STATE_RANKS_TIER = (
     "report(state=...) with world_size > 1 and a local tier is not supported yet: start "
     "the session without local_tier=, or save each rank's files into "
     "session.next_checkpoint_dir() and report checkpoint=")
-STATE_RANKS_ASYNC = (
-    "report(state=..., upload_mode='async') with world_size > 1 is not supported yet: "
-    "every rank's pieces are committed before report() returns (upload_mode='sync', "
-    "the default with several ranks)")
 ASYNC_RANKS = (
     "upload_mode='async' supports one rank only without a local tier; use 'sync' "
     "with world_size > 1, or start the session with local_tier=LocalTier(...) "
@@ -120,9 +116,8 @@ def plan_report(*, checkpoint: Checkpoint | None, state: Mapping[str, Any] | Non
     Raises:
         InvalidConfigError: both ``checkpoint`` and ``state``; an unknown
             ``upload_mode`` or ``staging``; ``state`` with several ranks;
-            ``upload_mode="async"`` with several ranks and no local tier,
-            or with a state on several ranks; a state on several ranks with
-            a local tier;
+            ``upload_mode="async"`` with several ranks, no local tier and
+            no state; a state on several ranks with a local tier;
             ``staging`` where no copy is staged; ``state`` after
             ``next_checkpoint_dir()`` reserved the directory.
     """
@@ -132,18 +127,16 @@ def plan_report(*, checkpoint: Checkpoint | None, state: Mapping[str, Any] | Non
         check_upload_mode(upload_mode)
     if staging is not None:
         check_staging(staging)
-    if ranks and not tiered and upload_mode == "async":
+    if ranks and not tiered and upload_mode == "async" and state is None:
         raise InvalidConfigError(ASYNC_RANKS)
     if state is not None:
         if ranks and tiered:
             raise InvalidConfigError(STATE_RANKS_TIER)
-        if ranks and upload_mode == "async":
-            raise InvalidConfigError(STATE_RANKS_ASYNC)
         if reserved:
             raise InvalidConfigError(STATE_RESERVED)
         if staging is not None:
             raise InvalidConfigError(STAGING_WHERE.format(staging=staging, what="state="))
-        mode = upload_mode or ("sync" if ranks else "async")
+        mode = upload_mode or "async"
         return ReportPlan(saves=True, state=True, background=tiered or mode == "async",
                           wait_durable=tiered and mode == "sync")
     saves = checkpoint is not None or in_place
@@ -189,6 +182,7 @@ class ReportPipeline:
         self._writer = world_rank == 0
         self._default_mode = default_mode
         self._default_staging = default_staging
+        self._background_committer: RankCommitter | None = None
 
     @property
     def tiered(self) -> bool:
@@ -228,6 +222,14 @@ class ReportPipeline:
             self.ledger.prepare_row(metrics, checkpoint, validate_score=plan.saves)
             if plan.saves:
                 self._admit(plan, checkpoint, planned)
+        if ranks and plan.saves:
+            # Every rank, without raising (an error is published at the
+            # rendezvous): a slot on the lane of a background commit, or the
+            # queued commits done before an inline one (commits keep order).
+            if plan.background:
+                self.work.lane(self.target.lane).reserve()  # type: ignore[arg-type]
+            else:
+                self.work.wait_queued()
         with self.ledger.transaction() as txn:
             return self._report(txn, plan, metrics, checkpoint, planned, background_error,
                                 preemption)
@@ -287,6 +289,12 @@ class ReportPipeline:
             release = source.release if source is not None else _no_op
             self.work.submit(self.target.lane,  # type: ignore[arg-type]
                              lambda: self._commit(job, abandon=True), release, name)
+            if ranks and job.own_error is not None:
+                # This rank failed before its commit: the abort goes through
+                # the same background rendezvous as the other ranks' commit,
+                # then the error is raised here, by this report.
+                self.work.wait_queued()
+                raise self.work.take_error() or job.own_error
             txn.accept(row, flush=flush)
             committed = None
         else:
@@ -341,9 +349,16 @@ class ReportPipeline:
 
     def _commit(self, job: CheckpointJob, abandon: bool = False) -> Checkpoint | None:
         """Commit ``job`` on the target: inline, or on a background lane
-        (``abandon``: a failure leaves the index to :meth:`CommitRecorder.settle`)."""
+        (``abandon``: a failure leaves the index to :meth:`CommitRecorder.settle`).
+        Several ranks committing in the background meet through storage only:
+        the training thread keeps the process group's collectives."""
+        committer = self.committer
+        if abandon and isinstance(committer, RankCommitter):
+            if self._background_committer is None:
+                self._background_committer = committer.storage_only()
+            committer = self._background_committer
         try:
-            return self.target.commit(job, self.committer)
+            return self.target.commit(job, committer)
         except AmbiguousCommitError:
             raise
         except BaseException:

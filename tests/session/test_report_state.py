@@ -219,25 +219,57 @@ def test_checkpoint_and_state_together_and_bad_budgets_are_refused(tmp_path):
 
 def test_state_on_several_ranks_commits_one_state(tmp_path, ranks):
     """Two ranks without a process group (storage rendezvous): each writes its
-    pieces, rank 0 commits one state; async and a local tier are refused on
-    every rank before anything is written (docs/sharded-state.md)."""
+    pieces, rank 0 commits one state, in the background (the default) or
+    before report() returns (docs/sharded-state.md)."""
     big = np.arange(300_000, dtype=np.float32).reshape(1000, 300)  # 1.2 MB: split in two
 
     def rank(r):
         with session.start(storage_path=str(tmp_path), experiment_name="e", trial_name="t",
                            world_rank=r, world_size=2, attempt_id="a1") as s:
-            with pytest.raises(InvalidConfigError, match="upload_mode='async'"):
-                s.report({}, state={"a": big}, upload_mode="async")
             s.report({"i": 1}, state={"a": big, "step": 3})
-            return s.get_checkpoint().path
+            s.report({"i": 2}, state={"a": big + 1, "step": 4}, upload_mode="sync")
+            after_sync = s.get_checkpoint().path
+            s.report({"i": 3}, state={"a": big + 2, "step": 5})
+            s.wait()
+            return after_sync, s.get_checkpoint().path
 
-    paths = ranks(2, rank)
-    assert paths[0] == paths[1] == str(tmp_path / "e" / "t" / "checkpoint_000000")
-    ck = Checkpoint.from_directory(paths[0])
-    meta = ck.internal_metadata
-    assert len(meta["tensors"]["a"]["shards"]) == 2
-    out = ck.load_state()
-    assert np.array_equal(out["a"], big) and out["step"] == 3
+    got = ranks(2, rank)
+    trial = tmp_path / "e" / "t"
+    assert got[0] == got[1] == (str(trial / "checkpoint_000001"),
+                                str(trial / "checkpoint_000002"))
+    for i in range(3):
+        ck = Checkpoint.from_directory(str(trial / f"checkpoint_{i:06d}"))
+        assert len(ck.internal_metadata["tensors"]["a"]["shards"]) == 2
+        out = ck.load_state()
+        assert np.array_equal(out["a"], big + i) and out["step"] == 3 + i
+
+
+def test_a_rank_that_cannot_save_its_state_aborts_the_index_everywhere(tmp_path, ranks):
+    """Rank 1's state holds a leaf no state can hold: rank 1 raises at that
+    report; rank 0's background commit of it is aborted (its wait() raises
+    that, as every background error); nothing is committed under that
+    index and the next report commits on both."""
+    good = {"a": np.zeros(4)}
+
+    def rank(r):
+        errors = []
+        with session.start(storage_path=str(tmp_path), experiment_name="e", trial_name="t",
+                           world_rank=r, world_size=2, attempt_id="a1") as s:
+            for i in range(2):
+                try:
+                    s.report({"i": i}, state=good if r == 0 or i else {"a": object()})
+                    s.wait()
+                    errors.append(None)
+                except Exception as exc:
+                    errors.append(type(exc).__name__)
+            return errors, s.get_checkpoint().path
+
+    got = ranks(2, rank)
+    assert got[0][0] == ["CheckpointAbortedError", None]
+    assert got[1][0] == ["UnsupportedStateError", None]
+    trial = tmp_path / "e" / "t"
+    assert {p for _, p in got} == {str(trial / "checkpoint_000001")}
+    assert not (trial / "checkpoint_000000").exists()
 
 
 def test_state_on_several_ranks_with_a_local_tier_is_refused(tmp_path, ranks):

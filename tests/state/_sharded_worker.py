@@ -66,6 +66,7 @@ def main() -> None:
             error = None
             try:
                 s.report({"loss": 0.1}, state=state)
+                s.wait()  # the other ranks learn of the abort from their background commit
             except Exception as exc:
                 error = [type(exc).__name__, str(exc)]
             latest = s.get_checkpoint().path

@@ -1,0 +1,184 @@
+"""Sharded state: planning, bytes written per rank, bytes read per rank, time a save blocks.
+
+Standalone: ``python -m benchmarks.bench_sharded [--mib 256] [--ranks 4]``
+prints one JSON object and the markdown rows of docs/benchmarks.md
+("Sharded state").
+
+- **Planning**: a tensor of 20,000 rows saved as 10,000 pieces of 2 rows,
+  asked for as 10,000 boxes of 2 rows shifted by one (each overlaps two
+  pieces): :class:`~checkpoint_store.state._shards.ShardIndex` built once,
+  every box looked up, against a scan of every piece per box (the product;
+  timed on 1,000 boxes and scaled).
+- **Writes**: ``write_part`` of a state of ``--mib`` MiB (a DTensor-like
+  row split is what replicated tensors of 1 MiB and more get) on
+  ``--ranks`` ranks: the bytes of each rank's files against an even share.
+- **Reads**: every rank of 2, 3 and 8 asks for its rows of every tensor
+  (``StateSlice``); bytes read per rank against its slice, and all ranks
+  together against the state.
+- **Blocked time**: two ranks in threads (storage rendezvous, local disk)
+  each report the state; the time ``report()`` blocks against a memcpy of
+  that rank's share (a several-rank state report is synchronous for now).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from typing import Any
+
+from benchmarks._common import MiB
+
+
+def _planning(pieces: int = 10_000) -> dict[str, Any]:
+    from checkpoint_store.state._shards import ShardIndex
+
+    rows = 2 * pieces
+    entry = {"dtype": "F32", "shape": [rows, 64], "framework": "torch",
+             "shards": [{"file": "f", "offsets": [0, 0], "crc32c": "0", "offset": [2 * i, 0],
+                         "shape": [2, 64]} for i in range(pieces)]}
+    boxes = [([2 * i + 1, 0], [min(rows, 2 * i + 3), 64]) for i in range(pieces)]
+    t0 = time.perf_counter()
+    index = ShardIndex(entry)
+    found = sum(len(index.find(lo, hi)) for lo, hi in boxes)
+    planned = time.perf_counter() - t0
+    sample = boxes[:1000]
+    t0 = time.perf_counter()
+    for lo, hi in sample:
+        [p for p in entry["shards"]
+         if all(p["offset"][d] < hi[d] and lo[d] < p["offset"][d] + p["shape"][d]
+                for d in range(2))]
+    scan = (time.perf_counter() - t0) * len(boxes) / len(sample)
+    return {"pieces": pieces, "boxes": pieces, "overlaps": found, "planned_s": planned,
+            "scan_s_estimated": scan}
+
+
+def _state(mib: int) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    n = mib * MiB // 4 // 8  # eight tensors
+    rows = 1031  # no rank count divides it
+    return {"model": {f"layer{i}.weight": torch.randn(rows, n // rows, generator=g)
+                      for i in range(8)}, "step": 1}
+
+
+def _writes_and_reads(work: str, mib: int, ranks: int) -> dict[str, Any]:
+    import numpy as np
+    import pyarrow.fs as pafs
+
+    from checkpoint_store.state import StateSlice, load_state
+    from checkpoint_store.state._shards import merged_state_file, write_part
+
+    state = _state(mib)
+    root = os.path.join(work, "sharded")
+    parts = [write_part(state, root, r, ranks) for r in range(ranks)]
+    raw, _ = merged_state_file(parts)
+    with open(os.path.join(root, "state.json"), "wb") as f:
+        f.write(raw)
+    written = [sum(os.path.getsize(os.path.join(root, n)) for n in os.listdir(root)
+                   if n.startswith(f"tensors-rank{r:05d}-")) for r in range(ranks)]
+    even = sum(written) / ranks
+    total = sum(t.nbytes for t in state["model"].values())
+    reads: dict[str, Any] = {}
+    from checkpoint_store.state import _read
+
+    for m in (2, 3, 8):
+        per_rank = []
+        for r in range(m):
+            counted: list[int] = []
+            real = _read.read_box
+
+            def counting(*a: Any, _real: Any = real, _c: list[int] = counted, **k: Any) -> int:
+                n = _real(*a, **k)
+                _c.append(n)
+                return n
+
+            _read.read_box = counting
+            try:
+                into = {}
+                slice_bytes = 0
+                for key, t in state["model"].items():
+                    a, b = t.shape[0] * r // m, t.shape[0] * (r + 1) // m
+                    dest = np.empty((b - a, t.shape[1]), dtype=np.float32)
+                    slice_bytes += dest.nbytes
+                    into[key] = StateSlice(dest, (a, 0))
+                load_state(pafs.LocalFileSystem(), root, into={"model": into})
+            finally:
+                _read.read_box = real
+            per_rank.append({"read": sum(counted), "slice": slice_bytes})
+        reads[str(m)] = {
+            "max_ratio": max(p["read"] / p["slice"] for p in per_rank),
+            "all_ranks_ratio": sum(p["read"] for p in per_rank) / total,
+        }
+    return {"written": written, "max_over_even": max(written) / even, "reads": reads}
+
+
+def _blocked(work: str, mib: int) -> dict[str, Any]:
+    import numpy as np
+
+    from checkpoint_store import session
+
+    state = _state(mib)
+    share = sum(t.nbytes for t in state["model"].values()) // 2
+    src = np.ones(share, dtype=np.uint8)
+    dst = np.empty_like(src)
+    dst[:] = 0
+    memcpy = min(_timed(lambda: np.copyto(dst, src)) for _ in range(3))
+    times: dict[int, list[float]] = {0: [], 1: []}
+    root = tempfile.mkdtemp(dir=work)
+
+    def rank(r: int) -> None:
+        with session.start(storage_path=root, experiment_name="e", trial_name="t",
+                           world_rank=r, world_size=2, attempt_id="bench") as s:
+            for i in range(3):
+                t0 = time.perf_counter()
+                s.report({"i": i}, state=state)
+                times[r].append(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    blocked = statistics.median(times[0][1:] + times[1][1:])
+    return {"memcpy_s": memcpy, "blocked_s": blocked, "ratio": blocked / memcpy}
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--ranks", type=int, default=4)
+    args = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="bench-sharded-")
+    try:
+        out = {"planning": _planning(), "io": _writes_and_reads(work, args.mib, args.ranks),
+               "blocked": _blocked(work, args.mib), "mib": args.mib, "ranks": args.ranks}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(out, indent=1))
+    p, io, bl = out["planning"], out["io"], out["blocked"]
+    print(f"| planning {p['pieces']:,} x {p['boxes']:,} | {p['planned_s']:.2f} s "
+          f"(a scan per box: {p['scan_s_estimated']:.0f} s) | < 1 s |")
+    print(f"| bytes written per rank, {args.ranks} ranks | max {io['max_over_even']:.3f}x "
+          "an even share | <= 1.1x |")
+    for m, r in io["reads"].items():
+        print(f"| read on {m} ranks | max {r['max_ratio']:.3f}x its slice, all "
+              f"{r['all_ranks_ratio']:.3f}x the state | <= 1.1x |")
+    print(f"| report() blocks, 2 ranks | {bl['blocked_s'] * 1000:.0f} ms, "
+          f"{bl['ratio']:.1f}x a memcpy of the rank's share | <= 1.5x |")
+
+
+if __name__ == "__main__":
+    main()
