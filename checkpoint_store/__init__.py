@@ -20,6 +20,7 @@ from checkpoint_store.errors import (
     CredentialsExpiredError,
     InvalidConfigError,
     MetadataError,
+    MetricMismatchError,
     NestedCheckpointError,
     PermanentBackendError,
     Preempted,
@@ -42,6 +43,7 @@ from checkpoint_store.errors import (
 
 if TYPE_CHECKING:
     from checkpoint_store import session
+    from checkpoint_store._browse.experiment import Experiment, TrialSummary
     from checkpoint_store._util.retry import RetryPolicy
     from checkpoint_store.checkpoint import Checkpoint
     from checkpoint_store.registry import available_backends, register_backend
@@ -66,10 +68,12 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointStoreError",
     "CredentialsExpiredError",
+    "Experiment",
     "AmbiguousMetricError",
     "InvalidConfigError",
     "LocalTier",
     "MetadataError",
+    "MetricMismatchError",
     "NestedCheckpointError",
     "PermanentBackendError",
     "Preempted",
@@ -89,6 +93,7 @@ __all__ = [
     "TransientBackendError",
     "TrialRunner",
     "TrialStopped",
+    "TrialSummary",
     "UnknownSchemeError",
     "UnreadableSourceError",
     "UnsafePathError",
@@ -106,12 +111,14 @@ _LAZY = {
     "Checkpoint": "checkpoint_store.checkpoint",
     "CheckpointConfig": "checkpoint_store.retention",
     "CheckpointManager": "checkpoint_store.retention",
+    "Experiment": "checkpoint_store._browse.experiment",
     "LocalTier": "checkpoint_store.tiers",
     "RetryPolicy": "checkpoint_store._util.retry",
     "ScanResult": "checkpoint_store.storage",
     "StorageContext": "checkpoint_store.storage",
     "PreemptionConfig": "checkpoint_store.session",
     "TrialRunner": "checkpoint_store.session",
+    "TrialSummary": "checkpoint_store._browse.experiment",
     "UploadConfig": "checkpoint_store.retention.upload_config",
     "available_backends": "checkpoint_store.registry",
     "register_backend": "checkpoint_store.registry",

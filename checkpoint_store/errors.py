@@ -61,6 +61,12 @@ class AmbiguousMetricError(InvalidConfigError, LookupError):
     Rename one of them."""
 
 
+class MetricMismatchError(InvalidConfigError):
+    """Trials (or a trial and a caller) name different metrics or orders to rank
+    by, so "the best" has no single meaning: pass ``metric=`` and ``mode=``
+    (``--metric`` and ``--mode`` on the command line) to choose one."""
+
+
 class MetadataError(InvalidConfigError, TypeError):
     """Metadata or metrics are not a JSON object of serialisable values.
 

@@ -20,7 +20,8 @@ from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.backends.base import Capabilities
 from checkpoint_store.errors import InvalidConfigError
 
-__all__ = ["STOP_STATUSES", "read_error", "read_stop", "write_error", "write_params", "write_stop"]
+__all__ = ["STOP_STATUSES", "read_error", "read_params", "read_stop", "write_error",
+           "write_params", "write_stop"]
 
 
 def write_params(filesystem: Any, trial_path: str, config: Mapping[str, Any],
@@ -32,6 +33,19 @@ def write_params(filesystem: Any, trial_path: str, config: Mapping[str, Any],
     """
     data = _json.dumps(_json.to_json_object(config, "config"))
     _fsutil.write_bytes(filesystem, posixpath.join(trial_path, PARAMS_FILE), data, caps)
+
+
+def read_params(filesystem: Any, trial_path: str) -> dict[str, Any]:
+    """The trial's ``params.json`` (its config as :func:`write_params` wrote it),
+    without the records the library adds under ``_``-prefixed keys (such as
+    ``_resume_from``); ``{}`` when absent, unreadable or not a JSON object."""
+    try:
+        body = _json.loads(_fsutil.read_bytes(filesystem, posixpath.join(trial_path, PARAMS_FILE)))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    if not isinstance(body, dict):
+        return {}
+    return {k: v for k, v in body.items() if not (isinstance(k, str) and k.startswith("_"))}
 
 
 def write_error(filesystem: Any, trial_path: str, text: str, error: BaseException,

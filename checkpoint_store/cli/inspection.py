@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 
+from checkpoint_store._browse.experiment import experiment_of, summarize_trial
 from checkpoint_store._browse.locations import (
     Location,
     LocationKind,
@@ -187,23 +188,14 @@ def _last_error(trial: Location) -> str | None:
 
 
 def _ls_experiment(exp: Location, long: bool) -> dict[str, Any]:
+    """Each trial of ``exp`` with its status, the metric and order it records,
+    its best score and checkpoint, and its parameters (:func:`summarize_trial`);
+    with ``long`` its size (every checkpoint's metadata read)."""
     rows = []
     for trial in trials_under(exp, "experiment"):
         committed, entries, _ = _listed_checkpoints(trial, long)
-        names = [n for n, _ in (entries if entries is not None else list_entries(trial))]
-        error = _last_error(trial) if ERROR_FILE in names else None
-        status, stop = trial_status(trial, names, error)
-        row = {
-            "name": trial.name,
-            "uri": trial.uri,
-            "status": status,
-            # Why it ended early (stopped.json: a pruner, a preemption signal), or its error.
-            "reason": stop["reason"] if stop is not None and stop["status"] == status
-            else error if status == "errored" else None,
-            "checkpoints": len(committed),
-            "latest_index": committed[-1][1]["index"] if committed else None,
-            "latest_created_at": committed[-1][1].get("created_at") if committed else None,
-        }
+        summary = summarize_trial(trial, committed, entries)
+        row = summary.to_dict()
         if long:
             row["size"] = sum(manifest_size(m) for _, m in committed)
         rows.append(row)
@@ -304,15 +296,27 @@ def _print_ls_trial(trial: Location, data: Mapping[str, Any], long: bool) -> Non
                    f"{data['stop']['reason']})", err=True)
 
 
+def _fmt_params(params: Mapping[str, Any], width: int = 40) -> str:
+    """``k=v,k=v`` of a trial's parameters (nested keys joined by ``/``), cut at ``width``."""
+    from checkpoint_store._browse.experiment import flatten
+
+    text = ",".join(f"{k}={fmt_value(v)}" for k, v in flatten(params).items()) or "-"
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def _print_ls_experiment(data: Mapping[str, Any], long: bool) -> None:
-    header = ["TRIAL", "STATUS", "CHECKPOINTS", "LATEST", "LATEST CREATED (UTC)"]
-    rows = [[r["name"], r["status"], str(r["checkpoints"]), fmt_value(r["latest_index"]),
+    header = ["TRIAL", "STATUS", "METRIC", "BEST", "PARAMS", "CHECKPOINTS", "LATEST",
+              "LATEST CREATED (UTC)"]
+    rows = [[r["name"], r["status"],
+             f"{r['metric']} ({r['mode']})" if r["metric"] else "-",
+             fmt_value(r["best_score"]), _fmt_params(r["params"]),
+             str(r["checkpoints"]), fmt_value(r["latest_index"]),
              fmt_time(r["latest_created_at"])] for r in data["trials"]]
     if long:
         header.append("SIZE")
         for row, r in zip(rows, data["trials"], strict=True):
             row.append(fmt_size(r["size"]))
-    table(header, rows, right=[2, 3, 5] if long else [2, 3])
+    table(header, rows, right=[3, 5, 6, 8] if long else [3, 5, 6])
     for r in data["trials"]:
         if r["status"] == PREEMPTED:
             click.echo(f"({r['name']} was preempted: {r['reason']}; resumable from its "
@@ -490,7 +494,7 @@ def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) ->
 
 
 @click.command("best")
-@click.argument("trial")
+@click.argument("trial", metavar="TRIAL|EXPERIMENT")
 @storage_option()
 @metric_option(help="Metric to rank by; nested metrics use '/'. Default: the trial's "
                     "retention score attribute. One no checkpoint of the trial records is "
@@ -504,6 +508,11 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
              as_json: bool) -> None:
     """Print the best checkpoint of TRIAL (its URI on the first line) and its metrics.
 
+    Given an EXPERIMENT (a directory of trials), the best checkpoint of its
+    best trial, then the trial, its parameters and the checkpoint's metrics.
+    Trials that recorded different metrics or orders are refused (exit 2):
+    pass --metric and --mode.
+
     Ranking is the retention manager's: NaN or missing scores rank last, ties
     go to the newer checkpoint; a checkpoint the trial's retention state
     records as invalid (found damaged by a read) is left out, with a warning.
@@ -512,12 +521,16 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
     Examples:
       checkpoint-store best ./results/exp/trial1 --metric loss --mode min
       checkpoint-store best s3://bucket/runs/exp/trial1 --metric eval/accuracy --mode max
+      checkpoint-store best ./results/exp
       checkpoint-store download "$(checkpoint-store best ./results/exp/t1 --metric loss \\
           --mode min | head -n1)" ./best
     """
     from checkpoint_store.retention import rank_key
 
     loc = resolve_location(trial, storage_options)
+    if classify(loc) == "experiment":
+        _best_of_experiment(loc, metric, mode, as_json)
+        return
     require_trial(loc)
     explicit, warned = metric is not None, False
     if metric is not None and mode is not None:  # else the state is read, and refused
@@ -580,6 +593,35 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
     click.echo(best_ckpt.uri)
     for key, value in sorted(metrics.items()):
         click.echo(f"  {key}: {fmt_value(value)}")
+
+
+def _best_of_experiment(loc: Location, metric: str | None, mode: str | None,
+                        as_json: bool) -> None:
+    """``best`` of an experiment: :meth:`Experiment.best_trial` and its checkpoint."""
+    exp = experiment_of(loc)
+    trial = exp.best_trial(metric, mode)
+    metric, mode = exp.ranking(metric, mode)
+    best = trial.best(metric, mode)
+    assert best is not None  # best_trial has a scored checkpoint
+    ckpt, score = best
+    meta = ckpt.internal_metadata
+    stored = meta.get("metrics")
+    metrics: Mapping[str, Any] = stored if isinstance(stored, Mapping) else {}
+    if as_json:
+        print_json({"uri": ckpt.uri, "index": meta.get("index"), "trial": trial.name,
+                    "trial_uri": trial.uri, "metric": metric, "mode": mode, "score": score,
+                    "params": trial.params, "metrics": metrics})
+        return
+    click.echo(ckpt.uri)
+    click.echo(f"  trial: {trial.name} ({trial.status})")
+    click.echo(f"  {metric} ({mode}): {fmt_value(score)}")
+    from checkpoint_store._browse.experiment import flatten
+
+    for key, value in sorted(flatten(trial.params).items()):
+        click.echo(f"  param {key}: {fmt_value(value)}")
+    for key, value in sorted(metrics.items()):
+        if key != metric:
+            click.echo(f"  {key}: {fmt_value(value)}")
 
 
 def _still_committed(ranked: list[_Scored]) -> list[_Scored]:

@@ -39,11 +39,13 @@ from checkpoint_store.cli.metrics import (
     warn_unreadable_state,
 )
 from checkpoint_store.cli.options import NumberAtLeast, common_options, echo_info, storage_option
+from checkpoint_store.errors import InvalidConfigError
 from checkpoint_store.retention.recorded import (
     UnreadableStateError,
     metric_value,
     recorded_config,
     recorded_run_id,
+    score_attribute,
     stored_score,
 )
 
@@ -157,6 +159,32 @@ def _prune_config(loc: Location, keep: int | None, metric: str | None, mode: str
     return config, metric, order
 
 
+def _check_rerank(loc: Location, metric: str | None, order: str, allowed: bool) -> None:
+    """Refuse a ranking other than the one the trial recorded, or with
+    ``allowed`` (a dry run, ``--rerank``) name it on stderr: a prune by
+    another metric or order deletes what the trial's own ranking calls its best.
+
+    Raises:
+        InvalidConfigError: (exit 2) the rankings differ and not ``allowed``.
+    """
+    try:
+        recorded, recorded_order = score_attribute(loc)
+    except UnreadableStateError:
+        return  # named by the prune itself: nothing recorded to compare with
+    if recorded is None or (metric, order) == (recorded, recorded_order or "max"):
+        return
+    given = f"{metric!r} ({order})" if metric is not None else "recency"
+    text = (f"{loc.uri} records ranking by {recorded!r} ({recorded_order}), but this prune "
+            f"ranks by {given}")
+    if allowed:
+        click.echo(f"warning: {text}", err=True)
+        return
+    raise InvalidConfigError(
+        f"{text}: it could delete the trial's best by its own ranking; nothing was deleted. "
+        f"Pass --metric {recorded} --mode {recorded_order}, or --rerank to prune by the "
+        "given ranking anyway (--dry-run shows what it would delete)")
+
+
 def _print_prune(verb: str, metric: str | None, evicted: Iterable[dict[str, Any]],
                  kept: Iterable[dict[str, Any]]) -> None:
     label = f" ({metric}=" if metric else ""
@@ -192,12 +220,16 @@ def _print_prune(verb: str, metric: str | None, evicted: Iterable[dict[str, Any]
 @click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")
 @click.option("--force", is_flag=True,
               help="Prune even while a running job's checkpoint manager holds the trial.")
+@click.option("--rerank", is_flag=True,
+              help="Prune by --metric/--mode even where they differ from the metric and "
+                   "order the trial recorded (refused without it: its best by the "
+                   "recorded ranking could be deleted).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @common_options
 def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int | None,
               metric: str | None,
               mode: str | None, keep_latest: bool, dry_run: bool, force: bool,
-              as_json: bool) -> None:
+              rerank: bool, as_json: bool) -> None:
     """Apply retention to TRIAL after the fact: keep the best N, delete the rest.
 
     Without --keep, the retention policy the trial's manager recorded (any
@@ -212,6 +244,9 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int | None,
     deletion removes the commit marker first, so an interrupted prune never
     leaves a half-deleted checkpoint that still lists as committed. A trial
     whose running job holds the manager's lease is refused (--force overrides).
+    A --metric or --mode other than the metric and order the trial recorded
+    is refused (exit 2; --dry-run shows it with a warning, --rerank prunes by
+    it anyway): best means the recorded metric unless said otherwise.
 
     \b
     Examples:
@@ -221,6 +256,7 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int | None,
     loc = resolve_location(trial, storage_options)
     require_trial(loc)
     config, metric, order = _prune_config(loc, keep, metric, mode, keep_latest)
+    _check_rerank(loc, metric, order, dry_run or rerank)
     # Told how to rank: a state that cannot be read is named (and its record
     # of damaged checkpoints is lost to this ranking).
     warn_unreadable_state(loc, deep=True)

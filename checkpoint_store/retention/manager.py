@@ -42,6 +42,7 @@ from checkpoint_store.retention.deletes import Deleter, delete_evicted, uncommit
 from checkpoint_store.retention.lease import Lease
 from checkpoint_store.retention.policies import PolicyCheckpoint, check_metrics, evaluate
 from checkpoint_store.retention.rebuild import is_ours, rebuild
+from checkpoint_store.retention.recorded import config_for
 from checkpoint_store.retention.restore import Candidates, created_at
 from checkpoint_store.retention.scoring import missing_score_error, score_of
 from checkpoint_store.retention.selection import Entry, Selection, check_report
@@ -79,7 +80,11 @@ class CheckpointManager:
         config: the retention rules.
         storage: the trial's :class:`StorageContext`; every I/O goes through it.
         read_only: restore and answer queries, but never write the state,
-            delete, take the lease or register (for inspection tools).
+            delete, take the lease or register (for inspection tools). Given
+            the default ``CheckpointConfig()``, a read-only manager applies
+            the config the trial recorded, so :attr:`best_checkpoint` is the
+            best by the recorded metric and order; a config naming another
+            metric or order warns (:mod:`~checkpoint_store.retention.recorded`).
         lease_ttl_s: seconds after which the lease of a holder that stopped
             renewing (a crash on another host) expires. Renewed every third of it.
         background_deletes: delete evicted checkpoints on a background thread
@@ -126,6 +131,7 @@ class CheckpointManager:
             or not math.isfinite(lease_ttl_s)
         ):
             raise InvalidConfigError(f"lease_ttl_s must be a positive number, got {lease_ttl_s!r}")
+        config = config_for(config, storage, read_only=bool(read_only))
         self.config = config
         self._storage = storage
         self._read_only = bool(read_only)

@@ -22,6 +22,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from checkpoint_store.retention.config import CheckpointConfig
+from checkpoint_store.retention.recorded import warn_disagreeing
 from checkpoint_store.retention.restore import (
     Listing,
     Scan,
@@ -87,6 +88,12 @@ def rebuild(config: CheckpointConfig, storage: StorageContext, log: StateLog, se
     listing = Listing.of(storage)
     keep_all = config.num_to_keep is None and config.policy is None
     state, problem = log.load(listing.files, lazy=keep_all)
+    # A writer given the default keeps everything (a new run's choice, nothing
+    # deleted by it); any other config ranking otherwise than recorded is named.
+    if state is not None and state.config is not None \
+            and (read_only or config != CheckpointConfig()):
+        # rebuild <- _restore <- __init__ <- the caller of CheckpointManager(...)
+        warn_disagreeing(config, state.config, storage.uri(storage.trial_path), stacklevel=4)
     pending_before = set(state.pending_deletes) if state is not None else set()
     # Found damaged before: not inspected, ranked or re-registered again.
     recorded = {n: why for n, why in (state.invalid if state is not None else {}).items()

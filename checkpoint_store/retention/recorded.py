@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import MANAGER_STATE, STATE_KIND
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
+
+if TYPE_CHECKING:
+    from checkpoint_store.storage import StorageContext
 
 
 class Location(Protocol):
@@ -40,12 +43,14 @@ class Location(Protocol):
 
 __all__ = [
     "UnreadableStateError",
+    "config_for",
+    "warn_disagreeing",
     "recorded_config",
     "recorded_run_id",
     "metric_value",
     "monitored_attribute",
-        "score_attribute",
-        "stored_score",
+    "score_attribute",
+    "stored_score",
 ]
 
 
@@ -152,14 +157,77 @@ def recorded_config(trial: Location) -> Any:
         UnreadableStateError: the state is there but unreadable.
         CheckpointStoreError: the recorded config or policy is invalid.
     """
-    from checkpoint_store.retention import CheckpointConfig
+    from checkpoint_store.retention.config import CheckpointConfig
 
     config = _recorded_json(trial)
     return None if config is None else CheckpointConfig.from_json(config)
 
 
+class _TrialOf:
+    """A :class:`StorageContext`'s trial directory seen as a :class:`Location`."""
+
+    def __init__(self, storage: StorageContext, path: str | None = None) -> None:
+        self._storage = storage
+        self.path = storage.trial_path if path is None else path
+
+    @property
+    def fs(self) -> Any:
+        return self._storage.filesystem
+
+    @property
+    def uri(self) -> str:
+        return self._storage.uri(self.path)
+
+    def child(self, *names: str) -> Location:
+        return _TrialOf(self._storage, posixpath.join(self.path, *names))
 
 
+def config_for(config: Any, storage: StorageContext, *, read_only: bool) -> Any:
+    """The :class:`~checkpoint_store.retention.CheckpointConfig` a manager of
+    the trial ``storage`` applies when given ``config``: "best" means the
+    metric and order the trial recorded, never silently another one. A
+    read-only manager given the default ``CheckpointConfig()`` takes the
+    recorded config whole (metric, order and policy: what the trial's writer
+    ranked and kept by), as ``checkpoint-store best`` and the page do; one
+    read of the state root. Any other ``config`` is returned unchanged (a
+    disagreeing one is warned by :func:`warn_disagreeing` at restore; a
+    writer given the default keeps it: a new run chooses its own rules). No
+    state, or one that cannot be read: ``config`` (the restore names it).
+    """
+    from checkpoint_store.retention.config import CheckpointConfig
+
+    if not read_only or config != CheckpointConfig():
+        return config
+    try:
+        recorded = recorded_config(_TrialOf(storage))
+    except CheckpointStoreError:
+        return config
+    return config if recorded is None else recorded
+
+
+def warn_disagreeing(config: Any, recorded: Mapping[str, Any], where: str,
+                     stacklevel: int) -> None:
+    """Warn (:class:`UserWarning`) when ``config`` ranks by another metric or
+    order than the ``recorded`` config JSON of the trial at ``where``: its
+    ``best_checkpoint`` (and, for a writer, what it evicts from now on)
+    then answers by the given config, which must never happen silently.
+    Nothing is said when the trial recorded no metric."""
+    attr = recorded.get("checkpoint_score_attribute")
+    order = recorded.get("checkpoint_score_order", "max")
+    given = (config.checkpoint_score_attribute, config.checkpoint_score_order)
+    if attr is None or given == (attr, order):
+        return
+    import warnings
+
+    ranked = (f"{given[0]!r} ({given[1]})" if given[0] is not None
+              else "recency (no checkpoint_score_attribute)")
+    warnings.warn(
+        f"the trial {where} recorded ranking by {attr!r} ({order}), but this manager ranks "
+        f"by {ranked}: best_checkpoint answers by the given config. Pass "
+        f"CheckpointConfig(checkpoint_score_attribute={attr!r}, "
+        f"checkpoint_score_order={order!r}) to rank as the trial did (read-only: "
+        "CheckpointConfig() takes the recorded one)",
+        UserWarning, stacklevel=stacklevel + 1)
 
 
 def stored_score(ckpt: Location, metrics: Mapping[str, Any], metric: str) -> float | None:
@@ -169,7 +237,7 @@ def stored_score(ckpt: Location, metrics: Mapping[str, Any], metric: str) -> flo
         CheckpointStoreError: the stored value is not a number. Not a usage
             error (exit 1): the arguments are fine, the stored data is not.
     """
-    from checkpoint_store.retention import score_of
+    from checkpoint_store.retention.scoring import score_of
 
     try:
         return score_of(metrics, metric)
@@ -183,7 +251,7 @@ def stored_score(ckpt: Location, metrics: Mapping[str, Any], metric: str) -> flo
 
 def metric_value(metrics: Mapping[str, Any], attribute: str) -> Any:
     """The stored value of ``attribute`` (``/`` for nested), None when absent."""
-    from checkpoint_store.retention import NOT_FOUND, lookup_metric
+    from checkpoint_store.retention.scoring import NOT_FOUND, lookup_metric
 
     value = lookup_metric(metrics, attribute)
     return None if value is NOT_FOUND else value
