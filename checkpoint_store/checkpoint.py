@@ -397,7 +397,8 @@ class Checkpoint:
         return loaded
 
     def to_directory(
-        self, path: str | os.PathLike[str] | None = None, *, verify: bool = True
+        self, path: str | os.PathLike[str] | None = None, *, verify: bool = True,
+        progress: Callable[[int, int], None] | None = None,
     ) -> str:
         """Copy the user's files and ``.user_metadata.json`` into a local directory.
 
@@ -418,6 +419,12 @@ class Checkpoint:
             verify: check each file's size and CRC32C against the manifest of
                 a committed checkpoint (default True; False skips the check,
                 not the download).
+            progress: ``progress(done_bytes, total_bytes)``, called with 0
+                first, then as each part of the transfer ends (a batch of
+                small files, a part of a large one; from worker threads, one
+                call at a time): drive a ``tqdm`` or ``rich`` bar with it. A
+                ``path`` already holding this checkpoint calls it once with
+                ``(total, total)``. Not called on a failure.
 
         Returns:
             The local directory path.
@@ -442,19 +449,23 @@ class Checkpoint:
             raise InvalidConfigError(f"to_directory(verify=) must be True or False, got "
                                      f"{verify!r}")
         target = None if path is None else _local_path_arg(path, "to_directory(path)")
+        if progress is not None and not callable(progress):
+            raise InvalidConfigError(f"to_directory(progress=) must be a callable (done_bytes, "
+                                     f"total_bytes), got {type(progress).__name__}")
         started = time.monotonic()
         with self._reporting_corruption():
-            local = self._to_directory(target, verify)
+            local = self._to_directory(target, verify, progress)
         _transferlog.log_if_long(logger, f"download {self.uri} to {local}",
                                  lambda: _transferlog.local_tree_bytes(local),
                                  time.monotonic() - started)
         return local
 
-    def _to_directory(self, target: str | None, verify: bool) -> str:
+    def _to_directory(self, target: str | None, verify: bool,
+                      progress: Callable[[int, int], None] | None = None) -> str:
         insp = self._inspect_for_download()
         manifest = insp.meta["manifest"] if insp.meta else None
         if target is None:
-            return self._download_to_temp(manifest, verify, insp.files)
+            return self._download_to_temp(manifest, verify, insp.files, progress)
         parent, base = os.path.split(target)
         # Every refusal below comes before the first write (the lock included).
         self._refuse_target(target, base)
@@ -476,9 +487,12 @@ class Checkpoint:
                 and previous.get("identity") == identity
                 and _sizes_match(target, manifest)
             ):
+                if progress is not None:  # nothing to move: done already
+                    size = sum(int(e.get("size", 0)) for e in manifest)
+                    progress(size, size)
                 return target
             self._download_and_swap(target, marker, identity, _owned_files(target, previous),
-                                    manifest, verify, insp.files)
+                                    manifest, verify, insp.files, progress)
         return target
 
     def _inspect_for_download(self) -> Inspection:
@@ -493,12 +507,13 @@ class Checkpoint:
         return insp
 
     def _download_to_temp(self, manifest: list[dict[str, Any]] | None, verify: bool,
-                          listed: Mapping[str, int] | None) -> str:
+                          listed: Mapping[str, int] | None,
+                          progress: Callable[[int, int], None] | None = None) -> str:
         """Download into a new temporary directory (removed again on failure)."""
         tmp = _download_dir()
         try:
             download_tree(self.filesystem, self.path, self._backend.capabilities, tmp,
-                          manifest=manifest, verify=verify, listed=listed)
+                          manifest=manifest, verify=verify, listed=listed, progress=progress)
         except BaseException:
             _remove_tree(tmp)
             raise
@@ -518,13 +533,15 @@ class Checkpoint:
     def _download_and_swap(
         self, target: str, marker: str, identity: dict[str, Any] | None, old_files: list[str],
         manifest: list[dict[str, Any]] | None, verify: bool, listed: Mapping[str, int] | None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> None:
         """Under the target's lock: download into a staging sibling, then swap it in."""
         parent, base = os.path.split(target)
         staging = _new_sibling_dir(parent, "download", base)
         try:
             written = download_tree(self.filesystem, self.path, self._backend.capabilities,
-                                    staging, manifest=manifest, verify=verify, listed=listed)
+                                    staging, manifest=manifest, verify=verify, listed=listed,
+                                    progress=progress)
             _swap_in(staging, target, marker, identity, old_files, written)
         finally:
             _remove_tree(staging)

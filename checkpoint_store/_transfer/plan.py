@@ -321,11 +321,15 @@ def run(
     memory_limit: int | None = None,
     call: Callable[[Callable[[], Any], str], Any] | None = None,
     previous: Previous | None = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> list[FileResult]:
     """Copy ``files`` (``(relpath, size)``) from ``src_root`` to ``dst_root``.
 
     The destination's directories must exist already. ``call(fn, what)`` runs
     each storage task (a retry policy, say); the default runs it once.
+    ``on_bytes(n)`` is called, from any worker thread, with the bytes of each
+    task once it is done (a batch of small files, a part of a large file, a
+    whole file): progress at the granularity of the plan's tasks.
 
     ``previous`` (an upload from the local disk only): a committed checkpoint
     on the destination store. A file whose size and CRC32C equal those of the
@@ -349,6 +353,7 @@ def run(
              concurrency=concurrency, memory_limit=memory_limit)
     r = TransferTasks(p, src_fs, src_root, dst_fs, dst_root, fsync=fsync,
                 call=call or _call_plain, read_chunk=chunk_size)
+    r.on_bytes = on_bytes
     results: dict[str, FileResult] = {}
     sizes = dict(files)
     rest = list(files)
@@ -372,6 +377,8 @@ def run(
                          concurrency=concurrency, memory_limit=memory_limit)
         moved, part_crcs = _move(r, p) if rest else ({}, {})
         copied = {rel: f.result() for rel, f in copies.items()}
+        if on_bytes is not None:
+            on_bytes(sum(fr.size for fr in copied.values() if isinstance(fr, FileResult)))
         errors = {rel: fr for rel, fr in copied.items() if isinstance(fr, OSError)}
         failed = [(rel, sizes[rel]) for rel in errors]
         results.update((rel, fr) for rel, fr in copied.items() if isinstance(fr, FileResult))
@@ -502,16 +509,40 @@ def _work_items(p: Plan, r: TransferTasks) -> _Work:
     return work
 
 
+def _counted(r: TransferTasks, task: Callable[..., T], size: int) -> Callable[..., T]:
+    """``task``, reporting ``size`` bytes to ``r.on_bytes`` once it returns.
+    A whole-file copy between local disks (``copy_whole``) reports here, and
+    its checksum parts report nothing: their bytes are the same file's."""
+    on_bytes = r.on_bytes
+    if on_bytes is None:
+        return task
+
+    def run(*args: Any) -> T:
+        out = task(*args)
+        on_bytes(size)
+        return out
+
+    return run
+
+
+def _part_size(whole: set[str], rel: str, length: int) -> int:
+    """What a part reports: nothing when its file is a whole-file copy (in ``whole``)."""
+    return 0 if rel in whole else length
+
+
 def _run_in_turn(r: TransferTasks, work: _Work) -> tuple[dict[str, FileResult], _PartCrcs]:
     """Run every task on this thread (one worker, or one task)."""
-    results = {fr.path: fr for b in work.batches for fr in r.batch(b)}
-    for rel, _ in work.copies:
-        r.copy_whole(rel)
+    results = {fr.path: fr for b in work.batches
+               for fr in _counted(r, r.batch, sum(n for _, n in b))(b)}
+    for rel, size in work.copies:
+        _counted(r, r.copy_whole, size)(rel)
     part_crcs: _PartCrcs = {}
+    whole = {c for c, _ in work.copies}
     for rel, off, length in work.parts:
-        part_crcs.setdefault(rel, []).append((off, length, r.part(rel, off, length)))
+        crc = _counted(r, r.part, _part_size(whole, rel, length))(rel, off, length)
+        part_crcs.setdefault(rel, []).append((off, length, crc))
     for rel, size in work.streamed:
-        results[rel] = r.stream(rel, size)
+        results[rel] = _counted(r, r.stream, size)(rel, size)
     return results, part_crcs
 
 
@@ -520,13 +551,18 @@ def _run_on_pool(r: TransferTasks, work: _Work) -> tuple[dict[str, FileResult], 
     the tasks not started yet and is raised once the running ones end."""
     with ThreadPoolExecutor(r.p.concurrency, thread_name_prefix="cs-transfer") as pool:
         # The whole-file copies first: they are the longest tasks.
-        copy_futs = [pool.submit(r.copy_whole, rel) for rel, _ in work.copies]
-        stream_futs = [pool.submit(r.stream, rel, size) for rel, size in work.streamed]
+        whole = {c for c, _ in work.copies}
+        copy_futs = [pool.submit(_counted(r, r.copy_whole, size), rel)
+                     for rel, size in work.copies]
+        stream_futs = [pool.submit(_counted(r, r.stream, size), rel, size)
+                       for rel, size in work.streamed]
         part_futs = [
-            (rel, off, length, pool.submit(r.part, rel, off, length))
+            (rel, off, length, pool.submit(
+                _counted(r, r.part, _part_size(whole, rel, length)), rel, off, length))
             for rel, off, length in work.parts
         ]
-        batch_futs = [pool.submit(r.batch, b) for b in work.batches]
+        batch_futs = [pool.submit(_counted(r, r.batch, sum(n for _, n in b)), b)
+                      for b in work.batches]
         futs: list[Future[Any]] = (
             copy_futs + stream_futs + [f for *_, f in part_futs] + batch_futs
         )

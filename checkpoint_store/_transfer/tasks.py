@@ -144,6 +144,8 @@ class TransferTasks(_LocalDisk):
         read_chunk: int,
     ):
         self.p = p
+        #: Called with the bytes of each task done (:func:`plan.run`'s ``on_bytes``).
+        self.on_bytes: Callable[[int], None] | None = None
         self.src_fs, self.src_root = src_fs, src_root
         self.dst_fs, self.dst_root = dst_fs, dst_root
         self.src_os = _fsutil.local_path(src_fs, src_root)

@@ -18,6 +18,7 @@ import logging
 import os
 import posixpath
 import stat
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -47,11 +48,12 @@ from checkpoint_store.backends.base import (
 )
 from checkpoint_store.errors import (
     CheckpointNotFoundError,
+    InvalidConfigError,
     UnreadableSourceError,
     UnsafePathError,
 )
 
-__all__ = ["copy_tree", "download_tree", "source_files"]
+__all__ = ["copy_tree", "download_tree", "progress_counter", "source_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ def copy_tree(
     retry: RetryPolicy | None = None,
     memory_limit: int | None = None,
     previous: Any = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[ManifestEntry]:
     """Copy every file under ``src_root`` for which ``include(relpath)`` holds.
 
@@ -86,6 +89,8 @@ def copy_tree(
     in flight (local copies: read again from the page cache). ``previous`` (a
     :class:`checkpoint_store._transfer.plan.Previous`): files equal to that committed
     checkpoint's are copied inside the store instead of uploaded.
+    ``progress(done_bytes, total_bytes)`` is called once with ``done_bytes=0``
+    and then as each transfer task ends (:func:`progress_counter`).
 
     Returns:
         One :class:`ManifestEntry` per file copied, sorted by path.
@@ -122,6 +127,7 @@ def copy_tree(
         chunk_size=chunk, concurrency=concurrency or dst_caps.concurrency, fsync=do_fsync,
         memory_limit=memory_limit if memory_limit is not None else dst_caps.memory_budget,
         call=lambda fn, what: _retry.call(fn, policy=policy, what=what), previous=previous,
+        on_bytes=progress_counter(progress, sum(size for _, size in files)),
     )
     entries = [ManifestEntry(r.path, r.size, crc_hex(r.crc32c)) for r in results]
     if do_fsync:
@@ -130,6 +136,33 @@ def copy_tree(
             for d in sorted({posixpath.dirname(e.path) for e in entries} | {""}):
                 _fsutil.fsync_dir(os.path.join(root_os, d))
     return entries
+
+
+def progress_counter(progress: Callable[[int, int], None] | None, total: int
+                     ) -> Callable[[int], None] | None:
+    """An ``on_bytes(n)`` that calls ``progress(done_bytes, total_bytes)`` with
+    the running sum, from whichever worker thread finished a task (one call at
+    a time, ``done_bytes`` never decreasing), after one ``progress(0, total)``.
+    An exception from ``progress`` fails the transfer, as any other error
+    does; None when ``progress`` is None."""
+    if progress is None:
+        return None
+    if not callable(progress):
+        raise InvalidConfigError(
+            f"progress must be a callable (done_bytes, total_bytes), got "
+            f"{type(progress).__name__}")
+    lock = threading.Lock()
+    done = [0]
+    progress(0, total)
+
+    def on_bytes(n: int) -> None:
+        if n <= 0:
+            return
+        with lock:
+            done[0] = min(done[0] + n, total)
+            progress(done[0], total)
+
+    return on_bytes
 
 
 def _dirs_with_parents(rels: Iterable[str]) -> list[str]:
@@ -381,8 +414,11 @@ def download_tree(
     verify: bool = True,
     retry: RetryPolicy | None = None,
     listed: Mapping[str, int] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[str]:
     """Copy a checkpoint's user files (and ``.user_metadata.json``) into ``local_dir``.
+
+    ``progress(done_bytes, total_bytes)``: as :func:`copy_tree`'s.
 
     ``listed``: ``{relative path: size}`` of the checkpoint's files from the
     inspection that read ``manifest``: a local checkpoint is walked without
@@ -414,7 +450,7 @@ def download_tree(
     os.makedirs(root, exist_ok=True)
     _refuse_links_out(checkpoint_path, root, files)
     got = copy_tree(fs, checkpoint_path, local, root, local_caps, files=files, fsync=False,
-                    retry=retry)
+                    retry=retry, progress=progress)
     if verify and manifest is not None:
         have = {e.path: (e.size, e.crc32c) for e in got}
         for want in manifest:

@@ -36,6 +36,7 @@ __all__ = [
     "counting_filesystem",
     "counting_location",
     "expected_files",
+    "mean_rate",
     "progress_bar",
 ]
 
@@ -229,9 +230,35 @@ def expected_files(loc: Location, meta: Mapping[str, Any]) -> dict[str, tuple[st
             for e in meta.get("manifest", [])}
 
 
-def progress_bar(description: str, total: int | None) -> Progress:
-    """A :class:`Progress` for the running command: none under ``--quiet``."""
-    return Progress(description, total, enabled=not quiet())
+def progress_bar(description: str, total: int | None, *,
+                 finishing: str | None = None) -> Progress:
+    """A :class:`Progress` for the running command: none under ``--quiet``.
+    ``finishing`` names the step after the last byte (``"committing"``)."""
+    return Progress(description, total, enabled=not quiet(), finishing=finishing)
+
+
+def _rate_column() -> Any:
+    """A rich column showing bytes done over the time since the bar started:
+    the true mean rate. rich's own speed column averages recent samples,
+    which at the start are one burst over a few milliseconds (a rate many
+    times the real one)."""
+    from rich.filesize import decimal
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class _MeanRate(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            rate = mean_rate(int(task.completed), task.elapsed or 0.0)
+            return Text("?" if rate is None else f"{decimal(int(rate))}/s",
+                        style="progress.data.speed")
+
+    return _MeanRate()
+
+
+def mean_rate(done: int, elapsed: float) -> float | None:
+    """Bytes per second over ``elapsed`` seconds; None before 0.2 s, when one
+    burst of reads would read as a rate many times the real one."""
+    return None if elapsed < 0.2 else done / elapsed
 
 
 def _stdout_is_terminal() -> bool:
@@ -247,9 +274,13 @@ class Progress:
     a thread pool).
     """
 
-    def __init__(self, description: str, total: int | None, *, enabled: bool):
+    def __init__(self, description: str, total: int | None, *, enabled: bool,
+                 finishing: str | None = None):
         self._enabled = enabled and _stdout_is_terminal()
         self._description = description
+        self._finishing = finishing
+        #: The step shown: ``"transfer"``, then ``finishing`` once every byte is done.
+        self.phase = "transfer"
         self._total = total
         self._progress: Any = None
         self._task: Any = None
@@ -265,7 +296,6 @@ class Progress:
                     DownloadColumn,
                     TextColumn,
                     TimeRemainingColumn,
-                    TransferSpeedColumn,
                 )
                 from rich.progress import Progress as _RichProgress
             except ImportError:  # rich is a dependency; a broken install just loses the bar
@@ -275,7 +305,7 @@ class Progress:
                 TextColumn("{task.description}"),
                 BarColumn(),
                 DownloadColumn(binary_units=True),
-                TransferSpeedColumn(),
+                _rate_column(),
                 TimeRemainingColumn(),
                 console=Console(stderr=True),
                 transient=False,
@@ -292,8 +322,17 @@ class Progress:
     def advance(self, n: int) -> None:
         with self._lock:
             self.done += n
+            finished = (self._finishing is not None and self.phase == "transfer"
+                        and self._total is not None and self.done >= self._total)
+            if finished:
+                self.phase = self._finishing or "transfer"
         if self._progress is not None:
             self._progress.advance(self._task, n)
+            if finished:
+                # Every byte is there; what follows (the commit marker, a
+                # rename) is its own step, not a bar stuck at 100 %.
+                self._progress.update(self._task,
+                                      description=f"{self._description}: {self.phase}")
 
     def __exit__(self, *exc: object) -> None:
         if self._progress is not None:

@@ -227,7 +227,7 @@ def download_cmd(checkpoint: str, dest: str, storage_options: dict[str, Any],
     meta = require_checkpoint(loc)
     total = manifest_size(meta)
     tracked = set(expected_files(loc, meta))
-    with progress_bar(f"download {loc.name}", total) as bar:
+    with progress_bar(f"download {loc.name}", total, finishing="finishing") as bar:
         # Counting costs a copy per read: only when a bar shows the count.
         src = counting_location(loc, bar.advance, track=tracked.__contains__) \
             if bar.enabled else loc
@@ -290,7 +290,7 @@ def upload_cmd(directory: str, uri: str, storage_options: dict[str, Any],
                          dest_name=dst.backend.name or dst.backend.scheme)
     total = sum(size for rel, size in files if not is_internal_file(rel))
     meta = _checkpoint_meta_for(dst, {"metrics": metrics, "world_size": 1}, index)
-    with progress_bar(f"upload {dst.name}", total) as bar:
+    with progress_bar(f"upload {dst.name}", total, finishing="committing") as bar:
         source = counting_location(src, bar.advance) if bar.enabled else src
         written = commit_checkpoint(source.fs, src.path, dst.backend, dst.path, meta)
     echo_info(f"uploaded {len(written['manifest'])} files ({fmt_size(total)}) as:")
@@ -567,7 +567,7 @@ def cp_cmd(src: str, dst: str, storage_options: dict[str, Any], src_options: dic
     plan = _plan_copy(s, d)
     _refuse_live_targets(plan)
     total = sum(manifest_size(j.meta) for j in plan.jobs)
-    with progress_bar(f"cp {s.name}", total) as bar:
+    with progress_bar(f"cp {s.name}", total, finishing="committing") as bar:
         tally = _copy_all(plan.jobs, bar.advance)
     for trial, dt in plan.trial_pairs:
         _copy_trial_files(trial, dt)

@@ -72,7 +72,7 @@ def test_ls_and_show_mark_the_preempted_trial_and_its_preemption_checkpoint(
     assert (trials["done"]["status"], trials["done"]["reason"]) == ("finished", None)
     res = _ok(["ls", store.join("exp"), *opts])
     lines = res.stdout.splitlines()
-    assert lines[0].split()[:3] == ["TRIAL", "STATUS", "CHECKPOINTS"]
+    assert lines[0].split()[:3] == ["TRIAL", "STATUS", "METRIC"]
     assert {line.split()[0]: line.split()[1] for line in lines[1:]} == {
         "pre": "preempted", "done": "finished"}
     assert "pre was preempted: SIGTERM received at" in res.stderr
