@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from checkpoint_store._browse.locations import (
     describe_kind,
     follow,
     list_entries,
+    read_internal,
     recorded_checkpoints,
     storage_context,
     trials_under,
@@ -339,7 +341,8 @@ class Experiment:
         (``"min"``: lower is better, ``"max"``). Default: the metric and order
         the trials recorded (their ``CheckpointConfig``). Ties go to the trial
         whose best checkpoint is newer; trials without a numeric score are
-        never best.
+        never best. A checkpoint whose commit marker is gone since its trial
+        recorded it is skipped with a :class:`UserWarning`.
 
         Raises:
             MetricMismatchError: no ``metric``/``mode`` given and the trials
@@ -359,20 +362,23 @@ class Experiment:
     def _best(self, metric: str | None, mode: str | None
               ) -> tuple[TrialSummary, Checkpoint, float]:
         metric, mode = self.ranking(metric, mode)
-        found: list[tuple[float, float, TrialSummary, Checkpoint]] = []
+        found: list[tuple[float, float, TrialSummary, Location]] = []
         for t in self._trials:
-            ranked = rank_checkpoints(list(t._listed), metric, mode)
-            score = ranked[0][2] if ranked else None
-            if score is not None:
-                loc, meta, _ = ranked[0]
-                found.append((score, float(meta.get("created_at") or 0.0), t,
-                              _checkpoint(loc)))
-        if not found:
-            raise CheckpointNotFoundError(
-                f"no trial of {self.uri} has a checkpoint with a numeric {metric!r}")
+            for loc, meta, score in rank_checkpoints(list(t._listed), metric, mode):
+                if score is not None:
+                    found.append((score, float(meta.get("created_at") or 0.0), t, loc))
         sign = 1.0 if mode == "max" else -1.0
-        score, _, trial, ckpt = max(found, key=lambda f: (sign * f[0], f[1]))
-        return trial, ckpt, score
+        found.sort(key=lambda f: (sign * f[0], f[1]), reverse=True)
+        for score, _, trial, loc in found:
+            # The retention state records what was committed: a marker deleted
+            # by hand since must not be the answer (one read, usually).
+            if read_internal(loc) is not None:
+                return trial, _checkpoint(loc), score
+            warnings.warn(f"{loc.uri} is in its trial's retention state but has no valid "
+                          "commit marker now (changed by hand?); skipped", UserWarning,
+                          stacklevel=3)
+        raise CheckpointNotFoundError(
+            f"no trial of {self.uri} has a checkpoint with a numeric {metric!r}")
 
     def to_dataframe(self) -> Any:
         """One row per trial: ``trial``, ``status``, ``metric``, ``mode``,

@@ -599,14 +599,15 @@ def _best_of_experiment(loc: Location, metric: str | None, mode: str | None,
                         as_json: bool) -> None:
     """``best`` of an experiment: :meth:`Experiment.best_trial` and its checkpoint."""
     exp = experiment_of(loc)
+    from checkpoint_store.retention import score_of
+
     trial = exp.best_trial(metric, mode)
+    ckpt = exp.best_checkpoint(metric, mode)
     metric, mode = exp.ranking(metric, mode)
-    best = trial.best(metric, mode)
-    assert best is not None  # best_trial has a scored checkpoint
-    ckpt, score = best
     meta = ckpt.internal_metadata
     stored = meta.get("metrics")
     metrics: Mapping[str, Any] = stored if isinstance(stored, Mapping) else {}
+    score = score_of(metrics, metric)
     if as_json:
         print_json({"uri": ckpt.uri, "index": meta.get("index"), "trial": trial.name,
                     "trial_uri": trial.uri, "metric": metric, "mode": mode, "score": score,

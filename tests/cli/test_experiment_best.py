@@ -233,7 +233,7 @@ def test_prune_refuses_a_ranking_other_than_the_recorded_one(sweep: Store) -> No
     res = invoke(["prune", trial, "--keep", "1", "--metric", "loss", "--mode", "max"])
     assert res.exit_code == 2, res.output
     assert "records ranking by 'loss' (min)" in res.output and "--rerank" in res.output
-    assert len(Experiment(sweep.uri, "exp").trial("a")._listed) == 3  # nothing deleted
+    assert Experiment(sweep.uri, "exp").trial("a").checkpoints == 3  # nothing deleted
 
     res = invoke(["prune", trial, "--keep", "1", "--metric", "loss", "--mode", "max",
                   "--dry-run", "--json"])
@@ -258,3 +258,16 @@ def test_the_page_and_the_experiment_agree_on_the_best(sweep: Store) -> None:
         assert t.best_checkpoint is not None
         assert (page["best_checkpoint"], page["best_score"], page["metric"]) == (
             t.best_checkpoint.path.rsplit("/", 1)[1], t.best_score, t.metric)
+
+
+def test_a_best_checkpoint_whose_marker_is_gone_is_skipped(tmp_path: Any) -> None:
+    store = Store(str(tmp_path / "store"))
+    _sweep(store, tmp_path)
+    exp = Experiment(store.uri, "exp")
+    (tmp_path / "store" / "exp" / "b" / "checkpoint_000001" / ".internal_metadata.json").unlink()
+    with pytest.warns(UserWarning, match="no valid commit marker"):
+        ckpt = exp.best_checkpoint()
+    assert ckpt.path.endswith("/exp/b/checkpoint_000002")  # 0.25, the next best
+    res = invoke(["best", store.join("exp")])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines()[0].endswith("/exp/b/checkpoint_000002")
