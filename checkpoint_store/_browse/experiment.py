@@ -171,8 +171,8 @@ def _recorded_metric(trial: Location, listed: _Listed) -> tuple[str | None, str 
         metric, mode = None, None
     if metric is None:
         metric, mode = monitored_attribute(listed)
-        mode = mode or ("max" if metric else None)
-    return metric, (mode or "max") if metric else None
+    # Recorded without an order (a monitored metric, say): the CLI's default.
+    return metric, ((mode or "max") if metric else None)
 
 
 def summarize_trial(trial: Location, listed: _Listed | None = None,
