@@ -70,9 +70,14 @@ __all__ = [
 #: its replicas (each writes an even share); a smaller one is written whole
 #: by one replica.
 SPLIT_BYTES = 1 << 20
-#: Bytes of rows per checksummed block of a piece: a partial read reads and
-#: checks whole blocks, so it reads at most two blocks more than it needs.
+#: Most bytes of rows per checksummed block of a piece: a partial read reads
+#: and checks whole blocks, so it reads at most two blocks more than it
+#: needs. A piece has about :data:`BLOCKS_PER_PIECE` blocks (at least
+#: :data:`MIN_BLOCK_BYTES` each), so that excess stays a few percent of a
+#: piece whatever its size.
 BLOCK_BYTES = 1 << 20
+MIN_BLOCK_BYTES = 64 << 10
+BLOCKS_PER_PIECE = 64
 
 
 @dataclass(frozen=True)
@@ -269,12 +274,13 @@ def local_whole(tree: Any) -> Any:
 
 def block_crcs(data: Any, row_bytes: int) -> list[Any]:
     """``[rows per block, [CRC32C hex of each block]]`` of a piece's bytes
-    (``data``: bytes-like, C order), blocks of whole rows of about
-    :data:`BLOCK_BYTES`."""
+    (``data``: bytes-like, C order), blocks of whole rows: about 1/64 of the
+    piece, between :data:`MIN_BLOCK_BYTES` and :data:`BLOCK_BYTES`."""
     import google_crc32c
 
     view = memoryview(data).cast("B")
-    rows = max(1, BLOCK_BYTES // max(1, row_bytes))
+    target = max(MIN_BLOCK_BYTES, min(BLOCK_BYTES, len(view) // BLOCKS_PER_PIECE))
+    rows = max(1, target // max(1, row_bytes))
     step = rows * row_bytes
     crcs = [f"{google_crc32c.value(bytes(view[a:a + step])):08x}"
             for a in range(0, len(view), step)] if step else []
