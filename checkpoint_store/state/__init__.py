@@ -21,7 +21,8 @@ Public names:
   files, from a tree or from raw bytes (shared memory), returning the
   tensor index;
 * :func:`load_state`, :func:`read_state_index`, :func:`verify_tensors`: reading back;
-* :func:`write_part`, :func:`merge_parts`, :class:`StateSlice`: a state saved
+* :func:`write_part`, :func:`merge_parts`, :class:`StateSlice`,
+  :class:`RankLocal`: a state saved
   in pieces on many ranks and read back in other pieces (docs/sharded-state.md);
 * :data:`STATE_FILE`, :data:`DEFAULT_SHARD_BYTES`, :data:`DTYPES`;
 * :func:`staging_root`, :data:`ENV_STAGING_DIR`: the local directory staged
@@ -47,7 +48,7 @@ from checkpoint_store.state._files import (
 )
 from checkpoint_store.state._index import SavedState, local_state_index, read_state_index
 from checkpoint_store.state._read import load_state
-from checkpoint_store.state._shards import StateSlice, merge_parts, write_part
+from checkpoint_store.state._shards import RankLocal, StateSlice, merge_parts, write_part
 from checkpoint_store.state._staging_dir import (
     ENV_STAGING_DIR,
     scratch_dir,
@@ -74,6 +75,7 @@ __all__ = [
     "STATE_FORMAT_VERSION",
     "FlatState",
     "PART_BYTES",
+    "RankLocal",
     "SavedState",
     "StateLayout",
     "StateSlice",

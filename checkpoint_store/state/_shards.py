@@ -54,6 +54,7 @@ from checkpoint_store.state._tree import DTYPES, escape_key, join_key
 
 __all__ = [
     "BLOCK_BYTES",
+    "RankLocal",
     "StateSlice",
     "SPLIT_BYTES",
     "ShardIndex",
@@ -103,6 +104,22 @@ class StateSlice:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.tensor.shape)
+
+
+@dataclass(frozen=True)
+class RankLocal:
+    """An entry of a state that differs by rank (its RNG state, its data
+    loader's position), as a value of ``report(state=...)`` on several
+    ranks: each rank's value is saved whole, and the checkpoint holds
+    ``{"0": rank 0's value, "1": rank 1's, ...}`` at that key (a one-rank
+    session saves ``{"0": value}``). Without it every tensor is taken to be
+    the same on every rank and every JSON value is rank 0's.
+
+    Attributes:
+        value: any state value (a tensor, a tree, a JSON value).
+    """
+
+    value: Any
 
 
 # -- save: every rank's piece ----------------------------------------------------
@@ -202,7 +219,9 @@ def localize(tree: Any, rank: int, world_size: int) -> tuple[Any, dict[str, dict
         replaced by the piece this rank writes (an empty tensor when it
         writes none of it), and flattened key -> ``{"shape": the logical
         shape, "offset": the piece's offset in it}`` (``"alias_of"`` for a
-        tensor that is the very same object as an earlier one: tied weights).
+        tensor that is the very same object as an earlier one: tied weights);
+        a :class:`RankLocal` entry becomes ``{str(rank): its value}``, its
+        key marked ``{"rank_local": True}``.
 
     Raises:
         UnsupportedStateError: a DTensor placement that cannot be saved
@@ -211,44 +230,58 @@ def localize(tree: Any, rank: int, world_size: int) -> tuple[Any, dict[str, dict
     sharding: dict[str, dict[str, Any]] = {}
     seen: dict[int, tuple[str, Any]] = {}
 
-    def walk(value: Any, key: str, root: bool) -> Any:
+    def walk(value: Any, key: str, root: bool, local: bool) -> Any:
+        if isinstance(value, RankLocal):
+            if local or root:
+                raise UnsupportedStateError(
+                    f"RankLocal at {key or 'the root'!r}: a rank-local value must be an entry "
+                    "of the state, not its root nor inside another RankLocal", key=key)
+            sharding[key] = {"rank_local": True}
+            return walk({str(rank): value.value}, key, root, True)
         if _is_dtensor(value) or _is_array(value):
             first = seen.get(id(value))
             if first is not None:
                 sharding[key] = {**sharding[first[0]], "alias_of": first[0]}
                 return first[1]
-            piece, box = _piece(value, key, rank, world_size)
+            if local:  # this rank's own: whole, written by this rank
+                piece = value.to_local() if _is_dtensor(value) else value
+                shape = list(getattr(piece, "shape", ()))
+                box = {"shape": shape, "offset": [0] * len(shape)}
+            else:
+                piece, box = _piece(value, key, rank, world_size)
             sharding[key] = box
             seen[id(value)] = (key, piece)
             return piece
         if isinstance(value, Mapping):
-            return {k: walk(v, join_key(key, escape_key(k), root=root), False)
+            return {k: walk(v, join_key(key, escape_key(k), root=root), False, local)
                     for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            items = [walk(v, join_key(key, str(i), root=root), False)
+            items = [walk(v, join_key(key, str(i), root=root), False, local)
                      for i, v in enumerate(value)]
             return items if isinstance(value, list) else tuple(items)
         return value
 
-    return walk(tree, "", True), sharding
+    return walk(tree, "", True, False), sharding
 
 
 def local_whole(tree: Any) -> Any:
     """``tree`` for a one-rank save: each DTensor replaced by its local
-    tensor when that is the whole tensor (a one-rank mesh, or replicated);
-    the tree itself when it holds no DTensor.
+    tensor when that is the whole tensor (a one-rank mesh, or replicated),
+    each :class:`RankLocal` by ``{"0": its value}``; the tree itself when it
+    holds neither.
 
     Raises:
         UnsupportedStateError: a DTensor sharded over several ranks: start
             the session with every rank (``world_size``), or save
             ``.full_tensor()``.
     """
-    if "torch.distributed.tensor" not in sys.modules:
-        return tree
     found = False
 
     def walk(value: Any, key: str, root: bool) -> Any:
         nonlocal found
+        if isinstance(value, RankLocal):
+            found = True
+            return {"0": walk(value.value, key, False)}
         if _is_dtensor(value):
             found = True
             local = value.to_local()
@@ -305,15 +338,31 @@ def merge_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             it exactly (a gap or an overlap: a placement this module
             mis-read); nothing should be committed.
     """
-    keys = list(parts[0]["sharding"])
+    local = sorted(k for k, box in parts[0]["sharding"].items() if box.get("rank_local"))
+
+    def shared_keys(part: Mapping[str, Any]) -> list[str]:
+        return [k for k, box in part["sharding"].items() if not box.get("rank_local")
+                and not any(k.startswith(p + "/") for p in local)]
+
+    keys = shared_keys(parts[0])
     for r, part in enumerate(parts):
-        if list(part["sharding"]) != keys:
-            extra = sorted(set(part["sharding"]) ^ set(keys))[:3]
+        mine = sorted(k for k, box in part["sharding"].items() if box.get("rank_local"))
+        if shared_keys(part) != keys or mine != local:
+            extra = sorted(set(shared_keys(part)) ^ set(keys))[:3] or sorted(
+                set(mine) ^ set(local))[:3]
             raise CheckpointConflictError(
                 f"rank {r} saved a state with other tensors than rank 0 ({extra} differ); "
                 "every rank must report a state of the same keys")
     out: dict[str, Any] = {}
     aliases: dict[str, str] = {}
+    for part in parts:  # rank-local entries: each rank's own, whole
+        for key, box in part["sharding"].items():
+            if box.get("rank_local") or not any(key.startswith(p + "/") for p in local):
+                continue
+            if "alias_of" in box:
+                aliases[key] = box["alias_of"]
+            else:
+                out[key] = {k: v for k, v in part["tensors"][key].items() if k != "blocks"}
     for key in keys:
         alias = parts[0]["sharding"][key].get("alias_of")
         if alias is not None:
@@ -667,8 +716,13 @@ def merged_state_file(parts: Sequence[Mapping[str, Any]]) -> tuple[bytes, dict[s
     tensors = merge_parts(parts)
     version = (SHARDED_FORMAT_VERSION if any("shards" in e for e in tensors.values())
                else STATE_FORMAT_VERSION)
+    tree = parts[0]["tree"]
+    for key in sorted(k for k, box in parts[0]["sharding"].items() if box.get("rank_local")):
+        # Every rank's own subtree under the key: {"0": ..., "1": ..., ...}.
+        merged = {"dict": [item for part in parts for item in _node_at(part["tree"], key)["dict"]]}
+        tree = _replace_at(tree, key, merged)
     body = {"kind": "checkpoint_store_state", "format_version": version,
-            "tree": parts[0]["tree"], "tensors": tensors}
+            "tree": tree, "tensors": tensors}
     raw = json.dumps(body, ensure_ascii=False, allow_nan=True,
                      separators=(",", ":")).encode("utf-8")
     return raw, tensors
@@ -721,3 +775,42 @@ def why_not_servable(target: Any, shape: Sequence[int]) -> str | None:
         if type(p) is not Shard and not isinstance(p, Replicate):
             return f"placement {p!r} cannot be filled by a load (use Shard or Replicate)"
     return None
+
+
+def _components(key: str) -> list[str]:
+    return key.split("/") if key else []
+
+
+def _child(node: Mapping[str, Any], comp: str) -> tuple[str, int]:
+    """Where the component ``comp`` (escaped) of a flattened key is in a
+    skeleton node: ``(kind, position)``."""
+    for kind in ("dict", "list", "tuple"):
+        if kind in node:
+            items = node[kind]
+            for i, item in enumerate(items):
+                name = escape_key(item[0]) if kind == "dict" else str(i)
+                if name == comp:
+                    return kind, i
+    raise KeyError(comp)
+
+
+def _node_at(tree: Mapping[str, Any], key: str) -> Any:
+    node: Any = tree
+    for comp in _components(key):
+        kind, i = _child(node, comp)
+        node = node[kind][i][1] if kind == "dict" else node[kind][i]
+    return node
+
+
+def _replace_at(tree: Any, key: str, new: Any) -> Any:
+    comps = _components(key)
+    if not comps:
+        return new
+    kind, i = _child(tree, comps[0])
+    items = list(tree[kind])
+    rest = "/".join(comps[1:])
+    if kind == "dict":
+        items[i] = [items[i][0], _replace_at(items[i][1], rest, new)]
+    else:
+        items[i] = _replace_at(items[i], rest, new)
+    return {**tree, kind: items}

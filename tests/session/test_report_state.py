@@ -353,3 +353,48 @@ def test_a_state_round_trips_on_s3(s3_location):
         ckpt = s.get_checkpoint()
     ckpt.verify()
     assert _read_tensors(ckpt)["w"] == np.arange(MiB, dtype=np.float32).tobytes()
+
+
+def test_replicated_and_rank_local_entries_on_several_ranks(tmp_path, ranks) -> None:
+    """Two ranks (storage rendezvous): a replicated tensor (split between
+    them), a JSON value (rank 0's), and RankLocal entries (a tensor, a tree
+    with JSON values and an array) that differ by rank: each rank's own is
+    kept, whole, under its rank number; a one-rank session saves the same
+    layout."""
+    import torch
+
+    from checkpoint_store.state import RankLocal
+
+    shared = torch.randn(600, 700)  # 1.7 MB: split between the ranks
+
+    def rank(r):
+        with session.start(storage_path=str(tmp_path), experiment_name="e", trial_name="t",
+                           world_rank=r, world_size=2, attempt_id="a1") as s:
+            s.report({"i": 0}, state={
+                "model": {"w": shared},
+                "rng": RankLocal(torch.full((5,), float(r))),
+                "loader": RankLocal({"epoch": 3, "position": 100 + r,
+                                     "buf": np.arange(3) + r}),
+                "step": 9})
+            s.wait()
+            return s.get_checkpoint().path
+
+    [path, _] = ranks(2, rank)
+    ck = Checkpoint.from_directory(path)
+    out = ck.load_state()
+    assert torch.equal(out["model"]["w"], shared)
+    assert sorted(out["rng"]) == ["0", "1"]
+    assert [out["rng"][k][0].item() for k in ("0", "1")] == [0.0, 1.0]
+    assert [out["loader"][k]["position"] for k in ("0", "1")] == [100, 101]
+    assert np.array_equal(out["loader"]["1"]["buf"], np.arange(3) + 1)
+    assert out["step"] == 9
+    # A rank reads only its own.
+    mine = torch.zeros(5)
+    ck.load_state(into={"rng": {"1": mine}})
+    assert torch.equal(mine, torch.ones(5))
+    # One rank: the same layout, under "0".
+    with session.start(storage_path=str(tmp_path / "one"), experiment_name="e",
+                       trial_name="t") as s:
+        s.report({"i": 0}, state={"rng": RankLocal(torch.ones(2)), "x": 1}, upload_mode="sync")
+        one = s.get_checkpoint().load_state()
+    assert list(one["rng"]) == ["0"] and torch.equal(one["rng"]["0"], torch.ones(2))

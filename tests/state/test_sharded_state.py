@@ -370,7 +370,7 @@ def test_all_ranks_together_fetch_about_the_state_from_s3(tmp_path, s3_server, s
         relay.reset()
         for r in range(m):
             into = {}
-            for key, t in tree["model"].items():
+            for key in tree["model"]:
                 a, b = 1031 * r // m, 1031 * (r + 1) // m
                 into[key] = StateSlice(torch.empty(b - a, 1024), (a, 0))
             ck.load_state(into={"model": into})
@@ -381,3 +381,4 @@ def test_all_ranks_together_fetch_about_the_state_from_s3(tmp_path, s3_server, s
         relay.close()
     assert state_bytes <= got <= 1.1 * state_bytes + m * (metadata + 64 * 1024), (
         got, state_bytes, metadata)
+
