@@ -83,6 +83,10 @@ def test_pieces_of_n_ranks_load_whole_bit_exact(tmp_path, world) -> None:
     assert torch.equal(out["opt"]["state"][0]["exp_avg"], tree["opt"]["state"][0]["exp_avg"])
     assert out["opt"]["lr"] == 0.1 and out["step"] == 7
     assert np.array_equal(out["np"], tree["np"])
+    part = load_state(pafs.LocalFileSystem(), root, keys="model/w")
+    assert list(part["model"]) == ["w"] and torch.equal(part["model"]["w"], tree["model"]["w"])
+    mapped = load_state(pafs.LocalFileSystem(), root, keys="model", mmap=True)
+    assert torch.equal(mapped["model"]["h"], tree["model"]["h"])
 
 
 def test_every_rank_writes_an_even_share(tmp_path) -> None:
