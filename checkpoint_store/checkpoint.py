@@ -357,7 +357,8 @@ class Checkpoint:
             raise
 
     def load_state(self, keys: str | Iterable[str] | None = None, *, mmap: bool = False,
-                   into: Any = None, verify: bool = True) -> Any:
+                   into: Any = None, verify: bool = True,
+                   progress: Callable[[int, int], None] | None = None) -> Any:
         """The state saved in this checkpoint (``report(state=...)``,
         :meth:`from_state`), as the tree it was saved: see
         :func:`checkpoint_store.state.load_state` and docs/state.md.
@@ -371,6 +372,10 @@ class Checkpoint:
             into: a tree of existing tensors (``{"model": model.state_dict()}``)
                 filled in place; its leaves say what is read.
             verify: check each tensor's CRC32C (default True).
+            progress: ``progress(done_bytes, total_bytes)`` of the tensor
+                bytes asked for, 0 first and ``(total, total)`` last (from
+                reader threads, one call at a time): drive a ``tqdm`` or
+                ``rich`` bar with it.
 
         Raises:
             CheckpointNotFoundError: no checkpoint here, or it holds no state.
@@ -379,7 +384,8 @@ class Checkpoint:
             StateMismatchError: an ``into`` tensor's dtype or shape differs,
                 or it cannot be written in place; nothing changed.
             InvalidConfigError: ``keys`` is not a string or strings, ``mmap``
-                or ``verify`` is not a bool; nothing read.
+                or ``verify`` is not a bool, ``progress`` is not callable;
+                nothing read.
             TensorCorruptError: a tensor fails its checksum (``.tensor``).
             CheckpointCorruptError: the checkpoint's metadata is damaged.
         """
@@ -390,7 +396,8 @@ class Checkpoint:
         with self._reporting_corruption():
             loaded = _state.load_state(self.filesystem, self.path, keys=keys, mmap=mmap,
                                        into=into, verify=verify,
-                                       concurrency=max(caps.concurrency, 1))
+                                       concurrency=max(caps.concurrency, 1),
+                                       progress=progress)
         _transferlog.log_if_long(logger, f"load_state {self.uri}",
                                  lambda: _transferlog.tree_bytes(loaded),
                                  time.monotonic() - started)

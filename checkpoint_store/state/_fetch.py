@@ -14,7 +14,7 @@ import math
 import mmap as mmap_module
 import os
 import posixpath
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -78,8 +78,11 @@ class _Fetcher:
     """Byte ranges of a checkpoint's files: local preadv, or ranged reads."""
 
     def __init__(self, fs: pafs.FileSystem, root: str, sizes: Mapping[str, int],
-                 retry: RetryPolicy | None, concurrency: int):
+                 retry: RetryPolicy | None, concurrency: int,
+                 on_read: Callable[[int], None] | None = None):
         self.fs, self.root, self.sizes, self.retry = fs, root, sizes, retry
+        #: Called with the bytes of each finished read (from worker threads).
+        self.on_read = on_read
         self.concurrency = max(1, concurrency)
         self.local = _fsutil.local_path(fs, root)
         self.native = _native_of(fs)
@@ -143,6 +146,8 @@ class _Fetcher:
                 lo, hi = max(at, b), min(at + len(view), e)
                 if lo < hi:
                     view[lo - at:hi - at] = data[lo - b:hi - b]
+            if self.on_read is not None:
+                self.on_read(e - b)
 
         self._run(one, parts)
 
@@ -164,6 +169,8 @@ class _Fetcher:
                             f"{rel!r} of {self.local!r} ended early at byte {begin + got}",
                             path=self.root, file=rel)
                     got += n
+                if self.on_read is not None:
+                    self.on_read(len(view))
 
             self._run(one, jobs)
         finally:

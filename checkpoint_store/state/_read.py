@@ -17,7 +17,9 @@ checksums in :mod:`._verify`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -36,7 +38,7 @@ from checkpoint_store.state._shards import (
     dest_array,
     read_box,
 )
-from checkpoint_store.state._tree import build_tree
+from checkpoint_store.state._tree import DTYPES, build_tree
 from checkpoint_store.state._verify import _check_all, _pieces
 
 __all__ = ["load_state"]
@@ -64,6 +66,37 @@ def _read_boxed(fetch: _Fetcher, path: str, key: str, e: Mapping[str, Any], targ
     return t
 
 
+class _Meter:
+    """``progress(done, total)`` of a load: 0 first, then as bytes arrive
+    (reader threads: one call at a time), ``done`` never past ``total``."""
+
+    def __init__(self, progress: Callable[[int, int], None] | None, total: int):
+        self.progress, self.total, self.done = progress, total, 0
+        self._lock = threading.Lock()
+        if progress is not None:
+            progress(0, total)
+
+    def add(self, n: int) -> None:
+        if self.progress is None or not n:
+            return
+        with self._lock:
+            self.done = min(self.total, self.done + n)
+            self.progress(self.done, self.total)
+
+
+def _box_bytes(e: Mapping[str, Any], target: Any) -> int:
+    """Bytes of what a boxed read fills: the target's box, else the tensor."""
+    shape = (box_of_target(target)[1] if target is not None
+             and (_is_dtensor(target) or isinstance(target, StateSlice)) else e["shape"])
+    return math.prod(shape) * DTYPES[e["dtype"]][0]
+
+
+def _local_root(fs: pafs.FileSystem, path: str) -> str | None:
+    from checkpoint_store._util import fs as _fsutil
+
+    return _fsutil.local_path(fs, path)
+
+
 def load_state(
     fs: pafs.FileSystem,
     path: str,
@@ -74,6 +107,7 @@ def load_state(
     verify: bool = True,
     concurrency: int = 8,
     retry: RetryPolicy | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Any:
     """The state saved at ``path`` (docs/state.md), as the tree it was saved.
 
@@ -96,6 +130,11 @@ def load_state(
         verify: check each tensor's CRC32C against the index (default True).
         concurrency: parallel reads (files' byte ranges) at most.
         retry: storage retry policy.
+        progress: ``progress(done_bytes, total_bytes)`` of the tensor bytes
+            asked for: called with 0 once the index is read, then as reads
+            finish (from reader threads, one call at a time), last with
+            ``(total, total)``; drive a ``tqdm`` or ``rich`` bar with it.
+            Memory maps count as read when mapped.
 
     Returns:
         The tree: dicts (as ``dict``), lists, tuples, JSON values; tensors
@@ -119,6 +158,9 @@ def load_state(
     for name, flag in (("mmap", mmap), ("verify", verify)):
         if not isinstance(flag, bool):
             raise InvalidConfigError(f"{name} must be True or False, got {flag!r}")
+    if progress is not None and not callable(progress):
+        raise InvalidConfigError(f"load_state(progress=) must be a callable (done_bytes, "
+                                 f"total_bytes), got {type(progress).__name__}")
     saved = read_state_index(fs, path, retry=retry)
     nodes = _nodes(saved.skeleton)
     pats = _patterns(keys)
@@ -147,12 +189,19 @@ def load_state(
              or isinstance(target_of.get(k), StateSlice)]
     stored = [k for k in stored if k not in set(boxed)]
     stored.sort(key=lambda k: (saved.tensors[k]["file"], saved.tensors[k]["offsets"][0]))
-    fetch = _Fetcher(fs, path, saved.sizes, retry, concurrency)
+    meter = _Meter(progress, sum(_box_bytes(saved.tensors[k], target_of.get(k)) for k in boxed)
+                   + sum(saved.tensors[k]["offsets"][1] - saved.tensors[k]["offsets"][0]
+                         for k in stored))
+    local_root = _local_root(fs, path)
+    maps = _Maps(local_root) if local_root is not None and (mmap or targets) else None
+    fetch = _Fetcher(fs, path, saved.sizes, retry, concurrency,
+                     on_read=meter.add if maps is None else None)
     loaded: dict[str, Any] = {}
-    maps = _Maps(fetch.local) if fetch.local is not None and (mmap or targets) else None
     for key in boxed:
-        loaded[key] = _read_boxed(fetch, path, key, saved.tensors[key], target_of.get(key),
-                                  verify)
+        box_fetch = _Fetcher(fs, path, saved.sizes, retry, concurrency)
+        loaded[key] = _read_boxed(box_fetch, path, key, saved.tensors[key],
+                                  target_of.get(key), verify)
+        meter.add(_box_bytes(saved.tensors[key], target_of.get(key)))
     views: list[tuple[str, Mapping[str, Any], memoryview]] = []
     if maps is not None:
         for key in stored:
@@ -161,6 +210,7 @@ def load_state(
             m = maps.get(e["file"])
             views.append((key, e, memoryview(m)[begin:end]))
             loaded[key] = _from_buffer(e, m, begin)
+            meter.add(end - begin)
     else:
         jobs: list[tuple[str, int, memoryview]] = []
         for key in stored:

@@ -18,6 +18,7 @@ from checkpoint_store import Checkpoint, StorageContext
 from checkpoint_store.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    InvalidConfigError,
     StateKeyError,
     StateMismatchError,
     TensorCorruptError,
@@ -479,3 +480,28 @@ def test_keys_must_be_strings(tmp_path) -> None:
     for flags in ({"mmap": "yes"}, {"verify": 0}, {"mmap": None}):
         with pytest.raises(InvalidConfigError, match="must be True or False"):
             ck.load_state(**flags)
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_load_state_reports_progress_in_bytes(tmp_path, where) -> None:
+    """load_state(progress=): 0 first, then growing, last (total, total), the
+    total the bytes of the tensors asked for; on a local disk, an object-like
+    store, a partial load, a slice (read box by box) and a memory map."""
+    from checkpoint_store.state import StateSlice
+
+    tree = {"a": torch.randn(300_000), "b": torch.randn(1000, 50), "n": 3}
+    write_state(tree, tmp_path / "src")
+    if where == "local":
+        ck = Checkpoint.from_directory(str(tmp_path / "src"))
+    else:
+        ctx = StorageContext(f"memory://progress-{tmp_path.name}", "e", "t")
+        ck = ctx.persist_checkpoint(Checkpoint.from_directory(str(tmp_path / "src")), 0, {})
+    for kwargs, total in (({}, 1_200_000 + 200_000), ({"keys": "b"}, 200_000),
+                          ({"into": {"b": StateSlice(torch.empty(10, 50), (5, 0))}}, 2_000),
+                          ({"mmap": True}, 1_400_000)):
+        calls: list[tuple[int, int]] = []
+        ck.load_state(progress=lambda d, t, _c=calls: _c.append((d, t)), **kwargs)
+        assert calls[0] == (0, total) and calls[-1] == (total, total), (kwargs, calls[:3])
+        assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:], strict=False)), kwargs
+    with pytest.raises(InvalidConfigError, match="progress"):
+        ck.load_state(progress=5)
