@@ -22,7 +22,7 @@ the rest lives:
 * :mod:`checkpoint_store.retention.recorded`: what a trial's retention state
   records; :mod:`.metrics`: the metric a command ranks by;
 * :mod:`.progress`: byte counting and progress bars of transfers;
-* one module per command group: :mod:`.inspection` (ls, show, best), :mod:`.verify`,
+* one module per command group: :mod:`.inspection` (ls, show), :mod:`.best`, :mod:`.verify`,
   :mod:`.transfers` (download, upload, cp), :mod:`.formats` (export, import),
   :mod:`.maintenance` (prune, gc), :mod:`.backends`, :mod:`.demo`, :mod:`.ui`
   (ui, plot; the page itself is :mod:`checkpoint_store.ui`).
@@ -281,6 +281,7 @@ def _add_commands() -> None:
     """Register every command, in the order ``--help`` lists them."""
     from checkpoint_store.cli import (
         backends,
+        best,
         demo,
         formats,
         inspection,
@@ -290,7 +291,7 @@ def _add_commands() -> None:
     )
     from checkpoint_store.cli.ui import plot_cmd, ui_cmd
 
-    for command in (inspection.ls_cmd, inspection.show_cmd, inspection.best_cmd,
+    for command in (inspection.ls_cmd, inspection.show_cmd, best.best_cmd,
                     transfers.download_cmd, transfers.upload_cmd, transfers.cp_cmd,
                     formats.export_cmd, formats.import_cmd,
                     verify.verify_cmd, maintenance.prune_cmd, maintenance.gc_cmd,
