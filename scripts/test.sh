@@ -4,4 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh test
-exec .venv/bin/python -m pytest "$@"
+# Worker processes (pytest-xdist), each running whole test files: most of the
+# suite waits on servers, subprocesses, fsync and sleeps, so three workers keep
+# two cores busy. Later arguments win: `scripts/test.sh -n 0` runs in one process.
+exec .venv/bin/python -m pytest -n "${CS_TEST_WORKERS:-3}" --dist loadfile "$@"
