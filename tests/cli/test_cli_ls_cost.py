@@ -20,7 +20,7 @@ from cli_helpers import Store, invoke, write_tree
 
 from checkpoint_store import Checkpoint, session
 from checkpoint_store._browse.locations import Location, resolve_location
-from checkpoint_store.cli import inspection
+from checkpoint_store.cli import best, inspection
 from checkpoint_store.retention.statelog import COMPACT_EVERY
 from checkpoint_store.testing.faults import FaultInjectingHandler, faulty_backend
 
@@ -163,7 +163,8 @@ def call_log(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> str:
         loc = resolve_location(text, options, **kwargs)
         return Location(faulty_backend(loc.backend, FaultPlan(call_log=str(log))), loc.path)
 
-    monkeypatch.setattr(inspection, "resolve_location", resolve)
+    for module in (inspection, best):  # ls, show ...; best
+        monkeypatch.setattr(module, "resolve_location", resolve)
     return str(log)
 
 
