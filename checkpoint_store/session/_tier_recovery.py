@@ -81,7 +81,8 @@ def _agree(tier: FastTier, ledger: ReportLedger, recorder: CommitRecorder,
     """Several ranks: exchange which local copies verify and which are pending;
     keep the copies every rank has, continue the numbering past every rank's,
     and return the pending copies to persist (every rank the same list)."""
-    mine = {"rank": coordinator.rank, "verified": tier.verified_indexes(),
+    verified = _same_world(tier, tier.verified_indexes(), coordinator.world_size)
+    mine = {"rank": coordinator.rank, "verified": verified,
             "pending": tier.pending(), "next": tier.next_index}
     bodies = _exchange(coordinator, mine)
     common = set.intersection(*(set(b["verified"]) for b in bodies))
@@ -97,6 +98,26 @@ def _agree(tier: FastTier, ledger: ReportLedger, recorder: CommitRecorder,
         else:
             pending.append(index)
     return pending
+
+
+def _same_world(tier: FastTier, indexes: list[int], world_size: int) -> list[int]:
+    """Of ``indexes`` (copies that verify), those written by a run of
+    ``world_size`` ranks. A copy of another number of ranks is never restored
+    nor persisted by this run: the parts on this run's tiers need not be all
+    of it (a restart on fewer ranks would commit it without the other ranks'
+    files). One still pending stops being so (it stays local only)."""
+    same = []
+    for index in indexes:
+        try:
+            written = tier.checkpoint(index).internal_metadata.get("world_size", world_size)
+        except Exception:  # unreadable: as if it did not verify
+            written = None
+        if written == world_size:
+            same.append(index)
+        else:
+            tier.forget(index, "its metadata cannot be read" if written is None else
+                        f"it was written by {written} ranks, this run has {world_size}")
+    return same
 
 
 def _durable_has(storage: StorageContext, index: int) -> bool:

@@ -129,3 +129,48 @@ def test_two_ranks_persist_what_a_failed_run_left_pending(ranks, tmp_path):
     assert [m["index"] for _, m in ctx.committed_checkpoints()] == [0, 1]
     with ctx.checkpoint("checkpoint_000001").as_directory() as d:
         assert read_files(d) == {"shard_0.bin": b"0-1", "shard_1.bin": b"1-1"}
+
+
+def test_a_restart_on_fewer_ranks_never_persists_the_parts_it_has(ranks, tmp_path):
+    """Three ranks leave checkpoint 1 pending on their local tiers (rank 2's
+    upload of it was refused, so the index was aborted on every rank). A
+    restart on two ranks has two of the three parts: it never commits them
+    as checkpoint 1 (the checkpoint would lack rank 2's files), nor restores
+    from them; the newest complete checkpoint, 0, is the resume point."""
+    store = str(tmp_path / "durable")
+
+    def first(rank):
+        backend, path = resolve(store)
+        if rank == 2:
+            backend = faulty_backend(backend, permanent={"write": "access_denied"},
+                                     path_contains="checkpoint_000001-a1/shard_2")
+        ctx = StorageContext.from_backend(backend, path, "e", "t")
+        s = Session(ctx, world_rank=rank, world_size=3, attempt_id="a1", sync_timeout_s=30,
+                    local_tier=LocalTier(tmp_path / f"fast{rank}"))
+        try:
+            for i in range(2):
+                s.report({"i": i}, checkpoint=make_checkpoint(
+                    tmp_path / f"r{rank}", f"c{i}", {f"shard_{rank}.bin": b"%d-%d" % (rank, i)}))
+            try:
+                s.wait()
+            except Exception:  # the abort of checkpoint 1
+                pass
+            return session_internals(s).tier.pending()
+        finally:
+            try:
+                s.close()
+            except Exception:
+                pass
+
+    assert ranks(3, first) == [[1], [1], [1]]
+
+    def second(rank):
+        with session.start(storage_path=store, experiment_name="e", trial_name="t",
+                           world_rank=rank, world_size=2, attempt_id="a2", sync_timeout_s=30,
+                           local_tier=LocalTier(tmp_path / f"fast{rank}")) as s:
+            s.wait(timeout=60)
+            got = s.get_checkpoint()
+            return session_internals(s).tier.pending(), got.path
+
+    assert ranks(2, second) == [([], os.path.join(store, "e", "t", "checkpoint_000000"))] * 2
+    assert [m["index"] for _, m in StorageContext(store, "e", "t").committed_checkpoints()] == [0]
