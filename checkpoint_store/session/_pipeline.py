@@ -66,10 +66,6 @@ class ReportHook(Protocol):
 
     def after_report(self, row: Row, checkpoint: Checkpoint | None) -> None: ...
 
-STATE_RANKS_TIER = (
-    "report(state=...) with world_size > 1 and a local tier is not supported yet: start "
-    "the session without local_tier=, or save each rank's files into "
-    "session.next_checkpoint_dir() and report checkpoint=")
 ASYNC_RANKS = (
     "upload_mode='async' supports one rank only without a local tier; use 'sync' "
     "with world_size > 1, or start the session with local_tier=LocalTier(...) "
@@ -115,11 +111,15 @@ def plan_report(*, checkpoint: Checkpoint | None, state: Mapping[str, Any] | Non
 
     Raises:
         InvalidConfigError: both ``checkpoint`` and ``state``; an unknown
-            ``upload_mode`` or ``staging``; ``state`` with several ranks;
-            ``upload_mode="async"`` with several ranks, no local tier and
-            no state; a state on several ranks with a local tier;
-            ``staging`` where no copy is staged; ``state`` after
-            ``next_checkpoint_dir()`` reserved the directory.
+            ``upload_mode`` or ``staging``; ``upload_mode="async"`` with
+            several ranks, no local tier and no state; ``staging`` where no
+            copy is staged; ``state`` after ``next_checkpoint_dir()``
+            reserved the directory.
+
+    A state is accepted on any number of ranks, with or without a local
+    tier: each rank stages its part (with a tier, into its own tier
+    directory, committed there; docs/sharded-state.md) and the commit on
+    the storage_path runs in the background unless ``upload_mode="sync"``.
     """
     if checkpoint is not None and state is not None:
         raise InvalidConfigError("pass checkpoint= or state= to report(), not both")
@@ -130,8 +130,6 @@ def plan_report(*, checkpoint: Checkpoint | None, state: Mapping[str, Any] | Non
     if ranks and not tiered and upload_mode == "async" and state is None:
         raise InvalidConfigError(ASYNC_RANKS)
     if state is not None:
-        if ranks and tiered:
-            raise InvalidConfigError(STATE_RANKS_TIER)
         if reserved:
             raise InvalidConfigError(STATE_RESERVED)
         if staging is not None:
@@ -326,9 +324,12 @@ class ReportPipeline:
         The index is consumed before anything is written under it."""
         if plan.state:
             assert planned is not None
-            # Several ranks write their pieces into a scratch directory each,
-            # copied as their part (never into checkpoint_<index> itself).
-            directory = None if self.committer.ranks else self.target.state_directory(txn.index)
+            # Without a tier several ranks write their pieces into a scratch
+            # directory each, copied as their part (never into the shared
+            # checkpoint_<index> itself); with one, each rank's tier directory
+            # is its own: its part is committed there, then copied.
+            directory = (None if self.committer.ranks and not self.tiered
+                         else self.target.state_directory(txn.index))
             if directory is not None:
                 txn.consume_index()  # staged straight into checkpoint_<index>
                 self.target.reserve(txn.index)

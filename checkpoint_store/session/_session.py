@@ -431,9 +431,12 @@ class Session:
         bytes), then ``report`` returns; a persist process writes them as
         safetensors files and the checkpoint is committed in the background
         (``upload_mode="sync"``: before ``report`` returns). Changing the
-        tensors after ``report`` returns does not change what is saved. One
-        rank only; see :mod:`checkpoint_store.session._pipeline` and
-        docs/sessions.md.
+        tensors after ``report`` returns does not change what is saved. On
+        several ranks each rank passes its own state (``DTensor`` shards,
+        replicated tensors) and writes its part; rank 0 commits one state
+        of the whole (docs/sharded-state.md); with a local tier each rank's
+        part is committed on its own tier first. See
+        :mod:`checkpoint_store.session._pipeline` and docs/sessions.md.
 
         Returns:
             The result row (metrics plus the auto-filled keys); rank 0 writes

@@ -14,12 +14,18 @@ order: rows are flushed first (a checkpoint's row is on storage no later than
 the checkpoint), then the local copy is committed on the storage_path by the
 committer (several ranks: meeting through storage only), retried by
 :meth:`FastTier.persist <checkpoint_store.tiers.FastTier.persist>`.
+
+A state saved on several ranks is staged by each rank into its own tier's
+``checkpoint_<index>`` and committed there as that rank's part (its pieces,
+the part's index in the local metadata); the durable copy uploads the part
+with the index in the rank marker, and rank 0 commits the merged
+``state.json``, as without a tier.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from checkpoint_store._format.layout import checkpoint_dir_name
@@ -34,9 +40,21 @@ from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers import FastTier
 from checkpoint_store.tiers.local import source_bytes
 
-__all__ = ["DurableTarget", "Target", "TieredTarget"]
+__all__ = ["LOCAL_STATE_PART", "DurableTarget", "Target", "TieredTarget", "is_state_part"]
 
 logger = logging.getLogger(__name__)
+
+#: The key of a local tier copy's internal metadata that holds this rank's
+#: part of a state saved on several ranks (docs/format.md, "Local tier"):
+#: ``{"tree", "tensors", "sharding"}``, as its rank marker carries it.
+LOCAL_STATE_PART = "state_part"
+
+
+def is_state_part(meta: Mapping[str, Any]) -> bool:
+    """Whether a local tier copy (its internal metadata ``meta``) is one rank's
+    part of a state saved on several ranks: it holds only the pieces that
+    rank wrote, never the whole state a load needs."""
+    return isinstance(meta.get(LOCAL_STATE_PART), dict)
 
 
 def _no_op() -> None:
@@ -219,7 +237,9 @@ class TieredTarget(Target):
         durable = job.internal
         if error is None:
             try:
-                if isinstance(source, StateSource):
+                if isinstance(source, StateSource) and source.sharding is not None:
+                    fast, selected = self._commit_part(source, job)
+                elif isinstance(source, StateSource):
                     fast, selected = tier.commit_staged(source.staged, job.index, job.internal,
                                                         job.row)
                     tensors = written_metadata(fast).get("tensors")
@@ -240,17 +260,44 @@ class TieredTarget(Target):
             selected = tier.selects(job.index, job.row)
         if selected:
             own = None if fast is not None else (error or CheckpointStoreError("no local copy"))
-            self.queue_durable(job.index, durable, job.row, own_error=own)
+            self.queue_durable(job.index, durable, job.row, own_error=own,
+                               state_part=job.state_part)
         if error is not None:
             raise error
         return fast
 
+    def _commit_part(self, source: StateSource, job: CheckpointJob) -> tuple[Checkpoint, bool]:
+        """This rank's part of a state saved on several ranks: the persist
+        process writes its pieces straight into this rank's ``checkpoint_<index>``
+        (reserved by the report), committed there with the part's index in the
+        local copy's metadata (:data:`LOCAL_STATE_PART`), which the durable
+        copy's rank marker carries to rank 0's merge (also after a restart,
+        from the local copy alone). Sets ``job.state_part``.
+
+        Raises:
+            Whatever the write or the local commit raises; what it left in
+            ``checkpoint_<index>`` is removed (nothing is recorded then).
+        """
+        try:
+            source.write()
+            part = source.part
+            assert part is not None, "a sharded state's source keeps its part"
+            job.state_part = part
+            return self.tier.commit_in_place(job.index, {**job.internal, LOCAL_STATE_PART: part},
+                                             job.row)
+        except BaseException:
+            self.drop(job.index)
+            raise
+
     def queue_durable(self, index: int, internal: dict[str, Any], row: Row,
-                      own_error: BaseException | None = None) -> None:
+                      own_error: BaseException | None = None,
+                      state_part: dict[str, Any] | None = None) -> None:
         """Queue the durable copy of the local ``checkpoint_<index>`` (report
         order, the durable lane). ``own_error``: this rank has no local copy;
-        its failure aborts the index on every rank."""
-        job = CheckpointJob(index, row, internal, None, own_error)
+        its failure aborts the index on every rank. ``state_part``: the local
+        copy is this rank's part of a state saved on several ranks (its
+        rank marker carries it; rank 0 commits the merged ``state.json``)."""
+        job = CheckpointJob(index, row, internal, None, own_error, state_part=state_part)
         name = checkpoint_dir_name(index)
         tier, durable = self.tier, self._durable
 

@@ -31,7 +31,7 @@ from checkpoint_store.errors import InvalidConfigError, RankTimeoutError
 from checkpoint_store.session._ledger import CommitRecorder, ReportLedger
 from checkpoint_store.session._multirank import Coordinator
 from checkpoint_store.session._rendezvous import Backoff
-from checkpoint_store.session._targets import TieredTarget
+from checkpoint_store.session._targets import LOCAL_STATE_PART, TieredTarget, is_state_part
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers import FastTier
 
@@ -184,9 +184,10 @@ def _queue_recovered(target: TieredTarget, index: int, run_id: str, world_size: 
     internal: dict[str, Any] = {"metrics": row, "world_size": world_size, "run_id": run_id}
     if "tensors" in meta:
         internal["tensors"] = meta["tensors"]
+    part = meta[LOCAL_STATE_PART] if is_state_part(meta) else None
     logger.info("persisting %s, left pending on the local tier by an earlier run", local.uri)
     tier.queue(index)
-    target.queue_durable(index, internal, row)
+    target.queue_durable(index, internal, row, state_part=part)
 
 
 def index_of(checkpoint: Checkpoint | None) -> int | None:
@@ -201,8 +202,34 @@ def newest_local(tier: FastTier, latest: int | None, among: set[int] | None
     """The local tier's newest copy that verifies, if it is at least as new as
     ``latest`` (the persistent tier's newest index; a local copy of the same
     index is read instead); with several ranks only a copy every rank has
-    (``among``). None: use the persistent tier."""
-    return tier.newest_verified(above=None if latest is None else latest - 1, among=among)
+    (``among``). None: use the persistent tier.
+
+    A rank's part of a state saved on several ranks is never returned: it
+    holds the pieces this rank wrote, each byte of the logical state being
+    written once (a replicated tensor split between the ranks, a small one
+    written whole by one rank), so no rank's local copy holds all that rank
+    loads, and only the storage_path's copy has the merged ``state.json``.
+    When its durable copy is queued in this session (one a killed run left
+    pending, queued at start), this waits for it, so that the persistent
+    tier's newest is that checkpoint (docs/tiers.md, "Restore")."""
+    fast = tier.newest_verified(above=None if latest is None else latest - 1, among=among)
+    if fast is None:
+        return None
+    try:
+        meta = fast.internal_metadata
+    except Exception:  # verified a moment ago: read from the persistent tier
+        return None
+    if not is_state_part(meta):
+        return fast
+    index = index_of(fast)
+    if index is not None and tier.status(index) == "pending":
+        try:
+            tier.wait_durable(index)
+        except Exception as exc:  # not committed there: the persistent tier's newest
+            logger.warning("restoring from the persistent tier: the durable copy of %s (a "
+                           "state saved on several ranks) is not committed (%s)",
+                           checkpoint_dir_name(index), exc)
+    return None
 
 
 def wait_durable(tier: FastTier | None, index: int, next_index: int, timeout: float | None,

@@ -272,22 +272,6 @@ def test_a_rank_that_cannot_save_its_state_aborts_the_index_everywhere(tmp_path,
     assert not (trial / "checkpoint_000000").exists()
 
 
-def test_state_on_several_ranks_with_a_local_tier_is_refused(tmp_path, ranks):
-    from checkpoint_store import LocalTier
-
-    def rank(r):
-        with session.start(storage_path=str(tmp_path / "store"), experiment_name="e",
-                           trial_name="t", world_rank=r, world_size=2, attempt_id="a1",
-                           local_tier=LocalTier(tmp_path / f"fast{r}")) as s:
-            with pytest.raises(InvalidConfigError, match="local tier is not supported yet"):
-                s.report({}, state={"a": np.zeros(4)})
-            return s.get_checkpoint()
-
-    assert ranks(2, rank) == [None, None]
-    assert not [n for n in os.listdir(tmp_path / "store" / "e" / "t")
-                if n.startswith("checkpoint_")]
-
-
 def _committed(tmp_path) -> list[str]:
     storage = StorageContext(str(tmp_path), "e", "t")
     return [c.path.rsplit("/", 1)[-1] for c, _ in storage.committed_checkpoints()]
