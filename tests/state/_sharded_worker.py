@@ -4,7 +4,8 @@ Usage: torchrun --nproc_per_node N _sharded_worker.py save|load STORAGE_PATH OUT
 
 ``save``: every rank reports the same logical state (a DTensor sharded by
 rows, a replicated tensor, a small replicated one, a JSON value) twice,
-then a third time with a tensor rank 1 cannot save.
+then a third time with a tensor rank 1 cannot save. ``PLACEMENT`` ``tier``:
+each rank with a local tier of its own (``OUT_DIR/fast<rank>``).
 ``load``: every rank loads the newest checkpoint into DTensors on its own
 mesh (``PLACEMENT``: ``rows`` = Shard(0), ``cols`` = Shard(1)) and writes
 whether its local shards equal the expected slices, and the bytes it read.
@@ -43,8 +44,13 @@ def main() -> None:
     from checkpoint_store import session
 
     if mode == "save":
+        kw = {}
+        if placement == "tier":
+            from checkpoint_store import LocalTier
+
+            kw["local_tier"] = LocalTier(os.path.join(out_dir, f"fast{rank}"))
         with session.start(storage_path=storage_path, experiment_name="exp", trial_name="t",
-                           sync_timeout_s=60) as s:
+                           sync_timeout_s=60, **kw) as s:
             for step in (1, 2):
                 full = full_state(step)
                 state = {

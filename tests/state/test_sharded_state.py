@@ -306,6 +306,31 @@ def test_a_four_rank_state_loads_on_other_rank_counts(saved_on_four, tmp_path, n
             assert r["read"] <= 1.1 * r["local_bytes"] + 4 * BLOCK_BYTES, r
 
 
+@pytest.mark.slow  # two torchrun launches: about 35 s
+def test_a_state_saved_with_a_local_tier_per_rank_loads_on_two_ranks(tmp_path) -> None:
+    """The same four-rank save with a local tier on every rank (each rank's
+    part committed there first, the durable copies meeting through storage):
+    the same outcome on the storage_path, and two ranks load it."""
+    store, out = tmp_path / "store", tmp_path / "out"
+    out.mkdir()
+    _torchrun(4, "save", str(store), str(out), "tier", cwd=tmp_path)
+    ranks = _results(out, "save", 4)
+    assert ranks[1]["error"][0] == "UnsupportedStateError"
+    assert all(r["error"][0] == "CheckpointAbortedError" for r in ranks if r["rank"] != 1)
+    ctx = StorageContext(str(store), "exp", "t")
+    assert [m["index"] for _, m in ctx.committed_checkpoints()] == [0, 1]
+    assert {r["latest"] for r in ranks} == {ctx.checkpoint_path(1)}
+    for r in range(4):  # each rank's part of checkpoint 1 on its own tier
+        local = out / f"fast{r}" / "exp" / "t" / f"rank_{r}" / "checkpoint_000001"
+        assert sorted(p.name for p in local.iterdir() if p.suffix == ".safetensors") == [
+            f"tensors-rank{r:05d}-00001-of-00001.safetensors"]
+    loaded = tmp_path / "loaded"
+    loaded.mkdir()
+    _torchrun(2, "load", str(store), str(loaded), "rows", cwd=tmp_path)
+    for r in _results(loaded, "load", 2):
+        assert all(r["ok"].values()), r
+
+
 def test_every_reader_of_a_checkpoint_handles_pieces(tmp_path) -> None:
     """The entry points that read a state's index: a commit of it on memory
     and S3-like stores (URI and fsspec forms), verify(), the CLI's show, the
