@@ -14,12 +14,15 @@
    the training loop may change the tensors; what is saved is what they held
    during the copy (a snapshot).
 
-A state that fits in the free part of the area costs one ``memcpy`` of its
-bytes. A larger one is staged while the persist process drains: ``stage()``
-blocks only while the area is full, for as long as the bytes that do not fit
-take to be written. The training process never holds more staging memory
-than the budget (plus, for a non-contiguous tensor, nothing: its rows are
-copied straight into place); the persist process maps the same pages.
+A state that fits in the free part of the area costs one copy of its bytes
+(:mod:`checkpoint_store.state._stage_copy`): a GPU tensor is copied
+device-to-host straight into the area (pinned where CUDA allows, the copies
+of a piece overlapped and waited for before the piece is handed on), a
+non-contiguous one straight from its strides. A larger one is staged while
+the persist process drains: ``stage()`` blocks only while the area is full,
+for as long as the bytes that do not fit take to be written. The training
+process never holds more staging memory than the budget, and no other copy
+of a tensor; the persist process maps the same pages.
 
 :meth:`StagedState.write_to` (the session's background worker) waits until
 the persist process has written and closed every file, then returns the
@@ -41,7 +44,6 @@ import json
 import logging
 import mmap
 import os
-import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -52,7 +54,8 @@ from checkpoint_store._format.layout import (
     WRITTEN_STATE_RECORD,
 )
 from checkpoint_store.errors import InvalidConfigError, PersistProcessError
-from checkpoint_store.state._tree import FlatState
+from checkpoint_store.state._stage_copy import StagingCopier
+from checkpoint_store.state._tree import DTYPES, FlatState
 
 __all__ = [
     "PIECE_BYTES",
@@ -112,28 +115,6 @@ def plan_state(state: Any) -> FlatState:
     return flatten_state(state)
 
 
-def _kind(value: Any) -> str:
-    np = sys.modules.get("numpy")
-    return "numpy" if np is not None and isinstance(value, (np.ndarray, np.generic)) \
-        else "torch"
-
-
-def _direct(value: Any, kind: str) -> bool:
-    """True when the tensor's own memory holds its bytes in C order, little-endian."""
-    if kind == "numpy":
-        value = sys.modules["numpy"].asarray(value)
-        return bool(value.flags.c_contiguous) and value.dtype.byteorder != ">"
-    return value.device.type == "cpu" and bool(value.is_contiguous())
-
-
-def _rows_direct(value: Any, kind: str) -> bool:
-    """A non-contiguous CPU tensor copied row by row straight into place."""
-    if kind == "numpy":
-        value = sys.modules["numpy"].asarray(value)
-        return value.ndim >= 1 and value.dtype.byteorder != ">"
-    return value.device.type == "cpu" and value.dim() >= 1
-
-
 # -- the staging area and its persist process ------------------------------------------
 
 
@@ -158,6 +139,8 @@ class Stager:
         self._head = 0
         self._fd: int | None = None
         self._area: mmap.mmap | None = None
+        #: Copies tensors into the area (None until the area exists).
+        self.copier: StagingCopier | None = None
         self._proc: Any = None
         self._dead: PersistProcessError | None = None
         self._states: dict[int, StagedState] = {}
@@ -180,6 +163,7 @@ class Stager:
         if self._area is None:
             self._fd = _shared_fd(self.budget)
             self._area = mmap.mmap(self._fd, self.budget)
+            self.copier = StagingCopier(self._area)
         if self._proc is not None and self._dead is None:
             return
         if self._proc is not None:  # a dead one: its states failed already
@@ -203,14 +187,21 @@ class Stager:
         Pages are faulted with ``MADV_POPULATE_WRITE`` (Linux 5.14+), which
         leaves their content alone, so a stage may run meanwhile; without it,
         by writing one zero per page under the stage lock (before any stage).
+        Where this process already uses CUDA, the whole area is pinned
+        instead (under the stage lock: a first stage of GPU tensors would
+        pin it), which faults every page.
         """
         with self._stage_lock:
             if self.closed:
                 return
             try:
                 self._ensure()
+                assert self.copier is not None
+                self.copier.warm()
             except Exception as exc:  # raised again by the first stage
                 logger.debug("could not warm the staging area: %s", exc)
+                return
+            if self.copier.pinned:
                 return
             area = self._area
         n = min(max(0, int(prefault_bytes)), self.budget)
@@ -259,9 +250,16 @@ class Stager:
         self._outbox.append(msg)
 
     def _flush(self) -> None:
+        """Send what was held back, once every copy into it has finished (the
+        process must never read a byte before its copy is done); sent even
+        when that wait fails, so the process frees the pieces' places."""
         out, self._outbox = self._outbox, []
-        for msg in out:
-            self._proc.send(msg)
+        try:
+            if self.copier is not None:
+                self.copier.sync()
+        finally:
+            for msg in out:
+                self._proc.send(msg)
 
     def _fit(self, n: int) -> int | None:
         size, ring, head = self.budget, self._ring, self._head
@@ -324,21 +322,12 @@ class Stager:
         Raises:
             UnsupportedStateError: a leaf or key of the state is refused
                 (nothing copied).
-            InvalidConfigError: a non-contiguous tensor whose rows are larger
-                than the budget.
             PersistProcessError: the persist process died while the area was
                 full (the state is not saved).
+            RuntimeError: a device-to-host copy failed (torch's error; the
+                state is not saved).
         """
         flat = state if isinstance(state, FlatState) else plan_state(state)
-        for key, spec in flat.layout.tensors.items():
-            value = flat.values[key]
-            kind = _kind(value)
-            if not _direct(value, kind) and _rows_direct(value, kind) and spec.shape and \
-                    spec.nbytes // max(1, spec.shape[0]) > self.budget:
-                raise InvalidConfigError(
-                    f"state tensor {key!r} is not contiguous and one of its rows is larger "
-                    f"than staging_budget ({self.budget} bytes); pass .contiguous() or raise "
-                    "the budget")
         with self._stage_lock:
             self._ensure()
             os.makedirs(directory, exist_ok=True)
@@ -351,8 +340,10 @@ class Stager:
                 try:
                     self._send(("open", sid, os.path.abspath(directory), flat.layout))
                     try:
-                        for key in flat.layout.tensors:
-                            self._copy_tensor(sid, key, flat.values[key])
+                        for key, spec in flat.layout.tensors.items():
+                            item = DTYPES[spec.dtype][0]
+                            self._copy_tensor(sid, key, flat.values[key], item,
+                                              spec.nbytes // item)
                     finally:
                         self._send(("close", sid, False))
                 finally:
@@ -362,49 +353,21 @@ class Stager:
                 raise
             return staged
 
-    def _copy_tensor(self, sid: int, key: str, value: Any) -> None:
-        area = self._area
-        assert area is not None
-        kind = _kind(value)
-        if _direct(value, kind):
-            src = _bytes_view(value, kind)
-        elif not _rows_direct(value, kind):  # off the CPU, big-endian: the format's copy
-            from checkpoint_store.state._tree import tensor_bytes
-
-            src = _np_bytes(tensor_bytes(value))
-            kind = "numpy"
-        else:
-            self._copy_rows(sid, key, value, kind)
-            return
-        total = int(src.size)
-        piece = self.piece_bytes
-        for a in range(0, total, piece):
-            n = min(piece, total - a)
-            off = self._alloc(n)
+    def _copy_tensor(self, sid: int, key: str, value: Any, item: int, count: int) -> None:
+        """Copy ``count`` elements of ``item`` bytes in pieces of at most
+        :attr:`piece_bytes`, each sent once its place is taken (the copy may
+        still run: :meth:`_flush` waits for it before the process sees it)."""
+        copier = self.copier
+        assert copier is not None
+        src = copier.source(value)
+        per = max(1, self.piece_bytes // item)
+        for a in range(0, count, per):
+            k = min(per, count - a)
+            off = self._alloc(k * item)
             try:
-                _copy_bytes(area, off, src, a, n)
+                copier.copy(src, a, k, off)
             finally:
-                self._send(("write", sid, key, off, n, a))
-
-    def _copy_rows(self, sid: int, key: str, value: Any, kind: str) -> None:
-        area = self._area
-        assert area is not None
-        rows = int(value.shape[0])
-        if rows == 0:
-            return
-        nbytes = int(value.nbytes) if kind == "numpy" else value.numel() * value.element_size()
-        row_bytes = nbytes // rows
-        if row_bytes == 0:
-            return
-        per = max(1, self.piece_bytes // row_bytes)
-        for r in range(0, rows, per):
-            k = min(per, rows - r)
-            n = k * row_bytes
-            off = self._alloc(n)
-            try:
-                _copy_rows(value, kind, area, off, r, k, row_bytes)
-            finally:
-                self._send(("write", sid, key, off, n, r * row_bytes))
+                self._send(("write", sid, key, off, k * item, a * item))
 
     def close(self) -> None:
         """Stop the persist process (after what it was sent) and free the area."""
@@ -413,6 +376,9 @@ class Stager:
             proc, self._proc = self._proc, None
             if proc is not None:
                 proc.close()
+            if self.copier is not None:
+                self.copier.close()  # unpinned before the area goes
+                self.copier = None
             if self._area is not None:
                 try:
                     self._area.close()
@@ -447,40 +413,6 @@ def _np_bytes(view: Any) -> Any:
     import numpy as np
 
     return np.frombuffer(view, dtype=np.uint8)
-
-
-def _bytes_view(value: Any, kind: str) -> Any:
-    """A flat uint8 numpy view of a contiguous CPU tensor's bytes (no copy)."""
-    import numpy as np
-
-    if kind == "numpy":
-        return np.ascontiguousarray(np.asarray(value)).reshape(-1).view(np.uint8)
-    import torch
-
-    return value.detach().reshape(-1).view(torch.uint8).numpy()
-
-
-def _copy_bytes(area: mmap.mmap, off: int, src: Any, a: int, n: int) -> None:
-    import numpy as np
-
-    dst = np.frombuffer(area, dtype=np.uint8, count=n, offset=off)
-    np.copyto(dst, src[a:a + n])
-
-
-def _copy_rows(value: Any, kind: str, area: mmap.mmap, off: int, r: int, k: int,
-               row_bytes: int) -> None:
-    import numpy as np
-
-    raw = np.frombuffer(area, dtype=np.uint8, count=k * row_bytes, offset=off)
-    if kind == "numpy":
-        arr = np.asarray(value)
-        shape = (k, *arr.shape[1:])
-        np.copyto(raw.view(arr.dtype).reshape(shape), arr[r:r + k])
-        return
-    import torch
-
-    x = value.detach()
-    torch.from_numpy(raw).view(x.dtype).view(k, *x.shape[1:]).copy_(x[r:r + k])
 
 
 class StagedState:
