@@ -443,10 +443,12 @@ def tensor_bytes(value: Any) -> memoryview:
 def _torch_bytes(value: Any) -> memoryview:
     import ctypes
 
-    t = value.detach()
+    # Made contiguous where it lives, then copied: one copy to the host.
+    # (A staged state does not come here: the stager copies each tensor once,
+    # straight into shared memory, state._stage_copy.)
+    t = value.detach().contiguous()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(b"")
