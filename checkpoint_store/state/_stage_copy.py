@@ -200,10 +200,10 @@ class StagingCopier:
         if device.type == "cuda":
             self._pin()
             non_blocking = self.pinned
+        if non_blocking:  # before the first copy: sync() waits even if a later one fails
+            self._pending.add(device)
         _copy_blocks(src, start, count, dst, lambda d, s: d.copy_(s, non_blocking=non_blocking),
                      lambda d, shape: d.view(shape))
-        if non_blocking:
-            self._pending.add(device)
         self.copied[device.type] = self.copied.get(device.type, 0) + count * item
 
     def _copy_numpy(self, src: Any, start: int, count: int, off: int) -> None:
