@@ -482,8 +482,15 @@ class Checkpoint:
         marker = os.path.join(parent, download_marker_name(base))
         lock_path = os.path.join(parent, download_lock_name(base))
         # Someone else's files: refused before the lock file exists (and again
-        # under the lock, where it counts).
-        _owned_files(target, _read_download_marker(marker))
+        # under the lock, where it counts). Where the lock file exists already,
+        # a download may be swapping its directory in right now (its files in
+        # place, its marker not yet written): only the check under the lock
+        # can tell, so it decides.
+        try:
+            _owned_files(target, _read_download_marker(marker))
+        except CheckpointConflictError:
+            if not os.path.exists(lock_path):
+                raise
         _check_lock_creatable(lock_path, target)
         with filelock.FileLock(lock_path):
             _recover_interrupted(parent, base, target)
