@@ -10,10 +10,45 @@ import os
 
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
+import fcntl  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """The kill harnesses (tests/crash) run alone: they hold real deadlines
+    (grace periods, lease expiry, kill moments) against the wall clock, which
+    other workers' tests on the same cores would stretch."""
+    for item in items:
+        if item.path.parent.name == "crash" and item.path.parent.parent.name == "tests":
+            item.add_marker(pytest.mark.exclusive)
+
+
+@pytest.fixture(autouse=True)
+def _exclusive_or_shared(request, tmp_path_factory):
+    """Under pytest-xdist, a test marked ``exclusive`` runs while no other test
+    runs in any worker; the others run side by side. A readers-writer lock of
+    two ``flock``s in the run's shared temporary directory: everyone passes a
+    turnstile to take the lock, so a waiting exclusive test holds back new
+    shared ones instead of waiting for a moment when none runs."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        yield
+        return
+    shared_dir = tmp_path_factory.getbasetemp().parent  # pytest-N/, above popen-gwK/
+    exclusive = request.node.get_closest_marker("exclusive") is not None
+    with open(shared_dir / "exclusive.turnstile", "a") as turnstile, \
+            open(shared_dir / "exclusive.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture
