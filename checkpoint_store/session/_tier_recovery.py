@@ -217,8 +217,8 @@ def newest_local(tier: FastTier, latest: int | None, among: set[int] | None
         return None
     try:
         meta = fast.internal_metadata
-    except Exception:  # verified a moment ago: read from the persistent tier
-        return None
+    except Exception:  # verified a moment ago: resumed as before this check existed,
+        return fast  # never silently older (a state part then fails to load, typed)
     if not is_state_part(meta):
         return fast
     index = index_of(fast)
