@@ -563,6 +563,14 @@ def _number_of(value: Any) -> float | None:
     return float(value)
 
 
+def _numbers(rows: list[dict[str, Any]], key: str) -> list[float | None]:
+    """:func:`_number_of` of ``row[key]`` for every row. Rows are parsed JSON: an int
+    or a float is tested inline, any other value goes through :func:`_number_of`."""
+    values = [r.get(key) for r in rows]
+    return [float(v) if (type(v) is float and v == v) or type(v) is int else _number_of(v)
+            for v in values]
+
+
 def _resumes(rows: list[dict[str, Any]],
              metas: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
     """``[{row, writer}]``: the first row of each run after the first, oldest first.
@@ -595,9 +603,9 @@ def _resumes(rows: list[dict[str, Any]],
             at[i] = writer
 
     # One pass over plain lists: a 20,000-row trial takes a few milliseconds.
-    its = [_number_of(r.get("training_iteration")) for r in rows]
-    ts = [_number_of(r.get("timestamp")) for r in rows]
-    dts = [_number_of(r.get("time_this_iter_s")) for r in rows]
+    its = _numbers(rows, "training_iteration")
+    ts = _numbers(rows, "timestamp")
+    dts = _numbers(rows, "time_this_iter_s")
     starts: dict[int, str | None] = {}
     steps: dict[int, float] = {}
     for i in range(1, len(rows)):

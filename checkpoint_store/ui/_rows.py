@@ -101,7 +101,7 @@ class _TrialCache:
     # Numeric metric names of rows[:metrics_seen], in first-seen order.
     metric_names: dict[str, None] = dataclasses.field(default_factory=dict)
     metrics_seen: int = 0
-    flat_shapes: set[tuple[tuple[str, type], ...]] = dataclasses.field(default_factory=set)
+    flat_shapes: set[tuple[Any, ...]] = dataclasses.field(default_factory=set)
 
     def metrics(self) -> list[str]:
         """Numeric metric names in the rows (nested keys joined by ``/``); only
@@ -110,8 +110,9 @@ class _TrialCache:
             self.metric_names, self.metrics_seen, self.flat_shapes = {}, 0, set()
         for row in self.rows[self.metrics_seen:]:
             # Reports of one run mostly repeat one flat shape: a shape seen
-            # before adds no name (a nested row is always flattened).
-            shape = tuple((k, type(v)) for k, v in row.items())
+            # before adds no name (a nested row is always flattened). The shape
+            # (keys, then their values' types) is built without a Python loop.
+            shape = (*row, *map(type, row.values()))
             if shape in self.flat_shapes:
                 continue
             if not any(isinstance(v, Mapping) for v in row.values()):
@@ -399,13 +400,28 @@ def _column(cache: _TrialCache, metric: str, x: str) -> list[tuple[float, float,
     if seen > len(cache.rows):
         seen, points = 0, []
     points = list(points)
-    for i in range(seen, len(cache.rows)):
-        row = cache.rows[i]
-        py = _number(row.get(metric))  # a literal key first, as score_or_none reads it
-        if py is None:
+    nested = "/" in metric
+    rows = cache.rows
+    for i in range(seen, len(rows)):
+        row = rows[i]
+        # Parsed JSON: a number is an int or a float (the common case tested
+        # inline, without a call per row); NaN is no point.
+        vy: Any = row.get(metric)  # a literal key first, as score_or_none reads it
+        ty = type(vy)
+        py: float | None
+        if (ty is float and vy == vy) or ty is int:
+            py = float(vy)
+        elif nested:
             py = score_or_none(row, metric)
-        px = _number(row.get(x))
-        if px is not None and py is not None:
+            if py is None:
+                continue
+        else:
+            continue
+        vx: Any = row.get(x)
+        tx = type(vx)
+        if (tx is float and vx == vx) or tx is int:
+            points.append((float(vx), py, i))
+        elif (px := _number(vx)) is not None:
             points.append((px, py, i))
     cache.columns[(metric, x)] = (len(cache.rows), points)
     return points
