@@ -88,6 +88,7 @@ from checkpoint_store.ui._rows import (
     _column,
     _flatten,
     _good,
+    _inspect_all,
     _read_config,
     _read_error,
     _read_json,
@@ -211,10 +212,9 @@ class StoreView:
         for gone in set(cache.metas) - subdirs:
             del cache.metas[gone]
         cache.uncommitted, cache.unmatched = set(), {}
-        for name in sorted(subdirs - set(cache.metas)):
+        for name, insp in _inspect_all(fs, ctx.trial_path, sorted(subdirs - set(cache.metas))):
             # The marker makes a checkpoint, whatever the name (Ray Train's
             # checkpoint_<time>); only checkpoint_NNNNNN ones count as unfinished.
-            insp = inspect_checkpoint(fs, posixpath.join(ctx.trial_path, name))
             if insp.state == "committed" and insp.meta is not None:
                 cache.metas[name] = insp.meta
             elif insp.state == "invalid":

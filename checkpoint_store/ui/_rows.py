@@ -12,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import posixpath
 import shlex
 import warnings
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from checkpoint_store._browse.locations import (
@@ -34,6 +36,7 @@ from checkpoint_store._results.reader import (
     unfolded_rows,
 )
 from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.inspect import Inspection, inspect_checkpoint
 from checkpoint_store.errors import (
     InvalidConfigError,
 )
@@ -141,6 +144,25 @@ def _require_checkpoint_name(name: str, marked: Iterable[str] = ()) -> None:
         raise InvalidConfigError(
             f"{name!r} is neither a checkpoint_NNNNNN directory name nor a directory "
             "with a commit marker")
+
+
+#: Checkpoint directories inspected at once on a trial's first read: each is a
+#: listing and a marker read, which object stores answer in parallel.
+INSPECT_THREADS = 8
+
+
+def _inspect_all(fs: Any, trial_path: str, names: list[str]) -> list[tuple[str, Inspection]]:
+    """``[(name, inspect_checkpoint(...))]`` of the directories ``names`` of the
+    trial, in order; up to :data:`INSPECT_THREADS` at once. The first error
+    raised by an inspection is raised (a storage error: the answer is a 502)."""
+    def one(name: str) -> Inspection:
+        return inspect_checkpoint(fs, posixpath.join(trial_path, name))
+
+    if len(names) < 2:
+        return [(name, one(name)) for name in names]
+    with ThreadPoolExecutor(min(INSPECT_THREADS, len(names)),
+                            thread_name_prefix="cs-ui-inspect") as pool:
+        return list(zip(names, pool.map(one, names), strict=True))
 
 
 def _read_new_rows(fs: Any, path: str, size: int | None, cache: _TrialCache) -> None:
