@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import urllib.error
 import urllib.request
@@ -340,3 +341,31 @@ def test_csv_export_of_any_name_and_only_of_listed_experiments(serve: Any,
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(server.url + f"api/csv?experiment={experiment}", timeout=10)
         assert info.value.code == status
+
+
+def test_a_first_read_inspects_every_directory_and_later_reads_follow(tmp_path: Any) -> None:
+    # Inspected together on the first read (a pool of threads): each directory
+    # still gets its own answer, and what changes afterwards is seen.
+    store = Store(str(tmp_path / "many"))
+    report_trial(store, "exp", "t", [0.5, 0.9, 0.8, 0.3, 0.2, 0.1, 0.4], [True] * 7, {})
+    trial_dir = os.path.join(store.uri, "exp", "t")
+    with open(os.path.join(trial_dir, "checkpoint_000002", "extra.bin"), "wb") as f:
+        f.write(b"x")  # a file its manifest does not list: invalid
+    view = StoreView(store.uri)
+    first = view.trial("exp", "t", since=None)
+    kinds = {c["name"]: c["kind"] for c in first["checkpoints"]}
+    assert kinds == {"checkpoint_000000": "evicted", "checkpoint_000001": "best",
+                     "checkpoint_000002": "invalid", "checkpoint_000003": "evicted",
+                     "checkpoint_000004": "evicted", "checkpoint_000005": "evicted",
+                     "checkpoint_000006": "best"}
+    assert "extra.bin" in next(c["reason"] for c in first["checkpoints"]
+                               if c["name"] == "checkpoint_000002")
+    assert first["total_rows"] == 7
+    shutil.rmtree(os.path.join(trial_dir, "checkpoint_000001"))
+    report_trial(store, "exp", "t", [0.05], [True], {})
+    later = view.trial("exp", "t", since=7)
+    kinds = {c["name"]: c["kind"] for c in later["checkpoints"]}
+    assert kinds["checkpoint_000001"] == "evicted"  # deleted after the first read
+    assert kinds["checkpoint_000007"] in ("best", "latest")
+    assert later["total_rows"] == 8
+    assert [r["val"]["accuracy"] for r in later["rows"]] == [0.05]
