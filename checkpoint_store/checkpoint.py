@@ -53,6 +53,7 @@ from checkpoint_store._util.inspect import (
 )
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import (
+    CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
     InvalidConfigError,
