@@ -28,6 +28,7 @@ from checkpoint_store._browse.output import fmt_value, print_json
 from checkpoint_store.cli.inspection import _recorded_invalid
 from checkpoint_store.cli.metrics import (
     metric_option,
+    mode_option,
     refuse_unrecorded_metric,
     resolve_metric,
     stored_metrics,
@@ -54,9 +55,7 @@ _Scored = tuple[Location, Mapping[str, Any], float | None]
 @metric_option(help="Metric to rank by; nested metrics use '/'. Default: the trial's "
                     "retention score attribute. One no checkpoint of the trial records is "
                     "refused.")
-@click.option("--mode", type=click.Choice(["min", "max"]), default=None,
-              help="min: lower is better; max: higher is better (default: the trial's "
-                   "recorded order when ranking by its recorded metric, else max).")
+@mode_option()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @common_options
 def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mode: str | None,

@@ -33,6 +33,7 @@ from checkpoint_store._util import clock as _clock
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli.metrics import (
     metric_option,
+    mode_option,
     refuse_unrecorded_metric,
     resolve_metric,
     stored_metrics,
@@ -212,9 +213,7 @@ def _print_prune(verb: str, metric: str | None, evicted: Iterable[dict[str, Any]
 @metric_option(help="Metric to rank by, with --keep; nested metrics use '/'. Without it "
                     "(and without a recorded retention attribute) the N most recent are "
                     "kept. One no checkpoint of the trial records is refused.")
-@click.option("--mode", type=click.Choice(["min", "max"]), default=None,
-              help="min: lower is better; max: higher is better (default: the trial's "
-                   "recorded order when ranking by its recorded metric, else max).")
+@mode_option()
 @click.option("--keep-latest/--no-keep-latest", default=True, show_default=True,
               help="Also keep the newest checkpoint (resume needs it), as the manager does.")
 @click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")

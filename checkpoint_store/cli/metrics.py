@@ -44,6 +44,15 @@ def metric_option(*decls: str, help: str, metavar: str = "M") -> Any:
                         callback=_named_metric)
 
 
+def mode_option() -> Any:
+    """The ``--mode`` option of the commands that rank by a metric (``best``,
+    ``prune``): ``"min"``, ``"max"`` or None (the trial's recorded order)."""
+    return click.option(
+        "--mode", type=click.Choice(["min", "max"]), default=None,
+        help="min: lower is better; max: higher is better (default: the trial's "
+             "recorded order when ranking by its recorded metric, else max).")
+
+
 def refuse_unrecorded_metric(loc: Location,
                              committed: Iterable[tuple[Location, Mapping[str, Any]]],
                              metric: str | None, consequence: str) -> None:
