@@ -164,3 +164,21 @@ def run_ranks(n: int, fn: Any, timeout: float = 120.0) -> list[Any]:
         t.join(timeout)
         assert not t.is_alive(), f"{t.name} did not finish within {timeout}s"
     return out
+
+
+def tiered_rank(store: str | Path, rank: int, world_size: int, tier: str | Path, *,
+                refused: str | None = None, sync_timeout_s: float = 30) -> Any:
+    """Rank ``rank`` of ``world_size`` (attempt ``a1``) of trial ``e/t`` on the
+    local directory ``store``, with a local tier at ``tier``; where ``refused``
+    is given, every write to a path holding it is refused (access denied)."""
+    from checkpoint_store import LocalTier
+    from checkpoint_store.session import Session
+    from checkpoint_store.testing.faults import faulty_backend
+
+    backend, path = resolve(str(store))
+    if refused is not None:
+        backend = faulty_backend(backend, permanent={"write": "access_denied"},
+                                 path_contains=refused)
+    ctx = StorageContext.from_backend(backend, path, "e", "t")
+    return Session(ctx, world_rank=rank, world_size=world_size, attempt_id="a1",
+                   sync_timeout_s=sync_timeout_s, local_tier=LocalTier(tier))

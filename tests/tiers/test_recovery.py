@@ -7,13 +7,10 @@ import json
 import os
 
 import pytest
-from _tier_helpers import make_checkpoint, read_files
+from _tier_helpers import make_checkpoint, read_files, tiered_rank
 
 from checkpoint_store import LocalTier, StorageContext, session
-from checkpoint_store.registry import resolve
-from checkpoint_store.session import Session
 from checkpoint_store.testing import session_internals
-from checkpoint_store.testing.faults import faulty_backend
 from checkpoint_store.tiers import TIER_STATE_FILE, FastTier, read_tier_state
 
 
@@ -95,12 +92,8 @@ def test_two_ranks_persist_what_a_failed_run_left_pending(ranks, tmp_path):
     store = str(tmp_path / "durable")
 
     def first(rank):
-        backend, path = resolve(store)
-        broken = faulty_backend(backend, permanent={"write": "access_denied"},
-                                path_contains="checkpoint_000001")
-        ctx = StorageContext.from_backend(broken, path, "e", "t")
-        s = Session(ctx, world_rank=rank, world_size=2, attempt_id="a1", sync_timeout_s=3,
-                    local_tier=LocalTier(tmp_path / f"fast{rank}"))
+        s = tiered_rank(store, rank, 2, tmp_path / f"fast{rank}", refused="checkpoint_000001",
+                        sync_timeout_s=3)
         try:
             for i in range(2):
                 s.report({"i": i}, checkpoint=make_checkpoint(
@@ -140,13 +133,8 @@ def test_a_restart_on_fewer_ranks_never_persists_the_parts_it_has(ranks, tmp_pat
     store = str(tmp_path / "durable")
 
     def first(rank):
-        backend, path = resolve(store)
-        if rank == 2:
-            backend = faulty_backend(backend, permanent={"write": "access_denied"},
-                                     path_contains="checkpoint_000001-a1/shard_2")
-        ctx = StorageContext.from_backend(backend, path, "e", "t")
-        s = Session(ctx, world_rank=rank, world_size=3, attempt_id="a1", sync_timeout_s=30,
-                    local_tier=LocalTier(tmp_path / f"fast{rank}"))
+        s = tiered_rank(store, rank, 3, tmp_path / f"fast{rank}",
+                        refused="checkpoint_000001-a1/shard_2" if rank == 2 else None)
         try:
             for i in range(2):
                 s.report({"i": i}, checkpoint=make_checkpoint(

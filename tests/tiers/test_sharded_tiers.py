@@ -21,15 +21,13 @@ from typing import Any
 import numpy as np
 import pytest
 from _sharded_tier_worker import full_state, rank_state
-from _tier_helpers import child_env, run_ranks
+from _tier_helpers import child_env, run_ranks, tiered_rank
 
 from checkpoint_store import Checkpoint, LocalTier, StorageContext, session
 from checkpoint_store.errors import CheckpointAbortedError
-from checkpoint_store.registry import resolve
 from checkpoint_store.session import Session
 from checkpoint_store.state import STATE_FILE, StateSlice
 from checkpoint_store.testing import session_internals
-from checkpoint_store.testing.faults import faulty_backend
 from checkpoint_store.tiers import read_tier_state
 
 WORKER = os.path.join(os.path.dirname(__file__), "_sharded_tier_worker.py")
@@ -173,13 +171,9 @@ def test_a_failed_durable_part_aborts_the_index_and_the_restart_persists_it(tmp_
     store, tiers = tmp_path / "durable", tmp_path / "fast"
 
     def first(r: int) -> Any:
-        backend, path = resolve(str(store))
-        if r == 1:  # its files of checkpoint 1 (attempt a1's staging) cannot be written
-            backend = faulty_backend(backend, permanent={"write": "access_denied"},
-                                     path_contains="checkpoint_000001-a1/tensors-rank00001")
-        ctx = StorageContext.from_backend(backend, path, "e", "t")
-        s = Session(ctx, world_rank=r, world_size=2, attempt_id="a1", sync_timeout_s=30,
-                    local_tier=LocalTier(tiers / f"node{r}"))
+        # Rank 1's files of checkpoint 1 (attempt a1's staging) cannot be written.
+        s = tiered_rank(store, r, 2, tiers / f"node{r}",
+                        refused="checkpoint_000001-a1/tensors-rank00001" if r == 1 else None)
         try:
             s.report({"i": 0}, state=rank_state(0, r), upload_mode="sync")
             s.report({"i": 1}, state=rank_state(1, r))
