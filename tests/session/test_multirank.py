@@ -3,11 +3,13 @@ test_torchrun.py runs real processes)."""
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 import threading
 import uuid
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 
@@ -288,10 +290,31 @@ def test_reports_without_checkpoint_only_rank0_rows(ranks, store, tmp_path):
     assert [(r["i"], r["rank"]) for r in rows] == [(0, 0), (1, 0), (2, 0)]
 
 
+class _WholeOnClose(io.BytesIO):
+    """A write to fsspec's memory store that appears whole when closed, as an
+    object store's PUT does (memory:// itself shows a file from its open on,
+    so a listing can catch it empty and the reader must read it again)."""
+
+    def __init__(self, fs, path):
+        super().__init__()
+        self.fs, self.path = fs, fs._strip_protocol(path)
+
+    def close(self):
+        if not self.closed:
+            from fsspec.implementations.memory import MemoryFile
+
+            self.fs.store[self.path] = MemoryFile(self.fs, self.path, self.getvalue())
+        super().close()
+
+
 class _CountingHandler(pafs.FSSpecHandler):
-    def __init__(self, fs, counts, lock):
+    """Counts the calls a commit makes; writes are whole on close, so every
+    read counted is one a store with atomic PUTs would see too."""
+
+    def __init__(self, fs, counts, lock, torn=()):
         super().__init__(fs)
         self.counts, self.lock = counts, lock
+        self.torn = set(torn)  # paths whose first read returns half their bytes
 
     def _count(self, what, path):
         with self.lock:
@@ -299,10 +322,16 @@ class _CountingHandler(pafs.FSSpecHandler):
 
     def open_output_stream(self, path, metadata):
         self._count("write", path)
-        return super().open_output_stream(path, metadata)
+        return pa.PythonFile(_WholeOnClose(self.fs, path), mode="w")
 
     def open_input_stream(self, path):
         self._count("read", path)
+        with self.lock:
+            torn = path in self.torn
+            self.torn.discard(path)
+        if torn:
+            data = self.fs.cat_file(path)
+            return pa.BufferReader(data[: len(data) // 2])
         return super().open_input_stream(path)
 
     def delete_file(self, path):
@@ -339,6 +368,31 @@ def test_storage_calls_per_commit_grow_linearly(ranks, tmp_path, n):
     writes = [p for w, p in ck if w == "write"]
     assert len([p for p in writes if ".cs_claim-" in p]) == n
     assert len(writes) == 3 * n + 1
+
+
+def test_a_marker_read_half_written_is_read_again_and_the_commit_completes(ranks, tmp_path):
+    """memory:// shows a file while it is written: rank 0 can list a marker
+    and read half of it. That read is not an error; the marker is read again."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    counts: list[tuple[str, str]] = []
+    root = f"/torn-{id(tmp_path)}"
+    marker = f"{root}/e/t/checkpoint_000000/.cs_rank-000001.json"
+    handler = _CountingHandler(MemoryFileSystem(), counts, threading.Lock(), torn=[marker])
+    fs = pafs.PyFileSystem(handler)
+    sources = [_dir(tmp_path, f"r{r}", {f"s{r}.bin": bytes([r]) * 8}) for r in range(2)]
+
+    def rank_fn(rank):
+        with session.start(storage_path=root, storage_filesystem=fs, experiment_name="e",
+                           trial_name="t", world_rank=rank, world_size=2, attempt_id="c",
+                           sync_timeout_s=30):
+            session.report({"i": 0}, checkpoint=sources[rank])
+
+    assert ranks(2, rank_fn) == [None, None]
+    assert [w for w, p in counts if p == marker] == ["write", "read", "read", "delete"]
+    ck = Checkpoint(f"{root}/e/t/checkpoint_000000", filesystem=fs)
+    with ck.as_directory() as d:
+        assert sorted(os.listdir(d)) == ["s0.bin", "s1.bin"]
 
 
 def test_rank_markers_mark_an_interrupted_commit_as_ours_not_foreign():
