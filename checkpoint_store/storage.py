@@ -17,6 +17,16 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from checkpoint_store._chunks.gc import GcReport, collect
+from checkpoint_store._chunks.refs import experiment_refs
+from checkpoint_store._chunks.store import ChunkStore
+from checkpoint_store._chunks.writer import (
+    CHUNK_DIR,
+    CHUNK_ROOT,
+    ChunkedUpload,
+    check_chunking,
+    resolve_codec,
+)
 from checkpoint_store._commit import trialdir as _trialdir
 from checkpoint_store._commit.leftovers import ScanResult, scan_trial
 from checkpoint_store._commit.nesting import refuse_inside_checkpoint
@@ -28,6 +38,7 @@ from checkpoint_store._format.layout import (
     checkpoint_dir_name,
     validate_component,
 )
+from checkpoint_store._format.manifest import is_checkpoint_data
 from checkpoint_store._results import trialfiles as _trialfiles
 from checkpoint_store._results.writer import ResultLog, parse_result_rows, read_results
 from checkpoint_store._transfer.plan import Previous
@@ -93,6 +104,17 @@ class StorageContext:
             same file in the trial's latest committed checkpoint is copied
             from it inside the store instead of uploaded (every checkpoint
             still holds all its files). Default True.
+        dedup: store each large file of a checkpoint committed from a local
+            directory (every safetensors shard of ``report(state=...)``) as
+            content-addressed chunks in the experiment's chunk store
+            (``<experiment>/.cs_chunks/``), each chunk stored once however
+            many checkpoints, trials and forks of the experiment hold it;
+            retention frees the chunks no checkpoint uses any more
+            (docs/dedup.md). Default False. The local tier never uses chunks.
+        compression: the codec of new chunks: ``"auto"`` (default: the
+            byte-plane codec on object stores and remote filesystems, none
+            on local disks and memory, where the store is faster than the
+            codec), ``"on"`` or ``"off"``. Used with ``dedup`` only.
 
     Raises:
         InvalidConfigError: bad names or location, a ``storage_filesystem``
@@ -114,6 +136,8 @@ class StorageContext:
         max_concurrency: int | None = None,
         memory_budget: int | None = None,
         incremental: bool = True,
+        dedup: bool = False,
+        compression: str = "auto",
     ):
         self.experiment_name = check_run_name(experiment_name, "experiment_name")
         self.trial_name = check_run_name(trial_name, "trial_name")
@@ -127,12 +151,23 @@ class StorageContext:
         self.fsync = fsync
         self._init_run(run_id, retry)
         self._init_transfer(max_concurrency, memory_budget, incremental)
+        self.set_chunking(dedup, compression)
 
     def _init_transfer(self, max_concurrency: int | None, memory_budget: int | None,
                        incremental: bool) -> None:
         self.backend = _trialdir.transfer_backend(self.backend, max_concurrency, memory_budget,
                                                   incremental)
         self.incremental = incremental
+        self.dedup, self.compression = False, "auto"
+
+    def set_chunking(self, dedup: bool, compression: str = "auto") -> None:
+        """Store the large files of later checkpoints as chunks (``dedup``)
+        encoded with ``compression`` (see the class's arguments).
+
+        Raises:
+            InvalidConfigError: ``dedup`` is not a bool, or an unknown ``compression``.
+        """
+        self.dedup, self.compression = check_chunking(dedup, compression)
 
     def _init_run(self, run_id: str | None, retry: RetryPolicy | None) -> None:
         if not isinstance(self.fsync, bool):  # "no" would read as True
@@ -149,7 +184,7 @@ class StorageContext:
         cls, backend: Backend, storage_path: str, experiment_name: str, trial_name: str,
         *, fsync: bool = True, run_id: str | None = None, retry: RetryPolicy | None = None,
         max_concurrency: int | None = None, memory_budget: int | None = None,
-        incremental: bool = True,
+        incremental: bool = True, dedup: bool = False, compression: str = "auto",
     ) -> StorageContext:
         """A StorageContext on a backend already resolved (an integration's or
         the UI's), with ``storage_path`` in the backend's own spelling.
@@ -175,6 +210,7 @@ class StorageContext:
         self.fsync = fsync
         self._init_run(run_id, retry)
         self._init_transfer(max_concurrency, memory_budget, incremental)
+        self.set_chunking(dedup, compression)
         return self
 
     def __repr__(self) -> str:
@@ -346,12 +382,37 @@ class StorageContext:
         meta = self.internal_metadata(index, internal)
         self.ensure_trial_dir()
         writer = writer_id or new_writer_id(self.run_id)
+        chunked = self._chunked_upload(checkpoint, dest, writer)
+        if chunked is not None:
+            meta = {**meta, "chunk_root": CHUNK_ROOT}
+            try:
+                written = _retry.with_rebuild(self.backend, lambda: self.commit_protocol.commit(
+                    None, None, dest, meta, writer_id=writer, write=chunked.write,
+                ), what=f"commit {self.uri(dest)}")
+            finally:
+                chunked.finish()
+            return Checkpoint._from_backend(self.backend, dest, written)
         previous = self._previous_quietly(index) if self._reuses(checkpoint) else None
         written = _retry.with_rebuild(self.backend, lambda: self.commit_protocol.commit(
             checkpoint.filesystem, checkpoint.path, dest, meta, writer_id=writer,
             previous=previous,
         ), what=f"commit {self.uri(dest)}")
         return Checkpoint._from_backend(self.backend, dest, written)
+
+    def _chunked_upload(self, checkpoint: Checkpoint, dest: str,
+                        writer: str) -> ChunkedUpload | None:
+        """The chunked write of ``checkpoint`` when this storage dedups and the
+        source is on the local disk (a state's staging directory, a report's
+        directory), else None (copied as files)."""
+        if not self.dedup or _fsutil.local_path(checkpoint.filesystem, checkpoint.path) is None:
+            return None
+        store = ChunkStore.for_checkpoint(self.filesystem, dest, retry=self.retry)
+        return ChunkedUpload(
+            checkpoint.filesystem, checkpoint.path, self.backend, store,
+            codec=resolve_codec(self.compression, self.backend), writer=writer,
+            fsync=self.fsync, retry=self.retry, workers=self.backend.capabilities.concurrency,
+            include=is_checkpoint_data,
+        )
 
     def _previous_quietly(self, index: int) -> Previous | None:
         # Reuse saves bytes, it is not needed: a store that cannot be read
@@ -454,6 +515,23 @@ class StorageContext:
         _retry.with_rebuild(self.backend, lambda: self.commit_protocol.remove_leftover(
             posixpath.join(self.trial_path, dir_name), new_writer_id(self.run_id)
         ), what=f"remove {dir_name}")
+
+    def collect_chunks(self) -> GcReport | None:
+        """Delete the chunks of this trial's experiment that no checkpoint of
+        any of its trials, committed or being written, references any more
+        (:func:`checkpoint_store._chunks.gc.collect`; retention calls it after
+        each eviction). None when the experiment has no chunk store.
+
+        Raises:
+            TransientBackendError, PermanentBackendError: storage failed; what
+                was not deleted is left for the next collection.
+        """
+        root = posixpath.join(self.experiment_path, CHUNK_DIR)
+        if not self.dedup and not _fsutil.is_dir(self.filesystem, root, retry=self.retry):
+            return None
+        store = ChunkStore(self.filesystem, root, retry=self.retry)
+        return collect(store, lambda: experiment_refs(self.filesystem, self.experiment_path,
+                                                      retry=self.retry))
 
     # -- orphans ------------------------------------------------------------------
 

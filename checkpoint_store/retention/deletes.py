@@ -62,15 +62,31 @@ def delete_evicted(storage: StorageContext, name: str,
     try:
         if leftover is not None:
             storage.remove_leftover(leftover)
+        elif _is_foreign(storage, name, is_ours, foreign):
             return True
-        if _is_foreign(storage, name, is_ours, foreign):
-            return True
-        storage.delete_checkpoint(name)
-        return True
+        else:
+            storage.delete_checkpoint(name)
     except Exception as exc:  # never fail a report for a delete
         _manager_logger.warning("could not delete %s (retried at the next report): %s",
                                 name, exc)
         return False
+    _collect_chunks(storage)
+    return True
+
+
+def _collect_chunks(storage: StorageContext) -> None:
+    """After an eviction: free the chunks no checkpoint of the experiment uses
+    any more. A failure is logged and left to the next eviction's collection
+    (garbage, never a missing chunk)."""
+    try:
+        report = storage.collect_chunks()
+    except Exception as exc:  # never fail a report for garbage collection
+        _manager_logger.warning("could not collect unused chunks (retried at the next "
+                                "eviction or by `checkpoint-store gc`): %s", exc)
+        return
+    if report is not None and report.deleted:
+        logger.info("freed %d unused chunk(s), %d bytes", len(report.deleted),
+                    report.bytes_freed)
 
 
 def uncommit_evicted(storage: StorageContext, name: str,

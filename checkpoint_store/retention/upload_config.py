@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from checkpoint_store._chunks.writer import check_chunking
 from checkpoint_store.errors import InvalidConfigError
 
 __all__ = ["STAGING_MODES", "UPLOAD_MODES", "StagingMode", "UploadConfig", "UploadMode",
@@ -95,6 +96,15 @@ class UploadConfig:
             on the first state report. True: at ``session.start`` always
             (the whole budget faulted in the background: memory held from
             the start). False: on the first state report.
+        dedup: store the large files of each checkpoint (every tensor shard
+            of ``report(state=...)``) on the storage_path as content-addressed
+            chunks, each stored once across the experiment's checkpoints,
+            trials and forks; retention frees the chunks no checkpoint uses
+            (see :class:`~checkpoint_store.StorageContext` and docs/dedup.md).
+            Default False. One rank only; the local tier keeps plain files.
+        compression: the codec of new chunks with ``dedup``: ``"auto"``
+            (default: on for object stores, off on local disks and memory),
+            ``"on"`` or ``"off"``.
 
     Raises:
         InvalidConfigError: at construction, for any other value.
@@ -105,11 +115,14 @@ class UploadConfig:
     staging: StagingMode = "copy"
     staging_budget: int | None = None
     warm_staging: bool | None = None
+    dedup: bool = False
+    compression: str = "auto"
 
     def __post_init__(self) -> None:
         if not (self.warm_staging is None or isinstance(self.warm_staging, bool)):
             raise InvalidConfigError(
                 f"warm_staging must be None, True or False, got {self.warm_staging!r}")
+        check_chunking(self.dedup, self.compression)
         check_upload_mode(self.upload_mode)
         check_max_pending(self.max_pending_uploads)
         check_staging(self.staging)

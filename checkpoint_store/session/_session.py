@@ -120,6 +120,13 @@ class Session:
             raise InvalidConfigError(
                 f"world_rank {self.world_rank} must be in [0, world_size={self.world_size})"
             )
+        if self.upload_config.dedup and self.world_size > 1:
+            raise InvalidConfigError(
+                "UploadConfig(dedup=True) stores one rank's checkpoints as chunks; with "
+                f"world_size={self.world_size} leave dedup off (each rank's files are "
+                "committed as files)")
+        if self.upload_config.dedup:
+            storage.set_chunking(True, self.upload_config.compression)
         sync_timeout_s = check_timeout(sync_timeout_s)
         local_tier = check_local_tier(local_tier, storage)
         preemption_config = check_preemption(preemption)
