@@ -44,6 +44,6 @@ def test_chunk_gc_machine_on_s3(s3_server, s3_bucket):
             return fs, f"{s3_bucket}/gc-{uuid.uuid4().hex}"
 
     test = S3Machine.TestCase
-    test.settings = settings(max_examples=3, stateful_step_count=20, deadline=None,
+    test.settings = settings(max_examples=5, stateful_step_count=25, deadline=None,
                              suppress_health_check=_HC)
     test().runTest()
