@@ -9,8 +9,11 @@ whatever reads a directory (the integrations, a user's code) needs no change.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -23,7 +26,7 @@ from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Capabilities
 from checkpoint_store.errors import UnsafePathError
 
-__all__ = ["download_checkpoint", "verify_checkpoint"]
+__all__ = ["download_checkpoint", "materialized", "verify_checkpoint"]
 
 
 def _split(manifest: list[dict[str, Any]] | None
@@ -110,3 +113,21 @@ def verify_checkpoint(
     for e in chunked:
         ChunkedFile(fs, checkpoint_path, meta, e, retry=retry,
                     workers=max(concurrency, 1)).verify()
+
+
+@contextlib.contextmanager
+def materialized(fs: pafs.FileSystem, checkpoint_path: str, caps: Capabilities,
+                 meta: Mapping[str, Any]) -> Iterator[str]:
+    """A local temporary directory holding every file of a committed checkpoint
+    for real (chunked ones written from their chunks, everything verified),
+    removed when the block exits: a copy to another store commits from it.
+
+    Raises:
+        CheckpointCorruptError: as :func:`download_checkpoint`; nothing is left.
+    """
+    tmp = tempfile.mkdtemp(prefix="cs-materialized-")
+    try:
+        download_checkpoint(fs, checkpoint_path, caps, os.path.join(tmp, "d"), meta=meta)
+        yield os.path.join(tmp, "d")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
