@@ -22,6 +22,8 @@ import filelock
 import google_crc32c
 import pyarrow.fs as pafs
 
+from checkpoint_store._chunks.files import chunked_entries
+from checkpoint_store._chunks.read import download_checkpoint, verify_checkpoint
 from checkpoint_store._commit.download_target import check_lock_creatable as _check_lock_creatable
 from checkpoint_store._commit.download_target import inside as _inside
 from checkpoint_store._commit.download_target import new_sibling_dir as _new_sibling_dir
@@ -42,14 +44,12 @@ from checkpoint_store._format.layout import (
     download_lock_name,
     download_marker_name,
 )
-from checkpoint_store._transfer.trees import download_tree
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import transferlog as _transferlog
 from checkpoint_store._util.inspect import (
     Inspection,
     inspect_checkpoint,
     read_internal_metadata,
-    verify_files,
 )
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.errors import (
@@ -349,8 +349,8 @@ class Checkpoint:
         assert insp.meta is not None
         caps = self._backend.capabilities
         try:
-            verify_files(self.filesystem, self.path, insp.meta["manifest"],
-                         chunk_size=caps.chunk_size, concurrency=max(caps.concurrency, 1))
+            verify_checkpoint(self.filesystem, self.path, insp.meta,
+                              chunk_size=caps.chunk_size, concurrency=max(caps.concurrency, 1))
         except CheckpointCorruptError as exc:
             from checkpoint_store.state import name_corrupt_tensor
 
@@ -473,7 +473,7 @@ class Checkpoint:
         insp = self._inspect_for_download()
         manifest = insp.meta["manifest"] if insp.meta else None
         if target is None:
-            return self._download_to_temp(manifest, verify, insp.files, progress)
+            return self._download_to_temp(insp.meta, verify, insp.files, progress)
         parent, base = os.path.split(target)
         # Every refusal below comes before the first write (the lock included).
         self._refuse_target(target, base)
@@ -507,7 +507,7 @@ class Checkpoint:
                     progress(size, size)
                 return target
             self._download_and_swap(target, marker, identity, _owned_files(target, previous),
-                                    manifest, verify, insp.files, progress)
+                                    insp.meta, verify, insp.files, progress)
         return target
 
     def _inspect_for_download(self) -> Inspection:
@@ -521,14 +521,14 @@ class Checkpoint:
             )
         return insp
 
-    def _download_to_temp(self, manifest: list[dict[str, Any]] | None, verify: bool,
+    def _download_to_temp(self, meta: Mapping[str, Any] | None, verify: bool,
                           listed: Mapping[str, int] | None,
                           progress: Callable[[int, int], None] | None = None) -> str:
         """Download into a new temporary directory (removed again on failure)."""
         tmp = _download_dir()
         try:
-            download_tree(self.filesystem, self.path, self._backend.capabilities, tmp,
-                          manifest=manifest, verify=verify, listed=listed, progress=progress)
+            download_checkpoint(self.filesystem, self.path, self._backend.capabilities, tmp,
+                                meta=meta, verify=verify, listed=listed, progress=progress)
         except BaseException:
             _remove_tree(tmp)
             raise
@@ -547,16 +547,16 @@ class Checkpoint:
 
     def _download_and_swap(
         self, target: str, marker: str, identity: dict[str, Any] | None, old_files: list[str],
-        manifest: list[dict[str, Any]] | None, verify: bool, listed: Mapping[str, int] | None,
+        meta: Mapping[str, Any] | None, verify: bool, listed: Mapping[str, int] | None,
         progress: Callable[[int, int], None] | None = None,
     ) -> None:
         """Under the target's lock: download into a staging sibling, then swap it in."""
         parent, base = os.path.split(target)
         staging = _new_sibling_dir(parent, "download", base)
         try:
-            written = download_tree(self.filesystem, self.path, self._backend.capabilities,
-                                    staging, manifest=manifest, verify=verify, listed=listed,
-                                    progress=progress)
+            written = download_checkpoint(self.filesystem, self.path,
+                                          self._backend.capabilities, staging, meta=meta,
+                                          verify=verify, listed=listed, progress=progress)
             _swap_in(staging, target, marker, identity, old_files, written)
         finally:
             _remove_tree(staging)
@@ -591,11 +591,13 @@ class Checkpoint:
         """Yield a local directory holding the checkpoint's files.
 
         A local checkpoint yields its own directory: read it, never write to
-        it. A remote one is downloaded (and verified) into a temporary
-        directory that is removed when the block exits, also when it raises.
+        it. A remote one, or a local one with files stored as chunks (format
+        version 3: they are not in its directory), is downloaded (and
+        verified) into a temporary directory that is removed when the block
+        exits, also when it raises.
         """
         local = _fsutil.local_path(self.filesystem, self.path)
-        if local is not None:
+        if local is not None and not _has_chunks(local):
             if not os.path.isdir(local):
                 raise CheckpointNotFoundError(f"checkpoint {self.uri} does not exist")
             yield local
@@ -615,6 +617,17 @@ def written_metadata(checkpoint: Checkpoint) -> Mapping[str, Any]:
     :attr:`Checkpoint.internal_metadata` read from storage."""
     known = checkpoint._written
     return known if known is not None else checkpoint.internal_metadata
+
+
+def _has_chunks(local: str) -> bool:
+    """True when the local checkpoint ``local``'s marker lists chunked files
+    (one small read; False without a readable marker)."""
+    try:
+        with open(os.path.join(local, INTERNAL_METADATA), "rb") as f:
+            meta = _json.loads(f.read())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(meta, dict) and bool(chunked_entries(meta))
 
 
 def _download_dir() -> str:

@@ -22,6 +22,7 @@ from checkpoint_store._format.layout import (
     parse_checkpoint_dir_name,
     validate_component,
 )
+from checkpoint_store._format.manifest import is_chunked
 from checkpoint_store._transfer.plan import Previous
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.inspect import inspect_checkpoint, read_internal_metadata
@@ -91,8 +92,10 @@ def _previous_at(filesystem: Any, trial_path: str, name: str,
     meta = read_internal_metadata(filesystem, path, retry=retry)
     if meta is None:
         return None
+    # A chunked file of the previous checkpoint is not in its directory: no
+    # server-side copy can take it from there.
     return Previous(path, {e["path"]: (e["size"], int(e["crc32c"], 16))
-                           for e in meta["manifest"]})
+                           for e in meta["manifest"] if not is_chunked(e)})
 
 
 def adoptable(filesystem: Any, trial_path: str, dir_name: str,

@@ -15,6 +15,7 @@ import re
 from typing import Literal
 
 __all__ = [
+    "CHUNK_ROOT",
     "CHECKPOINT_PREFIX",
     "CLOCK_PROBE_PREFIX",
     "COMMIT_LOCK",
@@ -23,6 +24,7 @@ __all__ = [
     "ERROR_FILE",
     "STOPPED_FILE",
     "FORMAT_VERSION",
+    "FORMAT_VERSION_CHUNKS",
     "FORMAT_VERSION_TENSORS",
     "MARKER_FORMAT_VERSIONS",
     "INTERNAL_METADATA",
@@ -106,8 +108,15 @@ FORMAT_VERSION = 1
 #: The marker's version when it carries a tensor index (``"tensors"``, a
 #: checkpoint saved from a state: docs/state.md); a marker without one stays 1.
 FORMAT_VERSION_TENSORS = 2
+#: The marker's version when any manifest entry's bytes live as chunks
+#: (``"chunks"``, with ``"chunk_root"`` in the marker: docs/format.md, "Chunks");
+#: it may carry a tensor index too. Readers of versions 1 and 2 refuse it.
+FORMAT_VERSION_CHUNKS = 3
 #: The marker versions this checkpoint-store reads.
-MARKER_FORMAT_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_TENSORS)
+MARKER_FORMAT_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_TENSORS, FORMAT_VERSION_CHUNKS)
+#: A chunk store's directory, relative to a checkpoint directory
+#: (``<experiment>/<trial>/checkpoint_NNNNNN`` -> ``<experiment>/.cs_chunks``).
+CHUNK_ROOT = "../../.cs_chunks"
 
 USER_METADATA = ".user_metadata.json"
 INTERNAL_METADATA = ".internal_metadata.json"

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from checkpoint_store._format.layout import (
     FORMAT_VERSION,
+    FORMAT_VERSION_CHUNKS,
     FORMAT_VERSION_TENSORS,
     USER_METADATA,
     is_internal_file,
@@ -30,12 +31,15 @@ __all__ = [
     "Inspection",
     "InspectionState",
     "ManifestEntry",
+    "check_chunks",
+    "check_chunk_root",
     "check_entry",
     "check_relpath",
     "crc_hex",
     "first_unlisted",
     "internal_metadata",
     "is_checkpoint_data",
+    "is_chunked",
 ]
 
 
@@ -62,6 +66,53 @@ def is_checkpoint_data(rel: str) -> bool:
 
 
 _CRC_RE = re.compile(r"^[0-9a-f]{8}$")
+#: A chunk's name: 64 hex digits of BLAKE3, with ``.<8 hex>`` when it was
+#: uploaded afresh under a condemned name (docs/format.md, "Chunks").
+_CHUNK_NAME_RE = re.compile(r"^[0-9a-f]{64}(\.[0-9a-f]{8})?$")
+
+
+def is_chunked(entry: Mapping[str, Any]) -> bool:
+    """True for a manifest entry whose bytes live as chunks (its file is not
+    in the checkpoint directory)."""
+    return "chunks" in entry
+
+
+def check_chunks(entry: Mapping[str, Any]) -> str | None:
+    """Why a chunked manifest entry's ``"chunks"`` list is malformed, or None.
+
+    Each element is ``[name, logical_len, stored_len]``: a valid chunk name
+    and two non-negative integers; the logical lengths sum to the entry's
+    ``"size"``.
+    """
+    chunks = entry.get("chunks")
+    if not isinstance(chunks, list):
+        return "has 'chunks' that is not a list"
+    total = 0
+    for i, c in enumerate(chunks):
+        if not isinstance(c, list) or len(c) != 3:
+            return f"has chunk #{i} that is not [name, logical_len, stored_len]"
+        name, logical, stored = c
+        if not isinstance(name, str) or not _CHUNK_NAME_RE.match(name):
+            return f"has chunk #{i} with an invalid name {name!r}"
+        for n in (logical, stored):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                return f"has chunk #{i} ({name}) with an invalid length {n!r}"
+        total += logical
+    if total != entry.get("size"):
+        return f"has chunks of {total} bytes in all, but a size of {entry.get('size')!r}"
+    return None
+
+
+def check_chunk_root(root: object) -> str | None:
+    """Why a marker's ``"chunk_root"`` (a posix path relative to the checkpoint
+    directory, ``..`` allowed) is unusable, or None."""
+    if not isinstance(root, str) or not root:
+        return "is not a non-empty string"
+    if root.startswith("/") or "\\" in root or "\x00" in root or ":" in root:
+        return "is not a relative posix path"
+    if any(part in ("", ".") for part in root.split("/")):
+        return "has an empty or '.' component"
+    return None
 
 
 def check_relpath(rel: object) -> str | None:
@@ -117,7 +168,8 @@ def internal_metadata(
 ) -> dict[str, Any]:
     """The ``.internal_metadata.json`` body for a commit: ``internal`` (index,
     metrics, run id, ...; a ``"tensors"`` index makes it format version 2,
-    docs/state.md) plus ``format_version``, ``created_at`` (kept when
+    docs/state.md; an entry with ``"chunks"`` makes it version 3, and then
+    ``internal`` carries ``"chunk_root"``) plus ``format_version``, ``created_at`` (kept when
     given; seconds since the epoch) and ``manifest`` (``entries`` sorted by
     path, ``.user_metadata.json`` left out: it may change after the commit).
 
@@ -125,11 +177,15 @@ def internal_metadata(
     finalize, ``StorageContext.adopt`` and the integrations call it.
     """
     meta = dict(internal)
-    meta["format_version"] = FORMAT_VERSION_TENSORS if "tensors" in meta else FORMAT_VERSION
-    meta.setdefault("created_at", time.time())
-    meta["manifest"] = sorted(
+    manifest = sorted(
         (dict(e) for e in entries if e["path"] != USER_METADATA), key=lambda e: e["path"]
     )
+    if any(is_chunked(e) for e in manifest):
+        meta["format_version"] = FORMAT_VERSION_CHUNKS
+    else:
+        meta["format_version"] = FORMAT_VERSION_TENSORS if "tensors" in meta else FORMAT_VERSION
+    meta.setdefault("created_at", time.time())
+    meta["manifest"] = manifest
     return meta
 
 
@@ -163,8 +219,11 @@ def first_unlisted(manifest: Iterable[Mapping[str, Any]], listed: Mapping[str, i
     size, with the listed size (None: not listed); None when it holds every
     entry. Shared by :func:`~checkpoint_store._util.inspect.inspect_checkpoint`
     (a committed checkpoint against its marker) and the commit's check before
-    its marker (:func:`~checkpoint_store._commit.refusals._refuse_changed_sizes`)."""
+    its marker (:func:`~checkpoint_store._commit.refusals._refuse_changed_sizes`).
+    A chunked entry (:func:`is_chunked`) is not expected in the listing."""
     for e in manifest:
+        if is_chunked(e):
+            continue
         size = listed.get(e["path"])
         if size != e["size"]:
             return e, size

@@ -24,6 +24,7 @@ import pyarrow.fs as pafs
 
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
+    FORMAT_VERSION_CHUNKS,
     FORMAT_VERSION_TENSORS,
     INTERNAL_METADATA,
     MARKER_FORMAT_VERSIONS,
@@ -32,7 +33,15 @@ from checkpoint_store._format.layout import (
     name_disagreement,
     parse_checkpoint_dir_name,
 )
-from checkpoint_store._format.manifest import _CRC_RE, check_entry, check_relpath, first_unlisted
+from checkpoint_store._format.manifest import (
+    _CRC_RE,
+    check_chunk_root,
+    check_chunks,
+    check_entry,
+    check_relpath,
+    first_unlisted,
+    is_chunked,
+)
 from checkpoint_store._format.manifest import Inspection as Inspection
 from checkpoint_store._format.manifest import InspectionState as InspectionState
 from checkpoint_store._format.manifest import ManifestEntry as ManifestEntry
@@ -96,6 +105,12 @@ def _validate_manifest(meta: Any) -> tuple[str, str | None] | None:
         )
     if version == FORMAT_VERSION_TENSORS and not isinstance(meta.get("tensors"), dict):
         return "has format_version 2 but no 'tensors' object", None
+    if "tensors" in meta and not isinstance(meta.get("tensors"), dict):
+        return "has a 'tensors' index that is not an object", None
+    if version == FORMAT_VERSION_CHUNKS:
+        why = check_chunk_root(meta.get("chunk_root"))
+        if why is not None:
+            return f"has format_version 3 but its 'chunk_root' {why}", None
     if not isinstance(meta.get("index"), int) or isinstance(meta.get("index"), bool):
         return "has no integer 'index'", None
     if meta["index"] < 0:
@@ -118,6 +133,13 @@ def _validate_manifest(meta: Any) -> tuple[str, str | None] | None:
         if rel in seen:
             return f"lists file {rel!r} twice", rel
         seen.add(rel)
+        if is_chunked(e):
+            if version != FORMAT_VERSION_CHUNKS:
+                return (f"lists file {rel!r} as chunks but has format_version {version}, "
+                        "not 3"), rel
+            why = check_chunks(e)
+            if why is not None:
+                return f"lists file {rel!r} that {why}", rel
     return None
 
 
@@ -134,6 +156,10 @@ def inspect_checkpoint(
     A committed checkpoint's manifest must match the listing exactly: every
     manifest file present with its size, and no user file that the manifest
     does not list (``.user_metadata.json`` and our ``.cs_*`` files aside).
+    A chunked entry (format version 3) is the exception: its file lives as
+    chunks in the chunk store and must NOT be listed (one that is is
+    ``"invalid"``); its chunks are not listed here (:func:`verify_files`
+    and the readers find a missing one).
     Checksums are not read here (see :func:`verify_files`): that would read
     every byte on each listing.
 
@@ -204,6 +230,13 @@ def inspect_checkpoint(
             "invalid", meta, f"file {rel!r} has {size} bytes, the manifest says {e['size']}",
             rel, files,
         )
+    # A chunked entry's file is not in the directory; one that is there too
+    # is refused like any file the manifest does not list as a file: a
+    # reader could not tell which bytes are the checkpoint's.
+    doubled = sorted(set(listed) & {e["path"] for e in meta["manifest"] if is_chunked(e)})
+    if doubled:
+        return Inspection("invalid", meta, f"file {doubled[0]!r} is in the directory but the "
+                          "manifest says its bytes live as chunks", doubled[0], files)
     extra = sorted(set(listed) - {e["path"] for e in meta["manifest"]})
     if extra:
         return Inspection("invalid", meta, f"file {extra[0]!r} is not in the manifest",

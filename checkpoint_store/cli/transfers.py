@@ -71,7 +71,8 @@ CopyOutcome = Literal["copied", "skipped"]
 def _checkpoint_meta_for(dest: Location, base: Mapping[str, Any] | None,
                          index: int) -> dict[str, Any]:
     """Internal metadata fields for a checkpoint committed at ``dest`` by this tool."""
-    meta = {k: v for k, v in (base or {}).items() if k not in ("manifest", "format_version")}
+    meta = {k: v for k, v in (base or {}).items()
+            if k not in ("manifest", "format_version", "chunk_root")}
     trial_path = posixpath.dirname(dest.path.rstrip("/"))
     meta["index"] = index
     meta.setdefault("created_at", time.time())
@@ -272,6 +273,7 @@ def upload_cmd(directory: str, uri: str, storage_options: dict[str, Any],
       checkpoint-store upload ./model_dir ./results/exp/t1/checkpoint_000003 \\
           --metrics '{"loss": 0.12}'
     """
+
     from checkpoint_store._commit.commit import commit_checkpoint
     from checkpoint_store._transfer.trees import source_files
 
@@ -346,6 +348,10 @@ def _copy_checkpoint(job: _CopyJob, on_bytes: Callable[[int], None]) -> CopyOutc
         CheckpointCorruptError: the source does not match its manifest; nothing
             stays committed at the destination.
     """
+    import pyarrow.fs as pafs
+
+    from checkpoint_store._chunks.files import chunked_entries
+    from checkpoint_store._chunks.read import materialized
     from checkpoint_store._commit.commit import commit_checkpoint
     from checkpoint_store._transfer.trees import source_files
 
@@ -358,6 +364,12 @@ def _copy_checkpoint(job: _CopyJob, on_bytes: Callable[[int], None]) -> CopyOutc
         raise CheckpointConflictError(
             f"{dst.uri} is already a committed checkpoint with different contents"
         )
+    if chunked_entries(job.meta):  # the copy holds real files: read its chunks first
+        with materialized(src.fs, src.path, src.backend.capabilities, job.meta) as local:
+            written = commit_checkpoint(pafs.LocalFileSystem(), local, dst.backend, dst.path,
+                                        _checkpoint_meta_for(dst, job.meta, job.index))
+        on_bytes(manifest_size(job.meta))
+        return "copied"
     # A checkpoint's files are its own: a symlink leading out of it is refused
     # here, on the unwrapped source, before the first write.
     source_files(src.fs, src.path, confine_links=True)

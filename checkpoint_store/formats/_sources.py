@@ -202,6 +202,7 @@ class StateSource(Source):
         self.skeleton = saved.skeleton
         self._index = saved.tensors
         self._sizes = saved.sizes
+        self._chunked = saved.chunked  # files read through their chunks
         self.entries = {k: Entry(k, e["dtype"], tuple(e["shape"]), e.get("alias_of"))
                         for k, e in saved.tensors.items()}
         self.values = {k: node["value"] for k, node in iter_leaves(saved.skeleton)
@@ -212,12 +213,17 @@ class StateSource(Source):
         if "shards" in e:  # pieces of many ranks: assembled, each piece checked
             from checkpoint_store.state._shards import read_whole
 
-            yield memoryview(read_whole(self.fs, self.path, self._sizes, key, e)).cast("B")
+            yield memoryview(read_whole(self.fs, self.path, self._sizes, key, e,
+                                        chunked=self._chunked)).cast("B")
             return
         crc = 0
         begin, end = e["offsets"]
-        for piece in _ranged(self.fs, posixpath.join(self.path, e["file"]), begin, end,
-                             self._ring):
+        chunked = self._chunked.get(e["file"])
+        pieces = (_ranged(self.fs, posixpath.join(self.path, e["file"]), begin, end, self._ring)
+                  if chunked is None else
+                  (chunked.read_range(a, min(CHUNK_BYTES, end - a))
+                   for a in range(begin, end, CHUNK_BYTES)))
+        for piece in pieces:
             crc = crc_extend(crc, piece)
             yield piece
         if f"{crc:08x}" != e["crc32c"]:

@@ -79,8 +79,11 @@ class _Fetcher:
 
     def __init__(self, fs: pafs.FileSystem, root: str, sizes: Mapping[str, int],
                  retry: RetryPolicy | None, concurrency: int,
-                 on_read: Callable[[int], None] | None = None):
+                 on_read: Callable[[int], None] | None = None,
+                 chunked: Mapping[str, Any] | None = None):
         self.fs, self.root, self.sizes, self.retry = fs, root, sizes, retry
+        #: ``{relative path: ChunkedFile}``: files read through their chunks.
+        self.chunked = dict(chunked or {})
         #: Called with the bytes of each finished read (from worker threads).
         self.on_read = on_read
         self.concurrency = max(1, concurrency)
@@ -113,6 +116,9 @@ class _Fetcher:
     def fill(self, jobs: Sequence[tuple[str, int, memoryview]]) -> None:
         """Fill each ``(file, begin, view)`` with the file's bytes from ``begin``."""
         jobs = [j for j in jobs if len(j[2])]
+        if self.chunked:
+            self._fill_chunked([j for j in jobs if j[0] in self.chunked])
+            jobs = [j for j in jobs if j[0] not in self.chunked]
         if not jobs:
             return
         if self.local is not None:
@@ -150,6 +156,22 @@ class _Fetcher:
                 self.on_read(e - b)
 
         self._run(one, parts)
+
+    def _fill_chunked(self, jobs: Sequence[tuple[str, int, memoryview]]) -> None:
+        """Fill jobs on chunked files from their chunks (decoded chunks shared
+        between adjacent jobs through each file's cache)."""
+        def one(job: tuple[str, int, memoryview]) -> None:
+            rel, begin, view = job
+            data = self.chunked[rel].read_range(begin, len(view))
+            if len(data) != len(view):
+                raise CheckpointCorruptError(
+                    f"{rel!r} of {self.root!r} ended early: asked for bytes [{begin}, "
+                    f"{begin + len(view)}), got {len(data)}", path=self.root, file=rel)
+            view[:] = data
+            if self.on_read is not None:
+                self.on_read(len(view))
+
+        self._run(one, jobs)
 
     def _fill_local(self, jobs: Sequence[tuple[str, int, memoryview]]) -> None:
         assert self.local is not None

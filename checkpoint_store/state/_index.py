@@ -13,7 +13,7 @@ import math
 import os
 import posixpath
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 import pyarrow.fs as pafs
@@ -42,12 +42,15 @@ class SavedState:
             crc32c, framework}`` (aliases carry ``alias_of``).
         sizes: ``{relative path: bytes}`` of the checkpoint's files as listed.
         committed: the directory carries a valid commit marker.
+        chunked: ``{relative path: ChunkedFile}`` of the files whose bytes
+            live as chunks (format version 3; their sizes are in ``sizes``).
     """
 
     skeleton: Any
     tensors: dict[str, Any]
     sizes: dict[str, int]
     committed: bool
+    chunked: dict[str, Any] = field(default_factory=dict)
 
 
 def _where(fs: pafs.FileSystem, path: str) -> str:
@@ -79,6 +82,13 @@ def read_state_index(fs: pafs.FileSystem, path: str, *,
         raise CheckpointCorruptError(f"checkpoint {where} is corrupt: {insp.reason}",
                                      path=path, file=insp.file)
     sizes = dict(insp.files or {})
+    chunked: dict[str, Any] = {}
+    if insp.meta is not None:
+        from checkpoint_store._chunks.files import ChunkedFile, chunked_entries
+
+        for e in chunked_entries(insp.meta):
+            chunked[e["path"]] = ChunkedFile(fs, path, insp.meta, e, retry=retry)
+            sizes[e["path"]] = e["size"]
     if STATE_FILE not in sizes:
         raise CheckpointNotFoundError(
             f"checkpoint {where} holds no saved state (no {STATE_FILE}): it was saved from "
@@ -90,7 +100,10 @@ def read_state_index(fs: pafs.FileSystem, path: str, *,
         if entry is None:  # listed but not in the manifest: inspect would say invalid
             raise CheckpointCorruptError(f"{STATE_FILE} of {where} is not in its manifest",
                                          path=path, file=STATE_FILE)
-        raw = read_checked(fs, path, entry, retry=retry)
+        if STATE_FILE in chunked:
+            raw = chunked[STATE_FILE].read_all()
+        else:
+            raw = read_checked(fs, path, entry, retry=retry)
     else:
         raw = _fsutil.read_bytes(fs, posixpath.join(path, STATE_FILE), retry=retry)
     try:
@@ -119,7 +132,7 @@ def read_state_index(fs: pafs.FileSystem, path: str, *,
         if why:
             raise CheckpointCorruptError(f"tensor {key!r} of {where}: {why}", path=path,
                                          file=e.get("file") if isinstance(e, dict) else None)
-    return SavedState(body["tree"], tensors, sizes, meta is not None)
+    return SavedState(body["tree"], tensors, sizes, meta is not None, chunked)
 
 
 def _is_shape(shape: Any) -> TypeGuard[list[int]]:

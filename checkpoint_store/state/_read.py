@@ -194,33 +194,32 @@ def load_state(
                          for k in stored))
     local_root = _local_root(fs, path)
     maps = _Maps(local_root) if local_root is not None and (mmap or targets) else None
-    fetch = _Fetcher(fs, path, saved.sizes, retry, concurrency,
-                     on_read=meter.add if maps is None else None)
+    fetch = _Fetcher(fs, path, saved.sizes, retry, concurrency, on_read=meter.add,
+                     chunked=saved.chunked)
     loaded: dict[str, Any] = {}
     for key in boxed:
-        box_fetch = _Fetcher(fs, path, saved.sizes, retry, concurrency)
+        box_fetch = _Fetcher(fs, path, saved.sizes, retry, concurrency, chunked=saved.chunked)
         loaded[key] = _read_boxed(box_fetch, path, key, saved.tensors[key],
                                   target_of.get(key), verify)
         meter.add(_box_bytes(saved.tensors[key], target_of.get(key)))
     views: list[tuple[str, Mapping[str, Any], memoryview]] = []
-    if maps is not None:
-        for key in stored:
-            e = saved.tensors[key]
+    jobs: list[tuple[str, int, memoryview]] = []
+    for key in stored:
+        e = saved.tensors[key]
+        # A chunked file is not on the disk to map: its tensors are read
+        # into memory, mmap=True or not (docs/state.md).
+        if maps is not None and e["file"] not in saved.chunked:
             begin, end = e["offsets"]
             m = maps.get(e["file"])
             views.append((key, e, memoryview(m)[begin:end]))
             loaded[key] = _from_buffer(e, m, begin)
             meter.add(end - begin)
-    else:
-        jobs: list[tuple[str, int, memoryview]] = []
-        for key in stored:
-            e = saved.tensors[key]
-            t, view = _new_tensor(e)
-            loaded[key] = t
-            views.append((key, e, view))
-            jobs.extend((e["file"], e["offsets"][0] + a, view[a:b])
-                        for a, b in _pieces(len(view)))
-        fetch.fill(jobs)
+            continue
+        t, view = _new_tensor(e)
+        loaded[key] = t
+        views.append((key, e, view))
+        jobs.extend((e["file"], e["offsets"][0] + a, view[a:b]) for a, b in _pieces(len(view)))
+    fetch.fill(jobs)
     if verify:
         _check_all(path, views, fetch._run)
 

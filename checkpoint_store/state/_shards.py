@@ -729,7 +729,8 @@ def merged_state_file(parts: Sequence[Mapping[str, Any]]) -> tuple[bytes, dict[s
 
 
 def read_whole(fs: Any, path: str, sizes: Mapping[str, int], key: str,
-               e: Mapping[str, Any], *, concurrency: int = 8) -> Any:
+               e: Mapping[str, Any], *, concurrency: int = 8,
+               chunked: Mapping[str, Any] | None = None) -> Any:
     """The whole logical tensor ``key`` (index entry ``e``) of the state at
     ``path`` as a numpy array of its bytes' width (:func:`_np_dtype`), every
     piece checked: what an export streams, one tensor at a time."""
@@ -738,7 +739,8 @@ def read_whole(fs: Any, path: str, sizes: Mapping[str, int], key: str,
     from checkpoint_store.state._fetch import _Fetcher
 
     out = np.empty(tuple(e["shape"]), dtype=_np_dtype(e["dtype"]))
-    read_box(_Fetcher(fs, path, sizes, None, concurrency), path, key, ShardIndex(e),
+    fetch = _Fetcher(fs, path, sizes, None, concurrency, chunked=chunked)
+    read_box(fetch, path, key, ShardIndex(e),
              [0] * len(e["shape"]), out)
     return out
 
