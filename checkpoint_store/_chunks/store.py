@@ -311,6 +311,7 @@ class ChunkWrite:
         object_names: ``{chunk name: object name to reference}``: the chunk
             name itself, or a fresh ``<name>.<8 hex>`` when a gc condemned it.
         missing: object names the caller must :meth:`upload` before its commit.
+        stored_sizes: ``{object name: stored bytes}`` of the objects found present.
         intent_path: the intent file (None before the first step).
         created_at: the intent's time (seconds since the epoch; by ``now``).
     """
@@ -321,6 +322,7 @@ class ChunkWrite:
     now: Callable[[], float]
     object_names: dict[str, str] = field(default_factory=dict)
     missing: set[str] = field(default_factory=set)
+    stored_sizes: dict[str, int] = field(default_factory=dict)
     intent_path: str | None = None
     created_at: float = 0.0
     _condemned: set[str] = field(default_factory=set)
@@ -348,6 +350,7 @@ class ChunkWrite:
                 self.missing.add(fresh)
         rest = [n for n in self.names if n not in self._condemned]
         present = self.store.stat_objects(rest)
+        self.stored_sizes = dict(present)
         for n in rest:
             self.object_names[n] = n
             if n not in present:

@@ -127,6 +127,8 @@ class DurableTarget(Target):
         return checkpoint.uri == self.storage.uri(self.storage.checkpoint_path(index))
 
     def state_directory(self, index: int) -> str | None:
+        if self.storage.dedup:  # staged apart, then committed as chunks
+            return None
         return _fsutil.local_path(self.storage.filesystem, self.storage.checkpoint_path(index))
 
     def drop(self, index: int) -> None:

@@ -223,7 +223,7 @@ def test_a_directory_checkpoint_large_file_is_chunked_and_read_back(tmp_path) ->
         s.report({"step": 0}, checkpoint=Checkpoint.from_directory(src))
     ctx = store.ctx()
     ckpt = ctx.checkpoint("checkpoint_000000")
-    entry = {e["path"]: e for e in ckpt.internal_metadata()["manifest"]}
+    entry = {e["path"]: e for e in ckpt.internal_metadata["manifest"]}
     assert "chunks" in entry["model.bin"] and "chunks" not in entry["notes.txt"]
     with ckpt.as_directory() as d:
         assert open(posixpath.join(d, "model.bin"), "rb").read() == big
