@@ -125,7 +125,7 @@ def materialized(fs: pafs.FileSystem, checkpoint_path: str, caps: Capabilities,
     Raises:
         CheckpointCorruptError: as :func:`download_checkpoint`; nothing is left.
     """
-    tmp = tempfile.mkdtemp(prefix="cs-materialized-")
+    tmp = tempfile.mkdtemp()
     try:
         download_checkpoint(fs, checkpoint_path, caps, os.path.join(tmp, "d"), meta=meta)
         yield os.path.join(tmp, "d")

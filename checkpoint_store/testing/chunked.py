@@ -176,7 +176,7 @@ def write_chunked_state_checkpoint(
 
     from checkpoint_store.checkpoint import Checkpoint
 
-    tmp = tempfile.mkdtemp(prefix="cs-chunked-state-")
+    tmp = tempfile.mkdtemp()
     try:
         ck = Checkpoint.from_state(state, os.path.join(tmp, "s"), shard_bytes=shard_bytes)
         files = dict(_read_tree(ck.path))

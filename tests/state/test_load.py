@@ -378,9 +378,13 @@ def test_a_marker_of_version_2_without_an_index_is_not_a_checkpoint(tmp_path) ->
     del meta["tensors"]
     open(marker, "w").write(json.dumps(meta))
     assert not ck.is_committed
-    meta["format_version"] = 3
+    meta["format_version"] = 3  # chunks (docs/format.md): a chunk root is required
     open(marker, "w").write(json.dumps(meta))
-    with pytest.raises(CheckpointCorruptError, match="reads versions 1, 2"):
+    with pytest.raises(CheckpointCorruptError, match="'chunk_root'"):
+        ck.verify()
+    meta["format_version"] = 4
+    open(marker, "w").write(json.dumps(meta))
+    with pytest.raises(CheckpointCorruptError, match="reads versions 1, 2, 3"):
         ck.verify()
 
 
