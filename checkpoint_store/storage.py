@@ -21,8 +21,6 @@ from checkpoint_store._chunks.gc import GcReport, collect
 from checkpoint_store._chunks.refs import experiment_refs
 from checkpoint_store._chunks.store import ChunkStore
 from checkpoint_store._chunks.writer import (
-    CHUNK_DIR,
-    CHUNK_ROOT,
     ChunkedUpload,
     check_chunking,
     resolve_codec,
@@ -32,6 +30,8 @@ from checkpoint_store._commit.leftovers import ScanResult, scan_trial
 from checkpoint_store._commit.nesting import refuse_inside_checkpoint
 from checkpoint_store._commit.protocols import CommitProtocol, protocol_for
 from checkpoint_store._format.layout import (
+    CHUNK_DIR,
+    CHUNK_ROOT,
     ERROR_FILE,
     STOPPED_FILE,
     check_run_name,

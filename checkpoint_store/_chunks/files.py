@@ -28,6 +28,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from checkpoint_store._chunks.codec import chunk_header, decode_chunk
+from checkpoint_store._chunks.store import check_object_name, resolve_root
 from checkpoint_store._format.manifest import crc_hex, is_chunked
 from checkpoint_store._transfer.crc32c import crc32c_combine
 from checkpoint_store._util import fs as _fsutil
@@ -45,21 +46,25 @@ def chunk_root_path(checkpoint_path: str, meta: Mapping[str, Any]) -> str:
     """The chunk store directory of a checkpoint, from its marker's ``"chunk_root"``.
 
     Raises:
-        CheckpointCorruptError: the marker has no ``"chunk_root"``.
+        CheckpointCorruptError: the marker has no ``"chunk_root"``;
+            :class:`~checkpoint_store.errors.UnsafePathError` (one) when it
+            names anything but its experiment's chunk store.
     """
     root = meta.get("chunk_root")
     if not isinstance(root, str) or not root:
         raise CheckpointCorruptError(
             f"checkpoint {checkpoint_path!r} lists chunked files but its marker has no "
             "'chunk_root'", path=checkpoint_path)
-    joined = posixpath.normpath(posixpath.join(checkpoint_path.rstrip("/"), root))
-    # An object-store path has no leading "/": normpath keeps it that way.
-    return joined
+    return resolve_root(checkpoint_path, root)
 
 
 def chunk_object_path(root: str, name: str) -> str:
-    """Where chunk ``name`` lives under the chunk store ``root``."""
-    return posixpath.join(root, name[:2], name)
+    """Where chunk ``name`` lives under the chunk store ``root``.
+
+    Raises:
+        ValueError: ``name`` is not a chunk object name.
+    """
+    return posixpath.join(root, name[:2], check_object_name(name))
 
 
 def chunked_entries(meta: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:

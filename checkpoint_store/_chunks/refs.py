@@ -21,8 +21,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from checkpoint_store._chunks.store import CHUNK_ROOT, check_object_name
-from checkpoint_store._format.layout import INTERNAL_METADATA
+from checkpoint_store._chunks.store import check_object_name
+from checkpoint_store._format.layout import CHUNK_DIR, INTERNAL_METADATA
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.retry import RetryPolicy
 
@@ -119,7 +119,7 @@ def experiment_markers(filesystem: pafs.FileSystem, experiment_dir: str, *,
     exp = experiment_dir.rstrip("/")
     infos: list[pafs.FileInfo] = []
     for child in _fsutil.list_dir(filesystem, exp, retry=retry):
-        if posixpath.basename(child.path) == CHUNK_ROOT:
+        if posixpath.basename(child.path) == CHUNK_DIR:
             continue
         if child.type == pafs.FileType.Directory:
             infos.extend(_fsutil.list_tree(filesystem, child.path, retry=retry))

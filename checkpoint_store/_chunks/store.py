@@ -29,13 +29,14 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from checkpoint_store._format.layout import CHUNK_DIR, CHUNK_ROOT
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.errors import CheckpointCorruptError, UnsafePathError
 from checkpoint_store.registry import backend_for_filesystem
 
 __all__ = [
-    "CHUNK_ROOT",
+    "resolve_root",
     "CONDEMNED_DIR",
     "INTENTS_DIR",
     "LISTING_THRESHOLD",
@@ -46,12 +47,8 @@ __all__ = [
     "check_object_name",
 ]
 
-CHUNK_ROOT = ".cs_chunks"
-"""The chunk root's name in the experiment directory."""
 INTENTS_DIR = ".intents"
 CONDEMNED_DIR = ".condemned"
-DEFAULT_CHUNK_ROOT = f"../../{CHUNK_ROOT}"
-"""A marker's ``chunk_root``: relative to the checkpoint dir, posix."""
 
 LISTING_THRESHOLD = 64
 """From this many names on, a writer's existence check lists the needed
@@ -89,6 +86,30 @@ class ControlFile:
     chunks: frozenset[str] | None
 
 
+def resolve_root(checkpoint_path: str, chunk_root: object) -> str:
+    """The chunk root a checkpoint's marker names (``chunk_root``, relative to
+    the checkpoint dir), as a path of the checkpoint's filesystem.
+
+    Raises:
+        UnsafePathError: ``chunk_root`` is absolute, not a string, or leads
+            anywhere but the ``.cs_chunks`` directory of the checkpoint's
+            experiment dir (the parent of its trial dir); ``.path`` is the
+            checkpoint, ``.file`` the root.
+    """
+    ckpt = checkpoint_path.rstrip("/")
+    experiment = posixpath.dirname(posixpath.dirname(ckpt))
+    resolved = (posixpath.normpath(posixpath.join(ckpt, chunk_root))
+                if isinstance(chunk_root, str) and chunk_root else "")
+    if (not isinstance(chunk_root, str) or not chunk_root or chunk_root.startswith("/")
+            or "\\" in chunk_root or not experiment
+            or resolved != posixpath.join(experiment, CHUNK_DIR)):
+        raise UnsafePathError(
+            f"checkpoint {ckpt!r} names chunk root {chunk_root!r}, which is not the "
+            f"{CHUNK_DIR} directory of its experiment dir {experiment!r}; the marker is "
+            "damaged or was not written by checkpoint-store", path=ckpt, file=str(chunk_root))
+    return resolved
+
+
 class ChunkStore:
     """The chunk objects under ``root`` on ``filesystem``.
 
@@ -112,29 +133,15 @@ class ChunkStore:
 
     @classmethod
     def for_checkpoint(cls, filesystem: pafs.FileSystem, checkpoint_path: str, *,
-                       chunk_root: str = DEFAULT_CHUNK_ROOT,
+                       chunk_root: str = CHUNK_ROOT,
                        retry: RetryPolicy | None = None) -> ChunkStore:
         """The store a checkpoint's marker names (``chunk_root``, relative to
-        the checkpoint dir).
+        the checkpoint dir; see :func:`resolve_root`).
 
         Raises:
-            UnsafePathError: ``chunk_root`` is absolute, not a string, or
-                leads outside the checkpoint's experiment dir (the parent of
-                its trial dir); ``.path`` is the checkpoint, ``.file`` the root.
+            UnsafePathError: as :func:`resolve_root`.
         """
-        ckpt = checkpoint_path.rstrip("/")
-        experiment = posixpath.dirname(posixpath.dirname(ckpt))
-        resolved = (posixpath.normpath(posixpath.join(ckpt, chunk_root))
-                    if isinstance(chunk_root, str) and chunk_root else "")
-        if (not isinstance(chunk_root, str) or not chunk_root or chunk_root.startswith("/")
-                or "\\" in chunk_root or not experiment
-                or not resolved.startswith(experiment.rstrip("/") + "/")
-                or posixpath.relpath(resolved, experiment).split("/")[0] != CHUNK_ROOT):
-            raise UnsafePathError(
-                f"checkpoint {ckpt!r} names chunk root {chunk_root!r}, which is not a "
-                f"{CHUNK_ROOT} directory of its experiment dir {experiment!r}; the marker is "
-                "damaged or was not written by checkpoint-store", path=ckpt, file=str(chunk_root))
-        return cls(filesystem, resolved, retry=retry)
+        return cls(filesystem, resolve_root(checkpoint_path, chunk_root), retry=retry)
 
     # -- objects ---------------------------------------------------------------
 

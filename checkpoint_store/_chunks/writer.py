@@ -43,8 +43,6 @@ from checkpoint_store.errors import InvalidConfigError
 
 __all__ = [
     "CHUNK_BYTES",
-    "CHUNK_DIR",
-    "CHUNK_ROOT",
     "COMPRESSIONS",
     "MIN_CHUNKED_BYTES",
     "ChunkedEntry",
@@ -54,11 +52,6 @@ __all__ = [
     "resolve_codec",
 ]
 
-#: Where a checkpoint's chunks live, relative to its directory (recorded in
-#: its marker as ``"chunk_root"``): the experiment's chunk store, shared by
-#: every trial of the experiment and every fork started inside it.
-CHUNK_DIR = ".cs_chunks"
-CHUNK_ROOT = "../../" + CHUNK_DIR
 #: The values of ``compression``: see :func:`resolve_codec`.
 COMPRESSIONS = ("auto", "on", "off")
 #: The codec ``compression="on"`` picks: byte planes, each entropy-coded.

@@ -15,6 +15,7 @@ import re
 from typing import Literal
 
 __all__ = [
+    "CHUNK_DIR",
     "CHUNK_ROOT",
     "CHECKPOINT_PREFIX",
     "CLOCK_PROBE_PREFIX",
@@ -114,9 +115,11 @@ FORMAT_VERSION_TENSORS = 2
 FORMAT_VERSION_CHUNKS = 3
 #: The marker versions this checkpoint-store reads.
 MARKER_FORMAT_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_TENSORS, FORMAT_VERSION_CHUNKS)
+#: The chunk store's directory in an experiment directory.
+CHUNK_DIR = ".cs_chunks"
 #: A chunk store's directory, relative to a checkpoint directory
 #: (``<experiment>/<trial>/checkpoint_NNNNNN`` -> ``<experiment>/.cs_chunks``).
-CHUNK_ROOT = "../../.cs_chunks"
+CHUNK_ROOT = "../../" + CHUNK_DIR
 
 USER_METADATA = ".user_metadata.json"
 INTERNAL_METADATA = ".internal_metadata.json"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from checkpoint_store._format.layout import (
+    CHUNK_ROOT,
     FORMAT_VERSION,
     FORMAT_VERSION_CHUNKS,
     FORMAT_VERSION_TENSORS,
@@ -104,14 +105,12 @@ def check_chunks(entry: Mapping[str, Any]) -> str | None:
 
 
 def check_chunk_root(root: object) -> str | None:
-    """Why a marker's ``"chunk_root"`` (a posix path relative to the checkpoint
-    directory, ``..`` allowed) is unusable, or None."""
-    if not isinstance(root, str) or not root:
-        return "is not a non-empty string"
-    if root.startswith("/") or "\\" in root or "\x00" in root or ":" in root:
-        return "is not a relative posix path"
-    if any(part in ("", ".") for part in root.split("/")):
-        return "has an empty or '.' component"
+    """Why a marker's ``"chunk_root"`` is unusable, or None: the only root a
+    checkpoint may name is its experiment's chunk store, :data:`CHUNK_ROOT`
+    (a marker naming another directory could make a reader fetch, or a gc
+    count, objects outside the experiment)."""
+    if root != CHUNK_ROOT:
+        return f"is not {CHUNK_ROOT!r}"
     return None
 
 

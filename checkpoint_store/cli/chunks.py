@@ -26,7 +26,7 @@ from checkpoint_store._browse.output import fmt_size, print_json
 from checkpoint_store._chunks.gc import GcReport, Usage, collect, usage
 from checkpoint_store._chunks.refs import experiment_markers, union
 from checkpoint_store._chunks.store import ChunkStore
-from checkpoint_store._chunks.writer import CHUNK_DIR
+from checkpoint_store._format.layout import CHUNK_DIR
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli.options import common_options, echo_info, storage_option
 from checkpoint_store.errors import InvalidConfigError

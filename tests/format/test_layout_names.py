@@ -71,6 +71,7 @@ PACKAGE = ROOT / "checkpoint_store"
 LAYOUT_BYTES = {
     "STATE_KIND": "checkpoint_manager_state",
     "CHECKPOINT_PREFIX": "checkpoint_",
+    "CHUNK_DIR": ".cs_chunks",
     "CHUNK_ROOT": "../../.cs_chunks",
     "CLOCK_PROBE_PREFIX": ".cs_clock-",
     "COMMIT_LOCK": ".cs_commit.lock",
