@@ -24,6 +24,7 @@ import json
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,13 +34,14 @@ import google_crc32c
 import pyarrow.fs as pafs
 
 from checkpoint_store._chunks.codec import chunk_name, encode_chunk
+from checkpoint_store._chunks.gc import INTENT_TTL_S
 from checkpoint_store._format.manifest import crc_hex
 from checkpoint_store._transfer.crc32c import crc32c_combine
 from checkpoint_store._transfer.trees import copy_tree, source_files
 from checkpoint_store._util.fs import local_path
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
-from checkpoint_store.errors import InvalidConfigError
+from checkpoint_store.errors import InvalidConfigError, TransientBackendError
 
 __all__ = [
     "CHUNK_BYTES",
@@ -299,6 +301,13 @@ class ChunkedUpload:
         if rest:
             entries = copy_tree(self.src_fs, self.src_dir, fs, target, self.dest.capabilities,
                                 files=rest, fsync=self.fsync, retry=self.retry)
+        if time.time() - self._intent.created_at > INTENT_TTL_S / 2:
+            # A gc counts an intent this old as a crashed writer's: the
+            # chunks it found present may be gone by the time the marker is.
+            raise TransientBackendError(
+                f"storing the chunks of {len(cuts)} file(s) took over "
+                f"{INTENT_TTL_S / 7200:g} h; not committing a checkpoint whose chunks a "
+                "garbage collection may have freed meanwhile: report it again")
         for cut in cuts:
             crc = 0
             chunks = []

@@ -24,7 +24,7 @@ the rest lives:
 * :mod:`.progress`: byte counting and progress bars of transfers;
 * one module per command group: :mod:`.inspection` (ls, show), :mod:`.best`, :mod:`.verify`,
   :mod:`.transfers` (download, upload, cp), :mod:`.formats` (export, import),
-  :mod:`.maintenance` (prune, gc), :mod:`.backends`, :mod:`.demo`, :mod:`.ui`
+  :mod:`.maintenance` (prune, gc), :mod:`.chunks` (du), :mod:`.backends`, :mod:`.demo`, :mod:`.ui`
   (ui, plot; the page itself is :mod:`checkpoint_store.ui`).
 """
 
@@ -282,6 +282,7 @@ def _add_commands() -> None:
     from checkpoint_store.cli import (
         backends,
         best,
+        chunks,
         demo,
         formats,
         inspection,
@@ -294,7 +295,7 @@ def _add_commands() -> None:
     for command in (inspection.ls_cmd, inspection.show_cmd, best.best_cmd,
                     transfers.download_cmd, transfers.upload_cmd, transfers.cp_cmd,
                     formats.export_cmd, formats.import_cmd,
-                    verify.verify_cmd, maintenance.prune_cmd, maintenance.gc_cmd,
+                    verify.verify_cmd, maintenance.prune_cmd, maintenance.gc_cmd, chunks.du_cmd,
                     backends.backends_cmd, demo.demo, ui_cmd, plot_cmd):
         main.add_command(command)
 

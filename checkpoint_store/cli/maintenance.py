@@ -27,10 +27,11 @@ from checkpoint_store._browse.locations import (
     resolve_location,
     storage_context,
 )
-from checkpoint_store._browse.output import fmt_value, print_json
+from checkpoint_store._browse.output import fmt_size, fmt_value, print_json
 from checkpoint_store._format.layout import is_internal_name, is_legacy_temp_file_name
 from checkpoint_store._util import clock as _clock
 from checkpoint_store._util import fs as _fsutil
+from checkpoint_store.cli.chunks import collect_experiment_chunks
 from checkpoint_store.cli.metrics import (
     metric_option,
     mode_option,
@@ -392,10 +393,14 @@ def _collect(loc: Location, ours: list[str], min_age: float,
 @common_options
 def gc_cmd(trial: str, storage_options: dict[str, Any], min_age: float, dry_run: bool,
            force: bool, as_json: bool) -> None:
-    """Remove the uncommitted directories this tool's writers left in TRIAL.
+    """Remove the uncommitted directories this tool's writers left in TRIAL,
+    and the chunks no checkpoint of its experiment uses any more.
 
     Removes staging directories, deletions cut short and partial uploads that
-    carry a trace of our writers (see docs/format.md). Anything else that is
+    carry a trace of our writers (see docs/format.md). Chunks (docs/dedup.md)
+    that no checkpoint of any trial of the experiment references, committed
+    or still being written, are deleted; retention does the same after each
+    eviction, so this finds only what a crash left. Anything else that is
     not a committed checkpoint (a directory copied in by hand, a checkpoint
     whose marker we cannot read) is reported as foreign and never deleted.
     Committed checkpoints are never touched.
@@ -412,12 +417,18 @@ def gc_cmd(trial: str, storage_options: dict[str, Any], min_age: float, dry_run:
     committed, ours, active, foreign = _scan(loc)
     removed, too_young = _collect(loc, ours, min_age, dry_run)
     too_young.extend(active)
+    chunks = collect_experiment_chunks(loc.parent, dry_run=dry_run)
+    freed = None if chunks is None else {"chunks": len(chunks.deleted),
+                                         "bytes": chunks.bytes_freed}
     if as_json:
         print_json({"uri": loc.uri, "dry_run": dry_run, "committed": committed,
                     "removed": removed, "skipped_recent": sorted(too_young),
-                    "foreign": foreign})
+                    "foreign": foreign, "unused_chunks": freed})
         return
     verb = "would remove" if dry_run else "removed"
+    if chunks is not None:
+        echo_info(f"{'would free' if dry_run else 'freed'} {len(chunks.deleted)} unused "
+                  f"chunk(s) of the experiment, {fmt_size(chunks.bytes_freed)}")
     for name in removed:
         click.echo(f"{verb}  {loc.child(name).uri}")
     for name in sorted(too_young):

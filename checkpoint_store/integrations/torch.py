@@ -51,7 +51,9 @@ import pyarrow as pa
 from checkpoint_store._commit.nesting import refuse_inside_checkpoint
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import written_record_name
+from checkpoint_store._format.manifest import is_chunked
 from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.inspect import read_internal_metadata
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.backends.clients import writer_of
 from checkpoint_store.errors import InvalidConfigError
@@ -235,6 +237,7 @@ class StorageWriter(FileSystemWriter):
         # `self.fs = FileSystem()` makes mypy infer the narrower local class.
         self.fs = self._store_fs  # type: ignore[assignment]
         self.path = self._store_fs.init_path(path)
+        _refuse_chunked(self._store_fs.backend, str(self.path))
 
     def _record_part(self) -> str:
         rank = getattr(self, "rank", None)
@@ -281,6 +284,17 @@ class StorageWriter(FileSystemWriter):
                             _json.dumps({"files": files}), backend.capabilities)
 
 
+def _refuse_chunked(backend: Backend, path: str) -> None:
+    """Raise when the checkpoint at ``path`` keeps files as chunks (saved with
+    dedup): DCP reads its files in place, and those are not there."""
+    meta = read_internal_metadata(backend.filesystem, path)
+    if meta and any(is_chunked(e) for e in meta.get("manifest") or ()):
+        raise InvalidConfigError(
+            f"{backend.uri_for(path)} keeps its large files as chunks (it was saved with "
+            "dedup), which DCP cannot read in place: load it from a local copy, "
+            "`with Checkpoint(uri).as_directory() as d: dcp.load(state, checkpoint_id=d)`")
+
+
 class StorageReader(FileSystemReader):
     """DCP's ``FileSystemReader`` reading through a checkpoint-store backend.
 
@@ -307,3 +321,4 @@ class StorageReader(FileSystemReader):
         # `self.fs = FileSystem()` makes mypy infer the narrower local class.
         self.fs = self._store_fs  # type: ignore[assignment]
         self.path = self._store_fs.init_path(path)
+        _refuse_chunked(self._store_fs.backend, str(self.path))

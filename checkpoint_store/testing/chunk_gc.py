@@ -59,7 +59,12 @@ from checkpoint_store._chunks.store import (
     ChunkWrite,
     base_name,
 )
-from checkpoint_store._format.layout import INTERNAL_METADATA, checkpoint_dir_name
+from checkpoint_store._format.layout import (
+    CHUNK_DIR,
+    CHUNK_ROOT,
+    INTERNAL_METADATA,
+    checkpoint_dir_name,
+)
 from checkpoint_store._util import fs as _fsutil
 
 __all__ = ["ChunkGcMachine", "MemoryChunkGcMachine"]
@@ -105,7 +110,7 @@ class ChunkGcMachine(RuleBasedStateMachine):
         super().__init__()
         self.fs, self.base = self.make_filesystem()
         self.exp = f"{self.base.rstrip('/')}/exp"
-        self.store = ChunkStore(self.fs, f"{self.exp}/.cs_chunks", workers=4)
+        self.store = ChunkStore(self.fs, f"{self.exp}/{CHUNK_DIR}", workers=4)
         self.t = 1_000_000.0
         self.data = {chunk_name(_data(i)): _data(i) for i in range(POOL)}
         self.names = sorted(self.data)
@@ -183,7 +188,7 @@ class ChunkGcMachine(RuleBasedStateMachine):
         entry = {"path": "model.bin", "size": sum(len(self.data[base_name(o)]) for o in objects),
                  "crc32c": "00000000",
                  "chunks": [[o, len(self.data[base_name(o)]), 0] for o in objects]}
-        body = {"format_version": 3, "chunk_root": "../../.cs_chunks", "manifest": [entry]}
+        body = {"format_version": 3, "chunk_root": CHUNK_ROOT, "manifest": [entry]}
         _fsutil.write_bytes(self.fs, posixpath.join(ckpt, INTERNAL_METADATA),
                             json.dumps(body).encode(), self.store._caps)
         self.committed[ckpt] = objects

@@ -333,6 +333,7 @@ SYSTEM_TEMP_SCRATCH = {
     ("checkpoint_store/testing/crash/tiers.py", "temporary name: 'cs-crash-tier-'"),
     ("checkpoint_store/testing/servers.py", "temporary name: f'cs-{cls.__name__.lower()}-'"),
     ("checkpoint_store/testing/stateful.py", "temporary name: 'cs-retention-src-'"),
+    ("checkpoint_store/testing/chunk_gc.py", "temporary name: 'cs-chunk-gc-'"),
     ("checkpoint_store/testing/stateful.py", "temporary name: 'cs-retention-'"),
 }
 

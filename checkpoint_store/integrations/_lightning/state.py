@@ -19,6 +19,8 @@ from typing import Any
 import google_crc32c
 import pyarrow.fs as pafs
 
+from checkpoint_store._chunks.files import ChunkedFile
+from checkpoint_store._format.manifest import is_chunked
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.inspect import (
@@ -236,8 +238,14 @@ def verified(backend: Backend, fs_path: str, *, retry: RetryPolicy | None = None
         raise CheckpointCorruptError(f"checkpoint {uri} has no {state_file} in its manifest",
                                      path=fs_path, file=state_file)
     others = [e for e in manifest if e is not entry]
-    if others:
-        verify_files(fs, fs_path, others, retry=retry)
+    plain = [e for e in others if not is_chunked(e)]
+    if plain:
+        verify_files(fs, fs_path, plain, retry=retry)
+    for e in others:
+        if is_chunked(e):  # kept as chunks (dedup): read and checked through them
+            ChunkedFile(fs, fs_path, insp.meta, e, retry=retry).verify()
+    if is_chunked(entry):
+        return ChunkedFile(fs, fs_path, insp.meta, entry, retry=retry).read_all(), insp.meta
     local = _fsutil.local_path(fs, posixpath.join(fs_path, state_file))
     data = read_checked(fs, fs_path, entry, keep=keep and local is None, retry=retry)
     return (local if local is not None else data), insp.meta
