@@ -406,7 +406,8 @@ class StorageContext:
         directory), else None (copied as files)."""
         if not self.dedup or _fsutil.local_path(checkpoint.filesystem, checkpoint.path) is None:
             return None
-        store = ChunkStore.for_checkpoint(self.filesystem, dest, retry=self.retry)
+        store = ChunkStore.for_checkpoint(self.filesystem, dest, retry=self.retry,
+                                          capabilities=self.backend.capabilities)
         return ChunkedUpload(
             checkpoint.filesystem, checkpoint.path, self.backend, store,
             codec=resolve_codec(self.compression, self.backend), writer=writer,
@@ -529,7 +530,8 @@ class StorageContext:
         root = posixpath.join(self.experiment_path, CHUNK_DIR)
         if not self.dedup and not _fsutil.is_dir(self.filesystem, root, retry=self.retry):
             return None
-        store = ChunkStore(self.filesystem, root, retry=self.retry)
+        store = ChunkStore(self.filesystem, root, retry=self.retry,
+                           capabilities=self.backend.capabilities)
         return collect(store, lambda: experiment_refs(self.filesystem, self.experiment_path,
                                                       retry=self.retry))
 

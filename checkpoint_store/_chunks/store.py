@@ -32,6 +32,7 @@ import pyarrow.fs as pafs
 from checkpoint_store._format.layout import CHUNK_DIR, CHUNK_ROOT
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.retry import RetryPolicy
+from checkpoint_store.backends.base import Capabilities
 from checkpoint_store.errors import CheckpointCorruptError, UnsafePathError
 from checkpoint_store.registry import backend_for_filesystem
 
@@ -121,27 +122,31 @@ class ChunkStore:
     """
 
     def __init__(self, filesystem: pafs.FileSystem, root: str, *,
-                 retry: RetryPolicy | None = None, workers: int = 16):
+                 retry: RetryPolicy | None = None, workers: int = 16,
+                 capabilities: Capabilities | None = None):
         self.filesystem = filesystem
         self.root = root.rstrip("/")
         self.retry = retry
         self.workers = max(1, int(workers))
-        self._caps = backend_for_filesystem(filesystem).capabilities
+        # The backend's own when the caller has it: a filesystem wrapped in a
+        # PyFileSystem (a local disk handed in through fsspec) tells nothing.
+        self._caps = capabilities or backend_for_filesystem(filesystem).capabilities
 
     def __repr__(self) -> str:
         return f"ChunkStore({self.root!r} on {self.filesystem.type_name})"
 
     @classmethod
     def for_checkpoint(cls, filesystem: pafs.FileSystem, checkpoint_path: str, *,
-                       chunk_root: str = CHUNK_ROOT,
-                       retry: RetryPolicy | None = None) -> ChunkStore:
+                       chunk_root: str = CHUNK_ROOT, retry: RetryPolicy | None = None,
+                       capabilities: Capabilities | None = None) -> ChunkStore:
         """The store a checkpoint's marker names (``chunk_root``, relative to
         the checkpoint dir; see :func:`resolve_root`).
 
         Raises:
             UnsafePathError: as :func:`resolve_root`.
         """
-        return cls(filesystem, resolve_root(checkpoint_path, chunk_root), retry=retry)
+        return cls(filesystem, resolve_root(checkpoint_path, chunk_root), retry=retry,
+                   capabilities=capabilities)
 
     # -- objects ---------------------------------------------------------------
 

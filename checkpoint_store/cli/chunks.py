@@ -110,6 +110,6 @@ def collect_experiment_chunks(exp: Location, *, dry_run: bool) -> GcReport | Non
     root = posixpath.join(exp.path, CHUNK_DIR)
     if not _fsutil.is_dir(exp.fs, root):
         return None
-    store = ChunkStore(exp.fs, root)
+    store = ChunkStore(exp.fs, root, capabilities=exp.backend.capabilities)
     return collect(store, lambda: union(experiment_markers(exp.fs, exp.path)),
                    dry_run=dry_run)

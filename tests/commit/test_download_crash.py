@@ -39,7 +39,7 @@ def _child(ckpt_path: str, target: str, kill_at: int) -> None:
         return wrapped
 
     # The child dies either way: patching os and shutil for it alone is fine.
-    for name in ("download_tree", "_write_download_marker", "_new_sibling_dir"):
+    for name in ("download_checkpoint", "_write_download_marker", "_new_sibling_dir"):
         setattr(mod, name, counted(getattr(mod, name)))
     os.rename = counted(os.rename)
     shutil.rmtree = counted(shutil.rmtree)
