@@ -1,6 +1,7 @@
-"""Content-addressed chunks of checkpoint files: stored once, freed by retention.
+"""Content-addressed chunks: a checkpoint's large files stored as pieces named
+by their content, each stored once per experiment and referenced from the
+manifests of the checkpoints that hold it.
 
-A file of a checkpoint may live outside its directory as chunks in the
-experiment's chunk store (``<experiment>/.cs_chunks/``): its manifest entry
-lists them, the marker still commits last (docs/format.md, "Chunks").
+``codec`` (the chunk object's format, its name, and the lossless codecs that
+encode its bytes).
 """
