@@ -33,7 +33,7 @@ from typing import Any
 import google_crc32c
 import pyarrow.fs as pafs
 
-from checkpoint_store._chunks.codec import chunk_name, encode_chunk
+from checkpoint_store._chunks.codec import PLANES_ZSTD, RAW, chunk_name, codec_for, encode_chunk
 from checkpoint_store._chunks.gc import INTENT_TTL_S
 from checkpoint_store._format.manifest import crc_hex
 from checkpoint_store._transfer.crc32c import crc32c_combine
@@ -56,8 +56,6 @@ __all__ = [
 
 #: The values of ``compression``: see :func:`resolve_codec`.
 COMPRESSIONS = ("auto", "on", "off")
-#: The codec ``compression="on"`` picks: byte planes, each entropy-coded.
-PLANES_CODEC = "planes-zstd"
 
 #: Largest chunk: 16 MiB of logical bytes. Small enough that a partial load
 #: reads little beyond its slice and that encoding runs in parallel pieces,
@@ -180,8 +178,8 @@ def resolve_codec(compression: str, backend: Backend) -> str:
     dear (object stores, remote filesystems) and raw where the store is
     faster than the codec (the local disk, memory)."""
     if compression == "auto":
-        compression = "off" if backend.scheme in ("file", "memory") else "on"
-    return PLANES_CODEC if compression == "on" else "raw"
+        return codec_for(backend.filesystem)
+    return PLANES_ZSTD if compression == "on" else RAW
 
 
 def _read(path: str, piece: Piece) -> bytes:

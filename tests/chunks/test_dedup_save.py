@@ -202,12 +202,7 @@ def test_compression_on_is_bit_exact_and_smaller_for_floats(tmp_path) -> None:
     ckpt = _persist(ctx, tmp_path, tree, 0)
     _same(ckpt.load_state(), tree)
     objects = _chunk_objects(ctx)
-    root = posixpath.join(ctx.experiment_path, ".cs_chunks")
-    codecs = set()
-    for name in objects:
-        with ctx.filesystem.open_input_stream(posixpath.join(root, name[:2], name)) as f:
-            codecs.add(chunk_header(f.read())["codec"])
-    assert "planes-zstd" in codecs
+    assert "planes-zstd" in _codecs(ctx)
     logical = sum(t.numel() * t.element_size() for t in tree.values())
     assert sum(objects.values()) < 0.9 * logical
 
@@ -245,3 +240,25 @@ def test_dedup_on_several_ranks_is_refused_before_anything_is_written(tmp_path) 
                       upload_config=UploadConfig(dedup=True), world_rank=0, world_size=2,
                       attempt_id="a")
     assert not (tmp_path / "s").exists()
+
+
+def _codecs(ctx: StorageContext) -> set[str]:
+    root = posixpath.join(ctx.experiment_path, ".cs_chunks")
+    out = set()
+    for name in _chunk_objects(ctx):
+        with ctx.filesystem.open_input_stream(posixpath.join(root, name[:2], name)) as f:
+            out.add(chunk_header(f.read())["codec"])
+    return out
+
+
+@pytest.mark.parametrize(("kind", "compression", "codec"), [
+    ("local", "auto", "raw"), ("memory", "auto", "raw"), ("s3", "auto", "planes-zstd"),
+    ("local", "on", "planes-zstd"), ("s3", "off", "raw"),
+])
+def test_compression_auto_is_on_for_object_stores_only(kind, compression, codec, request,
+                                                       tmp_path) -> None:
+    store = make_store(kind, request, tmp_path)
+    ctx = store.ctx(dedup=True, compression=compression)
+    tree = _tree(0, _frozen(numel=MiB // 8))
+    _same(_persist(ctx, tmp_path, tree, 0).load_state(), tree)
+    assert _codecs(ctx) == {codec}
