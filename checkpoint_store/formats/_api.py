@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import pyarrow.fs as pafs
 
+from checkpoint_store._chunks.files import chunked_entries
+from checkpoint_store._chunks.read import materialized
 from checkpoint_store._commit.protocols import protocol_for
 from checkpoint_store._format.layout import (
     INTERNAL_METADATA,
@@ -28,6 +30,7 @@ from checkpoint_store._format.layout import (
 )
 from checkpoint_store._format.manifest import ManifestEntry, is_checkpoint_data
 from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util.inspect import read_internal_metadata
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
@@ -97,7 +100,22 @@ def _listing(backend: Backend, path: str) -> dict[str, int] | None:
     if kind != pafs.FileType.Directory:
         raise CheckpointNotFoundError(f"{backend.uri_for(path)} does not exist")
     infos = _fsutil.list_dir(backend.filesystem, path)
-    return {posixpath.basename(i.path): i.size for i in infos if i.type == pafs.FileType.File}
+    files = {posixpath.basename(i.path): i.size for i in infos if i.type == pafs.FileType.File}
+    meta = _chunked_meta(backend, path, files)
+    for e in chunked_entries(meta):  # kept as chunks (dedup): listed by the manifest
+        if "/" not in e["path"]:
+            files[e["path"]] = e["size"]
+    return files
+
+
+def _chunked_meta(backend: Backend, path: str,
+                  files: Mapping[str, int]) -> dict[str, Any] | None:
+    """The marker of the checkpoint at ``path`` when some of its files live
+    as chunks (saved with dedup), else None."""
+    if INTERNAL_METADATA not in files:
+        return None
+    meta = read_internal_metadata(backend.filesystem, path)
+    return meta if chunked_entries(meta) else None
 
 
 def detect_format(backend: Backend, path: str) -> SourceFormat:
@@ -178,6 +196,16 @@ def open_source(backend: Backend, path: str, fmt: SourceFormat | None = None,
     if fmt not in SOURCE_FORMATS:
         raise InvalidConfigError(f"source format {fmt!r} is not one of {SOURCE_FORMATS}")
     fs = backend.filesystem
+    if fmt != "state":
+        files = _listing(backend, path)
+        meta = None if files is None else _chunked_meta(backend, path, files)
+        if meta is not None:
+            # Files kept as chunks are not in the folder: read a verified
+            # local copy (a state's reader fetches its chunks itself).
+            with materialized(fs, path, backend.capabilities, meta) as local:
+                with open_source(resolve(local)[0], local, fmt, key_of) as source:
+                    yield source
+            return
     if fmt == "state":
         yield StateSource(fs, path)
     elif fmt in ("hf", "safetensors"):

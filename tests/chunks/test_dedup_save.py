@@ -262,3 +262,38 @@ def test_compression_auto_is_on_for_object_stores_only(kind, compression, codec,
     tree = _tree(0, _frozen(numel=MiB // 8))
     _same(_persist(ctx, tmp_path, tree, 0).load_state(), tree)
     assert _codecs(ctx) == {codec}
+
+
+@pytest.mark.parametrize("kind", ["memory", "s3"])
+def test_a_local_tier_keeps_plain_files_and_its_durable_copies_use_chunks(
+        kind, request, tmp_path) -> None:
+    from checkpoint_store import LocalTier
+
+    store = make_store(kind, request, tmp_path)
+    frozen = _frozen(numel=MiB // 8)
+    trees = [_tree(i, frozen) for i in range(3)]
+    tier = tmp_path / "nvme"
+    with session.start(storage_path=store.uri, storage_options=store.options or None,
+                       experiment_name="exp", trial_name="t",
+                       upload_config=UploadConfig(dedup=True),
+                       local_tier=LocalTier(str(tier))) as s:
+        for tree in trees:
+            s.report({"step": tree["step"]}, state=tree)
+        s.wait()
+    # The tier's copies hold their safetensors files themselves.
+    shards = list(tier.rglob("*.safetensors"))
+    assert shards and all(p.stat().st_size > 0 for p in shards)
+    ctx = store.ctx()
+    durable = [name for _, name in ctx.checkpoint_dirs()]
+    assert durable == ["checkpoint_000000", "checkpoint_000001", "checkpoint_000002"]
+    objects = _chunk_objects(ctx)
+    assert len(objects) == 4 + 1 + 3  # frozen once, the header, each adapter
+    for name, tree in zip(durable, trees, strict=True):
+        meta = ctx.checkpoint(name).internal_metadata
+        assert meta["format_version"] == 3
+        _same(ctx.checkpoint(name).load_state(), tree)
+    # A new machine (no tier) resumes from the storage_path's chunked copy.
+    with session.start(storage_path=store.uri, storage_options=store.options or None,
+                       experiment_name="exp", trial_name="t",
+                       upload_config=UploadConfig(dedup=True)) as s:
+        _same(s.get_checkpoint().load_state(), trees[-1])
