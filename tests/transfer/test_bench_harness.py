@@ -261,7 +261,8 @@ def test_codec_rows_measure_every_candidate_on_the_same_bytes_and_render() -> No
     assert rows["planes-zstd"]["ratio"]["weights (bf16)"] > 1.3
     assert rows["raw"]["ratio"]["overall"] < 1.0
     res.update(reps=1, load_avg={"start": [1.0], "end": [1.0]}, cpu="test CPU",
-               model={"parameters": 1e6, "steps": 1, "loss": 1.0})
+               model={"parameters": 1e6, "steps": 1, "loss": 1.0,
+                      "config": {"vocab_size": 4096}})
     page = report_md.render({"machine": {}, "codec": res})
     assert "## Lossless compression" in page and "| planes-zstd |" in page
     targets = {t[0]: t for t in report_md.targets({"codec": res})}
