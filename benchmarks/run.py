@@ -9,7 +9,7 @@ Usage (from the repository root; see the README's "Benchmarks" section)::
         # beside the runs of other labels (e.g. "before") already in the JSON
 
 It installs the optional tools it compares against (the ``benchmarks``
-extra: Ray, s3fs, adlfs) unless ``--no-install``, starts moto and Azurite on
+extra: Ray, s3fs, adlfs, ZipNN) unless ``--no-install``, starts moto and Azurite on
 127.0.0.1 (``checkpoint_store.testing.servers``), runs the candidates
 alternating (A B C A B C ...), and writes medians and ratios.
 """
@@ -44,7 +44,7 @@ def _log(msg: str) -> None:
 
 def ensure_tools(install: bool) -> None:
     missing = []
-    for mod in ("ray", "s3fs", "adlfs"):
+    for mod in ("ray", "s3fs", "adlfs", "zipnn"):
         try:
             __import__(mod)
         except Exception:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
     ap.add_argument("--only",
                     default="local,s3,azure,s3-link,azure-link,incremental,report,async,rss,"
-                            "import,retention,scale,state,tiers,formats",
+                            "import,retention,scale,state,tiers,formats,codec",
                     help="comma-separated parts to run (the -link parts go through a "
                          "delaying proxy, see benchmarks/latency_link.py)")
     ap.add_argument("--link-rtt-ms", type=float, default=10.0,
@@ -327,6 +327,12 @@ def main(argv: list[str] | None = None) -> int:
         results["formats"] = guarded("formats", lambda: bench_formats.main(
             ["--quick"] if quick else [], log=_log))
 
+    if "codec" in parts:
+        from benchmarks import bench_codec
+
+        codec_argv = [*(["--quick"] if quick else []), "--data-dir", data_root]
+        results["codec"] = guarded("codec", lambda: bench_codec.main(codec_argv, log=_log))
+
     results["wall_s"] = time.time() - t_start
     from benchmarks.report_md import render
 
@@ -338,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             if key == "transfers":
                 merge_transfers(old.setdefault("transfers", {}), value)
             elif key in ("report", "async", "rss", "import", "retention", "incremental",
-                         "link", "state", "tiers", "formats"):
+                         "link", "state", "tiers", "formats", "codec"):
                 old[key] = value
             elif key == "scale":
                 from benchmarks.bench_scale import merge_runs

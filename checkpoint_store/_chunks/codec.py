@@ -20,10 +20,12 @@ Codecs, by name (:data:`CODECS`):
 * ``"raw"``: the payload is the logical bytes.
 * ``"planes-zstd"``: the bytes of ``size // itemsize`` elements are split
   into ``itemsize`` byte planes (plane ``k`` holds byte ``k`` of every
-  element), each compressed with zstandard on its own; a plane that does
-  not shrink by :data:`MIN_SAVING` is stored raw. The exponent bytes of
-  floats repeat a few values and shrink; mantissa bytes are noise and stay
-  raw, costing no decode time. Payload::
+  element; of elements of 2 bytes or more, the sign bit is moved so that a
+  bf16 or fp32 exponent sits whole in the top plane:
+  :mod:`~checkpoint_store._chunks.planes`), each compressed with zstandard
+  on its own; a plane that does not shrink by :data:`MIN_SAVING` is stored
+  raw. Exponents repeat a few values and shrink; mantissa bytes are noise
+  and stay raw, costing no decode time. Payload::
 
       itemsize x (u8 mode, u64 LE stored length)   mode 0: raw, 1: zstd frame
       the planes' stored bytes, in order
@@ -34,9 +36,9 @@ Codecs, by name (:data:`CODECS`):
 
 Threads: encoding and decoding one chunk release the GIL for their heavy
 parts (zstandard, numpy's copies, CRC32C, BLAKE3), so a thread pool decodes
-chunks in parallel (:func:`decode_many` is one). The byte-plane split uses
-numpy when it is installed (about 3x faster) and the standard library
-otherwise; both write the same bytes.
+chunks in parallel (:func:`decode_many` is one). The byte planes are cut
+and put back by numpy when it is installed (about 3x faster) and by the
+standard library otherwise; both write the same bytes.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import zstandard
 
+from checkpoint_store._chunks import planes
+from checkpoint_store._chunks.planes import Buffer
 from checkpoint_store._transfer.crc32c import _crc
 from checkpoint_store.backends.forwarding import ForwardingHandler
 from checkpoint_store.errors import CheckpointCorruptError
@@ -75,9 +79,6 @@ __all__ = [
     "decode_many",
     "encode_chunk",
 ]
-
-#: Bytes-like input: anything exposing a C-contiguous buffer.
-Buffer = bytes | bytearray | memoryview
 
 MAGIC = b"CSCHUNK1"
 _PREFIX = struct.Struct("<8sI")  # magic, header length
@@ -388,7 +389,7 @@ class _PlanesZstd:
         body = n * itemsize
         table: list[int] = []
         parts: list[Buffer] = []
-        for plane in _split(data[:body], itemsize):
+        for plane in planes.split(data[:body], itemsize):
             packed = _compress(plane)
             if packed is None:
                 table += [_MODE_RAW, n]
@@ -405,9 +406,9 @@ class _PlanesZstd:
         n = size // itemsize
         body = n * itemsize
         pieces = _plane_pieces(payload, n, itemsize, size - body, where)
-        for k, (mode, piece) in enumerate(pieces):
-            plane = _decompress(piece, n, where, k) if mode == _MODE_ZSTD else piece
-            _scatter(out, plane, k, itemsize, body)
+        decoded: list[Buffer] = [_decompress(piece, n, where, k) if mode == _MODE_ZSTD
+                                 else piece for k, (mode, piece) in enumerate(pieces)]
+        planes.merge_into(out[:body], decoded, itemsize)
         out[body:] = payload[len(payload) - (size - body):]
 
 
@@ -475,56 +476,6 @@ def _decompress(frame: memoryview, n: int, where: str, k: int) -> bytes:
     if len(plane) != n:
         raise _corrupt(where, f"plane {k} decodes to {len(plane)} bytes, not {n}")
     return plane
-
-
-# -- the byte-plane split ---------------------------------------------------------------
-
-_numpy: Any = None
-
-
-def _np() -> Any:
-    """numpy when installed (imported on first use), else False."""
-    global _numpy
-    if _numpy is None:
-        try:
-            import numpy
-        except ImportError:
-            _numpy = False
-        else:
-            _numpy = numpy
-    return _numpy
-
-
-def _split(data: memoryview, itemsize: int) -> list[Buffer]:
-    """The ``itemsize`` byte planes of ``data`` (a whole number of elements)."""
-    if itemsize == 1:
-        return [data]
-    np = _np()
-    return _split_numpy(np, data, itemsize) if np else _split_python(data, itemsize)
-
-
-def _split_numpy(np: Any, data: memoryview, itemsize: int) -> list[Buffer]:
-    grid = np.frombuffer(data, np.uint8).reshape(-1, itemsize)
-    planes = np.ascontiguousarray(grid.T)
-    return [memoryview(planes[k]) for k in range(itemsize)]
-
-
-def _split_python(data: memoryview, itemsize: int) -> list[Buffer]:
-    whole = bytes(data)  # bytes slice with a step in C; a memoryview's is ~5x slower
-    return [whole[k::itemsize] for k in range(itemsize)]
-
-
-def _scatter(out: memoryview, plane: Buffer, k: int, itemsize: int, body: int) -> None:
-    """Put ``plane`` back as byte ``k`` of each element of ``out[:body]``."""
-    if itemsize == 1:
-        out[:body] = plane
-        return
-    np = _np()
-    if np:
-        grid = np.frombuffer(out, np.uint8, count=body).reshape(-1, itemsize)
-        grid[:, k] = np.frombuffer(plane, np.uint8)
-    else:
-        out[k:body:itemsize] = plane
 
 
 _CODECS: dict[str, _Codec] = {RAW: _Raw(), PLANES_ZSTD: _PlanesZstd()}

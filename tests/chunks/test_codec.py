@@ -66,6 +66,22 @@ def test_a_chunk_object_is_magic_header_length_compact_json_and_payload() -> Non
     assert chunk_header(blob[:HEAD_BYTES]) == json.loads(text)
 
 
+def test_planes_hold_each_byte_of_the_elements_and_a_float_exponent_whole() -> None:
+    # bf16 1.0, -1.0, -0.0 and a NaN with payload 0x41, then a last odd
+    # byte (elements too few to compress: every plane is stored raw).
+    data = struct.pack("<4H", 0x3F80, 0xBF80, 0x8000, 0x7FC1) + b"z"
+    blob = encode_chunk(data, itemsize=2, codec=PLANES_ZSTD)
+    payload = blob[12 + struct.unpack_from("<I", blob, 8)[0]:]
+    assert struct.unpack_from("<BQBQ", payload) == (0, 4, 0, 4)
+    low, top, tail = payload[18:22], payload[22:26], payload[26:]
+    # The top plane: the 8 exponent bits (127, 127, 0, 255); below it the
+    # sign bit over the mantissa's low 7 bits.
+    assert list(top) == [0x7F, 0x7F, 0x00, 0xFF]
+    assert list(low) == [0x00, 0x80, 0x80, 0x41]
+    assert tail == b"z"
+    assert bytes(decode_chunk(blob, where="c")) == data
+
+
 def test_the_name_is_blake3_of_the_logical_bytes_whatever_the_codec() -> None:
     # BLAKE3's published digest of the empty input.
     assert chunk_name(b"") == "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"

@@ -237,3 +237,36 @@ def test_formats_rows_render_and_a_missed_target_names_its_limit() -> None:
         == "yes"
     limits = page.split("### What limits the targets not met")[1]
     assert "CPU-bound" in limits and "moto's write bandwidth" in limits
+
+
+def test_codec_rows_measure_every_candidate_on_the_same_bytes_and_render() -> None:
+    """bench_codec on a few synthetic pieces: every candidate gives the bytes
+    back (measure asserts it), the rows reach the page with the targets and
+    the reason beside a missed one."""
+    import numpy as np
+
+    from benchmarks import bench_codec
+
+    rng = np.random.default_rng(0)
+    weights = rng.normal(0, 0.02, 1 << 16).astype(np.float32)
+    bf16 = (weights.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    groups = {"weights (bf16)": [bf16, bf16[:1000]],
+              "exp_avg (fp32)": [(weights * 1e-3).tobytes()],
+              "exp_avg_sq (fp32)": [(weights * weights * 1e-4).tobytes()]}
+    res = bench_codec.measure(groups, 1, lambda m: None)
+    rows = res["rows"]
+    assert {"planes-zstd", "zstd, same parameters", "zstd level 3 (DCP's)", "raw",
+            "planes-zstd, decode_many(workers=2)", "zstd, same parameters, 2 threads",
+            "order-0 entropy of the byte planes"} <= set(rows)
+    assert rows["planes-zstd"]["ratio"]["weights (bf16)"] > 1.3
+    assert rows["raw"]["ratio"]["overall"] < 1.0
+    res.update(reps=1, load_avg={"start": [1.0], "end": [1.0]}, cpu="test CPU",
+               model={"parameters": 1e6, "steps": 1, "loss": 1.0,
+                      "config": {"vocab_size": 4096}})
+    page = report_md.render({"machine": {}, "codec": res})
+    assert "## Lossless compression" in page and "| planes-zstd |" in page
+    targets = {t[0]: t for t in report_md.targets({"codec": res})}
+    assert targets["codec: bf16 weights ratio ≥ 1.35×"][2] == "yes"
+    rows["planes-zstd"]["compress_GiB_s"] = 0.1
+    page = report_md.render({"machine": {}, "codec": res})
+    assert "**codec: compress**" in page.split("### What limits the targets not met")[1]
