@@ -214,6 +214,11 @@ def render(res: dict[str, Any]) -> str:
 
         w(render_formats(res["formats"]))
 
+    if res.get("dedup"):
+        from benchmarks.bench_dedup import render as render_dedup
+
+        w(render_dedup(res["dedup"]))
+
     fresh = fresh_rss(res)
     if fresh:
         w(rss_section(fresh))
@@ -250,6 +255,10 @@ def render(res: dict[str, Any]) -> str:
         from benchmarks.bench_formats import WHY as FORMATS_WHY
 
         why += FORMATS_WHY
+    if res.get("dedup"):
+        from benchmarks.bench_dedup import WHY as DEDUP_WHY
+
+        why += DEDUP_WHY
     missed = {key for key, _ in why if any(key in t[0] and t[2] != "yes" for t in rows)}
     if missed:
         w("### What limits the targets not met\n")
@@ -434,6 +443,10 @@ def targets(res: dict[str, Any]) -> list[tuple[str, str, str]]:
         from benchmarks.bench_formats import targets as formats_targets
 
         rows.extend(formats_targets(res["formats"]))
+    if res.get("dedup"):
+        from benchmarks.bench_dedup import targets as dedup_targets
+
+        rows.extend(dedup_targets(res["dedup"]))
     return rows
 
 
