@@ -120,8 +120,8 @@ class ChunkedFile:
         for _, n, _ in self.chunks:
             self.starts.append(at)
             at += n
-        self._cache: OrderedDict[int, bytes] = OrderedDict()
-        self._inflight: dict[int, Future[bytes]] = {}
+        self._cache: OrderedDict[int, memoryview] = OrderedDict()
+        self._inflight: dict[int, Future[memoryview]] = {}
         self._lock = threading.Lock()
 
     # -- one chunk ------------------------------------------------------------------
@@ -133,7 +133,7 @@ class ChunkedFile:
             f"{chunk_object_path(self.root, name)}) {why}; the checkpoint is corrupt: resume "
             "from an earlier one", path=self.checkpoint_path, file=self.rel)
 
-    def fetch(self, i: int) -> tuple[bytes, int]:
+    def fetch(self, i: int) -> tuple[memoryview, int]:
         """Chunk ``i``'s logical bytes and their CRC32C (from its checked header)."""
         name, logical, _ = self.chunks[i]
         where = chunk_object_path(self.root, name)
@@ -150,7 +150,7 @@ class ChunkedFile:
             raise self._corrupt(i, f"holds {len(data)} bytes, the manifest says {logical}")
         return data, crc
 
-    def _cached(self, i: int) -> bytes:
+    def _cached(self, i: int) -> memoryview:
         """Chunk ``i``'s bytes: from the cache, from a fetch another thread has in
         flight, or fetched here (each chunk is read once while it is wanted)."""
         with self._lock:
@@ -160,7 +160,7 @@ class ChunkedFile:
                 return data
             waiting = self._inflight.get(i)
             if waiting is None:
-                mine: Future[bytes] = Future()
+                mine: Future[memoryview] = Future()
                 self._inflight[i] = mine
         if waiting is not None:
             return waiting.result()
@@ -205,7 +205,7 @@ class ChunkedFile:
             out += data[lo:hi]
         return bytes(out)
 
-    def _each(self, sink: Callable[[int, bytes], None]) -> Iterator[tuple[int, int]]:
+    def _each(self, sink: Callable[[int, memoryview], None]) -> Iterator[tuple[int, int]]:
         """``(crc, length)`` of every chunk in order, each chunk handed to
         ``sink(offset, data)`` first; at most ``workers`` chunks in memory."""
         def one(i: int) -> tuple[int, int]:
@@ -268,7 +268,7 @@ class ChunkedFile:
     def _write_fd(self, fd: int) -> None:
         os.ftruncate(fd, self.size)
 
-        def sink(offset: int, data: bytes) -> None:
+        def sink(offset: int, data: memoryview) -> None:
             view = memoryview(data)
             while view:
                 n = os.pwrite(fd, view, offset)
@@ -280,7 +280,7 @@ class ChunkedFile:
         """The whole file in memory, its size and CRC32C checked against the manifest."""
         out = bytearray(self.size)
 
-        def sink(offset: int, data: bytes) -> None:
+        def sink(offset: int, data: memoryview) -> None:
             out[offset:offset + len(data)] = data
 
         self._check_whole(self._each(sink))

@@ -308,7 +308,7 @@ class ChunkedUpload:
                 "garbage collection may have freed meanwhile: report it again")
         for cut in cuts:
             crc = 0
-            chunks = []
+            chunks: list[list[Any]] = []
             for name, piece, part in zip(cut.names, cut.pieces, cut.crcs, strict=True):
                 obj = self._intent.object_names[name]
                 crc = crc32c_combine(crc, part, piece.length) if chunks else part
