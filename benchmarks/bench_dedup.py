@@ -334,7 +334,8 @@ def render(res: dict[str, Any]) -> str:
     if lo:
         out.append("**A LoRA-style run**, 10 checkpoints kept: every byte stored under the "
                    "experiment against base + the 10 checkpoints' adapter and Adam bytes, "
-                   "and dedup off beside it:\n")
+                   "and dedup off beside it. Compression is \"auto\": off on the local "
+                   "disk, on for S3 (hence below 1× there).\n")
         out.append("| storage | base | adapters + Adam | reference | dedup | ratio | "
                    "dedup off | off / dedup |")
         out.append("|---|---|---|---|---|---|---|---|")
