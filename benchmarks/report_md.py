@@ -218,6 +218,10 @@ def render(res: dict[str, Any]) -> str:
         from benchmarks.bench_codec import render as render_codec
 
         w(render_codec(res["codec"]))
+    if res.get("dedup"):
+        from benchmarks.bench_dedup import render as render_dedup
+
+        w(render_dedup(res["dedup"]))
 
     fresh = fresh_rss(res)
     if fresh:
@@ -259,6 +263,10 @@ def render(res: dict[str, Any]) -> str:
         from benchmarks.bench_codec import WHY as CODEC_WHY
 
         why += CODEC_WHY
+    if res.get("dedup"):
+        from benchmarks.bench_dedup import WHY as DEDUP_WHY
+
+        why += DEDUP_WHY
     missed = {key for key, _ in why if any(key in t[0] and t[2] != "yes" for t in rows)}
     if missed:
         w("### What limits the targets not met\n")
@@ -447,6 +455,10 @@ def targets(res: dict[str, Any]) -> list[tuple[str, str, str]]:
         from benchmarks.bench_codec import targets as codec_targets
 
         rows.extend(codec_targets(res["codec"]))
+    if res.get("dedup"):
+        from benchmarks.bench_dedup import targets as dedup_targets
+
+        rows.extend(dedup_targets(res["dedup"]))
     return rows
 
 

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
     ap.add_argument("--only",
                     default="local,s3,azure,s3-link,azure-link,incremental,report,async,rss,"
-                            "import,retention,scale,state,tiers,formats,codec",
+                            "import,retention,scale,state,tiers,formats,codec,dedup",
                     help="comma-separated parts to run (the -link parts go through a "
                          "delaying proxy, see benchmarks/latency_link.py)")
     ap.add_argument("--link-rtt-ms", type=float, default=10.0,
@@ -332,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
 
         codec_argv = [*(["--quick"] if quick else []), "--data-dir", data_root]
         results["codec"] = guarded("codec", lambda: bench_codec.main(codec_argv, log=_log))
+    if "dedup" in parts:
+        from benchmarks import bench_dedup
+
+        results["dedup"] = guarded("dedup", lambda: bench_dedup.main(
+            ["--quick"] if quick else [], log=_log))
 
     results["wall_s"] = time.time() - t_start
     from benchmarks.report_md import render
@@ -344,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             if key == "transfers":
                 merge_transfers(old.setdefault("transfers", {}), value)
             elif key in ("report", "async", "rss", "import", "retention", "incremental",
-                         "link", "state", "tiers", "formats", "codec"):
+                         "link", "state", "tiers", "formats", "codec", "dedup"):
                 old[key] = value
             elif key == "scale":
                 from benchmarks.bench_scale import merge_runs

@@ -238,12 +238,9 @@ class ChunkedUpload:
         self.uploaded_bytes = 0
         self.uploaded_logical = 0
 
-    def _hash(self, cut: _Cut) -> None:
-        path = os.path.join(self.root, cut.rel)
-        for p in cut.pieces:
-            data = _read(path, p)
-            cut.names.append(chunk_name(data))
-            cut.crcs.append(google_crc32c.value(data))
+    def _hash(self, path: str, piece: Piece) -> tuple[str, int]:
+        data = _read(path, piece)
+        return chunk_name(data), google_crc32c.value(data)
 
     def _plan(self, files: Sequence[tuple[str, int]]) -> tuple[list[_Cut], list[tuple[str, int]]]:
         cuts, rest = [], []
@@ -253,8 +250,13 @@ class ChunkedUpload:
                                                      limit=self.chunk_bytes)))
             else:
                 rest.append((rel, size))
+        # Piece by piece, not file by file: a state is often one shard.
+        jobs = [(cut, os.path.join(self.root, cut.rel), p) for cut in cuts for p in cut.pieces]
         with ThreadPoolExecutor(self.workers) as pool:
-            list(pool.map(self._hash, cuts))
+            hashed = list(pool.map(lambda job: self._hash(job[1], job[2]), jobs))
+        for (cut, _, _), (name, crc) in zip(jobs, hashed, strict=True):
+            cut.names.append(name)
+            cut.crcs.append(crc)
         return cuts, rest
 
     def _upload(self, intent: Any, cuts: list[_Cut]) -> dict[str, int]:
@@ -308,7 +310,7 @@ class ChunkedUpload:
                 "garbage collection may have freed meanwhile: report it again")
         for cut in cuts:
             crc = 0
-            chunks = []
+            chunks: list[list[Any]] = []
             for name, piece, part in zip(cut.names, cut.pieces, cut.crcs, strict=True):
                 obj = self._intent.object_names[name]
                 crc = crc32c_combine(crc, part, piece.length) if chunks else part
