@@ -406,9 +406,15 @@ def _chain(signum: int, frame: Any) -> None:
 
 
 def _install(signum: int) -> None:
+    main = threading.current_thread() is threading.main_thread()
     if signum in _installed:
+        if main and signal.getsignal(signum) is not _handler:
+            # Another library set its own handler over ours since (ray.init
+            # installs one for SIGTERM): take the signal back, and do what
+            # that handler does for the signals no session watches.
+            _installed[signum] = signal.signal(signum, _handler)
         return
-    if threading.current_thread() is not threading.main_thread():
+    if not main:
         raise InvalidConfigError(
             f"the preemption handler of {signal_name(signum)} must be installed by the main "
             "thread: start this session there, or call "
