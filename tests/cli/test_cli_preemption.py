@@ -21,6 +21,10 @@ from cli_helpers import Store, invoke, write_tree
 from checkpoint_store import Checkpoint, PreemptionConfig, session
 from checkpoint_store.errors import Preempted
 
+# An earlier test in this process may have left a SIGTERM handler of its own
+# (ray.init installs one): the signal must reach the session's.
+pytestmark = pytest.mark.usefixtures("fresh_signal_handlers")
+
 
 @pytest.fixture(params=["local", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:

@@ -26,6 +26,10 @@ from checkpoint_store import Checkpoint, PreemptionConfig, session
 from checkpoint_store.errors import Preempted
 from checkpoint_store.ui._model import StoreView
 
+# An earlier test in this process may have left a SIGTERM handler of its own
+# (ray.init installs one): the signal must reach the session's.
+pytestmark = pytest.mark.usefixtures("fresh_signal_handlers")
+
 PREEMPTED = "checkpoint_000001"
 
 
