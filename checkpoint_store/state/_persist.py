@@ -9,7 +9,9 @@ process's GIL, as torch DCP's async save does in its persist process.
 
 The process is started with :class:`subprocess.Popen` (fork + exec of a new
 interpreter, what the ``spawn`` start method does, never a fork of the
-threaded training process) and never imports numpy or torch. It gets:
+threaded training process) and never imports pyarrow, numpy or torch (their
+libraries would count in its memory, bounded by budget + 64 MiB;
+tests/state/test_persist_imports.py). It gets:
 
 * a socket (one end of a ``socketpair``) carrying
   :class:`multiprocessing.connection.Connection` messages;
