@@ -408,6 +408,12 @@ def main(argv: list[str]) -> int:
         os.nice(int(os.environ.get("CHECKPOINT_STORE_PERSIST_NICE", "10")))
     except (OSError, ValueError):
         pass
+    try:
+        # And never preempts it on waking: a batch of messages wakes this
+        # process while the training thread still runs (Linux SCHED_BATCH).
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
     conn = Connection(sock_fd)
     area = mmap.mmap(area_fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
     os.close(area_fd)
