@@ -5,11 +5,12 @@ pass, and combine the checksums of a file's parts computed in parallel
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import google_crc32c
 
-__all__ = ["_crc", "crc32c_combine"]
+__all__ = ["_crc", "crc32c_combine", "crc32c_extend"]
 
 _POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
 
@@ -64,3 +65,57 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 def _crc(crc: int, data: Any) -> int:
     # google_crc32c takes bytes or pyarrow buffers, not memoryviews.
     return google_crc32c.extend(crc, data)
+
+
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer`` (Include/pybuffer.h; the same fields since 3.3,
+    in the stable ABI since 3.11)."""
+
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p),
+                ("len", ctypes.c_ssize_t), ("itemsize", ctypes.c_ssize_t),
+                ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p),
+                ("strides", ctypes.c_void_p), ("suboffsets", ctypes.c_void_p),
+                ("internal", ctypes.c_void_p)]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+_release_buffer.restype = None
+
+
+def _address(view: memoryview) -> int:
+    """Where the bytes of a C-contiguous ``view`` start in memory (read-only
+    views included, which ``ctypes``' ``from_buffer`` refuses)."""
+    raw = _PyBuffer()
+    _get_buffer(view, ctypes.byref(raw), 0)  # PyBUF_SIMPLE; raises BufferError
+    try:
+        return int(raw.buf or 0)
+    finally:
+        _release_buffer(ctypes.byref(raw))
+
+
+def crc32c_extend(crc: int, data: Any) -> int:
+    """CRC32C of ``data`` extended from ``crc``: ``bytes`` or any C-contiguous
+    bytes-like object (a memoryview of shared memory or of a tensor, read-only
+    or not), without a copy.
+
+    google_crc32c's C extension takes only objects that need no buffer
+    release (``bytes``; a memoryview it refuses), so a view is handed over as
+    a ``ctypes`` array over the same memory. No pyarrow or numpy is imported (the persist process
+    loads neither).
+
+    Raises:
+        BufferError: ``data`` is not C-contiguous.
+    """
+    if isinstance(data, bytes):
+        return google_crc32c.extend(crc, data)
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    n = view.nbytes
+    if n == 0:
+        return crc
+    # ``view`` (a local) keeps the memory mapped while the array reads it.
+    return google_crc32c.extend(crc, (ctypes.c_char * n).from_address(_address(view)))

@@ -23,7 +23,10 @@ def close_session(ledger: ReportLedger, recorder: CommitRecorder, work: Backgrou
     released (``finish``, called whatever happens); ``record`` (rank 0, first
     close) writes how the trial ended. Raises the first background error,
     then a failure to write the rows."""
-    upload_errors = work.drain(wait=first_close)
+    try:
+        upload_errors = work.drain(wait=first_close)
+    finally:
+        work.close()  # the lanes' idle workers end
     if first_close:
         with ledger.transaction():
             recorder.settle()

@@ -151,6 +151,12 @@ class BackgroundWork:
             errors += up.take_errors()
         return errors
 
+    def close(self) -> None:
+        """The session ended: each lane's worker ends once its queue is empty
+        (:meth:`BackgroundUploader.close`)."""
+        for up in self._lanes.values():
+            up.close()
+
     def finish_at_exit(self, ended: bool, where: str) -> list[tuple[str, BaseException]]:
         """At the exit of a process that never ended its session: commit what is
         pending (each job bounded by the retry policy); the errors, to be logged."""

@@ -30,6 +30,7 @@ import os
 import shutil
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -193,12 +194,16 @@ class BackgroundUploader:
         max_pending: jobs queued or running at once; :meth:`reserve` blocks
             while this many are pending.
 
-    The worker thread ends whenever the queue is empty, so an idle uploader
-    never keeps a process alive. It is not a daemon, but that alone does not
-    save the uploads of a process that exits without ending its session: the
-    interpreter joins non-daemon threads only after ``concurrent.futures``
-    stopped taking work, and every transfer runs on a thread pool. The
-    session's exit hook (``Session._finish_at_exit``, run by
+    One worker thread, started by the first :meth:`submit`, waits for the
+    next job when the queue is empty (a report does not pay for a new thread
+    each time) until :meth:`close` (the session's end) or the interpreter's
+    exit begins (a ``threading`` exit hook, run before non-daemon threads are
+    joined): from then on it ends whenever the queue is empty, so an idle
+    uploader never keeps a process alive. It is not a daemon, but that alone
+    does not save the uploads of a process that exits without ending its
+    session: the interpreter joins non-daemon threads only after
+    ``concurrent.futures`` stopped taking work, and every transfer runs on a
+    thread pool. The session's exit hook (``Session._finish_at_exit``, run by
     :mod:`checkpoint_store._results.writer` before it flushes the rows) waits for them
     first.
     """
@@ -211,6 +216,8 @@ class BackgroundUploader:
         self._errors: list[tuple[str, BaseException]] = []
         self._worker: threading.Thread | None = None
         self._newest_first = False
+        # Whether an idle worker waits for the next job (until close() or exit).
+        self._linger = _watch_exit(self)
         #: Seconds :meth:`reserve` spent waiting, summed (for benchmarks and logs).
         self.blocked_s = 0.0
         self.committed = 0
@@ -274,11 +281,20 @@ class BackgroundUploader:
             else:
                 self._queue.append(_Job(run, cleanup, what))
             self._pending += 1
-            if self._worker is None:
+            if self._worker is not None and self._worker.is_alive():
+                self._cond.notify_all()  # an idle worker takes it
+            else:  # the first job, or a forked child (it has no worker thread)
                 self._worker = threading.Thread(
                     target=self._loop, name="checkpoint-store-upload", daemon=False
                 )
                 self._worker.start()
+
+    def close(self) -> None:
+        """Let the worker end once the queue is empty (the session ended); a
+        later :meth:`submit` still runs, on a worker that does not wait."""
+        with self._cond:
+            self._linger = False
+            self._cond.notify_all()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for every queued upload to finish (without raising their errors).
@@ -298,6 +314,8 @@ class BackgroundUploader:
     def _loop(self) -> None:
         while True:
             with self._cond:
+                while not self._queue and self._linger:
+                    self._cond.wait()
                 if not self._queue:
                     self._worker = None
                     return
@@ -320,6 +338,38 @@ class BackgroundUploader:
                 if ok:
                     self.committed += 1
                 self._cond.notify_all()
+
+
+_LINGERING: weakref.WeakSet[BackgroundUploader] = weakref.WeakSet()
+_LINGERING_LOCK = threading.Lock()
+_exit_hook_registered = False
+
+
+def _watch_exit(uploader: BackgroundUploader) -> bool:
+    """Whether ``uploader``'s worker may wait for jobs while idle: only where
+    an exit hook runs before the interpreter joins non-daemon threads
+    (``threading``'s own, what ``concurrent.futures`` uses), which then lets
+    it end; registered once."""
+    global _exit_hook_registered
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return False
+    with _LINGERING_LOCK:
+        if not _exit_hook_registered:
+            try:
+                register(_stop_lingering)
+            except RuntimeError:  # the interpreter is already shutting down
+                return False
+            _exit_hook_registered = True
+        _LINGERING.add(uploader)
+    return True
+
+
+def _stop_lingering() -> None:
+    with _LINGERING_LOCK:
+        uploaders = list(_LINGERING)
+    for up in uploaders:
+        up.close()
 
 
 def first_error(errors: list[tuple[str, BaseException]]) -> BaseException | None:

@@ -31,10 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import google_crc32c
-import pyarrow as pa
-
-from checkpoint_store._transfer.crc32c import crc32c_combine
+from checkpoint_store._transfer.crc32c import crc32c_combine, crc32c_extend
 from checkpoint_store.errors import InvalidConfigError, UnsupportedStateError
 from checkpoint_store.state._tree import (
     DTYPES,
@@ -121,10 +118,9 @@ def is_shard_name(name: str) -> bool:
 
 def crc32c_of(data: Any, crc: int = 0) -> int:
     """CRC32C of a bytes-like object (memoryview included), extended from ``crc``."""
-    view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+    view = memoryview(data).cast("B")
     for start in range(0, len(view), _CRC_CHUNK):
-        piece = view[start:start + _CRC_CHUNK]
-        crc = google_crc32c.extend(crc, piece if isinstance(piece, bytes) else pa.py_buffer(piece))
+        crc = crc32c_extend(crc, view[start:start + _CRC_CHUNK])
     return crc
 
 

@@ -9,7 +9,9 @@ process's GIL, as torch DCP's async save does in its persist process.
 
 The process is started with :class:`subprocess.Popen` (fork + exec of a new
 interpreter, what the ``spawn`` start method does, never a fork of the
-threaded training process) and never imports numpy or torch. It gets:
+threaded training process) and never imports pyarrow, numpy or torch (their
+libraries would count in its memory, bounded by budget + 64 MiB;
+tests/state/test_persist_imports.py). It gets:
 
 * a socket (one end of a ``socketpair``) carrying
   :class:`multiprocessing.connection.Connection` messages;
@@ -17,7 +19,11 @@ threaded training process) and never imports numpy or torch. It gets:
   parent unlinked before starting it: no name is left behind when either
   process is killed, and the memory goes back once both have exited.
 
-Messages (parent to process), answered in order:
+Messages (parent to process) travel in batches: each message on the socket
+is a list of the messages below (a stage sends its ``open``, every
+``write`` and its ``close`` as one list, once the copy is done: one write to
+the socket and one wake-up of this process per save, not one per piece),
+handled in order, each answered in order:
 
 * ``("open", sid, directory, layout)``: start writing state ``sid`` (a
   :class:`~checkpoint_store.state.StateWriter` of the format package on
@@ -82,48 +88,57 @@ def _file_crcs(writer: Any, index: dict[str, Any], directory: str) -> list[dict[
 
 
 def _serve(conn: Any, area: mmap.mmap, parent: int) -> None:
-    from checkpoint_store.state._files import StateWriter
-
     view = memoryview(area)
     writers: dict[int, Any] = {}
     failed: set[int] = set()
     while True:
         try:
-            msg = conn.recv()
+            batch = conn.recv()
         except (EOFError, OSError):
             return  # the parent is gone
-        op, sid = msg[0], msg[1]
-        if os.getppid() != parent:
-            # The training process died (we were re-parented): what is left in
-            # the socket belongs to a save nobody will commit. Stop touching
-            # the checkpoint directory that the next run's cleanup removes.
-            return
-        try:
-            if op == "write":
-                _, _, key, off, n, at = msg
-                if sid not in failed:
-                    writers[sid].write(key, view[off:off + n], offset=at)
-                conn.send(("freed", off, n))
-            elif op == "open":
-                _, _, directory, layout = msg
-                writers[sid] = StateWriter(directory, layout)
-            elif op == "close":
-                if sid in failed:
-                    failed.discard(sid)
-                    continue
-                writer = writers.pop(sid)
-                index = writer.close(fsync=bool(msg[2]))
-                conn.send(("closed", sid, index, _file_crcs(writer, index, writer.directory)))
-            elif op == "ping":
-                conn.send(("pong", sid))
-            else:
-                raise ValueError(f"unknown message {op!r}")
-        except OSError as exc:
-            if isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+        for msg in batch:
+            if os.getppid() != parent:
+                # The training process died (we were re-parented): what is left
+                # in the socket belongs to a save nobody will commit. Stop
+                # touching the checkpoint directory that the next run's
+                # cleanup removes.
                 return
-            _failed(conn, msg, sid, failed, writers)
-        except Exception:
-            _failed(conn, msg, sid, failed, writers)
+            _handle(conn, view, msg, writers, failed)
+
+
+def _handle(conn: Any, view: memoryview, msg: tuple[Any, ...], writers: dict[int, Any],
+            failed: set[int]) -> None:
+    """One message of a batch (module docstring); errors answered, not raised
+    (but a closed socket: ``BrokenPipeError`` / ``ConnectionResetError``)."""
+    from checkpoint_store.state._files import StateWriter
+
+    op, sid = msg[0], msg[1]
+    try:
+        if op == "write":
+            _, _, key, off, n, at = msg
+            if sid not in failed:
+                writers[sid].write(key, view[off:off + n], offset=at)
+            conn.send(("freed", off, n))
+        elif op == "open":
+            _, _, directory, layout = msg
+            writers[sid] = StateWriter(directory, layout)
+        elif op == "close":
+            if sid in failed:
+                failed.discard(sid)
+                return
+            writer = writers.pop(sid)
+            index = writer.close(fsync=bool(msg[2]))
+            conn.send(("closed", sid, index, _file_crcs(writer, index, writer.directory)))
+        elif op == "ping":
+            conn.send(("pong", sid))
+        else:
+            raise ValueError(f"unknown message {op!r}")
+    except OSError as exc:
+        if isinstance(exc, (BrokenPipeError, ConnectionResetError)):
+            raise
+        _failed(conn, msg, sid, failed, writers)
+    except Exception:
+        _failed(conn, msg, sid, failed, writers)
 
 
 def error_facts(exc: BaseException) -> dict[str, Any]:
@@ -310,8 +325,8 @@ class PersistProcess:
                                         daemon=True)
         self._reader.start()
 
-    def send(self, msg: tuple[Any, ...]) -> None:
-        """Send one message.
+    def send(self, msgs: list[tuple[Any, ...]]) -> None:
+        """Send a batch of messages (module docstring), in one write.
 
         Raises:
             PersistProcessError: the process is gone.
@@ -320,7 +335,7 @@ class PersistProcess:
 
         try:
             with self._send_lock:
-                self.conn.send(msg)
+                self.conn.send(msgs)
         except (OSError, ValueError) as exc:
             raise PersistProcessError(
                 f"the persist process (pid {self.pid}) is gone: {exc}") from exc
@@ -392,6 +407,12 @@ def main(argv: list[str]) -> int:
         # Background work: where cores are short, the training loop goes first.
         os.nice(int(os.environ.get("CHECKPOINT_STORE_PERSIST_NICE", "10")))
     except (OSError, ValueError):
+        pass
+    try:
+        # And never preempts it on waking: a batch of messages wakes this
+        # process while the training thread still runs (Linux SCHED_BATCH).
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):
         pass
     conn = Connection(sock_fd)
     area = mmap.mmap(area_fd, size, mmap.MAP_SHARED, mmap.PROT_READ)

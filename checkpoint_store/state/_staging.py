@@ -258,8 +258,8 @@ class Stager:
             if self.copier is not None:
                 self.copier.sync()
         finally:
-            for msg in out:
-                self._proc.send(msg)
+            if out:
+                self._proc.send(out)  # one batch: one write, one wake-up
 
     def _fit(self, n: int) -> int | None:
         size, ring, head = self.budget, self._ring, self._head

@@ -424,6 +424,7 @@ def test_after_the_signal_queued_copies_run_newest_first():
     up.submit(job("checkpoint_000005"), lambda: None, "checkpoint_000005")
     gate.set()
     assert up.wait(30)
+    up.close()
     assert ran == ["checkpoint_000001", "checkpoint_000005", "checkpoint_000004",
                    "checkpoint_000003", "checkpoint_000002"]
 
