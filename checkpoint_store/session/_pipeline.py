@@ -222,8 +222,16 @@ class ReportPipeline:
                 self._admit(plan, checkpoint, planned)
         if ranks and plan.saves:
             # Every rank, without raising (an error is published at the
-            # rendezvous): a slot on the lane of a background commit, or the
-            # queued commits done before an inline one (commits keep order).
+            # rendezvous): room on its own local tier (max_bytes), then a slot
+            # on the lane of a background commit, or the queued commits done
+            # before an inline one (commits keep order).
+            if not plan.in_place and background_error is None:
+                try:
+                    self.target.make_room(checkpoint,
+                                          planned.nbytes if planned is not None else 0,
+                                          self.work.durable_busy)
+                except Exception as exc:
+                    background_error = exc
             if plan.background:
                 self.work.lane(self.target.lane).reserve()  # type: ignore[arg-type]
             else:

@@ -231,6 +231,48 @@ def test_a_state_on_ranks_with_tiers_keeps_the_local_only_copies_local(tmp_path)
         1: "local_only", 2: "durable", 3: "local_only"}
 
 
+@pytest.mark.parametrize("kind", ["state", "directory"])
+def test_max_bytes_bounds_each_ranks_tier(tmp_path, kind):
+    """``LocalTier(max_bytes=)`` holds on every rank as it does on one: the
+    tier keeps 3 (num_to_keep) but only 2.5 checkpoints' bytes fit, so
+    before each report stages, each rank evicts its oldest part whose
+    durable copy is committed. Every index still reaches the storage_path."""
+    store = tmp_path / "durable"
+
+    def save(r: int, i: int, s: Session) -> None:
+        if kind == "state":
+            s.report({"i": i}, state=rank_state(i, r))
+        else:
+            d = tmp_path / "src" / f"r{r}-{i}-{os.urandom(4).hex()}"
+            d.mkdir(parents=True)
+            (d / f"part-{r}.bin").write_bytes(os.urandom(300_000))
+            s.report({"i": i}, checkpoint=Checkpoint.from_directory(str(d)))
+
+    def part_bytes(r: int) -> int:  # one checkpoint's part on this rank's tier
+        with _start(tmp_path / "probe", tmp_path / "probe-fast", r, 2, "a0") as s:
+            save(r, 0, s)
+            s.wait()
+            return session_internals(s).tier.used_bytes
+
+    limit = int(2.5 * max(run_ranks(2, part_bytes)))
+
+    def run(r: int) -> list[tuple[int, list[int]]]:
+        seen = []
+        tier = LocalTier(tmp_path / "fast" / f"node{r}", num_to_keep=3, max_bytes=limit)
+        with _start(store, None, r, 2, "a1", local_tier=tier) as s:
+            for i in range(5):
+                save(r, i, s)
+                s.wait()
+                t = session_internals(s).tier
+                seen.append((t.used_bytes, [e.index for e in t.entries()]))
+        return seen
+
+    for r, seen in enumerate(run_ranks(2, run)):
+        assert all(used <= limit for used, _ in seen), (r, limit, seen)
+        assert [kept for _, kept in seen][-1] == [3, 4], (r, seen)
+    assert [m["index"] for _, m in _committed(store)] == [0, 1, 2, 3, 4]
+
+
 # -- ranks as processes: kills and a preemption signal --------------------------------
 
 
