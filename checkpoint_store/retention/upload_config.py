@@ -95,7 +95,9 @@ class UploadConfig:
             up to that checkpoint's tensor bytes, at most the budget), else
             on the first state report. True: at ``session.start`` always
             (the whole budget faulted in the background: memory held from
-            the start). False: on the first state report.
+            the start). False: on the first state report. With several
+            ranks each rank warms its own staging (a resumed trial: an
+            even share of that checkpoint's tensor bytes per rank).
         dedup: store the large files of each checkpoint (every tensor shard
             of ``report(state=...)``) on the storage_path as content-addressed
             chunks, each stored once across the experiment's checkpoints,

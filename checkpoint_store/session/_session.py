@@ -227,15 +227,23 @@ class Session:
 
     def _warm_staging(self, committed: Sequence[tuple[Checkpoint, dict[str, Any]]]) -> None:
         """``UploadConfig.warm_staging``: ready the staging of states before
-        the first ``report(state=...)`` (one rank; on a background thread)."""
+        the first ``report(state=...)`` (on a background thread). With several
+        ranks each rank warms its own staging; a resumed trial faults an even
+        share of the newest state on each (what a sharded save writes per
+        rank, whatever the world size that saved it)."""
         warm = self.upload_config.warm_staging
-        if warm is False or self.world_size > 1:
+        if warm is False:
             return
         if warm:
             self._pipeline.staging.warm(lambda: -1)
         elif committed:
-            newest = committed[-1][0]
-            self._pipeline.staging.warm(lambda: state_bytes(newest))
+            newest, ranks = committed[-1][0], self.world_size
+
+            def share() -> int | None:
+                total = state_bytes(newest)
+                return None if total is None else -(-total // ranks)
+
+            self._pipeline.staging.warm(share)
 
     def _remove_leftovers(self) -> None:
         """Rank 0: remove what crashed writers left uncommitted, after the lease

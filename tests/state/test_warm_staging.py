@@ -85,6 +85,58 @@ def test_a_restart_of_a_state_trial_warms_for_its_size(tmp_path):
         assert session_internals(s).pipeline.staging._stager is None
 
 
+def test_a_restart_on_ranks_warms_each_rank_for_its_share(tmp_path):
+    """Saved on 2 ranks (an 8 MiB tensor split by rows), resumed on 2: each
+    rank's persist process runs before any report, and each rank faults
+    about half the state, not the whole state nor the budget."""
+    import threading
+
+    def ranks(fn):
+        out: list = [None, None]
+
+        def run(r: int) -> None:
+            try:
+                out[r] = fn(r)
+            except BaseException as exc:  # collected for the asserts below
+                out[r] = exc
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        return out
+
+    def start(r: int, attempt: str):
+        return session.start(storage_path=str(tmp_path / "store"), experiment_name="e",
+                             trial_name="t", world_rank=r, world_size=2, attempt_id=attempt,
+                             sync_timeout_s=30, upload_config=session.UploadConfig(
+                                 staging_budget=64 * MiB))
+
+    state = {"w": np.arange(8 * MiB // 4, dtype=np.float32).reshape(2048, -1), "step": 1}
+
+    def save(r: int) -> None:
+        with start(r, "a1") as s:
+            s.report({"step": 1}, state=state)
+
+    def resume(r: int) -> tuple[bool, int]:
+        with start(r, "a2") as s:
+            started = _persist_pid(s) is not None  # before any report
+            stager = session_internals(s).stager
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and _resident(stager._area) < 4 * MiB:
+                time.sleep(0.05)
+            resident = _resident(stager._area)
+            s.report({"step": 2}, state=state)
+            return started, resident
+
+    assert ranks(save) == [None, None]
+    got = ranks(resume)
+    for started, resident in got:
+        assert started, got
+        assert 4 * MiB <= resident < 6 * MiB, got  # its half of 8 MiB, not all of it
+
+
 def _alive(pid: int) -> bool:
     """``pid`` runs (a zombie, exited but not yet reaped, does not)."""
     try:
