@@ -36,6 +36,7 @@ blocks) into the box's memory.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 import sys
@@ -139,18 +140,71 @@ def _is_array(value: Any) -> bool:
     return np is not None and isinstance(value, (np.ndarray, np.generic))
 
 
+def _why_not_placed(shape: Sequence[int], mesh_shape: Sequence[int],
+                    placements: Sequence[Any]) -> str | None:
+    """Why a DTensor of ``shape`` with ``placements`` on a mesh of
+    ``mesh_shape`` cannot be saved or loaded as one box per rank (None: it
+    can): a ``Partial`` placement, or strided shards (``_StridedShard``, which
+    FSDP2 makes over a tensor-parallel shard of the same dimension) whose
+    ranks' boxes do not tile the tensor.
+
+    Strided shards are taken, as DCP takes them, at the box that
+    ``compute_local_shape_and_global_offset`` gives (shape and first
+    offset); every coordinate's box is computed and the distinct boxes must
+    tile the tensor exactly. Each rank's rows are then that very box: the
+    ranks' index sets partition each dimension, and a set with the box's
+    first index and size that tiles with the others holds exactly the box's
+    indexes (by induction from the last box). Otherwise the save would
+    interleave rows, and it is refused before anything is written.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    strided = False
+    for p in placements:
+        if type(p) is Shard or isinstance(p, Replicate):
+            continue
+        if type(p).__name__ != "_StridedShard":
+            return (f"placement {p!r} cannot be saved or loaded; a sharded state takes "
+                    "Shard(dim), Replicate() and FSDP2's strided shards (reduce a Partial "
+                    "one first, e.g. dt.redistribute(placements=[Replicate()]), or save "
+                    ".full_tensor())")
+        strided = True
+    if not strided:
+        return None
+    return _strided_tiling(tuple(shape), tuple(mesh_shape), tuple(placements))
+
+
+@functools.lru_cache(maxsize=256)
+def _strided_tiling(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+                    placements: tuple[Any, ...]) -> str | None:
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    boxes = set()
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        sh, off = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord),
+                                                         placements)
+        if _volume(sh):
+            boxes.add((tuple(int(o) for o in off), tuple(int(n) for n in sh)))
+    entry = {"shape": list(shape), "shards": [
+        {"file": "", "offsets": [0, 0], "offset": list(o), "shape": list(n)}
+        for o, n in sorted(boxes)]}
+    why = ShardIndex.why_not_tiling(entry) if boxes else None
+    if why is None:
+        return None
+    return (f"strided shards {list(placements)} on a mesh of {list(mesh_shape)} do not "
+            f"give each rank one block ({why}); save .full_tensor() or redistribute it to "
+            "Shard/Replicate placements first")
+
+
 def _dtensor_geometry(value: Any, key: str) -> tuple[Any, list[int], list[int], int, int]:
     """``(local tensor, global shape, global offset, replicas, replica index)``."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh, placements = value.device_mesh, value.placements
-    for p in placements:
-        if type(p) is not Shard and not isinstance(p, Replicate):
-            raise UnsupportedStateError(
-                f"tensor {key!r} is a DTensor with placement {p!r}; a sharded state saves "
-                "Shard(dim) and Replicate() placements (reduce a Partial one first, e.g. "
-                "dt.redistribute(placements=[Replicate()]), or save .full_tensor())", key=key)
+    why = _why_not_placed(value.shape, mesh.shape, placements)
+    if why is not None:
+        raise UnsupportedStateError(f"tensor {key!r} is a DTensor whose {why}", key=key)
     local = value.to_local()
     coord = mesh.get_coordinate()
     if coord is None:  # this rank holds nothing of it
@@ -225,7 +279,8 @@ def localize(tree: Any, rank: int, world_size: int) -> tuple[Any, dict[str, dict
 
     Raises:
         UnsupportedStateError: a DTensor placement that cannot be saved
-            (``Partial``, a strided shard); ``.key`` names it.
+            (``Partial``, strided shards that do not give each rank one
+            block); ``.key`` names it.
     """
     sharding: dict[str, dict[str, Any]] = {}
     seen: dict[int, tuple[str, Any]] = {}
@@ -768,15 +823,10 @@ def why_not_servable(target: Any, shape: Sequence[int]) -> str | None:
             return (f"the slice at {tuple(off)} of shape {tuple(sh)} lies outside the saved "
                     f"tensor's {list(shape)}")
         return None
-    from torch.distributed.tensor import Replicate, Shard
-
     # A mesh dimension with more ranks than the tensor dimension it shards
     # has rows leaves some ranks an empty shard, as FSDP2 makes for small
     # tensors: served (those ranks read nothing).
-    for p in target.placements:
-        if type(p) is not Shard and not isinstance(p, Replicate):
-            return f"placement {p!r} cannot be filled by a load (use Shard or Replicate)"
-    return None
+    return _why_not_placed(target.shape, target.device_mesh.shape, target.placements)
 
 
 def _components(key: str) -> list[str]:
