@@ -290,7 +290,7 @@ class ChunkedUpload:
         files = source_files(self.src_fs, self.src_dir, include=self.include,
                              confine_links=True, retry=self.retry,
                              dest_caps=self.dest.capabilities,
-                             dest_name=self.dest.name or self.dest.scheme)
+                             dest_name=self.dest.name or self.dest.scheme, committing=True)
         cuts, rest = self._plan(files)
         names = [n for c in cuts for n in c.names]
         if self._intent is not None:  # a retry: the first intent stays ours

@@ -185,7 +185,7 @@ class CommitProtocol(abc.ABC):
             files = source_files(src_fs, src_dir, include=is_checkpoint_data,
                                  confine_links=confine_links, retry=self.retry,
                                  dest_caps=self.caps,
-                                 dest_name=self.dest.name or self.dest.scheme)
+                                 dest_name=self.dest.name or self.dest.scheme, committing=True)
         contents = _Contents(src_fs, src_dir, files, write, previous)
         return self._commit(contents, dest_dir, internal, writer_id, claim_timeout)
 

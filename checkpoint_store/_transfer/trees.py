@@ -30,6 +30,7 @@ from checkpoint_store._format.layout import (
     NAME_MAX,
     is_internal_file,
 )
+from checkpoint_store._format.manifest import is_chunked
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.inspect import (
@@ -53,7 +54,8 @@ from checkpoint_store.errors import (
     UnsafePathError,
 )
 
-__all__ = ["copy_tree", "download_tree", "progress_counter", "source_files"]
+__all__ = ["copy_tree", "download_tree", "progress_counter", "refuse_chunked_source",
+           "source_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +189,7 @@ def source_files(
     dest_caps: Capabilities | None = None,
     dest_name: str = "the destination",
     listed: Mapping[str, int] | None = None,
+    committing: bool = False,
 ) -> list[tuple[str, int]]:
     """``(relative posix path, size in bytes)`` of every file under ``src_root``
     that ``include`` keeps, sorted, each name checked so the copy stays in its place.
@@ -208,6 +211,11 @@ def source_files(
     since) at worst misplans it, or fails the copy as a file changing
     during it does. Ignored for a remote source.
 
+    ``committing``: the files are a commit's source; a committed checkpoint
+    handed in whose marker keeps files as chunks (saved with dedup) is
+    refused, as those files are not in its directory (one read of its
+    marker, only when it has one).
+
     Raises:
         CheckpointNotFoundError: ``src_root`` is not a directory.
         UnsafePathError: naming the entry: a name with an empty, ``.`` or
@@ -224,6 +232,9 @@ def source_files(
             top, ``.cs_*`` anywhere).
         UnreadableSourceError: a local directory of the tree cannot be listed
             (permission denied, say); names it.
+        InvalidConfigError: with ``committing`` (the listing is a commit's
+            source), ``src_root`` is a committed checkpoint whose large files
+            live as chunks in its experiment's chunk store, not in it.
     """
     if not _fsutil.is_dir(src_fs, src_root, retry=retry):
         raise CheckpointNotFoundError(f"source directory {src_root!r} does not exist")
@@ -234,6 +245,8 @@ def source_files(
         found = list(_fsutil.walk_files(src_fs, src_root, retry=retry))
     if not confine_links:
         _refuse_reserved(src_fs, src_root, [rel for rel, _ in found], retry)
+    if committing and any(rel == INTERNAL_METADATA for rel, _ in found):
+        refuse_chunked_source(src_fs, src_root, retry)
     out = []
     for rel, size in found:
         why = check_relpath(rel) or _name_problem(rel) or _unstorable(rel, dest_caps, dest_name)
@@ -267,6 +280,29 @@ def _refuse_reserved(src_fs: pafs.FileSystem, src_root: str, rels: list[str],
         "checkpoint would not hold it as handed in; nothing was written. Rename it and try "
         "again", path=src_root, file=rel,
     )
+
+
+def refuse_chunked_source(src_fs: pafs.FileSystem, src_root: str,
+                          retry: RetryPolicy | None = None) -> None:
+    """Refuse ``src_root`` as a commit's source when it is a committed
+    checkpoint whose manifest keeps files as chunks (saved with dedup): they
+    are not in its directory, so a commit of it would hold its small files
+    alone. One read of its marker; anything else passes.
+
+    Raises:
+        InvalidConfigError: it is such a checkpoint; says what to commit instead.
+    """
+    insp = inspect_checkpoint(src_fs, src_root, retry=retry, identity=False)
+    if insp.state != "committed" or insp.meta is None:
+        return
+    chunked = [e["path"] for e in insp.meta.get("manifest") or () if is_chunked(e)]
+    if chunked:
+        raise InvalidConfigError(
+            f"{src_root!r} is a committed checkpoint whose large files ({', '.join(chunked)}) "
+            "are kept as chunks in its experiment's chunk store (it was saved with dedup), "
+            "not in its directory: committing the directory would lose them. Commit a real "
+            "copy instead (Checkpoint.to_directory(path), or `checkpoint-store cp` between "
+            "stores); nothing was written")
 
 
 def _unstorable(rel: str, caps: Capabilities | None, store: str) -> str | None:

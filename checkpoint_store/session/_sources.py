@@ -28,9 +28,11 @@ from typing import TYPE_CHECKING, Any, Protocol, Union
 
 from checkpoint_store._format.layout import (
     EMPTY_PART_PREFIX,
+    INTERNAL_METADATA,
     STATE_STAGING_PREFIX,
     checkpoint_dir_name,
 )
+from checkpoint_store._transfer.trees import refuse_chunked_source
 from checkpoint_store._util.retry import typed_permanent
 from checkpoint_store.checkpoint import Checkpoint, written_metadata
 from checkpoint_store.session._uploads import Staged, stage
@@ -117,6 +119,9 @@ class StagedCopySource(Source):
 
     def __init__(self, checkpoint: Checkpoint, staging: str):
         if checkpoint.is_local:
+            if os.path.isfile(os.path.join(checkpoint.path, INTERNAL_METADATA)):
+                # Refused now, not by the background commit of the staged copy.
+                refuse_chunked_source(checkpoint.filesystem, checkpoint.path)
             self._staged = stage(checkpoint.path, staging)
             self._files = Checkpoint.from_directory(self._staged.path)
         else:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from checkpoint_store._format.manifest import is_chunked
 from checkpoint_store._transfer.crc32c import crc32c_combine
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.errors import (
@@ -115,14 +116,18 @@ def name_corrupt_tensor(fs: pafs.FileSystem, path: str, meta: Mapping[str, Any] 
     """For ``Checkpoint.verify()``: when the file ``error`` names is one of a
     state's safetensors shards, raise a :class:`TensorCorruptError` naming
     the first tensor of it whose bytes fail their checksum (chained to
-    ``error``); return quietly otherwise (the header is what differs, or the
-    checkpoint holds no state), so the caller raises ``error`` itself.
+    ``error``); return quietly otherwise (the header is what differs, the
+    checkpoint holds no state, or the shard is kept as chunks, whose
+    ``error`` already names the chunk), so the caller raises ``error`` itself.
 
     The index is the marker's ``"tensors"``, else that of ``state.json``
     (a state reported as a directory).
     """
     if error.file is None or isinstance(error, TensorCorruptError):
         return
+    if meta is not None and any(isinstance(e, dict) and e.get("path") == error.file
+                                and is_chunked(e) for e in meta.get("manifest") or ()):
+        return  # kept as chunks: ``error`` names the chunk; the file is not there to read
     tensors = meta.get("tensors") if meta is not None else None
     if not isinstance(tensors, dict):
         if error.file == STATE_FILE or not sizes or STATE_FILE not in sizes:
