@@ -31,6 +31,7 @@ from checkpoint_store._chunks.codec import chunk_header, decode_chunk
 from checkpoint_store._chunks.store import check_object_name, resolve_root
 from checkpoint_store._format.manifest import crc_hex, is_chunked
 from checkpoint_store._transfer.crc32c import crc32c_combine
+from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.errors import CheckpointCorruptError
@@ -133,6 +134,20 @@ class ChunkedFile:
             f"{chunk_object_path(self.root, name)}) {why}; the checkpoint is corrupt: resume "
             "from an earlier one", path=self.checkpoint_path, file=self.rel)
 
+    def _no_store(self) -> str:
+        """What to add to a missing chunk's message when the experiment has
+        no chunk store at all: a trial copied by hand out of its experiment
+        (its chunks stay in the source experiment's)."""
+        try:
+            there = _fsutil.is_dir(self.fs, self.root, retry=self.retry)
+        except Exception:  # the message stays as it was
+            return ""
+        if there:
+            return ""
+        return (f" (its experiment has no chunk store {self.root!r}: a trial copied by hand "
+                "from another experiment leaves its chunks there; copy checkpoints between "
+                "experiments or stores with `checkpoint-store cp`, which writes whole files)")
+
     def fetch(self, i: int) -> tuple[memoryview, int]:
         """Chunk ``i``'s logical bytes and their CRC32C (from its checked header)."""
         name, logical, _ = self.chunks[i]
@@ -140,7 +155,7 @@ class ChunkedFile:
         try:
             blob = _read_object(self.fs, where, retry=self.retry)
         except FileNotFoundError:
-            raise self._corrupt(i, "is missing") from None
+            raise self._corrupt(i, "is missing" + self._no_store()) from None
         try:
             data = decode_chunk(blob, where=where)
             crc = int(chunk_header(blob, where=where)["crc32c"], 16)

@@ -76,7 +76,8 @@ def du_cmd(location: str, storage_options: dict[str, Any], as_json: bool) -> Non
     they use once, after compression), the dedup ratio (chunked bytes over
     distinct chunk bytes) and the compression ratio (distinct chunk bytes
     over their stored bytes). A chunk two trials share counts in each trial
-    and once in the experiment's total.
+    and once in the experiment's total; for a trial, the total is the
+    trial's.
 
     \b
     Examples:
@@ -88,7 +89,9 @@ def du_cmd(location: str, storage_options: dict[str, Any], as_json: bool) -> Non
     for exp, only in _experiments(loc):
         report = usage(exp.path, experiment_markers(exp.fs, exp.path))
         trials = {t: u for t, u in report.trials.items() if only is None or t == only}
-        out.append((exp, trials, report.total))
+        # A trial asked for alone: its own total, not its experiment's.
+        total = report.total if only is None else trials.get(only, Usage())
+        out.append((exp, trials, total))
     if as_json:
         print_json([{"experiment": exp.uri,
                      "trials": {t: _usage_json(u) for t, u in trials.items()},

@@ -53,6 +53,7 @@ def test_du_sums_logical_against_stored_bytes_per_trial_and_experiment(
     # One trial: its own row only.
     one = json.loads(_invoke("du", store.join("exp", "b"), *store.opt_args(), "--json").output)
     assert list(one[0]["trials"]) == ["b"]
+    assert one[0]["total"] == trials["b"]  # the trial's total, not the experiment's
     text = _invoke("du", store.join("exp"), *store.opt_args())
     assert text.exit_code == 0 and "(experiment)" in text.output
 

@@ -165,6 +165,7 @@ def test_missing_chunk_is_typed_and_leaves_the_target_alone(place: Place,
     with pytest.raises(CheckpointCorruptError, match="is missing") as exc:
         ck.to_directory(str(target))
     assert exc.value.file == "sub/optim.bin"
+    assert "no chunk store" not in str(exc.value)  # the store is there, one chunk is not
     assert _tree(str(target)) == before
     with pytest.raises(CheckpointCorruptError):
         ck.to_directory(str(tmp_path / "fresh"))
@@ -174,6 +175,24 @@ def test_missing_chunk_is_typed_and_leaves_the_target_alone(place: Place,
             pass
     # Nothing half-written is left beside the targets either.
     assert sorted(p.name for p in tmp_path.iterdir() if "fresh" not in p.name) == names
+
+
+def test_a_trial_copied_by_hand_to_another_experiment_says_where_its_chunks_are(
+        place: Place, tmp_path: Any) -> None:
+    """Its chunks stay in the source experiment's store: the error says so
+    and names the command that copies whole files."""
+    ck = place.checkpoint()
+    _write(ck)
+    fs = ck.filesystem
+    copy = place.checkpoint("exp2/t/checkpoint_000000")
+    fs.create_dir(copy.path, recursive=True)
+    for name in ("config.json", ".internal_metadata.json"):
+        with fs.open_output_stream(posixpath.join(copy.path, name)) as f:
+            f.write(_fsutil.read_bytes(fs, posixpath.join(ck.path, name)))
+    with pytest.raises(CheckpointCorruptError, match="no chunk store") as exc:
+        copy.to_directory(str(tmp_path / "out"))
+    assert "checkpoint-store cp" in str(exc.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_corrupt_chunk_is_typed(place: Place, tmp_path: Any) -> None:
