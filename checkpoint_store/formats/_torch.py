@@ -356,11 +356,66 @@ def write_torch_save(source: Source, keys: list[str], skeleton: Any, path: str) 
         for name, text in ((".format_version", "1"), (".storage_alignment", alignment),
                            ("byteorder", sys.byteorder)):
             writer.write_record(name, text.encode(), len(text))
-        for st in order:
-            t = materialize(source, [st.source_key])[st.source_key]
-            writer.write_record(f"data/{st.key}", t.untyped_storage(), st.nbytes)
-            del t
+        _write_storages(writer, source, order)
         writer.write_end_of_file()
+
+
+def _fill(source: Source, key: str, out: Any) -> None:
+    """The bytes of tensor ``key`` into ``out`` (a uint8 array of its size),
+    checked as the source checks them."""
+    import numpy as np
+
+    at = 0
+    for piece in source.chunks(key):
+        n = len(piece)
+        out[at:at + n] = np.frombuffer(piece, dtype=np.uint8)
+        at += n
+
+
+def _write_storages(writer: Any, source: Source, order: list[_Storage]) -> None:
+    """Each storage of ``order`` as its ``data/<key>`` record, in order.
+
+    Two buffers of the largest storage, made once and reused: the next
+    tensor is read (and its checksum checked) on a thread while this one is
+    written (``write_record`` releases the GIL), and no tensor costs a fresh
+    allocation, whose page faults took as long as the copy itself (an export
+    of 1 GiB in 64 MiB tensors: 2.06 s, against 0.4-0.5 s for ``torch.save``
+    of the same tensors from memory). Peak memory: the two buffers, within
+    the bound of two tensors the export promises."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    import torch
+
+    largest = max((st.nbytes for st in order), default=0)
+    if largest == 0:
+        for st in order:
+            writer.write_record(f"data/{st.key}", b"", 0)
+        return
+    areas = [mmap.mmap(-1, largest) for _ in range(2 if len(order) > 1 else 1)]
+    flats = [np.frombuffer(a, dtype=np.uint8) for a in areas]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer: "buffer is not writable" never applies
+        storages = [torch.frombuffer(a, dtype=torch.uint8).untyped_storage() for a in areas]
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-store-format-read") as pool:
+            def fill(i: int) -> None:
+                st = order[i]
+                _fill(source, st.source_key, flats[i % len(areas)][:st.nbytes])
+
+            pending = pool.submit(fill, 0)
+            for i, st in enumerate(order):
+                pending.result()
+                if i + 1 < len(order):
+                    pending = pool.submit(fill, i + 1)
+                writer.write_record(f"data/{st.key}", storages[i % len(areas)], st.nbytes)
+    finally:
+        flats.clear()
+        storages.clear()
+        for a in areas:
+            with contextlib.suppress(BufferError):  # a view still alive: freed with it
+                a.close()
 
 
 def _placeholders(source: Source, keys: list[str]) -> dict[str, Any]:
@@ -410,6 +465,8 @@ def _lazy_planner(source: Source, by_id: dict[int, str]) -> Any:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
 
+    buffers = _Buffers()
+
     class _LazyPlanner(DefaultSavePlanner):
         def resolve_data(self, write_item: Any) -> Any:
             # DefaultSavePlanner.resolve_data: lookup_object, then
@@ -418,9 +475,46 @@ def _lazy_planner(source: Source, by_id: dict[int, str]) -> Any:
             if write_item.type == WriteItemType.BYTE_IO:
                 return self.transform_object(write_item, obj)
             key = by_id[id(obj)]
-            return materialize(source, [key])[key]
+            e = source.entries[key]
+            if e.nbytes < _REUSE_BYTES:
+                return materialize(source, [key])[key]
+            flat = buffers.take(e.nbytes)
+            _fill(source, key, flat.numpy())
+            return flat.view(obj.dtype).reshape(obj.shape)
 
     return _LazyPlanner()
+
+
+#: Tensors from this size up are read into a reused buffer by the DCP export.
+_REUSE_BYTES = 1 << 20
+
+
+class _Buffers:
+    """Reused tensor buffers for the DCP export, one per size, the two sizes
+    used last (peak: two tensors): a fresh mapping per tensor cost its page
+    faults, as much time as the copy. DCP's single writer thread writes and
+    closes one tensor's file (``single_file_per_rank=False``) before it asks
+    for the next, so a size's buffer is free when it is asked again; each
+    buffer is exactly one tensor's size, as DCP clones a view of a larger
+    storage."""
+
+    def __init__(self) -> None:
+        self._by_size: dict[int, Any] = {}
+
+    def take(self, nbytes: int) -> Any:
+        import mmap
+
+        import torch
+
+        flat = self._by_size.pop(nbytes, None)
+        if flat is None:
+            while len(self._by_size) >= 2:
+                self._by_size.pop(next(iter(self._by_size)))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "buffer is not writable" never applies
+                flat = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+        self._by_size[nbytes] = flat  # the most recent last
+        return flat
 
 
 @contextmanager
