@@ -12,7 +12,7 @@ share of zero elements is reported; ``--quick``: 14 M), trained on CPU for
 ``--steps`` steps of AdamW on a synthetic language (80 % of next tokens
 follow a fixed permutation) with fp32 master weights; the checkpoint holds
 its weights in bf16 and AdamW's two fp32 moments (``exp_avg``,
-``exp_avg_sq``). CPU time is scarce, so the run is short (100 steps of 256
+``exp_avg_sq``). CPU time is scarce, so the run is short (300 steps of 256
 tokens, learning rate 3e-4 after 10 warm-up steps, gradients clipped to
 norm 1) and cached under ``--data-dir``: a later run reuses it (the first
 one trains for 5-15 minutes on 2 cores). Each tensor is cut as the chunk
@@ -408,11 +408,11 @@ def main(argv: list[str] | None = None, log: Any = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a 14 M-parameter model, 40 steps")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--steps", type=int, default=None, help="training steps (default 100)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 300)")
     p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "cs-bench-data"))
     args = p.parse_args(argv)
     say = log or (lambda msg: None)
-    steps = args.steps or (40 if args.quick else 100)
+    steps = args.steps or (40 if args.quick else 300)
     state = trained_state(args.data_dir, args.quick, steps, say)
     groups = {g: pieces(state[g]) for g in GROUPS}
     load = [round(x, 2) for x in os.getloadavg()]

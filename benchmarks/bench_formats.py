@@ -279,10 +279,12 @@ WHY = [
      "file's CRC32C), on 2 cores shared with other jobs; the `read` row is one stream of "
      "plain reads with no checksum and no copy. The measured column gives the storage's "
      "own write bandwidth of the same run beside it."),
-    ("× read, s3", "bounded by moto's write bandwidth, measured in the same run (the "
-     "measured column gives write / read): an export and a copied import write every byte "
-     "once, so none can go faster than that; a `torch.save` or DCP export is also written "
-     "to a local temporary directory first and then uploaded (torch writes local files), "
+    ("× read, s3", "bounded by moto: one Python process on the same 2 cores serves every "
+     "request, so an export or a copied import makes it both serve each byte and take it "
+     "again (at 1 GiB moto's own read and write bandwidths are the `read` and `write` rows "
+     "of the same run; a copy through it that moved one byte per byte it serves would run at "
+     "write / (read + write) of the read row). A `torch.save` or DCP export is also written "
+     "to a local temporary directory first and then uploaded (torch writes local files): "
      "two passes. An import in place writes no tensor byte."),
     ("export dcp ≥", "DCP's own writer: the `dcp.save, tensors in memory` row writes the "
      "same tensors with the export's writer settings (one `.distcp` file per tensor, so that "
