@@ -362,14 +362,9 @@ def write_torch_save(source: Source, keys: list[str], skeleton: Any, path: str) 
 
 def _fill(source: Source, key: str, out: Any) -> None:
     """The bytes of tensor ``key`` into ``out`` (a uint8 array of its size),
-    checked as the source checks them."""
-    import numpy as np
-
-    at = 0
-    for piece in source.chunks(key):
-        n = len(piece)
-        out[at:at + n] = np.frombuffer(piece, dtype=np.uint8)
-        at += n
+    checked as the source checks them (read straight into it where the
+    source can)."""
+    source.read_into(key, memoryview(out).cast("B"))
 
 
 def _write_storages(writer: Any, source: Source, order: list[_Storage]) -> None:
