@@ -440,6 +440,12 @@ def merge_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                 f"tensor {key!r} was saved with different dtypes on different ranks "
                 f"({sorted(dtypes)}); every rank must report the same logical state")
         first = pieces[0][1]
+        if not _volume(shape):
+            # No bytes to place: one entry of the logical shape (a rank that
+            # writes none of it saved an empty 1-D piece, not of that shape).
+            out[key] = {**{k: v for k, v in first.items() if k != "blocks"},
+                        "shape": list(shape)}
+            continue
         if (len(pieces) == 1 and list(first["shape"]) == list(shape)
                 and not any(pieces[0][2]["offset"])):
             out[key] = {k: v for k, v in first.items() if k != "blocks"}

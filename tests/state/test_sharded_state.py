@@ -89,6 +89,22 @@ def test_pieces_of_n_ranks_load_whole_bit_exact(tmp_path, world) -> None:
     assert torch.equal(mapped["model"]["h"], tree["model"]["h"])
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_empty_tensors_of_any_shape_commit_and_load(tmp_path, world) -> None:
+    """A replicated tensor with no elements but several dimensions is
+    written by the replica its key hashes to; the others' empty pieces must
+    not make the merge refuse the state (keys hashing to every rank)."""
+    tree = {f"k{i}": torch.zeros(shape) for i, shape in
+            enumerate([(0, 4), (5, 0), (0, 3, 2), (0,)] * 3)}
+    root = _save(tmp_path, tree, world)
+    out = load_state(pafs.LocalFileSystem(), root)
+    assert {k: list(v.shape) for k, v in out.items()} == {
+        k: list(v.shape) for k, v in tree.items()}
+    into = {k: torch.ones(v.shape) for k, v in tree.items()}
+    load_state(pafs.LocalFileSystem(), root, into={
+        k: StateSlice(v, (0,) * v.ndim) for k, v in into.items()})
+
+
 def test_every_rank_writes_an_even_share(tmp_path) -> None:
     root = _save(tmp_path, _state(), 4)
     sizes = [os.path.getsize(os.path.join(root, n)) for n in sorted(os.listdir(root))
