@@ -179,17 +179,22 @@ def load_state(
         skeleton = saved.skeleton
     # Which stored tensors to read: aliases read their target's bytes.
     wanted = _tensor_refs(skeleton)
-    stored = list(dict.fromkeys(saved.tensors[k].get("alias_of", k) for k in wanted))
     # With into, a tensor of it stands for the saved key at its place.
     target_of = {nodes[k]["tensor"]: v for k, v in targets.items()}
-    # Tensors stored in pieces, or asked for as a DTensor's local shard, are
-    # read box by box (docs/sharded-state.md); the rest as whole tensors.
-    boxed = [k for k in stored
-             if "shards" in saved.tensors[k] or _is_dtensor(target_of.get(k))
-             or isinstance(target_of.get(k), StateSlice)]
+    # A key asked for as a box (a DTensor's local shard, a StateSlice) is
+    # read as its own box, even when it is an alias (tied weights): another
+    # key of the same bytes may ask for another box, or for all of them.
+    own = [k for k in wanted if _is_dtensor(target_of.get(k))
+           or isinstance(target_of.get(k), StateSlice)]
+    stored = list(dict.fromkeys(saved.tensors[k].get("alias_of", k) for k in wanted
+                                if k not in set(own)))
+    # Tensors stored in pieces are read box by box (docs/sharded-state.md);
+    # the rest as whole tensors.
+    boxed = [k for k in stored if "shards" in saved.tensors[k]]
     stored = [k for k in stored if k not in set(boxed)]
     stored.sort(key=lambda k: (saved.tensors[k]["file"], saved.tensors[k]["offsets"][0]))
-    meter = _Meter(progress, sum(_box_bytes(saved.tensors[k], target_of.get(k)) for k in boxed)
+    meter = _Meter(progress, sum(_box_bytes(saved.tensors[k], target_of.get(k)) for k in own)
+                   + sum(_box_bytes(saved.tensors[k], None) for k in boxed)
                    + sum(saved.tensors[k]["offsets"][1] - saved.tensors[k]["offsets"][0]
                          for k in stored))
     local_root = _local_root(fs, path)
@@ -197,11 +202,15 @@ def load_state(
     fetch = _Fetcher(fs, path, saved.sizes, retry, concurrency, on_read=meter.add,
                      chunked=saved.chunked)
     loaded: dict[str, Any] = {}
-    for key in boxed:
-        box_fetch = _Fetcher(fs, path, saved.sizes, retry, concurrency, chunked=saved.chunked)
-        loaded[key] = _read_boxed(box_fetch, path, key, saved.tensors[key],
-                                  target_of.get(key), verify)
-        meter.add(_box_bytes(saved.tensors[key], target_of.get(key)))
+    own_loaded: dict[str, Any] = {}
+    for out, keys_, asked in ((own_loaded, own, True), (loaded, boxed, False)):
+        for key in keys_:
+            box_fetch = _Fetcher(fs, path, saved.sizes, retry, concurrency,
+                                 chunked=saved.chunked)
+            root = saved.tensors[key].get("alias_of", key)
+            target = target_of.get(key) if asked else None
+            out[key] = _read_boxed(box_fetch, path, root, saved.tensors[root], target, verify)
+            meter.add(_box_bytes(saved.tensors[key], target))
     views: list[tuple[str, Mapping[str, Any], memoryview]] = []
     jobs: list[tuple[str, int, memoryview]] = []
     for key in stored:
@@ -227,7 +236,8 @@ def load_state(
     result: dict[str, Any] = {}
     filled: set[int] = set()
     for key in wanted:
-        source = loaded[saved.tensors[key].get("alias_of", key)]
+        source = (own_loaded[key] if key in own_loaded
+                  else loaded[saved.tensors[key].get("alias_of", key)])
         target = target_of.get(key)
         if target is not None:
             if id(target) not in filled:

@@ -105,6 +105,24 @@ def test_empty_tensors_of_any_shape_commit_and_load(tmp_path, world) -> None:
         k: StateSlice(v, (0,) * v.ndim) for k, v in into.items()})
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_tied_weights_load_each_into_its_own_box(tmp_path, world) -> None:
+    """Keys saved as the same tensor (tied weights) asked for as different
+    boxes, or one as a box and one whole, each get their own; an alias
+    asked for alone as a box gets that box."""
+    tree = _state()
+    w = tree["model"]["w"]
+    root = _save(tmp_path, tree, world)
+    fs = pafs.LocalFileSystem()
+    rows, whole = torch.zeros(3, 300), torch.zeros(1037, 300)
+    out = load_state(fs, root, into={"model": {"w": StateSlice(rows, (4, 0)), "tied": whole}})
+    assert torch.equal(rows, w[4:7]) and torch.equal(whole, w)
+    assert out["model"]["w"] is rows and out["model"]["tied"] is whole
+    cols = torch.zeros(1037, 2)
+    load_state(fs, root, into={"model": {"tied": StateSlice(cols, (0, 298))}})
+    assert torch.equal(cols, w[:, 298:])
+
+
 def test_every_rank_writes_an_even_share(tmp_path) -> None:
     root = _save(tmp_path, _state(), 4)
     sizes = [os.path.getsize(os.path.join(root, n)) for n in sorted(os.listdir(root))
