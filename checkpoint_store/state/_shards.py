@@ -434,7 +434,10 @@ def merge_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             e = part["tensors"][key]
             if _volume(e["shape"]) or not _volume(shape) and r == 0:
                 pieces.append((r, e, box))
-        dtypes = {(e["dtype"], e["framework"]) for _, e, _ in pieces}
+        # Every rank's, even one that writes none of it (its empty piece
+        # keeps its dtype): a rank that disagrees is refused, not outvoted.
+        dtypes = {(part["tensors"][key]["dtype"], part["tensors"][key]["framework"])
+                  for part in parts}
         if len(dtypes) > 1:
             raise CheckpointConflictError(
                 f"tensor {key!r} was saved with different dtypes on different ranks "

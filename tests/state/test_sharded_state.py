@@ -240,6 +240,16 @@ def test_ranks_with_different_states_are_refused(tmp_path) -> None:
     c = write_part({"w": torch.zeros(5)}, str(tmp_path / "c"), 1, 2)
     with pytest.raises(CheckpointConflictError, match="rank 1"):
         merged_state_file([a, c])
+    # A small tensor is written by one rank only; another rank's other
+    # dtype (or framework) is refused all the same, whichever writes it.
+    for key in ("w", "v", "x", "y"):
+        parts = [write_part({key: torch.zeros(4, dtype=dtype)}, str(tmp_path / f"{key}{r}"),
+                            r, 2) for r, dtype in enumerate((torch.float32, torch.float64))]
+        with pytest.raises(CheckpointConflictError, match="different dtypes"):
+            merged_state_file(parts)
+        parts[1] = write_part({key: np.zeros(4, np.float32)}, str(tmp_path / f"{key}n"), 1, 2)
+        with pytest.raises(CheckpointConflictError, match="different dtypes"):
+            merged_state_file(parts)
 
 
 @pytest.mark.parametrize("offset, shape, match", [
