@@ -123,6 +123,28 @@ def test_tied_weights_load_each_into_its_own_box(tmp_path, world) -> None:
     assert torch.equal(cols, w[:, 298:])
 
 
+def test_one_target_under_keys_of_different_values_is_refused(tmp_path) -> None:
+    """One tensor of into under two keys the state holds different values
+    for could hold only one of them: refused before it is changed. Tied
+    weights saved once, or twice with the same values, load as before."""
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    root = _save(tmp_path, {"a": a, "b": b, "c": a.clone(), "t": a, "u": a}, 2)
+    fs = pafs.LocalFileSystem()
+    t = torch.zeros(4, 3)
+    with pytest.raises(StateMismatchError, match="same tensor"):
+        load_state(fs, root, into={"a": t, "b": t})
+    with pytest.raises(StateMismatchError, match="same tensor"):
+        load_state(fs, root, into={"a": StateSlice(t[:2], (0, 0)),
+                                   "b": StateSlice(t[:2], (2, 0))})
+    half = t[:2]
+    with pytest.raises(StateMismatchError, match="same tensor"):
+        load_state(fs, root, into={"a": StateSlice(half, (0, 0)),
+                                   "c": StateSlice(half, (2, 0))})
+    assert not t.any()
+    out = load_state(fs, root, into={"a": t, "c": t, "t": t, "u": t})
+    assert torch.equal(t, a) and all(out[k] is t for k in "actu")
+
+
 def test_every_rank_writes_an_even_share(tmp_path) -> None:
     root = _save(tmp_path, _state(), 4)
     sizes = [os.path.getsize(os.path.join(root, n)) for n in sorted(os.listdir(root))
