@@ -18,6 +18,7 @@ checksums in :mod:`._verify`.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from checkpoint_store._util.retry import RetryPolicy
-from checkpoint_store.errors import InvalidConfigError
+from checkpoint_store.errors import InvalidConfigError, StateMismatchError
 from checkpoint_store.state._fetch import _Fetcher, _from_buffer, _Maps, _new_tensor
 from checkpoint_store.state._index import read_state_index
 from checkpoint_store.state._into import _check_into, _fill, _into_leaves
@@ -148,7 +149,8 @@ def load_state(
         StateKeyError: a name or glob of ``keys`` matches nothing, or ``into``
             holds a key the state lacks; nothing read.
         StateMismatchError: an ``into`` tensor has another dtype or shape
-            (or the saved entry is no tensor); nothing changed.
+            (or the saved entry is no tensor), or is given under several keys
+            the state holds different values for; nothing changed.
         TensorCorruptError: a tensor fails its checksum (``.tensor`` names
             it); every checksum is checked before ``into`` is changed.
         CheckpointCorruptError: ``state.json`` or the marker is damaged.
@@ -179,17 +181,22 @@ def load_state(
         skeleton = saved.skeleton
     # Which stored tensors to read: aliases read their target's bytes.
     wanted = _tensor_refs(skeleton)
-    stored = list(dict.fromkeys(saved.tensors[k].get("alias_of", k) for k in wanted))
     # With into, a tensor of it stands for the saved key at its place.
     target_of = {nodes[k]["tensor"]: v for k, v in targets.items()}
-    # Tensors stored in pieces, or asked for as a DTensor's local shard, are
-    # read box by box (docs/sharded-state.md); the rest as whole tensors.
-    boxed = [k for k in stored
-             if "shards" in saved.tensors[k] or _is_dtensor(target_of.get(k))
-             or isinstance(target_of.get(k), StateSlice)]
+    # A key asked for as a box (a DTensor's local shard, a StateSlice) is
+    # read as its own box, even when it is an alias (tied weights): another
+    # key of the same bytes may ask for another box, or for all of them.
+    own = [k for k in wanted if _is_dtensor(target_of.get(k))
+           or isinstance(target_of.get(k), StateSlice)]
+    stored = list(dict.fromkeys(saved.tensors[k].get("alias_of", k) for k in wanted
+                                if k not in set(own)))
+    # Tensors stored in pieces are read box by box (docs/sharded-state.md);
+    # the rest as whole tensors.
+    boxed = [k for k in stored if "shards" in saved.tensors[k]]
     stored = [k for k in stored if k not in set(boxed)]
     stored.sort(key=lambda k: (saved.tensors[k]["file"], saved.tensors[k]["offsets"][0]))
-    meter = _Meter(progress, sum(_box_bytes(saved.tensors[k], target_of.get(k)) for k in boxed)
+    meter = _Meter(progress, sum(_box_bytes(saved.tensors[k], target_of.get(k)) for k in own)
+                   + sum(_box_bytes(saved.tensors[k], None) for k in boxed)
                    + sum(saved.tensors[k]["offsets"][1] - saved.tensors[k]["offsets"][0]
                          for k in stored))
     local_root = _local_root(fs, path)
@@ -197,11 +204,15 @@ def load_state(
     fetch = _Fetcher(fs, path, saved.sizes, retry, concurrency, on_read=meter.add,
                      chunked=saved.chunked)
     loaded: dict[str, Any] = {}
-    for key in boxed:
-        box_fetch = _Fetcher(fs, path, saved.sizes, retry, concurrency, chunked=saved.chunked)
-        loaded[key] = _read_boxed(box_fetch, path, key, saved.tensors[key],
-                                  target_of.get(key), verify)
-        meter.add(_box_bytes(saved.tensors[key], target_of.get(key)))
+    own_loaded: dict[str, Any] = {}
+    for out, keys_, asked in ((own_loaded, own, True), (loaded, boxed, False)):
+        for key in keys_:
+            box_fetch = _Fetcher(fs, path, saved.sizes, retry, concurrency,
+                                 chunked=saved.chunked)
+            root = saved.tensors[key].get("alias_of", key)
+            target = target_of.get(key) if asked else None
+            out[key] = _read_boxed(box_fetch, path, root, saved.tensors[root], target, verify)
+            meter.add(_box_bytes(saved.tensors[key], target))
     views: list[tuple[str, Mapping[str, Any], memoryview]] = []
     jobs: list[tuple[str, int, memoryview]] = []
     for key in stored:
@@ -223,11 +234,16 @@ def load_state(
     if verify:
         _check_all(path, views, fetch._run)
 
+    def source_of(key: str) -> Any:
+        return (own_loaded[key] if key in own_loaded
+                else loaded[saved.tensors[key].get("alias_of", key)])
+
+    _check_shared_targets(wanted, target_of, source_of)
     # Every checksum passed: only now is any tensor of into changed.
     result: dict[str, Any] = {}
     filled: set[int] = set()
     for key in wanted:
-        source = loaded[saved.tensors[key].get("alias_of", key)]
+        source = source_of(key)
         target = target_of.get(key)
         if target is not None:
             if id(target) not in filled:
@@ -237,3 +253,51 @@ def load_state(
         else:
             result[key] = _finish(saved.tensors[key], source)
     return build_tree(skeleton, result.__getitem__)
+
+
+def _check_shared_targets(wanted: Iterable[str], target_of: Mapping[str, Any],
+                          source_of: Callable[[str], Any]) -> None:
+    """Refuse, before any target is changed, one tensor of ``into`` under
+    several keys (tied weights) whose saved values differ: it can hold only
+    one of them, and the others would be returned as loaded."""
+    first: dict[Any, tuple[str, Any, Any]] = {}
+    for key in wanted:
+        target = target_of.get(key)
+        if target is None:
+            continue
+        seen = first.setdefault(_memory(target), (key, target, source_of(key)))
+        if seen[0] == key:
+            continue
+        a, b = seen[2], source_of(key)
+        same_box = (not isinstance(target, StateSlice) or not isinstance(seen[1], StateSlice)
+                    or target.offset == seen[1].offset)
+        same = (same_box and tuple(a.shape) == tuple(b.shape)
+                and _raw(a) == _raw(b))
+        if not same:
+            raise StateMismatchError(
+                f"into: {seen[0]!r} and {key!r} are the same tensor, but the saved state holds "
+                "different values for them; give each key its own tensor (or untie the "
+                "weights before loading)", key=key, expected="a tensor of its own",
+                found=f"the tensor of {seen[0]!r}")
+
+
+def _raw(t: Any) -> bytes:
+    """A loaded tensor's bytes (any dtype, bfloat16 included)."""
+    import numpy as np
+
+    if isinstance(t, np.ndarray):
+        return np.ascontiguousarray(t).tobytes()
+    torch = sys.modules["torch"]  # a torch tensor: torch is imported
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _memory(target: Any) -> tuple[Any, ...]:
+    """What memory a load target writes: its address, shape and strides
+    (two views of the same elements are the same target)."""
+    t = target.tensor if isinstance(target, StateSlice) else target
+    if _is_dtensor(t):
+        t = t.to_local()
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(t, torch.Tensor):
+        return ("torch", t.data_ptr(), tuple(t.shape), t.stride(), str(t.dtype))
+    return ("numpy", t.__array_interface__["data"][0], t.shape, t.strides, t.dtype.str)

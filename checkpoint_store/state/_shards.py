@@ -215,12 +215,44 @@ def _dtensor_geometry(value: Any, key: str) -> tuple[Any, list[int], list[int], 
             f"tensor {key!r}: the DTensor's local tensor has shape {list(local.shape)}, its "
             f"placements give {list(shape)}; save it through DTensor's own API "
             "(to_local() of a padded shard is not supported)", key=key)
-    replicas, index = 1, 0
+    replicas, index = _outer_copies(mesh, key)
     for dim, p in enumerate(placements):
         if isinstance(p, Replicate):
             n = mesh.size(dim)
             replicas, index = replicas * n, index * n + coord[dim]
     return local, list(value.shape), list(offset), replicas, index
+
+
+def _outer_copies(mesh: Any, key: str) -> tuple[int, int]:
+    """``(copies, this one)`` of a DTensor's mesh when it is sliced from a
+    larger mesh (``fully_shard(mesh=mesh["dp"])`` of a module that tensor
+    parallelism left whole): every slice along the root mesh's other
+    dimensions holds the same shards, so they share writing them as
+    ``Replicate`` dimensions do. ``(1, 0)`` for a root mesh.
+
+    Raises:
+        UnsupportedStateError: a mesh whose ranks do not fill whole
+            dimensions of its root mesh.
+    """
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    root = get_root() if get_root is not None else None
+    if root is None or root is mesh or root.size() == mesh.size():
+        return 1, 0
+    grid = root.mesh
+    coords = [tuple(int(c) for c in (grid == int(r)).nonzero()[0])
+              for r in mesh.mesh.flatten()]
+    mine = coords[[int(r) for r in mesh.mesh.flatten()].index(root.get_rank())]
+    fixed = [d for d in range(grid.ndim) if len({c[d] for c in coords}) == 1]
+    copies = math.prod(grid.shape[d] for d in fixed)
+    if copies * mesh.size() != root.size():
+        raise UnsupportedStateError(
+            f"tensor {key!r} is a DTensor on a mesh of ranks {mesh.mesh.flatten().tolist()} that "
+            f"is not a slice of whole dimensions of its root mesh {grid.tolist()}; save "
+            ".full_tensor() or place it on the root mesh", key=key)
+    index = 0
+    for d in fixed:
+        index = index * grid.shape[d] + mine[d]
+    return copies, index
 
 
 def _owner(key: str, replicas: int) -> int:
@@ -434,12 +466,21 @@ def merge_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             e = part["tensors"][key]
             if _volume(e["shape"]) or not _volume(shape) and r == 0:
                 pieces.append((r, e, box))
-        dtypes = {(e["dtype"], e["framework"]) for _, e, _ in pieces}
+        # Every rank's, even one that writes none of it (its empty piece
+        # keeps its dtype): a rank that disagrees is refused, not outvoted.
+        dtypes = {(part["tensors"][key]["dtype"], part["tensors"][key]["framework"])
+                  for part in parts}
         if len(dtypes) > 1:
             raise CheckpointConflictError(
                 f"tensor {key!r} was saved with different dtypes on different ranks "
                 f"({sorted(dtypes)}); every rank must report the same logical state")
         first = pieces[0][1]
+        if not _volume(shape):
+            # No bytes to place: one entry of the logical shape (a rank that
+            # writes none of it saved an empty 1-D piece, not of that shape).
+            out[key] = {**{k: v for k, v in first.items() if k != "blocks"},
+                        "shape": list(shape)}
+            continue
         if (len(pieces) == 1 and list(first["shape"]) == list(shape)
                 and not any(pieces[0][2]["offset"])):
             out[key] = {k: v for k, v in first.items() if k != "blocks"}

@@ -6,7 +6,9 @@ A small MLP on a 2 x 2 mesh (``dp``, ``tp``): tensor parallel (colwise, then
 rowwise) over ``tp``, then ``fully_shard`` over ``dp``, so the colwise
 weights and biases are DTensors with FSDP2's strided shards
 (``_StridedShard`` over ``dp``, ``Shard(0)`` over ``tp``) and the rowwise
-weight is sharded on two dimensions.
+weight is sharded on two dimensions; the last layer, which tensor
+parallelism leaves whole, is sharded over ``dp`` alone (a DTensor on a
+slice of the mesh, held the same by both ``tp`` slices).
 
 ``save`` (4 ranks): every rank reports the model's state dict; rank 0
 writes each parameter's full tensor (``full_tensor()``) and placements to
@@ -36,7 +38,11 @@ from torch.distributed.tensor.parallel import (
 
 def model(seed: int, tp: bool = True) -> torch.nn.Module:
     torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(24, 66), torch.nn.ReLU(), torch.nn.Linear(66, 24))
+    # Layer 3 is left whole by tensor parallelism: under FSDP2 its
+    # parameters are DTensors on the ``dp`` slice alone, the same on both
+    # ``tp`` slices.
+    m = torch.nn.Sequential(torch.nn.Linear(24, 66), torch.nn.ReLU(), torch.nn.Linear(66, 24),
+                            torch.nn.Linear(24, 5))
     if not tp:
         fully_shard(m, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
         return m

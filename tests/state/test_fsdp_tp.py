@@ -44,6 +44,9 @@ def test_fsdp2_over_tensor_parallel_saves_and_loads_on_any_layout(tmp_path):
     saved = torch.load(out / "full.pt", weights_only=True)
     # The layout under test: FSDP2's strided shards on the colwise weight.
     assert saved["placements"]["0.weight"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)"]
+    # A parameter FSDP2 shards over the "dp" slice alone: both "tp" slices
+    # hold it, and write it once between them.
+    assert saved["placements"]["3.weight"] == ["Shard(dim=0)"]
     ck, meta = StorageContext(str(store), "exp", "t").committed_checkpoints()[-1]
     assert meta["world_size"] == 4
     whole = ck.load_state()["model"]  # consolidated in one process

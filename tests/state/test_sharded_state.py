@@ -89,6 +89,62 @@ def test_pieces_of_n_ranks_load_whole_bit_exact(tmp_path, world) -> None:
     assert torch.equal(mapped["model"]["h"], tree["model"]["h"])
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_empty_tensors_of_any_shape_commit_and_load(tmp_path, world) -> None:
+    """A replicated tensor with no elements but several dimensions is
+    written by the replica its key hashes to; the others' empty pieces must
+    not make the merge refuse the state (keys hashing to every rank)."""
+    tree = {f"k{i}": torch.zeros(shape) for i, shape in
+            enumerate([(0, 4), (5, 0), (0, 3, 2), (0,)] * 3)}
+    root = _save(tmp_path, tree, world)
+    out = load_state(pafs.LocalFileSystem(), root)
+    assert {k: list(v.shape) for k, v in out.items()} == {
+        k: list(v.shape) for k, v in tree.items()}
+    into = {k: torch.ones(v.shape) for k, v in tree.items()}
+    load_state(pafs.LocalFileSystem(), root, into={
+        k: StateSlice(v, (0,) * v.ndim) for k, v in into.items()})
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_tied_weights_load_each_into_its_own_box(tmp_path, world) -> None:
+    """Keys saved as the same tensor (tied weights) asked for as different
+    boxes, or one as a box and one whole, each get their own; an alias
+    asked for alone as a box gets that box."""
+    tree = _state()
+    w = tree["model"]["w"]
+    root = _save(tmp_path, tree, world)
+    fs = pafs.LocalFileSystem()
+    rows, whole = torch.zeros(3, 300), torch.zeros(1037, 300)
+    out = load_state(fs, root, into={"model": {"w": StateSlice(rows, (4, 0)), "tied": whole}})
+    assert torch.equal(rows, w[4:7]) and torch.equal(whole, w)
+    assert out["model"]["w"] is rows and out["model"]["tied"] is whole
+    cols = torch.zeros(1037, 2)
+    load_state(fs, root, into={"model": {"tied": StateSlice(cols, (0, 298))}})
+    assert torch.equal(cols, w[:, 298:])
+
+
+def test_one_target_under_keys_of_different_values_is_refused(tmp_path) -> None:
+    """One tensor of into under two keys the state holds different values
+    for could hold only one of them: refused before it is changed. Tied
+    weights saved once, or twice with the same values, load as before."""
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    root = _save(tmp_path, {"a": a, "b": b, "c": a.clone(), "t": a, "u": a}, 2)
+    fs = pafs.LocalFileSystem()
+    t = torch.zeros(4, 3)
+    with pytest.raises(StateMismatchError, match="same tensor"):
+        load_state(fs, root, into={"a": t, "b": t})
+    with pytest.raises(StateMismatchError, match="same tensor"):
+        load_state(fs, root, into={"a": StateSlice(t[:2], (0, 0)),
+                                   "b": StateSlice(t[:2], (2, 0))})
+    half = t[:2]
+    with pytest.raises(StateMismatchError, match="same tensor"):
+        load_state(fs, root, into={"a": StateSlice(half, (0, 0)),
+                                   "c": StateSlice(half, (2, 0))})
+    assert not t.any()
+    out = load_state(fs, root, into={"a": t, "c": t, "t": t, "u": t})
+    assert torch.equal(t, a) and all(out[k] is t for k in "actu")
+
+
 def test_every_rank_writes_an_even_share(tmp_path) -> None:
     root = _save(tmp_path, _state(), 4)
     sizes = [os.path.getsize(os.path.join(root, n)) for n in sorted(os.listdir(root))
@@ -206,6 +262,16 @@ def test_ranks_with_different_states_are_refused(tmp_path) -> None:
     c = write_part({"w": torch.zeros(5)}, str(tmp_path / "c"), 1, 2)
     with pytest.raises(CheckpointConflictError, match="rank 1"):
         merged_state_file([a, c])
+    # A small tensor is written by one rank only; another rank's other
+    # dtype (or framework) is refused all the same, whichever writes it.
+    for key in ("w", "v", "x", "y"):
+        parts = [write_part({key: torch.zeros(4, dtype=dtype)}, str(tmp_path / f"{key}{r}"),
+                            r, 2) for r, dtype in enumerate((torch.float32, torch.float64))]
+        with pytest.raises(CheckpointConflictError, match="different dtypes"):
+            merged_state_file(parts)
+        parts[1] = write_part({key: np.zeros(4, np.float32)}, str(tmp_path / f"{key}n"), 1, 2)
+        with pytest.raises(CheckpointConflictError, match="different dtypes"):
+            merged_state_file(parts)
 
 
 @pytest.mark.parametrize("offset, shape, match", [
