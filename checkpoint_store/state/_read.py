@@ -269,6 +269,8 @@ def _check_shared_targets(wanted: Iterable[str], target_of: Mapping[str, Any],
         if seen[0] == key:
             continue
         a, b = seen[2], source_of(key)
+        if a is b:  # one loaded value (tied weights saved once): nothing to compare
+            continue
         same_box = (not isinstance(target, StateSlice) or not isinstance(seen[1], StateSlice)
                     or target.offset == seen[1].offset)
         same = (same_box and tuple(a.shape) == tuple(b.shape)

@@ -238,20 +238,34 @@ def _outer_copies(mesh: Any, key: str) -> tuple[int, int]:
     root = get_root() if get_root is not None else None
     if root is None or root is mesh or root.size() == mesh.size():
         return 1, 0
-    grid = root.mesh
-    coords = [tuple(int(c) for c in (grid == int(r)).nonzero()[0])
-              for r in mesh.mesh.flatten()]
-    mine = coords[[int(r) for r in mesh.mesh.flatten()].index(root.get_rank())]
-    fixed = [d for d in range(grid.ndim) if len({c[d] for c in coords}) == 1]
-    copies = math.prod(grid.shape[d] for d in fixed)
-    if copies * mesh.size() != root.size():
+    got = _slice_copies(tuple(root.mesh.shape), tuple(int(r) for r in root.mesh.flatten()),
+                        tuple(int(r) for r in mesh.mesh.flatten()), int(root.get_rank()))
+    if got is None:
         raise UnsupportedStateError(
             f"tensor {key!r} is a DTensor on a mesh of ranks {mesh.mesh.flatten().tolist()} that "
-            f"is not a slice of whole dimensions of its root mesh {grid.tolist()}; save "
+            f"is not a slice of whole dimensions of its root mesh {root.mesh.tolist()}; save "
             ".full_tensor() or place it on the root mesh", key=key)
+    return got
+
+
+@functools.lru_cache(maxsize=64)
+def _slice_copies(shape: tuple[int, ...], root: tuple[int, ...], ranks: tuple[int, ...],
+                  me: int) -> tuple[int, int] | None:
+    """:func:`_outer_copies` for a root mesh of ``shape`` (ranks ``root`` in
+    C order) and a slice holding ``ranks``, seen from rank ``me``; None when
+    the slice does not fill whole dimensions. Once per mesh, not per tensor."""
+    where = {r: i for i, r in enumerate(root)}
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    coords = [tuple((where[r] // strides[d]) % shape[d] for d in range(len(shape)))
+              for r in ranks]
+    mine = coords[ranks.index(me)]
+    fixed = [d for d in range(len(shape)) if len({c[d] for c in coords}) == 1]
+    copies = math.prod(shape[d] for d in fixed)
+    if copies * len(ranks) != len(root):
+        return None
     index = 0
     for d in fixed:
-        index = index * grid.shape[d] + mine[d]
+        index = index * shape[d] + mine[d]
     return copies, index
 
 
