@@ -219,7 +219,9 @@ def test_formats_rows_render_and_a_missed_target_names_its_limit() -> None:
         "throughput": [
             {"storage": "local", "bytes": 64 * MiB, "largest": 16 * MiB, "reps": 3,
              "rows": {"read": row(0.1, 1.0), "write": row(0.11, 0.91),
-                      "export hf": row(0.2, 0.5), "import hf in place": row(0.11, 0.9)}},
+                      "export hf": row(0.2, 0.5), "import hf in place": row(0.11, 0.9),
+                      "export torch_save": row(0.2, 0.5),
+                      "torch.save, tensors in memory": row(0.1, 1.0)}},
             {"storage": "s3", "bytes": 64 * MiB, "largest": 16 * MiB, "reps": 3,
              "rows": {"read": row(1.0, 1.0), "write": row(1.8, 0.55),
                       "export dcp": row(2.5, 0.4)}}],
@@ -235,8 +237,15 @@ def test_formats_rows_render_and_a_missed_target_names_its_limit() -> None:
     assert s3[2] == "**no**" and "write itself 0.55× read" in s3[1]
     assert rows["formats: export dcp peak RSS ≤ 2 × largest + 64 MiB (256 MiB state)"][2] \
         == "yes"
+    # A format's own writer from memory, measured in the same run, is named
+    # beside its export, and is no target row of its own.
+    torch_save = rows["formats: export torch_save ≥ 0.8× read, local (64 MiB)"]
+    assert "torch.save itself from memory 1.00× read, the export at 0.50× its speed" \
+        in torch_save[1]
+    assert not any("tensors in memory" in name for name in rows)
     limits = page.split("### What limits the targets not met")[1]
-    assert "CPU-bound" in limits and "moto's write bandwidth" in limits
+    assert "CPU-bound" in limits and "bounded by moto" in limits
+    assert "`torch.save, tensors in memory` row" in limits
 
 
 def test_codec_rows_measure_every_candidate_on_the_same_bytes_and_render() -> None:
