@@ -5,10 +5,11 @@ Reading uses torch's own loaders: ``torch.load(mmap=True, weights_only=True)``
 (tensors stay memory-mapped views of the file; only JSON-like values are
 accepted) and ``torch.distributed.checkpoint.load`` with no process group,
 one tensor at a time (DCP's planner reads only that tensor's byte ranges).
-Writing streams, one tensor in memory at a time: DCP's own save plans from
-meta-device placeholders and a planner reads each tensor from the source
-when the writer asks for it (:func:`write_dcp`); a ``torch.save`` file is
-written record by record as ``torch.save`` does (:func:`write_torch_save`).
+Writing streams, at most two tensors in memory: DCP's own save plans from
+meta-device placeholders and writes the ``.metadata``, and each tensor's
+file is written here as the ``torch.save`` archive DCP's writer would put
+there (:func:`write_dcp`); a ``torch.save`` file is written record by
+record as ``torch.save`` does (:func:`write_torch_save`).
 
 All paths here are local: :mod:`._api` downloads a remote source into a
 temporary directory first and uploads what is written here.
@@ -29,7 +30,7 @@ from checkpoint_store.formats._sources import CHUNK_BYTES, Entry, Source
 from checkpoint_store.state import DTYPES, escape_key, flatten_state, split_key
 from checkpoint_store.state._tree import build_tree, iter_leaves
 
-__all__ = ["DCPSource", "TorchSaveSource", "materialize", "write_dcp", "write_torch_save"]
+__all__ = ["DCPSource", "TorchSaveSource", "write_dcp", "write_torch_save"]
 
 _BY_TORCH = {t: name for name, (_, _n, t) in DTYPES.items() if t}
 DCP_METADATA = ".metadata"
@@ -222,52 +223,6 @@ def nested_skeleton(tensor_keys: list[str], values: dict[str, Any]) -> Any:
     return build(root)
 
 
-def _mapped_empty(e: Entry) -> Any:
-    """An uninitialised CPU tensor of ``e``'s dtype and shape whose bytes are
-    an anonymous memory mapping of their own, unmapped when the tensor goes.
-
-    Not ``torch.empty``: glibc raises its mmap threshold to the size of the
-    first large block freed, so later tensors of that size come from the heap
-    and freed ones stay resident; an export of many tensors then grows far
-    past one tensor (measured: 176 MiB for 16 MiB tensors against 64 MiB).
-    """
-    import mmap
-
-    import torch
-
-    dtype = getattr(torch, str(DTYPES[e.dtype][2]))
-    if e.nbytes == 0:
-        return torch.empty(e.shape, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # frombuffer: "buffer is not writable" never applies
-        flat = torch.frombuffer(mmap.mmap(-1, e.nbytes), dtype=torch.uint8)
-    return flat.view(dtype).reshape(e.shape)
-
-
-def materialize(source: Source, keys: list[str]) -> dict[str, Any]:
-    """Tensors ``keys`` of ``source`` as torch tensors (aliases as the same object)."""
-    import numpy as np
-    import torch
-
-    out: dict[str, Any] = {}
-    for key in keys:
-        e = source.entries[key]
-        if e.alias_of is not None and e.alias_of in out:
-            out[key] = out[e.alias_of]
-            continue
-        t = _mapped_empty(e)
-        flat = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
-        at = 0
-        for piece in source.chunks(key):
-            n = len(piece)
-            flat[at:at + n] = np.frombuffer(piece, dtype=np.uint8)
-            at += n
-        out[key] = t
-        if e.alias_of is not None:
-            out[e.alias_of] = t
-    return out
-
-
 class _Storage:
     """Stands for one tensor's storage while the tree is pickled: ``key``
     names its ``data/<key>`` record, ``source_key`` the tensor it is read from."""
@@ -300,34 +255,15 @@ class _Tensor:
         return (torch._utils._rebuild_tensor_v2, args)
 
 
-def write_torch_save(source: Source, keys: list[str], skeleton: Any, path: str) -> None:
-    """Write the tree ``skeleton`` describes as a ``torch.save`` file at local
-    ``path``, one tensor in memory at a time.
-
-    Mirrors ``torch.serialization._save`` (torch 2.x zip format) record by
-    record: ``data.pkl`` (the tree pickled with protocol 2, each storage a
-    persistent id ``("storage", <type>, "<n>", "cpu", <numel>)``),
-    ``.format_version``, ``.storage_alignment``, ``byteorder``, then one
-    ``data/<n>`` per storage in the order the pickler met them, written by
-    ``torch._C.PyTorchFileWriter`` as torch.save does. A tied tensor is one
-    placeholder object, pickled once (pickle's memo), so it loads tied.
-    """
+def _pickled(tree: Any) -> tuple[bytes, list[_Storage]]:
+    """``data.pkl`` of ``tree`` (its tensors :class:`_Tensor` placeholders)
+    and its storages in the order the pickler met them (their records'
+    order)."""
     import pickle
-    import sys
 
     import torch
     from torch import serialization as ser
 
-    slots: dict[str, _Tensor] = {}
-    for key in keys:
-        e = source.entries[key]
-        if e.alias_of is not None and e.alias_of in slots:
-            slots[key] = slots[e.alias_of]
-            continue
-        dtype = getattr(torch, str(DTYPES[e.dtype][2]))
-        slots[key] = _Tensor(_Storage("", e.alias_of or key, dtype, e.nbytes), e.shape)
-        if e.alias_of is not None:
-            slots[e.alias_of] = slots[key]
     order: list[_Storage] = []
 
     class _Pickler(pickle.Pickler):
@@ -343,21 +279,77 @@ def write_torch_save(source: Source, keys: list[str], skeleton: Any, path: str) 
             return ("storage", kind, obj.key, "cpu", obj.nbytes // obj.dtype.itemsize)
 
     buf = io.BytesIO()
-    _Pickler(buf, protocol=ser.DEFAULT_PROTOCOL).dump(build_tree(skeleton, slots.__getitem__))
+    _Pickler(buf, protocol=ser.DEFAULT_PROTOCOL).dump(tree)
+    return buf.getvalue(), order
+
+
+@contextmanager
+def _archive(path: str) -> Iterator[Any]:
+    """A ``torch._C.PyTorchFileWriter`` at local ``path`` made as torch.save
+    makes it (its CRC-32 option, its storage alignment); the caller writes
+    the records (:func:`_preamble`, then the storages); the archive's end
+    is written on a normal exit only."""
+    import torch
+    from torch import serialization as ser
+
     # _open_zipfile_writer_file: the writer opens an ASCII path itself (the
     # archive's folder is then the file's stem), else it writes to a stream.
     with contextlib.ExitStack() as stack:
         target: Any = path if path.isascii() else stack.enter_context(open(path, "wb"))
         writer = torch._C.PyTorchFileWriter(target, ser.get_crc32_options(),
                                             ser._get_storage_alignment())
-        pkl = buf.getvalue()
-        writer.write_record("data.pkl", pkl, len(pkl))
-        alignment = str(ser._get_storage_alignment())
-        for name, text in ((".format_version", "1"), (".storage_alignment", alignment),
-                           ("byteorder", sys.byteorder)):
-            writer.write_record(name, text.encode(), len(text))
-        _write_storages(writer, source, order)
+        yield writer
         writer.write_end_of_file()
+
+
+def _preamble(writer: Any, pkl: bytes) -> None:
+    """``data.pkl``, ``.format_version``, ``.storage_alignment`` and
+    ``byteorder``: the records torch.save writes before the storages."""
+    import sys
+
+    from torch import serialization as ser
+
+    writer.write_record("data.pkl", pkl, len(pkl))
+    alignment = str(ser._get_storage_alignment())
+    for name, text in ((".format_version", "1"), (".storage_alignment", alignment),
+                       ("byteorder", sys.byteorder)):
+        writer.write_record(name, text.encode(), len(text))
+
+
+def _slots(source: Source, keys: list[str]) -> dict[str, _Tensor]:
+    """A :class:`_Tensor` of each key; tied keys share one (pickled once:
+    pickle's memo), so they load tied."""
+    import torch
+
+    slots: dict[str, _Tensor] = {}
+    for key in keys:
+        e = source.entries[key]
+        if e.alias_of is not None and e.alias_of in slots:
+            slots[key] = slots[e.alias_of]
+            continue
+        dtype = getattr(torch, str(DTYPES[e.dtype][2]))
+        slots[key] = _Tensor(_Storage("", e.alias_of or key, dtype, e.nbytes), e.shape)
+        if e.alias_of is not None:
+            slots[e.alias_of] = slots[key]
+    return slots
+
+
+def write_torch_save(source: Source, keys: list[str], skeleton: Any, path: str) -> None:
+    """Write the tree ``skeleton`` describes as a ``torch.save`` file at local
+    ``path``, one tensor in memory at a time.
+
+    Mirrors ``torch.serialization._save`` (torch 2.x zip format) record by
+    record: ``data.pkl`` (the tree pickled with protocol 2, each storage a
+    persistent id ``("storage", <type>, "<n>", "cpu", <numel>)``),
+    ``.format_version``, ``.storage_alignment``, ``byteorder``, then one
+    ``data/<n>`` per storage in the order the pickler met them, written by
+    ``torch._C.PyTorchFileWriter`` as torch.save does. A tied tensor is one
+    placeholder object, pickled once (pickle's memo), so it loads tied.
+    """
+    pkl, order = _pickled(build_tree(skeleton, _slots(source, keys).__getitem__))
+    with _archive(path) as writer:
+        _preamble(writer, pkl)
+        _write_storages(writer, source, order)
 
 
 def _fill(source: Source, key: str, out: Any) -> None:
@@ -436,11 +428,16 @@ def write_dcp(source: Source, keys: list[str], skeleton: Any, path: str) -> None
     ``path`` with no process group, one tensor in memory at a time.
 
     DCP plans from a state dict of meta-device placeholders (dtype and shape
-    are all planning needs); :class:`_LazyPlanner` reads each tensor from
-    ``source`` when the writer asks for its bytes. One file per tensor
-    (``single_file_per_rank=False``): DCP's writer keeps every tensor of a
-    file referenced until that file is closed (its ``tensor_dict``), so one
-    file per rank would hold the whole state at once.
+    are all planning needs) and writes the ``.metadata`` itself (its
+    ``FileSystemWriter.finish``); the tensors' files are written by
+    :func:`_dcp_writer`'s writer: one file per tensor, each the
+    ``torch.save`` archive of that tensor that DCP's own writer would put
+    there (``_write_item``: ``torch.save(tensor, stream)``), so DCP's reader
+    (``torch.load`` of the byte range, then the chunk's narrowing) reads it
+    as its own. DCP's writer pickles each tensor through a Python stream and
+    keeps every tensor of a file referenced until the file closes; this one
+    streams from :meth:`Source.read_into` into two reused buffers, the next
+    tensor read on a thread while this one is written.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -448,68 +445,115 @@ def write_dcp(source: Source, keys: list[str], skeleton: Any, path: str) -> None
     by_id = {id(t): (e.alias_of or k) for k, t in slots.items()
              for e in (source.entries[k],)}
     tree = build_tree(skeleton, slots.__getitem__)
-    writer = dcp.FileSystemWriter(path, single_file_per_rank=False, thread_count=1)
     with _quiet():
-        dcp.save(tree, storage_writer=writer, planner=_lazy_planner(source, by_id),
-                 no_dist=True)
+        dcp.save(tree, storage_writer=_dcp_writer(path, source, by_id), no_dist=True)
 
 
-def _lazy_planner(source: Source, by_id: dict[int, str]) -> Any:
-    """A DefaultSavePlanner whose tensors are read from ``source`` on demand:
-    ``by_id`` maps each placeholder's ``id`` to the key whose bytes it stands for."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+def _dcp_writer(path: str, source: Source, by_id: dict[int, str]) -> Any:
+    """A ``FileSystemWriter`` (one file per write item, each fsynced before
+    the ``.metadata`` is written: DCP's ``sync_files``) whose tensor items
+    are written by :func:`_write_tensor_files`. ``by_id`` maps each
+    placeholder's ``id`` to the key whose bytes it stands for.
+
+    Reads DCP's private ``filesystem._StorageInfo`` (what its reader
+    expects in ``Metadata.storage_data``): the import fails loudly if a
+    torch release renames it."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
 
-    buffers = _Buffers()
+    class _Writer(FileSystemWriter):
+        def _write_data(self, planner: Any, file_queue: Any) -> Any:
+            results: list[Any] = []
+            tensors: list[tuple[str, str, Any, str]] = []
+            while not file_queue.empty():
+                file_path, name, items = file_queue.get_nowait()
+                for item in items:
+                    if item.type != WriteItemType.BYTE_IO:
+                        key = by_id[id(planner.lookup_object(item.index))]
+                        tensors.append((str(file_path), name, item, key))
+                        continue
+                    data = planner.resolve_data(item).getbuffer()
+                    with open(file_path, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    results.append(WriteResult(index=item.index, size_in_bytes=len(data),
+                                               storage_data=_StorageInfo(name, 0, len(data))))
+            for (_, name, item, _), n in zip(tensors, _write_tensor_files(source, tensors),
+                                            strict=True):
+                results.append(WriteResult(index=item.index, size_in_bytes=n,
+                                           storage_data=_StorageInfo(name, 0, n)))
+            done: Future[list[Any]] = Future()
+            done.set_result(results)
+            return done
 
-    class _LazyPlanner(DefaultSavePlanner):
-        def resolve_data(self, write_item: Any) -> Any:
-            # DefaultSavePlanner.resolve_data: lookup_object, then
-            # transform_object (which pickles non-tensor values).
-            obj = self.lookup_object(write_item.index)
-            if write_item.type == WriteItemType.BYTE_IO:
-                return self.transform_object(write_item, obj)
-            key = by_id[id(obj)]
-            e = source.entries[key]
-            if e.nbytes < _REUSE_BYTES:
-                return materialize(source, [key])[key]
-            flat = buffers.take(e.nbytes)
-            _fill(source, key, flat.numpy())
-            return flat.view(obj.dtype).reshape(obj.shape)
-
-    return _LazyPlanner()
+    return _Writer(path, single_file_per_rank=False, thread_count=1)
 
 
-#: Tensors from this size up are read into a reused buffer by the DCP export.
-_REUSE_BYTES = 1 << 20
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-class _Buffers:
-    """Reused tensor buffers for the DCP export, one per size, the two sizes
-    used last (peak: two tensors): a fresh mapping per tensor cost its page
-    faults, as much time as the copy. DCP's single writer thread writes and
-    closes one tensor's file (``single_file_per_rank=False``) before it asks
-    for the next, so a size's buffer is free when it is asked again; each
-    buffer is exactly one tensor's size, as DCP clones a view of a larger
-    storage."""
+def _write_tensor_files(source: Source, jobs: list[tuple[str, str, Any, str]]) -> list[int]:
+    """Each ``(file path, _, _, key)`` of ``jobs`` as a file holding the
+    ``torch.save`` archive of tensor ``key`` alone; returns each file's
+    size once every file is fsynced. Two buffers of the largest tensor,
+    reused, the next tensor read (and checked) on a thread while this one
+    is written, as :func:`_write_storages` does; each written file is
+    fsynced on a third thread while the next ones are written (DCP's own
+    writer fsyncs each file before it starts the next)."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
 
-    def __init__(self) -> None:
-        self._by_size: dict[int, Any] = {}
+    import numpy as np
+    import torch
 
-    def take(self, nbytes: int) -> Any:
-        import mmap
+    if not jobs:
+        return []
+    entries = [source.entries[key] for *_, key in jobs]
+    largest = max(1, max(e.nbytes for e in entries))
+    areas = [mmap.mmap(-1, largest) for _ in range(2 if len(jobs) > 1 else 1)]
+    flats = [np.frombuffer(a, dtype=np.uint8) for a in areas]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer: "buffer is not writable" never applies
+        storages = [torch.frombuffer(a, dtype=torch.uint8).untyped_storage() for a in areas]
+    sizes: list[int] = []
+    synced: list[Any] = []
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-store-format-read") as pool, \
+                ThreadPoolExecutor(1, thread_name_prefix="checkpoint-store-format-sync") as syncer:
+            def fill(i: int) -> None:
+                _fill(source, jobs[i][3], flats[i % len(areas)][:entries[i].nbytes])
 
-        import torch
-
-        flat = self._by_size.pop(nbytes, None)
-        if flat is None:
-            while len(self._by_size) >= 2:
-                self._by_size.pop(next(iter(self._by_size)))
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "buffer is not writable" never applies
-                flat = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
-        self._by_size[nbytes] = flat  # the most recent last
-        return flat
+            pending = pool.submit(fill, 0)
+            for i, ((file_path, *_), e) in enumerate(zip(jobs, entries, strict=True)):
+                pending.result()
+                if i + 1 < len(jobs):
+                    pending = pool.submit(fill, i + 1)
+                storage = _Storage("", e.key, getattr(torch, str(DTYPES[e.dtype][2])), e.nbytes)
+                pkl, _ = _pickled(_Tensor(storage, e.shape))
+                with _archive(file_path) as writer:
+                    _preamble(writer, pkl)
+                    writer.write_record(f"data/{storage.key}", storages[i % len(areas)],
+                                        e.nbytes)
+                sizes.append(os.path.getsize(file_path))
+                synced.append(syncer.submit(_fsync, file_path))
+            for done in synced:
+                done.result()
+    finally:
+        flats.clear()
+        storages.clear()
+        for a in areas:
+            with contextlib.suppress(BufferError):  # a view still alive: freed with it
+                a.close()
+    return sizes
 
 
 @contextmanager
