@@ -23,7 +23,10 @@ the same run (candidates alternate where they repeat):
   measured just before), and every selected checkpoint durable once the
   session's copies are done.
 * ``throughput``: a CPU-bound numpy matmul loop with a tiered report every
-  few steps, against the same loop without checkpoints.
+  few steps, against the same loop without checkpoints; the background copy
+  at its default priority (niced: checkpoint_store/_util/background.py) and
+  at the loop's (``CHECKPOINT_STORE_UPLOAD_NICE=0``), alternating, with the
+  time ``wait()`` then takes to finish the copies.
 * ``eviction``: ``num_to_keep=1`` reports of 2,000 small files on local disk
   and in memory: the loop time of ``report()`` with the deletes of evicted
   checkpoints in the background (the session's default) and inline (as
@@ -286,6 +289,11 @@ def faults(src: str, uri: str, options: dict[str, Any], work: str, n: int) -> di
             "durable_after_s": lat, "injected": injected, "seconds": took}
 
 
+TIERED = "local tier + background S3"
+TIERED_UNNICED = "local tier + background S3, copy not niced"
+UPLOAD_NICE = "CHECKPOINT_STORE_UPLOAD_NICE"
+
+
 def throughput(src: str, uri: str, options: dict[str, Any], work: str, interval_s: float,
                reports: int) -> dict[str, Any]:
     """numpy matmul steps/s with a tiered report every ``interval_s`` seconds of
@@ -313,20 +321,35 @@ def throughput(src: str, uri: str, options: dict[str, Any], work: str, interval_
         np.tanh(a @ a)
     every = max(1, int(steps / (time.perf_counter() - t0) * interval_s))
     steps = every * reports
-    rates: dict[str, list[float]] = {"no checkpoints": [], "local tier + background S3": []}
+    rates: dict[str, list[float]] = {"no checkpoints": [], TIERED: [], TIERED_UNNICED: []}
     for _ in range(2):
         rates["no checkpoints"].append(loop(None))
-        tier_dir = os.path.join(work, f"tier-tp-{uuid.uuid4().hex[:6]}")
-        s = Session(_storage(uri, options, f"tp-{uuid.uuid4().hex[:6]}"),
-                    local_tier=_tier(tier_dir, num_to_keep=2))
-        try:
-            rates["local tier + background S3"].append(loop(s))
-        finally:
-            s.close()
-            shutil.rmtree(tier_dir, ignore_errors=True)
+        for name in (TIERED, TIERED_UNNICED):
+            # The background copy's priority (checkpoint_store/_util/background.py)
+            # is read when the session's copy thread starts.
+            before = os.environ.get(UPLOAD_NICE)
+            if name == TIERED_UNNICED:
+                os.environ[UPLOAD_NICE] = "0"
+            tier_dir = os.path.join(work, f"tier-tp-{uuid.uuid4().hex[:6]}")
+            s = Session(_storage(uri, options, f"tp-{uuid.uuid4().hex[:6]}"),
+                        local_tier=_tier(tier_dir, num_to_keep=2))
+            try:
+                rates[name].append(loop(s))
+                t0 = time.perf_counter()
+                s.wait()
+                rates.setdefault(f"{name}: wait() after the loop, s", []).append(
+                    time.perf_counter() - t0)
+            finally:
+                s.close()
+                shutil.rmtree(tier_dir, ignore_errors=True)
+                if before is None:
+                    os.environ.pop(UPLOAD_NICE, None)
+                else:
+                    os.environ[UPLOAD_NICE] = before
     out: dict[str, Any] = {k: statistics.median(v) for k, v in rates.items()}
     out["rates"] = rates
-    out["ratio"] = out["local tier + background S3"] / out["no checkpoints"]
+    out["ratio"] = out[TIERED] / out["no checkpoints"]
+    out["ratio_unniced"] = out[TIERED_UNNICED] / out["no checkpoints"]
     out["steps"], out["report_every"] = steps, every
     _log(f"  throughput: {out}")
     return out

@@ -9,6 +9,12 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+# Background copies yield the CPU to the training loop (nice 10: see
+# checkpoint_store/_util/background.py). Here the other test workers stand
+# where a loop would, and a copy at a tenth of their share would stretch the
+# tests' deadlines (grace periods, rank timeouts); the suite keeps them at
+# its own priority. tests/session/test_uploader.py checks the default.
+os.environ.setdefault("CHECKPOINT_STORE_UPLOAD_NICE", "0")
 
 import fcntl  # noqa: E402
 import shutil  # noqa: E402

@@ -14,7 +14,9 @@ only what must happen before the training loop may touch its files again:
 
 One background thread uploads and commits the queued checkpoints in report
 order, then registers each with retention, so an older checkpoint is deleted
-only after a newer one is committed. ``Session.wait()`` (and the end of the
+only after a newer one is committed. It runs niced, under ``SCHED_BATCH``
+(:mod:`checkpoint_store._util.background`): where cores are short the
+training loop goes first. ``Session.wait()`` (and the end of the
 session) waits for every queued upload and raises the first error.
 
 The same contract as Orbax's ``AsyncCheckpointer`` (save returns after the
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpoint_store._format.layout import STAGED_COPY_PREFIX
+from checkpoint_store._util.background import yield_to_training
 from checkpoint_store.retention.upload_config import STAGING_MODES as STAGING_MODES
 from checkpoint_store.retention.upload_config import UPLOAD_MODES as UPLOAD_MODES
 from checkpoint_store.retention.upload_config import StagingMode as StagingMode
@@ -312,6 +315,8 @@ class BackgroundUploader:
         return True
 
     def _loop(self) -> None:
+        # Background work only: where cores are short, the loop goes first.
+        yield_to_training("CHECKPOINT_STORE_UPLOAD_NICE", whole_process=False)
         while True:
             with self._cond:
                 while not self._queue and self._linger:

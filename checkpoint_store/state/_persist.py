@@ -396,6 +396,8 @@ def main(argv: list[str]) -> int:
     <parent pid>``."""
     from multiprocessing.connection import Connection
 
+    from checkpoint_store._util.background import yield_to_training
+
     sock_fd, area_fd, size, parent = (int(a) for a in argv[:4])
     _die_with_parent()
     if os.getppid() != parent:
@@ -403,17 +405,10 @@ def main(argv: list[str]) -> int:
         # waits in the socket is a save nobody will commit (writing it could
         # recreate a directory the next run's cleanup removed).
         return 0
-    try:
-        # Background work: where cores are short, the training loop goes first.
-        os.nice(int(os.environ.get("CHECKPOINT_STORE_PERSIST_NICE", "10")))
-    except (OSError, ValueError):
-        pass
-    try:
-        # And never preempts it on waking: a batch of messages wakes this
-        # process while the training thread still runs (Linux SCHED_BATCH).
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
+    # Background work: where cores are short, the training loop goes first,
+    # and a batch of messages that wakes this process while the training
+    # thread still runs does not preempt it (nice, SCHED_BATCH).
+    yield_to_training("CHECKPOINT_STORE_PERSIST_NICE", whole_process=True)
     conn = Connection(sock_fd)
     area = mmap.mmap(area_fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
     os.close(area_fd)

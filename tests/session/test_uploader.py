@@ -10,6 +10,9 @@ import textwrap
 import threading
 import time
 
+import pytest
+
+from checkpoint_store._util.background import DEFAULT_NICE
 from checkpoint_store.session._uploads import BackgroundUploader
 
 
@@ -73,3 +76,41 @@ def test_a_forked_child_runs_its_jobs_on_a_worker_of_its_own():
         os.close(read)
         os.waitpid(pid, 0)
         up.close()
+
+
+def _priorities(up: BackgroundUploader) -> dict[str, int]:
+    """Nice value and scheduling policy of the job's thread and of a thread
+    the job starts (as a transfer pool's are), and of the caller's."""
+    out: dict[str, int] = {}
+
+    def job() -> None:
+        out["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        out["policy"] = os.sched_getscheduler(0)
+        child = threading.Thread(target=lambda: out.__setitem__(
+            "child", os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        child.start()
+        child.join()
+
+    up.submit(job, lambda: None, "checkpoint_000000")
+    assert up.wait(30)
+    up.close()
+    out["caller"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities: Linux")
+def test_the_background_worker_yields_the_cpu_to_the_loop(monkeypatch):
+    """Background copies run niced and SCHED_BATCH, the threads they start
+    too; the training thread keeps its priority; 0 turns it off."""
+    monkeypatch.delenv("CHECKPOINT_STORE_UPLOAD_NICE", raising=False)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    got = _priorities(BackgroundUploader(max_pending=2))
+    want = min(19, base + DEFAULT_NICE)
+    assert (got["nice"], got["child"], got["caller"]) == (want, want, base)
+    assert got["policy"] == os.SCHED_BATCH
+    monkeypatch.setenv("CHECKPOINT_STORE_UPLOAD_NICE", "0")
+    got = _priorities(BackgroundUploader(max_pending=2))
+    assert (got["nice"], got["child"]) == (base, base)
+    assert got["policy"] == os.sched_getscheduler(0)
+    monkeypatch.setenv("CHECKPOINT_STORE_UPLOAD_NICE", "not a number")  # ignored, no error
+    assert _priorities(BackgroundUploader(max_pending=2))["nice"] == base
