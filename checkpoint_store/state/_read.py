@@ -177,7 +177,8 @@ def load_state(
         if pats is not None:
             _select(saved.skeleton, nodes, pats)  # refuses a pattern matching nothing
             leaves = [k for k in leaves if _selected(k, pats)]
-            targets = {k: v for k, v in targets.items() if k in set(leaves)}
+            chosen = set(leaves)
+            targets = {k: v for k, v in targets.items() if k in chosen}
         check_apart(targets)  # the targets this load fills: none may overlap another
         skeleton = _select(saved.skeleton, nodes, leaves)
     elif pats is not None:
@@ -193,12 +194,14 @@ def load_state(
     # key of the same bytes may ask for another box, or for all of them.
     own = [k for k in wanted if _is_dtensor(target_of.get(k))
            or isinstance(target_of.get(k), StateSlice)]
+    own_set = set(own)
     stored = list(dict.fromkeys(saved.tensors[k].get("alias_of", k) for k in wanted
-                                if k not in set(own)))
+                                if k not in own_set))
     # Tensors stored in pieces are read box by box (docs/sharded-state.md);
     # the rest as whole tensors.
     boxed = [k for k in stored if "shards" in saved.tensors[k]]
-    stored = [k for k in stored if k not in set(boxed)]
+    boxed_set = set(boxed)
+    stored = [k for k in stored if k not in boxed_set]
     stored.sort(key=lambda k: (saved.tensors[k]["file"], saved.tensors[k]["offsets"][0]))
     meter = _Meter(progress, sum(_box_bytes(saved.tensors[k], target_of.get(k)) for k in own)
                    + sum(_box_bytes(saved.tensors[k], None) for k in boxed)
