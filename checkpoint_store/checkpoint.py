@@ -383,7 +383,8 @@ class Checkpoint:
             StateKeyError: a key or glob matches nothing, or ``into`` names a
                 key the state lacks; nothing read.
             StateMismatchError: an ``into`` tensor's dtype or shape differs,
-                or it cannot be written in place; nothing changed.
+                or it cannot be written in place, or two overlap in memory
+                without being the same view; nothing changed.
             InvalidConfigError: ``keys`` is not a string or strings, ``mmap``
                 or ``verify`` is not a bool, ``progress`` is not callable;
                 nothing read.

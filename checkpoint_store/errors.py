@@ -343,8 +343,10 @@ class StateMismatchError(InvalidConfigError, TypeError):
     """A tensor of ``into`` (``Checkpoint.load_state(into=...)``) cannot take
     the saved one in place: another dtype or shape, the saved entry is not
     a tensor, or the target cannot be written (a read-only numpy array, a
-    tensor whose elements share memory, as ``expand`` makes). Raised before
-    any tensor of ``into`` is changed.
+    tensor whose elements share memory, as ``expand`` makes); or two
+    targets share memory without being the same view (``t[0:2]`` and
+    ``t[1:3]``), or are one tensor under keys of different saved values.
+    Raised before any tensor of ``into`` is changed.
 
     Attributes:
         key: the flattened key at fault.

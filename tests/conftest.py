@@ -61,6 +61,15 @@ def _exclusive_or_shared(request, tmp_path_factory):
 
 
 @pytest.fixture
+def ranks():
+    """``run_ranks(n, fn)`` (tests/ranks.py): ``fn(rank)`` on n threads, each
+    rank's result or exception in rank order."""
+    from tests.ranks import run_ranks
+
+    return run_ranks
+
+
+@pytest.fixture
 def fresh_signal_handlers():
     """The test starts from the signal handlers and preemption state of a fresh
     process, and what was there is put back afterwards. Earlier tests of the

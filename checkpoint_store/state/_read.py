@@ -30,6 +30,7 @@ from checkpoint_store.errors import InvalidConfigError, StateMismatchError
 from checkpoint_store.state._fetch import _Fetcher, _from_buffer, _Maps, _new_tensor
 from checkpoint_store.state._index import read_state_index
 from checkpoint_store.state._into import _check_into, _fill, _into_leaves
+from checkpoint_store.state._overlap import check_apart, memory_of
 from checkpoint_store.state._select import _nodes, _patterns, _select, _selected, _tensor_refs
 from checkpoint_store.state._shards import (
     ShardIndex,
@@ -150,7 +151,10 @@ def load_state(
             holds a key the state lacks; nothing read.
         StateMismatchError: an ``into`` tensor has another dtype or shape
             (or the saved entry is no tensor), or is given under several keys
-            the state holds different values for; nothing changed.
+            the state holds different values for, or two ``into`` tensors
+            overlap in memory without being the same view (``t[0:2]`` and
+            ``t[1:3]``; interleaved views such as ``t[:, 0]`` and ``t[:, 1]``
+            are fine); nothing changed.
         TensorCorruptError: a tensor fails its checksum (``.tensor`` names
             it); every checksum is checked before ``into`` is changed.
         CheckpointCorruptError: ``state.json`` or the marker is damaged.
@@ -173,7 +177,9 @@ def load_state(
         if pats is not None:
             _select(saved.skeleton, nodes, pats)  # refuses a pattern matching nothing
             leaves = [k for k in leaves if _selected(k, pats)]
-            targets = {k: v for k, v in targets.items() if k in set(leaves)}
+            chosen = set(leaves)
+            targets = {k: v for k, v in targets.items() if k in chosen}
+        check_apart(targets)  # the targets this load fills: none may overlap another
         skeleton = _select(saved.skeleton, nodes, leaves)
     elif pats is not None:
         skeleton = _select(saved.skeleton, nodes, pats)
@@ -188,12 +194,14 @@ def load_state(
     # key of the same bytes may ask for another box, or for all of them.
     own = [k for k in wanted if _is_dtensor(target_of.get(k))
            or isinstance(target_of.get(k), StateSlice)]
+    own_set = set(own)
     stored = list(dict.fromkeys(saved.tensors[k].get("alias_of", k) for k in wanted
-                                if k not in set(own)))
+                                if k not in own_set))
     # Tensors stored in pieces are read box by box (docs/sharded-state.md);
     # the rest as whole tensors.
     boxed = [k for k in stored if "shards" in saved.tensors[k]]
-    stored = [k for k in stored if k not in set(boxed)]
+    boxed_set = set(boxed)
+    stored = [k for k in stored if k not in boxed_set]
     stored.sort(key=lambda k: (saved.tensors[k]["file"], saved.tensors[k]["offsets"][0]))
     meter = _Meter(progress, sum(_box_bytes(saved.tensors[k], target_of.get(k)) for k in own)
                    + sum(_box_bytes(saved.tensors[k], None) for k in boxed)
@@ -265,7 +273,7 @@ def _check_shared_targets(wanted: Iterable[str], target_of: Mapping[str, Any],
         target = target_of.get(key)
         if target is None:
             continue
-        seen = first.setdefault(_memory(target), (key, target, source_of(key)))
+        seen = first.setdefault(memory_of(target), (key, target, source_of(key)))
         if seen[0] == key:
             continue
         a, b = seen[2], source_of(key)
@@ -291,15 +299,3 @@ def _raw(t: Any) -> bytes:
         return np.ascontiguousarray(t).tobytes()
     torch = sys.modules["torch"]  # a torch tensor: torch is imported
     return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def _memory(target: Any) -> tuple[Any, ...]:
-    """What memory a load target writes: its address, shape and strides
-    (two views of the same elements are the same target)."""
-    t = target.tensor if isinstance(target, StateSlice) else target
-    if _is_dtensor(t):
-        t = t.to_local()
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(t, torch.Tensor):
-        return ("torch", t.data_ptr(), tuple(t.shape), t.stride(), str(t.dtype))
-    return ("numpy", t.__array_interface__["data"][0], t.shape, t.strides, t.dtype.str)

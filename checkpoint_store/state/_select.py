@@ -62,7 +62,7 @@ def _select(skeleton: Any, nodes: Mapping[str, Any], pats: list[str]) -> Any:
     selected; a list or tuple keeps its length, unselected positions None."""
     matched: set[str] = set()
     for p in pats:
-        hits = {k for k in nodes if k == p}
+        hits = {p} if p in nodes else set()
         if not hits and any(c in p for c in "*?["):
             hits = {k for k in nodes if fnmatch.fnmatchcase(k, p)}
         if not hits:

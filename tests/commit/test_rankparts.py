@@ -7,7 +7,6 @@ a background thread commits with."""
 from __future__ import annotations
 
 import posixpath
-import threading
 
 import pyarrow.fs as pafs
 import pytest
@@ -202,7 +201,8 @@ def test_storage_only_is_a_copy_that_never_uses_the_process_group(monkeypatch, t
     assert coord.uses_torch and coord._group is not None and coord._written == {"index": 3}
 
 
-def test_storage_only_copies_commit_through_markers_and_polls(monkeypatch, trial, tmp_path):
+def test_storage_only_copies_commit_through_markers_and_polls(monkeypatch, trial, tmp_path,
+                                                             ranks):
     coords = [c.storage_only() for c in _torch_coordinators(monkeypatch, trial, 2)]
 
     def collective(*args, **kwargs):
@@ -210,20 +210,12 @@ def test_storage_only_copies_commit_through_markers_and_polls(monkeypatch, trial
 
     monkeypatch.setattr(Coordinator, "_broadcast", collective)
     monkeypatch.setattr(Coordinator, "_barrier", collective)
-    out: list = [None, None]
 
-    def rank(r: int) -> None:
+    def rank(r: int) -> Checkpoint:
         src = Checkpoint.from_directory(_source(tmp_path, r))
-        try:
-            out[r] = coords[r].commit(4, src, {"metrics": {"r": r}})
-        except BaseException as exc:  # collected for the assertions below
-            out[r] = exc
+        return coords[r].commit(4, src, {"metrics": {"r": r}})
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out = ranks(2, rank, timeout=60)
     assert all(isinstance(c, Checkpoint) for c in out), out
     assert out[0].path == out[1].path
     meta = out[0].internal_metadata

@@ -8,7 +8,8 @@ then a third time with a tensor rank 1 cannot save. ``PLACEMENT`` ``tier``:
 each rank with a local tier of its own (``OUT_DIR/fast<rank>``).
 ``load``: every rank loads the newest checkpoint into DTensors on its own
 mesh (``PLACEMENT``: ``rows`` = Shard(0), ``cols`` = Shard(1)) and writes
-whether its local shards equal the expected slices, and the bytes it read.
+whether its local shards equal the expected slices, and the bytes it read;
+then that a target overlapping a DTensor's local shard is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +34,23 @@ def full_state(step: int) -> dict:
         },
         "step": step,
     }
+
+
+def _overlap_refused(ckpt, w) -> bool:
+    """A StateSlice over part of the DTensor ``w``'s local shard, under
+    another key, overlaps ``w``'s target: refused on every rank, naming both
+    keys, with nothing changed."""
+    from checkpoint_store.errors import StateMismatchError
+    from checkpoint_store.state import StateSlice
+
+    local = w.to_local()
+    before = local.clone()
+    try:
+        ckpt.load_state(into={"model": {"w": w, "emb": StateSlice(local[:2, :64], (0, 0))}})
+    except StateMismatchError as exc:
+        return ("'model/w'" in str(exc) and "'model/emb'" in str(exc)
+                and bool(torch.equal(local, before)))
+    return False
 
 
 def main() -> None:
@@ -111,6 +129,7 @@ def main() -> None:
                 ok[key] = bool(torch.equal(dt.to_local(), expect)) and out["model"][key] is dt
             ok["bias"] = bool(torch.equal(into["model"]["bias"], full["model"]["bias"]))
             ok["step"] = ckpt.load_state(keys="step")["step"] == 2
+            ok["overlap_refused"] = _overlap_refused(ckpt, into["model"]["w"])
             local_bytes = sum(into["model"][k].to_local().numel() * 4 for k in ("w", "emb"))
             result = {"rank": rank, "ok": ok, "read": sum(read), "local_bytes": local_bytes,
                       "checkpoint": ckpt.path}

@@ -85,27 +85,10 @@ def test_a_restart_of_a_state_trial_warms_for_its_size(tmp_path):
         assert session_internals(s).pipeline.staging._stager is None
 
 
-def test_a_restart_on_ranks_warms_each_rank_for_its_share(tmp_path):
+def test_a_restart_on_ranks_warms_each_rank_for_its_share(tmp_path, ranks):
     """Saved on 2 ranks (an 8 MiB tensor split by rows), resumed on 2: each
     rank's persist process runs before any report, and each rank faults
     about half the state, not the whole state nor the budget."""
-    import threading
-
-    def ranks(fn):
-        out: list = [None, None]
-
-        def run(r: int) -> None:
-            try:
-                out[r] = fn(r)
-            except BaseException as exc:  # collected for the asserts below
-                out[r] = exc
-
-        threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        return out
 
     def start(r: int, attempt: str):
         return session.start(storage_path=str(tmp_path / "store"), experiment_name="e",
@@ -130,8 +113,8 @@ def test_a_restart_on_ranks_warms_each_rank_for_its_share(tmp_path):
             s.report({"step": 2}, state=state)
             return started, resident
 
-    assert ranks(save) == [None, None]
-    got = ranks(resume)
+    assert ranks(2, save) == [None, None]
+    got = ranks(2, resume)
     for started, resident in got:
         assert started, got
         assert 4 * MiB <= resident < 6 * MiB, got  # its half of 8 MiB, not all of it

@@ -147,25 +147,6 @@ def gated_storage(location: str, gate: threading.Event, experiment: str = "e",
     return StorageContext.from_backend(gated, path, experiment, trial), handler
 
 
-def run_ranks(n: int, fn: Any, timeout: float = 120.0) -> list[Any]:
-    """Run ``fn(rank)`` for every rank in threads; each result or the exception raised."""
-    out: list[Any] = [None] * n
-
-    def target(rank: int) -> None:
-        try:
-            out[rank] = fn(rank)
-        except BaseException as exc:  # collected for the test to inspect
-            out[rank] = exc
-
-    threads = [threading.Thread(target=target, args=(r,), name=f"rank-{r}") for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), f"{t.name} did not finish within {timeout}s"
-    return out
-
-
 def tiered_rank(store: str | Path, rank: int, world_size: int, tier: str | Path, *,
                 refused: str | None = None, sync_timeout_s: float = 30) -> Any:
     """Rank ``rank`` of ``world_size`` (attempt ``a1``) of trial ``e/t`` on the

@@ -15,12 +15,3 @@ def durable(request, tmp_path) -> Durable:
 def durable_uri(request, tmp_path) -> Durable:
     """The persistent tier as a path or URI only (for the slower tests)."""
     return make_durable(request.param, request, tmp_path)
-
-
-
-
-@pytest.fixture
-def ranks():
-    from _tier_helpers import run_ranks
-
-    return run_ranks

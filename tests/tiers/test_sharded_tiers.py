@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _sharded_tier_worker import full_state, rank_state
-from _tier_helpers import child_env, run_ranks, tiered_rank
+from _tier_helpers import child_env, tiered_rank
 
 from checkpoint_store import Checkpoint, LocalTier, StorageContext, session
 from checkpoint_store.errors import CheckpointAbortedError
@@ -29,6 +29,7 @@ from checkpoint_store.session import Session
 from checkpoint_store.state import STATE_FILE, StateSlice
 from checkpoint_store.testing import session_internals
 from checkpoint_store.tiers import read_tier_state
+from tests.ranks import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "_sharded_tier_worker.py")
 
