@@ -323,6 +323,35 @@ def _refuse_existing(backend: Backend, path: str, names: list[str]) -> None:
                                  "export into a new or empty folder")
 
 
+def _refuse_inside_checkpoint(src_backend: Backend, src_path: str, backend: Backend,
+                              path: str) -> None:
+    """Raise before any write when the target ``path`` is at or below the
+    source's own folder, or below a committed checkpoint's folder (one
+    holding a commit marker; the folder itself is :func:`_refuse_existing`'s):
+    files added there are outside its manifest, and it would fail
+    verification (resume skips it).
+
+    Raises:
+        InvalidConfigError: naming the checkpoint.
+    """
+    same = (src_backend.filesystem is backend.filesystem
+            or src_backend.uri_for(src_path) == backend.uri_for(src_path))
+    base = src_path.rstrip("/")
+    if same and (path.rstrip("/") == base or path.startswith(base + "/")):
+        raise InvalidConfigError(
+            f"{backend.uri_for(path)} is inside the checkpoint it exports "
+            f"({src_backend.uri_for(src_path)}); export to a place outside it")
+    fs = backend.filesystem
+    at = posixpath.dirname(path.rstrip("/"))
+    while at and at not in ("/", "."):
+        if _fsutil.is_file(fs, posixpath.join(at, INTERNAL_METADATA)):
+            raise InvalidConfigError(
+                f"{backend.uri_for(path)} is inside the checkpoint {backend.uri_for(at)}: "
+                "files added there are outside its manifest and it would fail "
+                "verification; export to a place outside it")
+        at = posixpath.dirname(at)
+
+
 def _export_hf(source: Source, backend: Backend, path: str, prefix: str, name_prefix: str,
                max_shard_size: int, shared: str) -> Exported:
     items = hf_items(source, prefix, name_prefix, shared)
@@ -492,6 +521,7 @@ def export_checkpoint(
     dst_backend, dst_path = resolve(target, filesystem=target_filesystem,
                                     storage_options=target_storage_options)
     with open_source(src_backend, src_path, source_format) as src:
+        _refuse_inside_checkpoint(src_backend, src_path, dst_backend, dst_path)
         chosen = _default_prefix(src, format) if prefix is None else prefix
         if format == "hf":
             return _export_hf(src, dst_backend, dst_path, chosen, name_prefix,
