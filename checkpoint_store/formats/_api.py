@@ -405,6 +405,40 @@ def _delete_quietly(fs: pafs.FileSystem, path: str) -> None:
         pass
 
 
+def _refuse_dcp_files(backend: Backend, path: str) -> None:
+    """Raise when folder ``path`` holds ``.distcp`` files (an unfinished DCP
+    save's): a DCP export would overwrite some (``__0_0.distcp``) and leave
+    the others beside its ``.metadata``."""
+    files = _listing(backend, path) if _fsutil.exists(backend.filesystem, path) else {}
+    old = sorted(n for n in files or {} if n.endswith(".distcp"))
+    if old:
+        raise InvalidConfigError(f"{backend.uri_for(path)} holds DCP files already "
+                                 f"({old[0]!r}, ...); export into a new or empty folder")
+
+
+def _upload(local: str, backend: Backend, path: str) -> None:
+    """Copy a torch export written at ``local`` (a file, or a DCP folder) to
+    ``path``: a DCP ``.metadata`` last, so a folder never names files that
+    are not there yet; an upload that fails removes the files it put there.
+    """
+    fs = backend.filesystem
+    if os.path.isfile(local):
+        pairs = [(local, path)]
+    else:
+        names = sorted(os.listdir(local), key=lambda n: (n == ".metadata", n))
+        pairs = [(os.path.join(local, n), posixpath.join(path, n)) for n in names]
+        _fsutil.ensure_dir(fs, path, backend.capabilities)
+    done: list[str] = []
+    try:
+        for a, b in pairs:
+            done.append(b)
+            _copy(pafs.LocalFileSystem(), a, fs, b)
+    except BaseException:
+        for b in done:
+            _delete_quietly(fs, b)
+        raise
+
+
 def _subtree_skeleton(source: Source, prefix: str, keys: list[str]) -> Any:
     if source.skeleton is None:
         return {"dict": [[".".join(split_key(k)), {"tensor": k}] for k in keys]}
@@ -428,6 +462,7 @@ def _export_torch(source: Source, backend: Backend, path: str, prefix: str,
                                      "new file")
     else:
         _refuse_existing(backend, path, [".metadata"])
+        _refuse_dcp_files(backend, path)
     skeleton = _subtree_skeleton(source, prefix, keys)
     local = _fsutil.local_path(backend.filesystem, path)
     tmp = None if local is not None else tempfile.mkdtemp(prefix="checkpoint-store-export-")
@@ -442,7 +477,7 @@ def _export_torch(source: Source, backend: Backend, path: str, prefix: str,
             write_dcp(source, keys, skeleton, out)
             files = tuple(sorted(os.listdir(out)))
         if tmp is not None:
-            _copy(pafs.LocalFileSystem(), out, backend.filesystem, path)
+            _upload(out, backend, path)
     except BaseException:
         # The writers stream: a damaged tensor stops them half-way. Remove
         # what this export wrote (an upload happens only after the write).
