@@ -213,7 +213,8 @@ def open_source(backend: Backend, path: str, fmt: SourceFormat | None = None,
         yield SafetensorsSource(fs, path, {"": fs.get_file_info(path).size}
                                 if files is None else files, key_of)
     else:
-        from checkpoint_store.formats._torch import DCPSource, TorchSaveSource
+        from checkpoint_store.formats._dcp_source import DCPSource
+        from checkpoint_store.formats._torch import TorchSaveSource
 
         with _local_copy(backend, path) as local:
             if fmt == "dcp":
