@@ -213,7 +213,8 @@ def open_source(backend: Backend, path: str, fmt: SourceFormat | None = None,
         yield SafetensorsSource(fs, path, {"": fs.get_file_info(path).size}
                                 if files is None else files, key_of)
     else:
-        from checkpoint_store.formats._torch import DCPSource, TorchSaveSource
+        from checkpoint_store.formats._dcp_source import DCPSource
+        from checkpoint_store.formats._torch import TorchSaveSource
 
         with _local_copy(backend, path) as local:
             if fmt == "dcp":
@@ -323,6 +324,35 @@ def _refuse_existing(backend: Backend, path: str, names: list[str]) -> None:
                                  "export into a new or empty folder")
 
 
+def _refuse_inside_checkpoint(src_backend: Backend, src_path: str, backend: Backend,
+                              path: str) -> None:
+    """Raise before any write when the target ``path`` is at or below the
+    source's own folder, or below a committed checkpoint's folder (one
+    holding a commit marker; the folder itself is :func:`_refuse_existing`'s):
+    files added there are outside its manifest, and it would fail
+    verification (resume skips it).
+
+    Raises:
+        InvalidConfigError: naming the checkpoint.
+    """
+    same = (src_backend.filesystem is backend.filesystem
+            or src_backend.uri_for(src_path) == backend.uri_for(src_path))
+    base = src_path.rstrip("/")
+    if same and (path.rstrip("/") == base or path.startswith(base + "/")):
+        raise InvalidConfigError(
+            f"{backend.uri_for(path)} is inside the checkpoint it exports "
+            f"({src_backend.uri_for(src_path)}); export to a place outside it")
+    fs = backend.filesystem
+    at = posixpath.dirname(path.rstrip("/"))
+    while at and at not in ("/", "."):
+        if _fsutil.is_file(fs, posixpath.join(at, INTERNAL_METADATA)):
+            raise InvalidConfigError(
+                f"{backend.uri_for(path)} is inside the checkpoint {backend.uri_for(at)}: "
+                "files added there are outside its manifest and it would fail "
+                "verification; export to a place outside it")
+        at = posixpath.dirname(at)
+
+
 def _export_hf(source: Source, backend: Backend, path: str, prefix: str, name_prefix: str,
                max_shard_size: int, shared: str) -> Exported:
     items = hf_items(source, prefix, name_prefix, shared)
@@ -376,6 +406,40 @@ def _delete_quietly(fs: pafs.FileSystem, path: str) -> None:
         pass
 
 
+def _refuse_dcp_files(backend: Backend, path: str) -> None:
+    """Raise when folder ``path`` holds ``.distcp`` files (an unfinished DCP
+    save's): a DCP export would overwrite some (``__0_0.distcp``) and leave
+    the others beside its ``.metadata``."""
+    files = _listing(backend, path) if _fsutil.exists(backend.filesystem, path) else {}
+    old = sorted(n for n in files or {} if n.endswith(".distcp"))
+    if old:
+        raise InvalidConfigError(f"{backend.uri_for(path)} holds DCP files already "
+                                 f"({old[0]!r}, ...); export into a new or empty folder")
+
+
+def _upload(local: str, backend: Backend, path: str) -> None:
+    """Copy a torch export written at ``local`` (a file, or a DCP folder) to
+    ``path``: a DCP ``.metadata`` last, so a folder never names files that
+    are not there yet; an upload that fails removes the files it put there.
+    """
+    fs = backend.filesystem
+    if os.path.isfile(local):
+        pairs = [(local, path)]
+    else:
+        names = sorted(os.listdir(local), key=lambda n: (n == ".metadata", n))
+        pairs = [(os.path.join(local, n), posixpath.join(path, n)) for n in names]
+        _fsutil.ensure_dir(fs, path, backend.capabilities)
+    done: list[str] = []
+    try:
+        for a, b in pairs:
+            done.append(b)
+            _copy(pafs.LocalFileSystem(), a, fs, b)
+    except BaseException:
+        for b in done:
+            _delete_quietly(fs, b)
+        raise
+
+
 def _subtree_skeleton(source: Source, prefix: str, keys: list[str]) -> Any:
     if source.skeleton is None:
         return {"dict": [[".".join(split_key(k)), {"tensor": k}] for k in keys]}
@@ -399,6 +463,7 @@ def _export_torch(source: Source, backend: Backend, path: str, prefix: str,
                                      "new file")
     else:
         _refuse_existing(backend, path, [".metadata"])
+        _refuse_dcp_files(backend, path)
     skeleton = _subtree_skeleton(source, prefix, keys)
     local = _fsutil.local_path(backend.filesystem, path)
     tmp = None if local is not None else tempfile.mkdtemp(prefix="checkpoint-store-export-")
@@ -413,7 +478,7 @@ def _export_torch(source: Source, backend: Backend, path: str, prefix: str,
             write_dcp(source, keys, skeleton, out)
             files = tuple(sorted(os.listdir(out)))
         if tmp is not None:
-            _copy(pafs.LocalFileSystem(), out, backend.filesystem, path)
+            _upload(out, backend, path)
     except BaseException:
         # The writers stream: a damaged tensor stops them half-way. Remove
         # what this export wrote (an upload happens only after the write).
@@ -492,6 +557,7 @@ def export_checkpoint(
     dst_backend, dst_path = resolve(target, filesystem=target_filesystem,
                                     storage_options=target_storage_options)
     with open_source(src_backend, src_path, source_format) as src:
+        _refuse_inside_checkpoint(src_backend, src_path, dst_backend, dst_path)
         chosen = _default_prefix(src, format) if prefix is None else prefix
         if format == "hf":
             return _export_hf(src, dst_backend, dst_path, chosen, name_prefix,

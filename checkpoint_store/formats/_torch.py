@@ -1,10 +1,9 @@
 """The torch formats: ``torch.save`` files and torch.distributed.checkpoint (DCP)
 directories, read as :class:`~._sources.Source` and written from one.
 
-Reading uses torch's own loaders: ``torch.load(mmap=True, weights_only=True)``
+Reading uses torch's own loader: ``torch.load(mmap=True, weights_only=True)``
 (tensors stay memory-mapped views of the file; only JSON-like values are
-accepted) and ``torch.distributed.checkpoint.load`` with no process group,
-one tensor at a time (DCP's planner reads only that tensor's byte ranges).
+accepted); a DCP directory is read by :mod:`._dcp_source`.
 Writing streams, at most two tensors in memory: DCP's own save plans from
 meta-device placeholders and writes the ``.metadata``, and each tensor's
 file is written here as the ``torch.save`` archive DCP's writer would put
@@ -27,10 +26,10 @@ from typing import Any
 
 from checkpoint_store.errors import CheckpointCorruptError, FormatConversionError
 from checkpoint_store.formats._sources import CHUNK_BYTES, Entry, Source
-from checkpoint_store.state import DTYPES, escape_key, flatten_state, split_key
+from checkpoint_store.state import DTYPES, flatten_state
 from checkpoint_store.state._tree import build_tree, iter_leaves
 
-__all__ = ["DCPSource", "TorchSaveSource", "write_dcp", "write_torch_save"]
+__all__ = ["TorchSaveSource", "write_dcp", "write_torch_save"]
 
 _BY_TORCH = {t: name for name, (_, _n, t) in DTYPES.items() if t}
 DCP_METADATA = ".metadata"
@@ -97,130 +96,6 @@ class TorchSaveSource(Source):
     def chunks(self, key: str) -> Iterator[Any]:
         e = self.entries[key]
         yield from _pieces_of(_byte_view(self._values[e.alias_of or key]))
-
-
-class DCPSource(Source):
-    """The tensors and values of a local DCP directory, read one tensor at a
-    time with ``torch.distributed.checkpoint.load`` (no process group).
-
-    Keys come from DCP's ``planner_data`` (the path in the saved tree), so
-    ``{"model": sd}`` saved by DCP reads back as ``model/<name>``.
-
-    Raises (at construction):
-        CheckpointCorruptError: no ``.metadata`` (an unfinished save: DCP
-            writes it last; without it the data cannot be read).
-        FormatConversionError: a non-tensor entry that is not a JSON value.
-    """
-
-    kind = "dcp"
-
-    def __init__(self, path: str):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-        self.where, self.path = path, path
-        if not os.path.exists(os.path.join(path, DCP_METADATA)):
-            raise CheckpointCorruptError(
-                f"{path} has no DCP {DCP_METADATA}: the save did not finish (DCP writes it "
-                "last) and its data cannot be read; use an earlier checkpoint",
-                path=path, file=DCP_METADATA)
-        meta = dcp.FileSystemReader(path).read_metadata()
-        paths = meta.planner_data or {}
-        self._fqn: dict[str, str] = {}
-        self.entries, self.values = {}, {}
-        objects: list[tuple[str, str]] = []
-        for fqn, md in meta.state_dict_metadata.items():
-            parts = paths.get(fqn) or (fqn,)
-            key = "/".join(escape_key(p) for p in parts)
-            self._fqn[key] = fqn
-            if isinstance(md, BytesStorageMetadata):
-                objects.append((key, fqn))
-                continue
-            self.entries[key] = Entry(key, _dtype_name(md.properties.dtype, key),
-                                      tuple(int(n) for n in md.size))
-        if objects:
-            loaded: dict[str, Any] = {fqn: None for _, fqn in objects}
-            with self._damaged(None):
-                dcp.load(loaded, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-            for key, fqn in objects:
-                value = loaded[fqn]
-                if not _is_json(value):
-                    raise FormatConversionError(
-                        f"DCP entry {fqn!r} of {path} is a {type(value).__name__}, not a "
-                        "tensor or JSON value; a state cannot hold it", key=key)
-                self.values[key] = value
-        self.skeleton = nested_skeleton(list(self.entries), self.values)
-
-    def load(self, key: str) -> Any:
-        """Tensor ``key``, read from the directory now."""
-        import torch
-        import torch.distributed.checkpoint as dcp
-
-        e = self.entries[key]
-        t = torch.empty(e.shape, dtype=getattr(torch, str(DTYPES[e.dtype][2])))
-        sd = {self._fqn[key]: t}
-        with self._damaged(key):
-            dcp.load(sd, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
-        return sd[self._fqn[key]]
-
-    @contextmanager
-    def _damaged(self, key: str | None) -> Iterator[None]:
-        """Around a ``dcp.load``: a file DCP cannot read (truncated, not a
-        zip, missing) is a :class:`CheckpointCorruptError` naming ``key``."""
-        try:
-            with _quiet():
-                yield
-        except (RuntimeError, OSError, EOFError, ValueError) as exc:
-            what = f"tensor {key!r}" if key else "a value"
-            raise CheckpointCorruptError(
-                f"{what} of DCP directory {self.path} cannot be read "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                "its files are damaged or missing: use an earlier checkpoint",
-                path=self.path) from exc
-
-    def chunks(self, key: str) -> Iterator[Any]:
-        yield from _pieces_of(_byte_view(self.load(key)))
-
-
-def _is_json(value: Any) -> bool:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_is_json(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_json(v) for k, v in value.items())
-    return False
-
-
-def nested_skeleton(tensor_keys: list[str], values: dict[str, Any]) -> Any:
-    """A state skeleton nesting flattened keys as dicts at each ``/``.
-
-    Raises:
-        FormatConversionError: one key is both a leaf and a subtree.
-    """
-    root: dict[str, Any] = {}
-    leaves = [(k, {"tensor": k}) for k in tensor_keys]
-    leaves += [(k, {"value": v}) for k, v in values.items()]
-    for key, leaf in leaves:
-        node = root
-        parts = split_key(key)
-        for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            have = node.get(part)
-            if have is not None and (last or "__leaf__" in have):
-                raise FormatConversionError(
-                    f"key {key!r} is both a value and a subtree", key=key)
-            if last:
-                node[part] = {"__leaf__": leaf}
-            else:
-                node = node.setdefault(part, {})
-
-    def build(node: dict[str, Any]) -> Any:
-        if "__leaf__" in node:
-            return node["__leaf__"]
-        return {"dict": [[k, build(v)] for k, v in node.items()]}
-
-    return build(root)
 
 
 class _Storage:
@@ -442,11 +317,55 @@ def write_dcp(source: Source, keys: list[str], skeleton: Any, path: str) -> None
     import torch.distributed.checkpoint as dcp
 
     slots = _placeholders(source, keys)
+    tree = build_tree(skeleton, slots.__getitem__)
+    pickled = _pickled_whole(tree)
+    if pickled:
+        # DCP pickles these whole (a tuple, a list of plain values): they
+        # need their bytes, read here (small, as values of that kind are).
+        real: dict[int, Any] = {}
+        for k, t in list(slots.items()):
+            if id(t) in pickled:
+                if id(t) not in real:
+                    real[id(t)] = _read_tensor(source, k)
+                slots[k] = real[id(t)]
+        tree = build_tree(skeleton, slots.__getitem__)
     by_id = {id(t): (e.alias_of or k) for k, t in slots.items()
              for e in (source.entries[k],)}
-    tree = build_tree(skeleton, slots.__getitem__)
     with _quiet():
         dcp.save(tree, storage_writer=_dcp_writer(path, source, by_id), no_dist=True)
+
+
+def _pickled_whole(tree: Any) -> set[int]:
+    """The ``id`` of each tensor of ``tree`` that DCP does not save as a
+    tensor but inside a value it pickles whole (its own flattening: it
+    walks dicts and lists that hold tensors, nothing else)."""
+    import torch
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(tree)
+    out: set[int] = set()
+    stack = [v for v in flat.values() if not isinstance(v, torch.Tensor)]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            out.add(id(v))
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return out
+
+
+def _read_tensor(source: Source, key: str) -> Any:
+    """Tensor ``key`` of ``source`` read into a new CPU tensor (checked as
+    the source checks it)."""
+    import torch
+
+    e = source.entries[key]
+    t = torch.empty(e.shape, dtype=getattr(torch, str(DTYPES[e.dtype][2])))
+    if e.nbytes:
+        _fill(source, key, t.reshape(-1).view(torch.uint8).numpy())
+    return t
 
 
 def _dcp_writer(path: str, source: Source, by_id: dict[int, str]) -> Any:

@@ -240,3 +240,72 @@ def test_a_truncated_dcp_file_is_a_corrupt_checkpoint_on_import(tmp_path: Any) -
     with pytest.raises(CheckpointCorruptError, match="DCP directory .* cannot be read"):
         import_checkpoint(src, str(tmp_path / "ck"))
     assert not (tmp_path / "ck" / ".internal_metadata.json").exists()
+
+
+@pytest.mark.parametrize("fmt,name", [("torch_save", "x.pt"), ("dcp", "sub/dcp"),
+                                      ("hf", "sub/hf")])
+def test_an_export_under_a_committed_checkpoint_writes_nothing(fmt: str, name: str,
+                                                               tmp_path: Any, make) -> None:
+    """Found by a new user's try: ``export CKPT CKPT/model.pt`` (or a folder
+    below it) wrote into the committed checkpoint, which then failed
+    verification. A target at or below a checkpoint's folder is refused, as
+    is one inside the source itself (an uncommitted ``from_state`` folder)."""
+    from checkpoint_store import Checkpoint
+
+    for kind in ("local", "memory"):
+        place = make(kind)
+        ck = place.persist_state(tmp_path, {"model": {"w": torch.zeros(2)}, "step": 1})
+        before = _files(place, "exp")
+        with pytest.raises(InvalidConfigError, match="inside the checkpoint"):
+            export_checkpoint(ck, f"{ck.uri}/{name}", format=fmt)
+        assert _files(place, "exp") == before
+        ck.verify()
+    src = Checkpoint.from_state({"model": {"w": torch.zeros(2)}}, str(tmp_path / "state"))
+    before = sorted(os.listdir(src.path))
+    with pytest.raises(InvalidConfigError, match="inside the checkpoint"):
+        export_checkpoint(src, str(tmp_path / "state" / name), format=fmt)
+    assert sorted(os.listdir(src.path)) == before
+
+
+def test_a_dcp_export_never_overwrites_a_folder_of_dcp_files(tmp_path: Any, make) -> None:
+    """Found by a new user's try: a folder left by an unfinished DCP save
+    (``.distcp`` files, no ``.metadata``) was exported into: the export
+    overwrote ``__0_0.distcp``, and files of the old save stayed beside the
+    new ``.metadata``. Any ``.distcp`` there is refused before a write."""
+    place = make("local")
+    ck = place.persist_state(tmp_path, {"model": {"w": torch.zeros(2)}, "step": 1})
+    target = place.loc("dcp")
+    os.makedirs(target)
+    for name in ("__0_0.distcp", "__1_0.distcp"):
+        with open(os.path.join(target, name), "wb") as f:
+            f.write(b"old save")
+    with pytest.raises(InvalidConfigError, match="DCP files"):
+        export_checkpoint(ck, target, format="dcp")
+    assert sorted(os.listdir(target)) == ["__0_0.distcp", "__1_0.distcp"]
+    assert open(os.path.join(target, "__0_0.distcp"), "rb").read() == b"old save"
+
+
+@pytest.mark.parametrize("fmt,name,fail", [("dcp", "dcp", "__0_2.distcp"),
+                                           ("dcp", "dcp2", ".metadata"),
+                                           ("torch_save", "x.pt", "x.pt")])
+def test_a_failed_upload_leaves_nothing_at_the_target(fmt: str, name: str, fail: str,
+                                                      tmp_path: Any, make) -> None:
+    """Found by a new user's try: a torch.save or DCP export to an object
+    store is written locally, then uploaded; an upload failing half-way left
+    the files uploaded so far (a ``.metadata`` among them, whichever order
+    the listing gave), a DCP folder that looked complete. The ``.metadata``
+    is uploaded last, and a failed upload removes what it put there."""
+    import pyarrow.fs as pafs
+
+    from checkpoint_store.testing.faults import faulty_filesystem
+
+    ck = make("local").persist_state(
+        tmp_path, {"model": {f"w{i}": torch.full((100,), float(i)) for i in range(4)},
+                   "step": 1})
+    inner = pafs.PyFileSystem(pafs.FSSpecHandler(__import__("fsspec").filesystem("memory")))
+    fs = faulty_filesystem(inner, permanent={"write": "no_space"}, path_contains=fail)
+    root = f"/upload-{os.getpid()}-{name}"
+    with pytest.raises(OSError, match="No space left"):
+        export_checkpoint(ck, f"{root}/{name}", format=fmt, target_filesystem=fs)
+    sel = pafs.FileSelector(root, allow_not_found=True, recursive=True)
+    assert [i.path for i in inner.get_file_info(sel) if i.type == pafs.FileType.File] == []
