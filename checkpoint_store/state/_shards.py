@@ -51,6 +51,7 @@ from checkpoint_store.errors import (
     TensorCorruptError,
     UnsupportedStateError,
 )
+from checkpoint_store.state._tiles import HOLE_FRACTION, band_crcs, tile_crcs, unpack
 from checkpoint_store.state._tree import DTYPES, escape_key, join_key
 
 __all__ = [
@@ -423,6 +424,14 @@ def block_crcs(data: Any, row_bytes: int) -> list[Any]:
 
 # -- rank 0: one index of the logical state ---------------------------------------
 
+#: A piece's partial-read checksums: dropped when it is the whole tensor.
+_CHECKS = ("blocks", "tiles")
+
+
+def _whole(e: Mapping[str, Any]) -> dict[str, Any]:
+    """A one-rank entry from a piece that is its whole tensor."""
+    return {k: v for k, v in e.items() if k not in _CHECKS}
+
 
 def _volume(shape: Sequence[int]) -> int:
     return math.prod(shape)
@@ -463,7 +472,7 @@ def merge_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             if "alias_of" in box:
                 aliases[key] = box["alias_of"]
             else:
-                out[key] = {k: v for k, v in part["tensors"][key].items() if k != "blocks"}
+                out[key] = _whole(part["tensors"][key])
     for key in keys:
         alias = parts[0]["sharding"][key].get("alias_of")
         if alias is not None:
@@ -492,19 +501,18 @@ def merge_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if not _volume(shape):
             # No bytes to place: one entry of the logical shape (a rank that
             # writes none of it saved an empty 1-D piece, not of that shape).
-            out[key] = {**{k: v for k, v in first.items() if k != "blocks"},
-                        "shape": list(shape)}
+            out[key] = {**_whole(first), "shape": list(shape)}
             continue
         if (len(pieces) == 1 and list(first["shape"]) == list(shape)
                 and not any(pieces[0][2]["offset"])):
-            out[key] = {k: v for k, v in first.items() if k != "blocks"}
+            out[key] = _whole(first)
             continue
         entry: dict[str, Any] = {"dtype": first["dtype"], "shape": list(shape),
                                  "framework": first["framework"]}
         entry["shards"] = [
             {"file": e["file"], "offsets": list(e["offsets"]), "crc32c": e["crc32c"],
              "offset": list(box["offset"]), "shape": list(e["shape"]),
-             **({"blocks": e["blocks"]} if "blocks" in e else {})}
+             **{k: e[k] for k in _CHECKS if k in e}}
             for _, e, box in pieces]
         why = ShardIndex.why_not_tiling(entry)
         if why:
@@ -654,53 +662,139 @@ def _check(path: str, key: str, piece: Mapping[str, Any], data: memoryview,
             raise _corrupt(path, key, piece, f"block {i} crc32c {got}, the index says {want}")
 
 
+@dataclass
+class _PieceRead:
+    """What :func:`read_box` reads of one piece: its rows ``[a, b)`` and
+    columns ``[ca, cb)`` (indexes of dimension 1; ``[0, 1)`` for a piece of
+    fewer than 2 dimensions), each column ``col_bytes`` long.
+
+    ``segs`` (a 2-D uint8 view, one row per row read) holds those columns'
+    bytes once ``jobs`` (for :meth:`_Fetcher.fill`) are done; ``buf`` the
+    memory behind it; ``nbytes`` what the jobs read. Checked by ``tiles``
+    (a read of some columns), else by the ``blocks`` CRCs given (whole rows
+    of some blocks), else by the piece's CRC (the whole piece).
+    """
+
+    piece: Mapping[str, Any]
+    a: int
+    b: int
+    ca: int
+    cb: int
+    col_bytes: int
+    buf: Any
+    segs: Any
+    jobs: list[tuple[str, int, memoryview]]
+    nbytes: int
+    tiles: bool = False
+    blocks: list[Any] | None = None
+
+
+def _plan(piece: Mapping[str, Any], lo: Sequence[int], hi: Sequence[int],
+          size: int) -> _PieceRead:
+    """How to read the part of ``piece`` inside the box ``[lo, hi)``: the
+    columns it needs rounded out to its tiles when it has tiles and that
+    leaves out some columns; else the rows it needs rounded out to its
+    blocks (:func:`_rows_read`)."""
+    import numpy as np
+
+    off, sh, file, start = piece["offset"], piece["shape"], piece["file"], piece["offsets"][0]
+    n = sh[0] if sh else 1
+    m = sh[1] if len(sh) > 1 else 1
+    col_bytes = math.prod(sh[2:]) * size if len(sh) > 1 else size
+    row_bytes = m * col_bytes
+    r0, r1 = (max(lo[0], off[0]) - off[0], min(hi[0], off[0] + n) - off[0]) if sh else (0, 1)
+    tiles = piece.get("tiles")
+    if tiles is not None and len(sh) > 1:
+        rows, cols = tiles[0], tiles[1]
+        c0, c1 = max(lo[1], off[1]) - off[1], min(hi[1], off[1] + m) - off[1]
+        ca, cb = c0 // cols * cols, min(m, -(-c1 // cols) * cols)
+        if (ca, cb) != (0, m):
+            a, b = r0 // rows * rows, min(n, -(-r1 // rows) * rows)
+            return _segments(piece, a, b, ca, cb, col_bytes, row_bytes)
+    a, b, crcs = _rows_read(piece, r0, r1)
+    buf = np.empty((b - a) * row_bytes, dtype=np.uint8)
+    return _PieceRead(piece, a, b, 0, m, col_bytes, buf, buf.reshape(b - a, row_bytes),
+                      [(file, start + a * row_bytes, buf.data)], len(buf),
+                      blocks=crcs)
+
+
+def _segments(piece: Mapping[str, Any], a: int, b: int, ca: int, cb: int, col_bytes: int,
+              row_bytes: int) -> _PieceRead:
+    """Columns ``[ca, cb)`` of rows ``[a, b)`` of a piece: one read per
+    row, or one of their covering span when the holes between the rows'
+    segments are at most 1/:data:`HOLE_FRACTION` of the segments."""
+    import numpy as np
+
+    seg, at = (cb - ca) * col_bytes, ca * col_bytes
+    first = piece["offsets"][0] + a * row_bytes + at
+    if (row_bytes - seg) * HOLE_FRACTION <= seg:
+        buf = np.empty((b - a) * row_bytes, dtype=np.uint8)
+        span = buf.data[at:at + (b - a - 1) * row_bytes + seg]
+        return _PieceRead(piece, a, b, ca, cb, col_bytes, buf,
+                          buf.reshape(b - a, row_bytes)[:, at:at + seg],
+                          [(piece["file"], first, span)], len(span), tiles=True)
+    buf = np.empty((b - a, seg), dtype=np.uint8)
+    jobs = [(piece["file"], first + i * row_bytes, buf[i].data) for i in range(b - a)]
+    return _PieceRead(piece, a, b, ca, cb, col_bytes, buf, buf, jobs, buf.size, tiles=True)
+
+
+def _check_tiles(path: str, key: str, r: _PieceRead) -> None:
+    """Check each tile ``r`` read against the piece's tile CRCs."""
+    rows, cols, _ = r.piece["tiles"]
+    crcs = unpack(r.piece["tiles"])
+    per_row = -(-r.piece["shape"][1] // cols)
+    j0 = r.ca // cols
+    for top in range(r.a, r.b, rows):
+        got = band_crcs(r.segs[top - r.a:top - r.a + rows], cols * r.col_bytes)
+        first = top // rows * per_row + j0
+        for j, (crc, want) in enumerate(zip(got, crcs[first:first + len(got)], strict=True)):
+            if crc != want:
+                raise _corrupt(path, key, r.piece,
+                               f"tile ({top // rows}, {j0 + j}) crc32c {crc:08x}, the index "
+                               f"says {want:08x}")
+
+
 def read_box(fetch: Any, path: str, key: str, index: ShardIndex, lo: Sequence[int],
              dest: Any, *, verify: bool = True) -> int:
     """Fill ``dest`` (a numpy array: the box at ``lo`` of the logical tensor,
     its shape the box's) from the pieces that overlap it. Each piece is read
-    as the rows the box needs, rounded out to its checked blocks, and
-    checked before its bytes are copied. Returns the bytes read.
+    as the columns the box needs rounded out to its checked tiles (a piece
+    with tiles, when that leaves out some columns), else as the rows it
+    needs rounded out to its checked blocks; every piece read is checked
+    before any byte is copied into ``dest``. Returns the bytes read.
 
     Raises:
-        TensorCorruptError: a piece's bytes fail their checksum.
+        TensorCorruptError: a piece's bytes fail their checksum (``dest``
+            is unchanged).
     """
-    import numpy as np
-
     hi = [a + n for a, n in zip(lo, dest.shape, strict=True)]
     size = DTYPES[index.entry["dtype"]][0]
-    read = 0
-    jobs: list[tuple[dict[str, Any], int, int, list[Any] | None, Any]] = []
-    for piece in index.find(lo, hi):
-        off, sh = piece["offset"], piece["shape"]
-        row_bytes = math.prod(sh[1:]) * size if sh else size
-        if sh:
-            r0, r1 = max(lo[0], off[0]) - off[0], min(hi[0], off[0] + sh[0]) - off[0]
-        else:
-            r0, r1 = 0, 1
-        a, b, crcs = _rows_read(piece, r0, r1)
-        buf = np.empty((b - a) * row_bytes, dtype=np.uint8)
-        jobs.append((piece, a, b, crcs, buf))
-    fetch.fill([(p["file"], p["offsets"][0] + a * (len(buf) // max(1, b - a)), memoryview(buf))
-                for p, a, b, _, buf in jobs])
+    reads = [_plan(piece, lo, hi, size) for piece in index.find(lo, hi)]
+    fetch.fill([job for r in reads for job in r.jobs])
+    if verify:
+        for r in reads:
+            if r.tiles:
+                _check_tiles(path, key, r)
+            else:
+                per = r.piece["blocks"][0] if r.blocks is not None else 0
+                _check(path, key, r.piece, memoryview(r.buf), r.blocks,
+                       (r.cb - r.ca) * r.col_bytes, per)
     dtype = _np_dtype(index.entry["dtype"])
-    for piece, a, b, crcs, buf in jobs:
-        off, sh = piece["offset"], piece["shape"]
-        row_bytes = len(buf) // max(1, b - a)
-        read += len(buf)
-        if verify:
-            per = piece["blocks"][0] if crcs is not None else 0
-            _check(path, key, piece, memoryview(buf), crcs, row_bytes, per)
+    for r in reads:
+        off, sh = r.piece["offset"], r.piece["shape"]
         if not sh:
-            dest[()] = buf.view(dtype).reshape(())
+            dest[()] = r.buf.view(dtype).reshape(())
             continue
-        rows = buf.view(dtype).reshape([b - a, *sh[1:]])
-        src = tuple(slice(max(lo[d], off[d]) - off[d] - (a if d == 0 else 0),
-                          min(hi[d], off[d] + sh[d]) - off[d] - (a if d == 0 else 0))
+        data = r.segs.view(dtype).reshape([r.b - r.a, *([r.cb - r.ca] if len(sh) > 1 else []),
+                                          *sh[2:]])
+        start = [r.a, r.ca] + [0] * (len(sh) - 2)
+        src = tuple(slice(max(lo[d], off[d]) - off[d] - start[d],
+                          min(hi[d], off[d] + sh[d]) - off[d] - start[d])
                     for d in range(len(sh)))
         dst = tuple(slice(max(lo[d], off[d]) - lo[d], min(hi[d], off[d] + sh[d]) - lo[d])
                     for d in range(len(sh)))
-        dest[dst] = rows[src]
-    return read
+        dest[dst] = data[src]
+    return sum(r.nbytes for r in reads)
 
 
 def _np_dtype(name: str) -> Any:
@@ -762,9 +856,11 @@ def finish_part(directory: str, tensors: Mapping[str, Any],
                 sharding: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """A rank whose piece files are written into the local ``directory``:
     its part for rank 0's merge, ``{"tree", "tensors", "sharding"}``, each
-    piece of a split tensor given its block CRCs (read back from the files,
-    in the page cache). The rank's own ``state.json`` is removed: only rank
-    0's merged one is committed."""
+    piece of a split tensor given its block CRCs and, when its rows are wide,
+    its tile CRCs (:func:`~checkpoint_store.state._tiles.tile_crcs`; read
+    back from the files, in the page cache, on the thread that commits).
+    The rank's own ``state.json`` is removed: only rank 0's merged one is
+    committed."""
     import json
     import os
 
@@ -786,7 +882,9 @@ def finish_part(directory: str, tensors: Mapping[str, Any],
         row_bytes = (end - begin) // e["shape"][0] if e["shape"][0] else 0
         with open(os.path.join(directory, e["file"]), "rb") as f:
             data = os.pread(f.fileno(), end - begin, begin)
-        out[key] = {**e, "blocks": block_crcs(data, row_bytes)}
+        tiles = tile_crcs(data, e["shape"], DTYPES[e["dtype"]][0])
+        out[key] = {**e, "blocks": block_crcs(data, row_bytes),
+                    **({"tiles": tiles} if tiles is not None else {})}
     return {"tree": tree, "tensors": out, "sharding": dict(sharding)}
 
 
