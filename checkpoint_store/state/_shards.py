@@ -20,9 +20,13 @@ names); rank 0 merges the ranks' indexes (:func:`merge_parts`) into one
 tensor index of the whole logical state. A tensor written whole by one rank
 keeps the one-rank entry (``file``, ``offsets``, ``crc32c``); a tensor in
 pieces gets ``"shards"``: ``[{file, offsets, crc32c, offset, shape,
-blocks}]``, ``offset``/``shape`` the piece's box in the logical tensor and
-``blocks`` the CRC32C of every run of ``rows`` rows, so a reader that needs
-part of a piece reads and checks only the blocks that hold it. The pieces
+blocks, tiles}]``, ``offset``/``shape`` the piece's box in the logical
+tensor, ``blocks`` (``[rows, [CRC32C hex]]``) the CRC32C of every run of
+``rows`` rows, so a reader that needs some rows of a piece reads and checks
+only the blocks that hold them, and ``tiles`` (``[rows, columns, base64
+CRC32Cs]``, pieces with rows of 4 KiB or more: :mod:`._tiles`) the CRC32C
+of every tile of ``rows`` rows x ``columns`` indexes of dimension 1, so a
+reader that needs some columns reads and checks only those. The pieces
 must tile the logical tensor exactly (no gap, no overlap): the merge and
 every read check it, so a wrong reassembly cannot pass.
 
@@ -30,7 +34,7 @@ Reading on M ranks, :class:`ShardIndex` finds the pieces a requested box
 overlaps in O(pieces) to build and O(log + overlaps) per request (a grid of
 the pieces' boundaries, not the product of saved and requested pieces);
 :func:`read_box` reads them (only the byte ranges, rounded out to checked
-blocks) into the box's memory.
+blocks or tiles) into the box's memory.
 """
 
 from __future__ import annotations
