@@ -82,7 +82,8 @@ def _state(mib: int) -> dict[str, Any]:
 
 
 def _writes_and_reads(work: str, mib: int, ranks: int) -> dict[str, Any]:
-    from checkpoint_store.state._shards import merged_state_file, write_part
+    from checkpoint_store.state._placement import write_part
+    from checkpoint_store.state._shards import merged_state_file
 
     state = _state(mib)
     root = os.path.join(work, "sharded")
@@ -161,7 +162,7 @@ def _pieces(state: dict[str, Any], rank: int) -> list[Any]:
     """The bytes of ``rank``'s pieces of ``state`` on two ranks (uint8 arrays)."""
     import torch
 
-    from checkpoint_store.state._shards import localize
+    from checkpoint_store.state._placement import localize
 
     local, _ = localize(state, rank, 2)
     return [t.reshape(-1).view(torch.uint8).numpy() for t in local["model"].values()]

@@ -15,7 +15,7 @@ thousands of tiles, and the index is read whole by every reader.
 
 A read of columns ``[c0, c1)`` rounds them out to column bands and reads,
 in each row, only that segment: one ranged read per row of the box per
-piece (``_segments`` in :mod:`._shards`), unless the holes between the segments are at
+piece (``_segments`` in :mod:`._box`), unless the holes between the segments are at
 most :data:`HOLE_FRACTION` of them, when one read of the covering span is
 cheaper and costs at most that fraction more bytes.
 """

@@ -81,8 +81,6 @@ def main() -> None:
             latest = s.get_checkpoint().path
         result = {"rank": rank, "error": error, "latest": latest}
     else:
-        from checkpoint_store.state import _shards
-
         with session.start(storage_path=storage_path, experiment_name="exp", trial_name="t",
                            sync_timeout_s=60) as s:
             ckpt = s.get_checkpoint()
@@ -96,17 +94,17 @@ def main() -> None:
                     "wide": distribute_tensor(torch.zeros(64, 4096), mesh, place),
                 },
             }
+            import checkpoint_store.state._read as _read
+
             read: dict[str, int] = {}
-            real = _shards.read_box
+            real = _read.read_box
 
             def counting(*args, **kwargs):
                 n = real(*args, **kwargs)
                 read[args[2]] = read.get(args[2], 0) + n
                 return n
 
-            _shards.read_box = counting
-            import checkpoint_store.state._read as _read
-            _read.read_box = counting
+            _read.read_box = counting  # what load_state calls
             out = ckpt.load_state(into=into)
             ok = {}
             for key in ("w", "emb", "wide"):

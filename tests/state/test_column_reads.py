@@ -22,8 +22,9 @@ import torch
 from checkpoint_store import Checkpoint, StorageContext
 from checkpoint_store.errors import CheckpointCorruptError, TensorCorruptError
 from checkpoint_store.state import STATE_FILE, StateSlice, load_state
+from checkpoint_store.state._box import read_box
 from checkpoint_store.state._fetch import _Fetcher
-from checkpoint_store.state._shards import ShardIndex, read_box
+from checkpoint_store.state._shards import ShardIndex
 from checkpoint_store.state._tiles import tile_crcs, tile_shape
 from tests.state.test_sharded_state import _boxes, _index, _save
 

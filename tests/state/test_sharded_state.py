@@ -27,13 +27,9 @@ from checkpoint_store.errors import (
     TensorCorruptError,
 )
 from checkpoint_store.state import STATE_FILE, StateSlice, load_state, write_part
+from checkpoint_store.state._box import read_box
 from checkpoint_store.state._fetch import _Fetcher
-from checkpoint_store.state._shards import (
-    BLOCK_BYTES,
-    ShardIndex,
-    merged_state_file,
-    read_box,
-)
+from checkpoint_store.state._shards import BLOCK_BYTES, ShardIndex, merged_state_file
 
 WORKER = os.path.join(os.path.dirname(__file__), "_sharded_worker.py")
 MiB = 1 << 20
