@@ -13,8 +13,10 @@ prints one JSON object and the markdown rows of docs/benchmarks.md
   row split is what replicated tensors of 1 MiB and more get) on
   ``--ranks`` ranks: the bytes of each rank's files against an even share.
 - **Reads**: every rank of 2, 3 and 8 asks for its rows of every tensor
-  (``StateSlice``); bytes read per rank against its slice, and all ranks
-  together against the state.
+  (``StateSlice``), then for its columns (row pieces read as column
+  shards: the pieces' tiles); bytes read per rank against its slice, and
+  all ranks together against the state. With them, the CPU per GiB a save
+  spends on block and on tile CRCs. ``--io-only`` runs these alone.
 - **Blocked time**: two ranks (storage rendezvous, local disk) each report
   the state four times, waiting for each commit before the next report (a
   step longer than the save); the median time ``report()`` blocks after the
@@ -80,11 +82,8 @@ def _state(mib: int) -> dict[str, Any]:
 
 
 def _writes_and_reads(work: str, mib: int, ranks: int) -> dict[str, Any]:
-    import numpy as np
-    import pyarrow.fs as pafs
-
-    from checkpoint_store.state import StateSlice, load_state
-    from checkpoint_store.state._shards import merged_state_file, write_part
+    from checkpoint_store.state._placement import write_part
+    from checkpoint_store.state._shards import merged_state_file
 
     state = _state(mib)
     root = os.path.join(work, "sharded")
@@ -95,46 +94,75 @@ def _writes_and_reads(work: str, mib: int, ranks: int) -> dict[str, Any]:
     written = [sum(os.path.getsize(os.path.join(root, n)) for n in os.listdir(root)
                    if n.startswith(f"tensors-rank{r:05d}-")) for r in range(ranks)]
     even = sum(written) / ranks
+    reads = {str(m): _reads(root, state, m, cols=False) for m in (2, 3, 8)}
+    col_reads = {str(m): _reads(root, state, m, cols=True) for m in (2, 3, 8)}
+    return {"written": written, "max_over_even": max(written) / even, "reads": reads,
+            "col_reads": col_reads, "crc_cpu": _crc_cpu(state)}
+
+
+def _reads(root: str, state: dict[str, Any], m: int, *, cols: bool) -> dict[str, Any]:
+    """Every rank of ``m`` asks for its rows (``cols``: its columns) of every
+    tensor; the bytes ``read_box`` read per rank against its slice, and all
+    ranks together against the state."""
+    import numpy as np
+    import pyarrow.fs as pafs
+
+    from checkpoint_store.state import StateSlice, _read, load_state
+
     total = sum(t.nbytes for t in state["model"].values())
-    reads: dict[str, Any] = {}
-    from checkpoint_store.state import _read
+    per_rank = []
+    for r in range(m):
+        counted: list[int] = []
+        real = _read.read_box
 
-    for m in (2, 3, 8):
-        per_rank = []
-        for r in range(m):
-            counted: list[int] = []
-            real = _read.read_box
+        def counting(*a: Any, _real: Any = real, _c: list[int] = counted, **k: Any) -> int:
+            n = _real(*a, **k)
+            _c.append(n)
+            return n
 
-            def counting(*a: Any, _real: Any = real, _c: list[int] = counted, **k: Any) -> int:
-                n = _real(*a, **k)
-                _c.append(n)
-                return n
+        _read.read_box = counting
+        try:
+            into = {}
+            slice_bytes = 0
+            for key, t in state["model"].items():
+                d = 1 if cols else 0
+                a, b = t.shape[d] * r // m, t.shape[d] * (r + 1) // m
+                shape = (t.shape[0], b - a) if cols else (b - a, t.shape[1])
+                dest = np.empty(shape, dtype=np.float32)
+                slice_bytes += dest.nbytes
+                into[key] = StateSlice(dest, (0, a) if cols else (a, 0))
+            load_state(pafs.LocalFileSystem(), root, into={"model": into})
+        finally:
+            _read.read_box = real
+        per_rank.append({"read": sum(counted), "slice": slice_bytes})
+    return {"max_ratio": max(p["read"] / p["slice"] for p in per_rank),
+            "all_ranks_ratio": sum(p["read"] for p in per_rank) / total}
 
-            _read.read_box = counting
-            try:
-                into = {}
-                slice_bytes = 0
-                for key, t in state["model"].items():
-                    a, b = t.shape[0] * r // m, t.shape[0] * (r + 1) // m
-                    dest = np.empty((b - a, t.shape[1]), dtype=np.float32)
-                    slice_bytes += dest.nbytes
-                    into[key] = StateSlice(dest, (a, 0))
-                load_state(pafs.LocalFileSystem(), root, into={"model": into})
-            finally:
-                _read.read_box = real
-            per_rank.append({"read": sum(counted), "slice": slice_bytes})
-        reads[str(m)] = {
-            "max_ratio": max(p["read"] / p["slice"] for p in per_rank),
-            "all_ranks_ratio": sum(p["read"] for p in per_rank) / total,
-        }
-    return {"written": written, "max_over_even": max(written) / even, "reads": reads}
+
+def _crc_cpu(state: dict[str, Any]) -> dict[str, float]:
+    """CPU seconds per GiB a save spends on a piece's block CRCs and on its
+    tile CRCs (what ``finish_part`` adds to each piece, on the commit thread)."""
+    from checkpoint_store.state._shards import block_crcs
+    from checkpoint_store.state._tiles import tile_crcs
+
+    tensors = list(state["model"].values())
+    gib = sum(t.nbytes for t in tensors) / (1 << 30)
+    t0 = time.process_time()
+    for t in tensors:
+        block_crcs(t.numpy().tobytes(), t.shape[1] * 4)
+    blocks = time.process_time() - t0
+    t0 = time.process_time()
+    for t in tensors:
+        tile_crcs(t.numpy().tobytes(), list(t.shape), 4)
+    tiles = time.process_time() - t0
+    return {"blocks_s_per_gib": blocks / gib, "tiles_s_per_gib": tiles / gib}
 
 
 def _pieces(state: dict[str, Any], rank: int) -> list[Any]:
     """The bytes of ``rank``'s pieces of ``state`` on two ranks (uint8 arrays)."""
     import torch
 
-    from checkpoint_store.state._shards import localize
+    from checkpoint_store.state._placement import localize
 
     local, _ = localize(state, rank, 2)
     return [t.reshape(-1).view(torch.uint8).numpy() for t in local["model"].values()]
@@ -257,25 +285,36 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--io-only", action="store_true",
+                    help="only the writes and reads (no planning, no blocked time)")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="bench-sharded-")
     try:
-        out = {"planning": _planning(), "io": _writes_and_reads(work, args.mib, args.ranks),
-               "blocked": _blocked(work, args.mib),
-               "blocked_processes": _blocked_processes(work, args.mib),
-               "mib": args.mib, "ranks": args.ranks}
+        out: dict[str, Any] = {"io": _writes_and_reads(work, args.mib, args.ranks),
+                               "mib": args.mib, "ranks": args.ranks}
+        if not args.io_only:
+            out.update(planning=_planning(), blocked=_blocked(work, args.mib),
+                       blocked_processes=_blocked_processes(work, args.mib))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out, indent=1))
-    p, io, bl = out["planning"], out["io"], out["blocked"]
-    print(f"| planning {p['pieces']:,} x {p['boxes']:,} | {p['planned_s']:.2f} s "
-          f"(a scan per box: {p['scan_s_estimated']:.0f} s) | < 1 s |")
+    io = out["io"]
+    if "planning" in out:
+        p = out["planning"]
+        print(f"| planning {p['pieces']:,} x {p['boxes']:,} | {p['planned_s']:.2f} s "
+              f"(a scan per box: {p['scan_s_estimated']:.0f} s) | < 1 s |")
     print(f"| bytes written per rank, {args.ranks} ranks | max {io['max_over_even']:.3f}x "
           "an even share | <= 1.1x |")
-    for m, r in io["reads"].items():
-        print(f"| read on {m} ranks | max {r['max_ratio']:.3f}x its slice, all "
-              f"{r['all_ranks_ratio']:.3f}x the state | <= 1.1x |")
-    for what, b in (("processes", out["blocked_processes"]), ("threads", bl)):
+    for what, key in (("rows", "reads"), ("columns", "col_reads")):
+        for m, r in io[key].items():
+            print(f"| read on {m} ranks, by {what} | max {r['max_ratio']:.3f}x its slice, all "
+                  f"{r['all_ranks_ratio']:.3f}x the state | <= 1.1x |")
+    c = io["crc_cpu"]
+    print(f"| save CPU for tile CRCs | {c['tiles_s_per_gib']:.2f} s/GiB (blocks: "
+          f"{c['blocks_s_per_gib']:.2f} s/GiB) | small |")
+    if "planning" not in out:
+        return
+    for what, b in (("processes", out["blocked_processes"]), ("threads", out["blocked"])):
         print(f"| report() blocks, 2 ranks as {what} | {b['blocked_s'] * 1000:.0f} ms, "
               f"{b['ratio']:.2f}x a memcpy of the rank's share ({b['memcpy_s'] * 1000:.1f} ms; "
               f"{b['ratio_pieces']:.2f}x its pieces copied one by one, "

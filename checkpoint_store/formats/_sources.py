@@ -225,7 +225,7 @@ class StateSource(Source):
     def chunks(self, key: str) -> Iterator[Any]:
         e = self._index[self._index[key].get("alias_of", key)]
         if "shards" in e:  # pieces of many ranks: assembled, each piece checked
-            from checkpoint_store.state._shards import read_whole
+            from checkpoint_store.state._box import read_whole
 
             yield memoryview(read_whole(self.fs, self.path, self._sizes, key, e,
                                         chunked=self._chunked)).cast("B")

@@ -238,7 +238,7 @@ class StateStaging:
     def plan(self, state: Mapping[str, Any], rank: int = 0, world_size: int = 1) -> Planned:
         """The state's flat plan; a leaf that cannot be stored is refused here,
         before anything waits or is written. With ``world_size > 1``, the
-        plan of this rank's pieces (:func:`checkpoint_store.state._shards.localize`),
+        plan of this rank's pieces (:func:`checkpoint_store.state._placement.localize`),
         written under this rank's own file names; ``.sharding`` says where
         each piece lies in the logical state.
 
@@ -247,7 +247,8 @@ class StateStaging:
         """
         import dataclasses
 
-        from checkpoint_store.state._shards import local_whole, localize, rank_stem
+        from checkpoint_store.state._placement import local_whole, localize
+        from checkpoint_store.state._shards import rank_stem
         from checkpoint_store.state._staging import plan_state
 
         if world_size == 1:  # DTensors on a one-rank mesh: their local tensors

@@ -52,8 +52,9 @@ if TYPE_CHECKING:
         write_state,
     )
     from checkpoint_store.state._index import SavedState, local_state_index, read_state_index
+    from checkpoint_store.state._placement import RankLocal, StateSlice, write_part
     from checkpoint_store.state._read import load_state
-    from checkpoint_store.state._shards import RankLocal, StateSlice, merge_parts, write_part
+    from checkpoint_store.state._shards import merge_parts
     from checkpoint_store.state._staging_dir import (
         ENV_STAGING_DIR,
         scratch_dir,
@@ -119,12 +120,12 @@ _LAZY = {
     "ENV_STAGING_DIR": "checkpoint_store.state._staging_dir",
     "FlatState": "checkpoint_store.state._tree",
     "PART_BYTES": "checkpoint_store.state._fetch",
-    "RankLocal": "checkpoint_store.state._shards",
+    "RankLocal": "checkpoint_store.state._placement",
     "STATE_FILE": "checkpoint_store.state._files",
     "STATE_FORMAT_VERSION": "checkpoint_store.state._files",
     "SavedState": "checkpoint_store.state._index",
     "StateLayout": "checkpoint_store.state._tree",
-    "StateSlice": "checkpoint_store.state._shards",
+    "StateSlice": "checkpoint_store.state._placement",
     "StateWriter": "checkpoint_store.state._files",
     "TensorSpec": "checkpoint_store.state._tree",
     "encode_header": "checkpoint_store.state._files",
@@ -146,7 +147,7 @@ _LAZY = {
     "unescape_key": "checkpoint_store.state._tree",
     "verify_tensors": "checkpoint_store.state._verify",
     "write_buffers": "checkpoint_store.state._files",
-    "write_part": "checkpoint_store.state._shards",
+    "write_part": "checkpoint_store.state._placement",
     "write_state": "checkpoint_store.state._files",
 }
 

@@ -181,20 +181,20 @@ class _Fetcher:
                 if rel not in fds:
                     fds[rel] = os.open(os.path.join(self.local, rel), os.O_RDONLY)
 
-            def one(job: tuple[str, int, memoryview]) -> None:
-                rel, begin, view = job
-                got = 0
-                while got < len(view):
-                    n = os.preadv(fds[rel], [view[got:]], begin + got)
-                    if n == 0:
-                        raise CheckpointCorruptError(
-                            f"{rel!r} of {self.local!r} ended early at byte {begin + got}",
-                            path=self.root, file=rel)
-                    got += n
-                if self.on_read is not None:
-                    self.on_read(len(view))
+            def one(batch: Sequence[tuple[str, int, memoryview]]) -> None:
+                for rel, begin, view in batch:
+                    got = 0
+                    while got < len(view):
+                        n = os.preadv(fds[rel], [view[got:]], begin + got)
+                        if n == 0:
+                            raise CheckpointCorruptError(
+                                f"{rel!r} of {self.local!r} ended early at byte {begin + got}",
+                                path=self.root, file=rel)
+                        got += n
+                    if self.on_read is not None:
+                        self.on_read(len(view))
 
-            self._run(one, jobs)
+            self._run(one, _batches(jobs, self.concurrency))
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -208,6 +208,26 @@ class _Fetcher:
                                 thread_name_prefix="cs-state-read") as pool:
             for _ in pool.map(fn, items):
                 pass
+
+
+def _batches(jobs: Sequence[tuple[str, int, memoryview]],
+             n: int) -> list[Sequence[tuple[str, int, memoryview]]]:
+    """``jobs`` in order, cut into runs of about 1/``n`` of their bytes each
+    (a job is never cut): one task per run, so thousands of small reads (a
+    column slice's row segments) cost a thread hand-off each run, not each
+    read, while a few large ones still go one per thread."""
+    total = sum(len(j[2]) for j in jobs)
+    target = max(1, -(-total // max(1, n)))
+    out: list[Sequence[tuple[str, int, memoryview]]] = []
+    start, size = 0, 0
+    for i, job in enumerate(jobs):
+        size += len(job[2])
+        if size >= target:
+            out.append(jobs[start:i + 1])
+            start, size = i + 1, 0
+    if start < len(jobs):
+        out.append(jobs[start:])
+    return out
 
 
 class _Maps:

@@ -167,6 +167,7 @@ def _bad_entry(e: Any, sizes: Mapping[str, int]) -> str | None:
 def _bad_sharded(e: dict[str, Any], sizes: Mapping[str, int]) -> str | None:
     """Why a tensor stored in pieces (docs/sharded-state.md) cannot be read."""
     from checkpoint_store.state._shards import ShardIndex
+    from checkpoint_store.state._tiles import bad_tiles
 
     shards = e["shards"]
     if e.get("framework") not in ("torch", "numpy"):
@@ -192,6 +193,10 @@ def _bad_sharded(e: dict[str, Any], sizes: Mapping[str, int]) -> str | None:
                 and blocks[0] > 0 and isinstance(blocks[1], list)
                 and len(blocks[1]) == -(-(p["shape"][0] if p["shape"] else 1) // blocks[0])):
             return f"piece at {off} has bad blocks"
+        tiles = p.get("tiles")
+        why = bad_tiles(tiles, p["shape"]) if tiles is not None else None
+        if why:
+            return f"piece at {off} has bad tiles: {why}"
     return ShardIndex.why_not_tiling(e)
 
 

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from checkpoint_store.errors import InvalidConfigError, StateKeyError, StateMismatchError
+from checkpoint_store.state._placement import StateSlice, _is_dtensor, why_not_servable
 from checkpoint_store.state._select import _is_container
-from checkpoint_store.state._shards import StateSlice, _is_dtensor, why_not_servable
 from checkpoint_store.state._tree import DTYPES, escape_key, join_key
 
 

@@ -27,19 +27,14 @@ import pyarrow.fs as pafs
 
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.errors import InvalidConfigError, StateMismatchError
+from checkpoint_store.state._box import dest_array, read_box
 from checkpoint_store.state._fetch import _Fetcher, _from_buffer, _Maps, _new_tensor
 from checkpoint_store.state._index import read_state_index
 from checkpoint_store.state._into import _check_into, _fill, _into_leaves
 from checkpoint_store.state._overlap import check_apart, memory_of
+from checkpoint_store.state._placement import StateSlice, _is_dtensor, box_of_target
 from checkpoint_store.state._select import _nodes, _patterns, _select, _selected, _tensor_refs
-from checkpoint_store.state._shards import (
-    ShardIndex,
-    StateSlice,
-    _is_dtensor,
-    box_of_target,
-    dest_array,
-    read_box,
-)
+from checkpoint_store.state._shards import ShardIndex
 from checkpoint_store.state._tree import DTYPES, build_tree
 from checkpoint_store.state._verify import _check_all, _pieces
 

@@ -171,7 +171,7 @@ class FlatState:
     layout: StateLayout
     values: dict[str, Any]
     #: A rank's part of a sharded state: flattened key -> the piece's box
-    #: (:func:`checkpoint_store.state._shards.localize`); None for one rank.
+    #: (:func:`checkpoint_store.state._placement.localize`); None for one rank.
     sharding: dict[str, Any] | None = None
 
     @property

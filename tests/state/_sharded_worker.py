@@ -8,8 +8,9 @@ then a third time with a tensor rank 1 cannot save. ``PLACEMENT`` ``tier``:
 each rank with a local tier of its own (``OUT_DIR/fast<rank>``).
 ``load``: every rank loads the newest checkpoint into DTensors on its own
 mesh (``PLACEMENT``: ``rows`` = Shard(0), ``cols`` = Shard(1)) and writes
-whether its local shards equal the expected slices, and the bytes it read;
-then that a target overlapping a DTensor's local shard is refused.
+whether its local shards equal the expected slices, and the bytes it read
+and holds of each tensor; then that a target overlapping a DTensor's local
+shard is refused.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def full_state(step: int) -> dict:
             "w": torch.randn(1037, 300, generator=g),  # uneven rows on 2, 3, 4 and 8 ranks
             "emb": torch.randn(2048, 128, generator=g),
             "bias": torch.randn(300, generator=g),
+            "wide": torch.randn(64, 4096, generator=g),  # rows wide enough for tiles
         },
         "step": step,
     }
@@ -76,6 +78,7 @@ def main() -> None:
                         "w": distribute_tensor(full["model"]["w"], mesh, [Shard(0)]),
                         "emb": full["model"]["emb"],  # replicated, as DDP holds it
                         "bias": distribute_tensor(full["model"]["bias"], mesh, [Replicate()]),
+                        "wide": distribute_tensor(full["model"]["wide"], mesh, [Shard(0)]),
                     },
                     "step": step,
                 }
@@ -96,8 +99,6 @@ def main() -> None:
             latest = s.get_checkpoint().path
         result = {"rank": rank, "error": error, "latest": latest}
     else:
-        from checkpoint_store.state import _shards
-
         with session.start(storage_path=storage_path, experiment_name="exp", trial_name="t",
                            sync_timeout_s=60) as s:
             ckpt = s.get_checkpoint()
@@ -108,30 +109,31 @@ def main() -> None:
                     "w": distribute_tensor(torch.zeros(1037, 300), mesh, place),
                     "emb": distribute_tensor(torch.zeros(2048, 128), mesh, place),
                     "bias": torch.zeros(300),
+                    "wide": distribute_tensor(torch.zeros(64, 4096), mesh, place),
                 },
             }
-            read = []
-            real = _shards.read_box
+            import checkpoint_store.state._read as _read
+
+            read: dict[str, int] = {}
+            real = _read.read_box
 
             def counting(*args, **kwargs):
                 n = real(*args, **kwargs)
-                read.append(n)
+                read[args[2]] = read.get(args[2], 0) + n
                 return n
 
-            _shards.read_box = counting
-            import checkpoint_store.state._read as _read
-            _read.read_box = counting
+            _read.read_box = counting  # what load_state calls
             out = ckpt.load_state(into=into)
             ok = {}
-            for key in ("w", "emb"):
+            for key in ("w", "emb", "wide"):
                 dt = into["model"][key]
                 expect = distribute_tensor(full["model"][key], mesh, place).to_local()
                 ok[key] = bool(torch.equal(dt.to_local(), expect)) and out["model"][key] is dt
             ok["bias"] = bool(torch.equal(into["model"]["bias"], full["model"]["bias"]))
             ok["step"] = ckpt.load_state(keys="step")["step"] == 2
             ok["overlap_refused"] = _overlap_refused(ckpt, into["model"]["w"])
-            local_bytes = sum(into["model"][k].to_local().numel() * 4 for k in ("w", "emb"))
-            result = {"rank": rank, "ok": ok, "read": sum(read), "local_bytes": local_bytes,
+            local = {k: into["model"][k].to_local().numel() * 4 for k in ("w", "emb", "wide")}
+            result = {"rank": rank, "ok": ok, "read": read, "local": local,
                       "checkpoint": ckpt.path}
     with open(os.path.join(out_dir, f"{mode}-{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
 from checkpoint_store import StorageContext  # noqa: E402
-from checkpoint_store.state._shards import _why_not_placed  # noqa: E402
+from checkpoint_store.state._placement import _why_not_placed  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "_fsdp_tp_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
