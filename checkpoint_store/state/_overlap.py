@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpoint_store.errors import StateMismatchError
-from checkpoint_store.state._shards import StateSlice, _is_dtensor
+from checkpoint_store.state._placement import StateSlice, _is_dtensor
 
 __all__ = ["WINDOW_ELEMENTS", "check_apart", "memory_of"]
 
