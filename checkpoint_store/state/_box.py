@@ -99,11 +99,12 @@ class _PieceRead:
 
 
 def _plan(piece: Mapping[str, Any], lo: Sequence[int], hi: Sequence[int],
-          size: int) -> _PieceRead:
+          size: int, span_below: int = 0) -> _PieceRead:
     """How to read the part of ``piece`` inside the box ``[lo, hi)``: the
     columns it needs rounded out to its tiles when it has tiles and that
     leaves out some columns; else the rows it needs rounded out to its
-    blocks (:func:`_rows_read`)."""
+    blocks (:func:`_rows_read`). Rows narrower than ``span_below`` bytes
+    are read as one span, not one read per row (:func:`_segments`)."""
     import numpy as np
 
     off, sh, file, start = piece["offset"], piece["shape"], piece["file"], piece["offsets"][0]
@@ -119,7 +120,7 @@ def _plan(piece: Mapping[str, Any], lo: Sequence[int], hi: Sequence[int],
         ca, cb = c0 // cols * cols, min(m, -(-c1 // cols) * cols)
         if (ca, cb) != (0, m):
             a, b = r0 // rows * rows, min(n, -(-r1 // rows) * rows)
-            return _segments(piece, a, b, ca, cb, col_bytes, row_bytes)
+            return _segments(piece, a, b, ca, cb, col_bytes, row_bytes, span_below)
     a, b, crcs = _rows_read(piece, r0, r1)
     buf = np.empty((b - a) * row_bytes, dtype=np.uint8)
     return _PieceRead(piece, a, b, 0, m, col_bytes, buf, buf.reshape(b - a, row_bytes),
@@ -128,15 +129,17 @@ def _plan(piece: Mapping[str, Any], lo: Sequence[int], hi: Sequence[int],
 
 
 def _segments(piece: Mapping[str, Any], a: int, b: int, ca: int, cb: int, col_bytes: int,
-              row_bytes: int) -> _PieceRead:
+              row_bytes: int, span_below: int = 0) -> _PieceRead:
     """Columns ``[ca, cb)`` of rows ``[a, b)`` of a piece: one read per
     row, or one of their covering span when the holes between the rows'
-    segments are at most 1/:data:`HOLE_FRACTION` of the segments."""
+    segments are at most 1/:data:`HOLE_FRACTION` of the segments or the
+    rows are narrower than ``span_below`` bytes (an object store's
+    :data:`~._tiles.REMOTE_ROW_BYTES`)."""
     import numpy as np
 
     seg, at = (cb - ca) * col_bytes, ca * col_bytes
     first = piece["offsets"][0] + a * row_bytes + at
-    if (row_bytes - seg) * HOLE_FRACTION <= seg:
+    if (row_bytes - seg) * HOLE_FRACTION <= seg or row_bytes < span_below:
         buf = np.empty((b - a) * row_bytes, dtype=np.uint8)
         span = buf.data[at:at + (b - a - 1) * row_bytes + seg]
         return _PieceRead(piece, a, b, ca, cb, col_bytes, buf,
@@ -178,7 +181,8 @@ def read_box(fetch: Any, path: str, key: str, index: ShardIndex, lo: Sequence[in
     """
     hi = [a + n for a, n in zip(lo, dest.shape, strict=True)]
     size = DTYPES[index.entry["dtype"]][0]
-    reads = [_plan(piece, lo, hi, size) for piece in index.find(lo, hi)]
+    span_below = getattr(fetch, "span_below", 0)
+    reads = [_plan(piece, lo, hi, size, span_below) for piece in index.find(lo, hi)]
     fetch.fill([job for r in reads for job in r.jobs])
     if verify:
         for r in reads:

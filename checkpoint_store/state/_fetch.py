@@ -25,6 +25,7 @@ from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.clients import _client_of, _native_of, keeps_names
 from checkpoint_store.errors import CheckpointCorruptError
+from checkpoint_store.state._tiles import REMOTE_ROW_BYTES
 from checkpoint_store.state._tree import DTYPES
 
 __all__ = ["PART_BYTES"]
@@ -88,6 +89,11 @@ class _Fetcher:
         self.on_read = on_read
         self.concurrency = max(1, concurrency)
         self.local = _fsutil.local_path(fs, root)
+        #: Column reads of rows narrower than this read their covering span
+        #: (:data:`~._tiles.REMOTE_ROW_BYTES`): a request to an object store
+        #: costs more than the holes' bytes; local files and memory: 0.
+        self.span_below = (0 if self.local is not None or "memory" in fs.type_name
+                           or fs.type_name == "mock" else REMOTE_ROW_BYTES)
         self.native = _native_of(fs)
         # An fsspec client reads a range with one GET, no HEAD first: the one
         # behind the filesystem's handler, or the twin of a pyarrow S3 or

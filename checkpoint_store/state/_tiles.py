@@ -17,7 +17,9 @@ A read of columns ``[c0, c1)`` rounds them out to column bands and reads,
 in each row, only that segment: one ranged read per row of the box per
 piece (``_segments`` in :mod:`._box`), unless the holes between the segments are at
 most :data:`HOLE_FRACTION` of them, when one read of the covering span is
-cheaper and costs at most that fraction more bytes.
+cheaper and costs at most that fraction more bytes, or the rows are
+narrower than :data:`REMOTE_ROW_BYTES` on an object store, where a request
+costs more than the holes' bytes.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 __all__ = [
     "COL_BANDS",
     "HOLE_FRACTION",
+    "REMOTE_ROW_BYTES",
     "MIN_TILED_ROW_BYTES",
     "MIN_TILE_BYTES",
     "band_crcs",
@@ -57,6 +60,13 @@ MIN_TILED_ROW_BYTES = 4 << 10
 #: A column read's row segments are read as one covering span when the
 #: holes between them are at most 1/HOLE_FRACTION of the segments' bytes.
 HOLE_FRACTION = 16
+#: On an object store, a column read of rows narrower than this reads the
+#: covering span (whole rows of the band) instead of one ranged GET per
+#: row: a GET costs its latency (tens of ms on S3), about what 64 KiB-1 MiB
+#: of bandwidth costs at the requests in flight, so for narrower rows the
+#: extra bytes take less time than the extra requests. Local files (one
+#: ``preadv`` per row) and memory read per row whatever the width.
+REMOTE_ROW_BYTES = 64 << 10
 
 
 def tile_shape(shape: Sequence[int], itemsize: int) -> tuple[int, int] | None:

@@ -282,3 +282,39 @@ def test_column_shards_fetch_about_their_slice_from_s3(tmp_path, s3_server, s3_b
     assert state_bytes <= total <= 1.1 * state_bytes + 3 * metadata, (total, state_bytes)
     # One ranged GET per row of each piece and tensor, besides the metadata's.
     assert requests <= 3 * (2 * shape[0] + 10), requests
+
+
+def test_narrow_rows_on_s3_are_read_as_spans_not_a_get_per_row(
+        tmp_path, s3_server, s3_bucket) -> None:
+    """Rows narrower than REMOTE_ROW_BYTES on an object store: a column
+    read fetches the covering span (a few GETs per piece, its tiles still
+    checked) instead of one GET per row, which would cost each GET's
+    latency for a few KiB; the same read from a local file stays per row."""
+    from checkpoint_store.state._tiles import REMOTE_ROW_BYTES
+    from tests.backends.relay import CountingRelay
+
+    shape = (512, 4096)  # 16 KiB rows, tiled; a third of a row is 5.3 KiB
+    assert shape[1] * 4 < REMOTE_ROW_BYTES
+    w = _wide(12, shape)
+    root = _save(tmp_path, {"w": w}, 2)
+    relay = CountingRelay(s3_server.port)
+    try:
+        ctx = StorageContext(f"s3://{s3_bucket}/narrow", "exp", "t", storage_options={
+            **s3_server.storage_options("pyarrow"), "endpoint_url": relay.url})
+        ck = ctx.persist_checkpoint(Checkpoint.from_directory(root), 0, {})
+        for offset, box in _cols(shape, 3):
+            relay.reset()
+            dest = torch.empty(box)
+            ck.load_state(into={"w": StateSlice(dest, tuple(offset))})
+            assert torch.equal(dest, w[:, offset[1]:offset[1] + box[1]])
+            # Spans: the rows of both pieces (about the whole tensor), in a
+            # handful of requests besides the metadata's, not 512.
+            assert relay.received >= 0.9 * w.nbytes, relay.received
+            assert len(relay.requests) <= 24, len(relay.requests)
+    finally:
+        relay.close()
+    # A local file: one preadv per row, the slice's bytes.
+    for offset, box in _cols(shape, 3):
+        got, read = _read(root, "w", offset, box)
+        assert np.array_equal(got, w[:, offset[1]:offset[1] + box[1]].numpy())
+        assert read <= 1.1 * got.nbytes, read / got.nbytes
