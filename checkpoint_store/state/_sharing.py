@@ -37,12 +37,12 @@ numpy is imported only to decide a run of overlapping extents.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["PAIRWISE_RUN", "WINDOW_ELEMENTS", "Sharing", "extent", "find_sharing",
-           "layout_of", "view_ident"]
+           "layout_of", "tie_key", "view_ident"]
 
 #: Element addresses each view may contribute when the exact solver gives up
 #: (8 bytes each): beyond this a pair with overlapping extents counts as sharing.
@@ -67,6 +67,18 @@ def view_ident(t: Any) -> tuple[Any, ...]:
     if _is_torch(t):
         return ("torch", t.data_ptr(), tuple(t.shape), t.stride(), str(t.dtype))
     return ("numpy", t.__array_interface__["data"][0], t.shape, t.strides, t.dtype.str)
+
+
+def tie_key(t: Any) -> Hashable:
+    """What a save ties two entries of a state by (stores once, loads as one
+    tensor): the very same view (:func:`view_ident`) for a tensor or array
+    with elements in CPU memory, as :func:`find_sharing` groups them; else
+    the object itself (``id``: one tensor reachable twice)."""
+    if _is_torch(t):
+        kept = t.numel() != 0 and t.device.type == "cpu"
+    else:
+        kept = isinstance(t, sys.modules["numpy"].ndarray) and t.size != 0
+    return view_ident(t) if kept else id(t)
 
 
 def extent(t: Any) -> tuple[str, int, int] | None:
