@@ -15,7 +15,7 @@ without sharing an element (``t[:, 0]`` and ``t[:, 1]``; ``t[::2]`` and
 
 What "shares an element" means, and what deciding it costs, is
 :mod:`checkpoint_store.state._sharing`: the same rule a save applies to the
-tensors of a state (100,000 separate targets take about 0.9 s, 10 us a
+tensors of a state (100,000 separate targets take about 0.4 s, 4 us a
 target, Python).
 """
 
