@@ -292,9 +292,10 @@ class UnsupportedStateError(InvalidConfigError, TypeError):
     holds something the state format cannot store: a dict key that is
     neither a string nor an int, two keys of one dict that flatten alike, a
     leaf that is neither a tensor nor a JSON value (a set, bytes, an object),
-    a dtype safetensors has no name for, a cycle, or two tensors that overlap
-    in memory without being the same view (docs/state.md). Raised before the
-    first byte is written.
+    a dtype safetensors has no name for, a cycle, or two tensors that share
+    an element of memory without being the same view (docs/state.md; views
+    of one storage that share no element are stored each). Raised before
+    the first byte is written.
 
     Attributes:
         key: the flattened key of the entry at fault (``"model/layers/0"``;

@@ -29,11 +29,12 @@ import itertools
 import math
 import sys
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from checkpoint_store.errors import UnsupportedStateError
+from checkpoint_store.state._sharing import tie_key
 from checkpoint_store.state._tree import escape_key, join_key
 
 __all__ = [
@@ -292,7 +293,7 @@ def localize(tree: Any, rank: int, world_size: int) -> tuple[Any, dict[str, dict
         replaced by the piece this rank writes (an empty tensor when it
         writes none of it), and flattened key -> ``{"shape": the logical
         shape, "offset": the piece's offset in it}`` (``"alias_of"`` for a
-        tensor that is the very same object as an earlier one: tied weights);
+        tensor that is the very same view as an earlier one: tied weights);
         a :class:`RankLocal` entry becomes ``{str(rank): its value}``, its
         key marked ``{"rank_local": True}``.
 
@@ -302,7 +303,7 @@ def localize(tree: Any, rank: int, world_size: int) -> tuple[Any, dict[str, dict
             block); ``.key`` names it.
     """
     sharding: dict[str, dict[str, Any]] = {}
-    seen: dict[int, tuple[str, Any]] = {}
+    seen: dict[Hashable, tuple[str, Any]] = {}
 
     def walk(value: Any, key: str, root: bool, local: bool) -> Any:
         if isinstance(value, RankLocal):
@@ -313,7 +314,8 @@ def localize(tree: Any, rank: int, world_size: int) -> tuple[Any, dict[str, dict
             sharding[key] = {"rank_local": True}
             return walk({str(rank): value.value}, key, root, True)
         if _is_dtensor(value) or _is_array(value):
-            first = seen.get(id(value))
+            tie = id(value) if _is_dtensor(value) else tie_key(value)
+            first = seen.get(tie)
             if first is not None:
                 sharding[key] = {**sharding[first[0]], "alias_of": first[0]}
                 return first[1]
@@ -324,7 +326,7 @@ def localize(tree: Any, rank: int, world_size: int) -> tuple[Any, dict[str, dict
             else:
                 piece, box = _piece(value, key, rank, world_size)
             sharding[key] = box
-            seen[id(value)] = (key, piece)
+            seen[tie] = (key, piece)
             return piece
         if isinstance(value, Mapping):
             return {k: walk(v, join_key(key, escape_key(k), root=root), False, local)

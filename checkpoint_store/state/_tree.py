@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from checkpoint_store.errors import UnsupportedStateError
+from checkpoint_store.state._sharing import find_sharing
 
 __all__ = [
     "DTYPES",
@@ -228,28 +229,6 @@ def _check_json_leaf(value: Any, key: str, what: str = "state value at") -> None
             )
 
 
-def _extent(value: Any, framework: str) -> tuple[int, int, tuple[Any, ...]]:
-    """``(lo, hi, identity)``: the byte addresses a tensor's elements span
-    (``lo == hi`` for no elements) and what makes two views the very same one."""
-    if framework == "torch":
-        if value.numel() == 0 or value.device.type != "cpu":
-            return 0, 0, ()
-        item = value.element_size()
-        start = value.data_ptr()
-        span = sum((n - 1) * s for n, s in zip(value.shape, value.stride(), strict=True))
-        return start, start + (span + 1) * item, (
-            "torch", start, str(value.dtype), tuple(value.shape), tuple(value.stride()))
-    np = sys.modules["numpy"]
-    if value.size == 0 or not isinstance(value, np.ndarray):
-        return 0, 0, ()
-    try:
-        from numpy.lib.array_utils import byte_bounds
-    except ImportError:  # numpy < 2
-        byte_bounds = np.byte_bounds
-    lo, hi = byte_bounds(value)
-    return lo, hi, ("numpy", lo, value.dtype.str, value.shape, value.strides)
-
-
 def _spec_of(value: Any, key: str, framework: str) -> TensorSpec:
     if framework == "torch":
         torch = sys.modules["torch"]
@@ -295,9 +274,13 @@ def flatten_state(tree: Any) -> FlatState:
     Two entries that are the very same view of memory (same address, dtype,
     shape and strides: tied weights, one tensor reachable twice) are one
     tensor: the first in tree order is stored, the later ones become
-    ``layout.aliases`` and load as that same tensor object. Tensors that
-    merely share a storage without overlapping (slices of one buffer) are
-    stored each on its own and load as separate tensors.
+    ``layout.aliases`` and load as that same tensor object. Views of one
+    storage that share no element (slices of one buffer, ``t[:, 0]`` and
+    ``t[:, 1]``, ``t[::2]`` and ``t[1::2]``) are stored each on its own and
+    load as separate tensors. Deciding it costs a sort by address; only
+    tensors whose address ranges overlap are compared element by element
+    (:mod:`checkpoint_store.state._sharing`). CPU memory only: a tensor on
+    an accelerator is stored on its own.
 
     Args:
         tree: dicts (``str`` or ``int`` keys, as an optimizer's state has; any
@@ -317,20 +300,15 @@ def flatten_state(tree: Any) -> FlatState:
             keys of one dict flattening alike (``0`` and ``"0"``), a leaf of another
             type, an unsupported dtype or layout, a container holding itself,
             nesting deeper than :data:`MAX_DEPTH`, or two tensors that
-            overlap in memory without being the same view (``.clone()`` one
-            of them); ``.key`` names the entry.
+            share an element of memory without being the same view
+            (``.clone()`` one of them); ``.key`` names the entry.
     """
     tensors: dict[str, TensorSpec] = {}
     values: dict[str, Any] = {}
-    aliases: dict[str, str] = {}
-    extents: list[tuple[int, int, tuple[Any, ...], str]] = []
     on_path: set[int] = set()
 
     def tensor(value: Any, key: str, framework: str) -> dict[str, Any]:
         spec = _spec_of(value, key, framework)
-        lo, hi, ident = _extent(value, framework)
-        if hi > lo:
-            extents.append((lo, hi, ident, key))
         tensors[key] = spec
         values[key] = value
         return {"tensor": key}
@@ -391,37 +369,41 @@ def flatten_state(tree: Any) -> FlatState:
         )
 
     skeleton = walk(tree, "", 0)
-    _find_aliases(extents, tensors, values, aliases)
+    aliases = _find_aliases(tensors, values)
     return FlatState(StateLayout(skeleton, tensors, aliases), values)
 
 
-def _find_aliases(extents: list[tuple[int, int, tuple[Any, ...], str]],
-                  tensors: dict[str, TensorSpec], values: dict[str, Any],
-                  aliases: dict[str, str]) -> None:
-    """Turn exact repeats into aliases; refuse any other overlap in memory."""
-    order = {k: i for i, k in enumerate(tensors)}
-    extents.sort(key=lambda e: (e[0], order[e[3]]))
-    open_: list[tuple[int, int, tuple[Any, ...], str]] = []
-    for lo, hi, ident, key in extents:
-        open_ = [e for e in open_ if e[1] > lo]
-        for olo, _ohi, oident, okey in open_:
-            if oident == ident:
-                first, later = sorted((okey, key), key=order.__getitem__)
-                aliases[later] = aliases.get(first, first)
-                break
-            raise UnsupportedStateError(
-                f"tensors {okey!r} and {key!r} overlap in memory but are not the same "
-                "view (one is a slice, transpose or reshape of the other); the state "
-                "format stores each tensor's own bytes and would not restore that "
-                f"sharing: store one of them .clone()d (addresses {olo:#x}, {lo:#x})",
-                key=key,
-            )
-        else:
-            open_.append((lo, hi, ident, key))
+def _find_aliases(tensors: dict[str, TensorSpec], values: dict[str, Any]) -> dict[str, str]:
+    """The aliases of a flattened state (key -> the key stored for it), taken
+    out of ``tensors`` and ``values``; refuse two tensors that share an
+    element of memory without being the same view (:mod:`._sharing`).
+    Tensors off the CPU are not compared: each is copied to the host on its
+    own."""
+    found = find_sharing((k, v) for k, v in values.items() if _on_cpu(v))
+    if found.clash is not None:
+        first, second, why = found.clash
+        raise UnsupportedStateError(
+            f"tensors {first!r} and {second!r} overlap in memory but are not the same "
+            f"view ({why}: one is a slice, transpose or reshape of the other); the "
+            "state format stores each tensor's own bytes and would not restore that "
+            "sharing: store one of them .clone()d (numpy: .copy()). Views that share "
+            "no element (t[:, 0] and t[:, 1]; t[::2] and t[1::2]) are stored as they are",
+            key=second,
+        )
+    aliases: dict[str, str] = {}
+    for first, *later in found.same:  # each group in tree order
+        for key in later:
+            aliases[key] = first
+    # In tree order, as the skeleton lists them.
+    aliases = {k: aliases[k] for k in tensors if k in aliases}
     for key in aliases:
         tensors.pop(key)
         values.pop(key)
-    # A value popped above was an alias of the first; keep tree order for the rest.
+    return aliases
+
+
+def _on_cpu(value: Any) -> bool:
+    return not _is_torch(value) or value.device.type == "cpu"
 
 
 # -- bytes ----------------------------------------------------------------------

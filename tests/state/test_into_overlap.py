@@ -22,7 +22,9 @@ from hypothesis import strategies as st
 from checkpoint_store import Checkpoint, session
 from checkpoint_store.errors import StateMismatchError
 from checkpoint_store.state import STATE_FILE, StateSlice, load_state, write_state
-from checkpoint_store.state._overlap import _layout, _shared, _shared_in_window, check_apart
+from checkpoint_store.state._overlap import check_apart
+from checkpoint_store.state._sharing import _shared, _shared_in_window, layout_of
+from tests.state._views import BASE, bytes_of, views
 
 
 def _saved() -> dict[str, Any]:
@@ -161,45 +163,12 @@ def test_a_state_loaded_on_one_rank_with_load_state_itself(tmp_path) -> None:
 # -- the element test against brute force ------------------------------------------
 
 
-def _bytes_of(view: np.ndarray) -> set[int]:
-    lay = _layout(view)
-    assert lay is not None
-    out = set()
-    for idx in itertools.product(*(range(n) for n in lay.shape)):
-        at = lay.start + sum(i * s for i, s in zip(idx, lay.strides, strict=True))
-        out.update(range(at, at + lay.itemsize))
-    return out
-
-
-@st.composite
-def _views(draw: Any, base: np.ndarray) -> np.ndarray:
-    """A random view of ``base``: per dimension a slice with a step, maybe
-    reversed, then maybe transposed, maybe reinterpreted as bytes."""
-    sl = []
-    for n in base.shape:
-        start = draw(st.integers(0, n - 1))
-        stop = draw(st.integers(start + 1, n))
-        step = draw(st.integers(1, 3))
-        sl.append(slice(start, stop, step))
-    v = base[tuple(sl)]
-    if draw(st.booleans()):
-        v = v[::-1]
-    if draw(st.booleans()):
-        v = v.T
-    if draw(st.booleans()) and v.flags.c_contiguous:
-        v = v.view(np.uint8)
-    return v
-
-
-_BASE = np.zeros((6, 7), np.float32)
-
-
 @settings(max_examples=300, deadline=None)
-@given(a=_views(_BASE), b=_views(_BASE))
+@given(a=views(BASE), b=views(BASE))
 def test_the_element_test_matches_the_bytes_shared(a, b) -> None:
     """Refused iff the two views share a byte and are not the same view; the
     window comparison (used where numpy's solver gives up) agrees."""
-    shared = bool(_bytes_of(a) & _bytes_of(b))
+    shared = bool(bytes_of(a) & bytes_of(b))
     same = (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
             and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype)
     refused = True
@@ -209,14 +178,14 @@ def test_the_element_test_matches_the_bytes_shared(a, b) -> None:
     except StateMismatchError:
         pass
     assert refused == (shared and not same)
-    la, lb = _layout(a), _layout(b)
+    la, lb = layout_of(a), layout_of(b)
     assert la is not None and lb is not None
     assert (_shared(la, lb) is not None) == shared
     assert (_shared_in_window(np, la, lb) is not None) == shared
 
 
 @settings(max_examples=200, deadline=None)
-@given(views=st.lists(_views(_BASE), min_size=2, max_size=6), jointly=st.booleans())
+@given(views=st.lists(views(BASE), min_size=2, max_size=6), jointly=st.booleans())
 def test_several_views_are_refused_iff_two_share_a_byte(views, jointly) -> None:
     """Over several views at once, decided pair by pair or from all element
     addresses together (a long run of interleaved views): refused iff two
@@ -224,7 +193,7 @@ def test_several_views_are_refused_iff_two_share_a_byte(views, jointly) -> None:
     def ident(v: np.ndarray) -> tuple[Any, ...]:
         return (v.__array_interface__["data"][0], v.shape, v.strides, v.dtype.str)
 
-    expected = any(ident(a) != ident(b) and _bytes_of(a) & _bytes_of(b)
+    expected = any(ident(a) != ident(b) and bytes_of(a) & bytes_of(b)
                    for a, b in itertools.combinations(views, 2))
     refused = True
     try:
