@@ -410,6 +410,9 @@ def main(argv: list[str] | None = None, s3: Any = None) -> dict[str, Any]:
     ap.add_argument("--parts", default="blocked,restore,steady,faults,throughput,eviction")
     ap.add_argument("--link-rtt-ms", type=float, default=10.0)
     ap.add_argument("--link-mbit", type=float, default=1000.0)
+    ap.add_argument("--store-nice", type=int, default=0, metavar="N",
+                    help="run the S3 server this bench starts at nice N: stands for a "
+                         "store on other machines, whose CPU is not the loop's")
     ap.add_argument("--json", default=None, help="also write the result here")
     ap.add_argument("--merge-into", default=None, metavar="JSON",
                     help="replace the parts run here in the tiers section of this "
@@ -433,11 +436,15 @@ def main(argv: list[str] | None = None, s3: Any = None) -> dict[str, Any]:
         from checkpoint_store.testing.servers import S3Server
 
         s3 = S3Server.start()
+        if args.store_nice and s3.process is not None:
+            # Threads moto starts later (one per request) inherit it.
+            os.setpriority(os.PRIO_PROCESS, s3.process.pid, args.store_nice)
     from benchmarks.latency_link import Link
 
     res: dict[str, Any] = {"machine": machine(), "quick": quick, "reps": reps,
                            "shape": shape.name, "steady_shape": steady_shape.name,
                            "storage": "S3 (moto on 127.0.0.1)", "errors": {},
+                           "store_nice": args.store_nice if own else None,
                            "link": f"{args.link_rtt_ms:g} ms RTT, {args.link_mbit:g} Mbit/s"}
     t_start = time.time()
 
