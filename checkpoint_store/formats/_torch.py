@@ -20,7 +20,7 @@ import contextlib
 import io
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -191,22 +191,27 @@ def _preamble(writer: Any, pkl: bytes) -> None:
         writer.write_record(name, text.encode(), len(text))
 
 
-def _slots(source: Source, keys: list[str]) -> dict[str, _Tensor]:
-    """A :class:`_Tensor` of each key; tied keys share one (pickled once:
-    pickle's memo), so they load tied."""
-    import torch
-
-    slots: dict[str, _Tensor] = {}
+def _tied(source: Source, keys: list[str], make: Callable[[Entry], Any]) -> dict[str, Any]:
+    """``make(entry)`` of each key; a tied key and the key it aliases get
+    one object (pickled once, planned once: they load tied)."""
+    out: dict[str, Any] = {}
     for key in keys:
         e = source.entries[key]
-        if e.alias_of is not None and e.alias_of in slots:
-            slots[key] = slots[e.alias_of]
+        if e.alias_of is not None and e.alias_of in out:
+            out[key] = out[e.alias_of]
             continue
-        dtype = getattr(torch, str(DTYPES[e.dtype][2]))
-        slots[key] = _Tensor(_Storage("", e.alias_of or key, dtype, e.nbytes), e.shape)
+        out[key] = make(e)
         if e.alias_of is not None:
-            slots[e.alias_of] = slots[key]
-    return slots
+            out[e.alias_of] = out[key]
+    return out
+
+
+def _slots(source: Source, keys: list[str]) -> dict[str, _Tensor]:
+    """A :class:`_Tensor` of each key (tied keys: one, :func:`_tied`)."""
+    import torch
+
+    return _tied(source, keys, lambda e: _Tensor(_Storage(
+        "", e.alias_of or e.key, getattr(torch, str(DTYPES[e.dtype][2])), e.nbytes), e.shape))
 
 
 def write_torch_save(source: Source, keys: list[str], skeleton: Any, path: str) -> None:
@@ -234,28 +239,31 @@ def _fill(source: Source, key: str, out: Any) -> None:
     source.read_into(key, memoryview(out).cast("B"))
 
 
-def _write_storages(writer: Any, source: Source, order: list[_Storage]) -> None:
-    """Each storage of ``order`` as its ``data/<key>`` record, in order.
+def _read_ahead(source: Source, keys: Sequence[str],
+                sizes: Sequence[int]) -> Generator[Any, None, None]:
+    """Each tensor of ``keys`` in turn (``sizes``: their bytes) as a uint8
+    ``torch.UntypedStorage`` whose first bytes are that tensor's, read and
+    checked as the source checks them; valid until the next one is asked
+    for. Close the generator (``contextlib.closing``) to free its buffers
+    on an early exit.
 
-    Two buffers of the largest storage, made once and reused: the next
-    tensor is read (and its checksum checked) on a thread while this one is
-    written (``write_record`` releases the GIL), and no tensor costs a fresh
-    allocation, whose page faults took as long as the copy itself (an export
-    of 1 GiB in 64 MiB tensors: 2.06 s, against 0.4-0.5 s for ``torch.save``
-    of the same tensors from memory). Peak memory: the two buffers, within
-    the bound of two tensors the export promises."""
+    Two buffers of the largest tensor, made once and reused: the next
+    tensor is read on a thread while the caller writes this one (torch's
+    writers release the GIL), and no tensor costs a fresh allocation, whose
+    page faults took as long as the copy itself (an export of 1 GiB in
+    64 MiB tensors: 2.06 s, against 0.4-0.5 s for ``torch.save`` of the
+    same tensors from memory). Peak memory: the two buffers, within the
+    bound of two tensors the exports promise."""
     import mmap
     from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
     import torch
 
-    largest = max((st.nbytes for st in order), default=0)
-    if largest == 0:
-        for st in order:
-            writer.write_record(f"data/{st.key}", b"", 0)
+    if not keys:
         return
-    areas = [mmap.mmap(-1, largest) for _ in range(2 if len(order) > 1 else 1)]
+    largest = max(1, max(sizes))
+    areas = [mmap.mmap(-1, largest) for _ in range(2 if len(keys) > 1 else 1)]
     flats = [np.frombuffer(a, dtype=np.uint8) for a in areas]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frombuffer: "buffer is not writable" never applies
@@ -263,15 +271,14 @@ def _write_storages(writer: Any, source: Source, order: list[_Storage]) -> None:
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-store-format-read") as pool:
             def fill(i: int) -> None:
-                st = order[i]
-                _fill(source, st.source_key, flats[i % len(areas)][:st.nbytes])
+                _fill(source, keys[i], flats[i % len(areas)][:sizes[i]])
 
             pending = pool.submit(fill, 0)
-            for i, st in enumerate(order):
+            for i in range(len(keys)):
                 pending.result()
-                if i + 1 < len(order):
+                if i + 1 < len(keys):
                     pending = pool.submit(fill, i + 1)
-                writer.write_record(f"data/{st.key}", storages[i % len(areas)], st.nbytes)
+                yield storages[i % len(areas)]
     finally:
         flats.clear()
         storages.clear()
@@ -280,22 +287,22 @@ def _write_storages(writer: Any, source: Source, order: list[_Storage]) -> None:
                 a.close()
 
 
+def _write_storages(writer: Any, source: Source, order: list[_Storage]) -> None:
+    """Each storage of ``order`` as its ``data/<key>`` record, in order,
+    read ahead (:func:`_read_ahead`)."""
+    filled = _read_ahead(source, [st.source_key for st in order], [st.nbytes for st in order])
+    with contextlib.closing(filled):
+        for st, storage in zip(order, filled, strict=True):
+            writer.write_record(f"data/{st.key}", storage, st.nbytes)
+
+
 def _placeholders(source: Source, keys: list[str]) -> dict[str, Any]:
     """``keys`` as meta-device tensors of their dtype and shape (no bytes);
-    an alias is the same object as the tensor it aliases."""
+    an alias is the same object as the tensor it aliases (:func:`_tied`)."""
     import torch
 
-    out: dict[str, Any] = {}
-    for key in keys:
-        e = source.entries[key]
-        if e.alias_of is not None and e.alias_of in out:
-            out[key] = out[e.alias_of]
-            continue
-        out[key] = torch.empty(e.shape, dtype=getattr(torch, str(DTYPES[e.dtype][2])),
-                               device="meta")
-        if e.alias_of is not None:
-            out[e.alias_of] = out[key]
-    return out
+    return _tied(source, keys, lambda e: torch.empty(
+        e.shape, dtype=getattr(torch, str(DTYPES[e.dtype][2])), device="meta"))
 
 
 def write_dcp(source: Source, keys: list[str], skeleton: Any, path: str) -> None:
@@ -423,55 +430,30 @@ def _fsync(path: str) -> None:
 def _write_tensor_files(source: Source, jobs: list[tuple[str, str, Any, str]]) -> list[int]:
     """Each ``(file path, _, _, key)`` of ``jobs`` as a file holding the
     ``torch.save`` archive of tensor ``key`` alone; returns each file's
-    size once every file is fsynced. Two buffers of the largest tensor,
-    reused, the next tensor read (and checked) on a thread while this one
-    is written, as :func:`_write_storages` does; each written file is
-    fsynced on a third thread while the next ones are written (DCP's own
-    writer fsyncs each file before it starts the next)."""
-    import mmap
+    size once every file is fsynced. The tensors are read ahead
+    (:func:`_read_ahead`), and each written file is fsynced on another
+    thread while the next ones are written (DCP's own writer fsyncs each
+    file before it starts the next)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import numpy as np
     import torch
 
-    if not jobs:
-        return []
     entries = [source.entries[key] for *_, key in jobs]
-    largest = max(1, max(e.nbytes for e in entries))
-    areas = [mmap.mmap(-1, largest) for _ in range(2 if len(jobs) > 1 else 1)]
-    flats = [np.frombuffer(a, dtype=np.uint8) for a in areas]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # frombuffer: "buffer is not writable" never applies
-        storages = [torch.frombuffer(a, dtype=torch.uint8).untyped_storage() for a in areas]
+    filled = _read_ahead(source, [e.key for e in entries], [e.nbytes for e in entries])
     sizes: list[int] = []
     synced: list[Any] = []
-    try:
-        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-store-format-read") as pool, \
-                ThreadPoolExecutor(1, thread_name_prefix="checkpoint-store-format-sync") as syncer:
-            def fill(i: int) -> None:
-                _fill(source, jobs[i][3], flats[i % len(areas)][:entries[i].nbytes])
-
-            pending = pool.submit(fill, 0)
-            for i, ((file_path, *_), e) in enumerate(zip(jobs, entries, strict=True)):
-                pending.result()
-                if i + 1 < len(jobs):
-                    pending = pool.submit(fill, i + 1)
-                storage = _Storage("", e.key, getattr(torch, str(DTYPES[e.dtype][2])), e.nbytes)
-                pkl, _ = _pickled(_Tensor(storage, e.shape))
-                with _archive(file_path) as writer:
-                    _preamble(writer, pkl)
-                    writer.write_record(f"data/{storage.key}", storages[i % len(areas)],
-                                        e.nbytes)
-                sizes.append(os.path.getsize(file_path))
-                synced.append(syncer.submit(_fsync, file_path))
-            for done in synced:
-                done.result()
-    finally:
-        flats.clear()
-        storages.clear()
-        for a in areas:
-            with contextlib.suppress(BufferError):  # a view still alive: freed with it
-                a.close()
+    with contextlib.closing(filled), \
+            ThreadPoolExecutor(1, thread_name_prefix="checkpoint-store-format-sync") as syncer:
+        for (file_path, *_), e, data in zip(jobs, entries, filled, strict=True):
+            storage = _Storage("", e.key, getattr(torch, str(DTYPES[e.dtype][2])), e.nbytes)
+            pkl, _ = _pickled(_Tensor(storage, e.shape))
+            with _archive(file_path) as writer:
+                _preamble(writer, pkl)
+                writer.write_record(f"data/{storage.key}", data, e.nbytes)
+            sizes.append(os.path.getsize(file_path))
+            synced.append(syncer.submit(_fsync, file_path))
+        for done in synced:
+            done.result()
     return sizes
 
 
