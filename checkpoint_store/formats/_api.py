@@ -244,7 +244,8 @@ def _selected(source: Source, prefix: str) -> list[tuple[list[str], Entry]]:
     if not out:
         raise FormatConversionError(
             f"{source.where} holds no tensor under {prefix!r} (its keys start "
-            f"{sorted({split_key(k)[0] for k in source.entries})[:5]}); pass prefix=",
+            f"{sorted({split_key(k)[0] for k in source.entries})[:5]}); pass prefix= (the CLI's "
+            "--prefix)",
             key=prefix)
     return out
 
@@ -274,7 +275,8 @@ def hf_items(source: Source, prefix: str, name_prefix: str,
         if split_key(key)[:len(want)] == want:
             raise FormatConversionError(
                 f"{key!r} is a {type(source.values[key]).__name__} value, not a tensor; "
-                "safetensors holds tensors only: export a prefix without it (prefix=)",
+                "safetensors holds tensors only: export a prefix without it (prefix=; the CLI's "
+                "--prefix)",
                 key=key)
     seen: dict[str, str] = {}
     out = []
@@ -297,7 +299,7 @@ def hf_items(source: Source, prefix: str, name_prefix: str,
             raise FormatConversionError(
                 f"tensor {e.key!r} maps to the name {name!r}, which safetensors reserves for "
                 "its header's metadata; export it under another name (name_prefix=, or a "
-                "prefix= that leaves it out)", key=e.key)
+                "prefix= that leaves it out; the CLI's --name-prefix, --prefix)", key=e.key)
         seen[name] = e.key
         out.append((name, e))
     return out

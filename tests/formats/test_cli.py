@@ -52,3 +52,7 @@ def test_refusals_exit_with_usage_and_write_nothing(make, tmp_path: Any) -> None
     assert not (tmp_path / "hf").exists()
     r = _run("import", str(tmp_path / "nothing-here"))
     assert r.returncode == 1 and "does not exist" in r.stderr
+    # A subtree the state lacks: the message names the flag to use here.
+    r = _run("export", ck.path, str(tmp_path / "hf"), "--prefix", "optim")
+    assert r.returncode == 2 and "holds no tensor under 'optim'" in r.stderr, r.stderr
+    assert "--prefix" in r.stderr and not (tmp_path / "hf").exists()
