@@ -59,6 +59,7 @@ from checkpoint_store.state import (
     shard_name,
     split_key,
 )
+from checkpoint_store.state._tree import rekey_skeleton
 
 __all__ = ["Exported", "detect_format", "export_checkpoint", "import_checkpoint"]
 
@@ -309,7 +310,10 @@ def _hf_shard_name(k: int, n: int) -> str:
     return "model.safetensors" if n == 1 else f"model-{k:05d}-of-{n:05d}.safetensors"
 
 
-def _refuse_existing(backend: Backend, path: str, names: list[str]) -> None:
+def _refuse_existing(backend: Backend, path: str, names: list[str]) -> dict[str, int]:
+    """Raise before any write when the target folder ``path`` is a file, a
+    checkpoint, or holds one of ``names``; else return its listing
+    (:func:`_listing`; empty when it does not exist yet)."""
     files = _listing(backend, path) if _fsutil.exists(backend.filesystem, path) else {}
     if files is None:
         raise InvalidConfigError(f"{backend.uri_for(path)} is a file; export into a folder")
@@ -324,6 +328,7 @@ def _refuse_existing(backend: Backend, path: str, names: list[str]) -> None:
     if clash:
         raise InvalidConfigError(f"{backend.uri_for(path)} holds {clash[0]!r} already; "
                                  "export into a new or empty folder")
+    return files
 
 
 def _refuse_inside_checkpoint(src_backend: Backend, src_path: str, backend: Backend,
@@ -408,12 +413,11 @@ def _delete_quietly(fs: pafs.FileSystem, path: str) -> None:
         pass
 
 
-def _refuse_dcp_files(backend: Backend, path: str) -> None:
-    """Raise when folder ``path`` holds ``.distcp`` files (an unfinished DCP
-    save's): a DCP export would overwrite some (``__0_0.distcp``) and leave
-    the others beside its ``.metadata``."""
-    files = _listing(backend, path) if _fsutil.exists(backend.filesystem, path) else {}
-    old = sorted(n for n in files or {} if n.endswith(".distcp"))
+def _refuse_dcp_files(backend: Backend, path: str, files: Mapping[str, int]) -> None:
+    """Raise when folder ``path`` (its listing: ``files``) holds ``.distcp``
+    files (an unfinished DCP save's): a DCP export would overwrite some
+    (``__0_0.distcp``) and leave the others beside its ``.metadata``."""
+    old = sorted(n for n in files if n.endswith(".distcp"))
     if old:
         raise InvalidConfigError(f"{backend.uri_for(path)} holds DCP files already "
                                  f"({old[0]!r}, ...); export into a new or empty folder")
@@ -464,8 +468,7 @@ def _export_torch(source: Source, backend: Backend, path: str, prefix: str,
             raise InvalidConfigError(f"{backend.uri_for(path)} exists already; export to a "
                                      "new file")
     else:
-        _refuse_existing(backend, path, [".metadata"])
-        _refuse_dcp_files(backend, path)
+        _refuse_dcp_files(backend, path, _refuse_existing(backend, path, [".metadata"]))
     skeleton = _subtree_skeleton(source, prefix, keys)
     local = _fsutil.local_path(backend.filesystem, path)
     tmp = None if local is not None else tempfile.mkdtemp(prefix="checkpoint-store-export-")
@@ -583,17 +586,6 @@ def _index_entry(w: Written, name: str, e: Entry) -> dict[str, Any]:
             "crc32c": crc, "framework": "torch"}
 
 
-def _rekey(node: Any, f: Callable[[str], str]) -> Any:
-    if "tensor" in node:
-        return {"tensor": f(node["tensor"])}
-    if "value" in node:
-        return node
-    if "dict" in node:
-        return {"dict": [[k, _rekey(v, f)] for k, v in node["dict"]]}
-    kind = "list" if "list" in node else "tuple"
-    return {kind: [_rekey(v, f) for v in node[kind]]}
-
-
 def _put_json(fs: pafs.FileSystem, path: str, raw: bytes) -> ManifestEntry:
     from checkpoint_store.formats._sources import crc_extend
 
@@ -670,7 +662,7 @@ def _write_state_files(src: Source, fs: pafs.FileSystem, directory: str, shard_b
         if e.alias_of is not None:
             index[key_of(key)] = {**index[key_of(e.alias_of)], "alias_of": key_of(e.alias_of)}
     index = {key_of(k): index[key_of(k)] for k in src.entries}
-    skeleton = _rekey(src.skeleton, key_of) if src.skeleton is not None else \
+    skeleton = rekey_skeleton(src.skeleton, key_of) if src.skeleton is not None else \
         layout_of_buffers({key_of(k): (e.dtype, e.shape) for k, e in src.entries.items()},
                           {key_of(k): "torch" for k in src.entries}).skeleton
     entries.append(_put_json(fs, posixpath.join(directory, STATE_FILE),

@@ -34,7 +34,7 @@ from checkpoint_store.formats._torch import (
     _quiet,
 )
 from checkpoint_store.state import DTYPES, FlatState, escape_key, flatten_state
-from checkpoint_store.state._tree import iter_leaves
+from checkpoint_store.state._tree import iter_leaves, rekey_skeleton
 
 __all__ = ["DCPSource", "dcp_skeleton"]
 
@@ -116,7 +116,7 @@ class DCPSource(Source):
             spec = flat.layout.tensors[target]
             self.entries[full(sub)] = Entry(full(sub), spec.dtype, tuple(spec.shape),
                                             full(target))
-        return _prefixed(flat.layout.skeleton, full)
+        return rekey_skeleton(flat.layout.skeleton, full)
 
     def load(self, key: str) -> Any:
         """Tensor ``key`` (not one held), read from the directory now."""
@@ -153,18 +153,6 @@ class DCPSource(Source):
             yield from _pieces_of(flat.tensor_bytes(sub))
             return
         yield from _pieces_of(_byte_view(self.load(key)))
-
-
-def _prefixed(node: Any, full: Any) -> Any:
-    """Skeleton ``node`` with each tensor reference ``k`` made ``full(k)``."""
-    if "tensor" in node:
-        return {"tensor": full(node["tensor"])}
-    if "value" in node:
-        return node
-    if "dict" in node:
-        return {"dict": [[k, _prefixed(v, full)] for k, v in node["dict"]]}
-    kind = "list" if "list" in node else "tuple"
-    return {kind: [_prefixed(v, full) for v in node[kind]]}
 
 
 def dcp_skeleton(placed: list[tuple[tuple[Any, ...], str, Any]]) -> Any:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -458,6 +458,23 @@ def build_tree(skeleton: Any, tensor_for: Any) -> Any:
         return tuple(build(v) for v in node["tuple"])
 
     return build(skeleton)
+
+
+def rekey_skeleton(skeleton: Any, new_key: Callable[[str], str]) -> Any:
+    """The same skeleton with each tensor reference ``k`` made
+    ``new_key(k)`` (values and containers as they are)."""
+
+    def rekey(node: Any) -> Any:
+        if "tensor" in node:
+            return {"tensor": new_key(node["tensor"])}
+        if "value" in node:
+            return node
+        if "dict" in node:
+            return {"dict": [[k, rekey(v)] for k, v in node["dict"]]}
+        kind = "list" if "list" in node else "tuple"
+        return {kind: [rekey(v) for v in node[kind]]}
+
+    return rekey(skeleton)
 
 
 def iter_leaves(skeleton: Any) -> Iterator[tuple[str, Any]]:
