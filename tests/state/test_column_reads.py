@@ -26,7 +26,7 @@ from checkpoint_store.state._box import read_box
 from checkpoint_store.state._fetch import _Fetcher
 from checkpoint_store.state._shards import ShardIndex
 from checkpoint_store.state._tiles import tile_crcs, tile_shape
-from tests.state.test_sharded_state import _boxes, _index, _save
+from tests.state.test_sharded_state import _boxes, _index, _save, on_s3_through_relay
 
 W = (256, 4096)  # fp32, 4 MiB: two row pieces of 2 MiB on two ranks
 
@@ -249,17 +249,11 @@ def test_column_shards_fetch_about_their_slice_from_s3(tmp_path, s3_server, s3_b
     """Row pieces of 2 ranks on S3 (moto), read as 3 column shards: the bytes
     the server sends, counted by a relay, are each rank's slice (and all
     ranks together the state) within 1.1x, besides each load's metadata."""
-    from tests.backends.relay import CountingRelay
-
     g = torch.Generator().manual_seed(11)
     shape = (128, 16384)  # 8 MiB each; 64 KiB rows: a shard's row is 21 KiB
     tree = {"model": {f"l{i}": torch.randn(*shape, generator=g) for i in range(2)}}
     root = _save(tmp_path, tree, 2)
-    relay = CountingRelay(s3_server.port)
-    try:
-        ctx = StorageContext(f"s3://{s3_bucket}/ckpt", "exp", "t", storage_options={
-            **s3_server.storage_options("pyarrow"), "endpoint_url": relay.url})
-        ck = ctx.persist_checkpoint(Checkpoint.from_directory(root), 0, {})
+    with on_s3_through_relay(root, s3_server, s3_bucket, "ckpt") as (ck, relay):
         state_bytes = sum(t.nbytes for t in tree["model"].values())
         relay.reset()
         ck.load_state(keys="model/l0")  # one load's metadata, measured
@@ -277,8 +271,6 @@ def test_column_shards_fetch_about_their_slice_from_s3(tmp_path, s3_server, s3_b
                 relay.received, metadata, slice_bytes)
             total += relay.received
             requests += len(relay.requests)
-    finally:
-        relay.close()
     assert state_bytes <= total <= 1.1 * state_bytes + 3 * metadata, (total, state_bytes)
     # One ranged GET per row of each piece and tensor, besides the metadata's.
     assert requests <= 3 * (2 * shape[0] + 10), requests
@@ -291,17 +283,12 @@ def test_narrow_rows_on_s3_are_read_as_spans_not_a_get_per_row(
     checked) instead of one GET per row, which would cost each GET's
     latency for a few KiB; the same read from a local file stays per row."""
     from checkpoint_store.state._tiles import REMOTE_ROW_BYTES
-    from tests.backends.relay import CountingRelay
 
     shape = (512, 4096)  # 16 KiB rows, tiled; a third of a row is 5.3 KiB
     assert shape[1] * 4 < REMOTE_ROW_BYTES
     w = _wide(12, shape)
     root = _save(tmp_path, {"w": w}, 2)
-    relay = CountingRelay(s3_server.port)
-    try:
-        ctx = StorageContext(f"s3://{s3_bucket}/narrow", "exp", "t", storage_options={
-            **s3_server.storage_options("pyarrow"), "endpoint_url": relay.url})
-        ck = ctx.persist_checkpoint(Checkpoint.from_directory(root), 0, {})
+    with on_s3_through_relay(root, s3_server, s3_bucket, "narrow") as (ck, relay):
         for offset, box in _cols(shape, 3):
             relay.reset()
             dest = torch.empty(box)
@@ -311,8 +298,6 @@ def test_narrow_rows_on_s3_are_read_as_spans_not_a_get_per_row(
             # handful of requests besides the metadata's, not 512.
             assert relay.received >= 0.9 * w.nbytes, relay.received
             assert len(relay.requests) <= 24, len(relay.requests)
-    finally:
-        relay.close()
     # A local file: one preadv per row, the slice's bytes.
     for offset, box in _cols(shape, 3):
         got, read = _read(root, "w", offset, box)

@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -440,23 +442,33 @@ def test_every_reader_of_a_checkpoint_handles_pieces(tmp_path) -> None:
                           tree["model"]["h"].view(torch.int16).numpy().view(np.uint16))
 
 
+@contextmanager
+def on_s3_through_relay(root: str, s3_server: Any, bucket: str,
+                        prefix: str) -> Iterator[tuple[Any, Any]]:
+    """The state directory ``root`` committed to S3 (moto) under ``prefix``,
+    reached through a byte-counting relay: ``(checkpoint, relay)``."""
+    from checkpoint_store import Checkpoint
+    from tests.backends.relay import CountingRelay
+
+    relay = CountingRelay(s3_server.port)
+    try:
+        ctx = StorageContext(f"s3://{bucket}/{prefix}", "exp", "t", storage_options={
+            **s3_server.storage_options("pyarrow"), "endpoint_url": relay.url})
+        yield ctx.persist_checkpoint(Checkpoint.from_directory(root), 0, {}), relay
+    finally:
+        relay.close()
+
+
 @pytest.mark.parametrize("m", [2, 8])
 def test_all_ranks_together_fetch_about_the_state_from_s3(tmp_path, s3_server, s3_bucket,
                                                           m) -> None:
     """A 4-rank state on S3 (moto), loaded by M ranks each asking for its rows
     of every tensor: the bytes the server sends, counted by a relay, are the
     state's once plus each load's metadata (marker, state.json, listing)."""
-    from checkpoint_store import Checkpoint
-    from tests.backends.relay import CountingRelay
-
     g = torch.Generator().manual_seed(5)
     tree = {"model": {f"l{i}": torch.randn(1031, 1024, generator=g) for i in range(4)}}
     root = _save(tmp_path, tree, 4)
-    relay = CountingRelay(s3_server.port)
-    try:
-        ctx = StorageContext(f"s3://{s3_bucket}/ckpt", "exp", "t", storage_options={
-            **s3_server.storage_options("pyarrow"), "endpoint_url": relay.url})
-        ck = ctx.persist_checkpoint(Checkpoint.from_directory(root), 0, {})
+    with on_s3_through_relay(root, s3_server, s3_bucket, "ckpt") as (ck, relay):
         state_bytes = sum(t.nbytes for t in tree["model"].values())
         relay.reset()
         ck.load_state(keys="model/l0")  # one load's metadata, measured
@@ -471,8 +483,6 @@ def test_all_ranks_together_fetch_about_the_state_from_s3(tmp_path, s3_server, s
             for key, sl in into.items():
                 assert torch.equal(sl.tensor, tree["model"][key][sl.offset[0]:][:len(sl.tensor)])
         got = relay.received
-    finally:
-        relay.close()
     assert state_bytes <= got <= 1.1 * state_bytes + m * (metadata + 64 * 1024), (
         got, state_bytes, metadata)
 
