@@ -178,7 +178,10 @@ _TRANSIENT_RE = re.compile(
     r"network_connection|temporar|try again|throttl|slow ?down|too many requests|"
     r"\b(429|500|502|503|504)\b|internal ?(error|failure)|service ?unavailable|"
     r"server ?busy|request ?timeout|unreachable|eof occurred|remote end closed|"
-    r"(could ?not|cannot|can't|fail(ed)? to) (get a new )?connect)",
+    r"(could ?not|cannot|can't|fail(ed)? to) (get a new )?connect|"
+    # pyarrow's S3 client: an error body larger than the read's buffer (a
+    # 404 of an object deleted since its open, a 503): asked again, it tells.
+    r"failed to flush response stream)",
     re.IGNORECASE,
 )
 _EXPIRED_RE = re.compile(

@@ -13,6 +13,7 @@ real storage produces::
     plan = FaultPlan(permanent={"write": "access_denied"})   # every upload is refused
     plan = FaultPlan(crash_after_writes=5)                   # "dies" at the 6th write
     plan = FaultPlan(crash_on_path=".internal_metadata.json")  # dies before the commit marker
+    plan = FaultPlan(vanish_after_open=".condemned/")         # deleted between open and read
 
 Across processes (Ray workers, torchrun ranks), register the URI scheme
 ``faulty+<scheme>`` by dotted path and pass the plan as storage options::
@@ -127,6 +128,14 @@ class FaultPlan:
         call_log: a local directory; each process appends every call, as
             ``method<TAB>path`` lines, to ``calls-<pid>.txt`` there (a spy
             that works across processes).
+        vanish_after_open: the first read of each file whose path contains
+            this substring deletes the file, for real, through the inner
+            filesystem, right after opening it and before the first byte is
+            read: what a gc or a retention pass in another process does
+            between a listing and a read. The read then meets the store's own
+            answer for an object gone (pyarrow's S3 client answers it three
+            ways by the object's size); a local file stays readable through
+            its open handle, as POSIX keeps it.
 
     Raises:
         ValueError: a rate outside [0, 1], an unknown kind, negative counts.
@@ -142,6 +151,7 @@ class FaultPlan:
     crash_on_path: str | None = None
     expire_after: int | None = None
     call_log: str | None = None
+    vanish_after_open: str | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= float(self.transient_rate) <= 1.0:
@@ -165,7 +175,7 @@ class FaultInjectingHandler(ForwardingHandler):
     Attributes (counters, for assertions):
         calls: Counter of calls per handler method.
         injected: Counter of injected faults per kind (``"transient"``,
-            ``"permanent"``, ``"expired"``, ``"crash"``).
+            ``"permanent"``, ``"expired"``, ``"crash"``, ``"vanished"``).
         writes: mutating calls that went through.
         crashed: True once a crash point fired.
     """
@@ -178,6 +188,7 @@ class FaultInjectingHandler(ForwardingHandler):
         self.writes = 0
         self.crashed = False
         self._per_path: Counter[tuple[str, str]] = Counter()
+        self._vanished: set[str] = set()
         self._total = 0
         self._lock = threading.Lock()
 
@@ -296,11 +307,23 @@ class FaultInjectingHandler(ForwardingHandler):
 
     def open_input_stream(self, path: str) -> pa.NativeFile:
         self._before("open_input_stream", path)
-        return self.inner.open_input_stream(path)
+        return self._vanish(path, self.inner.open_input_stream(path))
 
     def open_input_file(self, path: str) -> pa.NativeFile:
         self._before("open_input_file", path)
-        return self.inner.open_input_file(path)
+        return self._vanish(path, self.inner.open_input_file(path))
+
+    def _vanish(self, path: str, opened: pa.NativeFile) -> pa.NativeFile:
+        mark = self.plan.vanish_after_open
+        if mark is None or mark not in path:
+            return opened
+        with self._lock:
+            if path in self._vanished:
+                return opened
+            self._vanished.add(path)
+        self.inner.delete_file(path)
+        self._count("vanished")
+        return opened
 
     def open_output_stream(self, path: str, metadata: Any) -> pa.NativeFile:
         self._before("open_output_stream", path)
@@ -384,6 +407,7 @@ _PLAN_OPTIONS = {
     "fault_transient_rate": "transient_rate",
     "fault_call_log": "call_log",
     "fault_latency": "latency",
+    "fault_vanish_after_open": "vanish_after_open",
 }
 
 
@@ -392,8 +416,8 @@ def faulty_scheme_backend(uri: str, storage_options: Mapping[str, Any]) -> Backe
     behind a :class:`FaultInjectingHandler`.
 
     The plan comes from the storage options ``fault_seed``,
-    ``fault_transient_rate``, ``fault_latency`` and ``fault_call_log``
-    (:class:`FaultPlan` fields); every other option goes to the inner
+    ``fault_transient_rate``, ``fault_latency``, ``fault_call_log`` and
+    ``fault_vanish_after_open`` (:class:`FaultPlan` fields); every other option goes to the inner
     backend. Registered by dotted path, it reaches other processes that
     unpickle a filesystem built on it (``checkpoint_store.integrations.ray``).
     """

@@ -36,6 +36,7 @@ from checkpoint_store._results.reader import (
     unfolded_rows,
 )
 from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.inspect import Inspection, inspect_checkpoint
 from checkpoint_store.errors import (
     InvalidConfigError,
@@ -176,9 +177,12 @@ def _read_new_rows(fs: Any, path: str, size: int | None, cache: _TrialCache) -> 
         cache.offset, cache.file_rows = 0, []
     if size == cache.offset:
         return
-    try:
+    def _read() -> bytes:
         with fs.open_input_file(path) as f:
-            data = f.read_at(size - cache.offset, cache.offset)
+            return f.read_at(size - cache.offset, cache.offset)
+
+    try:
+        data = _retry.call(_read, store=fs, what=f"read {path}")
     except FileNotFoundError:
         return
     end = data.rfind(b"\n")
