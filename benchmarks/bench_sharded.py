@@ -96,8 +96,14 @@ def _writes_and_reads(work: str, mib: int, ranks: int) -> dict[str, Any]:
     even = sum(written) / ranks
     reads = {str(m): _reads(root, state, m, cols=False) for m in (2, 3, 8)}
     col_reads = {str(m): _reads(root, state, m, cols=True) for m in (2, 3, 8)}
+    # The same state saved by one rank (tensors whole, with their blocks).
+    from checkpoint_store.state import write_state
+
+    one = os.path.join(work, "one-rank")
+    write_state(state, one)
+    one_reads = {str(m): _reads(one, state, m, cols=False) for m in (2, 3, 8)}
     return {"written": written, "max_over_even": max(written) / even, "reads": reads,
-            "col_reads": col_reads, "crc_cpu": _crc_cpu(state)}
+            "col_reads": col_reads, "one_rank_reads": one_reads, "crc_cpu": _crc_cpu(state)}
 
 
 def _reads(root: str, state: dict[str, Any], m: int, *, cols: bool) -> dict[str, Any]:
@@ -305,7 +311,8 @@ def main() -> None:
               f"(a scan per box: {p['scan_s_estimated']:.0f} s) | < 1 s |")
     print(f"| bytes written per rank, {args.ranks} ranks | max {io['max_over_even']:.3f}x "
           "an even share | <= 1.1x |")
-    for what, key in (("rows", "reads"), ("columns", "col_reads")):
+    for what, key in (("rows", "reads"), ("columns", "col_reads"),
+                      ("rows, saved on one rank", "one_rank_reads")):
         for m, r in io[key].items():
             print(f"| read on {m} ranks, by {what} | max {r['max_ratio']:.3f}x its slice, all "
                   f"{r['all_ranks_ratio']:.3f}x the state | <= 1.1x |")

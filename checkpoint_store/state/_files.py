@@ -8,7 +8,12 @@ from shared memory as they arrive without torch or numpy. :func:`write_state`
 the one-call forms. Each returns the **tensor index**: flattened key ->
 ``{"file", "dtype", "shape", "offsets": [begin, end), "crc32c", "framework"}``,
 the offsets in bytes from the start of the file, which a commit records in the
-checkpoint's internal metadata as ``"tensors"``.
+checkpoint's internal metadata as ``"tensors"``. A tensor of at least two
+checked blocks of whole rows (:func:`rows_per_block`) also gets
+``"blocks": [rows, [CRC32C hex of each block]]``, taken on the way from the
+same bytes as its ``crc32c`` (no second pass), so that a sharded load of a
+one-rank checkpoint reads and checks only the rows each rank needs
+(docs/sharded-state.md).
 
 The shards are plain safetensors files (8-byte little-endian header length,
 JSON header padded with spaces to a multiple of 8 bytes, then the data,
@@ -22,6 +27,7 @@ every load) keeps the flattened key itself.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -31,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from checkpoint_store._transfer.crc32c import crc32c_combine, crc32c_extend
+from checkpoint_store._transfer.crc32c import crc32c_combine, crc32c_concat, crc32c_extend
 from checkpoint_store.errors import InvalidConfigError, UnsupportedStateError
 from checkpoint_store.state._tree import (
     DTYPES,
@@ -71,6 +77,34 @@ DEFAULT_SHARD_BYTES = 1 << 30
 _SHARD_RE = re.compile(r"^tensors(-rank\d{5,})?-(\d{5,})-of-(\d{5,})\.safetensors$")
 #: Bytes hashed per call (google-crc32c holds the GIL per call).
 _CRC_CHUNK = 64 << 20
+
+#: Most bytes of rows per checksummed block of a tensor or piece: a partial
+#: read reads and checks whole blocks, so it reads at most two blocks more
+#: than it needs. A tensor has about :data:`BLOCKS_PER_PIECE` blocks (at
+#: least :data:`MIN_BLOCK_BYTES` each), so that excess stays a few percent
+#: of a 1/16 slice whatever its size (11 bytes of index per block: 11 KiB
+#: per GiB at most).
+BLOCK_BYTES = 1 << 20
+MIN_BLOCK_BYTES = 64 << 10
+BLOCKS_PER_PIECE = 256
+
+
+def rows_per_block(nbytes: int, row_bytes: int) -> int:
+    """Rows per checked block of ``nbytes`` of rows ``row_bytes`` long:
+    about 1/256 of them, between :data:`MIN_BLOCK_BYTES` and
+    :data:`BLOCK_BYTES` of rows (at least one row)."""
+    target = max(MIN_BLOCK_BYTES, min(BLOCK_BYTES, nbytes // BLOCKS_PER_PIECE))
+    return max(1, target // max(1, row_bytes))
+
+
+def _block_bytes(shape: Sequence[int], nbytes: int) -> int | None:
+    """Bytes per checked block of a whole tensor; None when it would be one
+    block (a scalar, one row, or rows that fit in one block)."""
+    if not shape or shape[0] < 2 or not nbytes:
+        return None
+    row_bytes = nbytes // shape[0]
+    rows = rows_per_block(nbytes, row_bytes)
+    return rows * row_bytes if rows < shape[0] else None
 
 
 #: The key of a safetensors header that is not a tensor: the header's own
@@ -213,6 +247,9 @@ class StateWriter:
         self.layout = layout
         self._shards, self._where = _plan(layout, shard_bytes)
         self._parts: dict[str, list[tuple[int, int, int]]] = {k: [] for k in layout.tensors}
+        # Bytes per checked block, for the tensors split into blocks.
+        self._blocks = {k: b for k, spec in layout.tensors.items()
+                        if (b := _block_bytes(spec.shape, spec.nbytes)) is not None}
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
         self._closed = False
@@ -272,25 +309,48 @@ class StateWriter:
             )
         if n:
             _pwrite_all(self._fds[name], view, begin + offset)
-        crc = crc32c_of(view)
+        step = self._blocks.get(key)
+        if step is None:
+            parts = [(offset, n, crc32c_of(view))]
+        else:  # one CRC per block's share: the blocks' CRCs and the whole's
+            cuts = [offset, *range((offset // step + 1) * step, offset + n, step), offset + n]
+            parts = [(a, b - a, crc32c_of(view[a - offset:b - offset]))
+                     for a, b in itertools.pairwise(cuts) if b > a or n == 0]
         with self._lock:
-            self._parts[key].append((offset, n, crc))
+            self._parts[key].extend(parts)
 
     def _crc(self, key: str) -> str:
         begin, end, _ = self._where[key]
         want = end - begin
-        crc, at = 0, 0
+        at = 0
+        run: list[tuple[int, int]] = []
         for offset, n, part in sorted(self._parts[key]):
             if offset != at:
                 break
-            crc = crc32c_combine(crc, part, n) if at else part
+            run.append((part, n))
             at += n
+        crc = crc32c_concat(run)
         if at != want:
             raise InvalidConfigError(
                 f"tensor {key!r} was not written whole ({at} of {want} bytes contiguous "
                 "from its start); write every byte of every tensor once before close()"
             )
         return f"{crc:08x}"
+
+    def _block_crcs(self, key: str) -> list[Any]:
+        """``[rows per block, [CRC32C hex]]`` of a tensor written whole
+        (after :meth:`_crc` checked that), from the CRCs of its parts."""
+        step = self._blocks[key]
+        crcs: list[int] = []
+        for offset, n, part in sorted(self._parts[key]):
+            if not n:
+                continue
+            if offset % step == 0:  # a block's first part
+                crcs.append(part)
+            else:
+                crcs[-1] = crc32c_combine(crcs[-1], part, n)
+        spec = self.layout.tensors[key]
+        return [step // (spec.nbytes // spec.shape[0]), [f"{c:08x}" for c in crcs]]
 
     def index(self) -> dict[str, Any]:
         """The tensor index (module docstring), aliases included; needs every
@@ -301,6 +361,8 @@ class StateWriter:
             entry: dict[str, Any] = {"file": name, "dtype": spec.dtype,
                                      "shape": list(spec.shape), "offsets": [begin, end],
                                      "crc32c": self._crc(key), "framework": spec.framework}
+            if key in self._blocks:
+                entry["blocks"] = self._block_crcs(key)
             if spec.scalar:
                 entry["scalar"] = True
             out[key] = entry

@@ -161,13 +161,12 @@ def _bad_entry(e: Any, sizes: Mapping[str, int]) -> str | None:
         return f"offsets {off} run past the end of {e['file']!r} ({sizes[e['file']]} bytes)"
     if e.get("framework") not in ("torch", "numpy"):
         return f"unknown framework {e.get('framework')!r}"
-    return None
+    return _bad_checks(e)
 
 
 def _bad_sharded(e: dict[str, Any], sizes: Mapping[str, int]) -> str | None:
     """Why a tensor stored in pieces (docs/sharded-state.md) cannot be read."""
     from checkpoint_store.state._shards import ShardIndex
-    from checkpoint_store.state._tiles import bad_tiles
 
     shards = e["shards"]
     if e.get("framework") not in ("torch", "numpy"):
@@ -187,17 +186,28 @@ def _bad_sharded(e: dict[str, Any], sizes: Mapping[str, int]) -> str | None:
             return f"bad piece offset {off!r}"
         if not isinstance(p.get("crc32c"), str):
             return f"piece at {off} has no crc32c"
-        blocks = p.get("blocks")
-        if blocks is not None and not (
-                isinstance(blocks, list) and len(blocks) == 2 and isinstance(blocks[0], int)
-                and blocks[0] > 0 and isinstance(blocks[1], list)
-                and len(blocks[1]) == -(-(p["shape"][0] if p["shape"] else 1) // blocks[0])):
-            return f"piece at {off} has bad blocks"
-        tiles = p.get("tiles")
-        why = bad_tiles(tiles, p["shape"]) if tiles is not None else None
+        why = _bad_checks(p)
         if why:
-            return f"piece at {off} has bad tiles: {why}"
+            return f"piece at {off} has {why}"
     return ShardIndex.why_not_tiling(e)
+
+
+def _bad_checks(p: Mapping[str, Any]) -> str | None:
+    """Why a piece's (or a whole tensor's) partial-read checksums
+    (``blocks``, ``tiles``) cannot be used; None when absent or sound."""
+    from checkpoint_store.state._tiles import bad_tiles
+
+    blocks = p.get("blocks")
+    if blocks is not None and not (
+            isinstance(blocks, list) and len(blocks) == 2 and isinstance(blocks[0], int)
+            and not isinstance(blocks[0], bool) and blocks[0] > 0
+            and isinstance(blocks[1], list)
+            and all(isinstance(c, str) for c in blocks[1])
+            and len(blocks[1]) == -(-(p["shape"][0] if p["shape"] else 1) // blocks[0])):
+        return "bad blocks"
+    tiles = p.get("tiles")
+    why = bad_tiles(tiles, p["shape"]) if tiles is not None else None
+    return f"bad tiles: {why}" if why else None
 
 
 def local_state_index(fs: pafs.FileSystem, path: str) -> dict[str, Any] | None:

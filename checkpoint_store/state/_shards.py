@@ -38,7 +38,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from checkpoint_store.errors import CheckpointConflictError
-from checkpoint_store.state._tiles import tile_crcs
+from checkpoint_store.state._files import BLOCK_BYTES, rows_per_block
+from checkpoint_store.state._tiles import tile_crcs, tile_shape
 from checkpoint_store.state._tree import DTYPES, escape_key
 
 __all__ = [
@@ -54,25 +55,14 @@ __all__ = [
     "stored_bytes",
 ]
 
-#: Most bytes of rows per checksummed block of a piece: a partial read reads
-#: and checks whole blocks, so it reads at most two blocks more than it
-#: needs. A piece has about :data:`BLOCKS_PER_PIECE` blocks (at least
-#: :data:`MIN_BLOCK_BYTES` each), so that excess stays a few percent of a
-#: piece whatever its size.
-BLOCK_BYTES = 1 << 20
-MIN_BLOCK_BYTES = 64 << 10
-BLOCKS_PER_PIECE = 64
-
-
 def block_crcs(data: Any, row_bytes: int) -> list[Any]:
     """``[rows per block, [CRC32C hex of each block]]`` of a piece's bytes
-    (``data``: bytes-like, C order), blocks of whole rows: about 1/64 of the
-    piece, between :data:`MIN_BLOCK_BYTES` and :data:`BLOCK_BYTES`."""
+    (``data``: bytes-like, C order), blocks of whole rows
+    (:func:`~checkpoint_store.state._files.rows_per_block`)."""
     import google_crc32c
 
     view = memoryview(data).cast("B")
-    target = max(MIN_BLOCK_BYTES, min(BLOCK_BYTES, len(view) // BLOCKS_PER_PIECE))
-    rows = max(1, target // max(1, row_bytes))
+    rows = rows_per_block(len(view), row_bytes)
     step = rows * row_bytes
     crcs = [f"{google_crc32c.value(bytes(view[a:a + step])):08x}"
             for a in range(0, len(view), step)] if step else []
@@ -81,13 +71,14 @@ def block_crcs(data: Any, row_bytes: int) -> list[Any]:
 
 # -- rank 0: one index of the logical state ---------------------------------------
 
-#: A piece's partial-read checksums: dropped when it is the whole tensor.
+#: A piece's partial-read checksums (a whole tensor's too, where it has them).
 _CHECKS = ("blocks", "tiles")
 
 
 def _whole(e: Mapping[str, Any]) -> dict[str, Any]:
-    """A one-rank entry from a piece that is its whole tensor."""
-    return {k: v for k, v in e.items() if k not in _CHECKS}
+    """A one-rank entry from a piece that is its whole tensor (its blocks
+    kept: a load on several ranks reads only each rank's rows)."""
+    return dict(e)
 
 
 def _volume(shape: Sequence[int]) -> int:
@@ -190,7 +181,8 @@ def shards_of(e: Mapping[str, Any]) -> list[dict[str, Any]]:
     if "shards" in e:
         return list(e["shards"])
     return [{"file": e["file"], "offsets": e["offsets"], "crc32c": e["crc32c"],
-             "offset": [0] * len(e["shape"]), "shape": list(e["shape"])}]
+             "offset": [0] * len(e["shape"]), "shape": list(e["shape"]),
+             **{k: e[k] for k in _CHECKS if k in e}}]
 
 
 class ShardIndex:
@@ -292,11 +284,11 @@ def finish_part(directory: str, tensors: Mapping[str, Any],
                 sharding: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """A rank whose piece files are written into the local ``directory``:
     its part for rank 0's merge, ``{"tree", "tensors", "sharding"}``, each
-    piece of a split tensor given its block CRCs and, when its rows are wide,
-    its tile CRCs (:func:`~checkpoint_store.state._tiles.tile_crcs`; read
-    back from the files, in the page cache, on the thread that commits).
-    The rank's own ``state.json`` is removed: only rank 0's merged one is
-    committed."""
+    piece of a split tensor keeping the block CRCs its writer took and, when
+    its rows are wide, given its tile CRCs
+    (:func:`~checkpoint_store.state._tiles.tile_crcs`; read back from the
+    files, in the page cache, on the thread that commits). The rank's own
+    ``state.json`` is removed: only rank 0's merged one is committed."""
     import json
     import os
 
@@ -314,13 +306,14 @@ def finish_part(directory: str, tensors: Mapping[str, Any],
         if "alias_of" in e or whole or not _volume(e["shape"]) or not e["shape"]:
             out[key] = dict(e)
             continue
+        if tile_shape(e["shape"], DTYPES[e["dtype"]][0]) is None:
+            # Its blocks were taken as it was written (none: it is one block).
+            out[key] = dict(e)
+            continue
         begin, end = e["offsets"]
-        row_bytes = (end - begin) // e["shape"][0] if e["shape"][0] else 0
         with open(os.path.join(directory, e["file"]), "rb") as f:
             data = os.pread(f.fileno(), end - begin, begin)
-        tiles = tile_crcs(data, e["shape"], DTYPES[e["dtype"]][0])
-        out[key] = {**e, "blocks": block_crcs(data, row_bytes),
-                    **({"tiles": tiles} if tiles is not None else {})}
+        out[key] = {**e, "tiles": tile_crcs(data, e["shape"], DTYPES[e["dtype"]][0])}
     return {"tree": tree, "tensors": out, "sharding": dict(sharding)}
 
 

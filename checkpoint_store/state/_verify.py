@@ -38,7 +38,28 @@ def _corrupt(path: str, key: str, e: Mapping[str, Any], got: int) -> TensorCorru
 
 
 def _check(path: str, key: str, e: Mapping[str, Any], data: Any) -> None:
-    got = crc32c_of(data)
+    """``data`` against the entry's CRC32C and, where it has them, each of
+    its blocks' (one pass: the whole's CRC combined from the blocks'), so a
+    block checksum that a partial read would reject fails here too."""
+    blocks = e.get("blocks")
+    if not blocks:
+        got = crc32c_of(data)
+        if f"{got:08x}" != e["crc32c"]:
+            raise _corrupt(path, key, e, got)
+        return
+    view = memoryview(data).cast("B")
+    step = blocks[0] * (len(view) // e["shape"][0])
+    got = 0
+    for i, want in enumerate(blocks[1]):
+        part = view[i * step:(i + 1) * step]
+        crc = crc32c_of(part)
+        got = crc32c_combine(got, crc, len(part)) if i else crc
+        if f"{crc:08x}" != want:
+            raise TensorCorruptError(
+                f"tensor {key!r} ({e['file']!r}, bytes [{e['offsets'][0]}, "
+                f"{e['offsets'][1]})) of checkpoint {path!r}: its block {i} does not match "
+                f"its checksum (crc32c {crc:08x}, the index says {want}); the checkpoint is "
+                "damaged: resume from an earlier one", path=path, file=e["file"], tensor=key)
     if f"{got:08x}" != e["crc32c"]:
         raise _corrupt(path, key, e, got)
 
