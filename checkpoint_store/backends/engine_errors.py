@@ -14,14 +14,15 @@ turns each into the ``OSError`` subclass it means (``FileNotFoundError``,
 (:mod:`checkpoint_store._util.retry`) tells transient from permanent and
 hands the caller a typed error, never the engine's raw one.
 
-pyarrow's S3 client raises a plain ``OSError`` for an object deleted after
-it was opened (a gc or a retention pass deleting it between a listing and
-the read): ``NO_SUCH_KEY`` or ``RESOURCE_NOT_FOUND`` "during GetObject",
-which :func:`as_os_error` makes ``FileNotFoundError`` as the other engines
-raise it; for a small object the 404's error body does not fit the buffer
-sized by the object's old length and the client reports "Failed to flush
-response stream" instead, which says nothing of the cause: the retry policy
-treats it as transient, and the next try's open (a HEAD) tells.
+pyarrow's S3 and Azure clients raise a plain ``OSError`` for an object
+deleted after it was opened (a gc or a retention pass deleting it between a
+listing and the read): ``NO_SUCH_KEY`` or ``RESOURCE_NOT_FOUND`` "during
+GetObject", ``[BlobNotFound]``, which :func:`as_os_error` makes
+``FileNotFoundError`` as the other engines raise it. For a small object
+pyarrow's S3 client cannot fit the 404's error body in the buffer sized by
+the object's old length and reports "Failed to flush response stream"
+instead, which says nothing of the cause: the retry policy treats it as
+transient, and the next try's open (a HEAD) tells.
 
 Nothing here imports an engine: a module that is not loaded cannot have
 raised.
@@ -34,9 +35,10 @@ import sys
 
 __all__ = ["as_os_error", "azure_os_error"]
 
-#: pyarrow's S3 client reading an object that is no longer there.
-_S3_GONE = ("AWS Error NO_SUCH_KEY during GetObject",
-            "AWS Error RESOURCE_NOT_FOUND during GetObject")
+#: pyarrow's S3 and Azure clients reading an object that is no longer there.
+_GONE = ("AWS Error NO_SUCH_KEY during GetObject",
+         "AWS Error RESOURCE_NOT_FOUND during GetObject",
+         "Azure Error: [BlobNotFound]")
 
 #: HTTP statuses worth trying again (timeout, throttling, server side).
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -50,7 +52,7 @@ def as_os_error(exc: BaseException, where: str) -> BaseException:
         exc: what a storage call raised.
         where: the call, for the message (``"list s3://b/run"``).
     """
-    if type(exc) is OSError and any(m in str(exc) for m in _S3_GONE):
+    if type(exc) is OSError and any(m in str(exc) for m in _GONE):
         return FileNotFoundError(errno.ENOENT, f"{where}: the object is gone ({exc})")
     if isinstance(exc, OSError) or not isinstance(exc, Exception):
         return exc

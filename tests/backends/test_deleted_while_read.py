@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import posixpath
 
+import pyarrow.fs as pafs
 import pytest
 
 from checkpoint_store._chunks.store import CONDEMNED_DIR, ChunkStore
@@ -31,13 +32,28 @@ from tests.stores import ALL_BACKENDS, make_store
 #: Backends whose open handle keeps a deleted file readable (POSIX; fsspec's
 #: memory filesystem hands out the bytes it holds).
 _KEEPS_OPEN_FILES = {"local", "memory"}
+#: Every backend, and Azure through a pyarrow.fs.AzureFileSystem passed in
+#: (pyarrow's own Azure client, whose errors differ from adlfs').
 _BACKENDS = [pytest.param(k, marks=pytest.mark.slow) if k == "s3fs" else k
-             for k in ALL_BACKENDS]
+             for k in [*ALL_BACKENDS, "azure-pyarrow"]]
+
+
+def _pyarrow_azure(request):
+    srv = request.getfixturevalue("azure_server")
+    container = request.getfixturevalue("azure_container")
+    host = srv.endpoint_url.split("://", 1)[1]
+    fs = pafs.AzureFileSystem(account_name=srv.account_name, account_key=srv.account_key,
+                              blob_storage_authority=host, blob_storage_scheme="http",
+                              dfs_storage_authority=host, dfs_storage_scheme="http")
+    return resolve(f"{container}/ckpt", filesystem=fs)
 
 
 def _vanishing(kind, request, tmp_path, mark):
-    s = make_store(kind, request, tmp_path)
-    backend, root = resolve(s.uri, storage_options=s.options or None)
+    if kind == "azure-pyarrow":
+        backend, root = _pyarrow_azure(request)
+    else:
+        s = make_store(kind, request, tmp_path)
+        backend, root = resolve(s.uri, storage_options=s.options or None)
     inner = backend.filesystem
     inner.create_dir(root, recursive=True)
     fs = faulty_filesystem(inner, vanish_after_open=mark)
@@ -139,13 +155,17 @@ def test_the_page_reads_new_rows_of_a_result_file_deleted_under_it(kind, request
     ("AWS Error INTERNAL_FAILURE during GetObject operation: Failed to flush response "
      "stream (eof: 0, bad: 1)", OSError),
     ("AWS Error ACCESS_DENIED during GetObject operation: Access Denied", OSError),
+    ("DownloadTo from 'http://h/acct/c/x' at position 0 for 10 bytes failed. ReadAt failed to "
+     "read the required byte range. Azure Error: [BlobNotFound] 404 The specified blob does "
+     "not exist.", FileNotFoundError),
 ])
-def test_pyarrow_s3_messages_of_a_gone_object_are_typed(message, kind):
+def test_pyarrow_messages_of_a_gone_object_are_typed(message, kind):
     from checkpoint_store._util.retry import classify
     from checkpoint_store.backends.engine_errors import as_os_error
 
     got = as_os_error(OSError(message), "read b/k")
     assert type(got) is kind
     expected = {"NO_SUCH_KEY": "permanent", "RESOURCE_NOT_FOUND": "permanent",
-                "INTERNAL_FAILURE": "transient", "ACCESS_DENIED": "permanent"}
+                "INTERNAL_FAILURE": "transient", "ACCESS_DENIED": "permanent",
+                "BlobNotFound": "permanent"}
     assert classify(got) == next(v for k, v in expected.items() if k in message)
