@@ -31,7 +31,7 @@ from checkpoint_store.state._box import read_box
 from checkpoint_store.state._fetch import _Fetcher
 from checkpoint_store.state._files import StateWriter, layout_of_buffers, rows_per_block
 from checkpoint_store.state._shards import ShardIndex, block_crcs
-from tests.state.test_sharded_state import on_s3_through_relay
+from tests.state.test_sharded_state import assert_ranks_fetch_the_state_once
 
 
 def _index(root: str) -> dict:
@@ -213,20 +213,4 @@ def test_ranks_fetch_about_a_one_rank_state_once_from_s3(tmp_path, s3_server, s3
     tree = {"model": {f"l{i}": torch.randn(1031, 1024, generator=g) for i in range(4)}}
     root = str(tmp_path / "s")
     write_state(tree, root)
-    with on_s3_through_relay(root, s3_server, s3_bucket, f"one-{m}") as (ck, relay):
-        state_bytes = sum(t.nbytes for t in tree["model"].values())
-        relay.reset()
-        ck.load_state(keys="model/l0")
-        metadata = relay.received - tree["model"]["l0"].nbytes
-        relay.reset()
-        for r in range(m):
-            into = {}
-            for key in tree["model"]:
-                a, b = 1031 * r // m, 1031 * (r + 1) // m
-                into[key] = StateSlice(torch.empty(b - a, 1024), (a, 0))
-            ck.load_state(into={"model": into})
-            for key, sl in into.items():
-                assert torch.equal(sl.tensor, tree["model"][key][sl.offset[0]:][:len(sl.tensor)])
-        got = relay.received
-    assert state_bytes <= got <= 1.1 * state_bytes + m * (metadata + 64 * 1024), (
-        got, state_bytes, metadata)
+    assert_ranks_fetch_the_state_once(root, tree, s3_server, s3_bucket, m)

@@ -467,8 +467,16 @@ def test_all_ranks_together_fetch_about_the_state_from_s3(tmp_path, s3_server, s
     state's once plus each load's metadata (marker, state.json, listing)."""
     g = torch.Generator().manual_seed(5)
     tree = {"model": {f"l{i}": torch.randn(1031, 1024, generator=g) for i in range(4)}}
-    root = _save(tmp_path, tree, 4)
-    with on_s3_through_relay(root, s3_server, s3_bucket, "ckpt") as (ck, relay):
+    assert_ranks_fetch_the_state_once(_save(tmp_path, tree, 4), tree, s3_server, s3_bucket, m)
+
+
+def assert_ranks_fetch_the_state_once(root: str, tree: Any, s3_server: Any, bucket: str,
+                                      m: int) -> None:
+    """The state directory ``root`` (of ``tree``: ``{"model": {key: 2-D tensor}}``)
+    committed to S3 and loaded by ``m`` ranks, each asking for its rows of
+    every tensor: the bytes the server sends, counted by a relay, are the
+    state's once (within 10 %) plus each load's metadata."""
+    with on_s3_through_relay(root, s3_server, bucket, f"ckpt-{m}") as (ck, relay):
         state_bytes = sum(t.nbytes for t in tree["model"].values())
         relay.reset()
         ck.load_state(keys="model/l0")  # one load's metadata, measured
@@ -476,9 +484,10 @@ def test_all_ranks_together_fetch_about_the_state_from_s3(tmp_path, s3_server, s
         relay.reset()
         for r in range(m):
             into = {}
-            for key in tree["model"]:
-                a, b = 1031 * r // m, 1031 * (r + 1) // m
-                into[key] = StateSlice(torch.empty(b - a, 1024), (a, 0))
+            for key, t in tree["model"].items():
+                n = t.shape[0]
+                a, b = n * r // m, n * (r + 1) // m
+                into[key] = StateSlice(torch.empty(b - a, *t.shape[1:]), (a, 0))
             ck.load_state(into={"model": into})
             for key, sl in into.items():
                 assert torch.equal(sl.tensor, tree["model"][key][sl.offset[0]:][:len(sl.tensor)])
