@@ -237,3 +237,36 @@ def test_torch_save_export_is_byte_identical_to_torch_save(tmp_path: Any, make) 
     assert (tmp_path / "ours" / "x.pt").read_bytes() == (tmp_path / "torch" / "x.pt").read_bytes()
     got = torch.load(str(tmp_path / "ours" / "x.pt"), weights_only=True, mmap=True)
     assert got["model"]["tied"].data_ptr() == got["model"]["t_f32"].data_ptr()
+
+
+@pytest.mark.parametrize("crc32", [True, False])
+def test_exports_carry_the_crcs_torch_writes(crc32: bool, tmp_path: Any, make) -> None:
+    """The archives are written with torch's CRC-32 off (a third of its
+    speed) and their CRCs filled in afterwards: the torch.save export is
+    byte for byte torch.save's file (its serialization id is made from the
+    CRCs), every record of every archive (the DCP export's tensor files
+    too) checks with ``zipfile``, and with torch's CRC option off the
+    exports leave the CRCs 0 as torch.save then does."""
+    import zipfile
+
+    model = every_dtype()
+    ck = make("local").persist_state(tmp_path, {"model": model})
+    (tmp_path / "ref").mkdir()
+    torch.serialization.set_crc32_options(crc32)
+    try:
+        export_checkpoint(ck, str(tmp_path / "x.pt"), format="torch_save")
+        export_checkpoint(ck, str(tmp_path / "dcp"), format="dcp")
+        torch.save(ck.load_state(), str(tmp_path / "ref" / "x.pt"))
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert (tmp_path / "x.pt").read_bytes() == (tmp_path / "ref" / "x.pt").read_bytes()
+    files = [tmp_path / "x.pt", *sorted((tmp_path / "dcp").glob("*.distcp"))]
+    assert len(files) > 10
+    for path in files:
+        with zipfile.ZipFile(path) as z:
+            crcs = [i.CRC for i in z.infolist() if i.file_size]
+            if crc32:
+                assert z.testzip() is None, path
+                assert all(crcs), path
+            else:
+                assert not any(crcs), path
