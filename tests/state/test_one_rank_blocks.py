@@ -230,3 +230,24 @@ def test_ranks_fetch_about_a_one_rank_state_once_from_s3(tmp_path, s3_server, s3
         got = relay.received
     assert state_bytes <= got <= 1.1 * state_bytes + m * (metadata + 64 * 1024), (
         got, state_bytes, metadata)
+
+
+@pytest.mark.parametrize("shape", [(), (0, 5), (1, 3)])
+def test_verify_tensors_reads_blocks_on_a_tensor_of_one_or_no_rows(tmp_path, shape) -> None:
+    """Blocks the index validation lets through on a scalar (one block: the
+    reader takes it as one row) or on no rows (no block) are checked as the
+    reader checks them: a bad CRC is a TensorCorruptError, never an
+    IndexError or a ZeroDivisionError out of Checkpoint.verify."""
+    from checkpoint_store.state import verify_tensors
+
+    root = str(tmp_path / "s")
+    index = write_state({"t": torch.ones(shape)}, root)
+    e = index["t"]
+    n = shape[0] if shape else 1
+    e["blocks"] = [1, [e["crc32c"]] * n]
+    fs = pafs.LocalFileSystem()
+    verify_tensors(fs, root, index)
+    if n:
+        e["blocks"][1][0] = f"{int(e['crc32c'], 16) ^ 1:08x}"
+        with pytest.raises(TensorCorruptError, match="block 0"):
+            verify_tensors(fs, root, index)
