@@ -251,3 +251,39 @@ def test_verify_tensors_reads_blocks_on_a_tensor_of_one_or_no_rows(tmp_path, sha
         e["blocks"][1][0] = f"{int(e['crc32c'], 16) ^ 1:08x}"
         with pytest.raises(TensorCorruptError, match="block 0"):
             verify_tensors(fs, root, index)
+
+
+@pytest.mark.parametrize("how", ["torch_save", "hf_copy", "hf_in_place", "dcp"])
+def test_an_imported_checkpoint_gets_blocks_and_loads_by_rows(tmp_path, how) -> None:
+    """An import is a one-rank save too: each tensor of two or more blocks
+    gets the blocks of its bytes, so M ranks read about the state once."""
+    from safetensors.torch import save_file
+
+    from checkpoint_store.formats import import_checkpoint
+
+    g = torch.Generator().manual_seed(6)
+    tree = {"w": torch.randn(4096, 256, generator=g), "b": torch.randn(10, generator=g),
+            "h": torch.randn(3000, 70, generator=g).to(torch.bfloat16)}
+    src = tmp_path / "src"
+    if how == "torch_save":
+        src = tmp_path / "m.pt"
+        torch.save(tree, src)
+    elif how == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(tree, checkpoint_id=str(src))
+    else:
+        src.mkdir()
+        save_file(tree, str(src / "model.safetensors"))
+    dest = None if how == "hf_in_place" else str(tmp_path / "imp")
+    ck = import_checkpoint(str(src), dest, prefix="")
+    root = str(src) if dest is None else dest
+    idx = _index(root)
+    assert idx["w"]["blocks"] == _blocks_of_file(root, idx["w"])
+    assert idx["h"]["blocks"] == _blocks_of_file(root, idx["h"])
+    assert "blocks" not in idx["b"]
+    ck.verify()
+    per = idx["w"]["blocks"][0]
+    dest_t = torch.empty(per, 256)
+    ck.load_state(into={"w": StateSlice(dest_t, (3 * per, 0))})
+    assert torch.equal(dest_t, tree["w"][3 * per:4 * per])
