@@ -83,7 +83,7 @@ _CRC_CHUNK = 64 << 20
 #: than it needs. A tensor has about :data:`BLOCKS_PER_PIECE` blocks (at
 #: least :data:`MIN_BLOCK_BYTES` each), so that excess stays a few percent
 #: of a 1/16 slice whatever its size (11 bytes of index per block: 11 KiB
-#: per GiB at most).
+#: per GiB of tensors of 256 MiB and more, up to 0.03% of smaller ones).
 BLOCK_BYTES = 1 << 20
 MIN_BLOCK_BYTES = 64 << 10
 BLOCKS_PER_PIECE = 256
