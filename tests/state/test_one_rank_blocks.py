@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkpoint_store import Checkpoint, session
-from checkpoint_store.errors import CheckpointCorruptError, TensorCorruptError
+from checkpoint_store.errors import CheckpointCorruptError, InvalidConfigError, TensorCorruptError
 from checkpoint_store.state import STATE_FILE, StateSlice, load_state, write_state
 from checkpoint_store.state._box import read_box
 from checkpoint_store.state._fetch import _Fetcher
@@ -287,3 +287,37 @@ def test_an_imported_checkpoint_gets_blocks_and_loads_by_rows(tmp_path, how) -> 
     dest_t = torch.empty(per, 256)
     ck.load_state(into={"w": StateSlice(dest_t, (3 * per, 0))})
     assert torch.equal(dest_t, tree["w"][3 * per:4 * per])
+
+
+@pytest.mark.parametrize("rewrite", [(1199000, 1200000), (0, 1200000), (5000, 70000)])
+def test_bytes_written_again_leave_the_blocks_of_the_first_write(tmp_path, rewrite) -> None:
+    """A piece written again (the same bytes) once its range is covered, as
+    StateWriter always took it: the tensor's CRC comes from the first
+    cover, and so must its blocks (a block's CRC combined with the repeat
+    made a partial load of those rows fail on sound bytes)."""
+    data = np.arange(300000, dtype=np.float32).view(np.uint8)
+    layout = layout_of_buffers({"t": ("F32", [3000, 100])})
+    a, b = rewrite
+    with StateWriter(str(tmp_path), layout) as w:
+        w.write("t", memoryview(data), offset=0)
+        w.write("t", memoryview(data)[a:b], offset=a)
+        e = w.close()["t"]
+    assert e["crc32c"] == f"{google_crc32c.value(data.tobytes()):08x}"
+    assert e["blocks"] == block_crcs(data.tobytes(), 400)
+
+
+def test_overlapping_pieces_give_the_index_of_their_bytes_and_a_gap_is_refused(
+        tmp_path) -> None:
+    data = np.arange(300000, dtype=np.float32).view(np.uint8)
+    layout = layout_of_buffers({"t": ("F32", [3000, 100])})
+    with StateWriter(str(tmp_path / "a"), layout) as w:
+        w.write("t", memoryview(data)[:700000], offset=0)
+        w.write("t", memoryview(data)[600000:], offset=600000)
+        e = w.close()["t"]
+    assert e["crc32c"] == f"{google_crc32c.value(data.tobytes()):08x}"
+    assert e["blocks"] == block_crcs(data.tobytes(), 400)
+    with pytest.raises(InvalidConfigError, match="not written whole"):
+        with StateWriter(str(tmp_path / "b"), layout) as w:
+            w.write("t", memoryview(data)[:600000], offset=0)
+            w.write("t", memoryview(data)[600004:], offset=600004)
+            w.close()
