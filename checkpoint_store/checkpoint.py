@@ -379,7 +379,8 @@ class Checkpoint:
                 ``rich`` bar with it.
 
         Raises:
-            CheckpointNotFoundError: no checkpoint here, or it holds no state.
+            CheckpointNotFoundError: no checkpoint here, or it holds no state,
+                or a file of it was deleted while it was read.
             StateKeyError: a key or glob matches nothing, or ``into`` names a
                 key the state lacks; nothing read.
             StateMismatchError: an ``into`` tensor's dtype or shape differs,

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import pyarrow.fs as pafs
@@ -582,8 +582,11 @@ def _state_json(skeleton: Any, index: Mapping[str, Any]) -> bytes:
 
 def _index_entry(w: Written, name: str, e: Entry) -> dict[str, Any]:
     begin, end, crc = w.tensors[name]
-    return {"file": w.name, "dtype": e.dtype, "shape": list(e.shape), "offsets": [begin, end],
-            "crc32c": crc, "framework": "torch"}
+    out = {"file": w.name, "dtype": e.dtype, "shape": list(e.shape), "offsets": [begin, end],
+           "crc32c": crc, "framework": "torch"}
+    if name in w.blocks:
+        out["blocks"] = w.blocks[name]
+    return out
 
 
 def _put_json(fs: pafs.FileSystem, path: str, raw: bytes) -> ManifestEntry:
@@ -631,8 +634,9 @@ def _import_hf_in_place(src: SafetensorsSource, backend: Backend, path: str,
     for rel in src.headers:
         spans = {k: src.file_of(k)[1:] for k in src.entries
                  if src.file_of(k)[0] == posixpath.join(path, rel)}
-        w = copy_file(fs, posixpath.join(path, rel), None, None, spans, files[rel])
-        w = Written(rel, w.size, w.crc32c, w.tensors)
+        w = copy_file(fs, posixpath.join(path, rel), None, None, spans, files[rel],
+                      {k: src.entries[k].shape for k in spans})
+        w = replace(w, name=rel)
         written.append(ManifestEntry(rel, w.size, w.crc32c))
         index.update({k: _index_entry(w, k, src.entries[k]) for k in spans})
     index = {k: index[k] for k in src.entries}
@@ -794,8 +798,8 @@ def _commit_copy(src: SafetensorsSource, backend: Backend, path: str,
             name = rel or posixpath.basename(path)
             spans = {k: src.file_of(k)[1:] for k in src.entries if src.file_of(k)[0] == full}
             w = copy_file(backend.filesystem, full, fs, posixpath.join(directory, name),
-                          spans, size)
-            w = Written(name, w.size, w.crc32c, w.tensors)
+                          spans, size, {k: src.entries[k].shape for k in spans})
+            w = replace(w, name=name)
             entries.append(ManifestEntry(name, w.size, w.crc32c))
             index.update({k: _index_entry(w, k, src.entries[k]) for k in spans})
         ordered = {k: index[k] for k in src.entries}

@@ -24,7 +24,7 @@ from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.clients import _client_of, _native_of, keeps_names
-from checkpoint_store.errors import CheckpointCorruptError
+from checkpoint_store.errors import CheckpointCorruptError, CheckpointNotFoundError
 from checkpoint_store.state._tiles import REMOTE_ROW_BYTES
 from checkpoint_store.state._tree import DTYPES
 
@@ -75,6 +75,14 @@ def _from_buffer(e: Mapping[str, Any], buf: Any, begin: int) -> Any:
     return np.frombuffer(buf, dtype=np_name, count=count, offset=begin).reshape(shape)
 
 
+def _gone(root: str, rel: str) -> CheckpointNotFoundError:
+    """A file of the checkpoint at ``root``, listed when its index was read,
+    not there when its bytes are: the checkpoint is being deleted."""
+    return CheckpointNotFoundError(
+        f"file {rel!r} of checkpoint {root!r} was deleted while it was being read (a "
+        "retention pass or a delete removed the checkpoint); load another checkpoint")
+
+
 class _Fetcher:
     """Byte ranges of a checkpoint's files: local preadv, or ranged reads."""
 
@@ -111,8 +119,11 @@ class _Fetcher:
             with self.native.open_input_file(path) as f:
                 return f.read_at(end - begin, begin)
 
-        data = _retry.call(go, policy=self.retry, store=self.fs,
-                           what=f"read bytes {begin}-{end} of {path}")
+        try:
+            data = _retry.call(go, policy=self.retry, store=self.fs,
+                               what=f"read bytes {begin}-{end} of {path}")
+        except FileNotFoundError as exc:
+            raise _gone(self.root, rel) from exc
         if len(data) != end - begin:
             raise CheckpointCorruptError(
                 f"{path!r} ended early: asked for bytes [{begin}, {end}), got {len(data)}",
@@ -185,7 +196,10 @@ class _Fetcher:
         try:
             for rel, _, _ in jobs:
                 if rel not in fds:
-                    fds[rel] = os.open(os.path.join(self.local, rel), os.O_RDONLY)
+                    try:
+                        fds[rel] = os.open(os.path.join(self.local, rel), os.O_RDONLY)
+                    except FileNotFoundError as exc:
+                        raise _gone(self.root, rel) from exc
 
             def one(batch: Sequence[tuple[str, int, memoryview]]) -> None:
                 for rel, begin, view in batch:

@@ -141,7 +141,8 @@ def load_state(
         was selected and lists keep their length (``None`` where not selected).
 
     Raises:
-        CheckpointNotFoundError: no checkpoint, or it holds no state.
+        CheckpointNotFoundError: no checkpoint, or it holds no state, or a
+            file of it was deleted while it was read (a retention pass).
         StateKeyError: a name or glob of ``keys`` matches nothing, or ``into``
             holds a key the state lacks; nothing read.
         StateMismatchError: an ``into`` tensor has another dtype or shape

@@ -48,7 +48,8 @@ def _check(path: str, key: str, e: Mapping[str, Any], data: Any) -> None:
             raise _corrupt(path, key, e, got)
         return
     view = memoryview(data).cast("B")
-    step = blocks[0] * (len(view) // e["shape"][0])
+    rows = e["shape"][0] if e["shape"] else 1  # a scalar is one row, as the reader takes it
+    step = blocks[0] * (len(view) // rows) if rows else 0
     got = 0
     for i, want in enumerate(blocks[1]):
         part = view[i * step:(i + 1) * step]

@@ -169,3 +169,33 @@ def test_pyarrow_messages_of_a_gone_object_are_typed(message, kind):
                 "INTERNAL_FAILURE": "transient", "ACCESS_DENIED": "permanent",
                 "BlobNotFound": "permanent"}
     assert classify(got) == next(v for k, v in expected.items() if k in message)
+
+
+@pytest.mark.parametrize("kind", _BACKENDS)
+@pytest.mark.parametrize("keys", [None, "w"])
+def test_a_state_deleted_under_its_load_is_a_checkpoint_not_found(kind, keys, request,
+                                                                  tmp_path):
+    """A retention pass deleting the checkpoint a load is reading: the load
+    says the checkpoint's file is gone, typed (a CheckpointNotFoundError, still
+    a FileNotFoundError), not the engine's bare error (gcsfs: only a URL)."""
+    import torch
+
+    from checkpoint_store import Checkpoint, session
+    from checkpoint_store.errors import CheckpointNotFoundError
+
+    inner, fs, root, _ = _vanishing(kind, request, tmp_path, "tensors-")
+    tree = {"w": torch.randn(300, 300), "b": torch.randn(3)}
+    with session.start(storage_path=root, storage_filesystem=inner, experiment_name="e",
+                       trial_name="t") as s:
+        s.report({"x": 1}, checkpoint=Checkpoint.from_state(tree))
+    ck = Checkpoint(f"{root}/e/t/checkpoint_000000", fs)
+    try:
+        got = ck.load_state(keys=keys)
+    except CheckpointNotFoundError as exc:
+        assert kind not in _KEEPS_OPEN_FILES, "an open local file stays readable"
+        assert "tensors-00001-of-00001.safetensors" in str(exc)
+        assert "deleted while" in str(exc), exc
+    else:
+        assert kind in _KEEPS_OPEN_FILES, f"{kind}: read a deleted object"
+        assert torch.equal(got["w"], tree["w"])
+    assert fs.handler.injected["vanished"] == 1

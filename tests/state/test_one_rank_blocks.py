@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkpoint_store import Checkpoint, session
-from checkpoint_store.errors import CheckpointCorruptError, TensorCorruptError
+from checkpoint_store.errors import CheckpointCorruptError, InvalidConfigError, TensorCorruptError
 from checkpoint_store.state import STATE_FILE, StateSlice, load_state, write_state
 from checkpoint_store.state._box import read_box
 from checkpoint_store.state._fetch import _Fetcher
@@ -214,3 +214,94 @@ def test_ranks_fetch_about_a_one_rank_state_once_from_s3(tmp_path, s3_server, s3
     root = str(tmp_path / "s")
     write_state(tree, root)
     assert_ranks_fetch_the_state_once(root, tree, s3_server, s3_bucket, m)
+
+
+@pytest.mark.parametrize("shape", [(), (0, 5), (1, 3)])
+def test_verify_tensors_reads_blocks_on_a_tensor_of_one_or_no_rows(tmp_path, shape) -> None:
+    """Blocks the index validation lets through on a scalar (one block: the
+    reader takes it as one row) or on no rows (no block) are checked as the
+    reader checks them: a bad CRC is a TensorCorruptError, never an
+    IndexError or a ZeroDivisionError out of Checkpoint.verify."""
+    from checkpoint_store.state import verify_tensors
+
+    root = str(tmp_path / "s")
+    index = write_state({"t": torch.ones(shape)}, root)
+    e = index["t"]
+    n = shape[0] if shape else 1
+    e["blocks"] = [1, [e["crc32c"]] * n]
+    fs = pafs.LocalFileSystem()
+    verify_tensors(fs, root, index)
+    if n:
+        e["blocks"][1][0] = f"{int(e['crc32c'], 16) ^ 1:08x}"
+        with pytest.raises(TensorCorruptError, match="block 0"):
+            verify_tensors(fs, root, index)
+
+
+@pytest.mark.parametrize("how", ["torch_save", "hf_copy", "hf_in_place", "dcp"])
+def test_an_imported_checkpoint_gets_blocks_and_loads_by_rows(tmp_path, how) -> None:
+    """An import is a one-rank save too: each tensor of two or more blocks
+    gets the blocks of its bytes, so M ranks read about the state once."""
+    from safetensors.torch import save_file
+
+    from checkpoint_store.formats import import_checkpoint
+
+    g = torch.Generator().manual_seed(6)
+    tree = {"w": torch.randn(4096, 256, generator=g), "b": torch.randn(10, generator=g),
+            "h": torch.randn(3000, 70, generator=g).to(torch.bfloat16)}
+    src = tmp_path / "src"
+    if how == "torch_save":
+        src = tmp_path / "m.pt"
+        torch.save(tree, src)
+    elif how == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(tree, checkpoint_id=str(src))
+    else:
+        src.mkdir()
+        save_file(tree, str(src / "model.safetensors"))
+    dest = None if how == "hf_in_place" else str(tmp_path / "imp")
+    ck = import_checkpoint(str(src), dest, prefix="")
+    root = str(src) if dest is None else dest
+    idx = _index(root)
+    assert idx["w"]["blocks"] == _blocks_of_file(root, idx["w"])
+    assert idx["h"]["blocks"] == _blocks_of_file(root, idx["h"])
+    assert "blocks" not in idx["b"]
+    ck.verify()
+    per = idx["w"]["blocks"][0]
+    dest_t = torch.empty(per, 256)
+    ck.load_state(into={"w": StateSlice(dest_t, (3 * per, 0))})
+    assert torch.equal(dest_t, tree["w"][3 * per:4 * per])
+
+
+@pytest.mark.parametrize("rewrite", [(1199000, 1200000), (0, 1200000), (5000, 70000)])
+def test_bytes_written_again_leave_the_blocks_of_the_first_write(tmp_path, rewrite) -> None:
+    """A piece written again (the same bytes) once its range is covered, as
+    StateWriter always took it: the tensor's CRC comes from the first
+    cover, and so must its blocks (a block's CRC combined with the repeat
+    made a partial load of those rows fail on sound bytes)."""
+    data = np.arange(300000, dtype=np.float32).view(np.uint8)
+    layout = layout_of_buffers({"t": ("F32", [3000, 100])})
+    a, b = rewrite
+    with StateWriter(str(tmp_path), layout) as w:
+        w.write("t", memoryview(data), offset=0)
+        w.write("t", memoryview(data)[a:b], offset=a)
+        e = w.close()["t"]
+    assert e["crc32c"] == f"{google_crc32c.value(data.tobytes()):08x}"
+    assert e["blocks"] == block_crcs(data.tobytes(), 400)
+
+
+def test_overlapping_pieces_give_the_index_of_their_bytes_and_a_gap_is_refused(
+        tmp_path) -> None:
+    data = np.arange(300000, dtype=np.float32).view(np.uint8)
+    layout = layout_of_buffers({"t": ("F32", [3000, 100])})
+    with StateWriter(str(tmp_path / "a"), layout) as w:
+        w.write("t", memoryview(data)[:700000], offset=0)
+        w.write("t", memoryview(data)[600000:], offset=600000)
+        e = w.close()["t"]
+    assert e["crc32c"] == f"{google_crc32c.value(data.tobytes()):08x}"
+    assert e["blocks"] == block_crcs(data.tobytes(), 400)
+    with pytest.raises(InvalidConfigError, match="not written whole"):
+        with StateWriter(str(tmp_path / "b"), layout) as w:
+            w.write("t", memoryview(data)[:600000], offset=0)
+            w.write("t", memoryview(data)[600004:], offset=600004)
+            w.close()

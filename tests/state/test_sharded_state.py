@@ -195,7 +195,7 @@ def test_a_row_slice_reads_about_its_bytes(tmp_path) -> None:
     big = torch.randn(4096, 1024, generator=g)  # 16 MiB in 4 pieces of 4 MiB
     root = _save(tmp_path, {"w": big}, 4)
     e = _index(root)["w"]
-    # 4 MiB pieces: blocks of 1/64 of a piece (16 rows of 4 KiB).
+    # 4 MiB pieces: blocks of 64 KiB, the least a block holds (16 rows of 4 KiB).
     assert all(p["blocks"][0] == 16 and len(p["blocks"][1]) == 64 for p in e["shards"])
     block = 16 * 4096
     fetch = _Fetcher(pafs.LocalFileSystem(), root, {}, None, 4)
