@@ -437,8 +437,10 @@ def _deleted_source(r: TransferTasks, files: Sequence[tuple[str, int]],
     return SourceDeletedError(
         f"{where} was deleted while it was being copied"
         + (f" ({len(missing) - 1} more file(s) of the source too)" if len(missing) > 1 else "")
-        + "; nothing of it is kept. Report or copy the directory once nothing deletes or "
-        "rewrites its files", path=r.src_root, file=rel)
+        + "; nothing of it is kept. A checkpoint being deleted (retention or a delete in "
+        "another process) cannot be copied: copy another one; a directory you report or "
+        "upload: report it once nothing deletes or rewrites its files",
+        path=r.src_root, file=rel)
 
 
 @dataclass

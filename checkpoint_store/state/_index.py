@@ -12,6 +12,7 @@ import json
 import math
 import os
 import posixpath
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
@@ -192,6 +193,10 @@ def _bad_sharded(e: dict[str, Any], sizes: Mapping[str, int]) -> str | None:
     return ShardIndex.why_not_tiling(e)
 
 
+#: A CRC32C as the index writes it: 8 lowercase hex digits.
+_CRC_HEX = re.compile(r"[0-9a-f]{8}")
+
+
 def _bad_checks(p: Mapping[str, Any]) -> str | None:
     """Why a piece's (or a whole tensor's) partial-read checksums
     (``blocks``, ``tiles``) cannot be used; None when absent or sound."""
@@ -202,7 +207,7 @@ def _bad_checks(p: Mapping[str, Any]) -> str | None:
             isinstance(blocks, list) and len(blocks) == 2 and isinstance(blocks[0], int)
             and not isinstance(blocks[0], bool) and blocks[0] > 0
             and isinstance(blocks[1], list)
-            and all(isinstance(c, str) for c in blocks[1])
+            and all(isinstance(c, str) and _CRC_HEX.fullmatch(c) for c in blocks[1])
             and len(blocks[1]) == -(-(p["shape"][0] if p["shape"] else 1) // blocks[0])):
         return "bad blocks"
     tiles = p.get("tiles")

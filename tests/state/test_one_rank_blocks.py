@@ -190,6 +190,7 @@ def test_verify_tensors_checks_each_block_checksum(tmp_path) -> None:
 
 @pytest.mark.parametrize("bad", [
     "x", [0, []], [True, ["00000000"]], [64, "00"], [64, [1, 2]], [64, ["0"] * 3], [64],
+    [64, ["zz"] * 64], [64, ["0000000G"] * 64], [64, ["0000000A"] * 64],
 ])
 def test_bad_blocks_on_a_whole_tensor_are_refused(tmp_path, bad) -> None:
     root = str(tmp_path / "s")
