@@ -30,7 +30,7 @@ from checkpoint_store._transfer.crc32c import crc32c_combine, crc32c_concat
 from checkpoint_store.errors import CheckpointCorruptError
 from checkpoint_store.formats._sources import CHUNK_BYTES, Entry, Source, crc_extend
 from checkpoint_store.state import DTYPES, encode_header
-from checkpoint_store.state._files import _block_bytes
+from checkpoint_store.state._files import block_bytes
 
 __all__ = ["Planned", "Written", "ahead", "copy_file", "plan_shards", "write_shard"]
 
@@ -150,7 +150,7 @@ def _pieces(source: Source, plan: Planned, crcs: bool
             ) -> Iterator[tuple[str, Any, _TensorCrc | None]]:
     """``(name, piece, the tensor's CRCs so far or None)`` over the file's tensors."""
     for name, e in plan.items:
-        crc, n = (_TensorCrc(_block_bytes(e.shape, e.nbytes)) if crcs else None), 0
+        crc, n = (_TensorCrc(block_bytes(e.shape, e.nbytes)) if crcs else None), 0
         for piece in source.chunks(e.key):
             if crc is not None:
                 crc.add(piece)
@@ -212,7 +212,7 @@ def copy_file(fs_in: pafs.FileSystem, src: str, fs_out: pafs.FileSystem | None, 
     """
     order = sorted(spans.items(), key=lambda kv: kv[1])
     ends = [e for _, (_b, e) in order]
-    crcs = {name: _TensorCrc(_block_bytes(shapes[name], e - b)
+    crcs = {name: _TensorCrc(block_bytes(shapes[name], e - b)
                              if shapes is not None and name in shapes else None)
             for name, (b, e) in spans.items()}
 

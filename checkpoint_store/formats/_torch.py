@@ -291,7 +291,7 @@ def _read_ahead(source: Source, keys: Sequence[str],
             taken: list[Any] = []
             for i in range(len(keys)):
                 pending.result()
-                taken.append(crcs.submit(zlib.crc32, flats[i % len(areas)][:sizes[i]]))
+                taken.append(crcs.submit(zlib.crc32, memoryview(areas[i % len(areas)])[:sizes[i]]))
                 if i + 1 < len(keys):
                     if i >= 1:
                         taken[i - 1].result()  # its buffer is the one refilled next

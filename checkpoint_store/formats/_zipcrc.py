@@ -91,10 +91,11 @@ def fill_crcs(path: str, crcs: Mapping[str, int]) -> None:
                     f.write(sid)
                 r.crc = zlib.crc32(sid)
             else:
-                r.crc = crcs.get(short)
-                if r.crc is None:
+                given = crcs.get(short)
+                if given is None:
                     f.seek(r.data_at)
-                    r.crc = zlib.crc32(f.read(r.size))
+                    given = zlib.crc32(f.read(r.size))
+                r.crc = given
             if r.flags & 0x08:  # torch combines the CRCs its data descriptors carry
                 combined = _combine(combined, r.crc)
             packed = struct.pack("<I", r.crc & 0xFFFFFFFF)
@@ -134,7 +135,7 @@ class _Record:
     crc: int = 0
 
 
-def _records(f: Any, central: bytes, offset: int, count: int) -> list[_Record]:
+def _records(f: Any, central: bytes | bytearray, offset: int, count: int) -> list[_Record]:
     """The archive's records in the order written (the central directory's)."""
     out = []
     at = 0

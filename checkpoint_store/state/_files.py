@@ -97,7 +97,7 @@ def rows_per_block(nbytes: int, row_bytes: int) -> int:
     return max(1, target // max(1, row_bytes))
 
 
-def _block_bytes(shape: Sequence[int], nbytes: int) -> int | None:
+def block_bytes(shape: Sequence[int], nbytes: int) -> int | None:
     """Bytes per checked block of a whole tensor; None when it would be one
     block (a scalar, one row, or rows that fit in one block)."""
     if not shape or shape[0] < 2 or not nbytes:
@@ -249,7 +249,7 @@ class StateWriter:
         self._parts: dict[str, list[tuple[int, int, int]]] = {k: [] for k in layout.tensors}
         # Bytes per checked block, for the tensors split into blocks.
         self._blocks = {k: b for k, spec in layout.tensors.items()
-                        if (b := _block_bytes(spec.shape, spec.nbytes)) is not None}
+                        if (b := block_bytes(spec.shape, spec.nbytes)) is not None}
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
         self._closed = False
