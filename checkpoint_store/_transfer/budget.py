@@ -8,7 +8,8 @@ transfer (:mod:`checkpoint_store._transfer.plan`) takes its buffers' bytes from.
 from __future__ import annotations
 
 import os
-import threading
+
+from checkpoint_store._util.locks import condition
 
 __all__ = ["DEFAULT_MEMORY_LIMIT", "_Budget"]
 
@@ -37,22 +38,22 @@ class _Budget:
     def __init__(self, limit: int):
         self.limit = max(1, limit)
         self._held = 0
-        self._cond = threading.Condition()
+        self._mutex, self._cond = condition()  # enter _mutex, not the condition
 
     def try_acquire(self, n: int) -> bool:
-        with self._cond:
+        with self._mutex:
             if self._held == 0 or self._held + n <= self.limit:
                 self._held += n
                 return True
             return False
 
     def acquire(self, n: int) -> None:
-        with self._cond:
+        with self._mutex:
             while not (self._held == 0 or self._held + n <= self.limit):
                 self._cond.wait()
             self._held += n
 
     def release(self, n: int) -> None:
-        with self._cond:
+        with self._mutex:
             self._held -= n
             self._cond.notify_all()

@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from checkpoint_store._util.inspect import read_internal_metadata
+from checkpoint_store._util.locks import condition
 from checkpoint_store.storage import StorageContext
 
 __all__ = ["Deleter", "delete_evicted", "uncommit_evicted"]
@@ -141,7 +142,7 @@ class Deleter:
     def __init__(self, run_once: Callable[[], None], name: str = "checkpoint-store-delete"):
         self._run_once = run_once
         self._name = name
-        self._cond = threading.Condition()
+        self._mutex, self._cond = condition()  # enter _mutex, not the condition
         self._due = False
         self._busy = False
         self._worker: threading.Thread | None = None
@@ -155,12 +156,12 @@ class Deleter:
     @property
     def idle(self) -> bool:
         """True when no round is due or running."""
-        with self._cond:
+        with self._mutex:
             return not (self._due or self._busy)
 
     def kick(self) -> None:
         """Ask for a round; never blocks."""
-        with self._cond:
+        with self._mutex:
             self._due = True
             if self._worker is None:
                 self._worker = threading.Thread(target=self._loop, name=self._name,
@@ -176,7 +177,7 @@ class Deleter:
         if self._worker is threading.current_thread():
             return True  # a round asking for itself: it is running
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._mutex:
             while self._due or self._busy:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -186,7 +187,7 @@ class Deleter:
 
     def _loop(self) -> None:
         while True:
-            with self._cond:
+            with self._mutex:
                 if not self._due:
                     self._worker = None
                     self._cond.notify_all()
@@ -200,7 +201,7 @@ class Deleter:
                 logger.exception("background delete of evicted checkpoints failed")
                 self.errors.append(exc)
             finally:
-                with self._cond:
+                with self._mutex:
                     self.rounds += 1
                     self.busy_s += time.perf_counter() - t0
                     self._busy = False

@@ -26,6 +26,7 @@ from checkpoint_store._results import writer as _results
 from checkpoint_store._util import clock as _clock
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.liveness import process_alive, process_token
+from checkpoint_store._util.locks import condition
 from checkpoint_store.backends.base import canonical_uri_text
 from checkpoint_store.errors import CheckpointStoreError, TrialInUseError
 from checkpoint_store.storage import StorageContext
@@ -343,12 +344,12 @@ class _LeaseKeeper:
     """
 
     def __init__(self) -> None:
-        self._cv = threading.Condition()
+        self._mutex, self._cv = condition()  # enter _mutex, not the condition
         self._leases: set[Lease] = set()
         self._thread: threading.Thread | None = None
 
     def add(self, lease: Lease) -> None:
-        with self._cv:
+        with self._mutex:
             lease.next_renewal = time.monotonic() + lease.interval
             self._leases.add(lease)
             # After a fork the child has no keeper thread: start one.
@@ -360,12 +361,12 @@ class _LeaseKeeper:
             self._cv.notify()
 
     def remove(self, lease: Lease) -> None:
-        with self._cv:
+        with self._mutex:
             self._leases.discard(lease)
 
     def _run(self) -> None:
         while True:
-            with self._cv:
+            with self._mutex:
                 now = time.monotonic()
                 due = [le for le in self._leases if le.next_renewal <= now]
                 if not due:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import check_run_name
+from checkpoint_store._util.locks import condition
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     CheckpointStoreError,
@@ -169,7 +170,7 @@ class TrialRunner:
             self._storage_args["preemption"] = preemption_config
         self._sync = synchronous_result_reporting
         self._stop_timeout_s = check_timeout(stop_timeout_s, "stop_timeout_s")
-        self._cv = threading.Condition()
+        self._mutex, self._cv = condition()  # enter _mutex, not the condition
         self._thread: threading.Thread | None = None
         self._session: Session | None = None
         self._status = _IDLE
@@ -231,7 +232,7 @@ class TrialRunner:
     # -- the thread -------------------------------------------------------------------
 
     def _start_thread(self) -> None:
-        with self._cv:
+        with self._mutex:
             self._new_attempt()
             self._generation += 1
             self._status = _RUNNING
@@ -254,17 +255,17 @@ class TrialRunner:
                 sess.add_report_hook(_Hook(self, generation))
                 self._call_train_fn(_session_mod)
         except Preempted as exc:  # the session is closed as "preempted"
-            with self._cv:
+            with self._mutex:
                 if generation == self._generation:
                     self._preempted = exc
         except TrialStopped:
             pass
         except BaseException as exc:  # re-raised by step() in the driver's thread
-            with self._cv:
+            with self._mutex:
                 if generation == self._generation:
                     self._error = exc
         finally:
-            with self._cv:
+            with self._mutex:
                 if generation == self._generation:
                     self._thread_done = True
                     self._cv.notify_all()
@@ -295,14 +296,14 @@ class TrialRunner:
         return TrialStopped()
 
     def _before_report(self, generation: int) -> None:
-        with self._cv:
+        with self._mutex:
             if self._stop_requested or generation != self._generation:
                 raise self._stopped()
 
     def _after_report(self, generation: int, row: dict[str, Any], ckpt: Checkpoint | None) -> None:
         result = dict(row)
         result["checkpoint"] = ckpt
-        with self._cv:
+        with self._mutex:
             if self._stop_requested or generation != self._generation:
                 raise self._stopped()
             self._slot = result
@@ -347,7 +348,7 @@ class TrialRunner:
                 resumes the trial from that checkpoint.
             TimeoutError: no result within ``timeout`` (the trial goes on).
         """
-        with self._cv:
+        with self._mutex:
             if self._status in (_IDLE, _PAUSED, _PREEMPTED):
                 starting = True
             elif self._status in (_FINISHED, _ERRORED, _STOPPED):
@@ -356,7 +357,7 @@ class TrialRunner:
                 starting = False
         if starting:
             self._start_thread()
-        with self._cv:
+        with self._mutex:
             if self._sync and self._taken > self._released:
                 self._released = self._taken  # let the blocked report() return
                 self._cv.notify_all()
@@ -411,7 +412,7 @@ class TrialRunner:
         return True
 
     def _end_thread(self, status: str, timeout: float | None) -> bool:
-        with self._cv:
+        with self._mutex:
             if self._status != _RUNNING:
                 # Nothing runs. Before the first step (or while paused) the
                 # request decides what step() does; a finished or stopped
@@ -456,7 +457,7 @@ class TrialRunner:
         """
         if status not in ("stopped", "pruned"):
             raise InvalidConfigError(f"status must be 'stopped' or 'pruned', got {status!r}")
-        with self._cv:
+        with self._mutex:
             if reason is not None and self._status in (_RUNNING, _IDLE, _PAUSED):
                 self._stop_reason = (status, str(reason))
         return self._end_thread(_STOPPED, timeout)
@@ -498,7 +499,7 @@ class TrialRunner:
             check_run_name(trial_name, "trial_name")
         if not self._end_thread(_STOPPED, timeout):
             return False
-        with self._cv:
+        with self._mutex:
             self._config = clean
             if trial_name is not None:
                 self._storage_args["trial_name"] = trial_name

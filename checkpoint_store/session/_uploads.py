@@ -39,6 +39,7 @@ from typing import Any
 
 from checkpoint_store._format.layout import STAGED_COPY_PREFIX
 from checkpoint_store._util.background import yield_to_training
+from checkpoint_store._util.locks import condition
 from checkpoint_store.retention.upload_config import STAGING_MODES as STAGING_MODES
 from checkpoint_store.retention.upload_config import UPLOAD_MODES as UPLOAD_MODES
 from checkpoint_store.retention.upload_config import StagingMode as StagingMode
@@ -213,7 +214,7 @@ class BackgroundUploader:
 
     def __init__(self, max_pending: int = 1):
         self.max_pending = check_max_pending(max_pending)
-        self._cond = threading.Condition()
+        self._mutex, self._cond = condition()  # enter _mutex, not the condition
         self._queue: collections.deque[_Job] = collections.deque()
         self._pending = 0
         self._errors: list[tuple[str, BaseException]] = []
@@ -230,13 +231,13 @@ class BackgroundUploader:
     @property
     def pending(self) -> int:
         """Uploads queued or running."""
-        with self._cond:
+        with self._mutex:
             return self._pending
 
     def take_errors(self) -> list[tuple[str, BaseException]]:
         """The errors of finished background uploads, as ``(checkpoint_dir_name,
         exception)`` in report order, each returned once."""
-        with self._cond:
+        with self._mutex:
             errors, self._errors = self._errors, []
         return errors
 
@@ -256,7 +257,7 @@ class BackgroundUploader:
             Seconds spent waiting (0.0 when a slot was free).
         """
         limit = self.max_pending if max_pending is None else check_max_pending(max_pending)
-        with self._cond:
+        with self._mutex:
             if self._pending < limit:
                 return 0.0
             t0 = time.perf_counter()
@@ -271,14 +272,14 @@ class BackgroundUploader:
         ``checkpoint_NNNNNN`` name), and each job submitted later before
         them: after a preemption signal the freshest checkpoint is made
         durable first. One rank only (ranks must commit in the same order)."""
-        with self._cond:
+        with self._mutex:
             self._newest_first = True
             self._queue = collections.deque(
                 sorted(self._queue, key=lambda job: job.what, reverse=True))
 
     def submit(self, run: Callable[[], Any], cleanup: Callable[[], None], what: str) -> None:
         """Queue ``run`` (then ``cleanup``, whatever happens); never blocks."""
-        with self._cond:
+        with self._mutex:
             if self._newest_first:
                 self._queue.appendleft(_Job(run, cleanup, what))
             else:
@@ -295,7 +296,7 @@ class BackgroundUploader:
     def close(self) -> None:
         """Let the worker end once the queue is empty (the session ended); a
         later :meth:`submit` still runs, on a worker that does not wait."""
-        with self._cond:
+        with self._mutex:
             self._linger = False
             self._cond.notify_all()
 
@@ -306,7 +307,7 @@ class BackgroundUploader:
             True when none is pending, False on timeout.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._mutex:
             while self._pending:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -318,7 +319,7 @@ class BackgroundUploader:
         # Background work only: where cores are short, the loop goes first.
         yield_to_training("CHECKPOINT_STORE_UPLOAD_NICE", whole_process=False)
         while True:
-            with self._cond:
+            with self._mutex:
                 while not self._queue and self._linger:
                     self._cond.wait()
                 if not self._queue:
@@ -331,14 +332,14 @@ class BackgroundUploader:
             except BaseException as exc:  # surfaced at the next report() / wait()
                 ok = False
                 logger.debug("background upload of %s failed", job.what, exc_info=True)
-                with self._cond:
+                with self._mutex:
                     self._errors.append((job.what, exc))
             finally:
                 try:
                     job.cleanup()
                 except Exception as exc:  # a leftover staging dir is not worth a failure
                     logger.warning("could not remove the staged copy of %s: %s", job.what, exc)
-            with self._cond:
+            with self._mutex:
                 self._pending -= 1
                 if ok:
                     self.committed += 1

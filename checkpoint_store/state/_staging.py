@@ -53,6 +53,7 @@ from checkpoint_store._format.layout import (
     SHARED_STAGING_PREFIX,
     WRITTEN_STATE_RECORD,
 )
+from checkpoint_store._util.locks import condition
 from checkpoint_store.errors import InvalidConfigError, PersistProcessError
 from checkpoint_store.state._stage_copy import StagingCopier
 from checkpoint_store.state._tree import DTYPES, FlatState
@@ -134,7 +135,7 @@ class Stager:
     def __init__(self, budget: int | None = None, *, piece_bytes: int | None = None):
         self.budget = check_staging_budget(budget)
         self.piece_bytes = piece_bytes or max(64 * 1024, min(PIECE_BYTES, self.budget // 4))
-        self._cond = threading.Condition()
+        self._mutex, self._cond = condition()  # enter _mutex, not the condition
         self._ring: collections.deque[tuple[int, int]] = collections.deque()
         self._head = 0
         self._fd: int | None = None
@@ -168,7 +169,7 @@ class Stager:
             return
         if self._proc is not None:  # a dead one: its states failed already
             self._proc.close(timeout=5)
-            with self._cond:
+            with self._mutex:
                 self._ring.clear()
                 self.in_use = 0
                 self._dead = None
@@ -229,7 +230,7 @@ class Stager:
         some."""
         need = (n + _ALIGN - 1) // _ALIGN * _ALIGN
         while True:
-            with self._cond:
+            with self._mutex:
                 if self._dead is not None:
                     raise self._dead
                 off = self._fit(need)
@@ -278,7 +279,7 @@ class Stager:
 
     def _on_message(self, msg: tuple[Any, ...]) -> None:
         op = msg[0]
-        with self._cond:
+        with self._mutex:
             if op == "freed":
                 off = msg[1]
                 if self._ring and self._ring[0][0] == off:
@@ -301,7 +302,7 @@ class Stager:
             f"the persist process (pid {self._proc.pid if self._proc else '?'}) exited with "
             f"code {code} before the staged state was written"
             + (" (killed by a signal)" if code < 0 else ""))
-        with self._cond:
+        with self._mutex:
             if self.closed and not self._states:
                 return
             self._dead = error
@@ -331,7 +332,7 @@ class Stager:
         with self._stage_lock:
             self._ensure()
             os.makedirs(directory, exist_ok=True)
-            with self._cond:
+            with self._mutex:
                 sid = self._next_fid
                 self._next_fid += 1
                 staged = StagedState(self, flat, directory, sid)
@@ -446,7 +447,7 @@ class StagedState:
         self._done.set()
 
     def _forget(self) -> None:
-        with self._stager._cond:
+        with self._stager._mutex:
             self._stager._states.pop(self._sid, None)
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -32,6 +32,7 @@ class TierRetention:
     config: LocalTier
     storage: StorageContext
     blocked_s: float
+    _mutex: threading.RLock
     _cond: threading.Condition
     _entries: dict[int, TierEntry]
     _verified: set[int]
@@ -68,7 +69,7 @@ class TierRetention:
         while True:
             self._evict(extra=nbytes)
             self._deleter.wait()  # the budget counts bytes on disk: the deletes end first
-            with self._cond:
+            with self._mutex:
                 used = sum(e.bytes for e in self._entries.values())
                 if used + nbytes <= limit:
                     break
@@ -98,7 +99,7 @@ class TierRetention:
             The indexes evicted by this call."""
         keep = self.config.num_to_keep
         limit = self.config.max_bytes
-        with self._cond:
+        with self._mutex:
             order = sorted(self._entries)
             newest = order[-keep:]
             protected = set(newest) | {i for i in order if self._entries[i].durable == "pending"}
@@ -153,7 +154,7 @@ class TierRetention:
         :meth:`_uncommit` left of them), then drop them from the state's
         ``"evicting"`` list. A failed delete is logged and retried at the next
         eviction (or the next start)."""
-        with self._cond:
+        with self._mutex:
             todo = sorted(self._evicting)
             left = {i: self._tier_leftovers[i] for i in todo if i in self._tier_leftovers}
         done = []
@@ -169,7 +170,7 @@ class TierRetention:
                 continue
             done.append(i)
         if done:
-            with self._cond:
+            with self._mutex:
                 self._evicting.difference_update(done)
                 for i in done:
                     self._tier_leftovers.pop(i, None)

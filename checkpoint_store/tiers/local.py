@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import posixpath
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -39,6 +38,7 @@ from checkpoint_store._format.layout import (
     local_tier_rank_dir_name,
     parse_checkpoint_dir_name,
 )
+from checkpoint_store._util.locks import condition
 from checkpoint_store.checkpoint import Checkpoint, written_metadata
 from checkpoint_store.errors import (
     CheckpointConflictError,
@@ -121,7 +121,7 @@ class FastTier(TierRetention, TierVerification):
         else:
             self.storage = StorageContext(config.path, exp, trial, fsync=config.fsync,
                                           run_id=run_id)
-        self._cond = threading.Condition()
+        self._mutex, self._cond = condition()  # enter _mutex, not the condition
         self._entries: dict[int, TierEntry] = {}
         # Copies to the persistent tier that failed for good in this session.
         self._failed: dict[int, BaseException] = {}
@@ -298,7 +298,7 @@ class FastTier(TierRetention, TierVerification):
 
     def entries(self) -> list[TierEntry]:
         """The committed checkpoints of this tier, oldest first (copies)."""
-        with self._cond:
+        with self._mutex:
             return [TierEntry(e.index, e.bytes, e.durable)
                     for _, e in sorted(self._entries.items())]
 
@@ -306,32 +306,32 @@ class FastTier(TierRetention, TierVerification):
     def next_index(self) -> int:
         """One past the highest index committed on this tier, or of any
         ``checkpoint_<index>`` directory found there at open (0 when empty)."""
-        with self._cond:
+        with self._mutex:
             return max(max(self._entries, default=-1), self._dir_high) + 1
 
     @property
     def used_bytes(self) -> int:
-        with self._cond:
+        with self._mutex:
             return sum(e.bytes for e in self._entries.values())
 
     @property
     def durable_index(self) -> int | None:
         """The highest index whose copy on the persistent tier is committed
         (known to this tier), or None."""
-        with self._cond:
+        with self._mutex:
             done = [i for i, e in self._entries.items() if e.durable == "durable"]
             high = max(done + [self._durable_high])
             return high if high >= 0 else None
 
     def status(self, index: int) -> DurableStatus | None:
         """Where checkpoint ``index`` stands (None: not on this tier)."""
-        with self._cond:
+        with self._mutex:
             e = self._entries.get(index)
             return e.durable if e is not None else None
 
     def pending(self) -> list[int]:
         """Indexes whose copy to the persistent tier is pending, oldest first."""
-        with self._cond:
+        with self._mutex:
             return sorted(i for i, e in self._entries.items() if e.durable == "pending")
 
     def checkpoint(self, index: int) -> Checkpoint:
@@ -419,7 +419,7 @@ class FastTier(TierRetention, TierVerification):
         selected = self.selects(index, row)
         entry = TierEntry(index, _manifest_bytes(written_metadata(committed)),
                           "pending" if selected else "local_only")
-        with self._cond:
+        with self._mutex:
             self._entries[index] = entry
             self._verified.add(index)
             if selected:
@@ -449,7 +449,7 @@ class FastTier(TierRetention, TierVerification):
         """
         preempted_at = self._preempted_at
         if preempted_at is not None and index < preempted_at:
-            with self._cond:
+            with self._mutex:
                 self._queued.discard(index)
                 first = not self._skipped
                 self._skipped.add(index)
@@ -484,12 +484,12 @@ class FastTier(TierRetention, TierVerification):
                     sleep(min(delay, left))
                     delay = min(delay * 2, 30.0)
         except BaseException as exc:
-            with self._cond:
+            with self._mutex:
                 self._failed[index] = exc
                 self._queued.discard(index)
                 self._cond.notify_all()
             raise
-        with self._cond:
+        with self._mutex:
             entry = self._entries.get(index)
             if entry is not None:
                 entry.durable = "durable"
@@ -502,7 +502,7 @@ class FastTier(TierRetention, TierVerification):
     def mark_durable(self, index: int) -> None:
         """Record that checkpoint ``index`` is committed on the persistent tier
         (found there after a restart)."""
-        with self._cond:
+        with self._mutex:
             entry = self._entries.get(index)
             if entry is not None and entry.durable != "durable":
                 entry.durable = "durable"
@@ -513,7 +513,7 @@ class FastTier(TierRetention, TierVerification):
     def forget(self, index: int, why: str) -> None:
         """Stop treating ``index`` as pending (it can no longer be persisted:
         another rank's part is gone); the copy stays until retention takes it."""
-        with self._cond:
+        with self._mutex:
             entry = self._entries.get(index)
             if entry is not None and entry.durable == "pending":
                 logger.warning("%s of the local tier %s will not be persisted: %s",
@@ -525,7 +525,7 @@ class FastTier(TierRetention, TierVerification):
 
     def queue(self, index: int) -> None:
         """Note that a copy of ``index`` is queued (a restart's pending one)."""
-        with self._cond:
+        with self._mutex:
             self._queued.add(index)
 
     def wait_durable(self, index: int, timeout: float | None = None) -> bool:
@@ -542,7 +542,7 @@ class FastTier(TierRetention, TierVerification):
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         name = checkpoint_dir_name(index)
-        with self._cond:
+        with self._mutex:
             while True:
                 entry = self._entries.get(index)
                 if index in self._failed:

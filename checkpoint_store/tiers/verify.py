@@ -30,6 +30,7 @@ class TierVerification:
     """Verification of the copies of :class:`~checkpoint_store.tiers.local.FastTier`."""
 
     storage: StorageContext
+    _mutex: threading.RLock
     _cond: threading.Condition
     _entries: dict[int, TierEntry]
     _verified: set[int]
@@ -43,7 +44,7 @@ class TierVerification:
         """Indexes of copies that verify (sizes and CRC32C), oldest first; those
         at or below ``above`` are not checked. A copy that fails is dropped from
         the tier (deleted, with a warning) and never listed again."""
-        with self._cond:
+        with self._mutex:
             todo = sorted(i for i in self._entries if above is None or i > above)
         good = []
         for index in todo:
@@ -57,7 +58,7 @@ class TierVerification:
         or None. Copies committed by this session count as verified; one that
         fails is dropped (see :meth:`verified_indexes`)."""
         allowed = None if among is None else set(among)
-        with self._cond:
+        with self._mutex:
             todo = sorted((i for i in self._entries
                            if (above is None or i > above)
                            and (allowed is None or i in allowed)), reverse=True)
@@ -81,7 +82,7 @@ class TierVerification:
         return self.checkpoint(index)._report_corrupt_to(found)
 
     def _damaged(self, index: int, exc: CheckpointCorruptError) -> None:
-        with self._cond:
+        with self._mutex:
             if index not in self._entries:
                 return
             self._verified.discard(index)
@@ -107,7 +108,7 @@ class TierVerification:
         return True
 
     def _drop(self, index: int) -> None:
-        with self._cond:
+        with self._mutex:
             self._entries.pop(index, None)
             self._save()
             self._cond.notify_all()

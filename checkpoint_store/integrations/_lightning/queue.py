@@ -8,6 +8,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Literal
 
+from checkpoint_store._util.locks import condition
+
 __all__ = ["_OrderedQueue"]
 
 # The name the integration has always logged under, so filters set on it
@@ -35,7 +37,7 @@ class _OrderedQueue:
 
     def __init__(self, max_pending_saves: int):
         self._max = max_pending_saves
-        self._cond = threading.Condition()
+        self._mutex, self._cond = condition()  # enter _mutex, not the condition
         self._jobs: deque[tuple[str, str, Callable[[], None]]] = deque()
         self._pending: Counter[str] = Counter()
         self._saves = 0
@@ -46,7 +48,7 @@ class _OrderedQueue:
 
     def submit(self, kind: Literal["save", "remove"], key: str, job: Callable[[], None]) -> None:
         """Queue ``job``; a save blocks while ``max_pending_saves`` saves are queued."""
-        with self._cond:
+        with self._mutex:
             while kind == "save" and self._saves >= self._max:
                 self._cond.wait()
             self._jobs.append((kind, key, job))
@@ -60,7 +62,7 @@ class _OrderedQueue:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self._mutex:
                 if not self._jobs:
                     self._running = False
                     self._cond.notify_all()
@@ -74,11 +76,11 @@ class _OrderedQueue:
                     job()
                 except BaseException as exc:  # noqa: BLE001 - handed to the training thread
                     logger.error("background checkpoint %s of %s failed: %s", kind, key, exc)
-                    with self._cond:
+                    with self._mutex:
                         self._error = self._error or exc
                         self._save_failed |= kind == "save"
             job = None  # type: ignore[assignment]  # the deque's copy goes below
-            with self._cond:
+            with self._mutex:
                 self._jobs.popleft()
                 self._pending[key] -= 1
                 if not self._pending[key]:
@@ -89,7 +91,7 @@ class _OrderedQueue:
     def wait(self, key: str | None = None) -> None:
         """Until every queued job (or every job for ``key``) has run; without
         ``key``, also until the worker thread has ended."""
-        with self._cond:
+        with self._mutex:
             while self._pending[key] if key is not None else self._jobs:
                 self._cond.wait()
             thread = self._thread if key is None else None
@@ -98,10 +100,10 @@ class _OrderedQueue:
 
     def take_error(self) -> BaseException | None:
         """The first error of a job since the last call (each error is raised once)."""
-        with self._cond:
+        with self._mutex:
             error, self._error = self._error, None
             return error
 
     def reset(self) -> None:
-        with self._cond:
+        with self._mutex:
             self._save_failed = False

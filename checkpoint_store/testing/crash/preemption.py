@@ -77,6 +77,7 @@ step, a copy of the state and an fsync cost in the same child
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import random
@@ -347,6 +348,10 @@ def preemption_child_main(cfg_dict: dict[str, Any]) -> None:
     os.environ.update(cfg_dict.get("env") or {})
     cfg = PreemptionCrashConfig(**cfg_dict)
     emit = _Emitter(cfg.out_path)
+    # Every thread's stack on SIGUSR1: what the driver reads from a child
+    # still running after the grace period, before it SIGKILLs it.
+    faulthandler.register(signal.SIGUSR1, file=open(cfg.out_path + ".stacks", "w"),  # noqa: SIM115
+                          all_threads=True)
     signum = int(getattr(signal, cfg.signal))
     if cfg.handler:  # the program's own handler, set before the session starts
         signal.signal(signum, lambda s, f: sys.exit(cfg.handler_exit_code))
@@ -433,6 +438,30 @@ class _Events:
             elif e["ev"] == "leave" and out and out[-1][1] is None:
                 out[-1] = (out[-1][0], e["t"])
         return out
+
+
+def _stacks_of(pid: int, out_path: str) -> str:
+    """Every thread's stack of the child ``pid`` (its faulthandler, on
+    SIGUSR1), the last 6,000 characters; or why there are none."""
+    try:
+        os.kill(pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return "(the child is gone)"
+    deadline = time.monotonic() + 2.0
+    text = ""
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        try:
+            with open(out_path + ".stacks") as f:
+                text = f.read()
+        except OSError:
+            continue
+        if text.rstrip().endswith(")") or "most recent call first" in text:
+            time.sleep(0.2)  # let it finish writing every thread
+            with open(out_path + ".stacks") as f:
+                text = f.read()
+            break
+    return text[-6000:] or "(no stacks written within 2 s)"
 
 
 def _log_acks(cfg: PreemptionCrashConfig, events: _Events) -> None:
@@ -585,7 +614,8 @@ class PreemptionHarness:
         exited = time.monotonic()
         if code is None:
             report.killed_after_grace += 1
-            bad.append(f"still running {cfg.grace_period_s} s after the signal: SIGKILLed")
+            bad.append(f"still running {cfg.grace_period_s} s after the signal: SIGKILLed; "
+                       f"its threads then:\n{_stacks_of(pid, cfg.out_path)}")
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
