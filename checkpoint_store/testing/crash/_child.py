@@ -162,6 +162,7 @@ class Zygote:
 
 def zygote_main(preload: list[str]) -> None:
     import importlib
+    import signal
     import sys
 
     import checkpoint_store.session  # noqa: F401  (imported once, before forking)
@@ -176,6 +177,11 @@ def zygote_main(preload: list[str]) -> None:
             if pid == 0:
                 code = 1
                 try:
+                    # As a program started from a shell: Ctrl-C raises
+                    # KeyboardInterrupt even where the suite itself runs with
+                    # SIGINT ignored (a shell's background job inherits
+                    # SIG_IGN, and Python then installs no handler).
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
                     if cmd.get("setsid"):  # as Popen(start_new_session=True): its own group
                         os.setsid()
                     devnull = os.open(os.devnull, os.O_RDWR)
