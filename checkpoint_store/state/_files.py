@@ -27,6 +27,7 @@ every load) keeps the flattened key itself.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -228,6 +229,12 @@ class StateWriter:
             ``.layout``, or one sent from another process: it pickles).
         shard_bytes: largest tensor data per safetensors file, in bytes
             (default :data:`DEFAULT_SHARD_BYTES`, 1 GiB); > 0.
+        create: make ``directory`` if it is missing (default). False: it
+            must exist, else ``FileNotFoundError`` and nothing is written;
+            the persist process writes so, into the directory the training
+            process made, and never makes again one removed meanwhile (a
+            report that failed drops its directory while the persist process
+            may still be on its way to it).
 
     Thread use: :meth:`write` may be called from several threads at once
     (each piece is one ``pwrite`` at its own offset); :meth:`close` once,
@@ -240,7 +247,7 @@ class StateWriter:
     """
 
     def __init__(self, directory: str | os.PathLike[str], layout: StateLayout, *,
-                 shard_bytes: int = DEFAULT_SHARD_BYTES):
+                 shard_bytes: int = DEFAULT_SHARD_BYTES, create: bool = True):
         if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes <= 0:
             raise InvalidConfigError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
         self.directory = os.path.abspath(os.fspath(directory))
@@ -254,7 +261,16 @@ class StateWriter:
         self._fds: dict[str, int] = {}
         self._closed = False
         try:
-            os.makedirs(self.directory, exist_ok=True)
+            if create:
+                os.makedirs(self.directory, exist_ok=True)
+            elif not os.path.isdir(self.directory):
+                if os.path.lexists(self.directory):
+                    raise NotADirectoryError(errno.ENOTDIR, "not a directory", self.directory)
+                # Checked here for a clear message; a removal after this check
+                # still fails the O_EXCL opens below (no makedirs anywhere).
+                raise FileNotFoundError(
+                    errno.ENOENT, "the directory to write the state into is gone",
+                    self.directory)
         except (FileExistsError, NotADirectoryError) as exc:  # a file on the way
             raise InvalidConfigError(
                 f"cannot write a state into {self.directory!r}: it, or a directory above it, "

@@ -34,7 +34,18 @@ handled in order, each answered in order:
   they are out of the staging area;
 * ``("close", sid, fsync)``: write ``state.json`` and close; answered
   ``("closed", sid, tensor_index, files)``, ``files`` every file's path,
-  size and CRC32C (combined from the tensors', nothing read back).
+  size and CRC32C (combined from the tensors', nothing read back);
+* ``("abort", sid)``: the stage was cut short (an exception, a signal in
+  the training process): remove that state's files, not answered. Its
+  ``open`` and ``write`` messages in the same batch are not carried out
+  (their staging bytes are still freed), so a stage interrupted before its
+  first batch left touches no file.
+
+A state's files go into the directory the training process made for it
+(``open`` never makes a directory): a report that failed removes its
+directory at once, and the files of a state still on its way to this process
+then fail to open instead of bringing the directory back, unclaimed and
+uncommitted, for the next run to find.
 
 An error answers ``("error", sid, text, facts)``: ``text`` the traceback,
 ``facts`` what :func:`error_facts` keeps of the exception (class, errno,
@@ -52,6 +63,7 @@ import mmap
 import os
 import sys
 import traceback
+from collections.abc import Container
 from typing import Any
 
 __all__ = ["PersistProcess", "error_facts", "error_from_facts", "main"]
@@ -96,6 +108,8 @@ def _serve(conn: Any, area: mmap.mmap, parent: int) -> None:
             batch = conn.recv()
         except (EOFError, OSError):
             return  # the parent is gone
+        # States this batch aborts: their open and writes are skipped.
+        aborted = {m[1] for m in batch if m[0] == "abort"}
         for msg in batch:
             if os.getppid() != parent:
                 # The training process died (we were re-parented): what is left
@@ -103,11 +117,11 @@ def _serve(conn: Any, area: mmap.mmap, parent: int) -> None:
                 # touching the checkpoint directory that the next run's
                 # cleanup removes.
                 return
-            _handle(conn, view, msg, writers, failed)
+            _handle(conn, view, msg, writers, failed, aborted)
 
 
 def _handle(conn: Any, view: memoryview, msg: tuple[Any, ...], writers: dict[int, Any],
-            failed: set[int]) -> None:
+            failed: set[int], aborted: Container[int] = ()) -> None:
     """One message of a batch (module docstring); errors answered, not raised
     (but a closed socket: ``BrokenPipeError`` / ``ConnectionResetError``)."""
     from checkpoint_store.state._files import StateWriter
@@ -121,7 +135,15 @@ def _handle(conn: Any, view: memoryview, msg: tuple[Any, ...], writers: dict[int
             conn.send(("freed", off, n))
         elif op == "open":
             _, _, directory, layout = msg
-            writers[sid] = StateWriter(directory, layout)
+            if sid in aborted:
+                failed.add(sid)  # its writes only free their bytes
+            else:
+                writers[sid] = StateWriter(directory, layout, create=False)
+        elif op == "abort":
+            failed.discard(sid)
+            writer = writers.pop(sid, None)
+            if writer is not None:
+                writer.abort()
         elif op == "close":
             if sid in failed:
                 failed.discard(sid)

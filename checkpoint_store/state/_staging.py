@@ -345,8 +345,14 @@ class Stager:
                             item = DTYPES[spec.dtype][0]
                             self._copy_tensor(sid, key, flat.values[key], item,
                                               spec.nbytes // item)
-                    finally:
-                        self._send(("close", sid, False))
+                    except BaseException:
+                        # Cut short (a signal's exception included): the process
+                        # writes none of it, or removes what it wrote, rather
+                        # than finishing a state whose directory the caller
+                        # is about to drop.
+                        self._send(("abort", sid))
+                        raise
+                    self._send(("close", sid, False))
                 finally:
                     self._flush()  # every piece copied is freed by the process
             except BaseException as exc:
