@@ -1,4 +1,5 @@
-"""A condition variable whose lock a signal handler's exception cannot leak.
+"""A condition variable whose lock, and a worker thread whose start, a signal
+handler's exception cannot lose.
 
 ``with condition:`` runs ``threading.Condition.__enter__``, a Python
 function: the interpreter runs a pending signal handler right after the
@@ -15,13 +16,21 @@ lock (``with mutex:``, whose ``__enter__`` is the lock's own, in C: no
 Python frame runs between the acquire and the ``with`` block's cleanup)
 and calls ``wait``/``notify`` on the condition. ``Condition.wait`` takes
 the lock back before it raises, so the ``with`` around it releases it.
+
+The same exception can land between any two statements of the main thread,
+also between queueing a job and starting the thread that runs it, or inside
+``Thread.start`` itself: the job then waits for ever for a worker nobody
+started, and so does whoever waits for the job. :class:`OneWorker` starts
+the worker so that any such cut leaves either a worker or a start to be made
+again by the next :meth:`OneWorker.ensure`, never two loops at once.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
-__all__ = ["condition"]
+__all__ = ["OneWorker", "condition"]
 
 
 def condition() -> tuple[threading.RLock, threading.Condition]:
@@ -30,3 +39,62 @@ def condition() -> tuple[threading.RLock, threading.Condition]:
     The mutex is reentrant, as a ``threading.Condition()``'s own lock is."""
     mutex = threading.RLock()
     return mutex, threading.Condition(mutex)
+
+
+class OneWorker:
+    """At most one thread runs an owner's loop, started on demand.
+
+    The owner keeps its work under its own mutex (from :func:`condition`) and
+    calls :meth:`ensure` under it whenever work is queued, also in its waits
+    (a start cut short by a signal's exception is made again there). Its
+    loop begins with ``with mutex: if not slot.claim(): return`` and, in the
+    critical section where it finds no work left, calls :meth:`release`
+    before it returns. A thread started twice for one cut (the first start
+    went through, its bookkeeping did not) finds the loop claimed and ends.
+
+    Args:
+        target: the owner's loop.
+        name: the thread's name.
+        daemon: as ``threading.Thread``'s.
+    """
+
+    def __init__(self, target: Callable[[], None], name: str, *, daemon: bool = False):
+        self._target = target
+        self._name = name
+        self._daemon = daemon
+        self._serving: threading.Thread | None = None
+        self._launching: threading.Thread | None = None
+        #: The thread started last (None before the first start).
+        self.last: threading.Thread | None = None
+
+    def ensure(self) -> None:
+        """Start a thread unless one runs the loop or is about to (call it
+        under the owner's mutex)."""
+        for t in (self._serving, self._launching):
+            if t is not None and t.is_alive():
+                return
+        t = threading.Thread(target=self._target, name=self._name, daemon=self._daemon)
+        t.start()
+        # Recorded once started: a start cut short is retried, never counted.
+        self._launching = self.last = t
+
+    def claim(self) -> bool:
+        """In the new thread, under the owner's mutex: whether it runs the
+        loop (False: another thread does; return at once)."""
+        me = threading.current_thread()
+        if self._launching is me:
+            self._launching = None
+        s = self._serving
+        if s is not None and s is not me and s.is_alive():
+            return False
+        self._serving = me
+        return True
+
+    def release(self) -> None:
+        """The loop ends (under the owner's mutex, where it found no work)."""
+        if self._serving is threading.current_thread():
+            self._serving = None
+
+    def running_here(self) -> bool:
+        """Whether the calling thread runs the loop."""
+        return self._serving is threading.current_thread()

@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import logging
 import posixpath
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from checkpoint_store._util.inspect import read_internal_metadata
-from checkpoint_store._util.locks import condition
+from checkpoint_store._util.locks import OneWorker, condition
 from checkpoint_store.storage import StorageContext
 
 __all__ = ["Deleter", "delete_evicted", "uncommit_evicted"]
@@ -145,7 +144,7 @@ class Deleter:
         self._mutex, self._cond = condition()  # enter _mutex, not the condition
         self._due = False
         self._busy = False
-        self._worker: threading.Thread | None = None
+        self._worker = OneWorker(self._loop, name)
         #: Rounds run, and seconds spent deleting (for benchmarks and logs).
         self.rounds = 0
         self.busy_s = 0.0
@@ -163,10 +162,7 @@ class Deleter:
         """Ask for a round; never blocks."""
         with self._mutex:
             self._due = True
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._loop, name=self._name,
-                                                daemon=False)
-                self._worker.start()
+            self._worker.ensure()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until no round is due or running.
@@ -174,11 +170,13 @@ class Deleter:
         Returns:
             True when idle, False after ``timeout`` seconds.
         """
-        if self._worker is threading.current_thread():
+        if self._worker.running_here():
             return True  # a round asking for itself: it is running
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._mutex:
             while self._due or self._busy:
+                if self._due:  # a kick cut short by a signal: its start again
+                    self._worker.ensure()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -186,10 +184,13 @@ class Deleter:
         return True
 
     def _loop(self) -> None:
+        with self._mutex:
+            if not self._worker.claim():
+                return
         while True:
             with self._mutex:
                 if not self._due:
-                    self._worker = None
+                    self._worker.release()
                     self._cond.notify_all()
                     return
                 self._due = False

@@ -39,7 +39,7 @@ from typing import Any
 
 from checkpoint_store._format.layout import STAGED_COPY_PREFIX
 from checkpoint_store._util.background import yield_to_training
-from checkpoint_store._util.locks import condition
+from checkpoint_store._util.locks import OneWorker, condition
 from checkpoint_store.retention.upload_config import STAGING_MODES as STAGING_MODES
 from checkpoint_store.retention.upload_config import UPLOAD_MODES as UPLOAD_MODES
 from checkpoint_store.retention.upload_config import StagingMode as StagingMode
@@ -216,9 +216,12 @@ class BackgroundUploader:
         self.max_pending = check_max_pending(max_pending)
         self._mutex, self._cond = condition()  # enter _mutex, not the condition
         self._queue: collections.deque[_Job] = collections.deque()
-        self._pending = 0
+        # Jobs a worker took and has not finished: counted by the worker
+        # alone, so a signal's exception in a submitting thread cannot skew
+        # what is pending (the queue's length and this).
+        self._running = 0
         self._errors: list[tuple[str, BaseException]] = []
-        self._worker: threading.Thread | None = None
+        self._worker = OneWorker(self._loop, "checkpoint-store-upload")
         self._newest_first = False
         # Whether an idle worker waits for the next job (until close() or exit).
         self._linger = _watch_exit(self)
@@ -232,7 +235,14 @@ class BackgroundUploader:
     def pending(self) -> int:
         """Uploads queued or running."""
         with self._mutex:
-            return self._pending
+            return self._pending()
+
+    def _pending(self) -> int:
+        # Under the mutex. A job queued by a submit that a signal cut short
+        # before it started the worker gets one here (any waiter calls this).
+        if self._queue:
+            self._worker.ensure()
+        return len(self._queue) + self._running
 
     def take_errors(self) -> list[tuple[str, BaseException]]:
         """The errors of finished background uploads, as ``(checkpoint_dir_name,
@@ -258,10 +268,10 @@ class BackgroundUploader:
         """
         limit = self.max_pending if max_pending is None else check_max_pending(max_pending)
         with self._mutex:
-            if self._pending < limit:
+            if self._pending() < limit:
                 return 0.0
             t0 = time.perf_counter()
-            while self._pending >= limit:
+            while self._pending() >= limit:
                 self._cond.wait()
             waited = time.perf_counter() - t0
             self.blocked_s += waited
@@ -278,20 +288,19 @@ class BackgroundUploader:
                 sorted(self._queue, key=lambda job: job.what, reverse=True))
 
     def submit(self, run: Callable[[], Any], cleanup: Callable[[], None], what: str) -> None:
-        """Queue ``run`` (then ``cleanup``, whatever happens); never blocks."""
+        """Queue ``run`` (then ``cleanup``, whatever happens); never blocks.
+
+        A signal's exception may cut it anywhere: the job is then queued or
+        not, and a queued one runs (:class:`~checkpoint_store._util.locks.OneWorker`)."""
+        job = _Job(run, cleanup, what)
         with self._mutex:
             if self._newest_first:
-                self._queue.appendleft(_Job(run, cleanup, what))
+                self._queue.appendleft(job)
             else:
-                self._queue.append(_Job(run, cleanup, what))
-            self._pending += 1
-            if self._worker is not None and self._worker.is_alive():
-                self._cond.notify_all()  # an idle worker takes it
-            else:  # the first job, or a forked child (it has no worker thread)
-                self._worker = threading.Thread(
-                    target=self._loop, name="checkpoint-store-upload", daemon=False
-                )
-                self._worker.start()
+                self._queue.append(job)
+            self._cond.notify_all()  # an idle worker takes it
+            # The first job, or a forked child (it has no worker thread).
+            self._worker.ensure()
 
     def close(self) -> None:
         """Let the worker end once the queue is empty (the session ended); a
@@ -308,7 +317,7 @@ class BackgroundUploader:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._mutex:
-            while self._pending:
+            while self._pending():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -316,6 +325,9 @@ class BackgroundUploader:
         return True
 
     def _loop(self) -> None:
+        with self._mutex:
+            if not self._worker.claim():
+                return
         # Background work only: where cores are short, the loop goes first.
         yield_to_training("CHECKPOINT_STORE_UPLOAD_NICE", whole_process=False)
         while True:
@@ -323,9 +335,10 @@ class BackgroundUploader:
                 while not self._queue and self._linger:
                     self._cond.wait()
                 if not self._queue:
-                    self._worker = None
+                    self._worker.release()
                     return
                 job = self._queue.popleft()
+                self._running += 1
             try:
                 job.run()
                 ok = True
@@ -340,7 +353,7 @@ class BackgroundUploader:
                 except Exception as exc:  # a leftover staging dir is not worth a failure
                     logger.warning("could not remove the staged copy of %s: %s", job.what, exc)
             with self._mutex:
-                self._pending -= 1
+                self._running -= 1
                 if ok:
                     self.committed += 1
                 self._cond.notify_all()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from typing import Literal
 
-from checkpoint_store._util.locks import condition
+from checkpoint_store._util.locks import OneWorker, condition
 
 __all__ = ["_OrderedQueue"]
 
@@ -38,33 +38,34 @@ class _OrderedQueue:
     def __init__(self, max_pending_saves: int):
         self._max = max_pending_saves
         self._mutex, self._cond = condition()  # enter _mutex, not the condition
+        # Every job not done yet, the running one first. What is pending is
+        # counted from it, never kept apart: a signal's exception in the
+        # training thread can cut ``submit`` anywhere and skew no counter.
         self._jobs: deque[tuple[str, str, Callable[[], None]]] = deque()
-        self._pending: Counter[str] = Counter()
-        self._saves = 0
         self._error: BaseException | None = None
         self._save_failed = False
-        self._running = False  # a worker is taking jobs
-        self._thread: threading.Thread | None = None  # the last worker started
+        self._worker = OneWorker(self._run, "cs-lightning-io")
 
     def submit(self, kind: Literal["save", "remove"], key: str, job: Callable[[], None]) -> None:
         """Queue ``job``; a save blocks while ``max_pending_saves`` saves are queued."""
         with self._mutex:
-            while kind == "save" and self._saves >= self._max:
+            while kind == "save" and self._count("save", 0) >= self._max:
+                self._worker.ensure()
                 self._cond.wait()
             self._jobs.append((kind, key, job))
-            self._pending[key] += 1
-            self._saves += kind == "save"
-            if not self._running:
-                self._running = True
-                self._thread = threading.Thread(target=self._run, name="cs-lightning-io",
-                                                daemon=False)
-                self._thread.start()
+            self._worker.ensure()
+
+    def _count(self, kind: str, field: int) -> int:
+        return sum(1 for j in self._jobs if j[field] == kind)
 
     def _run(self) -> None:
+        with self._mutex:
+            if not self._worker.claim():
+                return
         while True:
             with self._mutex:
                 if not self._jobs:
-                    self._running = False
+                    self._worker.release()
                     self._cond.notify_all()
                     return
                 kind, key, job = self._jobs[0]
@@ -82,19 +83,16 @@ class _OrderedQueue:
             job = None  # type: ignore[assignment]  # the deque's copy goes below
             with self._mutex:
                 self._jobs.popleft()
-                self._pending[key] -= 1
-                if not self._pending[key]:
-                    del self._pending[key]
-                self._saves -= kind == "save"
                 self._cond.notify_all()
 
     def wait(self, key: str | None = None) -> None:
         """Until every queued job (or every job for ``key``) has run; without
         ``key``, also until the worker thread has ended."""
         with self._mutex:
-            while self._pending[key] if key is not None else self._jobs:
+            while self._count(key, 1) if key is not None else self._jobs:
+                self._worker.ensure()  # a submit cut short by a signal: its start
                 self._cond.wait()
-            thread = self._thread if key is None else None
+            thread = self._worker.last if key is None else None
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 

@@ -1,0 +1,229 @@
+"""A signal's exception can land between any two lines of the training thread.
+Where that thread hands work to a background worker (the session's upload and
+tier lanes, the evicted-checkpoint deleter, Lightning's ordered save queue),
+a cut at any line of the hand-off, ``Thread.start`` included, must leave the
+work either not queued or queued and run, never queued with no worker to run
+it (every later wait hung: a SIGTERM whose handler called ``sys.exit`` during
+a report left ``session`` end waiting for ever, until the scheduler's
+SIGKILL), and never two loops at once.
+
+Each test replays the hand-off once per line it runs (``sys.settrace`` line
+events in the hand-off's own functions and in ``threading.Thread.start``),
+raising ``KeyboardInterrupt`` at that line, as the interpreter raises a
+signal handler's exception between two bytecodes.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from checkpoint_store._util.locks import OneWorker
+from checkpoint_store.integrations._lightning.queue import _OrderedQueue
+from checkpoint_store.retention.deletes import Deleter
+from checkpoint_store.session._uploads import BackgroundUploader
+
+WATCHED = {OneWorker.ensure.__code__, threading.Thread.start.__code__,
+           BackgroundUploader.submit.__code__, Deleter.kick.__code__,
+           _OrderedQueue.submit.__code__}
+
+
+def _cut_at(k: int | None, act: Callable[[], None]) -> int:
+    """Run ``act``; raise ``KeyboardInterrupt`` at its ``k``-th watched line
+    (None: none). Returns the number of watched lines it ran."""
+    seen = [0]
+    visited: set[tuple[int, int]] = set()
+
+    def local(frame, event, arg):
+        # The first visit of each line of a frame only: leaving a ``with``
+        # block visits its line again, where the interpreter runs no signal
+        # handler before ``__exit__`` (a trace function's exception there
+        # would skip the lock's release, which no signal can).
+        if event == "line" and (id(frame), frame.f_lineno) not in visited:
+            visited.add((id(frame), frame.f_lineno))
+            if seen[0] == k:
+                seen[0] += 1
+                raise KeyboardInterrupt
+            seen[0] += 1
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code in WATCHED else None
+
+    sys.settrace(tracer)
+    try:
+        act()
+    except KeyboardInterrupt:
+        assert k is not None
+    finally:
+        sys.settrace(None)
+    return seen[0]
+
+
+def _every_cut(make: Callable[[], object], act: Callable[[object], None],
+               check: Callable[[object, bool], None]) -> int:
+    lines = _cut_at(None, lambda: act(make()))
+    assert lines > 5  # the hand-off and Thread.start were traced
+    for k in range(lines):
+        owner = make()
+        cut: list[bool] = []
+
+        def run(owner=owner, cut=cut):
+            try:
+                act(owner)
+            except KeyboardInterrupt:
+                cut.append(True)
+                raise
+
+        _cut_at(k, run)
+        check(owner, bool(cut))
+    return lines
+
+
+class _Jobs:
+    """Jobs that record their runs and catch two running at once."""
+
+    def __init__(self):
+        self.ran: list[str] = []
+        self.cleaned: list[str] = []
+        self._inside = 0
+        self.overlapped = False
+
+    def job(self, what: str) -> Callable[[], None]:
+        def run():
+            self._inside += 1
+            self.overlapped |= self._inside > 1
+            time.sleep(0.002)
+            self.ran.append(what)
+            self._inside -= 1
+        return run
+
+
+def test_an_upload_submit_cut_at_any_line_never_strands_a_job():
+    def make():
+        up = BackgroundUploader(max_pending=4)
+        up.jobs = _Jobs()
+        up.submit(up.jobs.job("a"), lambda: up.jobs.cleaned.append("a"), "a")
+        return up
+
+    def act(up):
+        up.submit(up.jobs.job("b"), lambda: up.jobs.cleaned.append("b"), "b")
+
+    def check(up, cut):
+        assert up.wait(timeout=10), f"{up.pending} job(s) stranded"
+        assert up.pending == 0
+        assert up.jobs.ran in (["a"], ["a", "b"]) and up.jobs.cleaned == up.jobs.ran
+        assert not up.jobs.overlapped
+        # The lane goes on: a later job runs, in order.
+        up.submit(up.jobs.job("c"), lambda: None, "c")
+        assert up.wait(timeout=10) and up.jobs.ran[-1] == "c"
+        up.close()
+
+    _every_cut(make, act, check)
+
+
+def test_an_upload_reserve_after_a_cut_submit_does_not_wait_for_ever():
+    # Cut the first submit right after the job is queued (before any worker).
+    k = 0
+    while True:
+        up = BackgroundUploader(max_pending=1)
+        jobs = _Jobs()
+        _cut_at(k, lambda: up.submit(jobs.job("a"), lambda: None, "a"))
+        if up.pending:  # queued: reserve must see it run
+            break
+        k += 1
+    t0 = time.monotonic()
+    assert up.reserve() >= 0 and time.monotonic() - t0 < 10
+    assert jobs.ran == ["a"]
+    up.close()
+
+
+def test_a_deleter_kick_cut_at_any_line_never_strands_a_round():
+    def make():
+        jobs = _Jobs()
+        d = Deleter(jobs.job("round"))
+        d.jobs = jobs
+        return d
+
+    def check(d, cut):
+        assert d.wait(timeout=10), "a due round has no worker"
+        assert d.idle
+        assert not d.jobs.overlapped
+        d.kick()
+        assert d.wait(timeout=10) and d.jobs.ran and d.idle
+
+    _every_cut(make, lambda d: d.kick(), check)
+
+
+def test_a_lightning_queue_submit_cut_at_any_line_never_strands_a_save():
+    def make():
+        q = _OrderedQueue(max_pending_saves=2)
+        q.jobs = _Jobs()
+        q.submit("save", "a", q.jobs.job("a"))
+        q.wait()  # its worker ended: the next submit starts one
+        return q
+
+    def check(q, cut):
+        done = threading.Event()
+
+        def wait():
+            q.wait()
+            done.set()
+
+        threading.Thread(target=wait, daemon=True).start()
+        assert done.wait(10), "a queued save has no worker"
+        assert q.jobs.ran in (["a"], ["a", "b"]) and not q.jobs.overlapped
+        q.submit("save", "c", q.jobs.job("c"))
+        q.wait("c")
+        assert q.jobs.ran[-1] == "c"
+        q.wait()
+
+    _every_cut(make, lambda q: q.submit("save", "b", q.jobs.job("b")), check)
+
+
+@pytest.mark.parametrize("starts", [1, 3])
+def test_one_worker_runs_one_loop_however_often_it_is_started(starts):
+    """A start whose bookkeeping a cut lost is made again; the extra thread
+    finds the loop claimed and ends without running it."""
+    mutex = threading.RLock()
+    loops: list[str] = []
+    entered: list[threading.Thread] = []
+    gate = threading.Event()
+
+    def loop():
+        entered.append(threading.current_thread())
+        with mutex:
+            if not slot.claim():
+                return
+        loops.append(threading.current_thread().name)
+        gate.wait(10)
+        with mutex:
+            slot.release()
+
+    slot = OneWorker(loop, "w")
+    with mutex:
+        slot.ensure()
+        for _ in range(starts - 1):
+            slot._launching = None  # as if each start's record were cut
+            slot.ensure()
+    deadline = time.monotonic() + 10
+    while len(entered) < starts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    while not loops and time.monotonic() < deadline:
+        time.sleep(0.01)
+    serving = slot._serving
+    for t in entered:  # while the loop runs, every other start ends at once
+        if t is not serving:
+            t.join(10)
+            assert not t.is_alive()
+    assert len(entered) == starts and len(loops) == 1
+    gate.set()
+    serving.join(10)
+    with mutex:  # released: the next start runs the loop again
+        slot.ensure()
+    slot.last.join(10)
+    assert len(loops) == 2
