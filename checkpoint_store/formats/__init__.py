@@ -22,13 +22,9 @@ torch is imported only for ``torch.save`` and DCP.
 
 from __future__ import annotations
 
-from checkpoint_store.formats._api import (
-    HF_SHARD_BYTES,
-    Exported,
-    detect_format,
-    export_checkpoint,
-    import_checkpoint,
-)
+from checkpoint_store.formats._api import Exported, detect_format
+from checkpoint_store.formats._export import HF_SHARD_BYTES, export_checkpoint
+from checkpoint_store.formats._import import import_checkpoint
 from checkpoint_store.formats._sources import CHUNK_BYTES
 
 __all__ = ["CHUNK_BYTES", "HF_SHARD_BYTES", "Exported", "detect_format", "export_checkpoint",

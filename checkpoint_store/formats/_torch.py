@@ -11,7 +11,7 @@ there (:func:`write_dcp`); a ``torch.save`` file is written record by
 record as ``torch.save`` does (:func:`write_torch_save`).
 
 All paths here are local: :mod:`._api` downloads a remote source into a
-temporary directory first and uploads what is written here.
+temporary directory first and :mod:`._export` uploads what is written here.
 """
 
 from __future__ import annotations
