@@ -316,9 +316,13 @@ class ResultLog:
             full = self._size >= _SEGMENT_MAX_BYTES
             first = self._timer is None  # the first row since the last flush
             if not full and first:
-                self._timer = threading.Timer(self._interval, self._flush_on_timer)
-                self._timer.daemon = True
-                self._timer.start()
+                timer = threading.Timer(self._interval, self._flush_on_timer)
+                timer.daemon = True
+                timer.start()
+                # Recorded once started: a signal's exception before this line
+                # leaves no timer counted that never runs (rows then waited
+                # for a full segment or the session's end).
+                self._timer = timer
         if first:
             _track(self)
         if full:

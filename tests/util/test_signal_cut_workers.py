@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import pytest
 
+from checkpoint_store._results.writer import ResultLog
 from checkpoint_store._util.locks import OneWorker
 from checkpoint_store.integrations._lightning.queue import _OrderedQueue
 from checkpoint_store.retention.deletes import Deleter
@@ -29,7 +30,7 @@ from checkpoint_store.session._uploads import BackgroundUploader
 
 WATCHED = {OneWorker.ensure.__code__, threading.Thread.start.__code__,
            BackgroundUploader.submit.__code__, Deleter.kick.__code__,
-           _OrderedQueue.submit.__code__}
+           _OrderedQueue.submit.__code__, ResultLog.append.__code__}
 
 
 def _cut_at(k: int | None, act: Callable[[], None]) -> int:
@@ -183,6 +184,31 @@ def test_a_lightning_queue_submit_cut_at_any_line_never_strands_a_save():
         q.wait()
 
     _every_cut(make, lambda q: q.submit("save", "b", q.jobs.job("b")), check)
+
+
+def test_a_result_row_append_cut_at_any_line_keeps_its_flush_timer(tmp_path):
+    """On an object store rows wait in a buffer for a timer's flush; a cut
+    that lost the timer's start left every later row unwritten until the
+    buffer filled (1 MiB) or the session ended."""
+    from checkpoint_store.storage import StorageContext
+
+    n = [0]
+
+    def make():
+        n[0] += 1
+        ctx = StorageContext(f"memory://{tmp_path.name}/cut{n[0]}", "e", "t")
+        log = ResultLog(ctx, flush_interval=0.05)
+        return log
+
+    def check(log, cut):
+        log.append({"training_iteration": 2})
+        deadline = time.monotonic() + 10
+        while log.buffered and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert log.buffered == 0, "rows wait for a flush timer that never runs"
+        log.close()
+
+    _every_cut(make, lambda log: log.append({"training_iteration": 1}), check)
 
 
 @pytest.mark.parametrize("starts", [1, 3])
