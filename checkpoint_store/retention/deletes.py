@@ -140,7 +140,6 @@ class Deleter:
 
     def __init__(self, run_once: Callable[[], None], name: str = "checkpoint-store-delete"):
         self._run_once = run_once
-        self._name = name
         self._mutex, self._cond = condition()  # enter _mutex, not the condition
         self._due = False
         self._busy = False
@@ -175,7 +174,7 @@ class Deleter:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._mutex:
             while self._due or self._busy:
-                if self._due:  # a kick cut short by a signal: its start again
+                if self._due:  # a worker for a round whose kick a signal cut short
                     self._worker.ensure()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:

@@ -133,7 +133,7 @@ def test_an_upload_reserve_after_a_cut_submit_does_not_wait_for_ever():
     while True:
         up = BackgroundUploader(max_pending=1)
         jobs = _Jobs()
-        _cut_at(k, lambda: up.submit(jobs.job("a"), lambda: None, "a"))
+        _cut_at(k, lambda up=up, jobs=jobs: up.submit(jobs.job("a"), lambda: None, "a"))
         if up.pending:  # queued: reserve must see it run
             break
         k += 1

@@ -90,7 +90,7 @@ class _OrderedQueue:
         ``key``, also until the worker thread has ended."""
         with self._mutex:
             while self._count(key, 1) if key is not None else self._jobs:
-                self._worker.ensure()  # a submit cut short by a signal: its start
+                self._worker.ensure()  # for a job whose submit a signal cut short
                 self._cond.wait()
             thread = self._worker.last if key is None else None
         if thread is not None and thread is not threading.current_thread():
