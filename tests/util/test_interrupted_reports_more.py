@@ -1,0 +1,531 @@
+"""A signal's exception (``KeyboardInterrupt`` on Ctrl-C, the ``SystemExit`` of
+a program's own SIGTERM handler) cutting a save short, through more entry
+points than tests/state/test_persist_abort.py and
+tests/util/test_signal_cut_workers.py cover: ``report(state=...)`` in the
+background, with dedup, ``num_to_keep=1`` and a local tier, directory
+checkpoints (sync and async), and Lightning's ``CheckpointStoreIO(async_save=True)``.
+
+After each cut the process goes on (the next save commits, ``wait()`` and the
+end return), and a new run on the same trial resumes the newest committed
+checkpoint and finds nothing foreign or left over.
+
+Each cut is made where the interpreter runs a pending signal handler (after
+a call returned, as a function begins): a ``sys.settrace`` line event of the
+named line of one function, or, for a context manager, the return of
+``contextlib``'s ``__enter__`` (after ``next()`` of its generator returned).
+The tests marked ``xfail(strict=True)`` pin defects found this way: a wait
+for ever; a directory left uncommitted in the trial after the session's end
+(a later session of the same process keeps it); a scratch copy of a whole
+state left in the staging root for as long as the process lives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from checkpoint_store import Checkpoint, CheckpointConfig, UploadConfig, session
+from checkpoint_store._commit.protocols import RenameCommit
+from checkpoint_store.retention.deletes import Deleter
+from checkpoint_store.session._executors import BackgroundWork
+from checkpoint_store.session._ledger import ReportLedger
+from checkpoint_store.session._targets import DurableTarget
+from checkpoint_store.session._uploads import BackgroundUploader
+from checkpoint_store.state import staging_root
+from checkpoint_store.state._stage_copy import StagingCopier
+from checkpoint_store.storage import StorageContext
+from checkpoint_store.testing import session_internals
+from checkpoint_store.tiers import LocalTier
+
+MiB = 1 << 20
+#: How long a wait that returns at once here may take before it counts as hung.
+HUNG_S = 5.0
+
+
+def _state(seed: int, n: int = 64 * 1024) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.random(n, dtype=np.float32), "b": rng.random(n, dtype=np.float32),
+            "step": seed}
+
+
+def _directory(tmp_path, step: int) -> Checkpoint:
+    d = tmp_path / f"src{step}"
+    d.mkdir()
+    (d / "model.bin").write_bytes(np.full(MiB // 4, step, dtype=np.float32).tobytes())
+    (d / "step.txt").write_text(str(step))
+    return Checkpoint.from_directory(str(d))
+
+
+def _line_of(func: Callable, text: str) -> int:
+    """The line of ``func`` whose source holds ``text`` (one only)."""
+    src, first = inspect.getsourcelines(func)
+    found = [first + i for i, line in enumerate(src) if text in line]
+    assert len(found) == 1, (func, text, found)
+    return found[0]
+
+
+@contextlib.contextmanager
+def _cut_at(func: Callable, text: str | None = None, after: int = 0) -> Iterator[list[bool]]:
+    """Raise ``KeyboardInterrupt`` once, at the first line event of ``func``
+    (``text``: of its line holding ``text``, or ``after`` lines below it) on
+    this thread; yields a list that holds True once the cut was made."""
+    code = inspect.unwrap(func).__code__
+    line = None if text is None else _line_of(func, text) + after
+    made: list[bool] = []
+
+    def local(frame, event, arg):
+        if event == "line" and not made and (line is None or frame.f_lineno == line):
+            made.append(True)
+            raise KeyboardInterrupt
+        return local
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code is code and not made else None
+
+    sys.settrace(tracer)
+    try:
+        yield made
+    finally:
+        sys.settrace(None)
+
+
+@contextlib.contextmanager
+def _cut_as_entered(generator_function: Callable, held: list) -> Iterator[list[bool]]:
+    """Raise ``KeyboardInterrupt`` once, as ``contextlib``'s ``__enter__``
+    returns from the ``@contextmanager`` ``generator_function`` (its
+    generator ran up to its ``yield``; the ``with`` block has not begun).
+    The generator goes into ``held``."""
+    enter = contextlib._GeneratorContextManager.__enter__.__code__
+    target = inspect.unwrap(generator_function).__code__
+    made: list[bool] = []
+
+    def local(frame, event, arg):
+        if event == "return" and arg is not None and not made:
+            made.append(True)
+            held.append(frame.f_locals["self"].gen)
+            raise KeyboardInterrupt
+        return local
+
+    def tracer(frame, event, arg):
+        if frame.f_code is enter and not made:
+            gen = getattr(frame.f_locals.get("self"), "gen", None)
+            if gen is not None and gen.gi_code is target:
+                return local
+        return None
+
+    sys.settrace(tracer)
+    try:
+        yield made
+    finally:
+        sys.settrace(None)
+
+
+def _run_for(fn: Callable[[], None], timeout: float = HUNG_S) -> tuple[bool, threading.Thread,
+                                                                       list[BaseException]]:
+    """Run ``fn`` on a thread: (whether it returned within ``timeout``, the
+    thread, its exception if any)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            errors.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    return not t.is_alive(), t, errors
+
+
+def _names(root: str) -> list[str]:
+    trial = os.path.join(root, "e", "t")
+    return sorted(n for n in os.listdir(trial) if n.startswith("checkpoint_"))
+
+
+def _resumes(root: str, monkeypatch, newest: str, **start) -> None:
+    """A new run (another run id: another process) on the trial resumes
+    ``newest`` and, once started, finds nothing foreign or uncommitted."""
+    monkeypatch.setenv("CHECKPOINT_STORE_RUN_ID", "the_next_run")
+    with session.start(storage_path=root, experiment_name="e", trial_name="t", **start) as s:
+        resumed = s.get_checkpoint()
+        assert resumed is not None and resumed.path.endswith(newest)
+        scan = StorageContext(root, "e", "t").scan()
+        assert scan.foreign == [] and scan.uncommitted == []
+    monkeypatch.delenv("CHECKPOINT_STORE_RUN_ID")
+
+
+# -- defects -------------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a signal as ReportLedger.transaction() is entered (its generator took the report lock "
+    "and yielded; contextlib's __enter__ had not returned) leaves the lock held while the "
+    "exception lives: the end of `with session.start()` waits for it for ever"))
+def test_a_signal_as_a_report_takes_its_lock_does_not_hang_the_end_of_the_session(tmp_path):
+    """Ctrl-C in a training loop inside ``with session.start(...)``: the
+    ``KeyboardInterrupt`` leaves the block, whose end (``close()``: settle
+    under the report lock) must return, so the program exits."""
+    root = str(tmp_path / "runs")
+    held: list = []
+    caught: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with session.start(storage_path=root, experiment_name="e", trial_name="t") as s:
+                s.report({"step": 0}, state=_state(0))
+                with _cut_as_entered(ReportLedger.transaction, held) as made:
+                    s.report({"step": 1}, state=_state(1))
+                assert not made  # not reached: the cut raised
+        except KeyboardInterrupt as exc:
+            caught.append(exc)
+
+    ended, t, errors = _run_for(run)
+    try:
+        # No cut without a generator holding the lock across its yield.
+        assert held or not inspect.isgeneratorfunction(inspect.unwrap(ReportLedger.transaction))
+        assert ended, "the end of the session waits for ever for the report lock"
+        assert not errors and bool(caught) == bool(held)
+    finally:
+        if not ended:  # let the lock go, so that the thread ends
+            for gen in held:
+                gen.close()
+            t.join(HUNG_S)
+
+
+def _lanes(s) -> list[BackgroundUploader]:
+    return list(session_internals(s).pipeline.work._lanes.values())
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a signal between BackgroundUploader.submit's queue append and its notify_all leaves "
+    "the idle (lingering) upload worker asleep with a job queued: the next reserve(), "
+    "wait() and the end of the session wait for ever"))
+@pytest.mark.parametrize("kind", ["state", "directory-async", "state-tier", "directory-tier"])
+def test_a_signal_as_a_job_is_queued_for_an_idle_worker_does_not_hang(tmp_path, kind):
+    """The report before has committed and its lane's worker waits idle for
+    the next job; the cut report's job was queued, its notify_all cut. Then
+    the next report (no tier: its slot on the durable lane) and ``wait()``
+    (with a tier) must return, and the end of the session too."""
+    root = str(tmp_path / "runs")
+    start: dict = {"upload_config": UploadConfig(upload_mode="async")}
+    if kind.endswith("tier"):
+        start = {"local_tier": LocalTier(str(tmp_path / "tier"))}
+
+    def save(step: int) -> dict:
+        return ({"state": _state(step)} if kind.startswith("state")
+                else {"checkpoint": _directory(tmp_path, step)})
+
+    with session.start(storage_path=root, experiment_name="e", trial_name="t", **start) as s:
+        s.report({"step": 0}, **save(0))
+        s.wait()
+        time.sleep(0.2)  # the lanes' workers are idle, waiting for a job
+        with _cut_at(BackgroundUploader.submit, "self._cond.notify_all()") as made:
+            with pytest.raises(KeyboardInterrupt):
+                s.report({"step": 1}, **save(1))
+        assert made
+
+        def go_on() -> None:
+            if not kind.endswith("tier"):
+                s.report({"step": 2}, **save(2))
+            s.wait()
+
+        returned, t, errors = _run_for(go_on)
+        if not returned:  # wake the workers, so that the session can end
+            while t.is_alive():
+                for up in _lanes(s):
+                    with up._mutex:
+                        up._cond.notify_all()
+                t.join(0.1)
+        assert returned, "a queued job waits for ever for its idle worker"
+        assert not errors
+
+
+def _in_staging_root() -> list[str]:
+    """Scratch directories of this process in the staging root."""
+    root = staging_root()
+    mine = f"-{os.getpid()}_"
+    return sorted(n for n in os.listdir(root) if mine in n) if os.path.isdir(root) else []
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a report cut by a signal after it began writing under its index leaves an uncommitted "
+    "directory in the trial (checkpoint_<index>, or the commit's .cs_staging-*) after the "
+    "session's end: a session of the same process (same run id) keeps it as 'active'; only "
+    "a run of another process removes it"))
+@pytest.mark.parametrize("kind, func, text", [
+    # The state was staged into checkpoint_<index> (the persist process
+    # writes it whole); its commit job was never queued, nothing drops it.
+    pytest.param("state", BackgroundWork.submit, None, id="state-staged-not-queued"),
+    # checkpoint_<index> was made and claimed (reserve_in_place returned);
+    # the stage, whose failure drops it, had not begun.
+    pytest.param("state", DurableTarget.reserve, "return self.directory(index)",
+                 id="state-reserved"),
+    # A synchronous directory commit, the copy into .cs_staging-checkpoint_<index>-*
+    # whole: the commit removes it on an Exception only, and the report's
+    # settle() removes checkpoint_<index>, never the staging directory.
+    pytest.param("directory", RenameCommit._settled_move, None, id="directory-sync-copied"),
+])
+def test_a_cut_report_leaves_no_uncommitted_directory_after_the_session(
+        tmp_path, monkeypatch, kind, func, text):
+    root = str(tmp_path / "runs")
+
+    def save(step: int) -> dict:
+        return ({"state": _state(step)} if kind == "state"
+                else {"checkpoint": _directory(tmp_path, step)})
+
+    cfg = CheckpointConfig(num_to_keep=None)
+    with session.start(storage_path=root, experiment_name="e", trial_name="t",
+                       checkpoint_config=cfg) as s:
+        s.report({"step": 0}, **save(0))
+        with _cut_at(func, text) as made:
+            with pytest.raises(KeyboardInterrupt):
+                s.report({"step": 1}, **save(1))
+        assert made
+        row = s.report({"step": 2}, **save(2))
+        s.wait()
+    scan = StorageContext(root, "e", "t").scan()
+    assert scan.foreign == []
+    assert scan.committed == ["checkpoint_000000", row["checkpoint_dir_name"]]
+    assert scan.uncommitted == [], f"left after the session's end: {scan.uncommitted}"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "with dedup a state is staged into a scratch directory of the staging root; a signal "
+    "between the stage and queueing its commit leaves that directory (the whole state) "
+    "there for as long as the process lives"))
+def test_a_dedup_report_cut_before_its_commit_is_queued_leaves_no_scratch_copy(
+        tmp_path, monkeypatch):
+    root = str(tmp_path / "runs")
+    before = set(_in_staging_root())
+    with session.start(storage_path=root, experiment_name="e", trial_name="t",
+                       upload_config=UploadConfig(dedup=True)) as s:
+        s.report({"step": 0}, state=_state(0))
+        with _cut_at(BackgroundWork.submit) as made:
+            with pytest.raises(KeyboardInterrupt):
+                s.report({"step": 1}, state=_state(1))
+        assert made
+        s.report({"step": 2}, state=_state(2))
+        s.wait()
+    assert _names(root) == ["checkpoint_000000", "checkpoint_000002"]
+    _resumes(root, monkeypatch, "checkpoint_000002", upload_config=UploadConfig(dedup=True))
+    left = sorted(set(_in_staging_root()) - before)
+    assert left == [], f"scratch copies left in {staging_root()}: {left}"
+
+
+def _lightning(step: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(step)
+    return {"state_dict": {"w": torch.rand(64, 64, generator=g),
+                           "b": torch.rand(64, generator=g)},
+            "global_step": step, "epoch": 0}
+
+
+def _lightning_dirs(d) -> dict[str, str]:
+    import pyarrow.fs as pafs
+
+    from checkpoint_store._util.inspect import inspect_checkpoint
+
+    fs = pafs.LocalFileSystem()
+    return {n: inspect_checkpoint(fs, os.path.join(d, n)).state for n in sorted(os.listdir(d))}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "CheckpointStoreIO(async_save=True): a signal after save_checkpoint staged its snapshot "
+    "and before the save is queued leaves the snapshot's scratch directory (every tensor) "
+    "in the staging root, teardown() too, for as long as the process lives"))
+def test_a_lightning_async_save_cut_before_it_is_queued_leaves_no_scratch_copy(tmp_path):
+    pytest.importorskip("lightning")
+    from checkpoint_store.integrations._lightning.queue import _OrderedQueue
+    from checkpoint_store.integrations.lightning import CheckpointStoreIO
+
+    d = str(tmp_path / "ckpts")
+    before = set(_in_staging_root())
+    io = CheckpointStoreIO(async_save=True)
+    io.save_checkpoint(_lightning(0), f"{d}/step=0.ckpt")
+    io.wait()
+    with _cut_at(_OrderedQueue.submit) as made:
+        with pytest.raises(KeyboardInterrupt):
+            io.save_checkpoint(_lightning(1), f"{d}/step=1.ckpt")
+    assert made
+    io.save_checkpoint(_lightning(2), f"{d}/step=2.ckpt")
+    returned, _, errors = _run_for(io.teardown)
+    assert returned and not errors
+    assert _lightning_dirs(d) == {"step=0.ckpt": "committed", "step=2.ckpt": "committed"}
+    left = sorted(set(_in_staging_root()) - before)
+    assert left == [], f"scratch copies left in {staging_root()}: {left}"
+
+
+# -- no defect found -----------------------------------------------------------------------
+
+
+def test_a_lightning_async_save_cut_once_queued_is_saved_by_teardown(tmp_path):
+    """The save was queued; the cut came before its worker was started:
+    ``teardown()`` starts one, runs the save and returns."""
+    pytest.importorskip("lightning")
+    import torch
+
+    from checkpoint_store.integrations._lightning.queue import _OrderedQueue
+    from checkpoint_store.integrations.lightning import CheckpointStoreIO
+
+    d = str(tmp_path / "ckpts")
+    io = CheckpointStoreIO(async_save=True)
+    io.save_checkpoint(_lightning(0), f"{d}/step=0.ckpt")
+    io.wait()
+    with _cut_at(_OrderedQueue.submit, "self._jobs.append(", after=1) as made:
+        with pytest.raises(KeyboardInterrupt):
+            io.save_checkpoint(_lightning(1), f"{d}/step=1.ckpt")
+    assert made
+    returned, _, errors = _run_for(io.teardown)
+    assert returned and not errors
+    assert _lightning_dirs(d) == {"step=0.ckpt": "committed", "step=1.ckpt": "committed"}
+    got = CheckpointStoreIO().load_checkpoint(f"{d}/step=1.ckpt")
+    assert torch.equal(got["state_dict"]["w"], _lightning(1)["state_dict"]["w"])
+
+
+def _busy_state() -> dict:
+    return {f"b{i}": np.full(8 * MiB // 4, i, dtype=np.float32) for i in range(4)}
+
+
+@pytest.mark.parametrize("config", ["async", "async-busy", "dedup", "keep1", "tier",
+                                    "tier-busy"])
+def test_a_state_report_cut_while_staging_goes_on_and_resumes(tmp_path, monkeypatch, config):
+    """Cut as the first piece of the state is copied into staging (behind
+    a 32 MiB state the persist process is still writing, for ``-busy``):
+    the next report commits, ``wait()`` and the end return, nothing is left
+    in the trial, and a new run resumes the newest checkpoint."""
+    root = str(tmp_path / "runs")
+    start: dict = {"checkpoint_config": CheckpointConfig(num_to_keep=None)}
+    if config.startswith("async"):
+        start["upload_config"] = UploadConfig(upload_mode="async")
+    elif config == "dedup":
+        start["upload_config"] = UploadConfig(dedup=True)
+    elif config == "keep1":
+        start["checkpoint_config"] = CheckpointConfig(num_to_keep=1)
+    else:
+        start["local_tier"] = LocalTier(str(tmp_path / "tier"))
+    busy = config.endswith("busy")
+    rows: list[dict] = []
+
+    def run() -> None:
+        with session.start(storage_path=root, experiment_name="e", trial_name="t",
+                           **start) as s:
+            rows.append(s.report({"step": 0}, state=_busy_state() if busy else _state(0)))
+            with _cut_at(StagingCopier.copy) as made:
+                with pytest.raises(KeyboardInterrupt):
+                    s.report({"step": 1}, state=_state(1))
+            assert made
+            rows.append(s.report({"step": 2}, state=_state(2)))
+            s.wait()
+
+    returned, _, errors = _run_for(run, 3 * HUNG_S)
+    assert returned and not errors, errors
+    # Staged into checkpoint_000001, the cut report consumed its index; staged
+    # into a scratch directory (dedup), it wrote nothing under it.
+    newest = rows[-1]["checkpoint_dir_name"]
+    assert newest == ("checkpoint_000001" if config == "dedup" else "checkpoint_000002")
+    kept = [newest] if config == "keep1" else ["checkpoint_000000", newest]
+    assert _names(root) == kept
+    scan = StorageContext(root, "e", "t").scan()
+    assert scan.foreign == [] and scan.uncommitted == []
+    _resumes(root, monkeypatch, newest, **start)
+    got = StorageContext(root, "e", "t").checkpoint(newest).load_state()
+    assert np.array_equal(got["w"], _state(2)["w"])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_directory_report_cut_while_copying_goes_on_and_resumes(tmp_path, monkeypatch, mode):
+    """Cut as the directory's files begin to be copied (sync: into the
+    commit's staging directory; async: into the staged copy)."""
+    from checkpoint_store._transfer import plan as _plan
+
+    root = str(tmp_path / "runs")
+    start = {"upload_config": UploadConfig(upload_mode=mode)}
+    rows: list[dict] = []
+
+    def run() -> None:
+        with session.start(storage_path=root, experiment_name="e", trial_name="t",
+                           **start) as s:
+            rows.append(s.report({"step": 0}, checkpoint=_directory(tmp_path, 0)))
+            s.wait()
+            with _cut_at(_plan.run) as made:
+                with pytest.raises(KeyboardInterrupt):
+                    s.report({"step": 1}, checkpoint=_directory(tmp_path, 1))
+            assert made
+            rows.append(s.report({"step": 2}, checkpoint=_directory(tmp_path, 2)))
+            s.wait()
+
+    returned, _, errors = _run_for(run, 3 * HUNG_S)
+    assert returned and not errors, errors
+    newest = rows[-1]["checkpoint_dir_name"]
+    assert _names(root) == ["checkpoint_000000", newest]
+    scan = StorageContext(root, "e", "t").scan()
+    assert scan.foreign == []
+    _resumes(root, monkeypatch, newest, **start)
+
+
+def test_an_eviction_kick_cut_before_its_worker_starts_is_deleted_by_wait(tmp_path, monkeypatch):
+    """``num_to_keep=1``, synchronous directory reports: retention evicts
+    inline and kicks its deleter; the cut comes once the round is due,
+    before its thread starts. ``wait()`` starts it and returns; only the
+    newest checkpoint is left."""
+    root = str(tmp_path / "runs")
+    start = {"checkpoint_config": CheckpointConfig(num_to_keep=1)}
+    rows: list[dict] = []
+
+    def run() -> None:
+        with session.start(storage_path=root, experiment_name="e", trial_name="t",
+                           **start) as s:
+            rows.append(s.report({"step": 0}, checkpoint=_directory(tmp_path, 0)))
+            with _cut_at(Deleter.kick, "self._worker.ensure()") as made:
+                with pytest.raises(KeyboardInterrupt):
+                    s.report({"step": 1}, checkpoint=_directory(tmp_path, 1))
+            assert made
+            s.wait()
+            rows.append(s.report({"step": 2}, checkpoint=_directory(tmp_path, 2)))
+            s.wait()
+
+    returned, _, errors = _run_for(run, 3 * HUNG_S)
+    assert returned and not errors, errors
+    newest = rows[-1]["checkpoint_dir_name"]
+    assert _names(root) == [newest]
+    scan = StorageContext(root, "e", "t").scan()
+    assert scan.foreign == [] and scan.uncommitted == []
+    _resumes(root, monkeypatch, newest, **start)
+
+
+def test_a_signal_as_a_report_takes_its_lock_caught_and_dropped_lets_the_next_report_run(
+        tmp_path, monkeypatch):
+    """The same cut, the exception caught and dropped by the loop: the
+    generator goes with it (its lock released), and the process goes on."""
+    root = str(tmp_path / "runs")
+    rows: list[dict] = []
+
+    def run() -> None:
+        with session.start(storage_path=root, experiment_name="e", trial_name="t") as s:
+            rows.append(s.report({"step": 0}, state=_state(0)))
+            held: list = []
+            try:
+                with _cut_as_entered(ReportLedger.transaction, held):
+                    s.report({"step": 1}, state=_state(1))
+            except KeyboardInterrupt:
+                pass
+            assert held
+            held.clear()  # nothing of the cut is kept: the generator is closed
+            rows.append(s.report({"step": 2}, state=_state(2)))
+            s.wait()
+
+    returned, _, errors = _run_for(run)
+    assert returned and not errors, errors
+    newest = rows[-1]["checkpoint_dir_name"]
+    assert _names(root) == ["checkpoint_000000", newest]
+    _resumes(root, monkeypatch, newest)
