@@ -294,11 +294,14 @@ class BackgroundUploader:
         not, and a queued one runs (:class:`~checkpoint_store._util.locks.OneWorker`)."""
         job = _Job(run, cleanup, what)
         with self._mutex:
+            # An idle worker takes it. Notified first: the worker wakes only
+            # once this lock is free, and a cut between the two lines then
+            # leaves no job queued that nobody was told of.
+            self._cond.notify_all()
             if self._newest_first:
                 self._queue.appendleft(job)
             else:
                 self._queue.append(job)
-            self._cond.notify_all()  # an idle worker takes it
             # The first job, or a forked child (it has no worker thread).
             self._worker.ensure()
 
