@@ -28,7 +28,8 @@ def close_session(ledger: ReportLedger, recorder: CommitRecorder, work: Backgrou
     finally:
         work.close()  # the lanes' idle workers end
     if first_close:
-        with ledger.transaction():
+        with ledger.lock:
+            ledger.open_txn()  # raises once the session has ended
             recorder.settle()
     ledger.end()
     results_error: Exception | None = None

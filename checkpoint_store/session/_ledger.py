@@ -28,11 +28,10 @@ reporting thread and the background lanes, under a lock of its own.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from checkpoint_store._format import jsonrules as _json
@@ -153,17 +152,26 @@ class ReportLedger:
             self.manager.validate_metrics(row)
         return row
 
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[Txn]:
-        """Hold the report lock for one report.
+    @property
+    def lock(self) -> threading.Lock:
+        """The report lock: one report at a time holds it (``with ledger.lock:
+        txn = ledger.open_txn()``). Entered as the lock itself, never through a
+        generator or another Python ``__enter__``: a signal handler's
+        exception raised after the acquire, before such an ``__enter__``
+        returned, would leave the lock held for as long as the exception
+        lives, and the session's end would wait for it for ever."""
+        return self._lock
+
+    def open_txn(self) -> Txn:
+        """One report's transaction; under :attr:`lock`.
 
         Raises:
             CheckpointStoreError: the session has ended.
         """
-        with self._lock:
-            if self._closed:
-                raise CheckpointStoreError(ENDED)
-            yield Txn(self)
+        assert self._lock.locked()
+        if self._closed:
+            raise CheckpointStoreError(ENDED)
+        return Txn(self)
 
     def restore_row(self, row: Mapping[str, Any]) -> None:
         """Append a row an earlier run reported but never stored (a local

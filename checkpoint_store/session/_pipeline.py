@@ -236,7 +236,8 @@ class ReportPipeline:
                 self.work.lane(self.target.lane).reserve()  # type: ignore[arg-type]
             else:
                 self.work.wait_queued()
-        with self.ledger.transaction() as txn:
+        with self.ledger.lock:
+            txn = self.ledger.open_txn()
             return self._report(txn, plan, metrics, checkpoint, planned, background_error,
                                 preemption)
 

@@ -395,7 +395,8 @@ class Session:
             CheckpointStoreError: the session has ended.
         """
         target = self._pipeline.target
-        with self._ledger.transaction() as txn:
+        with self._ledger.lock:
+            txn = self._ledger.open_txn()
             if not txn.reserved:
                 target.reserve(txn.index)
                 txn.mark_reserved()
