@@ -433,7 +433,9 @@ class RenameCommit(CommitProtocol):
             return meta
         except AmbiguousCommitError:
             raise  # perhaps committed: nothing of it may go
-        except Exception:
+        except BaseException:
+            # A signal's exception too: once the rename landed, the staging
+            # directory is gone and this removes nothing.
             _cleanup_quietly(lambda: _fsutil.delete_dir(self.fs, staging, retry=self.retry))
             raise
 

@@ -341,8 +341,11 @@ class ReportPipeline:
                          else self.target.state_directory(txn.index))
             if directory is not None:
                 txn.consume_index()  # staged straight into checkpoint_<index>
-                self.target.reserve(txn.index)
             try:
+                if directory is not None:
+                    # Inside the try: a signal's exception once the directory
+                    # is made and claimed drops it too.
+                    self.target.reserve(txn.index)
                 return self.staging.stage(planned, directory, txn.index)
             except BaseException:
                 if directory is not None:

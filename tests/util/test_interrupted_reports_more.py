@@ -221,22 +221,21 @@ def _in_staging_root() -> list[str]:
     return sorted(n for n in os.listdir(root) if mine in n) if os.path.isdir(root) else []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a report cut by a signal after it began writing under its index leaves an uncommitted "
-    "directory in the trial (checkpoint_<index>, or the commit's .cs_staging-*) after the "
-    "session's end: a session of the same process (same run id) keeps it as 'active'; only "
-    "a run of another process removes it"))
 @pytest.mark.parametrize("kind, func, text", [
     # The state was staged into checkpoint_<index> (the persist process
     # writes it whole); its commit job was never queued, nothing drops it.
-    pytest.param("state", BackgroundWork.submit, None, id="state-staged-not-queued"),
-    # checkpoint_<index> was made and claimed (reserve_in_place returned);
-    # the stage, whose failure drops it, had not begun.
+    pytest.param("state", BackgroundWork.submit, None, id="state-staged-not-queued",
+                 marks=pytest.mark.xfail(strict=True, reason=(
+                     "the state staged, its commit job not queued: nothing drops "
+                     "checkpoint_<index>; a session of the same process (same run id) "
+                     "keeps it as 'active', only a run of another process removes it"))),
+    # checkpoint_<index> was made and claimed (reserve_in_place returned),
+    # the stage not begun: the drop once covered the stage only.
     pytest.param("state", DurableTarget.reserve, "return self.directory(index)",
                  id="state-reserved"),
     # A synchronous directory commit, the copy into .cs_staging-checkpoint_<index>-*
-    # whole: the commit removes it on an Exception only, and the report's
-    # settle() removes checkpoint_<index>, never the staging directory.
+    # whole: the commit once removed it on an Exception only (the report's
+    # settle() removes checkpoint_<index>, never the staging directory).
     pytest.param("directory", RenameCommit._settled_move, None, id="directory-sync-copied"),
 ])
 def test_a_cut_report_leaves_no_uncommitted_directory_after_the_session(
