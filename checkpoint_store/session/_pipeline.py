@@ -29,7 +29,8 @@ Every path keeps the same rules (docs/sessions.md, "What report() promises"):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,6 +53,7 @@ from checkpoint_store.session._sources import (
     Source,
     StagedCopySource,
     StagedWrite,
+    StateSource,
     StateStaging,
 )
 from checkpoint_store.session._targets import Target, TieredTarget
@@ -286,16 +288,31 @@ class ReportPipeline:
             if not ranks:
                 raise
             error, source = error or exc, None
-        internal = {"metrics": row, "world_size": self._world_size, "run_id": self._run_id}
-        if preemption is not None:
-            internal["preemption"] = dict(preemption)
-        job = CheckpointJob(txn.index, row, internal, source, error)
-        flush = not self.tiered
+        queued: _Queued | None = None
+        try:
+            internal = {"metrics": row, "world_size": self._world_size,
+                        "run_id": self._run_id}
+            if preemption is not None:
+                internal["preemption"] = dict(preemption)
+            job = CheckpointJob(txn.index, row, internal, source, error)
+            flush = not self.tiered
+            if plan.background:
+                txn.consume_index()
+                release = source.release if source is not None else _no_op
+                queued = _Queued(lambda: self._commit(job, abandon=True))
+                self.work.submit(self.target.lane,  # type: ignore[arg-type]
+                                 queued, release, name)
+        except BaseException:
+            # A signal's exception between the staging and the queueing: the
+            # commit is taken back unless its worker took it, and what was
+            # staged for it goes (several ranks commit together: not there).
+            if not ranks and isinstance(source, StateSource) and (
+                    queued is None or queued.take_back()):
+                source.release()
+                if source.in_place:
+                    self.target.drop(txn.index)
+            raise
         if plan.background:
-            txn.consume_index()
-            release = source.release if source is not None else _no_op
-            self.work.submit(self.target.lane,  # type: ignore[arg-type]
-                             lambda: self._commit(job, abandon=True), release, name)
             if ranks and job.own_error is not None:
                 # This rank failed before its commit: the abort goes through
                 # the same background rendezvous as the other ranks' commit,
@@ -400,6 +417,29 @@ class ReportPipeline:
         finally:
             self.staging = real
         return row
+
+
+class _Queued:
+    """A background commit its report can take back until a worker takes it
+    (:meth:`take_back`): a report cut by a signal's exception just as it
+    queued the commit then removes what it staged, and no commit runs on it."""
+
+    def __init__(self, run: Callable[[], Checkpoint | None]):
+        self._run = run
+        self._lock = threading.Lock()
+        self._taken = False
+
+    def _take(self) -> bool:
+        with self._lock:
+            taken, self._taken = self._taken, True
+        return not taken
+
+    def take_back(self) -> bool:
+        """True: it will not run (the caller removes what it staged)."""
+        return self._take()
+
+    def __call__(self) -> Checkpoint | None:
+        return self._run() if self._take() else None
 
 
 def _no_op() -> None:
