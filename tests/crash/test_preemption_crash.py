@@ -22,6 +22,7 @@ outlives the child.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -105,7 +106,7 @@ def test_the_checks_catch_a_wrong_exit_a_lost_save_and_an_orphan(tmp_path):
 
     from checkpoint_store import StorageContext
     from checkpoint_store._util import fs as _fsutil
-    from checkpoint_store.testing.crash.preemption import _Events
+    from checkpoint_store.testing.crash.preemption import _alive_persist, _Events
 
     cfg = _config(tmp_path)
     report = PreemptionHarness(cfg, seed=14).run(1, moments=("step",))
@@ -144,6 +145,11 @@ def test_the_checks_catch_a_wrong_exit_a_lost_save_and_an_orphan(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
                              "checkpoint_store.state._persist"])
     try:
+        # Until it has exec'd, its command line is still this process's (under
+        # load that took longer than the check's 0.2 s: it found no orphan).
+        deadline = time.monotonic() + 30
+        while not _alive_persist(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
         h.orphan_wait_s = 0.2
         events.all = [{"ev": "persist_pid", "pid": proc.pid, "t": 0.0}]
         r = PreemptionReport()
