@@ -323,7 +323,7 @@ SYSTEM_TEMP_SCRATCH = {
     # formats: a remote torch.save/DCP source read locally, a torch.save/DCP
     # export written locally before its upload; removed when the call returns.
     ("checkpoint_store/formats/_api.py", "temporary name: 'checkpoint-store-format-'"),
-    ("checkpoint_store/formats/_api.py", "temporary name: 'checkpoint-store-export-'"),
+    ("checkpoint_store/formats/_export.py", "temporary name: 'checkpoint-store-export-'"),
     ("checkpoint_store/integrations/_lightning/callback.py", "temporary name: 'cs-lightning-'"),
     ("checkpoint_store/integrations/_lightning/callback.py",
      "temporary name: 'cs-lightning-resume-'"),
