@@ -20,6 +20,7 @@ from checkpoint_store._commit.pointer import POINTER_FILE, pointed_path
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     DELETE_TOMBSTONE,
+    TEMP_FILE_PREFIX,
     is_deleting_dir_name,
     is_internal_name,
     parse_claim_name,
@@ -152,13 +153,17 @@ def writer_in(writer: str, runs: set[str]) -> bool:
 def _partial_is_active(
     fs: pafs.FileSystem, path: str, insp: Inspection, runs: set[str], retry: RetryPolicy | None
 ) -> bool:
-    """A partial upload (marker-last) of the current run: a claim of ours, or
-    a per-rank marker naming the current attempt."""
+    """A partial upload (marker-last) of the current run: a claim of ours, a
+    per-rank marker naming the current attempt, or a trace's temporary file
+    whose writer process is alive."""
     names = [rel.rsplit("/", 1)[-1] for rel in (insp.files or {})]
     for n in names:
         claim = parse_claim_name(n)
         if claim is not None and writer_in(claim[1], runs):
             return True
+        if parse_temp_file_name(n) is not None and _is_writer_trace(n) \
+                and not _dead_writer_tmp(n):
+            return True  # a trace a live process is writing (renamed in a moment)
     for n in names:
         if parse_rank_marker_name(n) is not None:
             try:
@@ -189,6 +194,11 @@ def _looks_ours(insp: Inspection) -> bool:
 
 
 def _is_writer_trace(name: str) -> bool:
+    if parse_temp_file_name(name) is not None:
+        # The atomic write of a trace cut short (a kill between the temporary
+        # file and its rename, on a local disk): ``.cs_tmp-<trace>-<tag>-<token>``.
+        # A directory holding only that is ours as much as one with the trace.
+        name = name[len(TEMP_FILE_PREFIX):].rsplit("-", 2)[0]
     return (
         parse_claim_name(name) is not None
         or parse_rank_marker_name(name) is not None

@@ -143,3 +143,44 @@ def test_delete_with_glob_like_names_removes_exactly_the_checkpoint(where, tmp_p
     assert not _fsutil.exists(storage.filesystem, storage.checkpoint_path(0))
     assert storage.scan().committed == ["checkpoint_000001"]
     keep.verify()
+
+
+@pytest.mark.parametrize("alive", [False, True])
+def test_a_claim_write_killed_before_its_rename_leaves_a_directory_of_ours(tmp_path, alive):
+    """On a local disk a claim is written as ``.cs_tmp-<claim>-<tag>-<token>``
+    and renamed into place: a kill between the two left a directory holding
+    only that temporary file, which the scan called foreign (never resumed,
+    never removed; the SIGKILL harness hit it). Ours now: removed by cleanup
+    once its writer is dead, kept while that process lives (its rename may
+    still come)."""
+    import os
+    import subprocess
+    import sys
+
+    from checkpoint_store import StorageContext
+    from checkpoint_store._format.layout import temp_file_name
+    from checkpoint_store._util.liveness import writer_tag
+
+    storage = StorageContext(str(tmp_path / "runs"), "e", "t")
+    storage.ensure_trial_dir()
+    path = storage.checkpoint_path(7)
+    os.makedirs(path)
+    if alive:
+        tag = writer_tag()
+    else:  # a process that has exited: its tag names no live process
+        proc = subprocess.run([sys.executable, "-c",
+                               "from checkpoint_store._util.liveness import writer_tag;"
+                               "print(writer_tag())"], capture_output=True, text=True,
+                              check=True)
+        tag = proc.stdout.strip()
+    claim = claim_name(1_796_536_218_746_191_390, new_writer_id("an_old_run"))
+    with open(os.path.join(path, temp_file_name(claim, tag, "dcce93c6")), "wb") as f:
+        f.write(b"writer")
+    scan = storage.scan()
+    assert scan.foreign == []
+    if alive:
+        assert scan.active == ["checkpoint_000007"]
+    else:
+        assert scan.uncommitted == ["checkpoint_000007"] and scan.active == []
+        storage.remove_uncommitted()
+        assert not os.path.exists(path)
