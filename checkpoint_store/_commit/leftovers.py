@@ -20,13 +20,13 @@ from checkpoint_store._commit.pointer import POINTER_FILE, pointed_path
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     DELETE_TOMBSTONE,
-    TEMP_FILE_PREFIX,
     is_deleting_dir_name,
     is_internal_name,
     parse_claim_name,
     parse_rank_marker_name,
     parse_staging_dir_name,
     parse_temp_file_name,
+    temp_file_base,
 )
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.ids import run_of_writer
@@ -194,11 +194,12 @@ def _looks_ours(insp: Inspection) -> bool:
 
 
 def _is_writer_trace(name: str) -> bool:
-    if parse_temp_file_name(name) is not None:
+    base = temp_file_base(name)
+    if base is not None:
         # The atomic write of a trace cut short (a kill between the temporary
         # file and its rename, on a local disk): ``.cs_tmp-<trace>-<tag>-<token>``.
         # A directory holding only that is ours as much as one with the trace.
-        name = name[len(TEMP_FILE_PREFIX):].rsplit("-", 2)[0]
+        name = base
     return (
         parse_claim_name(name) is not None
         or parse_rank_marker_name(name) is not None

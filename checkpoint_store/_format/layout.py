@@ -558,6 +558,14 @@ def parse_temp_file_name(name: str) -> str | None:
     return parts[1] if len(parts) == 3 else None
 
 
+def temp_file_base(name: str) -> str | None:
+    """The ``base`` a :func:`temp_file_name` is the temporary sibling of (cut
+    to its bounded length, as written), or None for any other name."""
+    if parse_temp_file_name(name) is None:
+        return None
+    return name[len(_TMP):].rsplit("-", 2)[0]
+
+
 # -- helper names of a download (local disk, beside the target) ------------------
 
 #: ``download``: a staging directory being filled; ``download_old``: the
