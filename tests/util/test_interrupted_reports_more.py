@@ -12,11 +12,10 @@ checkpoint and finds nothing foreign or left over.
 Each cut is made where the interpreter runs a pending signal handler (after
 a call returned, as a function begins): a ``sys.settrace`` line event of the
 named line of one function. Two waits for ever found this way are fixed
-(the report lock, an idle upload worker). The tests marked
-``xfail(strict=True)`` pin what is not yet: a directory left uncommitted in
-the trial after the session's end (a later session of the same process
-keeps it), a scratch copy of a whole state left in the staging root for as
-long as the process lives.
+(the report lock, an idle upload worker), and so are the leftovers found
+this way: a directory left uncommitted in the trial after the session's end
+(a later session of the same process kept it), a scratch copy of a whole
+state left in the staging root for as long as the process lives.
 """
 
 from __future__ import annotations
@@ -303,10 +302,6 @@ def _lightning_dirs(d) -> dict[str, str]:
     return {n: inspect_checkpoint(fs, os.path.join(d, n)).state for n in sorted(os.listdir(d))}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "CheckpointStoreIO(async_save=True): a signal after save_checkpoint staged its snapshot "
-    "and before the save is queued leaves the snapshot's scratch directory (every tensor) "
-    "in the staging root, teardown() too, for as long as the process lives"))
 def test_a_lightning_async_save_cut_before_it_is_queued_leaves_no_scratch_copy(tmp_path):
     pytest.importorskip("lightning")
     from checkpoint_store.integrations._lightning.queue import _OrderedQueue
@@ -327,6 +322,73 @@ def test_a_lightning_async_save_cut_before_it_is_queued_leaves_no_scratch_copy(t
     assert _lightning_dirs(d) == {"step=0.ckpt": "committed", "step=2.ckpt": "committed"}
     left = sorted(set(_in_staging_root()) - before)
     assert left == [], f"scratch copies left in {staging_root()}: {left}"
+
+
+def _submit_lines() -> list[int]:
+    from checkpoint_store.integrations._lightning.queue import _OrderedQueue
+
+    src, first = inspect.getsourcelines(_OrderedQueue.submit)
+    body = [first + i for i, line in enumerate(src) if line.strip() and i > 0
+            and not line.strip().startswith(('"""', "#")) and '"""' not in line]
+    return body
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["room", "full"])
+def test_a_lightning_async_save_cut_at_any_line_of_its_queueing(tmp_path, full):
+    """Cut at each line of the queue's ``submit`` (``full``: behind a save
+    that holds the one pending slot, so the wait's lines run too): queued
+    (the append ran), the save commits by ``teardown()``; not queued, it is
+    not saved and its snapshot is gone at once; either way the next save
+    commits, ``teardown()`` returns and no scratch copy is left."""
+    pytest.importorskip("lightning")
+    from checkpoint_store.integrations._lightning.queue import _OrderedQueue
+    from checkpoint_store.integrations.lightning import CheckpointStoreIO
+
+    append = _line_of(_OrderedQueue.submit, "self._jobs.append(")
+    wait = _line_of(_OrderedQueue.submit, "while kind")
+    lines = _submit_lines()
+    if full:  # the wait's lines run: every line up to the append
+        lines = [n for n in lines if n <= append]
+    else:  # no wait
+        lines = [n for n in lines if not wait < n < append]
+    assert len(lines) >= 3, lines
+    for n, line in enumerate(lines):
+        d = str(tmp_path / f"ckpts{n}")
+        before = set(_in_staging_root())
+        io = CheckpointStoreIO(async_save=True, max_pending_saves=1)
+        io.save_checkpoint(_lightning(0), f"{d}/step=0.ckpt")
+        io.wait()
+        gate = threading.Event()
+        if full:  # the one pending slot taken by a save that waits for the gate
+            io._queue_or_none().submit("save", "gate", lambda g=gate: g.wait(HUNG_S))
+            threading.Timer(0.2, gate.set).start()
+        made: list[bool] = []
+        code = inspect.unwrap(_OrderedQueue.submit).__code__
+
+        def local(frame, event, arg, line=line, made=made):
+            if event == "line" and not made and frame.f_lineno == line:
+                made.append(True)
+                raise KeyboardInterrupt
+            return local
+
+        sys.settrace(lambda f, e, a, code=code, local=local, made=made:
+                     local if f.f_code is code and not made else None)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                io.save_checkpoint(_lightning(1), f"{d}/step=1.ckpt")
+        finally:
+            sys.settrace(None)
+        assert made, line
+        gate.set()
+        io.save_checkpoint(_lightning(2), f"{d}/step=2.ckpt")
+        returned, _, errors = _run_for(io.teardown)
+        assert returned and not errors, (line, errors)
+        expected = {"step=0.ckpt": "committed", "step=2.ckpt": "committed"}
+        if line > append:
+            expected["step=1.ckpt"] = "committed"
+        assert _lightning_dirs(d) == expected, line
+        left = sorted(set(_in_staging_root()) - before)
+        assert left == [], f"line {line}: scratch copies left in {staging_root()}: {left}"
 
 
 # -- no defect found -----------------------------------------------------------------------

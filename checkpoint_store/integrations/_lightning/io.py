@@ -212,14 +212,26 @@ class _StoreIO:
             sweep_staging_root()
             self._stager = Stager(self.staging_budget)
         snap = staged_snapshot(checkpoint, self._stager)
+        started = False
 
         def save() -> None:
+            nonlocal started
+            started = True
             try:
                 self._save(snap.materialize(), backend, fs_path, monitor)
             finally:
                 snap.release()
 
-        queue.submit("save", uri, save)
+        try:
+            queue.submit("save", uri, save)
+        except BaseException:
+            # A signal's exception before the save was queued: nothing was
+            # acknowledged, and its snapshot (every tensor) goes now rather
+            # than when the process ends. Queued, the save runs as any other.
+            # (Checked in this order: a save leaves the queue after it ran.)
+            if not queue.holds(save) and not started:
+                snap.release()
+            raise
 
     def _refuse_inside_checkpoint(self, backend: Backend, fs_path: str) -> None:
         """A ``.ckpt`` inside a committed checkpoint (``a.ckpt/inner.ckpt``)
