@@ -30,13 +30,18 @@ from checkpoint_store.integrations._lightning.queue import _OrderedQueue
 from checkpoint_store.retention import lease as _lease
 from checkpoint_store.retention.deletes import Deleter
 from checkpoint_store.retention.manager import CheckpointManager
+from checkpoint_store.session._trial_runner import TrialRunner
 from checkpoint_store.session._uploads import BackgroundUploader
+
+#: How long a wait that returns at once here may take before it counts as hung.
+HUNG_S = 5.0
 
 WATCHED = {OneWorker.ensure.__code__, threading.Thread.start.__code__,
            BackgroundUploader.submit.__code__, Deleter.kick.__code__,
            _OrderedQueue.submit.__code__, ResultLog.append.__code__,
            CheckpointManager.__init__.__code__, _lease.Lease.acquire.__code__,
-           _lease._LeaseKeeper.add.__code__}
+           _lease._LeaseKeeper.add.__code__, TrialRunner._start_thread.__code__,
+           TrialRunner._start_locked.__code__}
 
 
 def _cut_at(k: int | None, act: Callable[[], None]) -> int:
@@ -284,6 +289,44 @@ def test_a_lease_taken_by_a_start_cut_at_any_line_is_renewed_or_released(
     while any(map(_keeper_threads, keepers)) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not any(map(_keeper_threads, keepers))
+
+
+def test_a_trial_start_cut_at_any_line_runs_the_trial_once(tmp_path):
+    """``step()`` starts the trial's thread: a cut between marking the
+    runner running and starting its thread left a runner that every later
+    ``step()`` waited on for ever. Now either the thread runs, or the
+    runner stays as it was and the next ``step()`` starts it; ``train_fn``
+    runs once either way."""
+    n = [0]
+
+    def make():
+        calls: list[int] = []
+
+        def train(config):
+            calls.append(1)
+            for i in range(3):
+                yield {"i": i}
+
+        n[0] += 1
+        runner = TrialRunner(train, {}, storage_path=str(tmp_path / "runs"),
+                             experiment_name="e", trial_name=f"t{n[0]}")
+        runner.calls = calls
+        return runner
+
+    def check(runner, cut):
+        assert runner.status in ("idle", "running")
+        if not cut:
+            assert runner.status == "running"
+        # The cut step took no result: the next one takes the first.
+        got = [runner.step(timeout=HUNG_S)["i"] for _ in range(2)]
+        assert got == ([0, 1] if cut else [1, 2])
+        assert runner.calls == [1], "train_fn ran twice"
+        assert runner.stop() and runner.status == "stopped"
+
+    def act(runner):
+        runner.step()
+
+    _every_cut(make, act, check)
 
 
 @pytest.mark.parametrize("starts", [1, 3])
