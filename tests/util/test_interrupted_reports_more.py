@@ -324,6 +324,41 @@ def test_a_directory_report_cut_before_its_commit_runs_takes_it_back(
     _resumes(root, monkeypatch, newest, **start)
 
 
+def test_a_signal_while_the_session_end_waits_still_ends_it(tmp_path, monkeypatch):
+    """A second Ctrl-C while the end of the session waits for its queued
+    commits: the end once stopped there, the ``KeyboardInterrupt`` raised
+    and nothing released. The trial's lease stayed held, renewed for as
+    long as the process lived (the next session of the trial in this
+    process was refused; a new process on this host took it over only once
+    this one exited), the session's rows were never closed and the session
+    took reports still. Now the end goes on to end the session, record how
+    it ended and release the trial, then raises the ``KeyboardInterrupt``."""
+    from checkpoint_store import CheckpointStoreError
+
+    root = str(tmp_path / "runs")
+    start = {"upload_config": UploadConfig(upload_mode="async")}
+    gate = threading.Event()
+    with pytest.raises(KeyboardInterrupt):
+        with _cut_at(BackgroundWork.drain, "up.wait()") as made:
+            with session.start(storage_path=root, experiment_name="e", trial_name="t",
+                               **start) as s:
+                s.report({"step": 0}, checkpoint=_directory(tmp_path, 0))
+                s.wait()
+                # A commit still running as the session ends.
+                session_internals(s).pipeline.work.submit(
+                    "durable", lambda: gate.wait(HUNG_S), lambda: None, "busy")
+                s.report({"step": 1})
+    assert made
+    gate.set()
+    trial = os.path.join(root, "e", "t")
+    assert "KeyboardInterrupt" in open(os.path.join(trial, "error.txt")).read()
+    with pytest.raises(CheckpointStoreError, match="ended"):
+        s.report({"step": 2})
+    returned, _, errors = _run_for(lambda: _resumes(root, monkeypatch, "checkpoint_000000",
+                                                    **start))
+    assert returned and not errors, errors
+
+
 def test_a_dedup_report_cut_before_its_commit_is_queued_leaves_no_scratch_copy(
         tmp_path, monkeypatch):
     """With dedup a state is staged into a scratch directory of the staging
