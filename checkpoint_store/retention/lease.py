@@ -26,7 +26,7 @@ from checkpoint_store._results import writer as _results
 from checkpoint_store._util import clock as _clock
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.liveness import process_alive, process_token
-from checkpoint_store._util.locks import condition
+from checkpoint_store._util.locks import OneWorker, condition
 from checkpoint_store.backends.base import canonical_uri_text
 from checkpoint_store.errors import CheckpointStoreError, TrialInUseError
 from checkpoint_store.storage import StorageContext
@@ -236,21 +236,31 @@ class Lease:
     def acquire(self) -> None:
         """Take the lease or raise :class:`~checkpoint_store.errors.TrialInUseError`
         (a :class:`CheckpointConflictError`); starts renewal."""
-        # Check, write and read back as one step between processes on local
-        # disks (a file lock in the trial directory): two jobs started at the
-        # same moment both saw no live lease, and each read back its own.
-        with _fsutil.dir_lock(self._storage.filesystem, self._storage.trial_path, LEASE_LOCK):
-            live = self._live_other()
-            if live is not None:
-                raise self._conflict(*live)
-            self._write()
-            back = self._read()
-            if back is None or back.get("holder") != self.holder:
-                raise self._conflict(back or {}, self.ttl_s)
-        _KEEPER.add(self)
-        # Released at interpreter exit if nobody ended the session, while the
-        # store's client still works (see _results._at_exit).
-        _results.release_after_exit_flush(self)
+        try:
+            # Check, write and read back as one step between processes on local
+            # disks (a file lock in the trial directory): two jobs started at the
+            # same moment both saw no live lease, and each read back its own.
+            with _fsutil.dir_lock(self._storage.filesystem, self._storage.trial_path,
+                                  LEASE_LOCK):
+                live = self._live_other()
+                if live is not None:
+                    raise self._conflict(*live)
+                self._write()
+                back = self._read()
+                if back is None or back.get("holder") != self.holder:
+                    raise self._conflict(back or {}, self.ttl_s)
+            _KEEPER.add(self)
+            # Released at interpreter exit if nobody ended the session, while the
+            # store's client still works (see _results._at_exit).
+            _results.release_after_exit_flush(self)
+        except BaseException:
+            # Whatever raised (also a signal's exception, Ctrl-C or a SIGTERM
+            # handler's SystemExit, once the lease is written): the caller got
+            # no lease to release, and a keeper not started would let it expire
+            # while this process still counts as its live holder. Deletes the
+            # file only where it is ours.
+            self.release()
+            raise
 
     def renew(self) -> bool:
         """Extend the lease; returns False (and marks it lost) when another holder
@@ -341,36 +351,42 @@ class _LeaseKeeper:
     thread, not one per trial, and so that releasing a lease never waits for
     a thread to stop. A renewal runs outside the keeper's lock; a lease
     released meanwhile ignores it (``Lease.renew`` checks under its own lock).
+    The thread ends once no lease is left and is started again by the next
+    :meth:`add` (:class:`~checkpoint_store._util.locks.OneWorker`: a start cut
+    short by a signal's exception is made again there, never two loops).
     """
 
     def __init__(self) -> None:
         self._mutex, self._cv = condition()  # enter _mutex, not the condition
         self._leases: set[Lease] = set()
-        self._thread: threading.Thread | None = None
+        self._worker = OneWorker(self._run, "cs-lease-keeper", daemon=True)
 
     def add(self, lease: Lease) -> None:
         with self._mutex:
             lease.next_renewal = time.monotonic() + lease.interval
             self._leases.add(lease)
-            # After a fork the child has no keeper thread: start one.
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="cs-lease-keeper", daemon=True
-                )
-                self._thread.start()
+            # Also after a fork: the child has no keeper thread.
+            self._worker.ensure()
             self._cv.notify()
 
     def remove(self, lease: Lease) -> None:
         with self._mutex:
             self._leases.discard(lease)
+            self._cv.notify()
 
     def _run(self) -> None:
+        with self._mutex:
+            if not self._worker.claim():
+                return
         while True:
             with self._mutex:
+                if not self._leases:
+                    self._worker.release()
+                    return
                 now = time.monotonic()
                 due = [le for le in self._leases if le.next_renewal <= now]
                 if not due:
-                    wake = min((le.next_renewal for le in self._leases), default=now + 3600.0)
+                    wake = min(le.next_renewal for le in self._leases)
                     self._cv.wait(timeout=max(wake - now, 0.01))
                     continue
                 for le in due:

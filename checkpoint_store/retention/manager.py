@@ -166,11 +166,15 @@ class CheckpointManager:
         self._log = StateLog(storage)
         self.run_id: str = ""
         self._lease: Lease | None = None
-        if not self._read_only:
-            self._lease = Lease(storage, lease_ttl_s)
-            self._lease.acquire()
-            weakref.finalize(self, _release_collected, self._lease)
         try:
+            # Inside the try: a signal's exception once the lease is taken
+            # (before the finalizer is registered) releases it too; else the
+            # keeper renews a lease no manager holds for as long as the
+            # process lives, and the next manager of this trial is refused.
+            if not self._read_only:
+                self._lease = Lease(storage, lease_ttl_s)
+                self._lease.acquire()
+                weakref.finalize(self, _release_collected, self._lease)
             self._restore()
         except BaseException:
             if self._lease is not None:

@@ -22,32 +22,52 @@ def close_session(ledger: ReportLedger, recorder: CommitRecorder, work: Backgrou
     """``Session.close()``: queued uploads finish before retention's lease is
     released (``finish``, called whatever happens); ``record`` (rank 0, first
     close) writes how the trial ended. Raises the first background error,
-    then a failure to write the rows."""
+    then a failure to write the rows.
+
+    Whatever cuts the wait for the uploads or the settling of the commits
+    (a second Ctrl-C's ``KeyboardInterrupt``, a SIGTERM handler's
+    ``SystemExit``, an error) still ends the session: the rows are closed,
+    the end is recorded with that exception, ``finish`` runs, then it is
+    raised. Commits still running go on; their leftovers are settled by
+    the next session of the trial."""
     try:
-        upload_errors = work.drain(wait=first_close)
-    finally:
-        work.close()  # the lanes' idle workers end
-    if first_close:
-        with ledger.lock:
-            ledger.open_txn()  # raises once the session has ended
-            recorder.settle()
-    ledger.end()
-    results_error: Exception | None = None
-    upload_error = None
-    try:
-        try:  # the last rows, and result.json assembled, under the lease
-            ledger.close_rows()
-        except Exception as exc:
-            results_error = exc
-        upload_error = first_error(upload_errors)
-        if record is not None:
-            record(error if error is not None else upload_error)
-    finally:
-        finish()
+        try:
+            upload_errors = work.drain(wait=first_close)
+        finally:
+            work.close()  # the lanes' idle workers end
+        if first_close:
+            with ledger.lock:
+                ledger.open_txn()  # raises once the session has ended
+                recorder.settle()
+    except BaseException as cut:
+        _end(ledger, record, error if error is not None else cut, finish)
+        raise
+    upload_error = first_error(upload_errors)
+    results_error = _end(ledger, record, error if error is not None else upload_error,
+                         finish)
     if upload_error is not None:
         raise upload_error
     if results_error is not None:
         raise results_error
+
+
+def _end(ledger: ReportLedger, record: Callable[[BaseException | None], None] | None,
+         cause: BaseException | None, finish: Callable[[], None]) -> Exception | None:
+    """Refuse later reports, write the last rows (and ``result.json``) under the
+    lease, record ``cause``, then ``finish``, whatever happens; returns the
+    rows' failure, not raised."""
+    ledger.end()
+    results_error: Exception | None = None
+    try:
+        try:
+            ledger.close_rows()
+        except Exception as exc:
+            results_error = exc
+        if record is not None:
+            record(cause)
+    finally:
+        finish()
+    return results_error
 
 
 def record_end(storage: StorageContext, error: BaseException | None) -> None:

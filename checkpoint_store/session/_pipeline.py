@@ -279,17 +279,18 @@ class ReportPipeline:
         name = txn.name_checkpoint(row)
         if ranks:  # every rank moves on together, committed or not
             txn.consume_index()
-        try:
-            if plan.state and planned is None:  # several ranks: this rank's plan failed
-                assert error is not None
-                raise error
-            source = self._open_source(txn, plan, checkpoint, planned)
-        except Exception as exc:
-            if not ranks:
-                raise
-            error, source = error or exc, None
+        source: Source | None = None
         queued: _Queued | None = None
         try:
+            try:
+                if plan.state and planned is None:  # several ranks: this rank's plan failed
+                    assert error is not None
+                    raise error
+                source = self._open_source(txn, plan, checkpoint, planned)
+            except Exception as exc:
+                if not ranks:
+                    raise
+                error, source = error or exc, None
             internal = {"metrics": row, "world_size": self._world_size,
                         "run_id": self._run_id}
             if preemption is not None:
@@ -298,18 +299,20 @@ class ReportPipeline:
             flush = not self.tiered
             if plan.background:
                 txn.consume_index()
-                release = source.release if source is not None else _no_op
-                queued = _Queued(lambda: self._commit(job, abandon=True))
+                queued = _Queued(lambda: self._commit(job, abandon=True),
+                                 source.release if source is not None else _no_op)
                 self.work.submit(self.target.lane,  # type: ignore[arg-type]
-                                 queued, release, name)
+                                 queued, queued.release, name)
         except BaseException:
             # A signal's exception between the staging and the queueing: the
-            # commit is taken back unless its worker took it, and what was
-            # staged for it goes (several ranks commit together: not there).
-            if not ranks and isinstance(source, StateSource) and (
-                    queued is None or queued.take_back()):
-                source.release()
-                if source.in_place:
+            # report raised, so it acknowledged nothing. Its commit is taken
+            # back unless its worker took it (then it runs), and what was
+            # staged for it goes: a state's staging, a directory's private
+            # copy (moved files back into the reported directory). Several
+            # ranks commit together: not there.
+            if not ranks and source is not None and (queued is None or queued.take_back()):
+                source.take_back()
+                if source.state and source.in_place:
                     self.target.drop(txn.index)
             raise
         if plan.background:
@@ -422,12 +425,21 @@ class ReportPipeline:
 class _Queued:
     """A background commit its report can take back until a worker takes it
     (:meth:`take_back`): a report cut by a signal's exception just as it
-    queued the commit then removes what it staged, and no commit runs on it."""
+    queued the commit then removes what it staged, and no commit runs on it.
 
-    def __init__(self, run: Callable[[], Checkpoint | None]):
+    Args:
+        run: the commit.
+        release: the source's release, run by the worker after a commit it
+            took (:meth:`release`); a commit taken back is released by its
+            report, never by the worker as well.
+    """
+
+    def __init__(self, run: Callable[[], Checkpoint | None], release: Callable[[], None]):
         self._run = run
+        self._release = release
         self._lock = threading.Lock()
         self._taken = False
+        self._ran = False
 
     def _take(self) -> bool:
         with self._lock:
@@ -439,7 +451,15 @@ class _Queued:
         return self._take()
 
     def __call__(self) -> Checkpoint | None:
-        return self._run() if self._take() else None
+        if not self._take():
+            return None
+        self._ran = True
+        return self._run()
+
+    def release(self) -> None:
+        """The worker's cleanup: release the source of a commit it ran."""
+        if self._ran:
+            self._release()
 
 
 def _no_op() -> None:

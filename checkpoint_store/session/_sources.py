@@ -83,6 +83,11 @@ class Source:
     def release(self) -> None:
         """The commit ended (committed or not)."""
 
+    def take_back(self) -> None:
+        """The commit will not run (its report raised before it was queued, or
+        took it back): undo what opening the source did."""
+        self.release()
+
 
 class DirectorySource(Source):
     """Raises CheckpointNotFoundError when the directory is gone: refused
@@ -118,21 +123,29 @@ class StagedCopySource(Source):
     where it is (nothing the loop could delete under us)."""
 
     def __init__(self, checkpoint: Checkpoint, staging: str):
+        self._checkpoint = checkpoint
         if checkpoint.is_local:
             if os.path.isfile(os.path.join(checkpoint.path, INTERNAL_METADATA)):
                 # Refused now, not by the background commit of the staged copy.
                 refuse_chunked_source(checkpoint.filesystem, checkpoint.path)
+            # The last step: a signal's exception after it finds the source
+            # opened (the report takes it back).
             self._staged = stage(checkpoint.path, staging)
-            self._files = Checkpoint.from_directory(self._staged.path)
         else:
             self._staged = Staged(checkpoint.path, owned=False)
-            self._files = checkpoint
 
     def files(self) -> Checkpoint:
-        return self._files
+        if not self._staged.owned:
+            return self._checkpoint
+        return Checkpoint.from_directory(self._staged.path)
 
     def release(self) -> None:
         self._staged.cleanup()
+
+    def take_back(self) -> None:
+        """With ``staging="move"`` the files go back into the reported
+        directory (the report raised: the caller still owns them)."""
+        self._staged.take_back()
 
 
 class InPlaceSource(Source):

@@ -232,7 +232,16 @@ class TrialRunner:
     # -- the thread -------------------------------------------------------------------
 
     def _start_thread(self) -> None:
+        # Started under the mutex, which the new thread takes before it does
+        # anything: a signal's exception anywhere in here (Ctrl-C, inside
+        # Thread.start too) takes the attempt back, and a thread that started
+        # all the same finds its generation gone and ends. Either the thread
+        # runs, or the status says it does not and the next step() starts it.
         with self._mutex:
+            self._start_locked(self._status)
+
+    def _start_locked(self, status: str) -> None:
+        try:
             self._new_attempt()
             self._generation += 1
             self._status = _RUNNING
@@ -241,11 +250,18 @@ class TrialRunner:
                 target=self._run, args=(self._generation,),
                 name=f"cs-trial-{self.trial_name}", daemon=True,
             )
-        self._thread.start()
+            self._thread.start()
+        except BaseException:
+            self._generation += 1
+            self._status, self._thread = status, None
+            raise
 
     def _run(self, generation: int) -> None:
         from checkpoint_store.session import _api as _session_mod
 
+        with self._mutex:
+            if generation != self._generation:
+                return  # its start was taken back (or the runner reset)
         try:
             active = _session_mod.start(
                 config=self._config, _thread_only=True, **self._storage_args

@@ -62,14 +62,33 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Staged:
-    """A staged checkpoint directory: ``path`` (local), removed by :meth:`cleanup`."""
+    """A staged checkpoint directory: ``path`` (local), removed by :meth:`cleanup`;
+    ``moved_from``: the directory its files were moved out of (``"move"``)."""
 
     path: str
     owned: bool
+    moved_from: str | None = None
 
     def cleanup(self) -> None:
         if self.owned:
             shutil.rmtree(self.path, ignore_errors=True)
+
+    def take_back(self) -> None:
+        """Its upload will not run (the report that staged it raised): the
+        moved files go back where they came from, then the copy is removed.
+        A name the caller has written again meanwhile keeps the caller's
+        file, and the staged one stays in :attr:`path` (logged)."""
+        if self.moved_from is not None and self.owned:
+            try:
+                whole = _move_back(self.path, self.moved_from)
+            except OSError as exc:
+                logger.warning("moving the files of %s back: %s", self.moved_from, exc)
+                whole = False
+            if not whole:
+                logger.warning("could not move every file of %s back into %s; the rest "
+                               "stays in %s", self.moved_from, self.moved_from, self.path)
+                return
+        self.cleanup()
 
 
 def stage(src_dir: str, mode: str = "copy", *, root: str | None = None) -> Staged:
@@ -116,6 +135,7 @@ def stage(src_dir: str, mode: str = "copy", *, root: str | None = None) -> Stage
         if typed is exc:
             raise
         raise typed from exc
+    staged = Staged(dst, owned=True, moved_from=src_dir if mode == "move" else None)
     try:
         if mode == "move":
             _move_contents(src_dir, dst)
@@ -124,15 +144,15 @@ def stage(src_dir: str, mode: str = "copy", *, root: str | None = None) -> Stage
         else:
             _copy_tree(src_dir, dst, files)
     except OSError as exc:
-        shutil.rmtree(dst, ignore_errors=True)
+        staged.take_back()  # a move cut short: what was moved goes back
         typed = _typed(exc, f"stage a copy of {src_dir} into {dst}")
         if typed is exc:
             raise
         raise typed from exc
     except BaseException:
-        shutil.rmtree(dst, ignore_errors=True)
+        staged.take_back()
         raise
-    return Staged(dst, owned=True)
+    return staged
 
 
 def _typed(exc: OSError, what: str) -> BaseException:
@@ -179,6 +199,23 @@ def _move_contents(src: str, dst: str) -> None:
             os.rename(s, d)
         except OSError:
             shutil.move(s, d)
+
+
+def _move_back(src: str, dst: str) -> bool:
+    """Move the entries of ``src`` back into ``dst`` (made again if it was
+    removed), never over an entry ``dst`` has; whether every one moved."""
+    os.makedirs(dst, exist_ok=True)
+    whole = True
+    for name in os.listdir(src):
+        s, d = os.path.join(src, name), os.path.join(dst, name)
+        if os.path.lexists(d):
+            whole = False
+            continue
+        try:
+            os.rename(s, d)
+        except OSError:
+            shutil.move(s, d)
+    return whole
 
 
 # -- the background uploader --------------------------------------------------------

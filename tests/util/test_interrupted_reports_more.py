@@ -36,8 +36,9 @@ from checkpoint_store._commit.protocols import RenameCommit
 from checkpoint_store.retention.deletes import Deleter
 from checkpoint_store.session._executors import BackgroundWork
 from checkpoint_store.session._ledger import ReportLedger
+from checkpoint_store.session._pipeline import ReportPipeline
 from checkpoint_store.session._targets import DurableTarget
-from checkpoint_store.session._uploads import BackgroundUploader
+from checkpoint_store.session._uploads import BackgroundUploader, _move_contents
 from checkpoint_store.state import staging_root
 from checkpoint_store.state._stage_copy import StagingCopier
 from checkpoint_store.storage import StorageContext
@@ -72,18 +73,23 @@ def _line_of(func: Callable, text: str) -> int:
 
 
 @contextlib.contextmanager
-def _cut_at(func: Callable, text: str | None = None, after: int = 0) -> Iterator[list[bool]]:
-    """Raise ``KeyboardInterrupt`` once, at the first line event of ``func``
-    (``text``: of its line holding ``text``, or ``after`` lines below it) on
-    this thread; yields a list that holds True once the cut was made."""
+def _cut_at(func: Callable, text: str | None = None, after: int = 0,
+            nth: int = 1) -> Iterator[list[bool]]:
+    """Raise ``KeyboardInterrupt`` once, at the first (``nth``) line event of
+    ``func`` (``text``: of its line holding ``text``, or ``after`` lines
+    below it) on this thread; yields a list that holds True once the cut
+    was made."""
     code = inspect.unwrap(func).__code__
     line = None if text is None else _line_of(func, text) + after
     made: list[bool] = []
+    seen = [0]
 
     def local(frame, event, arg):
         if event == "line" and not made and (line is None or frame.f_lineno == line):
-            made.append(True)
-            raise KeyboardInterrupt
+            seen[0] += 1
+            if seen[0] == nth:
+                made.append(True)
+                raise KeyboardInterrupt
         return local
 
     def tracer(frame, event, arg):
@@ -260,6 +266,96 @@ def test_a_cut_report_leaves_no_uncommitted_directory_after_the_session(
     assert scan.foreign == []
     assert scan.committed == ["checkpoint_000000", row["checkpoint_dir_name"]]
     assert scan.uncommitted == [], f"left after the session's end: {scan.uncommitted}"
+
+
+@pytest.mark.parametrize("staging, func, text, nth", [
+    # The private copy made, the commit not yet queued.
+    pytest.param("copy", ReportPipeline._report, 'internal = {"metrics"', 1, id="copy-opened"),
+    pytest.param("move", ReportPipeline._report, 'internal = {"metrics"', 1, id="move-opened"),
+    # Queued behind a busy commit, the submit cut after the append: taken back.
+    pytest.param("copy", BackgroundUploader.submit, "self._worker.ensure()", 1,
+                 id="copy-queued"),
+    pytest.param("hardlink", BackgroundUploader.submit, "self._worker.ensure()", 1,
+                 id="hardlink-queued"),
+    pytest.param("move", BackgroundUploader.submit, "self._worker.ensure()", 1,
+                 id="move-queued"),
+    # One file of two moved into the private copy.
+    pytest.param("move", _move_contents, "os.rename(s, d)", 2, id="move-moving"),
+])
+def test_a_directory_report_cut_before_its_commit_runs_takes_it_back(
+        tmp_path, monkeypatch, staging, func, text, nth):
+    """``upload_mode="async"`` stages a private copy of the reported
+    directory (``staging``). Cut before its commit ran, it was neither taken
+    back nor released: the commit of a report that raised still ran, and
+    its copy stayed in the staging root when the commit was never queued.
+    With ``staging="move"`` the reported directory was left empty, and a
+    move cut short removed the files it had moved. Now the report takes
+    the commit back, the copy goes, and moved files go back where they
+    were."""
+    root = str(tmp_path / "runs")
+    start = {"upload_config": UploadConfig(upload_mode="async", max_pending_uploads=4),
+             "checkpoint_config": CheckpointConfig(num_to_keep=None)}
+    before = set(_in_staging_root())
+    gate = threading.Event()
+    with session.start(storage_path=root, experiment_name="e", trial_name="t", **start) as s:
+        s.report({"step": 0}, checkpoint=_directory(tmp_path, 0))
+        s.wait()
+        # The lane's worker busy: a queued commit waits behind it.
+        session_internals(s).pipeline.work.submit("durable", lambda: gate.wait(HUNG_S),
+                                                  lambda: None, "busy")
+        src = _directory(tmp_path, 1)
+        with _cut_at(func, text, nth=nth) as made:
+            with pytest.raises(KeyboardInterrupt):
+                s.report({"step": 1}, checkpoint=src, staging=staging)
+        assert made
+        gate.set()
+        s.wait()
+        # The reported directory is the caller's again, whole.
+        assert sorted(os.listdir(src.path)) == ["model.bin", "step.txt"]
+        assert (tmp_path / "src1" / "step.txt").read_text() == "1"
+        assert _names(root) == ["checkpoint_000000"], "the commit of a report that raised ran"
+        row = s.report({"step": 2}, checkpoint=_directory(tmp_path, 2), staging=staging)
+        s.wait()
+    newest = row["checkpoint_dir_name"]
+    assert _names(root) == ["checkpoint_000000", newest]
+    left = sorted(set(_in_staging_root()) - before)
+    assert left == [], f"staged copies left in {staging_root()}: {left}"
+    _resumes(root, monkeypatch, newest, **start)
+
+
+def test_a_signal_while_the_session_end_waits_still_ends_it(tmp_path, monkeypatch):
+    """A second Ctrl-C while the end of the session waits for its queued
+    commits: the end once stopped there, the ``KeyboardInterrupt`` raised
+    and nothing released. The trial's lease stayed held, renewed for as
+    long as the process lived (the next session of the trial in this
+    process was refused; a new process on this host took it over only once
+    this one exited), the session's rows were never closed and the session
+    took reports still. Now the end goes on to end the session, record how
+    it ended and release the trial, then raises the ``KeyboardInterrupt``."""
+    from checkpoint_store import CheckpointStoreError
+
+    root = str(tmp_path / "runs")
+    start = {"upload_config": UploadConfig(upload_mode="async")}
+    gate = threading.Event()
+    with pytest.raises(KeyboardInterrupt):
+        with _cut_at(BackgroundWork.drain, "up.wait()") as made:
+            with session.start(storage_path=root, experiment_name="e", trial_name="t",
+                               **start) as s:
+                s.report({"step": 0}, checkpoint=_directory(tmp_path, 0))
+                s.wait()
+                # A commit still running as the session ends.
+                session_internals(s).pipeline.work.submit(
+                    "durable", lambda: gate.wait(HUNG_S), lambda: None, "busy")
+                s.report({"step": 1})
+    assert made
+    gate.set()
+    trial = os.path.join(root, "e", "t")
+    assert "KeyboardInterrupt" in open(os.path.join(trial, "error.txt")).read()
+    with pytest.raises(CheckpointStoreError, match="ended"):
+        s.report({"step": 2})
+    returned, _, errors = _run_for(lambda: _resumes(root, monkeypatch, "checkpoint_000000",
+                                                    **start))
+    assert returned and not errors, errors
 
 
 def test_a_dedup_report_cut_before_its_commit_is_queued_leaves_no_scratch_copy(

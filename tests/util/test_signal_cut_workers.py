@@ -15,6 +15,8 @@ signal handler's exception between two bytecodes.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import threading
 import time
@@ -25,12 +27,21 @@ import pytest
 from checkpoint_store._results.writer import ResultLog
 from checkpoint_store._util.locks import OneWorker
 from checkpoint_store.integrations._lightning.queue import _OrderedQueue
+from checkpoint_store.retention import lease as _lease
 from checkpoint_store.retention.deletes import Deleter
+from checkpoint_store.retention.manager import CheckpointManager
+from checkpoint_store.session._trial_runner import TrialRunner
 from checkpoint_store.session._uploads import BackgroundUploader
+
+#: How long a wait that returns at once here may take before it counts as hung.
+HUNG_S = 5.0
 
 WATCHED = {OneWorker.ensure.__code__, threading.Thread.start.__code__,
            BackgroundUploader.submit.__code__, Deleter.kick.__code__,
-           _OrderedQueue.submit.__code__, ResultLog.append.__code__}
+           _OrderedQueue.submit.__code__, ResultLog.append.__code__,
+           CheckpointManager.__init__.__code__, _lease.Lease.acquire.__code__,
+           _lease._LeaseKeeper.add.__code__, TrialRunner._start_thread.__code__,
+           TrialRunner._start_locked.__code__}
 
 
 def _cut_at(k: int | None, act: Callable[[], None]) -> int:
@@ -209,6 +220,113 @@ def test_a_result_row_append_cut_at_any_line_keeps_its_flush_timer(tmp_path):
         log.close()
 
     _every_cut(make, lambda log: log.append({"training_iteration": 1}), check)
+
+
+def _keeper_threads(keeper: object) -> list[threading.Thread]:
+    # Alive only: a start cut before the thread exists leaves it in
+    # threading's list of threads being started, for ever.
+    return [t for t in threading.enumerate()
+            if t.is_alive() and getattr(getattr(t, "_target", None), "__self__", None) is keeper]
+
+
+@pytest.mark.parametrize("via", ["lease", "manager"])
+def test_a_lease_taken_by_a_start_cut_at_any_line_is_renewed_or_released(
+        tmp_path, monkeypatch, via):
+    """A cut inside the keeper thread's start, the lease queued for it, left
+    the lease unrenewed: it expired while its manager still ran, and another
+    process could take the trial over. A cut once the lease was written,
+    before the manager that took it was built, left it renewed for as long
+    as the process lived: the next manager of the trial was refused. Now a
+    start that raised leaves no lease, and a lease taken is renewed by one
+    keeper loop, which ends once no lease is left (each case has its own
+    keeper, so each start starts its thread)."""
+    from checkpoint_store import CheckpointConfig
+    from checkpoint_store.storage import StorageContext
+
+    made: list[object] = []
+    keepers: list[_lease._LeaseKeeper] = []
+    n = [0]
+
+    def make():
+        while made:  # the run that counted the lines
+            made.pop().close() if via == "manager" else made.pop().release()
+        keepers.append(_lease._LeaseKeeper())
+        monkeypatch.setattr(_lease, "_KEEPER", keepers[-1])
+        n[0] += 1
+        return StorageContext(str(tmp_path / "runs"), "e", f"t{n[0]}")
+
+    def act(storage):
+        if via == "manager":
+            made.append(CheckpointManager(CheckpointConfig(2), storage, lease_ttl_s=0.3))
+        else:
+            lease = _lease.Lease(storage, ttl_s=0.3)
+            lease.acquire()
+            made.append(lease)
+
+    def body(storage):
+        path = os.path.join(storage.trial_path, _lease.LEASE_FILE)
+        return json.loads(open(path).read()) if os.path.exists(path) else None
+
+    def check(storage, cut):
+        keeper = keepers[-1]
+        held = made.pop() if made else None
+        assert (held is None) == cut
+        if held is None:
+            assert body(storage) is None, "a start that raised holds the lease"
+            assert not keeper._leases
+            return
+        first = body(storage)["renewed_at"]
+        deadline = time.monotonic() + 5
+        while body(storage)["renewed_at"] == first and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert body(storage)["renewed_at"] > first, "the lease is not renewed"
+        assert len(_keeper_threads(keeper)) == 1
+        held.close() if via == "manager" else held.release()  # type: ignore[attr-defined]
+        assert body(storage) is None
+
+    _every_cut(make, act, check)
+    deadline = time.monotonic() + 5  # no lease left: each keeper's loop ends
+    while any(map(_keeper_threads, keepers)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(map(_keeper_threads, keepers))
+
+
+def test_a_trial_start_cut_at_any_line_runs_the_trial_once(tmp_path):
+    """``step()`` starts the trial's thread: a cut between marking the
+    runner running and starting its thread left a runner that every later
+    ``step()`` waited on for ever. Now either the thread runs, or the
+    runner stays as it was and the next ``step()`` starts it; ``train_fn``
+    runs once either way."""
+    n = [0]
+
+    def make():
+        calls: list[int] = []
+
+        def train(config):
+            calls.append(1)
+            for i in range(3):
+                yield {"i": i}
+
+        n[0] += 1
+        runner = TrialRunner(train, {}, storage_path=str(tmp_path / "runs"),
+                             experiment_name="e", trial_name=f"t{n[0]}")
+        runner.calls = calls
+        return runner
+
+    def check(runner, cut):
+        assert runner.status in ("idle", "running")
+        if not cut:
+            assert runner.status == "running"
+        # The cut step took no result: the next one takes the first.
+        got = [runner.step(timeout=HUNG_S)["i"] for _ in range(2)]
+        assert got == ([0, 1] if cut else [1, 2])
+        assert runner.calls == [1], "train_fn ran twice"
+        assert runner.stop() and runner.status == "stopped"
+
+    def act(runner):
+        runner.step()
+
+    _every_cut(make, act, check)
 
 
 @pytest.mark.parametrize("starts", [1, 3])
