@@ -15,6 +15,7 @@ other tools leave on object stores into the directories they stand for.
 from __future__ import annotations
 
 import datetime
+import io
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from glob import has_magic
@@ -190,6 +191,11 @@ class LiteralFSSpecHandler(pafs.FSSpecHandler):
     * Independent readers. fsspec's memory filesystem hands every reader of
       a path the same file object, so concurrent readers moved each other's
       position; each reader here gets its own immutable buffer.
+    * Whole writes. fsspec's memory filesystem publishes a file as its
+      writer opens it, so a reader saw it empty or half written (a rank
+      reading another's marker mid-write got a ``JSONDecodeError``); here a
+      written file appears, or replaces the old one, when its writer closes
+      it, as one object store PUT does.
     * One-level listings. pyarrow lists a directory with
       ``fs.find(path, maxdepth=1)``; some fsspec filesystems (adlfs) ignore
       ``maxdepth`` and walk the whole subtree. A delimiter listing (``fs.ls``)
@@ -372,6 +378,13 @@ class LiteralFSSpecHandler(pafs.FSSpecHandler):
             return pa.BufferReader(self.fs.cat_file(path))
         return None
 
+    def open_output_stream(self, path: str, metadata: Any) -> Any:
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        if isinstance(self.fs, MemoryFileSystem):
+            return pa.PythonFile(_PublishOnClose(self.fs, path), mode="w")
+        return super().open_output_stream(path, metadata)
+
     def open_input_stream(self, path: str) -> Any:
         view = self._own_view(path)
         return view if view is not None else super().open_input_stream(path)
@@ -379,6 +392,22 @@ class LiteralFSSpecHandler(pafs.FSSpecHandler):
     def open_input_file(self, path: str) -> Any:
         view = self._own_view(path)
         return view if view is not None else super().open_input_file(path)
+
+
+class _PublishOnClose(io.BytesIO):
+    """A memory filesystem file written here and stored whole by ``close``
+    (``pipe_file``: one assignment into the store); a writer that never
+    closes publishes nothing."""
+
+    def __init__(self, fs: Any, path: str):
+        super().__init__()
+        self._fs, self._path = fs, path
+
+    def close(self) -> None:
+        if not self.closed:
+            data = self.getvalue()
+            super().close()
+            self._fs.pipe_file(self._path, data)
 
 
 def _modified(info: Mapping[str, Any]) -> datetime.datetime | None:

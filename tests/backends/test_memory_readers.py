@@ -10,6 +10,7 @@ import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import pyarrow.fs as pafs
 import pytest
 
 from checkpoint_store import Checkpoint, StorageContext
@@ -51,3 +52,86 @@ def test_four_threads_read_the_internal_metadata(committed):
     assert len(seen) == 200
     assert all(m["index"] == 0 and m["metrics"] == {"loss": 0.5} for m in seen)
     assert all(m == seen[0] for m in seen)
+
+
+# -- a file being written is not read (whole writes) ----------------------------------------
+# fsspec's memory filesystem stores a file as its writer opens it, so a reader
+# saw it empty or half written: a rank reading another rank's marker while it
+# was written got a JSONDecodeError (tests/session/test_multirank.py under
+# load). Here a file appears, or replaces the old one, when its writer closes
+# it, as one object store PUT does.
+
+
+def _memory_forms() -> list:
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from checkpoint_store.backends.handlers import wrap_filesystem
+
+    uri = StorageContext(f"memory://whole-{uuid.uuid4().hex[:8]}/r", "e", "t")
+    return [pytest.param(lambda: (uri.filesystem, uri.trial_path), id="uri"),
+            pytest.param(lambda: (wrap_filesystem(MemoryFileSystem()),
+                                  f"/whole-{uuid.uuid4().hex[:8]}/t"), id="fsspec-object")]
+
+
+@pytest.mark.parametrize("form", _memory_forms())
+def test_a_file_being_written_is_not_there_until_its_writer_closes_it(form):
+    fs, root = form()
+    path = f"{root}/.rank_1.json"
+    out = fs.open_output_stream(path)
+    out.write(b'{"rank": 1, "files": [')
+    with pytest.raises(FileNotFoundError):
+        fs.open_input_stream(path).read()
+    out.write(b'"a.bin"]}')
+    out.close()
+    with fs.open_input_stream(path) as f:
+        assert f.read() == b'{"rank": 1, "files": ["a.bin"]}'
+
+
+@pytest.mark.parametrize("form", _memory_forms())
+def test_a_file_being_rewritten_reads_as_its_old_bytes_until_closed(form):
+    fs, root = form()
+    path = f"{root}/state.json"
+    with fs.open_output_stream(path) as out:
+        out.write(b'{"v": 1}')
+    out = fs.open_output_stream(path)
+    out.write(b'{"v": ')
+    with fs.open_input_stream(path) as f:
+        assert f.read() == b'{"v": 1}'
+    out.write(b"2}")
+    out.close()
+    with fs.open_input_stream(path) as f:
+        assert f.read() == b'{"v": 2}'
+    assert [i.path for i in fs.get_file_info(pafs.FileSelector(root))] == [path]
+
+
+def test_a_reader_beside_a_writer_sees_whole_json_only():
+    """``write_bytes`` (markers, rank files, leases, retention state) against
+    a reader in a loop: every read parses, and is one of the versions."""
+    import json
+
+    from checkpoint_store._util.fs import write_bytes
+    from checkpoint_store.backends.base import MEMORY_CAPABILITIES
+
+    ctx = StorageContext(f"memory://whole-{uuid.uuid4().hex[:8]}/r", "e", "t")
+    fs, path = ctx.filesystem, f"{ctx.trial_path}/.marker.json"
+    versions = [json.dumps({"v": i, "pad": "x" * 65536}).encode() for i in range(300)]
+    write_bytes(fs, path, versions[0], MEMORY_CAPABILITIES)
+    done = threading.Event()
+    bad: list[bytes] = []
+
+    def read() -> None:
+        while not done.is_set():
+            with fs.open_input_stream(path) as f:
+                data = f.read()
+            if data not in versions:
+                bad.append(data[:40])
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        for v in versions[1:]:
+            write_bytes(fs, path, v, MEMORY_CAPABILITIES)
+    finally:
+        done.set()
+        t.join()
+    assert not bad, f"{len(bad)} reads were not a whole version: {bad[:3]}"
