@@ -35,6 +35,9 @@ from checkpoint_store.session._uploads import BackgroundUploader
 
 #: How long a wait that returns at once here may take before it counts as hung.
 HUNG_S = 5.0
+#: The same for a trial's step, which starts a session on its first call
+#: (a lease, the retention state, the results), on a box under load.
+STEP_S = 30.0
 
 WATCHED = {OneWorker.ensure.__code__, threading.Thread.start.__code__,
            BackgroundUploader.submit.__code__, Deleter.kick.__code__,
@@ -318,7 +321,7 @@ def test_a_trial_start_cut_at_any_line_runs_the_trial_once(tmp_path):
         if not cut:
             assert runner.status == "running"
         # The cut step took no result: the next one takes the first.
-        got = [runner.step(timeout=HUNG_S)["i"] for _ in range(2)]
+        got = [runner.step(timeout=STEP_S)["i"] for _ in range(2)]
         assert got == ([0, 1] if cut else [1, 2])
         assert runner.calls == [1], "train_fn ran twice"
         assert runner.stop() and runner.status == "stopped"
