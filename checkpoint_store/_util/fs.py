@@ -380,8 +380,17 @@ def write_bytes(
     def _put() -> None:
         # One PUT, not a multipart upload of three requests, through a
         # pyarrow S3FileSystem the user passed in (see writer_of).
-        with writer_of(fs).open_output_stream(path) as out:
+        out = writer_of(fs).open_output_stream(path)
+        try:
             out.write(data)
+        except BaseException:
+            # Not closed, as a ``with`` block would: a store that publishes
+            # a write as its writer closes (the memory backend) then keeps
+            # the old bytes where a signal's exception cut the write, not
+            # an empty or half file. Dropped here, so that it goes now.
+            del out
+            raise
+        out.close()
 
     _retry.call(_put, policy=retry, store=fs, what=f"write {path}")
 
