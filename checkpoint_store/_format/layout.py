@@ -45,6 +45,7 @@ __all__ = [
     "RESULT_SEGMENTS_DIR",
     "SHARED_STAGING_NAME",
     "SHARED_STAGING_PREFIX",
+    "KEPT_STAGED_PREFIX",
     "STAGED_COPY_PREFIX",
     "STAGING_ROOT_NAME",
     "STATE_STAGING_PREFIX",
@@ -672,6 +673,9 @@ STATE_STAGING_PREFIX = "state-"
 LIGHTNING_STAGING_PREFIX = "lightning-"
 #: A checkpoint downloaded into a new temporary directory, in the staging root.
 DOWNLOAD_PREFIX = "download-"
+#: A staged copy (``staging="move"``) whose files could not all go back into
+#: the reported directory, renamed so: no sweep of the staging root removes it.
+KEPT_STAGED_PREFIX = "kept-"
 _SCRATCH_KINDS = (STAGED_COPY_PREFIX, STATE_STAGING_PREFIX, LIGHTNING_STAGING_PREFIX,
                   DOWNLOAD_PREFIX)
 

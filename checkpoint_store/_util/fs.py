@@ -386,8 +386,17 @@ def write_bytes(
     def _put(where: str) -> None:
         # One PUT, not a multipart upload of three requests, through a
         # pyarrow S3FileSystem the user passed in (see writer_of).
-        with writer_of(fs).open_output_stream(where) as out:
+        out = writer_of(fs).open_output_stream(where)
+        try:
             out.write(data)
+        except BaseException:
+            # Not closed, as a ``with`` block would: a store that publishes
+            # a write as its writer closes (the memory backend) then keeps
+            # the old bytes where a signal's exception cut the write, not
+            # an empty or half file. Dropped here, so that it goes now.
+            del out
+            raise
+        out.close()
 
     if caps.whole_writes:
         _retry.call(lambda: _put(path), policy=retry, store=fs, what=f"write {path}")

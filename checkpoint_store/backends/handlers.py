@@ -397,7 +397,8 @@ class LiteralFSSpecHandler(pafs.FSSpecHandler):
 class _PublishOnClose(io.BytesIO):
     """A memory filesystem file written here and stored whole by ``close``
     (``pipe_file``: one assignment into the store); a writer that never
-    closes publishes nothing."""
+    closes publishes nothing, also once it is garbage collected (``IOBase``
+    closes an object it collects: that would store a half file)."""
 
     def __init__(self, fs: Any, path: str):
         super().__init__()
@@ -408,6 +409,10 @@ class _PublishOnClose(io.BytesIO):
             data = self.getvalue()
             super().close()
             self._fs.pipe_file(self._path, data)
+
+    def __del__(self) -> None:
+        if not self.closed:
+            super().close()  # dropped unclosed: nothing is stored
 
 
 def _modified(info: Mapping[str, Any]) -> datetime.datetime | None:

@@ -56,9 +56,10 @@ def _end(ledger: ReportLedger, record: Callable[[BaseException | None], None] | 
     """Refuse later reports, write the last rows (and ``result.json``) under the
     lease, record ``cause``, then ``finish``, whatever happens; returns the
     rows' failure, not raised."""
-    ledger.end()
     results_error: Exception | None = None
     try:
+        # Inside the try: a signal's exception here still releases the lease.
+        ledger.end()
         try:
             ledger.close_rows()
         except Exception as exc:

@@ -77,7 +77,9 @@ class Staged:
         """Its upload will not run (the report that staged it raised): the
         moved files go back where they came from, then the copy is removed.
         A name the caller has written again meanwhile keeps the caller's
-        file, and the staged one stays in :attr:`path` (logged)."""
+        file; what cannot go back stays in a directory renamed
+        ``kept-<name>`` beside :attr:`path` (logged), which no sweep of the
+        staging root removes: it may hold the only copy of a user's file."""
         if self.moved_from is not None and self.owned:
             try:
                 whole = _move_back(self.path, self.moved_from)
@@ -85,10 +87,24 @@ class Staged:
                 logger.warning("moving the files of %s back: %s", self.moved_from, exc)
                 whole = False
             if not whole:
+                self._keep()
                 logger.warning("could not move every file of %s back into %s; the rest "
                                "stays in %s", self.moved_from, self.moved_from, self.path)
                 return
         self.cleanup()
+
+    def _keep(self) -> None:
+        """Out of the sweep's reach: renamed ``kept-<name>``, no longer ours."""
+        from checkpoint_store._format.layout import KEPT_STAGED_PREFIX
+
+        kept = os.path.join(os.path.dirname(self.path),
+                            KEPT_STAGED_PREFIX + os.path.basename(self.path))
+        try:
+            os.rename(self.path, kept)
+        except OSError as exc:
+            logger.warning("could not rename %s to %s: %s", self.path, kept, exc)
+            return
+        self.path, self.owned = kept, False
 
 
 def stage(src_dir: str, mode: str = "copy", *, root: str | None = None) -> Staged:

@@ -135,3 +135,57 @@ def test_a_reader_beside_a_writer_sees_whole_json_only():
         done.set()
         t.join()
     assert not bad, f"{len(bad)} reads were not a whole version: {bad[:3]}"
+
+
+def test_a_rewrite_cut_before_its_bytes_keeps_the_old_ones():
+    """A signal's exception between ``write_bytes`` opening its writer and
+    writing (a lease renewal, a marker, the retention state): the ``with``
+    block closed the writer on its way out, and the store then held an empty
+    file where the old bytes were; readers got a JSONDecodeError. As an
+    object store's PUT cut before its body: the old bytes stay."""
+    import sys
+
+    from checkpoint_store._util import fs as _fs
+    from checkpoint_store.backends.base import MEMORY_CAPABILITIES
+
+    ctx = StorageContext(f"memory://whole-{uuid.uuid4().hex[:8]}/r", "e", "t")
+    fs, path = ctx.filesystem, f"{ctx.trial_path}/lease.json"
+    _fs.write_bytes(fs, path, b'{"v": 1}', MEMORY_CAPABILITIES)
+
+    def local(frame, event, arg):
+        # The line that writes the bytes, as the interpreter runs a signal
+        # handler's exception there: before the write.
+        if event == "line" and "out.write(data)" in _source_line(frame):
+            raise KeyboardInterrupt
+        return local
+
+    def tracer(frame, event, arg):
+        code = frame.f_code
+        return local if code.co_filename == _fs.__file__ and code.co_name == "_put" else None
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _fs.write_bytes(fs, path, b'{"v": 2}', MEMORY_CAPABILITIES, retry=None)
+    finally:
+        sys.settrace(None)
+    with fs.open_input_stream(path) as f:
+        assert f.read() == b'{"v": 1}'
+
+
+def _source_line(frame) -> str:
+    import linecache
+
+    return linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
+
+def test_a_writer_never_closed_publishes_nothing():
+    import gc
+
+    ctx = StorageContext(f"memory://whole-{uuid.uuid4().hex[:8]}/r", "e", "t")
+    fs, path = ctx.filesystem, f"{ctx.trial_path}/dropped.bin"
+    out = fs.open_output_stream(path)
+    out.write(b"half")
+    del out
+    gc.collect()
+    assert fs.get_file_info(path).type == pafs.FileType.NotFound

@@ -93,6 +93,7 @@ LAYOUT_BYTES = {
     "SHARED_STAGING_NAME": "checkpoint-store-staging",
     "SHARED_STAGING_PREFIX": "checkpoint-store-staging-",
     "STAGED_COPY_PREFIX": "stage-",
+    "KEPT_STAGED_PREFIX": "kept-",
     "STAGING_ROOT_NAME": "checkpoint_store_staging",
     "STATE_STAGING_PREFIX": "state-",
     "STOPPED_FILE": "stopped.json",

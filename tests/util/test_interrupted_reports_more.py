@@ -649,3 +649,41 @@ def test_a_signal_as_a_report_takes_its_lock_caught_and_dropped_lets_the_next_re
     newest = rows[-1]["checkpoint_dir_name"]
     assert _names(root) == ["checkpoint_000000", newest]
     _resumes(root, monkeypatch, newest)
+
+
+def test_a_third_signal_as_the_end_begins_still_releases_the_trial(tmp_path, monkeypatch):
+    """A second Ctrl-C cuts the end's wait for its uploads, a third lands
+    as the end then refuses later reports (``ledger.end()``, the first line
+    of ``_end``): that line stood before the ``try`` whose ``finally``
+    releases the lease, so the trial stayed held by this process and the
+    next session of it was refused. Now the release runs however ``_end``
+    is cut. (A trace function that raises is unset, so the third signal is
+    raised by ``ReportLedger.end`` as it is entered.)"""
+    root = str(tmp_path / "runs")
+    start = {"upload_config": UploadConfig(upload_mode="async")}
+    third: list[bool] = []
+    end = ReportLedger.end
+
+    def cut_end(self) -> None:
+        if not third:
+            third.append(True)
+            raise KeyboardInterrupt
+        end(self)
+
+    gate = threading.Event()
+    with pytest.raises(KeyboardInterrupt):
+        with _cut_at(BackgroundWork.drain, "up.wait()") as made:
+            with session.start(storage_path=root, experiment_name="e", trial_name="t",
+                               **start) as s:
+                s.report({"step": 0}, checkpoint=_directory(tmp_path, 0))
+                s.wait()
+                session_internals(s).pipeline.work.submit(
+                    "durable", lambda: gate.wait(HUNG_S), lambda: None, "busy")
+                monkeypatch.setattr(ReportLedger, "end", cut_end)
+                s.report({"step": 1})
+    gate.set()
+    assert made and third
+    monkeypatch.setattr(ReportLedger, "end", end)
+    returned, _, errors = _run_for(lambda: _resumes(root, monkeypatch, "checkpoint_000000",
+                                                    **start), timeout=30)
+    assert returned and not errors, errors
