@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -323,6 +324,30 @@ def test_a_directory_report_cut_before_its_commit_runs_takes_it_back(
     _resumes(root, monkeypatch, newest, **start)
 
 
+def _end_cut_while_it_waits(tmp_path, root: str, start: dict,
+                            then: Callable[[], None] = lambda: None) -> tuple[Any, list[bool]]:
+    """A session with one committed checkpoint and a commit still running
+    as it ends, whose end is cut (``KeyboardInterrupt``) as it waits for that
+    commit; ``then`` runs just before the last report. Returns the session
+    and whether the cut was made; the running commit is let go."""
+    gate = threading.Event()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with _cut_at(BackgroundWork.drain, "up.wait()") as made:
+                with session.start(storage_path=root, experiment_name="e", trial_name="t",
+                                   **start) as s:
+                    s.report({"step": 0}, checkpoint=_directory(tmp_path, 0))
+                    s.wait()
+                    # A commit still running as the session ends.
+                    session_internals(s).pipeline.work.submit(
+                        "durable", lambda: gate.wait(HUNG_S), lambda: None, "busy")
+                    then()
+                    s.report({"step": 1})
+    finally:
+        gate.set()
+    return s, made
+
+
 def test_a_signal_while_the_session_end_waits_still_ends_it(tmp_path, monkeypatch):
     """A second Ctrl-C while the end of the session waits for its queued
     commits: the end once stopped there, the ``KeyboardInterrupt`` raised
@@ -336,19 +361,8 @@ def test_a_signal_while_the_session_end_waits_still_ends_it(tmp_path, monkeypatc
 
     root = str(tmp_path / "runs")
     start = {"upload_config": UploadConfig(upload_mode="async")}
-    gate = threading.Event()
-    with pytest.raises(KeyboardInterrupt):
-        with _cut_at(BackgroundWork.drain, "up.wait()") as made:
-            with session.start(storage_path=root, experiment_name="e", trial_name="t",
-                               **start) as s:
-                s.report({"step": 0}, checkpoint=_directory(tmp_path, 0))
-                s.wait()
-                # A commit still running as the session ends.
-                session_internals(s).pipeline.work.submit(
-                    "durable", lambda: gate.wait(HUNG_S), lambda: None, "busy")
-                s.report({"step": 1})
+    s, made = _end_cut_while_it_waits(tmp_path, root, start)
     assert made
-    gate.set()
     trial = os.path.join(root, "e", "t")
     assert "KeyboardInterrupt" in open(os.path.join(trial, "error.txt")).read()
     with pytest.raises(CheckpointStoreError, match="ended"):
@@ -670,18 +684,8 @@ def test_a_third_signal_as_the_end_begins_still_releases_the_trial(tmp_path, mon
             raise KeyboardInterrupt
         end(self)
 
-    gate = threading.Event()
-    with pytest.raises(KeyboardInterrupt):
-        with _cut_at(BackgroundWork.drain, "up.wait()") as made:
-            with session.start(storage_path=root, experiment_name="e", trial_name="t",
-                               **start) as s:
-                s.report({"step": 0}, checkpoint=_directory(tmp_path, 0))
-                s.wait()
-                session_internals(s).pipeline.work.submit(
-                    "durable", lambda: gate.wait(HUNG_S), lambda: None, "busy")
-                monkeypatch.setattr(ReportLedger, "end", cut_end)
-                s.report({"step": 1})
-    gate.set()
+    _, made = _end_cut_while_it_waits(
+        tmp_path, root, start, then=lambda: monkeypatch.setattr(ReportLedger, "end", cut_end))
     assert made and third
     monkeypatch.setattr(ReportLedger, "end", end)
     returned, _, errors = _run_for(lambda: _resumes(root, monkeypatch, "checkpoint_000000",
