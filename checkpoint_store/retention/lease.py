@@ -11,6 +11,7 @@ under the lease's own lock.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import posixpath
@@ -359,10 +360,13 @@ class _LeaseKeeper:
     def __init__(self) -> None:
         self._mutex, self._cv = condition()  # enter _mutex, not the condition
         self._leases: set[Lease] = set()
+        #: Leases removed while the mutex was held elsewhere (see :meth:`remove`).
+        self._removed: collections.deque[Lease] = collections.deque()
         self._worker = OneWorker(self._run, "cs-lease-keeper", daemon=True)
 
     def add(self, lease: Lease) -> None:
         with self._mutex:
+            self._forget_removed()
             lease.next_renewal = time.monotonic() + lease.interval
             self._leases.add(lease)
             # Also after a fork: the child has no keeper thread.
@@ -370,9 +374,25 @@ class _LeaseKeeper:
             self._cv.notify()
 
     def remove(self, lease: Lease) -> None:
-        with self._mutex:
-            self._leases.discard(lease)
-            self._cv.notify()
+        """Stop renewing ``lease``; never waits for the keeper's mutex.
+
+        It also runs from the finalizer of a manager collected unclosed,
+        which the cycle collector runs at any allocation on any thread: also
+        on the keeper thread that :meth:`add` is starting, under the mutex,
+        waiting for that thread to begin. Waiting for the mutex there hung
+        both for ever. When the mutex is busy the lease is queued, and
+        dropped by the next holder (a released lease is never renewed)."""
+        self._removed.append(lease)
+        if self._mutex.acquire(blocking=False):
+            try:
+                self._forget_removed()
+                self._cv.notify()
+            finally:
+                self._mutex.release()
+
+    def _forget_removed(self) -> None:
+        while self._removed:
+            self._leases.discard(self._removed.popleft())
 
     def _run(self) -> None:
         with self._mutex:
@@ -380,6 +400,7 @@ class _LeaseKeeper:
                 return
         while True:
             with self._mutex:
+                self._forget_removed()
                 if not self._leases:
                     self._worker.release()
                     return

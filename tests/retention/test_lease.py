@@ -300,3 +300,47 @@ def test_a_collected_manager_whose_storage_died_raises_nothing_into_the_collecto
     fs.handler.crashed = False
     # Nothing was released: the crashed process's lease is left to expire.
     assert _lease(storage) is not None
+
+
+def test_a_lease_removed_while_the_keeper_is_busy_never_waits(tmp_path):
+    """The finalizer of a manager collected unclosed removes its lease from
+    the keeper. The cycle collector ran it on the keeper thread that add()
+    was starting under the keeper's mutex, waiting for that thread to
+    begin: remove() waited for the mutex, and both waited for ever (a whole
+    test run hung in a session start). remove() now returns at once, and
+    the lease is dropped by the mutex's next holder."""
+    from checkpoint_store.retention import lease as _lease
+
+    keeper = _lease._LeaseKeeper()
+    storage = StorageContext(str(tmp_path / "runs"), "e", "t")
+    lease = _lease.Lease(storage, ttl_s=30.0)
+    held, go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with keeper._mutex:
+            keeper._leases.add(lease)
+            held.set()
+            go.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(30)
+    remover = threading.Thread(target=keeper.remove, args=(lease,))
+    remover.start()
+    remover.join(10)
+    returned = not remover.is_alive()
+    go.set()
+    holder.join(30)
+    remover.join(30)
+    assert returned, "remove() waited for the keeper's mutex"
+    other = _lease.Lease(StorageContext(str(tmp_path / "runs"), "e", "t2"), ttl_s=30.0)
+    keeper.add(other)  # the next holder drops what was removed meanwhile
+    try:
+        assert keeper._leases == {other}
+    finally:
+        keeper.remove(other)
+    deadline = time.monotonic() + 30  # no lease left: the keeper's loop ends
+    while keeper._worker.last is not None and keeper._worker.last.is_alive() \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not keeper._worker.last.is_alive()
