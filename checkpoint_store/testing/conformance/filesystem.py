@@ -6,7 +6,6 @@ from many threads at once."""
 from __future__ import annotations
 
 import posixpath
-import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -146,38 +145,6 @@ class FilesystemTests(BackendFixtures):
             d = posixpath.join(root, "cap", "empty-dir")
             fs.create_dir(d, recursive=True)
             assert _fsutil.is_dir(fs, d)
-
-    def test_small_files_are_read_whole(self, backend: Backend, root: str) -> None:
-        """``write_bytes`` (markers, rank files, leases, the retention state)
-        against a reader in a loop: every read is one whole version, never an
-        empty or half file (``Capabilities.whole_writes``: a store whose
-        stream shows a file before its close must declare False)."""
-        fs, caps = backend.filesystem, backend.capabilities
-        w = posixpath.join(root, "whole", "w.json")
-        versions = [b'{"v": %d, "pad": "%s"}' % (i, b"x" * 65536) for i in range(12)]
-        _fsutil.write_bytes(fs, w, versions[0], caps)
-        stop = threading.Event()
-        bad: list[bytes] = []
-
-        def read() -> None:
-            while not stop.is_set():
-                try:
-                    got = _fsutil.read_bytes(fs, w)
-                except FileNotFoundError:
-                    continue  # a rename that refuses a target: absent a moment
-                if got not in versions:
-                    bad.append(got[:24])
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        try:
-            for v in versions[1:]:
-                _fsutil.write_bytes(fs, w, v, caps)
-        finally:
-            stop.set()
-            reader.join()
-        assert not bad, f"{len(bad)} read(s) saw a file being written: {bad[:3]}"
-        assert _fsutil.read_bytes(fs, w) == versions[-1]
 
     def test_concurrent_use_from_threads(self, backend: Backend, root: str) -> None:
         """Transfers share one filesystem object across ``capabilities.concurrency``

@@ -20,8 +20,7 @@ from checkpoint_store.backends import Backend, Capabilities
 from checkpoint_store.errors import InvalidConfigError
 
 TOY_CAPABILITIES = Capabilities(
-    atomic_rename=False, directories=True, chunk_size=1024 * 1024, concurrency=2,
-    whole_writes=False,  # fsspec local files show a write before it is closed
+    atomic_rename=False, directories=True, chunk_size=1024 * 1024, concurrency=2
 )
 
 
