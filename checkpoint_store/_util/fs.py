@@ -28,7 +28,7 @@ from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.liveness import writer_tag
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Capabilities
-from checkpoint_store.backends.clients import _client_of, keeps_names, whole_writer_of, writer_of
+from checkpoint_store.backends.clients import writer_of
 from checkpoint_store.backends.handlers import (
     folder_blobs_as_directories,
     placeholders_as_directories,
@@ -72,22 +72,9 @@ def is_file(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None)
 
 
 def read_bytes(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = None) -> bytes:
-    """The whole file, of one version. Where an fsspec client serves the
-    store (the filesystem's own, or the one beside pyarrow's S3 or Azure
-    client: :func:`~checkpoint_store.backends.clients._client_of`) it is
-    read in one GET (``cat_file``): pyarrow's streams and fsspec's files ask
-    for the size first and then read ranges, and a file rewritten between
-    the two was read as the first bytes of the new version (cut where the
-    old one ended). A file replaced while read is read again
-    (:mod:`~checkpoint_store._util.retry`). Raises FileNotFoundError (not
-    retried) when it is absent."""
-    client = _client_of(fs)
-    if client is not None and not keeps_names(client, [path]):
-        client = None
+    """The whole file. Raises FileNotFoundError (not retried) when it is absent."""
 
     def _read() -> bytes:
-        if client is not None:
-            return bytes(client.cat_file(path))
         with fs.open_input_stream(path) as f:
             return f.read()
 
@@ -360,10 +347,7 @@ def write_bytes(
     name, so listings and manifests ignore it), fsynced, renamed over
     ``path``, then the directory fsynced. On object stores (and wherever
     :attr:`~checkpoint_store.backends.base.Capabilities.whole_writes`) a
-    single PUT already is atomic; it is retried on transient errors. pyarrow's
-    Azure client creates a blob empty as its stream opens, so there the adlfs
-    client beside it puts the file in one request where it can
-    (:func:`~checkpoint_store.backends.clients.whole_writer_of`). On other
+    single PUT already is atomic; it is retried on transient errors. On other
     stores with directories (sftp, smb, hdfs, webdav, an fsspec filesystem
     over a local disk), where a reader can see a file being written, the
     same temporary sibling is written, then moved over ``path``; a store
@@ -399,12 +383,7 @@ def write_bytes(
             fsync_dir(os.path.dirname(osp))
         return
 
-    whole = whole_writer_of(fs)
-
     def _put(where: str) -> None:
-        if whole is not None and keeps_names(whole, [where]):
-            whole.pipe_file(where, data)  # pyarrow's Azure stream shows an empty blob
-            return
         # One PUT, not a multipart upload of three requests, through a
         # pyarrow S3FileSystem the user passed in (see writer_of).
         out = writer_of(fs).open_output_stream(where)
@@ -419,7 +398,7 @@ def write_bytes(
             raise
         out.close()
 
-    if caps.whole_writes or whole is not None:
+    if caps.whole_writes:
         _retry.call(lambda: _put(path), policy=retry, store=fs, what=f"write {path}")
         return
     tmp = posixpath.join(parent, temp_file_name(posixpath.basename(path), writer_tag(),

@@ -20,8 +20,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-__all__ = ["_client_of", "_fsspec_of", "_is_async", "_native_of", "keeps_names",
-           "whole_writer_of", "writer_of"]
+__all__ = ["_client_of", "_fsspec_of", "_is_async", "_native_of", "keeps_names", "writer_of"]
 
 
 
@@ -266,26 +265,6 @@ def _client_of(fs: pafs.FileSystem) -> Any | None:
     if fss is None:
         fss = _s3fs_twin_of(fs)
     return fss if fss is not None else _adlfs_twin_of(fs)
-
-
-def whole_writer_of(fs: pafs.FileSystem) -> Any | None:
-    """The fsspec client that puts a small file of ours whole, in one
-    request, where ``fs``'s own output stream shows it before its close;
-    else None.
-
-    pyarrow's ``AzureFileSystem`` (the Azure plugin's pyarrow engine, or one
-    passed in) creates the blob empty as an output stream opens, and a
-    rewrite empties the old blob there: a reader saw a marker, a rank file
-    or the lease empty until the writer closed it. The adlfs client beside
-    it (the plugin's, or a twin made from its account and key:
-    :func:`_client_of`) writes it with one Put Blob instead. Not made for a
-    service principal or the default credential chain: pyarrow's stream
-    then writes, as before."""
-    azure = getattr(pafs, "AzureFileSystem", None)
-    if azure is None or not isinstance(_native_of(fs), azure):
-        return None
-    fss = _client_of(fs)
-    return fss if _is_adlfs(fss) else None
 
 
 def keeps_names(fss: Any, paths: Iterable[str]) -> bool:
