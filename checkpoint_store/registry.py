@@ -444,7 +444,7 @@ def _describe(fs: pafs.FileSystem) -> dict[str, Any]:
             # A subclass of fsspec's local filesystem (the class itself becomes
             # pyarrow's LocalFileSystem): its mv moves a directory into an
             # existing one instead of failing, so no rename commit.
-            caps = Capabilities(directories=True, concurrency=4, whole_writes=False)
+            caps = Capabilities(directories=True, concurrency=4)
             return {"scheme": "file", "capabilities": caps, "name": "fsspec:local"}
         caps = _generic_capabilities(proto)
         client = type(inner).__module__.partition(".")[0]

@@ -478,8 +478,7 @@ def download_tree(
     _refuse_unsafe_manifest(checkpoint_path, manifest or ())
     local = pafs.LocalFileSystem()
     local_caps = Capabilities(directories=True, chunk_size=caps.chunk_size,
-                              concurrency=caps.concurrency, memory_budget=caps.memory_budget,
-                              whole_writes=False)
+                              concurrency=caps.concurrency, memory_budget=caps.memory_budget)
     root = os.path.abspath(local_dir)
     # Listed (and every name checked) before the target is touched.
     files = source_files(fs, checkpoint_path, include=is_checkpoint_data, confine_links=True,

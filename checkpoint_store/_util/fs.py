@@ -345,14 +345,8 @@ def write_bytes(
 
     On a local disk: a temporary sibling named ``.cs_tmp-...`` (an internal
     name, so listings and manifests ignore it), fsynced, renamed over
-    ``path``, then the directory fsynced. On object stores (and wherever
-    :attr:`~checkpoint_store.backends.base.Capabilities.whole_writes`) a
-    single PUT already is atomic; it is retried on transient errors. On other
-    stores with directories (sftp, smb, hdfs, webdav, an fsspec filesystem
-    over a local disk), where a reader can see a file being written, the
-    same temporary sibling is written, then moved over ``path``; a store
-    whose rename refuses an existing target gets ``path`` deleted first (a
-    reader then finds it absent for that moment, never half written).
+    ``path``, then the directory fsynced. On object stores a single PUT
+    already is atomic; it is retried on transient errors.
     """
     parent = posixpath.dirname(path)
     ensure_dir(fs, parent, caps, retry=retry)
@@ -383,10 +377,10 @@ def write_bytes(
             fsync_dir(os.path.dirname(osp))
         return
 
-    def _put(where: str) -> None:
+    def _put() -> None:
         # One PUT, not a multipart upload of three requests, through a
         # pyarrow S3FileSystem the user passed in (see writer_of).
-        out = writer_of(fs).open_output_stream(where)
+        out = writer_of(fs).open_output_stream(path)
         try:
             out.write(data)
         except BaseException:
@@ -398,28 +392,7 @@ def write_bytes(
             raise
         out.close()
 
-    if caps.whole_writes:
-        _retry.call(lambda: _put(path), policy=retry, store=fs, what=f"write {path}")
-        return
-    tmp = posixpath.join(parent, temp_file_name(posixpath.basename(path), writer_tag(),
-                                                uuid.uuid4().hex[:8]))
-
-    def _put_and_rename() -> None:
-        _put(tmp)
-        try:
-            fs.move(tmp, path)
-        except OSError:
-            if fs.get_file_info(path).type == pafs.FileType.NotFound:
-                raise
-            fs.delete_file(path)  # a rename that refuses an existing target
-            fs.move(tmp, path)
-
-    try:
-        _retry.call(_put_and_rename, policy=retry, store=fs, what=f"write {path}")
-    except BaseException:
-        with contextlib.suppress(Exception):
-            fs.delete_file(tmp)
-        raise
+    _retry.call(_put, policy=retry, store=fs, what=f"write {path}")
 
 
 def fsync_tree(fs: pafs.FileSystem, root: str, files: Iterable[str]) -> None:

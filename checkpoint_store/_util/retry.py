@@ -212,6 +212,12 @@ _ENDPOINT_RES = (
     re.compile(r"\('(?P<e>[0-9a-f.:]+)', (?P<p>\d+)\)", re.IGNORECASE),
 )
 _TRANSIENT_TYPE_NAMES = re.compile(r"(Timeout|Connection|Throttl|ServerDisconnected)")
+#: A file replaced while it was read: fsspec's ``FileExpired`` (s3fs, gcsfs:
+#: "The remote file ... and Etag ... no longer exists"), pyarrow's Azure
+#: client reading past the end of a blob rewritten shorter ("InvalidRange").
+#: Read again, the new version is read whole.
+_REPLACED_WHILE_READ = re.compile(
+    r"(^FileExpired:|and Etag \S+ no longer exists|\[InvalidRange\] 416)")
 #: A store held in the process (fsspec's memory filesystem) lists by copying
 #: its dict; a writer in another thread can change it mid-copy. Asked again,
 #: the listing succeeds.
@@ -238,6 +244,8 @@ def classify(exc: BaseException) -> RetryKind:
     if isinstance(exc, RuntimeError) and _CHANGED_DURING_ITERATION.search(str(exc)):
         return "transient"
     if _TRANSIENT_TYPE_NAMES.search(type(exc).__name__) or _TRANSIENT_RE.search(str(exc)):
+        return "transient"
+    if _REPLACED_WHILE_READ.search(text):
         return "transient"
     return "permanent"
 

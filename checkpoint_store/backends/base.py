@@ -100,13 +100,6 @@ class Capabilities:
             wherever they appear (s3fs takes ``?versionId=`` as an object
             version, and writes ``x?versionId=1/f`` as the object ``x``);
             a name holding one is refused the same way.
-        whole_writes: a file written through ``open_output_stream`` appears,
-            or replaces the old one, only once its writer closes it, whole
-            (an object store's PUT, the memory backend). False where a
-            reader can see it half written (local disks, sftp, smb, hdfs,
-            webdav ...): small files of ours (markers, rank files, leases)
-            are then written to a temporary sibling and renamed into place
-            (:func:`checkpoint_store._util.fs.write_bytes`).
     """
 
     atomic_rename: bool = False
@@ -120,7 +113,6 @@ class Capabilities:
     unsupported_name_characters: str = ""
     unsupported_name_hint: str = ""
     unsupported_name_parts: tuple[str, ...] = ()
-    whole_writes: bool = True
 
 
 def unstorable_character(name: str, caps: Capabilities) -> str | None:
@@ -147,7 +139,6 @@ LOCAL_CAPABILITIES = Capabilities(
     needs_fsync=True,
     server_side_copy=True,
     directories=True,
-    whole_writes=False,
     chunk_size=8 * 1024 * 1024,
     concurrency=4,
 )

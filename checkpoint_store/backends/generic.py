@@ -173,5 +173,4 @@ def _generic_capabilities(protocol: str) -> Capabilities:
         return _SERVER_COPY_CAPABILITIES
     if protocol in _OBJECT_STORE_PROTOCOLS:
         return OBJECT_STORE_CAPABILITIES
-    return Capabilities(directories=True, chunk_size=8 * 1024 * 1024, concurrency=4,
-                        whole_writes=False)
+    return Capabilities(directories=True, chunk_size=8 * 1024 * 1024, concurrency=4)

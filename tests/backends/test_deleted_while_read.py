@@ -199,3 +199,26 @@ def test_a_state_deleted_under_its_load_is_a_checkpoint_not_found(kind, keys, re
         assert kind in _KEEPS_OPEN_FILES, f"{kind}: read a deleted object"
         assert torch.equal(got["w"], tree["w"])
     assert fs.handler.injected["vanished"] == 1
+
+
+@pytest.mark.parametrize("exc", [
+    # s3fs's FileExpired (gcsfs's files raise it too): the object's ETag changed.
+    pytest.param("s3fs", id="s3fs-file-expired"),
+    pytest.param(OSError("DownloadTo from 'http://h/acct/c/x' at position 0 for 65555 bytes "
+                         "failed. ReadAt failed to read the required byte range. Azure Error: "
+                         "[InvalidRange] 416 The range specified is invalid for the current "
+                         "size of the resource."), id="pyarrow-azure-invalid-range"),
+])
+def test_a_file_replaced_while_read_is_read_again(exc):
+    """A file rewritten between a reader's open and its read (a lease renewed,
+    the retention state saved) is transient: read again, the new version is
+    read whole. Before, both were permanent: the reader failed."""
+    from checkpoint_store._util.retry import classify
+    from checkpoint_store.backends.engine_errors import as_os_error
+
+    if exc == "s3fs":
+        from s3fs.utils import FileExpired
+
+        exc = FileExpired("b/k/.cs_manager_lease.json", '"87a0194f6b43585dee80bd3ea7256fc5"')
+    assert classify(as_os_error(exc, "read b/k")) == "transient"
+    assert classify(OSError("AWS Error ACCESS_DENIED: 416 objects")) == "permanent"
