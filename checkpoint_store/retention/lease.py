@@ -254,13 +254,16 @@ class Lease:
             # Released at interpreter exit if nobody ended the session, while the
             # store's client still works (see _results._at_exit).
             _results.release_after_exit_flush(self)
-        except BaseException:
-            # Whatever raised (also a signal's exception, Ctrl-C or a SIGTERM
-            # handler's SystemExit, once the lease is written): the caller got
-            # no lease to release, and a keeper not started would let it expire
-            # while this process still counts as its live holder. Deletes the
-            # file only where it is ours.
+        except (Exception, KeyboardInterrupt, SystemExit):
+            # An error, or a signal's exception (Ctrl-C, a SIGTERM handler's
+            # SystemExit) once the lease is written: the caller got no lease
+            # to release, and a keeper not started would let it expire while
+            # this process still counts as its live holder. Deletes the file
+            # only where it is ours. The object stays as new: a refused
+            # acquire may be tried again, and that lease is then released.
+            # (A crash runs nothing more: the lease expires.)
             self.release()
+            self._released = False
             raise
 
     def renew(self) -> bool:
