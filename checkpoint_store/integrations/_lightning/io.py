@@ -230,7 +230,7 @@ class _StoreIO:
             # than when the process ends. Queued, the save runs as any other.
             # (Checked in this order: a save leaves the queue after it ran.)
             if not queue.holds(save) and not started:
-                snap.release()
+                snap.discard()
             raise
 
     def _refuse_inside_checkpoint(self, backend: Backend, fs_path: str) -> None:

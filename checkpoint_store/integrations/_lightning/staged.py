@@ -88,6 +88,18 @@ class StagedSnapshot:
             self._staged.release()
         shutil.rmtree(self._directory, ignore_errors=True)
 
+    def discard(self) -> None:
+        """Release a snapshot no save will read: once the persist process has
+        written its files (it may still be writing into the directory, and
+        would leave a file of it behind the removal), or has failed."""
+        try:
+            if self._staged is not None:
+                self._staged.write_to(record=False)
+        except Exception:  # noqa: BLE001 - nothing of it is kept either way
+            pass
+        finally:
+            self.release()
+
 
 def snapshot(checkpoint: Mapping[str, Any], stager: Any) -> StagedSnapshot:
     """Stage the tensors of ``checkpoint`` (see this module's docstring)."""
