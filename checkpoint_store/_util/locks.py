@@ -23,14 +23,23 @@ also between queueing a job and starting the thread that runs it, or inside
 started, and so does whoever waits for the job. :class:`OneWorker` starts
 the worker so that any such cut leaves either a worker or a start to be made
 again by the next :meth:`OneWorker.ensure`, never two loops at once.
+
+A job handed to a worker can be cut the same way: the submitter's call
+raises after the job was queued, or before. :class:`TakeBack` lets the
+submitter tell which under one lock: either it takes the job back (it never
+runs; the submitter frees what it staged for it) or the worker took it (it
+runs to its end, and the worker frees it).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
-__all__ = ["OneWorker", "condition"]
+__all__ = ["OneWorker", "TakeBack", "condition"]
+
+T = TypeVar("T")
 
 
 def condition() -> tuple[threading.RLock, threading.Condition]:
@@ -98,3 +107,47 @@ class OneWorker:
     def running_here(self) -> bool:
         """Whether the calling thread runs the loop."""
         return self._serving is threading.current_thread()
+
+
+class TakeBack(Generic[T]):
+    """A job a worker runs once, unless its submitter takes it back first.
+
+    A submitter whose queueing call raised (a signal's exception can land
+    before the job was queued or after) calls :meth:`take_back`: True means
+    the job will never run and the submitter frees what it staged for it;
+    False means a worker took it, and it runs as any other. Calling the job
+    on the worker takes it first, so exactly one of the two sides owns it.
+
+    Args:
+        run: the job; its value is returned by the call that runs it.
+        release: the worker's cleanup after a job it ran (:meth:`release`);
+            never run for a job taken back (its submitter frees it).
+    """
+
+    def __init__(self, run: Callable[[], T], release: Callable[[], None] | None = None):
+        self._run = run
+        self._release = release
+        self._lock = threading.Lock()
+        self._taken = False
+        self._ran = False
+
+    def _take(self) -> bool:
+        with self._lock:
+            taken, self._taken = self._taken, True
+        return not taken
+
+    def take_back(self) -> bool:
+        """True: it will not run (the caller frees what it staged)."""
+        return self._take()
+
+    def __call__(self) -> T | None:
+        """Run the job, or return None at once where it was taken back."""
+        if not self._take():
+            return None
+        self._ran = True
+        return self._run()
+
+    def release(self) -> None:
+        """The worker's cleanup: ``release`` of a job it ran, else nothing."""
+        if self._ran and self._release is not None:
+            self._release()

@@ -29,11 +29,11 @@ Every path keeps the same rules (docs/sessions.md, "What report() promises"):
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from checkpoint_store._util.locks import TakeBack
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.errors import (
     AmbiguousCommitError,
@@ -280,7 +280,7 @@ class ReportPipeline:
         if ranks:  # every rank moves on together, committed or not
             txn.consume_index()
         source: Source | None = None
-        queued: _Queued | None = None
+        queued: TakeBack[Checkpoint | None] | None = None
         try:
             try:
                 if plan.state and planned is None:  # several ranks: this rank's plan failed
@@ -299,8 +299,8 @@ class ReportPipeline:
             flush = not self.tiered
             if plan.background:
                 txn.consume_index()
-                queued = _Queued(lambda: self._commit(job, abandon=True),
-                                 source.release if source is not None else _no_op)
+                queued = TakeBack(lambda: self._commit(job, abandon=True),
+                                  source.release if source is not None else None)
                 self.work.submit(self.target.lane,  # type: ignore[arg-type]
                                  queued, queued.release, name)
         except BaseException:
@@ -420,50 +420,6 @@ class ReportPipeline:
         finally:
             self.staging = real
         return row
-
-
-class _Queued:
-    """A background commit its report can take back until a worker takes it
-    (:meth:`take_back`): a report cut by a signal's exception just as it
-    queued the commit then removes what it staged, and no commit runs on it.
-
-    Args:
-        run: the commit.
-        release: the source's release, run by the worker after a commit it
-            took (:meth:`release`); a commit taken back is released by its
-            report, never by the worker as well.
-    """
-
-    def __init__(self, run: Callable[[], Checkpoint | None], release: Callable[[], None]):
-        self._run = run
-        self._release = release
-        self._lock = threading.Lock()
-        self._taken = False
-        self._ran = False
-
-    def _take(self) -> bool:
-        with self._lock:
-            taken, self._taken = self._taken, True
-        return not taken
-
-    def take_back(self) -> bool:
-        """True: it will not run (the caller removes what it staged)."""
-        return self._take()
-
-    def __call__(self) -> Checkpoint | None:
-        if not self._take():
-            return None
-        self._ran = True
-        return self._run()
-
-    def release(self) -> None:
-        """The worker's cleanup: release the source of a commit it ran."""
-        if self._ran:
-            self._release()
-
-
-def _no_op() -> None:
-    pass
 
 
 def _refused_before_writing(error: BaseException, source: Source | None) -> bool:
