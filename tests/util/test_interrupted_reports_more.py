@@ -446,9 +446,9 @@ def _submit_lines() -> list[int]:
 @pytest.mark.parametrize("full", [False, True], ids=["room", "full"])
 def test_a_lightning_async_save_cut_at_any_line_of_its_queueing(tmp_path, full):
     """Cut at each line of the queue's ``submit`` (``full``: behind a save
-    that holds the one pending slot, so the wait's lines run too): queued
-    (the append ran), the save commits by ``teardown()``; not queued, it is
-    not saved and its snapshot is gone at once; either way the next save
+    that holds the one pending slot, so the wait's lines run too): queued or
+    not, a save whose call raised before its worker took it is not saved, as
+    a cut report is not, and its snapshot is gone at once; the next save
     commits, ``teardown()`` returns and no scratch copy is left."""
     pytest.importorskip("lightning")
     from checkpoint_store.integrations._lightning.queue import _OrderedQueue
@@ -494,8 +494,6 @@ def test_a_lightning_async_save_cut_at_any_line_of_its_queueing(tmp_path, full):
         returned, _, errors = _run_for(io.teardown, 3 * HUNG_S)  # up to three saves
         assert returned and not errors, (line, errors)
         expected = {"step=0.ckpt": "committed", "step=2.ckpt": "committed"}
-        if line > append:
-            expected["step=1.ckpt"] = "committed"
         assert _lightning_dirs(d) == expected, line
         left = sorted(set(_in_staging_root()) - before)
         assert left == [], f"line {line}: scratch copies left in {staging_root()}: {left}"
@@ -504,9 +502,10 @@ def test_a_lightning_async_save_cut_at_any_line_of_its_queueing(tmp_path, full):
 # -- no defect found -----------------------------------------------------------------------
 
 
-def test_a_lightning_async_save_cut_once_queued_is_saved_by_teardown(tmp_path):
-    """The save was queued; the cut came before its worker was started:
-    ``teardown()`` starts one, runs the save and returns."""
+def test_a_lightning_async_save_its_worker_took_before_the_cut_is_saved(tmp_path, monkeypatch):
+    """The cut lands as ``submit`` returns, after the worker began the save:
+    the save is not taken back (its snapshot is in use), it commits by
+    ``teardown()``, whole, and no scratch copy is left."""
     pytest.importorskip("lightning")
     import torch
 
@@ -514,18 +513,33 @@ def test_a_lightning_async_save_cut_once_queued_is_saved_by_teardown(tmp_path):
     from checkpoint_store.integrations.lightning import CheckpointStoreIO
 
     d = str(tmp_path / "ckpts")
+    before = set(_in_staging_root())
     io = CheckpointStoreIO(async_save=True)
     io.save_checkpoint(_lightning(0), f"{d}/step=0.ckpt")
     io.wait()
-    with _cut_at(_OrderedQueue.submit, "self._jobs.append(", after=1) as made:
-        with pytest.raises(KeyboardInterrupt):
-            io.save_checkpoint(_lightning(1), f"{d}/step=1.ckpt")
-    assert made
+    submit = _OrderedQueue.submit
+    taken: list[bool] = []
+
+    def submit_then_cut(self, kind, key, job):
+        submit(self, kind, key, job)
+        deadline = time.monotonic() + HUNG_S
+        while not job._taken and time.monotonic() < deadline:  # the worker took it
+            time.sleep(0.005)
+        taken.append(job._taken)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_OrderedQueue, "submit", submit_then_cut)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint(_lightning(1), f"{d}/step=1.ckpt")
+    monkeypatch.setattr(_OrderedQueue, "submit", submit)
+    assert taken == [True]
     returned, _, errors = _run_for(io.teardown)
     assert returned and not errors
     assert _lightning_dirs(d) == {"step=0.ckpt": "committed", "step=1.ckpt": "committed"}
     got = CheckpointStoreIO().load_checkpoint(f"{d}/step=1.ckpt")
     assert torch.equal(got["state_dict"]["w"], _lightning(1)["state_dict"]["w"])
+    left = sorted(set(_in_staging_root()) - before)
+    assert left == [], f"scratch copies left in {staging_root()}: {left}"
 
 
 def _busy_state() -> dict:

@@ -28,6 +28,7 @@ from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.ids import new_writer_id
 from checkpoint_store._util.inspect import inspect_checkpoint
+from checkpoint_store._util.locks import TakeBack
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.backends.clients import _client_of
@@ -212,24 +213,22 @@ class _StoreIO:
             sweep_staging_root()
             self._stager = Stager(self.staging_budget)
         snap = staged_snapshot(checkpoint, self._stager)
-        started = False
 
         def save() -> None:
-            nonlocal started
-            started = True
             try:
                 self._save(snap.materialize(), backend, fs_path, monitor)
             finally:
                 snap.release()
 
+        job = TakeBack(save)
         try:
-            queue.submit("save", uri, save)
+            queue.submit("save", uri, job)
         except BaseException:
-            # A signal's exception before the save was queued: nothing was
-            # acknowledged, and its snapshot (every tensor) goes now rather
-            # than when the process ends. Queued, the save runs as any other.
-            # (Checked in this order: a save leaves the queue after it ran.)
-            if not queue.holds(save) and not started:
+            # A signal's exception as the save was queued: nothing was
+            # acknowledged. Unless the worker took the save (it then runs as
+            # any other), it never runs and its snapshot (every tensor) goes
+            # now rather than when the process ends.
+            if job.take_back():
                 snap.discard()
             raise
 

@@ -55,11 +55,6 @@ class _OrderedQueue:
             self._jobs.append((kind, key, job))
             self._worker.ensure()
 
-    def holds(self, job: Callable[[], None]) -> bool:
-        """Whether ``job`` is queued or running (it leaves once it ran)."""
-        with self._mutex:
-            return any(j[2] is job for j in self._jobs)
-
     def _count(self, kind: str, field: int) -> int:
         return sum(1 for j in self._jobs if j[field] == kind)
 
