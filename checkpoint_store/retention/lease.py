@@ -112,6 +112,10 @@ class Lease:
         self.interval = max(self.ttl_s / 3.0, 0.05)
         self.next_renewal = 0.0
         self._released = False
+        #: Renewals write only while True: from a taken lease's hand-over to
+        #: the keeper until :meth:`_give_back` (a renewal already on its way
+        #: when an acquire gives the lease back writes nothing).
+        self._held = False
         self._lock = threading.Lock()
 
     def _live_other(self) -> tuple[LeaseBody, float] | None:
@@ -250,6 +254,7 @@ class Lease:
                 back = self._read()
                 if back is None or back.get("holder") != self.holder:
                     raise self._conflict(back or {}, self.ttl_s)
+            self._held = True
             _KEEPER.add(self)
             # Released at interpreter exit if nobody ended the session, while the
             # store's client still works (see _results._at_exit).
@@ -258,19 +263,38 @@ class Lease:
             # An error, or a signal's exception (Ctrl-C, a SIGTERM handler's
             # SystemExit) once the lease is written: the caller got no lease
             # to release, and a keeper not started would let it expire while
-            # this process still counts as its live holder. Deletes the file
-            # only where it is ours. The object stays as new: a refused
-            # acquire may be tried again, and that lease is then released.
-            # (A crash runs nothing more: the lease expires.)
-            self.release()
-            self._released = False
+            # this process still counts as its live holder. (A crash runs
+            # nothing more: the lease expires.)
+            self._give_back()
             raise
+
+    def _give_back(self) -> None:
+        """Undo an acquire that raised: stop renewing, forget the exit-time
+        release, and delete the file where it is ours. Never raises. Unlike
+        :meth:`release` it leaves the object as new: a refused acquire may be
+        tried again, and that lease is then released as any other."""
+        self.stop_renewing()
+        _results.forget_at_exit(self)
+        if not self._lock.acquire(timeout=RELEASE_WAIT_S):
+            logger.warning("not giving back the lease %s: a renewal of it has not returned "
+                           "for %.0fs (it will expire)", self.path, RELEASE_WAIT_S)
+            return
+        try:
+            self._held = False
+            cur = self._read()
+            if cur is not None and cur.get("holder") == self.holder:
+                _fsutil.delete_file(self._storage.filesystem, self.path)
+        except Exception as exc:
+            logger.warning("could not give back the lease %s (it will expire): %s",
+                           self.path, exc)
+        finally:
+            self._lock.release()
 
     def renew(self) -> bool:
         """Extend the lease; returns False (and marks it lost) when another holder
         took it over. I/O errors are logged and retried at the next renewal."""
         with self._lock:
-            if self.lost or self._released:
+            if self.lost or self._released or not self._held:
                 return not self.lost
             try:
                 cur = self._read()

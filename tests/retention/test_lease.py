@@ -344,3 +344,42 @@ def test_a_lease_removed_while_the_keeper_is_busy_never_waits(tmp_path):
             and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not keeper._worker.last.is_alive()
+
+
+def test_a_renewal_on_its_way_writes_nothing_once_an_acquire_gave_the_lease_back(
+        tmp_path, monkeypatch):
+    """A signal's exception cuts ``acquire`` once the keeper has the lease:
+    the acquire gives the lease back (deletes it). A renewal already on its
+    way wrote it again: the released mark was reset for the object's next
+    try before that renewal ran, so the lease stayed, unrenewed, and kept
+    the trial from the next run until it expired. It writes nothing now,
+    and the same object may still take the lease."""
+    from checkpoint_store._results import writer as _results
+    from checkpoint_store.retention.lease import Lease
+
+    storage = StorageContext(str(tmp_path / "runs"), "e", "t")
+    lease = Lease(storage, ttl_s=30.0)
+    go = threading.Event()
+    renewed: list[bool] = []
+    renewer = threading.Thread(target=lambda: (go.wait(30), renewed.append(lease.renew())))
+
+    def cut(owner) -> None:
+        renewer.start()  # the keeper's renewal, taken out of its queue
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_results, "release_after_exit_flush", cut)
+    with pytest.raises(KeyboardInterrupt):
+        lease.acquire()
+    assert _lease(storage) is None
+    go.set()
+    renewer.join(30)
+    assert renewed == [True]
+    assert _lease(storage) is None, "a renewal wrote a lease the acquire gave back"
+    monkeypatch.undo()
+    lease.acquire()
+    try:
+        assert _lease(storage)["holder"] == lease.holder
+        assert lease.renew() and _lease(storage)["holder"] == lease.holder
+    finally:
+        lease.release()
+    assert _lease(storage) is None

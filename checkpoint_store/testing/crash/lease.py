@@ -205,6 +205,7 @@ def _check_lease_after_crash(storage: Any, before: dict[str, bytes], dead_holder
         third.release()
     ghost = Lease(storage, _SWEEP_LEASE_TTL_S)
     ghost.holder = dead_holder  # the dead holder, come back
+    ghost._held = True  # it had taken the lease: its renewals write
     if ghost.check() or ghost.renew():
         problems.append("the old holder still believes it holds the lease")
     after = new._read()
