@@ -94,8 +94,11 @@ class Lease:
     with a whole trial directory names another location and is ignored.
     On local disks the check, write and read back happen under a file lock
     (:data:`LEASE_LOCK`), so two processes started at once never both take
-    it. Object stores without conditional writes make the take-over
-    best-effort: we write, read back, and refuse if another holder won.
+    it. Object stores have no such lock and pyarrow offers no conditional
+    write: there a manager writes, reads back, waits longer than its own
+    check and write took (:func:`_settle_s`), and reads again, refusing if
+    another holder's write came later (Fischer's mutual exclusion, which
+    holds while the other's check and write take no longer than that wait).
     """
 
     def __init__(self, storage: StorageContext, ttl_s: float):
@@ -247,13 +250,22 @@ class Lease:
             # same moment both saw no live lease, and each read back its own.
             with _fsutil.dir_lock(self._storage.filesystem, self._storage.trial_path,
                                   LEASE_LOCK):
+                began = time.monotonic()
                 live = self._live_other()
                 if live is not None:
                     raise self._conflict(*live)
                 self._write()
-                back = self._read()
-                if back is None or back.get("holder") != self.holder:
-                    raise self._conflict(back or {}, self.ttl_s)
+                self._read_back()
+                if not self._local:
+                    # No lock between processes here: another manager may
+                    # have found no lease as this one did and still be about
+                    # to write its own. Wait longer than that takes (this
+                    # manager's own check and write, twice, as the measure)
+                    # and read again: of two writes, only the last one's
+                    # writer still finds its lease (Fischer's mutual
+                    # exclusion with a delay).
+                    time.sleep(_settle_s(time.monotonic() - began, self.ttl_s))
+                    self._read_back()
             self._held = True
             _KEEPER.add(self)
             # Released at interpreter exit if nobody ended the session, while the
@@ -267,6 +279,13 @@ class Lease:
             # nothing more: the lease expires.)
             self._give_back()
             raise
+
+    def _read_back(self) -> None:
+        """Raise :class:`TrialInUseError` unless the lease file names this
+        holder (another manager's write came after this one's)."""
+        back = self._read()
+        if back is None or back.get("holder") != self.holder:
+            raise self._conflict(back or {}, self.ttl_s)
 
     def _give_back(self) -> None:
         """Undo an acquire that raised: stop renewing, forget the exit-time
@@ -367,6 +386,17 @@ class Lease:
             logger.warning("could not release the lease %s (it will expire): %s",
                            self.path, exc)
 
+
+def _settle_s(took_s: float, ttl_s: float) -> float:
+    """Seconds an acquire without a lock between processes waits before it
+    reads its lease again: twice what its own check and write took (another
+    manager's take the same calls), at least :data:`_SETTLE_MIN_S`, at most
+    a third of the lease's life (a renewal's interval)."""
+    return min(max(2.0 * took_s, _SETTLE_MIN_S), max(ttl_s / 3.0, _SETTLE_MIN_S))
+
+
+#: The shortest wait of :func:`_settle_s`, seconds.
+_SETTLE_MIN_S = 0.05
 
 #: Seconds the end of a session waits for a renewal of its lease in flight.
 RELEASE_WAIT_S = 30.0

@@ -383,3 +383,60 @@ def test_a_renewal_on_its_way_writes_nothing_once_an_acquire_gave_the_lease_back
     finally:
         lease.release()
     assert _lease(storage) is None
+
+
+def _race(contexts: list[StorageContext]) -> list[bool]:
+    """Each context's manager takes the lease at the same instant (a
+    barrier, one thread each); which of them got it."""
+    from checkpoint_store.errors import TrialInUseError
+    from checkpoint_store.retention.lease import Lease
+
+    leases = [Lease(ctx, ttl_s=30.0) for ctx in contexts]
+    go = threading.Barrier(len(leases))
+    won: list[bool | None] = [None] * len(leases)
+
+    def take(i: int) -> None:
+        go.wait(30)
+        try:
+            leases[i].acquire()
+            won[i] = True
+        except TrialInUseError:
+            won[i] = False
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(len(leases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for lease, w in zip(leases, won, strict=True):
+        if w:
+            lease.release()
+    assert None not in won, "an acquire neither took the lease nor was refused"
+    return [bool(w) for w in won]
+
+
+@pytest.mark.parametrize("backend_name", ["memory", "s3"])
+def test_two_managers_starting_at_once_without_a_shared_lock_one_takes_the_lease(
+        backend_name, make_storage):
+    """Two jobs started on one trial in the same instant, on a store with no
+    lock between processes and no conditional write: both found no lease,
+    both wrote theirs and each read its own back before the other's write
+    landed, so both managed the trial (until a later check). Now each
+    waits longer than such a check and write take and reads again: exactly
+    one holds it, round after round. (Each manager has its own filesystem
+    client, as a process of its own would; ``memory`` gets random latency
+    per call, so the rounds interleave differently.)"""
+    from checkpoint_store.testing.faults import faulty_backend
+
+    rounds = 12 if backend_name == "memory" else 4
+    for r in range(rounds):
+        contexts = []
+        for i in range(2):
+            ctx = make_storage(trial=f"t{r}")
+            if backend_name == "memory":
+                ctx = StorageContext.from_backend(
+                    faulty_backend(ctx.backend, seed=r * 2 + i, latency=(0.0, 0.02)),
+                    ctx.storage_path, "exp", f"t{r}", fsync=False)
+            contexts.append(ctx)
+        won = _race(contexts)
+        assert sum(won) == 1, f"round {r}: {won}"
