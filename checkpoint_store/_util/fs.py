@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from typing import Any
 
 import filelock
 import pyarrow.fs as pafs
@@ -89,9 +89,6 @@ def read_bytes(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = No
 CONTROL_READS = 5
 _CONTROL_PAUSE_S = 0.05
 
-_T = TypeVar("_T")
-
-
 class UnparsableFileError(ValueError):
     """A control file that stayed unparsable for every read of
     :func:`read_control`: cut short or empty, by a writer that died (or is
@@ -112,10 +109,10 @@ class UnparsableFileError(ValueError):
 def read_control(
     fs: pafs.FileSystem,
     path: str,
-    parse: Callable[[bytes], _T] = _json.loads,
+    parse: Callable[[bytes], Any] = _json.loads,
     *,
     retry: RetryPolicy | None = None,
-) -> _T:
+) -> Any:
     """``parse`` of the file ``path``, a small control file that other
     processes rewrite in place (a lease, a state root, user metadata).
 
