@@ -254,22 +254,21 @@ class Checkpoint:
         """
         path = posixpath.join(self.path, USER_METADATA)
         try:
-            raw = _fsutil.read_bytes(self.filesystem, path)
+            # Read again while torn: set/update_metadata rewrite it in place.
+            value = _fsutil.read_control(self.filesystem, path)
         except FileNotFoundError:
             return {}
-        except OSError:
-            if not _fsutil.exists(self.filesystem, path):
-                return {}
-            raise
-        try:
-            value = _json.loads(raw)
-        except ValueError as exc:
+        except ValueError as exc:  # it stayed unparsable
             from checkpoint_store.errors import CheckpointCorruptError
 
             raise CheckpointCorruptError(
                 f"{self.uri}/{USER_METADATA} is not valid JSON ({exc})",
                 path=self.path, file=USER_METADATA,
             ) from None
+        except OSError:
+            if not _fsutil.exists(self.filesystem, path):
+                return {}
+            raise
         return value if isinstance(value, dict) else {}
 
     def set_metadata(self, metadata: Mapping[str, Any]) -> None:

@@ -90,11 +90,14 @@ def _read_marker(fs: pafs.FileSystem, fi: pafs.FileInfo,
             _cache.move_to_end(key)
             return hit
     try:
-        body = json.loads(_fsutil.read_bytes(fs, fi.path, retry=retry))
+        # Read again while torn: a marker being written in place (fsspec
+        # directory filesystems) reads cut short, and a gc that took it for
+        # "no references" deleted the chunks of a checkpoint being committed.
+        body = _fsutil.read_control(fs, fi.path, json.loads, retry=retry)
     except FileNotFoundError:
         return None  # deleted since the listing: it references nothing now
     except ValueError:
-        return None  # not a marker that parses (a torn write of another tool)
+        return None  # a marker that stays unparsable: that commit never finished
     found = marker_chunks(fi.path, body)
     if mtime >= 0 and mtime / 1e9 < time.time() - _SETTLE_S:
         with _cache_lock:

@@ -12,8 +12,10 @@ import contextlib
 import os
 import posixpath
 import threading
+import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import filelock
 import pyarrow.fs as pafs
@@ -23,6 +25,7 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     _fcntl = None  # type: ignore[assignment]
 
+from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import temp_file_name
 from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.liveness import writer_tag
@@ -79,6 +82,66 @@ def read_bytes(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = No
             return f.read()
 
     return _retry.call(_read, policy=retry, store=fs, what=f"read {path}")
+
+
+#: Reads, in all, of a control file that does not parse, and the first pause
+#: between two of them (doubled each time: 0.05 + 0.1 + 0.2 + 0.4 s).
+CONTROL_READS = 5
+_CONTROL_PAUSE_S = 0.05
+
+class UnparsableFileError(ValueError):
+    """A control file that stayed unparsable for every read of
+    :func:`read_control`: cut short or empty, by a writer that died (or is
+    still stuck) half way, or not ours.
+
+    Attributes:
+        path: the file, as the filesystem spells it.
+        raw: the bytes of the last read.
+    """
+
+    def __init__(self, path: str, raw: bytes, cause: ValueError):
+        super().__init__(f"{path} is not readable as JSON after {CONTROL_READS} reads "
+                         f"({len(raw)} bytes; {cause})")
+        self.path = path
+        self.raw = raw
+
+
+def read_control(
+    fs: pafs.FileSystem,
+    path: str,
+    parse: Callable[[bytes], Any] = _json.loads,
+    *,
+    retry: RetryPolicy | None = None,
+) -> Any:
+    """``parse`` of the file ``path``, a small control file that other
+    processes rewrite in place (a lease, a state root, user metadata).
+
+    A store may show such a file torn while it is rewritten: S3, GCS and
+    Azure through pyarrow stat an object and then read ranges of it (the
+    new version cut at the old length); pyarrow's Azure client makes the
+    blob empty as it opens it for writing; fsspec filesystems over
+    directories (``DirFileSystem``, sftp, webdav) write in place. So a body
+    that ``parse`` refuses (``ValueError``, which ``UnicodeDecodeError`` is)
+    is read again, :data:`CONTROL_READS` times in all within about 0.75 s,
+    before it counts as unparsable. A body that parses at the first read
+    costs nothing more.
+
+    Raises:
+        FileNotFoundError: the file is absent (also when it was deleted
+            between two reads): not retried.
+        UnparsableFileError: every read was refused by ``parse``; the
+            caller decides what an unreadable file means.
+        OSError: as :func:`read_bytes`.
+    """
+    for n in range(CONTROL_READS):
+        if n:
+            time.sleep(_CONTROL_PAUSE_S * 2 ** (n - 1))
+        raw = read_bytes(fs, path, retry=retry)
+        try:
+            return parse(raw)
+        except ValueError as exc:
+            refused = exc
+    raise UnparsableFileError(path, raw, refused) from refused
 
 
 def list_dir(

@@ -199,13 +199,13 @@ def inspect_checkpoint(
     if INTERNAL_METADATA not in files:
         return Inspection("absent", None, files=files)
     try:
-        raw = _fsutil.read_bytes(fs, posixpath.join(checkpoint_path, INTERNAL_METADATA),
-                                 retry=retry)
+        # Read again while torn: a marker read while its commit writes it in
+        # place (fsspec directory filesystems) is not a damaged checkpoint.
+        meta = _fsutil.read_control(fs, posixpath.join(checkpoint_path, INTERNAL_METADATA),
+                                    retry=retry)
     except FileNotFoundError:  # deleted between the listing and the read
         return Inspection("absent", None, files=files)
-    try:
-        meta = _json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # it stayed unparsable
         return Inspection("invalid", None, f"{INTERNAL_METADATA} is not valid JSON ({exc})",
                           INTERNAL_METADATA, files)
     bad = _validate_manifest(meta)

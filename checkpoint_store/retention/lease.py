@@ -21,6 +21,8 @@ import time
 import uuid
 from typing import TypedDict, cast
 
+import pyarrow.fs as pafs
+
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import FORMAT_VERSION, LEASE_FILE, LEASE_LOCK
 from checkpoint_store._results import writer as _results
@@ -62,7 +64,10 @@ def live_lease(storage: StorageContext) -> LeaseBody | None:
     over: it is unexpired on the storage's clock, names this trial's canonical
     location (a lease copied in with the directory does not), and its holder
     is not a dead or zombie process on this host, nor a pid since reused by
-    another process. Used by tools that must not delete behind a running
+    another process. A lease file that stays unreadable (empty or cut short:
+    being rewritten, or its writer was killed) counts as live for
+    :data:`UNREADABLE_TTL_S` after its modification time; its fields are then
+    ``expires_at`` alone. Used by tools that must not delete behind a running
     job's back (the CLI's prune and gc).
 
     Raises:
@@ -75,6 +80,11 @@ def live_lease(storage: StorageContext) -> LeaseBody | None:
 #: Slack (seconds) for stores that stamp modification times to the whole
 #: second (S3): a lease renewed 0.1 s ago may carry a stamp 0.9 s older.
 _MTIME_SLACK_S = 1.0
+
+#: Seconds (at least) an unreadable lease file counts as live after its last
+#: modification when the reader has no ttl of its own (:func:`live_lease`):
+#: a manager's default ``lease_ttl_s``.
+UNREADABLE_TTL_S = 60.0
 
 
 class Lease:
@@ -123,8 +133,16 @@ class Lease:
 
     def _live_other(self) -> tuple[LeaseBody, float] | None:
         """Another holder's live lease and its seconds left, or None (see
-        :meth:`_seconds_left`)."""
-        cur = self._read()
+        :meth:`_seconds_left`). A lease file that stays unreadable counts as
+        live while it is young (see :meth:`_unreadable_left`): it is returned
+        with ``expires_at`` alone (no holder, host or pid)."""
+        try:
+            cur = self._read_body()
+        except _fsutil.UnparsableFileError:
+            left = self._unreadable_left()
+            if left is None:
+                return None
+            return {"expires_at": _clock.local_time() + left}, left
         if cur is None:
             return None
         mtime = _clock.mtime_of(_fsutil.info(self._storage.filesystem, self.path))
@@ -132,16 +150,57 @@ class Lease:
         return (cur, left) if left is not None else None
 
     def _read(self) -> LeaseBody | None:
+        """The lease's fields; None when it is absent, or unreadable however
+        often it is read again (see :meth:`_read_body`): its holder rewrites
+        it at its next renewal, a take-over first asks :meth:`_live_other`."""
         try:
-            raw = _fsutil.read_bytes(self._storage.filesystem, self.path)
-            obj = _json.loads(raw)
-        except (FileNotFoundError, ValueError, UnicodeDecodeError):
+            return self._read_body()
+        except _fsutil.UnparsableFileError as exc:
+            logger.warning("the lease %s is unreadable: %s", self.path, exc)
+            return None
+
+    def _read_body(self) -> LeaseBody | None:
+        """The lease's fields; None when it is absent or not a JSON object.
+
+        Read again while it does not parse (:func:`_fsutil.read_control`): a
+        holder renewing it in place, or an object store read across its
+        rewrite, shows it empty or cut short for a moment. Taking that for
+        "no lease" let a second job take over a live trial.
+
+        Raises:
+            UnparsableFileError: it stayed empty or cut short.
+            OSError: the store refused the read.
+        """
+        try:
+            obj = _fsutil.read_control(self._storage.filesystem, self.path)
+        except FileNotFoundError:
             return None
         except OSError:
             if not _fsutil.exists(self._storage.filesystem, self.path):
                 return None
             raise
         return cast(LeaseBody, obj) if isinstance(obj, dict) else None
+
+    def _unreadable_left(self) -> float | None:
+        """Seconds an unreadable lease file still counts as live, or None.
+
+        Its holder, ttl and expiry are unknown, so its age decides: live for
+        this manager's ttl (:data:`UNREADABLE_TTL_S` for :func:`live_lease`)
+        after its modification time, on the storage's clock; expired after
+        that, so a holder killed mid-write does not block the trial for
+        ever. A store that records no modification times cannot age it: it
+        stays live until deleted (the message says so).
+        """
+        fi = _fsutil.info(self._storage.filesystem, self.path)
+        if fi.type == pafs.FileType.NotFound:
+            return None  # deleted since: released
+        mtime = _clock.mtime_of(fi)
+        ttl = self.ttl_s if self.ttl_s > 0 else UNREADABLE_TTL_S
+        if mtime is None:
+            return ttl
+        now = self._storage_now()
+        left = mtime + ttl + _MTIME_SLACK_S - (now if now is not None else _clock.local_time())
+        return left if left > 0 else None
 
     def _write(self) -> None:
         now = _clock.local_time()
@@ -223,6 +282,10 @@ class Lease:
             return None
 
     def _conflict(self, cur: LeaseBody, left: float) -> TrialInUseError:
+        if not cur.keys() - {"expires_at"}:
+            # Nothing to name: the file did not read as a lease (empty or cut
+            # short, see _live_other), or was gone right after our own write.
+            return self._unreadable_conflict(left)
         return TrialInUseError(
             f"trial {self.trial_uri} is managed by another live checkpoint manager "
             f"(host {cur.get('host')!r}, pid {cur.get('pid')}); its lease expires in "
@@ -231,6 +294,17 @@ class Lease:
             "session ends), wait for the lease to expire if that process crashed, or open "
             "this trial with CheckpointManager(..., read_only=True) to only read it."
             + self._copy_hint(cur)
+        )
+
+    def _unreadable_conflict(self, left: float) -> TrialInUseError:
+        uri = self._storage.uri(self.path)
+        return TrialInUseError(
+            f"trial {self.trial_uri} may be managed by another live checkpoint manager: "
+            f"its lease file {uri} cannot be read as a lease (empty or cut short), as "
+            "while another job rewrites it or after one was killed writing it. It counts "
+            f"as live for {max(left, 0.0):.0f} s more (its last modification plus the "
+            "lease's ttl). Wait for that, or delete the file if no run holds this trial; "
+            "or open it with CheckpointManager(..., read_only=True) to only read it."
         )
 
     def _copy_hint(self, cur: LeaseBody) -> str:

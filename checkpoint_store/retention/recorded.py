@@ -16,7 +16,6 @@ import posixpath
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import MANAGER_STATE, STATE_KIND
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
@@ -91,17 +90,19 @@ def _recorded_root(trial: Location) -> dict[str, Any] | None:
     """
     path = posixpath.join(trial.path, MANAGER_STATE)
     try:
-        raw = _fsutil.read_bytes(trial.fs, path)
+        # Read again while torn: the trial's manager rewrites it in place.
+        root = _fsutil.read_control(trial.fs, path)
     except FileNotFoundError:
         return None
+    except ValueError as exc:  # it stayed unparsable
+        raise _unreadable_state(trial, f"{type(exc).__name__}: {exc}") from None
     except OSError:
         if not _fsutil.exists(trial.fs, path):
             return None
         raise
     try:
-        root = _json.loads(raw)
         config = root["config"]
-    except (ValueError, UnicodeDecodeError, KeyError, TypeError) as exc:
+    except (KeyError, TypeError) as exc:
         config, why = None, f"{type(exc).__name__}: {exc}"
     else:
         why = f"'config' is a {type(config).__name__}, not an object"
@@ -111,7 +112,11 @@ def _recorded_root(trial: Location) -> dict[str, Any] | None:
             config, why = None, f"its kind is {root.get('kind')!r}, not {STATE_KIND!r}"
     if isinstance(config, dict):
         return root  # type: ignore[no-any-return]
-    raise UnreadableStateError(
+    raise _unreadable_state(trial, why)
+
+
+def _unreadable_state(trial: Location, why: str) -> UnreadableStateError:
+    return UnreadableStateError(
         f"the retention state {trial.child(MANAGER_STATE).uri} is unreadable ({why}), so "
         "the metric, order and policy this trial ranks by are unknown; pass them "
         "(--metric and --mode, and --keep for prune). The trial's next session.start "

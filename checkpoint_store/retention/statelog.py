@@ -223,23 +223,32 @@ class StateLog:
     def _read_root(self) -> tuple[dict[str, Any] | None, str]:
         fs = self._storage.filesystem
         try:
-            raw = _fsutil.read_bytes(fs, self.root_path, retry=self._storage.retry)
+            obj = self._read_json(self.root_path)
         except FileNotFoundError:
             return None, "missing"
         except OSError as exc:
             if not _fsutil.exists(fs, self.root_path):
                 return None, "missing"
             return None, f"unreadable ({exc})"
-        obj = self._parse(raw, self.root_path)
         if obj is None:
             return None, "corrupt (not a JSON object)"
         obj.setdefault("seq", 0)
         return obj, ""
 
-    def _parse(self, raw: bytes, path: str) -> dict[str, Any] | None:
+    def _read_json(self, path: str) -> dict[str, Any] | None:
+        """The JSON object in ``path``; None when it is none. Read again while
+        it does not parse (:func:`_fsutil.read_control`): the root is
+        rewritten in place, and a store may show it torn meanwhile; taken
+        for corrupt, the state was rebuilt and its parts deleted.
+
+        Raises:
+            FileNotFoundError, OSError: as :func:`_fsutil.read_bytes`.
+            InvalidConfigError: a newer format than this release reads.
+        """
         try:
-            obj = _json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+            obj = _fsutil.read_control(self._storage.filesystem, path,
+                                       retry=self._storage.retry)
+        except _fsutil.UnparsableFileError:
             return None
         if not isinstance(obj, dict):
             return None
@@ -249,13 +258,12 @@ class StateLog:
     def _read_part(self, name: str, root_seq: int) -> dict[str, Any]:
         path = posixpath.join(self._dir, name)
         try:
-            raw = _fsutil.read_bytes(self._storage.filesystem, path, retry=self._storage.retry)
+            obj = self._read_json(path)
         except FileNotFoundError:
             root, _ = self._read_root()
             if root is None or root.get("seq") != root_seq:
                 raise _Vanished(name) from None
             raise _Corrupt(f"{name} is missing") from None
-        obj = self._parse(raw, path)
         if obj is None:
             raise _Corrupt(f"{name} is not a JSON object")
         return obj

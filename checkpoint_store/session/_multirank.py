@@ -630,7 +630,7 @@ class Coordinator:
         while True:
             meta_info, abort_info = fs.get_file_info([meta_path, abort_path])
             if abort_info.type == pafs.FileType.File:
-                outcome = _json.loads(_fsutil.read_bytes(fs, abort_path))
+                outcome = self._read_abort(abort_path, dir_name)
                 if self.signals is not None and isinstance(outcome, dict):
                     self.signals.adopt([outcome.get("preemption")])
                 return outcome
@@ -648,6 +648,17 @@ class Coordinator:
                 }
 
 
+    def _read_abort(self, abort_path: str, dir_name: str) -> Outcome:
+        """The outcome rank 0 published in its abort file. Read again while
+        torn (rank 0 may still be writing it in place); one that stays
+        unreadable still says rank 0 aborted."""
+        try:
+            return _fsutil.read_control(self.storage.filesystem, abort_path)  # type: ignore[no-any-return]
+        except _fsutil.UnparsableFileError as exc:
+            return {"ok": False, "kind": "aborted", "ranks": [],
+                    "error": f"rank 0 aborted {dir_name}; its abort file "
+                             f"{self.storage.uri(abort_path)} is unreadable ({exc})"}
+
     def _signal_of(self, markers: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
         """Rank 0, storage only: the preemption signal some rank's marker
         carries (this index is then every rank's preemption checkpoint)."""
@@ -663,7 +674,7 @@ class Coordinator:
         """A non-zero rank, storage only: whether rank 0 committed this index
         as a preemption checkpoint (some rank's marker said so)."""
         try:
-            meta = _json.loads(_fsutil.read_bytes(self.storage.filesystem, meta_path))
+            meta = _fsutil.read_control(self.storage.filesystem, meta_path)
         except (OSError, ValueError):
             return  # committed; a rank signalled later still stops at its own report
         if isinstance(meta, dict) and isinstance(meta.get("preemption"), dict):

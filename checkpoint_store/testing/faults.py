@@ -14,6 +14,7 @@ real storage produces::
     plan = FaultPlan(crash_after_writes=5)                   # "dies" at the 6th write
     plan = FaultPlan(crash_on_path=".internal_metadata.json")  # dies before the commit marker
     plan = FaultPlan(vanish_after_open=".condemned/")         # deleted between open and read
+    plan = FaultPlan(torn_reads=".cs_manager_lease.json")      # read while it is rewritten
 
 Across processes (Ray workers, torchrun ranks), register the URI scheme
 ``faulty+<scheme>`` by dotted path and pass the plan as storage options::
@@ -136,6 +137,15 @@ class FaultPlan:
             answer for an object gone (pyarrow's S3 client answers it three
             ways by the object's size); a local file stays readable through
             its open handle, as POSIX keeps it.
+        torn_reads: the first ``torn_read_count`` reads of each file whose
+            path contains this substring return a torn body: the file's
+            bytes cut short, as a reader sees a file rewritten in place
+            (pyarrow's S3, GCS and Azure clients read the new version cut at
+            the old length; its Azure client and fsspec filesystems over
+            directories show it empty or half written). The first torn read
+            of a file is empty, the second its first half, and so on
+            alternately. Storage itself is not changed.
+        torn_read_count: how many reads of each such file are torn (>= 0).
 
     Raises:
         ValueError: a rate outside [0, 1], an unknown kind, negative counts.
@@ -152,6 +162,8 @@ class FaultPlan:
     expire_after: int | None = None
     call_log: str | None = None
     vanish_after_open: str | None = None
+    torn_reads: str | None = None
+    torn_read_count: int = 1
 
     def __post_init__(self) -> None:
         if not 0.0 <= float(self.transient_rate) <= 1.0:
@@ -160,7 +172,7 @@ class FaultPlan:
             if kind not in _PERMANENT:
                 raise ValueError(f"permanent[{op!r}] must be one of {sorted(_PERMANENT)}, "
                                  f"got {kind!r}")
-        for name in ("crash_after_writes", "expire_after"):
+        for name in ("crash_after_writes", "expire_after", "torn_read_count"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be an int >= 0 or None, got {v!r}")
@@ -175,7 +187,8 @@ class FaultInjectingHandler(ForwardingHandler):
     Attributes (counters, for assertions):
         calls: Counter of calls per handler method.
         injected: Counter of injected faults per kind (``"transient"``,
-            ``"permanent"``, ``"expired"``, ``"crash"``, ``"vanished"``).
+            ``"permanent"``, ``"expired"``, ``"crash"``, ``"vanished"``,
+            ``"torn"``).
         writes: mutating calls that went through.
         crashed: True once a crash point fired.
     """
@@ -189,6 +202,7 @@ class FaultInjectingHandler(ForwardingHandler):
         self.crashed = False
         self._per_path: Counter[tuple[str, str]] = Counter()
         self._vanished: set[str] = set()
+        self._torn: Counter[str] = Counter()
         self._total = 0
         self._lock = threading.Lock()
 
@@ -307,11 +321,26 @@ class FaultInjectingHandler(ForwardingHandler):
 
     def open_input_stream(self, path: str) -> pa.NativeFile:
         self._before("open_input_stream", path)
-        return self._vanish(path, self.inner.open_input_stream(path))
+        return self._tear(path, self._vanish(path, self.inner.open_input_stream(path)))
 
     def open_input_file(self, path: str) -> pa.NativeFile:
         self._before("open_input_file", path)
-        return self._vanish(path, self.inner.open_input_file(path))
+        return self._tear(path, self._vanish(path, self.inner.open_input_file(path)))
+
+    def _tear(self, path: str, opened: pa.NativeFile) -> pa.NativeFile:
+        """``opened``, or a torn copy of its bytes (see ``FaultPlan.torn_reads``)."""
+        mark = self.plan.torn_reads
+        if mark is None or mark not in path:
+            return opened
+        with self._lock:
+            n = self._torn[path]
+            if n >= self.plan.torn_read_count:
+                return opened
+            self._torn[path] = n + 1
+        with opened:
+            data = opened.read()
+        self._count("torn")
+        return pa.BufferReader(data[: len(data) // 2] if n % 2 else b"")
 
     def _vanish(self, path: str, opened: pa.NativeFile) -> pa.NativeFile:
         mark = self.plan.vanish_after_open
@@ -408,6 +437,8 @@ _PLAN_OPTIONS = {
     "fault_call_log": "call_log",
     "fault_latency": "latency",
     "fault_vanish_after_open": "vanish_after_open",
+    "fault_torn_reads": "torn_reads",
+    "fault_torn_read_count": "torn_read_count",
 }
 
 
@@ -416,8 +447,9 @@ def faulty_scheme_backend(uri: str, storage_options: Mapping[str, Any]) -> Backe
     behind a :class:`FaultInjectingHandler`.
 
     The plan comes from the storage options ``fault_seed``,
-    ``fault_transient_rate``, ``fault_latency``, ``fault_call_log`` and
-    ``fault_vanish_after_open`` (:class:`FaultPlan` fields); every other option goes to the inner
+    ``fault_transient_rate``, ``fault_latency``, ``fault_call_log``,
+    ``fault_vanish_after_open``, ``fault_torn_reads`` and
+    ``fault_torn_read_count`` (:class:`FaultPlan` fields); every other option goes to the inner
     backend. Registered by dotted path, it reaches other processes that
     unpickle a filesystem built on it (``checkpoint_store.integrations.ray``).
     """

@@ -247,8 +247,8 @@ def tier_dirs_of(storage: StorageContext, tier_trial_dir: str | None = None, *,
             return []
     for name in sorted(n for n in names if is_local_tier_pointer_name(n)):
         try:
-            body = json.loads(_fsutil.read_bytes(storage.filesystem,
-                                                 posixpath.join(storage.trial_path, name)))
+            body = _fsutil.read_control(storage.filesystem,
+                                        posixpath.join(storage.trial_path, name), json.loads)
             path, host, rank = str(body["path"]), str(body["host"]), int(body["rank"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
