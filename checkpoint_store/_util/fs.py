@@ -89,6 +89,7 @@ def read_bytes(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = No
 CONTROL_READS = 5
 _CONTROL_PAUSE_S = 0.05
 
+
 class UnparsableFileError(ValueError):
     """A control file that stayed unparsable for every read of
     :func:`read_control`: cut short or empty, by a writer that died (or is

@@ -647,7 +647,6 @@ class Coordinator:
                     ),
                 }
 
-
     def _read_abort(self, abort_path: str, dir_name: str) -> Outcome:
         """The outcome rank 0 published in its abort file. Read again while
         torn (rank 0 may still be writing it in place); one that stays
