@@ -37,9 +37,12 @@ def refuse_if_live(trial: Location, force: bool | None, what: str) -> None:
     lease = live_lease(ctx) if ctx is not None else None
     if lease is None:
         return
+    if "holder" in lease:
+        who = f"host {lease.get('host')!r}, pid {lease.get('pid')}; lease renewed until"
+    else:  # a lease file that does not read as one: being rewritten, or cut short
+        who = "its lease file is unreadable, counted as live until"
     raise TrialInUseError(
-        f"a running job manages {trial.uri} (host {lease.get('host')!r}, pid "
-        f"{lease.get('pid')}; lease renewed until {fmt_time(lease['expires_at'])} UTC): "
+        f"a running job manages {trial.uri} ({who} {fmt_time(lease['expires_at'])} UTC): "
         f"refusing to {what} behind its back; let it finish"
         + (", or pass --force if that job is gone" if force is not None else
            " (or, if that job is gone, wait for its lease to expire)")

@@ -240,6 +240,28 @@ def test_prune_without_metric_keeps_the_most_recent(tmp_path) -> None:
     assert committed_names(ctx) == ["checkpoint_000001", "checkpoint_000002"]
 
 
+@pytest.mark.parametrize("body", [b"", b'{"kind": "checkpoint_manager_lea'],
+                         ids=["empty", "cut"])
+def test_prune_and_gc_refuse_a_trial_whose_lease_is_unreadable_and_young(near_store, tmp_path,
+                                                                          body) -> None:
+    """A lease file that does not read as one (being rewritten in place, or
+    its writer killed half way) counts as live for a ttl: prune and gc
+    refuse, saying the file is unreadable (the message named "host None,
+    pid None"), and delete nothing."""
+    from checkpoint_store.retention import LEASE_FILE
+
+    ctx = make_trial(near_store, tmp_path, [0.1, 0.2, 0.3])
+    _fsutil.write_bytes(ctx.filesystem, posixpath.join(ctx.trial_path, LEASE_FILE), body,
+                        ctx.backend.capabilities, fsync=False)
+    trial = near_store.join("exp", "t1")
+    for args in (["prune", trial, "--keep", "1"], ["gc", trial]):
+        res = invoke([*args, *near_store.opt_args()])
+        assert res.exit_code == EXIT_FAILURE, res.output
+        assert "lease file is unreadable" in res.stderr and "None" not in res.stderr
+    assert committed_names(ctx) == ["checkpoint_000000", "checkpoint_000001",
+                                    "checkpoint_000002"]
+
+
 def test_prune_on_an_experiment_is_a_usage_error(tmp_path) -> None:
     store = Store(str(tmp_path / "s"))
     make_trial(store, tmp_path, [0.1])
