@@ -20,6 +20,7 @@ from checkpoint_store._commit.pointer import POINTER_FILE, pointed_path
 from checkpoint_store._format import jsonrules as _json
 from checkpoint_store._format.layout import (
     DELETE_TOMBSTONE,
+    INTERNAL_METADATA,
     is_deleting_dir_name,
     is_internal_name,
     parse_claim_name,
@@ -187,10 +188,12 @@ def _dead_writer_tmp(name: str) -> bool:
 
 def _looks_ours(insp: Inspection) -> bool:
     """Empty, or holding a trace of our writers (an upload claim, a per-rank
-    marker, a delete tombstone): an uncommitted directory this tool left. A
-    download marker is no such trace: users copy downloaded directories."""
+    marker, a delete tombstone, an empty marker: a commit killed as it wrote
+    it): an uncommitted directory this tool left. A download marker is no
+    such trace: users copy downloaded directories."""
     files = insp.files or {}
-    return not files or any(_is_writer_trace(rel.rsplit("/", 1)[-1]) for rel in files)
+    return (not files or files.get(INTERNAL_METADATA) == 0
+            or any(_is_writer_trace(rel.rsplit("/", 1)[-1]) for rel in files))
 
 
 def _is_writer_trace(name: str) -> bool:

@@ -133,7 +133,8 @@ def check_relpath(rel: object) -> str | None:
 
 
 #: What a directory is: ``committed`` (valid marker matching the listing),
-#: ``absent`` (files but no marker), ``invalid`` (a marker we cannot trust),
+#: ``absent`` (files but no marker, or an empty one), ``invalid`` (a marker
+#: we cannot trust),
 #: ``missing`` (nothing at all under the path).
 InspectionState = Literal["committed", "absent", "invalid", "missing"]
 
@@ -144,7 +145,8 @@ class Inspection:
 
     Attributes:
         state: ``"committed"`` (valid marker matching the listing),
-            ``"absent"`` (no ``.internal_metadata.json``), ``"invalid"``
+            ``"absent"`` (no ``.internal_metadata.json``, or an empty
+            one: a commit killed as it wrote it), ``"invalid"``
             (a marker that does not parse, has another format version, or
             whose manifest does not match the files listed), ``"missing"``
             (nothing at all under the path).

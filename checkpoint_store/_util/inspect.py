@@ -196,7 +196,12 @@ def inspect_checkpoint(
         if entry and _fsutil.kind(fs, checkpoint_path, retry=retry) == pafs.FileType.File:
             return Inspection("invalid", None, _A_FILE)
         return Inspection("missing", None, files=files)
-    if INTERNAL_METADATA not in files:
+    if INTERNAL_METADATA not in files or files[INTERNAL_METADATA] == 0:
+        # An empty marker is a commit that never published one, never a
+        # checkpoint: pyarrow's Azure client creates the blob empty as it
+        # opens it and fills it at close, so a writer killed in between
+        # leaves it so. Taken for a damaged checkpoint, it stayed for ever
+        # (no gc removes a marked directory) and blocked its index.
         return Inspection("absent", None, files=files)
     try:
         # Read again while torn: a marker read while its commit writes it in
