@@ -309,3 +309,64 @@ def test_a_failed_upload_leaves_nothing_at_the_target(fmt: str, name: str, fail:
         export_checkpoint(ck, f"{root}/{name}", format=fmt, target_filesystem=fs)
     sel = pafs.FileSelector(root, allow_not_found=True, recursive=True)
     assert [i.path for i in inner.get_file_info(sel) if i.type == pafs.FileType.File] == []
+
+
+def _damage_last_dcp_file(place: Place, name: str) -> None:
+    """Overwrite the last ``.distcp`` file of DCP folder ``name`` with half its bytes."""
+    from checkpoint_store.registry import resolve
+
+    backend, path = resolve(place.loc(name), filesystem=place.fs,
+                            storage_options=(place.options or None) if place.fs is None
+                            else None)
+    fs = backend.filesystem
+    last = max(f for f in _files(place, name) if f.endswith(".distcp"))
+    with fs.open_input_stream(last) as f:
+        data = f.read()
+    with fs.open_output_stream(last) as f:
+        f.write(data[:len(data) // 2])
+
+
+def test_an_in_place_import_failing_half_way_leaves_the_folder_as_it_was(
+        place: Place, tmp_path: Any) -> None:
+    """Found by a new user's try: an in-place import of a DCP folder whose
+    second tensor file is damaged raised CheckpointCorruptError but left the
+    state shards written before it in the user's folder."""
+    ck = place.persist_state(tmp_path, {"a": torch.ones(4000), "b": torch.zeros(4000)})
+    export_checkpoint(ck, place.loc("dcp"), format="dcp", **place.side("target_"))
+    _damage_last_dcp_file(place, "dcp")
+    before = _files(place, "dcp")
+    with pytest.raises(CheckpointCorruptError, match="cannot be read"):
+        import_checkpoint(place.loc("dcp"), shard_bytes=1000, **place.side(""))
+    assert _files(place, "dcp") == before
+
+
+@pytest.mark.parametrize("fmt", ["hf", "dcp"])
+def test_an_in_place_import_of_a_read_only_folder_says_to_give_dest(fmt: str, tmp_path: Any,
+                                                                     make) -> None:
+    import pyarrow.fs as pafs
+    from click.testing import CliRunner
+
+    from checkpoint_store.cli import main
+    from checkpoint_store.errors import PermanentBackendError
+    from checkpoint_store.testing.faults import faulty_filesystem
+
+    place = make("local")
+    ck = place.persist_state(tmp_path, {"model": {"w": torch.ones(3), "b": torch.zeros(2)}})
+    src = place.loc(fmt)
+    export_checkpoint(ck, src, format=fmt)
+    before = sorted(os.listdir(src))
+    read_only = faulty_filesystem(pafs.LocalFileSystem(), permanent={"write": "access_denied"})
+    with pytest.raises(PermanentBackendError, match=r"cannot be written .*dest="):
+        import_checkpoint(src, filesystem=read_only)
+    assert sorted(os.listdir(src)) == before
+    ck = import_checkpoint(src, str(tmp_path / "ck"), filesystem=read_only)  # dest: fine
+    assert ck.is_committed and sorted(os.listdir(src)) == before
+    if os.geteuid() == 0:
+        return  # root writes a read-only folder: the CLI's check needs another user
+    os.chmod(src, 0o555)
+    try:
+        res = CliRunner().invoke(main, ["import", src])
+    finally:
+        os.chmod(src, 0o755)
+    assert res.exit_code == 1 and "DEST" in res.output, res.output
+    assert sorted(os.listdir(src)) == before
