@@ -149,6 +149,20 @@ def _refuse_existing(backend: Backend, path: str, names: list[str]) -> dict[str,
     return files
 
 
+def _refuse_other_weights(backend: Backend, path: str, files: Mapping[str, int]) -> None:
+    """Raise when folder ``path`` (its listing: ``files``) holds safetensors
+    files or an index already: readers take every one of them as the
+    model's (``transformers`` loads ``model.safetensors`` before an index;
+    an import reads every ``*.safetensors``), so the export would be mixed
+    with, or hidden behind, another model's weights."""
+    old = sorted(n for n in files if n.endswith(".safetensors") or n == HF_INDEX)
+    if old:
+        raise InvalidConfigError(
+            f"{backend.uri_for(path)} holds another model's weights already ({old[0]!r}"
+            f"{', ...' if len(old) > 1 else ''}); readers would mix them with the export: "
+            "export into a new or empty folder")
+
+
 def _refuse_inside_checkpoint(src_backend: Backend, src_path: str, backend: Backend,
                               path: str) -> None:
     """Raise before any write when the target ``path`` is at or below the
@@ -183,7 +197,7 @@ def _export_hf(source: Source, backend: Backend, path: str, prefix: str, name_pr
     items = hf_items(source, prefix, name_prefix, shared)
     plans = plan_shards(items, max_shard_size, _hf_shard_name)
     names = [p.name for p in plans] + ([HF_INDEX] if len(plans) > 1 else [])
-    _refuse_existing(backend, path, names)
+    _refuse_other_weights(backend, path, _refuse_existing(backend, path, names))
     fs = backend.filesystem
     _fsutil.ensure_dir(fs, path, backend.capabilities)
     done: list[str] = []
@@ -362,7 +376,9 @@ def export_checkpoint(
         FormatConversionError: names collide once mapped, shared storage,
             a value the format cannot hold, no tensor under ``prefix``;
             nothing written.
-        InvalidConfigError: a bad argument, or the target holds the files.
+        InvalidConfigError: a bad argument, or the target holds the files
+            (``hf``: any ``.safetensors`` file or index; ``dcp``: any
+            ``.distcp`` file or ``.metadata``).
         CheckpointNotFoundError, CheckpointCorruptError: the source is
             missing or damaged (a tensor failing its CRC32C mid-export: the
             files written are removed).

@@ -4,6 +4,7 @@ before anything is written; a missing Hugging Face index is rebuilt."""
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import pytest
@@ -370,3 +371,40 @@ def test_an_in_place_import_of_a_read_only_folder_says_to_give_dest(fmt: str, tm
         os.chmod(src, 0o755)
     assert res.exit_code == 1 and "DEST" in res.output, res.output
     assert sorted(os.listdir(src)) == before
+
+
+@pytest.mark.parametrize("old", ["model.safetensors", "model-00001-of-00003.safetensors",
+                                 "model.safetensors.index.json"])
+def test_an_hf_export_beside_another_models_weights_writes_nothing(old: str, place: Place,
+                                                                    tmp_path: Any) -> None:
+    """Found by a new user's try: a sharded export into a folder holding an
+    older ``model.safetensors`` succeeded, and transformers (which loads
+    ``model.safetensors`` before the index) then loaded the old weights; an
+    export beside an older shard set made a folder no import could read."""
+    from safetensors.torch import save
+
+    from checkpoint_store.registry import resolve
+
+    ck = place.persist_state(tmp_path, {"model": {"w": torch.ones(4), "b": torch.zeros(4)}})
+    backend, path = resolve(place.loc("hf"), filesystem=place.fs,
+                            storage_options=(place.options or None) if place.fs is None
+                            else None)
+    backend.filesystem.create_dir(path, recursive=True)
+    for name in (old, "README.md"):
+        with backend.filesystem.open_output_stream(f"{path}/{name}") as f:
+            f.write(save({"q": torch.ones(1)}) if name.endswith(".safetensors") else b"{}")
+    before = _files(place, "hf")
+    for shard in (4, 1000):  # sharded and one file
+        with pytest.raises(InvalidConfigError, match=f"holds .*{re.escape(old)}"):
+            export_checkpoint(ck, place.loc("hf"), max_shard_size=shard,
+                              **place.side("target_"))
+    assert _files(place, "hf") == before
+
+
+def test_an_hf_export_beside_other_files_is_fine(tmp_path: Any, make) -> None:
+    place = make("local")
+    ck = place.persist_state(tmp_path, {"model": {"w": torch.ones(4)}})
+    os.makedirs(place.loc("hf"))
+    open(os.path.join(place.loc("hf"), "config.json"), "w").write("{}")
+    export_checkpoint(ck, place.loc("hf"))
+    assert sorted(os.listdir(place.loc("hf"))) == ["config.json", "model.safetensors"]
