@@ -11,6 +11,7 @@ files it wrote.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
@@ -169,10 +170,10 @@ def _refuse_inside_checkpoint(src_backend: Backend, src_path: str, backend: Back
     source's own folder, or below a committed checkpoint's folder (one
     holding a commit marker; the folder itself is :func:`_refuse_existing`'s):
     files added there are outside its manifest, and it would fail
-    verification (resume skips it).
+    verification (resume skips it); or below a file, where there are folders.
 
     Raises:
-        InvalidConfigError: naming the checkpoint.
+        InvalidConfigError: naming the checkpoint, or the file.
     """
     same = (src_backend.filesystem is backend.filesystem
             or src_backend.uri_for(src_path) == backend.uri_for(src_path))
@@ -184,6 +185,10 @@ def _refuse_inside_checkpoint(src_backend: Backend, src_path: str, backend: Back
     fs = backend.filesystem
     at = posixpath.dirname(path.rstrip("/"))
     while at and at not in ("/", "."):
+        if backend.capabilities.directories and _fsutil.is_file(fs, at):
+            raise InvalidConfigError(
+                f"{backend.uri_for(path)} lies below {backend.uri_for(at)}, which is a file; "
+                "export to a place whose folders are folders")
         if _fsutil.is_file(fs, posixpath.join(at, INTERNAL_METADATA)):
             raise InvalidConfigError(
                 f"{backend.uri_for(path)} is inside the checkpoint {backend.uri_for(at)}: "
@@ -199,6 +204,7 @@ def _export_hf(source: Source, backend: Backend, path: str, prefix: str, name_pr
     names = [p.name for p in plans] + ([HF_INDEX] if len(plans) > 1 else [])
     _refuse_other_weights(backend, path, _refuse_existing(backend, path, names))
     fs = backend.filesystem
+    made = not _fsutil.exists(fs, path)
     _fsutil.ensure_dir(fs, path, backend.capabilities)
     done: list[str] = []
     try:
@@ -217,6 +223,10 @@ def _export_hf(source: Source, backend: Backend, path: str, prefix: str, name_pr
     except BaseException:
         for name in done:
             _delete_quietly(fs, posixpath.join(path, name))
+        if made and backend.capabilities.directories:
+            with contextlib.suppress(OSError):  # the folder it made, now empty
+                if not _fsutil.list_dir(fs, path):
+                    fs.delete_dir(path)
         raise
     return Exported(backend.uri_for(path), tuple(names), len(items),
                     sum(e.nbytes for _, e in items))

@@ -109,7 +109,7 @@ def test_a_corrupt_tensor_stops_the_export_and_removes_its_files(tmp_path: Any,
     with pytest.raises(TensorCorruptError) as err:
         export_checkpoint(ck, place.loc("hf"))
     assert err.value.tensor == "model/w"
-    assert os.listdir(place.loc("hf")) == []
+    assert not os.path.exists(place.loc("hf"))  # the folder it made too, as DCP's
 
 
 @pytest.mark.parametrize("fmt", ["torch_save", "dcp"])
@@ -408,3 +408,25 @@ def test_an_hf_export_beside_other_files_is_fine(tmp_path: Any, make) -> None:
     open(os.path.join(place.loc("hf"), "config.json"), "w").write("{}")
     export_checkpoint(ck, place.loc("hf"))
     assert sorted(os.listdir(place.loc("hf"))) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("fmt,name", [("hf", "afile/hf"), ("torch_save", "afile/x.pt"),
+                                      ("dcp", "afile/sub/dcp")])
+def test_an_export_below_a_file_is_refused_before_any_write(fmt: str, name: str,
+                                                            tmp_path: Any, make) -> None:
+    """Found by a new user's try: a target below a file failed half-way with
+    a bare FileExistsError (torch_save), NotADirectoryError (dcp), or an
+    error blaming credentials (hf), in the Python API and the CLI alike."""
+    from click.testing import CliRunner
+
+    from checkpoint_store.cli import main
+
+    place = make("local")
+    ck = place.persist_state(tmp_path, {"model": {"w": torch.ones(3)}})
+    with open(place.loc("afile"), "w") as f:
+        f.write("x")
+    with pytest.raises(InvalidConfigError, match="which is a file"):
+        export_checkpoint(ck, place.loc(name), format=fmt)
+    res = CliRunner().invoke(main, ["export", ck.path, place.loc(name), "--format", fmt])
+    assert res.exit_code == 2 and "which is a file" in res.output, res.output
+    assert open(place.loc("afile")).read() == "x"
