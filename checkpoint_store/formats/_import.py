@@ -24,6 +24,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from checkpoint_store._commit.nesting import ancestors, refuse_inside_checkpoint
 from checkpoint_store._commit.protocols import protocol_for
 from checkpoint_store._format.layout import parse_checkpoint_dir_name, written_record_name
 from checkpoint_store._format.manifest import ManifestEntry, is_checkpoint_data
@@ -92,6 +93,28 @@ def _internal(path: str, fmt: str, src_uri: str, tensors: dict[str, Any] | None 
     if tensors is not None:
         out["tensors"] = tensors  # not a copy: see above
     return out
+
+
+def _refuse_bad_place(backend: Backend, path: str) -> None:
+    """Raise before any write when the checkpoint directory ``path`` is a
+    file, lies below a file (where there are folders), or lies inside a
+    committed checkpoint (its manifest would not list the files: it would
+    fail verification).
+
+    Raises:
+        InvalidConfigError: a file; NestedCheckpointError: inside a checkpoint.
+    """
+    if backend.capabilities.directories:
+        for level in ancestors(path):
+            if _fsutil.is_file(backend.filesystem, level):
+                where = ("is" if level == path.rstrip("/") else
+                         f"lies below {backend.uri_for(level)}, which is")
+                raise InvalidConfigError(
+                    f"{backend.uri_for(path)} {where} a file; import into a new folder "
+                    "(dest=; the CLI's DEST)")
+    parent = posixpath.dirname(path.rstrip("/"))
+    if parent:
+        refuse_inside_checkpoint(backend, parent, "import destination")
 
 
 def _refuse_committed(backend: Backend, path: str) -> None:
@@ -230,7 +253,10 @@ def import_checkpoint(
 
     Raises:
         InvalidConfigError: ``dest`` None for a ``torch.save`` file or one
-            ``.safetensors`` file; a ``state.json`` already there.
+            ``.safetensors`` file; a ``state.json`` already there; ``dest``
+            a file or below one.
+        NestedCheckpointError: ``dest`` (or the folder, in place) lies
+            inside a committed checkpoint.
         FormatConversionError, UnsupportedStateError: a value a state cannot
             hold; nothing written.
         CheckpointConflictError: ``dest`` is committed already.
@@ -269,6 +295,7 @@ def import_checkpoint(
                                         storage_options=dest_storage_options)
     in_place = (dst_backend.filesystem is backend.filesystem or
                 dst_backend.uri_for(dst_path) == backend.uri_for(path)) and dst_path == path
+    _refuse_bad_place(dst_backend, dst_path)
     if safetensors:
         with open_source(backend, path, fmt, lambda n: key_of(escape_key(n))) as src:
             files = _listing(backend, path)

@@ -430,3 +430,38 @@ def test_an_export_below_a_file_is_refused_before_any_write(fmt: str, name: str,
     res = CliRunner().invoke(main, ["export", ck.path, place.loc(name), "--format", fmt])
     assert res.exit_code == 2 and "which is a file" in res.output, res.output
     assert open(place.loc("afile")).read() == "x"
+
+
+def test_an_import_into_or_below_a_file_or_a_checkpoint_writes_nothing(place: Place,
+                                                                       tmp_path: Any) -> None:
+    """Found by a new user's try: ``import m.safetensors CKPT/sub`` committed
+    a checkpoint inside another, which then failed verification ('sub/...'
+    is not in the manifest), where an export to the same place is refused;
+    a destination that is a file or below one failed with an error blaming
+    credentials."""
+    from checkpoint_store.errors import NestedCheckpointError
+
+    src = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(2)}, str(src))
+    ck = place.persist_state(tmp_path, {"model": {"w": torch.zeros(2)}})
+    before = _files(place, "")
+    at = ck.path if place.fs is not None else ck.uri
+    for below in ("sub", "sub/deeper"):
+        with pytest.raises(NestedCheckpointError, match="inside the committed checkpoint"):
+            import_checkpoint(str(src), f"{at}/{below}", **place.side("dest_"))
+    assert _files(place, "") == before
+    ck.verify()
+    if place.kind == "local":
+        from click.testing import CliRunner
+
+        from checkpoint_store.cli import main
+
+        open(place.loc("afile"), "w").write("x")
+        for dest in ("afile", "afile/ck"):
+            with pytest.raises(InvalidConfigError, match="a file; import into a new folder"):
+                import_checkpoint(str(src), place.loc(dest))
+            res = CliRunner().invoke(main, ["import", str(src), place.loc(dest)])
+            assert res.exit_code == 2 and "a file; import into" in res.output, res.output
+        res = CliRunner().invoke(main, ["import", str(src), f"{ck.path}/sub"])
+        assert res.exit_code == 2 and "inside the committed checkpoint" in res.output
+        assert open(place.loc("afile")).read() == "x"
