@@ -88,3 +88,41 @@ def test_plain_dcp_values_still_come_back(tmp_path: Any) -> None:
     got = import_checkpoint(src, str(tmp_path / "ck")).load_state()
     assert got["name"] == "x" and got["groups"] == tree["groups"]
     assert torch.equal(got["pair"][0], tree["pair"][0]) and got["pair"][1] == 2.5
+
+
+def test_a_legacy_torch_save_file_is_imported_and_exported(tmp_path: Any) -> None:
+    """Found by a new user's try: a file of torch.save's legacy format
+    (``_use_new_zipfile_serialization=False``, as older checkpoints are)
+    was refused as 'not a torch.save file', with torch's advice to save it
+    again for mmap."""
+    tree = {"w": torch.randn(3, 2).to(torch.bfloat16), "n": torch.arange(4), "step": 7}
+    src = str(tmp_path / "old.pt")
+    torch.save(tree, src, _use_new_zipfile_serialization=False)
+    got = import_checkpoint(src, str(tmp_path / "ck")).load_state()
+    assert got["step"] == 7
+    assert all(torch.equal(got[k], tree[k]) for k in ("w", "n"))
+    export_checkpoint(src, str(tmp_path / "new.pt"), format="torch_save")
+    assert torch.equal(torch.load(tmp_path / "new.pt", weights_only=True)["w"], tree["w"])
+    res = CliRunner().invoke(main, ["import", src, str(tmp_path / "ck2")])
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("content", [b"", b"not a checkpoint" * 8])
+def test_a_file_that_is_no_torch_save_is_a_corrupt_source(content: bytes,
+                                                           tmp_path: Any) -> None:
+    src = tmp_path / "x.pt"
+    src.write_bytes(content)
+    with pytest.raises(CheckpointCorruptError, match="not a torch.save file") as err:
+        import_checkpoint(str(src), str(tmp_path / "ck"))
+    assert "mmap" not in str(err.value)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_legacy_torch_save_pickling_code_is_refused_unrun(tmp_path: Any) -> None:
+    ran = str(tmp_path / "ran")
+    src = str(tmp_path / "old.pt")
+    torch.save({"w": torch.ones(2), "cfg": _Runs(ran)}, src,
+               _use_new_zipfile_serialization=False)
+    with pytest.raises(FormatConversionError, match="weights_only=True"):
+        import_checkpoint(src, str(tmp_path / "ck"))
+    assert not os.path.exists(ran) and not (tmp_path / "ck").exists()
