@@ -10,12 +10,20 @@ included. DCP names a list's items by their index (an ``int`` in a path;
 the int keys of a dict it writes as strings), so the tree comes back with
 its lists, as DCP's own ``dcp_to_torch_save`` gives them.
 
+Nothing is unpickled that could run code: DCP's own reader unpickles its
+``.metadata`` with ``pickle.load`` and each pickled value with
+``torch.load(weights_only=False)``; here the ``.metadata`` is read by an
+unpickler that builds DCP's metadata classes and torch's sizes and dtypes
+only (:func:`read_dcp_metadata`) and each value with ``weights_only=True``
+(:func:`_reader`, :func:`_planner`), as a ``torch.save`` file is read.
+
 The path is local: :mod:`._api` downloads a remote directory first.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -36,7 +44,7 @@ from checkpoint_store.formats._torch import (
 from checkpoint_store.state import DTYPES, FlatState, escape_key, flatten_state
 from checkpoint_store.state._tree import iter_leaves, rekey_skeleton
 
-__all__ = ["DCPSource", "dcp_skeleton"]
+__all__ = ["DCPSource", "dcp_skeleton", "read_dcp_metadata"]
 
 #: Marks a leaf among a node's children (no key of a tree can be it).
 _LEAF = object()
@@ -54,8 +62,10 @@ class DCPSource(Source):
         CheckpointCorruptError: no ``.metadata`` (an unfinished save: DCP
             writes it last; without it the data cannot be read), or files
             DCP cannot read.
-        FormatConversionError: a pickled value a state cannot hold (``.key``
-            names it), or a key both a value and a subtree.
+        FormatConversionError: a pickled value a state cannot hold, or one
+            that pickles objects other than tensors, containers and plain
+            values (never unpickled: ``.key`` names it); a key both a value
+            and a subtree.
     """
 
     kind = "dcp"
@@ -65,12 +75,7 @@ class DCPSource(Source):
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
         self.where, self.path = path, path
-        if not os.path.exists(os.path.join(path, DCP_METADATA)):
-            raise CheckpointCorruptError(
-                f"{path} has no DCP {DCP_METADATA}: the save did not finish (DCP writes it "
-                "last) and its data cannot be read; use an earlier checkpoint",
-                path=path, file=DCP_METADATA)
-        meta = dcp.FileSystemReader(path).read_metadata()
+        meta = read_dcp_metadata(path)
         paths = meta.planner_data or {}
         self._fqn: dict[str, str] = {}
         self._held: dict[str, tuple[FlatState, str]] = {}
@@ -90,7 +95,8 @@ class DCPSource(Source):
         if objects:
             loaded: dict[str, Any] = {fqn: None for *_, fqn in objects}
             with self._damaged(None):
-                dcp.load(loaded, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+                dcp.load(loaded, storage_reader=_reader(path), planner=_planner(),
+                         no_dist=True)
             for parts, key, fqn in objects:
                 placed.append((parts, key, self._graft(key, fqn, loaded[fqn])))
         self.skeleton = dcp_skeleton(placed)
@@ -127,16 +133,24 @@ class DCPSource(Source):
         t = torch.empty(e.shape, dtype=getattr(torch, str(DTYPES[e.dtype][2])))
         sd = {self._fqn[key]: t}
         with self._damaged(key):
-            dcp.load(sd, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
+            dcp.load(sd, storage_reader=_reader(self.path), planner=_planner(), no_dist=True)
         return sd[self._fqn[key]]
 
     @contextmanager
     def _damaged(self, key: str | None) -> Iterator[None]:
         """Around a ``dcp.load``: a file DCP cannot read (truncated, not a
-        zip, missing) is a :class:`CheckpointCorruptError` naming ``key``."""
+        zip, missing) is a :class:`CheckpointCorruptError` naming ``key``; a
+        value that ``weights_only`` loading refuses, a
+        :class:`FormatConversionError`."""
         try:
             with _quiet():
                 yield
+        except pickle.UnpicklingError as exc:  # weights_only refused it: never run
+            raise FormatConversionError(
+                f"a value of DCP directory {self.path} pickles objects other than tensors, "
+                "containers and plain values (torch.load(weights_only=True) says: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}); it is not loaded: save "
+                "such values as plain ones", key=key) from exc
         except (RuntimeError, OSError, EOFError, ValueError) as exc:
             what = f"tensor {key!r}" if key else "a value"
             raise CheckpointCorruptError(
@@ -153,6 +167,105 @@ class DCPSource(Source):
             yield from _pieces_of(flat.tensor_bytes(sub))
             return
         yield from _pieces_of(_byte_view(self.load(key)))
+
+
+#: What a DCP ``.metadata`` pickles, besides plain values: every class of
+#: ``torch.distributed.checkpoint.metadata`` and these ``(module, name)``;
+#: any torch dtype, layout or memory format (``torch.bfloat16``) too.
+_METADATA_GLOBALS = frozenset({
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+})
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds what a DCP ``.metadata`` holds and refuses any other global
+    (``os.system``, ...) before it is called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        ok = (module, name) in _METADATA_GLOBALS
+        if module == "torch.distributed.checkpoint.metadata":
+            ok = isinstance(getattr(__import__(module, fromlist=[name]), name, None), type)
+        elif module == "torch" and not ok:
+            ok = isinstance(getattr(torch, name, None),
+                            (torch.dtype, torch.layout, torch.memory_format))
+        if not ok:
+            raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata class")
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(path: str) -> Any:
+    """The ``Metadata`` of the local DCP directory ``path``, unpickled with
+    DCP's classes and torch's sizes and dtypes only (DCP's own reader runs
+    any pickle).
+
+    Raises:
+        CheckpointCorruptError: no ``.metadata`` (an unfinished save: DCP
+            writes it last), or one that is not DCP's (damaged, or
+            pickling other objects: refused before any runs).
+    """
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    full = os.path.join(path, DCP_METADATA)
+    if not os.path.exists(full):
+        raise CheckpointCorruptError(
+            f"{path} has no DCP {DCP_METADATA}: the save did not finish (DCP writes it "
+            "last) and its data cannot be read; use an earlier checkpoint",
+            path=path, file=DCP_METADATA)
+    try:
+        with open(full, "rb") as f:
+            meta = _MetadataUnpickler(f).load()
+    except Exception as exc:  # any damage: truncated, not a pickle, a foreign global
+        raise CheckpointCorruptError(
+            f"{full} is not a DCP metadata file ({type(exc).__name__}: {exc}); it was not "
+            "run: use an earlier checkpoint, or one saved by torch.distributed.checkpoint",
+            path=path, file=DCP_METADATA) from exc
+    if not isinstance(meta, Metadata) or not isinstance(meta.state_dict_metadata, dict):
+        raise CheckpointCorruptError(
+            f"{full} is not a DCP metadata file (it holds a {type(meta).__name__}); use an "
+            "earlier checkpoint", path=path, file=DCP_METADATA)
+    if getattr(meta, "storage_meta", None) is None:
+        meta.storage_meta = StorageMeta()  # as DCP's read_metadata does
+    return meta
+
+
+def _reader(path: str) -> Any:
+    """DCP's ``FileSystemReader`` of ``path``, its ``.metadata`` read by
+    :func:`read_dcp_metadata`."""
+    import torch.distributed.checkpoint as dcp
+
+    class _Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            meta = read_dcp_metadata(path)
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    return _Reader(path)
+
+
+def _planner() -> Any:
+    """DCP's ``DefaultLoadPlanner`` that loads each pickled value with
+    ``weights_only=True`` (DCP's loads it with ``weights_only=False``)."""
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class _Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict,
+                            self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return _Planner()
 
 
 def dcp_skeleton(placed: list[tuple[tuple[Any, ...], str, Any]]) -> Any:

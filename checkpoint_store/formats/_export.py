@@ -11,6 +11,7 @@ files it wrote.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
@@ -149,16 +150,30 @@ def _refuse_existing(backend: Backend, path: str, names: list[str]) -> dict[str,
     return files
 
 
+def _refuse_other_weights(backend: Backend, path: str, files: Mapping[str, int]) -> None:
+    """Raise when folder ``path`` (its listing: ``files``) holds safetensors
+    files or an index already: readers take every one of them as the
+    model's (``transformers`` loads ``model.safetensors`` before an index;
+    an import reads every ``*.safetensors``), so the export would be mixed
+    with, or hidden behind, another model's weights."""
+    old = sorted(n for n in files if n.endswith(".safetensors") or n == HF_INDEX)
+    if old:
+        raise InvalidConfigError(
+            f"{backend.uri_for(path)} holds another model's weights already ({old[0]!r}"
+            f"{', ...' if len(old) > 1 else ''}); readers would mix them with the export: "
+            "export into a new or empty folder")
+
+
 def _refuse_inside_checkpoint(src_backend: Backend, src_path: str, backend: Backend,
                               path: str) -> None:
     """Raise before any write when the target ``path`` is at or below the
     source's own folder, or below a committed checkpoint's folder (one
     holding a commit marker; the folder itself is :func:`_refuse_existing`'s):
     files added there are outside its manifest, and it would fail
-    verification (resume skips it).
+    verification (resume skips it); or below a file, where there are folders.
 
     Raises:
-        InvalidConfigError: naming the checkpoint.
+        InvalidConfigError: naming the checkpoint, or the file.
     """
     same = (src_backend.filesystem is backend.filesystem
             or src_backend.uri_for(src_path) == backend.uri_for(src_path))
@@ -170,6 +185,10 @@ def _refuse_inside_checkpoint(src_backend: Backend, src_path: str, backend: Back
     fs = backend.filesystem
     at = posixpath.dirname(path.rstrip("/"))
     while at and at not in ("/", "."):
+        if backend.capabilities.directories and _fsutil.is_file(fs, at):
+            raise InvalidConfigError(
+                f"{backend.uri_for(path)} lies below {backend.uri_for(at)}, which is a file; "
+                "export to a place whose folders are folders")
         if _fsutil.is_file(fs, posixpath.join(at, INTERNAL_METADATA)):
             raise InvalidConfigError(
                 f"{backend.uri_for(path)} is inside the checkpoint {backend.uri_for(at)}: "
@@ -183,8 +202,9 @@ def _export_hf(source: Source, backend: Backend, path: str, prefix: str, name_pr
     items = hf_items(source, prefix, name_prefix, shared)
     plans = plan_shards(items, max_shard_size, _hf_shard_name)
     names = [p.name for p in plans] + ([HF_INDEX] if len(plans) > 1 else [])
-    _refuse_existing(backend, path, names)
+    _refuse_other_weights(backend, path, _refuse_existing(backend, path, names))
     fs = backend.filesystem
+    made = not _fsutil.exists(fs, path)
     _fsutil.ensure_dir(fs, path, backend.capabilities)
     done: list[str] = []
     try:
@@ -203,6 +223,10 @@ def _export_hf(source: Source, backend: Backend, path: str, prefix: str, name_pr
     except BaseException:
         for name in done:
             _delete_quietly(fs, posixpath.join(path, name))
+        if made and backend.capabilities.directories:
+            with contextlib.suppress(OSError):  # the folder it made, now empty
+                if not _fsutil.list_dir(fs, path):
+                    fs.delete_dir(path)
         raise
     return Exported(backend.uri_for(path), tuple(names), len(items),
                     sum(e.nbytes for _, e in items))
@@ -362,7 +386,9 @@ def export_checkpoint(
         FormatConversionError: names collide once mapped, shared storage,
             a value the format cannot hold, no tensor under ``prefix``;
             nothing written.
-        InvalidConfigError: a bad argument, or the target holds the files.
+        InvalidConfigError: a bad argument, or the target holds the files
+            (``hf``: any ``.safetensors`` file or index; ``dcp``: any
+            ``.distcp`` file or ``.metadata``).
         CheckpointNotFoundError, CheckpointCorruptError: the source is
             missing or damaged (a tensor failing its CRC32C mid-export: the
             files written are removed).

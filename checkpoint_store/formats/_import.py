@@ -13,22 +13,29 @@ committed through :mod:`checkpoint_store._commit`; the marker carries the
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import posixpath
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
 import pyarrow.fs as pafs
 
+from checkpoint_store._commit.nesting import ancestors, refuse_inside_checkpoint
 from checkpoint_store._commit.protocols import protocol_for
 from checkpoint_store._format.layout import parse_checkpoint_dir_name, written_record_name
 from checkpoint_store._format.manifest import ManifestEntry, is_checkpoint_data
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.backends.base import Backend
 from checkpoint_store.checkpoint import Checkpoint
-from checkpoint_store.errors import CheckpointConflictError, InvalidConfigError
+from checkpoint_store.errors import (
+    CheckpointConflictError,
+    InvalidConfigError,
+    PermanentBackendError,
+)
 from checkpoint_store.formats._api import SourceFormat, _listing, detect_format, open_source
 from checkpoint_store.formats._shards import Written, copy_file, plan_shards, write_shard
 from checkpoint_store.formats._sources import Entry, SafetensorsSource, Source
@@ -88,6 +95,28 @@ def _internal(path: str, fmt: str, src_uri: str, tensors: dict[str, Any] | None 
     return out
 
 
+def _refuse_bad_place(backend: Backend, path: str) -> None:
+    """Raise before any write when the checkpoint directory ``path`` is a
+    file, lies below a file (where there are folders), or lies inside a
+    committed checkpoint (its manifest would not list the files: it would
+    fail verification).
+
+    Raises:
+        InvalidConfigError: a file; NestedCheckpointError: inside a checkpoint.
+    """
+    if backend.capabilities.directories:
+        for level in ancestors(path):
+            if _fsutil.is_file(backend.filesystem, level):
+                where = ("is" if level == path.rstrip("/") else
+                         f"lies below {backend.uri_for(level)}, which is")
+                raise InvalidConfigError(
+                    f"{backend.uri_for(path)} {where} a file; import into a new folder "
+                    "(dest=; the CLI's DEST)")
+    parent = posixpath.dirname(path.rstrip("/"))
+    if parent:
+        refuse_inside_checkpoint(backend, parent, "import destination")
+
+
 def _refuse_committed(backend: Backend, path: str) -> None:
     """Raise before any write when ``path`` is committed already."""
     if protocol_for(backend).inspect(path).meta is not None:
@@ -95,13 +124,51 @@ def _refuse_committed(backend: Backend, path: str) -> None:
                                       "already; import it into another place (dest=)")
 
 
+@contextmanager
+def _undone_on_failure(backend: Backend, path: str) -> Iterator[None]:
+    """Around an in-place import's writes into folder ``path``: when they
+    fail (a damaged tensor half-way, a failed write), the files they added
+    are removed, so the folder is as it was (a retry starts clean); a folder
+    that takes no writes is a :class:`PermanentBackendError` saying to
+    import elsewhere.
+
+    Raises:
+        PermanentBackendError: ``path`` cannot be written (read-only,
+            permission denied).
+    """
+    fs = backend.filesystem
+    before = set(_listing(backend, path) or {})
+    try:
+        yield
+    except BaseException as exc:
+        for name in sorted(set(_listing(backend, path) or {}) - before):
+            try:
+                fs.delete_file(posixpath.join(path, name))
+            except OSError:
+                pass
+        refused = isinstance(exc, PermissionError) or (
+            isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM))
+        if refused and not isinstance(exc, PermanentBackendError):
+            raise PermanentBackendError(
+                f"{backend.uri_for(path)} cannot be written ({exc}), so it cannot be "
+                "committed in place: import it into another place (dest=; the CLI's DEST)",
+                cause=exc) from exc
+        raise
+
+
 def _import_hf_in_place(src: SafetensorsSource, backend: Backend, path: str,
                         files: Mapping[str, int]) -> Checkpoint:
-    fs = backend.filesystem
     _refuse_committed(backend, path)
     if STATE_FILE in files:
         raise InvalidConfigError(f"{backend.uri_for(path)} holds a {STATE_FILE} already; "
                                  "import into another folder (dest=)")
+    with _undone_on_failure(backend, path):
+        return _commit_hf_in_place(src, backend, path, files)
+
+
+def _commit_hf_in_place(src: SafetensorsSource, backend: Backend, path: str,
+                        files: Mapping[str, int]) -> Checkpoint:
+    fs = backend.filesystem
     index: dict[str, Any] = {}
     written: list[ManifestEntry] = []
     for rel in src.headers:
@@ -186,13 +253,21 @@ def import_checkpoint(
 
     Raises:
         InvalidConfigError: ``dest`` None for a ``torch.save`` file or one
-            ``.safetensors`` file; a ``state.json`` already there.
+            ``.safetensors`` file; a ``state.json`` already there; ``dest``
+            a file or below one.
+        NestedCheckpointError: ``dest`` (or the folder, in place) lies
+            inside a committed checkpoint.
         FormatConversionError, UnsupportedStateError: a value a state cannot
             hold; nothing written.
         CheckpointConflictError: ``dest`` is committed already.
         CheckpointNotFoundError, CheckpointCorruptError: the source is
             missing or damaged (a DCP directory without ``.metadata``; a
             Hugging Face index that disagrees with the shards' headers).
+        PermanentBackendError: in place, the folder cannot be written
+            (read-only): give ``dest``.
+
+    An import that fails leaves nothing behind: in place, the files it
+    added to the folder are removed; copied, nothing is committed.
     """
     if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes <= 0:
         raise InvalidConfigError(f"shard_bytes must be a positive int, got {shard_bytes!r}")
@@ -220,6 +295,7 @@ def import_checkpoint(
                                         storage_options=dest_storage_options)
     in_place = (dst_backend.filesystem is backend.filesystem or
                 dst_backend.uri_for(dst_path) == backend.uri_for(path)) and dst_path == path
+    _refuse_bad_place(dst_backend, dst_path)
     if safetensors:
         with open_source(backend, path, fmt, lambda n: key_of(escape_key(n))) as src:
             files = _listing(backend, path)
@@ -231,12 +307,13 @@ def import_checkpoint(
         if in_place:
             fs = backend.filesystem
             _refuse_committed(backend, path)
-            entries, index = _write_state_files(src, fs, path, shard_bytes, key_of)
-            _fsutil.write_bytes(fs, posixpath.join(path, written_record_name("import")),
-                                json.dumps({"files": [e.to_json() for e in entries]}).encode(),
-                                backend.capabilities)
-            meta = protocol_for(backend).commit_in_place(
-                path, _internal(path, fmt, backend.uri_for(path), index))
+            with _undone_on_failure(backend, path):
+                entries, index = _write_state_files(src, fs, path, shard_bytes, key_of)
+                record = json.dumps({"files": [e.to_json() for e in entries]}).encode()
+                _fsutil.write_bytes(fs, posixpath.join(path, written_record_name("import")),
+                                    record, backend.capabilities)
+                meta = protocol_for(backend).commit_in_place(
+                    path, _internal(path, fmt, backend.uri_for(path), index))
             return Checkpoint._from_backend(backend, path, meta)
 
         filled: dict[str, Any] = {}

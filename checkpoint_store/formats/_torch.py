@@ -20,6 +20,7 @@ import contextlib
 import io
 import os
 import warnings
+import zipfile
 import zlib
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
@@ -63,6 +64,8 @@ class TorchSaveSource(Source):
     """The tensors and values of a local ``torch.save`` file.
 
     Raises (at construction):
+        CheckpointCorruptError: not a ``torch.save`` file (of either format),
+            or a damaged one.
         FormatConversionError: ``weights_only`` loading refuses the file (it
             pickles objects other than tensors and plain containers).
         UnsupportedStateError: a value a state cannot hold, two tensors
@@ -75,16 +78,23 @@ class TorchSaveSource(Source):
         import torch
 
         self.where = path
+        # mmap needs torch's zip format; a file of the legacy format
+        # (_use_new_zipfile_serialization=False) is read into memory.
+        zipped = zipfile.is_zipfile(path)
         try:
-            obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except (RuntimeError, ValueError) as exc:  # zip and legacy format alike
-            raise CheckpointCorruptError(f"{path} is not a torch.save file: {exc}",
-                                         path=path) from exc
-        except Exception as exc:  # pickle.UnpicklingError: not weights-only
+            obj = torch.load(path, map_location="cpu", mmap=zipped, weights_only=True)
+        except Exception as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if "global" not in str(exc).lower():  # damaged, or not torch's at all
+                # (weights_only names the global it refuses; a text file fails
+                # on its first byte as an "Unsupported operand")
+                raise CheckpointCorruptError(
+                    f"{path} is not a torch.save file, or is damaged ({type(exc).__name__}: "
+                    f"{first}); give a file torch.save wrote", path=path) from exc
             raise FormatConversionError(
                 f"{path} holds objects other than tensors, containers and plain values "
-                f"(torch.load(weights_only=True) says: {str(exc).splitlines()[0]}); save the "
-                "state_dict alone", key=None) from exc
+                f"(torch.load(weights_only=True) says: {first}); save the state_dict "
+                "alone", key=None) from exc
         flat = flatten_state(obj)
         self._values = flat.values
         self.skeleton = flat.layout.skeleton

@@ -4,6 +4,7 @@ before anything is written; a missing Hugging Face index is rebuilt."""
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import pytest
@@ -108,7 +109,7 @@ def test_a_corrupt_tensor_stops_the_export_and_removes_its_files(tmp_path: Any,
     with pytest.raises(TensorCorruptError) as err:
         export_checkpoint(ck, place.loc("hf"))
     assert err.value.tensor == "model/w"
-    assert os.listdir(place.loc("hf")) == []
+    assert not os.path.exists(place.loc("hf"))  # the folder it made too, as DCP's
 
 
 @pytest.mark.parametrize("fmt", ["torch_save", "dcp"])
@@ -309,3 +310,158 @@ def test_a_failed_upload_leaves_nothing_at_the_target(fmt: str, name: str, fail:
         export_checkpoint(ck, f"{root}/{name}", format=fmt, target_filesystem=fs)
     sel = pafs.FileSelector(root, allow_not_found=True, recursive=True)
     assert [i.path for i in inner.get_file_info(sel) if i.type == pafs.FileType.File] == []
+
+
+def _damage_last_dcp_file(place: Place, name: str) -> None:
+    """Overwrite the last ``.distcp`` file of DCP folder ``name`` with half its bytes."""
+    from checkpoint_store.registry import resolve
+
+    backend, path = resolve(place.loc(name), filesystem=place.fs,
+                            storage_options=(place.options or None) if place.fs is None
+                            else None)
+    fs = backend.filesystem
+    last = max(f for f in _files(place, name) if f.endswith(".distcp"))
+    with fs.open_input_stream(last) as f:
+        data = f.read()
+    with fs.open_output_stream(last) as f:
+        f.write(data[:len(data) // 2])
+
+
+def test_an_in_place_import_failing_half_way_leaves_the_folder_as_it_was(
+        place: Place, tmp_path: Any) -> None:
+    """Found by a new user's try: an in-place import of a DCP folder whose
+    second tensor file is damaged raised CheckpointCorruptError but left the
+    state shards written before it in the user's folder."""
+    ck = place.persist_state(tmp_path, {"a": torch.ones(4000), "b": torch.zeros(4000)})
+    export_checkpoint(ck, place.loc("dcp"), format="dcp", **place.side("target_"))
+    _damage_last_dcp_file(place, "dcp")
+    before = _files(place, "dcp")
+    with pytest.raises(CheckpointCorruptError, match="cannot be read"):
+        import_checkpoint(place.loc("dcp"), shard_bytes=1000, **place.side(""))
+    assert _files(place, "dcp") == before
+
+
+@pytest.mark.parametrize("fmt", ["hf", "dcp"])
+def test_an_in_place_import_of_a_read_only_folder_says_to_give_dest(fmt: str, tmp_path: Any,
+                                                                     make) -> None:
+    import pyarrow.fs as pafs
+    from click.testing import CliRunner
+
+    from checkpoint_store.cli import main
+    from checkpoint_store.errors import PermanentBackendError
+    from checkpoint_store.testing.faults import faulty_filesystem
+
+    place = make("local")
+    ck = place.persist_state(tmp_path, {"model": {"w": torch.ones(3), "b": torch.zeros(2)}})
+    src = place.loc(fmt)
+    export_checkpoint(ck, src, format=fmt)
+    before = sorted(os.listdir(src))
+    read_only = faulty_filesystem(pafs.LocalFileSystem(), permanent={"write": "access_denied"})
+    with pytest.raises(PermanentBackendError, match=r"cannot be written .*dest="):
+        import_checkpoint(src, filesystem=read_only)
+    assert sorted(os.listdir(src)) == before
+    ck = import_checkpoint(src, str(tmp_path / "ck"), filesystem=read_only)  # dest: fine
+    assert ck.is_committed and sorted(os.listdir(src)) == before
+    if os.geteuid() == 0:
+        return  # root writes a read-only folder: the CLI's check needs another user
+    os.chmod(src, 0o555)
+    try:
+        res = CliRunner().invoke(main, ["import", src])
+    finally:
+        os.chmod(src, 0o755)
+    assert res.exit_code == 1 and "DEST" in res.output, res.output
+    assert sorted(os.listdir(src)) == before
+
+
+@pytest.mark.parametrize("old", ["model.safetensors", "model-00001-of-00003.safetensors",
+                                 "model.safetensors.index.json"])
+def test_an_hf_export_beside_another_models_weights_writes_nothing(old: str, place: Place,
+                                                                    tmp_path: Any) -> None:
+    """Found by a new user's try: a sharded export into a folder holding an
+    older ``model.safetensors`` succeeded, and transformers (which loads
+    ``model.safetensors`` before the index) then loaded the old weights; an
+    export beside an older shard set made a folder no import could read."""
+    from safetensors.torch import save
+
+    from checkpoint_store.registry import resolve
+
+    ck = place.persist_state(tmp_path, {"model": {"w": torch.ones(4), "b": torch.zeros(4)}})
+    backend, path = resolve(place.loc("hf"), filesystem=place.fs,
+                            storage_options=(place.options or None) if place.fs is None
+                            else None)
+    backend.filesystem.create_dir(path, recursive=True)
+    for name in (old, "README.md"):
+        with backend.filesystem.open_output_stream(f"{path}/{name}") as f:
+            f.write(save({"q": torch.ones(1)}) if name.endswith(".safetensors") else b"{}")
+    before = _files(place, "hf")
+    for shard in (4, 1000):  # sharded and one file
+        with pytest.raises(InvalidConfigError, match=f"holds .*{re.escape(old)}"):
+            export_checkpoint(ck, place.loc("hf"), max_shard_size=shard,
+                              **place.side("target_"))
+    assert _files(place, "hf") == before
+
+
+def test_an_hf_export_beside_other_files_is_fine(tmp_path: Any, make) -> None:
+    place = make("local")
+    ck = place.persist_state(tmp_path, {"model": {"w": torch.ones(4)}})
+    os.makedirs(place.loc("hf"))
+    open(os.path.join(place.loc("hf"), "config.json"), "w").write("{}")
+    export_checkpoint(ck, place.loc("hf"))
+    assert sorted(os.listdir(place.loc("hf"))) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("fmt,name", [("hf", "afile/hf"), ("torch_save", "afile/x.pt"),
+                                      ("dcp", "afile/sub/dcp")])
+def test_an_export_below_a_file_is_refused_before_any_write(fmt: str, name: str,
+                                                            tmp_path: Any, make) -> None:
+    """Found by a new user's try: a target below a file failed half-way with
+    a bare FileExistsError (torch_save), NotADirectoryError (dcp), or an
+    error blaming credentials (hf), in the Python API and the CLI alike."""
+    from click.testing import CliRunner
+
+    from checkpoint_store.cli import main
+
+    place = make("local")
+    ck = place.persist_state(tmp_path, {"model": {"w": torch.ones(3)}})
+    with open(place.loc("afile"), "w") as f:
+        f.write("x")
+    with pytest.raises(InvalidConfigError, match="which is a file"):
+        export_checkpoint(ck, place.loc(name), format=fmt)
+    res = CliRunner().invoke(main, ["export", ck.path, place.loc(name), "--format", fmt])
+    assert res.exit_code == 2 and "which is a file" in res.output, res.output
+    assert open(place.loc("afile")).read() == "x"
+
+
+def test_an_import_into_or_below_a_file_or_a_checkpoint_writes_nothing(place: Place,
+                                                                       tmp_path: Any) -> None:
+    """Found by a new user's try: ``import m.safetensors CKPT/sub`` committed
+    a checkpoint inside another, which then failed verification ('sub/...'
+    is not in the manifest), where an export to the same place is refused;
+    a destination that is a file or below one failed with an error blaming
+    credentials."""
+    from checkpoint_store.errors import NestedCheckpointError
+
+    src = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(2)}, str(src))
+    ck = place.persist_state(tmp_path, {"model": {"w": torch.zeros(2)}})
+    before = _files(place, "")
+    at = ck.path if place.fs is not None else ck.uri
+    for below in ("sub", "sub/deeper"):
+        with pytest.raises(NestedCheckpointError, match="inside the committed checkpoint"):
+            import_checkpoint(str(src), f"{at}/{below}", **place.side("dest_"))
+    assert _files(place, "") == before
+    ck.verify()
+    if place.kind == "local":
+        from click.testing import CliRunner
+
+        from checkpoint_store.cli import main
+
+        open(place.loc("afile"), "w").write("x")
+        for dest in ("afile", "afile/ck"):
+            with pytest.raises(InvalidConfigError, match="a file; import into a new folder"):
+                import_checkpoint(str(src), place.loc(dest))
+            res = CliRunner().invoke(main, ["import", str(src), place.loc(dest)])
+            assert res.exit_code == 2 and "a file; import into" in res.output, res.output
+        res = CliRunner().invoke(main, ["import", str(src), f"{ck.path}/sub"])
+        assert res.exit_code == 2 and "inside the committed checkpoint" in res.output
+        assert open(place.loc("afile")).read() == "x"
