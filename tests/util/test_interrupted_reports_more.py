@@ -499,6 +499,57 @@ def test_a_lightning_async_save_cut_at_any_line_of_its_queueing(tmp_path, full):
         assert left == [], f"line {line}: scratch copies left in {staging_root()}: {left}"
 
 
+def test_a_lightning_async_save_cut_between_its_snapshot_and_its_queueing(tmp_path):
+    """Cut at each line of ``save_checkpoint`` from the snapshot to its
+    queueing: the snapshot was taken outside the ``try`` that frees it, so a
+    cut between the two (building the job, entering the ``try``) kept every
+    tensor of it, and its scratch files, for as long as the process lived.
+    Now, as a cut inside ``submit``: not saved, nothing left, the next save
+    commits and ``teardown()`` returns."""
+    pytest.importorskip("lightning")
+    from checkpoint_store.integrations._lightning.io import _StoreIO
+    from checkpoint_store.integrations.lightning import CheckpointStoreIO
+
+    func = _StoreIO.save_checkpoint
+    code = inspect.unwrap(func).__code__
+    first = _line_of(func, "staged_snapshot(checkpoint")
+    last = _line_of(func, "queue.submit(")
+    cuts = 0
+    for line in range(first, last + 1):
+        d = str(tmp_path / f"ckpts{line}")
+        before = set(_in_staging_root())
+        io = CheckpointStoreIO(async_save=True)
+        io.save_checkpoint(_lightning(0), f"{d}/step=0.ckpt")
+        io.wait()
+        made: list[bool] = []
+
+        def local(frame, event, arg, line=line, made=made):
+            if event == "line" and not made and frame.f_lineno == line:
+                made.append(True)
+                raise KeyboardInterrupt
+            return local
+
+        sys.settrace(lambda f, e, a, local=local, made=made:
+                     local if f.f_code is code and not made else None)
+        try:
+            io.save_checkpoint(_lightning(1), f"{d}/step=1.ckpt")
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        cuts += bool(made)
+        io.save_checkpoint(_lightning(2), f"{d}/step=2.ckpt")
+        returned, _, errors = _run_for(io.teardown, 3 * HUNG_S)
+        assert returned and not errors, (line, errors)
+        expected = {"step=0.ckpt": "committed", "step=2.ckpt": "committed"}
+        if not made:  # a line the call does not run (a blank line, a comment)
+            expected["step=1.ckpt"] = "committed"
+        assert _lightning_dirs(d) == expected, line
+        left = sorted(set(_in_staging_root()) - before)
+        assert left == [], f"line {line}: scratch copies left in {staging_root()}: {left}"
+    assert cuts >= 3, cuts
+
+
 # -- no defect found -----------------------------------------------------------------------
 
 

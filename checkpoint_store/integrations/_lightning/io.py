@@ -7,6 +7,7 @@ saves and removes run in order on :class:`._lightning_async._OrderedQueue`.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
@@ -43,6 +44,7 @@ from checkpoint_store.integrations._lightning.replace import (
     replacements,
     traces,
 )
+from checkpoint_store.integrations._lightning.staged import StagedSnapshot
 from checkpoint_store.integrations._lightning.staged import snapshot as staged_snapshot
 from checkpoint_store.integrations._lightning.state import (
     STATE_FILE,
@@ -212,25 +214,33 @@ class _StoreIO:
             # A killed run's staged snapshots (partial state files) go first.
             sweep_staging_root()
             self._stager = Stager(self.staging_budget)
-        snap = staged_snapshot(checkpoint, self._stager)
-
-        def save() -> None:
-            try:
-                self._save(snap.materialize(), backend, fs_path, monitor)
-            finally:
-                snap.release()
-
-        job = TakeBack(save)
+        snap: StagedSnapshot | None = None
+        job: TakeBack[None] | None = None
         try:
+            # From the snapshot on, inside the try: a cut between taking it
+            # and queueing its save left it (every tensor, its scratch files)
+            # for as long as the process lived.
+            snap = staged_snapshot(checkpoint, self._stager)
+            job = TakeBack(functools.partial(self._save_staged, snap, backend, fs_path,
+                                             monitor))
             queue.submit("save", uri, job)
         except BaseException:
             # A signal's exception as the save was queued: nothing was
             # acknowledged. Unless the worker took the save (it then runs as
             # any other), it never runs and its snapshot (every tensor) goes
             # now rather than when the process ends.
-            if job.take_back():
+            if snap is not None and (job is None or job.take_back()):
                 snap.discard()
             raise
+
+    def _save_staged(self, snap: StagedSnapshot, backend: Backend, fs_path: str,
+                     monitor: Mapping[str, str]) -> None:
+        """The background save of ``snap`` (on the queue's worker), which
+        frees it whatever happens."""
+        try:
+            self._save(snap.materialize(), backend, fs_path, monitor)
+        finally:
+            snap.release()
 
     def _refuse_inside_checkpoint(self, backend: Backend, fs_path: str) -> None:
         """A ``.ckpt`` inside a committed checkpoint (``a.ckpt/inner.ckpt``)
