@@ -481,19 +481,33 @@ _thread_locks: dict[tuple[int, str], threading.Lock] = {}
 _thread_locks_guard = threading.Lock()
 
 
+def in_process_store(fs: pafs.FileSystem) -> bool:
+    """Whether ``fs`` is fsspec's memory store: every client of it in this
+    process reads and writes one store, which no other process sees (so a
+    lock of this process is a lock of every writer)."""
+    if not isinstance(fs, pafs.PyFileSystem):
+        return False
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    # Exactly the class: a subclass may keep a store of its own.
+    return type(getattr(fs.handler, "fs", None)) is MemoryFileSystem
+
+
 @contextlib.contextmanager
 def dir_lock(fs: pafs.FileSystem, parent: str, lock_name: str) -> Iterator[None]:
-    """Hold ``parent``'s lock: across threads always, across processes with a
-    file lock ``parent/lock_name`` when ``parent`` is on the local disk. The
-    lock file exists only while the lock is held (removed before release,
-    see :func:`_acquire_removable`), so none is left beside the checkpoints.
+    """Hold ``parent``'s lock: across threads always (of one client, or of
+    every client of the in-process memory store, :func:`in_process_store`),
+    across processes with a file lock ``parent/lock_name`` when ``parent`` is
+    on the local disk. The lock file exists only while the lock is held
+    (removed before release, see :func:`_acquire_removable`), so none is left
+    beside the checkpoints.
 
     Raises:
         PermanentBackendError: the lock file cannot be opened (a directory
             or another non-file took its name, or ``parent`` is not
             writable); the message names it and what to do.
     """
-    key = (id(fs), parent)
+    key = ("memory" if in_process_store(fs) else id(fs), parent)
     with _thread_locks_guard:
         tlock = _thread_locks.setdefault(key, threading.Lock())
     with tlock:

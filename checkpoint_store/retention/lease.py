@@ -116,6 +116,10 @@ class Lease:
         self.path = posixpath.join(storage.trial_path, LEASE_FILE)
         self.trial_uri = storage.canonical_uri(storage.trial_path)
         self._local = _fsutil.local_path(storage.filesystem, storage.trial_path) is not None
+        #: Whether the check and write below are one step for every manager
+        #: (a file lock on local disks, a lock of this process for the memory
+        #: store); elsewhere an acquire waits and reads again.
+        self._locked = self._local or _fsutil.in_process_store(storage.filesystem)
         self.ttl_s = float(ttl_s)
         self.holder = uuid.uuid4().hex
         self.host = socket.gethostname()
@@ -330,7 +334,7 @@ class Lease:
                     raise self._conflict(*live)
                 self._write()
                 self._read_back()
-                if not self._local:
+                if not self._locked:
                     # No lock between processes here: another manager may
                     # have found no lease as this one did and still be about
                     # to write its own. Wait longer than that takes (this

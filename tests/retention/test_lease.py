@@ -415,28 +415,49 @@ def _race(contexts: list[StorageContext]) -> list[bool]:
     return [bool(w) for w in won]
 
 
-@pytest.mark.parametrize("backend_name", ["memory", "s3"])
+@pytest.mark.parametrize("backend_name,latency", [("memory", True), ("s3", False)],
+                         ids=["memory-wrapped-latency", "s3"])
 def test_two_managers_starting_at_once_without_a_shared_lock_one_takes_the_lease(
-        backend_name, make_storage):
+        backend_name, latency, make_storage):
     """Two jobs started on one trial in the same instant, on a store with no
     lock between processes and no conditional write: both found no lease,
     both wrote theirs and each read its own back before the other's write
     landed, so both managed the trial (until a later check). Now each
     waits longer than such a check and write take and reads again: exactly
     one holds it, round after round. (Each manager has its own filesystem
-    client, as a process of its own would; ``memory`` gets random latency
-    per call, so the rounds interleave differently.)"""
+    client, as a process of its own would; the memory store, wrapped so
+    that no lock of this process spans the two, gets random latency per
+    call, so the rounds interleave differently.)"""
     from checkpoint_store.testing.faults import faulty_backend
 
-    rounds = 12 if backend_name == "memory" else 4
+    rounds = 12 if latency else 4
     for r in range(rounds):
         contexts = []
         for i in range(2):
             ctx = make_storage(trial=f"t{r}")
-            if backend_name == "memory":
+            if latency:
                 ctx = StorageContext.from_backend(
                     faulty_backend(ctx.backend, seed=r * 2 + i, latency=(0.0, 0.02)),
                     ctx.storage_path, "exp", f"t{r}", fsync=False)
             contexts.append(ctx)
         won = _race(contexts)
         assert sum(won) == 1, f"round {r}: {won}"
+
+
+@pytest.mark.parametrize("backend_name", ["memory"])
+def test_managers_of_the_memory_store_share_one_lock_and_never_wait(make_storage,
+                                                                    monkeypatch):
+    """Every client of the in-process memory store reads and writes one
+    store: a lock of this process spans them all, so two managers started at
+    once with their own clients never both take the lease, and neither pays
+    the wait that stores without such a lock need."""
+    from checkpoint_store.retention import lease as lease_mod
+
+    waits: list[float] = []
+    settle = lease_mod._settle_s
+    monkeypatch.setattr(lease_mod, "_settle_s",
+                        lambda took, ttl: waits.append(settle(took, ttl)) or waits[-1])
+    for r in range(12):
+        won = _race([make_storage(trial=f"t{r}") for _ in range(2)])
+        assert sum(won) == 1, f"round {r}: {won}"
+    assert waits == []
