@@ -389,7 +389,10 @@ class Lease:
 
     def renew(self) -> bool:
         """Extend the lease; returns False (and marks it lost) when another holder
-        took it over. I/O errors are logged and retried at the next renewal."""
+        took it over. I/O errors are logged and retried at the next renewal.
+        A lease not held (never acquired, given back, released) writes
+        nothing and returns True unless it was lost: there is nothing of its
+        own to extend."""
         with self._lock:
             if self.lost or self._released or not self._held:
                 return not self.lost
