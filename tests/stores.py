@@ -52,6 +52,18 @@ def make_store(kind: str, request: pytest.FixtureRequest, tmp_path: Any) -> Stor
     return Store(kind, loc.uri, dict(loc.storage_options))
 
 
+def pyarrow_azure(server: Any) -> Any:
+    """pyarrow's own ``AzureFileSystem`` on the Azurite ``server`` (the
+    plugin's pyarrow engine, or one a user passes in)."""
+    import pyarrow.fs as pafs
+
+    host = server.endpoint_url.split("://", 1)[1]
+    return pafs.AzureFileSystem(account_name=server.account_name,
+                                account_key=server.account_key,
+                                blob_storage_authority=host, blob_storage_scheme="http",
+                                dfs_storage_authority=host, dfs_storage_scheme="http")
+
+
 @pytest.fixture(params=_PARAMS)
 def store(request: pytest.FixtureRequest, tmp_path: Any) -> Store:
     """A fresh storage root on each backend."""

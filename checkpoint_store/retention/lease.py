@@ -378,12 +378,7 @@ class Lease:
             return
         try:
             self._held = False
-            cur = self._read()
-            if cur is not None and cur.get("holder") == self.holder:
-                _fsutil.delete_file(self._storage.filesystem, self.path)
-        except Exception as exc:
-            logger.warning("could not give back the lease %s (it will expire): %s",
-                           self.path, exc)
+            self._delete_if_ours("give back")
         finally:
             self._lock.release()
 
@@ -459,12 +454,17 @@ class Lease:
         _results.forget_at_exit(self)
         if self.lost:
             return
+        self._delete_if_ours("release")
+
+    def _delete_if_ours(self, what: str) -> None:
+        """Delete the lease file if it names this holder (under the lease's
+        lock); never raises: an error is logged, and the lease expires."""
         try:
             cur = self._read()
             if cur is not None and cur.get("holder") == self.holder:
                 _fsutil.delete_file(self._storage.filesystem, self.path)
         except Exception as exc:
-            logger.warning("could not release the lease %s (it will expire): %s",
+            logger.warning("could not %s the lease %s (it will expire): %s", what,
                            self.path, exc)
 
 

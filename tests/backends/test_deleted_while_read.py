@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import posixpath
 
-import pyarrow.fs as pafs
 import pytest
 
 from checkpoint_store._chunks.store import CONDEMNED_DIR, ChunkStore
@@ -27,7 +26,7 @@ from checkpoint_store._util.inspect import inspect_checkpoint
 from checkpoint_store.errors import PermanentBackendError
 from checkpoint_store.registry import resolve
 from checkpoint_store.testing.faults import faulty_filesystem
-from tests.stores import ALL_BACKENDS, make_store
+from tests.stores import ALL_BACKENDS, make_store, pyarrow_azure
 
 #: Backends whose open handle keeps a deleted file readable (POSIX; fsspec's
 #: memory filesystem hands out the bytes it holds).
@@ -39,13 +38,8 @@ _BACKENDS = [pytest.param(k, marks=pytest.mark.slow) if k == "s3fs" else k
 
 
 def _pyarrow_azure(request):
-    srv = request.getfixturevalue("azure_server")
-    container = request.getfixturevalue("azure_container")
-    host = srv.endpoint_url.split("://", 1)[1]
-    fs = pafs.AzureFileSystem(account_name=srv.account_name, account_key=srv.account_key,
-                              blob_storage_authority=host, blob_storage_scheme="http",
-                              dfs_storage_authority=host, dfs_storage_scheme="http")
-    return resolve(f"{container}/ckpt", filesystem=fs)
+    fs = pyarrow_azure(request.getfixturevalue("azure_server"))
+    return resolve(f"{request.getfixturevalue('azure_container')}/ckpt", filesystem=fs)
 
 
 def _vanishing(kind, request, tmp_path, mark):

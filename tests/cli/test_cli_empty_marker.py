@@ -28,11 +28,9 @@ def test_pyarrow_azure_shows_a_blob_empty_while_its_writer_has_it_open(azure_ser
                                                                         azure_container):
     """The premise, on Azurite: between open and close the marker is there,
     at 0 bytes, for every other reader."""
-    host = azure_server.endpoint_url.split("://", 1)[1]
-    fs = pafs.AzureFileSystem(account_name=azure_server.account_name,
-                              account_key=azure_server.account_key,
-                              blob_storage_authority=host, blob_storage_scheme="http",
-                              dfs_storage_authority=host, dfs_storage_scheme="http")
+    from tests.stores import pyarrow_azure
+
+    fs = pyarrow_azure(azure_server)
     path = f"{azure_container}/premise/{INTERNAL_METADATA}"
     out = fs.open_output_stream(path)
     try:

@@ -16,7 +16,6 @@ import socket
 import threading
 import time
 
-import pyarrow.fs as pafs
 import pytest
 
 from checkpoint_store import CheckpointConfig, CheckpointManager, StorageContext
@@ -28,7 +27,7 @@ from checkpoint_store.registry import resolve
 from checkpoint_store.retention import LEASE_FILE
 from checkpoint_store.retention.lease import Lease
 from checkpoint_store.testing.faults import faulty_backend
-from tests.stores import make_store
+from tests.stores import make_store, pyarrow_azure
 
 #: Every form of store the suite builds cheaply: URIs of each backend, a
 #: pyarrow AzureFileSystem passed in, an fsspec DirFileSystem passed in.
@@ -39,13 +38,8 @@ _NO_MTIMES = {"memory"}
 
 def _backend(kind, request, tmp_path):
     if kind == "azure-pyarrow":
-        srv = request.getfixturevalue("azure_server")
-        container = request.getfixturevalue("azure_container")
-        host = srv.endpoint_url.split("://", 1)[1]
-        fs = pafs.AzureFileSystem(account_name=srv.account_name, account_key=srv.account_key,
-                                  blob_storage_authority=host, blob_storage_scheme="http",
-                                  dfs_storage_authority=host, dfs_storage_scheme="http")
-        return resolve(f"{container}/ckpt", filesystem=fs)
+        fs = pyarrow_azure(request.getfixturevalue("azure_server"))
+        return resolve(f"{request.getfixturevalue('azure_container')}/ckpt", filesystem=fs)
     if kind == "dirfs":
         return _dirfs(tmp_path)
     s = make_store(kind, request, tmp_path)
