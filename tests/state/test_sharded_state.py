@@ -276,12 +276,21 @@ def test_ranks_with_different_states_are_refused(tmp_path) -> None:
     ((1000, 0), (100, 300), "outside"),
     ((-1, 0), (10, 300), "outside"),
     ((0,), (10, 300), "ints"),
+    ((0, 0), (10,), "1 dimension"),
+    ((0, 0), (1, 10, 300), "3 dimension"),
+    ((0, 0), None, "holds list"),
 ])
 def test_a_bad_slice_is_refused_before_any_read(tmp_path, offset, shape, match) -> None:
-    root = _save(tmp_path, {"w": torch.randn(1037, 300)}, 2)
-    dest = torch.zeros(shape)
-    with pytest.raises(StateMismatchError, match=match):
-        load_state(pafs.LocalFileSystem(), root, into={"w": StateSlice(dest, offset)})
+    """Each a StateMismatchError naming the key, whatever the request is
+    (a tensor of other dimensions than the saved one, something that is
+    no tensor), before anything is read or filled."""
+    root = _save(tmp_path, {"w": torch.randn(1037, 300), "v": torch.ones(4)}, 2)
+    dest = torch.zeros(shape) if shape is not None else [0.0] * 10
+    other = torch.zeros(4)
+    with pytest.raises(StateMismatchError, match=match) as err:
+        load_state(pafs.LocalFileSystem(), root,
+                   into={"v": other, "w": StateSlice(dest, offset)})
+    assert err.value.key == "w" and not other.any()
 
 
 def test_planning_finds_overlaps_without_the_product(tmp_path) -> None:
