@@ -252,6 +252,42 @@ def test_pieces_that_do_not_tile_are_refused(tmp_path) -> None:
         merged_state_file(parts)
 
 
+def test_an_overlap_and_a_gap_are_refused_in_an_irregular_tiling(tmp_path) -> None:
+    """Row bands cut at a different column each make a grid too fine to
+    build (the index scans its pieces instead); a piece moved onto its
+    neighbour, leaving as many elements uncovered as it covers twice, must
+    still be refused when the index is read, not loaded with a hole of
+    uninitialized memory."""
+    from checkpoint_store.state import write_state
+
+    rows, cols = 200, 300
+    full = torch.randn(rows, cols)
+    cuts = [1 + i for i in range(rows)]
+    pieces = {f"p{i}_{j}": (full[i:i + 1, :c] if j == 0 else full[i:i + 1, c:]).clone()
+              for i, c in enumerate(cuts) for j in (0, 1)}
+    root = str(tmp_path / "ckpt")
+    write_state({"w": torch.zeros(1), **pieces}, root)
+    with open(os.path.join(root, STATE_FILE)) as f:
+        body = json.load(f)
+    stored = body["tensors"]
+
+    def shard(i: int, j: int, at: int) -> dict[str, Any]:
+        e = stored[f"p{i}_{j}"]
+        return {"file": e["file"], "offsets": e["offsets"], "crc32c": e["crc32c"],
+                "offset": [i, at], "shape": e["shape"]}
+
+    shards = [shard(i, j, 0 if j == 0 else c) for i, c in enumerate(cuts) for j in (0, 1)]
+    entry = {"dtype": "F32", "shape": [rows, cols], "framework": "torch", "shards": shards}
+    assert ShardIndex(entry).cells is None and ShardIndex.why_not_tiling(entry) is None
+    shards[-1] = {**shards[-1], "offset": [rows - 1, cuts[-1] - 1]}  # one column left
+    assert "overlap" in (ShardIndex.why_not_tiling(entry) or "")
+    body["tensors"]["w"] = entry
+    with open(os.path.join(root, STATE_FILE), "w") as f:
+        json.dump(body, f)
+    with pytest.raises(CheckpointCorruptError, match="overlap"):
+        load_state(pafs.LocalFileSystem(), root, keys="w")
+
+
 def test_ranks_with_different_states_are_refused(tmp_path) -> None:
     a = write_part({"w": torch.zeros(4)}, str(tmp_path / "a"), 0, 2)
     b = write_part({"v": torch.zeros(4)}, str(tmp_path / "b"), 1, 2)
