@@ -92,9 +92,9 @@ def merge_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
     Raises:
         CheckpointConflictError: the ranks saved different states (other
-            keys, shapes or dtypes), or the pieces of a tensor do not tile
-            it exactly (a gap or an overlap: a placement this module
-            mis-read); nothing should be committed.
+            keys, the same keys in another order, shapes or dtypes), or the
+            pieces of a tensor do not tile it exactly (a gap or an overlap:
+            a placement this module mis-read); nothing should be committed.
     """
     local = sorted(k for k, box in parts[0]["sharding"].items() if box.get("rank_local"))
 
@@ -105,9 +105,16 @@ def merge_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     keys = shared_keys(parts[0])
     for r, part in enumerate(parts):
         mine = sorted(k for k, box in part["sharding"].items() if box.get("rank_local"))
-        if shared_keys(part) != keys or mine != local:
-            extra = sorted(set(shared_keys(part)) ^ set(keys))[:3] or sorted(
-                set(mine) ^ set(local))[:3]
+        theirs = shared_keys(part)
+        if theirs != keys and mine == local and sorted(theirs) == sorted(keys):
+            at = next(i for i, (a, b) in enumerate(zip(theirs, keys, strict=True)) if a != b)
+            raise CheckpointConflictError(
+                f"rank {r} reported the same keys as rank 0 in another order ({theirs[at]!r} "
+                f"where rank 0 has {keys[at]!r}); every rank must build its state in the same "
+                "order (tied tensors are saved under the first of their keys): build it "
+                "from a list or the model's own order, not from a set")
+        if theirs != keys or mine != local:
+            extra = sorted(set(theirs) ^ set(keys))[:3] or sorted(set(mine) ^ set(local))[:3]
             raise CheckpointConflictError(
                 f"rank {r} saved a state with other tensors than rank 0 ({extra} differ); "
                 "every rank must report a state of the same keys")

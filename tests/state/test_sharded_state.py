@@ -293,6 +293,13 @@ def test_ranks_with_different_states_are_refused(tmp_path) -> None:
     b = write_part({"v": torch.zeros(4)}, str(tmp_path / "b"), 1, 2)
     with pytest.raises(CheckpointConflictError, match="rank 1"):
         merged_state_file([a, b])
+    # The same keys in another order (a state built from a set, whose order
+    # differs by process): said as such, not as "[] differ".
+    x = torch.zeros(4)
+    ab = write_part({"w": x, "v": torch.ones(4), "t": x}, str(tmp_path / "ab"), 0, 2)
+    ba = write_part({"v": torch.ones(4), "t": x, "w": x}, str(tmp_path / "ba"), 1, 2)
+    with pytest.raises(CheckpointConflictError, match="same keys as rank 0 in another order"):
+        merged_state_file([ab, ba])
     c = write_part({"w": torch.zeros(5)}, str(tmp_path / "c"), 1, 2)
     with pytest.raises(CheckpointConflictError, match="rank 1"):
         merged_state_file([a, c])
