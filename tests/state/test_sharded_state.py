@@ -252,6 +252,22 @@ def test_pieces_that_do_not_tile_are_refused(tmp_path) -> None:
         merged_state_file(parts)
 
 
+def test_a_piece_listed_again_at_another_box_is_refused(tmp_path) -> None:
+    """A piece's CRC checks its bytes, not where they go: rank 0's piece
+    listed in place of rank 1's tiles the tensor and passes every CRC, yet
+    would load rank 0's rows twice. Refused when the index is read."""
+    w = torch.randn(1024, 300)
+    root = _save(tmp_path, {"w": w}, 4)
+    with open(os.path.join(root, STATE_FILE)) as f:
+        body = json.load(f)
+    shards = body["tensors"]["w"]["shards"]
+    shards[1] = {**shards[0], "offset": shards[1]["offset"]}
+    with open(os.path.join(root, STATE_FILE), "w") as f:
+        json.dump(body, f)
+    with pytest.raises(CheckpointCorruptError, match="same bytes"):
+        load_state(pafs.LocalFileSystem(), root)
+
+
 def test_an_overlap_and_a_gap_are_refused_in_an_irregular_tiling(tmp_path) -> None:
     """Row bands cut at a different column each make a grid too fine to
     build (the index scans its pieces instead); a piece moved onto its
