@@ -170,6 +170,7 @@ def _bad_sharded(e: dict[str, Any], sizes: Mapping[str, int]) -> str | None:
     from checkpoint_store.state._shards import ShardIndex
 
     shards = e["shards"]
+    stored: dict[tuple[str, int], Any] = {}
     if e.get("framework") not in ("torch", "numpy"):
         return f"unknown framework {e.get('framework')!r}"
     if not isinstance(shards, list):
@@ -190,6 +191,13 @@ def _bad_sharded(e: dict[str, Any], sizes: Mapping[str, int]) -> str | None:
         why = _bad_checks(p)
         if why:
             return f"piece at {off} has {why}"
+        # A piece's CRC checks its bytes, not its box: one piece's bytes
+        # listed again at another box would pass it. Pieces never share bytes.
+        at = (p["file"], p["offsets"][0])
+        if p["offsets"][1] > p["offsets"][0]:
+            if at in stored:
+                return f"pieces at {stored[at]} and {off} are the same bytes of {p['file']!r}"
+            stored[at] = off
     return ShardIndex.why_not_tiling(e)
 
 

@@ -421,12 +421,23 @@ def box_of_target(target: Any) -> tuple[list[int], list[int], Any]:
 def why_not_servable(target: Any, shape: Sequence[int]) -> str | None:
     """Why a boxed load target (a DTensor, a :class:`StateSlice`) cannot be
     served from a saved tensor of logical ``shape`` (None: it can): a box
-    outside the tensor, a placement a load cannot fill."""
+    outside the tensor or of other dimensions than it, a slice of something
+    that is no tensor or array, a placement a load cannot fill."""
     if isinstance(target, StateSlice):
+        np = sys.modules.get("numpy")
+        torch = sys.modules.get("torch")
+        if not ((torch is not None and isinstance(target.tensor, torch.Tensor))
+                or (np is not None and isinstance(target.tensor, np.ndarray))):
+            return (f"a StateSlice holds {type(target.tensor).__name__}, not a torch tensor "
+                    "or numpy array to fill")
         off, sh = list(target.offset), list(target.shape)
         if len(off) != len(shape) or any(
                 isinstance(o, bool) or not isinstance(o, int) for o in off):
             return f"offset {tuple(target.offset)} is not {len(shape)} ints"
+        if len(sh) != len(shape):
+            # A box has the tensor's dimensions: no squeezing or unsqueezing.
+            return (f"the slice's tensor has {len(sh)} dimension(s) {tuple(sh)}, the saved "
+                    f"tensor {len(shape)} ({list(shape)})")
         if any(o < 0 or o + n > m for o, n, m in zip(off, sh, shape, strict=True)):
             return (f"the slice at {tuple(off)} of shape {tuple(sh)} lies outside the saved "
                     f"tensor's {list(shape)}")

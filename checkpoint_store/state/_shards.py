@@ -92,9 +92,9 @@ def merge_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
     Raises:
         CheckpointConflictError: the ranks saved different states (other
-            keys, shapes or dtypes), or the pieces of a tensor do not tile
-            it exactly (a gap or an overlap: a placement this module
-            mis-read); nothing should be committed.
+            keys, the same keys in another order, shapes or dtypes), or the
+            pieces of a tensor do not tile it exactly (a gap or an overlap:
+            a placement this module mis-read); nothing should be committed.
     """
     local = sorted(k for k, box in parts[0]["sharding"].items() if box.get("rank_local"))
 
@@ -105,9 +105,16 @@ def merge_parts(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     keys = shared_keys(parts[0])
     for r, part in enumerate(parts):
         mine = sorted(k for k, box in part["sharding"].items() if box.get("rank_local"))
-        if shared_keys(part) != keys or mine != local:
-            extra = sorted(set(shared_keys(part)) ^ set(keys))[:3] or sorted(
-                set(mine) ^ set(local))[:3]
+        theirs = shared_keys(part)
+        if theirs != keys and mine == local and sorted(theirs) == sorted(keys):
+            at = next(i for i, (a, b) in enumerate(zip(theirs, keys, strict=True)) if a != b)
+            raise CheckpointConflictError(
+                f"rank {r} reported the same keys as rank 0 in another order ({theirs[at]!r} "
+                f"where rank 0 has {keys[at]!r}); every rank must build its state in the same "
+                "order (tied tensors are saved under the first of their keys): build it "
+                "from a list or the model's own order, not from a set")
+        if theirs != keys or mine != local:
+            extra = sorted(set(theirs) ^ set(keys))[:3] or sorted(set(mine) ^ set(local))[:3]
             raise CheckpointConflictError(
                 f"rank {r} saved a state with other tensors than rank 0 ({extra} differ); "
                 "every rank must report a state of the same keys")
@@ -219,6 +226,10 @@ class ShardIndex:
                 if cell in self.cells and self.overlap is None:
                     self.overlap = (self.cells[cell], i)
                 self.cells[cell] = i
+        if self.cells is None:
+            # The grid was given up part-way: the pieces not put in it were
+            # never compared. A sweep compares every pair that overlaps.
+            self.overlap = _first_overlap(self.pieces, self.shape)
 
     @classmethod
     def why_not_tiling(cls, entry: Mapping[str, Any]) -> str | None:
@@ -255,6 +266,31 @@ class ShardIndex:
             hits = {self.cells[c] for c in itertools.product(*ranges) if c in self.cells}
             found = [self.pieces[i] for i in sorted(hits)]
         return sorted(found, key=lambda p: (p["file"], p["offsets"][0]))
+
+
+def _first_overlap(pieces: Sequence[Mapping[str, Any]],
+                   shape: Sequence[int]) -> tuple[int, int] | None:
+    """Two pieces (by position) that share an element, or None: a sweep
+    along the dimension the pieces span least of (each piece compared with
+    those it meets along it), so row bands cut at different columns cost
+    O(pieces x log), not every pair."""
+    if not shape:  # a 0-d tensor: every piece is all of it
+        return (0, 1) if len(pieces) > 1 else None
+    nd = len(shape)
+    dim = min(range(nd), key=lambda d: sum(p["shape"][d] for p in pieces) / max(1, shape[d]))
+    order = sorted(range(len(pieces)), key=lambda i: pieces[i]["offset"][dim])
+    active: list[int] = []
+    for i in order:
+        p = pieces[i]
+        start = p["offset"][dim]
+        active = [j for j in active if pieces[j]["offset"][dim] + pieces[j]["shape"][dim] > start]
+        for j in active:
+            q = pieces[j]
+            if all(q["offset"][d] < p["offset"][d] + p["shape"][d]
+                   and p["offset"][d] < q["offset"][d] + q["shape"][d] for d in range(nd)):
+                return j, i
+        active.append(i)
+    return None
 
 
 def pieces_bytes(tensors: Mapping[str, Any]) -> Iterable[tuple[str, Mapping[str, Any]]]:

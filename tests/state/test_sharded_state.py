@@ -252,11 +252,70 @@ def test_pieces_that_do_not_tile_are_refused(tmp_path) -> None:
         merged_state_file(parts)
 
 
+def test_a_piece_listed_again_at_another_box_is_refused(tmp_path) -> None:
+    """A piece's CRC checks its bytes, not where they go: rank 0's piece
+    listed in place of rank 1's tiles the tensor and passes every CRC, yet
+    would load rank 0's rows twice. Refused when the index is read."""
+    w = torch.randn(1024, 300)
+    root = _save(tmp_path, {"w": w}, 4)
+    with open(os.path.join(root, STATE_FILE)) as f:
+        body = json.load(f)
+    shards = body["tensors"]["w"]["shards"]
+    shards[1] = {**shards[0], "offset": shards[1]["offset"]}
+    with open(os.path.join(root, STATE_FILE), "w") as f:
+        json.dump(body, f)
+    with pytest.raises(CheckpointCorruptError, match="same bytes"):
+        load_state(pafs.LocalFileSystem(), root)
+
+
+def test_an_overlap_and_a_gap_are_refused_in_an_irregular_tiling(tmp_path) -> None:
+    """Row bands cut at a different column each make a grid too fine to
+    build (the index scans its pieces instead); a piece moved onto its
+    neighbour, leaving as many elements uncovered as it covers twice, must
+    still be refused when the index is read, not loaded with a hole of
+    uninitialized memory."""
+    from checkpoint_store.state import write_state
+
+    rows, cols = 200, 300
+    full = torch.randn(rows, cols)
+    cuts = [1 + i for i in range(rows)]
+    pieces = {f"p{i}_{j}": (full[i:i + 1, :c] if j == 0 else full[i:i + 1, c:]).clone()
+              for i, c in enumerate(cuts) for j in (0, 1)}
+    root = str(tmp_path / "ckpt")
+    write_state({"w": torch.zeros(1), **pieces}, root)
+    with open(os.path.join(root, STATE_FILE)) as f:
+        body = json.load(f)
+    stored = body["tensors"]
+
+    def shard(i: int, j: int, at: int) -> dict[str, Any]:
+        e = stored[f"p{i}_{j}"]
+        return {"file": e["file"], "offsets": e["offsets"], "crc32c": e["crc32c"],
+                "offset": [i, at], "shape": e["shape"]}
+
+    shards = [shard(i, j, 0 if j == 0 else c) for i, c in enumerate(cuts) for j in (0, 1)]
+    entry = {"dtype": "F32", "shape": [rows, cols], "framework": "torch", "shards": shards}
+    assert ShardIndex(entry).cells is None and ShardIndex.why_not_tiling(entry) is None
+    shards[-1] = {**shards[-1], "offset": [rows - 1, cuts[-1] - 1]}  # one column left
+    assert "overlap" in (ShardIndex.why_not_tiling(entry) or "")
+    body["tensors"]["w"] = entry
+    with open(os.path.join(root, STATE_FILE), "w") as f:
+        json.dump(body, f)
+    with pytest.raises(CheckpointCorruptError, match="overlap"):
+        load_state(pafs.LocalFileSystem(), root, keys="w")
+
+
 def test_ranks_with_different_states_are_refused(tmp_path) -> None:
     a = write_part({"w": torch.zeros(4)}, str(tmp_path / "a"), 0, 2)
     b = write_part({"v": torch.zeros(4)}, str(tmp_path / "b"), 1, 2)
     with pytest.raises(CheckpointConflictError, match="rank 1"):
         merged_state_file([a, b])
+    # The same keys in another order (a state built from a set, whose order
+    # differs by process): said as such, not as "[] differ".
+    x = torch.zeros(4)
+    ab = write_part({"w": x, "v": torch.ones(4), "t": x}, str(tmp_path / "ab"), 0, 2)
+    ba = write_part({"v": torch.ones(4), "t": x, "w": x}, str(tmp_path / "ba"), 1, 2)
+    with pytest.raises(CheckpointConflictError, match="same keys as rank 0 in another order"):
+        merged_state_file([ab, ba])
     c = write_part({"w": torch.zeros(5)}, str(tmp_path / "c"), 1, 2)
     with pytest.raises(CheckpointConflictError, match="rank 1"):
         merged_state_file([a, c])
@@ -276,12 +335,21 @@ def test_ranks_with_different_states_are_refused(tmp_path) -> None:
     ((1000, 0), (100, 300), "outside"),
     ((-1, 0), (10, 300), "outside"),
     ((0,), (10, 300), "ints"),
+    ((0, 0), (10,), "1 dimension"),
+    ((0, 0), (1, 10, 300), "3 dimension"),
+    ((0, 0), None, "holds list"),
 ])
 def test_a_bad_slice_is_refused_before_any_read(tmp_path, offset, shape, match) -> None:
-    root = _save(tmp_path, {"w": torch.randn(1037, 300)}, 2)
-    dest = torch.zeros(shape)
-    with pytest.raises(StateMismatchError, match=match):
-        load_state(pafs.LocalFileSystem(), root, into={"w": StateSlice(dest, offset)})
+    """Each a StateMismatchError naming the key, whatever the request is
+    (a tensor of other dimensions than the saved one, something that is
+    no tensor), before anything is read or filled."""
+    root = _save(tmp_path, {"w": torch.randn(1037, 300), "v": torch.ones(4)}, 2)
+    dest = torch.zeros(shape) if shape is not None else [0.0] * 10
+    other = torch.zeros(4)
+    with pytest.raises(StateMismatchError, match=match) as err:
+        load_state(pafs.LocalFileSystem(), root,
+                   into={"v": other, "w": StateSlice(dest, offset)})
+    assert err.value.key == "w" and not other.any()
 
 
 def test_planning_finds_overlaps_without_the_product(tmp_path) -> None:
