@@ -477,7 +477,7 @@ def fsync_tree(fs: pafs.FileSystem, root: str, files: Iterable[str]) -> None:
         fsync_dir(os.path.join(root_os, d))
 
 
-_thread_locks: dict[tuple[int, str], threading.Lock] = {}
+_thread_locks: dict[tuple[int | str, str], threading.Lock] = {}
 _thread_locks_guard = threading.Lock()
 
 
