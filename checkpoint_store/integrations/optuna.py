@@ -131,7 +131,9 @@ def objective(
         InvalidConfigError: at once, for a bad ``mode`` or ``value``, or a
             ``storage_filesystem`` that is no filesystem instance. From the
             objective: whatever ``train_fn`` raised; a metric that was never
-            reported or is not a number (naming it); ``optuna.TrialPruned``.
+            reported or is not a number (naming it); a trial directory whose
+            ``params.json`` records another config (another study's trial of
+            that number), before anything runs; ``optuna.TrialPruned``.
     """
     optuna = _import_optuna()
     if mode not in ("max", "min"):
@@ -175,6 +177,8 @@ def objective(
         if not isinstance(name, str):  # not a retry: a trial directory of its own
             name = trial_name(trial) if trial_name is not None else f"trial_{trial.number:05d}"
             trial.set_user_attr(ATTR_TRIAL_NAME, name)
+        _refuse_another_config(storage_path, experiment_name, name, cfg,
+                               storage_filesystem, storage_options)
         runner = TrialRunner(
             train_fn, cfg, storage_path=storage_path, experiment_name=experiment_name,
             trial_name=name, checkpoint_config=checkpoint_config,
@@ -217,6 +221,43 @@ def objective(
         return max(history, key=lambda v: rank_key(v, 0, mode))
 
     return run_trial
+
+
+def _refuse_another_config(
+    storage_path: str | os.PathLike[str], experiment_name: str, name: str,
+    cfg: Mapping[str, Any], storage_filesystem: Any, storage_options: Mapping[str, Any] | None,
+) -> None:
+    """Refuse to run a trial under ``name`` when that trial directory's
+    ``params.json`` records another config: its checkpoints and rows are
+    another trial's (trial numbers start at 0 again in every new study, so a
+    second study in the same ``experiment_name`` meets the first one's
+    ``trial_00000``). Resuming there would load the other trial's weights and
+    count its scores as this trial's. A directory without recorded params
+    says nothing against it and is resumed as before.
+
+    Raises:
+        InvalidConfigError: the recorded config differs from ``cfg``.
+    """
+    from checkpoint_store._format import jsonrules as _json
+    from checkpoint_store._results.trialfiles import read_params
+    from checkpoint_store.storage import StorageContext
+
+    storage = StorageContext(storage_path, experiment_name, name,
+                             storage_filesystem=storage_filesystem,
+                             storage_options=storage_options)
+    recorded = read_params(storage.filesystem, storage.trial_path)
+    if not recorded:
+        return
+    mine = {k: v for k, v in _json.loads(_json.dumps(_json.to_json_object(cfg, "config")))
+            .items() if not k.startswith("_")}
+    if recorded != mine:
+        raise InvalidConfigError(
+            f"trial directory {storage.uri(storage.trial_path)} holds a trial run with "
+            f"another config ({recorded!r}; this trial's is {mine!r}), so this trial would "
+            "resume from its checkpoints and count its scores; trial numbers start at 0 in "
+            "every new study: give each study its own experiment_name (or trial_name=), "
+            "or remove that directory"
+        )
 
 
 def _requeue(optuna: Any, trial: Any, name: str, exc: Any) -> None:

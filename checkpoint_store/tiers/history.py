@@ -30,6 +30,7 @@ import logging
 import os
 import posixpath
 import socket
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -44,7 +45,7 @@ from checkpoint_store._format.layout import (
 )
 from checkpoint_store._results.reader import read_results
 from checkpoint_store._util import fs as _fsutil
-from checkpoint_store._util.inspect import read_internal_metadata
+from checkpoint_store._util.inspect import inspect_checkpoint, read_internal_metadata
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers.config import LocalTier
@@ -315,4 +316,26 @@ def trial_copies(storage: StorageContext, local_tier: LocalTier | None = None
     ``resume_path``, the CLI)."""
     tier_dir = (None if local_tier is None else
                 local_trial_dir(local_tier.path, storage.experiment_name, storage.trial_name))
-    return joint_history(storage, tier_dirs_of(storage, tier_dir))
+    durable = storage.committed_checkpoints()
+    _warn_damaged_newer(storage, durable)
+    return joint_history(storage, tier_dirs_of(storage, tier_dir), durable)
+
+
+def _warn_damaged_newer(storage: StorageContext,
+                        durable: list[tuple[Checkpoint, dict[str, Any]]]) -> None:
+    """Name each damaged ``checkpoint_<i>`` above the newest committed one (a
+    truncated or deleted file, an unreadable marker): the restore goes back
+    past it, which must not happen unsaid. The committed listing leaves such
+    a directory out without a word; one never committed (no marker) is a
+    save cut short and says nothing."""
+    newest = max((m["index"] for _, m in durable if isinstance(m.get("index"), int)),
+                 default=-1)
+    for index, name in storage.checkpoint_dirs():
+        if index <= newest:
+            continue
+        path = posixpath.join(storage.trial_path, name)
+        insp = inspect_checkpoint(storage.filesystem, path, retry=storage.retry)
+        if insp.state == "invalid":
+            warnings.warn(f"skipping {storage.uri(path)}: it is damaged ({insp.reason}); the "
+                          "restore goes back to an older checkpoint", RuntimeWarning,
+                          stacklevel=4)

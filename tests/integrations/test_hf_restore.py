@@ -147,3 +147,23 @@ def test_an_output_dir_that_is_a_file_is_an_invalid_config_error(tmp_path, shape
     assert blocker.read_bytes() == b"not a directory"
     # A directory there restores as usual.
     assert restore_latest(tmp_path / "ok", **kw, **NAMES) == str(tmp_path / "ok" / "checkpoint-2")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted", "unreadable marker"])
+def test_a_restore_past_a_damaged_newest_checkpoint_warns(tmp_path, damage):
+    """A newest checkpoint whose damage the listing shows is skipped with a
+    warning naming it, as one a checksum finds is; the one before is restored."""
+    kw = {"storage_path": str(tmp_path / "store")}
+    _commit_saves(tmp_path, kw, [2, 4, 6])
+    newest = tmp_path / "store" / "bert" / "run0" / "checkpoint_000002"
+    if damage == "truncated":
+        os.truncate(newest / "model.safetensors", 3)
+    elif damage == "deleted":
+        os.remove(newest / "trainer_state.json")
+    else:
+        (newest / ".internal_metadata.json").write_text("{not json")
+    with pytest.warns(RuntimeWarning, match="checkpoint_000002.*damaged"):
+        path = restore_latest(tmp_path / "out", **kw, **NAMES)
+    assert path == str(tmp_path / "out" / "checkpoint-4")
+    assert json.loads((tmp_path / "out" / "checkpoint-4" / "trainer_state.json")
+                      .read_text())["global_step"] == 4

@@ -714,6 +714,59 @@ def test_resume_path_skips_damaged_newest(tmp_path):
     assert resume_path(str(tmp_path / "empty")) is None
 
 
+
+def test_resume_path_warns_for_a_newest_checkpoint_damaged_in_the_listing(tmp_path):
+    """A truncated or deleted state file shows in the listing: skipped with a
+    warning too, not silently (only a flipped byte was named before)."""
+    io = CheckpointStoreIO()
+    ck = tmp_path / "ck"
+    for step in (2, 4, 6):
+        io.save_checkpoint({"global_step": step}, str(ck / f"s{step}.ckpt"))
+    os.truncate(ck / "s6.ckpt" / STATE_FILE, 10)
+    with pytest.warns(RuntimeWarning, match="s6.ckpt"):
+        assert resume_path(str(ck)) == str(ck / "s4.ckpt")
+    os.remove(ck / "s4.ckpt" / STATE_FILE)
+    with pytest.warns(RuntimeWarning, match="s4.ckpt"):
+        assert resume_path(str(ck)) == str(ck / "s2.ckpt")
+
+
+def test_resume_path_continues_the_run_that_committed_last(tmp_path):
+    """A fresh fit in a dirpath holding an earlier run's further checkpoints
+    is a run of its own: its restart resumes it, not the earlier run's end."""
+    ck = tmp_path / "ck"
+    CheckpointStoreIO().save_checkpoint({"global_step": 100}, str(ck / "old-100.ckpt"))
+    fresh = CheckpointStoreIO()
+    fresh.save_checkpoint({"global_step": 2}, str(ck / "new-2.ckpt"))
+    assert resume_path(str(ck)) == str(ck / "new-2.ckpt")
+    resumed = CheckpointStoreIO()
+    resumed.load_checkpoint(str(ck / "new-2.ckpt"))
+    resumed.save_checkpoint({"global_step": 4}, str(ck / "new-4.ckpt"))
+    assert resume_path(str(ck)) == str(ck / "new-4.ckpt")
+    # The run's only checkpoints damaged: no fallback to the other run's.
+    for name in ("new-2.ckpt", "new-4.ckpt"):
+        os.truncate(ck / name / STATE_FILE, 10)
+    with pytest.warns(RuntimeWarning, match="new-4.ckpt"):
+        assert resume_path(str(ck)) is None
+
+
+def test_resume_path_refuses_a_monitor_nothing_recorded(tmp_path):
+    """Best by a metric no checkpoint recorded (a restart with another
+    monitor) is a typed error, not the newest handed out as the best."""
+    io = CheckpointStoreIO()
+    ck = tmp_path / "ck"
+
+    def state(step: int, loss: float | None) -> dict:
+        mc = {"monitor": "val_loss", "current_score": None if loss is None else torch.tensor(loss)}
+        return {"global_step": step, "callbacks": {"ModelCheckpoint{'monitor': 'val_loss'}": mc}}
+
+    io.save_checkpoint(state(2, 0.1), str(ck / "s2.ckpt"))
+    io.save_checkpoint(state(4, 0.5), str(ck / "s4.ckpt"))
+    io.save_checkpoint(state(6, None), str(ck / "s6.ckpt"))  # before any validation
+    assert resume_path(str(ck), monitor="val_loss") == str(ck / "s2.ckpt")
+    assert resume_path(str(ck), monitor="val_loss", mode="max") == str(ck / "s4.ckpt")
+    with pytest.raises(InvalidConfigError, match="val_acc.*val_loss"):
+        resume_path(str(ck), monitor="val_acc")
+
 # -- async ------------------------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 from checkpoint_store import Checkpoint, CheckpointConfig, StorageContext, session
+from checkpoint_store.errors import InvalidConfigError
 
 optuna = pytest.importorskip("optuna")
 from checkpoint_store.integrations.optuna import (  # noqa: E402
@@ -194,3 +195,38 @@ def test_resumed_trial_with_nothing_left_to_run_returns_its_history(tmp_path):
     study3.optimize(objective(_resumable_train(tmp_path, scores, set()), value="last", **kw),
                     n_trials=1)
     assert study3.best_value == 0.5
+
+
+def test_new_study_in_the_same_experiment_never_resumes_the_old_trials(tmp_path):
+    """Trial numbers start at 0 in every study: the second study's trial 0
+    must not load the first one's checkpoint nor count its scores."""
+    store = str(tmp_path / "store")
+    loaded: list[object] = []
+
+    def train(config):
+        ckpt = session.get_checkpoint()
+        loaded.append(ckpt)
+        d = tmp_path / "src" / uuid.uuid4().hex
+        d.mkdir(parents=True)
+        (d / "w.txt").write_text(str(config["x"]))
+        session.report({"score": config["x"]}, checkpoint=Checkpoint.from_directory(d))
+
+    def study_of(x):
+        study = optuna.create_study(direction="maximize")
+        study.enqueue_trial({"x": x})
+        study.optimize(objective(train, lambda t: {"x": t.suggest_float("x", 0, 10)},
+                                 storage_path=store, experiment_name="sweep",
+                                 metric="score"),
+                       n_trials=1, catch=(InvalidConfigError,))
+        return study
+
+    first = study_of(9.0)
+    assert first.best_value == 9.0
+    second = study_of(1.0)
+    assert second.trials[0].state == optuna.trial.TrialState.FAIL
+    assert loaded == [None]  # the second trial never ran on the first one's directory
+    assert StorageContext(store, "sweep", "trial_00000").read_results()[-1]["score"] == 9.0
+    # The same config again (a restart that lost the study's record) resumes.
+    third = study_of(9.0)
+    assert third.best_value == 9.0
+    assert len(loaded) == 2 and loaded[1] is not None

@@ -218,7 +218,8 @@ class _ReportCallback:
         teardown, on an exception, or at interpreter exit if ``fit`` never runs.
 
         Raises:
-            InvalidConfigError: ``best`` without ``monitor`` on the callback.
+            InvalidConfigError: ``best`` without ``monitor`` on the callback,
+                or with one that no checkpoint of the trial reported.
         """
         chosen = self._chosen(best)
         if chosen is None:
@@ -244,7 +245,8 @@ class _ReportCallback:
         ``local_dir`` to keep it).
 
         Raises:
-            InvalidConfigError: the callback has no ``monitor``.
+            InvalidConfigError: the callback has no ``monitor``, or one that
+                no checkpoint of the trial reported.
         """
         return self.resume_path(local_dir, best=True)
 
@@ -255,7 +257,8 @@ class _ReportCallback:
         None when the trial has none.
 
         Raises:
-            InvalidConfigError: the callback has no ``monitor``.
+            InvalidConfigError: the callback has no ``monitor``, or one that
+                no checkpoint of the trial reported.
         """
         return self._chosen(best=True)
 

@@ -46,13 +46,41 @@ def _pick(
         raise InvalidConfigError(f"mode must be 'min' or 'max', got {mode!r}")
     from checkpoint_store.retention import rank_key
 
+    def score(meta: Mapping[str, Any]) -> float | None:
+        value = _to_float((meta.get("metrics") or {}).get(monitor))
+        return None if value is None or math.isnan(value) else value
+
+    if candidates and all(score(m) is None for _, m in candidates):
+        # Ranking by a metric nothing recorded would hand out the newest as the best.
+        recorded = sorted({k for _, m in candidates for k in (m.get("metrics") or {})})
+        raise InvalidConfigError(
+            f"no checkpoint records a value of monitor {monitor!r} (they record: "
+            f"{', '.join(recorded) or 'nothing'}); pass the metric the checkpoints were "
+            "ranked by when saved (ModelCheckpoint's or the callback's monitor), or no "
+            "monitor for the newest")
+
     def key(cm: tuple[Any, Mapping[str, Any]]) -> tuple[int, float, tuple[int, float]]:
-        score = _to_float((cm[1].get("metrics") or {}).get(monitor))
-        if score is not None and math.isnan(score):
-            score = None
-        return rank_key(score, newness(cm[1]), mode)
+        return rank_key(score(cm[1]), newness(cm[1]), mode)
 
     return [c for c, _ in sorted(candidates, key=key, reverse=True)]
+
+
+def _latest_run(candidates: list[tuple[str, Mapping[str, Any]]],
+                damaged: Sequence[Mapping[str, Any]] = ()) -> list[tuple[str, Mapping[str, Any]]]:
+    """The candidates of the run that committed last (its ``run_id``), judged
+    with the markers of ``damaged`` checkpoints too.
+
+    A fresh ``fit`` (no ``ckpt_path``) in a ``dirpath`` that holds another
+    run's checkpoints is a run of its own, and a resume continues the run it
+    resumed from, so the run that committed last is the one a restart
+    continues; the highest step of the directory may be an earlier run's.
+    When that run's checkpoints are all damaged there is nothing of it to
+    resume: an earlier run's is never the answer."""
+    metas = [m for _, m in candidates] + list(damaged)
+    if not metas:
+        return candidates
+    run = max(metas, key=lambda m: float(m.get("created_at", 0.0))).get("run_id")
+    return [cm for cm in candidates if cm[1].get("run_id") == run]
 
 
 def _first_verified(checkpoints: list[Any], describe: Callable[[Any], str],
@@ -81,16 +109,20 @@ def resume_path(
     Lists the committed checkpoint directories that :class:`CheckpointStoreIO`
     wrote in ``dirpath`` (``ModelCheckpoint(dirpath=...)``) and returns the
     newest (highest ``global_step``, then latest commit) whose files verify
-    (size and CRC32C). A directory without a commit marker (a save cut short)
-    is never a candidate; one that fails verification, or whose pointer
-    (``.cs_current``) names no replacement of it, is skipped with a
-    ``RuntimeWarning``. Lightning's own ``ckpt_path="last"`` goes by names and
-    modification times instead.
+    (size and CRC32C), among those of the run that committed last (each
+    checkpoint records its run: a fresh ``fit`` in a ``dirpath`` holding an
+    earlier run's checkpoints is a run of its own; a resumed one continues
+    the run it resumed from). A directory without a commit marker (a save
+    cut short) is never a candidate; one that is damaged or fails
+    verification, or whose pointer (``.cs_current``) names no replacement of
+    it, is skipped with a ``RuntimeWarning``. Lightning's own
+    ``ckpt_path="last"`` goes by names and modification times instead.
 
     Args:
         dirpath: the checkpoint directory (local path or URI).
         monitor: pick the best by this metric (recorded at save from each
-            ``ModelCheckpoint``'s monitored value) instead of the newest.
+            ``ModelCheckpoint``'s monitored value) instead of the newest; a
+            checkpoint without a value of it ranks last.
         mode: ``"min"`` or ``"max"`` for ``monitor``.
         storage_options, storage_filesystem: as for :class:`CheckpointStoreIO`.
 
@@ -99,12 +131,14 @@ def resume_path(
         ``CheckpointStoreIO``), or None when there is no committed checkpoint.
 
     Raises:
-        InvalidConfigError: a bad ``mode`` or location.
+        InvalidConfigError: a bad ``mode`` or location; a ``monitor`` that no
+            candidate checkpoint recorded a value of.
     """
     backend, root = resolve(dirpath, filesystem=storage_filesystem,
                             storage_options=storage_options)
     fs = backend.filesystem
     found: list[tuple[str, Mapping[str, Any]]] = []
+    damaged: list[Mapping[str, Any]] = []
     listed = {posixpath.basename(fi.path.rstrip("/")): fi.type
               for fi in _fsutil.list_dir(fs, root)}
     names = {n for n, t in listed.items()
@@ -119,8 +153,14 @@ def resume_path(
         insp = inspect_checkpoint(fs, target)
         if insp.state == "committed" and insp.meta is not None:
             found.append((name, insp.meta))
+        elif insp.state == "invalid":  # damage a listing shows (a size, a file missing)
+            if insp.meta is not None:
+                damaged.append(insp.meta)
+            warnings.warn(f"skipping checkpoint {backend.uri_for(posixpath.join(root, name))}: "
+                          f"it is damaged ({insp.reason})", RuntimeWarning, stacklevel=2)
     chosen = _first_verified(
-        _pick(found, monitor, mode), lambda n: backend.uri_for(posixpath.join(root, n)),
+        _pick(_latest_run(found, damaged), monitor, mode),
+        lambda n: backend.uri_for(posixpath.join(root, n)),
         lambda n: verified_state(backend, posixpath.join(root, n), keep=False),
     )
     if chosen is None:
