@@ -84,24 +84,25 @@ def read_bytes(fs: pafs.FileSystem, path: str, *, retry: RetryPolicy | None = No
     return _retry.call(_read, policy=retry, store=fs, what=f"read {path}")
 
 
-#: Reads, in all, of a control file that does not parse, and the first pause
-#: between two of them (doubled each time: 0.05 + 0.1 + 0.2 + 0.4 s).
+#: Reads, in all, of a control file that does not parse, and the pauses
+#: between them (0.75 s in all); the first is short: a file read the same
+#: after it is not being written.
 CONTROL_READS = 5
-_CONTROL_PAUSE_S = 0.05
+_CONTROL_PAUSES_S = (0.02, 0.08, 0.2, 0.45)
 
 
 class UnparsableFileError(ValueError):
     """A control file that stayed unparsable for every read of
-    :func:`read_control`: cut short or empty, by a writer that died (or is
-    still stuck) half way, or not ours.
+    :func:`read_control` (or read the same twice): cut short or empty, by a
+    writer that died (or is still stuck) half way, or not ours.
 
     Attributes:
         path: the file, as the filesystem spells it.
         raw: the bytes of the last read.
     """
 
-    def __init__(self, path: str, raw: bytes, cause: ValueError):
-        super().__init__(f"{path} is not readable as JSON after {CONTROL_READS} reads "
+    def __init__(self, path: str, raw: bytes, cause: ValueError, reads: int = CONTROL_READS):
+        super().__init__(f"{path} is not readable as JSON after {reads} read(s) "
                          f"({len(raw)} bytes; {cause})")
         self.path = path
         self.raw = raw
@@ -123,9 +124,12 @@ def read_control(
     blob empty as it opens it for writing; fsspec filesystems over
     directories (``DirFileSystem``, sftp, webdav) write in place. So a body
     that ``parse`` refuses (``ValueError``, which ``UnicodeDecodeError`` is)
-    is read again, :data:`CONTROL_READS` times in all within about 0.75 s,
-    before it counts as unparsable. A body that parses at the first read
-    costs nothing more.
+    is read again, up to :data:`CONTROL_READS` times in all within about
+    0.75 s, for as long as a write may be under way: while it is empty, or
+    changed since the read before. The same bytes twice (20 ms apart at the
+    first try) are no write in flight but a file cut short for good (a
+    writer killed half way, a damaged file): unparsable at once. A body
+    that parses at the first read costs nothing more.
 
     Raises:
         FileNotFoundError: the file is absent (also when it was deleted
@@ -134,15 +138,19 @@ def read_control(
             caller decides what an unreadable file means.
         OSError: as :func:`read_bytes`.
     """
+    before: bytes | None = None
     for n in range(CONTROL_READS):
         if n:
-            time.sleep(_CONTROL_PAUSE_S * 2 ** (n - 1))
+            time.sleep(_CONTROL_PAUSES_S[n - 1])
         raw = read_bytes(fs, path, retry=retry)
         try:
             return parse(raw)
         except ValueError as exc:
             refused = exc
-    raise UnparsableFileError(path, raw, refused) from refused
+        if raw and raw == before:
+            break  # not moving: no write in flight
+        before = raw
+    raise UnparsableFileError(path, raw, refused, n + 1) from refused
 
 
 def list_dir(

@@ -63,3 +63,30 @@ def test_an_absent_control_file_is_not_found_at_once(tmp_path):
     with pytest.raises(FileNotFoundError):
         _fsutil.read_control(fs, path + ".missing")
     assert fs.handler.calls["open_input_stream"] == 1
+
+
+def test_a_file_cut_short_for_good_is_unparsable_after_two_reads(tmp_path):
+    """The same bytes twice are no write in flight: a writer killed half way
+    (or a file damaged by hand) costs one read more, not the whole budget
+    (a restart reading a damaged retention state paid 0.75 s per read)."""
+    backend, root = resolve(str(tmp_path / "root"))
+    backend.filesystem.create_dir(root, recursive=True)
+    path = f"{root}/control.json"
+    _fsutil.write_bytes(backend.filesystem, path, _BODY[:20], backend.capabilities)
+    spy = faulty_backend(backend).filesystem
+    with pytest.raises(_fsutil.UnparsableFileError, match="after 2 read"):
+        _fsutil.read_control(spy, path)
+    assert spy.handler.calls["open_input_stream"] == 2
+
+
+def test_an_empty_file_is_read_for_the_whole_budget(tmp_path):
+    """Empty is how pyarrow's Azure client shows a blob for as long as its
+    writer has it open: read again until the budget is spent."""
+    backend, root = resolve(str(tmp_path / "root"))
+    backend.filesystem.create_dir(root, recursive=True)
+    path = f"{root}/control.json"
+    _fsutil.write_bytes(backend.filesystem, path, b"", backend.capabilities)
+    spy = faulty_backend(backend).filesystem
+    with pytest.raises(_fsutil.UnparsableFileError):
+        _fsutil.read_control(spy, path)
+    assert spy.handler.calls["open_input_stream"] == _fsutil.CONTROL_READS
