@@ -78,3 +78,42 @@ def test_an_empty_marker_is_an_uncommitted_directory_everywhere(kind, request, t
     assert inspect_checkpoint(
         fs, posixpath.join(ctx.trial_path, "checkpoint_000002")).state == "committed"
 
+
+
+@pytest.mark.parametrize("form", ["pyarrow-azure", "fsspec-dirfs"])
+def test_an_empty_marker_is_uncommitted_through_a_filesystem_passed_in(form, request,
+                                                                       tmp_path):
+    """The same through a filesystem object the user passes in: pyarrow's own
+    AzureFileSystem (the store that leaves such markers) and an fsspec one.
+    The restart resumes the checkpoint before it, commits the next index,
+    and the session's start removes the killed commit's directory."""
+    if form == "pyarrow-azure":
+        from tests.stores import pyarrow_azure
+
+        fs = pyarrow_azure(request.getfixturevalue("azure_server"))
+        root = f"{request.getfixturevalue('azure_container')}/runs"
+    else:
+        from fsspec.implementations.dirfs import DirFileSystem
+        from fsspec.implementations.local import LocalFileSystem
+
+        (tmp_path / "dirfs").mkdir()
+        fs, root = DirFileSystem(path=str(tmp_path / "dirfs"), fs=LocalFileSystem()), "runs"
+    where = {"storage_path": root, "storage_filesystem": fs, "experiment_name": "exp",
+             "trial_name": "t1"}
+    for i in range(2):
+        with session.start(**where):
+            src = write_tree(str(tmp_path / f"src{i}"), {"model.bin": bytes([i]) * 300})
+            session.report({"step": i}, checkpoint=Checkpoint.from_directory(src))
+    ctx = StorageContext(root, "exp", "t1", storage_filesystem=fs)
+    victim = posixpath.join(ctx.trial_path, "checkpoint_000001")
+    _fsutil.write_bytes(ctx.filesystem, posixpath.join(victim, INTERNAL_METADATA), b"",
+                        ctx.backend.capabilities, fsync=False)
+    assert inspect_checkpoint(ctx.filesystem, victim).state == "absent"
+    assert "checkpoint_000001" in ctx.scan().uncommitted
+    with session.start(**where) as s:
+        latest = s.get_checkpoint()
+        assert latest is not None and latest.path.endswith("checkpoint_000000")
+        src = write_tree(str(tmp_path / "src2"), {"model.bin": b"\x02" * 300})
+        row = session.report({"step": 2}, checkpoint=Checkpoint.from_directory(src))
+        assert row["checkpoint_dir_name"] == "checkpoint_000002"
+    assert not _fsutil.exists(ctx.filesystem, victim), "the killed commit's directory stayed"
