@@ -302,7 +302,10 @@ WHY: list[tuple[str, str]] = [
      "freed take 1.7-2.8 s (perf: the kernel's copy into the new folios). Small "
      "files: each costs an `open` that creates an inode, about 90 % of both our time "
      "and `cp`'s under `strace -c`; per file we add about 14 µs of Python (tmpfs, "
-     "cProfile: stamps, checks, the manifest)."),
+     "cProfile: stamps, checks, the manifest)."
+     " Next step: take the stamps and checks of a batch of small files in one pass, "
+     "leaving per file only the `open` both tools pay (2000 x 64 KiB: 0.86x `cp -r` "
+     "now)."),
     ("download (verify)", "a download is the same two-thread copy, and every "
      "byte's CRC32C is checked against the manifest (a corrupt file raises "
      "`CheckpointCorruptError`); 2000 small files are bound by inode creation as "
@@ -334,7 +337,11 @@ WHY: list[tuple[str, str]] = [
      "afresh (32 MiB: every page faulted in again, client CPU +0.4 s), so parts stay "
      "at 16 MiB. Through the link, where the bytes and not the emulator set the time, "
      "ours ties or wins. S3 4 x 256 MiB upload through the link is at 0.9-1.0x Ray's "
-     "sequential stream; the wire alone needs 8.6 s of the 10-12 s."),
+     "sequential stream; the wire alone needs 8.6 s of the 10-12 s."
+     " Next step: the same rows against real S3 and Azure endpoints, whose CPU is not "
+     "the client's (the link rows are the nearest this box gets: 0.89-1.16x); on "
+     "loopback what remains ours is the async client's per-request Python (S3 2000 x "
+     "64 KiB download: 0.85x s3fs on moto, 1.15x through the link)."),
     ("incremental", "moto's CopyObject copies the object's bytes inside its single "
      "Python process, so on moto copying an unchanged 64 MiB file costs about what its "
      "upload costs (16 x 64 MiB: full upload 4.7 s, incremental 2.4 s on loopback): the "
@@ -354,7 +361,10 @@ WHY: list[tuple[str, str]] = [
      "256 MiB), so a transfer stays within it but may use most of it; a smaller "
      "`memory_budget` trades speed for memory (Azure 1 GiB download: 128 MiB gives "
      "about half the peak, 1.4 s against 1.2 s). glibc's per-thread malloc arenas can "
-     "keep freed buffers in RSS on top (`MALLOC_ARENA_MAX=2` removes that)."),
+     "keep freed buffers in RSS on top (`MALLOC_ARENA_MAX=2` removes that)."
+     " Next step: size the parts in flight by the bandwidth measured so far instead of "
+     "filling `memory_budget` (Azure 1 x 1 GiB download: 132 MiB against Ray's 69 "
+     "MiB)."),
     ("async", "async staging copies the checkpoint on the local disk at `cp` speed "
      "(about 0.25 s per GiB, more on a cold first run), while the synchronous upload "
      "it is compared with became faster (1 GiB to moto in about 5.5 s); with "
