@@ -92,3 +92,28 @@ def test_gc_of_an_experiment_without_chunks_says_nothing_of_them(tmp_path) -> No
     out = _invoke("gc", store.join("exp", "a"), "--json")
     assert json.loads(out.output)["unused_chunks"] is None
     assert not (tmp_path / "store" / "exp" / ".cs_chunks").exists()
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_gc_frees_no_chunk_while_a_newer_format_marker_names_them(kind, request,
+                                                                   tmp_path) -> None:
+    store = make_store(kind, request, tmp_path)
+    a, b = _two_trials(store, tmp_path)
+    # Trial b as a later checkpoint-store might write it: chunk references
+    # of another shape this version cannot read.
+    path = posixpath.join(b.checkpoint_path(0), ".internal_metadata.json")
+    with b.filesystem.open_input_stream(path) as f:
+        body = json.loads(f.read())
+    body["format_version"] = 4
+    for entry in body["manifest"]:
+        if "chunks" in entry:
+            entry["chunks"] = [{"name": c[0], "size": c[1]} for c in entry["chunks"]]
+    with b.filesystem.open_output_stream(path) as f:
+        f.write(json.dumps(body).encode())
+    # b's own chunk (its adapter) is used by no marker this version reads.
+    a.delete_checkpoint("checkpoint_000000")
+    before = _chunk_objects(b)
+    out = _invoke("gc", store.join("exp", "a"), *store.opt_args(), "--min-age", "0",
+                  "--json")
+    assert out.exit_code == 0, out.output
+    assert _chunk_objects(b) == before
