@@ -349,9 +349,10 @@ class ChunkedUpload:
                              dest_name=self.dest.name or self.dest.scheme, committing=True)
         cuts, rest = self._plan(files)
         names = [n for c in cuts for n in c.names]
+        sizes = {n: p.length for c in cuts for n, p in zip(c.names, c.pieces, strict=True)}
         if self._intent is not None:  # a retry: the first intent stays ours
             self._intent.finish()
-        self._intent = self.store.begin(names, writer=self.writer)
+        self._intent = self.store.begin(names, writer=self.writer, sizes=sizes)
         stored = self._upload(self._intent, cuts)
         for cut in cuts:
             self._check_unchanged(cut)
