@@ -24,13 +24,16 @@ from checkpoint_store._chunks.codec import (
     object_size,
 )
 from checkpoint_store.errors import CheckpointCorruptError
+from tests.stores import make_store
 
 MiB = 1 << 20
 
 
-def _ctx(kind: str, tmp_path: Any) -> tuple[StorageContext, Any]:
+def _ctx(kind: str, tmp_path: Any, request: Any = None) -> tuple[StorageContext, Any]:
     """A dedup context and a function writing raw bytes at a store path."""
-    if kind == "dirfs":
+    if kind == "s3":
+        ctx = make_store(kind, request, tmp_path).ctx(dedup=True)
+    elif kind == "dirfs":
         (tmp_path / "root").mkdir()
         fs = DirFileSystem(path=str(tmp_path / "root"), fs=fsspec.filesystem("file"))
         ctx = StorageContext("store", "exp", "t", storage_filesystem=fs, dedup=True,
@@ -60,9 +63,9 @@ def _object_path(ctx: StorageContext, name: str) -> str:
     return posixpath.join(ctx.experiment_path, ".cs_chunks", name[:2], name)
 
 
-@pytest.mark.parametrize("kind", ["dirfs", "local", "memory"])
-def test_an_empty_object_under_a_chunks_name_is_not_trusted(kind, tmp_path) -> None:
-    ctx, put = _ctx(kind, tmp_path)
+@pytest.mark.parametrize("kind", ["dirfs", "local", "memory", "s3"])
+def test_an_empty_object_under_a_chunks_name_is_not_trusted(kind, request, tmp_path) -> None:
+    ctx, put = _ctx(kind, tmp_path, request)
     data = os.urandom(2 * MiB)  # one chunk
     put(_object_path(ctx, chunk_name(data)), b"")  # a blob created empty, its writer gone
     ckpt = _save(ctx, tmp_path, data, 0)
