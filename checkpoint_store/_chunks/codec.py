@@ -142,8 +142,9 @@ def codec_for(filesystem: Any) -> str:
     codec (a local disk, the local tier, memory), ``"planes-zstd"`` where
     bytes are dear (object stores, any remote fsspec filesystem).
 
-    Wrappers are looked through: a sub-tree, a forwarding handler (the
-    command line's, the fault kit's), an fsspec handler.
+    Wrappers are looked through: a sub-tree (pyarrow's, or fsspec's
+    ``DirFileSystem``), a forwarding handler (the command line's, the fault
+    kit's), an fsspec handler.
     """
     fs = filesystem
     for _ in range(16):  # wrappers nest a few deep, never in a circle
@@ -168,6 +169,9 @@ def codec_for(filesystem: Any) -> str:
             return RAW if fs.type_name in ("local", "mock") else PLANES_ZSTD
         protocol = getattr(fs, "protocol", None)  # an fsspec filesystem
         names = (protocol,) if isinstance(protocol, str) else tuple(protocol or ())
+        if "dir" in names and getattr(fs, "fs", None) is not None:
+            fs = fs.fs  # a DirFileSystem: a sub-tree of the filesystem it wraps
+            continue
         return RAW if {"file", "local", "memory"} & set(names) else PLANES_ZSTD
     return PLANES_ZSTD
 
