@@ -290,7 +290,9 @@ class ChunkStore:
     def read_controls(self, kind: str) -> list[ControlFile]:
         """Every control file of ``kind`` (one listing, then the reads in
         parallel). A file gone between listing and read is left out; one
-        that does not parse comes back with ``chunks=None`` and its mtime."""
+        read torn is read again (:func:`~checkpoint_store._util.fs.read_control`);
+        one that still does not parse comes back with ``chunks=None`` and
+        its mtime."""
         infos = [fi for fi in _fsutil.list_dir(self.filesystem, self.control_dir(kind),
                                                retry=self.retry)
                  if fi.type == pafs.FileType.File and fi.path.endswith(".json")]
@@ -298,13 +300,19 @@ class ChunkStore:
         return [c for c in read if c is not None]
 
     def _read_control(self, fi: pafs.FileInfo) -> ControlFile | None:
-        try:
-            raw = _fsutil.read_bytes(self.filesystem, fi.path, retry=self.retry)
-        except FileNotFoundError:
-            return None
         mtime = fi.mtime.timestamp() if fi.mtime is not None else 0.0
         try:
-            body = json.loads(raw)
+            # Read again while torn: a file seen while it is written in
+            # place (fsspec filesystems over directories) reads empty or
+            # cut short, and an intent or condemned file taken for
+            # unparsable protects or condemns everything (a writer then
+            # uploads every chunk afresh).
+            body = _fsutil.read_control(self.filesystem, fi.path, json.loads, retry=self.retry)
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return ControlFile(fi.path, mtime, None)
+        try:
             created = float(body["created_at"])
             chunks = frozenset(check_object_name(n) for n in body["chunks"])
         except (ValueError, TypeError, KeyError):

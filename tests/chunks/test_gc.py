@@ -250,3 +250,42 @@ def test_a_marker_not_understood_whole_frees_nothing(env, how, caplog):
     # Once that checkpoint is gone, the unused chunks go.
     fs.delete_dir(f"{exp}/t1")
     assert sorted(collect(store, refs, now=clock).deleted) == sorted([a, b])
+
+
+def _torn_store(store, mark):
+    """``store``'s objects through a filesystem whose first read of each file
+    whose path holds ``mark`` is torn (empty): a file seen while it is
+    written in place."""
+    from checkpoint_store.backends.base import LOCAL_CAPABILITIES
+    from checkpoint_store.testing.faults import faulty_filesystem
+
+    return ChunkStore(faulty_filesystem(store.filesystem, torn_reads=mark), store.root,
+                      workers=4, capabilities=LOCAL_CAPABILITIES)
+
+
+def test_a_condemned_file_read_torn_condemns_only_what_it_names(env):
+    _, exp, store, clock, refs = env
+    condemned = _upload_unreferenced(store, clock, 5)
+    (kept, data) = blob(6)
+    store.write_object(kept, data)
+    commit(store, f"{exp}/t1/checkpoint_000000", [kept], {})
+    gc = collect_steps(store, refs, now=clock)
+    assert [next(gc), next(gc)] == ["listed", "condemned"]
+    # A writer needing both chunks reads the gc's condemned file torn.
+    w = _torn_store(store, CONDEMNED_DIR).begin([condemned, kept], writer="w", now=clock)
+    assert w.object_names[kept] == kept  # present, and not condemned: no new copy
+    assert w.object_names[condemned].startswith(condemned + ".")
+    assert w.missing == {w.object_names[condemned]}
+    w.finish()
+    list(gc)
+
+
+def test_an_intent_read_torn_still_names_its_chunks(env):
+    _, exp, store, clock, refs = env
+    mine, other = _upload_unreferenced(store, clock, 7), _upload_unreferenced(store, clock, 8)
+    w = store.begin([mine], writer="w", now=clock)
+    # The gc reads the writer's intent torn: it still protects exactly its
+    # chunk, and the object no one announced goes.
+    report = collect(_torn_store(store, INTENTS_DIR), refs, now=clock)
+    assert report.deleted == [other]
+    w.finish()
