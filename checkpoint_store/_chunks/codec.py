@@ -78,6 +78,8 @@ __all__ = [
     "decode_into",
     "decode_many",
     "encode_chunk",
+    "min_object_size",
+    "object_size",
 ]
 
 MAGIC = b"CSCHUNK1"
@@ -140,8 +142,9 @@ def codec_for(filesystem: Any) -> str:
     codec (a local disk, the local tier, memory), ``"planes-zstd"`` where
     bytes are dear (object stores, any remote fsspec filesystem).
 
-    Wrappers are looked through: a sub-tree, a forwarding handler (the
-    command line's, the fault kit's), an fsspec handler.
+    Wrappers are looked through: a sub-tree (pyarrow's, or fsspec's
+    ``DirFileSystem``), a forwarding handler (the command line's, the fault
+    kit's), an fsspec handler.
     """
     fs = filesystem
     for _ in range(16):  # wrappers nest a few deep, never in a circle
@@ -166,6 +169,9 @@ def codec_for(filesystem: Any) -> str:
             return RAW if fs.type_name in ("local", "mock") else PLANES_ZSTD
         protocol = getattr(fs, "protocol", None)  # an fsspec filesystem
         names = (protocol,) if isinstance(protocol, str) else tuple(protocol or ())
+        if "dir" in names and getattr(fs, "fs", None) is not None:
+            fs = fs.fs  # a DirFileSystem: a sub-tree of the filesystem it wraps
+            continue
         return RAW if {"file", "local", "memory"} & set(names) else PLANES_ZSTD
     return PLANES_ZSTD
 
@@ -207,6 +213,40 @@ def chunk_header(blob: Buffer, *, where: str = "chunk") -> ChunkHeader:
         CheckpointCorruptError: not a chunk object, or a malformed header.
     """
     return _parse(_byte_view(blob), where)[0]
+
+
+def min_object_size(logical: int) -> int:
+    """The fewest bytes a whole chunk object of ``logical`` logical bytes
+    has, whatever its codec: a shorter object was cut short (a writer
+    killed in the middle of an in-place write, a blob created empty)."""
+    header = {"codec": RAW, "size": logical, "crc32c": "0" * 8, "itemsize": 1}
+    return _PREFIX.size + len(json.dumps(header, separators=(",", ":")))
+
+
+#: Bytes of the start of a chunk object that :func:`object_size` may need.
+SIZE_HEAD_BYTES = HEAD_BYTES + _PLANE_ENTRY.size * _MAX_ITEMSIZE
+
+
+def object_size(head: Buffer, *, where: str) -> int:
+    """The whole size in bytes of the chunk object whose first bytes are
+    ``head`` (its first :data:`SIZE_HEAD_BYTES`, or all of it when shorter),
+    from its header and plane table: an object of another size is torn.
+
+    Raises:
+        CheckpointCorruptError: ``head`` is not the start of a chunk object,
+            or ends inside its header or plane table.
+    """
+    view = _byte_view(head)
+    header, start = _parse(view, where)
+    size, itemsize = header["size"], header["itemsize"]
+    if header["codec"] == RAW:
+        return start + size
+    table = _PLANE_ENTRY.size * itemsize
+    if len(view) < start + table:
+        raise _corrupt(where, f"it ends at byte {len(view)}, inside its plane table")
+    stored = sum(_PLANE_ENTRY.unpack_from(view, start + k * _PLANE_ENTRY.size)[1]
+                 for k in range(itemsize))
+    return start + table + stored + size % itemsize
 
 
 def decode_chunk(blob: Buffer, *, where: str) -> memoryview:

@@ -89,7 +89,13 @@ def _protected(name: str, intents: set[str] | None) -> bool:
     return intents is _ALL or base_name(name) in intents  # type: ignore[operator]
 
 
-def collect_steps(store: ChunkStore, refs: Callable[[], set[str]], *,
+def _kept(name: str, live: set[str] | None, intents: set[str] | None) -> bool:
+    """Whether object ``name`` stays: referenced (``live`` None: references
+    unknown, every object stays) or announced by a live intent."""
+    return live is None or name in live or _protected(name, intents)
+
+
+def collect_steps(store: ChunkStore, refs: Callable[[], set[str] | None], *,
                   candidates: Iterable[str] | None = None,
                   intent_ttl_s: float = INTENT_TTL_S, dry_run: bool = False,
                   now: Callable[[], float] = time.time,
@@ -105,7 +111,7 @@ def collect_steps(store: ChunkStore, refs: Callable[[], set[str]], *,
     live = refs()
     objects = (store.list_objects() if candidates is None
                else store.stat_objects(candidates))
-    doomed = {n: s for n, s in objects.items() if n not in live and not _protected(n, intents)}
+    doomed = {n: s for n, s in objects.items() if not _kept(n, live, intents)}
     yield "listed"
     if dry_run:
         report.deleted = sorted(doomed)
@@ -118,7 +124,7 @@ def collect_steps(store: ChunkStore, refs: Callable[[], set[str]], *,
         yield "condemned"
         intents = _live_intents(store, now(), intent_ttl_s, None)
         live = refs()
-        order = sorted(n for n in doomed if n not in live and not _protected(n, intents))
+        order = sorted(n for n in doomed if not _kept(n, live, intents))
         report.kept = sorted(set(doomed) - set(order))
         yield "relisted"
         _delete(store, order, doomed, report, lambda: now() - created < condemned_ttl_s / 2)
@@ -145,7 +151,7 @@ def _delete(store: ChunkStore, order: list[str], sizes: dict[str, int], report: 
         report.bytes_freed += sum(sizes[n] for n in part)
 
 
-def collect(store: ChunkStore, refs: Callable[[], set[str]], *,
+def collect(store: ChunkStore, refs: Callable[[], set[str] | None], *,
             candidates: Iterable[str] | None = None, intent_ttl_s: float = INTENT_TTL_S,
             dry_run: bool = False, now: Callable[[], float] = time.time) -> GcReport:
     """Delete the chunk objects of ``store`` that no checkpoint references
@@ -154,7 +160,9 @@ def collect(store: ChunkStore, refs: Callable[[], set[str]], *,
     Args:
         store: the experiment's chunk store.
         refs: returns every object name referenced now (e.g.
-            ``lambda: experiment_refs(fs, experiment_dir)``); called twice.
+            ``lambda: experiment_refs(fs, experiment_dir)``), or None when
+            that is unknown (a marker not understood: nothing is deleted);
+            called twice.
         candidates: only these object names (an evicted checkpoint's
             chunks); None: every object listed.
         intent_ttl_s: an intent older than this (seconds) is a crashed

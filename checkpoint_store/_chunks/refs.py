@@ -4,12 +4,15 @@ Every ``.internal_metadata.json`` under the experiment dir counts, wherever
 it lies: committed checkpoints of every trial, directories being deleted
 (``.cs_deleting-*``), staged or half-committed ones, anything whose marker
 parses. Being generous here only keeps garbage a while longer; missing
-one marker would delete a kept checkpoint's bytes.
+one marker would delete a kept checkpoint's bytes. So a marker that parses
+but is not understood whole (a newer format version, a chunk reference of
+another shape) makes the references unknown: a gc then deletes nothing.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import posixpath
 import threading
 import time
@@ -22,11 +25,13 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from checkpoint_store._chunks.store import check_object_name
-from checkpoint_store._format.layout import CHUNK_DIR, INTERNAL_METADATA
+from checkpoint_store._format.layout import CHUNK_DIR, INTERNAL_METADATA, MARKER_FORMAT_VERSIONS
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.retry import RetryPolicy
 
 __all__ = ["MarkerChunks", "experiment_markers", "experiment_refs", "marker_chunks", "union"]
+
+logger = logging.getLogger(__name__)
 
 _CACHE_SIZE = 8192
 _SETTLE_S = 60.0
@@ -44,36 +49,62 @@ class MarkerChunks:
         logical_bytes: bytes of every file the manifest lists, chunked or
             not, repeats included (what the checkpoint holds).
         chunked_bytes: of those, bytes of files stored as chunks.
+        unknown: why the marker may reference chunks not in ``chunks`` (a
+            newer format version, a chunk reference that does not parse), or
+            None when ``chunks`` is all it references.
     """
 
     path: str
     chunks: Mapping[str, tuple[int, int]]
     logical_bytes: int
     chunked_bytes: int
+    unknown: str | None = None
+
+
+def _length(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def marker_chunks(path: str, body: Any) -> MarkerChunks:
-    """The chunks a parsed marker ``body`` references; entries that are not
-    ``[object name, logical_len, stored_len]`` are left out."""
+    """The chunks a parsed marker ``body`` references. A reference is
+    ``[object name, logical_len, stored_len, ...]``: its name counts even
+    where its lengths do not parse (they count 0). A marker of a format
+    version newer than this one reads, or with a reference or a ``chunks``
+    list that does not parse, has :attr:`MarkerChunks.unknown` set."""
     chunks: dict[str, tuple[int, int]] = {}
     logical = chunked = 0
+    unknown: str | None = None
+    version = body.get("format_version") if isinstance(body, dict) else None
+    if not isinstance(body, dict):
+        unknown = "it is not a JSON object"
+    elif (isinstance(version, int) and not isinstance(version, bool)
+          and version > max(MARKER_FORMAT_VERSIONS)):
+        unknown = f"it has format_version {version}, newer than this checkpoint-store reads"
     manifest = body.get("manifest") if isinstance(body, dict) else None
     for entry in manifest if isinstance(manifest, list) else ():
         if not isinstance(entry, dict):
             continue
-        size = entry.get("size")
-        logical += size if isinstance(size, int) else 0
-        refs = entry.get("chunks")
-        if not isinstance(refs, list):
+        size = _length(entry.get("size"))
+        logical += size
+        if "chunks" not in entry:
             continue
-        chunked += size if isinstance(size, int) else 0
+        refs = entry["chunks"]
+        if not isinstance(refs, list):
+            unknown = unknown or f"file {entry.get('path')!r} has a 'chunks' that is no list"
+            continue
+        chunked += size
         for ref in refs:
+            name = ref[0] if isinstance(ref, list) and ref else None
             try:
-                name, llen, slen = ref
-                chunks[check_object_name(name)] = (int(llen), int(slen))
-            except (TypeError, ValueError):
+                check_object_name(name)  # type: ignore[arg-type]
+            except ValueError:
+                unknown = unknown or (f"file {entry.get('path')!r} has a chunk reference "
+                                      f"{str(ref)[:120]} that does not parse")
                 continue
-    return MarkerChunks(path, chunks, logical, chunked)
+            assert isinstance(ref, list) and isinstance(name, str)
+            chunks[name] = (_length(ref[1] if len(ref) > 1 else None),
+                            _length(ref[2] if len(ref) > 2 else None))
+    return MarkerChunks(path, chunks, logical, chunked, unknown)
 
 
 _cache: OrderedDict[tuple[str, str, int, int], MarkerChunks] = OrderedDict()
@@ -138,15 +169,26 @@ def experiment_markers(filesystem: pafs.FileSystem, experiment_dir: str, *,
 
 
 def experiment_refs(filesystem: pafs.FileSystem, experiment_dir: str, *,
-                    retry: RetryPolicy | None = None) -> set[str]:
-    """The object names referenced by any marker under ``experiment_dir``
-    (see :func:`experiment_markers`, which lists what it raises)."""
+                    retry: RetryPolicy | None = None) -> set[str] | None:
+    """The object names referenced by any marker under ``experiment_dir``,
+    or None when a marker may reference more than it says (see
+    :func:`union`; :func:`experiment_markers` lists what it raises)."""
     return union(experiment_markers(filesystem, experiment_dir, retry=retry))
 
 
-def union(markers: Iterable[MarkerChunks]) -> set[str]:
-    """Every object name the ``markers`` reference."""
+def union(markers: Iterable[MarkerChunks]) -> set[str] | None:
+    """Every object name the ``markers`` reference, or None when one of them
+    is not understood whole (:attr:`MarkerChunks.unknown`): the references
+    are then unknown, and a gc must delete nothing. Such a marker is logged
+    as a warning (a newer checkpoint-store wrote it: upgrade; or it is
+    damaged: remove its checkpoint)."""
     out: set[str] = set()
     for m in markers:
+        if m.unknown is not None:
+            logger.warning(
+                "chunk references unknown: %s cannot be read whole (%s); no chunk of its "
+                "experiment is freed until it can (upgrade checkpoint-store, or remove that "
+                "checkpoint if it is damaged)", m.path, m.unknown)
+            return None
         out.update(m.chunks)
     return out

@@ -22,15 +22,17 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.fs as pafs
 
+from checkpoint_store._chunks.codec import SIZE_HEAD_BYTES, min_object_size, object_size
 from checkpoint_store._format.layout import CHUNK_DIR, CHUNK_ROOT
 from checkpoint_store._util import fs as _fsutil
+from checkpoint_store._util import retry as _retry
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Capabilities
 from checkpoint_store.errors import CheckpointCorruptError, UnsafePathError
@@ -222,6 +224,44 @@ class ChunkStore:
         return {n: fi.size for n, fi in zip(order, infos, strict=True)
                 if fi.type == pafs.FileType.File}
 
+    def writes_in_place(self) -> bool:
+        """Whether an object being written shows under its name before it is
+        whole, so a writer killed meanwhile leaves it torn: fsspec
+        filesystems over directories (``DirFileSystem``, sftp, webdav) and
+        other stores with directories that are neither the local disk
+        (written aside and renamed) nor the in-process memory store
+        (published on close). Object stores put an object whole."""
+        return (self._caps.directories and _fsutil.local_path(self.filesystem, self.root) is None
+                and not _fsutil.in_process_store(self.filesystem))
+
+    def torn_objects(self, present: Mapping[str, int], logical: Mapping[str, int]) -> set[str]:
+        """Those of ``present`` (``{object name: stored size}``, from
+        :meth:`stat_objects`) that are not whole: shorter than any object of
+        their chunk's ``logical`` bytes can be (an object created empty, as
+        pyarrow's Azure client does on open), or, where the store
+        :meth:`writes_in_place`, of another size than their own header says
+        (one more small read each)."""
+        torn = {n for n, size in present.items()
+                if n in logical and size < min_object_size(logical[n])}
+        if not self.writes_in_place():
+            return torn
+        rest = sorted(n for n in present if n not in torn)
+        sizes = self._parallel(self._whole_size, rest)
+        return torn | {n for n, whole in zip(rest, sizes, strict=True) if whole != present[n]}
+
+    def _whole_size(self, name: str) -> int | None:
+        path = self.object_path(name)
+
+        def head() -> bytes:
+            with self.filesystem.open_input_file(path) as f:
+                return f.read(SIZE_HEAD_BYTES)
+
+        try:
+            return object_size(_retry.call(head, policy=self.retry, store=self.filesystem,
+                                           what=f"read {path}"), where=path)
+        except (FileNotFoundError, CheckpointCorruptError):
+            return None
+
     def delete_object(self, name: str) -> None:
         """Delete one object; nothing happens if it is absent."""
         _fsutil.delete_file(self.filesystem, self.object_path(name), retry=self.retry)
@@ -250,7 +290,9 @@ class ChunkStore:
     def read_controls(self, kind: str) -> list[ControlFile]:
         """Every control file of ``kind`` (one listing, then the reads in
         parallel). A file gone between listing and read is left out; one
-        that does not parse comes back with ``chunks=None`` and its mtime."""
+        read torn is read again (:func:`~checkpoint_store._util.fs.read_control`);
+        one that still does not parse comes back with ``chunks=None`` and
+        its mtime."""
         infos = [fi for fi in _fsutil.list_dir(self.filesystem, self.control_dir(kind),
                                                retry=self.retry)
                  if fi.type == pafs.FileType.File and fi.path.endswith(".json")]
@@ -258,13 +300,19 @@ class ChunkStore:
         return [c for c in read if c is not None]
 
     def _read_control(self, fi: pafs.FileInfo) -> ControlFile | None:
-        try:
-            raw = _fsutil.read_bytes(self.filesystem, fi.path, retry=self.retry)
-        except FileNotFoundError:
-            return None
         mtime = fi.mtime.timestamp() if fi.mtime is not None else 0.0
         try:
-            body = json.loads(raw)
+            # Read again while torn: a file seen while it is written in
+            # place (fsspec filesystems over directories) reads empty or
+            # cut short, and an intent or condemned file taken for
+            # unparsable protects or condemns everything (a writer then
+            # uploads every chunk afresh).
+            body = _fsutil.read_control(self.filesystem, fi.path, json.loads, retry=self.retry)
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return ControlFile(fi.path, mtime, None)
+        try:
             created = float(body["created_at"])
             chunks = frozenset(check_object_name(n) for n in body["chunks"])
         except (ValueError, TypeError, KeyError):
@@ -278,18 +326,24 @@ class ChunkStore:
     # -- writers ---------------------------------------------------------------
 
     def prepare(self, names: Iterable[str], *, writer: str,
-                now: Callable[[], float] = time.time) -> ChunkWrite:
+                now: Callable[[], float] = time.time,
+                sizes: Mapping[str, int] | None = None) -> ChunkWrite:
         """A write of ``names`` that has not started: run :meth:`ChunkWrite.steps`
-        (the protocol one step at a time; state machines do) or use :meth:`begin`."""
+        (the protocol one step at a time; state machines do) or use :meth:`begin`.
+        ``sizes``: logical bytes of each chunk, where known (see :meth:`begin`)."""
         if not _WRITER_RE.match(writer):
             raise ValueError(f"writer {writer!r}: use 1 to 100 of A-Z a-z 0-9 _ . -")
-        return ChunkWrite(self, sorted({check_object_name(n) for n in names}), writer, now)
+        return ChunkWrite(self, sorted({check_object_name(n) for n in names}), writer, now,
+                          logical=dict(sizes or {}))
 
     def begin(self, names: Iterable[str], *, writer: str,
-              now: Callable[[], float] = time.time) -> ChunkWrite:
+              now: Callable[[], float] = time.time,
+              sizes: Mapping[str, int] | None = None) -> ChunkWrite:
         """Start writing a checkpoint whose files reference the chunks ``names``
         (docs/format.md, "Chunks"): write the intent, read every condemned
-        file, check which objects exist. Then upload :attr:`ChunkWrite.missing`
+        file, check which objects exist and are whole (``sizes``, the logical
+        bytes of each chunk, lets the check find torn objects: see
+        :meth:`torn_objects`). Then upload :attr:`ChunkWrite.missing`
         with :meth:`ChunkWrite.upload`, commit the marker referencing
         :attr:`ChunkWrite.object_names`, and :meth:`ChunkWrite.finish`.
 
@@ -298,7 +352,7 @@ class ChunkStore:
             TransientBackendError, PermanentBackendError: storage failures
                 (the intent, if written, is deleted again where possible).
         """
-        w = self.prepare(names, writer=writer, now=now)
+        w = self.prepare(names, writer=writer, now=now, sizes=sizes)
         try:
             for _ in w.steps():
                 pass
@@ -332,6 +386,7 @@ class ChunkWrite:
     names: list[str]
     writer: str
     now: Callable[[], float]
+    logical: dict[str, int] = field(default_factory=dict)
     object_names: dict[str, str] = field(default_factory=dict)
     missing: set[str] = field(default_factory=set)
     stored_sizes: dict[str, int] = field(default_factory=dict)
@@ -355,15 +410,21 @@ class ChunkWrite:
             self._condemned |= set(self.names) if c.chunks is None else \
                 {base_name(n) for n in c.chunks}
         yield "condemned"
+        rest = [n for n in self.names if n not in self._condemned]
+        present = self.store.stat_objects(rest)
+        # A torn object (a writer killed while writing it in place) is not
+        # trusted, nor written over where others may be reading it: a fresh
+        # copy goes under a new name, as for a condemned chunk.
+        torn = self.store.torn_objects(present, self.logical)
         for n in self.names:
-            if n in self._condemned:
+            if n in self._condemned or n in torn:
                 fresh = f"{n}.{uuid.uuid4().hex[:8]}"
                 self.object_names[n] = fresh
                 self.missing.add(fresh)
-        rest = [n for n in self.names if n not in self._condemned]
-        present = self.store.stat_objects(rest)
-        self.stored_sizes = dict(present)
+        self.stored_sizes = {n: s for n, s in present.items() if n not in torn}
         for n in rest:
+            if n in torn:
+                continue
             self.object_names[n] = n
             if n not in present:
                 self.missing.add(n)

@@ -41,7 +41,12 @@ from checkpoint_store._transfer.trees import copy_tree, source_files
 from checkpoint_store._util.fs import local_path
 from checkpoint_store._util.retry import RetryPolicy
 from checkpoint_store.backends.base import Backend
-from checkpoint_store.errors import InvalidConfigError, TransientBackendError
+from checkpoint_store.errors import (
+    InvalidConfigError,
+    SourceChangedError,
+    SourceDeletedError,
+    TransientBackendError,
+)
 
 __all__ = [
     "CHUNK_BYTES",
@@ -182,15 +187,12 @@ def resolve_codec(compression: str, backend: Backend) -> str:
     return PLANES_ZSTD if compression == "on" else RAW
 
 
-def _read(path: str, piece: Piece) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        data = os.pread(fd, piece.length, piece.offset)
-    finally:
-        os.close(fd)
-    if len(data) != piece.length:
-        raise OSError(f"{path} shrank while it was being stored")
-    return data
+#: What identifies one version of a source file: inode, size, mtime (ns).
+_Stamp = tuple[int, int, int]
+
+
+def _stamp_of(st: os.stat_result) -> _Stamp:
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 @dataclass
@@ -198,6 +200,7 @@ class _Cut:
     rel: str
     size: int
     pieces: list[Piece]
+    stamp: _Stamp = (0, 0, 0)
     names: list[str] = field(default_factory=list)
     crcs: list[int] = field(default_factory=list)
 
@@ -238,42 +241,95 @@ class ChunkedUpload:
         self.uploaded_bytes = 0
         self.uploaded_logical = 0
 
-    def _hash(self, path: str, piece: Piece) -> tuple[str, int]:
-        data = _read(path, piece)
+    def _changed(self, rel: str, how: str) -> SourceChangedError:
+        """The error for source file ``rel`` that changed (``how``) while its
+        chunks were stored: its chunks would not hold the file its manifest
+        names, and a chunk whose bytes are not those its name hashes would
+        corrupt every later checkpoint that holds the genuine bytes."""
+        return SourceChangedError(
+            f"{os.path.join(self.root, rel)} {how} while it was being stored as chunks; "
+            "nothing of the checkpoint is committed. Write the checkpoint completely before "
+            "reporting it (wait for whatever writes it)", path=self.src_dir, file=rel)
+
+    def _stamp(self, rel: str) -> _Stamp:
+        try:
+            return _stamp_of(os.stat(os.path.join(self.root, rel)))
+        except FileNotFoundError:
+            raise SourceDeletedError(
+                f"{os.path.join(self.root, rel)} was deleted while the checkpoint was being "
+                "stored; nothing of it is committed. Keep the directory until the report "
+                "returns", path=self.src_dir, file=rel) from None
+
+    def _read(self, cut: _Cut, piece: Piece) -> bytes:
+        """``piece`` of ``cut``'s file, read while the file is still the
+        version planned (same inode, size and mtime)."""
+        try:
+            fd = os.open(os.path.join(self.root, cut.rel), os.O_RDONLY)
+        except FileNotFoundError:
+            self._stamp(cut.rel)  # raises SourceDeletedError when it is gone
+            raise
+        try:
+            data = os.pread(fd, piece.length, piece.offset)
+            now = _stamp_of(os.fstat(fd))
+        finally:
+            os.close(fd)
+        if len(data) != piece.length:
+            raise self._changed(cut.rel, f"shrank (read {len(data)} bytes at offset "
+                                         f"{piece.offset}, expected {piece.length})")
+        if now != cut.stamp:
+            raise self._changed(cut.rel, "was rewritten")
+        return data
+
+    def _hash(self, cut: _Cut, piece: Piece) -> tuple[str, int]:
+        data = self._read(cut, piece)
         return chunk_name(data), google_crc32c.value(data)
 
     def _plan(self, files: Sequence[tuple[str, int]]) -> tuple[list[_Cut], list[tuple[str, int]]]:
         cuts, rest = [], []
         for rel, size in files:
             if size >= self.min_bytes:
+                stamp = self._stamp(rel)
+                if stamp[1] != size:
+                    raise self._changed(rel, f"was {size} bytes when listed, {stamp[1]} now,")
                 cuts.append(_Cut(rel, size, cut_file(os.path.join(self.root, rel), size,
-                                                     limit=self.chunk_bytes)))
+                                                     limit=self.chunk_bytes), stamp))
             else:
                 rest.append((rel, size))
         # Piece by piece, not file by file: a state is often one shard.
-        jobs = [(cut, os.path.join(self.root, cut.rel), p) for cut in cuts for p in cut.pieces]
+        jobs = [(cut, p) for cut in cuts for p in cut.pieces]
         with ThreadPoolExecutor(self.workers) as pool:
-            hashed = list(pool.map(lambda job: self._hash(job[1], job[2]), jobs))
-        for (cut, _, _), (name, crc) in zip(jobs, hashed, strict=True):
+            hashed = list(pool.map(lambda job: self._hash(*job), jobs))
+        for (cut, _), (name, crc) in zip(jobs, hashed, strict=True):
             cut.names.append(name)
             cut.crcs.append(crc)
         return cuts, rest
+
+    def _check_unchanged(self, cut: _Cut) -> None:
+        """Raise unless ``cut``'s file is still the version whose chunks were
+        named: the chunks found present were not read again."""
+        if self._stamp(cut.rel) != cut.stamp:
+            raise self._changed(cut.rel, "was rewritten")
 
     def _upload(self, intent: Any, cuts: list[_Cut]) -> dict[str, int]:
         """Encode and store the chunks ``intent`` says are missing; returns
         every referenced object's stored size (read from the store's answer
         for the chunks already there, from the encoding for new ones)."""
-        todo: dict[str, tuple[str, Piece]] = {}
+        todo: dict[str, tuple[_Cut, Piece, int]] = {}
         for cut in cuts:
-            for name, piece in zip(cut.names, cut.pieces, strict=True):
+            for name, piece, crc in zip(cut.names, cut.pieces, cut.crcs, strict=True):
                 obj = intent.object_names[name]
                 if obj in intent.missing and obj not in todo:
-                    todo[obj] = (os.path.join(self.root, cut.rel), piece)
+                    todo[obj] = (cut, piece, crc)
         stored: dict[str, int] = dict(getattr(intent, "stored_sizes", {}) or {})
 
-        def one(item: tuple[str, tuple[str, Piece]]) -> None:
-            obj, (path, piece) = item
-            blob = encode_chunk(_read(path, piece), itemsize=piece.itemsize, codec=self.codec)
+        def one(item: tuple[str, tuple[_Cut, Piece, int]]) -> None:
+            obj, (cut, piece, crc) = item
+            data = self._read(cut, piece)
+            # The object is named by the bytes hashed earlier: bytes read
+            # now must be those, or the name would lie to every later save.
+            if google_crc32c.value(data) != crc:
+                raise self._changed(cut.rel, "was rewritten")
+            blob = encode_chunk(data, itemsize=piece.itemsize, codec=self.codec)
             intent.upload(obj, blob)
             with self._lock:
                 stored[obj] = len(blob)
@@ -293,10 +349,13 @@ class ChunkedUpload:
                              dest_name=self.dest.name or self.dest.scheme, committing=True)
         cuts, rest = self._plan(files)
         names = [n for c in cuts for n in c.names]
+        sizes = {n: p.length for c in cuts for n, p in zip(c.names, c.pieces, strict=True)}
         if self._intent is not None:  # a retry: the first intent stays ours
             self._intent.finish()
-        self._intent = self.store.begin(names, writer=self.writer)
+        self._intent = self.store.begin(names, writer=self.writer, sizes=sizes)
         stored = self._upload(self._intent, cuts)
+        for cut in cuts:
+            self._check_unchanged(cut)
         entries: list[Any] = []
         if rest:
             entries = copy_tree(self.src_fs, self.src_dir, fs, target, self.dest.capabilities,

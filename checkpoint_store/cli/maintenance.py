@@ -244,6 +244,8 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int | None,
     deletion removes the commit marker first, so an interrupted prune never
     leaves a half-deleted checkpoint that still lists as committed. A trial
     whose running job holds the manager's lease is refused (--force overrides).
+    As after retention's evictions, the chunks (docs/dedup.md) that no
+    checkpoint of the experiment uses any more are deleted.
     A --metric or --mode other than the metric and order the trial recorded
     is refused (exit 2; --dry-run shows it with a warning, --rerank prunes by
     it anyway): best means the recorded metric unless said otherwise.
@@ -281,19 +283,29 @@ def prune_cmd(trial: str, storage_options: dict[str, Any], keep: int | None,
 
     ctx = storage_context(loc)
     deleted = []
+    chunks = None
     if not dry_run:
         refuse_if_live(loc, force, "prune it")
         for i in evicted:
             _delete(ctx, committed[i][0])
             deleted.append(describe(i))
+        if deleted:
+            # As retention does after each eviction: the chunks (docs/dedup.md)
+            # no checkpoint of the experiment uses any more go too.
+            chunks = collect_experiment_chunks(loc.parent, dry_run=False)
     if as_json:
         print_json({"uri": loc.uri, "dry_run": dry_run, "metric": metric, "mode": order,
                     "kept": [describe(i) for i in kept],
                     "evicted": [describe(i) for i in evicted],
                     "deleted": deleted, "foreign": [c.uri for c, _ in foreign],
                     "invalid": [{"name": n, "uri": loc.child(n).uri, "reason": reason}
-                                for n, reason in invalid.items()]})
+                                for n, reason in invalid.items()],
+                    "unused_chunks": None if chunks is None else {
+                        "chunks": len(chunks.deleted), "bytes": chunks.bytes_freed}})
         return
+    if chunks is not None:
+        echo_info(f"freed {len(chunks.deleted)} unused chunk(s) of the experiment, "
+                  f"{fmt_size(chunks.bytes_freed)}")
     _print_prune("would delete" if dry_run else "deleted", metric,
                  (describe(i) for i in evicted), (describe(i) for i in kept))
 

@@ -124,7 +124,7 @@ class ChunkGcMachine(RuleBasedStateMachine):
     def now(self) -> float:
         return self.t
 
-    def refs(self) -> set[str]:
+    def refs(self) -> set[str] | None:
         return experiment_refs(self.fs, self.exp)
 
     def _pick(self, d: dict[Any, Any], i: int) -> Any:

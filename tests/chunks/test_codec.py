@@ -361,3 +361,37 @@ def test_local_disks_and_memory_get_raw_object_stores_get_planes(tmp_path) -> No
     remote = s3fs.S3FileSystem(anon=True)
     assert codec_for(remote) == PLANES_ZSTD
     assert codec_for(pafs.PyFileSystem(pafs.FSSpecHandler(remote))) == PLANES_ZSTD
+
+
+def test_a_dir_filesystem_gets_the_codec_of_the_filesystem_it_wraps(tmp_path) -> None:
+    import fsspec
+    import s3fs
+    from fsspec.implementations.dirfs import DirFileSystem
+
+    local = DirFileSystem(path=str(tmp_path), fs=fsspec.filesystem("file"))
+    assert codec_for(local) == RAW
+    assert codec_for(pafs.PyFileSystem(pafs.FSSpecHandler(local))) == RAW
+    assert codec_for(DirFileSystem(path="/runs", fs=fsspec.filesystem("memory"))) == RAW
+    remote = DirFileSystem(path="bucket/runs", fs=s3fs.S3FileSystem(anon=True))
+    assert codec_for(remote) == PLANES_ZSTD
+    assert codec_for(pafs.PyFileSystem(pafs.FSSpecHandler(remote))) == PLANES_ZSTD
+
+
+def test_compression_auto_through_a_dir_filesystem_on_a_local_disk_stores_raw(
+        tmp_path) -> None:
+    import fsspec
+    from fsspec.implementations.dirfs import DirFileSystem
+
+    from checkpoint_store import Checkpoint, StorageContext
+    from checkpoint_store._chunks.codec import chunk_header
+
+    (tmp_path / "root").mkdir()
+    fs = DirFileSystem(path=str(tmp_path / "root"), fs=fsspec.filesystem("file"))
+    ctx = StorageContext("store", "exp", "t", storage_filesystem=fs, dedup=True, fsync=False)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.bin").write_bytes(np.arange(1 << 19, dtype=np.float32).tobytes())
+    ckpt = ctx.persist_checkpoint(Checkpoint.from_directory(str(src)), 0, {})
+    [[obj, _, _]] = [e["chunks"] for e in ckpt.internal_metadata["manifest"] if "chunks" in e][0]
+    blob = (tmp_path / "root/store/exp/.cs_chunks" / obj[:2] / obj).read_bytes()
+    assert chunk_header(blob)["codec"] == RAW

@@ -197,3 +197,95 @@ def test_candidates_limit_the_pass(env):
     b = _upload_unreferenced(store, clock, 9)
     assert collect(store, refs, candidates=[a], now=clock).deleted == [a]
     assert set(store.list_objects()) == {b}
+
+
+def _marker(fs, ckpt, body):
+    import json
+    import posixpath
+
+    fs.create_dir(ckpt, recursive=True)
+    with fs.open_output_stream(posixpath.join(ckpt, ".internal_metadata.json")) as f:
+        f.write(json.dumps(body).encode())
+
+
+def _v3(refs):
+    return {"format_version": 3, "chunk_root": "../../.cs_chunks", "index": 0,
+            "manifest": [{"path": "model.bin", "size": 21, "crc32c": "00000000",
+                          "chunks": refs}]}
+
+
+def test_a_reference_whose_lengths_do_not_parse_still_protects_its_chunk(env):
+    fs, exp, store, clock, refs = env
+    (a, da), (b, db) = blob(0), blob(1)
+    store.write_object(a, da)
+    store.write_object(b, db)
+    # Its name is a chunk's; only the stored length is not a number.
+    _marker(fs, f"{exp}/t1/checkpoint_000000", _v3([[a, 21, None]]))
+    report = collect(store, refs, now=clock)
+    assert report.deleted == [b]
+    assert store.list_objects() == {a: len(da)}
+
+
+@pytest.mark.parametrize("how", ["newer format", "reference of another shape",
+                                 "chunks not a list", "not an object"])
+def test_a_marker_not_understood_whole_frees_nothing(env, how, caplog):
+    fs, exp, store, clock, refs = env
+    (a, da), (b, db) = blob(0), blob(1)
+    store.write_object(a, da)
+    store.write_object(b, db)
+    if how == "newer format":  # what a later checkpoint-store might write
+        body = {**_v3([{"name": a, "size": 21}]), "format_version": 4}
+    elif how == "reference of another shape":
+        body = _v3([[a.upper(), 21, len(da)]])
+    elif how == "chunks not a list":
+        body = _v3({a: [21, len(da)]})
+    else:
+        body = [a]
+    _marker(fs, f"{exp}/t1/checkpoint_000000", body)
+    with caplog.at_level("WARNING", logger="checkpoint_store._chunks.refs"):
+        report = collect(store, refs, now=clock)
+    assert report.deleted == []
+    assert set(store.list_objects()) == {a, b}
+    assert "chunk references unknown" in caplog.text and "t1/checkpoint_000000" in caplog.text
+    # Once that checkpoint is gone, the unused chunks go.
+    fs.delete_dir(f"{exp}/t1")
+    assert sorted(collect(store, refs, now=clock).deleted) == sorted([a, b])
+
+
+def _torn_store(store, mark):
+    """``store``'s objects through a filesystem whose first read of each file
+    whose path holds ``mark`` is torn (empty): a file seen while it is
+    written in place."""
+    from checkpoint_store.backends.base import LOCAL_CAPABILITIES
+    from checkpoint_store.testing.faults import faulty_filesystem
+
+    return ChunkStore(faulty_filesystem(store.filesystem, torn_reads=mark), store.root,
+                      workers=4, capabilities=LOCAL_CAPABILITIES)
+
+
+def test_a_condemned_file_read_torn_condemns_only_what_it_names(env):
+    _, exp, store, clock, refs = env
+    condemned = _upload_unreferenced(store, clock, 5)
+    (kept, data) = blob(6)
+    store.write_object(kept, data)
+    commit(store, f"{exp}/t1/checkpoint_000000", [kept], {})
+    gc = collect_steps(store, refs, now=clock)
+    assert [next(gc), next(gc)] == ["listed", "condemned"]
+    # A writer needing both chunks reads the gc's condemned file torn.
+    w = _torn_store(store, CONDEMNED_DIR).begin([condemned, kept], writer="w", now=clock)
+    assert w.object_names[kept] == kept  # present, and not condemned: no new copy
+    assert w.object_names[condemned].startswith(condemned + ".")
+    assert w.missing == {w.object_names[condemned]}
+    w.finish()
+    list(gc)
+
+
+def test_an_intent_read_torn_still_names_its_chunks(env):
+    _, exp, store, clock, refs = env
+    mine, other = _upload_unreferenced(store, clock, 7), _upload_unreferenced(store, clock, 8)
+    w = store.begin([mine], writer="w", now=clock)
+    # The gc reads the writer's intent torn: it still protects exactly its
+    # chunk, and the object no one announced goes.
+    report = collect(_torn_store(store, INTENTS_DIR), refs, now=clock)
+    assert report.deleted == [other]
+    w.finish()
