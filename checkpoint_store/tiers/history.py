@@ -51,12 +51,16 @@ from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers.config import LocalTier
 from checkpoint_store.tiers.statefile import local_trial_dir
 
-__all__ = ["HistoryCopy", "TrialHistory", "joint_history", "same_report", "tier_dirs_of",
-           "trial_copies"]
+__all__ = ["LOCAL_DURABLE_URI", "HistoryCopy", "TrialHistory", "durable_trial_uri",
+           "joint_history", "same_report", "tier_dirs_of", "trial_copies"]
 
 logger = logging.getLogger("checkpoint_store.tiers.local")
 
 Where = Literal["local", "durable"]
+
+#: The key of a local copy's internal metadata naming the persistent tier's
+#: trial it belongs to (its canonical URI; docs/format.md, "Local tier").
+LOCAL_DURABLE_URI = "durable_uri"
 
 
 def _report_key(row: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -217,12 +221,15 @@ def _single_rank_tier(trial_dir: str, storage: StorageContext) -> bool:
     if not isinstance(body, dict) or body.get("world_size", 1) != 1:
         return False
     theirs = body.get("durable_uri")
-    if not isinstance(theirs, str):
-        return True
+    return not isinstance(theirs, str) or theirs == durable_trial_uri(storage)
+
+
+def durable_trial_uri(storage: StorageContext) -> str:
+    """The persistent trial's URI as a local tier records it (the canonical one)."""
     try:
-        return theirs == storage.canonical_uri(storage.trial_path)
-    except Exception:
-        return theirs == storage.uri(storage.trial_path)
+        return storage.canonical_uri(storage.trial_path)
+    except Exception:  # a backend that cannot say: its plain URI
+        return storage.uri(storage.trial_path)
 
 
 def tier_dirs_of(storage: StorageContext, tier_trial_dir: str | None = None, *,
@@ -295,9 +302,12 @@ def joint_history(storage: StorageContext, tier_trial_dirs: Iterable[str] = (),
               if isinstance(meta.get("index"), int)]
     for copy in copies:
         history.know(copy.index, copy.meta)
+    ours = durable_trial_uri(storage)
     for trial_dir in tier_trial_dirs:
         for index, ckpt, meta in _local_copies(trial_dir):
-            why = history.stale_reason(index, meta)
+            theirs = meta.get(LOCAL_DURABLE_URI)
+            why = (f"it is a copy of {theirs}" if isinstance(theirs, str) and theirs != ours
+                   else history.stale_reason(index, meta))
             if why is not None:
                 logger.warning("the local tier's %s is not the trial's copy of that index: %s; "
                                "it is not restored", ckpt.uri, why)

@@ -53,7 +53,7 @@ from checkpoint_store.retention.policies import PolicyCheckpoint
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers.config import LocalTier
 from checkpoint_store.tiers.eviction import TierRetention
-from checkpoint_store.tiers.history import TrialHistory
+from checkpoint_store.tiers.history import LOCAL_DURABLE_URI, TrialHistory, durable_trial_uri
 from checkpoint_store.tiers.lock import TierLock
 from checkpoint_store.tiers.statefile import (
     TIER_STATE_VERSION,
@@ -161,24 +161,28 @@ class FastTier(TierRetention, TierVerification):
         return os.path.join(self.trial_dir, TIER_STATE_FILE)
 
     def _durable_uri(self) -> str:
-        try:
-            return self.durable.canonical_uri(self.durable.trial_path)
-        except Exception:  # a backend that cannot say: its plain URI
-            return self.durable.uri(self.durable.trial_path)
+        return durable_trial_uri(self.durable)
 
-    def _refuse_foreign(self) -> None:
-        """Refuse a local trial directory whose state names another persistent
-        tier (the same experiment and trial names under another storage_path)."""
+    def _refuse_foreign(self, copies: list[tuple[Checkpoint, dict[str, Any]]]) -> None:
+        """Refuse a local trial directory that holds another persistent tier's
+        checkpoints (the same experiment and trial names under another
+        storage_path): its state file names that trial, or one of its
+        committed ``copies`` does (the state file may be missing or damaged)."""
         try:
             with open(self.state_path, "rb") as f:
                 body = json.loads(f.read())
         except (OSError, ValueError):
-            return
+            body = None
         theirs = body.get("durable_uri") if isinstance(body, dict) else None
-        if isinstance(theirs, str) and theirs != self._durable_uri():
+        ours = self._durable_uri()
+        if not isinstance(theirs, str) or theirs == ours:
+            theirs = next((meta[LOCAL_DURABLE_URI] for _, meta in copies
+                           if isinstance(meta.get(LOCAL_DURABLE_URI), str)
+                           and meta[LOCAL_DURABLE_URI] != ours), None)
+        if theirs is not None:
             raise InvalidConfigError(
                 f"the local tier directory {self.trial_dir} holds the checkpoints of "
-                f"{theirs}, not of {self._durable_uri()}; give LocalTier another path, or "
+                f"{theirs}, not of {ours}; give LocalTier another path, or "
                 "delete that directory if its checkpoints are not needed (its state file "
                 f"{TIER_STATE_FILE} says which durable copies are still pending)")
 
@@ -197,8 +201,8 @@ class FastTier(TierRetention, TierVerification):
         self._dir_lock.release()
 
     def _open_locked(self) -> None:
-        self._refuse_foreign()
         self.storage.ensure_trial_dir()
+        self._refuse_foreign(self.storage.committed_checkpoints())
         try:
             # The lock is ours: whatever is unfinished here is a dead writer's.
             self.storage.remove_uncommitted(sole_owner=True)
@@ -380,15 +384,22 @@ class FastTier(TierRetention, TierVerification):
             Whatever :meth:`StorageContext.persist_checkpoint` raises; nothing
             is recorded then.
         """
-        committed = self.storage.persist_checkpoint(source, index, internal, writer_id=writer_id)
+        committed = self.storage.persist_checkpoint(source, index, self._stamped(internal),
+                                                    writer_id=writer_id)
         return committed, self._record(index, committed, row)
 
     def commit_in_place(self, index: int, internal: Mapping[str, Any],
                         row: Mapping[str, Any]) -> tuple[Checkpoint, bool]:
         """Commit ``checkpoint_<index>`` of this tier, filled in place
         (:meth:`reserve_in_place`); see :meth:`commit`."""
-        committed = self.storage.commit_in_place(index, internal)
+        committed = self.storage.commit_in_place(index, self._stamped(internal))
         return committed, self._record(index, committed, row)
+
+    def _stamped(self, internal: Mapping[str, Any]) -> dict[str, Any]:
+        """``internal`` naming the persistent tier's trial this copy belongs to:
+        a later session of another trial never adopts it, even when the state
+        file that names that trial is gone (:meth:`_refuse_foreign`)."""
+        return {**internal, LOCAL_DURABLE_URI: self._durable_uri()}
 
     def reserve_in_place(self, index: int) -> str:
         """Create and claim ``checkpoint_<index>`` of this tier for a writer that
