@@ -49,7 +49,7 @@ from checkpoint_store._util.inspect import inspect_checkpoint, read_internal_met
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers.config import LocalTier
-from checkpoint_store.tiers.statefile import local_trial_dir
+from checkpoint_store.tiers.statefile import local_trial_dir, read_tier_state
 
 __all__ = ["LOCAL_DURABLE_URI", "HistoryCopy", "TrialHistory", "durable_trial_uri",
            "joint_history", "same_report", "tier_dirs_of", "trial_copies"]
@@ -89,6 +89,7 @@ class TrialHistory:
         # the newest row's timestamp.
         self._named: list[tuple[float, int]] = []
         self._last_ts: float | None = None
+        self._rows_failed = False
 
     def know(self, index: int, meta: dict[str, Any]) -> None:
         """Record the durable ``checkpoint_<index>``'s metadata, read by the caller."""
@@ -119,6 +120,7 @@ class TrialHistory:
             except Exception as exc:  # no rows: the durable copies alone decide
                 logger.warning("could not read the rows of %s: %s", s.uri(s.trial_path), exc)
                 rows = []
+                self._rows_failed = True
             for row in rows:
                 if not isinstance(row, dict):
                     continue
@@ -169,6 +171,38 @@ class TrialHistory:
                     f"local copy ({_who(local_meta, local_row)})")
         return (f"{where} is another report ({_who(durable, theirs)}) than the local copy "
                 f"({_who(local_meta, local_row)})")
+
+    def knows(self, index: int, local_meta: Mapping[str, Any]) -> bool | None:
+        """Whether the storage_path records the local copy of ``index`` as the
+        same report: its committed copy, or the last row naming it. None when
+        neither says so and ``result.json`` could not be read."""
+        if self.durable_agrees(index, local_meta):
+            return True
+        row = self.row_naming(index)
+        if row is not None and same_report(local_meta.get("metrics") or {}, row):
+            return True
+        return None if self._rows_failed else False
+
+    def reset_reason(self, copies: Iterable[tuple[int, Mapping[str, Any], str | None]]
+                     ) -> str | None:
+        """Why the storage_path's history is no longer the one a local tier's
+        ``copies`` (index, internal metadata, the state file's durable status
+        or None) were made in, or None. A copy recorded ``"durable"`` reached
+        the storage_path, and its row went there before it, and rows are never
+        deleted: when neither is there any more (or another report holds its
+        index), the trial there was deleted or started over since, and none of
+        the tier's copies the new history does not name is the trial's. The
+        newest such copy is asked (one read of its durable copy's metadata)."""
+        durable = [(index, meta) for index, meta, status in copies if status == "durable"]
+        if not durable:
+            return None
+        index, meta = max(durable, key=lambda c: c[0])
+        if self.knows(index, meta) is not False:
+            return None
+        s = self.storage
+        return (f"{checkpoint_dir_name(index)} was copied to {s.uri(s.trial_path)}, which "
+                "holds neither it nor its result.json row any more: the trial there was "
+                "deleted or started over since")
 
     def durable_agrees(self, index: int, local_meta: Mapping[str, Any]) -> bool:
         """Whether the durable ``checkpoint_<index>`` is committed and is the
@@ -304,10 +338,19 @@ def joint_history(storage: StorageContext, tier_trial_dirs: Iterable[str] = (),
         history.know(copy.index, copy.meta)
     ours = durable_trial_uri(storage)
     for trial_dir in tier_trial_dirs:
-        for index, ckpt, meta in _local_copies(trial_dir):
+        found = _local_copies(trial_dir)
+        recorded = read_tier_state(trial_dir) or {}
+        reset = history.reset_reason(
+            (index, meta, recorded[index].durable if index in recorded else None)
+            for index, _, meta in found)
+        for index, ckpt, meta in found:
             theirs = meta.get(LOCAL_DURABLE_URI)
-            why = (f"it is a copy of {theirs}" if isinstance(theirs, str) and theirs != ours
-                   else history.stale_reason(index, meta))
+            if isinstance(theirs, str) and theirs != ours:
+                why: str | None = f"it is a copy of {theirs}"
+            elif reset is not None:
+                why = None if history.knows(index, meta) else reset
+            else:
+                why = history.stale_reason(index, meta)
             if why is not None:
                 logger.warning("the local tier's %s is not the trial's copy of that index: %s; "
                                "it is not restored", ckpt.uri, why)

@@ -223,6 +223,7 @@ class FastTier(TierRetention, TierVerification):
         # Rank 0's copies carry the rows the trial records (tiers/history.py).
         history = TrialHistory(self.durable) if self.world_rank == 0 else None
         stale: list[tuple[Checkpoint, str]] = []
+        found: list[tuple[Checkpoint, dict[str, Any], int]] = []
         for ckpt, meta in self.storage.committed_checkpoints():
             index = meta.get("index")
             if not isinstance(index, int) or parse_checkpoint_dir_name(
@@ -231,12 +232,20 @@ class FastTier(TierRetention, TierVerification):
             if index in evicting and index not in recorded:
                 self._evicting.add(index)  # evicted, then killed before its delete ended
                 continue
+            found.append((ckpt, meta, index))
+        reset = None if history is None else history.reset_reason(
+            (index, meta, recorded[index].durable if index in recorded else None)
+            for _, meta, index in found)
+        for ckpt, meta, index in found:
             entry = recorded.get(index)
-            if history is not None and (entry is None or entry.durable != "durable"):
+            why = None
+            if history is not None and reset is not None:
+                why = None if history.knows(index, meta) else reset
+            elif history is not None and (entry is None or entry.durable != "durable"):
                 why = history.stale_reason(index, meta)
-                if why is not None:  # another run's report owns this index now
-                    stale.append((ckpt, why))
-                    continue
+            if why is not None:  # another run's report owns this index now
+                stale.append((ckpt, why))
+                continue
             agrees = (history.durable_agrees(index, meta) if history is not None
                       else self._durable_has(index))
             if entry is None:
