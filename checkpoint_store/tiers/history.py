@@ -299,7 +299,11 @@ def tier_dirs_of(storage: StorageContext, tier_trial_dir: str | None = None, *,
     return out
 
 
-def _local_copies(trial_dir: str) -> list[tuple[int, Checkpoint, dict[str, Any]]]:
+def _local_copies(trial_dir: str, warn_above: int = -1
+                  ) -> list[tuple[int, Checkpoint, dict[str, Any]]]:
+    """The committed copies of a local tier trial directory; a damaged one
+    above ``warn_above`` (the newest durable index: nothing restores that
+    index then) is named in a warning, as :func:`_warn_damaged_newer` does."""
     fs = pafs.LocalFileSystem()
     out = []
     try:
@@ -311,9 +315,14 @@ def _local_copies(trial_dir: str) -> list[tuple[int, Checkpoint, dict[str, Any]]
         path = os.path.join(trial_dir, name)
         if index is None or not os.path.isdir(path):
             continue
-        meta = read_internal_metadata(fs, path)
+        insp = inspect_checkpoint(fs, path)
+        meta = insp.meta if insp.state == "committed" else None
         if meta is not None and meta.get("index") == index:
             out.append((index, Checkpoint.from_directory(path), meta))
+        elif index > warn_above and insp.state == "invalid":
+            warnings.warn(f"skipping the local tier's {path}: it is damaged ({insp.reason}); "
+                          "the restore goes back to an older checkpoint", RuntimeWarning,
+                          stacklevel=5)
     return out
 
 
@@ -337,8 +346,9 @@ def joint_history(storage: StorageContext, tier_trial_dirs: Iterable[str] = (),
     for copy in copies:
         history.know(copy.index, copy.meta)
     ours = durable_trial_uri(storage)
+    newest = max((c.index for c in copies), default=-1)
     for trial_dir in tier_trial_dirs:
-        found = _local_copies(trial_dir)
+        found = _local_copies(trial_dir, newest)
         recorded = read_tier_state(trial_dir) or {}
         reset = history.reset_reason(
             (index, meta, recorded[index].durable if index in recorded else None)

@@ -38,6 +38,7 @@ from checkpoint_store._format.layout import (
     local_tier_rank_dir_name,
     parse_checkpoint_dir_name,
 )
+from checkpoint_store._util.inspect import inspect_checkpoint
 from checkpoint_store._util.locks import condition
 from checkpoint_store.checkpoint import Checkpoint, written_metadata
 from checkpoint_store.errors import (
@@ -71,6 +72,11 @@ __all__ = ["DurableStatus", "FastTier", "TierEntry", "local_trial_dir", "read_ti
            "source_bytes"]
 
 logger = logging.getLogger(__name__)
+
+# What a local copy lost since its commit was, by its recorded durable status.
+_DURABLE_WORDS = {"durable": "its copy on the storage_path is committed",
+                  "pending": "its copy on the storage_path was pending: that checkpoint is lost",
+                  "local_only": "it was on the local tier only: that checkpoint is lost"}
 
 #: Errors a retry of the copy to the persistent tier cannot cure.
 _FINAL = (CheckpointConflictError, CheckpointNotFoundError, CheckpointCorruptError,
@@ -258,12 +264,38 @@ class FastTier(TierRetention, TierVerification):
             elif entry.durable == "pending" and agrees:
                 entry.durable = "durable"  # killed after the durable commit
             self._entries[index] = entry
+        self._lost_since(recorded, {index for _, _, index in found})
         self._save()
         for ckpt, why in stale:
             self._drop_stale(ckpt, why)
         self._skip_present_indexes()
         if self._evicting:
             self._deleter.kick()
+
+    def _lost_since(self, recorded: Mapping[int, TierEntry], committed: set[int]) -> None:
+        """Say which copies the state file records as committed here are no
+        longer (a file truncated or deleted, the marker emptied or cut short,
+        the directory gone): the restore goes back past them, which must not
+        happen unsaid. What is left of one is removed; its index is never
+        numbered again (its row may be on the storage_path)."""
+        fs = self.storage.filesystem
+        for index, entry in sorted(recorded.items()):
+            if index in committed or index in self._evicting:
+                continue
+            self._dir_high = max(self._dir_high, index)
+            path = self.storage.checkpoint_path(index)
+            insp = inspect_checkpoint(fs, path)
+            what = ("is gone" if insp.state == "missing" else
+                    f"is damaged ({insp.reason})" if insp.reason else "is no longer committed")
+            logger.warning("the local tier's %s %s since its commit there (%s); it is not "
+                           "restored: the restore takes the storage_path's copy of that index "
+                           "if there is one, else an older checkpoint",
+                           self.storage.uri(path), what, _DURABLE_WORDS[entry.durable])
+            if insp.state != "missing":
+                try:
+                    self.storage.delete_checkpoint(checkpoint_dir_name(index))
+                except Exception as exc:  # never restored anyway; left for a person
+                    logger.warning("could not delete %s: %s", self.storage.uri(path), exc)
 
     def _skip_present_indexes(self) -> None:
         """Number past every ``checkpoint_<index>`` directory still here after
