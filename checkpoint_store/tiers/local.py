@@ -287,10 +287,13 @@ class FastTier(TierRetention, TierVerification):
             insp = inspect_checkpoint(fs, path)
             what = ("is gone" if insp.state == "missing" else
                     f"is damaged ({insp.reason})" if insp.reason else "is no longer committed")
+            status = entry.durable
+            if status == "pending" and self._durable_has(index):
+                status = "durable"  # its durable commit landed before the state said so
             logger.warning("the local tier's %s %s since its commit there (%s); it is not "
                            "restored: the restore takes the storage_path's copy of that index "
                            "if there is one, else an older checkpoint",
-                           self.storage.uri(path), what, _DURABLE_WORDS[entry.durable])
+                           self.storage.uri(path), what, _DURABLE_WORDS[status])
             if insp.state != "missing":
                 try:
                     self.storage.delete_checkpoint(checkpoint_dir_name(index))
