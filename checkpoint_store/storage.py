@@ -574,7 +574,8 @@ class StorageContext:
         Args:
             sole_owner: the caller holds this trial directory for itself
                 (a local tier, locked for its session's life:
-                ``tiers/lock.py``) and has not written in it yet: every
+                ``tiers/lock.py``; a one-rank session's trial, after its
+                lease) and has not written in it yet: every
                 writer that left something unfinished there is dead, the
                 current run's included (a run id can repeat: a launcher's
                 ``CHECKPOINT_STORE_RUN_ID`` kept across restarts), so

@@ -250,7 +250,14 @@ class Session:
         (no other live run on this trial) and before any rank of this attempt
         writes: no rank writes before rank 0 passed agree_start_index(), so
         whatever is uncommitted now is an earlier attempt's. A rank > 0 must
-        never clean (it would delete a staging directory another rank is filling)."""
+        never clean (it would delete a staging directory another rank is filling).
+
+        With several ranks the current run id's leftovers stay (a rank of this
+        run that was not restarted may still be writing them). With one rank
+        there is no such writer: a launcher's run id kept across restarts
+        (``CHECKPOINT_STORE_RUN_ID``) names a dead process's upload, whose
+        claim would hold that index for an hour (a local tier's pending copy
+        of it could not be persisted) and whose files would never go."""
         storage = self.storage
         try:
             # The restore's listing leaves out the checkpoints the retention
@@ -259,7 +266,8 @@ class Session:
             storage.remove_uncommitted(
                 self.attempt_id, listing=listing,
                 known=(self.manager.restore_known if listing is not None
-                       else self.manager.known_committed()))
+                       else self.manager.known_committed()),
+                sole_owner=self.world_size == 1)
         except Exception as exc:  # cleanup must never stop a run from starting
             logging.getLogger(__name__).warning("cleanup of %s failed: %s",
                                                 storage.uri(storage.trial_path), exc)

@@ -49,14 +49,18 @@ from checkpoint_store._util.inspect import inspect_checkpoint, read_internal_met
 from checkpoint_store.checkpoint import Checkpoint
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers.config import LocalTier
-from checkpoint_store.tiers.statefile import local_trial_dir
+from checkpoint_store.tiers.statefile import local_trial_dir, read_tier_state
 
-__all__ = ["HistoryCopy", "TrialHistory", "joint_history", "same_report", "tier_dirs_of",
-           "trial_copies"]
+__all__ = ["LOCAL_DURABLE_URI", "HistoryCopy", "TrialHistory", "durable_trial_uri",
+           "joint_history", "same_report", "tier_dirs_of", "trial_copies"]
 
 logger = logging.getLogger("checkpoint_store.tiers.local")
 
 Where = Literal["local", "durable"]
+
+#: The key of a local copy's internal metadata naming the persistent tier's
+#: trial it belongs to (its canonical URI; docs/format.md, "Local tier").
+LOCAL_DURABLE_URI = "durable_uri"
 
 
 def _report_key(row: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -85,6 +89,7 @@ class TrialHistory:
         # the newest row's timestamp.
         self._named: list[tuple[float, int]] = []
         self._last_ts: float | None = None
+        self._rows_failed = False
 
     def know(self, index: int, meta: dict[str, Any]) -> None:
         """Record the durable ``checkpoint_<index>``'s metadata, read by the caller."""
@@ -115,6 +120,7 @@ class TrialHistory:
             except Exception as exc:  # no rows: the durable copies alone decide
                 logger.warning("could not read the rows of %s: %s", s.uri(s.trial_path), exc)
                 rows = []
+                self._rows_failed = True
             for row in rows:
                 if not isinstance(row, dict):
                     continue
@@ -165,6 +171,38 @@ class TrialHistory:
                     f"local copy ({_who(local_meta, local_row)})")
         return (f"{where} is another report ({_who(durable, theirs)}) than the local copy "
                 f"({_who(local_meta, local_row)})")
+
+    def knows(self, index: int, local_meta: Mapping[str, Any]) -> bool | None:
+        """Whether the storage_path records the local copy of ``index`` as the
+        same report: its committed copy, or the last row naming it. None when
+        neither says so and ``result.json`` could not be read."""
+        if self.durable_agrees(index, local_meta):
+            return True
+        row = self.row_naming(index)
+        if row is not None and same_report(local_meta.get("metrics") or {}, row):
+            return True
+        return None if self._rows_failed else False
+
+    def reset_reason(self, copies: Iterable[tuple[int, Mapping[str, Any], str | None]]
+                     ) -> str | None:
+        """Why the storage_path's history is no longer the one a local tier's
+        ``copies`` (index, internal metadata, the state file's durable status
+        or None) were made in, or None. A copy recorded ``"durable"`` reached
+        the storage_path, and its row went there before it, and rows are never
+        deleted: when neither is there any more (or another report holds its
+        index), the trial there was deleted or started over since, and none of
+        the tier's copies the new history does not name is the trial's. The
+        newest such copy is asked (one read of its durable copy's metadata)."""
+        durable = [(index, meta) for index, meta, status in copies if status == "durable"]
+        if not durable:
+            return None
+        index, meta = max(durable, key=lambda c: c[0])
+        if self.knows(index, meta) is not False:
+            return None
+        s = self.storage
+        return (f"{checkpoint_dir_name(index)} was copied to {s.uri(s.trial_path)}, which "
+                "holds neither it nor its result.json row any more: the trial there was "
+                "deleted or started over since")
 
     def durable_agrees(self, index: int, local_meta: Mapping[str, Any]) -> bool:
         """Whether the durable ``checkpoint_<index>`` is committed and is the
@@ -217,12 +255,15 @@ def _single_rank_tier(trial_dir: str, storage: StorageContext) -> bool:
     if not isinstance(body, dict) or body.get("world_size", 1) != 1:
         return False
     theirs = body.get("durable_uri")
-    if not isinstance(theirs, str):
-        return True
+    return not isinstance(theirs, str) or theirs == durable_trial_uri(storage)
+
+
+def durable_trial_uri(storage: StorageContext) -> str:
+    """The persistent trial's URI as a local tier records it (the canonical one)."""
     try:
-        return theirs == storage.canonical_uri(storage.trial_path)
-    except Exception:
-        return theirs == storage.uri(storage.trial_path)
+        return storage.canonical_uri(storage.trial_path)
+    except Exception:  # a backend that cannot say: its plain URI
+        return storage.uri(storage.trial_path)
 
 
 def tier_dirs_of(storage: StorageContext, tier_trial_dir: str | None = None, *,
@@ -258,7 +299,11 @@ def tier_dirs_of(storage: StorageContext, tier_trial_dir: str | None = None, *,
     return out
 
 
-def _local_copies(trial_dir: str) -> list[tuple[int, Checkpoint, dict[str, Any]]]:
+def _local_copies(trial_dir: str, warn_above: int = -1
+                  ) -> list[tuple[int, Checkpoint, dict[str, Any]]]:
+    """The committed copies of a local tier trial directory; a damaged one
+    above ``warn_above`` (the newest durable index: nothing restores that
+    index then) is named in a warning, as :func:`_warn_damaged_newer` does."""
     fs = pafs.LocalFileSystem()
     out = []
     try:
@@ -270,9 +315,14 @@ def _local_copies(trial_dir: str) -> list[tuple[int, Checkpoint, dict[str, Any]]
         path = os.path.join(trial_dir, name)
         if index is None or not os.path.isdir(path):
             continue
-        meta = read_internal_metadata(fs, path)
+        insp = inspect_checkpoint(fs, path)
+        meta = insp.meta if insp.state == "committed" else None
         if meta is not None and meta.get("index") == index:
             out.append((index, Checkpoint.from_directory(path), meta))
+        elif index > warn_above and insp.state == "invalid":
+            warnings.warn(f"skipping the local tier's {path}: it is damaged ({insp.reason}); "
+                          "the restore goes back to an older checkpoint", RuntimeWarning,
+                          stacklevel=5)
     return out
 
 
@@ -295,9 +345,22 @@ def joint_history(storage: StorageContext, tier_trial_dirs: Iterable[str] = (),
               if isinstance(meta.get("index"), int)]
     for copy in copies:
         history.know(copy.index, copy.meta)
+    ours = durable_trial_uri(storage)
+    newest = max((c.index for c in copies), default=-1)
     for trial_dir in tier_trial_dirs:
-        for index, ckpt, meta in _local_copies(trial_dir):
-            why = history.stale_reason(index, meta)
+        found = _local_copies(trial_dir, newest)
+        recorded = read_tier_state(trial_dir) or {}
+        reset = history.reset_reason(
+            (index, meta, recorded[index].durable if index in recorded else None)
+            for index, _, meta in found)
+        for index, ckpt, meta in found:
+            theirs = meta.get(LOCAL_DURABLE_URI)
+            if isinstance(theirs, str) and theirs != ours:
+                why: str | None = f"it is a copy of {theirs}"
+            elif reset is not None:
+                why = None if history.knows(index, meta) else reset
+            else:
+                why = history.stale_reason(index, meta)
             if why is not None:
                 logger.warning("the local tier's %s is not the trial's copy of that index: %s; "
                                "it is not restored", ckpt.uri, why)

@@ -38,6 +38,7 @@ from checkpoint_store._format.layout import (
     local_tier_rank_dir_name,
     parse_checkpoint_dir_name,
 )
+from checkpoint_store._util.inspect import inspect_checkpoint
 from checkpoint_store._util.locks import condition
 from checkpoint_store.checkpoint import Checkpoint, written_metadata
 from checkpoint_store.errors import (
@@ -53,7 +54,7 @@ from checkpoint_store.retention.policies import PolicyCheckpoint
 from checkpoint_store.storage import StorageContext
 from checkpoint_store.tiers.config import LocalTier
 from checkpoint_store.tiers.eviction import TierRetention
-from checkpoint_store.tiers.history import TrialHistory
+from checkpoint_store.tiers.history import LOCAL_DURABLE_URI, TrialHistory, durable_trial_uri
 from checkpoint_store.tiers.lock import TierLock
 from checkpoint_store.tiers.statefile import (
     TIER_STATE_VERSION,
@@ -71,6 +72,11 @@ __all__ = ["DurableStatus", "FastTier", "TierEntry", "local_trial_dir", "read_ti
            "source_bytes"]
 
 logger = logging.getLogger(__name__)
+
+# What a local copy lost since its commit was, by its recorded durable status.
+_DURABLE_WORDS = {"durable": "its copy on the storage_path is committed",
+                  "pending": "its copy on the storage_path was pending: that checkpoint is lost",
+                  "local_only": "it was on the local tier only: that checkpoint is lost"}
 
 #: Errors a retry of the copy to the persistent tier cannot cure.
 _FINAL = (CheckpointConflictError, CheckpointNotFoundError, CheckpointCorruptError,
@@ -161,24 +167,28 @@ class FastTier(TierRetention, TierVerification):
         return os.path.join(self.trial_dir, TIER_STATE_FILE)
 
     def _durable_uri(self) -> str:
-        try:
-            return self.durable.canonical_uri(self.durable.trial_path)
-        except Exception:  # a backend that cannot say: its plain URI
-            return self.durable.uri(self.durable.trial_path)
+        return durable_trial_uri(self.durable)
 
-    def _refuse_foreign(self) -> None:
-        """Refuse a local trial directory whose state names another persistent
-        tier (the same experiment and trial names under another storage_path)."""
+    def _refuse_foreign(self, copies: list[tuple[Checkpoint, dict[str, Any]]]) -> None:
+        """Refuse a local trial directory that holds another persistent tier's
+        checkpoints (the same experiment and trial names under another
+        storage_path): its state file names that trial, or one of its
+        committed ``copies`` does (the state file may be missing or damaged)."""
         try:
             with open(self.state_path, "rb") as f:
                 body = json.loads(f.read())
         except (OSError, ValueError):
-            return
+            body = None
         theirs = body.get("durable_uri") if isinstance(body, dict) else None
-        if isinstance(theirs, str) and theirs != self._durable_uri():
+        ours = self._durable_uri()
+        if not isinstance(theirs, str) or theirs == ours:
+            theirs = next((meta[LOCAL_DURABLE_URI] for _, meta in copies
+                           if isinstance(meta.get(LOCAL_DURABLE_URI), str)
+                           and meta[LOCAL_DURABLE_URI] != ours), None)
+        if theirs is not None:
             raise InvalidConfigError(
                 f"the local tier directory {self.trial_dir} holds the checkpoints of "
-                f"{theirs}, not of {self._durable_uri()}; give LocalTier another path, or "
+                f"{theirs}, not of {ours}; give LocalTier another path, or "
                 "delete that directory if its checkpoints are not needed (its state file "
                 f"{TIER_STATE_FILE} says which durable copies are still pending)")
 
@@ -197,8 +207,8 @@ class FastTier(TierRetention, TierVerification):
         self._dir_lock.release()
 
     def _open_locked(self) -> None:
-        self._refuse_foreign()
         self.storage.ensure_trial_dir()
+        self._refuse_foreign(self.storage.committed_checkpoints())
         try:
             # The lock is ours: whatever is unfinished here is a dead writer's.
             self.storage.remove_uncommitted(sole_owner=True)
@@ -219,6 +229,7 @@ class FastTier(TierRetention, TierVerification):
         # Rank 0's copies carry the rows the trial records (tiers/history.py).
         history = TrialHistory(self.durable) if self.world_rank == 0 else None
         stale: list[tuple[Checkpoint, str]] = []
+        found: list[tuple[Checkpoint, dict[str, Any], int]] = []
         for ckpt, meta in self.storage.committed_checkpoints():
             index = meta.get("index")
             if not isinstance(index, int) or parse_checkpoint_dir_name(
@@ -227,12 +238,20 @@ class FastTier(TierRetention, TierVerification):
             if index in evicting and index not in recorded:
                 self._evicting.add(index)  # evicted, then killed before its delete ended
                 continue
+            found.append((ckpt, meta, index))
+        reset = None if history is None else history.reset_reason(
+            (index, meta, recorded[index].durable if index in recorded else None)
+            for _, meta, index in found)
+        for ckpt, meta, index in found:
             entry = recorded.get(index)
-            if history is not None and (entry is None or entry.durable != "durable"):
+            why = None
+            if history is not None and reset is not None:
+                why = None if history.knows(index, meta) else reset
+            elif history is not None and (entry is None or entry.durable != "durable"):
                 why = history.stale_reason(index, meta)
-                if why is not None:  # another run's report owns this index now
-                    stale.append((ckpt, why))
-                    continue
+            if why is not None:  # another run's report owns this index now
+                stale.append((ckpt, why))
+                continue
             agrees = (history.durable_agrees(index, meta) if history is not None
                       else self._durable_has(index))
             if entry is None:
@@ -245,12 +264,41 @@ class FastTier(TierRetention, TierVerification):
             elif entry.durable == "pending" and agrees:
                 entry.durable = "durable"  # killed after the durable commit
             self._entries[index] = entry
+        self._lost_since(recorded, {index for _, _, index in found})
         self._save()
         for ckpt, why in stale:
             self._drop_stale(ckpt, why)
         self._skip_present_indexes()
         if self._evicting:
             self._deleter.kick()
+
+    def _lost_since(self, recorded: Mapping[int, TierEntry], committed: set[int]) -> None:
+        """Say which copies the state file records as committed here are no
+        longer (a file truncated or deleted, the marker emptied or cut short,
+        the directory gone): the restore goes back past them, which must not
+        happen unsaid. What is left of one is removed; its index is never
+        numbered again (its row may be on the storage_path)."""
+        fs = self.storage.filesystem
+        for index, entry in sorted(recorded.items()):
+            if index in committed or index in self._evicting:
+                continue
+            self._dir_high = max(self._dir_high, index)
+            path = self.storage.checkpoint_path(index)
+            insp = inspect_checkpoint(fs, path)
+            what = ("is gone" if insp.state == "missing" else
+                    f"is damaged ({insp.reason})" if insp.reason else "is no longer committed")
+            status = entry.durable
+            if status == "pending" and self._durable_has(index):
+                status = "durable"  # its durable commit landed before the state said so
+            logger.warning("the local tier's %s %s since its commit there (%s); it is not "
+                           "restored: the restore takes the storage_path's copy of that index "
+                           "if there is one, else an older checkpoint",
+                           self.storage.uri(path), what, _DURABLE_WORDS[status])
+            if insp.state != "missing":
+                try:
+                    self.storage.delete_checkpoint(checkpoint_dir_name(index))
+                except Exception as exc:  # never restored anyway; left for a person
+                    logger.warning("could not delete %s: %s", self.storage.uri(path), exc)
 
     def _skip_present_indexes(self) -> None:
         """Number past every ``checkpoint_<index>`` directory still here after
@@ -380,15 +428,22 @@ class FastTier(TierRetention, TierVerification):
             Whatever :meth:`StorageContext.persist_checkpoint` raises; nothing
             is recorded then.
         """
-        committed = self.storage.persist_checkpoint(source, index, internal, writer_id=writer_id)
+        committed = self.storage.persist_checkpoint(source, index, self._stamped(internal),
+                                                    writer_id=writer_id)
         return committed, self._record(index, committed, row)
 
     def commit_in_place(self, index: int, internal: Mapping[str, Any],
                         row: Mapping[str, Any]) -> tuple[Checkpoint, bool]:
         """Commit ``checkpoint_<index>`` of this tier, filled in place
         (:meth:`reserve_in_place`); see :meth:`commit`."""
-        committed = self.storage.commit_in_place(index, internal)
+        committed = self.storage.commit_in_place(index, self._stamped(internal))
         return committed, self._record(index, committed, row)
+
+    def _stamped(self, internal: Mapping[str, Any]) -> dict[str, Any]:
+        """``internal`` naming the persistent tier's trial this copy belongs to:
+        a later session of another trial never adopts it, even when the state
+        file that names that trial is gone (:meth:`_refuse_foreign`)."""
+        return {**internal, LOCAL_DURABLE_URI: self._durable_uri()}
 
     def reserve_in_place(self, index: int) -> str:
         """Create and claim ``checkpoint_<index>`` of this tier for a writer that

@@ -152,3 +152,25 @@ def test_two_ranks_write_in_place_rank0_commits(tmp_path, ranks):
     assert meta["world_size"] == 2 and meta["metrics"]["r"] == 0
     ckpt.verify()
     assert not [n for n in os.listdir(ckpt.path) if is_internal_name(n)]
+
+
+def test_a_restart_that_keeps_its_run_id_cleans_its_dead_save(tmp_path, monkeypatch):
+    """A launcher keeps ``CHECKPOINT_STORE_RUN_ID`` across restarts: the save
+    a killed process left in ``checkpoint_000001`` is that run id's, but with
+    one rank nobody of this run can still be writing it. The restart removes
+    it, as it removes another run's, instead of keeping it for ever."""
+    monkeypatch.setenv("CHECKPOINT_STORE_RUN_ID", "job1")
+    with session.start(storage_path=tmp_path, experiment_name="e", trial_name="t") as s:
+        first = s.next_checkpoint_dir()
+        with open(os.path.join(first, "a"), "wb") as f:
+            f.write(b"1")
+        s.report({}, checkpoint=Checkpoint(first))
+        second = s.next_checkpoint_dir()
+        with open(os.path.join(second, "a"), "wb") as f:
+            f.write(b"2")
+        # killed: no report
+    ctx = StorageContext(tmp_path, "e", "t")
+    assert ctx.scan("job1").active == ["checkpoint_000001"]
+    with session.start(storage_path=tmp_path, experiment_name="e", trial_name="t") as s:
+        assert s.get_checkpoint().path == first
+        assert ctx.scan().uncommitted == [] and not os.path.exists(second)

@@ -160,3 +160,70 @@ def test_resume_from_is_not_read_when_the_local_tier_holds_the_trials_copies(tmp
         got = s.get_checkpoint()
         assert got is not None and got.path.startswith(str(tmp_path / "fast"))
         assert read_files(got.path) == {"w.bin": b"mine"}
+
+
+def _run_a_with_a_tier(durable, tmp_path):
+    """Machine A reports 0..2 through its tier; 0 and 1 reach the storage_path,
+    2 stays local only (``persist``)."""
+    tier = LocalTier(tmp_path / "fastA", num_to_keep=3, persist=lambda index, row: index < 2)
+    with _start(durable, tier) as s:
+        for i in range(3):
+            s.report({"who": "A", "i": i},
+                     checkpoint=make_checkpoint(tmp_path, f"a{i}", {"w.bin": b"A%d" % i}))
+    assert durable.committed() == [0, 1]
+    return tier
+
+
+def _wipe(durable) -> None:
+    ctx = durable.ctx()
+    ctx.filesystem.delete_dir(ctx.trial_path)  # the experiment is started over
+
+
+def test_a_trial_started_over_on_its_storage_path_never_resumes_the_tier(durable_uri,
+                                                                         tmp_path):
+    """The trial's directory on the storage_path is deleted to run the
+    experiment again from scratch, on the same machine: the local tier's
+    copies are the deleted history's, so the new run starts fresh (they are
+    removed from the tier) instead of resuming step 2 of the old one; so do
+    the readers that open no session (HF restore_latest, Lightning resume_path)."""
+    from checkpoint_store.tiers.history import trial_copies
+
+    tier = _run_a_with_a_tier(durable_uri, tmp_path)
+    _wipe(durable_uri)
+    assert trial_copies(durable_uri.ctx(), tier) == []
+    with _start(durable_uri, tier) as s:
+        assert s.get_checkpoint() is None
+        assert session_internals(s).tier.entries() == []
+        row = s.report({"who": "new", "i": 0},
+                       checkpoint=make_checkpoint(tmp_path, "n0", {"w.bin": b"N0"}))
+        assert (row["checkpoint_dir_name"], row["training_iteration"]) == ("checkpoint_000000", 1)
+    assert sorted(os.listdir(tmp_path / "fastA" / "e" / "t")) == [
+        ".cs_tier.lock", ".cs_tier_holder.json", TIER_STATE_FILE, "checkpoint_000000"]
+    assert [r["who"] for r in durable_uri.ctx().read_results()] == ["new"]
+
+
+def test_a_trial_started_over_elsewhere_never_resumes_the_old_tier(tmp_path):
+    """Started over on machine B (no tier), which got to checkpoint 0; machine
+    A's tier, back, still holds the old run's 0..2 (the old 1 recorded durable):
+    the restart resumes B's checkpoint 0, also through the readers that open
+    no session (trial_copies: HF restore_latest, Lightning resume_path)."""
+    from _tier_helpers import Durable
+
+    from checkpoint_store.tiers.history import trial_copies
+
+    durable = Durable("local", str(tmp_path / "durable"))
+    tier = _run_a_with_a_tier(durable, tmp_path)
+    _wipe(durable)
+    with _start(durable) as s:
+        s.report({"who": "B", "i": 0}, checkpoint=make_checkpoint(tmp_path, "b0", {"w.bin": b"B0"}))
+    copies = trial_copies(durable.ctx(), tier)
+    assert [(c.index, c.where) for c in copies] == [(0, "durable")]
+    with _start(durable, tier) as s:
+        got = s.get_checkpoint()
+        assert got is not None and not got.path.startswith(str(tmp_path / "fastA"))
+        assert read_files(got.path) == {"w.bin": b"B0"}
+        assert session_internals(s).tier.entries() == []
+        row = s.report({"who": "A", "i": 1},
+                       checkpoint=make_checkpoint(tmp_path, "a-new", {"w.bin": b"A-new"}))
+        assert row["checkpoint_dir_name"] == "checkpoint_000001"
+    assert [r["who"] for r in durable.ctx().read_results()] == ["B", "A"]

@@ -162,3 +162,40 @@ def test_a_restart_on_fewer_ranks_never_persists_the_parts_it_has(ranks, tmp_pat
 
     assert ranks(2, second) == [([], os.path.join(store, "e", "t", "checkpoint_000000"))] * 2
     assert [m["index"] for _, m in StorageContext(store, "e", "t").committed_checkpoints()] == [0]
+
+
+def test_a_pending_copy_persists_past_its_own_runs_killed_upload(s3_location, tmp_path,
+                                                                 monkeypatch):
+    """The run id is kept across restarts (``CHECKPOINT_STORE_RUN_ID``) and the
+    upload of the local tier's checkpoint 2 was killed on S3 after its claim
+    and some data. The restart persists the pending copy at once: the dead
+    upload is removed at start, not a live writer's claim waited on for 120 s,
+    then refused (CheckpointConflictError) by every restart for an hour."""
+    import time
+
+    from checkpoint_store._format.layout import claim_name
+    from checkpoint_store._util.ids import new_writer_id
+
+    monkeypatch.setenv("CHECKPOINT_STORE_RUN_ID", "job1")
+    kw = dict(storage_path=s3_location.uri, storage_options=dict(s3_location.storage_options),
+              experiment_name="e", trial_name="t")
+    tier = LocalTier(tmp_path / "fast", num_to_keep=3)
+    with session.start(**kw, local_tier=LocalTier(tmp_path / "fast", num_to_keep=3,
+                                                  persist=lambda index, row: index < 2)) as s:
+        for i in range(3):
+            s.report({"i": i}, checkpoint=make_checkpoint(tmp_path, f"c{i}", {"w.bin": b"%d" % i}))
+    _mark(tmp_path / "fast" / "e" / "t", 2, "pending")  # its upload was under way
+    ctx = StorageContext(**kw)
+    dead = new_writer_id("job1")  # what the killed upload left: its claim, then data
+    base = ctx.checkpoint_path(2)
+    for name, data in ((claim_name(time.time_ns(), dead), dead.encode()), ("w.bin", b"2-cut")):
+        with ctx.filesystem.open_output_stream(f"{base}/{name}") as f:
+            f.write(data)
+    started = time.monotonic()
+    with session.start(**kw, local_tier=tier) as s:
+        s.wait(timeout=30)
+        assert s.durable_index == 2
+    assert time.monotonic() - started < 30
+    assert [m["index"] for _, m in ctx.committed_checkpoints()] == [0, 1, 2]
+    with ctx.checkpoint("checkpoint_000002").as_directory() as d:
+        assert read_files(d) == {"w.bin": b"2"}

@@ -167,3 +167,109 @@ def test_a_local_tier_of_another_storage_path_is_refused(tmp_path):
         got = s.get_checkpoint()
         assert got is not None and got.is_local
         assert got.path.startswith(str(tmp_path / "fast"))
+
+
+@pytest.mark.parametrize("damage", ["empty", "torn", "deleted"])
+def test_a_foreign_tier_without_a_readable_state_file_is_refused(tmp_path, damage):
+    """Job A's tier directory lost its state file (emptied by a crash of an
+    unsynced disk, cut short, deleted): the copies themselves still say they
+    are A's, so job B (another storage_path, the same names) is refused
+    instead of resuming A's checkpoint and copying it into B."""
+    from checkpoint_store import InvalidConfigError, StorageContext
+    from checkpoint_store.tiers import TIER_STATE_FILE
+
+    tier = LocalTier(tmp_path / "fast")
+    with session.start(storage_path=str(tmp_path / "a"), experiment_name="e", trial_name="t",
+                       local_tier=tier) as s:
+        for i in range(2):
+            s.report({"i": i}, checkpoint=make_checkpoint(tmp_path, f"c{i}", {"w.bin": b"A%d" % i}))
+    state = tmp_path / "fast" / "e" / "t" / TIER_STATE_FILE
+    if damage == "deleted":
+        state.unlink()
+    else:
+        state.write_text("" if damage == "empty" else state.read_text()[:40])
+    with pytest.raises(InvalidConfigError, match=f"holds the checkpoints of .*{tmp_path}/a/e/t"):
+        session.start(storage_path=str(tmp_path / "b"), experiment_name="e", trial_name="t",
+                      local_tier=tier)
+    assert StorageContext(str(tmp_path / "b"), "e", "t").committed_checkpoints() == []
+    # A's own restart still resumes its local copy (the state file is rebuilt);
+    # the durable copy never names the local tier's trial.
+    with session.start(storage_path=str(tmp_path / "a"), experiment_name="e", trial_name="t",
+                       local_tier=tier) as s:
+        got = s.get_checkpoint()
+        assert got is not None and got.is_local and read_files(got.path) == {"w.bin": b"A1"}
+    durable = StorageContext(str(tmp_path / "a"), "e", "t").checkpoint("checkpoint_000001")
+    assert "durable_uri" not in durable.internal_metadata
+
+
+def test_a_foreign_tier_of_states_without_its_state_file_is_refused(tmp_path):
+    """The same through ``report(state=...)``: the persist process writes the
+    state straight into the tier's ``checkpoint_<index>``, committed in place."""
+    from checkpoint_store import InvalidConfigError
+    from checkpoint_store.tiers import TIER_STATE_FILE
+
+    tier = LocalTier(tmp_path / "fast")
+    with session.start(storage_path=str(tmp_path / "a"), experiment_name="e", trial_name="t",
+                       local_tier=tier) as s:
+        for i in range(2):
+            s.report({"i": i}, state={"step": i, "who": "A"})
+    (tmp_path / "fast" / "e" / "t" / TIER_STATE_FILE).unlink()
+    with pytest.raises(InvalidConfigError, match="holds the checkpoints of"):
+        session.start(storage_path=str(tmp_path / "b"), experiment_name="e", trial_name="t",
+                      local_tier=tier)
+    with session.start(storage_path=str(tmp_path / "a"), experiment_name="e", trial_name="t",
+                       local_tier=tier) as s:
+        got = s.get_checkpoint()
+        assert got is not None and got.load_state() == {"step": 1, "who": "A"}
+
+
+def _local_only_newest(tmp_path, damage):
+    """Three copies on the local tier, 0 and 1 durable, 2 local only (``persist``),
+    then checkpoint 2 on the local tier damaged as ``damage`` says."""
+    tier = LocalTier(tmp_path / "fast", num_to_keep=3, persist=lambda index, row: index < 2)
+    with session.start(storage_path=str(tmp_path / "store"), experiment_name="e",
+                       trial_name="t", local_tier=tier) as s:
+        for i in range(3):
+            s.report({"i": i}, checkpoint=make_checkpoint(tmp_path, f"c{i}", {"w.bin": b"%d" % i}))
+    newest = tmp_path / "fast" / "e" / "t" / "checkpoint_000002"
+    marker = newest / ".internal_metadata.json"
+    if damage == "marker cut short":
+        marker.write_text(marker.read_text()[:30])
+    elif damage == "marker emptied":
+        marker.write_text("")
+    elif damage == "file truncated":
+        os.truncate(newest / "w.bin", 0)
+    else:
+        shutil.rmtree(newest)
+    return tier, newest
+
+
+@pytest.mark.parametrize("damage", ["marker cut short", "marker emptied", "file truncated",
+                                    "directory deleted"])
+def test_a_restart_past_a_damaged_local_only_copy_says_so(tmp_path, damage, caplog):
+    """The newest checkpoint lived on the local tier only and is damaged since:
+    the restart goes back to checkpoint 1, and says so, naming the copy;
+    what is left of it goes, and its index is not numbered again."""
+    tier, newest = _local_only_newest(tmp_path, damage)
+    with caplog.at_level("WARNING"), session.start(
+            storage_path=str(tmp_path / "store"), experiment_name="e", trial_name="t",
+            local_tier=tier) as s:
+        got = s.get_checkpoint()
+        assert got is not None and read_files(got.path) == {"w.bin": b"1"}
+        row = s.report({"i": 3}, checkpoint=make_checkpoint(tmp_path, "c3", {"w.bin": b"3"}))
+        assert row["checkpoint_dir_name"] == "checkpoint_000003"
+    assert f"{newest} is " in caplog.text and "that checkpoint is lost" in caplog.text
+    assert not newest.exists()
+
+
+@pytest.mark.parametrize("damage", ["marker cut short", "file truncated"])
+def test_a_restore_without_a_session_past_a_damaged_local_copy_warns(tmp_path, damage):
+    """The readers that open no session (HF restore_latest, Lightning
+    resume_path: trial_copies) name the damaged local copy they go back past."""
+    from checkpoint_store import StorageContext
+    from checkpoint_store.tiers.history import trial_copies
+
+    tier, newest = _local_only_newest(tmp_path, damage)
+    with pytest.warns(RuntimeWarning, match=f"{newest}.*damaged"):
+        copies = trial_copies(StorageContext(str(tmp_path / "store"), "e", "t"), tier)
+    assert [(c.index, c.where) for c in copies][:2] == [(1, "local"), (1, "durable")]
