@@ -16,7 +16,7 @@ import posixpath
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from checkpoint_store._format.layout import MANAGER_STATE, STATE_KIND
+from checkpoint_store._format.layout import MANAGER_STATE, STATE_FORMAT_VERSION, STATE_KIND
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
 
@@ -84,7 +84,9 @@ def _recorded_root(trial: Location) -> dict[str, Any] | None:
 
     Raises:
         UnreadableStateError: the file is there but is not JSON, not an object,
-            or holds no ``config`` object (truncated, overwritten by hand).
+            or holds no ``config`` object (truncated, overwritten by hand), or
+            a config no :class:`CheckpointConfig` accepts, or it is of a newer
+            format version than this release reads.
         CheckpointStoreError: the store refused the read (access denied ...);
             never taken for "no state", which would change the ranking.
     """
@@ -110,9 +112,29 @@ def _recorded_root(trial: Location) -> dict[str, Any] | None:
             # Another file under its name (a chunk, a record, a lease copied
             # over it): what it says is not what the trial's manager decided.
             config, why = None, f"its kind is {root.get('kind')!r}, not {STATE_KIND!r}"
-    if isinstance(config, dict):
-        return root  # type: ignore[no-any-return]
-    raise _unreadable_state(trial, why)
+    if not isinstance(config, dict):
+        raise _unreadable_state(trial, why)
+    version = root.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool) \
+            and version > STATE_FORMAT_VERSION:
+        # A newer release's state: its rules may hold fields this one does not
+        # know (a policy that keeps more); ranking or pruning by the fields it
+        # does know would delete what that release keeps.
+        raise UnreadableStateError(
+            f"the retention state {trial.child(MANAGER_STATE).uri} has format version "
+            f"{version}, newer than this checkpoint-store reads ({STATE_FORMAT_VERSION}), "
+            "so the metric, order and policy this trial ranks by are not known here; "
+            "upgrade checkpoint-store, or pass them (--metric and --mode, and --keep "
+            "for prune)")
+    from checkpoint_store.retention.config import CheckpointConfig
+
+    try:
+        CheckpointConfig.from_json(config)
+    except InvalidConfigError as exc:
+        # Rules no manager could have written (a count as a string, an order
+        # 'MIN'): ranking by a guess at them could name, or keep, the wrong one.
+        raise _unreadable_state(trial, f"its config is invalid: {exc}") from None
+    return root  # type: ignore[no-any-return]
 
 
 def _unreadable_state(trial: Location, why: str) -> UnreadableStateError:
