@@ -28,6 +28,7 @@ from checkpoint_store._format.layout import (
     RESULT_SEGMENTS_DIR,
     TIER_STATE_FILE,
     TRIAL_FILES,
+    checkpoint_dir_name,
     is_internal_name,
     is_local_tier_pointer_name,
     parse_checkpoint_dir_name,
@@ -206,6 +207,23 @@ def _otherwise_named(loc: Location, entries: Iterable[tuple[str, bool]]) -> Iter
             yield name
 
 
+def copy_of(name: str, meta: Mapping[str, Any], names: Iterable[str]) -> str | None:
+    """Why the committed directory ``name`` of a trial, named otherwise than
+    ``checkpoint_NNNNNN``, is a copy (``cp -r checkpoint_000001 backup``): its
+    marker records the index of a ``checkpoint_NNNNNN`` entry among the
+    trial's entry ``names``; None when it is not. A checkpoint's identity is
+    its directory name (docs/format.md), so the copy is invalid for every
+    reader: never ranked beside the original, nor deleted in its place."""
+    index = meta.get("index")
+    if parse_checkpoint_dir_name(name) is not None or isinstance(index, bool) \
+            or not isinstance(index, int) or index < 0:
+        return None
+    original = checkpoint_dir_name(index)
+    if original not in set(names):
+        return None
+    return f"a copy of {original}: its marker records index {index}, which is {original}'s"
+
+
 def read_internal(loc: Location) -> dict[str, Any] | None:
     """The checkpoint's internal metadata when its commit marker is valid, else None."""
     from checkpoint_store._util.inspect import read_internal_metadata
@@ -311,7 +329,9 @@ def not_committed(
     done = set(committed)
     corrupt: list[tuple[str, Inspection]] = []
     uncommitted: list[str] = []
-    for name, is_dir in list_entries(trial) if entries is None else entries:
+    entries = list_entries(trial) if entries is None else entries
+    names = done | {n for n, _ in entries}
+    for name, is_dir in entries:
         if not is_dir and name not in done and parse_checkpoint_dir_name(name) is not None:
             # A file in a checkpoint's place: nothing there can be read, and
             # numbering continues past it (docs/format.md).
@@ -333,11 +353,28 @@ def not_committed(
             # A checkpoint under another name (Lightning's ``a.ckpt``) that
             # fails its manifest: reported, never silently left out.
             corrupt.append((name, inspect_location(trial.child(name))))
+        elif (copy := _copy_fault(trial, name, names)) is not None:
+            corrupt.append((name, copy))
         elif (fault := _pointer_fault(trial.child(name))) is not None:
             corrupt.append((name, fault))
         elif parse_staging_dir_name(name) is not None:
             uncommitted.append(name)
     return corrupt, uncommitted
+
+
+def _copy_fault(trial: Location, name: str, names: set[str]) -> Inspection | None:
+    """An ``"invalid"`` inspection of the committed directory ``name`` of
+    ``trial`` when it is a copy of a ``checkpoint_NNNNNN`` entry
+    (:func:`copy_of`); None otherwise. Its marker is read only when such an
+    entry is there at all (a Lightning directory holds none)."""
+    from checkpoint_store._util.inspect import Inspection
+
+    if parse_checkpoint_dir_name(name) is not None or not any(
+            parse_checkpoint_dir_name(n) is not None for n in names):
+        return None
+    meta = read_internal(trial.child(name))
+    why = copy_of(name, meta, names) if meta is not None else None
+    return None if why is None else Inspection("invalid", meta, reason=why)
 
 
 def _link_fault(loc: Location) -> Inspection | None:
@@ -449,16 +486,21 @@ def committed_checkpoints(trial: Location) -> list[tuple[Location, dict[str, Any
                 meta = read_internal(trial.child(name))
                 if meta is not None:
                     out.append((trial.child(name), meta))
-    out += _committed_otherwise_named(trial, entries)
+    out += _committed_otherwise_named(trial, entries, (loc.name for loc, _ in out))
     return sorted(out, key=lambda lm: (lm[1]["index"], lm[1].get("created_at", 0.0)))
 
 
-def _committed_otherwise_named(trial: Location, entries: Iterable[tuple[str, bool]]
+def _committed_otherwise_named(trial: Location, entries: Iterable[tuple[str, bool]],
+                               claimed: Iterable[str] = ()
                                ) -> list[tuple[Location, dict[str, Any]]]:
     """The committed checkpoints among :func:`_otherwise_named`, a pointer
     followed. A pointer naming no replacement is left out here and named by
     :func:`not_committed`: one bad entry never fails the listing, ``verify``
-    or ``cp`` of everything else."""
+    or ``cp`` of everything else; so is a copy of a ``checkpoint_NNNNNN``
+    entry (:func:`copy_of`; ``claimed``: committed names the listing may
+    leave out)."""
+    entries = list(entries)
+    names = {n for n, _ in entries} | set(claimed)
     out = []
     for name in _otherwise_named(trial, entries):
         if _link_fault(trial.child(name)) is not None:
@@ -468,7 +510,8 @@ def _committed_otherwise_named(trial: Location, entries: Iterable[tuple[str, boo
         except CheckpointCorruptError:
             continue
         found = inspect_location(ckpt)
-        if found.state == "committed" and found.meta is not None:
+        if found.state == "committed" and found.meta is not None \
+                and copy_of(name, found.meta, names) is None:
             out.append((ckpt, found.meta))
     return out
 
@@ -528,7 +571,7 @@ def recorded_checkpoints(trial: Location, problems: list[str] | None = None
     entries = (list_entries(trial) if listed is None else sorted(
         (posixpath.basename(fi.path.rstrip("/")), fi.type == _fsutil.pafs.FileType.Directory)
         for fi in listed))
-    out += _committed_otherwise_named(trial, entries)
+    out += _committed_otherwise_named(trial, entries, (loc.name for loc, _ in out))
     out += _still_there(trial, manager.pending_deletes, entries)
     out.sort(key=lambda lm: (lm[1]["index"], lm[1].get("created_at") or 0.0))
     return Recorded(out, entries, manager.invalid)

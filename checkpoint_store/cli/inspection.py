@@ -20,6 +20,7 @@ from checkpoint_store._browse.locations import (
     LocationKind,
     classify,
     committed_checkpoints,
+    copy_of,
     list_entries,
     manifest_size,
     not_committed,
@@ -43,7 +44,7 @@ from checkpoint_store._browse.status import (
     preemption_of,
     trial_status,
 )
-from checkpoint_store._format.layout import ERROR_FILE, is_internal_name
+from checkpoint_store._format.layout import ERROR_FILE, is_internal_name, parse_checkpoint_dir_name
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli.metrics import (
     metric_option,
@@ -453,7 +454,8 @@ def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) ->
     """Show a checkpoint's user and internal metadata and a manifest summary.
 
     Its state is ``committed``, or ``invalid`` with why when the trial's
-    retention state records it as found damaged by a read.
+    retention state records it as found damaged by a read, or when it is a
+    copy of one of the trial's checkpoint_NNNNNN directories under another name.
 
     \b
     Examples:
@@ -467,6 +469,10 @@ def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) ->
     user = Checkpoint._from_backend(loc.backend, loc.path).get_metadata()
     # Damage a read found (a CRC32C) shows in no listing: the trial's state says so.
     invalid = _recorded_invalid(loc.parent, warn=True).get(loc.name)
+    if invalid is None and parse_checkpoint_dir_name(loc.name) is None:
+        # A copy under another name (`cp -r checkpoint_000001 backup`) is not
+        # the checkpoint of its index: ls, best and prune leave it out.
+        invalid = copy_of(loc.name, meta, (n for n, _ in list_entries(loc.parent)))
     if not as_json:
         _print_show(loc, meta, user, invalid)
         return

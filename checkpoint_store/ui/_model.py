@@ -36,6 +36,7 @@ from typing import Any
 
 from checkpoint_store._browse.locations import (
     classify,
+    copy_of,
     describe_kind,
     list_entries,
     manifest_size,
@@ -181,9 +182,11 @@ class StoreView:
     # -- trials ------------------------------------------------------------------------
 
     def _marked(self, ctx: StorageContext) -> list[str]:
-        """Committed directories of the trial, whatever their names."""
+        """Directories of the trial with a commit marker, whatever their names
+        (committed ones, and those invalid since: a copy, a failed manifest)."""
         with self._lock:
-            return list(self._refresh(ctx, False).metas)
+            cache = self._refresh(ctx, False)
+            return [*cache.metas, *cache.unmatched]
 
     def _refresh(self, ctx: StorageContext, full: bool) -> _TrialCache:
         key = (ctx.experiment_name, ctx.trial_name)
@@ -216,7 +219,13 @@ class StoreView:
             # The marker makes a checkpoint, whatever the name (Ray Train's
             # checkpoint_<time>); only checkpoint_NNNNNN ones count as unfinished.
             if insp.state == "committed" and insp.meta is not None:
-                cache.metas[name] = insp.meta
+                copy = copy_of(name, insp.meta, entries)
+                if copy is None:
+                    cache.metas[name] = insp.meta
+                else:
+                    # `cp -r checkpoint_000001 backup`: the original's index, never
+                    # ranked beside it (the same "invalid" as `ls` and `verify`).
+                    cache.unmatched[name] = (insp.meta, copy)
             elif insp.state == "invalid":
                 # Committed once, damaged since (a file removed or added): the
                 # same "invalid" as `ls` and the checkpoint page, never "not committed".
@@ -505,6 +514,8 @@ class StoreView:
             cache = self._refresh(ctx, False)
             rows = _checkpoint_rows(cache)
             why = cache.invalid.get(name)
+            if why is None and name in cache.unmatched:
+                why = cache.unmatched[name][1]
         row = next((r for r in rows if r["name"] == name), {})
         return {
             "experiment": experiment, "trial": trial, "name": name, "uri": ckpt.uri,
