@@ -116,7 +116,17 @@ def _error(exc: BaseException, status: int) -> Response:
 
 
 def _args(*names: str) -> list[str]:
+    """The string parameters ``names`` of the request: its query, or for a POST
+    its JSON body, which must be an object.
+
+    Raises:
+        InvalidConfigError: a parameter is missing or not a string, or a POST
+            body is JSON but not an object (a list, a number: a 400, never a 500).
+    """
     source = request.get_json(silent=True) if request.method == "POST" else request.args
+    if source is not None and not hasattr(source, "get"):
+        raise InvalidConfigError(f"the request body must be a JSON object with "
+                                 f"{', '.join(names)}, got a {type(source).__name__}")
     values = [(source or {}).get(n) for n in names]
     missing = [n for n, v in zip(names, values, strict=True) if not isinstance(v, str)]
     if missing:

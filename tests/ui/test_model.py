@@ -199,6 +199,21 @@ def test_api_refuses_foreign_host_and_cross_site_verify(local_store: Store, serv
         assert "script-src 'self'" in resp.headers["Content-Security-Policy"]
 
 
+@pytest.mark.parametrize("body", [[1, 2], "checkpoint_000004", 5, True])
+def test_verify_answers_a_body_that_is_not_an_object_with_a_400(local_store: Store,
+                                                                serve: Any, body: Any) -> None:
+    """A JSON list (or string, number) as /api/verify's body raised AttributeError
+    in the server: a 500 with Flask's HTML page and a traceback in its log."""
+    server = serve(local_store.uri)
+    post = urllib.request.Request(server.url + "api/verify", data=json.dumps(body).encode(),
+                                  method="POST", headers={"Content-Type": "application/json",
+                                                          "X-Checkpoint-Store": "verify"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(post)
+    assert info.value.code == 400
+    assert "JSON object" in json.load(info.value)["error"]
+
+
 def test_location_must_hold_trials(local_store: Store) -> None:
     ckpt = os.path.join(local_store.uri, "sweep", "lr-0.1", "checkpoint_000004")
     with pytest.raises(InvalidConfigError, match="checkpoint"):
