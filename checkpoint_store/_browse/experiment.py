@@ -27,6 +27,7 @@ from checkpoint_store._browse.locations import (
     describe_kind,
     follow,
     list_entries,
+    not_walked_message,
     read_internal,
     recorded_checkpoints,
     storage_context,
@@ -285,8 +286,17 @@ class Experiment:
         return list(self._trials)
 
     def refresh(self) -> None:
-        """Read the trials again (a running sweep adds and changes them)."""
-        self._trials = [summarize_trial(t) for t in trials_under(self._loc, "experiment")]
+        """Read the trials again (a running sweep adds and changes them).
+
+        Directories of trials beside the trials (see
+        :func:`~checkpoint_store._browse.locations.trials_under`) are not
+        read; a :class:`UserWarning` names them."""
+        skipped: list[Location] = []
+        trials = trials_under(self._loc, "experiment", skipped)
+        if skipped:
+            warnings.warn(not_walked_message(skipped, self._loc, "experiment"), UserWarning,
+                          stacklevel=2)
+        self._trials = [summarize_trial(t) for t in trials]
 
     def trial(self, name: str) -> TrialSummary:
         """The trial called ``name``.

@@ -66,6 +66,7 @@ __all__ = [
     "require_trial",
     "resolve_location",
     "storage_context",
+    "not_walked_message",
     "trials_under",
 ]
 
@@ -412,9 +413,18 @@ def _marked_but_not_committed(loc: Location) -> bool:
     return inspect_location(loc).state == "invalid"
 
 
-def trials_under(loc: Location, kind: LocationKind) -> list[Location]:
+def trials_under(loc: Location, kind: LocationKind,
+                 skipped: list[Location] | None = None) -> list[Location]:
     """Trial directories at or under ``loc`` (a trial, experiment or storage root
     of the given ``kind``); ``[]`` for any other kind.
+
+    Args:
+        skipped: when given, receives the directories the walk does not
+            reach although they hold trials: in an experiment, a directory
+            of trials beside the trials (a storage root holding one stray
+            trial, or an experiment holding a stray ``params.json``, is read
+            as an experiment by :func:`classify`). Finding them lists each
+            directory of an experiment that is not a trial once more.
 
     Raises:
         InvalidConfigError: ``loc`` is a file.
@@ -424,17 +434,44 @@ def trials_under(loc: Location, kind: LocationKind) -> list[Location]:
     if kind == "trial":
         return [loc]
     if kind == "experiment":
-        return [loc.child(n) for n, d in list_entries(loc)
-                if d and looks_like_trial(list_entries(loc.child(n)), loc.child(n))]
+        return _trials_of(loc, list_entries(loc), skipped)
     if kind in ("root", "empty"):
         out: list[Location] = []
         for name, is_dir in list_entries(loc):
             # Dot-named experiments are walked too: session.start accepts them,
             # and a backup that skipped them would lose them silently.
             if is_dir and not is_internal_name(name):
-                out.extend(trials_under(loc.child(name), "experiment"))
+                exp = loc.child(name)
+                out.extend(_trials_of(exp, list_entries(exp), skipped))
         return out
     return []
+
+
+def _trials_of(exp: Location, entries: list[tuple[str, bool]],
+               skipped: list[Location] | None) -> list[Location]:
+    """The trials among the ``entries`` of experiment ``exp``; see :func:`trials_under`."""
+    out = []
+    for name, is_dir in entries:
+        if not is_dir:
+            continue
+        child = exp.child(name)
+        below = list_entries(child)
+        if looks_like_trial(below, child):
+            out.append(child)
+        elif skipped is not None and not is_internal_name(name) and any(
+                d and not is_internal_name(n) and looks_like_trial(list_entries(child.child(n)))
+                for n, d in below):
+            skipped.append(child)
+    return out
+
+
+def not_walked_message(skipped: Iterable[Location], loc: Location, kind: LocationKind) -> str:
+    """One line naming the directories a walk of ``loc`` did not reach (see
+    :func:`trials_under`) and what to do."""
+    names = ", ".join(s.uri for s in skipped)
+    return (f"{loc.uri} was read as {describe_kind(kind)}, so these directories holding "
+            f"trials at another depth were not walked: {names}; pass each as its own "
+            "location, or move the stray trial (or trial file such as params.json) out")
 
 
 @overload

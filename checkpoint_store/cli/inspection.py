@@ -24,6 +24,7 @@ from checkpoint_store._browse.locations import (
     list_entries,
     manifest_size,
     not_committed,
+    not_walked_message,
     read_internal,
     recorded_checkpoints,
     require_checkpoint,
@@ -186,7 +187,11 @@ def _ls_experiment(exp: Location, long: bool) -> dict[str, Any]:
     its best score and checkpoint, and its parameters (:func:`summarize_trial`);
     with ``long`` its size (every checkpoint's metadata read)."""
     rows = []
-    for trial in trials_under(exp, "experiment"):
+    skipped: list[Location] = []
+    trials = trials_under(exp, "experiment", skipped)
+    if skipped:
+        click.echo(f"warning: {not_walked_message(skipped, exp, 'experiment')}", err=True)
+    for trial in trials:
         committed, entries, _ = _listed_checkpoints(trial, long)
         summary = summarize_trial(trial, committed, entries)
         row = summary.to_dict()
@@ -198,13 +203,16 @@ def _ls_experiment(exp: Location, long: bool) -> dict[str, Any]:
 
 def _ls_root(root: Location) -> dict[str, Any]:
     rows = []
+    skipped: list[Location] = []
     for name, is_dir in list_entries(root):
         if not is_dir or is_internal_name(name):
             continue
         exp = root.child(name)
-        trials = trials_under(exp, "experiment")
+        trials = trials_under(exp, "experiment", skipped)
         if trials:
             rows.append({"name": name, "uri": exp.uri, "trials": len(trials)})
+    if skipped:
+        click.echo(f"warning: {not_walked_message(skipped, root, 'root')}", err=True)
     return {"kind": "root", "uri": root.uri, "experiments": rows}
 
 

@@ -140,6 +140,9 @@ class StoreView:
         self._lock = threading.Lock()
         self._caches: dict[tuple[str, str], _TrialCache] = {}
         self._known: dict[str, list[str]] = {}
+        #: URIs of directories holding trials that the last listing did not reach
+        #: (:func:`~checkpoint_store._browse.locations.trials_under`).
+        self.not_walked: list[str] = []
         # (experiment, trial) -> (the trial's version, _resumes of its rows)
         self._resume_rows: dict[tuple[str, str], tuple[str, list[dict[str, Any]]]] = {}
 
@@ -154,14 +157,17 @@ class StoreView:
             names = [n for n, is_dir in list_entries(self._root)
                      if is_dir and not is_internal_name(n)]
         out: dict[str, list[str]] = {}
+        skipped: list[Any] = []
         for exp in names:
             if self.scope_trial is not None:
                 trials = [self.scope_trial]
             else:
-                trials = [t.name for t in trials_under(self._root.child(exp), "experiment")]
+                trials = [t.name for t in
+                          trials_under(self._root.child(exp), "experiment", skipped)]
             if trials:
                 out[exp] = trials
         self._known = out
+        self.not_walked = [s.uri for s in skipped]
         return out
 
     def storage(self, experiment: str, trial: str) -> StorageContext:
@@ -409,13 +415,17 @@ class StoreView:
         }
 
     def overview(self, *, full: bool = False) -> dict[str, Any]:
-        """Every experiment under the location with the :meth:`summary` of each trial."""
+        """Every experiment under the location with the :meth:`summary` of each trial,
+        and ``not_walked``: URIs of directories holding trials beside the trials
+        of an experiment, which are not shown (a stray trial next to experiments
+        makes a storage root read as an experiment)."""
         experiments = []
         for exp, trials in self.experiments().items():
             rows = [self.summary(exp, t, full=full) for t in trials]
             params = sorted({k for r in rows for k in r["params"]})
             experiments.append({"name": exp, "trials": rows, "params": params})
-        out = {"uri": self.uri, "kind": self.kind, "experiments": experiments}
+        out = {"uri": self.uri, "kind": self.kind, "experiments": experiments,
+               "not_walked": list(self.not_walked)}
         if not experiments and self.scope_experiment is None:
             out["stores_below"] = self.stores_below()
         return out
