@@ -78,9 +78,10 @@ def _state_faults(trials: list[Location]) -> list[dict[str, Any]]:
         problem = state_problem(ctx) if ctx is not None else None
         if problem is not None:
             uri = trial.child(MANAGER_STATE).uri
-            out.append({"uri": uri, "error": f"the retention state {uri} is {problem}; the "
-                                             "trial's next session.start replaces it with one "
-                                             "rebuilt from the checkpoints"})
+            out.append({"uri": uri, "error": f"the retention state {uri} cannot be used: "
+                                             f"{problem}. The trial's next session.start "
+                                             "replaces it with one rebuilt from the "
+                                             "checkpoints"})
     return out
 
 

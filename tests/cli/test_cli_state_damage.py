@@ -209,3 +209,9 @@ def test_the_warning_reads_as_one_sentence(near_store: Store, tmp_path, how: str
     said = [line for line in res.stderr.splitlines() if MANAGER_STATE in line]
     assert said and f"{MANAGER_STATE} cannot be used: " in said[0], res.stderr
     assert f"{MANAGER_STATE} is " not in said[0], said[0]
+    # verify names it in the same words
+    res = invoke(["verify", near_store.join("exp", "t1"), "--json"])
+    assert res.exit_code == 1, res.output
+    (state,) = json.loads(res.stdout)["retention_states"]
+    assert f"{MANAGER_STATE} cannot be used: " in state["error"], state
+    assert f"{MANAGER_STATE} is " not in state["error"], state
