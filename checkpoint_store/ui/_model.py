@@ -62,6 +62,7 @@ from checkpoint_store._results.reader import (
 )
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.inspect import inspect_checkpoint
+from checkpoint_store.backends.uris import scrub_secrets
 from checkpoint_store.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -119,6 +120,8 @@ class StoreView:
 
     def __init__(self, location: str, storage_options: Mapping[str, Any] | None = None):
         loc = resolve_location(location, dict(storage_options or {}))
+        # Kept only to hide them from messages (redact): an engine's error may quote one.
+        self._secret_options = dict(storage_options or {})
         kind = classify(loc)
         self.scope_experiment: str | None = None
         self.scope_trial: str | None = None
@@ -145,6 +148,12 @@ class StoreView:
         self.not_walked: list[str] = []
         # (experiment, trial) -> (the trial's version, _resumes of its rows)
         self._resume_rows: dict[tuple[str, str], tuple[str, list[dict[str, Any]]]] = {}
+
+    def redact(self, text: str) -> str:
+        """``text`` (a message for a response or a log line) with the credentials
+        among this view's storage options, and any ``?access_token=``-like pair,
+        hidden (:func:`~checkpoint_store.backends.uris.scrub_secrets`)."""
+        return scrub_secrets(text, self._secret_options)
 
     # -- what is under the location ----------------------------------------------------
 
@@ -561,9 +570,9 @@ class StoreView:
         try:
             ckpt.verify()
         except CheckpointCorruptError as exc:
-            return {"ok": False, "error": str(exc), "file": exc.file}
+            return {"ok": False, "error": self.redact(str(exc)), "file": exc.file}
         except CheckpointNotFoundError as exc:
-            return {"ok": False, "error": str(exc), "file": None}
+            return {"ok": False, "error": self.redact(str(exc)), "file": None}
         meta = ckpt.internal_metadata
         return {"ok": True, "files": len(meta.get("manifest", [])),
                 "bytes": manifest_size(meta),

@@ -111,8 +111,8 @@ def _csv(rows: list[dict[str, Any]], filename: str) -> Response:
                     headers={"Content-Disposition": disposition})
 
 
-def _error(exc: BaseException, status: int) -> Response:
-    return _reply({"error": " ".join(str(exc).split()) or type(exc).__name__}, status)
+def _error(exc: BaseException, status: int, redact: Callable[[str], str]) -> Response:
+    return _reply({"error": redact(" ".join(str(exc).split())) or type(exc).__name__}, status)
 
 
 def _args(*names: str) -> list[str]:
@@ -186,17 +186,18 @@ def create_app(view: StoreView, *, refresh_s: float = 2.0, host: str = "127.0.0.
 
     @app.errorhandler(InvalidConfigError)
     def _bad_request(exc: InvalidConfigError) -> Response:
-        return _error(exc, 400)
+        return _error(exc, 400, view.redact)
 
     @app.errorhandler(CheckpointNotFoundError)
     def _not_found(exc: CheckpointNotFoundError) -> Response:
-        return _error(exc, 404)
+        return _error(exc, 404, view.redact)
 
     @app.errorhandler(CheckpointStoreError)
     @app.errorhandler(OSError)
     def _storage_error(exc: Exception) -> Response:
-        logger.warning("ui: %s", " ".join(str(exc).split()))
-        return _error(exc, 502)
+        # An engine's error may quote a credential (a token in a URL): hidden in both.
+        logger.warning("ui: %s", view.redact(" ".join(str(exc).split())))
+        return _error(exc, 502, view.redact)
 
     @app.get("/")
     def index() -> Response:
