@@ -328,7 +328,7 @@ class Experiment:
             if not metrics:
                 raise InvalidConfigError(
                     f"no trial of {self.uri} records a metric to rank by; pass metric= "
-                    "and mode=")
+                    "and mode= (--metric and --mode)")
             if len(metrics) > 1 or (mode is None and len(recorded) > 1):
                 raise MetricMismatchError(self._mismatch(recorded))
             metric = metrics[0]
