@@ -66,6 +66,7 @@ __all__ = [
     "require_trial",
     "resolve_location",
     "storage_context",
+    "link_fault",
     "not_walked_message",
     "trials_under",
 ]
@@ -384,11 +385,18 @@ def _link_fault(loc: Location) -> Inspection | None:
     ``checkpoint_NNNNNN`` link is found by the inspection itself.)"""
     from checkpoint_store._util.inspect import Inspection
 
-    target = _fsutil.link_target(loc.fs, loc.path)
+    why = link_fault(loc.fs, loc.path)
+    return None if why is None else Inspection("invalid", None, reason=why)
+
+
+def link_fault(fs: Any, path: str) -> str | None:
+    """Why the trial entry at ``path`` is no checkpoint of its own when it is a
+    symbolic link (local disks), else None: what it points at may lie outside
+    the store, and is another entry's or nobody's."""
+    target = _fsutil.link_target(fs, path)
     if target is None:
         return None
-    return Inspection("invalid", None, reason=f"is a symbolic link (to {target!r}), not a "
-                                              "checkpoint directory of its own")
+    return f"is a symbolic link (to {target!r}), not a checkpoint directory of its own"
 
 
 def _pointer_fault(loc: Location) -> Inspection | None:

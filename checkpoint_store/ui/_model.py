@@ -38,6 +38,7 @@ from checkpoint_store._browse.locations import (
     classify,
     copy_of,
     describe_kind,
+    link_fault,
     list_entries,
     manifest_size,
     resolve_location,
@@ -198,10 +199,14 @@ class StoreView:
 
     def _marked(self, ctx: StorageContext) -> list[str]:
         """Directories of the trial with a commit marker, whatever their names
-        (committed ones, and those invalid since: a copy, a failed manifest)."""
+        (committed ones, and those invalid since: a copy, a failed manifest),
+        symbolic links left out."""
         with self._lock:
             cache = self._refresh(ctx, False)
-            return [*cache.metas, *cache.unmatched]
+            # Never a link under another name: its metadata and bytes are read
+            # through it, from wherever it points (outside the store, say).
+            return [*cache.metas, *(n for n in cache.unmatched if link_fault(
+                ctx.filesystem, posixpath.join(ctx.trial_path, n)) is None)]
 
     def _refresh(self, ctx: StorageContext, full: bool) -> _TrialCache:
         key = (ctx.experiment_name, ctx.trial_name)
@@ -234,7 +239,12 @@ class StoreView:
             # The marker makes a checkpoint, whatever the name (Ray Train's
             # checkpoint_<time>); only checkpoint_NNNNNN ones count as unfinished.
             if insp.state == "committed" and insp.meta is not None:
-                copy = copy_of(name, insp.meta, entries)
+                # A link under another name (to a directory outside the store, say)
+                # is no checkpoint of the trial's: never ranked, shown or verified
+                # through, as `ls` and `verify` name it (a checkpoint_NNNNNN link
+                # is found by the inspection itself).
+                copy = (copy_of(name, insp.meta, entries)
+                        or link_fault(fs, posixpath.join(ctx.trial_path, name)))
                 if copy is None:
                     cache.metas[name] = insp.meta
                 else:

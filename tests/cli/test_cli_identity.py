@@ -436,3 +436,40 @@ def test_every_reader_names_a_copy_under_another_name(near_store: Store, tmp_pat
         headers={"Host": "127.0.0.1"})
     assert reply.status_code == 200, reply.get_data(as_text=True)
     assert reply.get_json()["state"] == "invalid"
+
+
+@pytest.mark.parametrize("link", ["linked", "checkpoint_latest"])
+def test_the_page_never_reads_through_a_link_under_another_name(tmp_path, link: str) -> None:
+    """A link under another name to a committed directory outside the store: `ls`
+    named it invalid, but the page ranked it (best, by its marker's index 7),
+    served its manifest and metadata and verified its bytes, all read outside
+    the storage root."""
+    from checkpoint_store.ui._server import create_app
+
+    store = Store(str(tmp_path / "store"))
+    ctx = _trial(store, tmp_path, with_state=True)
+    outside = tmp_path / "outside" / "ck"
+    src = write_tree(str(tmp_path / "src-out"), {"outside-only.bin": b"o" * 64})
+    Checkpoint.from_directory(src).set_metadata({"note": "outside-only"})
+    StorageContext(str(tmp_path / "other"), "e", "t").persist_checkpoint(
+        Checkpoint.from_directory(src), 7, {"metrics": {"loss": 0.01}})
+    outside.parent.mkdir()
+    os.rename(tmp_path / "other" / "e" / "t" / "checkpoint_000007", outside)
+    os.symlink(outside, posixpath.join(ctx.trial_path, link))
+
+    model = StoreView(store.uri, {})
+    model.experiments()
+    trial = model.trial("exp", "t1", full=True)
+    rows = {r["name"]: r for r in trial["checkpoints"]}
+    assert trial["best_checkpoint"] == BEST
+    assert rows[link]["kind"] == "invalid" and "symbolic link" in rows[link]["reason"]
+    client = create_app(model).test_client()
+    host = {"Host": "127.0.0.1"}
+    args = {"experiment": "exp", "trial": "t1", "checkpoint": link}
+    for reply in (client.get("/api/checkpoint", query_string=args, headers=host),
+                  client.post("/api/verify", json=args,
+                              headers={**host, "X-Checkpoint-Store": "verify"})):
+        assert reply.status_code == 400, reply.get_data(as_text=True)
+        assert "outside-only" not in reply.get_data(as_text=True)
+    res = invoke(["ls", store.join("exp", "t1")])
+    assert link in res.stderr and "symbolic link" in res.stderr
