@@ -66,6 +66,7 @@ __all__ = [
     "require_trial",
     "resolve_location",
     "storage_context",
+    "foreign_of",
     "link_fault",
     "not_walked_message",
     "trials_under",
@@ -473,6 +474,27 @@ def _trials_of(exp: Location, entries: list[tuple[str, bool]],
     return out
 
 
+def foreign_of(trial: Location, checkpoints: Iterable[tuple[Location, Mapping[str, Any]]],
+               recorded: Recorded | None = None) -> set[str]:
+    """Names among the trial's ``checkpoints`` written by another run or trial:
+    what the restore of ``recorded`` found, else
+    :func:`~checkpoint_store.retention.recorded.foreign_names` over their
+    metadata (a state that cannot be read names no run)."""
+    from checkpoint_store.retention.recorded import (
+        UnreadableStateError,
+        foreign_names,
+        recorded_run_id,
+    )
+
+    if recorded is not None:
+        return set(recorded.foreign)
+    try:
+        run_id = recorded_run_id(trial)
+    except UnreadableStateError:
+        run_id = None
+    return foreign_names([(c.name, m) for c, m in checkpoints], trial.name, run_id)
+
+
 def not_walked_message(skipped: Iterable[Location], loc: Location, kind: LocationKind) -> str:
     """One line naming the directories a walk of ``loc`` did not reach (see
     :func:`trials_under`) and what to do."""
@@ -574,6 +596,9 @@ class Recorded:
     #: ``dir_name -> why`` of the checkpoints the state records as damaged
     #: (left out of ``checkpoints``).
     invalid: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: Names among ``checkpoints`` written by another run or trial (copied in):
+    #: never ranked nor deleted (:attr:`CheckpointManager.foreign_dir_names`).
+    foreign: frozenset[str] = frozenset()
 
 
 def recorded_checkpoints(trial: Location, problems: list[str] | None = None
@@ -619,7 +644,7 @@ def recorded_checkpoints(trial: Location, problems: list[str] | None = None
     out += _committed_otherwise_named(trial, entries, (loc.name for loc, _ in out))
     out += _still_there(trial, manager.pending_deletes, entries)
     out.sort(key=lambda lm: (lm[1]["index"], lm[1].get("created_at") or 0.0))
-    return Recorded(out, entries, manager.invalid)
+    return Recorded(out, entries, manager.invalid, frozenset(manager.foreign_dir_names))
 
 
 def _still_there(trial: Location, pending: Iterable[str], entries: list[tuple[str, bool]]

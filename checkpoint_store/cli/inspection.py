@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from checkpoint_store._browse.experiment import summarize_trial
+from checkpoint_store._browse.experiment import summarize_trial, trial_checkpoints
 from checkpoint_store._browse.locations import (
     Location,
     LocationKind,
@@ -192,10 +192,12 @@ def _ls_experiment(exp: Location, long: bool) -> dict[str, Any]:
     if skipped:
         click.echo(f"warning: {not_walked_message(skipped, exp, 'experiment')}", err=True)
     for trial in trials:
-        committed, entries, _ = _listed_checkpoints(trial, long)
-        summary = summarize_trial(trial, committed, entries)
+        # Another run's checkpoints (copied in) left out: never the trial's best.
+        listed, entries = trial_checkpoints(trial)
+        summary = summarize_trial(trial, listed, entries)
         row = summary.to_dict()
         if long:
+            committed, _, _ = _listed_checkpoints(trial, long)
             row["size"] = sum(manifest_size(m) for _, m in committed)
         rows.append(row)
     return {"kind": "experiment", "uri": exp.uri, "trials": rows}

@@ -43,6 +43,7 @@ class Location(Protocol):
 __all__ = [
     "UnreadableStateError",
     "config_for",
+    "foreign_names",
     "warn_disagreeing",
     "recorded_config",
     "recorded_run_id",
@@ -69,6 +70,32 @@ def recorded_run_id(trial: Location) -> str | None:
         return None
     run_id = root.get("run_id")
     return run_id if isinstance(run_id, str) else None
+
+
+def foreign_names(checkpoints: Sequence[tuple[str, Mapping[str, Any]]], trial_name: str,
+                  run_id: str | None) -> set[str]:
+    """The names among ``checkpoints`` (``(dir name, internal metadata)``, oldest
+    first) written by another run or trial (copied in): the retention manager's
+    rule (docs/retention.md, "What may retention delete?"), so they are never
+    ranked, named best nor deleted. Ours is ``run_id`` (the one the trial's
+    retention state records), else the newest checkpoint's of ``trial_name``;
+    without run ids on either side, a checkpoint naming another trial."""
+    if run_id is None:
+        # No usable state: the run is the newest checkpoint's of this trial, as a
+        # manager rebuilding the state decides (retention.restore.run_id_of).
+        mine = [m["run_id"] for _, m in checkpoints
+                if m.get("trial_name") in (None, trial_name) and isinstance(m.get("run_id"), str)]
+        run_id = mine[-1] if mine else None
+    out = set()
+    for name, meta in checkpoints:
+        owner = meta.get("run_id")
+        if run_id is not None and owner is not None:
+            ours = owner == run_id
+        else:
+            ours = meta.get("trial_name") in (None, trial_name)
+        if not ours:
+            out.add(name)
+    return out
 
 
 def _recorded_json(trial: Location) -> dict[str, Any] | None:

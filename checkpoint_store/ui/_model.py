@@ -274,8 +274,13 @@ class StoreView:
             cache.state_files = state_files
         if cache.state_problem is not None:
             cache.config = None  # what an unusable state says is not shown
+            cache.run_id = None
         elif (cache.config is None or full) and MANAGER_STATE in entries:
             cache.config = _read_config(fs, posixpath.join(ctx.trial_path, MANAGER_STATE))
+            state = _read_json(fs, posixpath.join(ctx.trial_path, MANAGER_STATE))
+            run_id = state.get("run_id") if isinstance(state, dict) else None
+            cache.run_id = run_id if isinstance(run_id, str) else None
+        cache.trial_name = ctx.trial_name
         _read_error(fs, posixpath.join(ctx.trial_path, ERROR_FILE), entries.get(ERROR_FILE),
                     cache)
         # A lease outranks error.txt: a run holding one (live or crashed) is
