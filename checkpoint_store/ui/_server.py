@@ -86,6 +86,20 @@ def _number_arg(name: str, kind: Callable[[str], Any], default: Any = None) -> A
         raise InvalidConfigError(f"{name} must be a number, got {value!r}") from None
 
 
+#: What a spreadsheet reads as the start of a formula in a cell of text.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _cell(value: Any) -> Any:
+    """A CSV cell: text a spreadsheet would run as a formula (a trial, parameter
+    or metric value "=HYPERLINK(...)" anyone writing to the store can choose)
+    is prefixed with ``'``, which shows it as text (OWASP's CSV injection
+    advice). Numbers, negative ones included, are written as they are."""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
+
+
 def _csv(rows: list[dict[str, Any]], filename: str) -> Response:
     """``rows`` (flat dicts) as a CSV download; columns in first-seen order."""
     import csv
@@ -95,10 +109,10 @@ def _csv(rows: list[dict[str, Any]], filename: str) -> Response:
     for row in rows:
         columns.update(dict.fromkeys(row))
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore",
-                            lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=[_cell(c) for c in columns],
+                            extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows({_cell(k): _cell(v) for k, v in row.items()} for row in rows)
     from urllib.parse import quote
 
     # Header values are Latin-1: an ASCII fallback name, and the real one in

