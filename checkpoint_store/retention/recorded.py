@@ -121,13 +121,19 @@ def _recorded_root(trial: Location) -> dict[str, Any] | None:
     try:
         # Read again while torn: the trial's manager rewrites it in place.
         root = _fsutil.read_control(trial.fs, path)
-    except FileNotFoundError:
-        return None
     except ValueError as exc:  # it stayed unparsable
         raise _unreadable_state(trial, f"{type(exc).__name__}: {exc}") from None
     except OSError:
-        if not _fsutil.exists(trial.fs, path):
+        # Not found, or not a file: a directory in its place (a sync tool's
+        # folder marker, a mkdir; on an object store, objects under its name)
+        # reads as missing on some stores and as a store error on others. It
+        # is neither "no state" (which ranks by recency) nor a fault of the
+        # credentials the error's hint names.
+        found = _fsutil.kind(trial.fs, path)
+        if found == _fsutil.pafs.FileType.NotFound:
             return None
+        if found == _fsutil.pafs.FileType.Directory:
+            raise _unreadable_state(trial, "a directory, not a file") from None
         raise
     try:
         config = root["config"]

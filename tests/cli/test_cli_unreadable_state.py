@@ -169,3 +169,32 @@ def test_a_state_whose_rules_no_manager_accepts_is_unreadable(near_store, tmp_pa
     res = invoke(["best", trial, "--metric", "loss", "--mode", "min", *opts])
     assert res.exit_code == 0, res.output
     assert res.stdout.splitlines()[0].endswith("checkpoint_000001")
+
+
+@pytest.mark.parametrize("inside", [None, "stray.json"])
+def test_a_directory_in_the_states_place_is_an_unreadable_state(store, tmp_path, inside):
+    """`.checkpoint_manager.json` as a directory (a sync tool's folder marker, a
+    mkdir; on an object store, any object under that prefix): `ls` of the trial
+    and of its experiment, `best` and `prune` failed with a store error telling
+    the user to check the credentials and the bucket. It is an unreadable
+    state: listed with a warning, ranked when told how."""
+    ctx, trial = _trial(store, tmp_path)
+    path = posixpath.join(ctx.trial_path, MANAGER_STATE)
+    ctx.filesystem.delete_file(path)
+    if inside is None and not ctx.backend.capabilities.directories:
+        pytest.skip("an object store holds no empty directory")
+    if inside is None:
+        ctx.filesystem.create_dir(path)
+    else:
+        put(ctx, posixpath.join(path, inside), b"{}")
+    opts = store.opt_args()
+    for args in (["ls", trial], ["ls", store.join("exp")]):
+        res = invoke([*args, *opts])
+        assert res.exit_code == 0, (args, res.output)
+    assert "a directory" in invoke(["ls", trial, *opts]).stderr
+    for args in (["best", trial], ["prune", trial, "--keep", "1"]):
+        res = invoke([*args, *opts])
+        assert res.exit_code == 1 and "unreadable (a directory" in res.stderr, res.output
+        assert "credentials" not in res.stderr
+    res = invoke(["best", trial, "--metric", "loss", "--mode", "min", *opts])
+    assert res.exit_code == 0 and res.stdout.splitlines()[0].endswith("checkpoint_000001")
