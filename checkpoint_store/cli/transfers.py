@@ -456,8 +456,7 @@ class _CopyPlan:
     jobs: list[_CopyJob]
     trial_pairs: list[tuple[Location, Location]]
     corrupt: list[CheckpointCorruptError]
-    #: Why directories holding trials were not reached (:func:`trials_under`).
-    unreached: list[str] = dataclasses.field(default_factory=list)
+    unreached: str = ""  # directories holding trials a walk passed over (trials_under)
 
 
 def _plan_copy(s: Location, d: Location) -> _CopyPlan:
@@ -473,18 +472,13 @@ def _plan_copy(s: Location, d: Location) -> _CopyPlan:
     jobs: list[_CopyJob] = []
     trial_pairs: list[tuple[Location, Location]] = []
     corrupt: list[CheckpointCorruptError] = []
-    unreached: list[str] = []
+    skipped: list[Location] = []
     if kind == "checkpoint":
         meta = require_checkpoint(s)
         target, index = checkpoint_destination(d, s.name, int(meta["index"]))
         jobs.append(_CopyJob(s, meta, target, index))
     elif kind in ("trial", "experiment", "root"):
-        skipped: list[Location] = []
-        trials = trials_under(s, kind, skipped)
-        if skipped:
-            # A backup must never miss them in silence: copied is what was reached.
-            unreached.append(not_walked_message(skipped, s, kind))
-        for trial in trials:
+        for trial in trials_under(s, kind, skipped):
             rel = posixpath.relpath(trial.path, s.path)
             dt = d if rel == "." else d.child(rel)
             trial_pairs.append((trial, dt))
@@ -502,9 +496,10 @@ def _plan_copy(s: Location, d: Location) -> _CopyPlan:
         require_checkpoint(s)  # raises, saying which
     else:
         raise CheckpointNotFoundError(f"no checkpoints under {s.uri}")
+    unreached = f"not copied: {not_walked_message(skipped, s, kind)}" if skipped else ""
     if not jobs and not trial_pairs:
-        raise CheckpointNotFoundError(f"no checkpoints under {s.uri}"
-                                      + "".join(f"; {why}" for why in unreached))
+        raise CheckpointNotFoundError("; ".join(filter(None, [f"no checkpoints under {s.uri}",
+                                                              unreached])))
     for job in jobs:
         _require_fitting_names(job.dst, job.dst.parent,
                                (str(e["path"]) for e in job.meta.get("manifest", [])))
@@ -598,11 +593,8 @@ def cp_cmd(src: str, dst: str, storage_options: dict[str, Any], src_options: dic
     tally.corrupt[:0] = plan.corrupt
     echo_info(f"copied {tally.copied} checkpoints ({fmt_size(tally.copied_bytes)}) to {d.uri}"
               + (f", {tally.skipped} already there" if tally.skipped else ""))
-    unreached = "".join(f"; not copied: {why}" for why in plan.unreached)
-    if tally.corrupt:
-        raise CheckpointCorruptError(
-            f"{len(tally.corrupt)} source checkpoint(s) failed their manifest and were not "
-            "copied: " + "; ".join(one_line(str(e)) for e in tally.corrupt) + unreached
-        )
-    if unreached:
-        raise CheckpointNotFoundError(unreached[2:])
+    bad = [f"{len(tally.corrupt)} source checkpoint(s) failed their manifest and were not "
+           "copied: " + "; ".join(one_line(str(e)) for e in tally.corrupt)] if tally.corrupt else []
+    if bad or plan.unreached:
+        error = CheckpointCorruptError if bad else CheckpointNotFoundError
+        raise error("; ".join(filter(None, [*bad, plan.unreached])))
