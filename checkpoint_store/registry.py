@@ -249,7 +249,7 @@ def _call_factory(factory: Factory, label: str, uri: str, options: Mapping[str, 
         if isinstance(exc, CheckpointStoreError) or not isinstance(
                 as_os_error(exc, label), OSError):
             raise
-        raise unbuildable(uri.partition("://")[0].lower(), uri, exc) from exc
+        raise unbuildable(uri.partition("://")[0].lower(), uri, exc, options) from exc
     if not isinstance(backend, Backend):
         raise TypeError(
             f"{label} returned {type(backend).__name__}, not a checkpoint_store Backend"

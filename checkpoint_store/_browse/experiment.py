@@ -26,7 +26,9 @@ from checkpoint_store._browse.locations import (
     committed_checkpoints,
     describe_kind,
     follow,
+    foreign_of,
     list_entries,
+    not_walked_message,
     read_internal,
     recorded_checkpoints,
     storage_context,
@@ -144,16 +146,20 @@ def trial_checkpoints(trial: Location, problems: list[str] | None = None
     """The trial's committed checkpoints with their metadata, oldest first,
     and the listing made when one was: from its retention state and one
     listing (:func:`recorded_checkpoints`), else every checkpoint's metadata
-    (those the state records as damaged left out either way). Why a state that
+    (those the state records as damaged, and another run's or trial's copied
+    in, left out either way: the manager never ranks them). Why a state that
     is there cannot be used is appended to ``problems``."""
     recorded = recorded_checkpoints(trial, problems)
     if recorded is not None:
-        return recorded.checkpoints, recorded.entries
+        return [(c, m) for c, m in recorded.checkpoints if c.name not in recorded.foreign], \
+            recorded.entries
     from checkpoint_store.retention.statelog import recorded_state
 
     ctx = storage_context(trial, strict=False)
     invalid = recorded_state(ctx)[0] if ctx is not None else {}
-    return [(c, m) for c, m in committed_checkpoints(trial) if c.name not in invalid], None
+    listed = [(c, m) for c, m in committed_checkpoints(trial) if c.name not in invalid]
+    foreign = foreign_of(trial, listed)
+    return [(c, m) for c, m in listed if c.name not in foreign], None
 
 
 def _recorded_metric(trial: Location, listed: _Listed) -> tuple[str | None, str | None]:
@@ -285,8 +291,17 @@ class Experiment:
         return list(self._trials)
 
     def refresh(self) -> None:
-        """Read the trials again (a running sweep adds and changes them)."""
-        self._trials = [summarize_trial(t) for t in trials_under(self._loc, "experiment")]
+        """Read the trials again (a running sweep adds and changes them).
+
+        Directories of trials beside the trials (see
+        :func:`~checkpoint_store._browse.locations.trials_under`) are not
+        read; a :class:`UserWarning` names them."""
+        skipped: list[Location] = []
+        trials = trials_under(self._loc, "experiment", skipped)
+        if skipped:
+            warnings.warn(not_walked_message(skipped, self._loc, "experiment"), UserWarning,
+                          stacklevel=2)
+        self._trials = [summarize_trial(t) for t in trials]
 
     def trial(self, name: str) -> TrialSummary:
         """The trial called ``name``.
@@ -318,7 +333,7 @@ class Experiment:
             if not metrics:
                 raise InvalidConfigError(
                     f"no trial of {self.uri} records a metric to rank by; pass metric= "
-                    "and mode=")
+                    "and mode= (--metric and --mode)")
             if len(metrics) > 1 or (mode is None and len(recorded) > 1):
                 raise MetricMismatchError(self._mismatch(recorded))
             metric = metrics[0]

@@ -28,6 +28,7 @@ from checkpoint_store._format.layout import (
     RESULT_SEGMENTS_DIR,
     TIER_STATE_FILE,
     TRIAL_FILES,
+    checkpoint_dir_name,
     is_internal_name,
     is_local_tier_pointer_name,
     parse_checkpoint_dir_name,
@@ -65,6 +66,9 @@ __all__ = [
     "require_trial",
     "resolve_location",
     "storage_context",
+    "foreign_of",
+    "link_fault",
+    "not_walked_message",
     "trials_under",
 ]
 
@@ -206,6 +210,23 @@ def _otherwise_named(loc: Location, entries: Iterable[tuple[str, bool]]) -> Iter
             yield name
 
 
+def copy_of(name: str, meta: Mapping[str, Any], names: Iterable[str]) -> str | None:
+    """Why the committed directory ``name`` of a trial, named otherwise than
+    ``checkpoint_NNNNNN``, is a copy (``cp -r checkpoint_000001 backup``): its
+    marker records the index of a ``checkpoint_NNNNNN`` entry among the
+    trial's entry ``names``; None when it is not. A checkpoint's identity is
+    its directory name (docs/format.md), so the copy is invalid for every
+    reader: never ranked beside the original, nor deleted in its place."""
+    index = meta.get("index")
+    if parse_checkpoint_dir_name(name) is not None or isinstance(index, bool) \
+            or not isinstance(index, int) or index < 0:
+        return None
+    original = checkpoint_dir_name(index)
+    if original not in set(names):
+        return None
+    return f"a copy of {original}: its marker records index {index}, which is {original}'s"
+
+
 def read_internal(loc: Location) -> dict[str, Any] | None:
     """The checkpoint's internal metadata when its commit marker is valid, else None."""
     from checkpoint_store._util.inspect import read_internal_metadata
@@ -311,7 +332,9 @@ def not_committed(
     done = set(committed)
     corrupt: list[tuple[str, Inspection]] = []
     uncommitted: list[str] = []
-    for name, is_dir in list_entries(trial) if entries is None else entries:
+    entries = list_entries(trial) if entries is None else entries
+    names = done | {n for n, _ in entries}
+    for name, is_dir in entries:
         if not is_dir and name not in done and parse_checkpoint_dir_name(name) is not None:
             # A file in a checkpoint's place: nothing there can be read, and
             # numbering continues past it (docs/format.md).
@@ -333,11 +356,28 @@ def not_committed(
             # A checkpoint under another name (Lightning's ``a.ckpt``) that
             # fails its manifest: reported, never silently left out.
             corrupt.append((name, inspect_location(trial.child(name))))
+        elif (copy := _copy_fault(trial, name, names)) is not None:
+            corrupt.append((name, copy))
         elif (fault := _pointer_fault(trial.child(name))) is not None:
             corrupt.append((name, fault))
         elif parse_staging_dir_name(name) is not None:
             uncommitted.append(name)
     return corrupt, uncommitted
+
+
+def _copy_fault(trial: Location, name: str, names: set[str]) -> Inspection | None:
+    """An ``"invalid"`` inspection of the committed directory ``name`` of
+    ``trial`` when it is a copy of a ``checkpoint_NNNNNN`` entry
+    (:func:`copy_of`); None otherwise. Its marker is read only when such an
+    entry is there at all (a Lightning directory holds none)."""
+    from checkpoint_store._util.inspect import Inspection
+
+    if parse_checkpoint_dir_name(name) is not None or not any(
+            parse_checkpoint_dir_name(n) is not None for n in names):
+        return None
+    meta = read_internal(trial.child(name))
+    why = copy_of(name, meta, names) if meta is not None else None
+    return None if why is None else Inspection("invalid", meta, reason=why)
 
 
 def _link_fault(loc: Location) -> Inspection | None:
@@ -346,11 +386,18 @@ def _link_fault(loc: Location) -> Inspection | None:
     ``checkpoint_NNNNNN`` link is found by the inspection itself.)"""
     from checkpoint_store._util.inspect import Inspection
 
-    target = _fsutil.link_target(loc.fs, loc.path)
+    why = link_fault(loc.fs, loc.path)
+    return None if why is None else Inspection("invalid", None, reason=why)
+
+
+def link_fault(fs: Any, path: str) -> str | None:
+    """Why the trial entry at ``path`` is no checkpoint of its own when it is a
+    symbolic link (local disks), else None: what it points at may lie outside
+    the store, and is another entry's or nobody's."""
+    target = _fsutil.link_target(fs, path)
     if target is None:
         return None
-    return Inspection("invalid", None, reason=f"is a symbolic link (to {target!r}), not a "
-                                              "checkpoint directory of its own")
+    return f"is a symbolic link (to {target!r}), not a checkpoint directory of its own"
 
 
 def _pointer_fault(loc: Location) -> Inspection | None:
@@ -375,9 +422,18 @@ def _marked_but_not_committed(loc: Location) -> bool:
     return inspect_location(loc).state == "invalid"
 
 
-def trials_under(loc: Location, kind: LocationKind) -> list[Location]:
+def trials_under(loc: Location, kind: LocationKind,
+                 skipped: list[Location] | None = None) -> list[Location]:
     """Trial directories at or under ``loc`` (a trial, experiment or storage root
     of the given ``kind``); ``[]`` for any other kind.
+
+    Args:
+        skipped: when given, receives the directories the walk does not
+            reach although they hold trials: in an experiment, a directory
+            of trials beside the trials (a storage root holding one stray
+            trial, or an experiment holding a stray ``params.json``, is read
+            as an experiment by :func:`classify`). Finding them lists each
+            directory of an experiment that is not a trial once more.
 
     Raises:
         InvalidConfigError: ``loc`` is a file.
@@ -387,17 +443,65 @@ def trials_under(loc: Location, kind: LocationKind) -> list[Location]:
     if kind == "trial":
         return [loc]
     if kind == "experiment":
-        return [loc.child(n) for n, d in list_entries(loc)
-                if d and looks_like_trial(list_entries(loc.child(n)), loc.child(n))]
+        return _trials_of(loc, list_entries(loc), skipped)
     if kind in ("root", "empty"):
         out: list[Location] = []
         for name, is_dir in list_entries(loc):
             # Dot-named experiments are walked too: session.start accepts them,
             # and a backup that skipped them would lose them silently.
             if is_dir and not is_internal_name(name):
-                out.extend(trials_under(loc.child(name), "experiment"))
+                exp = loc.child(name)
+                out.extend(_trials_of(exp, list_entries(exp), skipped))
         return out
     return []
+
+
+def _trials_of(exp: Location, entries: list[tuple[str, bool]],
+               skipped: list[Location] | None) -> list[Location]:
+    """The trials among the ``entries`` of experiment ``exp``; see :func:`trials_under`."""
+    out = []
+    for name, is_dir in entries:
+        if not is_dir:
+            continue
+        child = exp.child(name)
+        below = list_entries(child)
+        if looks_like_trial(below, child):
+            out.append(child)
+        elif skipped is not None and not is_internal_name(name) and any(
+                d and not is_internal_name(n) and looks_like_trial(list_entries(child.child(n)))
+                for n, d in below):
+            skipped.append(child)
+    return out
+
+
+def foreign_of(trial: Location, checkpoints: Iterable[tuple[Location, Mapping[str, Any]]],
+               recorded: Recorded | None = None) -> set[str]:
+    """Names among the trial's ``checkpoints`` written by another run or trial:
+    what the restore of ``recorded`` found, else
+    :func:`~checkpoint_store.retention.recorded.foreign_names` over their
+    metadata (a state that cannot be read names no run)."""
+    from checkpoint_store.retention.recorded import (
+        UnreadableStateError,
+        foreign_names,
+        recorded_run_id,
+    )
+
+    if recorded is not None:
+        return set(recorded.foreign)
+    try:
+        run_id = recorded_run_id(trial)
+    except UnreadableStateError:
+        run_id = None
+    return foreign_names([(c.name, m) for c, m in checkpoints], trial.name, run_id)
+
+
+def not_walked_message(skipped: Iterable[Location], loc: Location, kind: LocationKind) -> str:
+    """One line naming the directories a walk of ``loc`` did not reach (see
+    :func:`trials_under`) and what to do."""
+    names = ", ".join(s.uri for s in skipped)
+    return (f"{loc.uri} was read as {describe_kind(kind)}, so these directories holding "
+            f"trials at another depth were not walked: {names}; pass each as its own "
+            "location, or move the stray trial (or trial file such as params.json) out")
 
 
 @overload
@@ -449,16 +553,21 @@ def committed_checkpoints(trial: Location) -> list[tuple[Location, dict[str, Any
                 meta = read_internal(trial.child(name))
                 if meta is not None:
                     out.append((trial.child(name), meta))
-    out += _committed_otherwise_named(trial, entries)
+    out += _committed_otherwise_named(trial, entries, (loc.name for loc, _ in out))
     return sorted(out, key=lambda lm: (lm[1]["index"], lm[1].get("created_at", 0.0)))
 
 
-def _committed_otherwise_named(trial: Location, entries: Iterable[tuple[str, bool]]
+def _committed_otherwise_named(trial: Location, entries: Iterable[tuple[str, bool]],
+                               claimed: Iterable[str] = ()
                                ) -> list[tuple[Location, dict[str, Any]]]:
     """The committed checkpoints among :func:`_otherwise_named`, a pointer
     followed. A pointer naming no replacement is left out here and named by
     :func:`not_committed`: one bad entry never fails the listing, ``verify``
-    or ``cp`` of everything else."""
+    or ``cp`` of everything else; so is a copy of a ``checkpoint_NNNNNN``
+    entry (:func:`copy_of`; ``claimed``: committed names the listing may
+    leave out)."""
+    entries = list(entries)
+    names = {n for n, _ in entries} | set(claimed)
     out = []
     for name in _otherwise_named(trial, entries):
         if _link_fault(trial.child(name)) is not None:
@@ -468,7 +577,8 @@ def _committed_otherwise_named(trial: Location, entries: Iterable[tuple[str, boo
         except CheckpointCorruptError:
             continue
         found = inspect_location(ckpt)
-        if found.state == "committed" and found.meta is not None:
+        if found.state == "committed" and found.meta is not None \
+                and copy_of(name, found.meta, names) is None:
             out.append((ckpt, found.meta))
     return out
 
@@ -486,6 +596,9 @@ class Recorded:
     #: ``dir_name -> why`` of the checkpoints the state records as damaged
     #: (left out of ``checkpoints``).
     invalid: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: Names among ``checkpoints`` written by another run or trial (copied in):
+    #: never ranked nor deleted (:attr:`CheckpointManager.foreign_dir_names`).
+    foreign: frozenset[str] = frozenset()
 
 
 def recorded_checkpoints(trial: Location, problems: list[str] | None = None
@@ -528,10 +641,10 @@ def recorded_checkpoints(trial: Location, problems: list[str] | None = None
     entries = (list_entries(trial) if listed is None else sorted(
         (posixpath.basename(fi.path.rstrip("/")), fi.type == _fsutil.pafs.FileType.Directory)
         for fi in listed))
-    out += _committed_otherwise_named(trial, entries)
+    out += _committed_otherwise_named(trial, entries, (loc.name for loc, _ in out))
     out += _still_there(trial, manager.pending_deletes, entries)
     out.sort(key=lambda lm: (lm[1]["index"], lm[1].get("created_at") or 0.0))
-    return Recorded(out, entries, manager.invalid)
+    return Recorded(out, entries, manager.invalid, frozenset(manager.foreign_dir_names))
 
 
 def _still_there(trial: Location, pending: Iterable[str], entries: list[tuple[str, bool]]

@@ -41,6 +41,7 @@ from checkpoint_store.backends.uris import refuse_authority as refuse_authority
 from checkpoint_store.backends.uris import (
     refuse_endpoint_credentials as refuse_endpoint_credentials,
 )
+from checkpoint_store.backends.uris import scrub_secrets as scrub_secrets
 
 __all__ = [
     "LOCAL_CAPABILITIES",
@@ -58,6 +59,7 @@ __all__ = [
     "join",
     "local_absolute",
     "redact_uri",
+    "scrub_secrets",
     "refuse_authority",
     "typed_options",
     "unstorable_character",

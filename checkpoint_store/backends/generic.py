@@ -19,6 +19,7 @@ from checkpoint_store.backends.base import (
     Backend,
     Capabilities,
     redact_uri,
+    scrub_secrets,
     typed_options,
 )
 from checkpoint_store.backends.engine_errors import as_os_error
@@ -83,7 +84,7 @@ def _fsspec_fallback(scheme: str, uri: str, options: Mapping[str, Any]) -> Backe
             f"fsspec's {scheme!r} filesystem rejected the storage options ({exc})"
         ) from None
     except Exception as exc:
-        raise unbuildable(scheme, uri, exc) from exc
+        raise unbuildable(scheme, uri, exc, options) from exc
     return Backend(
         wrap_filesystem(fs),
         scheme=scheme,
@@ -97,9 +98,12 @@ def _fsspec_fallback(scheme: str, uri: str, options: Mapping[str, Any]) -> Backe
 _NO_JAVA_RE = re.compile(r"libjvm|libhdfs|JAVA_HOME|CLASSPATH")
 
 
-def unbuildable(scheme: str, uri: str, exc: Exception) -> CheckpointStoreError:
+def unbuildable(scheme: str, uri: str, exc: Exception,
+                options: Mapping[str, Any] | None = None) -> CheckpointStoreError:
     """The typed error for a filesystem of ``scheme`` whose construction failed
-    with ``exc`` (an engine's error, not ours).
+    with ``exc`` (an engine's error, not ours). Its text is quoted with the
+    credentials among the storage ``options`` hidden, and any it carries as
+    ``name=value`` (gcsfs quotes its token-check URL, ``?access_token=...``).
 
     Returns:
         :class:`BackendUnavailableError` when the machine lacks what the
@@ -109,7 +113,7 @@ def unbuildable(scheme: str, uri: str, exc: Exception) -> CheckpointStoreError:
     if isinstance(exc, CheckpointStoreError):
         return exc
     err = as_os_error(exc, f"build the {scheme}:// filesystem")
-    first = (str(exc).strip().splitlines() or [""])[0]
+    first = scrub_secrets((str(exc).strip().splitlines() or [""])[0], options)
     shown = redact_uri(uri) or f"{scheme}://"
     if _NO_JAVA_RE.search(str(exc)):
         return BackendUnavailableError(

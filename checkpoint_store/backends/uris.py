@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+from collections.abc import Mapping
+from typing import Any
 
 import pyarrow.fs as pafs
 
@@ -30,6 +32,7 @@ __all__ = [
     "redact_uri",
     "refuse_authority",
     "refuse_endpoint_credentials",
+    "scrub_secrets",
 ]
 
 
@@ -95,6 +98,37 @@ def redact_uri(text: str) -> str:
         names = [p.partition("=")[0] for p in query.split("&")]
         text = head + "?" + "&".join(f"{n}=<hidden>" for n in names)
     return text
+
+
+# ``name=value`` after ``?``, ``&`` or ``;`` (URL queries, connection strings),
+# where the name says it carries a credential: ``access_token=...`` in a URL an
+# engine's error quotes, ``sig=`` of a SAS, ``AccountKey=`` of an Azure string.
+_SECRET_PAIR_RE = re.compile(
+    r"(?P<lead>[?&;]\s*)(?P<name>[A-Za-z_][\w.\-]*)=(?P<value>[^&;\s'\"<>)]+)")
+
+#: Shortest option value hidden by its text alone (shorter ones are words).
+_MIN_SECRET_LEN = 4
+
+
+def scrub_secrets(text: str, options: Mapping[str, Any] | None = None) -> str:
+    """``text`` (a message, often quoting an engine's error) with credentials
+    hidden: the value of every ``name=value`` pair after ``?``, ``&`` or ``;``
+    whose name says it carries one (``access_token``, ``sig``, ``AccountKey``
+    ...), and, given the storage ``options``, the text of every option whose
+    key says so (``secret_access_key``, ``token``, ``connection_string``,
+    ``password``, ``sas_token`` ...), wherever it appears.
+    """
+    for key, value in (options or {}).items():
+        if isinstance(value, str) and len(value) >= _MIN_SECRET_LEN and (
+                _SECRET_PARAM_RE.search(key) or "connection" in key.lower()):
+            text = text.replace(value, "<hidden>")
+
+    def hide(m: re.Match[str]) -> str:
+        if not _SECRET_PARAM_RE.search(m.group("name")):
+            return m.group(0)
+        return f"{m.group('lead')}{m.group('name')}=<hidden>"
+
+    return _SECRET_PAIR_RE.sub(hide, text)
 
 
 def check_location_text(text: str, *, uri: bool) -> None:

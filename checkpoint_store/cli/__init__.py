@@ -50,6 +50,7 @@ from checkpoint_store.cli.options import common_options as common_options
 from checkpoint_store.cli.options import echo_info as echo_info
 from checkpoint_store.cli.options import parse_storage_options as parse_storage_options
 from checkpoint_store.cli.options import quiet as quiet
+from checkpoint_store.cli.options import scrub
 from checkpoint_store.cli.options import storage_option as storage_option
 from checkpoint_store.errors import (
     BackendUnavailableError,
@@ -167,7 +168,7 @@ def _debugging(ctx: click.Context) -> bool:
 
 def _show_warning(message: Warning | str, category: type[Warning], *args: Any,
                   **kwargs: Any) -> None:
-    click.echo(f"warning: {one_line(str(message))}", err=True)
+    click.echo(scrub(f"warning: {one_line(str(message))}"), err=True)
 
 
 class _OneLineLogHandler(logging.Handler):
@@ -185,7 +186,7 @@ class _OneLineLogHandler(logging.Handler):
                 text = logging.Formatter("%(levelname)s %(name)s: %(message)s").format(record)
             else:
                 text = f"{record.levelname.lower()}: {one_line(record.getMessage())}"
-            click.echo(text, err=True)
+            click.echo(scrub(text, self._ctx), err=True)
         except Exception:  # noqa: BLE001 - logging must never fail the command
             self.handleError(record)
 
@@ -225,7 +226,7 @@ class _Group(click.Group):
         except Exception as exc:  # noqa: BLE001 - the one place errors become exit codes
             if _debugging(ctx):
                 traceback.print_exc()
-            click.echo(_error_line(exc, ctx.invoked_subcommand), err=True)
+            click.echo(scrub(_error_line(exc, ctx.invoked_subcommand), ctx), err=True)
             ctx.exit(_exit_code_for(exc))
         finally:
             root.removeHandler(log_handler)

@@ -17,6 +17,7 @@ from checkpoint_store._browse.locations import (
     Location,
     classify,
     committed_checkpoints,
+    foreign_of,
     list_entries,
     not_committed,
     read_internal,
@@ -108,9 +109,15 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
                    if name not in invalid)
     for name, why in sorted(invalid.items()):
         click.echo(f"warning: {name} is invalid ({why}); not ranked", err=True)
+    # Another run's or trial's (copied in): never ranked, as the manager ranks.
+    foreign = foreign_of(loc, committed, recorded)
+    for name in sorted(foreign):
+        click.echo(f"warning: {loc.child(name).uri} was written by another run or trial "
+                   "(copied in?): not ranked, as the retention manager does", err=True)
     # With a local tier on this host: its copies of the trial's history too.
     local = local_history(loc, committed, [name for name, _ in entries])
-    committed = [(c, m) for c, m in committed if c.name not in invalid] + local
+    committed = [(c, m) for c, m in committed
+                 if c.name not in invalid and c.name not in foreign] + local
     if metric is None:  # no retention state: the framework's monitored metric, if recorded
         metric, monitored_mode = monitored_attribute(committed)
         if metric is None:

@@ -14,15 +14,17 @@ from typing import Any
 
 import click
 
-from checkpoint_store._browse.experiment import summarize_trial
+from checkpoint_store._browse.experiment import summarize_trial, trial_checkpoints
 from checkpoint_store._browse.locations import (
     Location,
     LocationKind,
     classify,
     committed_checkpoints,
+    copy_of,
     list_entries,
     manifest_size,
     not_committed,
+    not_walked_message,
     read_internal,
     recorded_checkpoints,
     require_checkpoint,
@@ -43,7 +45,7 @@ from checkpoint_store._browse.status import (
     preemption_of,
     trial_status,
 )
-from checkpoint_store._format.layout import ERROR_FILE, is_internal_name
+from checkpoint_store._format.layout import ERROR_FILE, is_internal_name, parse_checkpoint_dir_name
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.cli.metrics import (
     metric_option,
@@ -185,11 +187,17 @@ def _ls_experiment(exp: Location, long: bool) -> dict[str, Any]:
     its best score and checkpoint, and its parameters (:func:`summarize_trial`);
     with ``long`` its size (every checkpoint's metadata read)."""
     rows = []
-    for trial in trials_under(exp, "experiment"):
-        committed, entries, _ = _listed_checkpoints(trial, long)
-        summary = summarize_trial(trial, committed, entries)
+    skipped: list[Location] = []
+    trials = trials_under(exp, "experiment", skipped)
+    if skipped:
+        click.echo(f"warning: {not_walked_message(skipped, exp, 'experiment')}", err=True)
+    for trial in trials:
+        # Another run's checkpoints (copied in) left out: never the trial's best.
+        listed, entries = trial_checkpoints(trial)
+        summary = summarize_trial(trial, listed, entries)
         row = summary.to_dict()
         if long:
+            committed, _, _ = _listed_checkpoints(trial, long)
             row["size"] = sum(manifest_size(m) for _, m in committed)
         rows.append(row)
     return {"kind": "experiment", "uri": exp.uri, "trials": rows}
@@ -197,13 +205,16 @@ def _ls_experiment(exp: Location, long: bool) -> dict[str, Any]:
 
 def _ls_root(root: Location) -> dict[str, Any]:
     rows = []
+    skipped: list[Location] = []
     for name, is_dir in list_entries(root):
         if not is_dir or is_internal_name(name):
             continue
         exp = root.child(name)
-        trials = trials_under(exp, "experiment")
+        trials = trials_under(exp, "experiment", skipped)
         if trials:
             rows.append({"name": name, "uri": exp.uri, "trials": len(trials)})
+    if skipped:
+        click.echo(f"warning: {not_walked_message(skipped, root, 'root')}", err=True)
     return {"kind": "root", "uri": root.uri, "experiments": rows}
 
 
@@ -453,7 +464,8 @@ def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) ->
     """Show a checkpoint's user and internal metadata and a manifest summary.
 
     Its state is ``committed``, or ``invalid`` with why when the trial's
-    retention state records it as found damaged by a read.
+    retention state records it as found damaged by a read, or when it is a
+    copy of one of the trial's checkpoint_NNNNNN directories under another name.
 
     \b
     Examples:
@@ -467,6 +479,10 @@ def show_cmd(checkpoint: str, storage_options: dict[str, Any], as_json: bool) ->
     user = Checkpoint._from_backend(loc.backend, loc.path).get_metadata()
     # Damage a read found (a CRC32C) shows in no listing: the trial's state says so.
     invalid = _recorded_invalid(loc.parent, warn=True).get(loc.name)
+    if invalid is None and parse_checkpoint_dir_name(loc.name) is None:
+        # A copy under another name (`cp -r checkpoint_000001 backup`) is not
+        # the checkpoint of its index: ls, best and prune leave it out.
+        invalid = copy_of(loc.name, meta, (n for n, _ in list_entries(loc.parent)))
     if not as_json:
         _print_show(loc, meta, user, invalid)
         return

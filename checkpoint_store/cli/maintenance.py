@@ -84,26 +84,15 @@ def _split_foreign(loc: Location, committed: list[tuple[Location, dict[str, Any]
     the one the trial's retention state records) or, without run ids, another
     trial is never ranked or deleted, by the manager's own rule
     (docs/retention.md, "What may retention delete?")."""
+    from checkpoint_store.retention.recorded import foreign_names
+
     try:
         run_id = recorded_run_id(loc)
     except UnreadableStateError:  # the caller was told how to rank
         run_id = None
-    if run_id is None:
-        # No usable state: the run is the newest checkpoint's of this trial,
-        # as a manager rebuilding the state decides (retention.restore.run_id_of).
-        mine_ids = [m["run_id"] for _, m in committed
-                    if m.get("trial_name") in (None, loc.name) and isinstance(m.get("run_id"), str)]
-        run_id = mine_ids[-1] if mine_ids else None
-    ours: list[tuple[Location, dict[str, Any]]] = []
-    foreign: list[tuple[Location, dict[str, Any]]] = []
-    for ckpt, meta in committed:
-        owner = meta.get("run_id")
-        if run_id is not None and owner is not None:
-            mine = owner == run_id
-        else:
-            mine = meta.get("trial_name") in (None, loc.name)
-        (ours if mine else foreign).append((ckpt, meta))
-    return ours, foreign
+    theirs = foreign_names([(c.name, m) for c, m in committed], loc.name, run_id)
+    return ([(c, m) for c, m in committed if c.name not in theirs],
+            [(c, m) for c, m in committed if c.name in theirs])
 
 
 def _without_invalid(loc: Location, committed: list[tuple[Location, dict[str, Any]]]

@@ -83,10 +83,12 @@ def refuse_unrecorded_metric(loc: Location,
 
 def warn_state_problem(trial: Location, problem: str) -> None:
     """Name on stderr the trial's retention state, there but unusable (``problem``)."""
-    click.echo(f"warning: the retention state {trial.child(MANAGER_STATE).uri} is {problem}; "
-               "it is not used here (what it records, such as checkpoints a read found "
-               "damaged, is not known), and the trial's next session.start replaces it with "
-               "one rebuilt from the checkpoints", err=True)
+    # ``problem`` is a phrase ("corrupt (...)") or a whole sentence naming the
+    # file (a newer format's refusal): quoted, never spliced into this one.
+    click.echo(f"warning: the retention state {trial.child(MANAGER_STATE).uri} cannot be "
+               f"used: {problem}. What it records (such as checkpoints a read found "
+               "damaged) is not known here, and the trial's next session.start replaces "
+               "it with one rebuilt from the checkpoints", err=True)
 
 
 def warn_unreadable_state(trial: Location, *, deep: bool = False) -> bool:

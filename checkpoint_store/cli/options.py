@@ -101,9 +101,16 @@ def storage_option(*names: str, help_text: str | None = None) -> Callable[..., A
     """``-o/--storage-option KEY=VALUE`` (or the option ``names``), repeatable,
     passed to the command as a dict (:func:`parse_storage_options`)."""
     names = names or ("-o", "--storage-option", "storage_options")
+
+    def parsed(ctx: click.Context, _param: Any, values: Any) -> dict[str, Any]:
+        options = parse_storage_options(values)
+        # Remembered for scrub(): an engine's error may quote a credential.
+        ctx.meta.setdefault("cs.storage_options", []).append(options)
+        return options
+
     return click.option(
         *names, multiple=True, metavar="KEY=VALUE",
-        callback=lambda ctx, p, v: parse_storage_options(v),
+        callback=parsed,
         help=help_text or "Backend option for the location (endpoint, credentials ...); "
         "repeatable. Environment variables of the backend apply too.",
     )
@@ -120,6 +127,19 @@ class NumberAtLeast(click.FloatRange):
         if math.isnan(number):
             self.fail(f"{value!r} is not a number", param, ctx)
         return number
+
+
+def scrub(text: str, ctx: click.Context | None = None) -> str:
+    """``text`` with every credential hidden that the running command was given
+    (``-o`` options whose key names one) or that ``text`` carries as a
+    ``name=value`` pair (``?access_token=`` in a URL an engine quotes):
+    :func:`~checkpoint_store.backends.uris.scrub_secrets`."""
+    from checkpoint_store.backends.uris import scrub_secrets
+
+    ctx = ctx or click.get_current_context(silent=True)
+    for options in (ctx.meta.get("cs.storage_options", []) if ctx is not None else []):
+        text = scrub_secrets(text, options)
+    return scrub_secrets(text)
 
 
 def quiet() -> bool:

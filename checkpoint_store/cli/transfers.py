@@ -29,6 +29,7 @@ from checkpoint_store._browse.locations import (
     list_entries,
     manifest_size,
     not_committed,
+    not_walked_message,
     read_internal,
     require_checkpoint,
     resolve_location,
@@ -455,6 +456,7 @@ class _CopyPlan:
     jobs: list[_CopyJob]
     trial_pairs: list[tuple[Location, Location]]
     corrupt: list[CheckpointCorruptError]
+    unreached: str = ""  # directories holding trials a walk passed over (trials_under)
 
 
 def _plan_copy(s: Location, d: Location) -> _CopyPlan:
@@ -470,12 +472,13 @@ def _plan_copy(s: Location, d: Location) -> _CopyPlan:
     jobs: list[_CopyJob] = []
     trial_pairs: list[tuple[Location, Location]] = []
     corrupt: list[CheckpointCorruptError] = []
+    skipped: list[Location] = []
     if kind == "checkpoint":
         meta = require_checkpoint(s)
         target, index = checkpoint_destination(d, s.name, int(meta["index"]))
         jobs.append(_CopyJob(s, meta, target, index))
     elif kind in ("trial", "experiment", "root"):
-        for trial in trials_under(s, kind):
+        for trial in trials_under(s, kind, skipped):
             rel = posixpath.relpath(trial.path, s.path)
             dt = d if rel == "." else d.child(rel)
             trial_pairs.append((trial, dt))
@@ -493,14 +496,16 @@ def _plan_copy(s: Location, d: Location) -> _CopyPlan:
         require_checkpoint(s)  # raises, saying which
     else:
         raise CheckpointNotFoundError(f"no checkpoints under {s.uri}")
+    unreached = f"not copied: {not_walked_message(skipped, s, kind)}" if skipped else ""
     if not jobs and not trial_pairs:
-        raise CheckpointNotFoundError(f"no checkpoints under {s.uri}")
+        raise CheckpointNotFoundError("; ".join(filter(None, [f"no checkpoints under {s.uri}",
+                                                              unreached])))
     for job in jobs:
         _require_fitting_names(job.dst, job.dst.parent,
                                (str(e["path"]) for e in job.meta.get("manifest", [])))
     for _, dt in trial_pairs:
         _require_fitting_names(dt, dt)
-    return _CopyPlan(jobs, trial_pairs, corrupt)
+    return _CopyPlan(jobs, trial_pairs, corrupt, unreached)
 
 
 def _refuse_live_targets(plan: _CopyPlan) -> None:
@@ -588,8 +593,8 @@ def cp_cmd(src: str, dst: str, storage_options: dict[str, Any], src_options: dic
     tally.corrupt[:0] = plan.corrupt
     echo_info(f"copied {tally.copied} checkpoints ({fmt_size(tally.copied_bytes)}) to {d.uri}"
               + (f", {tally.skipped} already there" if tally.skipped else ""))
-    if tally.corrupt:
-        raise CheckpointCorruptError(
-            f"{len(tally.corrupt)} source checkpoint(s) failed their manifest and were not "
-            "copied: " + "; ".join(one_line(str(e)) for e in tally.corrupt)
-        )
+    bad = [f"{len(tally.corrupt)} source checkpoint(s) failed their manifest and were not "
+           "copied: " + "; ".join(one_line(str(e)) for e in tally.corrupt)] if tally.corrupt else []
+    if bad or plan.unreached:
+        error = CheckpointCorruptError if bad else CheckpointNotFoundError
+        raise error("; ".join(filter(None, [*bad, plan.unreached])))

@@ -23,6 +23,7 @@ from checkpoint_store._browse.locations import (
     inspect_location,
     manifest_size,
     not_committed,
+    not_walked_message,
     require_checkpoint,
     resolve_location,
     storage_context,
@@ -77,17 +78,19 @@ def _state_faults(trials: list[Location]) -> list[dict[str, Any]]:
         problem = state_problem(ctx) if ctx is not None else None
         if problem is not None:
             uri = trial.child(MANAGER_STATE).uri
-            out.append({"uri": uri, "error": f"the retention state {uri} is {problem}; the "
-                                             "trial's next session.start replaces it with one "
-                                             "rebuilt from the checkpoints"})
+            out.append({"uri": uri, "error": f"the retention state {uri} cannot be used: "
+                                             f"{problem}. The trial's next session.start "
+                                             "replaces it with one rebuilt from the "
+                                             "checkpoints"})
     return out
 
 
 def _verify_targets(
-    loc: Location, kind: LocationKind
+    loc: Location, kind: LocationKind, skipped: list[Location]
 ) -> tuple[list[tuple[Location, dict[str, Any]]], list[dict[str, Any]], list[Location]]:
     """``(checkpoints to read, report rows of corrupt ones found without reading,
-    the trials walked)``."""
+    the trials walked)``; ``skipped`` receives the directories holding trials
+    the walk did not reach (:func:`trials_under`)."""
     if kind == "checkpoint":
         return [(loc, require_checkpoint(loc))], [], []
     if kind == "corrupt":
@@ -98,7 +101,7 @@ def _verify_targets(
         require_checkpoint(loc)  # raises, saying why
     targets: list[tuple[Location, dict[str, Any]]] = []
     report: list[dict[str, Any]] = []
-    trials = trials_under(loc, kind)
+    trials = trials_under(loc, kind, skipped)
     for trial in trials:
         committed = committed_checkpoints(trial)
         targets.extend(committed)
@@ -135,8 +138,9 @@ def verify_cmd(uri: str, storage_options: dict[str, Any], as_json: bool) -> None
 
     Exits 1 if any checkpoint is corrupt (each one is named with its first bad
     file; a marker naming another index, a link or a file in a checkpoint's
-    place too), if a trial's retention state is there but cannot be read, or
-    if there is no committed checkpoint under URI.
+    place too), if a trial's retention state is there but cannot be read, if
+    directories holding trials at another depth were not walked (a stray
+    trial beside experiments), or if there is no committed checkpoint under URI.
 
     \b
     Examples:
@@ -144,10 +148,15 @@ def verify_cmd(uri: str, storage_options: dict[str, Any], as_json: bool) -> None
       checkpoint-store verify s3://bucket/runs
     """
     loc = resolve_location(uri, storage_options)
-    targets, report, trials = _verify_targets(loc, classify(loc))
+    kind = classify(loc)
+    skipped: list[Location] = []
+    targets, report, trials = _verify_targets(loc, kind, skipped)
     states = _state_faults(trials)
+    # Not read is not checked: a verify that passed over them must not pass.
+    unreached = [not_walked_message(skipped, loc, kind)] if skipped else []
     if not targets and not report and not states:
-        raise CheckpointNotFoundError(f"no committed checkpoint under {loc.uri}")
+        raise CheckpointNotFoundError(f"no committed checkpoint under {loc.uri}"
+                                      + "".join(f"; {why}" for why in unreached))
     total = sum(manifest_size(m) for _, m in targets)
     with progress_bar(f"verify {loc.name}", total) as bar:
         for ckpt, cmeta in targets:
@@ -160,8 +169,11 @@ def verify_cmd(uri: str, storage_options: dict[str, Any], as_json: bool) -> None
     bad = [r for r in report if not r["ok"]]
     if as_json:
         print_json({"uri": loc.uri, "checked": len(report), "corrupt": len(bad),
-                    "checkpoints": report, "retention_states": states})
+                    "checkpoints": report, "retention_states": states,
+                    "not_walked": [s.uri for s in skipped]})
     else:
         _print_verify(report, len(bad), states)
-    if bad or states:
+        for why in unreached:
+            click.echo(f"NOT WALKED  {why}")
+    if bad or states or unreached:
         click.get_current_context().exit(EXIT_FAILURE)

@@ -287,8 +287,10 @@ def import_checkpoint(
 
     if dest is None:
         if fmt in ("torch_save", "safetensors") or _listing(backend, path) is None:
-            raise InvalidConfigError(f"{backend.uri_for(path)} is a file: give dest=, the "
-                                     "checkpoint directory to create")
+            what = ("a file" if _listing(backend, path) is None else
+                    f"a folder of {fmt.replace('_', '.')} files, which is not imported in place")
+            raise InvalidConfigError(f"{backend.uri_for(path)} is {what}: give dest= (DEST on "
+                                     "the command line), the checkpoint directory to create")
         dst_backend, dst_path = backend, path
     else:
         dst_backend, dst_path = resolve(dest, filesystem=dest_filesystem,

@@ -16,7 +16,7 @@ import posixpath
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from checkpoint_store._format.layout import MANAGER_STATE, STATE_KIND
+from checkpoint_store._format.layout import MANAGER_STATE, STATE_FORMAT_VERSION, STATE_KIND
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
 
@@ -43,6 +43,7 @@ class Location(Protocol):
 __all__ = [
     "UnreadableStateError",
     "config_for",
+    "foreign_names",
     "warn_disagreeing",
     "recorded_config",
     "recorded_run_id",
@@ -71,6 +72,32 @@ def recorded_run_id(trial: Location) -> str | None:
     return run_id if isinstance(run_id, str) else None
 
 
+def foreign_names(checkpoints: Sequence[tuple[str, Mapping[str, Any]]], trial_name: str,
+                  run_id: str | None) -> set[str]:
+    """The names among ``checkpoints`` (``(dir name, internal metadata)``, oldest
+    first) written by another run or trial (copied in): the retention manager's
+    rule (docs/retention.md, "What may retention delete?"), so they are never
+    ranked, named best nor deleted. Ours is ``run_id`` (the one the trial's
+    retention state records), else the newest checkpoint's of ``trial_name``;
+    without run ids on either side, a checkpoint naming another trial."""
+    if run_id is None:
+        # No usable state: the run is the newest checkpoint's of this trial, as a
+        # manager rebuilding the state decides (retention.restore.run_id_of).
+        mine = [m["run_id"] for _, m in checkpoints
+                if m.get("trial_name") in (None, trial_name) and isinstance(m.get("run_id"), str)]
+        run_id = mine[-1] if mine else None
+    out = set()
+    for name, meta in checkpoints:
+        owner = meta.get("run_id")
+        if run_id is not None and owner is not None:
+            ours = owner == run_id
+        else:
+            ours = meta.get("trial_name") in (None, trial_name)
+        if not ours:
+            out.add(name)
+    return out
+
+
 def _recorded_json(trial: Location) -> dict[str, Any] | None:
     """The ``config`` object of the trial's retention state, or None when the
     trial has no state; raises as :func:`_recorded_root`."""
@@ -84,7 +111,9 @@ def _recorded_root(trial: Location) -> dict[str, Any] | None:
 
     Raises:
         UnreadableStateError: the file is there but is not JSON, not an object,
-            or holds no ``config`` object (truncated, overwritten by hand).
+            or holds no ``config`` object (truncated, overwritten by hand), or
+            a config no :class:`CheckpointConfig` accepts, or it is of a newer
+            format version than this release reads.
         CheckpointStoreError: the store refused the read (access denied ...);
             never taken for "no state", which would change the ranking.
     """
@@ -92,13 +121,19 @@ def _recorded_root(trial: Location) -> dict[str, Any] | None:
     try:
         # Read again while torn: the trial's manager rewrites it in place.
         root = _fsutil.read_control(trial.fs, path)
-    except FileNotFoundError:
-        return None
     except ValueError as exc:  # it stayed unparsable
         raise _unreadable_state(trial, f"{type(exc).__name__}: {exc}") from None
     except OSError:
-        if not _fsutil.exists(trial.fs, path):
+        # Not found, or not a file: a directory in its place (a sync tool's
+        # folder marker, a mkdir; on an object store, objects under its name)
+        # reads as missing on some stores and as a store error on others. It
+        # is neither "no state" (which ranks by recency) nor a fault of the
+        # credentials the error's hint names.
+        found = _fsutil.kind(trial.fs, path)
+        if found == _fsutil.pafs.FileType.NotFound:
             return None
+        if found == _fsutil.pafs.FileType.Directory:
+            raise _unreadable_state(trial, "a directory, not a file") from None
         raise
     try:
         config = root["config"]
@@ -110,9 +145,29 @@ def _recorded_root(trial: Location) -> dict[str, Any] | None:
             # Another file under its name (a chunk, a record, a lease copied
             # over it): what it says is not what the trial's manager decided.
             config, why = None, f"its kind is {root.get('kind')!r}, not {STATE_KIND!r}"
-    if isinstance(config, dict):
-        return root  # type: ignore[no-any-return]
-    raise _unreadable_state(trial, why)
+    if not isinstance(config, dict):
+        raise _unreadable_state(trial, why)
+    version = root.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool) \
+            and version > STATE_FORMAT_VERSION:
+        # A newer release's state: its rules may hold fields this one does not
+        # know (a policy that keeps more); ranking or pruning by the fields it
+        # does know would delete what that release keeps.
+        raise UnreadableStateError(
+            f"the retention state {trial.child(MANAGER_STATE).uri} has format version "
+            f"{version}, newer than this checkpoint-store reads ({STATE_FORMAT_VERSION}), "
+            "so the metric, order and policy this trial ranks by are not known here; "
+            "upgrade checkpoint-store, or pass them (--metric and --mode, and --keep "
+            "for prune)")
+    from checkpoint_store.retention.config import CheckpointConfig
+
+    try:
+        CheckpointConfig.from_json(config)
+    except InvalidConfigError as exc:
+        # Rules no manager could have written (a count as a string, an order
+        # 'MIN'): ranking by a guess at them could name, or keep, the wrong one.
+        raise _unreadable_state(trial, f"its config is invalid: {exc}") from None
+    return root  # type: ignore[no-any-return]
 
 
 def _unreadable_state(trial: Location, why: str) -> UnreadableStateError:

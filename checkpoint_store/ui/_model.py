@@ -36,7 +36,9 @@ from typing import Any
 
 from checkpoint_store._browse.locations import (
     classify,
+    copy_of,
     describe_kind,
+    link_fault,
     list_entries,
     manifest_size,
     resolve_location,
@@ -61,6 +63,7 @@ from checkpoint_store._results.reader import (
 )
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.inspect import inspect_checkpoint
+from checkpoint_store.backends.uris import scrub_secrets
 from checkpoint_store.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -118,6 +121,8 @@ class StoreView:
 
     def __init__(self, location: str, storage_options: Mapping[str, Any] | None = None):
         loc = resolve_location(location, dict(storage_options or {}))
+        # Kept only to hide them from messages (redact): an engine's error may quote one.
+        self._secret_options = dict(storage_options or {})
         kind = classify(loc)
         self.scope_experiment: str | None = None
         self.scope_trial: str | None = None
@@ -139,8 +144,17 @@ class StoreView:
         self._lock = threading.Lock()
         self._caches: dict[tuple[str, str], _TrialCache] = {}
         self._known: dict[str, list[str]] = {}
+        #: URIs of directories holding trials that the last listing did not reach
+        #: (:func:`~checkpoint_store._browse.locations.trials_under`).
+        self.not_walked: list[str] = []
         # (experiment, trial) -> (the trial's version, _resumes of its rows)
         self._resume_rows: dict[tuple[str, str], tuple[str, list[dict[str, Any]]]] = {}
+
+    def redact(self, text: str) -> str:
+        """``text`` (a message for a response or a log line) with the credentials
+        among this view's storage options, and any ``?access_token=``-like pair,
+        hidden (:func:`~checkpoint_store.backends.uris.scrub_secrets`)."""
+        return scrub_secrets(text, self._secret_options)
 
     # -- what is under the location ----------------------------------------------------
 
@@ -153,14 +167,17 @@ class StoreView:
             names = [n for n, is_dir in list_entries(self._root)
                      if is_dir and not is_internal_name(n)]
         out: dict[str, list[str]] = {}
+        skipped: list[Any] = []
         for exp in names:
             if self.scope_trial is not None:
                 trials = [self.scope_trial]
             else:
-                trials = [t.name for t in trials_under(self._root.child(exp), "experiment")]
+                trials = [t.name for t in
+                          trials_under(self._root.child(exp), "experiment", skipped)]
             if trials:
                 out[exp] = trials
         self._known = out
+        self.not_walked = [s.uri for s in skipped]
         return out
 
     def storage(self, experiment: str, trial: str) -> StorageContext:
@@ -181,9 +198,15 @@ class StoreView:
     # -- trials ------------------------------------------------------------------------
 
     def _marked(self, ctx: StorageContext) -> list[str]:
-        """Committed directories of the trial, whatever their names."""
+        """Directories of the trial with a commit marker, whatever their names
+        (committed ones, and those invalid since: a copy, a failed manifest),
+        symbolic links left out."""
         with self._lock:
-            return list(self._refresh(ctx, False).metas)
+            cache = self._refresh(ctx, False)
+            # Never a link under another name: its metadata and bytes are read
+            # through it, from wherever it points (outside the store, say).
+            return [*cache.metas, *(n for n in cache.unmatched if link_fault(
+                ctx.filesystem, posixpath.join(ctx.trial_path, n)) is None)]
 
     def _refresh(self, ctx: StorageContext, full: bool) -> _TrialCache:
         key = (ctx.experiment_name, ctx.trial_name)
@@ -216,7 +239,18 @@ class StoreView:
             # The marker makes a checkpoint, whatever the name (Ray Train's
             # checkpoint_<time>); only checkpoint_NNNNNN ones count as unfinished.
             if insp.state == "committed" and insp.meta is not None:
-                cache.metas[name] = insp.meta
+                # A link under another name (to a directory outside the store, say)
+                # is no checkpoint of the trial's: never ranked, shown or verified
+                # through, as `ls` and `verify` name it (a checkpoint_NNNNNN link
+                # is found by the inspection itself).
+                copy = (copy_of(name, insp.meta, entries)
+                        or link_fault(fs, posixpath.join(ctx.trial_path, name)))
+                if copy is None:
+                    cache.metas[name] = insp.meta
+                else:
+                    # `cp -r checkpoint_000001 backup`: the original's index, never
+                    # ranked beside it (the same "invalid" as `ls` and `verify`).
+                    cache.unmatched[name] = (insp.meta, copy)
             elif insp.state == "invalid":
                 # Committed once, damaged since (a file removed or added): the
                 # same "invalid" as `ls` and the checkpoint page, never "not committed".
@@ -240,8 +274,13 @@ class StoreView:
             cache.state_files = state_files
         if cache.state_problem is not None:
             cache.config = None  # what an unusable state says is not shown
+            cache.run_id = None
         elif (cache.config is None or full) and MANAGER_STATE in entries:
             cache.config = _read_config(fs, posixpath.join(ctx.trial_path, MANAGER_STATE))
+            state = _read_json(fs, posixpath.join(ctx.trial_path, MANAGER_STATE))
+            run_id = state.get("run_id") if isinstance(state, dict) else None
+            cache.run_id = run_id if isinstance(run_id, str) else None
+        cache.trial_name = ctx.trial_name
         _read_error(fs, posixpath.join(ctx.trial_path, ERROR_FILE), entries.get(ERROR_FILE),
                     cache)
         # A lease outranks error.txt: a run holding one (live or crashed) is
@@ -400,13 +439,17 @@ class StoreView:
         }
 
     def overview(self, *, full: bool = False) -> dict[str, Any]:
-        """Every experiment under the location with the :meth:`summary` of each trial."""
+        """Every experiment under the location with the :meth:`summary` of each trial,
+        and ``not_walked``: URIs of directories holding trials beside the trials
+        of an experiment, which are not shown (a stray trial next to experiments
+        makes a storage root read as an experiment)."""
         experiments = []
         for exp, trials in self.experiments().items():
             rows = [self.summary(exp, t, full=full) for t in trials]
             params = sorted({k for r in rows for k in r["params"]})
             experiments.append({"name": exp, "trials": rows, "params": params})
-        out = {"uri": self.uri, "kind": self.kind, "experiments": experiments}
+        out = {"uri": self.uri, "kind": self.kind, "experiments": experiments,
+               "not_walked": list(self.not_walked)}
         if not experiments and self.scope_experiment is None:
             out["stores_below"] = self.stores_below()
         return out
@@ -505,6 +548,8 @@ class StoreView:
             cache = self._refresh(ctx, False)
             rows = _checkpoint_rows(cache)
             why = cache.invalid.get(name)
+            if why is None and name in cache.unmatched:
+                why = cache.unmatched[name][1]
         row = next((r for r in rows if r["name"] == name), {})
         return {
             "experiment": experiment, "trial": trial, "name": name, "uri": ckpt.uri,
@@ -540,9 +585,9 @@ class StoreView:
         try:
             ckpt.verify()
         except CheckpointCorruptError as exc:
-            return {"ok": False, "error": str(exc), "file": exc.file}
+            return {"ok": False, "error": self.redact(str(exc)), "file": exc.file}
         except CheckpointNotFoundError as exc:
-            return {"ok": False, "error": str(exc), "file": None}
+            return {"ok": False, "error": self.redact(str(exc)), "file": None}
         meta = ckpt.internal_metadata
         return {"ok": True, "files": len(meta.get("manifest", [])),
                 "bytes": manifest_size(meta),

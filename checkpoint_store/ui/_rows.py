@@ -48,6 +48,7 @@ from checkpoint_store.retention import (
     score_or_none,
     select_kept,
 )
+from checkpoint_store.retention.recorded import foreign_names
 from checkpoint_store.tiers.view import TierView, describe
 
 __all__ = ["BEST", "EVICTED", "INVALID", "KEPT", "LATEST", "SERIES_POINTS", "UNCOMMITTED"]
@@ -93,6 +94,10 @@ class _TrialCache:
     state_files: tuple[tuple[str, int | None, int | None], ...] = ()
     params: dict[str, Any] | None = None
     config: CheckpointConfig | None = None
+    # Whose checkpoints are the trial's (foreign_names): its name, and the run
+    # id its retention state records (None without a usable state).
+    trial_name: str = ""
+    run_id: str | None = None
     status: str = "finished"
     error: str | None = None  # the last line of error.txt: "ValueError: loss is nan"
     error_size: int = -1  # bytes of error.txt when ``error`` was read
@@ -305,8 +310,12 @@ def _best(metas: Mapping[str, Mapping[str, Any]],
 
 
 def _good(cache: _TrialCache) -> dict[str, dict[str, Any]]:
-    """The committed checkpoints but those the retention state records as invalid."""
-    return {n: m for n, m in cache.metas.items() if n not in cache.invalid}
+    """The committed checkpoints but those the retention state records as invalid
+    and those another run or trial wrote (copied in): never ranked, best or
+    latest, as the retention manager ranks."""
+    foreign = foreign_names(sorted(cache.metas.items(), key=lambda nm: nm[1]["index"]),
+                            cache.trial_name, cache.run_id)
+    return {n: m for n, m in cache.metas.items() if n not in cache.invalid and n not in foreign}
 
 
 def _checkpoint_rows(cache: _TrialCache) -> list[dict[str, Any]]:

@@ -86,6 +86,20 @@ def _number_arg(name: str, kind: Callable[[str], Any], default: Any = None) -> A
         raise InvalidConfigError(f"{name} must be a number, got {value!r}") from None
 
 
+#: What a spreadsheet reads as the start of a formula in a cell of text.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _cell(value: Any) -> Any:
+    """A CSV cell: text a spreadsheet would run as a formula (a trial, parameter
+    or metric value "=HYPERLINK(...)" anyone writing to the store can choose)
+    is prefixed with ``'``, which shows it as text (OWASP's CSV injection
+    advice). Numbers, negative ones included, are written as they are."""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
+
+
 def _csv(rows: list[dict[str, Any]], filename: str) -> Response:
     """``rows`` (flat dicts) as a CSV download; columns in first-seen order."""
     import csv
@@ -95,10 +109,10 @@ def _csv(rows: list[dict[str, Any]], filename: str) -> Response:
     for row in rows:
         columns.update(dict.fromkeys(row))
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(columns), extrasaction="ignore",
-                            lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=[_cell(c) for c in columns],
+                            extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows({_cell(k): _cell(v) for k, v in row.items()} for row in rows)
     from urllib.parse import quote
 
     # Header values are Latin-1: an ASCII fallback name, and the real one in
@@ -111,12 +125,22 @@ def _csv(rows: list[dict[str, Any]], filename: str) -> Response:
                     headers={"Content-Disposition": disposition})
 
 
-def _error(exc: BaseException, status: int) -> Response:
-    return _reply({"error": " ".join(str(exc).split()) or type(exc).__name__}, status)
+def _error(exc: BaseException, status: int, redact: Callable[[str], str]) -> Response:
+    return _reply({"error": redact(" ".join(str(exc).split())) or type(exc).__name__}, status)
 
 
 def _args(*names: str) -> list[str]:
+    """The string parameters ``names`` of the request: its query, or for a POST
+    its JSON body, which must be an object.
+
+    Raises:
+        InvalidConfigError: a parameter is missing or not a string, or a POST
+            body is JSON but not an object (a list, a number: a 400, never a 500).
+    """
     source = request.get_json(silent=True) if request.method == "POST" else request.args
+    if source is not None and not hasattr(source, "get"):
+        raise InvalidConfigError(f"the request body must be a JSON object with "
+                                 f"{', '.join(names)}, got a {type(source).__name__}")
     values = [(source or {}).get(n) for n in names]
     missing = [n for n, v in zip(names, values, strict=True) if not isinstance(v, str)]
     if missing:
@@ -176,17 +200,18 @@ def create_app(view: StoreView, *, refresh_s: float = 2.0, host: str = "127.0.0.
 
     @app.errorhandler(InvalidConfigError)
     def _bad_request(exc: InvalidConfigError) -> Response:
-        return _error(exc, 400)
+        return _error(exc, 400, view.redact)
 
     @app.errorhandler(CheckpointNotFoundError)
     def _not_found(exc: CheckpointNotFoundError) -> Response:
-        return _error(exc, 404)
+        return _error(exc, 404, view.redact)
 
     @app.errorhandler(CheckpointStoreError)
     @app.errorhandler(OSError)
     def _storage_error(exc: Exception) -> Response:
-        logger.warning("ui: %s", " ".join(str(exc).split()))
-        return _error(exc, 502)
+        # An engine's error may quote a credential (a token in a URL): hidden in both.
+        logger.warning("ui: %s", view.redact(" ".join(str(exc).split())))
+        return _error(exc, 502, view.redact)
 
     @app.get("/")
     def index() -> Response:

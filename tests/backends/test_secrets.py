@@ -225,3 +225,59 @@ def test_credentials_in_an_endpoint_option_are_refused_unechoed(engine, capsys, 
             "engine": engine, "endpoint_url": "http://AKIAUSER:s3cr3tpw@127.0.0.1:1"})
     shown = str(info.value) + repr(info.value) + capsys.readouterr().err + caplog.text
     assert "s3cr3tpw" not in shown and "AKIAUSER" not in shown
+
+
+GCS_TOKEN = "ya29.cs-test-token-do-not-leak"
+
+
+def test_an_engine_error_quoting_the_gcs_token_is_scrubbed(all_logs):
+    """`checkpoint-store ls gs://b/x -o token=TOKEN`: gcsfs checks a token string
+    at construction (GET /tokeninfo?access_token=TOKEN) and, with no network,
+    its ConnectionError quotes that URL: the token was printed whole. With a
+    network the answer is a refusal; in both the token stays hidden."""
+    from click.testing import CliRunner
+
+    from checkpoint_store.cli import main
+
+    pytest.importorskip("gcsfs")
+    res = CliRunner().invoke(main, ["ls", "gs://cs-no-such-bucket/x", "-o", f"token={GCS_TOKEN}"])
+    assert res.exit_code != 0, res.output
+    assert GCS_TOKEN not in res.output and GCS_TOKEN[:16] not in res.output, res.output
+    for rec in all_logs.records:  # what the command line prints; a client's debug log may
+        if rec.levelno >= logging.WARNING:  # quote its own requests (urllib3)
+            assert GCS_TOKEN not in rec.getMessage(), rec.name
+
+
+class _LeakyFileSystem:
+    """An fsspec filesystem whose constructor fails quoting what it was given, as
+    clients do (a URL with its token, a connection string): the text of an error
+    we must not pass on."""
+
+    protocol = "csleaky"
+
+    def __init__(self, password: str = "", sas_token: str = "", **kwargs):
+        raise ValueError(f"login refused for password {password} at "
+                         f"https://acct.example/c?sv=2024&sig={sas_token}")
+
+
+@pytest.mark.parametrize("command", [["ls"], ["verify"], ["ui", "--port", "0"]])
+def test_a_generic_engine_error_quoting_an_option_is_scrubbed(command, all_logs):
+    """The generic fsspec backend quoted the engine's error whole: a password
+    given with -o came back on stderr, a SAS signature in a URL too."""
+    import fsspec
+    from click.testing import CliRunner
+
+    from checkpoint_store.cli import main
+
+    fsspec.register_implementation("csleaky", _LeakyFileSystem, clobber=True)
+    password, sig = "pw-do-not-leak-31337", "sig-do-not-leak-4242"
+    res = CliRunner().invoke(main, [command[0], "csleaky://bucket/x", *command[1:],
+                                    "-o", f"password={password}", "-o", f"sas_token={sig}"])
+    assert res.exit_code == 1, res.output
+    assert "login refused" in res.output  # the engine's words, its secrets hidden
+    assert password not in res.output and sig not in res.output, res.output
+    with pytest.raises(CheckpointStoreError) as info:
+        resolve("csleaky://bucket/x", storage_options={"password": password, "sas_token": sig})
+    assert password not in str(info.value) and sig not in str(info.value)
+    for rec in all_logs.records:
+        assert password not in rec.getMessage() and sig not in rec.getMessage()

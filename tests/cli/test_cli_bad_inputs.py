@@ -121,3 +121,25 @@ def test_gc_min_age_that_is_not_a_number_removes_nothing(near_store: Store, tmp_
     res = invoke(["gc", near_store.join("exp", "t1"), "--min-age", age])
     assert res.exit_code == 2, res.output
     assert ctx.scan().uncommitted == before
+
+
+def test_best_of_an_experiment_without_a_metric_names_the_flags(tmp_path):
+    """The refusal said "pass metric= and mode=": the keyword arguments of
+    Experiment.best_trial, not the flags of the command that printed it."""
+    store = Store(str(tmp_path / "s"))
+    make_trial(store, tmp_path, [0.5], experiment="exp", trial="t1")  # no retention state
+    res = invoke(["best", store.join("exp")])
+    assert res.exit_code == 2, res.output
+    assert "--metric and --mode" in res.stderr, res.stderr
+
+
+def test_import_in_place_of_a_folder_it_cannot_take_says_what_it_is(tmp_path):
+    """A folder of torch.save files imported in place was called "a file", and
+    the way out was given as dest=, the Python keyword."""
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    (folder / "model.bin").write_bytes(b"\x80\x02}q\x00.")  # a pickle, as torch.save writes
+    res = invoke(["import", str(folder)])
+    assert res.exit_code == 2, res.output
+    assert "is a file" not in res.stderr and "folder" in res.stderr, res.stderr
+    assert "DEST" in res.stderr

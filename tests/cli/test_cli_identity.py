@@ -364,3 +364,112 @@ def test_no_writer_makes_a_second_spelling_of_an_index(near_store: Store, tmp_pa
     assert not ctx.checkpoint("checkpoint_0000008").is_committed
     res = invoke(["upload", src, near_store.join("exp", "t1", "checkpoint_000007")])
     assert res.exit_code == 0, res.output  # the name of that index
+
+
+# -- a copy under another name (kind 1, by hand) -------------------------------------------
+
+COPIES = {"backup": BEST, "checkpoint_000000 (copy)": "checkpoint_000000"}
+
+
+def _copy_by_hand(ctx: StorageContext) -> None:
+    """`cp -r checkpoint_000001 backup`, and a copy of checkpoint_000000 beside it."""
+    for copy, original in COPIES.items():
+        for rel in (MARKER, "model.bin"):
+            _write(ctx, posixpath.join(ctx.trial_path, copy, rel),
+                   _read(ctx, posixpath.join(ctx.trial_path, original, rel)))
+
+
+@pytest.mark.parametrize("with_state", [True, False])
+def test_prune_keeps_the_best_a_copy_under_another_name_claims_the_index_of(
+        store: Store, tmp_path, with_state: bool) -> None:
+    """`cp -r checkpoint_000001 backup`: prune ranked both as index 1, kept the
+    copy and deleted checkpoint_000001 (the best, the one retention keeps), and
+    deleted the copy of checkpoint_000000 too. A directory named otherwise whose
+    marker records a checkpoint_NNNNNN entry's index is that entry's copy: invalid,
+    never ranked or deleted, as the retention manager leaves it."""
+    ctx = _trial(store, tmp_path, with_state=with_state)
+    _copy_by_hand(ctx)
+    trial = store.join("exp", "t1")
+    opts = store.opt_args()
+    res = invoke(["prune", trial, "--keep", "1", "--metric", "loss", "--mode", "min",
+                  "--no-keep-latest", "--json", *opts])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert [d["name"] for d in out["kept"]] == [BEST]
+    assert [d["name"] for d in out["deleted"]] == ["checkpoint_000000", "checkpoint_000002"]
+    assert sorted(d["name"] for d in out["invalid"]) == sorted(COPIES)
+    assert all("a copy of" in d["reason"] for d in out["invalid"])
+    _best_intact(ctx)
+    assert all(_exists(ctx, copy) for copy in COPIES)
+
+
+def test_every_reader_names_a_copy_under_another_name(near_store: Store, tmp_path) -> None:
+    """The page ranked `backup` first and called both copies kept; `ls` listed two
+    checkpoints of index 1, `best` could name the copy, `show` said committed."""
+    from checkpoint_store.ui._server import create_app
+
+    ctx = _trial(near_store, tmp_path, with_state=True)
+    _copy_by_hand(ctx)
+    trial = near_store.join("exp", "t1")
+    data = json.loads(invoke(["ls", trial, "--json"]).stdout)
+    assert [r["name"] for r in data["checkpoints"]] == ["checkpoint_000000", BEST,
+                                                       "checkpoint_000002"]
+    assert sorted(c["name"] for c in data["corrupt"] + data["invalid"]) == sorted(COPIES)
+    res = invoke(["best", trial, "--metric", "loss", "--mode", "min"])
+    assert res.exit_code == 0 and res.stdout.splitlines()[0].endswith(BEST), res.output
+    assert "backup" in res.stderr
+    out = json.loads(invoke(["show", near_store.join("exp", "t1", "backup"), "--json"]).stdout)
+    assert out["state"] == "invalid" and BEST in out["reason"]
+    assert invoke(["verify", trial]).exit_code == 1
+
+    model = StoreView(near_store.uri, {})
+    model.experiments()
+    summary = model.trial("exp", "t1", full=True)
+    rows = {r["name"]: r for r in summary["checkpoints"]}
+    assert summary["best_checkpoint"] == BEST
+    assert all(rows[c]["kind"] == "invalid" and "a copy of" in rows[c]["reason"]
+               for c in COPIES)
+    assert rows[BEST]["kind"] == "best" and rows[BEST]["rank"] == 1
+    client = create_app(model).test_client()
+    reply = client.get("/api/checkpoint", query_string={
+        "experiment": "exp", "trial": "t1", "checkpoint": "backup"},
+        headers={"Host": "127.0.0.1"})
+    assert reply.status_code == 200, reply.get_data(as_text=True)
+    assert reply.get_json()["state"] == "invalid"
+
+
+@pytest.mark.parametrize("link", ["linked", "checkpoint_latest"])
+def test_the_page_never_reads_through_a_link_under_another_name(tmp_path, link: str) -> None:
+    """A link under another name to a committed directory outside the store: `ls`
+    named it invalid, but the page ranked it (best, by its marker's index 7),
+    served its manifest and metadata and verified its bytes, all read outside
+    the storage root."""
+    from checkpoint_store.ui._server import create_app
+
+    store = Store(str(tmp_path / "store"))
+    ctx = _trial(store, tmp_path, with_state=True)
+    outside = tmp_path / "outside" / "ck"
+    src = write_tree(str(tmp_path / "src-out"), {"outside-only.bin": b"o" * 64})
+    Checkpoint.from_directory(src).set_metadata({"note": "outside-only"})
+    StorageContext(str(tmp_path / "other"), "e", "t").persist_checkpoint(
+        Checkpoint.from_directory(src), 7, {"metrics": {"loss": 0.01}})
+    outside.parent.mkdir()
+    os.rename(tmp_path / "other" / "e" / "t" / "checkpoint_000007", outside)
+    os.symlink(outside, posixpath.join(ctx.trial_path, link))
+
+    model = StoreView(store.uri, {})
+    model.experiments()
+    trial = model.trial("exp", "t1", full=True)
+    rows = {r["name"]: r for r in trial["checkpoints"]}
+    assert trial["best_checkpoint"] == BEST
+    assert rows[link]["kind"] == "invalid" and "symbolic link" in rows[link]["reason"]
+    client = create_app(model).test_client()
+    host = {"Host": "127.0.0.1"}
+    args = {"experiment": "exp", "trial": "t1", "checkpoint": link}
+    for reply in (client.get("/api/checkpoint", query_string=args, headers=host),
+                  client.post("/api/verify", json=args,
+                              headers={**host, "X-Checkpoint-Store": "verify"})):
+        assert reply.status_code == 400, reply.get_data(as_text=True)
+        assert "outside-only" not in reply.get_data(as_text=True)
+    res = invoke(["ls", store.join("exp", "t1")])
+    assert link in res.stderr and "symbolic link" in res.stderr

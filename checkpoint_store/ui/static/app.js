@@ -328,6 +328,16 @@
       params.map((p) => el("option", { value: p, selected: p === state.filter.group }, p)))));
   }
 
+  // Directories of trials beside the trials (a stray trial next to experiments
+  // makes a storage root read as an experiment): not shown, so named.
+  function notWalked(data) {
+    const dirs = data.not_walked || [];
+    return dirs.length ? el("p", { class: "error", id: "not-walked" },
+      "Not shown, holding trials at another depth (a stray trial or trial file here?); " +
+      "start `checkpoint-store ui` on each: ",
+      dirs.flatMap((u, i) => [i ? ", " : "", el("code", {}, name(u, "uri"))])) : null;
+  }
+
   function renderOverview(data) {
     state.overview = data;
     if (!data.experiments.length) {
@@ -335,13 +345,14 @@
       setMain(el("p", { class: "muted", id: "empty" }, "No trials under this location yet."),
         below.length ? el("p", { id: "stores-below" },
           "Stores one level down (start `checkpoint-store ui` on one of them): ",
-          below.flatMap((u, i) => [i ? ", " : "", el("code", {}, name(u, "uri"))])) : null);
+          below.flatMap((u, i) => [i ? ", " : "", el("code", {}, name(u, "uri"))])) : null,
+        notWalked(data));
       return;
     }
     const main = document.getElementById("main");
     const sections = data.experiments.map(experimentTable);
     if (!document.getElementById("toolbar")) {
-      setMain(toolbar(data), sections);
+      setMain(toolbar(data), notWalked(data), sections);
       return;
     }
     // Refresh in place: the toolbar keeps its focus, the tables their selections.
