@@ -224,8 +224,8 @@ class _Group(click.Group):
             _silence_stdout()
             ctx.exit(EXIT_BROKEN_PIPE)
         except Exception as exc:  # noqa: BLE001 - the one place errors become exit codes
-            if _debugging(ctx):
-                traceback.print_exc()
+            if _debugging(ctx):  # scrubbed too: a chained engine error may quote a secret
+                click.echo(scrub(traceback.format_exc(), ctx), err=True, nl=False)
             click.echo(scrub(_error_line(exc, ctx.invoked_subcommand), ctx), err=True)
             ctx.exit(_exit_code_for(exc))
         finally:

@@ -260,10 +260,13 @@ class _LeakyFileSystem:
                          f"https://acct.example/c?sv=2024&sig={sas_token}")
 
 
-@pytest.mark.parametrize("command", [["ls"], ["verify"], ["ui", "--port", "0"]])
+@pytest.mark.parametrize("command", [["ls"], ["verify"], ["ui", "--port", "0"],
+                                     ["ls", "--debug"]])
 def test_a_generic_engine_error_quoting_an_option_is_scrubbed(command, all_logs):
     """The generic fsspec backend quoted the engine's error whole: a password
-    given with -o came back on stderr, a SAS signature in a URL too."""
+    given with -o came back on stderr, a SAS signature in a URL too. With
+    ``--debug`` the traceback, whose chained engine error quotes them, is
+    scrubbed the same way."""
     import fsspec
     from click.testing import CliRunner
 
@@ -276,6 +279,8 @@ def test_a_generic_engine_error_quoting_an_option_is_scrubbed(command, all_logs)
     assert res.exit_code == 1, res.output
     assert "login refused" in res.output  # the engine's words, its secrets hidden
     assert password not in res.output and sig not in res.output, res.output
+    if "--debug" in command:
+        assert "Traceback" in res.output and "ValueError" in res.output, res.output
     with pytest.raises(CheckpointStoreError) as info:
         resolve("csleaky://bucket/x", storage_options={"password": password, "sas_token": sig})
     assert password not in str(info.value) and sig not in str(info.value)
