@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -102,22 +101,6 @@ def screenshot(tmp_path: Path) -> Callable[[Any, str], Path]:
         return path
 
     return take
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
-    """Poll ``predicate`` until it returns a truthy value; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    last_exc: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except Exception as exc:  # noqa: BLE001 - the page may be mid-render
-            last_exc = exc
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what or predicate}"
-                         + (f" (last error: {last_exc})" if last_exc else ""))
 
 
 @pytest.fixture(scope="module")

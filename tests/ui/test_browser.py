@@ -11,8 +11,7 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
-from conftest import wait_for
-from ui_helpers import LAYOUT, XSS, Store, library_answer, report_trial
+from ui_helpers import LAYOUT, XSS, Store, library_answer, report_trial, wait_for
 
 pytestmark = pytest.mark.browser
 

@@ -11,9 +11,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import wait_for
 from test_browser import chart_points, open_page, route, table_rows
-from ui_helpers import LAYOUT, Store, library_answer, report_trial
+from ui_helpers import LAYOUT, Store, library_answer, report_trial, wait_for
 
 # About 9 s of set-up (sessions writing to moto, a browser start): in the slow set.
 pytestmark = [pytest.mark.browser, pytest.mark.slow]

@@ -15,9 +15,8 @@ import urllib.request
 from typing import Any
 
 import pytest
-from conftest import wait_for
 from test_browser import chart_points, open_page, route
-from ui_helpers import CONFIG, Store, report_trial
+from ui_helpers import CONFIG, Store, report_trial, wait_for
 
 from checkpoint_store import Checkpoint, CheckpointConfig, session
 from checkpoint_store.ui._plot import trial_color

@@ -8,7 +8,7 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
-from conftest import wait_for
+from ui_helpers import wait_for
 
 from checkpoint_store import Checkpoint, LocalTier, session
 

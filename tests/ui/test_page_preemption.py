@@ -19,8 +19,7 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
-from conftest import wait_for
-from ui_helpers import CONFIG, Store
+from ui_helpers import CONFIG, Store, wait_for
 
 from checkpoint_store import Checkpoint, PreemptionConfig, session
 from checkpoint_store.errors import Preempted

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,3 +122,19 @@ def write_page_store(store: Store) -> None:
                         f.write(b"x" * step)
                     session.report({"loss": loss, "step": step},
                                    checkpoint=Checkpoint.from_directory(tmp))
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
+    """Poll ``predicate`` until it returns a truthy value; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 - the page may be mid-render
+            last_exc = exc
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what or predicate}"
+                         + (f" (last error: {last_exc})" if last_exc else ""))
