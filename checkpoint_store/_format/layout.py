@@ -38,6 +38,7 @@ __all__ = [
     "MANAGER_STATE",
     "STATE_FORMAT_VERSION",
     "STATE_KIND",
+    "newer_state_version",
     "NAME_MAX",
     "PARAMS_FILE",
     "POINTER_FILE",
@@ -420,6 +421,18 @@ POINTER_FILE = f"{INTERNAL_PREFIX}current"
 STATE_FORMAT_VERSION = 2
 #: ``kind`` of the retention state's snapshot root (every version wrote it).
 STATE_KIND = "checkpoint_manager_state"
+
+
+def newer_state_version(obj: object) -> int | None:
+    """The ``format_version`` of a retention state object (root, record or
+    chunk: a JSON object) when it is newer than this release reads
+    (:data:`STATE_FORMAT_VERSION`), else None (older, absent or not an int)."""
+    version = obj.get("format_version") if isinstance(obj, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) \
+            and version > STATE_FORMAT_VERSION:
+        return version
+    return None
+
 _STATE_LOG_RE = re.compile(rf"^{re.escape(INTERNAL_PREFIX)}state-log-(\d{{12,}})\.json$")
 _STATE_CHUNK_RE = re.compile(rf"^{re.escape(INTERNAL_PREFIX)}state-chunk-(\d{{12,}})-(\d+)\.json$")
 

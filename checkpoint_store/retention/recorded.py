@@ -16,7 +16,12 @@ import posixpath
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from checkpoint_store._format.layout import MANAGER_STATE, STATE_FORMAT_VERSION, STATE_KIND
+from checkpoint_store._format.layout import (
+    MANAGER_STATE,
+    STATE_FORMAT_VERSION,
+    STATE_KIND,
+    newer_state_version,
+)
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
 
@@ -147,9 +152,8 @@ def _recorded_root(trial: Location) -> dict[str, Any] | None:
             config, why = None, f"its kind is {root.get('kind')!r}, not {STATE_KIND!r}"
     if not isinstance(config, dict):
         raise _unreadable_state(trial, why)
-    version = root.get("format_version")
-    if isinstance(version, int) and not isinstance(version, bool) \
-            and version > STATE_FORMAT_VERSION:
+    version = newer_state_version(root)
+    if version is not None:
         # A newer release's state: its rules may hold fields this one does not
         # know (a policy that keeps more); ranking or pruning by the fields it
         # does know would delete what that release keeps.

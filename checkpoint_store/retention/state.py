@@ -27,6 +27,7 @@ from checkpoint_store._format.layout import (
     STATE_KIND,
     checkpoint_dir_name,
     name_disagreement,
+    newer_state_version,
     validate_component,
 )
 from checkpoint_store.errors import InvalidConfigError
@@ -466,9 +467,8 @@ def check_version(storage: StorageContext, path: str, obj: Mapping[str, Any]) ->
     Raises:
         InvalidConfigError: its ``format_version`` is newer; upgrade checkpoint-store.
     """
-    version = obj.get("format_version")
-    if isinstance(version, int) and not isinstance(version, bool) \
-            and version > STATE_FORMAT_VERSION:
+    version = newer_state_version(obj)
+    if version is not None:
         raise InvalidConfigError(
             f"{storage.uri(path)} has format version {version}, newer "
             f"than this checkpoint-store reads ({STATE_FORMAT_VERSION}); upgrade checkpoint-store"

@@ -96,8 +96,10 @@ def test_empty_in_place_dir_is_refused(tmp_path):
             s.report({}, checkpoint=Checkpoint(where))
 
 
-def test_crash_before_report_leaves_nothing_listed_and_is_cleaned(tmp_path):
-    with session.start(storage_path=tmp_path, experiment_name="e", trial_name="t") as s:
+def _one_report_then_killed_mid_save(root) -> tuple[str, str]:
+    """A run that commits ``checkpoint_000000`` in place, then fills
+    ``checkpoint_000001`` and is killed before its report: both paths."""
+    with session.start(storage_path=root, experiment_name="e", trial_name="t") as s:
         first = s.next_checkpoint_dir()
         with open(os.path.join(first, "a"), "wb") as f:
             f.write(b"1")
@@ -105,7 +107,11 @@ def test_crash_before_report_leaves_nothing_listed_and_is_cleaned(tmp_path):
         second = s.next_checkpoint_dir()
         with open(os.path.join(second, "a"), "wb") as f:
             f.write(b"2")
-        # crash: no report
+    return first, second
+
+
+def test_crash_before_report_leaves_nothing_listed_and_is_cleaned(tmp_path):
+    first, second = _one_report_then_killed_mid_save(tmp_path)
     ctx = StorageContext(tmp_path, "e", "t", run_id="another-run")
     assert [c.path for c, _ in ctx.committed_checkpoints()] == [first]
     # The claim names the run that reserved it: ours, uncommitted, removable.
@@ -160,15 +166,7 @@ def test_a_restart_that_keeps_its_run_id_cleans_its_dead_save(tmp_path, monkeypa
     one rank nobody of this run can still be writing it. The restart removes
     it, as it removes another run's, instead of keeping it for ever."""
     monkeypatch.setenv("CHECKPOINT_STORE_RUN_ID", "job1")
-    with session.start(storage_path=tmp_path, experiment_name="e", trial_name="t") as s:
-        first = s.next_checkpoint_dir()
-        with open(os.path.join(first, "a"), "wb") as f:
-            f.write(b"1")
-        s.report({}, checkpoint=Checkpoint(first))
-        second = s.next_checkpoint_dir()
-        with open(os.path.join(second, "a"), "wb") as f:
-            f.write(b"2")
-        # killed: no report
+    first, second = _one_report_then_killed_mid_save(tmp_path)
     ctx = StorageContext(tmp_path, "e", "t")
     assert ctx.scan("job1").active == ["checkpoint_000001"]
     with session.start(storage_path=tmp_path, experiment_name="e", trial_name="t") as s:
