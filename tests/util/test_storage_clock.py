@@ -115,12 +115,18 @@ def test_an_expired_lease_is_taken_over_by_a_machine_whose_clock_is_behind(
         store, monkeypatch):
     # The holder stopped renewing (hung, or its machine lost power); a new
     # manager on a machine two hours behind still sees it expire on time.
-    held = CheckpointManager(CheckpointConfig(1), store.ctx(), lease_ttl_s=3.0)
+    # The ttl leaves the second manager time to start and still find the
+    # lease live on a loaded machine: at 3 s an s3fs start-up under load
+    # took longer, and found it expired.
+    ttl = 10.0
+    held = CheckpointManager(CheckpointConfig(1), store.ctx(), lease_ttl_s=ttl)
+    written = time.monotonic()  # the lease was written before this
     held._lease.stop_renewing()
     with pytest.raises(CheckpointConflictError):
         CheckpointManager(CheckpointConfig(1), store.ctx())
     _skew(monkeypatch, -TWO_HOURS)
-    time.sleep(5.5)  # ttl + the one-second slack for whole-second stamps (S3) + a margin
+    # ttl + the one-second slack for whole-second stamps (S3) + a margin
+    time.sleep(max(0.0, written + ttl + 2.5 - time.monotonic()))
     with CheckpointManager(CheckpointConfig(1), store.ctx()) as m:
         assert not m.read_only
 
