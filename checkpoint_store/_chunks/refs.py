@@ -25,7 +25,12 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from checkpoint_store._chunks.store import check_object_name
-from checkpoint_store._format.layout import CHUNK_DIR, INTERNAL_METADATA, MARKER_FORMAT_VERSIONS
+from checkpoint_store._format.layout import (
+    CHUNK_DIR,
+    INTERNAL_METADATA,
+    MARKER_FORMAT_VERSIONS,
+    newer_format_version,
+)
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store._util.retry import RetryPolicy
 
@@ -74,11 +79,10 @@ def marker_chunks(path: str, body: Any) -> MarkerChunks:
     chunks: dict[str, tuple[int, int]] = {}
     logical = chunked = 0
     unknown: str | None = None
-    version = body.get("format_version") if isinstance(body, dict) else None
+    version = newer_format_version(body, max(MARKER_FORMAT_VERSIONS))
     if not isinstance(body, dict):
         unknown = "it is not a JSON object"
-    elif (isinstance(version, int) and not isinstance(version, bool)
-          and version > max(MARKER_FORMAT_VERSIONS)):
+    elif version is not None:
         unknown = f"it has format_version {version}, newer than this checkpoint-store reads"
     manifest = body.get("manifest") if isinstance(body, dict) else None
     for entry in manifest if isinstance(manifest, list) else ():

@@ -19,6 +19,7 @@ from checkpoint_store._format.layout import (
     MARKER_FORMAT_VERSIONS,
     checkpoint_dir_name,
     is_internal_file,
+    newer_format_version,
     parse_checkpoint_dir_name,
     validate_component,
 )
@@ -130,8 +131,8 @@ def adoptable(filesystem: Any, trial_path: str, dir_name: str,
     if insp.state == "committed":
         raise CheckpointConflictError(f"{uri(path)} is already a committed checkpoint")
     if insp.state == "invalid" and isinstance(insp.meta, dict):
-        version = insp.meta.get("format_version")
-        if isinstance(version, int) and version > max(MARKER_FORMAT_VERSIONS):
+        version = newer_format_version(insp.meta, max(MARKER_FORMAT_VERSIONS))
+        if version is not None:
             raise CheckpointConflictError(
                 f"{uri(path)} was written by a newer checkpoint-store (format "
                 f"{version}); upgrade instead of adopting it"

@@ -38,7 +38,7 @@ __all__ = [
     "MANAGER_STATE",
     "STATE_FORMAT_VERSION",
     "STATE_KIND",
-    "newer_state_version",
+    "newer_format_version",
     "NAME_MAX",
     "PARAMS_FILE",
     "POINTER_FILE",
@@ -117,6 +117,20 @@ FORMAT_VERSION_TENSORS = 2
 FORMAT_VERSION_CHUNKS = 3
 #: The marker versions this checkpoint-store reads.
 MARKER_FORMAT_VERSIONS = (FORMAT_VERSION, FORMAT_VERSION_TENSORS, FORMAT_VERSION_CHUNKS)
+
+
+def newer_format_version(obj: object, newest: int) -> int | None:
+    """The ``format_version`` of ``obj`` (a parsed JSON object: a commit
+    marker, a retention state root, record or chunk) when it is above
+    ``newest``, the newest this release reads (:data:`MARKER_FORMAT_VERSIONS`'
+    highest, :data:`STATE_FORMAT_VERSION`): a newer release wrote it. None
+    when it is not newer, absent, or not an int (a bool is not a version)."""
+    version = obj.get("format_version") if isinstance(obj, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version > newest:
+        return version
+    return None
+
+
 #: The chunk store's directory in an experiment directory.
 CHUNK_DIR = ".cs_chunks"
 #: A chunk store's directory, relative to a checkpoint directory
@@ -422,16 +436,6 @@ STATE_FORMAT_VERSION = 2
 #: ``kind`` of the retention state's snapshot root (every version wrote it).
 STATE_KIND = "checkpoint_manager_state"
 
-
-def newer_state_version(obj: object) -> int | None:
-    """The ``format_version`` of a retention state object (root, record or
-    chunk: a JSON object) when it is newer than this release reads
-    (:data:`STATE_FORMAT_VERSION`), else None (older, absent or not an int)."""
-    version = obj.get("format_version") if isinstance(obj, dict) else None
-    if isinstance(version, int) and not isinstance(version, bool) \
-            and version > STATE_FORMAT_VERSION:
-        return version
-    return None
 
 _STATE_LOG_RE = re.compile(rf"^{re.escape(INTERNAL_PREFIX)}state-log-(\d{{12,}})\.json$")
 _STATE_CHUNK_RE = re.compile(rf"^{re.escape(INTERNAL_PREFIX)}state-chunk-(\d{{12,}})-(\d+)\.json$")

@@ -20,7 +20,7 @@ from checkpoint_store._format.layout import (
     MANAGER_STATE,
     STATE_FORMAT_VERSION,
     STATE_KIND,
-    newer_state_version,
+    newer_format_version,
 )
 from checkpoint_store._util import fs as _fsutil
 from checkpoint_store.errors import CheckpointStoreError, InvalidConfigError
@@ -152,7 +152,7 @@ def _recorded_root(trial: Location) -> dict[str, Any] | None:
             config, why = None, f"its kind is {root.get('kind')!r}, not {STATE_KIND!r}"
     if not isinstance(config, dict):
         raise _unreadable_state(trial, why)
-    version = newer_state_version(root)
+    version = newer_format_version(root, STATE_FORMAT_VERSION)
     if version is not None:
         # A newer release's state: its rules may hold fields this one does not
         # know (a policy that keeps more); ranking or pruning by the fields it

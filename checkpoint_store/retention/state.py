@@ -27,7 +27,7 @@ from checkpoint_store._format.layout import (
     STATE_KIND,
     checkpoint_dir_name,
     name_disagreement,
-    newer_state_version,
+    newer_format_version,
     validate_component,
 )
 from checkpoint_store.errors import InvalidConfigError
@@ -467,7 +467,7 @@ def check_version(storage: StorageContext, path: str, obj: Mapping[str, Any]) ->
     Raises:
         InvalidConfigError: its ``format_version`` is newer; upgrade checkpoint-store.
     """
-    version = newer_state_version(obj)
+    version = newer_format_version(obj, STATE_FORMAT_VERSION)
     if version is not None:
         raise InvalidConfigError(
             f"{storage.uri(path)} has format version {version}, newer "
