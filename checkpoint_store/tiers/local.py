@@ -208,7 +208,9 @@ class FastTier(TierRetention, TierVerification):
 
     def _open_locked(self) -> None:
         self.storage.ensure_trial_dir()
-        self._refuse_foreign(self.storage.committed_checkpoints())
+        # Listed once: the cleanup below removes only what is not committed.
+        committed = self.storage.committed_checkpoints()
+        self._refuse_foreign(committed)
         try:
             # The lock is ours: whatever is unfinished here is a dead writer's.
             self.storage.remove_uncommitted(sole_owner=True)
@@ -230,7 +232,7 @@ class FastTier(TierRetention, TierVerification):
         history = TrialHistory(self.durable) if self.world_rank == 0 else None
         stale: list[tuple[Checkpoint, str]] = []
         found: list[tuple[Checkpoint, dict[str, Any], int]] = []
-        for ckpt, meta in self.storage.committed_checkpoints():
+        for ckpt, meta in committed:
             index = meta.get("index")
             if not isinstance(index, int) or parse_checkpoint_dir_name(
                     posixpath.basename(ckpt.path)) != index:
