@@ -276,7 +276,9 @@ def test_a_lease_taken_by_a_start_cut_at_any_line_is_renewed_or_released(
         assert (held is None) == cut
         if held is None:
             assert body(storage) is None, "a start that raised holds the lease"
-            assert not keeper._leases
+            # A release while the keeper's loop held its mutex is queued, and
+            # dropped at the loop's next turn (``_LeaseKeeper.remove``).
+            assert not keeper._leases - set(keeper._removed)
             return
         first = body(storage)["renewed_at"]
         deadline = time.monotonic() + 5
