@@ -26,38 +26,82 @@ import pytest  # noqa: E402
 def pytest_collection_modifyitems(config, items):
     """The kill harnesses (tests/crash) run alone: they hold real deadlines
     (grace periods, lease expiry, kill moments) against the wall clock, which
-    other workers' tests on the same cores would stretch. So do the tests on a
-    full disk (``small_disk``): under load, a background commit of the failed
+    other workers' tests on the same cores would stretch. A test there marked
+    ``no_deadline`` (a kill at a fixed line, a sweep of injected faults) holds
+    none and runs beside the others. So do the tests on a full disk
+    (``small_disk``) run alone: under load, a background commit of the failed
     report was seen to run after the next one began."""
     for item in items:
-        if (item.path.parent.name == "crash" and item.path.parent.parent.name == "tests") \
+        in_crash = item.path.parent.name == "crash" and item.path.parent.parent.name == "tests"
+        if (in_crash and item.get_closest_marker("no_deadline") is None) \
                 or "small_disk" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.exclusive)
 
 
-@pytest.fixture(autouse=True)
-def _exclusive_or_shared(request, tmp_path_factory):
+class _ExclusiveLock:
     """Under pytest-xdist, a test marked ``exclusive`` runs while no other test
     runs in any worker; the others run side by side. A readers-writer lock of
-    two ``flock``s in the run's shared temporary directory: everyone passes a
-    turnstile to take the lock, so a waiting exclusive test holds back new
-    shared ones instead of waiting for a moment when none runs."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+    two ``flock``s in a directory of the run's own (``PYTEST_XDIST_TESTRUNUID``
+    names it): everyone passes a turnstile to take the lock, so a waiting
+    exclusive test holds back new shared ones instead of waiting for a moment
+    when none runs.
+
+    A worker keeps the lock exclusive from one exclusive test to the next one
+    it runs: taking it again for each would first wait for the other
+    workers' running tests to end (each of up to two minutes) while two cores
+    stood mostly idle. A shared test gives its hold back when it ends, so an
+    exclusive test waits for one test per worker at most."""
+
+    def __init__(self, run_id: str) -> None:
+        import tempfile
+
+        shared_dir = os.path.join(tempfile.gettempdir(), f"cs-exclusive-{run_id}")
+        os.makedirs(shared_dir, exist_ok=True)
+        self._turnstile = open(os.path.join(shared_dir, "turnstile"), "a")
+        self._lock = open(os.path.join(shared_dir, "lock"), "a")
+        self.held: int | None = None  # fcntl.LOCK_EX or LOCK_SH while held
+
+    def take(self, mode: int) -> None:
+        if self.held == mode:
+            return
+        self.give_back()
+        fcntl.flock(self._turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._lock, mode)
+        finally:
+            fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+        self.held = mode
+
+    def give_back(self) -> None:
+        if self.held is not None:
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self.held = None
+
+
+_EXCLUSIVE: _ExclusiveLock | None = None
+
+
+def _is_exclusive(item) -> bool:
+    return item is not None and item.get_closest_marker("exclusive") is not None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Around each test's setup, call and teardown (see :class:`_ExclusiveLock`)."""
+    global _EXCLUSIVE
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if os.environ.get("PYTEST_XDIST_WORKER") is None or run_id is None:
         yield
         return
-    shared_dir = tmp_path_factory.getbasetemp().parent  # pytest-N/, above popen-gwK/
-    exclusive = request.node.get_closest_marker("exclusive") is not None
-    with open(shared_dir / "exclusive.turnstile", "a") as turnstile, \
-            open(shared_dir / "exclusive.lock", "a") as lock:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    if _EXCLUSIVE is None:
+        _EXCLUSIVE = _ExclusiveLock(run_id)
+    exclusive = _is_exclusive(item)
+    _EXCLUSIVE.take(fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        if not (exclusive and _is_exclusive(nextitem)):
+            _EXCLUSIVE.give_back()
 
 
 @pytest.fixture

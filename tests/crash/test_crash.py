@@ -92,6 +92,7 @@ def test_checker_catches_a_lost_or_doubled_row(tmp_path):
     assert any("is missing from result.json" in v for v in bad), bad
 
 
+@pytest.mark.no_deadline
 @pytest.mark.parametrize("num_to_keep", [2, None])
 def test_a_crash_at_every_step_of_the_retention_state_leaves_it_whole(tmp_path, num_to_keep):
     """Every mutating call of 8 reports (uploads, commits, log records, snapshot
@@ -105,6 +106,7 @@ def test_a_crash_at_every_step_of_the_retention_state_leaves_it_whole(tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.no_deadline
 @pytest.mark.parametrize("num_to_keep", [3, None])
 def test_a_crash_at_every_step_of_thirty_reports(tmp_path, num_to_keep):
     from checkpoint_store.testing.crash import sweep_state_crashes

@@ -88,6 +88,7 @@ def test_no_wrong_stale_or_redone_resume_no_lost_or_twice_step_no_shared_tier(qu
     assert report.of(*ALL) == [], report.summary()
 
 
+@pytest.mark.no_deadline
 def test_the_fleet_checks_catch_a_wrong_stale_and_foreign_resume(tmp_path):
     """The checks must be able to fail: feed them the records they exist to catch."""
     h = FleetHarness(_config(tmp_path, "checkpoint", "sync"), scenario="jobs")
@@ -110,6 +111,7 @@ def test_the_fleet_checks_catch_a_wrong_stale_and_foreign_resume(tmp_path):
     assert [v.kind for v in h._judge_resume(0, 1, ok, acked, local)] == ["wrong_resume"]
 
 
+@pytest.mark.no_deadline
 def test_the_fleet_checks_tell_a_redone_step_it_could_reach_from_one_it_could_not():
     """A step saved again by attempt 3: a violation when attempt 3 could reach
     a copy of it (or newer) in the trial's history at its start, else noted."""

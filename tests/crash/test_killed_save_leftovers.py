@@ -20,7 +20,9 @@ import pytest
 
 from checkpoint_store import Checkpoint, LocalTier, StorageContext, session
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="forks real processes")
+# Each kill is at a fixed line, not a moment: nothing here races the clock.
+pytestmark = [pytest.mark.skipif(not hasattr(os, "fork"), reason="forks real processes"),
+              pytest.mark.no_deadline]
 
 TIER_CUT = "checkpoint_store.tiers.local:FastTier.commit_in_place"
 DURABLE_CUT = "checkpoint_store.storage:StorageContext.commit_in_place"
