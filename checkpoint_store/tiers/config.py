@@ -148,7 +148,8 @@ def check_local_tier(value: Any, durable: Any = None) -> LocalTier | None:
     session's :class:`~checkpoint_store.StorageContext`), also that the local
     tier's trial directory and the storage_path's are apart (neither inside
     the other). Also that the tier's path is not, nor lies under, a file
-    (anything but a directory). Writes nothing.
+    (anything but a directory), nor below a directory this process cannot
+    write (a read-only mount). Writes nothing.
 
     Raises:
         InvalidConfigError: anything else.
@@ -174,9 +175,9 @@ def check_local_tier(value: Any, durable: Any = None) -> LocalTier | None:
 
 def _refuse_a_file_on_the_way(path: str) -> None:
     """Refuse a tier path that is, or lies under, something other than a
-    directory (a file, a broken link): the tier could never create its trial
-    directory there, and the session would fail only after writing to the
-    storage_path."""
+    directory (a file, a broken link), or whose nearest existing directory
+    cannot be written: the tier could never create its trial directory there,
+    and the session would fail only after writing to the storage_path."""
     here = path
     while True:
         if os.path.lexists(here):
@@ -185,6 +186,14 @@ def _refuse_a_file_on_the_way(path: str) -> None:
                     f"LocalTier path {path!r} cannot hold a directory: {here!r} exists and is "
                     "not a directory; give LocalTier a directory (or a path that does not "
                     "exist yet)")
+            # The trial directory is made below the nearest directory that
+            # exists: that one must take new entries. access() also answers
+            # EROFS for root, whom no permission bit stops.
+            if not os.access(here, os.W_OK | os.X_OK):
+                raise InvalidConfigError(
+                    f"LocalTier path {path!r} cannot be written: {here!r} is read-only for "
+                    "this process (a read-only file system, or its permissions); give "
+                    "LocalTier a writable node-local directory, or start without local_tier")
             return
         parent = os.path.dirname(here)
         if parent == here:

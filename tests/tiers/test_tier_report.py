@@ -201,6 +201,55 @@ def test_a_local_tier_path_that_is_a_file_is_refused_before_writing(tmp_path):
     assert blocker.read_text() == "not a directory"
 
 
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory no write reaches: a read-only tmpfs for root (whom no
+    permission bit stops), a directory of mode 0o555 for anyone else."""
+    import shutil
+    import subprocess
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        ro.chmod(0o555)
+        yield ro
+        ro.chmod(0o755)
+        return
+    if shutil.which("mount") is None:
+        pytest.skip("needs mount for a read-only tmpfs")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)],
+                         capture_output=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs: {res.stderr!r}")
+    try:
+        yield ro
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)
+
+
+def test_a_read_only_local_tier_path_is_refused_before_writing(tmp_path, read_only_dir):
+    """A tier on a read-only mount failed the start with a raw OSError on its
+    lock file, after the storage_path's trial directory was made. Now every
+    way in refuses it first, typed, and names what to do."""
+    from checkpoint_store import TrialRunner
+
+    store = tmp_path / "results"
+    for path in (read_only_dir, read_only_dir / "below" / "deeper"):
+        with pytest.raises(InvalidConfigError, match="read-only.*writable node-local"):
+            session.start(storage_path=str(store), experiment_name="e", trial_name="t",
+                          local_tier=LocalTier(path))
+        with pytest.raises(InvalidConfigError, match="read-only"):
+            TrialRunner(lambda config: None, storage_path=str(store), experiment_name="e",
+                        trial_name="t", local_tier=LocalTier(path))
+    assert not store.exists()
+    assert os.listdir(read_only_dir) == []
+    # A writable directory below the same parent is taken as before.
+    with session.start(storage_path=str(store), experiment_name="e", trial_name="t",
+                       local_tier=LocalTier(tmp_path / "fast")) as s:
+        s.report({"step": 0}, checkpoint=make_checkpoint(tmp_path, "c0", {"w": b"0"}))
+    assert (tmp_path / "fast" / "e" / "t" / "checkpoint_000000").is_dir()
+
+
 def test_a_local_tier_overlapping_the_storage_path_is_refused(tmp_path):
     store = tmp_path / "results"
     for path in (store, store / "e" / "t" / "fast"):
