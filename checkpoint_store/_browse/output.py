@@ -21,6 +21,7 @@ __all__ = [
     "json_safe",
     "one_line",
     "print_json",
+    "shown",
     "table",
 ]
 
@@ -75,10 +76,22 @@ def print_json(obj: Any) -> None:
     click.echo(json.dumps(json_safe(obj), indent=2, sort_keys=False, allow_nan=False))
 
 
+def shown(cell: str) -> str:
+    """``cell`` as a table prints it: quoted and escaped (``repr``) when it
+    has a character the eye cannot tell apart or the terminal would act on
+    (leading or trailing whitespace, a control character such as ESC), so
+    trial ``"t1 "`` never reads as ``"t1"`` and a name on shared storage never
+    moves the cursor or recolours the terminal; any other cell unchanged."""
+    if cell == "" or (cell.isprintable() and cell == cell.strip()):
+        return cell
+    return repr(cell)
+
+
 def table(headers: list[str], rows: list[list[str]], right: Iterable[int] = ()) -> None:
     """Print ``rows`` under ``headers`` in aligned columns; columns in ``right``
-    (0-based) are right-aligned."""
+    (0-based) are right-aligned. Each cell goes through :func:`shown`."""
     right = set(right)
+    rows = [[shown(c) for c in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in rows:
         widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]

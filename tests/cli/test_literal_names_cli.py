@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import posixpath
 
-from cli_helpers import STAGING, Store, committed_names, invoke, make_trial
+import pyarrow.fs as pafs
+from cli_helpers import STAGING, Store, committed_names, get, invoke, make_trial, put
 
 from checkpoint_store._util import fs as _fsutil
 
@@ -35,3 +36,48 @@ def test_gc_of_a_starred_trial_removes_only_its_own_leftovers(store: Store, tmp_
     assert _fsutil.exists(neighbour.filesystem,
                           posixpath.join(neighbour.trial_path, STAGING, "model.bin"))
     assert committed_names(neighbour) == committed_names(starred) == ["checkpoint_000000"]
+
+
+def test_ls_tells_names_apart_that_differ_only_in_what_does_not_show(store: Store,
+                                                                      tmp_path) -> None:
+    """Trials ``t1`` and ``t1 `` printed as the same name, and a name holding
+    ESC reached the terminal raw (a name on shared storage could clear the
+    screen or recolour the lines after it). A cell with leading or trailing
+    whitespace or a control character is now printed quoted and escaped; the
+    JSON keeps every name exactly."""
+    # On Azure (adlfs on Azurite) a prefix ending in a space lists as empty,
+    # and a blob name holding ESC fails every listing of its container: the
+    # plain names only, which must print unchanged.
+    azure = store.uri.startswith(("az://", "abfs://"))
+    names = ["t1", "my trial"] if azure else ["t1", "t1 ", "my trial"]
+    for name in names:
+        make_trial(store, tmp_path, [0.1], trial=name)
+    # A session refuses a control character in a name; a hand copy does not.
+    escaped = "t\x1b[2Jx"
+    if not azure:
+        names.append(escaped)
+        src = make_trial(store, tmp_path, [0.1], trial="esc")
+        dst = posixpath.join(posixpath.dirname(src.trial_path), escaped)
+        for info in src.filesystem.get_file_info(pafs.FileSelector(src.trial_path,
+                                                                    recursive=True)):
+            if info.type == pafs.FileType.File:
+                rel = posixpath.relpath(info.path, src.trial_path)
+                put(src, posixpath.join(dst, rel), get(src, info.path))
+        _fsutil.delete_dir(src.filesystem, src.trial_path)
+    res = invoke(["ls", store.join("exp"), *store.opt_args()])
+    assert res.exit_code == 0, res.output
+    assert "\x1b" not in res.stdout
+    firsts = [row.split("  ")[0].rstrip() for row in res.stdout.splitlines()[1:]]
+    assert sorted(firsts) == sorted("t1" if n == "t1" else repr(n) if n != "my trial" else n
+                                    for n in names)
+    data = json.loads(invoke(["ls", store.join("exp"), *store.opt_args(), "--json"]).stdout)
+    assert sorted(t["name"] for t in data["trials"]) == sorted(names)
+    # The trial's own listing names its checkpoints; one named with ESC is
+    # refused, the character escaped in the message.
+    if azure:
+        return
+    res = invoke(["ls", store.join("exp", "t1 "), *store.opt_args()])
+    assert res.exit_code == 0 and "checkpoint_000000" in res.stdout, res.output
+    res = invoke(["ls", store.join("exp", escaped), *store.opt_args()])
+    assert res.exit_code == 2 and "\x1b" not in res.output, res.output
+    assert "control character '\\x1b'" in res.output
