@@ -25,7 +25,7 @@ from checkpoint_store._browse.locations import (
     require_trial,
     resolve_location,
 )
-from checkpoint_store._browse.output import fmt_value, print_json
+from checkpoint_store._browse.output import fmt_value, print_json, shown
 from checkpoint_store.cli.inspection import _recorded_invalid
 from checkpoint_store.cli.metrics import (
     metric_option,
@@ -108,7 +108,7 @@ def best_cmd(trial: str, storage_options: dict[str, Any], metric: str | None, mo
     invalid.update((name, found.reason or "invalid") for name, found in corrupt
                    if name not in invalid)
     for name, why in sorted(invalid.items()):
-        click.echo(f"warning: {name} is invalid ({why}); not ranked", err=True)
+        click.echo(f"warning: {shown(name)} is invalid ({why}); not ranked", err=True)
     # Another run's or trial's (copied in): never ranked, as the manager ranks.
     foreign = foreign_of(loc, committed, recorded)
     for name in sorted(foreign):
@@ -175,7 +175,7 @@ def _best_of_experiment(loc: Location, metric: str | None, mode: str | None,
                     "params": trial.params, "metrics": metrics})
         return
     click.echo(ckpt.uri)
-    click.echo(f"  trial: {trial.name} ({trial.status})")
+    click.echo(f"  trial: {shown(trial.name)} ({trial.status})")
     click.echo(f"  {metric} ({mode}): {fmt_value(score)}")
     from checkpoint_store._browse.experiment import flatten
 

@@ -37,6 +37,7 @@ from checkpoint_store._browse.output import (
     fmt_time,
     fmt_value,
     print_json,
+    shown,
     table,
 )
 from checkpoint_store._browse.status import (
@@ -282,10 +283,10 @@ def _print_ls_trial(trial: Location, data: Mapping[str, Any], long: bool) -> Non
                    "`checkpoint-store gc` removes those this tool left and reports "
                    "the rest)", err=True)
     for c in data["corrupt"]:
-        click.echo(f"(corrupt, not listed: {c['name']}: {c['reason']}; "
+        click.echo(f"(corrupt, not listed: {shown(c['name'])}: {c['reason']}; "
                    "`checkpoint-store verify` checks the others)", err=True)
     for c in data["invalid"]:
-        click.echo(f"(invalid, not listed: {c['name']}: {c['reason']}; found damaged by a "
+        click.echo(f"(invalid, not listed: {shown(c['name'])}: {c['reason']}; found damaged by a "
                    "read, never ranked, resumed from or deleted by retention)", err=True)
     if data["error"] is not None:
         click.echo(f"(the trial's last run ended with an error: {data['error']}; "
@@ -323,7 +324,7 @@ def _print_ls_experiment(data: Mapping[str, Any], long: bool) -> None:
     table(header, rows, right=[3, 5, 6, 8] if long else [3, 5, 6])
     for r in data["trials"]:
         if r["status"] == PREEMPTED:
-            click.echo(f"({r['name']} was preempted: {r['reason']}; resumable from its "
+            click.echo(f"({shown(r['name'])} was preempted: {r['reason']}; resumable from its "
                        "newest checkpoint)", err=True)
 
 

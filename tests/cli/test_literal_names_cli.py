@@ -81,3 +81,16 @@ def test_ls_tells_names_apart_that_differ_only_in_what_does_not_show(store: Stor
     res = invoke(["ls", store.join("exp", escaped), *store.opt_args()])
     assert res.exit_code == 2 and "\x1b" not in res.output, res.output
     assert "control character '\\x1b'" in res.output
+    # A hand copy of a checkpoint under such a name is invalid: the notes of
+    # ls and best name it escaped too.
+    t1 = store.ctx("exp", "t1")
+    copy = posixpath.join(t1.trial_path, "b\x1b[2Jk")
+    ckpt = posixpath.join(t1.trial_path, "checkpoint_000000")
+    for info in t1.filesystem.get_file_info(pafs.FileSelector(ckpt, recursive=True)):
+        if info.type == pafs.FileType.File:
+            put(t1, posixpath.join(copy, posixpath.relpath(info.path, ckpt)),
+                get(t1, info.path))
+    for args in (["ls"], ["best", "--metric", "loss", "--mode", "min"]):
+        res = invoke([*args, store.join("exp", "t1"), *store.opt_args()])
+        assert res.exit_code == 0, res.output
+        assert "\x1b" not in res.output and repr("b\x1b[2Jk") in res.output, res.output
