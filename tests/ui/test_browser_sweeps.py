@@ -256,6 +256,22 @@ def test_names_are_isolated_and_cut(browser: Any, serve: Any, tmp_path: Any) -> 
         return t.getBoundingClientRect().right <= document.documentElement.clientWidth;""")
 
 
+def test_names_that_differ_in_what_does_not_show_are_told_apart(browser: Any, serve: Any,
+                                                                tmp_path: Any) -> None:
+    """Trials ``t1`` and ``t1 `` showed as the same name; as in the command
+    line's tables, one with leading or trailing whitespace shows quoted."""
+    store = Store(str(tmp_path / "s"))
+    for trial in ("t1", "t1 ", " my trial"):
+        report_trial(store, "exp", trial, [0.2], [True], {})
+    server = serve(store.uri)
+    open_page(browser, server.url)
+    wait_for(lambda: len(browser.find_elements("css selector", "td.name-cell bdi")) == 3,
+             what="the table")
+    shown = {c.get_attribute("title"): c.get_attribute("textContent")
+             for c in browser.find_elements("css selector", "td.name-cell bdi")}
+    assert shown == {"t1": "t1", "t1 ": '"t1 "', " my trial": '" my trial"'}
+
+
 def test_kept_checkpoints_come_first_and_evicted_ones_on_request(
         browser: Any, serve: Any, tmp_path: Any) -> None:
     root = str(tmp_path / "s")
