@@ -146,14 +146,12 @@ def fresh_signal_handlers():
         signal.signal(s, handler)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 256 KiB tmpfs, a real full disk (needs root and mount; skipped elsewhere)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
+def _tmpfs(mnt, options: str):
+    """Mount a tmpfs with ``options`` on the directory ``mnt`` until the
+    generator is closed (root and mount needed: the test is skipped elsewhere)."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("needs root to mount a tmpfs")
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)],
                          capture_output=True)
     if res.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {res.stderr!r}")
@@ -161,3 +159,26 @@ def small_disk(tmp_path):
         yield str(mnt)
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs, a real full disk (needs root and mount; skipped elsewhere)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    yield from _tmpfs(mnt, "size=256k")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory no write reaches: a read-only tmpfs for root (whom no
+    permission bit stops), a directory of mode 0o555 for anyone else."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        ro.chmod(0o555)
+        yield ro
+        ro.chmod(0o755)
+        return
+    for _ in _tmpfs(ro, "ro,size=64k"):
+        yield ro

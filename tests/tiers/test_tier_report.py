@@ -201,32 +201,6 @@ def test_a_local_tier_path_that_is_a_file_is_refused_before_writing(tmp_path):
     assert blocker.read_text() == "not a directory"
 
 
-@pytest.fixture
-def read_only_dir(tmp_path):
-    """A directory no write reaches: a read-only tmpfs for root (whom no
-    permission bit stops), a directory of mode 0o555 for anyone else."""
-    import shutil
-    import subprocess
-
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    if os.geteuid() != 0:
-        ro.chmod(0o555)
-        yield ro
-        ro.chmod(0o755)
-        return
-    if shutil.which("mount") is None:
-        pytest.skip("needs mount for a read-only tmpfs")
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)],
-                         capture_output=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs: {res.stderr!r}")
-    try:
-        yield ro
-    finally:
-        subprocess.run(["umount", str(ro)], check=False)
-
-
 def test_a_read_only_local_tier_path_is_refused_before_writing(tmp_path, read_only_dir):
     """A tier on a read-only mount failed the start with a raw OSError on its
     lock file, after the storage_path's trial directory was made. Now every
