@@ -52,16 +52,16 @@
     return e;
   }
 
-  // A name from storage: isolated from the text around it, cut to the cell's width
-  // with the whole name on hover.
   // As the command line's tables (_browse/output.shown): a name with leading or
   // trailing whitespace or a control character shows quoted and escaped, so
-  // trial "t1 " never reads as "t1". The title keeps the name as it is.
+  // trial "t1 " never reads as "t1".
   function shown(text) {
     return text === "" || (text === text.trim() && !/[\u0000-\u001f\u007f-\u009f]/.test(text))
       ? text : JSON.stringify(text);
   }
 
+  // A name from storage: isolated from the text around it, cut to the cell's width
+  // with the whole name (as it is) on hover.
   function name(text, cls) {
     return el("bdi", { class: cls || "name", title: text }, shown(text));
   }
