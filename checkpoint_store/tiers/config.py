@@ -169,11 +169,11 @@ def check_local_tier(value: Any, durable: Any = None) -> LocalTier | None:
                     f"{durable_dir} overlap; give LocalTier a path on another disk (or "
                     "another directory) than storage_path")
     if value is not None:
-        _refuse_a_file_on_the_way(value.path)
+        _refuse_an_unwritable_path(value.path)
     return value
 
 
-def _refuse_a_file_on_the_way(path: str) -> None:
+def _refuse_an_unwritable_path(path: str) -> None:
     """Refuse a tier path that is, or lies under, something other than a
     directory (a file, a broken link), or whose nearest existing directory
     cannot be written: the tier could never create its trial directory there,
