@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import posixpath
 
-import pyarrow.fs as pafs
 from cli_helpers import STAGING, Store, committed_names, get, invoke, make_trial, put
 
 from checkpoint_store._util import fs as _fsutil
@@ -38,6 +37,13 @@ def test_gc_of_a_starred_trial_removes_only_its_own_leftovers(store: Store, tmp_
     assert committed_names(neighbour) == committed_names(starred) == ["checkpoint_000000"]
 
 
+def _copy_by_hand(ctx, src: str, dst: str) -> None:
+    """Every file under ``src`` written again under ``dst`` (a name no
+    session would take), as ``cp -r`` would."""
+    for rel, _ in list(_fsutil.walk_files(ctx.filesystem, src)):
+        put(ctx, posixpath.join(dst, rel), get(ctx, posixpath.join(src, rel)))
+
+
 def test_ls_tells_names_apart_that_differ_only_in_what_does_not_show(store: Store,
                                                                       tmp_path) -> None:
     """Trials ``t1`` and ``t1 `` printed as the same name, and a name holding
@@ -57,19 +63,15 @@ def test_ls_tells_names_apart_that_differ_only_in_what_does_not_show(store: Stor
     if not azure:
         names.append(escaped)
         src = make_trial(store, tmp_path, [0.1], trial="esc")
-        dst = posixpath.join(posixpath.dirname(src.trial_path), escaped)
-        for info in src.filesystem.get_file_info(pafs.FileSelector(src.trial_path,
-                                                                    recursive=True)):
-            if info.type == pafs.FileType.File:
-                rel = posixpath.relpath(info.path, src.trial_path)
-                put(src, posixpath.join(dst, rel), get(src, info.path))
+        _copy_by_hand(src, src.trial_path,
+                      posixpath.join(posixpath.dirname(src.trial_path), escaped))
         _fsutil.delete_dir(src.filesystem, src.trial_path)
     res = invoke(["ls", store.join("exp"), *store.opt_args()])
     assert res.exit_code == 0, res.output
     assert "\x1b" not in res.stdout
     firsts = [row.split("  ")[0].rstrip() for row in res.stdout.splitlines()[1:]]
-    assert sorted(firsts) == sorted("t1" if n == "t1" else repr(n) if n != "my trial" else n
-                                    for n in names)
+    printed = {"t1": "t1", "my trial": "my trial", "t1 ": "'t1 '", escaped: "'t\\x1b[2Jx'"}
+    assert sorted(firsts) == sorted(printed[n] for n in names)
     data = json.loads(invoke(["ls", store.join("exp"), *store.opt_args(), "--json"]).stdout)
     assert sorted(t["name"] for t in data["trials"]) == sorted(names)
     # The trial's own listing names its checkpoints; one named with ESC is
@@ -84,12 +86,8 @@ def test_ls_tells_names_apart_that_differ_only_in_what_does_not_show(store: Stor
     # A hand copy of a checkpoint under such a name is invalid: the notes of
     # ls and best name it escaped too.
     t1 = store.ctx("exp", "t1")
-    copy = posixpath.join(t1.trial_path, "b\x1b[2Jk")
-    ckpt = posixpath.join(t1.trial_path, "checkpoint_000000")
-    for info in t1.filesystem.get_file_info(pafs.FileSelector(ckpt, recursive=True)):
-        if info.type == pafs.FileType.File:
-            put(t1, posixpath.join(copy, posixpath.relpath(info.path, ckpt)),
-                get(t1, info.path))
+    _copy_by_hand(t1, posixpath.join(t1.trial_path, "checkpoint_000000"),
+                  posixpath.join(t1.trial_path, "b\x1b[2Jk"))
     for args in (["ls"], ["best", "--metric", "loss", "--mode", "min"]):
         res = invoke([*args, store.join("exp", "t1"), *store.opt_args()])
         assert res.exit_code == 0, res.output
